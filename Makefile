@@ -1,0 +1,38 @@
+# make run: install, then train the embedded default (tiny GPT, tp=2 sp, dp=2 zero=1, CPU processes).
+# make test: install, start the dev Slurm cluster, run the tests.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.meshrun-installed
+
+.PHONY: install run test plan bench slurm-up slurm-down clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU machines: the CPU wheel first, so the project's torch range installs nothing more.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: install
+	$(VENV)/bin/meshrun
+
+plan: install
+	$(VENV)/bin/meshrun action=plan
+
+test: install slurm-up
+	$(PY) -m pytest -q tests
+
+slurm-up:
+	bash slurm/dev-cluster.sh up
+
+slurm-down:
+	bash slurm/dev-cluster.sh down
+
+bench: install
+	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs multirun outputs

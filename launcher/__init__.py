@@ -1,0 +1,1 @@
+"""meshrun's launcher: compose -> validate -> plan -> launch. Never imports torch."""

@@ -1,0 +1,1 @@
+"""meshrun's training engine: runs on every rank. Never imports Hydra."""
