@@ -118,6 +118,28 @@ class PreflightConfig:
     """GPU memory already used by other processes above which a GPU is suspicious."""
     collective_sizes_mb: List[float] = field(default_factory=lambda: [1.0, 8.0])
     """Message sizes of the collective bandwidth sweep."""
+    driver_version: str = ""
+    """Expected NVIDIA driver version (prefix match, e.g. 550.54); empty: only agreement across nodes is checked."""
+    cuda_driver_version: str = ""
+    """Expected CUDA version the driver supports (major.minor, e.g. 12.4); empty skips."""
+    nccl_version: str = ""
+    """Expected NCCL version (prefix match, e.g. 2.21); empty: only agreement across ranks is checked."""
+    nvlinks_per_gpu: int = 0
+    """NVLink links every GPU must have active (18 on H100 SXM); 0: report only, warn on a partly-down set."""
+    min_rate_fraction: float = 0.8
+    """A measured rate (matmul TFLOP/s, busbw) below this fraction of the expected one fails (busbw: warns)."""
+    straggler_ratio: float = 0.8
+    """A rank whose matmul TFLOP/s is below this fraction of the ranks' median is a straggler."""
+    matmul_size: int = 0
+    """Square matmul size n; 0: 8192 on GPU, 384 on CPU (CPU ranks share cores, keep it short)."""
+    collective_iters: int = 5
+    """Timed iterations per collective and size (after one warm-up)."""
+    max_swappiness: int = 10
+    """vm.swappiness above this warns."""
+    min_socket_buffer_bytes: int = 67108864
+    """net.core.rmem_max / wmem_max below this warn (64 MiB, ESnet's value for 10-100 Gb/s hosts)."""
+    timeout_s: float = 120.0
+    """Rendezvous and collective timeout of the preflight ranks."""
 
 
 @dataclass
