@@ -1,0 +1,391 @@
+"""The training loop every rank runs: micro-batch schedule, optimizer step, metrics, stop/checkpoint hooks.
+
+Structure (so pipeline parallelism plugs in without restructuring):
+- a *schedule* owns the micro-batch loop: `forward_backward(micro_batches) -> local mean loss`.
+  `NoPipelineSchedule` is the pp=1 schedule; `make_schedule` is the one place that picks another
+  (GPipe / 1F1B from training.pipeline when pp > 1);
+- the optimizer owns the dp reduction, clipping and the update (training.optimizer);
+- `Trainer.run` owns steps: data position, LR, logging, the stop flag and checkpoint call sites.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from training.config import Config, derived_dp
+from training.data import BatchSampler, build_corpus, make_source, validate_data_config
+from training.events import append_event
+from training.optimizer import PRECISIONS, DistributedOptimizer, StepResult
+from training.schedule_lr import lr_at
+
+EXIT_OK, EXIT_INVALID, EXIT_STOPPED = 0, 2, 3
+
+
+@dataclass
+class TrainState:
+    """Where the run is; saved in checkpoints so a resumed run continues exactly."""
+
+    step: int = 0
+    """Optimizer steps completed."""
+    consumed_samples: int = 0
+    """Samples of the global stream consumed (the data position; independent of dp)."""
+
+
+# ---- schedules ------------------------------------------------------------------------------------
+class NoPipelineSchedule:
+    """pp = 1: forward and backward of each micro-batch in turn through the single model chunk."""
+
+    def __init__(self, chunks: List[torch.nn.Module], optimizer: DistributedOptimizer, mesh):
+        assert len(chunks) == 1, "the no-pipeline schedule runs exactly one model chunk"
+        self.chunk, self.optimizer, self.mesh = chunks[0], optimizer, mesh
+
+    def forward_backward(self, micro_batches: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Accumulate grads of the mean loss over `micro_batches`; returns that mean (detached, fp32)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        n = len(micro_batches)
+        for tokens, targets in micro_batches:
+            loss = self.chunk(tokens.to(self.mesh.device), targets.to(self.mesh.device))
+            self.optimizer.scale_loss(loss.float(), n).backward()
+            total += loss.detach().float()
+        return total / n
+
+
+def make_schedule(cfg: Config, mesh, chunks, optimizer):
+    """The micro-batch schedule for this layout. HOOK (pipeline engineer): pp > 1 schedules plug in here."""
+    if mesh.pp == 1 and len(chunks) == 1:
+        return NoPipelineSchedule(chunks, optimizer, mesh)
+    try:
+        from training.pipeline import make_pipeline_schedule  # type: ignore
+    except ImportError as exc:
+        raise NotImplementedError(
+            f"parallel.pp={mesh.pp} needs a pipeline schedule (training/pipeline.py); use parallel.pp=1"
+        ) from exc
+    return make_pipeline_schedule(cfg, mesh, chunks, optimizer)
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512) -> float:
+    """FLOP/s of a square matmul on this rank (the CPU 'peak' for MFU): best of a few timed runs."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = math.inf
+    for _ in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / 4)
+    return 2 * n**3 / best
+
+
+def model_flops_per_step(cfg: Config, run_dir: str) -> float:
+    """plan.json's model_flops_per_step when the planner wrote it, else Narayanan et al.'s formula."""
+    try:
+        with open(os.path.join(run_dir, "plan.json")) as f:
+            value = json.load(f).get("model_flops_per_step")
+        if value:
+            return float(value)
+    except (OSError, ValueError):
+        pass
+    m = cfg.model
+    B, s, L, h, V = cfg.parallel.global_batch, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size
+    return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: CUDA allocator peak, or the process's max RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+class Progress:
+    """A tqdm-free progress line on stderr: redrawn in place on a terminal, every ~5 % otherwise."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+        self.tty = sys.stderr.isatty()
+        self.every = max(1, total // 20)
+
+    def update(self, step: int, text: str) -> None:
+        if not self.enabled:
+            return
+        width = 24
+        done = int(width * step / max(1, self.total))
+        line = f"[{'#' * done}{'.' * (width - done)}] {step}/{self.total} {text}"
+        if self.tty:
+            sys.stderr.write("\r" + line + ("\n" if step >= self.total else ""))
+        elif step % self.every == 0 or step == self.total or step == 1:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+# ---- stop flag and checkpoint call sites ----------------------------------------------------------
+class StopFlag:
+    """SIGUSR2/SIGTERM, exit_interval and exit_after_min, agreed over all ranks (all-reduce MAX)."""
+
+    REASONS = ("", "signal", "exit_interval", "exit_after_min")
+
+    def __init__(self, cfg: Config, start_time: float, device: torch.device = torch.device("cpu")):
+        self.cfg, self.start_time, self.device = cfg, start_time, device
+        self.signals = None
+        self._local = {"name": None}
+        try:
+            from training.checkpoint import signals  # the checkpoint engineer's flag
+
+            signals.install()
+            self.signals = signals
+        except ImportError:
+            import signal
+
+            def handler(signum, _frame):
+                self._local["name"] = signal.Signals(signum).name
+
+            for sig in (signal.SIGUSR2, signal.SIGTERM):
+                signal.signal(sig, handler)
+
+    def signal_name(self) -> Optional[str]:
+        return self.signals.received() if self.signals is not None else self._local["name"]
+
+    def check(self, step: int) -> str:
+        """The reason to stop after `step` ("" to go on); the same on every rank."""
+        code = 0
+        if self.signal_name():
+            code = 1
+        elif self.cfg.train.exit_interval and step % self.cfg.train.exit_interval == 0:
+            code = 2
+        elif self.cfg.train.exit_after_min and time.time() - self.start_time >= 60 * self.cfg.train.exit_after_min:
+            code = 3
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([code], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            code = int(t.item())
+        return self.REASONS[code]
+
+
+def make_checkpointer(cfg: Config, run_dir: str, mesh):
+    """HOOK (checkpoint engineer): training.checkpoint.CheckpointManager when it exists, else None."""
+    try:
+        from training.checkpoint import CheckpointManager  # type: ignore
+    except ImportError:
+        return None
+    return CheckpointManager(run_dir, mesh, cfg)
+
+
+# ---- the trainer ----------------------------------------------------------------------------------
+@dataclass
+class Summary:
+    """The closing summary of a run (printed by rank 0, written to run_dir/summary.json)."""
+
+    steps: int
+    tokens_per_s: float
+    """Mean over the steps after the first (the first includes warm-up)."""
+    mfu: Optional[float]
+    peak_memory_bytes_per_rank: List[int] = field(default_factory=list)
+    skipped_steps: int = 0
+    exit_code: int = 0
+
+
+class Trainer:
+    """Builds model, optimizer and data for this rank and runs the steps."""
+
+    def __init__(self, cfg: Config, run_dir: str, mesh, chunks: Optional[List[torch.nn.Module]] = None):
+        self.cfg, self.run_dir, self.mesh = cfg, run_dir, mesh
+        self.is_logger = mesh.rank == 0
+        validate_data_config(cfg)
+        torch.manual_seed(cfg.train.seed)
+        if chunks is None:
+            from training.model import build_gpt
+
+            chunks = build_gpt(cfg, mesh, PRECISIONS[cfg.train.precision])
+        self.chunks = chunks
+        params = [(n, p) for c in chunks for n, p in c.named_parameters()]
+        self.optimizer = DistributedOptimizer(params, cfg, mesh)
+        self.schedule = make_schedule(cfg, mesh, chunks, self.optimizer)
+        self.sampler = BatchSampler(self._source(), cfg.parallel.global_batch, cfg.parallel.micro_batch,
+                                    mesh.dp, mesh.dp_rank)
+        self.state = TrainState()
+        self.checkpointer = make_checkpointer(cfg, run_dir, mesh)
+        self.tokens_per_step = cfg.parallel.global_batch * cfg.model.seq_length
+        self.flops_per_step = model_flops_per_step(cfg, run_dir)
+        self.peak_flops = self._peak_flops()
+
+    def _source(self):
+        corpus = None
+        if self.cfg.data.kind == "text":
+            # One rank builds the cached corpus file; the others wait, then map the same file.
+            if self.mesh.rank == 0:
+                corpus = build_corpus(self.cfg, self.run_dir)
+            self._barrier()
+            if corpus is None:
+                corpus = build_corpus(self.cfg, self.run_dir)  # finds rank 0's file
+        return make_source(self.cfg, self.run_dir, corpus)
+
+    def _barrier(self) -> None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+
+    def _peak_flops(self) -> float:
+        """Peak FLOP/s of the whole job: cluster.peak_tflops per rank, or this machine's measured matmul rate."""
+        if self.cfg.cluster.peak_tflops > 0:
+            per_rank = self.cfg.cluster.peak_tflops * 1e12
+        else:
+            dtype = torch.float32 if self.mesh.device.type == "cpu" else PRECISIONS[self.cfg.train.precision]
+            per_rank = measure_peak_flops(self.mesh.device, dtype)
+        return per_rank * self.mesh.world_size
+
+    def _global_loss(self, local: torch.Tensor) -> float:
+        """Mean loss over the global batch: mean over dp of the last stage's loss, known on every rank."""
+        value = local.detach().float().reshape(1).clone()
+        if not self.mesh.is_last_stage:
+            value.zero_()
+        if self.mesh.dp > 1:
+            dist.all_reduce(value, group=self.mesh.dp_group)
+            value /= self.mesh.dp
+        if self.mesh.pp > 1:
+            dist.all_reduce(value, group=self.mesh.pp_group)
+        return float(value.item())
+
+    # -- checkpoint call sites (guarded: the manager may not exist yet) --
+    def _resume(self) -> None:
+        ck = self.checkpointer
+        if ck is None or self.cfg.train.resume == "none" or not hasattr(ck, "load"):
+            return
+        state = ck.load(self.chunks, self.optimizer, self.state)
+        if state is not None:
+            self.state = state if isinstance(state, TrainState) else TrainState(**state)
+            if self.is_logger:
+                print(f"resumed at step {self.state.step} (consumed_samples {self.state.consumed_samples})",
+                      file=sys.stderr)
+
+    def _save(self, reason: str) -> None:
+        ck = self.checkpointer
+        if ck is None or not hasattr(ck, "save"):
+            return
+        ck.save(self.chunks, self.optimizer, self.state, reason=reason)
+
+    def _should_save_periodic(self, last_save_time: float) -> bool:
+        t = self.cfg.train
+        due = bool(t.checkpoint_every) and self.state.step % t.checkpoint_every == 0
+        if not due and t.checkpoint_every_min > 0:
+            local = float(time.time() - last_save_time >= 60 * t.checkpoint_every_min)
+            flag = torch.tensor([local], device=self.mesh.device)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            due = bool(flag.item())
+        return due
+
+    # -- the loop --
+    def train_step(self) -> Tuple[float, StepResult, float]:
+        """One optimizer step over the global batch; returns (global loss, step result, lr)."""
+        lr = lr_at(self.state.step, self.cfg.train)
+        micro = self.sampler.micro_batches(self.state.consumed_samples)
+        self.optimizer.zero_grad()
+        for c in self.chunks:
+            c.train()
+        local = self.schedule.forward_backward(micro)
+        loss = self._global_loss(local)
+        result = self.optimizer.step(lr, loss_finite=math.isfinite(loss))
+        # The data position advances even on a skipped step (the batch was consumed), like Megatron.
+        self.state.step += 1
+        self.state.consumed_samples += self.cfg.parallel.global_batch
+        return loss, result, lr
+
+    def run(self) -> int:
+        cfg = self.cfg
+        start = time.time()
+        stop = StopFlag(cfg, start, self.mesh.device)
+        self._resume()
+        progress = Progress(cfg.train.steps, self.is_logger and cfg.train.progress)
+        metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        rates, mfus, skipped = [], [], 0
+        last_save = time.time()
+        exit_code = EXIT_OK
+        losses: List[float] = []
+        while self.state.step < cfg.train.steps:
+            if self.mesh.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss, res, lr = self.train_step()
+            if self.mesh.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            tok_s = self.tokens_per_step / dt
+            mfu = self.flops_per_step / dt / self.peak_flops if self.peak_flops > 0 else None
+            if self.state.step > 1 or cfg.train.steps == 1:
+                rates.append(tok_s)
+                if mfu is not None:
+                    mfus.append(mfu)
+            skipped += int(res.skipped)
+            losses.append(loss)
+            if self.is_logger:
+                if self.state.step % max(1, cfg.train.log_every) == 0 or res.skipped:
+                    rec: Dict[str, Any] = {
+                        "step": self.state.step, "loss": loss, "grad_norm": res.grad_norm, "lr": lr,
+                        "step_time_s": dt, "tokens_per_s": tok_s, "consumed_samples": self.state.consumed_samples,
+                    }
+                    if mfu is not None:
+                        rec["mfu"] = mfu
+                    if res.loss_scale is not None:
+                        rec["loss_scale"] = res.loss_scale
+                    if res.skipped:
+                        rec["skipped"] = res.reason
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                if res.skipped:
+                    print(f"\nstep {self.state.step}: {res.reason} (loss {loss}, grad norm {res.grad_norm}); "
+                          f"update skipped" + (f", loss scale -> {res.loss_scale:g}" if res.loss_scale else ""),
+                          file=sys.stderr)
+                progress.update(self.state.step, f"loss {loss:.4f} lr {lr:.2e} {tok_s:,.0f} tok/s")
+            reason = stop.check(self.state.step) if self.state.step < cfg.train.steps else ""
+            if reason:
+                # HOOK (checkpoint engineer): a complete checkpoint, then exit 3 so the launcher requeues.
+                if self.is_logger:
+                    append_event(self.run_dir, "signal", name=stop.signal_name() or reason, step=self.state.step)
+                self._save(reason)
+                exit_code = EXIT_STOPPED
+                break
+            if self._should_save_periodic(last_save):
+                self._save("periodic")
+                last_save = time.time()
+        if exit_code == EXIT_OK and self.state.step >= cfg.train.steps:
+            self._save("final")
+        self.losses = losses
+        self.summary = self._summarise(rates, mfus, skipped, exit_code)
+        return exit_code
+
+    def _summarise(self, rates, mfus, skipped, exit_code) -> Summary:
+        peak = torch.tensor([peak_memory_bytes(self.mesh.device)], dtype=torch.int64, device=self.mesh.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            out = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+            dist.all_gather(out, peak)
+            per_rank = [int(x.item()) for x in out]
+        else:
+            per_rank = [int(peak.item())]
+        s = Summary(self.state.step, sum(rates) / len(rates) if rates else 0.0,
+                    sum(mfus) / len(mfus) if mfus else None, per_rank, skipped, exit_code)
+        if self.is_logger:
+            mem = self.optimizer.memory_report()
+            mfu_txt = f"{100 * s.mfu:.2f}%" if s.mfu is not None else "n/a"
+            print(f"summary: {s.steps} steps, {s.tokens_per_s:,.0f} tokens/s, MFU {mfu_txt} "
+                  f"(peak {self.peak_flops / 1e12:.3f} TFLOP/s over {self.mesh.world_size} ranks), "
+                  f"skipped {skipped}", file=sys.stderr)
+            print("peak memory per rank (MiB): " + ", ".join(f"{b / 2**20:.0f}" for b in per_rank), file=sys.stderr)
+            print(f"rank 0 model states (bytes): weights {mem['weights']}, grads {mem['grads']}, "
+                  f"optimizer {mem['optimizer']}", file=sys.stderr)
+            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+                json.dump(asdict(s), f, indent=2)
+        return s

@@ -1,0 +1,91 @@
+"""Rank entry point: `python -m training.main RUN_DIR`.
+
+Reads RUN_DIR/config.json, joins the job from the standard env (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT; Slurm's SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID fill them when absent),
+builds the mesh, model, optimizer and data, and trains. Exit codes (docs/CONTRACTS.md): 0 finished,
+3 stopped early after a checkpoint, 2 invalid config or data, anything else a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+EXIT_INVALID = 2
+
+
+def _env_from_slurm() -> None:
+    """Map Slurm's task variables onto the standard ones when a launcher did not set them."""
+    for std, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS"), ("LOCAL_RANK", "SLURM_LOCALID"),
+                       ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")):
+        if std not in os.environ and slurm in os.environ:
+            os.environ[std] = os.environ[slurm].split("(")[0]
+
+
+def _single_process_env() -> None:
+    """`python -m training.main RUN_DIR` by hand: a world of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m training.main RUN_DIR   (RUN_DIR holds config.json)", file=sys.stderr)
+        return EXIT_INVALID
+    run_dir = os.path.abspath(argv[0])
+    _env_from_slurm()
+    _single_process_env()
+
+    import torch
+
+    from training.config import derived_dp, load_config
+    from training.data import DataError
+
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(max(1, int(threads)))
+    try:
+        cfg = load_config(os.path.join(run_dir, "config.json"))
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        print(f"error: cannot read {run_dir}/config.json: {exc}; run through `meshrun`, which writes it",
+              file=sys.stderr)
+        return EXIT_INVALID
+    cfg.run.dir = run_dir
+
+    from training.loop import Trainer
+    from training.mesh import ProcessMesh
+
+    p = cfg.parallel
+    backend = "nccl" if cfg.cluster.device == "cuda" else "gloo"
+    mesh = None
+    try:
+        mesh = ProcessMesh.from_env(p.tp, p.pp, p.cp, derived_dp(cfg), backend, cfg.train.dist_timeout_s)
+        trainer = Trainer(cfg, run_dir, mesh)
+        code = trainer.run()
+    except DataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except NotImplementedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except Exception:
+        traceback.print_exc()
+        return 1
+    if mesh is not None:
+        try:
+            mesh.destroy()
+        except Exception:  # a peer already gone at exit must not turn success into failure
+            pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
