@@ -33,7 +33,12 @@ def _is_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+# An absolute path: run as `python -m launcher` or the console script, Hydra would otherwise look for
+# a Python package named `conf`.
+_CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+@hydra.main(version_base=None, config_path=_CONF_DIR, config_name="config")
 def hydra_main(dcfg: DictConfig):
     global _task_started
     _task_started = True

@@ -1,0 +1,69 @@
+"""Validate and plan one job: the gate every launch passes (used by launcher/app.py).
+
+On errors nothing is written to run_dir (Hydra's own log may exist): a single run exits 2 with every
+violation on stderr; a sweep point returns {"status": "invalid" | "no_fit", ...} so the sweep goes on
+and its summary lists the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Dict
+
+from launcher.plan import format_plan
+from launcher.validate import validate
+from training.config import Config, save_config
+
+EXIT_INVALID = 2
+
+
+def _point_label(cfg: Config) -> str:
+    p = cfg.parallel
+    return f"model={cfg.model.name} tp={p.tp} pp={p.pp} cp={p.cp} vpp={p.vpp} sp={p.sp} zero={p.zero} " \
+           f"recompute={p.recompute} micro={p.micro_batch} global={p.global_batch}"
+
+
+def plan_or_reject(cfg: Config, run_dir: str, multirun: bool = False) -> Dict[str, Any]:
+    """Validate cfg; on success print the plan, write plan.json and config.json into run_dir.
+
+    Returns {"status": "ok", "plan": plan.json's dict, "warnings": [...], "run_dir": run_dir}, or in a
+    sweep {"status": "invalid" | "no_fit", "errors": [...], "warnings": [...]}. A single run with errors
+    prints them all to stderr and raises SystemExit(2)."""
+    report = validate(cfg)
+    warnings = [str(i) for i in report.warnings]
+    notes = [str(i) for i in report.notes]
+    if report.errors:
+        status = "no_fit" if report.no_fit and len(report.errors) == 1 else "invalid"
+        errors = [str(i) for i in report.errors]
+        if not multirun:
+            print(f"meshrun: invalid configuration ({len(errors)} error(s)); nothing was launched.", file=sys.stderr)
+            for line in errors + warnings:
+                print(line, file=sys.stderr)
+            if report.plan is not None:
+                print("plan of the rejected layout:\n" + format_plan(report.plan), file=sys.stderr)
+            raise SystemExit(EXIT_INVALID)
+        print(f"[{status}] {_point_label(cfg)}: {report.errors[0].message}", file=sys.stderr)
+        result: Dict[str, Any] = {"status": status, "errors": errors, "warnings": warnings,
+                                  "issues": [i.to_json() for i in report.issues]}
+        if report.plan is not None:
+            result["plan"] = report.plan.to_json()
+        return result
+
+    plan = report.plan
+    assert plan is not None
+    os.makedirs(run_dir, exist_ok=True)
+    plan_json = plan.to_json()
+    with open(os.path.join(run_dir, "plan.json"), "w") as f:
+        json.dump(plan_json, f, indent=2, sort_keys=False)
+    save_config(cfg, os.path.join(run_dir, "config.json"))
+    if multirun:
+        mem = plan.memory_bytes["total"] / 2**30
+        print(f"[ok] {_point_label(cfg)}: {mem:.2f} GiB/GPU, bubble {plan.bubble_ratio:.3f}")
+    else:
+        print(f"meshrun plan ({cfg.model.name}, {cfg.train.precision}, {cfg.cluster.name}) -> {run_dir}")
+        print(format_plan(plan))
+        for line in notes + warnings:
+            print(line)
+    return {"status": "ok", "plan": plan_json, "warnings": warnings, "run_dir": run_dir}

@@ -1,0 +1,385 @@
+"""Every rule a layout must satisfy, checked at once; each violation names its fix.
+
+`validate(cfg)` returns a `Report` with errors (the job must not run), warnings (legal but costly)
+and notes (facts worth saying, like vocabulary padding), plus the plan when the structure allowed one.
+No torch, no Hydra: the launcher calls it before anything is launched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Tuple
+
+from launcher.plan import GIB, Plan, make_plan, padded_vocab, with_parallel
+from training.config import Config, derived_dp
+
+# Allowed values of the string fields (the dataclasses type them as str; the values are checked here).
+CHOICES = {
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.activation": ("gelu", "swiglu"),
+    "model.attention": ("flash", "math"),
+    "model.position": ("learned", "rope"),
+    "parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
+    "parallel.recompute": ("none", "selective", "full"),
+    "train.precision": ("bf16", "fp16", "fp32"),
+    "train.optimizer": ("adamw",),
+    "cluster.kind": ("local", "slurm"),
+    "cluster.device": ("cpu", "cuda"),
+    "cluster.numa": ("auto", "off", "explicit"),
+    "cluster.preflight.mode": ("off", "warn", "gate"),
+    "data.kind": ("synthetic", "text"),
+}
+
+# Sizes that must be >= 1 (None means "derive" where the field is Optional).
+POSITIVE = (
+    "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_query_groups",
+    "model.ffn_hidden_size", "model.seq_length", "model.vocab_size",
+    "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.dp",
+    "parallel.micro_batch", "parallel.global_batch",
+    "cluster.nodes", "cluster.gpus_per_node", "train.steps",
+)
+
+
+@dataclass
+class Issue:
+    """One finding about the configuration."""
+
+    level: str
+    """error (nothing runs) | warning (runs, but costly) | note (for information)."""
+    key: str
+    """The config key(s) concerned, as the user would override them."""
+    message: str
+    """What is wrong, with the numbers."""
+    fix: str = ""
+    """What to change (concrete overrides where possible)."""
+    code: str = ""
+    """Machine-readable kind: e.g. no_fit for a model that does not fit."""
+
+    def __str__(self) -> str:
+        text = f"{self.level}: {self.key}: {self.message}"
+        return text + (f"\n    fix: {self.fix}" if self.fix else "")
+
+    def to_json(self) -> dict:
+        return {"level": self.level, "key": self.key, "message": self.message, "fix": self.fix, "code": self.code}
+
+
+@dataclass
+class Report:
+    """The outcome of validation."""
+
+    issues: List[Issue] = field(default_factory=list)
+    """Every finding, in rule order."""
+    plan: Optional[Plan] = None
+    """The plan, when the layout was consistent enough to compute one."""
+
+    @property
+    def errors(self) -> List[Issue]:
+        return [i for i in self.issues if i.level == "error"]
+
+    @property
+    def warnings(self) -> List[Issue]:
+        return [i for i in self.issues if i.level == "warning"]
+
+    @property
+    def notes(self) -> List[Issue]:
+        return [i for i in self.issues if i.level == "note"]
+
+    @property
+    def no_fit(self) -> bool:
+        return any(i.code == "no_fit" for i in self.errors)
+
+
+def _get(cfg: Config, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _divisors(n: int, limit: int) -> List[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def _check_values(cfg: Config, out: List[Issue]) -> bool:
+    """Enumerations and sizes; returns False when the sizes are too broken to go on."""
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            out.append(Issue("error", key, f"{value!r} is not one of {', '.join(allowed)}",
+                             f"{key}=<{'|'.join(allowed)}>", "choice"))
+    sizes_ok = True
+    for key in POSITIVE:
+        value = _get(cfg, key)
+        if value is not None and value < 1:
+            out.append(Issue("error", key, f"must be a positive integer, got {value}", f"{key}=<n >= 1>", "size"))
+            sizes_ok = False
+    m, c, t = cfg.model, cfg.cluster, cfg.train
+    if not 0.0 <= m.dropout < 1.0:
+        out.append(Issue("error", "model.dropout", f"must be in [0, 1), got {m.dropout}", "model.dropout=0.1"))
+    if c.gpu_memory_gb <= 0:
+        out.append(Issue("error", "cluster.gpu_memory_gb", f"must be > 0, got {c.gpu_memory_gb}",
+                         "cluster.gpu_memory_gb=80"))
+        sizes_ok = False
+    if cfg.parallel.zero not in (0, 1):
+        out.append(Issue("error", "parallel.zero", f"must be 0 or 1, got {cfg.parallel.zero}",
+                         "parallel.zero=1 (distributed optimizer) or 0"))
+    if cfg.parallel.bucket_mb <= 0:
+        out.append(Issue("error", "parallel.bucket_mb", f"must be > 0, got {cfg.parallel.bucket_mb}",
+                         "parallel.bucket_mb=4"))
+    for key in ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "checkpoint_every",
+                "checkpoint_every_min", "exit_interval", "exit_after_min", "log_every"):
+        if _get(t, key) < 0:
+            out.append(Issue("error", f"train.{key}", f"must be >= 0, got {_get(t, key)}", f"train.{key}=0"))
+    if t.log_every < 1:
+        out.append(Issue("error", "train.log_every", f"must be >= 1, got {t.log_every}", "train.log_every=1"))
+    if t.keep_last < 1:
+        out.append(Issue("error", "train.keep_last", f"must be >= 1, got {t.keep_last}", "train.keep_last=3"))
+    if c.numa == "explicit" and len(c.numa_map) != c.gpus_per_node:
+        out.append(Issue("error", "cluster.numa_map",
+                         f"numa=explicit needs one NUMA node per local rank ({c.gpus_per_node}), got {len(c.numa_map)}",
+                         f"cluster.numa_map=[{','.join(['0'] * max(c.gpus_per_node, 1))}] or cluster.numa=auto"))
+    if str(t.resume) not in ("auto", "none") and not str(t.resume).isdigit():
+        out.append(Issue("error", "train.resume", f"{t.resume!r} is not auto, none or a step number",
+                         "train.resume=auto"))
+    return sizes_ok
+
+
+def _check_model(cfg: Config, out: List[Issue]) -> None:
+    m, par = cfg.model, cfg.parallel
+    h, a, g = m.hidden_size, m.num_attention_heads, m.query_groups
+    if h % a:
+        out.append(Issue("error", "model.hidden_size", f"hidden_size {h} is not divisible by num_attention_heads {a}",
+                         f"model.num_attention_heads={_closest([d for d in _divisors(h, h) if d > 1] or [1], a)}"))
+    if a % g:
+        out.append(Issue("error", "model.num_query_groups",
+                         f"num_attention_heads {a} is not divisible by num_query_groups {g}",
+                         f"model.num_query_groups=<one of {_divisors(a, a)}>"))
+    if cfg.data.kind == "text" and m.vocab_size < 256:
+        out.append(Issue("error", "model.vocab_size",
+                         f"data.kind=text tokenizes to bytes and needs vocab_size >= 256, got {m.vocab_size}",
+                         "model.vocab_size=256 or data=synthetic"))
+
+
+def _closest(options: List[int], value: int) -> int:
+    return min(options, key=lambda o: (abs(o - value), o))
+
+
+def _check_layout(cfg: Config, out: List[Issue]) -> bool:
+    """Parallel layout rules; returns False when no plan can be computed."""
+    m, par, c = cfg.model, cfg.parallel, cfg.cluster
+    t, p, v, cp = par.tp, par.pp, par.vpp, par.cp
+    a, g, L, s = m.num_attention_heads, m.query_groups, m.num_layers, m.seq_length
+    ok = True
+    ranks = c.nodes * c.gpus_per_node
+    mp = t * p * cp
+    valid_tp = [d for d in _divisors(a, c.gpus_per_node if not par.allow_tp_across_nodes else a)
+                if g % d == 0 and m.ffn % d == 0]
+    if a % t or g % t:
+        what = f"num_attention_heads {a}" + (f" and num_query_groups {g}" if g != a else "")
+        out.append(Issue("error", "parallel.tp", f"{what} must be divisible by tp={t}",
+                         f"parallel.tp=<one of {valid_tp}>", "tp_heads"))
+        ok = False
+    if m.ffn % t:
+        out.append(Issue("error", "parallel.tp", f"ffn_hidden_size {m.ffn} is not divisible by tp={t}",
+                         f"parallel.tp=<one of {valid_tp}>"))
+        ok = False
+    pv = padded_vocab(m.vocab_size, t)
+    if pv != m.vocab_size:
+        out.append(Issue("note", "model.vocab_size",
+                         f"vocab {m.vocab_size} padded to {pv} (+{pv - m.vocab_size} rows) for tp={t}; padded rows never"
+                         " change the loss"))
+    if t > c.gpus_per_node and not par.allow_tp_across_nodes:
+        out.append(Issue("error", "parallel.tp",
+                         f"tp={t} exceeds the {c.gpus_per_node} GPUs of a node: TP would cross the slow interconnect",
+                         f"parallel.tp=<= {c.gpus_per_node} (use pp across nodes) or parallel.allow_tp_across_nodes=true"))
+    if p > L:
+        out.append(Issue("error", "parallel.pp", f"pp={p} is larger than num_layers={L}",
+                         f"parallel.pp=<one of {_divisors(L, L)}>"))
+        ok = False
+    elif L % (p * v):
+        fixes = [d for d in _divisors(L, L) if d % p == 0] if L % p == 0 else []
+        out.append(Issue("error", "parallel.pp",
+                         f"num_layers={L} is not divisible by pp x vpp = {p} x {v} = {p * v}",
+                         f"parallel.pp=<one of {_divisors(L, L)}>"
+                         + (f" or parallel.vpp=<one of {[d // p for d in fixes]}>" if fixes and v > 1 else "")))
+        ok = False
+    if par.schedule == "interleaved_1f1b":
+        if v < 2:
+            out.append(Issue("error", "parallel.vpp", "schedule=interleaved_1f1b needs vpp > 1",
+                             "parallel.vpp=2 or parallel.schedule=1f1b"))
+        if p < 2:
+            out.append(Issue("error", "parallel.pp", "schedule=interleaved_1f1b needs pp > 1",
+                             "parallel.pp=2 or parallel.schedule=1f1b"))
+    elif v > 1:
+        out.append(Issue("error", "parallel.vpp", f"vpp={v} needs schedule=interleaved_1f1b (got {par.schedule})",
+                         "parallel.schedule=interleaved_1f1b or parallel.vpp=1"))
+    if par.sp:
+        if t == 1:
+            out.append(Issue("error", "parallel.sp", "sequence parallelism needs tp > 1",
+                             "parallel.sp=false or parallel.tp=2"))
+        elif s % t:
+            out.append(Issue("error", "parallel.sp", f"seq_length {s} is not divisible by tp={t} (sp shards the sequence)",
+                             f"model.seq_length={(s // t + 1) * t} or parallel.sp=false"))
+    if s % cp:
+        out.append(Issue("error", "parallel.cp", f"seq_length {s} is not divisible by cp={cp}",
+                         f"parallel.cp=<one of {_divisors(s, 64)}>"))
+        ok = False
+    if cp > 1:
+        out.append(Issue("warning", "parallel.cp", f"cp={cp} is planned, but the engine runs cp=1 only",
+                         "parallel.cp=1 to train"))
+    # World size and batch arithmetic.
+    if par.dp is not None:
+        if mp * par.dp != ranks:
+            need = mp * par.dp
+            out.append(Issue("error", "parallel.dp",
+                             f"tp x pp x cp x dp = {t} x {p} x {cp} x {par.dp} = {need} but the cluster has "
+                             f"{c.nodes} x {c.gpus_per_node} = {ranks} ranks",
+                             (f"parallel.dp={ranks // mp} or " if ranks % mp == 0 else "")
+                             + f"cluster.nodes x cluster.gpus_per_node = {need}"
+                             + (f" (e.g. cluster.nodes={need // c.gpus_per_node})" if need % c.gpus_per_node == 0 else ""),
+                             "world"))
+            ok = False
+    elif ranks % mp:
+        out.append(Issue("error", "parallel.dp",
+                         f"the cluster's {ranks} ranks are not divisible by tp x pp x cp = {mp}",
+                         f"make tp x pp x cp divide {ranks}, or set cluster.nodes / cluster.gpus_per_node", "world"))
+        ok = False
+    dp = derived_dp(cfg)
+    if dp >= 1:
+        unit = par.micro_batch * dp
+        if par.global_batch % unit:
+            lo = max(unit, par.global_batch // unit * unit)
+            out.append(Issue("error", "parallel.global_batch",
+                             f"global_batch {par.global_batch} is not divisible by micro_batch x dp = "
+                             f"{par.micro_batch} x {dp} = {unit}",
+                             f"parallel.global_batch={lo} or {lo + unit if lo < par.global_batch else lo * 2}"
+                             f" (accumulation = global / (micro x dp))", "batch"))
+            ok = False
+        else:
+            mb = par.global_batch // unit
+            if par.schedule == "interleaved_1f1b" and p > 1 and mb % p:
+                out.append(Issue("error", "parallel.global_batch",
+                                 f"interleaved_1f1b needs the micro-batches per step ({mb}) to be a multiple of pp={p}",
+                                 f"parallel.global_batch={-(-mb // p) * p * unit}"))
+                ok = False
+            if par.schedule == "1f1b" and p > 1 and mb < p:
+                out.append(Issue("warning", "parallel.global_batch",
+                                 f"1f1b with {mb} micro-batches for {p} stages: bubble "
+                                 f"{(p - 1) / (mb + p - 1):.0%} of the wall clock",
+                                 f"parallel.global_batch={p * unit} or more (>= pp micro-batches)"))
+        if par.zero == 1 and dp == 1:
+            out.append(Issue("warning", "parallel.zero", "zero=1 with dp=1 shards nothing (one data-parallel rank)",
+                             "parallel.zero=0, or a layout with dp > 1"))
+    else:
+        ok = False
+    if cfg.train.precision == "fp16" and cfg.cluster.device == "cpu":
+        out.append(Issue("warning", "train.precision", "fp16 on CPU is slow and only useful to test loss scaling",
+                         "train.precision=fp32 or bf16"))
+    return ok
+
+
+# The fixes tried when a model does not fit, cheapest first: (label, change) pairs.
+def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[Config]]]]:
+    L = cfg.model.num_layers
+
+    def sp(c: Config):
+        t = c.parallel.tp
+        return with_parallel(c, sp=True) if t > 1 and not c.parallel.sp and c.model.seq_length % t == 0 else None
+
+    def zero(c: Config):
+        return with_parallel(c, zero=1) if c.parallel.zero == 0 and derived_dp(c) > 1 else None
+
+    def selective(c: Config):
+        return with_parallel(c, recompute="selective") if c.parallel.recompute == "none" else None
+
+    def full(c: Config):
+        return with_parallel(c, recompute="full") if c.parallel.recompute != "full" else None
+
+    def micro(c: Config):
+        return with_parallel(c, micro_batch=1) if c.parallel.micro_batch > 1 else None
+
+    def more_pp(c: Config):
+        d = derived_dp(c)
+        p2 = c.parallel.pp * 2
+        if d % 2 or L % (p2 * c.parallel.vpp) or p2 > L:
+            return None
+        new = with_parallel(c, pp=p2, dp=(d // 2) if c.parallel.dp is not None else None)
+        return new if new.parallel.global_batch % (new.parallel.micro_batch * (d // 2)) == 0 else None
+
+    def more_tp(c: Config):
+        d = derived_dp(c)
+        t2 = c.parallel.tp * 2
+        m = c.model
+        if d % 2 or t2 > c.cluster.gpus_per_node or m.num_attention_heads % t2 or m.query_groups % t2 or m.ffn % t2:
+            return None
+        return with_parallel(c, tp=t2, dp=(d // 2) if c.parallel.dp is not None else None)
+
+    return [
+        ("parallel.sp=true", sp),
+        ("parallel.zero=1", zero),
+        ("parallel.recompute=selective", selective),
+        ("parallel.micro_batch=1", micro),
+        ("parallel.recompute=full", full),
+        ("parallel.pp x 2 (dp / 2)", more_pp),
+        ("parallel.tp x 2 (dp / 2)", more_tp),
+    ]
+
+
+def _describe(c: Config) -> str:
+    p = c.parallel
+    return f"parallel.tp={p.tp} parallel.pp={p.pp} parallel.sp={str(p.sp).lower()} parallel.zero={p.zero} " \
+           f"parallel.recompute={p.recompute} parallel.micro_batch={p.micro_batch}"
+
+
+def fit_fixes(cfg: Config, plan: Plan) -> List[str]:
+    """Each candidate fix alone (with the memory it gives), then the cumulative combination that fits first."""
+    lines = []
+    fitting = []
+    cands = _fix_candidates(cfg)
+    for label, change in cands:
+        new = change(cfg)
+        if new is None:
+            continue
+        pl = make_plan(new)
+        lines.append(f"{label}: {pl.memory_bytes['total'] / GIB:.2f} GiB" + (" (fits)" if pl.fits else ""))
+        if pl.fits:
+            fitting.append(label)
+    if not fitting:
+        cur = cfg
+        for label, change in cands:
+            new = change(cur)
+            if new is None:
+                continue
+            cur = new
+            pl = make_plan(cur)
+            if pl.fits:
+                lines.append(f"together: {_describe(cur)}: {pl.memory_bytes['total'] / GIB:.2f} GiB (fits)")
+                break
+        else:
+            lines.append("no combination of these fits: add GPUs (more pp or tp), or a smaller model / seq_length")
+    return lines
+
+
+def validate(cfg: Config) -> Report:
+    """Check every rule; plan when the layout allows it; add the no-fit error with its breakdown and fixes."""
+    issues: List[Issue] = []
+    sizes_ok = _check_values(cfg, issues)
+    if not sizes_ok:
+        return Report(issues)
+    _check_model(cfg, issues)
+    layout_ok = _check_layout(cfg, issues)
+    report = Report(issues)
+    if not layout_ok or any(i.key in ("model.hidden_size", "model.num_query_groups") for i in report.errors) \
+            or any(i.code == "choice" for i in report.errors):
+        return report
+    plan = make_plan(cfg)
+    report.plan = plan
+    if not plan.fits:
+        mem = plan.memory_bytes
+        breakdown = ", ".join(f"{k} {mem[k] / GIB:.2f}" for k in ("weights", "grads", "optimizer", "activations"))
+        issues.append(Issue(
+            "error", "cluster.gpu_memory_gb",
+            f"the worst GPU (pipeline stage {plan.worst_stage}) needs {mem['total'] / GIB:.2f} GiB ({breakdown} GiB) but "
+            f"has {plan.gpu_memory_bytes / GIB:.2f} GiB ({cfg.cluster.gpu_memory_gb:g} GB)",
+            "; ".join(fit_fixes(cfg, plan)), "no_fit"))
+    return report
