@@ -1,0 +1,219 @@
+"""The process mesh: the only place that creates process groups.
+
+Rank order (docs/CONTRACTS.md): global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank,
+i.e. tp varies fastest (so a TP group sits inside a node), then cp, then pp, then dp.
+
+`rank_groups` computes every group's rank lists as a pure function (tested without processes);
+`ProcessMesh.from_env` creates the matching torch.distributed groups. Every rank calls `new_group`
+for every list in the same order, which torch requires, and keeps the one it belongs to.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+# The group kinds ProcessMesh holds, in creation order.
+GROUP_KINDS = ("tp", "cp", "pp", "dp", "dp_cp", "model_parallel", "embedding")
+
+
+def rank_of(tp_rank: int, cp_rank: int, pp_rank: int, dp_rank: int, tp: int, cp: int, pp: int) -> int:
+    """Global rank of a mesh coordinate (tp fastest, then cp, pp, dp)."""
+    return ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
+
+
+def coords_of(rank: int, tp: int, pp: int, cp: int, dp: int) -> Dict[str, int]:
+    """Inverse of `rank_of`: the mesh coordinate of a global rank."""
+    if not 0 <= rank < tp * pp * cp * dp:
+        raise ValueError(f"rank {rank} outside a world of tp*pp*cp*dp = {tp * pp * cp * dp}")
+    return {
+        "tp": rank % tp,
+        "cp": (rank // tp) % cp,
+        "pp": (rank // (tp * cp)) % pp,
+        "dp": rank // (tp * cp * pp),
+    }
+
+
+def rank_groups(tp: int, pp: int, cp: int, dp: int) -> Dict[str, List[List[int]]]:
+    """Rank lists of every group kind for a tp x pp x cp x dp layout (pure; no processes).
+
+    tp: ranks differing only in tp_rank.      cp: only in cp_rank.     pp: only in pp_rank.
+    dp: only in dp_rank.                      dp_cp: in dp_rank and cp_rank (gradient reduction with cp).
+    model_parallel: in tp_rank and pp_rank (one model replica's shards: gradient-norm reduction).
+    embedding: first and last pipeline stage at one (dp, cp, tp) position (tied-embedding grad reduction);
+    a single rank when pp == 1.
+    """
+    for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", dp)):
+        if v < 1:
+            raise ValueError(f"parallel degree {name}={v} must be >= 1")
+    R = lambda t, c, p, d: rank_of(t, c, p, d, tp, cp, pp)  # noqa: E731
+    g: Dict[str, List[List[int]]] = {k: [] for k in GROUP_KINDS}
+    for d in range(dp):
+        for p in range(pp):
+            for c in range(cp):
+                g["tp"].append([R(t, c, p, d) for t in range(tp)])
+    for d in range(dp):
+        for p in range(pp):
+            for t in range(tp):
+                g["cp"].append([R(t, c, p, d) for c in range(cp)])
+    for d in range(dp):
+        for c in range(cp):
+            for t in range(tp):
+                g["pp"].append([R(t, c, p, d) for p in range(pp)])
+    for p in range(pp):
+        for c in range(cp):
+            for t in range(tp):
+                g["dp"].append([R(t, c, p, d) for d in range(dp)])
+    for p in range(pp):
+        for t in range(tp):
+            g["dp_cp"].append(sorted(R(t, c, p, d) for d in range(dp) for c in range(cp)))
+    for d in range(dp):
+        for c in range(cp):
+            g["model_parallel"].append(sorted(R(t, c, p, d) for p in range(pp) for t in range(tp)))
+    for d in range(dp):
+        for c in range(cp):
+            for t in range(tp):
+                stages = sorted({0, pp - 1})
+                g["embedding"].append([R(t, c, p, d) for p in stages])
+    return g
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise RuntimeError(
+            f"environment variable {name} is not set: start ranks with `python -m training.main RUN_DIR` "
+            "through meshrun (or torchrun), which sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
+        )
+    return int(value)
+
+
+@dataclass
+class ProcessMesh:
+    """This rank's place in the tp x pp x cp x dp layout and its process groups.
+
+    Groups are real torch.distributed groups in a multi-process run (also when their size is 1),
+    and None in `ProcessMesh.single()`; the helpers in training.parallel.collectives treat None and
+    size-1 groups as identity. Never pass a None group straight to torch.distributed: there None means WORLD.
+    """
+
+    rank: int = 0
+    """Global rank."""
+    world_size: int = 1
+    """tp * pp * cp * dp."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree."""
+    dp: int = 1
+    """Data-parallel degree."""
+    tp_rank: int = 0
+    """Index inside the tensor-parallel group."""
+    pp_rank: int = 0
+    """Pipeline stage of this rank."""
+    cp_rank: int = 0
+    """Index inside the context-parallel group."""
+    dp_rank: int = 0
+    """Data-parallel replica index."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """cpu, or cuda:LOCAL_RANK with NCCL."""
+    backend: Optional[str] = None
+    """gloo | nccl; None for a single process without a process group."""
+    tp_group: Any = None
+    """Ranks sharing one tensor-parallel shard set."""
+    pp_group: Any = None
+    """Ranks forming one pipeline."""
+    dp_group: Any = None
+    """Data-parallel replicas of this shard."""
+    cp_group: Any = None
+    """Context-parallel ranks."""
+    dp_cp_group: Any = None
+    """dp x cp: the gradient reduction group when cp > 1."""
+    model_parallel_group: Any = None
+    """tp x pp: one model replica (gradient-norm reduction)."""
+    embedding_group: Any = None
+    """First and last pipeline stage at this (dp, cp, tp) position (tied embedding grads)."""
+    group_ranks: Dict[str, List[int]] = field(default_factory=dict)
+    """Global ranks of this rank's group of each kind (for logs and tests)."""
+
+    @property
+    def is_first_stage(self) -> bool:
+        """This rank holds the first pipeline stage (embedding)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank holds the last pipeline stage (head and loss)."""
+        return self.pp_rank == self.pp - 1
+
+    @classmethod
+    def single(cls, device: str | torch.device = "cpu") -> "ProcessMesh":
+        """A one-process mesh without init_process_group; every group is None."""
+        ranks = {k: [0] for k in GROUP_KINDS}
+        return cls(device=torch.device(device), group_ranks=ranks)
+
+    @classmethod
+    def from_env(
+        cls, tp: int, pp: int, cp: int, dp: int, backend: str = "gloo", timeout_s: float = 120.0
+    ) -> "ProcessMesh":
+        """Join the job described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and build every group.
+
+        timeout_s bounds every collective, so a dead peer becomes a RuntimeError instead of a hang.
+        """
+        rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+        _env_int("MASTER_PORT")
+        if tp * pp * cp * dp != world:
+            raise ValueError(
+                f"tp*pp*cp*dp = {tp}*{pp}*{cp}*{dp} = {tp * pp * cp * dp} but WORLD_SIZE={world}: "
+                "set parallel.dp (or the number of ranks) so that the product equals the world size"
+            )
+        if backend == "nccl":
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        elif backend == "gloo":
+            device = torch.device("cpu")
+        else:
+            raise ValueError(f"backend {backend!r}: use gloo (cpu) or nccl (cuda)")
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+            )
+        c = coords_of(rank, tp, pp, cp, dp)
+        mesh = cls(
+            rank=rank, world_size=world, tp=tp, pp=pp, cp=cp, dp=dp,
+            tp_rank=c["tp"], pp_rank=c["pp"], cp_rank=c["cp"], dp_rank=c["dp"],
+            device=device, backend=backend,
+        )
+        for kind, lists in rank_groups(tp, pp, cp, dp).items():
+            mine = None
+            for ranks in lists:
+                # Every rank must call new_group for every list, in the same order.
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    assert mine is None, f"rank {rank} in two {kind} groups"
+                    mine = (group, ranks)
+            assert mine is not None, f"rank {rank} in no {kind} group"
+            setattr(mesh, f"{kind}_group", mine[0])
+            mesh.group_ranks[kind] = list(mine[1])
+            expected = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "dp_cp": dp * cp,
+                        "model_parallel": tp * pp, "embedding": min(pp, 2)}[kind]
+            assert dist.get_world_size(mine[0]) == expected, (kind, mine[1], expected)
+        return mesh
+
+    def destroy(self) -> None:
+        """Barrier, then destroy the process group (the barrier avoids a known gloo crash at exit)."""
+        if self.backend is not None and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size} tp {self.tp_rank}/{self.tp} cp {self.cp_rank}/{self.cp} "
+                f"pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}")

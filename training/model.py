@@ -1,0 +1,357 @@
+"""GPT decoder with explicit Megatron-style tensor and sequence parallelism.
+
+Hidden states are SEQUENCE-FIRST, [s, b, h] (as in Megatron): under sequence parallelism a rank holds
+the contiguous shard [s/tp, b, h] of the sequence, so splitting and gathering is along dim 0.
+Where the parallelism lives (all visible here):
+  embedding: vocab-parallel lookup, then all-reduce (or reduce-scatter into sequence shards under SP)
+  attention: norm (on shards under SP) -> column-parallel fused QKV (one SP all-gather) -> heads split
+             over tp -> row-parallel proj (all-reduce, or reduce-scatter under SP) -> dropout -> residual
+  MLP:       norm -> column-parallel fc1 -> activation -> row-parallel fc2 -> dropout -> residual
+  head:      final norm -> column-parallel logits [s, b, Vp/tp] -> vocab-parallel cross-entropy
+A model is built as `GPTChunk`s, contiguous slices of layers (pipeline stages / virtual stages);
+`build_gpt` makes this rank's chunks. Parameter names are the same at any tp / pp (CONTRACTS.md).
+
+Weight layouts chosen so that a contiguous tp slice is a self-contained shard (layout independence):
+  qkv.weight [(a + 2g) d, h]: per query group j, rows [q heads of j (a/g * d), k_j (d), v_j (d)];
+  fc1.weight under swiglu [2f, h]: rows interleaved gate_0, up_0, gate_1, up_1, ...
+
+Dropout masks come from generators seeded by (seed, dp rank, micro-batch counter, layer, site), not
+from the global RNG, so that recomputation replays them exactly. Residual-branch dropout (outside the
+TP region) draws the mask of the whole sequence and keeps this rank's rows, so it equals the
+single-process mask at any tp / sp; attention-probability dropout (inside the TP region) differs per tp rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from training.config import Config, ModelConfig, ParallelConfig
+from training.init import init_parameters, stable_seed
+from training.mesh import ProcessMesh
+from training.parallel.collectives import group_size, reduce_from_tp, reduce_scatter_to_sp
+from training.parallel.layers import (
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_linear, set_tp_meta,
+    vocab_parallel_cross_entropy,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Vocabulary padded to a multiple of tp (CONTRACTS.md)."""
+    return -(-vocab_size // tp) * tp
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def validate_model_layout(mc: ModelConfig, tp: int, sp: bool) -> None:
+    """Errors a user can cause by combining model and tp, each naming the fix."""
+    a, g = mc.num_attention_heads, mc.query_groups
+    _check(mc.hidden_size % a == 0, f"model.hidden_size={mc.hidden_size} must be divisible by "
+                                    f"model.num_attention_heads={a}")
+    _check(a % g == 0, f"model.num_attention_heads={a} must be divisible by model.num_query_groups={g}")
+    _check(g % tp == 0, f"parallel.tp={tp} must divide the key/value heads (model.num_query_groups or "
+                        f"num_attention_heads = {g}); lower tp or raise num_query_groups")
+    _check(mc.ffn % tp == 0, f"parallel.tp={tp} must divide model.ffn_hidden_size={mc.ffn}")
+    _check(mc.norm in ("layernorm", "rmsnorm"), f"model.norm={mc.norm!r}: use layernorm or rmsnorm")
+    _check(mc.activation in ("gelu", "swiglu"), f"model.activation={mc.activation!r}: use gelu or swiglu")
+    _check(mc.position in ("learned", "rope"), f"model.position={mc.position!r}: use learned or rope")
+    _check(mc.attention in ("flash", "math"), f"model.attention={mc.attention!r}: use flash or math")
+    if mc.position == "rope":
+        _check((mc.hidden_size // a) % 2 == 0, "rope needs an even head dimension (hidden_size / heads)")
+    if sp and tp > 1:
+        _check(mc.seq_length % tp == 0, f"parallel.sp needs model.seq_length={mc.seq_length} divisible "
+                                        f"by parallel.tp={tp}")
+
+
+def keyed_dropout(x: torch.Tensor, p: float, key: int, shard: int = 0, num_shards: int = 1) -> torch.Tensor:
+    """Dropout whose mask is a pure function of `key`.
+
+    With num_shards > 1, x is shard `shard` (along dim 0) of a tensor num_shards times longer: the mask
+    of the whole tensor is drawn and this shard's rows kept, so the result does not depend on sharding.
+    """
+    if p <= 0.0:
+        return x
+    g = torch.Generator(device=x.device).manual_seed(key)
+    shape = (x.shape[0] * num_shards,) + tuple(x.shape[1:])
+    keep = torch.rand(shape, generator=g, device=x.device) >= p
+    if num_shards > 1:
+        keep = keep.chunk(num_shards, dim=0)[shard]
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm over the last dim; params replicated over tp (on sequence shards under SP)."""
+
+    def __init__(self, h: int, kind: str, bias: bool, sequence_parallel: bool, dtype, device):
+        super().__init__()
+        self.kind = kind
+        self.weight = set_tp_meta(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None, (h,),
+                                  sequence_parallel)
+        self.bias = None
+        if bias and kind == "layernorm":
+            self.bias = set_tp_meta(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None, (h,),
+                                    sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "rmsnorm":
+            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=1e-5)
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, eps=1e-5)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (rotate-half form); cos/sin tables are buffers, not parameters."""
+
+    def __init__(self, head_dim: int, seq_length: int, device, base: float = 10000.0):
+        super().__init__()
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+        ang = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv)
+        ang = torch.cat([ang, ang], dim=-1)  # [s, d]
+        self.register_buffer("cos", ang.cos(), persistent=False)
+        self.register_buffer("sin", ang.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [b, heads, s, d] (full sequence)."""
+        s = x.shape[-2]
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return (xf * self.cos[:s] + rotated * self.sin[:s]).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with heads split over tp, grouped-query attention, flash or math core."""
+
+    def __init__(self, mc: ModelConfig, group, sp: bool, dtype, device):
+        super().__init__()
+        tp = group_size(group)
+        a, g, h = mc.num_attention_heads, mc.query_groups, mc.hidden_size
+        self.d = h // a
+        self.q_per_group = a // g
+        self.local_groups = g // tp
+        self.local_heads = a // tp
+        self.flash = mc.attention == "flash"
+        self.dropout = mc.dropout
+        self.tp_rank = 0 if group is None else torch.distributed.get_rank(group)
+        self.qkv = ColumnParallelLinear(h, (a + 2 * g) * self.d, mc.bias, group, sp, dtype, device)
+        self.proj = RowParallelLinear(a * self.d, h, mc.bias, group, sp, dtype, device)
+        self.rotary = Rotary(self.d, mc.seq_length, device) if mc.position == "rope" else None
+        self.recompute_core = False
+
+    def core(self, q, k, v, key: int) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d), causal) v with dropout on the probabilities; [b, heads, s, d]."""
+        p = self.dropout if self.training else 0.0
+        # Differs per tp rank: each rank holds other heads.
+        key = stable_seed(key, "attn_probs", self.tp_rank)
+        if self.flash:
+            gqa = self.q_per_group > 1
+            if p == 0.0:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            # SDPA draws its mask from the global RNG: seed it from the key inside a forked RNG.
+            devices = [q.device] if q.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices, device_type=q.device.type):
+                torch.manual_seed(key)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, enable_gqa=gqa)
+        if self.q_per_group > 1:
+            k = k.repeat_interleave(self.q_per_group, dim=1)
+            v = v.repeat_interleave(self.q_per_group, dim=1)
+        s = q.shape[-2]
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.d))
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
+        probs = scores.float().masked_fill(causal, float("-inf")).softmax(dim=-1).to(q.dtype)  # fp32 softmax
+        probs = keyed_dropout(probs, p, key)
+        return torch.matmul(probs, v)
+
+    def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s, b, local_groups * (q_per_group + 2) * d]; under SP s is the full sequence
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.local_groups, self.q_per_group + 2, self.d)
+        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.local_heads, self.d).permute(1, 2, 0, 3)
+        k = qkv[:, :, :, self.q_per_group].permute(1, 2, 0, 3)
+        v = qkv[:, :, :, self.q_per_group + 1].permute(1, 2, 0, 3)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        if self.recompute_core:
+            ctx = checkpoint(self.core, q, k, v, key, use_reentrant=False)
+        else:
+            ctx = self.core(q, k, v, key)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.d)
+        return self.proj(ctx)
+
+
+class MLP(nn.Module):
+    """fc1 (column-parallel) -> gelu or swiglu -> fc2 (row-parallel)."""
+
+    def __init__(self, mc: ModelConfig, group, sp: bool, dtype, device):
+        super().__init__()
+        self.swiglu = mc.activation == "swiglu"
+        f, h = mc.ffn, mc.hidden_size
+        self.fc1 = ColumnParallelLinear(h, 2 * f if self.swiglu else f, mc.bias, group, sp, dtype, device)
+        self.fc2 = RowParallelLinear(f, h, mc.bias, group, sp, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc1(x)
+        if self.swiglu:
+            y = y.view(*y.shape[:-1], -1, 2)  # interleaved gate / up rows
+            y = F.silu(y[..., 0]) * y[..., 1]
+        else:
+            y = F.gelu(y)
+        return self.fc2(y)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+
+    def __init__(self, mc: ModelConfig, mesh: ProcessMesh, sp: bool, layer_id: int, dtype, device):
+        super().__init__()
+        self.layer_id = layer_id
+        self.dropout = mc.dropout
+        self.tp, self.tp_rank = mesh.tp, mesh.tp_rank
+        self.sp = sp
+        self.attn_norm = Norm(mc.hidden_size, mc.norm, mc.bias, sp, dtype, device)
+        self.attn = Attention(mc, mesh.tp_group, sp, dtype, device)
+        self.mlp_norm = Norm(mc.hidden_size, mc.norm, mc.bias, sp, dtype, device)
+        self.mlp = MLP(mc, mesh.tp_group, sp, dtype, device)
+
+    def _drop(self, x: torch.Tensor, key: int, site: str) -> torch.Tensor:
+        if not self.training or self.dropout <= 0.0:
+            return x
+        k = stable_seed(key, self.layer_id, site)
+        if self.sp:  # x is this rank's sequence shard: keep its rows of the full-sequence mask
+            return keyed_dropout(x, self.dropout, k, self.tp_rank, self.tp)
+        return keyed_dropout(x, self.dropout, k)
+
+    def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:
+        x = x + self._drop(self.attn(self.attn_norm(x), stable_seed(key, self.layer_id)), key, "attn_out")
+        return x + self._drop(self.mlp(self.mlp_norm(x)), key, "mlp_out")
+
+
+class PositionEmbedding(nn.Module):
+    """Learned absolute positions [s, h], replicated over tp."""
+
+    def __init__(self, s: int, h: int, sequence_parallel: bool, dtype, device):
+        super().__init__()
+        self.weight = set_tp_meta(nn.Parameter(torch.empty(s, h, dtype=dtype, device=device)), None, (s, h),
+                                  sequence_parallel)
+
+
+class Embedding(nn.Module):
+    """Word (vocab-parallel) plus optional learned position embedding; output [s(/tp under SP), b, h]."""
+
+    def __init__(self, mc: ModelConfig, mesh: ProcessMesh, sp: bool, padded_vocab: int, with_position: bool,
+                 dtype, device):
+        super().__init__()
+        self.group, self.sp, self.tp_rank = mesh.tp_group, sp, mesh.tp_rank
+        self.word = VocabParallelEmbedding(padded_vocab, mc.hidden_size, mesh.tp_group, dtype, device)
+        # Under SP the position table is added to sequence shards, so its grad is a partial sum.
+        self.position = (PositionEmbedding(mc.seq_length, mc.hidden_size, sp, dtype, device)
+                         if with_position else None)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        partial = self.word(ids, reduce=False).transpose(0, 1).contiguous()  # [s, b, h], partial over tp
+        if self.sp:
+            x = reduce_scatter_to_sp(partial, self.group)
+            rows = slice(self.tp_rank * x.shape[0], (self.tp_rank + 1) * x.shape[0])
+        else:
+            x = reduce_from_tp(partial, self.group)
+            rows = slice(0, s)
+        if self.position is not None:
+            x = x + self.position.weight[rows].unsqueeze(1)
+        return x
+
+
+class GPTChunk(nn.Module):
+    """A contiguous slice of the GPT: optional embedding, layers `layer_ids`, optional head and loss.
+
+    forward(x, targets=None):
+      x: token ids [b, s] when has_embedding, else hidden states [s/tp (SP) or s, b, h] (sequence-first);
+      returns hidden states, or with has_head: the mean token loss of this micro-batch (fp32 scalar,
+      identical on every tp rank) when targets [b, s] are given, else this rank's logits [s, b, Vp/tp].
+    With tied embeddings, a head-only chunk holds its own copy of `embedding.word.weight` (same name);
+    the pipeline keeps the copies equal by all-reducing their grads over mesh.embedding_group.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, mesh: ProcessMesh,
+                 layer_ids: List[int], has_embedding: bool, has_head: bool, dtype: torch.dtype, seed: int):
+        super().__init__()
+        mc = model_cfg
+        self.sp = bool(parallel_cfg.sp) and mesh.tp > 1
+        validate_model_layout(mc, mesh.tp, self.sp)
+        if parallel_cfg.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"parallel.recompute={parallel_cfg.recompute!r}: use none, selective or full")
+        self.mc, self.mesh, self.seed = mc, mesh, seed
+        self.layer_ids = list(layer_ids)
+        self.has_embedding, self.has_head = has_embedding, has_head
+        self.recompute = parallel_cfg.recompute
+        self.vocab_size = mc.vocab_size
+        self.padded_vocab = padded_vocab_size(mc.vocab_size, mesh.tp)
+        self.micro_step = 0  # counts training forwards: the dropout key of each micro-batch
+        dev = mesh.device
+        self.embedding = None
+        if has_embedding or (has_head and mc.tie_embeddings):
+            self.embedding = Embedding(mc, mesh, self.sp, self.padded_vocab,
+                                       has_embedding and mc.position == "learned", dtype, dev)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(mc, mesh, self.sp, i, dtype, dev) for i in self.layer_ids})
+        for layer in self.layers.values():
+            layer.attn.recompute_core = self.recompute == "selective"
+        self.final_norm = Norm(mc.hidden_size, mc.norm, mc.bias, self.sp, dtype, dev) if has_head else None
+        self.output = None
+        if has_head and not mc.tie_embeddings:
+            self.output = ColumnParallelLinear(mc.hidden_size, self.padded_vocab, False, mesh.tp_group,
+                                               self.sp, dtype, dev)
+        init_parameters(self, seed, mc.init_std, mc.num_layers, mc.vocab_size, mesh.tp, mesh.tp_rank)
+
+    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        key = stable_seed(self.seed, "dropout", self.mesh.dp_rank, self.mesh.cp_rank, self.micro_step)
+        if self.training:
+            self.micro_step += 1
+        if self.has_embedding:
+            x = self.embedding(x)
+        for layer in self.layers.values():
+            if self.recompute == "full" and torch.is_grad_enabled():
+                x = checkpoint(layer, x, key, use_reentrant=False)
+            else:
+                x = layer(x, key)
+        if not self.has_head:
+            return x
+        x = self.final_norm(x)
+        weight = self.output.weight if self.output is not None else self.embedding.word.weight
+        logits = column_parallel_linear(x, weight, None, self.mesh.tp_group, self.sp)  # [s, b, Vp/tp]
+        if targets is None:
+            return logits
+        loss = vocab_parallel_cross_entropy(logits, targets.t(), self.mesh.tp_group, self.vocab_size)
+        return loss.mean()
+
+
+def chunk_layer_ids(num_layers: int, pp: int, vpp: int, pp_rank: int) -> List[List[int]]:
+    """Global layer ids of this pipeline rank's chunks: model chunk v * pp + pp_rank for v < vpp."""
+    n = pp * vpp
+    if num_layers % n:
+        raise ValueError(f"model.num_layers={num_layers} must be divisible by parallel.pp x parallel.vpp "
+                         f"= {pp} x {vpp}; change num_layers, pp or vpp")
+    per = num_layers // n
+    return [list(range((v * pp + pp_rank) * per, (v * pp + pp_rank + 1) * per)) for v in range(vpp)]
+
+
+def build_gpt(cfg: Config, mesh: ProcessMesh, dtype: torch.dtype) -> List[GPTChunk]:
+    """This rank's model chunks (one with every layer when pp = vpp = 1), in virtual-stage order."""
+    pc = cfg.parallel
+    vpp = pc.vpp if pc.pp > 1 else 1
+    chunks = []
+    last = pc.pp * vpp - 1
+    for v, ids in enumerate(chunk_layer_ids(cfg.model.num_layers, pc.pp, vpp, mesh.pp_rank)):
+        index = v * pc.pp + mesh.pp_rank
+        chunks.append(GPTChunk(cfg.model, pc, mesh, ids, has_embedding=index == 0, has_head=index == last,
+                               dtype=dtype, seed=cfg.train.seed))
+    return chunks
