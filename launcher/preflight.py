@@ -1,0 +1,120 @@
+"""`meshrun action=preflight`: run the preflight ranks alone, locally or as a Slurm job.
+
+No torch here: the ranks are `python -m training.preflight RUN_DIR` subprocesses (local) or the
+same command under srun (Slurm). The verdict is read back from run_dir/preflight.json; a bad node
+makes this exit with 4 (docs/CONTRACTS.md), nothing bad with 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List
+
+from launcher.local import POLL_S, _stop, free_port, rank_env, usable_cores
+from training.config import Config, save_config
+
+EXIT_NODE_BAD = 4
+PREFLIGHT_MODULE = "training.preflight"
+
+
+def preflight_argv(run_dir: str) -> List[str]:
+    """The per-rank command (the same locally and under srun; ranks derive RANK & co. from SLURM_*)."""
+    return [sys.executable, "-m", PREFLIGHT_MODULE, run_dir]
+
+
+def rank_entry(run_dir: str) -> int:
+    """A submitit-picklable callable for one Slurm task: runs the rank command, returns its exit status.
+
+    Runs as a subprocess so that the submitting process never imports torch.
+    """
+    return subprocess.call(preflight_argv(run_dir))
+
+
+def _local_env(rank: int, world: int, per_node: int, port: int, threads: int, cfg: Config) -> Dict[str, str]:
+    env = rank_env(rank, world, port, threads, cfg)
+    env.update(LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node))
+    if cfg.cluster.nodes > 1:
+        # Several simulated nodes on this machine: give each its own name so per-node checks,
+        # verdicts and ib_sysfs_root_by_node work as on a real cluster.
+        env["MESHRUN_NODE"] = f"{socket.gethostname().split('.')[0]}-{rank // per_node}"
+    return env
+
+
+def run_local(cfg: Config, run_dir: str, timeout_s: float = 0.0) -> int:
+    """Spawn nodes x gpus_per_node preflight ranks here; return the exit status of the job."""
+    per_node, world = cfg.cluster.gpus_per_node, cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    port = cfg.cluster.master_port or free_port()
+    threads = max(1, usable_cores() // world)
+    logdir = os.path.join(run_dir, "logs")
+    os.makedirs(logdir, exist_ok=True)
+    timeout_s = timeout_s or 2 * cfg.cluster.preflight.timeout_s + 60
+    procs, logs = [], []
+    try:
+        for r in range(world):
+            # Rank 0 prints the table to this terminal; the others only log.
+            log = open(os.path.join(logdir, f"preflight_rank_{r}.log"), "wb")
+            logs.append(log)
+            procs.append(subprocess.Popen(preflight_argv(run_dir), env=_local_env(r, world, per_node, port, threads, cfg),
+                                          stdout=None if r == 0 else log, stderr=log))
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            if any(c not in (None, 0, EXIT_NODE_BAD) for c in codes):
+                break  # a rank crashed: its peers would wait for it until the collective timeout
+            time.sleep(POLL_S)
+        _stop(procs)
+        codes = [p.returncode for p in procs]
+    finally:
+        for log in logs:
+            log.close()
+    if any(c == EXIT_NODE_BAD for c in codes):
+        return EXIT_NODE_BAD
+    crashed = [(r, c) for r, c in enumerate(codes) if c != 0]
+    if crashed:
+        r, c = crashed[0]
+        print(f"meshrun: preflight rank {r} exited with {c}; see {logdir}/preflight_rank_{r}.log", file=sys.stderr)
+        return c if c > 0 else 1
+    return 0
+
+
+def submit_slurm(cfg: Config, run_dir: str) -> Any:
+    """Run the preflight as its own Slurm job through the Slurm launcher (launcher/slurm.py).
+
+    The Slurm launcher owns sbatch/submitit; it is asked to run `preflight_argv(run_dir)` on every
+    task (or `rank_entry(run_dir)` as the submitit callable) with the job's nodes and tasks.
+    """
+    try:
+        from launcher.slurm import submit_command
+    except ImportError as exc:
+        print(f"error: cluster.kind=slurm preflight needs launcher.slurm.submit_command ({exc}); "
+              f"run it locally with cluster=local, or inside a training job with cluster.preflight.mode=gate",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+    return submit_command(cfg, run_dir, preflight_argv(run_dir), name="preflight")
+
+
+def run_preflight(cfg: Config, run_dir: str) -> Dict[str, Any]:
+    """meshrun action=preflight: write config.json, run the ranks, print the verdict, exit 4 on a bad node."""
+    os.makedirs(run_dir, exist_ok=True)
+    save_config(cfg, os.path.join(run_dir, "config.json"))
+    if cfg.cluster.kind == "slurm":
+        return submit_slurm(cfg, run_dir)
+    t = time.time()
+    code = run_local(cfg, run_dir)
+    path = os.path.join(run_dir, "preflight.json")
+    result: Dict[str, Any] = {"exit_code": code, "elapsed_s": round(time.time() - t, 2)}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+        result.update(status=data["status"], bad_nodes=data["bad_nodes"])
+        print(f"meshrun: preflight {data['status']} in {result['elapsed_s']} s; report: {path}", file=sys.stderr)
+    if code:
+        raise SystemExit(code)
+    return result

@@ -1,0 +1,3 @@
+from training.preflight.runner import main
+
+raise SystemExit(main())

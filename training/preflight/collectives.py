@@ -1,0 +1,168 @@
+"""Collective bandwidth over the job's ranks (nccl-tests' definitions) and version agreement.
+
+nccl-tests (doc/PERFORMANCE.md): algbw = bytes / time; busbw = algbw x factor with factor
+2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter, where for the latter two the
+bytes are the whole array (n x the per-rank chunk). busbw is comparable with the link's peak
+whatever n is, which is why it is the number checked against the expected rate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any, Dict, List, Optional
+
+from training.preflight.report import Check, fail, ok, warn
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def bus_factor(op: str, n: int) -> float:
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce"):
+        return 1.0
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def bandwidths(op: str, nbytes: int, n: int, seconds: float) -> Dict[str, float]:
+    """algbw and busbw in GB/s (1e9 bytes/s) of one call moving `nbytes` (the whole array) in `seconds`."""
+    algbw = nbytes / seconds / 1e9
+    return {"algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(op, n)}
+
+
+def group_levels(world: int, per_node: int) -> List[int]:
+    """Group sizes to measure: powers of two inside a node, the node, then the world.
+
+    Each level splits the ranks into consecutive blocks that run at the same time, so every
+    device and link is exercised and a slow block points at its node (rank order keeps blocks of
+    up to per_node ranks inside one node).
+    """
+    per_node = min(per_node, world)
+    levels, n = [], 2
+    while n < per_node:
+        if per_node % n == 0 and world % n == 0:
+            levels.append(n)
+        n *= 2
+    if 1 < per_node <= world and world % per_node == 0:
+        levels.append(per_node)
+    if world > 1 and world not in levels:
+        levels.append(world)
+    return levels
+
+
+def _elements(nbytes: int, n: int, elem: int) -> int:
+    """Whole-array elements, rounded down to a multiple of n so every rank gets an equal chunk."""
+    return max(n, (nbytes // elem) // n * n)
+
+
+def run_sweep(rank: int, world: int, per_node: int, sizes_mb: List[float], iters: int,
+              device: str) -> List[Dict[str, Any]]:
+    """Every rank calls this; returns this rank's timings of the blocks it leads (lowest rank of a block)."""
+    import torch
+    import torch.distributed as dist
+
+    results = []
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for n in group_levels(world, per_node):
+        if n == world:
+            group, first = None, 0
+        else:
+            group, _ = dist.new_subgroups(group_size=n)
+            first = rank // n * n
+        for op in OPS:
+            for mb in sizes_mb:
+                count = _elements(int(mb * 2**20), n, 4)
+                full = torch.ones(count, dtype=torch.float32, device=device)
+                chunk = torch.empty(count // n, dtype=torch.float32, device=device)
+
+                def once():
+                    if op == "all_reduce":
+                        dist.all_reduce(full, group=group)
+                    elif op == "all_gather":
+                        dist.all_gather_into_tensor(full, chunk, group=group)
+                    else:
+                        dist.reduce_scatter_tensor(chunk, full, group=group)
+
+                once()  # warm-up: connection setup, NCCL channel init
+                dist.barrier(group=group)
+                sync()
+                t = time.perf_counter()
+                for _ in range(iters):
+                    once()
+                sync()
+                elapsed = torch.tensor([(time.perf_counter() - t) / iters], dtype=torch.float64, device=device)
+                # The slowest member defines the collective's time, as in nccl-tests.
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+                if rank == first:
+                    nbytes = count * 4
+                    results.append({"op": op, "n": n, "ranks": [first, first + n - 1], "bytes": nbytes,
+                                    "time_s": elapsed.item(), **bandwidths(op, nbytes, n, elapsed.item())})
+        if group is not None:
+            dist.barrier()
+    return results
+
+
+def check_bandwidth(results: List[Dict[str, Any]], node_of_rank: List[str], per_node: int,
+                    intra_gbps: float, inter_gbps: float, min_fraction: float) -> List[Check]:
+    """One check per (block, op) at its largest size; all-reduce busbw against the expected rate."""
+    checks = []
+    largest: Dict[tuple, Dict] = {}
+    for r in results:
+        key = (r["n"], r["ranks"][0], r["op"])
+        if key not in largest or r["bytes"] > largest[key]["bytes"]:
+            largest[key] = r
+    for (n, first, op), r in sorted(largest.items()):
+        last = r["ranks"][1]
+        nodes = sorted(set(node_of_rank[first:last + 1]))
+        within = len(nodes) == 1
+        expected = intra_gbps if within else inter_gbps
+        found = {"busbw_gbps": round(r["busbw_gbps"], 3), "algbw_gbps": round(r["algbw_gbps"], 3),
+                 "bytes": r["bytes"], "time_ms": round(r["time_s"] * 1e3, 3)}
+        kw = dict(subject=f"ranks[{first}-{last}]", node=nodes[0] if within else "", found=found)
+        name = f"coll.{op}"
+        if op == "all_reduce" and expected and r["busbw_gbps"] < min_fraction * expected:
+            checks.append(warn(name, f"busbw {r['busbw_gbps']:.1f} GB/s below {min_fraction:g} x expected "
+                               f"({'NVLink/intra-node' if within else 'inter-node'})",
+                               expected=expected, **kw))
+        else:
+            checks.append(ok(name, f"n={n}", expected=expected if op == "all_reduce" and expected else None, **kw))
+    return checks
+
+
+def local_versions(driver: Optional[str] = None) -> Dict[str, Optional[str]]:
+    import torch
+
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            v = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:  # noqa: BLE001 - a build without NCCL reports none
+            nccl = None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl, "driver": driver}
+
+
+def check_versions(per_rank: List[Dict[str, Any]], expected_nccl: str) -> List[Check]:
+    """Every rank must agree on torch/CUDA/NCCL/driver; ranks off the majority mark their node bad."""
+    checks = []
+    for key in ("torch", "cuda", "nccl", "driver"):
+        values = [r["versions"].get(key) for r in per_rank]
+        majority, _ = Counter(values).most_common(1)[0]
+        odd = [r for r in per_rank if r["versions"].get(key) != majority]
+        for r in odd:
+            checks.append(fail(f"version.{key}", f"rank {r['rank']} differs from the other ranks",
+                               subject=f"rank{r['rank']}", node=r["node"], found=r["versions"].get(key),
+                               expected=majority))
+        if not odd:
+            checks.append(ok(f"version.{key}", f"same on all {len(per_rank)} ranks", found=majority))
+    if expected_nccl:
+        for r in per_rank:
+            v = r["versions"].get("nccl") or ""
+            if not (v == expected_nccl or v.startswith(expected_nccl + ".")):
+                checks.append(fail("version.nccl", "NCCL differs from cluster.preflight.nccl_version",
+                                   subject=f"rank{r['rank']}", node=r["node"], found=v or None,
+                                   expected=expected_nccl))
+    return checks

@@ -1,0 +1,220 @@
+"""GPU health through NVML (nvidia-ml-py's `pynvml`), one node at a time.
+
+Every check takes the NVML module as an argument so tests can pass a double that returns real
+NVML constants and raises real `pynvml.NVMLError` subclasses. A query a GPU does not support
+(NVMLError_NotSupported, e.g. row remapping before Ampere) is skipped, never a failure.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+from training.preflight.report import Check, fail, ok, warn
+
+# Throttle (since driver 535: "clocks event") reasons that mean hardware trouble, by their NVML bit.
+# Idle, application-clock and SW power-cap reasons are normal and not reported.
+_BAD_THROTTLE = (
+    ("nvmlClocksThrottleReasonHwSlowdown", "HW slowdown"),
+    ("nvmlClocksThrottleReasonHwThermalSlowdown", "HW thermal slowdown"),
+    ("nvmlClocksThrottleReasonSwThermalSlowdown", "SW thermal slowdown"),
+    ("nvmlClocksThrottleReasonHwPowerBrakeSlowdown", "HW power brake"),
+)
+
+
+def load_nvml():
+    """The real pynvml module, or None with the reason when NVML cannot start (no driver, no GPU)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None, "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return None, f"NVML unavailable: {exc}"
+    return pynvml, ""
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _try(nvml, fn, *args):
+    """Call an NVML query; (value, None), or (None, reason) when the GPU does not support it."""
+    try:
+        return getattr(nvml, fn)(*args), None
+    except nvml.NVMLError as exc:
+        if exc.value in (nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+            return None, "not supported"
+        raise
+
+
+def cuda_version_text(v: int) -> str:
+    """NVML encodes the CUDA driver version as 1000*major + 10*minor (12040 -> 12.4)."""
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def _version_matches(found: str, expected: str) -> bool:
+    return not expected or found == expected or found.startswith(expected + ".")
+
+
+def pci_bus_to_sysfs(bus_id: str) -> str:
+    """NVML's 8-digit-domain bus id (00000000:18:00.0) in sysfs form (0000:18:00.0)."""
+    bus_id = _text(bus_id).lower()
+    domain, rest = bus_id.split(":", 1)
+    return f"{int(domain, 16):04x}:{rest}"
+
+
+def check_gpus(nvml, pf, gpus_per_node: int, node: str, own_pids: Optional[set] = None
+               ) -> Tuple[List[Check], Dict[str, Any]]:
+    """All NVML checks of this node. Returns the checks and facts (driver, gpu bus ids) for others."""
+    own_pids = own_pids or {os.getpid()}
+    checks: List[Check] = []
+    facts: Dict[str, Any] = {"gpus": []}
+
+    def add(c: Check) -> None:
+        c.node = node
+        checks.append(c)
+
+    count = nvml.nvmlDeviceGetCount()
+    facts["gpu_count"] = count
+    if count != gpus_per_node:
+        add(fail("gpu.count", "device count differs from cluster.gpus_per_node (a GPU fell off the bus?)",
+                 found=count, expected=gpus_per_node))
+    else:
+        add(ok("gpu.count", found=count, expected=gpus_per_node))
+
+    driver = _text(nvml.nvmlSystemGetDriverVersion())
+    facts["driver"] = driver
+    if _version_matches(driver, pf.driver_version):
+        add(ok("gpu.driver", found=driver, expected=pf.driver_version or None))
+    else:
+        add(fail("gpu.driver", "driver version differs from cluster.preflight.driver_version",
+                 found=driver, expected=pf.driver_version))
+    cuda = cuda_version_text(nvml.nvmlSystemGetCudaDriverVersion())
+    facts["cuda_driver"] = cuda
+    if _version_matches(cuda, pf.cuda_driver_version):
+        add(ok("gpu.cuda_driver", found=cuda, expected=pf.cuda_driver_version or None))
+    else:
+        add(fail("gpu.cuda_driver", "CUDA driver version differs from cluster.preflight.cuda_driver_version",
+                 found=cuda, expected=pf.cuda_driver_version))
+
+    for i in range(count):
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        gpu = f"gpu{i}"
+        bus = pci_bus_to_sysfs(nvml.nvmlDeviceGetPciInfo(h).busId)
+        facts["gpus"].append({"index": i, "name": _text(nvml.nvmlDeviceGetName(h)), "bus_id": bus})
+        for c in _check_one(nvml, pf, h, own_pids):
+            c.subject = gpu
+            add(c)
+    return checks, facts
+
+
+def _check_one(nvml, pf, h, own_pids) -> List[Check]:
+    out: List[Check] = []
+    # Uncorrectable ECC: volatile (since the last driver load) and aggregate (lifetime).
+    for counter, label in ((nvml.NVML_VOLATILE_ECC, "volatile"), (nvml.NVML_AGGREGATE_ECC, "aggregate")):
+        n, why = _try(nvml, "nvmlDeviceGetTotalEccErrors", h, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, counter)
+        name = f"gpu.ecc_uncorrected_{label}"
+        if why:
+            out.append(ok(name, f"ECC {why}"))
+        elif n:
+            out.append(fail(name, f"{n} uncorrectable ECC errors ({label}); drain the node, reset the GPU",
+                            found=n, expected=0))
+        else:
+            out.append(ok(name, found=0, expected=0))
+
+    rows, why = _try(nvml, "nvmlDeviceGetRemappedRows", h)
+    if why:
+        out.append(ok("gpu.row_remap", f"row remapping {why}"))
+    else:
+        corr, unc, pending, failed = rows
+        found = {"correctable": corr, "uncorrectable": unc, "pending": bool(pending), "failure": bool(failed)}
+        if failed:
+            out.append(fail("gpu.row_remap", "row remapping failed: the GPU needs replacing", found=found))
+        elif pending:
+            out.append(fail("gpu.row_remap", "row remap pending: reset the GPU before use", found=found))
+        else:
+            out.append(ok("gpu.row_remap", found=found))
+
+    pending, why = _try(nvml, "nvmlDeviceGetRetiredPagesPendingStatus", h)
+    if why:
+        out.append(ok("gpu.retired_pages", f"page retirement {why} (row remapping replaces it since Ampere)"))
+    elif pending == nvml.NVML_FEATURE_ENABLED:
+        out.append(fail("gpu.retired_pages", "retired pages pending: reset the GPU before use",
+                        found="pending", expected="none pending"))
+    else:
+        out.append(ok("gpu.retired_pages", found="none pending"))
+
+    temp = nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)
+    limit = pf.max_gpu_temp_c
+    if not limit:
+        limit, why = _try(nvml, "nvmlDeviceGetTemperatureThreshold", h, nvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN)
+    if limit and temp >= limit:
+        out.append(fail("gpu.temperature", "at or above the slowdown threshold before any work: check cooling",
+                        found=temp, expected=f"< {limit}"))
+    else:
+        out.append(ok("gpu.temperature", found=temp, expected=f"< {limit}" if limit else None))
+
+    fn = ("nvmlDeviceGetCurrentClocksEventReasons" if hasattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons")
+          else "nvmlDeviceGetCurrentClocksThrottleReasons")
+    mask, why = _try(nvml, fn, h)
+    active = [label for const, label in _BAD_THROTTLE if mask and mask & getattr(nvml, const)]
+    if active:
+        out.append(fail("gpu.throttle", "clocks held down by " + ", ".join(active), found=active, expected=[]))
+    else:
+        out.append(ok("gpu.throttle", why or "", found=[] if not why else None))
+
+    gen, _ = _try(nvml, "nvmlDeviceGetCurrPcieLinkGeneration", h)
+    max_gen, _ = _try(nvml, "nvmlDeviceGetMaxPcieLinkGeneration", h)
+    width, _ = _try(nvml, "nvmlDeviceGetCurrPcieLinkWidth", h)
+    max_width, _ = _try(nvml, "nvmlDeviceGetMaxPcieLinkWidth", h)
+    found, expected = f"gen{gen} x{width}", f"gen{max_gen} x{max_width}"
+    if width is not None and max_width and width < max_width:
+        out.append(fail("gpu.pcie", "PCIe link trained narrower than the slot: reseat the GPU / riser",
+                        found=found, expected=expected))
+    elif gen is not None and max_gen and gen < max_gen:
+        # GPUs drop the link generation while idle to save power, so this alone is not a fault.
+        out.append(warn("gpu.pcie", "PCIe generation below maximum (normal when idle; recheck under load)",
+                        found=found, expected=expected))
+    else:
+        out.append(ok("gpu.pcie", found=found, expected=expected))
+
+    out.append(_check_nvlink(nvml, pf, h))
+
+    procs, why = _try(nvml, "nvmlDeviceGetComputeRunningProcesses", h)
+    foreign = [p for p in (procs or []) if p.pid not in own_pids]
+    used_mb = sum((p.usedGpuMemory or 0) for p in foreign) / 2**20
+    if foreign and used_mb > pf.max_used_gpu_memory_mb:
+        out.append(fail("gpu.foreign_memory", f"{len(foreign)} other process(es) hold {used_mb:.0f} MiB "
+                        f"(pids {','.join(str(p.pid) for p in foreign)}): a leftover job?",
+                        found=round(used_mb), expected=f"<= {pf.max_used_gpu_memory_mb:g} MiB"))
+    else:
+        out.append(ok("gpu.foreign_memory", found=round(used_mb), expected=f"<= {pf.max_used_gpu_memory_mb:g} MiB"))
+    return out
+
+
+def _check_nvlink(nvml, pf, h) -> Check:
+    active = down = 0
+    for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            state = nvml.nvmlDeviceGetNvLinkState(h, link)
+        except nvml.NVMLError as exc:
+            # Links past the ones this GPU has answer NotSupported / InvalidArgument.
+            if exc.value in (nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_INVALID_ARGUMENT):
+                continue
+            raise
+        if state == nvml.NVML_FEATURE_ENABLED:
+            active += 1
+        else:
+            down += 1
+    found = {"active": active, "inactive": down}
+    if pf.nvlinks_per_gpu:
+        if active < pf.nvlinks_per_gpu:
+            return fail("gpu.nvlink", f"{active} NVLink links active, {pf.nvlinks_per_gpu} expected",
+                        found=found, expected=pf.nvlinks_per_gpu)
+        return ok("gpu.nvlink", found=found, expected=pf.nvlinks_per_gpu)
+    if active and down:
+        return warn("gpu.nvlink", "some NVLink links are down (set cluster.preflight.nvlinks_per_gpu to gate)",
+                    found=found)
+    return ok("gpu.nvlink", "" if active else "no NVLink", found=found)

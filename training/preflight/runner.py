@@ -1,0 +1,185 @@
+"""Per-rank preflight: node checks, then matmul and collectives over all ranks, then the verdict.
+
+Entry points:
+- `python -m training.preflight RUN_DIR` (meshrun action=preflight, locally or as a Slurm job);
+- `before_training(cfg, run_dir)`, called by the training main when cluster.preflight.mode is warn or gate.
+
+Every rank of a job whose preflight finds a bad node exits with EXIT_NODE_BAD (4): the attempt stops
+before training on all ranks (not only on the bad node, whose peers would otherwise hang), and
+preflight.json / the `preflight` event name the bad nodes for the requeue to exclude.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Dict, List, Optional
+
+from training.config import Config, load_config
+from training.events import append_event
+from training.preflight import collectives, gpu_nvml, ib_sysfs, matmul, os_tunables
+from training.preflight.report import (EXIT_NODE_BAD, NODE_DIR, Check, Report, checks_from_dicts, fail,
+                                       format_table, ok)
+
+
+def node_name() -> str:
+    """The node as Slurm names it (fake nodes n1, n2 share one host on the dev cluster)."""
+    return os.environ.get("MESHRUN_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+
+
+def _env_from_slurm(cfg: Config) -> None:
+    """RANK & co. from SLURM_* when the launcher did not set them (srun starts this module directly)."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    if "MASTER_ADDR" not in os.environ:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ.get("SLURM_JOB_NODELIST", "")],
+                               capture_output=True, text=True).stdout.split()
+        os.environ["MASTER_ADDR"] = hosts[0] if hosts else "127.0.0.1"
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(cfg.cluster.master_port or 20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000)
+
+
+def node_checks(cfg: Config, node: str, before_ib: Optional[Dict] = None) -> (List[Check], Dict[str, Any]):
+    """GPU (NVML), OS and IB checks of this node; run by one rank per node."""
+    pf, cl = cfg.cluster.preflight, cfg.cluster
+    checks: List[Check] = []
+    nvml, why = gpu_nvml.load_nvml()
+    facts: Dict[str, Any] = {"gpus": [], "driver": None}
+    if nvml is None:
+        if cl.device == "cuda":
+            checks.append(fail("gpu.nvml", why + " but cluster.device=cuda", node=node))
+        else:
+            checks.append(ok("gpu.nvml", f"no GPU expected (cluster.device={cl.device}); {why}", node=node))
+    else:
+        try:
+            gchecks, facts = gpu_nvml.check_gpus(nvml, pf, cl.gpus_per_node, node, own_pids=_job_pids())
+            checks += gchecks
+        finally:
+            nvml.nvmlShutdown()
+    checks += os_tunables.check_os(pf, node, gpu_bus_ids=[g["bus_id"] for g in facts["gpus"]],
+                                   numa=cl.numa, numa_map=cl.numa_map)
+    root = pf.ib_sysfs_root_by_node.get(node, pf.ib_sysfs_root)
+    checks += ib_sysfs.check_ib(root, ib_sysfs.expected_hcas(pf.ib_hcas, cl.env), pf.ib_rate_gbps, node,
+                                before=before_ib)
+    return checks, facts
+
+
+def _job_pids() -> set:
+    """This process and its siblings on the node do not count as 'other processes' on a GPU."""
+    return {os.getpid(), os.getppid()}
+
+
+def run(cfg: Config, run_dir: str) -> Report:
+    """The whole preflight on this rank; every rank returns the same job Report."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.time()
+    pf, cl = cfg.cluster.preflight, cfg.cluster
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", cl.gpus_per_node))
+    node = node_name()
+    leader = local_rank == 0
+    ib_root = pf.ib_sysfs_root_by_node.get(node, pf.ib_sysfs_root)
+    before_ib = ib_sysfs.snapshot(ib_root) if leader else None
+
+    own: List[Check] = []
+    facts: Dict[str, Any] = {"driver": None}
+    if leader:
+        own, facts = node_checks(cfg, node)
+        # Written before any collective: if a rendezvous hangs on a bad node, its verdict survives.
+        os.makedirs(os.path.join(run_dir, NODE_DIR), exist_ok=True)
+        with open(os.path.join(run_dir, NODE_DIR, f"{node}.json"), "w") as f:
+            json.dump([c.to_dict() for c in own], f, indent=1, default=str)
+
+    on_gpu = cl.device == "cuda"
+    device = f"cuda:{local_rank}" if on_gpu else "cpu"
+    created = False
+    if not dist.is_initialized():
+        if on_gpu:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=pf.timeout_s))
+        created = True
+    try:
+        n = pf.matmul_size or (8192 if on_gpu else 384)
+        mm = None
+        if on_gpu:
+            mm = matmul.measure_tflops(device, n)
+        else:
+            # CPU ranks share the cores: measure one rank at a time so each gets the whole machine.
+            for r in range(world):
+                if r == rank:
+                    mm = matmul.measure_tflops(device, n)
+                dist.barrier()
+        sweep = collectives.run_sweep(rank, world, per_node, pf.collective_sizes_mb, pf.collective_iters, device)
+        if leader:  # counters read again after the traffic: rising ones fail
+            own = [c for c in own if not c.name.startswith("ib.")]
+            own += ib_sysfs.check_ib(ib_root, ib_sysfs.expected_hcas(pf.ib_hcas, cl.env), pf.ib_rate_gbps,
+                                     node, before=before_ib)
+        mine = {"rank": rank, "node": node, "checks": [c.to_dict() for c in own], "matmul": {**mm, "rank": rank,
+                "node": node}, "sweep": sweep, "versions": collectives.local_versions(facts.get("driver"))}
+        everyone: List[Dict[str, Any]] = [None] * world
+        dist.all_gather_object(everyone, mine)
+        if created:
+            dist.barrier()
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+    everyone.sort(key=lambda r: r["rank"])
+    node_of_rank = [r["node"] for r in everyone]
+    checks: List[Check] = []
+    for r in everyone:
+        checks += checks_from_dicts(r["checks"])
+    checks += matmul.check_matmul([r["matmul"] for r in everyone], pf.matmul_tflops, pf.min_rate_fraction,
+                                  pf.straggler_ratio, on_gpu)
+    checks += collectives.check_bandwidth([s for r in everyone for s in r["sweep"]], node_of_rank, per_node,
+                                          pf.busbw_intra_gbps, pf.busbw_inter_gbps, pf.min_rate_fraction)
+    checks += collectives.check_versions(everyone, pf.nccl_version)
+    nodes = list(dict.fromkeys(node_of_rank))
+    report = Report(checks, nodes, {"mode": pf.mode, "world_size": world, "device": cl.device,
+                                    "elapsed_s": round(time.time() - t0, 2), "versions": everyone[0]["versions"]})
+    return report
+
+
+def finish(report: Report, run_dir: str, rank: int) -> int:
+    """Rank 0 writes preflight.json, prints the table and records the event; all return the exit status."""
+    if rank == 0:
+        report.write(run_dir)
+        print(format_table(report.to_dict()), flush=True)
+        append_event(run_dir, "preflight", status=report.status, bad_nodes=report.bad_nodes,
+                     nodes=report.node_status(), mode=report.meta.get("mode"),
+                     elapsed_s=report.meta.get("elapsed_s"))
+    return EXIT_NODE_BAD if report.bad_nodes else 0
+
+
+def before_training(cfg: Config, run_dir: str) -> None:
+    """Training main's hook: off -> nothing; warn -> report only; gate -> SystemExit(4) on a bad node."""
+    mode = cfg.cluster.preflight.mode
+    if mode == "off":
+        return
+    rank = int(os.environ.get("RANK", 0))
+    status = finish(run(cfg, run_dir), run_dir, rank)
+    if status and mode == "gate":
+        raise SystemExit(status)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m training.preflight RUN_DIR (RUN_DIR holds config.json)", file=sys.stderr)
+        return 2
+    run_dir = argv[0]
+    cfg = load_config(os.path.join(run_dir, "config.json"))
+    _env_from_slurm(cfg)
+    return finish(run(cfg, run_dir), run_dir, int(os.environ.get("RANK", 0)))
