@@ -15,6 +15,7 @@ a copy of the word embedding (Megatron), which counts in its memory but not in p
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
@@ -257,20 +258,21 @@ def layer_activation_bytes(
     return total
 
 
-def korthikanti_table2(s: int, b: int, h: int, a: int, t: int, setting: str) -> float:
-    """The six closed forms of Korthikanti et al. 2022 Table 2 (bytes per layer), for the tests."""
+def korthikanti_table2(s: int, b: int, h: int, a: int, t: int, setting: str) -> Fraction:
+    """The six closed forms of Korthikanti et al. 2022 Table 2 (bytes per layer), exact, for the tests."""
+    F = Fraction
     if setting == "none":
-        return s * b * h * (34 + 5 * a * s / h)
+        return s * b * h * (34 + F(5 * a * s, h))
     if setting == "tp":
-        return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        return s * b * h * (10 + F(24, t) + F(5 * a * s, h * t))
     if setting == "tp_sp":
-        return s * b * h / t * (34 + 5 * a * s / h)
+        return F(s * b * h, t) * (34 + F(5 * a * s, h))
     if setting == "tp_selective":
-        return s * b * h * (10 + 24 / t)
+        return s * b * h * (10 + F(24, t))
     if setting == "tp_sp_selective":
-        return 34 * s * b * h / t
+        return F(34 * s * b * h, t)
     if setting == "full":
-        return 2 * s * b * h
+        return F(2 * s * b * h)
     raise ValueError(setting)
 
 
