@@ -1,0 +1,129 @@
+"""Which NUMA node each local rank binds to, and the numactl prefix that binds it (pure Python).
+
+- GPU ranks: the NUMA node of the rank's GPU, from sysfs (/sys/bus/pci/devices/<bus id>/numa_node),
+  the bus id from /proc/driver/nvidia/gpus/*/information (or nvidia-smi).
+- CPU-only ranks: local ranks are spread over the NUMA nodes in contiguous blocks.
+- numa=explicit: cluster.numa_map[local_rank]; numa=off: no binding.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from typing import Dict, List, Optional, Sequence
+
+
+def numa_nodes(sysfs_nodes: str = "/sys/devices/system/node") -> List[int]:
+    """NUMA nodes that have CPUs; [0] when sysfs has none (containers without NUMA info)."""
+    nodes = []
+    try:
+        for name in os.listdir(sysfs_nodes):
+            m = re.fullmatch(r"node(\d+)", name)
+            if not m:
+                continue
+            try:
+                with open(os.path.join(sysfs_nodes, name, "cpulist")) as f:
+                    if f.read().strip():
+                        nodes.append(int(m.group(1)))
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return sorted(nodes) or [0]
+
+
+def spread_node(local_rank: int, local_world: int, nodes: Sequence[int]) -> int:
+    """CPU-only: contiguous blocks of local ranks per NUMA node (4 ranks on 2 nodes: 0,0,1,1)."""
+    return nodes[local_rank * len(nodes) // max(local_world, 1)]
+
+
+def _normal_bus_id(bus_id: str) -> str:
+    """NVIDIA writes 00000000:17:00.0; sysfs names it 0000:17:00.0 (lower case)."""
+    bus_id = bus_id.strip().lower()
+    domain, _, rest = bus_id.partition(":")
+    return f"{int(domain, 16):04x}:{rest}"
+
+
+def gpu_bus_ids(proc_root: str = "/proc/driver/nvidia/gpus") -> Dict[int, str]:
+    """GPU index (device minor) -> PCI bus id, from the driver's proc files, else nvidia-smi."""
+    out: Dict[int, str] = {}
+    try:
+        for bus in os.listdir(proc_root):
+            with open(os.path.join(proc_root, bus, "information")) as f:
+                m = re.search(r"Device Minor:\s*(\d+)", f.read())
+            if m:
+                out[int(m.group(1))] = _normal_bus_id(bus)
+    except OSError:
+        pass
+    if out or not shutil.which("nvidia-smi"):
+        return out
+    res = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
+        capture_output=True, text=True, timeout=30,
+    )
+    for line in res.stdout.splitlines():
+        idx, _, bus = line.partition(",")
+        if idx.strip().isdigit():
+            out[int(idx)] = _normal_bus_id(bus)
+    return out
+
+
+def gpu_numa_node(bus_id: str, pci_root: str = "/sys/bus/pci/devices") -> Optional[int]:
+    """NUMA node of a PCI device; None when unknown (sysfs says -1 on single-node machines)."""
+    try:
+        with open(os.path.join(pci_root, bus_id, "numa_node")) as f:
+            node = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
+def visible_gpu(local_rank: int, cuda_visible: Optional[str]) -> int:
+    """Physical GPU index of a local rank: the local_rank-th entry of CUDA_VISIBLE_DEVICES."""
+    if cuda_visible:
+        ids = [x for x in cuda_visible.split(",") if x.strip()]
+        if local_rank < len(ids) and ids[local_rank].strip().isdigit():
+            return int(ids[local_rank])
+    return local_rank
+
+
+def choose_node(
+    numa: str,
+    numa_map: Sequence[int],
+    device: str,
+    local_rank: int,
+    local_world: int,
+    cuda_visible: Optional[str] = None,
+    sysfs_nodes: str = "/sys/devices/system/node",
+    pci_root: str = "/sys/bus/pci/devices",
+    proc_root: str = "/proc/driver/nvidia/gpus",
+) -> Optional[int]:
+    """The NUMA node this local rank binds to, or None for no binding."""
+    if numa == "off":
+        return None
+    if numa == "explicit":
+        if local_rank >= len(numa_map):
+            raise ValueError(
+                f"cluster.numa=explicit but cluster.numa_map has {len(numa_map)} entries for local rank "
+                f"{local_rank}: give one NUMA node per local rank"
+            )
+        return int(numa_map[local_rank])
+    if numa != "auto":
+        raise ValueError(f"cluster.numa={numa!r}: use auto, off or explicit")
+    nodes = numa_nodes(sysfs_nodes)
+    if device == "cuda":
+        bus = gpu_bus_ids(proc_root).get(visible_gpu(local_rank, cuda_visible))
+        node = gpu_numa_node(bus, pci_root) if bus else None
+        if node is not None:
+            return node
+        # Unknown GPU placement: spreading is still better than every rank on node 0.
+    return spread_node(local_rank, local_world, nodes)
+
+
+def numactl_prefix(node: Optional[int]) -> List[str]:
+    """`numactl --cpunodebind=N --membind=N`, or [] for no binding."""
+    if node is None:
+        return []
+    return ["numactl", f"--cpunodebind={node}", f"--membind={node}"]

@@ -1,0 +1,126 @@
+"""What to do when an attempt's srun step has ended (pure functions; the epilogue acts on them).
+
+Rank exit codes (docs/CONTRACTS.md): 0 finished, 3 stopped early after a complete checkpoint,
+4 preflight found the node bad, 2 invalid config/data, anything else (or no record) a failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+EXIT_DONE, EXIT_INVALID, EXIT_STOPPED, EXIT_BAD_NODE = 0, 2, 3, 4
+
+
+@dataclass
+class Failure:
+    """One rank that failed (or never reported)."""
+
+    rank: int
+    """Global rank."""
+    node: str
+    """Node it ran on."""
+    exit_code: Optional[int]
+    """Its exit code (negative: killed by that signal); None when it never reported (node lost)."""
+    reason: str
+    """What the rank printed last, or why it is counted as failed."""
+
+
+@dataclass
+class Decision:
+    """The epilogue's verdict on one attempt."""
+
+    action: str
+    """completed | requeue (stopped early: same job again) | resubmit (new job, nodes excluded) | stop."""
+    reason: str = ""
+    """Why, in words (goes to events.jsonl)."""
+    failures: List[Failure] = field(default_factory=list)
+    """The ranks blamed for a failure (the first to fail, or every rank that reported a bad node)."""
+    exclude: List[str] = field(default_factory=list)
+    """Nodes excluded from the next job (old exclusions included)."""
+    note: str = ""
+    """A remark for events.jsonl (e.g. a node that could not be excluded)."""
+
+
+def decide(
+    records: Sequence[Dict],
+    world_size: int,
+    rank_nodes: Dict[int, str],
+    progressed: bool,
+    retries_used: int,
+    max_retries: int,
+    excluded: Sequence[str],
+    partition_nodes: Sequence[str],
+    nodes_needed: int,
+) -> Decision:
+    """records: rank_<R>.json dicts of this attempt; rank_nodes: rank -> node from the job layout;
+    progressed: a new step was logged in this attempt; retries_used: resubmissions after failures so far."""
+    by_rank = {int(r["rank"]): r for r in records}
+    codes = {r: by_rank[r]["exit_code"] for r in by_rank}
+    if len(by_rank) == world_size and all(c == EXIT_DONE for c in codes.values()):
+        return Decision("completed")
+    if any(c == EXIT_INVALID for c in codes.values()):
+        ranks = sorted(r for r, c in codes.items() if c == EXIT_INVALID)
+        return Decision("stop", f"invalid configuration or data (exit 2 on rank(s) {ranks}): not retried",
+                        [_failure(by_rank[r]) for r in ranks])
+    if len(by_rank) == world_size and all(c in (EXIT_DONE, EXIT_STOPPED) for c in codes.values()):
+        return Decision("requeue", "stopped early after a checkpoint (preemption, time limit or exit_interval)")
+
+    bad_node = [r for r, c in codes.items() if c == EXIT_BAD_NODE]
+    if bad_node:
+        failures = [_failure(by_rank[r]) for r in sorted(bad_node)]
+    else:
+        failed = [rec for rec in by_rank.values() if rec["exit_code"] not in (EXIT_DONE, EXIT_STOPPED)]
+        if failed:
+            # The first rank to fail is the cause; srun --kill-on-bad-exit then killed the others.
+            first = min(failed, key=lambda rec: rec.get("ended", 0.0))
+            failures = [_failure(first)]
+        else:
+            missing = sorted(set(range(world_size)) - set(by_rank))
+            failures = [Failure(r, rank_nodes.get(r, "?"), None, "never reported (node or task lost)")
+                        for r in missing]
+            if not failures:
+                failures = [Failure(-1, "?", None, "step failed without a failing rank")]
+
+    # A bug, not a bad node: every rank raised the same exception and no step was ever completed.
+    if (not progressed and len(by_rank) == world_size and len(codes) > 0
+            and all(c == 1 for c in codes.values())
+            and len({by_rank[r].get("error", "") for r in by_rank}) == 1):
+        return Decision("stop", f"the same error on every rank before any step: {by_rank[0].get('error', '')} "
+                                "(a bug or a config problem: not retried)", failures)
+    if retries_used >= max_retries:
+        return Decision("stop", f"retries exhausted (cluster.max_retries={max_retries})", failures,
+                        list(excluded))
+    exclude, note = plan_exclusion(excluded, [f.node for f in failures if f.node != "?"],
+                                   partition_nodes, nodes_needed)
+    reason = "; ".join(f"rank {f.rank} on {f.node}: exit {f.exit_code} {f.reason}".strip() for f in failures)
+    return Decision("resubmit", reason, failures, exclude, note)
+
+
+def plan_exclusion(excluded: Sequence[str], new: Sequence[str], partition_nodes: Sequence[str],
+                   nodes_needed: int):
+    """Exclusions for the next job: old ones plus new failing nodes, never so many that fewer than
+    nodes_needed partition nodes remain. Returns (exclude list, note about nodes left usable)."""
+    out = list(dict.fromkeys(excluded))
+    skipped = []
+    for node in new:
+        if node in out:
+            continue
+        usable = [n for n in partition_nodes if n not in out and n != node]
+        if partition_nodes and len(usable) < nodes_needed:
+            skipped.append(node)
+            continue
+        out.append(node)
+    note = ""
+    if skipped:
+        note = (f"not excluding {', '.join(skipped)}: the partition would keep fewer than the "
+                f"{nodes_needed} nodes the job needs")
+    return out, note
+
+
+def _failure(rec: Dict) -> Failure:
+    code = rec.get("exit_code")
+    reason = rec.get("error") or (f"killed by signal {-code}" if isinstance(code, int) and code < 0 else "")
+    if code == EXIT_BAD_NODE:
+        reason = reason or "preflight found this node bad"
+    return Failure(int(rec["rank"]), rec.get("node", "?"), code, reason)

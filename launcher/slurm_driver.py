@@ -1,0 +1,143 @@
+"""The batch script's own steps around srun: `python -m launcher.slurm_driver prologue|epilogue RUN_DIR`.
+
+prologue (before srun): numbers the attempt, records `started` with the nodes, prints the
+  rendezvous exports (MASTER_ADDR = first node, MASTER_PORT from the job id) for `eval`.
+epilogue (after srun): reads every rank's record and acts (launcher/requeue.py decides):
+  completed -> `completed`; all ranks stopped early -> `requeued`, `scontrol requeue` (same job);
+  a failure -> `failed` (node, rank, exit code), then a new job excluding the failing node, up to
+  cluster.max_retries -> then `stopped`; exit 2 or the same error on every rank at step 0 -> `stopped`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+from launcher.requeue import decide
+from launcher.slurm_rank import attempt_dir
+from launcher.status import excluded_nodes, last_step, retries_used
+from training.config import load_config
+from training.events import append_event, read_events
+from training.slurm_env import expand_hostlist, first_host, port_from_job
+
+REQUEUE_WAIT_S = 120
+
+
+def job_id() -> str:
+    return os.environ.get("SLURM_JOB_ID", "0")
+
+
+def hostnames() -> List[str]:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
+    try:
+        hosts = expand_hostlist(nodelist)
+    except ValueError:
+        hosts = []
+    if not hosts and nodelist:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                               text=True).stdout.split()
+    return hosts
+
+
+def prologue(run_dir: str) -> int:
+    events = read_events(run_dir)
+    attempt = sum(1 for ev in events if ev.get("event") == "started")
+    nodes = hostnames()
+    step = last_step(run_dir)
+    os.makedirs(attempt_dir(run_dir, attempt), exist_ok=True)
+    with open(os.path.join(attempt_dir(run_dir, attempt), "prologue.json"), "w") as f:
+        json.dump({"last_step": step, "nodes": nodes, "job_id": job_id()}, f)
+    append_event(run_dir, "started", attempt=attempt, job_id=job_id(), nodes=nodes,
+                 restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0), resume_step=step)
+    exports = {
+        "MESHRUN_ATTEMPT": str(attempt),
+        "MASTER_ADDR": first_host(os.environ.get("SLURM_JOB_NODELIST", "localhost")),
+        "MASTER_PORT": str(port_from_job(job_id(), attempt)),
+    }
+    for k, v in exports.items():
+        print(f"export {k}={shlex.quote(v)}")
+    return 0
+
+
+def rank_layout(nodes: List[str], ranks_per_node: int) -> Dict[int, str]:
+    """Global rank -> node under Slurm's block distribution (ranks fill a node before the next)."""
+    return {n * ranks_per_node + i: node for n, node in enumerate(nodes) for i in range(ranks_per_node)}
+
+
+def epilogue(run_dir: str, srun_rc: int) -> int:
+    attempt = int(os.environ.get("MESHRUN_ATTEMPT", "0"))
+    cfg = load_config(os.path.join(run_dir, "config.json"))
+    adir = attempt_dir(run_dir, attempt)
+    records = []
+    for path in sorted(glob.glob(os.path.join(adir, "rank_*.json"))):
+        with open(path) as f:
+            records.append(json.load(f))
+    with open(os.path.join(adir, "prologue.json")) as f:
+        pro = json.load(f)
+    step_now = last_step(run_dir)
+    progressed = step_now is not None and (pro["last_step"] is None or step_now > pro["last_step"])
+    events = read_events(run_dir)
+    excluded = excluded_nodes(events)
+    from launcher.slurm import partition_nodes
+
+    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    d = decide(records, world, rank_layout(pro["nodes"], cfg.cluster.gpus_per_node), progressed,
+               retries_used(events), cfg.cluster.max_retries, excluded, partition_nodes(cfg.cluster.partition),
+               cfg.cluster.nodes)
+    ev = dict(attempt=attempt, job_id=job_id())
+    if d.action == "completed":
+        append_event(run_dir, "completed", last_step=step_now, **ev)
+        return 0
+    if d.action == "requeue":
+        append_event(run_dir, "requeued", cause="stopped_early", reason=d.reason, excluded_nodes=excluded,
+                     last_step=step_now, **ev)
+        sys.stdout.flush()
+        res = subprocess.run(["scontrol", "requeue", job_id()], capture_output=True, text=True)
+        if res.returncode != 0:
+            append_event(run_dir, "stopped", reason=f"scontrol requeue failed: {res.stderr.strip()}", **ev)
+            return 1
+        time.sleep(REQUEUE_WAIT_S)  # Slurm kills this script as part of the requeue
+        return 1
+    for f in d.failures:
+        append_event(run_dir, "failed", node=f.node, rank=f.rank, exit_code=f.exit_code, reason=f.reason,
+                     srun_exit_code=srun_rc, **ev)
+    if d.action == "stop":
+        append_event(run_dir, "stopped", reason=d.reason, last_step=step_now, **ev)
+        return 1
+    # resubmit: a new job with the failing node(s) excluded, resuming from the last checkpoint.
+    from launcher.slurm import submit_job
+
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "SBATCH_", "SUBMITIT_"))]:
+        del os.environ[key]  # the new job must not inherit this job's allocation
+    try:
+        new_id = submit_job(cfg, run_dir, exclude=",".join(d.exclude))
+    except Exception as exc:
+        append_event(run_dir, "stopped", reason=f"resubmission failed: {exc}", **ev)
+        return 1
+    fields = dict(cause="failure", reason=d.reason, excluded_nodes=d.exclude, new_job_id=new_id,
+                  retry=retries_used(events) + 1, max_retries=cfg.cluster.max_retries, **ev)
+    if d.note:
+        fields["note"] = d.note
+    append_event(run_dir, "requeued", **fields)
+    print(f"meshrun: attempt {attempt} failed ({d.reason}); resubmitted as job {new_id} "
+          f"excluding {d.exclude or 'no node'}", file=sys.stderr)
+    return 1
+
+
+def main(argv: List[str]) -> int:
+    if len(argv) < 2 or argv[0] not in ("prologue", "epilogue"):
+        print("usage: python -m launcher.slurm_driver prologue|epilogue RUN_DIR [SRUN_RC]", file=sys.stderr)
+        return 2
+    if argv[0] == "prologue":
+        return prologue(argv[1])
+    return epilogue(argv[1], int(argv[2]) if len(argv) > 2 and argv[2].lstrip("-").isdigit() else -1)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

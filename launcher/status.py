@@ -1,0 +1,138 @@
+"""`meshrun action=status run.dir=D`: one JSON object on stdout (state, job_id, attempt, last_step,
+excluded_nodes), from events.jsonl, metrics.jsonl, checkpoints/latest and squeue/sacct.
+
+Also the small readers the Slurm driver shares (last step, the job chain in events.jsonl)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any, Dict, List, Optional
+
+from training.events import read_events
+
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+                "BOOT_FAIL", "DEADLINE"}
+
+
+def last_metrics_step(run_dir: str) -> Optional[int]:
+    """Step of the last complete line of metrics.jsonl."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def last_checkpoint_step(run_dir: str) -> Optional[int]:
+    """Step named by checkpoints/latest ("step_<N>")."""
+    try:
+        with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
+            m = re.search(r"(\d+)", f.read())
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
+def last_step(run_dir: str) -> Optional[int]:
+    steps = [s for s in (last_metrics_step(run_dir), last_checkpoint_step(run_dir)) if s is not None]
+    return max(steps) if steps else None
+
+
+def current_job_id(events: List[Dict[str, Any]]) -> Optional[str]:
+    """The newest Slurm job of the run: the last submitted or resubmitted one."""
+    job = None
+    for ev in events:
+        if ev.get("event") == "submitted" and ev.get("job_id") not in (None, "local"):
+            job = str(ev["job_id"])
+        if ev.get("event") == "requeued" and ev.get("new_job_id"):
+            job = str(ev["new_job_id"])
+    return job
+
+
+def excluded_nodes(events: List[Dict[str, Any]]) -> List[str]:
+    out: List[str] = []
+    for ev in events:
+        if ev.get("event") in ("submitted", "requeued") and "excluded_nodes" in ev:
+            out = list(ev["excluded_nodes"])
+    return out
+
+
+def retries_used(events: List[Dict[str, Any]]) -> int:
+    """Resubmissions after failures so far (preemption requeues do not count)."""
+    return sum(1 for ev in events if ev.get("event") == "requeued" and ev.get("cause") == "failure")
+
+
+def _run(cmd: List[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def slurm_state(job_id: str) -> Optional[str]:
+    """PENDING, RUNNING, ... from squeue, or from sacct once the job has left the queue."""
+    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T"]).split()
+    if out:
+        return out[0]
+    for line in _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State"]).splitlines():
+        jid, _, state = line.partition("|")
+        if jid.strip() == job_id and state:
+            return state.split()[0]  # "CANCELLED by 0" -> CANCELLED
+    return None
+
+
+def run_status(run_dir: str) -> Dict[str, Any]:
+    events = read_events(run_dir)
+    job = current_job_id(events)
+    attempt = max((int(ev.get("attempt", 0)) for ev in events if ev.get("event") == "started"), default=None)
+    state = None
+    reason = None
+    last = events[-1] if events else {}
+    if last.get("event") == "completed":
+        state = "COMPLETED"
+    elif last.get("event") == "stopped":
+        state, reason = "FAILED", last.get("reason")
+    elif job is not None:
+        state = slurm_state(job)
+        if state is None:
+            state = "PENDING"  # accepted by sbatch but not yet visible (sacct lags)
+        elif state == "PENDING" and last.get("event") == "requeued":
+            state = "REQUEUED"
+    elif last.get("event") == "failed":
+        state = "FAILED"
+    elif last.get("event") == "started":
+        state = "RUNNING"
+    out = {
+        "state": state or "UNKNOWN",
+        "job_id": job if job is not None else (last.get("job_id") if last else None),
+        "attempt": attempt,
+        "last_step": last_step(run_dir),
+        "excluded_nodes": excluded_nodes(events),
+    }
+    if reason:
+        out["reason"] = reason
+    return out
+
+
+def print_status(run_dir: str) -> Dict[str, Any]:
+    """Print exactly one JSON object on stdout; an unknown run dir is an error on stderr (exit 2)."""
+    if not os.path.isdir(run_dir):
+        print(f"error: run.dir={run_dir} does not exist: give the run directory printed at submission",
+              file=sys.stderr)
+        raise SystemExit(2)
+    status = run_status(run_dir)
+    print(json.dumps(status, sort_keys=True))
+    return status

@@ -1,0 +1,136 @@
+"""Slurm's environment -> torch.distributed's (RANK, WORLD_SIZE, ...), and the NUMA affinity check.
+
+Pure Python (no torch, no Hydra): the launcher's rank wrapper calls :func:`torch_env_from_slurm`
+before it starts `python -m training.main`, and training/main.py calls :func:`apply_slurm_env`
+so a rank started by a plain `srun python -m training.main RUN_DIR` works too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from typing import Dict, List, Mapping, MutableMapping, Optional, Set
+
+PORT_BASE = 20000
+"""Lowest rendezvous port derived from a job id."""
+PORT_SPAN = 20000
+"""Ports PORT_BASE .. PORT_BASE + PORT_SPAN - 1 are used."""
+
+
+def expand_hostlist(hostlist: str) -> List[str]:
+    """Expand a Slurm hostlist ("n[1-3,7],gpu01") in Python; `scontrol show hostnames` is the fallback."""
+    hosts: List[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", hostlist):
+        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
+        if not m:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for r in ranges.split(","):
+            lo, _, hi = r.partition("-")
+            if not hi:
+                hosts.append(f"{prefix}{lo}{suffix}")
+                continue
+            width = len(lo) if lo.startswith("0") else 0
+            for i in range(int(lo), int(hi) + 1):
+                hosts.append(f"{prefix}{i:0{width}d}{suffix}")
+    return hosts
+
+
+def first_host(nodelist: str) -> str:
+    """First host of SLURM_JOB_NODELIST: the rendezvous host (rank 0 runs there)."""
+    try:
+        hosts = expand_hostlist(nodelist)
+    except ValueError:
+        hosts = []
+    if not hosts:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        hosts = out.stdout.split()
+    return hosts[0]
+
+
+def port_from_job(job_id: str, restart_count: int = 0) -> int:
+    """A rendezvous port derived from the job id (and restart, so a requeued attempt never meets
+    its predecessor's lingering sockets); the same on every rank without any exchange."""
+    digits = re.sub(r"\D", "", job_id) or "0"
+    return PORT_BASE + (int(digits) * 7 + restart_count) % PORT_SPAN
+
+
+def torch_env_from_slurm(env: Mapping[str, str]) -> Dict[str, str]:
+    """The torch.distributed variables for this Slurm task; empty outside Slurm tasks.
+
+    Values already present in env (e.g. MASTER_ADDR exported by the batch script) win."""
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return {}
+    ntasks = int(env["SLURM_NTASKS"])
+    nnodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    out = {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": str(ntasks),
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": str(ntasks // max(nnodes, 1)),
+    }
+    if env.get("MASTER_ADDR"):
+        out["MASTER_ADDR"] = env["MASTER_ADDR"]
+    else:
+        out["MASTER_ADDR"] = first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "localhost")
+    if env.get("MASTER_PORT"):
+        out["MASTER_PORT"] = env["MASTER_PORT"]
+    else:
+        job = env.get("SLURM_JOB_ID", "0")
+        out["MASTER_PORT"] = str(port_from_job(job, int(env.get("SLURM_RESTART_COUNT") or 0)))
+    return out
+
+
+def apply_slurm_env(env: Optional[MutableMapping[str, str]] = None) -> bool:
+    """Set RANK/WORLD_SIZE/... from SLURM_* when RANK is not set yet; True when it changed anything."""
+    env = os.environ if env is None else env
+    if env.get("RANK") is not None:
+        return False
+    mapped = torch_env_from_slurm(env)
+    env.update(mapped)
+    return bool(mapped)
+
+
+# ---------------------------------------------------------------- NUMA affinity, checked inside the rank
+def parse_cpulist(text: str) -> Set[int]:
+    """"0-3,8,10-11" -> {0,1,2,3,8,10,11} (the sysfs cpulist format)."""
+    cpus: Set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def numa_node_cpus(node: int, sysfs: str = "/sys/devices/system/node") -> Set[int]:
+    with open(os.path.join(sysfs, f"node{node}", "cpulist")) as f:
+        return parse_cpulist(f.read())
+
+
+def check_affinity(expected_node: Optional[int] = None, sysfs: str = "/sys/devices/system/node") -> Optional[str]:
+    """None when this process's CPU affinity lies inside its NUMA node's cpulist, else the problem.
+
+    expected_node defaults to $MESHRUN_NUMA_NODE (set by the launcher's rank wrapper); no node: None."""
+    if expected_node is None:
+        value = os.environ.get("MESHRUN_NUMA_NODE", "")
+        if not value:
+            return None
+        expected_node = int(value)
+    want = numa_node_cpus(expected_node, sysfs)
+    have = os.sched_getaffinity(0)
+    if have and have <= want:
+        return None
+    return f"rank affinity {sorted(have)} is not inside NUMA node {expected_node}'s CPUs {sorted(want)}"
+
+
+def reapply_affinity(sysfs: str = "/sys/devices/system/node") -> bool:
+    """Re-bind to $MESHRUN_NUMA_NODE's CPUs if a library (e.g. a communicator's threads setup) reset
+    the affinity; call after creating process groups. True when it had to re-bind."""
+    value = os.environ.get("MESHRUN_NUMA_NODE", "")
+    if not value or check_affinity(int(value), sysfs) is None:
+        return False
+    os.sched_setaffinity(0, numa_node_cpus(int(value), sysfs))
+    return True
