@@ -37,7 +37,7 @@ def summarize(points: List[Dict[str, Any]]) -> Dict[str, Any]:
         for key in ("job_id", "run_dir"):
             if key in res:
                 row[key] = res[key]
-        if res.get("status") == "ok" and plan:
+        if res.get("status") in ("ok", "submitted") and plan:
             mem = plan["memory_bytes"]["total"]
             row.update(memory_bytes=mem, headroom_bytes=plan["gpu_memory_bytes"] - mem,
                        bubble_ratio=plan["bubble_ratio"], world_size=plan["world_size"],

@@ -17,7 +17,8 @@ EVENTS_FILE = "events.jsonl"
 
 def current_attempt() -> int:
     """Slurm's restart count, or the local launcher's attempt number; 0 for a first attempt."""
-    for key in ("SLURM_RESTART_COUNT", "MESHRUN_ATTEMPT"):
+    # MESHRUN_ATTEMPT first: the Slurm driver numbers attempts across resubmitted jobs too.
+    for key in ("MESHRUN_ATTEMPT", "SLURM_RESTART_COUNT"):
         value = os.environ.get(key)
         if value not in (None, ""):
             try:

@@ -17,6 +17,9 @@ EXIT_INVALID = 2
 
 def _env_from_slurm() -> None:
     """Map Slurm's task variables onto the standard ones when a launcher did not set them."""
+    from training.slurm_env import apply_slurm_env
+
+    apply_slurm_env()  # also MASTER_ADDR (first node) and MASTER_PORT (from the job id)
     for std, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS"), ("LOCAL_RANK", "SLURM_LOCALID"),
                        ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")):
         if std not in os.environ and slurm in os.environ:
@@ -68,6 +71,11 @@ def main(argv=None) -> int:
     mesh = None
     try:
         mesh = ProcessMesh.from_env(p.tp, p.pp, p.cp, derived_dp(cfg), backend, cfg.train.dist_timeout_s)
+        from training.slurm_env import reapply_affinity
+
+        if reapply_affinity():  # a communicator reset the NUMA binding the launcher set
+            print(f"note: rank {os.environ.get('RANK')}: NUMA affinity re-applied after process-group setup",
+                  file=sys.stderr)
         trainer = Trainer(cfg, run_dir, mesh)
         code = trainer.run()
     except DataError as exc:
