@@ -46,7 +46,7 @@ def rank_groups(tp: int, pp: int, cp: int, dp: int) -> Dict[str, List[List[int]]
     dp: only in dp_rank.                      dp_cp: in dp_rank and cp_rank (gradient reduction with cp).
     model_parallel: in tp_rank and pp_rank (one model replica's shards: gradient-norm reduction).
     embedding: first and last pipeline stage at one (dp, cp, tp) position (tied-embedding grad reduction);
-    a single rank when pp == 1.
+    a single rank when pp == 1, and for each middle stage when pp > 2.
     """
     for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", dp)):
         if v < 1:
@@ -80,6 +80,9 @@ def rank_groups(tp: int, pp: int, cp: int, dp: int) -> Dict[str, List[List[int]]
             for t in range(tp):
                 stages = sorted({0, pp - 1})
                 g["embedding"].append([R(t, c, p, d) for p in stages])
+                # Middle stages hold no embedding: each gets a group of its own, so every kind
+                # partitions the world and no rank's group is None (None would mean WORLD to torch).
+                g["embedding"].extend([R(t, c, p, d)] for p in range(1, pp - 1))
     return g
 
 
@@ -192,6 +195,7 @@ class ProcessMesh:
             tp_rank=c["tp"], pp_rank=c["pp"], cp_rank=c["cp"], dp_rank=c["dp"],
             device=device, backend=backend,
         )
+        pp_rank_is_end = c["pp"] in (0, pp - 1)
         for kind, lists in rank_groups(tp, pp, cp, dp).items():
             mine = None
             for ranks in lists:
@@ -204,7 +208,8 @@ class ProcessMesh:
             setattr(mesh, f"{kind}_group", mine[0])
             mesh.group_ranks[kind] = list(mine[1])
             expected = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "dp_cp": dp * cp,
-                        "model_parallel": tp * pp, "embedding": min(pp, 2)}[kind]
+                        "model_parallel": tp * pp,
+                        "embedding": min(pp, 2) if pp_rank_is_end else 1}[kind]
             assert dist.get_world_size(mine[0]) == expected, (kind, mine[1], expected)
         return mesh
 

@@ -1,0 +1,89 @@
+"""Run a function on N gloo processes and collect what each rank returns.
+
+    results = run_distributed(fn, world_size=4, args=(...,), timeout_s=120)
+
+`fn` must be importable (a module-level function). Each process gets RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT in its environment, one torch thread (the
+machine's cores are shared), then calls fn(*args) and sends back the result. It does NOT create a
+process group: fn does that (usually through ProcessMesh.from_env) and should call mesh.destroy().
+A rank's exception is re-raised here with its traceback; a run longer than timeout_s kills every
+rank and raises TimeoutError, so a deadlocked collective fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, List, Sequence
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, results, threads) -> None:
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": str(threads),
+    })
+    import torch
+    torch.set_num_threads(threads)
+    try:
+        results.put((rank, True, fn(*args)))
+    except BaseException:  # noqa: BLE001 - sent to the parent, which re-raises
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
+                    timeout_s: float = 120.0, threads: int = 1) -> List[Any]:
+    """fn(*args) on world_size spawned ranks; returns the ranks' results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, tuple(args), results, threads),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict = {}
+    errors = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(out) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{world_size}-rank run of {fn.__name__} exceeded {timeout_s} s; "
+                                   f"finished ranks: {sorted(out)}")
+            try:
+                rank, ok, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in out]
+                if dead and not errors:
+                    raise RuntimeError(f"rank(s) {dead} died without a result (exit codes "
+                                       f"{[procs[i].exitcode for i in dead]})")
+                continue
+            if ok:
+                out[rank] = value
+            else:
+                errors.append((rank, value))
+                break  # the other ranks may now block on a collective: do not wait for them
+        if errors:
+            rank, tb = errors[0]
+            raise RuntimeError(f"rank {rank} of {world_size} failed:\n{tb}")
+        for p in procs:
+            p.join(timeout=30)
+        return [out[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
