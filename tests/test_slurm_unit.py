@@ -1,0 +1,199 @@
+"""Slurm launcher pieces that need no cluster: golden sbatch text, quoting, NUMA helpers,
+Slurm env mapping, requeue decisions, status."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from launcher import numa
+from launcher.requeue import decide, plan_exclusion
+from launcher.sbatch import PROJECT_ROOT, SlurmConfigError, dry_run_text, job_spec, setup_lines, validate_for_slurm
+from launcher.status import run_status
+from training.config import ClusterConfig, Config
+from training.events import append_event
+from training import slurm_env
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "slurm_dry_run.txt")
+
+
+def dev_cfg(**cluster) -> Config:
+    cfg = Config()
+    base = dict(name="slurm_dev", kind="slurm", partition="debug", nodes=2, gpus_per_node=2, device="cpu",
+                time_min=10, signal_delay_s=45, max_retries=2, env={"NCCL_DEBUG": "WARN", "NCCL_IB_HCA": "mlx5_0"})
+    base.update(cluster)
+    cfg.cluster = ClusterConfig(**base)
+    cfg.parallel.tp = 2
+    return cfg
+
+
+def normalise(text: str, run_dir: str) -> str:
+    return (text.replace(shlex.quote(sys.executable), "<PYTHON>").replace(sys.executable, "<PYTHON>")
+            .replace(run_dir, "<RUN_DIR>").replace(PROJECT_ROOT, "<ROOT>"))
+
+
+def test_dry_run_matches_golden(tmp_path):
+    run_dir = str(tmp_path / "run")
+    text = normalise(dry_run_text(dev_cfg(), run_dir), run_dir)
+    if os.environ.get("MESHRUN_UPDATE_GOLDEN"):
+        with open(GOLDEN, "w") as f:
+            f.write(text)
+    with open(GOLDEN) as f:
+        assert text == f.read()
+    # The contract, not only the bytes: requeue, USR2 (never USR1), kill-on-bad-exit, NCCL env.
+    assert "#SBATCH --requeue" in text and "#SBATCH --signal=USR2@45" in text and "USR1" not in text
+    assert "--kill-on-bad-exit=1" in text and "export NCCL_IB_HCA=mlx5_0" in text
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in text  # tp=2
+
+
+def test_cuda_max_connections_only_with_tp(tmp_path):
+    cfg = dev_cfg()
+    cfg.parallel.tp = 1
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in dry_run_text(cfg, str(tmp_path))
+
+
+def test_gpus_requested_only_on_cuda(tmp_path):
+    assert "gpus_per_node" not in job_spec(dev_cfg(), str(tmp_path)).parameters
+    assert job_spec(dev_cfg(device="cuda"), str(tmp_path)).parameters["gpus_per_node"] == 2
+
+
+def test_env_values_with_metacharacters_arrive_verbatim(tmp_path):
+    nasty = "$(touch %s/pwned); `id` 'q' \"d\" \\ ; & | > <" % tmp_path
+    cfg = dev_cfg(env={"MESHRUN_NASTY": nasty})
+    lines = [ln for ln in setup_lines(cfg, str(tmp_path / "r un")) if ln.startswith("export ")]
+    script = "\n".join(lines) + '\nprintf %s "$MESHRUN_NASTY" > "$0.out"; printf %s "$MESHRUN_RUN_DIR" > "$0.dir"'
+    path = tmp_path / "s.sh"
+    path.write_text(script)
+    subprocess.run(["bash", str(path)], check=True)
+    assert (tmp_path / "s.sh.out").read_text() == nasty
+    assert (tmp_path / "s.sh.dir").read_text() == str(tmp_path / "r un")
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("field,value", [("partition", "debug;touch /tmp/x"), ("account", "a b"),
+                                         ("qos", "$(id)"), ("exclude", "n1\n#SBATCH --x")])
+def test_metacharacters_in_sbatch_fields_are_rejected(field, value, tmp_path):
+    cfg = dev_cfg(**{field: value})
+    errors = validate_for_slurm(cfg)
+    assert len(errors) == 1 and f"cluster.{field}" in errors[0]
+    with pytest.raises(SlurmConfigError):
+        job_spec(cfg, str(tmp_path))
+
+
+def test_sbatch_extra_checked(tmp_path):
+    errors = validate_for_slurm(dev_cfg(sbatch_extra={"constraint": "a;b", "--mem": "1G", "signal": "USR1@9"}))
+    assert len(errors) == 3
+    spec = job_spec(dev_cfg(sbatch_extra={"constraint": "h100"}), str(tmp_path))
+    assert spec.parameters["additional_parameters"] == {"requeue": True, "constraint": "h100"}
+
+
+# ------------------------------------------------------------------------------------------ NUMA
+def make_sysfs(root, cpulists):
+    for i, cl in enumerate(cpulists):
+        d = root / "node" / f"node{i}"
+        d.mkdir(parents=True)
+        (d / "cpulist").write_text(cl + "\n")
+    return str(root / "node")
+
+
+def test_cpu_ranks_spread_over_numa_nodes(tmp_path):
+    nodes = make_sysfs(tmp_path, ["0-15", "16-31"])
+    got = [numa.choose_node("auto", [], "cpu", r, 4, sysfs_nodes=nodes) for r in range(4)]
+    assert got == [0, 0, 1, 1]
+    assert numa.numactl_prefix(1) == ["numactl", "--cpunodebind=1", "--membind=1"]
+
+
+def test_gpu_rank_binds_to_its_gpus_numa_node(tmp_path):
+    nodes = make_sysfs(tmp_path, ["0-15", "16-31"])
+    proc = tmp_path / "proc"
+    pci = tmp_path / "pci"
+    for minor, bus, node in [(0, "00000000:17:00.0", 1), (1, "00000000:A3:00.0", 0)]:
+        (proc / bus).mkdir(parents=True)
+        (proc / bus / "information").write_text(f"Model: H100\nDevice Minor: {minor}\n")
+        short = "0000:" + bus.split(":", 1)[1].lower()
+        (pci / short).mkdir(parents=True)
+        (pci / short / "numa_node").write_text(f"{node}\n")
+    kw = dict(sysfs_nodes=nodes, pci_root=str(pci), proc_root=str(proc))
+    assert numa.choose_node("auto", [], "cuda", 0, 2, "0,1", **kw) == 1
+    assert numa.choose_node("auto", [], "cuda", 1, 2, "0,1", **kw) == 0
+    assert numa.choose_node("auto", [], "cuda", 0, 1, "1", **kw) == 0  # CUDA_VISIBLE_DEVICES remaps
+
+
+def test_numa_off_and_explicit():
+    assert numa.choose_node("off", [], "cuda", 0, 8) is None
+    assert numa.choose_node("explicit", [3, 2], "cuda", 1, 2) == 2
+    with pytest.raises(ValueError, match="numa_map"):
+        numa.choose_node("explicit", [0], "cuda", 1, 2)
+
+
+def test_affinity_check(tmp_path):
+    mine = sorted(os.sched_getaffinity(0))
+    nodes = make_sysfs(tmp_path, [",".join(map(str, mine)), "9999"])
+    assert slurm_env.check_affinity(0, nodes) is None
+    assert "not inside NUMA node 1" in slurm_env.check_affinity(1, nodes)
+    assert slurm_env.parse_cpulist("0-2,5,7-8") == {0, 1, 2, 5, 7, 8}
+
+
+# ------------------------------------------------------------------------------------ Slurm env
+def test_hostlist_and_rendezvous():
+    assert slurm_env.expand_hostlist("n[1-3],gpu[08-10],x") == ["n1", "n2", "n3", "gpu08", "gpu09", "gpu10", "x"]
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_JOB_NODELIST": "n[2-3]", "SLURM_JOB_ID": "1234"}
+    out = slurm_env.torch_env_from_slurm(env)
+    assert out["RANK"] == "3" and out["WORLD_SIZE"] == "4" and out["LOCAL_RANK"] == "1"
+    assert out["LOCAL_WORLD_SIZE"] == "2" and out["MASTER_ADDR"] == "n2"
+    port = int(out["MASTER_PORT"])
+    assert slurm_env.PORT_BASE <= port < slurm_env.PORT_BASE + slurm_env.PORT_SPAN
+    assert slurm_env.port_from_job("1234", 1) != port  # a requeued attempt gets a fresh port
+    assert slurm_env.torch_env_from_slurm({}) == {}
+
+
+# -------------------------------------------------------------------------------------- requeue
+def rec(rank, node, code, error="", ended=0.0):
+    return {"rank": rank, "node": node, "exit_code": code, "error": error, "ended": ended}
+
+
+LAYOUT = {0: "n1", 1: "n1", 2: "n2", 3: "n2"}
+ARGS = dict(world_size=4, rank_nodes=LAYOUT, progressed=True, retries_used=0, max_retries=2, excluded=[],
+            partition_nodes=["n1", "n2", "n3"], nodes_needed=2)
+
+
+def test_decisions():
+    assert decide([rec(r, LAYOUT[r], 0) for r in range(4)], **ARGS).action == "completed"
+    assert decide([rec(r, LAYOUT[r], 3) for r in range(4)], **ARGS).action == "requeue"
+    d = decide([rec(2, "n2", -9, ended=5.0), rec(0, "n1", -15, ended=6.0)], **ARGS)
+    assert d.action == "resubmit" and d.exclude == ["n2"] and d.failures[0].rank == 2
+    assert decide([rec(0, "n1", 2, "error: bad")], **ARGS).action == "stop"
+    same = [rec(r, LAYOUT[r], 1, "ValueError: boom") for r in range(4)]
+    assert decide(same, **{**ARGS, "progressed": False}).action == "stop"
+    assert decide(same, **ARGS).action == "resubmit"  # it trained before: not a step-0 bug
+    d = decide([rec(2, "n2", -9)], **{**ARGS, "retries_used": 2})
+    assert d.action == "stop" and "max_retries=2" in d.reason
+    d = decide([], **ARGS)  # a node vanished: nobody reported
+    assert d.action == "resubmit" and len(d.failures) == 4
+    d = decide([rec(r, LAYOUT[r], 4 if r >= 2 else 3) for r in range(4)], **ARGS)
+    assert d.action == "resubmit" and d.exclude == ["n2"]
+
+
+def test_exclusion_never_leaves_too_few_nodes():
+    out, note = plan_exclusion(["n2"], ["n1"], ["n1", "n2", "n3"], 2)
+    assert out == ["n2"] and "n1" in note and "2 nodes" in note
+    assert plan_exclusion([], ["n3"], ["n1", "n2", "n3"], 2) == (["n3"], "")
+
+
+def test_status_from_events(tmp_path):
+    run = str(tmp_path)
+    append_event(run, "submitted", job_id="77", attempt=0, excluded_nodes=[])
+    append_event(run, "started", job_id="77", attempt=0, nodes=["n1", "n2"])
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 5, "loss": 1.0}) + "\n")
+    append_event(run, "requeued", job_id="77", attempt=0, cause="failure", excluded_nodes=["n2"], new_job_id="78")
+    append_event(run, "started", job_id="78", attempt=1, nodes=["n1", "n3"])
+    append_event(run, "completed", job_id="78", attempt=1)
+    st = run_status(run)
+    assert st == {"state": "COMPLETED", "job_id": "78", "attempt": 1, "last_step": 5, "excluded_nodes": ["n2"]}
