@@ -1,0 +1,135 @@
+"""Validation: every rule reported at once, errors vs warnings, each with its fix."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from launcher.plan import with_parallel
+from launcher.schema import register
+from launcher.validate import validate
+from training.config import Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+register()
+
+
+def compose_cfg(*overrides: str) -> Config:
+    with initialize_config_dir(version_base=None, config_dir=os.path.join(ROOT, "conf")):
+        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
+
+
+def _keys(issues):
+    return [i.key for i in issues]
+
+
+def test_default_config_is_valid_and_planned():
+    report = validate(compose_cfg())
+    assert report.errors == []
+    assert report.plan is not None and report.plan.fits
+
+
+def test_all_errors_at_once_each_with_fix():
+    cfg = compose_cfg("parallel.tp=3", "parallel.global_batch=10", "model.norm=batchnorm",
+                      "parallel.schedule=zigzag", "cluster.numa=everywhere")
+    report = validate(cfg)
+    keys = _keys(report.errors)
+    for key in ("parallel.tp", "model.norm", "parallel.schedule", "cluster.numa"):
+        assert key in keys, (key, keys)
+    assert all(i.fix for i in report.errors)
+    tp = next(i for i in report.errors if i.key == "parallel.tp" and "heads" in i.message)
+    assert "[1, 2, 4]" in tp.fix  # the tp values that divide 4 heads within a 4-GPU node
+
+
+def test_tp_heads_and_query_groups():
+    cfg = compose_cfg("model=llama3_8b", "parallel=single", "parallel.tp=16", "cluster.gpus_per_node=16",
+                      "cluster.gpu_memory_gb=1000")
+    msgs = [i.message for i in validate(cfg).errors]
+    assert any("num_query_groups 8 must be divisible by tp=16" in m for m in msgs), msgs
+
+
+def test_hidden_heads_vocab_and_sizes():
+    r = validate(compose_cfg("model.hidden_size=66"))
+    assert any(i.key == "model.hidden_size" for i in r.errors)
+    r = validate(compose_cfg("model.vocab_size=100", "data=text"))
+    assert any(i.key == "model.vocab_size" and "byte" in i.message for i in r.errors)
+    assert not any(i.key == "model.vocab_size" for i in validate(compose_cfg("model.vocab_size=100", "data=synthetic")).errors)
+    r = validate(compose_cfg("model.num_layers=-2", "parallel.micro_batch=0"))
+    assert {"model.num_layers", "parallel.micro_batch"} <= set(_keys(r.errors))
+    assert r.plan is None
+
+
+def test_vocab_padding_is_said():
+    r = validate(compose_cfg("model.vocab_size=257", "parallel.tp=2"))
+    note = next(i for i in r.notes if i.key == "model.vocab_size")
+    assert "258" in note.message and "+1" in note.message
+
+
+def test_layers_pipeline_and_interleaving():
+    base = compose_cfg("parallel=single", "cluster.gpus_per_node=4")  # 4 layers
+    r = validate(with_parallel(base, pp=3, dp=1, global_batch=3, micro_batch=1))
+    assert any("not divisible by pp x vpp" in i.message for i in r.errors)
+    r = validate(with_parallel(base, pp=8, dp=1))
+    assert any("larger than num_layers" in i.message for i in r.errors)
+    r = validate(with_parallel(base, pp=2, vpp=2, schedule="1f1b"))
+    assert any("needs schedule=interleaved_1f1b" in i.message for i in r.errors)
+    r = validate(with_parallel(base, pp=2, vpp=1, schedule="interleaved_1f1b"))
+    assert any("needs vpp > 1" in i.message for i in r.errors)
+    # dp = 2, micro 1, global 6 -> 3 micro-batches: not a multiple of pp = 2.
+    r = validate(with_parallel(base, pp=2, vpp=2, schedule="interleaved_1f1b", micro_batch=1, global_batch=6))
+    assert any("multiple of pp=2" in i.message for i in r.errors)
+    r = validate(with_parallel(base, pp=2, vpp=2, schedule="interleaved_1f1b", micro_batch=1, global_batch=8))
+    assert r.errors == []
+
+
+def test_sp_cp_world_and_batch():
+    base = compose_cfg("parallel=single", "cluster.gpus_per_node=4")
+    assert any(i.key == "parallel.sp" for i in validate(with_parallel(base, sp=True)).errors)
+    odd = replace(base, model=replace(base.model, seq_length=63))
+    assert any(i.key == "parallel.sp" for i in validate(with_parallel(odd, tp=2, sp=True)).errors)
+    assert any(i.key == "parallel.cp" for i in validate(with_parallel(odd, cp=2)).errors)
+    r = validate(with_parallel(base, dp=8))
+    world = next(i for i in r.errors if i.code == "world")
+    assert "= 8 but the cluster has 1 x 4 = 4" in world.message and "parallel.dp=4" in world.fix
+    r = validate(with_parallel(base, global_batch=10))
+    batch = next(i for i in r.errors if i.code == "batch")
+    assert "micro_batch x dp = 1 x 4 = 4" in batch.message and "global_batch=8" in batch.fix
+
+
+def test_tp_across_nodes():
+    cfg = compose_cfg("parallel=single", "cluster.gpus_per_node=2", "cluster.nodes=2", "parallel.tp=4")
+    assert any("exceeds the 2 GPUs of a node" in i.message for i in validate(cfg).errors)
+    allowed = with_parallel(cfg, allow_tp_across_nodes=True)
+    assert not any("exceeds" in i.message for i in validate(allowed).errors)
+
+
+def test_warnings_are_not_errors():
+    cfg = compose_cfg("parallel=single", "cluster.gpus_per_node=2", "parallel.pp=2", "parallel.zero=1",
+                      "parallel.micro_batch=1", "parallel.global_batch=1")
+    r = validate(cfg)
+    assert r.errors == []
+    assert {"parallel.zero", "parallel.global_batch"} <= set(_keys(r.warnings))
+
+
+def test_no_fit_reports_breakdown_and_working_fixes():
+    cfg = compose_cfg("model=gpt3_175b", "parallel=tp8_pp2", "cluster=dgx_h100", "cluster.nodes=4",
+                      "train.precision=bf16", "parallel.recompute=none", "parallel.sp=false", "parallel.zero=0")
+    r = validate(cfg)
+    nofit = [i for i in r.errors if i.code == "no_fit"]
+    assert len(nofit) == 1 and r.no_fit
+    assert "weights" in nofit[0].message and "GiB" in nofit[0].message
+    assert "parallel.recompute=selective" in nofit[0].fix and "parallel.sp=true" in nofit[0].fix
+    small = compose_cfg("model=gpt_1p3b", "parallel=tp8_pp2", "cluster=dgx_h100", "cluster.nodes=4",
+                        "cluster.gpu_memory_gb=1.6", "parallel.recompute=none", "parallel.sp=false",
+                        "parallel.micro_batch=1", "train.precision=bf16")
+    fix = next(i for i in validate(small).errors if i.code == "no_fit").fix
+    assert "(fits)" in fix
+    # The fix it names really fits.
+    label = next(part.split(":")[0] for part in fix.split("; ") if "(fits)" in part and "=" in part)
+    key, value = label.split("=")
+    field = key.split(".")[1]
+    typed = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+    assert validate(with_parallel(small, **{field: typed})).errors == []
