@@ -202,7 +202,8 @@ class Summary:
 class Trainer:
     """Builds model, optimizer and data for this rank and runs the steps."""
 
-    def __init__(self, cfg: Config, run_dir: str, mesh, chunks: Optional[List[torch.nn.Module]] = None):
+    def __init__(self, cfg: Config, run_dir: str, mesh, chunks: Optional[List[torch.nn.Module]] = None,
+                 checkpointing: bool = True):
         self.cfg, self.run_dir, self.mesh = cfg, run_dir, mesh
         self.is_logger = mesh.rank == 0
         validate_data_config(cfg)
@@ -218,7 +219,7 @@ class Trainer:
         self.sampler = BatchSampler(self._source(), cfg.parallel.global_batch, cfg.parallel.micro_batch,
                                     mesh.dp, mesh.dp_rank)
         self.state = TrainState()
-        self.checkpointer = make_checkpointer(cfg, run_dir, mesh)
+        self.checkpointer = make_checkpointer(cfg, run_dir, mesh) if checkpointing else None
         self.tokens_per_step = cfg.parallel.global_batch * cfg.model.seq_length
         self.flops_per_step = model_flops_per_step(cfg, run_dir)
         self.peak_flops = self._peak_flops()
@@ -259,34 +260,37 @@ class Trainer:
             dist.all_reduce(value, group=self.mesh.pp_group)
         return float(value.item())
 
-    # -- checkpoint call sites (guarded: the manager may not exist yet) --
+    # -- checkpoint call sites (guarded: work without training.checkpoint) --
+    def _extra_state(self) -> Dict[str, Any]:
+        return {"consumed_samples": self.state.consumed_samples}
+
     def _resume(self) -> None:
         ck = self.checkpointer
-        if ck is None or self.cfg.train.resume == "none" or not hasattr(ck, "load"):
+        if ck is None:
             return
-        state = ck.load(self.chunks, self.optimizer, self.state)
-        if state is not None:
-            self.state = state if isinstance(state, TrainState) else TrainState(**state)
+        resumed = ck.maybe_resume(self.chunks, self.optimizer, self._extra_state())
+        if resumed is not None:
+            step, consumed = resumed
+            self.state = TrainState(int(step), int(consumed))
             if self.is_logger:
-                print(f"resumed at step {self.state.step} (consumed_samples {self.state.consumed_samples})",
-                      file=sys.stderr)
+                print(f"resumed at step {step} (consumed_samples {consumed})", file=sys.stderr)
 
-    def _save(self, reason: str) -> None:
+    def _boundary(self, stop: "StopFlag") -> str:
+        """After a step: save when due (or at the end, or when stopping); returns the stop reason or ""."""
+        step, last = self.state.step, self.state.step >= self.cfg.train.steps
         ck = self.checkpointer
-        if ck is None or not hasattr(ck, "save"):
-            return
-        ck.save(self.chunks, self.optimizer, self.state, reason=reason)
-
-    def _should_save_periodic(self, last_save_time: float) -> bool:
-        t = self.cfg.train
-        due = bool(t.checkpoint_every) and self.state.step % t.checkpoint_every == 0
-        if not due and t.checkpoint_every_min > 0:
-            local = float(time.time() - last_save_time >= 60 * t.checkpoint_every_min)
-            flag = torch.tensor([local], device=self.mesh.device)
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            due = bool(flag.item())
-        return due
+        if ck is None:
+            reason = stop.check(step) if not last else ""
+            if reason and self.is_logger:
+                append_event(self.run_dir, "signal", name=stop.signal_name() or reason, step=step)
+            return reason
+        due, reason = ck.decide(step)
+        if due or reason or last:
+            ck.save(step, self.chunks, self.optimizer, self._extra_state(),
+                    reason=reason or ("final" if last else "interval"))
+        if reason or last:
+            ck.wait()
+        return reason or ""
 
     # -- the loop --
     def train_step(self) -> Tuple[float, StepResult, float]:
@@ -312,7 +316,6 @@ class Trainer:
         progress = Progress(cfg.train.steps, self.is_logger and cfg.train.progress)
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         rates, mfus, skipped = [], [], 0
-        last_save = time.time()
         exit_code = EXIT_OK
         losses: List[float] = []
         while self.state.step < cfg.train.steps:
@@ -341,6 +344,8 @@ class Trainer:
                         rec["mfu"] = mfu
                     if res.loss_scale is not None:
                         rec["loss_scale"] = res.loss_scale
+                    # Pipeline schedules add bubble_measured / bubble_planned (training/pipeline.py).
+                    rec.update(getattr(self.schedule, "metrics", dict)())
                     if res.skipped:
                         rec["skipped"] = res.reason
                     with open(metrics_path, "a") as f:
@@ -350,19 +355,9 @@ class Trainer:
                           f"update skipped" + (f", loss scale -> {res.loss_scale:g}" if res.loss_scale else ""),
                           file=sys.stderr)
                 progress.update(self.state.step, f"loss {loss:.4f} lr {lr:.2e} {tok_s:,.0f} tok/s")
-            reason = stop.check(self.state.step) if self.state.step < cfg.train.steps else ""
-            if reason:
-                # HOOK (checkpoint engineer): a complete checkpoint, then exit 3 so the launcher requeues.
-                if self.is_logger:
-                    append_event(self.run_dir, "signal", name=stop.signal_name() or reason, step=self.state.step)
-                self._save(reason)
-                exit_code = EXIT_STOPPED
+            if self._boundary(stop):
+                exit_code = EXIT_STOPPED  # a complete checkpoint was written: the launcher may requeue
                 break
-            if self._should_save_periodic(last_save):
-                self._save("periodic")
-                last_save = time.time()
-        if exit_code == EXIT_OK and self.state.step >= cfg.train.steps:
-            self._save("final")
         self.losses = losses
         self.summary = self._summarise(rates, mfus, skipped, exit_code)
         return exit_code
