@@ -1,0 +1,201 @@
+"""The sharding description: every tensor a rank holds, as rectangular chunks of a layout-free global tensor.
+
+DCP can only reshard what it knows the global placement of (a plain per-rank tensor under a shared key is
+taken as replicated: notes/torch-cpu-gloo.md). So each piece a rank holds is described by its offsets in the
+*stored* global tensor of its parameter, and all pieces of one key become one ShardedTensor:
+
+- model weights: the rank's tp shard, placed at tp_rank x local size on `param.tp_shard_dim`;
+- optimizer states (fp32 master, exp_avg, exp_avg_sq): a ZeRO-1 shard is an arbitrary flat range of the rank's
+  flattened parameters, i.e. for each parameter it touches a flat range of that parameter's local tp shard,
+  which splits into at most a few rectangles (a partial row, full rows, a partial row), each placed the same way;
+- vocabulary-padded tensors (`embedding.word.weight`, `output.weight`) are stored with only their first
+  vocab_size rows, because padding depends on tp and a checkpoint must load at any tp.
+
+Replicated copies are written once: by dp rank 0 for model weights and zero=0 states, by tp rank 0 for
+parameters replicated over tp. Loading is the same description with the local tensors as destinations,
+so DCP copies the overlapping parts of whatever chunks the saved layout had.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+VOCAB_PARAMS = ("embedding.word.weight", "output.weight")
+"""Parameters whose dim 0 is the (padded) vocabulary."""
+
+
+@dataclass
+class ParamInfo:
+    """Where one parameter's local tensor sits in its global tensor."""
+
+    name: str
+    """Layout-independent name (docs/CONTRACTS.md)."""
+    local_shape: Tuple[int, ...]
+    """Shape of the tensor this rank holds."""
+    stored_shape: Tuple[int, ...]
+    """Shape in the checkpoint: the global shape with vocabulary padding removed."""
+    tp_shard_dim: Optional[int]
+    """Dimension split over tp, None when replicated over tp."""
+    tp_rank: int
+    """This rank's position in its tp group."""
+
+    def owner_over_tp(self) -> bool:
+        """Pieces of tp-replicated parameters are written by tp rank 0 only."""
+        return self.tp_shard_dim is not None or self.tp_rank == 0
+
+
+@dataclass
+class Piece:
+    """One rectangle of a stored global tensor held by this rank."""
+
+    key: str
+    """State-dict key, e.g. `model/layers.0.mlp.fc1.weight` or `optim/exp_avg/...`."""
+    tensor: torch.Tensor
+    """The local data (a view into the live buffer where possible: saves and loads go straight through)."""
+    offsets: Tuple[int, ...]
+    """Offsets of the rectangle in the stored global tensor."""
+    global_shape: Tuple[int, ...]
+    """The stored global tensor's shape."""
+
+
+def param_info(name: str, param: torch.Tensor, tp_rank: int, vocab_size: int) -> ParamInfo:
+    """Read the placement attributes the model puts on each parameter (tp_shard_dim, global_shape)."""
+    dim = getattr(param, "tp_shard_dim", None)
+    global_shape = tuple(getattr(param, "global_shape", tuple(param.shape)))
+    stored = list(global_shape)
+    if name in VOCAB_PARAMS and stored[0] >= vocab_size:
+        stored[0] = vocab_size
+    return ParamInfo(name, tuple(param.shape), tuple(stored), dim, tp_rank)
+
+
+def flat_range_rects(shape: Sequence[int], start: int, end: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...], int]]:
+    """Split flat elements [start, end) of a contiguous tensor of `shape` into rectangles.
+
+    Returns (offsets, sizes, flat_start) per rectangle, in flat order. At most 2 x ndim - 1 rectangles.
+    """
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (end - start,), start)]
+    inner = 1
+    for d in shape[1:]:
+        inner *= d
+    first_row, last_row = start // inner, (end - 1) // inner
+    out = []
+
+    def sub(row: int, lo: int, hi: int):
+        for offs, sizes, flat in flat_range_rects(shape[1:], lo, hi):
+            out.append(((row,) + offs, (1,) + sizes, row * inner + flat))
+
+    if first_row == last_row:
+        if start % inner == 0 and end - start == inner:
+            return [((first_row,) + (0,) * (len(shape) - 1), (1,) + tuple(shape[1:]), start)]
+        sub(first_row, start - first_row * inner, end - first_row * inner)
+        return out
+    row = first_row
+    if start % inner:
+        sub(row, start % inner, inner)
+        row += 1
+    full_end = end // inner  # rows [row, full_end) are complete
+    if full_end > row:
+        out.append(((row,) + (0,) * (len(shape) - 1), (full_end - row,) + tuple(shape[1:]), row * inner))
+    if end % inner:
+        sub(full_end, 0, end % inner)
+    return out
+
+
+def pieces_for(key: str, info: ParamInfo, flat: torch.Tensor, local_start: int) -> List[Piece]:
+    """Pieces of `flat`, which holds flat elements [local_start, local_start + numel) of the local shard."""
+    pieces = []
+    for offs, sizes, flat_start in flat_range_rects(info.local_shape, local_start, local_start + flat.numel()):
+        numel = 1
+        for s in sizes:
+            numel *= s
+        view = flat[flat_start - local_start: flat_start - local_start + numel].view(sizes)
+        glob = list(offs)
+        if info.tp_shard_dim is not None:
+            glob[info.tp_shard_dim] += info.tp_rank * info.local_shape[info.tp_shard_dim]
+        # Clip to the stored shape (drops vocabulary padding rows); a rectangle fully in padding vanishes.
+        for d, (o, s) in enumerate(zip(glob, sizes)):
+            keep = min(o + s, info.stored_shape[d]) - o
+            if keep <= 0:
+                view = None
+                break
+            if keep < s:
+                view = view.narrow(d, 0, keep)
+        if view is not None:
+            pieces.append(Piece(key, view, tuple(glob), info.stored_shape))
+    return pieces
+
+
+def to_state_dict(pieces: Iterable[Piece], group=None) -> Dict[str, ShardedTensor]:
+    """Wrap pieces as ShardedTensors whose global metadata lists every rank's chunks of each key.
+
+    One all_gather_object exchanges the chunk lists, so every ShardedTensor is validated for full coverage
+    without overlap (a layout bug fails loudly here instead of writing a silently wrong checkpoint).
+    """
+    pieces = list(pieces)
+    rank = dist.get_rank()
+    mine = [(p.key, p.offsets, tuple(p.tensor.shape), p.global_shape, str(p.tensor.dtype), str(p.tensor.device))
+            for p in pieces]
+    gathered: List = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (rank, mine), group=group)
+    by_key: Dict[str, List[ShardMetadata]] = {}
+    local_keys = {p.key for p in pieces}
+    for r, entries in gathered:
+        for key, offs, sizes, _glob, _dtype, device in entries:
+            if key in local_keys:
+                dev = "cpu" if device == "cpu" else device
+                by_key.setdefault(key, []).append(ShardMetadata(list(offs), list(sizes), f"rank:{r}/{dev}"))
+    out: Dict[str, ShardedTensor] = {}
+    grouped: Dict[str, List[Piece]] = {}
+    for p in pieces:
+        grouped.setdefault(p.key, []).append(p)
+    for key, plist in grouped.items():
+        shards_md = by_key[key]
+        local = []
+        for p in plist:
+            md = next(m for m in shards_md if m.placement.rank() == rank and tuple(m.shard_offsets) == p.offsets)
+            local.append(Shard(p.tensor, md))
+        props = TensorProperties(dtype=plist[0].tensor.dtype)
+        meta = ShardedTensorMetadata(shards_md, torch.Size(plist[0].global_shape), props)
+        out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=group)
+    return out
+
+
+def to_load_state_dict(pieces: Iterable[Piece]) -> Dict[str, torch.Tensor]:
+    """Destinations for dcp.load: each key's local pieces, as a ShardedTensor (no collective).
+
+    When loading, replicas overlap (every dp rank wants the same weights), which ShardedTensor's global
+    validation rejects; DCP's load planner reads only the local shards and the global size, so the global
+    metadata here is a placeholder naming this rank. A key whose only piece is the whole tensor stays plain.
+    """
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensorBase
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    grouped: Dict[str, List[Piece]] = {}
+    for p in pieces:
+        grouped.setdefault(p.key, []).append(p)
+    out: Dict[str, torch.Tensor] = {}
+    for key, plist in grouped.items():
+        first = plist[0]
+        if len(plist) == 1 and tuple(first.tensor.shape) == first.global_shape:
+            out[key] = first.tensor
+            continue
+        device = "cpu" if first.tensor.device.type == "cpu" else str(first.tensor.device)
+        spec = ChunkShardingSpec(dim=0, placements=[f"rank:{rank}/{device}"])
+        st = ShardedTensorBase.__new__(ShardedTensor, spec, *first.global_shape, dtype=first.tensor.dtype,
+                                       layout=torch.strided, pin_memory=False, requires_grad=False)
+        st._local_shards = [Shard(p.tensor, ShardMetadata(list(p.offsets), list(p.tensor.shape), f"rank:{rank}/{device}"))
+                            for p in plist]
+        st._prepare_init(process_group=None, init_rrefs=False)  # what the public constructors set up
+        out[key] = st
+    return out

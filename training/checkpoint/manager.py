@@ -1,0 +1,461 @@
+"""CheckpointManager: what the training loop calls to save, resume, and decide when to save or stop.
+
+Loop usage (every rank, same order):
+    ckpt = CheckpointManager(run_dir, mesh, cfg)
+    resumed = ckpt.maybe_resume(model_chunks, optimizer, extra)   # None or (step, consumed_samples)
+    for step in ...:
+        ... train one step ...
+        stop = ckpt.should_stop(step)          # agreed over all ranks; None or a reason
+        if ckpt.due(step) or stop or step == last:
+            ckpt.save(step, model_chunks, optimizer, extra, reason=stop or "interval")
+        if stop: ckpt.wait(); exit with EXIT_STOPPED (3)
+    ckpt.wait()
+
+`step` is the number of completed optimizer steps. `extra` is a JSON-serialisable dict owned by the loop and
+must hold "consumed_samples"; anything else in it (loss scaler, data position, ...) is saved and restored
+in place. Per-rank RNG states (python, numpy, torch, cuda) are handled here.
+
+What this needs from the optimizer (training/optimizer.py `DistributedOptimizer`, read through its public
+attributes): names, params, offsets, shard_lo, shard_size, zero, exp_avg, exp_avg_sq, master (or None),
+step_count, loss_scale, good_steps, reload_master_from_params().
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from training.checkpoint import signals, storage
+from training.checkpoint.layout import Piece, param_info, pieces_for, to_load_state_dict, to_state_dict
+from training.checkpoint.storage import CheckpointError
+from training.config import Config, config_to_dict
+from training.events import append_event
+
+EXIT_STOPPED = 3
+"""Rank exit status after a deliberate early stop with a complete checkpoint (docs/CONTRACTS.md)."""
+
+TIED_EMBEDDING = "embedding.word.weight"
+OPTIM_STATES = ("exp_avg", "exp_avg_sq", "master")
+# Model fields that change a parameter's shape (or meaning): a checkpoint cannot load across them.
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                "seq_length", "vocab_size", "norm", "activation", "position", "tie_embeddings", "bias")
+_STOP_CODES = {0: None, 1: "exit_interval", 2: "exit_after_min", 3: "SIGTERM", 4: "SIGUSR2"}
+
+warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*")
+
+
+@dataclass
+class SaveStats:
+    """Timing of one save."""
+
+    step: int
+    """Step saved."""
+    reason: str
+    """Why: interval | time | end | exit_interval | exit_after_min | SIGTERM | SIGUSR2 | ..."""
+    blocked_s: float = 0.0
+    """Seconds the training loop was blocked (sync: the whole save; async: the copy to host memory)."""
+    total_s: float = 0.0
+    """Seconds from the start of the save until the checkpoint was committed."""
+    bytes: int = 0
+    """Size of the committed checkpoint directory."""
+
+
+@dataclass
+class _Pending:
+    """An asynchronous save still writing."""
+
+    stats: SaveStats
+    future: Any
+    tmp_dir: str
+    info: Dict[str, Any]
+    started: float
+    thread: Optional[threading.Thread] = None
+    error: List[str] = field(default_factory=list)
+
+
+def _rank0_print(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[checkpoint] {msg}", file=sys.stderr, flush=True)
+
+
+def _named_params(model_chunks) -> List[Tuple[str, torch.Tensor]]:
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    out, seen = [], set()
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+    return out
+
+
+def _rng_state() -> Dict[str, Any]:
+    py = random.getstate()
+    npst = np.random.get_state()
+    state = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def _json_tensor(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
+
+
+class CheckpointManager:
+    """Saves and restores the whole training state of this rank as one part of a sharded DCP checkpoint."""
+
+    def __init__(self, run_dir: str, mesh, cfg: Config, log=_rank0_print):
+        self.run_dir, self.mesh, self.cfg, self.log = run_dir, mesh, cfg, log
+        self.distributed = dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.keep_last = max(1, cfg.train.keep_last)
+        self.async_save = bool(cfg.train.async_save)
+        # The background write of dcp.async_save runs collectives from its own thread; a dedicated gloo group
+        # keeps them from interleaving with the training's collectives on the default group.
+        self._async_group = dist.new_group(backend="gloo") if (self.async_save and self.distributed) else None
+        self._pending: Optional[_Pending] = None
+        self.history: List[SaveStats] = []
+        self.last_saved_step: Optional[int] = None
+        self._start = time.monotonic()
+        self._last_save_time = self._start
+        self._decided: Optional[Tuple[int, bool, Optional[str]]] = None
+        if threading.current_thread() is threading.main_thread():
+            signals.install()
+        if self.rank == 0:
+            os.makedirs(storage.checkpoints_dir(run_dir), exist_ok=True)
+
+    # ----- collectives -----------------------------------------------------------------------------
+    def _bcast(self, obj: Any) -> Any:
+        """Rank 0's value of `obj` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ----- cadence ---------------------------------------------------------------------------------
+    def decide(self, step: int, now: Optional[float] = None) -> Tuple[bool, Optional[str]]:
+        """(save due, stop reason) for the boundary after `step`, agreed over all ranks with one all-reduce.
+
+        Step-based rules are the same on every rank; clocks and signals are not, hence the MAX.
+        """
+        if self._decided and self._decided[0] == step:
+            return self._decided[1], self._decided[2]
+        t = self.cfg.train
+        now = time.monotonic() if now is None else now
+        time_due = t.checkpoint_every_min > 0 and (now - self._last_save_time) >= 60 * t.checkpoint_every_min
+        stop = 0
+        if t.exit_interval > 0 and step > 0 and step % t.exit_interval == 0:
+            stop = 1
+        if t.exit_after_min > 0 and (now - self._start) >= 60 * t.exit_after_min:
+            stop = 2
+        name = signals.received()
+        if name:
+            stop = 4 if name == "SIGUSR2" else 3
+        if self.distributed:
+            flags = torch.tensor([int(time_due), stop], dtype=torch.int64)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            time_due, stop = bool(flags[0]), int(flags[1])
+        reason = _STOP_CODES[stop]
+        step_due = t.checkpoint_every > 0 and step > 0 and step % t.checkpoint_every == 0
+        self._decided = (step, step_due or time_due, reason)
+        if reason in ("SIGTERM", "SIGUSR2") and self.rank == 0:
+            append_event(self.run_dir, "signal", name=reason, step=step)
+            self.log(f"{reason} received: saving step {step} and stopping (exit {EXIT_STOPPED})")
+        return self._decided[1], reason
+
+    def due(self, step: int, now: Optional[float] = None) -> bool:
+        """A periodic save is due after `step` (train.checkpoint_every / checkpoint_every_min). Collective."""
+        return self.decide(step, now)[0]
+
+    def should_stop(self, step: int, now: Optional[float] = None) -> Optional[str]:
+        """None, or why this attempt stops after `step` (signal, exit_interval, exit_after_min). Collective."""
+        return self.decide(step, now)[1]
+
+    # ----- the sharding description ----------------------------------------------------------------
+    def _pieces(self, model_chunks, optimizer, for_save: bool) -> List[Piece]:
+        """Every tensor of this rank's state as placed pieces; for saving, replicas are left out."""
+        mesh, V = self.mesh, self.cfg.model.vocab_size
+        tp_rank = getattr(mesh, "tp_rank", 0)
+        dp_rank = getattr(mesh, "dp_rank", 0) + getattr(mesh, "cp_rank", 0)  # cp replicas: cp rank 0 writes
+        first_stage = getattr(mesh, "pp_rank", 0) == 0
+
+        def owner(name: str, p: torch.Tensor, replicated_over_dp: bool) -> bool:
+            if not for_save:
+                return True
+            if replicated_over_dp and dp_rank != 0:
+                return False
+            if getattr(p, "tp_shard_dim", None) is None and tp_rank != 0:
+                return False
+            if name == TIED_EMBEDDING and not first_stage:
+                return False  # the last stage's copy of the tied embedding: the first stage writes it
+            return not getattr(p, "shared_embedding_copy", False)
+
+        pieces: List[Piece] = []
+        params = _named_params(model_chunks)
+        for name, p in params:
+            if owner(name, p, True):
+                info = param_info(name, p, tp_rank, V)
+                pieces += pieces_for(f"model/{name}", info, p.detach().view(-1), 0)
+        if optimizer is not None:
+            opt = optimizer
+            lo, hi = opt.shard_lo, opt.shard_lo + opt.shard_size
+            for name, p, start in zip(opt.names, opt.params, opt.offsets):
+                a, b = max(start, lo), min(start + p.numel(), hi)
+                if a >= b or not owner(name, p, opt.zero == 0):
+                    continue
+                info = param_info(name, p, tp_rank, V)
+                for state in OPTIM_STATES:
+                    buf = getattr(opt, state, None)
+                    if buf is not None:
+                        pieces += pieces_for(f"optim/{state}/{name}", info, buf[a - lo: b - lo], a - start)
+        return pieces
+
+    # ----- save ------------------------------------------------------------------------------------
+    def save(self, step: int, model_chunks, optimizer, extra_state: Dict[str, Any], reason: str = "interval") -> SaveStats:
+        """Write a complete checkpoint of `step` (collective). Async: returns after the copy to host memory."""
+        self.wait()
+        if self.last_saved_step == step:
+            return self.history[-1]
+        t0 = time.monotonic()
+        tmp = self._bcast(storage.new_tmp_dir(self.run_dir, step) if self.rank == 0 else None)
+        pieces = self._pieces(model_chunks, optimizer, for_save=True)
+        state = to_state_dict(pieces) if self.distributed else self._plain(pieces)
+        state[f"rank_state/{self.rank}"] = _json_tensor({"rng": _rng_state(), "layout": self._layout()})
+        info = {
+            "step": step, "reason": reason, "time": time.time(), "layout": self._layout(),
+            "consumed_samples": int(extra_state.get("consumed_samples", 0)), "extra_state": extra_state,
+            "optimizer": self._optimizer_scalars(optimizer),
+        }
+        json.dumps(info)  # fail here, on every rank, if the loop put something non-JSON in extra_state
+        stats = SaveStats(step, reason)
+        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        try:
+            if self.async_save:
+                future = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
+                stats.blocked_s = time.monotonic() - t0
+                self._pending = _Pending(stats, future, tmp, info, t0)
+                if self.rank == 0:
+                    # Commit as soon as the write finishes, not at the next wait(): a crash in between must
+                    # not cost a checkpoint that is already on disk.
+                    self._pending.thread = threading.Thread(target=self._finish_async, daemon=True)
+                    self._pending.thread.start()
+                self.last_saved_step = step
+                self._last_save_time = time.monotonic()
+                return stats
+            dcp.save(state, storage_writer=writer)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - reported with the fix below, on every rank
+            error = f"{type(exc).__name__}: {exc}"
+        error = self._commit_or_clean(tmp, info, stats, error)
+        stats.blocked_s = stats.total_s = time.monotonic() - t0
+        self._after_commit(stats, error)
+        return stats
+
+    def _finish_async(self) -> None:
+        p = self._pending
+        try:
+            p.future.result()
+            err = None
+        except Exception as exc:  # noqa: BLE001
+            err = f"{type(exc).__name__}: {exc}"
+        p.error.append(self._commit_or_clean(p.tmp_dir, p.info, p.stats, err, broadcast=False) or "")
+
+    def wait(self) -> Optional[SaveStats]:
+        """Block until a pending async save is committed (collective when one is pending); raise if it failed."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return None
+        try:
+            p.future.result()
+        except Exception:  # noqa: BLE001 - rank 0's commit thread reports it
+            pass
+        error = None
+        if p.thread is not None:
+            p.thread.join()
+            error = p.error[0] if p.error else "commit thread died"
+            error = error or None
+        error = self._bcast(error)
+        p.stats.total_s = time.monotonic() - p.started
+        self._after_commit(p.stats, error)
+        return p.stats
+
+    def _commit_or_clean(self, tmp: str, info, stats: SaveStats, error: Optional[str], broadcast: bool = True):
+        """Rank 0 seals the checkpoint (or removes the failed temporary dir); the outcome goes to every rank."""
+        if self.rank == 0:
+            if error is None:
+                try:
+                    storage.write_json_durable(os.path.join(tmp, storage.STATE), info)
+                    with open(os.path.join(tmp, storage.CONFIG), "w") as f:
+                        json.dump(config_to_dict(self.cfg), f, indent=2, sort_keys=True)
+                    storage.commit(tmp, storage.step_dir(self.run_dir, stats.step),
+                                   os.path.join(storage.checkpoints_dir(self.run_dir), storage.LATEST),
+                                   {"step": stats.step})
+                    stats.bytes = storage.dir_size(storage.step_dir(self.run_dir, stats.step))
+                    storage.prune(self.run_dir, self.keep_last, protect=stats.step)
+                    storage.remove_stale_tmp(self.run_dir)
+                except Exception as exc:  # noqa: BLE001
+                    error = f"{type(exc).__name__}: {exc}"
+            if error is not None:
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
+        return self._bcast(error) if broadcast else error
+
+    def _after_commit(self, stats: SaveStats, error: Optional[str]) -> None:
+        if error is not None:
+            self.last_saved_step = None
+            prev = storage.read_latest(self.run_dir)
+            hint = " (no space left: free space under run.dir or point run.dir at a larger filesystem)" \
+                if "No space left" in error or "ENOSPC" in error else ""
+            raise CheckpointError(
+                f"saving checkpoint step_{stats.step} in {storage.checkpoints_dir(self.run_dir)} failed: {error}{hint}; "
+                f"the previous checkpoint ({'step_%d' % prev if prev is not None else 'none'}) is untouched")
+        self.history.append(stats)
+        self.last_saved_step = stats.step
+        self._last_save_time = time.monotonic()
+        if self.rank == 0:
+            append_event(self.run_dir, "checkpoint", step=stats.step, reason=stats.reason,
+                         blocked_s=round(stats.blocked_s, 4), total_s=round(stats.total_s, 4), bytes=stats.bytes)
+            self.log(f"saved step_{stats.step} ({stats.reason}): {stats.bytes / 2**20:.1f} MiB, "
+                     f"blocked {stats.blocked_s:.3f}s, total {stats.total_s:.3f}s")
+
+    # ----- resume ----------------------------------------------------------------------------------
+    def _choose(self) -> Tuple[Optional[int], Optional[str]]:
+        """Rank 0 picks the checkpoint to resume from; (step or None, error message or None)."""
+        mode = str(self.cfg.train.resume).strip().lower()
+        if mode == "none":
+            return None, None
+        if mode == "auto":
+            wanted = storage.candidates(self.run_dir)
+        else:
+            try:
+                step = int(mode)
+            except ValueError:
+                return None, f"train.resume={self.cfg.train.resume!r}: use auto, none or a step number"
+            if step not in storage.list_steps(self.run_dir):
+                have = storage.list_steps(self.run_dir)
+                return None, (f"train.resume={step}: no checkpoint step_{step} in {storage.checkpoints_dir(self.run_dir)} "
+                              f"(available: {have or 'none'}); use train.resume=auto or one of those steps")
+            wanted = [step]
+        for step in wanted:
+            result = storage.verify(storage.step_dir(self.run_dir, step))
+            if result.ok:
+                return step, self._compatible(step)
+            append_event(self.run_dir, "checkpoint_invalid", step=step, problems=result.problems[:10])
+            self.log(f"checkpoint step_{step} is incomplete or corrupt, skipped: {'; '.join(result.problems[:5])}")
+            if mode != "auto":
+                return None, f"train.resume={step}: checkpoint step_{step} is damaged ({'; '.join(result.problems[:3])})"
+        return None, None
+
+    def _compatible(self, step: int) -> Optional[str]:
+        with open(os.path.join(storage.step_dir(self.run_dir, step), storage.CONFIG)) as f:
+            saved = json.load(f).get("model", {})
+        now = asdict(self.cfg.model)
+        diff = [f"model.{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
+                for k in SHAPE_FIELDS if saved.get(k) != now.get(k)]
+        if diff:
+            return (f"checkpoint step_{step} in {self.run_dir} was written for another model shape ({'; '.join(diff)}); "
+                    "restore those settings, or start fresh with train.resume=none or a new run.dir")
+        return None
+
+    def maybe_resume(self, model_chunks, optimizer, extra_state: Dict[str, Any]) -> Optional[Tuple[int, int]]:
+        """Load the newest complete checkpoint (per train.resume) into the model, optimizer and extra_state.
+
+        Returns (step, consumed_samples), or None for a fresh start. Collective. Raises CheckpointError with the
+        fix when the chosen checkpoint cannot be used (changed model shape, missing step).
+        """
+        step, error = self._bcast(self._choose() if self.rank == 0 else None)
+        if error:
+            raise CheckpointError(error)
+        if step is None:
+            if self.rank == 0 and storage.list_steps(self.run_dir) and str(self.cfg.train.resume) != "none":
+                self.log("no usable checkpoint found: starting fresh")
+            return None
+        t0 = time.monotonic()
+        path = storage.step_dir(self.run_dir, step)
+        with open(os.path.join(path, storage.STATE)) as f:
+            info = json.load(f)
+        reader = dcp.FileSystemReader(path)
+        saved_keys = set(reader.read_metadata().state_dict_metadata)
+        pieces = self._pieces(model_chunks, optimizer, for_save=False)
+        missing_master = any(p.key.startswith("optim/master/") and p.key not in saved_keys for p in pieces)
+        pieces = [p for p in pieces if not (p.key.startswith("optim/master/") and p.key not in saved_keys)]
+        absent = sorted({p.key for p in pieces if p.key not in saved_keys})
+        if absent:
+            raise CheckpointError(f"checkpoint {path} lacks {len(absent)} tensors this run needs "
+                                  f"(first: {absent[:3]}); it was written by an incompatible version or model")
+        state = to_load_state_dict(pieces)
+        same_layout = info["layout"] == self._layout()
+        rank_key = f"rank_state/{self.rank}"
+        if same_layout and rank_key in saved_keys:
+            size = reader.read_metadata().state_dict_metadata[rank_key].size
+            state[rank_key] = torch.zeros(size, dtype=torch.uint8)
+        dcp.load(state, storage_reader=reader)
+        if optimizer is not None:
+            o = info["optimizer"]
+            optimizer.step_count = int(o["step_count"])
+            optimizer.loss_scale = float(o["loss_scale"])
+            optimizer.good_steps = int(o["good_steps"])
+            if missing_master:
+                optimizer.reload_master_from_params()
+        if rank_key in state:
+            _set_rng_state(json.loads(bytes(state[rank_key].tolist()).decode())["rng"])
+        extra_state.update(info["extra_state"])
+        self.last_saved_step = step
+        if self.rank == 0:
+            how = "same layout" if same_layout else f"resharded from {info['layout']} to {self._layout()}"
+            append_event(self.run_dir, "resumed", step=step, layout_changed=not same_layout)
+            self.log(f"resumed from {path} (step {step}, consumed_samples {info['consumed_samples']}, {how}) "
+                     f"in {time.monotonic() - t0:.3f}s")
+        return step, int(info["consumed_samples"])
+
+    # ----- helpers ---------------------------------------------------------------------------------
+    def _layout(self) -> Dict[str, int]:
+        m = self.mesh
+        return {"world": self.world, "tp": getattr(m, "tp", 1), "pp": getattr(m, "pp", 1),
+                "cp": getattr(m, "cp", 1), "dp": getattr(m, "dp", 1), "zero": self.cfg.parallel.zero}
+
+    @staticmethod
+    def _optimizer_scalars(optimizer) -> Dict[str, Any]:
+        if optimizer is None:
+            return {"step_count": 0, "loss_scale": 1.0, "good_steps": 0}
+        return {"step_count": int(optimizer.step_count), "loss_scale": float(optimizer.loss_scale),
+                "good_steps": int(optimizer.good_steps)}
+
+    @staticmethod
+    def _plain(pieces: Sequence[Piece]) -> Dict[str, torch.Tensor]:
+        """Without a process group every key is one piece covering its whole tensor: plain tensors suffice."""
+        out = {}
+        for p in pieces:
+            assert p.key not in out and tuple(p.tensor.shape) == p.global_shape, p.key
+            out[p.key] = p.tensor
+        return out

@@ -1,0 +1,43 @@
+"""Stop requests by signal: SIGUSR2 (Slurm's warning before the time limit) or SIGTERM (preemption).
+
+The handler only sets a flag (async-signal safe); the loop asks at each step boundary, and the answer is
+agreed over all ranks with one all-reduce (MAX), so every rank saves the same step together even when
+the signal reached only some of them.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Dict, Iterable, Optional
+
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+_received: Dict[str, Optional[str]] = {"name": None}
+_lock = threading.Lock()
+
+
+def _handler(signum, _frame) -> None:
+    _received["name"] = signal.Signals(signum).name
+
+
+def install(signals: Iterable[int] = STOP_SIGNALS) -> None:
+    """Route the stop signals to the flag (main thread only, as Python requires)."""
+    for sig in signals:
+        signal.signal(sig, _handler)
+
+
+def received() -> Optional[str]:
+    """Name of the stop signal this process got ("SIGUSR2"), or None."""
+    return _received["name"]
+
+
+def request(name: str = "SIGUSR2") -> None:
+    """Set the flag without a signal (tests, or a loop that decides to stop)."""
+    with _lock:
+        _received["name"] = name
+
+
+def clear() -> None:
+    with _lock:
+        _received["name"] = None
