@@ -100,11 +100,16 @@ def check_gpus(nvml, pf, gpus_per_node: int, node: str, own_pids: Optional[set] 
                  found=cuda, expected=pf.cuda_driver_version))
 
     for i in range(count):
-        h = nvml.nvmlDeviceGetHandleByIndex(i)
         gpu = f"gpu{i}"
-        bus = pci_bus_to_sysfs(nvml.nvmlDeviceGetPciInfo(h).busId)
-        facts["gpus"].append({"index": i, "name": _text(nvml.nvmlDeviceGetName(h)), "bus_id": bus})
-        for c in _check_one(nvml, pf, h, own_pids):
+        try:
+            h = nvml.nvmlDeviceGetHandleByIndex(i)
+            bus = pci_bus_to_sysfs(nvml.nvmlDeviceGetPciInfo(h).busId)
+            facts["gpus"].append({"index": i, "name": _text(nvml.nvmlDeviceGetName(h)), "bus_id": bus})
+            gpu_checks = _check_one(nvml, pf, h, own_pids)
+        except nvml.NVMLError as exc:
+            # GPU is lost, reset required, corrupted infoROM ...: the GPU cannot be used.
+            gpu_checks = [fail("gpu.nvml_error", f"NVML: {exc}", found=type(exc).__name__)]
+        for c in gpu_checks:
             c.subject = gpu
             add(c)
     return checks, facts
