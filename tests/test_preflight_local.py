@@ -101,3 +101,13 @@ def test_before_training_gate_and_warn_in_process(tmp_path, monkeypatch):
         before_training(cfg, str(tmp_path))
     assert exc.value.code == 4
     assert [e["mode"] for e in read_events(str(tmp_path)) if e["event"] == "preflight"] == ["warn", "gate"]
+
+
+def test_launcher_side_never_imports_torch():
+    code = ("import sys, launcher.preflight, training.preflight.runner, training.preflight.report; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "print(launcher.preflight.preflight_argv('/r')[1:])")
+    p = subprocess.run([PY if os.path.exists(PY) else sys.executable, "-c", code], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "['-m', 'training.preflight', '/r']"

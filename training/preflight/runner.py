@@ -4,9 +4,8 @@ Entry points:
 - `python -m training.preflight RUN_DIR` (meshrun action=preflight, locally or as a Slurm job);
 - `before_training(cfg, run_dir)`, called by the training main when cluster.preflight.mode is warn or gate.
 
-Every rank of a job whose preflight finds a bad node exits with EXIT_NODE_BAD (4): the attempt stops
-before training on all ranks (not only on the bad node, whose peers would otherwise hang), and
-preflight.json / the `preflight` event name the bad nodes for the requeue to exclude.
+Ranks on a node the preflight finds bad exit with EXIT_NODE_BAD (4), the others with 0; under
+gate no rank trains in that attempt. preflight.json and the `preflight` event name the bad nodes.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -30,21 +28,6 @@ from training.preflight.report import (EXIT_NODE_BAD, NODE_DIR, Check, Report, c
 def node_name() -> str:
     """The node as Slurm names it (fake nodes n1, n2 share one host on the dev cluster)."""
     return os.environ.get("MESHRUN_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-
-
-def _env_from_slurm(cfg: Config) -> None:
-    """RANK & co. from SLURM_* when the launcher did not set them (srun starts this module directly)."""
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
-        return
-    os.environ["RANK"] = os.environ["SLURM_PROCID"]
-    os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
-    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-    if "MASTER_ADDR" not in os.environ:
-        hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ.get("SLURM_JOB_NODELIST", "")],
-                               capture_output=True, text=True).stdout.split()
-        os.environ["MASTER_ADDR"] = hosts[0] if hosts else "127.0.0.1"
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(cfg.cluster.master_port or 20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000)
 
 
 def node_checks(cfg: Config, node: str, before_ib: Optional[Dict] = None) -> (List[Check], Dict[str, Any]):
@@ -153,24 +136,37 @@ def run(cfg: Config, run_dir: str) -> Report:
 
 
 def finish(report: Report, run_dir: str, rank: int) -> int:
-    """Rank 0 writes preflight.json, prints the table and records the event; all return the exit status."""
+    """Rank 0 writes preflight.json, prints the table and records the event.
+
+    Returns this rank's exit status: 4 when *its* node is bad, else 0. Only ranks on bad nodes
+    report 4, so the requeue (launcher/requeue.py) excludes exactly those nodes.
+    """
     if rank == 0:
         report.write(run_dir)
         print(format_table(report.to_dict()), flush=True)
         append_event(run_dir, "preflight", status=report.status, bad_nodes=report.bad_nodes,
                      nodes=report.node_status(), mode=report.meta.get("mode"),
                      elapsed_s=report.meta.get("elapsed_s"))
-    return EXIT_NODE_BAD if report.bad_nodes else 0
+    return EXIT_NODE_BAD if node_name() in report.bad_nodes else 0
 
 
 def before_training(cfg: Config, run_dir: str) -> None:
-    """Training main's hook: off -> nothing; warn -> report only; gate -> SystemExit(4) on a bad node."""
+    """Training main's hook, after the process group exists (or it creates and destroys its own).
+
+    off: nothing. warn: report only. gate: when any node is bad, no rank trains: ranks on a bad
+    node exit 4 ("this node is bad"), the others exit 0 without training (the job's verdict comes
+    from the bad ranks' 4 and preflight.json's bad_nodes).
+    """
     mode = cfg.cluster.preflight.mode
     if mode == "off":
         return
     rank = int(os.environ.get("RANK", 0))
-    status = finish(run(cfg, run_dir), run_dir, rank)
-    if status and mode == "gate":
+    report = run(cfg, run_dir)
+    status = finish(report, run_dir, rank)
+    if mode == "gate" and report.bad_nodes:
+        if rank == 0:
+            print(f"preflight gate: bad node(s) {', '.join(report.bad_nodes)}; not training in this attempt",
+                  file=sys.stderr, flush=True)
         raise SystemExit(status)
 
 
@@ -181,5 +177,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     run_dir = argv[0]
     cfg = load_config(os.path.join(run_dir, "config.json"))
-    _env_from_slurm(cfg)
+    from training.slurm_env import apply_slurm_env
+
+    apply_slurm_env()  # srun starts this module directly: RANK & co., MASTER_ADDR/PORT from SLURM_*
     return finish(run(cfg, run_dir), run_dir, int(os.environ.get("RANK", 0)))
