@@ -60,8 +60,13 @@ def _mesh_worker(tp, pp, cp, dp):
     import torch
     import torch.distributed as dist
 
+    try:  # a layout that does not multiply to WORLD_SIZE is refused before joining the job
+        ProcessMesh.from_env(tp, pp, cp, dp + 1, backend="gloo", timeout_s=60)
+        wrong_world = "no error"
+    except ValueError as e:
+        wrong_world = str(e)
     mesh = ProcessMesh.from_env(tp, pp, cp, dp, backend="gloo", timeout_s=60)
-    out = {"rank": mesh.rank, "coords": (mesh.tp_rank, mesh.cp_rank, mesh.pp_rank, mesh.dp_rank),
+    out = {"wrong_world": wrong_world, "rank": mesh.rank, "coords": (mesh.tp_rank, mesh.cp_rank, mesh.pp_rank, mesh.dp_rank),
            "first": mesh.is_first_stage, "last": mesh.is_last_stage, "ranks": dict(mesh.group_ranks), "sums": {}}
     for kind in GROUP_KINDS:
         group = getattr(mesh, f"{kind}_group")
@@ -79,6 +84,7 @@ def test_real_groups_on_4_processes():
     results = run_distributed(_mesh_worker, 4, args=(tp, pp, cp, dp), timeout_s=90)
     for r, res in enumerate(results):
         assert res["rank"] == r
+        assert "WORLD_SIZE=4" in res["wrong_world"] and "parallel.dp" in res["wrong_world"], res["wrong_world"]
         c = coords_of(r, tp, pp, cp, dp)
         assert res["coords"] == (c["tp"], c["cp"], c["pp"], c["dp"])
         assert res["first"] == (c["pp"] == 0) and res["last"] == (c["pp"] == pp - 1)
@@ -87,16 +93,3 @@ def test_real_groups_on_4_processes():
             assert res["ranks"][kind] == mine, kind
             assert sorted(res["ranks"][kind + "_torch"]) == mine, kind
             assert res["sums"][kind] == float(sum(mine)), kind
-
-
-def _wrong_world_worker():
-    try:
-        ProcessMesh.from_env(2, 1, 1, 2, backend="gloo", timeout_s=30)
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
-def test_world_size_mismatch_names_the_fix():
-    msgs = run_distributed(_wrong_world_worker, 2, timeout_s=60)
-    assert all("WORLD_SIZE=2" in m and "parallel.dp" in m for m in msgs), msgs

@@ -92,24 +92,28 @@ def _saved_bytes(model, ids, tgt) -> int:
     return sum(seen.values())
 
 
-def _tp_worker(tp: int, cases, memory: bool):
-    mesh = ProcessMesh.from_env(tp, 1, 1, 1, backend="gloo", timeout_s=60)
+def _tp_worker(layouts, memory_tp):
+    """Every case of every (tp, dp) layout in one world (new_group may build several meshes)."""
     single = ProcessMesh.single()
     torch.manual_seed(0)
     out = {"cases": [], "memory": None}
     refs = {}
-    for arch, sp, recompute, dropout in cases:
-        key = (arch, dropout)
-        if key not in refs:
-            refs[key] = _fwd_bwd(_cfg(arch, dropout=dropout), single)
-        ref_losses, ref_model = refs[key]
-        losses, model = _fwd_bwd(_cfg(arch, sp, recompute, dropout), mesh)
-        worst, name = _compare(model, ref_model, mesh)
-        out["cases"].append(dict(case=(arch, sp, recompute, dropout), loss=losses[0], ref_loss=ref_losses[0],
-                                 grad_rel=worst, worst=name))
-    if memory:
+    meshes = {}
+    for tp, dp, cases in layouts:
+        mesh = meshes[tp] = ProcessMesh.from_env(tp, 1, 1, dp, backend="gloo", timeout_s=60)
+        for arch, sp, recompute, dropout in cases:
+            key = (arch, dropout)
+            if key not in refs:
+                refs[key] = _fwd_bwd(_cfg(arch, dropout=dropout), single)
+            ref_losses, ref_model = refs[key]
+            losses, model = _fwd_bwd(_cfg(arch, sp, recompute, dropout), mesh)
+            worst, name = _compare(model, ref_model, mesh)
+            out["cases"].append(dict(case=(tp, arch, sp, recompute, dropout), loss=losses[0],
+                                     ref_loss=ref_losses[0], grad_rel=worst, worst=name, tp_rank=mesh.tp_rank))
+    if memory_tp:
         ids, tgt = _batch()
         figures = {}
+        mesh = meshes[memory_tp]
         for label, m, sp in (("single", single, False), ("tp", mesh, False), ("tp_sp", mesh, True)):
             (model,) = build_gpt(_cfg("gpt", sp), m, torch.float32)
             figures[label] = _saved_bytes(model, ids, tgt)
@@ -118,30 +122,23 @@ def _tp_worker(tp: int, cases, memory: bool):
     return out
 
 
-def _check_equivalence(results):
+def test_tp2_tp4_match_single_process_sp_on_off_recompute_and_sp_saves_memory():
+    """4 ranks: tp=4 (sp on/off), then tp=2 x dp=2 (sp on/off x recompute none/selective/full)."""
+    tp4 = [(arch, sp, "none", 0.0) for arch in ARCHS for sp in (False, True)]
+    tp2 = [(arch, sp, rc, 0.0) for arch in ARCHS for sp in (False, True) for rc in ("none", "selective", "full")]
+    results = run_distributed(_tp_worker, 4, args=([(4, 1, tp4), (2, 2, tp2)], 2), timeout_s=240)
+    assert len(results[0]["cases"]) == len(tp4) + len(tp2)
+    losses = {}
     for rank_out in results:
         for c in rank_out["cases"]:
             assert abs(c["loss"] - c["ref_loss"]) <= 1e-5 * abs(c["ref_loss"]), c
             assert c["grad_rel"] < 1e-5, c
-    losses = {tuple(c["case"]): c["loss"] for c in results[0]["cases"]}
-    for rank_out in results[1:]:  # the loss is identical on every tp rank
-        for c in rank_out["cases"]:
-            assert c["loss"] == losses[tuple(c["case"])], c
-
-
-def test_tp2_matches_single_process_sp_on_off_recompute_and_sp_saves_memory():
-    cases = [(arch, sp, rc, 0.0) for arch in ARCHS for sp in (False, True) for rc in ("none", "selective", "full")]
-    results = run_distributed(_tp_worker, 2, args=(2, cases, True), timeout_s=150)
-    _check_equivalence(results)
+            # The loss is the same number on every rank (every tp rank, and the dp replicas).
+            assert losses.setdefault(c["case"], c["loss"]) == c["loss"], c
     for r in results:
         mem = r["memory"]
-        print("saved activation bytes per rank:", mem)
+        print("saved activation bytes per rank (tp=2):", mem)
         assert mem["tp_sp"] < mem["tp"] < mem["single"], mem
-
-
-def test_tp4_matches_single_process():
-    cases = [(arch, sp, "none", 0.0) for arch in ARCHS for sp in (False, True)]
-    _check_equivalence(run_distributed(_tp_worker, 4, args=(4, cases, False), timeout_s=150))
 
 
 # ---- single-process checks ----------------------------------------------------------------------
