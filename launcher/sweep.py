@@ -104,4 +104,3 @@ class SweepSummary(Callback):
         with open(path, "w") as f:
             json.dump({"points": self.points, **summary}, f, indent=2, default=str)
         print(f"sweep.json: {os.path.abspath(path)}")
-
