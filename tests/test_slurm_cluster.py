@@ -1,0 +1,244 @@
+"""Integration tests against the real dev Slurm cluster (slurm/dev-cluster.sh): CPU ranks with gloo.
+
+Skipped, with the reason, when the cluster cannot run here (no root, no apt, no Slurm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launcher.status import run_status
+from training.events import read_events
+
+pytestmark = pytest.mark.slurm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UNAVAILABLE = 77
+STEPS = 12
+COMMON = ["model=tiny", "data=synthetic", "parallel.tp=2", "parallel.pp=1", f"train.steps={STEPS}",
+          "train.warmup_steps=2", "train.checkpoint_every=2", "train.log_every=1"]
+
+
+def _ping() -> bool:
+    try:
+        return shutil.which("scontrol") is not None and subprocess.run(
+            ["scontrol", "ping"], capture_output=True, text=True, timeout=15).stdout.count("UP") > 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The dev cluster, started if needed; a loud skip with the reason when it cannot run here."""
+    if not _ping():
+        res = subprocess.run(["bash", os.path.join(ROOT, "slurm", "dev-cluster.sh"), "up"],
+                             capture_output=True, text=True, timeout=600)
+        if res.returncode == UNAVAILABLE:
+            reason_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), "meshrun-slurm-unavailable")
+            reason = open(reason_file).read().strip() if os.path.exists(reason_file) else res.stderr.strip()
+            pytest.skip(f"SLURM TESTS SKIPPED: dev cluster unavailable: {reason}")
+        if res.returncode != 0 or not _ping():
+            pytest.fail(f"slurm/dev-cluster.sh up failed (exit {res.returncode}):\n{res.stderr[-2000:]}")
+    return True
+
+
+def meshrun(*overrides, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "launcher", *overrides], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def submit(run_dir, *overrides):
+    res = meshrun("cluster=slurm_dev", *COMMON, f"run.dir={run_dir}", *overrides)
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = re.search(r"submitted Slurm job (\d+)", res.stdout)
+    assert m, res.stdout
+    return m.group(1)
+
+
+def wait_final(run_dir, timeout=240):
+    """Until events.jsonl ends the run (completed / stopped); returns the status."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        events = read_events(str(run_dir))
+        if events and events[-1]["event"] in ("completed", "stopped"):
+            return run_status(str(run_dir))
+        time.sleep(0.5)
+    raise AssertionError(f"run {run_dir} not finished after {timeout} s; events: {read_events(str(run_dir))}; "
+                         f"status {run_status(str(run_dir))}")
+
+
+def wait_step(run_dir, step, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        losses = metrics(run_dir, last_wins=True)
+        if losses and max(losses) >= step:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def metrics(run_dir, last_wins=False):
+    """step -> loss; with last_wins=False a step logged twice is an error."""
+    out = {}
+    path = os.path.join(str(run_dir), "metrics.jsonl")
+    if not os.path.exists(path):
+        return out
+    for line in open(path):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not last_wins:
+            assert rec["step"] not in out, f"step {rec['step']} was run twice"
+        out[rec["step"]] = rec["loss"]
+    return out
+
+
+def rank_pid(run_dir, rank):
+    """pid of `python -m training.main RUN_DIR` of one rank (all fake nodes live on this machine)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            if b"training.main" not in cmd or str(run_dir).encode() not in cmd:
+                continue
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(pid)
+    raise AssertionError(f"no process for rank {rank} of {run_dir}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cluster):
+    """The same config run locally (4 CPU processes): the loss trajectory every Slurm run must match."""
+    run_dir = tmp_path_factory.mktemp("local") / "run"
+    res = meshrun("cluster=local", "cluster.gpus_per_node=4", *COMMON, f"run.dir={run_dir}", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    losses = metrics(run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def slurm_run(tmp_path_factory, cluster):
+    run_dir = tmp_path_factory.mktemp("slurm") / "run"
+    t0 = time.time()
+    job = submit(run_dir)
+    submit_s = time.time() - t0
+    return run_dir, job, wait_final(run_dir), submit_s
+
+
+def test_two_nodes_two_ranks_match_local_run(slurm_run, reference):
+    run_dir, job, status, submit_s = slurm_run
+    assert submit_s < 30  # returns at once, does not wait for the job
+    assert status["state"] == "COMPLETED" and status["job_id"] == job and status["last_step"] == STEPS
+    started = [e for e in read_events(str(run_dir)) if e["event"] == "started"]
+    assert len(started) == 1 and len(started[0]["nodes"]) == 2
+    losses = metrics(run_dir)
+    assert sorted(losses) == sorted(reference)
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    # Every rank ran NUMA-bound (numactl) and on the node Slurm put it.
+    recs = [json.load(open(os.path.join(run_dir, "slurm", "attempt_0", f"rank_{r}.json"))) for r in range(4)]
+    assert [r["node"] for r in recs] == [started[0]["nodes"][0]] * 2 + [started[0]["nodes"][1]] * 2
+    assert all(r["numa_node"] is not None and r["exit_code"] == 0 for r in recs)
+    out = meshrun("action=status", f"run.dir={run_dir}")
+    assert out.returncode == 0 and json.loads(out.stdout)["state"] == "COMPLETED"
+
+
+def test_preemption_signal_requeues_and_resumes_exactly(tmp_path, reference, cluster):
+    run_dir = tmp_path / "run"
+    job = submit(run_dir)
+    wait_step(run_dir, 4)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    status = wait_final(run_dir)
+    assert status["state"] == "COMPLETED" and status["attempt"] == 1 and status["job_id"] == job
+    events = read_events(str(run_dir))
+    kinds = [e["event"] for e in events]
+    assert "signal" in kinds and kinds.count("started") == 2
+    requeued = [e for e in events if e["event"] == "requeued"]
+    assert len(requeued) == 1 and requeued[0]["cause"] == "stopped_early"
+    losses = metrics(run_dir)  # asserts no step ran twice
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+
+
+def test_killed_rank_fails_fast_and_resubmits_without_its_node(tmp_path, reference, cluster):
+    run_dir = tmp_path / "run"
+    submit(run_dir)
+    wait_step(run_dir, 4)
+    os.kill(rank_pid(run_dir, 2), signal.SIGKILL)
+    killed = time.time()
+    deadline = killed + 60
+    while not any(e["event"] == "failed" for e in read_events(str(run_dir))):
+        assert time.time() < deadline, "the job did not notice a dead rank within 60 s"
+        time.sleep(0.2)
+    status = wait_final(run_dir)
+    events = read_events(str(run_dir))
+    failed = [e for e in events if e["event"] == "failed"][0]
+    first_nodes = [e for e in events if e["event"] == "started"][0]["nodes"]
+    assert failed["rank"] == 2 and failed["node"] == first_nodes[1] and failed["exit_code"] == -9
+    requeued = [e for e in events if e["event"] == "requeued"][0]
+    assert requeued["excluded_nodes"] == [failed["node"]] and requeued["cause"] == "failure"
+    second = [e for e in events if e["event"] == "started"][1]
+    assert failed["node"] not in second["nodes"]
+    assert status["state"] == "COMPLETED" and status["excluded_nodes"] == [failed["node"]]
+    assert status["job_id"] == requeued["new_job_id"]
+    losses = metrics(run_dir, last_wins=True)
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+
+
+def test_max_retries_reached_stops(tmp_path, cluster):
+    run_dir = tmp_path / "run"
+    submit(run_dir, "cluster.max_retries=0")
+    wait_step(run_dir, 2)
+    os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
+    status = wait_final(run_dir)
+    assert status["state"] == "FAILED" and "max_retries=0" in status["reason"]
+    kinds = [e["event"] for e in read_events(str(run_dir))]
+    assert kinds.count("started") == 1 and kinds[-2:] == ["failed", "stopped"]
+
+
+def test_sweep_submits_valid_points_and_skips_invalid(tmp_path, cluster):
+    sweep_dir = tmp_path / "sweep"
+    res = meshrun("-m", "cluster=slurm_dev", "cluster.nodes=1", "cluster.gpus_per_node=1", "model=tiny",
+                  "data=synthetic", "parallel.tp=1", "parallel.sp=false", "parallel.zero=0",
+                  "parallel.global_batch=8", "parallel.micro_batch=1,2,4,3", "train.steps=2",
+                  f"hydra.sweep.dir={sweep_dir}", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    jobs = re.findall(r"submitted Slurm job (\d+); run dir (\S+)", res.stdout)
+    assert len(jobs) == 3, res.stdout
+    assert "micro_batch=3" in res.stdout + res.stderr
+    for job, run_dir in jobs:
+        assert job in res.stdout.split("sweep summary")[-1]  # the summary table lists the job ids
+        assert wait_final(run_dir)["state"] == "COMPLETED"
+
+
+def test_bad_input_submits_nothing(tmp_path, cluster):
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
+    res = meshrun("cluster=slurm_dev", *COMMON, f"run.dir={tmp_path / 'a'}", "cluster.partition=nope")
+    assert res.returncode == 2 and "cluster.partition='nope' does not exist" in res.stderr
+    marker = tmp_path / "pwned"
+    res = meshrun("cluster=slurm_dev", *COMMON, f"run.dir={tmp_path / 'b'}",
+                  f"cluster.partition='debug;touch {marker}'")
+    assert res.returncode == 2 and "cluster.partition" in res.stderr and not marker.exists()
+    conf = tmp_path / "slurm.conf"
+    real = open("/etc/slurm/slurm.conf").read()
+    conf.write_text(re.sub(r"(?m)^SlurmctldHost=.*$", "SlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort=1", real))
+    res = meshrun("cluster=slurm_dev", *COMMON, f"run.dir={tmp_path / 'c'}", env={"SLURM_CONF": str(conf)})
+    assert res.returncode == 3 and "controller does not answer" in res.stderr, res.stderr
+    for d in "abc":
+        assert not (tmp_path / d / "events.jsonl").exists()
+    after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
+    assert set(after) <= set(before)
