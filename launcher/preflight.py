@@ -1,7 +1,7 @@
 """`meshrun action=preflight`: run the preflight ranks alone, locally or as a Slurm job.
 
 No torch here: the ranks are `python -m training.preflight RUN_DIR` subprocesses (local) or the
-same command under srun (Slurm). The verdict is read back from run_dir/preflight.json; a bad node
+same command as a Slurm job (`submit_slurm`, a submitit job of `PreflightTask`s, no requeue). The verdict is read back from run_dir/preflight.json; a bad node
 makes this exit with 4 (docs/CONTRACTS.md), nothing bad with 0.
 """
 
@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, List
 
 from launcher.local import POLL_S, _stop, free_port, rank_env, usable_cores
@@ -84,32 +85,70 @@ def run_local(cfg: Config, run_dir: str, timeout_s: float = 0.0) -> int:
     return 0
 
 
-def submit_slurm(cfg: Config, run_dir: str) -> Any:
-    """Run the preflight as its own Slurm job through the Slurm launcher (launcher/slurm.py).
+@dataclass
+class PreflightTask:
+    """The submitit callable of a preflight-only Slurm job: one task = one preflight rank."""
 
-    The Slurm launcher owns sbatch/submitit; it is asked to run `preflight_argv(run_dir)` on every
-    task (or `rank_entry(run_dir)` as the submitit callable) with the job's nodes and tasks.
-    """
+    run_dir: str
+    """The run directory holding config.json."""
+
+    def __call__(self) -> int:
+        from training.slurm_env import torch_env_from_slurm
+
+        env = dict(os.environ)
+        env.update(torch_env_from_slurm(env))
+        env["PYTHONUNBUFFERED"] = "1"
+        # The status is returned, not raised: a bad node (4) must not make srun kill the healthy
+        # ranks before they have reported; the verdict is in preflight.json.
+        return subprocess.call(preflight_argv(self.run_dir), env=env)
+
+
+def slurm_parameters(cfg: Config, run_dir: str) -> Dict[str, Any]:
+    """submitit parameters of the preflight job: the training job's, without its requeue machinery."""
+    from launcher.sbatch import job_spec
+
+    params = dict(job_spec(cfg, run_dir).parameters)
+    params["job_name"] = "meshrun-preflight"
+    params["setup"] = [line for line in params["setup"] if "slurm_driver" not in line]
+    params.pop("teardown", None)
+    params["srun_args"] = [a for a in params.get("srun_args", []) if not a.startswith("--kill-on-bad-exit")]
+    extra = {k: v for k, v in params.get("additional_parameters", {}).items() if k != "requeue"}
+    params["additional_parameters"] = extra
+    return params
+
+
+def submit_slurm(cfg: Config, run_dir: str) -> Dict[str, Any]:
+    """Run the preflight alone as a Slurm job over cluster.nodes x gpus_per_node tasks; wait for it."""
+    import submitit
+
+    from launcher.sbatch import SlurmConfigError
+
     try:
-        from launcher.slurm import submit_command
-    except ImportError as exc:
-        print(f"error: cluster.kind=slurm preflight needs launcher.slurm.submit_command ({exc}); "
-              f"run it locally with cluster=local, or inside a training job with cluster.preflight.mode=gate",
-              file=sys.stderr)
+        params = slurm_parameters(cfg, run_dir)
+    except SlurmConfigError as exc:
+        print(f"error: {exc}\nnothing was submitted.", file=sys.stderr)
         raise SystemExit(2) from None
-    return submit_command(cfg, run_dir, preflight_argv(run_dir), name="preflight")
+    ex = submitit.SlurmExecutor(folder=os.path.join(run_dir, "submitit_preflight"))
+    ex.update_parameters(**params)
+    job = ex.submit(PreflightTask(run_dir))
+    print(f"submitted preflight job {job.job_id}; waiting", file=sys.stderr)
+    codes = job.results()
+    return {"job_id": str(job.job_id), "codes": codes,
+            "exit_code": EXIT_NODE_BAD if EXIT_NODE_BAD in codes else max(codes)}
 
 
 def run_preflight(cfg: Config, run_dir: str) -> Dict[str, Any]:
     """meshrun action=preflight: write config.json, run the ranks, print the verdict, exit 4 on a bad node."""
     os.makedirs(run_dir, exist_ok=True)
     save_config(cfg, os.path.join(run_dir, "config.json"))
-    if cfg.cluster.kind == "slurm":
-        return submit_slurm(cfg, run_dir)
     t = time.time()
-    code = run_local(cfg, run_dir)
+    if cfg.cluster.kind == "slurm":
+        result: Dict[str, Any] = submit_slurm(cfg, run_dir)
+        code = result["exit_code"]
+    else:
+        code, result = run_local(cfg, run_dir), {}
     path = os.path.join(run_dir, "preflight.json")
-    result: Dict[str, Any] = {"exit_code": code, "elapsed_s": round(time.time() - t, 2)}
+    result.update(exit_code=code, elapsed_s=round(time.time() - t, 2))
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
