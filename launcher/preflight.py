@@ -153,6 +153,10 @@ def run_preflight(cfg: Config, run_dir: str) -> Dict[str, Any]:
         with open(path) as f:
             data = json.load(f)
         result.update(status=data["status"], bad_nodes=data["bad_nodes"])
+        if cfg.cluster.kind == "slurm":  # rank 0 printed it into the job's log; show it here too
+            from training.preflight.report import format_table
+
+            print(format_table(data))
         print(f"meshrun: preflight {data['status']} in {result['elapsed_s']} s; report: {path}", file=sys.stderr)
     if code:
         raise SystemExit(code)

@@ -111,3 +111,27 @@ def test_launcher_side_never_imports_torch():
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "['-m', 'training.preflight', '/r']"
+
+
+def _dev_cluster_up():
+    try:
+        return "UP" in subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _dev_cluster_up(), reason="dev Slurm cluster not running (bash slurm/dev-cluster.sh up)")
+def test_slurm_preflight_job_finds_the_injected_bad_node(tmp_path):
+    good, bad = str(tmp_path / "ib_good"), str(tmp_path / "ib_bad")
+    write_port(good, "mlx5_0")
+    write_port(bad, "mlx5_0", rate="100 Gb/sec (4X EDR)")
+    run_dir = str(tmp_path / "run")
+    p = meshrun("action=preflight", "cluster=slurm_dev", "cluster.nodes=2", "cluster.gpus_per_node=1",
+                f"run.dir={run_dir}", "cluster.preflight.ib_hcas=[mlx5_0]", "cluster.preflight.ib_rate_gbps=400",
+                f"cluster.preflight.ib_sysfs_root={good}", "cluster.preflight.collective_sizes_mb=[1]",
+                f"+cluster.preflight.ib_sysfs_root_by_node.n2={bad}", "cluster.exclude=n3", timeout=240)
+    assert p.returncode == 4, p.stderr[-3000:]
+    data = json.load(open(os.path.join(run_dir, "preflight.json")))
+    assert data["bad_nodes"] == ["n2"] and data["nodes"]["n1"] != "fail"
+    assert {(c["name"], c["node"]) for c in data["checks"] if c["status"] == "fail"} == {("ib.rate", "n2")}
+    assert "ib.rate" in p.stdout and "bad nodes: n2" in p.stdout
