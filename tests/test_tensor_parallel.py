@@ -20,9 +20,9 @@ V, S, B = 51, 16, 2  # vocab 51 is padded to 52 at tp=2 and tp=4
 
 ARCHS = {
     "gpt": dict(norm="layernorm", activation="gelu", position="learned", tie_embeddings=True, bias=True,
-                num_attention_heads=4, num_query_groups=None, attention="flash"),
+                num_attention_heads=4, num_query_groups=None, attention="math"),
     "llama": dict(norm="rmsnorm", activation="swiglu", position="rope", tie_embeddings=False, bias=False,
-                  num_attention_heads=8, num_query_groups=4, attention="math"),
+                  num_attention_heads=8, num_query_groups=4, attention="flash"),
 }
 
 
