@@ -34,13 +34,15 @@ from torch.utils.checkpoint import checkpoint
 from training.config import Config, ModelConfig, ParallelConfig
 from training.init import init_parameters, stable_seed
 from training.mesh import ProcessMesh
-from training.parallel.collectives import group_size, reduce_from_tp, reduce_scatter_to_sp
+from training.parallel.collectives import group_rank, group_size, reduce_from_tp, reduce_scatter_to_sp
 from training.parallel.layers import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_linear, set_tp_meta,
     vocab_parallel_cross_entropy,
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# SDPA takes grouped key/value heads natively from torch 2.5 (enable_gqa); before, repeat them.
+_SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -141,7 +143,7 @@ class Attention(nn.Module):
         self.local_heads = a // tp
         self.flash = mc.attention == "flash"
         self.dropout = mc.dropout
-        self.tp_rank = 0 if group is None else torch.distributed.get_rank(group)
+        self.tp_rank = group_rank(group)
         self.qkv = ColumnParallelLinear(h, (a + 2 * g) * self.d, mc.bias, group, sp, dtype, device)
         self.proj = RowParallelLinear(a * self.d, h, mc.bias, group, sp, dtype, device)
         self.rotary = Rotary(self.d, mc.seq_length, device) if mc.position == "rope" else None
@@ -153,14 +155,20 @@ class Attention(nn.Module):
         # Differs per tp rank: each rank holds other heads.
         key = stable_seed(key, "attn_probs", self.tp_rank)
         if self.flash:
-            gqa = self.q_per_group > 1
+            kw = {}
+            if self.q_per_group > 1:
+                if _SDPA_GQA:
+                    kw["enable_gqa"] = True
+                else:
+                    k = k.repeat_interleave(self.q_per_group, dim=1)
+                    v = v.repeat_interleave(self.q_per_group, dim=1)
             if p == 0.0:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
             # SDPA draws its mask from the global RNG: seed it from the key inside a forked RNG.
             devices = [q.device] if q.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices, device_type=q.device.type):
                 torch.manual_seed(key)
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, enable_gqa=gqa)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **kw)
         if self.q_per_group > 1:
             k = k.repeat_interleave(self.q_per_group, dim=1)
             v = v.repeat_interleave(self.q_per_group, dim=1)
