@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from dist_harness import run_distributed
 from training.config import Config
 from training.mesh import ProcessMesh
-from training.model import GPTChunk, build_gpt, chunk_layer_ids
+from training.model import GPTChunk, build_gpt, chunk_layer_ids, keyed_dropout
 from training.parallel.layers import allreduce_sequence_parallel_grads, vocab_parallel_cross_entropy
 
 V, S, B = 51, 16, 2  # vocab 51 is padded to 52 at tp=2 and tp=4
@@ -118,6 +118,12 @@ def _tp_worker(layouts, memory_tp):
             (model,) = build_gpt(_cfg("gpt", sp), m, torch.float32)
             figures[label] = _saved_bytes(model, ids, tgt)
         out["memory"] = figures
+        # Residual dropout draws the whole sequence's mask and keeps the local rows, so with dropout on
+        # SP (masks on sequence shards) equals plain TP (masks on the replicated sequence).
+        (l_tp,), m_tp = _fwd_bwd(_cfg("gpt", False, dropout=0.1), mesh)
+        (l_sp,), m_sp = _fwd_bwd(_cfg("gpt", True, dropout=0.1), mesh)
+        diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(m_tp.parameters(), m_sp.parameters()))
+        out["dropout"] = dict(tp=l_tp, sp=l_sp, grad_diff=diff, no_dropout=refs[("gpt", 0.0)][0][0])
     mesh.destroy()
     return out
 
@@ -136,6 +142,8 @@ def test_tp2_tp4_match_single_process_sp_on_off_recompute_and_sp_saves_memory():
             # The loss is the same number on every rank (every tp rank, and the dp replicas).
             assert losses.setdefault(c["case"], c["loss"]) == c["loss"], c
     for r in results:
+        d = r["dropout"]
+        assert d["tp"] != d["no_dropout"] and abs(d["tp"] - d["sp"]) < 1e-6 and d["grad_diff"] < 1e-6, d
         mem = r["memory"]
         print("saved activation bytes per rank (tp=2):", mem)
         assert mem["tp_sp"] < mem["tp"] < mem["single"], mem
@@ -221,3 +229,12 @@ def test_half_precision_params_keep_an_fp32_loss(dtype):
         # bf16 keeps 8 mantissa bits: the loss of a 2-layer model agrees to about 1e-2 relative.
         assert abs(loss.item() - ref(ids, tgt).item()) < 2e-2 * loss.item(), arch
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in half.parameters())
+
+
+def test_sharded_dropout_mask_is_the_full_mask_sliced():
+    x = torch.ones(8, 2, 4)
+    full = keyed_dropout(x, 0.5, key=11)
+    shards = [keyed_dropout(x[i * 2:(i + 1) * 2], 0.5, key=11, shard=i, num_shards=4) for i in range(4)]
+    assert torch.equal(torch.cat(shards), full)
+    assert 0 < (full == 0).sum() < full.numel() and torch.equal(full.unique(), torch.tensor([0.0, 2.0]))
+    assert not torch.equal(keyed_dropout(x, 0.5, key=12), full)
