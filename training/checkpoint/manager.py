@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from training.checkpoint import signals, storage
 from training.checkpoint.layout import Piece, param_info, pieces_for, to_load_state_dict, to_state_dict
@@ -122,6 +123,12 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def _short(exc: BaseException) -> str:
+    """One line for an error; DCP wraps rank failures with whole tracebacks: keep their last line."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
 
 def _json_tensor(obj: Any) -> torch.Tensor:
@@ -273,8 +280,8 @@ class CheckpointManager:
                 return stats
             dcp.save(state, storage_writer=writer)
             error = None
-        except Exception as exc:  # noqa: BLE001 - reported with the fix below, on every rank
-            error = f"{type(exc).__name__}: {exc}"
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
+            error = _short(exc)
         error = self._commit_or_clean(tmp, info, stats, error)
         stats.blocked_s = stats.total_s = time.monotonic() - t0
         self._after_commit(stats, error)
@@ -285,8 +292,8 @@ class CheckpointManager:
         try:
             p.future.result()
             err = None
-        except Exception as exc:  # noqa: BLE001
-            err = f"{type(exc).__name__}: {exc}"
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001
+            err = _short(exc)
         p.error.append(self._commit_or_clean(p.tmp_dir, p.info, p.stats, err, broadcast=False) or "")
 
     def wait(self) -> Optional[SaveStats]:
@@ -296,7 +303,7 @@ class CheckpointManager:
             return None
         try:
             p.future.result()
-        except Exception:  # noqa: BLE001 - rank 0's commit thread reports it
+        except (Exception, CheckpointException):  # noqa: BLE001 - rank 0's commit thread reports it
             pass
         error = None
         if p.thread is not None:
