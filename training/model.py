@@ -174,8 +174,9 @@ class Attention(nn.Module):
             v = v.repeat_interleave(self.q_per_group, dim=1)
         s = q.shape[-2]
         scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.d))
-        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
-        probs = scores.float().masked_fill(causal, float("-inf")).softmax(dim=-1).to(q.dtype)  # fp32 softmax
+        # An additive mask: unlike masked_fill, an add keeps no s x s boolean for backward.
+        causal = torch.full((s, s), float("-inf"), device=q.device).triu_(1)
+        probs = (scores.float() + causal).softmax(dim=-1).to(q.dtype)  # softmax in fp32
         probs = keyed_dropout(probs, p, key)
         return torch.matmul(probs, v)
 

@@ -16,7 +16,7 @@ Forward / backward pairs (Korthikanti et al. 2022, Megatron-LM):
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
