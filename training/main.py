@@ -76,6 +76,9 @@ def main(argv=None) -> int:
         if reapply_affinity():  # a communicator reset the NUMA binding the launcher set
             print(f"note: rank {os.environ.get('RANK')}: NUMA affinity re-applied after process-group setup",
                   file=sys.stderr)
+        from training.preflight.runner import before_training
+
+        before_training(cfg, run_dir)  # cluster.preflight.mode gate: a bad node exits 4 before training
         trainer = Trainer(cfg, run_dir, mesh)
         code = trainer.run()
     except DataError as exc:
