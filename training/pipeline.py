@@ -7,8 +7,8 @@ function), executed in order by `PipelineSchedule.forward_backward`:
      the last virtual stage returns the micro-batch loss instead.
   B: receive d(output) from the next virtual stage (the last one backpropagates the scaled loss),
      backward, send d(input) to the previous virtual stage (async).
-Sends never block (isend, waited for at the end of the step) and receives happen just before the
-compute that needs them, so any order in which each F follows its producer and each B its consumer
+Sends never block (isend, waited for at the end of the step) and receives are posted a few actions
+ahead and waited for just before the compute that needs them, so any order in which each F follows its producer and each B its consumer
 runs without deadlock; the three orders below are Megatron-LM's.
 
 Virtual stage of local chunk c on pipeline rank r: c * p + r (model.build_gpt's order). Every message
@@ -20,7 +20,7 @@ In-flight micro-batches (forward done, backward not yet) on rank r, which bound 
 The planner (launcher/plan.py `inflight_microbatches`) uses the same numbers.
 
 Each step records this rank's busy time (forward and backward compute only, not waiting or
-communication) and the schedule's wall time; the idle share 1 - busy / wall, averaged over the
+communication) and its wall time; the pipeline's idle share, 1 - mean busy / longest wall over the
 pipeline ranks, is reported next to the planner's (p - 1) / (v m + p - 1).
 
 Tied embeddings: the last stage's copy of `embedding.word.weight` starts equal to the first stage's
@@ -38,6 +38,9 @@ import torch
 import torch.distributed as dist
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+RECV_LOOKAHEAD = 2
+"""Receives are posted this many actions ahead (bounds the extra receive buffers to 3 messages)."""
 
 Action = Tuple[str, int, int]
 """("F" | "B", local chunk index, micro-batch index)."""
@@ -114,7 +117,7 @@ class StepStats:
     idle_share: float = 0.0
     """1 - busy / wall on this rank."""
     idle_share_mean: float = 0.0
-    """idle_share averaged over the pipeline ranks (what the metrics line reports)."""
+    """1 - mean busy / longest wall over the pipeline ranks: the pipeline's idle share (the metrics line's)."""
     peak_in_flight: int = 0
     """Most chunk micro-batches held between forward and backward."""
     peak_saved_bytes: int = 0
@@ -188,15 +191,17 @@ class PipelineSchedule:
         live_bytes = 0
         self._sync()
         t_start = time.perf_counter()
-        for kind, c, mb in actions:
+        posted: Dict[int, Tuple[torch.Tensor, object]] = {}
+        for i, (kind, c, mb) in enumerate(actions):
             vs = self._vstage(c)
             if kind == "F":
                 tokens, targets = micro_batches[mb]
+                self._post_recvs(actions, i, m, posted)
                 if vs == 0:
                     x, inp = tokens.to(self.device), None
                 else:
-                    inp = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                    dist.recv(inp, src=self._peer(vs - 1), group=self.group, tag=self._tag(False, vs, mb, m))
+                    inp, work = posted.pop(i)
+                    work.wait()
                     inp.requires_grad_(True)
                     x = inp
                 counter = _SavedBytes(self._param_ptrs)
@@ -220,11 +225,12 @@ class PipelineSchedule:
                 st.peak_in_flight = max(st.peak_in_flight, len(held))
             else:
                 inp, out, nbytes = held.pop((c, mb))
+                self._post_recvs(actions, i, m, posted)
                 if vs == last_v:
                     grad_out = None
                 else:
-                    grad_out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                    dist.recv(grad_out, src=self._peer(vs + 1), group=self.group, tag=self._tag(True, vs, mb, m))
+                    grad_out, work = posted.pop(i)
+                    work.wait()
                 t0 = time.perf_counter()
                 if grad_out is None:
                     self.scale_loss(out.float(), m).backward()
@@ -241,13 +247,30 @@ class PipelineSchedule:
             work.wait()
         st.wall_s = time.perf_counter() - t_start
         st.idle_share = max(0.0, 1.0 - st.busy_s / st.wall_s) if st.wall_s > 0 else 0.0
-        share = torch.tensor([st.idle_share], dtype=torch.float64, device=self.device)
+        # The pipeline's wall clock is the longest rank's (a rank that finishes early idles until the
+        # step ends); ranks start together, synchronised by the previous step's collectives.
+        busy = torch.tensor([st.busy_s], dtype=torch.float64, device=self.device)
+        wall = torch.tensor([st.wall_s], dtype=torch.float64, device=self.device)
         if self.p > 1:
-            dist.all_reduce(share, group=self.group)
-        st.idle_share_mean = float(share.item()) / self.p
+            dist.all_reduce(busy, group=self.group)
+            dist.all_reduce(wall, group=self.group, op=dist.ReduceOp.MAX)
+        st.idle_share_mean = max(0.0, 1.0 - float(busy.item()) / self.p / float(wall.item()))
         self.stats = st
         self.last_m = m
         return total / m
+
+    def _post_recvs(self, actions: List[Action], i: int, m: int, posted: Dict) -> None:
+        """Post the receives of actions i .. i + RECV_LOOKAHEAD that are not posted yet, so a message is
+        already here when its consumer starts (a receive posted on demand costs a round trip)."""
+        last_v = self.num_virtual - 1
+        for j in range(i, min(i + RECV_LOOKAHEAD + 1, len(actions))):
+            kind, c, mb = actions[j]
+            vs = self._vstage(c)
+            if j in posted or (kind == "F" and vs == 0) or (kind == "B" and vs == last_v):
+                continue
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            peer = self._peer(vs - 1) if kind == "F" else self._peer(vs + 1)
+            posted[j] = (buf, dist.irecv(buf, src=peer, group=self.group, tag=self._tag(kind == "B", vs, mb, m)))
 
     def _forward(self, c: int, x: torch.Tensor, targets: Optional[torch.Tensor]) -> torch.Tensor:
         if targets is not None:
