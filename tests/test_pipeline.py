@@ -110,6 +110,41 @@ def test_orders_are_complete_and_bounded_as_planned(kind, p, v, m):
         assert first == min(p, m)
 
 
+def _simulated_idle_share(kind, p, m, v, t_f=1.0, t_b=2.0) -> float:
+    """Run every rank's action list against a clock with free communication: an action starts when its
+    rank is free and its producer (F) or consumer (B) is done; idle share = 1 - mean busy / wall."""
+    acts = {r: build_actions(kind, p, r, m, v) for r in range(p)}
+    done, clock, pos, busy, last = {}, [0.0] * p, [0] * p, [0.0] * p, p * v - 1
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while pos[r] < len(acts[r]):
+                k, c, mb = acts[r][pos[r]]
+                vs = c * p + r
+                dep = (None if vs == 0 else ("F", vs - 1, mb)) if k == "F" else \
+                    (None if vs == last else ("B", vs + 1, mb))
+                if dep is not None and dep not in done:
+                    break  # blocked on another rank
+                cost = (t_f if k == "F" else t_b) / v
+                clock[r] = max(clock[r], done[dep] if dep else 0.0) + cost
+                busy[r] += cost
+                done[(k, vs, mb)] = clock[r]
+                pos[r] += 1
+                moved = True
+    assert pos == [len(a) for a in acts.values()], "the orders deadlock"
+    return 1 - sum(busy) / p / max(clock)
+
+
+@pytest.mark.parametrize("kind,p,v,m", [("gpipe", 4, 1, 4), ("1f1b", 2, 1, 2), ("1f1b", 4, 1, 16),
+                                        ("interleaved_1f1b", 2, 2, 8), ("interleaved_1f1b", 4, 2, 4),
+                                        ("interleaved_1f1b", 4, 4, 8)])
+def test_orders_reach_the_formula_bubble_with_free_communication(kind, p, v, m):
+    from training.pipeline import planned_idle_share
+
+    assert _simulated_idle_share(kind, p, m, v) == pytest.approx(planned_idle_share(p, m, v), abs=1e-9)
+
+
 def test_bad_schedule_shapes_are_clear_errors():
     with pytest.raises(ValueError, match="multiple of parallel.pp"):
         check_schedule("interleaved_1f1b", 4, 2, 6)
