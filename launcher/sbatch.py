@@ -122,6 +122,14 @@ class SlurmJobSpec:
     """submitit's folder (pickles, per-task logs): run_dir/submitit."""
     parameters: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of SlurmExecutor.update_parameters."""
+    python: str = ""
+    """How srun starts each task's Python (SlurmExecutor's `python`): USR2/TERM ignored until the
+    rank wrapper installs its handlers, so a stop signal during start-up never kills a task."""
+
+
+def task_python() -> str:
+    # `trap ''` sets SIG_IGN, which survives exec; "$0" is the interpreter, "$@" submitit's arguments.
+    return "bash -c " + shlex.quote("trap '' USR2 TERM; exec \"$0\" \"$@\"") + " " + python_cmd()
 
 
 def job_spec(cfg: Config, run_dir: str, exclude: str = "") -> SlurmJobSpec:
@@ -155,14 +163,14 @@ def job_spec(cfg: Config, run_dir: str, exclude: str = "") -> SlurmJobSpec:
             params[name] = getattr(c, name)
     if exclude:
         params["exclude"] = exclude
-    return SlurmJobSpec(folder=os.path.join(run_dir, "submitit"), parameters=params)
+    return SlurmJobSpec(folder=os.path.join(run_dir, "submitit"), parameters=params, python=task_python())
 
 
 def sbatch_text(spec: SlurmJobSpec) -> str:
     """The batch script submitit would submit for this spec (for the dry run)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    command = " ".join([python_cmd(), "-u -m submitit.core._submit", shlex.quote(spec.folder)])
+    command = " ".join([spec.python, "-u -m submitit.core._submit", shlex.quote(spec.folder)])
     return _make_sbatch_string(command=command, folder=spec.folder, **spec.parameters)
 
 

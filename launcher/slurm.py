@@ -73,7 +73,7 @@ def submit_job(cfg: Config, run_dir: str, exclude: str = "") -> str:
 
     spec = job_spec(cfg, run_dir, exclude)
     os.makedirs(spec.folder, exist_ok=True)
-    executor = submitit.SlurmExecutor(folder=spec.folder)
+    executor = submitit.SlurmExecutor(folder=spec.folder, python=spec.python)
     executor.update_parameters(**spec.parameters)
     try:
         job = executor.submit(RankTask(run_dir))

@@ -55,7 +55,9 @@ def prologue(run_dir: str) -> int:
         json.dump({"last_step": step, "nodes": nodes, "job_id": job_id()}, f)
     append_event(run_dir, "started", attempt=attempt, job_id=job_id(), nodes=nodes,
                  restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0), resume_step=step)
+    stop_at = stop_time(load_config(os.path.join(run_dir, "config.json")).cluster.signal_delay_s)
     exports = {
+        "MESHRUN_STOP_AT": f"{stop_at:.0f}" if stop_at else "",
         "MESHRUN_ATTEMPT": str(attempt),
         "MASTER_ADDR": first_host(os.environ.get("SLURM_JOB_NODELIST", "localhost")),
         "MASTER_PORT": str(port_from_job(job_id(), attempt)),
@@ -63,6 +65,22 @@ def prologue(run_dir: str) -> int:
     for k, v in exports.items():
         print(f"export {k}={shlex.quote(v)}")
     return 0
+
+
+SIGNAL_SWEEP_S = 30
+"""Slurm checks time limits (and sends --signal) only this often: its USR2 comes up to this late."""
+
+
+def stop_time(signal_delay_s: int):
+    """When the ranks should save and stop on their own: the job's end minus signal_delay_s minus
+    Slurm's sweep period, so the stop comes before Slurm's own USR2 (which may arrive while the ranks
+    still start up and is then lost) and never after it. None when the job has no time limit."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id(), "-o", "%e"], capture_output=True, text=True).stdout.strip()
+    try:
+        end = time.mktime(time.strptime(out, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+    return end - signal_delay_s - SIGNAL_SWEEP_S
 
 
 def rank_layout(nodes: List[str], ranks_per_node: int) -> Dict[int, str]:

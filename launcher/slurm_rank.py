@@ -55,6 +55,68 @@ def last_error_line(text: str) -> str:
     return lines[-1][:500] if lines else ""
 
 
+FORWARD_POLL_S = 0.2
+
+
+def _ignore_stop_signals() -> None:
+    """In the child before exec: USR2/TERM ignored until the engine installs its handler (SIG_IGN
+    survives exec; signal.signal in the engine replaces it)."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process pid has a handler installed for signum (SigCgt in /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+class _Forwarder:
+    """A stop signal that reached the child while it still ignored it (importing torch) is lost:
+    re-send it exactly once, as soon as the child has installed its handler. A child that already
+    caught it directly gets nothing more (a late copy could arrive after Python restored the default
+    handlers at exit and kill a rank that had saved cleanly)."""
+
+    def __init__(self) -> None:
+        self.pid = 0
+        self.signum = 0
+        self.done = threading.Event()
+        self.thread = None
+
+    def attach(self, pid: int) -> None:
+        self.pid = pid
+        if self.signum:
+            self._start()
+
+    def on_signal(self, signum, frame) -> None:
+        if self.signum:
+            return
+        self.signum = signum
+        if self.pid:
+            self._start()
+
+    def _start(self) -> None:
+        if self.thread is None and not catches(self.pid, self.signum):
+            self.thread = threading.Thread(target=self._run, daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            if catches(self.pid, self.signum):
+                try:
+                    os.kill(self.pid, self.signum)
+                except OSError:
+                    pass
+                return
+            self.done.wait(FORWARD_POLL_S)
+
+
 @dataclass
 class RankTask:
     """The pickled callable of a meshrun Slurm job (the same object for every attempt)."""
@@ -72,11 +134,15 @@ class RankTask:
         return env
 
     def __call__(self) -> int:
-        # The preemption signal (USR2) and SIGTERM reach every process of the step: the engine (our
-        # child) saves and exits 3; this wrapper must stay alive to record that, so it ignores them
-        # (this also replaces submitit's own handler, which would requeue before the save).
-        for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGCONT):
-            signal.signal(sig, lambda *_: None)
+        # The preemption signal (USR2) and SIGTERM reach every process of the step. This wrapper must
+        # stay alive to record how the rank ends, so it only notes them (this also replaces submitit's
+        # own handler, which would requeue before the save) and forwards them to the child until it
+        # exits: the child starts with both ignored, so a signal that arrives while it still imports
+        # torch is not fatal, and the forwarded copy reaches the engine once its handler is installed.
+        forwarder = _Forwarder()
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, forwarder.on_signal)
+        signal.signal(signal.SIGCONT, lambda *_: None)
         env = self.child_env()
         rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
         attempt = int(env.get("MESHRUN_ATTEMPT", "0"))
@@ -94,11 +160,19 @@ class RankTask:
                       f"(install numactl or set cluster.numa=off)", file=sys.stderr)
         started = time.time()
         child = subprocess.Popen(prefix + [sys.executable, "-m", "training.main", self.run_dir],
-                                 env=env, stderr=subprocess.PIPE)
+                                 env=env, stderr=subprocess.PIPE, preexec_fn=_ignore_stop_signals)
+        forwarder.attach(child.pid)
+        stop_at = float(env.get("MESHRUN_STOP_AT") or 0)
+        if stop_at:
+            # The time-limit stop, on our own clock (Slurm's USR2 is the backup).
+            timer = threading.Timer(max(0.0, stop_at - time.time()), forwarder.on_signal, (signal.SIGUSR2, None))
+            timer.daemon = True
+            timer.start()
         tail: List[bytes] = []
         pump = threading.Thread(target=_pump, args=(child.stderr, sys.stderr.buffer, tail), daemon=True)
         pump.start()
         code = child.wait()
+        forwarder.done.set()
         pump.join(timeout=5)
         record = {
             "rank": rank, "local_rank": local_rank, "node": node, "exit_code": code,

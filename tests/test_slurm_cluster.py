@@ -242,3 +242,31 @@ def test_bad_input_submits_nothing(tmp_path, cluster):
         assert not (tmp_path / d / "events.jsonl").exists()
     after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
     assert set(after) <= set(before)
+
+
+def test_time_limit_signal_requeues_and_resumes(tmp_path, cluster):
+    """A 1-minute limit with a 20 s delay: the ranks stop themselves at limit - 20 s - 30 s (before
+    Slurm's own USR2, which may come while they still start), save, requeue, resume."""
+    run_dir = tmp_path / "run"
+    job = submit(run_dir, "cluster.nodes=1", "cluster.time_min=1", "cluster.signal_delay_s=20",
+                 "train.steps=100000", "train.checkpoint_every=0", "train.progress=false")
+    try:
+        deadline = time.time() + 180
+        while True:
+            events = read_events(str(run_dir))
+            starts = [e for e in events if e["event"] == "started"]
+            if len(starts) >= 2 and any(e["event"] == "resumed" for e in events):
+                resumed = [e for e in events if e["event"] == "resumed"][0]
+                if max(metrics(run_dir), default=0) > resumed["step"]:
+                    break
+            assert time.time() < deadline, f"no requeue/resume within 180 s: {events}"
+            assert not any(e["event"] in ("failed", "stopped") for e in events), events
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job])
+    sig = [e for e in events if e["event"] == "signal"][0]
+    assert sig["name"] == "SIGUSR2" and resumed["step"] == sig["step"]
+    requeued = [e for e in events if e["event"] == "requeued"][0]
+    assert requeued["cause"] == "stopped_early" and starts[1]["job_id"] == job
+    steps = sorted(metrics(run_dir))  # asserts no step ran twice
+    assert steps == list(range(1, steps[-1] + 1))
