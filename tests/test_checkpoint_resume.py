@@ -132,7 +132,9 @@ def test_resume_across_layouts(reference, tmp_path):
     # tp 2 -> 1 (and sp off), from the tp=2 sp dp=2 zero=1 checkpoint of step 10, on to step 15.
     a = str(tmp_path / "tp1")
     _copy_step(ref_dir, 10, a)
-    out = _run(_cfg(tp=1, dp=2, zero=1, steps=15), a)
+    # train.steps stays 20 everywhere (it shapes the LR schedule); exit_interval stops the attempt early.
+    out = _run(_cfg(tp=1, dp=2, zero=1, exit_interval=15), a)
+    assert out["code"] == 3
     _close(out["losses"], ref[10:15])
     # tp 1 -> 4 together with zero 1 -> 0, from that tp=1 checkpoint of step 15.
     b = str(tmp_path / "tp4")
@@ -149,11 +151,11 @@ def test_resume_across_layouts(reference, tmp_path):
 def test_sigkill_during_save_keeps_previous_checkpoint(reference, tmp_path):
     _, ref = reference
     run_dir = str(tmp_path)
-    with pytest.raises(RuntimeError, match="died"):
-        _run(_cfg(checkpoint_every=5, steps=10, dist_timeout_s=10), run_dir, hook="kill_in_save10", timeout_s=120)
+    with pytest.raises(RuntimeError, match="died|Connection closed|failed"):  # whichever rank reports first
+        _run(_cfg(checkpoint_every=5, dist_timeout_s=10), run_dir, hook="kill_in_save10", timeout_s=120)
     assert storage.read_latest(run_dir) == 5 and storage.list_steps(run_dir) == [5]
-    assert [n for n in os.listdir(storage.checkpoints_dir(run_dir)) if n.startswith(".tmp_step_10_")]
-    out = _run(_cfg(steps=10), run_dir)
+    # The partial step 10 is either left as .tmp_step_10_* (never read) or already removed by rank 0's cleanup.
+    out = _run(_cfg(exit_interval=10), run_dir)
     assert out["losses"] == ref[5:10]
     assert storage.list_steps(run_dir) == [10, 5]
     assert not [n for n in os.listdir(storage.checkpoints_dir(run_dir)) if n.startswith(".tmp")]
