@@ -188,4 +188,20 @@ def dry_run_text(cfg: Config, run_dir: str) -> str:
         "# srun line",
         srun_line(script),
         "",
+        "# each task (launcher/slurm_rank.py) then runs its rank as",
+        rank_command_text(cfg, run_dir),
+        "",
     ])
+
+
+def rank_command_text(cfg: Config, run_dir: str) -> str:
+    """The per-rank command with its NUMA binding, as a description (N is decided on the node)."""
+    c = cfg.cluster
+    cmd = f"{python_cmd()} -m training.main {shlex.quote(run_dir)}"
+    if c.numa == "off":
+        return cmd + "    # cluster.numa=off: no binding"
+    if c.numa == "explicit":
+        return (f"numactl --cpunodebind=N --membind=N {cmd}    # N = cluster.numa_map[local rank] = "
+                f"{list(c.numa_map)}")
+    where = "its GPU's NUMA node (sysfs)" if c.device == "cuda" else "local ranks spread over the NUMA nodes"
+    return f"numactl --cpunodebind=N --membind=N {cmd}    # N = {where}"

@@ -197,3 +197,10 @@ def test_status_from_events(tmp_path):
     append_event(run, "completed", job_id="78", attempt=1)
     st = run_status(run)
     assert st == {"state": "COMPLETED", "job_id": "78", "attempt": 1, "last_step": 5, "excluded_nodes": ["n2"]}
+
+
+def test_slurm_launcher_never_imports_torch():
+    code = ("import sys, launcher.slurm, launcher.slurm_driver, launcher.slurm_rank, launcher.status, "
+            "launcher.requeue, launcher.numa, launcher.sbatch, training.slurm_env; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT).returncode == 0
