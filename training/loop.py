@@ -262,15 +262,21 @@ class Trainer:
 
     # -- checkpoint call sites (guarded: work without training.checkpoint) --
     def _extra_state(self) -> Dict[str, Any]:
-        return {"consumed_samples": self.state.consumed_samples}
+        # micro_step keys each chunk's dropout masks: restoring it keeps dropout bit-exact across a resume.
+        return {"consumed_samples": self.state.consumed_samples,
+                "micro_steps": [int(getattr(c, "micro_step", 0)) for c in self.chunks]}
 
     def _resume(self) -> None:
         ck = self.checkpointer
         if ck is None:
             return
-        resumed = ck.maybe_resume(self.chunks, self.optimizer, self._extra_state())
+        extra = self._extra_state()
+        resumed = ck.maybe_resume(self.chunks, self.optimizer, extra)
         if resumed is not None:
             step, consumed = resumed
+            if len(extra.get("micro_steps", [])) == len(self.chunks):  # same chunking: same dropout stream
+                for chunk, micro_step in zip(self.chunks, extra["micro_steps"]):
+                    chunk.micro_step = int(micro_step)
             self.state = TrainState(int(step), int(consumed))
             if self.is_logger:
                 print(f"resumed at step {step} (consumed_samples {consumed})", file=sys.stderr)

@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     import torch
 
     from training.config import derived_dp, load_config
+    from training.checkpoint.storage import CheckpointError
     from training.data import DataError
 
     threads = os.environ.get("OMP_NUM_THREADS")
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
         before_training(cfg, run_dir)  # cluster.preflight.mode gate: a bad node exits 4 before training
         trainer = Trainer(cfg, run_dir, mesh)
         code = trainer.run()
-    except DataError as exc:
+    except (DataError, CheckpointError) as exc:  # the user's to fix: retrying cannot help
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID
     except NotImplementedError as exc:
