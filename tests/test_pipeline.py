@@ -1,6 +1,6 @@
 """Issue 4's acceptance for pipeline parallelism (training/pipeline.py).
 
-A tiny GPT (8 layers, h=32, s=16, synthetic tokens) trained 20 steps by the real Trainer on gloo processes,
+A tiny GPT (8 layers, h=32, s=16, byte-level text) trained 20 steps by the real Trainer on gloo processes,
 compared with the same Trainer in one process; torch.distributed.pipelining's native schedules are the
 oracle for the gradients of our own schedules; the order of actions is checked against the planner.
 """
@@ -27,14 +27,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _cfg(pp=1, vpp=1, schedule="1f1b", tp=1, dp=1, sp=False, zero=0, steps=STEPS, global_batch=8) -> Config:
     cfg = Config()
     m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 8, 32, 4, 16, 64
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 8, 32, 4, 16
     p = cfg.parallel
     p.tp, p.pp, p.vpp, p.dp, p.sp, p.zero, p.schedule = tp, pp, vpp, dp, sp, zero, schedule
     p.micro_batch, p.global_batch = 2, global_batch
     cfg.cluster.gpus_per_node = tp * pp * dp
     cfg.cluster.peak_tflops = 1.0  # skip the matmul measurement
     cfg.train.steps, cfg.train.warmup_steps, cfg.train.progress = steps, 3, False
-    cfg.data.kind = "synthetic"
+    cfg.data.kind, cfg.data.max_bytes = "text", 60_000  # bytes of real text: the loss must fall
     return cfg
 
 
@@ -246,7 +246,7 @@ def _oracle_worker(cfg_dict: dict):
     mesh = ProcessMesh.from_env(1, base.parallel.pp, 1, 1)
     torch.manual_seed(0)
     m, b, s = 4, base.parallel.micro_batch, base.model.seq_length
-    ids = torch.randint(0, base.model.vocab_size, (m * b, s + 1))
+    ids = torch.randint(0, base.model.vocab_size, (m * b, s + 1))  # any tokens: one step's grads
     tokens, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     micro = list(zip(tokens.chunk(m), targets.chunk(m)))
     native = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
