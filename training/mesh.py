@@ -143,6 +143,9 @@ class ProcessMesh:
     """tp x pp: one model replica (gradient-norm reduction)."""
     embedding_group: Any = None
     """First and last pipeline stage at this (dp, cp, tp) position (tied embedding grads)."""
+    background_group: Any = None
+    """Every rank, always gloo: collectives issued from background threads (async checkpoint writes)
+    run here so they never interleave with the training's collectives on the other groups."""
     group_ranks: Dict[str, List[int]] = field(default_factory=dict)
     """Global ranks of this rank's group of each kind (for logs and tests)."""
 
@@ -211,6 +214,7 @@ class ProcessMesh:
                         "model_parallel": tp * pp,
                         "embedding": min(pp, 2) if pp_rank_is_end else 1}[kind]
             assert dist.get_world_size(mine[0]) == expected, (kind, mine[1], expected)
+        mesh.background_group = dist.new_group(list(range(world)), backend="gloo")
         return mesh
 
     def destroy(self) -> None:

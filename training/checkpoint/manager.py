@@ -145,9 +145,9 @@ class CheckpointManager:
         self.world = dist.get_world_size() if self.distributed else 1
         self.keep_last = max(1, cfg.train.keep_last)
         self.async_save = bool(cfg.train.async_save)
-        # The background write of dcp.async_save runs collectives from its own thread; a dedicated gloo group
-        # keeps them from interleaving with the training's collectives on the default group.
-        self._async_group = dist.new_group(backend="gloo") if (self.async_save and self.distributed) else None
+        # The background write of dcp.async_save runs collectives from its own thread; the mesh's dedicated
+        # gloo group keeps them from interleaving with the training's collectives on the default group.
+        self._async_group = getattr(mesh, "background_group", None) if (self.async_save and self.distributed) else None
         self._pending: Optional[_Pending] = None
         self.history: List[SaveStats] = []
         self.last_saved_step: Optional[int] = None
