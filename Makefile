@@ -25,8 +25,9 @@ plan: install
 test: install slurm-up
 	$(PY) -m pytest -q tests
 
+# Exit 77: the cluster cannot run here (no root / no apt-get); it said why, and the Slurm tests skip with that reason.
 slurm-up:
-	bash slurm/dev-cluster.sh up
+	bash slurm/dev-cluster.sh up || [ $$? -eq 77 ]
 
 slurm-down:
 	bash slurm/dev-cluster.sh down
