@@ -270,3 +270,49 @@ def test_time_limit_signal_requeues_and_resumes(tmp_path, cluster):
     assert requeued["cause"] == "stopped_early" and starts[1]["job_id"] == job
     steps = sorted(metrics(run_dir))  # asserts no step ran twice
     assert steps == list(range(1, steps[-1] + 1))
+
+
+def write_ib_port(root, state, phys_state, hca="mlx5_0"):
+    """One HCA port as the kernel writes it under /sys/class/infiniband."""
+    port = os.path.join(str(root), hca, "ports", "1")
+    os.makedirs(os.path.join(port, "counters"), exist_ok=True)
+    for name, text in (("state", state), ("phys_state", phys_state), ("rate", "400 Gb/sec (4X NDR)"),
+                       ("link_layer", "InfiniBand"), ("counters/symbol_error", "0")):
+        with open(os.path.join(port, name), "w") as f:
+            f.write(text + "\n")
+    return str(root)
+
+
+def test_preflight_gate_keeps_bad_node_out_and_requeues_without_it(tmp_path, reference, cluster):
+    """Issue 7: n2's IB port is Down (a fixture sysfs root for that node only). The gate stops the
+    attempt before any step, the job is resubmitted without n2, passes the preflight and completes."""
+    healthy = write_ib_port(tmp_path / "ib_ok", "4: ACTIVE", "5: LinkUp")
+    down = write_ib_port(tmp_path / "ib_down", "1: DOWN", "3: Disabled")
+    run_dir = tmp_path / "run"
+    submit(run_dir, "cluster.preflight.mode=gate", "cluster.preflight.ib_hcas=[mlx5_0]",
+           "cluster.preflight.ib_rate_gbps=400", f"cluster.preflight.ib_sysfs_root={healthy}",
+           f"+cluster.preflight.ib_sysfs_root_by_node.n2={down}")
+    status = wait_final(run_dir)
+    events = read_events(str(run_dir))
+    starts = [e for e in events if e["event"] == "started"]
+    assert "n2" in starts[0]["nodes"], f"Slurm did not place the first attempt on n2: {starts[0]}"
+    first = [e for e in events if e.get("attempt") == 0]
+    pre = [e for e in first if e["event"] == "preflight"]
+    assert len(pre) == 1 and pre[0]["status"] == "fail" and pre[0]["bad_nodes"] == ["n2"], pre
+    failed = [e for e in first if e["event"] == "failed"]
+    assert failed and {e["node"] for e in failed} == {"n2"} and {e["exit_code"] for e in failed} == {4}
+    assert all("ib.state mlx5_0/1" in e["reason"] for e in failed), failed
+    assert not any(e["event"] == "checkpoint" for e in first)  # nothing trained on the bad attempt
+    requeued = [e for e in events if e["event"] == "requeued"]
+    assert len(requeued) == 1 and requeued[0]["cause"] == "failure" and requeued[0]["excluded_nodes"] == ["n2"]
+    assert len(starts) == 2 and "n2" not in starts[1]["nodes"] and starts[1]["resume_step"] is None
+    second = [e for e in events if e.get("attempt") == 1 and e["event"] == "preflight"]
+    assert len(second) == 1 and second[0]["bad_nodes"] == [] and second[0]["status"] != "fail"
+    assert status["state"] == "COMPLETED" and status["excluded_nodes"] == ["n2"]
+    assert status["job_id"] == requeued[0]["new_job_id"]
+    losses = metrics(run_dir)  # asserts no step ran twice
+    assert sorted(losses) == sorted(reference)
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    # The dev preset keeps the per-attempt gate cheap (DESIGN: gate is the default on Slurm).
+    assert all(e["elapsed_s"] < 5 for e in pre + second), pre + second

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 from training.config import Config, load_config
 from training.events import append_event
 from training.preflight import collectives, gpu_nvml, ib_sysfs, matmul, os_tunables
-from training.preflight.report import (EXIT_NODE_BAD, NODE_DIR, Check, Report, checks_from_dicts, fail,
+from training.preflight.report import (EXIT_NODE_BAD, FAIL, NODE_DIR, Check, Report, checks_from_dicts, fail,
                                        format_table, ok)
 
 
@@ -167,6 +167,18 @@ def before_training(cfg: Config, run_dir: str) -> None:
         if rank == 0:
             print(f"preflight gate: bad node(s) {', '.join(report.bad_nodes)}; not training in this attempt",
                   file=sys.stderr, flush=True)
+        if status == EXIT_NODE_BAD:
+            # The launcher records a failing rank's last error line: make it say why the node is bad.
+            node = node_name()
+            why = "; ".join(f"{c.name} {c.subject} {c.reason}".replace("  ", " ")
+                            for c in report.checks if c.node == node and c.status == FAIL)
+            print(f"error: preflight found node {node} bad: {why}", file=sys.stderr, flush=True)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            # A bad rank's exit makes srun kill the whole step: wait until rank 0 has written
+            # preflight.json and the `preflight` event.
+            dist.barrier()
         raise SystemExit(status)
 
 
