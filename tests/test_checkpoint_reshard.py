@@ -1,4 +1,4 @@
-"""Checkpoint resharding with a stand-in tp-sharded model and the real DistributedOptimizer.
+"""Checkpoint resharding with a hand-made tp-sharded model and the real DistributedOptimizer.
 
 Every tensor's global value is a known function of (name, position), so after saving with one layout and
 loading with another, each rank's local weights and Adam states must equal the slice that layout expects,
@@ -13,9 +13,10 @@ import os
 import pytest
 import torch
 
-from _standin import make_mesh, spawn
+from dist_harness import run_distributed
 from training.checkpoint import CheckpointManager, storage
 from training.config import Config
+from training.mesh import ProcessMesh
 from training.optimizer import DistributedOptimizer
 
 V, H, F = 11, 4, 8
@@ -71,8 +72,19 @@ def _cfg(tp, dp, zero) -> Config:
     return cfg
 
 
+def _mesh(tp, dp):
+    """The real mesh for a tp x dp layout; one process without a spawned job gets the single mesh.
+
+    Inside one spawned world every call creates a new set of groups (the process group itself is
+    initialised once), so one world can load several layouts in turn.
+    """
+    if tp * dp == 1:
+        return ProcessMesh.single()
+    return ProcessMesh.from_env(tp=tp, pp=1, cp=1, dp=dp, backend="gloo", timeout_s=120)
+
+
 def _build(tp, dp, zero):
-    mesh = make_mesh(tp=tp, dp=dp)
+    mesh = _mesh(tp, dp)
     cfg = _cfg(tp, dp, zero)
     model = StandInModel(tp, mesh.tp_rank)
     opt = DistributedOptimizer(model.named_parameters(), cfg, mesh)
@@ -86,7 +98,7 @@ def _expected_flat(opt, kind, tp, tp_rank):
     return flat[opt.shard_lo: opt.shard_lo + opt.shard_size]
 
 
-def _save_worker(rank, world, run_dir, tp, dp, zero):
+def _save_worker(run_dir, tp, dp, zero):
     mesh, cfg, model, opt = _build(tp, dp, zero)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -96,9 +108,10 @@ def _save_worker(rank, world, run_dir, tp, dp, zero):
     opt.step_count = 7
     ckpt = CheckpointManager(run_dir, mesh, cfg)
     ckpt.save(5, [model], opt, {"consumed_samples": 40, "note": "x"}, reason="test")
+    mesh.destroy()
 
 
-def _load_check(run_dir, tp, dp, zero):
+def _load_check(run_dir, tp, dp, zero) -> ProcessMesh:
     mesh, cfg, model, opt = _build(tp, dp, zero)
     extra = {"consumed_samples": 0}
     got = CheckpointManager(run_dir, mesh, cfg).maybe_resume([model], opt, extra)
@@ -111,17 +124,19 @@ def _load_check(run_dir, tp, dp, zero):
         want = _expected_flat(opt, kind, tp, mesh.tp_rank)
         for a, b in real:
             assert torch.equal(buf[a:b], want[a:b]), (kind, a, b)
+    return mesh
 
 
-def _load_worker(rank, world, run_dir, layouts):
+def _load_worker(run_dir, layouts):
     for tp, dp, zero in layouts:  # one spawn for all world-4 layouts: process start-up dominates
-        _load_check(run_dir, tp, dp, zero)
+        mesh = _load_check(run_dir, tp, dp, zero)
+    mesh.destroy()  # destroys the one process group, and with it every layout's groups
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("run"))
-    spawn(4, _save_worker, run_dir, 2, 2, 1, tmpdir=run_dir)
+    run_distributed(_save_worker, 4, args=(run_dir, 2, 2, 1), timeout_s=180)
     return run_dir
 
 
@@ -139,5 +154,5 @@ def test_load_single_process_tp1_zero0(saved):
     _load_check(saved, 1, 1, 0)
 
 
-def test_load_other_layouts_tp4_dp4_zero0(saved, tmp_path):
-    spawn(4, _load_worker, saved, [(4, 1, 1), (1, 4, 1), (2, 2, 0)], tmpdir=str(tmp_path))
+def test_load_other_layouts_tp4_dp4_zero0(saved):
+    run_distributed(_load_worker, 4, args=(saved, [(4, 1, 1), (1, 4, 1), (2, 2, 0)]), timeout_s=300)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from test_checkpoint_reshard import StandInModel, _cfg
-from _standin import make_mesh
 from training.checkpoint import CheckpointError, CheckpointManager, storage
 from training.checkpoint.layout import flat_range_rects
 from training.events import read_events
+from training.mesh import ProcessMesh
 from training.optimizer import DistributedOptimizer
 
 
@@ -23,8 +23,9 @@ def _setup(run_dir, **train):
     for k, v in train.items():
         setattr(cfg.train, k, v)
     model = StandInModel(1, 0)
-    opt = DistributedOptimizer(model.named_parameters(), cfg, make_mesh())
-    return cfg, model, opt, CheckpointManager(run_dir, make_mesh(), cfg)
+    mesh = ProcessMesh.single()
+    opt = DistributedOptimizer(model.named_parameters(), cfg, mesh)
+    return cfg, model, opt, CheckpointManager(run_dir, mesh, cfg)
 
 
 def _fill(model, opt, value):
@@ -104,7 +105,7 @@ def test_resume_modes_and_changed_model_shape(tmp_path):
     cfg, model, opt, _ = _setup(run)
     cfg.model.hidden_size = 128
     with pytest.raises(CheckpointError, match="model.hidden_size: checkpoint 64, now 128.*train.resume=none"):
-        CheckpointManager(run, make_mesh(), cfg).maybe_resume([model], opt, {})
+        CheckpointManager(run, ProcessMesh.single(), cfg).maybe_resume([model], opt, {})
 
 
 def test_async_save_commits_after_wait_and_copies_first(tmp_path):

@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from _standin import make_mesh, spawn
+from dist_harness import run_distributed
 from training.config import Config
+from training.mesh import ProcessMesh
 from training.optimizer import DistributedOptimizer
 
 STEPS = 3
@@ -77,10 +77,10 @@ def _engine(zero, dp, dp_rank, mesh, lrs, clip, micro=2):
 LRS = [1e-2, 3e-2, 2e-2]
 
 
-def _dp_worker(rank, world, zero):
-    mesh = make_mesh(dp=world)
+def _dp_worker(world, zero):
+    mesh = ProcessMesh.from_env(tp=1, pp=1, cp=1, dp=world, backend="gloo", timeout_s=60)
     ref, ref_norms = _reference(LRS, clip=0.05)
-    got, norms, opt = _engine(zero, world, rank, mesh, LRS, clip=0.05)
+    got, norms, opt = _engine(zero, world, mesh.dp_rank, mesh, LRS, clip=0.05)
     assert any(n > 0.05 for n in ref_norms), "clipping must be active in this test"
     for a, b in zip(got, ref):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (a - b).abs().max()
@@ -90,24 +90,25 @@ def _dp_worker(rank, world, zero):
     mem = opt.memory_report()
     shard = -(-n // world) if zero == 1 else n
     assert mem == {"weights": 4 * n, "grads": 4 * (shard * world if zero == 1 else n), "optimizer": 8 * shard}
+    mesh.destroy()
 
 
 def test_single_process_matches_torch_adamw():
     ref, ref_norms = _reference(LRS, clip=0.05)
-    got, norms, _ = _engine(0, 1, 0, make_mesh(), LRS, clip=0.05)
+    got, norms, _ = _engine(0, 1, 0, ProcessMesh.single(), LRS, clip=0.05)
     for a, b in zip(got, ref):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-8), (a - b).abs().max()
 
 
 @pytest.mark.parametrize("zero", [0, 1])
-def test_dp2_matches_single_process_reference(zero, tmp_path):
-    spawn(2, _dp_worker, zero, tmpdir=str(tmp_path))
+def test_dp2_matches_single_process_reference(zero):
+    run_distributed(_dp_worker, 2, args=(2, zero), timeout_s=120)
 
 
 def test_fp16_overflow_skips_step_halves_scale_and_training_continues():
     model = _model(torch.float16)
     cfg = _cfg(0, "fp16", clip=1.0)
-    opt = DistributedOptimizer(model.named_parameters(), cfg, make_mesh())
+    opt = DistributedOptimizer(model.named_parameters(), cfg, ProcessMesh.single())
     assert opt.memory_report()["optimizer"] == 12 * opt.numel  # fp32 master, m, v
 
     def one_step(inject=False):
@@ -132,27 +133,29 @@ def test_fp16_overflow_skips_step_halves_scale_and_training_continues():
 
 def test_nonfinite_loss_skips_step():
     model = _model()
-    opt = DistributedOptimizer(model.named_parameters(), _cfg(), make_mesh())
+    opt = DistributedOptimizer(model.named_parameters(), _cfg(), ProcessMesh.single())
     before = [p.detach().clone() for p in model.parameters()]
     r = opt.step(1e-2, loss_finite=False)
     assert r.skipped and r.reason == "nonfinite_loss"
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def _norm_worker(rank, world, layout):
+def _norm_worker(layout):
     """Full tensors W (6x4, split over tp on dim 0), b (4, replicated), E (tied embedding on both stages)."""
     g = torch.Generator().manual_seed(5)
     gW, gb, gE, gE2 = (torch.randn(6, 4, generator=g), torch.randn(4, generator=g),
                        torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g))
     if layout == "tp2":
-        mesh = make_mesh(tp=2)
+        mesh = ProcessMesh.from_env(tp=2, pp=1, cp=1, dp=1, backend="gloo", timeout_s=60)
+        rank = mesh.tp_rank
         W = torch.nn.Parameter(torch.zeros(3, 4)); W.tp_shard_dim = 0
         b = torch.nn.Parameter(torch.zeros(4)); b.tp_shard_dim = None
         params = [("layers.0.w", W), ("layers.0.b", b)]
         grads = [gW[3 * rank : 3 * rank + 3], gb]
         expect = torch.cat([gW.flatten(), gb]).norm()
     else:  # pp2 with a tied embedding held by the first and the last stage
-        mesh = make_mesh(pp=2)
+        mesh = ProcessMesh.from_env(tp=1, pp=2, cp=1, dp=1, backend="gloo", timeout_s=60)
+        rank = mesh.pp_rank
         E = torch.nn.Parameter(torch.zeros(5, 4)); E.tp_shard_dim = 0
         b = torch.nn.Parameter(torch.zeros(4)); b.tp_shard_dim = None
         params = [("embedding.word.weight", E), (f"layers.{rank}.b", b)]
@@ -165,8 +168,9 @@ def _norm_worker(rank, world, layout):
         view.copy_(grad)
     res = opt.step(0.0)
     assert math.isclose(res.grad_norm, float(expect), rel_tol=1e-6), (res.grad_norm, float(expect))
+    mesh.destroy()
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_grad_norm_counts_every_param_once(layout, tmp_path):
-    spawn(2, _norm_worker, layout, tmpdir=str(tmp_path))
+def test_grad_norm_counts_every_param_once(layout):
+    run_distributed(_norm_worker, 2, args=(layout,), timeout_s=120)
