@@ -77,5 +77,10 @@ def cli() -> None:
         hydra_main()
     except SystemExit as exc:
         if exc.code == 1 and not _task_started:
+            # Hydra's own hint ("use +key=value to append") is wrong for typed configs: keys are fixed.
+            print("meshrun: invalid configuration; nothing was launched. Check the key's spelling and type "
+                  "(every key is documented in training/config.py; `meshrun --cfg job` prints the composed "
+                  "config) and that presets exist under conf/<group>/. Only dict fields such as "
+                  "cluster.env take new keys, with a leading '+'.", file=sys.stderr)
             raise SystemExit(EXIT_INVALID) from None
         raise
