@@ -173,6 +173,9 @@ class RankTask:
         pump.start()
         code = child.wait()
         forwarder.done.set()
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            # Nothing left to stop; Python's own handler would turn back into "terminate" at exit.
+            signal.signal(sig, signal.SIG_IGN)
         pump.join(timeout=5)
         record = {
             "rank": rank, "local_rank": local_rank, "node": node, "exit_code": code,

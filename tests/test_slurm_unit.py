@@ -204,3 +204,43 @@ def test_slurm_launcher_never_imports_torch():
             "launcher.requeue, launcher.numa, launcher.sbatch, training.slurm_env; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT).returncode == 0
+
+
+_LATE_SIGNAL_CHILD = r'''
+import sys, time
+from training.config import Config
+from training.loop import StopFlag
+stop = StopFlag(Config(), time.time())
+if sys.argv[1] == "finished":
+    stop.finished()  # what Trainer.run does after its final checkpoint
+print("ready", flush=True)
+time.sleep(0.3)
+'''
+
+
+def _exit_under_signal_storm(stage: str) -> int:
+    """A rank process that installed the engine's stop handlers, then exits while USR2/TERM keep coming."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-c", _LATE_SIGNAL_CHILD, stage], stdout=subprocess.PIPE, text=True,
+                         cwd=PROJECT_ROOT)
+    assert p.stdout.readline().strip() == "ready"
+    sigs = (signal.SIGUSR2, signal.SIGTERM)
+    i = 0
+    while p.poll() is None:
+        try:
+            os.kill(p.pid, sigs[i % 2])
+        except ProcessLookupError:
+            break
+        i += 1
+        time.sleep(0.001)
+    return p.wait()
+
+
+def test_late_stop_signal_cannot_kill_a_rank_after_its_final_save():
+    # Python turns its handlers back into the default action (terminate) during interpreter shutdown:
+    # with only the flag handler, a late Slurm signal kills a rank that had finished cleanly ...
+    assert _exit_under_signal_storm("training") < 0
+    # ... once the engine has finished (final checkpoint done) it ignores them and exits 0.
+    assert _exit_under_signal_storm("finished") == 0

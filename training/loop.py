@@ -160,6 +160,15 @@ class StopFlag:
     def signal_name(self) -> Optional[str]:
         return self.signals.received() if self.signals is not None else self._local["name"]
 
+    def finished(self) -> None:
+        """The final (or stopping) checkpoint is complete: ignore USR2/TERM from now on. SIG_IGN because
+        Python puts its own handlers back to the default action (terminate) while the interpreter shuts
+        down, so a late Slurm signal would otherwise kill a rank that ended cleanly (exit 0/3 -> failure)."""
+        import signal
+
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
     def check(self, step: int) -> str:
         """The reason to stop after `step` ("" to go on); the same on every rank."""
         code = 0
@@ -364,6 +373,7 @@ class Trainer:
             if self._boundary(stop):
                 exit_code = EXIT_STOPPED  # a complete checkpoint was written: the launcher may requeue
                 break
+        stop.finished()
         self.losses = losses
         self.summary = self._summarise(rates, mfus, skipped, exit_code)
         return exit_code
