@@ -83,9 +83,13 @@ def decide(
                 failures = [Failure(-1, "?", None, "step failed without a failing rank")]
 
     # A bug, not a bad node: every rank raised the same exception and no step was ever completed.
-    if (not progressed and len(by_rank) == world_size and len(codes) > 0
-            and all(c == 1 for c in codes.values())
-            and len({by_rank[r].get("error", "") for r in by_rank}) == 1):
+    # The first rank to exit makes srun (--kill-on-bad-exit) kill the others, often after they printed
+    # the same exception but before they exited 1: a rank killed by a signal counts when its last
+    # error line is that same exception.
+    errors = {by_rank[r].get("error", "") for r in by_rank}
+    if (not progressed and len(by_rank) == world_size and any(c == 1 for c in codes.values())
+            and all(c == 1 or (isinstance(c, int) and c < 0) for c in codes.values())
+            and len(errors) == 1 and "" not in errors):
         return Decision("stop", f"the same error on every rank before any step: {by_rank[0].get('error', '')} "
                                 "(a bug or a config problem: not retried)", failures)
     if retries_used >= max_retries:

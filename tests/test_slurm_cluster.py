@@ -316,3 +316,39 @@ def test_preflight_gate_keeps_bad_node_out_and_requeues_without_it(tmp_path, ref
         assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
     # The dev preset keeps the per-attempt gate cheap (DESIGN: gate is the default on Slurm).
     assert all(e["elapsed_s"] < 5 for e in pre + second), pre + second
+
+
+BUG_AT_STEP_0 = '''import sys
+if "training.main" in getattr(sys, "orig_argv", []):  # only the rank processes, not submitit or the driver
+    import training.loop
+
+    def broken_step(self):
+        raise RuntimeError("injected bug: train_step fails at step 0")
+
+    training.loop.Trainer.train_step = broken_step
+'''
+
+
+def test_exception_on_every_rank_at_step_0_is_a_bug_not_retried(tmp_path, cluster):
+    """Issue 6: the same Python exception on every rank before any step is a bug: the job stops
+    after its first attempt with a clear final state instead of being resubmitted node after node.
+    The bug is injected into the rank processes through a sitecustomize on PYTHONPATH (the job
+    inherits the submitter's environment, as on any Slurm cluster)."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(BUG_AT_STEP_0)
+    run_dir = tmp_path / "run"
+    res = meshrun("cluster=slurm_dev", *COMMON, f"run.dir={run_dir}", env={"PYTHONPATH": str(inject)})
+    assert res.returncode == 0 and "submitted Slurm job" in res.stdout, res.stderr[-3000:]
+    status = wait_final(run_dir)
+    events = read_events(str(run_dir))
+    kinds = [e["event"] for e in events]
+    assert kinds[-1] == "stopped" and status["state"] == "FAILED", events
+    assert "same error on every rank before any step" in status["reason"]
+    assert "injected bug" in status["reason"]
+    assert kinds.count("started") == 1 and "requeued" not in kinds  # not retried (max_retries=2)
+    failed = [e for e in events if e["event"] == "failed"]
+    assert failed and all("injected bug" in e["reason"] for e in failed)
+    assert metrics(run_dir) == {}
+    out = meshrun("action=status", f"run.dir={run_dir}")
+    assert json.loads(out.stdout)["state"] == "FAILED"

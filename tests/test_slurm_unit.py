@@ -172,6 +172,12 @@ def test_decisions():
     same = [rec(r, LAYOUT[r], 1, "ValueError: boom") for r in range(4)]
     assert decide(same, **{**ARGS, "progressed": False}).action == "stop"
     assert decide(same, **ARGS).action == "resubmit"  # it trained before: not a step-0 bug
+    # srun killed the others after the first exit, once they had printed the same exception: still a bug.
+    raced = [rec(0, "n1", 1, "ValueError: boom")] + [rec(r, LAYOUT[r], -15, "ValueError: boom") for r in (1, 2, 3)]
+    assert decide(raced, **{**ARGS, "progressed": False}).action == "stop"
+    # ... but a rank killed before it printed that exception says nothing about it: maybe a bad node.
+    early = raced[:3] + [rec(3, "n2", -15, "")]
+    assert decide(early, **{**ARGS, "progressed": False}).action == "resubmit"
     d = decide([rec(2, "n2", -9)], **{**ARGS, "retries_used": 2})
     assert d.action == "stop" and "max_retries=2" in d.reason
     d = decide([], **ARGS)  # a node vanished: nobody reported
