@@ -163,15 +163,26 @@ def test_layout_reproduces_single_process(layout):
 
 
 @pytest.mark.slow
-def test_bf16_tracks_fp32_reference():
-    """bf16 keeps 8 mantissa bits: each matmul/activation rounds at 2^-9 relative, and a loss of about
-    5 is a sum of such terms, so single steps differ from fp32 at the 1e-3 level; fp32 masters and
-    main grads stop the drift from accumulating in the weights, so 20 steps stay within 2 %."""
+def test_bf16_layout_matches_bf16_single_process_and_tracks_fp32():
+    """bf16 makes two claims, with two tolerances.
+
+    1. The layout only changes where bf16 partial sums are rounded (TP all-reduces of partial outputs,
+       the batch split over dp; grads and masters stay fp32), so tp2 sp dp2 zero1 in bf16 stays within
+       1e-3 of the one-process bf16 run (measured: 1e-4 after 10 steps).
+    2. Against fp32: each op rounds at 2^-9 relative, so the first steps agree to about 1e-3; after that
+       the bf16 weights (rounded from the fp32 masters every step) take a slightly different path and the
+       two trajectories drift apart as the model learns: after 10 steps at lr 3e-3 by a few percent
+       (measured 3.4 %), bounded here by 6 %. fp32 masters and main grads keep the drift from compounding
+       in the weights themselves; the loss must still fall.
+    """
     ref = _reference()
-    got = _run_layout(_cfg(tp=2, dp=2, sp=True, zero=1, precision="bf16", steps=10, micro_batch=4))[0]
-    worst = max(_rel(a, b) for a, b in zip(got["losses"], ref["losses"]))
-    assert worst < 2e-2, worst
-    assert got["losses"][-1] < got["losses"][0] - 0.5
+    cfg = _cfg(tp=2, dp=2, sp=True, zero=1, precision="bf16", steps=10, micro_batch=4)
+    got = _run_layout(cfg)[0]["losses"]
+    single = _run_layout(_cfg(precision="bf16", steps=10, micro_batch=4))[0]["losses"]
+    assert max(_rel(a, b) for a, b in zip(got, single)) < 1e-3, (got, single)
+    assert max(_rel(a, b) for a, b in zip(got[:5], ref["losses"][:5])) < 2e-3, (got, ref["losses"])
+    assert max(_rel(a, b) for a, b in zip(got, ref["losses"])) < 6e-2, (got, ref["losses"])
+    assert got[-1] < got[0] - 0.5
 
 
 @pytest.mark.parametrize("recompute", ["selective", "full"])
