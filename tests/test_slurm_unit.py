@@ -214,11 +214,10 @@ def test_slurm_launcher_never_imports_torch():
 
 _LATE_SIGNAL_CHILD = r'''
 import sys, time
-from training.config import Config
-from training.loop import StopFlag
-stop = StopFlag(Config(), time.time())
+from training.checkpoint import signals
+signals.install()  # what the checkpoint manager does when a rank starts training
 if sys.argv[1] == "finished":
-    stop.finished()  # what Trainer.run does after its final checkpoint
+    signals.ignore()  # what Trainer.run does after its final checkpoint
 print("ready", flush=True)
 time.sleep(0.3)
 '''

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from training.checkpoint import CheckpointManager, signals
 from training.config import Config, derived_dp
 from training.data import BatchSampler, build_corpus, make_source, validate_data_config
 from training.events import append_event
@@ -133,64 +134,9 @@ class Progress:
         sys.stderr.flush()
 
 
-# ---- stop flag and checkpoint call sites ----------------------------------------------------------
-class StopFlag:
-    """SIGUSR2/SIGTERM, exit_interval and exit_after_min, agreed over all ranks (all-reduce MAX)."""
-
-    REASONS = ("", "signal", "exit_interval", "exit_after_min")
-
-    def __init__(self, cfg: Config, start_time: float, device: torch.device = torch.device("cpu")):
-        self.cfg, self.start_time, self.device = cfg, start_time, device
-        self.signals = None
-        self._local = {"name": None}
-        try:
-            from training.checkpoint import signals  # the checkpoint engineer's flag
-
-            signals.install()
-            self.signals = signals
-        except ImportError:
-            import signal
-
-            def handler(signum, _frame):
-                self._local["name"] = signal.Signals(signum).name
-
-            for sig in (signal.SIGUSR2, signal.SIGTERM):
-                signal.signal(sig, handler)
-
-    def signal_name(self) -> Optional[str]:
-        return self.signals.received() if self.signals is not None else self._local["name"]
-
-    def finished(self) -> None:
-        """The final (or stopping) checkpoint is complete: ignore USR2/TERM from now on. SIG_IGN because
-        Python puts its own handlers back to the default action (terminate) while the interpreter shuts
-        down, so a late Slurm signal would otherwise kill a rank that ended cleanly (exit 0/3 -> failure)."""
-        import signal
-
-        for sig in (signal.SIGUSR2, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-
-    def check(self, step: int) -> str:
-        """The reason to stop after `step` ("" to go on); the same on every rank."""
-        code = 0
-        if self.signal_name():
-            code = 1
-        elif self.cfg.train.exit_interval and step % self.cfg.train.exit_interval == 0:
-            code = 2
-        elif self.cfg.train.exit_after_min and time.time() - self.start_time >= 60 * self.cfg.train.exit_after_min:
-            code = 3
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([code], dtype=torch.int64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            code = int(t.item())
-        return self.REASONS[code]
-
-
-def make_checkpointer(cfg: Config, run_dir: str, mesh):
-    """HOOK (checkpoint engineer): training.checkpoint.CheckpointManager when it exists, else None."""
-    try:
-        from training.checkpoint import CheckpointManager  # type: ignore
-    except ImportError:
-        return None
+# ---- checkpoint call sites ------------------------------------------------------------------------
+def make_checkpointer(cfg: Config, run_dir: str, mesh) -> CheckpointManager:
+    """Saves, resumes, and decides (agreed over all ranks) when this attempt stops early."""
     return CheckpointManager(run_dir, mesh, cfg)
 
 
@@ -269,7 +215,7 @@ class Trainer:
             dist.all_reduce(value, group=self.mesh.pp_group)
         return float(value.item())
 
-    # -- checkpoint call sites (guarded: work without training.checkpoint) --
+    # -- checkpoint call sites --
     def _extra_state(self) -> Dict[str, Any]:
         # micro_step keys each chunk's dropout masks: restoring it keeps dropout bit-exact across a resume.
         return {"consumed_samples": self.state.consumed_samples,
@@ -290,15 +236,12 @@ class Trainer:
             if self.is_logger:
                 print(f"resumed at step {step} (consumed_samples {consumed})", file=sys.stderr)
 
-    def _boundary(self, stop: "StopFlag") -> str:
+    def _boundary(self) -> str:
         """After a step: save when due (or at the end, or when stopping); returns the stop reason or ""."""
         step, last = self.state.step, self.state.step >= self.cfg.train.steps
         ck = self.checkpointer
-        if ck is None:
-            reason = stop.check(step) if not last else ""
-            if reason and self.is_logger:
-                append_event(self.run_dir, "signal", name=stop.signal_name() or reason, step=step)
-            return reason
+        if ck is None:  # checkpointing off (tests, benchmarks): the run never stops early
+            return ""
         due, reason = ck.decide(step)
         if due or reason or last:
             ck.save(step, self.chunks, self.optimizer, self._extra_state(),
@@ -325,8 +268,6 @@ class Trainer:
 
     def run(self) -> int:
         cfg = self.cfg
-        start = time.time()
-        stop = StopFlag(cfg, start, self.mesh.device)
         self._resume()
         progress = Progress(cfg.train.steps, self.is_logger and cfg.train.progress)
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
@@ -370,10 +311,10 @@ class Trainer:
                           f"update skipped" + (f", loss scale -> {res.loss_scale:g}" if res.loss_scale else ""),
                           file=sys.stderr)
                 progress.update(self.state.step, f"loss {loss:.4f} lr {lr:.2e} {tok_s:,.0f} tok/s")
-            if self._boundary(stop):
+            if self._boundary():
                 exit_code = EXIT_STOPPED  # a complete checkpoint was written: the launcher may requeue
                 break
-        stop.finished()
+        signals.ignore()  # the final checkpoint is complete: a late Slurm signal must not kill this rank
         self.losses = losses
         self.summary = self._summarise(rates, mfus, skipped, exit_code)
         return exit_code

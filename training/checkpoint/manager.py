@@ -188,7 +188,8 @@ class CheckpointManager:
         if name:
             stop = 4 if name == "SIGUSR2" else 3
         if self.distributed:
-            flags = torch.tensor([int(time_due), stop], dtype=torch.int64)
+            # On the mesh's device: NCCL reduces only CUDA tensors.
+            flags = torch.tensor([int(time_due), stop], dtype=torch.int64, device=self.mesh.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             time_due, stop = bool(flags[0]), int(flags[1])
         reason = _STOP_CODES[stop]

@@ -27,6 +27,14 @@ def install(signals: Iterable[int] = STOP_SIGNALS) -> None:
         signal.signal(sig, _handler)
 
 
+def ignore(signals: Iterable[int] = STOP_SIGNALS) -> None:
+    """After the final (or stopping) checkpoint: ignore the stop signals from now on. SIG_IGN because
+    Python puts its own handlers back to the default action (terminate) while the interpreter shuts
+    down, so a late Slurm signal would otherwise kill a rank that ended cleanly (exit 0/3 -> failure)."""
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def received() -> Optional[str]:
     """Name of the stop signal this process got ("SIGUSR2"), or None."""
     return _received["name"]
