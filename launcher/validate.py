@@ -225,8 +225,10 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
                          f"parallel.cp=<one of {_divisors(s, 64)}>"))
         ok = False
     if cp > 1:
-        out.append(Issue("warning", "parallel.cp", f"cp={cp} is planned, but the engine runs cp=1 only",
-                         "parallel.cp=1 to train"))
+        # The planner models context parallelism; the engine does not split attention yet, so a
+        # training launch with cp > 1 would silently compute something else: refuse it.
+        out.append(Issue("error" if cfg.action == "train" else "warning", "parallel.cp",
+                         f"cp={cp} is planned, but the engine trains with cp=1 only", "parallel.cp=1 to train"))
     # World size and batch arithmetic.
     if par.dp is not None:
         if mp * par.dp != ranks:

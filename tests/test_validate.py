@@ -133,3 +133,11 @@ def test_no_fit_reports_breakdown_and_working_fixes():
     field = key.split(".")[1]
     typed = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
     assert validate(with_parallel(small, **{field: typed})).errors == []
+
+
+def test_context_parallel_is_planned_but_not_trained():
+    """cp > 1 plans (a warning), but a training launch is refused: the engine does not split attention."""
+    planned = validate(compose_cfg("action=plan", "parallel.cp=2", "parallel.tp=1", "parallel.sp=false"))
+    assert planned.errors == [] and "parallel.cp" in _keys(planned.warnings)
+    trained = validate(compose_cfg("action=train", "parallel.cp=2", "parallel.tp=1", "parallel.sp=false"))
+    assert _keys(trained.errors) == ["parallel.cp"]
