@@ -4,7 +4,7 @@ No torch import here (the launcher must stay light). Each rank gets the standard
 OMP_NUM_THREADS = max(1, cores // world) so the ranks do not oversubscribe the cores. Rank 0's
 output is streamed to this terminal; every rank's output also goes to run_dir/logs/rank_<r>.log.
 If any rank exits non-zero the others are stopped within seconds (SIGTERM, then SIGKILL) and the
-launcher exits with that rank's code; events started / completed / failed go to events.jsonl.
+launcher exits with that rank's code; events started / completed / failed / stopped go to events.jsonl.
 """
 
 from __future__ import annotations
@@ -125,7 +125,10 @@ def run_ranks(cfg: Config, run_dir: str) -> int:
             return code
         codes = [proc.returncode for proc in procs]
         if any(c == 3 for c in codes):
-            return 3  # stopped early on purpose after a checkpoint: requeue-able
+            # Stopped early on purpose after a checkpoint; nothing requeues a local run, the user does.
+            append_event(run_dir, "stopped", reason="stopped early after a complete checkpoint (signal, "
+                         f"exit_interval or exit_after_min): run again with run.dir={run_dir} to resume")
+            return 3
         append_event(run_dir, "completed", world_size=world)
         return EXIT_OK
     except KeyboardInterrupt:

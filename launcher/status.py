@@ -12,7 +12,7 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Optional
 
-from training.events import read_events
+from training.events import EVENTS_FILE, read_events
 
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
                 "BOOT_FAIL", "DEADLINE"}
@@ -111,10 +111,10 @@ def run_status(run_dir: str) -> Dict[str, Any]:
             state = "PENDING"  # accepted by sbatch but not yet visible (sacct lags)
         elif state == "PENDING" and last.get("event") == "requeued":
             state = "REQUEUED"
-    elif last.get("event") == "failed":
-        state = "FAILED"
-    elif last.get("event") == "started":
-        state = "RUNNING"
+    else:
+        # A local run: the launcher's own events decide; the ranks' (checkpoint, signal, ...) come between.
+        life = [ev for ev in events if ev.get("event") in ("started", "completed", "failed", "stopped")]
+        state = {"started": "RUNNING", "failed": "FAILED"}.get(life[-1]["event"]) if life else None
     out = {
         "state": state or "UNKNOWN",
         "job_id": job if job is not None else (last.get("job_id") if last else None),
@@ -129,9 +129,10 @@ def run_status(run_dir: str) -> Dict[str, Any]:
 
 def print_status(run_dir: str) -> Dict[str, Any]:
     """Print exactly one JSON object on stdout; an unknown run dir is an error on stderr (exit 2)."""
-    if not os.path.isdir(run_dir):
-        print(f"error: run.dir={run_dir} does not exist: give the run directory printed at submission",
-              file=sys.stderr)
+    # Hydra has created run_dir (with its app.log) before this runs: a run is known by what meshrun wrote.
+    if not any(os.path.exists(os.path.join(run_dir, name)) for name in (EVENTS_FILE, "config.json")):
+        print(f"error: run.dir={run_dir} is not a meshrun run directory (no {EVENTS_FILE} or config.json): "
+              "give the run directory printed at launch or submission", file=sys.stderr)
         raise SystemExit(2)
     status = run_status(run_dir)
     print(json.dumps(status, sort_keys=True))

@@ -83,3 +83,16 @@ def test_sweep_summary(tmp_path):
     assert all(r["reason"] for r in data["infeasible"])
     for r in feasible:
         assert os.path.exists(os.path.join(r["run_dir"], "plan.json"))
+
+
+def test_status_prints_one_json_object_or_exits_2(tmp_path):
+    missing = tmp_path / "no_such_run"
+    p = meshrun("action=status", f"run.dir={missing}", cwd=tmp_path)
+    # Hydra creates run.dir before the task runs: the check must not be fooled by that.
+    assert p.returncode == 2 and "not a meshrun run directory" in p.stderr and p.stdout == "", p
+    run = tmp_path / "run"
+    assert meshrun("action=plan", f"run.dir={run}", cwd=tmp_path).returncode == 0
+    p = meshrun("action=status", f"run.dir={run}", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    status = json.loads(p.stdout)  # the whole of stdout is one JSON object
+    assert set(status) >= {"state", "job_id", "attempt", "last_step", "excluded_nodes"}

@@ -205,6 +205,20 @@ def test_status_from_events(tmp_path):
     assert st == {"state": "COMPLETED", "job_id": "78", "attempt": 1, "last_step": 5, "excluded_nodes": ["n2"]}
 
 
+def test_status_of_local_runs(tmp_path):
+    run = str(tmp_path)
+    append_event(run, "started", nodes=["here"])
+    append_event(run, "checkpoint", step=2)  # a rank's event: the run is still running
+    assert run_status(run)["state"] == "RUNNING"
+    append_event(run, "stopped", reason="stopped early after a complete checkpoint")
+    st = run_status(run)
+    assert (st["state"], st["job_id"], st["reason"]) == ("FAILED", "local", "stopped early after a complete checkpoint")
+    append_event(run, "started", nodes=["here"])
+    append_event(run, "failed", node="here", rank=1, exit_code=1, reason="boom")
+    append_event(run, "signal", name="SIGTERM", step=3)
+    assert run_status(run)["state"] == "FAILED"
+
+
 def test_slurm_launcher_never_imports_torch():
     code = ("import sys, launcher.slurm, launcher.slurm_driver, launcher.slurm_rank, launcher.status, "
             "launcher.requeue, launcher.numa, launcher.sbatch, training.slurm_env; "
