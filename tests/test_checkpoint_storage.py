@@ -138,3 +138,19 @@ def test_full_disk_is_a_clear_error_and_keeps_previous(tmp_path):
         assert _resumed_value(run) == (1, 1.0)
     finally:
         subprocess.run(["umount", mnt])
+
+
+def test_damaged_shard_that_passes_the_size_check_is_a_clear_error(tmp_path, monkeypatch):
+    # Large shards are checked by size only (no CRC): damage that keeps the size must still end in a
+    # CheckpointError naming the fix, not in DCP's traceback.
+    monkeypatch.setattr(storage, "CRC_LIMIT_BYTES", 0)
+    run = str(tmp_path)
+    _save_steps(run, [1])
+    newest = storage.step_dir(run, 1)
+    shard = next(n for n in os.listdir(newest) if n.endswith(".distcp"))
+    path = os.path.join(newest, shard)
+    with open(path, "r+b") as f:
+        f.write(b"\0" * os.path.getsize(path))
+    assert storage.verify(newest).ok
+    with pytest.raises(CheckpointError, match="could not be loaded.*train.resume"):
+        _resumed_value(run)

@@ -76,8 +76,6 @@ def counts_in_norm(name: str, param: torch.Tensor, mesh) -> bool:
         return False  # replicated over tp: tp rank 0 speaks for the group
     if name == TIED_EMBEDDING and mesh.pp > 1 and not mesh.is_first_stage:
         return False  # the last stage's copy of the tied embedding: the first stage counts it
-    if getattr(param, "shared_embedding_copy", False):
-        return False
     return True
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -125,10 +126,17 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")
+
+
 def _short(exc: BaseException) -> str:
-    """One line for an error; DCP wraps rank failures with whole tracebacks: keep their last line."""
+    """One line for an error. DCP wraps rank failures with whole tracebacks: keep the innermost error's
+    line ("UnpicklingError: ...", not the hints some errors append), else the last line."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+    errors = [ln for ln in lines if _ERROR_LINE.match(ln)]
+    line = errors[-1] if errors else (lines[-1] if lines else "")
+    # First sentence only: torch.load's weights_only error goes on to advise weights_only=False.
+    return f"{type(exc).__name__}: {line.split('. ')[0][:300]}"
 
 
 def _json_tensor(obj: Any) -> torch.Tensor:
@@ -223,9 +231,8 @@ class CheckpointManager:
                 return False
             if getattr(p, "tp_shard_dim", None) is None and tp_rank != 0:
                 return False
-            if name == TIED_EMBEDDING and not first_stage:
-                return False  # the last stage's copy of the tied embedding: the first stage writes it
-            return not getattr(p, "shared_embedding_copy", False)
+            # The last stage's copy of the tied embedding: the first stage writes it.
+            return not (name == TIED_EMBEDDING and not first_stage)
 
         pieces: List[Piece] = []
         params = _named_params(model_chunks)
@@ -413,7 +420,11 @@ class CheckpointManager:
         with open(os.path.join(path, storage.STATE)) as f:
             info = json.load(f)
         reader = dcp.FileSystemReader(path)
-        saved_keys = set(reader.read_metadata().state_dict_metadata)
+        try:
+            metadata = reader.read_metadata()
+        except Exception as exc:  # noqa: BLE001 - a damaged .metadata that still matched its manifest
+            raise CheckpointError(self._unreadable(path, _short(exc))) from exc
+        saved_keys = set(metadata.state_dict_metadata)
         pieces = self._pieces(model_chunks, optimizer, for_save=False)
         missing_master = any(p.key.startswith("optim/master/") and p.key not in saved_keys for p in pieces)
         pieces = [p for p in pieces if not (p.key.startswith("optim/master/") and p.key not in saved_keys)]
@@ -425,9 +436,12 @@ class CheckpointManager:
         same_layout = info["layout"] == self._layout()
         rank_key = f"rank_state/{self.rank}"
         if same_layout and rank_key in saved_keys:
-            size = reader.read_metadata().state_dict_metadata[rank_key].size
+            size = metadata.state_dict_metadata[rank_key].size
             state[rank_key] = torch.zeros(size, dtype=torch.uint8)
-        dcp.load(state, storage_reader=reader)
+        try:
+            dcp.load(state, storage_reader=reader)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
+            raise CheckpointError(self._unreadable(path, _short(exc))) from exc
         if optimizer is not None:
             o = info["optimizer"]
             optimizer.step_count = int(o["step_count"])
@@ -447,6 +461,11 @@ class CheckpointManager:
         return step, int(info["consumed_samples"])
 
     # ----- helpers ---------------------------------------------------------------------------------
+    @staticmethod
+    def _unreadable(path: str, why: str) -> str:
+        return (f"checkpoint {path} passed its manifest check but could not be loaded ({why}); resume from an "
+                f"older checkpoint (train.resume=<step>), or start fresh with train.resume=none or a new run.dir")
+
     def _layout(self) -> Dict[str, int]:
         m = self.mesh
         return {"world": self.world, "tp": getattr(m, "tp", 1), "pp": getattr(m, "pp", 1),
