@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 from launcher.plan import GIB, Plan, make_plan, padded_vocab, with_parallel
+from launcher.sbatch import validate_for_slurm
 from training.config import Config, derived_dp
 
 # Allowed values of the string fields (the dataclasses type them as str; the values are checked here).
@@ -366,6 +367,9 @@ def validate(cfg: Config) -> Report:
     """Check every rule; plan when the layout allows it; add the no-fit error with its breakdown and fixes."""
     issues: List[Issue] = []
     sizes_ok = _check_values(cfg, issues)
+    if cfg.cluster.kind == "slurm":
+        # The sbatch-safety rules too, so one run lists every violation (each message names its fix).
+        issues += [Issue("error", "cluster", message, code="slurm") for message in validate_for_slurm(cfg)]
     if not sizes_ok:
         return Report(issues)
     _check_model(cfg, issues)

@@ -141,3 +141,12 @@ def test_context_parallel_is_planned_but_not_trained():
     assert planned.errors == [] and "parallel.cp" in _keys(planned.warnings)
     trained = validate(compose_cfg("action=train", "parallel.cp=2", "parallel.tp=1", "parallel.sp=false"))
     assert _keys(trained.errors) == ["parallel.cp"]
+
+
+def test_slurm_settings_are_listed_with_the_layout_errors():
+    cfg = compose_cfg("cluster=slurm_dev", "cluster.partition=a$b", "parallel.tp=3")
+    report = validate(cfg)
+    messages = [i.message for i in report.errors]
+    assert any("cluster.partition='a$b'" in m and "plain name" in m for m in messages), messages
+    assert "parallel.tp" in _keys(report.errors)
+    assert validate(compose_cfg("cluster=slurm_dev")).errors == []
