@@ -86,6 +86,16 @@ def rank_groups(tp: int, pp: int, cp: int, dp: int) -> Dict[str, List[List[int]]
     return g
 
 
+def consecutive_block_group(size: int) -> Any:
+    """This rank's group among blocks of `size` consecutive ranks (preflight's bandwidth blocks).
+
+    Collective: every rank calls it with the same size. Lives here so that this module stays the one
+    place that creates process groups.
+    """
+    group, _ = dist.new_subgroups(group_size=size)
+    return group
+
+
 def _env_int(name: str) -> int:
     value = os.environ.get(name)
     if value is None:

@@ -64,13 +64,15 @@ def run_sweep(rank: int, world: int, per_node: int, sizes_mb: List[float], iters
     import torch
     import torch.distributed as dist
 
+    from training.mesh import consecutive_block_group
+
     results = []
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for n in group_levels(world, per_node):
         if n == world:
             group, first = None, 0
         else:
-            group, _ = dist.new_subgroups(group_size=n)
+            group = consecutive_block_group(n)
             first = rank // n * n
         for op in OPS:
             for mb in sizes_mb:
