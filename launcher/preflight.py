@@ -122,15 +122,21 @@ def submit_slurm(cfg: Config, run_dir: str) -> Dict[str, Any]:
     import submitit
 
     from launcher.sbatch import SlurmConfigError
+    from launcher.slurm import EXIT_INVALID, EXIT_SLURM, SlurmUnavailable, check_controller, check_partition
 
     try:
         params = slurm_parameters(cfg, run_dir)
-    except SlurmConfigError as exc:
+        check_controller()
+        check_partition(cfg)
+        ex = submitit.SlurmExecutor(folder=os.path.join(run_dir, "submitit_preflight"))
+        ex.update_parameters(**params)
+        try:
+            job = ex.submit(PreflightTask(run_dir))
+        except Exception as exc:  # submitit wraps sbatch's complaint
+            raise SlurmUnavailable(f"sbatch refused the preflight job: {str(exc).strip()}") from None
+    except (SlurmConfigError, SlurmUnavailable) as exc:
         print(f"error: {exc}\nnothing was submitted.", file=sys.stderr)
-        raise SystemExit(2) from None
-    ex = submitit.SlurmExecutor(folder=os.path.join(run_dir, "submitit_preflight"))
-    ex.update_parameters(**params)
-    job = ex.submit(PreflightTask(run_dir))
+        raise SystemExit(EXIT_INVALID if isinstance(exc, SlurmConfigError) else EXIT_SLURM) from None
     print(f"submitted preflight job {job.job_id}; waiting", file=sys.stderr)
     codes = job.results()
     return {"job_id": str(job.job_id), "codes": codes,
