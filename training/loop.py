@@ -3,7 +3,7 @@
 Structure (so pipeline parallelism plugs in without restructuring):
 - a *schedule* owns the micro-batch loop: `forward_backward(micro_batches) -> local mean loss`.
   `NoPipelineSchedule` is the pp=1 schedule; `make_schedule` is the one place that picks another
-  (GPipe / 1F1B from training.pipeline when pp > 1);
+  (gpipe / 1f1b / interleaved_1f1b from training.pipeline when pp > 1);
 - the optimizer owns the dp reduction, clipping and the update (training.optimizer);
 - `Trainer.run` owns steps: data position, LR, logging, the stop flag and checkpoint call sites.
 """
@@ -27,6 +27,7 @@ from training.config import Config, derived_dp
 from training.data import BatchSampler, build_corpus, make_source, validate_data_config
 from training.events import append_event
 from training.optimizer import PRECISIONS, DistributedOptimizer, StepResult
+from training.pipeline import make_pipeline_schedule
 from training.schedule_lr import lr_at
 
 EXIT_OK, EXIT_INVALID, EXIT_STOPPED = 0, 2, 3
@@ -62,15 +63,9 @@ class NoPipelineSchedule:
 
 
 def make_schedule(cfg: Config, mesh, chunks, optimizer):
-    """The micro-batch schedule for this layout. HOOK (pipeline engineer): pp > 1 schedules plug in here."""
+    """The micro-batch schedule for this layout: NoPipelineSchedule, or training.pipeline's when pp > 1."""
     if mesh.pp == 1 and len(chunks) == 1:
         return NoPipelineSchedule(chunks, optimizer, mesh)
-    try:
-        from training.pipeline import make_pipeline_schedule  # type: ignore
-    except ImportError as exc:
-        raise NotImplementedError(
-            f"parallel.pp={mesh.pp} needs a pipeline schedule (training/pipeline.py); use parallel.pp=1"
-        ) from exc
     return make_pipeline_schedule(cfg, mesh, chunks, optimizer)
 
 

@@ -85,9 +85,6 @@ def main(argv=None) -> int:
     except (DataError, CheckpointError) as exc:  # the user's to fix: retrying cannot help
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID
-    except NotImplementedError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INVALID
     except Exception:
         traceback.print_exc()
         return 1

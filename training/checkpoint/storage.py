@@ -192,7 +192,8 @@ def candidates(run_dir: str) -> List[int]:
 
 
 def prune(run_dir: str, keep_last: int, protect: Optional[int] = None) -> List[int]:
-    """Delete all but the newest `keep_last` checkpoints (never `protect`) and stale temporary dirs."""
+    """Delete all but the newest `keep_last` checkpoints (never `protect`); temporary dirs are
+    `remove_stale_tmp`'s job."""
     removed = []
     steps = list_steps(run_dir)
     for step in steps[max(1, keep_last):]:
