@@ -22,15 +22,13 @@ _task_started = False
 EXIT_INVALID = 2
 
 
-def _run_dir(cfg: Config) -> str:
-    """run.dir, or in a multirun sweep the point's own directory under the sweep directory."""
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return HydraConfig.get().runtime.output_dir
-    return cfg.run.dir
-
-
 def _is_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _run_dir(cfg: Config) -> str:
+    """run.dir, or in a multirun sweep the point's own directory under the sweep directory."""
+    return HydraConfig.get().runtime.output_dir if _is_multirun() else cfg.run.dir
 
 
 # An absolute path: run as `python -m launcher` or the console script, Hydra would otherwise look for

@@ -24,7 +24,7 @@ from launcher.slurm_rank import attempt_dir
 from launcher.status import excluded_nodes, last_step, retries_used
 from training.config import load_config
 from training.events import append_event, read_events
-from training.slurm_env import expand_hostlist, first_host, port_from_job
+from training.slurm_env import hostnames, port_from_job
 
 REQUEUE_WAIT_S = 120
 
@@ -33,22 +33,10 @@ def job_id() -> str:
     return os.environ.get("SLURM_JOB_ID", "0")
 
 
-def hostnames() -> List[str]:
-    nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
-    try:
-        hosts = expand_hostlist(nodelist)
-    except ValueError:
-        hosts = []
-    if not hosts and nodelist:
-        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                               text=True).stdout.split()
-    return hosts
-
-
 def prologue(run_dir: str) -> int:
     events = read_events(run_dir)
     attempt = sum(1 for ev in events if ev.get("event") == "started")
-    nodes = hostnames()
+    nodes = hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))
     step = last_step(run_dir)
     os.makedirs(attempt_dir(run_dir, attempt), exist_ok=True)
     with open(os.path.join(attempt_dir(run_dir, attempt), "prologue.json"), "w") as f:
@@ -59,7 +47,7 @@ def prologue(run_dir: str) -> int:
     exports = {
         "MESHRUN_STOP_AT": f"{stop_at:.0f}" if stop_at else "",
         "MESHRUN_ATTEMPT": str(attempt),
-        "MASTER_ADDR": first_host(os.environ.get("SLURM_JOB_NODELIST", "localhost")),
+        "MASTER_ADDR": nodes[0] if nodes else "localhost",
         "MASTER_PORT": str(port_from_job(job_id(), attempt)),
     }
     for k, v in exports.items():

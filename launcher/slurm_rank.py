@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List
 
+from launcher.local import usable_cores
 from launcher.numa import choose_node, numactl_prefix
 from training.config import load_config
 from training.slurm_env import torch_env_from_slurm
@@ -129,8 +130,7 @@ class RankTask:
         env.update(torch_env_from_slurm(env))
         env["PYTHONUNBUFFERED"] = "1"
         local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // max(local_world, 1))))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // max(local_world, 1))))
         return env
 
     def __call__(self) -> int:

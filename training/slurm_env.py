@@ -38,15 +38,23 @@ def expand_hostlist(hostlist: str) -> List[str]:
     return hosts
 
 
-def first_host(nodelist: str) -> str:
-    """First host of SLURM_JOB_NODELIST: the rendezvous host (rank 0 runs there)."""
+def hostnames(nodelist: str) -> List[str]:
+    """The hosts of a Slurm hostlist: expanded here, or by `scontrol show hostnames` when that fails."""
     try:
         hosts = expand_hostlist(nodelist)
     except ValueError:
         hosts = []
+    if not hosts and nodelist:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                               text=True).stdout.split()
+    return hosts
+
+
+def first_host(nodelist: str) -> str:
+    """First host of SLURM_JOB_NODELIST: the rendezvous host (rank 0 runs there)."""
+    hosts = hostnames(nodelist)
     if not hosts:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
-        hosts = out.stdout.split()
+        raise ValueError(f"cannot expand the Slurm node list {nodelist!r}")
     return hosts[0]
 
 
