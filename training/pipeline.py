@@ -14,6 +14,9 @@ runs without deadlock; the three orders below are Megatron-LM's.
 Virtual stage of local chunk c on pipeline rank r: c * p + r (model.build_gpt's order). Every message
 has a fixed shape per step, [s/tp if sp else s, micro_batch, h] in the model dtype, and a tag naming
 (direction, receiving virtual stage, micro-batch), so a mismatch is an error, never a silent swap.
+That holds on gloo only: NCCL ignores tags (a pair's messages match in issue order) and runs a pair's
+sends and receives one after another on one stream, so a receive posted ahead can block a send the peer
+waits for. NOT YET RUN ON NCCL: Megatron batches each step's send/recv pair (batch_isend_irecv) for this.
 
 In-flight micro-batches (forward done, backward not yet) on rank r, which bound the activations held:
   gpipe m;  1f1b min(m, p - r);  interleaved min(m v, 2 (p - r - 1) + (v - 1) p + 1) chunk micro-batches.
