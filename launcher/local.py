@@ -18,7 +18,8 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from training.config import Config, derived_dp, save_config
+from launcher.rundir import write_config
+from training.config import Config, derived_dp
 from training.events import append_event
 
 EXIT_OK = 0
@@ -87,9 +88,8 @@ def run_ranks(cfg: Config, run_dir: str) -> int:
     port = cfg.cluster.master_port or free_port()
     threads = max(1, usable_cores() // world)
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-    config_path = os.path.join(run_dir, "config.json")
-    if not os.path.exists(config_path):
-        save_config(cfg, config_path)
+    if not os.path.exists(os.path.join(run_dir, "config.json")):
+        write_config(cfg, run_dir)
     append_event(run_dir, "started", nodes=[socket.gethostname()], world_size=world, threads_per_rank=threads)
     procs: List[subprocess.Popen] = []
     pumps: List[threading.Thread] = []

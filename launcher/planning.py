@@ -14,7 +14,8 @@ from typing import Any, Dict
 
 from launcher.plan import format_plan
 from launcher.validate import validate
-from training.config import Config, save_config
+from launcher.rundir import write_config
+from training.config import Config
 
 EXIT_INVALID = 2
 
@@ -57,7 +58,7 @@ def plan_or_reject(cfg: Config, run_dir: str, multirun: bool = False) -> Dict[st
     plan_json = plan.to_json()
     with open(os.path.join(run_dir, "plan.json"), "w") as f:
         json.dump(plan_json, f, indent=2, sort_keys=False)
-    save_config(cfg, os.path.join(run_dir, "config.json"))
+    write_config(cfg, run_dir)
     if multirun:
         mem = plan.memory_bytes["total"] / 2**30
         print(f"[ok] {_point_label(cfg)}: {mem:.2f} GiB/GPU, bubble {plan.bubble_ratio:.3f}")

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List
 
 from launcher.local import POLL_S, _stop, free_port, rank_env, usable_cores
-from training.config import Config, save_config
+from launcher.rundir import write_config
+from training.config import Config
 
 EXIT_NODE_BAD = 4
 PREFLIGHT_MODULE = "training.preflight"
@@ -145,8 +146,7 @@ def submit_slurm(cfg: Config, run_dir: str) -> Dict[str, Any]:
 
 def run_preflight(cfg: Config, run_dir: str) -> Dict[str, Any]:
     """meshrun action=preflight: write config.json, run the ranks, print the verdict, exit 4 on a bad node."""
-    os.makedirs(run_dir, exist_ok=True)
-    save_config(cfg, os.path.join(run_dir, "config.json"))
+    write_config(cfg, run_dir)
     t = time.time()
     if cfg.cluster.kind == "slurm":
         result: Dict[str, Any] = submit_slurm(cfg, run_dir)

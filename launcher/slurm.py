@@ -16,7 +16,8 @@ from typing import Any, Dict, List, Optional
 
 from launcher.sbatch import SlurmConfigError, dry_run_text, job_spec
 from launcher.slurm_rank import RankTask
-from training.config import Config, save_config
+from launcher.rundir import write_config
+from training.config import Config
 from training.events import append_event
 
 EXIT_INVALID = 2
@@ -95,8 +96,7 @@ def submit(cfg: Config, run_dir: str, plan_result: Dict[str, Any], multirun: boo
         return _refuse(str(exc), multirun, EXIT_INVALID)
     except SlurmUnavailable as exc:
         return _refuse(str(exc), multirun, EXIT_SLURM)
-    os.makedirs(run_dir, exist_ok=True)
-    save_config(cfg, os.path.join(run_dir, "config.json"))
+    write_config(cfg, run_dir)
     try:
         job_id = submit_job(cfg, run_dir)
     except SlurmUnavailable as exc:
