@@ -93,3 +93,30 @@ def test_real_groups_on_4_processes():
             assert res["ranks"][kind] == mine, kind
             assert sorted(res["ranks"][kind + "_torch"]) == mine, kind
             assert res["sums"][kind] == float(sum(mine)), kind
+
+
+def _dead_peer_worker(timeout_s):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    mesh = ProcessMesh.from_env(2, 1, 1, 1, backend="gloo", timeout_s=timeout_s)
+    if mesh.rank == 1:
+        time.sleep(4 * timeout_s)  # a peer that never joins the collective (hung or dead)
+        return None
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=mesh.tp_group)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return {"error": error, "waited_s": time.monotonic() - t0}
+
+
+def test_subgroup_collective_with_a_dead_peer_times_out_after_timeout_s():
+    # new_group does not inherit init_process_group's timeout: without passing it, a TP collective
+    # would wait torch's 30-minute default instead of train.dist_timeout_s.
+    res = run_distributed(_dead_peer_worker, 2, args=(3.0,), timeout_s=60)[0]
+    assert res["error"] is not None
+    assert 2.0 <= res["waited_s"] < 10.0, res

@@ -86,13 +86,14 @@ def rank_groups(tp: int, pp: int, cp: int, dp: int) -> Dict[str, List[List[int]]
     return g
 
 
-def consecutive_block_group(size: int) -> Any:
+def consecutive_block_group(size: int, timeout_s: Optional[float] = None) -> Any:
     """This rank's group among blocks of `size` consecutive ranks (preflight's bandwidth blocks).
 
     Collective: every rank calls it with the same size. Lives here so that this module stays the one
-    place that creates process groups.
+    place that creates process groups. timeout_s bounds its collectives (None: torch's default).
     """
-    group, _ = dist.new_subgroups(group_size=size)
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+    group, _ = dist.new_subgroups(group_size=size, timeout=timeout)
     return group
 
 
@@ -198,10 +199,11 @@ class ProcessMesh:
             device = torch.device("cpu")
         else:
             raise ValueError(f"backend {backend!r}: use gloo (cpu) or nccl (cuda)")
+        # new_group does not inherit init_process_group's timeout (it falls back to torch's 10/30 min
+        # default), so every group gets it explicitly.
+        timeout = datetime.timedelta(seconds=timeout_s)
         if not dist.is_initialized():
-            dist.init_process_group(
-                backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
-            )
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         c = coords_of(rank, tp, pp, cp, dp)
         mesh = cls(
             rank=rank, world_size=world, tp=tp, pp=pp, cp=cp, dp=dp,
@@ -213,7 +215,7 @@ class ProcessMesh:
             mine = None
             for ranks in lists:
                 # Every rank must call new_group for every list, in the same order.
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     assert mine is None, f"rank {rank} in two {kind} groups"
                     mine = (group, ranks)
@@ -224,7 +226,7 @@ class ProcessMesh:
                         "model_parallel": tp * pp,
                         "embedding": min(pp, 2) if pp_rank_is_end else 1}[kind]
             assert dist.get_world_size(mine[0]) == expected, (kind, mine[1], expected)
-        mesh.background_group = dist.new_group(list(range(world)), backend="gloo")
+        mesh.background_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
         return mesh
 
     def destroy(self) -> None:

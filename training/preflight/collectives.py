@@ -59,8 +59,9 @@ def _elements(nbytes: int, n: int, elem: int) -> int:
 
 
 def run_sweep(rank: int, world: int, per_node: int, sizes_mb: List[float], iters: int,
-              device: str) -> List[Dict[str, Any]]:
-    """Every rank calls this; returns this rank's timings of the blocks it leads (lowest rank of a block)."""
+              device: str, timeout_s: Optional[float] = None) -> List[Dict[str, Any]]:
+    """Every rank calls this; returns this rank's timings of the blocks it leads (lowest rank of a block).
+    timeout_s bounds the block groups' collectives (a dead peer is an error, not a hang)."""
     import torch
     import torch.distributed as dist
 
@@ -72,7 +73,7 @@ def run_sweep(rank: int, world: int, per_node: int, sizes_mb: List[float], iters
         if n == world:
             group, first = None, 0
         else:
-            group = consecutive_block_group(n)
+            group = consecutive_block_group(n, timeout_s)
             first = rank // n * n
         for op in OPS:
             for mb in sizes_mb:

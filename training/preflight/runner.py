@@ -104,7 +104,8 @@ def run(cfg: Config, run_dir: str) -> Report:
                 if r == rank:
                     mm = matmul.measure_tflops(device, n)
                 dist.barrier()
-        sweep = collectives.run_sweep(rank, world, per_node, pf.collective_sizes_mb, pf.collective_iters, device)
+        sweep = collectives.run_sweep(rank, world, per_node, pf.collective_sizes_mb, pf.collective_iters, device,
+                                      timeout_s=pf.timeout_s)
         if leader:  # counters read again after the traffic: rising ones fail
             own = [c for c in own if not c.name.startswith("ib.")]
             own += ib_sysfs.check_ib(ib_root, ib_sysfs.expected_hcas(pf.ib_hcas, cl.env), pf.ib_rate_gbps,
