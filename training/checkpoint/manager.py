@@ -5,11 +5,10 @@ Loop usage (every rank, same order):
     resumed = ckpt.maybe_resume(model_chunks, optimizer, extra)   # None or (step, consumed_samples)
     for step in ...:
         ... train one step ...
-        stop = ckpt.should_stop(step)          # agreed over all ranks; None or a reason
-        if ckpt.due(step) or stop or step == last:
-            ckpt.save(step, model_chunks, optimizer, extra, reason=stop or "interval")
-        if stop: ckpt.wait(); exit with EXIT_STOPPED (3)
-    ckpt.wait()
+        due, stop = ckpt.decide(step)          # agreed over all ranks; stop is None or a reason
+        if due or stop or step == last:
+            ckpt.save(step, model_chunks, optimizer, extra, reason=stop or ("final" if step == last else "interval"))
+        if stop or step == last: ckpt.wait()   # then exit with EXIT_STOPPED (3) when stopping
 
 `step` is the number of completed optimizer steps. `extra` is a JSON-serialisable dict owned by the loop and
 must hold "consumed_samples"; anything else in it (loss scaler, data position, ...) is saved and restored
@@ -65,7 +64,7 @@ class SaveStats:
     step: int
     """Step saved."""
     reason: str
-    """Why: interval | time | end | exit_interval | exit_after_min | SIGTERM | SIGUSR2 | ..."""
+    """Why: interval (train.checkpoint_every or _min) | final | exit_interval | exit_after_min | SIGTERM | SIGUSR2."""
     blocked_s: float = 0.0
     """Seconds the training loop was blocked (sync: the whole save; async: the copy to host memory)."""
     total_s: float = 0.0
