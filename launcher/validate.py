@@ -7,6 +7,8 @@ No torch, no Hydra: the launcher calls it before anything is launched.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
@@ -159,6 +161,14 @@ def _check_model(cfg: Config, out: List[Issue]) -> None:
         out.append(Issue("error", "model.vocab_size",
                          f"data.kind=text tokenizes to bytes and needs vocab_size >= 256, got {m.vocab_size}",
                          "model.vocab_size=256 or data=synthetic"))
+    if cfg.data.kind == "text":
+        # Checked here for local runs (the ranks see this filesystem); on Slurm the compute nodes
+        # may mount paths this host lacks, so there the ranks check and exit 2 themselves.
+        for path in cfg.data.paths:
+            if cfg.cluster.kind == "local" and not os.path.exists(path):
+                out.append(Issue("error", "data.paths", f"{path!r} does not exist",
+                                 "give existing text files or directories, or leave data.paths empty for "
+                                 "the Python standard library's sources"))
 
 
 def _closest(options: List[int], value: int) -> int:

@@ -82,3 +82,39 @@ def test_vocab_smaller_than_bytes_is_a_clear_error():
 def test_global_batch_must_split_over_dp():
     with pytest.raises(DataError, match="global_batch"):
         BatchSampler(None, global_batch=6, micro_batch=2, dp=2, dp_rank=0)
+
+
+
+def _trainer_data_error(cfg_dict: dict, run_dir: str) -> str:
+    from training.config import config_from_dict
+    from training.data import DataError
+    from training.loop import Trainer
+    from training.mesh import ProcessMesh
+
+    cfg = config_from_dict(cfg_dict)
+    mesh = ProcessMesh.from_env(1, 1, 1, 2, timeout_s=cfg.train.dist_timeout_s)
+    try:
+        Trainer(cfg, run_dir, mesh)
+    except DataError as exc:
+        return str(exc)
+    finally:
+        mesh.destroy()
+    return "no error"
+
+
+def test_a_data_error_on_rank_0_reaches_every_rank_at_once(tmp_path):
+    """Rank 0 builds the corpus; its DataError reaches the other ranks at once (all exit 2), instead of
+    leaving them to wait out the collective timeout and fail."""
+    import time
+
+    from dist_harness import run_distributed
+    from training.config import Config, config_to_dict
+
+    cfg = Config()
+    cfg.data.paths = [str(tmp_path / "missing.txt")]  # bypasses the launcher's check, as a Slurm node would
+    cfg.train.dist_timeout_s = 60
+    start = time.monotonic()
+    out = run_distributed(_trainer_data_error, 2, args=(config_to_dict(cfg), str(tmp_path)), timeout_s=50)
+    assert time.monotonic() - start < 50
+    assert "missing.txt" in out[0] and "does not exist" in out[0]
+    assert "rank 0 could not build the text corpus" in out[1]

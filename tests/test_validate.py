@@ -150,3 +150,8 @@ def test_slurm_settings_are_listed_with_the_layout_errors():
     assert any("cluster.partition='a$b'" in m and "plain name" in m for m in messages), messages
     assert "parallel.tp" in _keys(report.errors)
     assert validate(compose_cfg("cluster=slurm_dev")).errors == []
+
+
+def test_missing_data_path_is_an_error_before_launch():
+    report = validate(compose_cfg("data.paths=[/nonexistent/corpus.txt]"))
+    assert "data.paths" in _keys(report.errors)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from training.checkpoint import CheckpointManager, signals
 from training.config import Config, derived_dp
-from training.data import BatchSampler, build_corpus, make_source, validate_data_config
+from training.data import BatchSampler, DataError, build_corpus, make_source, validate_data_config
 from training.events import append_event
 from training.optimizer import PRECISIONS, DistributedOptimizer, StepResult
 from training.pipeline import make_pipeline_schedule
@@ -175,19 +175,29 @@ class Trainer:
         self.peak_flops = self._peak_flops()
 
     def _source(self):
-        corpus = None
+        corpus, error = None, None
         if self.cfg.data.kind == "text":
             # One rank builds the cached corpus file; the others wait, then map the same file.
             if self.mesh.rank == 0:
-                corpus = build_corpus(self.cfg, self.run_dir)
-            self._barrier()
+                try:
+                    corpus = build_corpus(self.cfg, self.run_dir)
+                except DataError as exc:
+                    error = exc
+            # Instead of a plain barrier: every rank learns of rank 0's data error and exits 2 with it,
+            # rather than waiting out the collective timeout and exiting as a failure.
+            if self._any_rank(error is not None):
+                raise error or DataError("rank 0 could not build the text corpus; its log names the fix")
             if corpus is None:
                 corpus = build_corpus(self.cfg, self.run_dir)  # finds rank 0's file
         return make_source(self.cfg, self.run_dir, corpus)
 
-    def _barrier(self) -> None:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any (a barrier that also carries one bit)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.mesh.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def _peak_flops(self) -> float:
         """Peak FLOP/s of the whole job: cluster.peak_tflops per rank, or this machine's measured matmul rate."""
