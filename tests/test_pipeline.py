@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from dist_harness import run_distributed
 from training.config import Config, config_from_dict, config_to_dict
-from training.pipeline import build_actions, check_schedule, peak_in_flight
+from training.pipeline import build_actions, build_comm_plan, check_schedule, peak_in_flight
 
 STEPS = 20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,6 +143,71 @@ def test_orders_reach_the_formula_bubble_with_free_communication(kind, p, v, m):
     from training.pipeline import planned_idle_share
 
     assert _simulated_idle_share(kind, p, m, v) == pytest.approx(planned_idle_share(p, m, v), abs=1e-9)
+
+
+def _nccl_walk(kind, p, m, v):
+    """Each rank's exchanges run one after another (NCCL's single P2P stream per communicator) and an
+    op completes only once its match is in the peer's current exchange (a send may wait for its
+    receive); the k-th send a -> b matches b's k-th receive from a (NCCL ignores tags). Returns the
+    (message sent, message received) pairs of every direction and whether every rank got to the end."""
+    plans = {r: [s for s in build_comm_plan(kind, p, r, m, v) if isinstance(s[0], tuple)] for r in range(p)}
+    seqs, numbered = {}, {}
+    for r in range(p):
+        count, numbered[r] = {}, []
+        for ex in plans[r]:
+            group = []
+            for direction, msg, peer in ex:
+                key = (r, peer) if direction == "send" else (peer, r)
+                n = count.get((direction, key), 0)
+                count[(direction, key)] = n + 1
+                seqs.setdefault(key, {"send": [], "recv": []})[direction].append(msg)
+                group.append((direction, key, n))
+            numbered[r].append(group)
+    pos, done = [0] * p, set()
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            if pos[r] == len(numbered[r]):
+                continue
+            for direction, key, n in numbered[r][pos[r]]:
+                peer = key[1] if direction == "send" else key[0]
+                match = ("recv" if direction == "send" else "send", key, n)
+                if pos[peer] < len(numbered[peer]) and match in numbered[peer][pos[peer]]:
+                    done |= {(direction, key, n), match}
+            if all(op in done for op in numbered[r][pos[r]]):
+                pos[r] += 1
+                moved = True
+    return seqs, pos == [len(numbered[r]) for r in range(p)]
+
+
+@pytest.mark.parametrize("kind,p,v,m", [(k, p, v, m) for k, vs in (("gpipe", (1,)), ("1f1b", (1,)),
+                                                                   ("interleaved_1f1b", (2, 3, 4)))
+                                        for p in (2, 3, 4, 8) for v in vs for m in (1, 2, 3, 4, 8, 16)
+                                        if k != "interleaved_1f1b" or m % p == 0])
+def test_exchanges_match_in_issue_order_and_never_deadlock_on_nccl(kind, p, v, m):
+    for r in range(p):
+        plan = build_comm_plan(kind, p, r, m, v)
+        assert [s for s in plan if not isinstance(s[0], tuple)] == build_actions(kind, p, r, m, v)
+        assert all(len(s) > 0 for s in plan if isinstance(s[0], tuple))
+    seqs, finished = _nccl_walk(kind, p, m, v)
+    for (a, b), d in seqs.items():
+        # Issue order alone pairs the messages (tags are 0): a's sends to b in b's order of receiving.
+        assert d["send"] == d["recv"], f"rank {a} -> {b}: sends {d['send']} but receives {d['recv']}"
+    assert finished, "the exchanges wait on each other in a cycle under NCCL's rules"
+
+
+def test_one_exchange_per_action_would_deadlock_interleaved():
+    """The walk can fail: interleaved with an exchange between every two actions (instead of its
+    steady F+B pairs) deadlocks, which is why build_units pairs them."""
+    import training.pipeline as pl
+
+    real = pl.build_units
+    try:
+        pl.build_units = lambda *a: [[x] for u in real(*a) for x in u]
+        assert not _nccl_walk("interleaved_1f1b", 2, 4, 2)[1]
+    finally:
+        pl.build_units = real
 
 
 def test_bad_schedule_shapes_are_clear_errors():
@@ -290,3 +355,62 @@ def test_our_schedules_match_torch_native_pipelining():
     for rank, worst in enumerate(results):
         for kind, err in worst.items():
             assert err < 1e-5, f"rank {rank} {kind}: grads differ from torch's native schedule by {err:.2e}"
+
+
+# ---- every message goes through batch_isend_irecv with tag 0 -----------------------------------------
+def _p2p_record_worker(cfg_dict: dict):
+    """One interleaved step (pp=2: activations and grads share each direction) with torch.distributed's
+    P2P entry points wrapped: direct isend / irecv calls are counted, batched ops recorded."""
+    import torch.distributed as tdist
+
+    from training.mesh import ProcessMesh
+    from training.model import build_gpt
+    from training.pipeline import PipelineSchedule, p2p_shape
+
+    cfg = config_from_dict(cfg_dict)
+    mesh = ProcessMesh.from_env(1, cfg.parallel.pp, 1, 1)
+    real_isend, real_irecv, real_batch, real_op = tdist.isend, tdist.irecv, tdist.batch_isend_irecv, tdist.P2POp
+    direct, batches = [], []
+
+    def isend(*a, **k):
+        direct.append("isend")
+        return real_isend(*a, **k)
+
+    def irecv(*a, **k):
+        direct.append("irecv")
+        return real_irecv(*a, **k)
+
+    def p2p_op(op, *a, **k):  # torch only accepts its own isend / irecv here
+        return real_op({isend: real_isend, irecv: real_irecv}.get(op, op), *a, **k)
+
+    def batch(ops):
+        batches.append([("send" if op.op is real_isend else "recv", op.tag, op.peer) for op in ops])
+        return real_batch(ops)
+
+    tdist.isend, tdist.irecv, tdist.batch_isend_irecv, tdist.P2POp = isend, irecv, batch, p2p_op
+    try:
+        torch.manual_seed(0)
+        m, b, s = 4, cfg.parallel.micro_batch, cfg.model.seq_length
+        ids = torch.randint(0, cfg.model.vocab_size, (m * b, s + 1))
+        micro = list(zip(ids[:, :-1].contiguous().chunk(m), ids[:, 1:].contiguous().chunk(m)))
+        chunks = build_gpt(cfg, mesh, torch.float32)
+        sched = PipelineSchedule(chunks, cfg.parallel.schedule, mesh.pp, mesh.pp_rank, mesh.group_ranks["pp"],
+                                 mesh.pp_group, p2p_shape(cfg), torch.float32, mesh.device, lambda loss, n: loss / n)
+        sched.forward_backward(micro)
+    finally:
+        tdist.isend, tdist.irecv, tdist.batch_isend_irecv, tdist.P2POp = real_isend, real_irecv, real_batch, real_op
+    rank = mesh.pp_rank
+    mesh.destroy()
+    return {"direct": direct, "batches": batches, "rank": rank}
+
+
+@pytest.mark.slow
+def test_every_message_is_batched_with_tag_0():
+    cfg = _cfg(pp=2, vpp=2, schedule="interleaved_1f1b")
+    results = run_distributed(_p2p_record_worker, 2, args=(config_to_dict(cfg),), timeout_s=300)
+    for res in results:
+        assert res["direct"] == [], "a message bypassed batch_isend_irecv"
+        plan = [s for s in build_comm_plan("interleaved_1f1b", 2, res["rank"], 4, 2) if isinstance(s[0], tuple)]
+        assert [[d for d, _, _ in b] for b in res["batches"]] == [[op[0] for op in ex] for ex in plan]
+        assert {tag for b in res["batches"] for _, tag, _ in b} == {0}
+        assert {peer for b in res["batches"] for _, _, peer in b} == {1 - res["rank"]}

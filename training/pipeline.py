@@ -1,22 +1,32 @@
-"""Pipeline-parallel schedules: gpipe, 1f1b and interleaved_1f1b, run with point-to-point send/recv.
+"""Pipeline-parallel schedules: gpipe, 1f1b and interleaved_1f1b, run with batched point-to-point exchanges.
 
 A schedule is a per-rank list of actions, F(chunk, mb) and B(chunk, mb) (`build_actions`, a pure
-function), executed in order by `PipelineSchedule.forward_backward`:
-  F: receive the input of (chunk, mb) from the previous virtual stage (blocking; the first virtual
-     stage takes the token ids), run the chunk, send the output to the next virtual stage (async);
-     the last virtual stage returns the micro-batch loss instead.
-  B: receive d(output) from the next virtual stage (the last one backpropagates the scaled loss),
-     backward, send d(input) to the previous virtual stage (async).
-Sends never block (isend, waited for at the end of the step) and receives are posted a few actions
-ahead and waited for just before the compute that needs them, so any order in which each F follows its producer and each B its consumer
-runs without deadlock; the three orders below are Megatron-LM's.
+function): F runs a chunk forward on the activation received from the previous virtual stage (the
+first virtual stage takes the token ids; the last returns the micro-batch loss), B runs it backward on
+the grad received from the next virtual stage (the last backpropagates the scaled loss). The three
+orders are Megatron-LM's.
+
+Communication (`build_comm_plan`, pure): the actions are cut into units (one action each, except the
+steady-state F+B pairs of interleaved_1f1b) and between two units the rank makes ONE exchange,
+`dist.batch_isend_irecv` of [the sends of the previous unit's outputs] + [the receives of the next
+unit's inputs], waited for before the next unit runs (Megatron's send_forward_recv_backward,
+send_backward_recv_forward, ... of p2p_communication.py). Every op has tag 0. Why this shape:
+  * NCCL ignores tags: the k-th send from rank a to rank b meets b's k-th receive from a. Each rank
+    issues its sends in the order it produces messages and its receives in the order it consumes them;
+    for the orders above the two sequences agree on every (a -> b) direction, including pp=2 where
+    activations and grads share a direction (tests/test_pipeline.py checks this for many (p, v, m),
+    and the gloo runs, with every tag 0, would swap data and fail the equivalence tests otherwise).
+  * NCCL runs a pair's P2P traffic on one stream, one exchange after another, and a send may wait for
+    its receive: an exchange completes only once the peers reach the exchanges holding the matching
+    ops. The exchanges above never wait on each other in a cycle (the test simulates this rule for
+    every rank). Interleaved needs its steady F+B pairs as one unit (Megatron's
+    send_forward_backward_recv_forward_backward): one exchange per action there deadlocks.
+  * batch_isend_irecv issues a unit's sends and receives together, so neither blocks the other.
+A NCCL communicator's first batch_isend_irecv must involve all its ranks: the first step starts with
+an all_reduce over the pipeline group, which creates it.
 
 Virtual stage of local chunk c on pipeline rank r: c * p + r (model.build_gpt's order). Every message
-has a fixed shape per step, [s/tp if sp else s, micro_batch, h] in the model dtype, and a tag naming
-(direction, receiving virtual stage, micro-batch), so a mismatch is an error, never a silent swap.
-That holds on gloo only: NCCL ignores tags (a pair's messages match in issue order) and runs a pair's
-sends and receives one after another on one stream, so a receive posted ahead can block a send the peer
-waits for. NOT YET RUN ON NCCL: Megatron batches each step's send/recv pair (batch_isend_irecv) for this.
+has a fixed shape per step, [s/tp if sp else s, micro_batch, h] in the model dtype.
 
 In-flight micro-batches (forward done, backward not yet) on rank r, which bound the activations held:
   gpipe m;  1f1b min(m, p - r);  interleaved min(m v, 2 (p - r - 1) + (v - 1) p + 1) chunk micro-batches.
@@ -35,18 +45,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
-RECV_LOOKAHEAD = 2
-"""Receives are posted this many actions ahead (bounds the extra receive buffers to 3 messages)."""
-
 Action = Tuple[str, int, int]
 """("F" | "B", local chunk index, micro-batch index)."""
+
+Message = Tuple[str, int, int]
+"""("act" | "grad", virtual stage that receives it, micro-batch index)."""
+
+P2P = Tuple[str, Message, int]
+"""("send" | "recv", message, peer pipeline rank)."""
+
+Exchange = Tuple[P2P, ...]
+"""One batch_isend_irecv: the sends, then the receives, of one point between two units."""
 
 
 # ---- the orders (pure) ----------------------------------------------------------------------------
@@ -73,25 +89,64 @@ def _interleaved_chunk(k: int, p: int, v: int, forward: bool) -> Tuple[int, int]
     return chunk, group * p + pos % p
 
 
-def build_actions(kind: str, p: int, rank: int, m: int, v: int = 1) -> List[Action]:
-    """The ordered F/B actions of pipeline rank `rank` for one step of m micro-batches."""
+def build_units(kind: str, p: int, rank: int, m: int, v: int = 1) -> List[List[Action]]:
+    """The ordered F/B actions of pipeline rank `rank` for one step of m micro-batches, cut where the
+    rank exchanges messages: one action per unit, except interleaved's steady F+B pairs."""
     check_schedule(kind, p, v, m)
     if kind == "gpipe":
-        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
+        return [[("F", 0, i)] for i in range(m)] + [[("B", 0, i)] for i in range(m)]
     if kind == "1f1b":
         warm = min(p - rank - 1, m)
-        out: List[Action] = [("F", 0, i) for i in range(warm)]
+        out: List[List[Action]] = [[("F", 0, i)] for i in range(warm)]
         for i in range(m - warm):
-            out += [("F", 0, warm + i), ("B", 0, i)]
-        return out + [("B", 0, i) for i in range(m - warm, m)]
+            out += [[("F", 0, warm + i)], [("B", 0, i)]]
+        return out + [[("B", 0, i)] for i in range(m - warm, m)]
     total = m * v
     warm = min((p - rank - 1) * 2 + (v - 1) * p, total)
     fwd = [("F",) + _interleaved_chunk(k, p, v, True) for k in range(total)]
     bwd = [("B",) + _interleaved_chunk(k, p, v, False) for k in range(total)]
-    out = list(fwd[:warm])
-    for i in range(total - warm):
-        out += [fwd[warm + i], bwd[i]]
-    return out + bwd[total - warm:]
+    out = [[a] for a in fwd[:warm]]
+    out += [[fwd[warm + i], bwd[i]] for i in range(total - warm)]
+    return out + [[a] for a in bwd[total - warm:]]
+
+
+def build_actions(kind: str, p: int, rank: int, m: int, v: int = 1) -> List[Action]:
+    """The ordered F/B actions of pipeline rank `rank` for one step of m micro-batches."""
+    return [a for unit in build_units(kind, p, rank, m, v) for a in unit]
+
+
+def _needs(action: Action, p: int, rank: int, v: int) -> Optional[P2P]:
+    """The receive that `action` consumes (None on the first forward / last backward stage)."""
+    kind, c, mb = action
+    vs = c * p + rank
+    if kind == "F":
+        return None if vs == 0 else ("recv", ("act", vs, mb), (vs - 1) % p)
+    return None if vs == p * v - 1 else ("recv", ("grad", vs, mb), (vs + 1) % p)
+
+
+def _produces(action: Action, p: int, rank: int, v: int) -> Optional[P2P]:
+    """The send of what `action` produces (None on the last forward / first backward stage)."""
+    kind, c, mb = action
+    vs = c * p + rank
+    if kind == "F":
+        return None if vs == p * v - 1 else ("send", ("act", vs + 1, mb), (vs + 1) % p)
+    return None if vs == 0 else ("send", ("grad", vs - 1, mb), (vs - 1) % p)
+
+
+def build_comm_plan(kind: str, p: int, rank: int, m: int, v: int = 1) -> List[Union[Action, Exchange]]:
+    """Rank `rank`'s step: its actions with an exchange (a tuple of P2P ops, never empty) between two
+    units, before the first and after the last; see the module docstring for why this order."""
+    out: List[Union[Action, Exchange]] = []
+    units = build_units(kind, p, rank, m, v)
+    prev: List[Action] = []
+    for unit in units + [[]]:
+        sends = [s for s in (_produces(a, p, rank, v) for a in prev) if s is not None]
+        recvs = [r for r in (_needs(a, p, rank, v) for a in unit) if r is not None]
+        if sends or recvs:
+            out.append(tuple(sends + recvs))
+        out += unit
+        prev = unit
+    return out
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:
@@ -163,18 +218,12 @@ class PipelineSchedule:
         self.stats = StepStats()
         self.num_virtual = self.p * self.v
         self._param_ptrs = {q.untyped_storage().data_ptr() for c in chunks for q in c.parameters()}
+        self._group_ready = False
         check_schedule(kind, pp, self.v, max(pp, 1) if kind == "interleaved_1f1b" else 1)
 
     # -- topology --
     def _vstage(self, chunk: int) -> int:
         return chunk * self.p + self.rank
-
-    def _peer(self, vstage: int) -> int:
-        """Global rank holding virtual stage `vstage`."""
-        return self.pp_ranks[vstage % self.p]
-
-    def _tag(self, backward: bool, vstage: int, mb: int, m: int) -> int:
-        return ((int(backward) * self.num_virtual) + vstage) * m + mb
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -185,27 +234,33 @@ class PipelineSchedule:
         """Forward and backward of every micro-batch; returns the mean micro-batch loss on the last
         stage (detached fp32; zero elsewhere). Grads accumulate through the optimizer's hooks."""
         m = len(micro_batches)
-        actions = build_actions(self.kind, self.p, self.rank, m, self.v)
+        plan = build_comm_plan(self.kind, self.p, self.rank, m, self.v)
         last_v = self.num_virtual - 1
         held: Dict[Tuple[int, int], Tuple[Optional[torch.Tensor], torch.Tensor, int]] = {}
-        sends: List = []
+        outbox: Dict[Message, torch.Tensor] = {}  # produced, sent at the next exchange
+        inbox: Dict[Message, torch.Tensor] = {}   # received, consumed by the next unit
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         st = StepStats()
         live_bytes = 0
+        if self.p > 1 and not self._group_ready:
+            # A NCCL communicator's first batch_isend_irecv must involve all of its ranks; a collective
+            # creates it (and is harmless on gloo).
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+            self._group_ready = True
         self._sync()
         t_start = time.perf_counter()
-        posted: Dict[int, Tuple[torch.Tensor, object]] = {}
-        for i, (kind, c, mb) in enumerate(actions):
+        for step in plan:
+            if isinstance(step[0], tuple):
+                self._exchange(step, outbox, inbox)
+                continue
+            kind, c, mb = step
             vs = self._vstage(c)
             if kind == "F":
                 tokens, targets = micro_batches[mb]
-                self._post_recvs(actions, i, m, posted)
                 if vs == 0:
                     x, inp = tokens.to(self.device), None
                 else:
-                    inp, work = posted.pop(i)
-                    work.wait()
-                    inp.requires_grad_(True)
+                    inp = inbox.pop(("act", vs, mb)).requires_grad_(True)
                     x = inp
                 counter = _SavedBytes(self._param_ptrs)
                 t0 = time.perf_counter()
@@ -219,8 +274,7 @@ class PipelineSchedule:
                 if vs == last_v:
                     total += out.detach().float()
                 else:
-                    sends.append(dist.isend(out.detach().contiguous(), dst=self._peer(vs + 1), group=self.group,
-                                            tag=self._tag(False, vs + 1, mb, m)))
+                    outbox[("act", vs + 1, mb)] = out.detach().contiguous()
                 held[(c, mb)] = (inp, out, counter.total)
                 live_bytes += counter.total
                 st.saved_bytes_per_forward.append(counter.total)
@@ -228,12 +282,7 @@ class PipelineSchedule:
                 st.peak_in_flight = max(st.peak_in_flight, len(held))
             else:
                 inp, out, nbytes = held.pop((c, mb))
-                self._post_recvs(actions, i, m, posted)
-                if vs == last_v:
-                    grad_out = None
-                else:
-                    grad_out, work = posted.pop(i)
-                    work.wait()
+                grad_out = None if vs == last_v else inbox.pop(("grad", vs, mb))
                 t0 = time.perf_counter()
                 if grad_out is None:
                     self.scale_loss(out.float(), m).backward()
@@ -243,11 +292,9 @@ class PipelineSchedule:
                 st.busy_s += time.perf_counter() - t0
                 live_bytes -= nbytes
                 if vs > 0:
-                    sends.append(dist.isend(inp.grad.contiguous(), dst=self._peer(vs - 1), group=self.group,
-                                            tag=self._tag(True, vs - 1, mb, m)))
+                    outbox[("grad", vs - 1, mb)] = inp.grad.contiguous()
                 del inp, out, grad_out
-        for work in sends:
-            work.wait()
+        assert not outbox and not inbox, "every message of the plan is sent and consumed"
         st.wall_s = time.perf_counter() - t_start
         st.idle_share = max(0.0, 1.0 - st.busy_s / st.wall_s) if st.wall_s > 0 else 0.0
         # The pipeline's wall clock is the longest rank's (a rank that finishes early idles until the
@@ -262,18 +309,19 @@ class PipelineSchedule:
         self.last_m = m
         return total / m
 
-    def _post_recvs(self, actions: List[Action], i: int, m: int, posted: Dict) -> None:
-        """Post the receives of actions i .. i + RECV_LOOKAHEAD that are not posted yet, so a message is
-        already here when its consumer starts (a receive posted on demand costs a round trip)."""
-        last_v = self.num_virtual - 1
-        for j in range(i, min(i + RECV_LOOKAHEAD + 1, len(actions))):
-            kind, c, mb = actions[j]
-            vs = self._vstage(c)
-            if j in posted or (kind == "F" and vs == 0) or (kind == "B" and vs == last_v):
-                continue
-            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            peer = self._peer(vs - 1) if kind == "F" else self._peer(vs + 1)
-            posted[j] = (buf, dist.irecv(buf, src=peer, group=self.group, tag=self._tag(kind == "B", vs, mb, m)))
+    def _exchange(self, ops: Exchange, outbox: Dict, inbox: Dict) -> None:
+        """One batch_isend_irecv of the plan's ops in the plan's order (tag 0: matching is by issue
+        order, as on NCCL), waited for before the next unit runs."""
+        batch = []
+        for direction, msg, peer in ops:
+            if direction == "send":
+                batch.append(dist.P2POp(dist.isend, outbox.pop(msg), self.pp_ranks[peer], self.group))
+            else:
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                inbox[msg] = buf
+                batch.append(dist.P2POp(dist.irecv, buf, self.pp_ranks[peer], self.group))
+        for work in dist.batch_isend_irecv(batch):
+            work.wait()
 
     def _forward(self, c: int, x: torch.Tensor, targets: Optional[torch.Tensor]) -> torch.Tensor:
         if targets is not None:
