@@ -24,6 +24,9 @@ send_backward_recv_forward, ... of p2p_communication.py). Every op has tag 0. Wh
   * batch_isend_irecv issues a unit's sends and receives together, so neither blocks the other.
 A NCCL communicator's first batch_isend_irecv must involve all its ranks: the first step starts with
 an all_reduce over the pipeline group, which creates it.
+Verified here on gloo (tag-0 issue-order matching, equivalence) and, for NCCL's stream/rendezvous
+rules, by that pure simulation; NOT YET RUN ON NCCL (that needs two GPUs). pp=1 never reaches this
+class (training.loop uses its NoPipelineSchedule), so a rank never sends to itself.
 
 Virtual stage of local chunk c on pipeline rank r: c * p + r (model.build_gpt's order). Every message
 has a fixed shape per step, [s/tp if sp else s, micro_batch, h] in the model dtype.
