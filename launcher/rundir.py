@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from omegaconf import OmegaConf
+import yaml  # PyYAML, which OmegaConf itself depends on
 
-from training.config import Config, save_config
+from training.config import Config, config_to_dict, save_config
 
 
 def write_config(cfg: Config, run_dir: str) -> None:
@@ -14,4 +14,5 @@ def write_config(cfg: Config, run_dir: str) -> None:
     os.makedirs(run_dir, exist_ok=True)
     save_config(cfg, os.path.join(run_dir, "config.json"))
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        # Plain dicts, not OmegaConf.structured: that costs ~50 ms a call, which a 64-point sweep pays 64 times.
+        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
