@@ -90,7 +90,9 @@ def run_ranks(cfg: Config, run_dir: str) -> int:
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     if not os.path.exists(os.path.join(run_dir, "config.json")):
         write_config(cfg, run_dir)
-    append_event(run_dir, "started", nodes=[socket.gethostname()], world_size=world, threads_per_rank=threads)
+    # launcher_pid lets `action=status` tell a running job from one whose launcher was killed (no end event).
+    append_event(run_dir, "started", nodes=[socket.gethostname()], world_size=world, threads_per_rank=threads,
+                 launcher_pid=os.getpid())
     procs: List[subprocess.Popen] = []
     pumps: List[threading.Thread] = []
     logs = []

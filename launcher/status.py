@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from typing import Any, Dict, List, Optional
@@ -94,6 +95,20 @@ def slurm_state(job_id: str) -> Optional[str]:
     return None
 
 
+def _local_launcher_alive(started: Dict[str, Any]) -> bool:
+    """False only when the started event names a launcher on this host that no longer runs (killed -9,
+    machine rebooted): then nothing will ever write the run's end. Unknown cases count as alive."""
+    pid = started.get("launcher_pid")
+    if pid is None or socket.gethostname() not in started.get("nodes", []):
+        return True
+    try:
+        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    return b"launcher" in cmdline or b"meshrun" in cmdline  # the pid may have been reused by another program
+
+
 def run_status(run_dir: str) -> Dict[str, Any]:
     events = read_events(run_dir)
     job = current_job_id(events)
@@ -115,6 +130,10 @@ def run_status(run_dir: str) -> Dict[str, Any]:
         # A local run: the launcher's own events decide; the ranks' (checkpoint, signal, ...) come between.
         life = [ev for ev in events if ev.get("event") in ("started", "completed", "failed", "stopped")]
         state = {"started": "RUNNING", "failed": "FAILED"}.get(life[-1]["event"]) if life else None
+        if state == "RUNNING" and not _local_launcher_alive(life[-1]):
+            state = "FAILED"
+            reason = (f"the local launcher (pid {life[-1]['launcher_pid']}) ended without recording how; "
+                      "run again with the same run.dir to resume from the last checkpoint")
     out = {
         "state": state or "UNKNOWN",
         "job_id": job if job is not None else (last.get("job_id") if last else None),

@@ -219,6 +219,25 @@ def test_status_of_local_runs(tmp_path):
     assert run_status(run)["state"] == "FAILED"
 
 
+def test_status_of_a_local_run_whose_launcher_was_killed(tmp_path):
+    import socket
+
+    # Stand-ins for `python -m launcher ...`: what status looks for is the launcher's pid and command line.
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "launcher"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass", "launcher"])
+    gone.wait()
+    run = str(tmp_path)
+    try:
+        append_event(run, "started", nodes=[socket.gethostname()], launcher_pid=alive.pid)
+        assert run_status(run)["state"] == "RUNNING"
+    finally:
+        alive.kill()
+        alive.wait()
+    append_event(run, "started", nodes=[socket.gethostname()], launcher_pid=gone.pid)
+    st = run_status(run)
+    assert st["state"] == "FAILED" and f"pid {gone.pid}" in st["reason"] and "same run.dir" in st["reason"]
+
+
 def test_slurm_launcher_never_imports_torch():
     code = ("import sys, launcher.slurm, launcher.slurm_driver, launcher.slurm_rank, launcher.status, "
             "launcher.requeue, launcher.numa, launcher.sbatch, training.slurm_env; "
