@@ -10,12 +10,13 @@ The job (one per attempt):
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 from training.config import Config
 
@@ -89,10 +90,17 @@ def python_cmd() -> str:
     return shlex.quote(sys.executable)
 
 
-def setup_lines(cfg: Config, run_dir: str) -> List[str]:
+def run_dir_lines(run_dirs: Sequence[str]) -> List[str]:
+    """Set MESHRUN_RUN_DIR: the run's directory, or in a job array (a sweep) the one of this array task."""
+    if len(run_dirs) == 1:
+        return [f"export MESHRUN_RUN_DIR={shlex.quote(run_dirs[0])}"]
+    return [f"MESHRUN_RUN_DIRS=({' '.join(shlex.quote(d) for d in run_dirs)})",
+            'export MESHRUN_RUN_DIR="${MESHRUN_RUN_DIRS[$SLURM_ARRAY_TASK_ID]}"']
+
+
+def setup_lines(cfg: Config, run_dirs: Sequence[str]) -> List[str]:
     """Batch-script lines before srun: exports (quoted), then the prologue that sets attempt and rendezvous."""
-    lines = [
-        f"export MESHRUN_RUN_DIR={shlex.quote(run_dir)}",
+    lines = run_dir_lines(run_dirs) + [
         f"export PYTHONPATH={shlex.quote(PROJECT_ROOT)}${{PYTHONPATH:+:$PYTHONPATH}}",
     ]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in rank_env(cfg).items()]
@@ -119,7 +127,7 @@ class SlurmJobSpec:
     """The submitit parameters of one attempt."""
 
     folder: str
-    """submitit's folder (pickles, per-task logs): run_dir/submitit."""
+    """submitit's folder (pickles, per-task logs): run_dir/submitit, or the sweep's for a job array."""
     parameters: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of SlurmExecutor.update_parameters."""
     python: str = ""
@@ -151,7 +159,7 @@ def job_spec(cfg: Config, run_dir: str, exclude: str = "") -> SlurmJobSpec:
         "signal_delay_s": c.signal_delay_s,
         "stderr_to_stdout": True,
         "srun_args": srun_args(cfg),
-        "setup": setup_lines(cfg, run_dir),
+        "setup": setup_lines(cfg, [run_dir]),
         "teardown": teardown_lines(),
         # --requeue: the epilogue's `scontrol requeue` is refused without it.
         "additional_parameters": {"requeue": True, **{str(k): str(v) for k, v in sorted(c.sbatch_extra.items())}},
@@ -164,6 +172,21 @@ def job_spec(cfg: Config, run_dir: str, exclude: str = "") -> SlurmJobSpec:
     if exclude:
         params["exclude"] = exclude
     return SlurmJobSpec(folder=os.path.join(run_dir, "submitit"), parameters=params, python=task_python())
+
+
+def array_group_key(cfg: Config) -> str:
+    """Sweep points whose jobs differ only in their run directory share this key: they can be one job
+    array (Slurm gives every task of an array the same resources and batch script)."""
+    return json.dumps(job_spec(cfg, "<run dir>").parameters, sort_keys=True, default=str)
+
+
+def array_job_spec(cfg: Config, run_dirs: Sequence[str], folder: str) -> SlurmJobSpec:
+    """One job array for run_dirs (all with cfg's array_group_key): task i runs run_dirs[i]; submitit
+    keeps the array's pickles and logs (<array>_<task>_<rank>_log.out) in folder."""
+    spec = job_spec(cfg, run_dirs[0])
+    spec.parameters["setup"] = setup_lines(cfg, run_dirs)
+    spec.folder = folder
+    return spec
 
 
 def sbatch_text(spec: SlurmJobSpec) -> str:

@@ -4,17 +4,24 @@ submit() checks the controller and the partition before anything is written to S
 the job (launcher/sbatch.py describes it), records `submitted` in events.jsonl and prints the job id
 and run dir. wait=true follows the job (and its requeues/resubmissions) and streams rank 0's
 output; dry_run=true prints the sbatch script and the srun line and submits nothing.
+
+In a sweep run by meshrun's Hydra launcher (hydra_plugins/meshrun_sweep), submit() only checks and
+queues each point; when the launcher's batch ends, `array_batch` submits the queued points as job
+arrays, one per group of points whose jobs differ only in their run directory (same nodes, time,
+environment, ...). Each array task is then a job of its own for status, requeue and events
+("<array>_<task>", submitit's naming); a resubmission after a failure is a plain job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from launcher.sbatch import SlurmConfigError, dry_run_text, job_spec
+from launcher.sbatch import SlurmConfigError, SlurmJobSpec, array_group_key, array_job_spec, dry_run_text, job_spec
 from launcher.slurm_rank import RankTask
 from launcher.rundir import write_config
 from training.config import Config
@@ -68,19 +75,86 @@ def check_partition(cfg: Config) -> List[str]:
     return nodes
 
 
-def submit_job(cfg: Config, run_dir: str, exclude: str = "") -> str:
-    """Submit one job for run_dir through submitit; returns the job id."""
+def _submit_spec(spec: SlurmJobSpec, run_dirs: List[str]) -> List[str]:
+    """One sbatch for spec: a plain job for one run dir, a job array for several; the job ids."""
     import submitit
 
-    spec = job_spec(cfg, run_dir, exclude)
     os.makedirs(spec.folder, exist_ok=True)
     executor = submitit.SlurmExecutor(folder=spec.folder, python=spec.python)
     executor.update_parameters(**spec.parameters)
     try:
-        job = executor.submit(RankTask(run_dir))
+        with executor.batch() if len(run_dirs) > 1 else contextlib.nullcontext():
+            jobs = [executor.submit(RankTask(run_dir)) for run_dir in run_dirs]
     except Exception as exc:  # submitit wraps sbatch's complaint
         raise SlurmUnavailable(f"sbatch refused the job: {str(exc).strip()}") from None
-    return str(job.job_id)
+    return [str(job.job_id) for job in jobs]
+
+
+def submit_job(cfg: Config, run_dir: str, exclude: str = "") -> str:
+    """Submit one job for run_dir through submitit; returns the job id."""
+    return _submit_spec(job_spec(cfg, run_dir, exclude), [run_dir])[0]
+
+
+def _record_submission(cfg: Config, run_dir: str, job_id: str, log_dir: str) -> None:
+    excluded = [n for n in cfg.cluster.exclude.split(",") if n]
+    append_event(run_dir, "submitted", job_id=job_id, attempt=0, excluded_nodes=excluded,
+                 partition=cfg.cluster.partition, nodes=cfg.cluster.nodes, ranks_per_node=cfg.cluster.gpus_per_node,
+                 log_dir=log_dir)
+    print(f"submitted Slurm job {job_id}; run dir {run_dir}")
+    print(f"  follow: meshrun action=status run.dir={run_dir}")
+
+
+class ArrayBatch:
+    """Sweep points checked and queued by submit(), submitted together by submit_all()."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        """submitit's folder for the arrays (the sweep directory's submitit/)."""
+        self.points: List[Tuple[Config, str, Dict[str, Any]]] = []
+
+    def add(self, cfg: Config, run_dir: str, result: Dict[str, Any]) -> None:
+        self.points.append((cfg, run_dir, result))
+
+    def submit_all(self) -> None:
+        """One sbatch per group of identical jobs; each point's result dict (the sweep summary holds the
+        same objects) gets its job id, or the refusal when sbatch refuses its group."""
+        groups: Dict[str, List[Tuple[Config, str, Dict[str, Any]]]] = {}
+        for point in self.points:
+            groups.setdefault(array_group_key(point[0]), []).append(point)
+        self.points = []
+        for group in groups.values():
+            cfg, run_dirs = group[0][0], [run_dir for _, run_dir, _ in group]
+            if len(group) == 1:
+                spec = job_spec(cfg, run_dirs[0])
+            else:
+                spec = array_job_spec(cfg, run_dirs, self.folder)
+                print(f"submitting {len(group)} sweep points as one Slurm job array", flush=True)
+            try:
+                job_ids = _submit_spec(spec, run_dirs)
+            except SlurmUnavailable as exc:
+                print(f"error: {exc}\nnothing was submitted for {', '.join(run_dirs)}.", file=sys.stderr)
+                for _, _, result in group:
+                    result.update(status="invalid", errors=[f"error: {exc}"])
+                continue
+            for (point_cfg, run_dir, result), job_id in zip(group, job_ids):
+                _record_submission(point_cfg, run_dir, job_id, spec.folder)
+                result.update(status="submitted", job_id=job_id)
+
+
+_array_batch: Optional[ArrayBatch] = None
+
+
+@contextlib.contextmanager
+def array_batch(folder: str) -> Iterator[ArrayBatch]:
+    """While open, submit() queues sweep points instead of submitting them; on a normal exit they are
+    submitted as job arrays. An exception submits nothing (no half-submitted sweep)."""
+    global _array_batch
+    batch = _array_batch = ArrayBatch(folder)
+    try:
+        yield batch
+    finally:
+        _array_batch = None
+    batch.submit_all()
 
 
 def submit(cfg: Config, run_dir: str, plan_result: Dict[str, Any], multirun: bool = False) -> Dict[str, Any]:
@@ -97,15 +171,15 @@ def submit(cfg: Config, run_dir: str, plan_result: Dict[str, Any], multirun: boo
     except SlurmUnavailable as exc:
         return _refuse(str(exc), multirun, EXIT_SLURM)
     write_config(cfg, run_dir)
+    if multirun and _array_batch is not None:
+        result = {**plan_result, "status": "queued", "run_dir": run_dir}
+        _array_batch.add(cfg, run_dir, result)  # submitted with the sweep's other points
+        return result
     try:
         job_id = submit_job(cfg, run_dir)
     except SlurmUnavailable as exc:
         return _refuse(str(exc), multirun, EXIT_SLURM)
-    excluded = [n for n in cfg.cluster.exclude.split(",") if n]
-    append_event(run_dir, "submitted", job_id=job_id, attempt=0, excluded_nodes=excluded,
-                 partition=cfg.cluster.partition, nodes=cfg.cluster.nodes, ranks_per_node=cfg.cluster.gpus_per_node)
-    print(f"submitted Slurm job {job_id}; run dir {run_dir}")
-    print(f"  follow: meshrun action=status run.dir={run_dir}")
+    _record_submission(cfg, run_dir, job_id, job_spec(cfg, run_dir).folder)
     result = {**plan_result, "status": "submitted", "job_id": job_id, "run_dir": run_dir}
     if cfg.wait and not multirun:
         result["final"] = follow(run_dir)
@@ -122,9 +196,9 @@ def _refuse(message: str, multirun: bool, code: int) -> Dict[str, Any]:
 
 
 def follow(run_dir: str, poll_s: float = 1.0, timeout_s: Optional[float] = None) -> Dict[str, Any]:
-    """Stream rank 0's output (run_dir/submitit/<job>_0_log.out of every job of the run) until the run
+    """Stream rank 0's output (<log dir>/<job>_0_log.out of every job of the run) until the run
     is COMPLETED or FAILED/CANCELLED without a follow-up job; returns the final status."""
-    from launcher.status import FINAL_STATES, run_status
+    from launcher.status import FINAL_STATES, job_log_dir, run_status
 
     offsets: Dict[str, int] = {}
     start = time.time()
@@ -132,7 +206,7 @@ def follow(run_dir: str, poll_s: float = 1.0, timeout_s: Optional[float] = None)
         status = run_status(run_dir)
         job = status.get("job_id")
         if job:
-            path = os.path.join(run_dir, "submitit", f"{job}_0_log.out")
+            path = os.path.join(job_log_dir(run_dir, job), f"{job}_0_log.out")
             try:
                 with open(path, "rb") as f:
                     f.seek(offsets.get(path, 0))

@@ -24,13 +24,14 @@ from launcher.slurm_rank import attempt_dir
 from launcher.status import excluded_nodes, last_step, retries_used
 from training.config import load_config
 from training.events import append_event, read_events
-from training.slurm_env import hostnames, port_from_job
+from training.slurm_env import hostnames, port_from_job, slurm_job_id
 
 REQUEUE_WAIT_S = 120
 
 
 def job_id() -> str:
-    return os.environ.get("SLURM_JOB_ID", "0")
+    """This job's id for Slurm commands and events ("<array>_<task>" in a sweep's job array)."""
+    return slurm_job_id() or "0"
 
 
 def prologue(run_dir: str) -> int:
@@ -48,7 +49,8 @@ def prologue(run_dir: str) -> int:
         "MESHRUN_STOP_AT": f"{stop_at:.0f}" if stop_at else "",
         "MESHRUN_ATTEMPT": str(attempt),
         "MASTER_ADDR": nodes[0] if nodes else "localhost",
-        "MASTER_PORT": str(port_from_job(job_id(), attempt)),
+        # SLURM_JOB_ID is unique per array task too (job_id() of tasks 1 and 11 could share digits).
+        "MASTER_PORT": str(port_from_job(os.environ.get("SLURM_JOB_ID", "0"), attempt)),
     }
     for k, v in exports.items():
         print(f"export {k}={shlex.quote(v)}")

@@ -63,6 +63,15 @@ def current_job_id(events: List[Dict[str, Any]]) -> Optional[str]:
     return job
 
 
+def job_log_dir(run_dir: str, job: str) -> str:
+    """Where submitit keeps a job's logs: recorded at submission (a sweep's job array shares the sweep's
+    folder); a resubmitted job's are in run_dir/submitit."""
+    for ev in read_events(run_dir):
+        if ev.get("event") == "submitted" and str(ev.get("job_id")) == job and ev.get("log_dir"):
+            return str(ev["log_dir"])
+    return os.path.join(run_dir, "submitit")
+
+
 def excluded_nodes(events: List[Dict[str, Any]]) -> List[str]:
     out: List[str] = []
     for ev in events:
@@ -85,7 +94,7 @@ def _run(cmd: List[str]) -> str:
 
 def slurm_state(job_id: str) -> Optional[str]:
     """PENDING, RUNNING, ... from squeue, or from sacct once the job has left the queue."""
-    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T"]).split()
+    out = _run(["squeue", "-h", "-r", "-j", job_id, "-o", "%T"]).split()  # -r: one line per array task
     if out:
         return out[0]
     for line in _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State"]).splitlines():

@@ -210,19 +210,36 @@ def test_max_retries_reached_stops(tmp_path, cluster):
     assert kinds.count("started") == 1 and kinds[-2:] == ["failed", "stopped"]
 
 
-def test_sweep_submits_valid_points_and_skips_invalid(tmp_path, cluster):
+def test_sweep_submits_valid_points_as_one_job_array_and_skips_invalid(tmp_path, cluster):
+    """4 points, micro_batch=3 invalid: 3 submitted as one job array; one array task preempted (USR2)
+    requeues on its own and resumes without running a step twice; all 3 complete."""
     sweep_dir = tmp_path / "sweep"
+    steps = 8
     res = meshrun("-m", "cluster=slurm_dev", "cluster.nodes=1", "cluster.gpus_per_node=1", "model=tiny",
                   "data=synthetic", "parallel.tp=1", "parallel.sp=false", "parallel.zero=0",
-                  "parallel.global_batch=8", "parallel.micro_batch=1,2,4,3", "train.steps=2",
-                  f"hydra.sweep.dir={sweep_dir}", timeout=300)
+                  "parallel.global_batch=8", "parallel.micro_batch=1,2,4,3", f"train.steps={steps}",
+                  "train.checkpoint_every=2", "train.log_every=1", f"hydra.sweep.dir={sweep_dir}", timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    jobs = re.findall(r"submitted Slurm job (\d+); run dir (\S+)", res.stdout)
+    jobs = re.findall(r"submitted Slurm job (\d+_\d+); run dir (\S+)", res.stdout)
     assert len(jobs) == 3, res.stdout
     assert "micro_batch=3" in res.stdout + res.stderr
+    assert len({job.split("_")[0] for job, _ in jobs}) == 1  # one sbatch: tasks <array>_0.._2
+    summary = res.stdout.split("sweep summary")[-1]
     for job, run_dir in jobs:
-        assert job in res.stdout.split("sweep summary")[-1]  # the summary table lists the job ids
-        assert wait_final(run_dir)["state"] == "COMPLETED"
+        assert job in summary  # the summary table lists the job ids
+    preempted_job, preempted = jobs[1]
+    wait_step(preempted, 3)
+    subprocess.run(["scancel", "--signal=USR2", preempted_job], check=True)
+    for job, run_dir in jobs:
+        status = wait_final(run_dir)
+        assert status["state"] == "COMPLETED" and status["job_id"] == job, (run_dir, status)
+        assert sorted(metrics(run_dir)) == list(range(1, steps + 1))  # and no step twice
+        assert os.path.exists(sweep_dir / "submitit" / f"{job}_0_log.out")  # where follow() reads
+    events = read_events(preempted)
+    assert [e["event"] for e in events].count("started") == 2
+    assert all(e["job_id"] == preempted_job for e in events)
+    requeued = [e for e in events if e["event"] == "requeued"]
+    assert len(requeued) == 1 and requeued[0]["cause"] == "stopped_early"
 
 
 def test_bad_input_submits_nothing(tmp_path, cluster):

@@ -13,7 +13,8 @@ import pytest
 
 from launcher import numa
 from launcher.requeue import decide, plan_exclusion
-from launcher.sbatch import PROJECT_ROOT, SlurmConfigError, dry_run_text, job_spec, setup_lines, validate_for_slurm
+from launcher.sbatch import (PROJECT_ROOT, SlurmConfigError, array_group_key, array_job_spec, dry_run_text, job_spec,
+                             sbatch_text, setup_lines, validate_for_slurm)
 from launcher.status import run_status
 from training.config import ClusterConfig, Config
 from training.events import append_event
@@ -65,7 +66,7 @@ def test_gpus_requested_only_on_cuda(tmp_path):
 def test_env_values_with_metacharacters_arrive_verbatim(tmp_path):
     nasty = "$(touch %s/pwned); `id` 'q' \"d\" \\ ; & | > <" % tmp_path
     cfg = dev_cfg(env={"MESHRUN_NASTY": nasty})
-    lines = [ln for ln in setup_lines(cfg, str(tmp_path / "r un")) if ln.startswith("export ")]
+    lines = [ln for ln in setup_lines(cfg, [str(tmp_path / "r un")]) if ln.startswith("export ")]
     script = "\n".join(lines) + '\nprintf %s "$MESHRUN_NASTY" > "$0.out"; printf %s "$MESHRUN_RUN_DIR" > "$0.dir"'
     path = tmp_path / "s.sh"
     path.write_text(script)
@@ -73,6 +74,44 @@ def test_env_values_with_metacharacters_arrive_verbatim(tmp_path):
     assert (tmp_path / "s.sh.out").read_text() == nasty
     assert (tmp_path / "s.sh.dir").read_text() == str(tmp_path / "r un")
     assert not (tmp_path / "pwned").exists()
+
+
+def test_array_task_selects_its_own_run_dir(tmp_path):
+    """A sweep's job array: one batch script, task i exports run_dirs[i] (quoted, spaces and $ intact)."""
+    dirs = [str(tmp_path / name) for name in ("p 0", "p$(id)1", "p'2")]
+    cfg = dev_cfg()
+    spec = array_job_spec(cfg, dirs, str(tmp_path / "submitit"))
+    lines = [ln for ln in spec.parameters["setup"] if not ln.startswith("eval ")]
+    path = tmp_path / "s.sh"
+    path.write_text("\n".join(lines) + '\nprintf %s "$MESHRUN_RUN_DIR" > "$0.$SLURM_ARRAY_TASK_ID"')
+    for task in range(3):
+        subprocess.run(["bash", str(path)], check=True, env={**os.environ, "SLURM_ARRAY_TASK_ID": str(task)})
+        assert (tmp_path / f"s.sh.{task}").read_text() == dirs[task]
+    assert spec.folder == str(tmp_path / "submitit")
+    # Apart from the run dir lines, the array's script is the plain job's.
+    single = job_spec(cfg, dirs[0]).parameters
+    assert {k: v for k, v in spec.parameters.items() if k != "setup"} == {k: v for k, v in single.items()
+                                                                           if k != "setup"}
+    assert spec.parameters["setup"][2:] == single["setup"][1:]
+    assert "#SBATCH --requeue" in sbatch_text(spec)
+
+
+def test_array_groups_only_identical_jobs():
+    a, b = dev_cfg(), dev_cfg()
+    b.parallel.micro_batch = 4  # the engine's business: same job
+    assert array_group_key(a) == array_group_key(b)
+    for change in (dict(nodes=1), dict(time_min=5), dict(exclude="n2"), dict(env={"NCCL_DEBUG": "INFO"})):
+        assert array_group_key(dev_cfg(**change)) != array_group_key(a), change
+    c = dev_cfg()
+    c.parallel.tp = 1  # no CUDA_DEVICE_MAX_CONNECTIONS: another environment
+    assert array_group_key(c) != array_group_key(a)
+
+
+def test_array_task_job_id_is_submitits():
+    env = {"SLURM_JOB_ID": "107", "SLURM_ARRAY_JOB_ID": "105", "SLURM_ARRAY_TASK_ID": "2"}
+    assert slurm_env.slurm_job_id(env) == "105_2"
+    assert slurm_env.slurm_job_id({"SLURM_JOB_ID": "107"}) == "107"
+    assert slurm_env.slurm_job_id({}) is None
 
 
 @pytest.mark.parametrize("field,value", [("partition", "debug;touch /tmp/x"), ("account", "a b"),

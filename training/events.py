@@ -12,6 +12,8 @@ import os
 import time
 from typing import Any, Dict, List
 
+from training.slurm_env import slurm_job_id
+
 EVENTS_FILE = "events.jsonl"
 
 
@@ -29,8 +31,8 @@ def current_attempt() -> int:
 
 
 def current_job_id() -> str:
-    """Slurm's job id, or "local" for runs on this machine."""
-    return os.environ.get("SLURM_JOB_ID") or "local"
+    """Slurm's job id ("<array>_<task>" in a job array), or "local" for runs on this machine."""
+    return slurm_job_id() or "local"
 
 
 def append_event(run_dir: str, event: str, **fields: Any) -> Dict[str, Any]:

@@ -58,6 +58,15 @@ def first_host(nodelist: str) -> str:
     return hosts[0]
 
 
+def slurm_job_id(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The id Slurm commands take for this job: "<array job>_<task>" for a job-array task (as submitit
+    names it; SLURM_JOB_ID alone would not match sacct's JobID column), else SLURM_JOB_ID; None outside Slurm."""
+    env = os.environ if env is None else env
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID") or None
+
+
 def port_from_job(job_id: str, restart_count: int = 0) -> int:
     """A rendezvous port derived from the job id (and restart, so a requeued attempt never meets
     its predecessor's lingering sockets); the same on every rank without any exchange."""

@@ -7,7 +7,8 @@ the cached group composition (_composer.py), still before any job runs, so a typ
 the whole sweep as before, and hands the built configs to MeshrunLauncher. Any other launcher (e.g. a
 submitit one) gets the job overrides and composes as usual.
 
-MeshrunLauncher: BasicLauncher's local, sequential jobs. Every point still runs through Hydra's
+MeshrunLauncher: BasicLauncher's local, sequential jobs (Slurm points are queued and submitted at
+the end of the batch as job arrays: launcher/slurm.py's array_batch). Every point still runs through Hydra's
 run_job: HydraConfig (runtime.output_dir, job.num), the per-point output directory, callbacks
 (on_job_end feeds launcher/sweep.py's summary) and the job's return value are as with the basic
 launcher. One per-point cost is dropped for action=plan points: the job logging setup (a file handler
@@ -68,6 +69,15 @@ class MeshrunLauncher(Launcher):
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         log.info(f"Launching {len(job_overrides)} jobs locally")
+        # Slurm points are only checked and queued while the batch is open, then submitted as job arrays.
+        from launcher.slurm import array_batch
+
+        with array_batch(folder=str(Path(str(self.config.hydra.sweep.dir)).absolute() / "submitit")):
+            return self._run_points(job_overrides, initial_job_idx)
+
+    def _run_points(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[JobReturn]:
+        assert self.hydra_context is not None and self.config is not None and self.task_function is not None
+        assert self.composer is not None
         runs: List[JobReturn] = []
         for idx, overrides in enumerate(job_overrides, initial_job_idx):
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
