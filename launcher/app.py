@@ -12,14 +12,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher.schema import register
 from training.config import Config
+from training.exit_codes import EXIT_INVALID
 
 register()
 
 # Set once the task function runs: Hydra exits 1 on a composition error (typo, wrong type,
 # unknown preset) before that, and the CLI turns such exits into the contract's exit code 2.
 _task_started = False
-
-EXIT_INVALID = 2
 
 
 def _is_multirun() -> bool:

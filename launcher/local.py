@@ -21,8 +21,8 @@ from typing import Any, Dict, List, Optional
 from launcher.rundir import write_config
 from training.config import Config, derived_dp
 from training.events import append_event
+from training.exit_codes import EXIT_OK
 
-EXIT_OK = 0
 KILL_GRACE_S = 3.0
 POLL_S = 0.1
 

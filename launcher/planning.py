@@ -16,8 +16,8 @@ from launcher.plan import format_plan
 from launcher.validate import validate
 from launcher.rundir import write_config
 from training.config import Config
+from training.exit_codes import EXIT_INVALID
 
-EXIT_INVALID = 2
 
 
 def _point_label(cfg: Config) -> str:

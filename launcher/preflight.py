@@ -19,8 +19,8 @@ from typing import Any, Dict, List
 from launcher.local import POLL_S, _stop, free_port, rank_env, usable_cores
 from launcher.rundir import write_config
 from training.config import Config
+from training.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_SLURM
 
-EXIT_NODE_BAD = 4
 PREFLIGHT_MODULE = "training.preflight"
 
 
@@ -123,7 +123,7 @@ def submit_slurm(cfg: Config, run_dir: str) -> Dict[str, Any]:
     import submitit
 
     from launcher.sbatch import SlurmConfigError
-    from launcher.slurm import EXIT_INVALID, EXIT_SLURM, SlurmUnavailable, check_controller, check_partition
+    from launcher.slurm import SlurmUnavailable, check_controller, check_partition
 
     try:
         params = slurm_parameters(cfg, run_dir)

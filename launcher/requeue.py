@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-EXIT_DONE, EXIT_INVALID, EXIT_STOPPED, EXIT_BAD_NODE = 0, 2, 3, 4
+from training.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK, EXIT_STOPPED
 
 
 @dataclass
@@ -57,20 +57,20 @@ def decide(
     progressed: a new step was logged in this attempt; retries_used: resubmissions after failures so far."""
     by_rank = {int(r["rank"]): r for r in records}
     codes = {r: by_rank[r]["exit_code"] for r in by_rank}
-    if len(by_rank) == world_size and all(c == EXIT_DONE for c in codes.values()):
+    if len(by_rank) == world_size and all(c == EXIT_OK for c in codes.values()):
         return Decision("completed")
     if any(c == EXIT_INVALID for c in codes.values()):
         ranks = sorted(r for r, c in codes.items() if c == EXIT_INVALID)
         return Decision("stop", f"invalid configuration or data (exit 2 on rank(s) {ranks}): not retried",
                         [_failure(by_rank[r]) for r in ranks])
-    if len(by_rank) == world_size and all(c in (EXIT_DONE, EXIT_STOPPED) for c in codes.values()):
+    if len(by_rank) == world_size and all(c in (EXIT_OK, EXIT_STOPPED) for c in codes.values()):
         return Decision("requeue", "stopped early after a checkpoint (preemption, time limit or exit_interval)")
 
-    bad_node = [r for r, c in codes.items() if c == EXIT_BAD_NODE]
+    bad_node = [r for r, c in codes.items() if c == EXIT_NODE_BAD]
     if bad_node:
         failures = [_failure(by_rank[r]) for r in sorted(bad_node)]
     else:
-        failed = [rec for rec in by_rank.values() if rec["exit_code"] not in (EXIT_DONE, EXIT_STOPPED)]
+        failed = [rec for rec in by_rank.values() if rec["exit_code"] not in (EXIT_OK, EXIT_STOPPED)]
         if failed:
             # The first rank to fail is the cause; srun --kill-on-bad-exit then killed the others.
             first = min(failed, key=lambda rec: rec.get("ended", 0.0))
@@ -125,6 +125,6 @@ def plan_exclusion(excluded: Sequence[str], new: Sequence[str], partition_nodes:
 def _failure(rec: Dict) -> Failure:
     code = rec.get("exit_code")
     reason = rec.get("error") or (f"killed by signal {-code}" if isinstance(code, int) and code < 0 else "")
-    if code == EXIT_BAD_NODE:
+    if code == EXIT_NODE_BAD:
         reason = reason or "preflight found this node bad"
     return Failure(int(rec["rank"]), rec.get("node", "?"), code, reason)

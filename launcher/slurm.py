@@ -26,10 +26,8 @@ from launcher.slurm_rank import RankTask
 from launcher.rundir import write_config
 from training.config import Config
 from training.events import append_event
+from training.exit_codes import EXIT_INVALID, EXIT_SLURM
 
-EXIT_INVALID = 2
-EXIT_SLURM = 3
-"""Exit code of `meshrun` when Slurm itself refuses (no controller, sbatch error)."""
 
 
 class SlurmUnavailable(RuntimeError):

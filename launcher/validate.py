@@ -148,7 +148,7 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
 
 
 def _check_model(cfg: Config, out: List[Issue]) -> None:
-    m, par = cfg.model, cfg.parallel
+    m = cfg.model
     h, a, g = m.hidden_size, m.num_attention_heads, m.query_groups
     if h % a:
         out.append(Issue("error", "model.hidden_size", f"hidden_size {h} is not divisible by num_attention_heads {a}",

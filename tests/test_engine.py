@@ -7,8 +7,6 @@ in one process.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import tempfile
 

@@ -7,7 +7,7 @@ import pytest
 
 from training.config import PreflightConfig
 from training.preflight.gpu_nvml import check_gpus, cuda_version_text, pci_bus_to_sysfs
-from training.preflight.report import FAIL, OK, WARN
+from training.preflight.report import FAIL, WARN
 
 H100_LINKS = 18
 

@@ -12,7 +12,6 @@ tokenized to bytes, concatenated once into a uint8 file in the run dir, then mem
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os

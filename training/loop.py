@@ -23,14 +23,13 @@ import torch
 import torch.distributed as dist
 
 from training.checkpoint import CheckpointManager, signals
-from training.config import Config, derived_dp
+from training.config import Config
 from training.data import BatchSampler, DataError, build_corpus, make_source, validate_data_config
-from training.events import append_event
 from training.optimizer import PRECISIONS, DistributedOptimizer, StepResult
 from training.pipeline import make_pipeline_schedule
 from training.schedule_lr import lr_at
+from training.exit_codes import EXIT_OK, EXIT_STOPPED
 
-EXIT_OK, EXIT_INVALID, EXIT_STOPPED = 0, 2, 3
 
 
 @dataclass

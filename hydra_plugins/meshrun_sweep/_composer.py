@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
 from hydra.core.config_loader import ConfigLoader

@@ -1,6 +1,6 @@
 """Sharded, atomic, resumable checkpoints (DCP underneath): see manager.CheckpointManager."""
 
-from training.checkpoint.manager import EXIT_STOPPED, CheckpointManager, SaveStats
+from training.checkpoint.manager import CheckpointManager, SaveStats
 from training.checkpoint.storage import CheckpointError
 
-__all__ = ["CheckpointManager", "CheckpointError", "EXIT_STOPPED", "SaveStats"]
+__all__ = ["CheckpointManager", "CheckpointError", "SaveStats"]

@@ -43,9 +43,8 @@ from training.checkpoint.layout import Piece, param_info, pieces_for, to_load_st
 from training.checkpoint.storage import CheckpointError
 from training.config import Config, config_to_dict
 from training.events import append_event
+from training.exit_codes import EXIT_STOPPED
 
-EXIT_STOPPED = 3
-"""Rank exit status after a deliberate early stop with a complete checkpoint (docs/CONTRACTS.md)."""
 
 TIED_EMBEDDING = "embedding.word.weight"
 OPTIM_STATES = ("exp_avg", "exp_avg_sq", "master")

@@ -1,10 +1,17 @@
 """Tensor / sequence parallel building blocks: communication regions and parallel layers."""
 
-from training.parallel.collectives import (  # noqa: F401
+from training.parallel.collectives import (
     all_reduce, copy_to_tp, gather_from_sp, gather_from_tp, group_rank, group_size, reduce_from_tp,
     reduce_scatter_to_sp, scatter_to_sp, scatter_to_tp,
 )
-from training.parallel.layers import (  # noqa: F401
+from training.parallel.layers import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, allreduce_sequence_parallel_grads,
     column_parallel_linear, set_tp_meta, vocab_parallel_cross_entropy,
 )
+
+__all__ = [
+    "all_reduce", "copy_to_tp", "gather_from_sp", "gather_from_tp", "group_rank", "group_size", "reduce_from_tp",
+    "reduce_scatter_to_sp", "scatter_to_sp", "scatter_to_tp",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "allreduce_sequence_parallel_grads",
+    "column_parallel_linear", "set_tp_meta", "vocab_parallel_cross_entropy",
+]

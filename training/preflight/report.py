@@ -15,7 +15,6 @@ _RANK = {OK: 0, WARN: 1, FAIL: 2}
 
 PREFLIGHT_FILE = "preflight.json"
 NODE_DIR = "preflight"  # per-node partial reports, written before any collective can hang
-EXIT_NODE_BAD = 4  # docs/CONTRACTS.md: "4 preflight found this node bad"
 
 
 @dataclass

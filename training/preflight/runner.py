@@ -21,7 +21,8 @@ from typing import Any, Dict, List, Optional
 from training.config import Config, load_config
 from training.events import append_event
 from training.preflight import collectives, gpu_nvml, ib_sysfs, matmul, os_tunables
-from training.preflight.report import (EXIT_NODE_BAD, FAIL, NODE_DIR, Check, Report, checks_from_dicts, fail,
+from training.exit_codes import EXIT_NODE_BAD
+from training.preflight.report import (FAIL, NODE_DIR, Check, Report, checks_from_dicts, fail,
                                        format_table, ok)
 
 
