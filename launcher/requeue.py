@@ -61,7 +61,8 @@ def decide(
         return Decision("completed")
     if any(c == EXIT_INVALID for c in codes.values()):
         ranks = sorted(r for r, c in codes.items() if c == EXIT_INVALID)
-        return Decision("stop", f"invalid configuration or data (exit 2 on rank(s) {ranks}): not retried",
+        error = by_rank[ranks[0]].get("error") or "see the rank's log"
+        return Decision("stop", f"invalid configuration or data (exit 2 on rank(s) {ranks}), not retried: {error}",
                         [_failure(by_rank[r]) for r in ranks])
     if len(by_rank) == world_size and all(c in (EXIT_OK, EXIT_STOPPED) for c in codes.values()):
         return Decision("requeue", "stopped early after a checkpoint (preemption, time limit or exit_interval)")

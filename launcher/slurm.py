@@ -3,7 +3,8 @@
 submit() checks the controller and the partition before anything is written to Slurm, submits
 the job (launcher/sbatch.py describes it), records `submitted` in events.jsonl and prints the job id
 and run dir. wait=true follows the job (and its requeues/resubmissions) and streams rank 0's
-output; dry_run=true prints the sbatch script and the srun line and submits nothing.
+output (in a sweep: waits until every point has ended and adds the final states to the summary);
+dry_run=true prints the sbatch script and the srun line and submits nothing.
 
 In a sweep run by meshrun's Hydra launcher (hydra_plugins/meshrun_sweep), submit() only checks and
 queues each point; when the launcher's batch ends, `array_batch` submits the queued points as job
@@ -115,11 +116,12 @@ class ArrayBatch:
 
     def submit_all(self) -> None:
         """One sbatch per group of identical jobs; each point's result dict (the sweep summary holds the
-        same objects) gets its job id, or the refusal when sbatch refuses its group."""
+        same objects) gets its job id, or the refusal when sbatch refuses its group. With wait=true, waits
+        until every submitted point has ended and adds its final status."""
         groups: Dict[str, List[Tuple[Config, str, Dict[str, Any]]]] = {}
-        for point in self.points:
+        points, self.points = self.points, []
+        for point in points:
             groups.setdefault(array_group_key(point[0]), []).append(point)
-        self.points = []
         for group in groups.values():
             cfg, run_dirs = group[0][0], [run_dir for _, run_dir, _ in group]
             if len(group) == 1:
@@ -137,6 +139,10 @@ class ArrayBatch:
             for (point_cfg, run_dir, result), job_id in zip(group, job_ids):
                 _record_submission(point_cfg, run_dir, job_id, spec.folder)
                 result.update(status="submitted", job_id=job_id)
+        waiting = {point[1]: point[2] for point in points if point[0].wait and point[2]["status"] == "submitted"}
+        if waiting:
+            for run_dir, final in wait_all(list(waiting)).items():
+                waiting[run_dir]["final"] = final
 
 
 _array_batch: Optional[ArrayBatch] = None
@@ -193,10 +199,43 @@ def _refuse(message: str, multirun: bool, code: int) -> Dict[str, Any]:
     raise SystemExit(code)
 
 
+def _settled(run_dir: str, status: Dict[str, Any], poll_s: float) -> Optional[Dict[str, Any]]:
+    """The final status when the run has ended for good, else None. A FAILED job may still be followed
+    by a resubmission its epilogue is writing: a final state counts only when a second look agrees."""
+    from launcher.status import FINAL_STATES, run_status
+
+    if status["state"] not in FINAL_STATES:
+        return None
+    time.sleep(poll_s)
+    again = run_status(run_dir)
+    return again if again["job_id"] == status["job_id"] and again["state"] in FINAL_STATES else None
+
+
+def wait_all(run_dirs: List[str], poll_s: float = 2.0) -> Dict[str, Dict[str, Any]]:
+    """A sweep with wait=true: until every run has ended (requeues and resubmissions included); prints
+    each run's end as it comes and returns run dir -> final status."""
+    from launcher.status import run_status
+
+    print(f"waiting for {len(run_dirs)} sweep point(s) to end (wait=true)", flush=True)
+    finals: Dict[str, Dict[str, Any]] = {}
+    while len(finals) < len(run_dirs):
+        for run_dir in run_dirs:
+            if run_dir in finals:
+                continue
+            final = _settled(run_dir, run_status(run_dir), poll_s=0.5)
+            if final is not None:
+                finals[run_dir] = final
+                print(f"  {final['state']}: job {final['job_id']}, last step {final['last_step']}, {run_dir}",
+                      flush=True)
+        if len(finals) < len(run_dirs):
+            time.sleep(poll_s)
+    return finals
+
+
 def follow(run_dir: str, poll_s: float = 1.0, timeout_s: Optional[float] = None) -> Dict[str, Any]:
     """Stream rank 0's output (<log dir>/<job>_0_log.out of every job of the run) until the run
     is COMPLETED or FAILED/CANCELLED without a follow-up job; returns the final status."""
-    from launcher.status import FINAL_STATES, job_log_dir, run_status
+    from launcher.status import job_log_dir, run_status
 
     offsets: Dict[str, int] = {}
     start = time.time()
@@ -215,12 +254,9 @@ def follow(run_dir: str, poll_s: float = 1.0, timeout_s: Optional[float] = None)
                     sys.stdout.flush()
             except OSError:
                 pass
-        if status["state"] in FINAL_STATES:
-            # A FAILED job may still be followed by a resubmission the epilogue is writing: look again.
-            time.sleep(poll_s)
-            again = run_status(run_dir)
-            if again["job_id"] == job and again["state"] in FINAL_STATES:
-                return again
+        final = _settled(run_dir, status, poll_s)
+        if final is not None:
+            return final
         if timeout_s is not None and time.time() - start > timeout_s:
             return status
         time.sleep(poll_s)

@@ -1,15 +1,17 @@
 """The sweep summary: a Hydra callback that closes every `meshrun -m ...` with one table and sweep.json.
 
 Each job's return value (the dict from plan_or_reject, or from a launcher: it may carry job_id and
-run_dir) is collected in on_job_end; on_multirun_end ranks the feasible points by memory headroom
-(most first) then bubble (least first), lists the infeasible ones with their first reason, prints the
-table and writes sweep.json into the sweep directory. Registered in conf/config.yaml (hydra.callbacks).
-"""
+run_dir, and with wait=true the final state) is collected in on_job_end; on_multirun_end ranks the
+feasible points by memory headroom (most first) then bubble (least first), lists the infeasible ones
+with their first reason, prints the table and writes sweep.json into the sweep directory; when a
+waited-for point did not complete, the sweep then exits 1. Registered in conf/config.yaml
+(hydra.callbacks)."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any, Dict, List
 
 from hydra.core.utils import JobReturn, JobStatus
@@ -37,6 +39,8 @@ def summarize(points: List[Dict[str, Any]]) -> Dict[str, Any]:
         for key in ("job_id", "run_dir"):
             if key in res:
                 row[key] = res[key]
+        if "final" in res:  # wait=true: how the submitted job ended
+            row["state"] = res["final"]["state"]
         if res.get("status") in ("ok", "submitted") and plan:
             mem = plan["memory_bytes"]["total"]
             row.update(memory_bytes=mem, headroom_bytes=plan["gpu_memory_bytes"] - mem,
@@ -62,7 +66,7 @@ def format_summary(summary: Dict[str, Any]) -> str:
     lines.append(header)
     lines.append("-" * len(header))
     for i, r in enumerate(summary["feasible"], 1):
-        extra = " ".join(f"{k}={r[k]}" for k in ("job_id", "run_dir") if k in r)
+        extra = " ".join(f"{k}={r[k]}" for k in ("job_id", "state", "run_dir") if k in r)
         lines.append(f"{i:>4} {r['num']!s:>3}  {r['memory_bytes'] / scale:8.2f} {r['headroom_bytes'] / scale:8.2f} "
                      f"{r['bubble_ratio']:7.3f}  {' '.join(r['overrides']):<50} {extra}")
     for r in summary["infeasible"]:
@@ -104,3 +108,8 @@ class SweepSummary(Callback):
         with open(path, "w") as f:
             json.dump({"points": self.points, **summary}, f, indent=2, default=str)
         print(f"sweep.json: {os.path.abspath(path)}")
+        ended_badly = [r for r in summary["feasible"] if r.get("state", "COMPLETED") != "COMPLETED"]
+        if ended_badly:  # wait=true: a script waiting on the sweep must see that a point failed
+            print(f"meshrun: {len(ended_badly)} sweep point(s) did not complete: "
+                  + ", ".join(f"#{r['num']} {r['state']}" for r in ended_badly), file=sys.stderr)
+            raise SystemExit(1)

@@ -242,6 +242,27 @@ def test_sweep_submits_valid_points_as_one_job_array_and_skips_invalid(tmp_path,
     assert len(requeued) == 1 and requeued[0]["cause"] == "stopped_early"
 
 
+def test_sweep_with_wait_ends_with_every_points_final_state(tmp_path, cluster):
+    """wait=true in a sweep: the command returns once every point has ended, the summary and sweep.json
+    carry each final state, and a point that failed (text data from a path the ranks cannot find,
+    exit 2, not retried) makes the sweep exit 1."""
+    sweep_dir = tmp_path / "sweep"
+    res = meshrun("-m", "cluster=slurm_dev", "cluster.nodes=1", "cluster.gpus_per_node=1", "model=tiny",
+                  "parallel.tp=1", "parallel.sp=false", "parallel.zero=0", "parallel.global_batch=8",
+                  "train.steps=2", "data.kind=synthetic,text", f"data.paths=[{tmp_path / 'missing'}]",
+                  "wait=true", f"hydra.sweep.dir={sweep_dir}", timeout=300)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    jobs = re.findall(r"submitted Slurm job (\d+_\d+); run dir (\S+)", res.stdout)
+    assert len(jobs) == 2 and "waiting for 2 sweep point(s)" in res.stdout, res.stdout
+    assert "1 sweep point(s) did not complete" in res.stderr
+    sweep = json.load(open(sweep_dir / "sweep.json"))
+    states = {r["run_dir"]: r["state"] for r in sweep["feasible"]}
+    assert states == {jobs[0][1]: "COMPLETED", jobs[1][1]: "FAILED"}, states
+    for job, run_dir in jobs:  # returned only after both ended for good
+        assert read_events(run_dir)[-1]["event"] in ("completed", "stopped")
+    assert "missing" in run_status(jobs[1][1])["reason"]
+
+
 def test_bad_input_submits_nothing(tmp_path, cluster):
     before = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
     res = meshrun("cluster=slurm_dev", *COMMON, f"run.dir={tmp_path / 'a'}", "cluster.partition=nope")

@@ -207,7 +207,8 @@ def test_decisions():
     assert decide([rec(r, LAYOUT[r], 3) for r in range(4)], **ARGS).action == "requeue"
     d = decide([rec(2, "n2", -9, ended=5.0), rec(0, "n1", -15, ended=6.0)], **ARGS)
     assert d.action == "resubmit" and d.exclude == ["n2"] and d.failures[0].rank == 2
-    assert decide([rec(0, "n1", 2, "error: bad")], **ARGS).action == "stop"
+    d = decide([rec(0, "n1", 2, "error: bad")], **ARGS)
+    assert d.action == "stop" and d.reason.endswith("not retried: error: bad")  # the rank's own message
     same = [rec(r, LAYOUT[r], 1, "ValueError: boom") for r in range(4)]
     assert decide(same, **{**ARGS, "progressed": False}).action == "stop"
     assert decide(same, **ARGS).action == "resubmit"  # it trained before: not a step-0 bug

@@ -281,7 +281,8 @@ class Config:
     dry_run: bool = False
     """Slurm: print the sbatch script and srun line, submit nothing."""
     wait: bool = False
-    """Slurm: follow the job and stream rank 0's progress."""
+    """Slurm: follow the job and stream rank 0's progress; in a sweep, wait until every point has ended
+    (the summary then shows each point's final state)."""
 
 
 def _build(cls, data: Any):
