@@ -19,7 +19,6 @@ from training.config import Config
 from training.exit_codes import EXIT_INVALID
 
 
-
 def _point_label(cfg: Config) -> str:
     p = cfg.parallel
     return f"model={cfg.model.name} tp={p.tp} pp={p.pp} cp={p.cp} vpp={p.vpp} sp={p.sp} zero={p.zero} " \

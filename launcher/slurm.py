@@ -30,7 +30,6 @@ from training.events import append_event
 from training.exit_codes import EXIT_INVALID, EXIT_SLURM
 
 
-
 class SlurmUnavailable(RuntimeError):
     """The controller does not answer or refuses the job."""
 

@@ -25,11 +25,10 @@ import torch.distributed as dist
 from training.checkpoint import CheckpointManager, signals
 from training.config import Config
 from training.data import BatchSampler, DataError, build_corpus, make_source, validate_data_config
+from training.exit_codes import EXIT_OK, EXIT_STOPPED
 from training.optimizer import PRECISIONS, DistributedOptimizer, StepResult
 from training.pipeline import make_pipeline_schedule
 from training.schedule_lr import lr_at
-from training.exit_codes import EXIT_OK, EXIT_STOPPED
-
 
 
 @dataclass

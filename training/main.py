@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from training.exit_codes import EXIT_INVALID
 
+from training.exit_codes import EXIT_INVALID
 
 
 def _env_from_slurm() -> None:
