@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
-from launcher.plan import GIB, Plan, make_plan, padded_vocab, with_parallel
+from launcher.model_size import padded_vocab
+from launcher.plan import GIB, Plan, make_plan, with_parallel
 from launcher.sbatch import validate_for_slurm
 from training.config import Config, derived_dp
 

@@ -12,24 +12,24 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from launcher.plan import (
+from launcher.memory import (
     KORTHIKANTI,
     DeviceProfile,
-    bubble,
-    hardware_flops_per_step,
     inflight_microbatches,
     korthikanti_table2,
     layer_activation_bytes,
-    make_plan,
-    model_flops_per_step,
     model_state_bytes,
     model_state_bytes_per_param,
+    stage_activation_bytes,
+)
+from launcher.model_size import (
+    hardware_flops_per_step,
+    model_flops_per_step,
     narayanan_params,
     params_total,
-    stage_activation_bytes,
     stage_params,
-    with_parallel,
 )
+from launcher.plan import bubble, make_plan, with_parallel
 from launcher.schema import register
 from training.config import Config
 

@@ -1,0 +1,203 @@
+"""Memory per GPU: model states (weights, grads, optimizer) and activations saved for backward (pure Python).
+
+Model states follow docs/CONTRACTS.md exactly (the engine's own report must equal them); the ZeRO
+paper's and Megatron's bytes/param tables are special cases. Activations count what each kernel saves
+for backward under sp, recompute, flash-vs-math attention and the pipeline schedule's in-flight
+micro-batches; with the KORTHIKANTI profile they are Korthikanti et al. 2022 Table 2, exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Dict, Optional
+
+from launcher.model_size import padded_vocab
+from training.config import Config
+
+# Bytes per parameter: weights, gradients (fp32 main grads for bf16), optimizer (K).
+PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+GRAD_BYTES = {"fp32": 4, "bf16": 4, "fp16": 2}
+OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12}
+
+
+# --------------------------------------------------------------------------------------------------
+# Model states (weights, grads, optimizer) per rank
+# --------------------------------------------------------------------------------------------------
+
+
+def model_state_bytes(n: int, precision: str, zero: int, dp: int) -> Dict[str, int]:
+    """Bytes of weights, grads and optimizer for n local parameters (docs/CONTRACTS.md, exact).
+
+    zero=1 pads the flat buffer to a multiple of dp: grads ceil(n/dp)*dp*g, optimizer ceil(n/dp)*K."""
+    w = n * PARAM_BYTES[precision]
+    g = GRAD_BYTES[precision]
+    k = OPTIMIZER_BYTES[precision]
+    if zero == 1:
+        shard = -(-n // dp)
+        return {"weights": w, "grads": shard * dp * g, "optimizer": shard * k}
+    return {"weights": w, "grads": n * g, "optimizer": n * k}
+
+
+def model_state_bytes_per_param(precision: str, zero: int, dp: int) -> float:
+    """The published bytes/param (ZeRO: fp16 4 + 12/d; Megatron: bf16 6 + 12/d, fp32 8 + 8/d)."""
+    g, k = GRAD_BYTES[precision], OPTIMIZER_BYTES[precision]
+    return PARAM_BYTES[precision] + g + (k / dp if zero == 1 else k)
+
+
+# --------------------------------------------------------------------------------------------------
+# Activations
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What the kernels of one device save for backward, per element (the activation estimator's knobs)."""
+
+    act_bytes: int = 2
+    """Bytes per saved activation element (2 for bf16/fp16, 4 for fp32)."""
+    mask_bytes: int = 1
+    """Bytes per saved dropout-mask element (CUDA: 1 bool byte; CPU: a full-dtype mask)."""
+    flash_saves_lse: bool = True
+    """Fused attention saves a logsumexp per (token, head) in fp32 instead of the s x s scores."""
+    norm_stats: bool = True
+    """Norms save fp32 statistics per token: LayerNorm mean and rstd, RMSNorm rstd."""
+    stats_bytes: int = 4
+    """Bytes per statistics / logsumexp element."""
+    logits_bytes: int = 4
+    """Bytes per element of the logits kept for the cross-entropy backward (fp32 softmax)."""
+    flash_with_dropout: bool = True
+    """Fused attention supports attention dropout; if not, dropout > 0 falls back to the math path."""
+
+
+# Korthikanti et al. 2022's accounting: 16-bit activations, 1-byte masks, nothing else.
+KORTHIKANTI = DeviceProfile(act_bytes=2, mask_bytes=1, flash_saves_lse=False, norm_stats=False)
+
+
+def device_profile(cfg: Config) -> DeviceProfile:
+    """The profile the planner uses for this run's device and precision (measured: notes/torch-cpu-gloo.md)."""
+    act = PARAM_BYTES[cfg.train.precision]
+    if cfg.cluster.device == "cpu":
+        return DeviceProfile(act_bytes=act, mask_bytes=act, flash_with_dropout=False)
+    return DeviceProfile(act_bytes=act, mask_bytes=1)
+
+
+def effective_attention(cfg: Config, profile: DeviceProfile) -> str:
+    """flash unless the device's fused kernel cannot do attention dropout."""
+    m = cfg.model
+    if m.attention == "flash" and m.dropout > 0 and not profile.flash_with_dropout:
+        return "math"
+    return m.attention
+
+
+def layer_activation_bytes(
+    cfg: Config, profile: DeviceProfile = KORTHIKANTI, micro_batch: Optional[int] = None
+) -> int:
+    """Bytes one layer saves for backward for one micro-batch on one tp rank.
+
+    Saved tensors (elements; t = tp, t_sp = tp under sp else 1; f the FFN width; hd = h/a):
+      norm inputs 2 x sbh/t_sp; QKV input sbh/t_sp; Q sb a hd/t; K, V sb k hd/t each (k = query groups
+      for flash, a for math: the math path expands K/V to every head before the matmuls); core-attention
+      output sbh/t; fc1 input sbh/t_sp; gelu: fc1 output and fc2 input sbf/t each (swiglu: 2sbf/t + sbf/t);
+      math attention: softmax output a s^2 b/t, plus with dropout its mask and the dropout output;
+      flash: a logsumexp a s b/t (if the profile says so); dropout > 0: masks of the attention-output and
+      MLP-output dropouts sbh/t_sp each; norm statistics (profile).
+    With the KORTHIKANTI profile and a GPT layer (gelu, f = 4h, math, dropout) this is exactly Table 2:
+    sbh(34 + 5as/h) etc.; the general dense count is sbh(18 + 4f/h) + 5as^2b.
+    Recompute: selective drops the core-attention internals (s^2 terms, logsumexp); full keeps only the
+    layer input, 2sbh/t_sp at 16 bits.
+    """
+    m, par = cfg.model, cfg.parallel
+    s = m.seq_length // par.cp
+    b = micro_batch if micro_batch is not None else par.micro_batch
+    h, a, g, f = m.hidden_size, m.num_attention_heads, m.query_groups, m.ffn
+    t = par.tp
+    t_sp = t if par.sp else 1
+    hd = h // a
+    sb = s * b
+    ab, mb, stb = profile.act_bytes, profile.mask_bytes, profile.stats_bytes
+    if par.recompute == "full":
+        return sb * h * ab // t_sp
+    attention = effective_attention(cfg, profile)
+    dropout = m.dropout > 0
+    kv_heads = g if attention == "flash" else a
+    # Activations replicated over tp unless sp (norm inputs, QKV and fc1 inputs) and sharded by tp.
+    act = 4 * sb * h // t_sp
+    act += sb * (a * hd + 2 * kv_heads * hd + a * hd) // t
+    act += sb * (3 * f if m.activation == "swiglu" else 2 * f) // t
+    total = act * ab
+    if dropout:
+        total += 2 * (sb * h // t_sp) * mb
+    if profile.norm_stats:
+        stats_per_norm = 1 if m.norm == "rmsnorm" else 2
+        total += 2 * stats_per_norm * (sb // t_sp) * stb
+    if par.recompute == "none":
+        if attention == "math":
+            scores = a * s * s * b // t
+            total += scores * ab
+            if dropout:
+                total += scores * (mb + ab)
+        elif profile.flash_saves_lse:
+            total += a * sb // t * stb
+    return total
+
+
+def korthikanti_table2(s: int, b: int, h: int, a: int, t: int, setting: str) -> Fraction:
+    """The six closed forms of Korthikanti et al. 2022 Table 2 (bytes per layer), exact, for the tests."""
+    F = Fraction
+    if setting == "none":
+        return s * b * h * (34 + F(5 * a * s, h))
+    if setting == "tp":
+        return s * b * h * (10 + F(24, t) + F(5 * a * s, h * t))
+    if setting == "tp_sp":
+        return F(s * b * h, t) * (34 + F(5 * a * s, h))
+    if setting == "tp_selective":
+        return s * b * h * (10 + F(24, t))
+    if setting == "tp_sp_selective":
+        return F(34 * s * b * h, t)
+    if setting == "full":
+        return F(2 * s * b * h)
+    raise ValueError(setting)
+
+
+def inflight_microbatches(cfg: Config, stage: int, m: int) -> float:
+    """Micro-batches (in units of this rank's L/pp layers) whose activations stage holds at its peak.
+
+    gpipe: all m. 1f1b: min(m, p - stage) (first stage: p; Korthikanti's L x per-layer, times m/p
+    when m < p). interleaved: Megatron's warm-up of (p - stage - 1)*2 + (v - 1)*p chunk micro-batches
+    plus one, each of L/(p v) layers, capped at the m v there are; the first stage's factor is
+    p (1 + (p - 1)/(p v))."""
+    par = cfg.parallel
+    p, v = par.pp, par.vpp
+    if par.schedule == "gpipe":
+        return float(m)
+    if par.schedule == "interleaved_1f1b" and v > 1:
+        chunks = min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
+        return chunks / v
+    return float(min(m, p - stage))
+
+
+def stage_activation_bytes(cfg: Config, stage: int, m: int, profile: DeviceProfile) -> int:
+    """Activation bytes of one rank of pipeline stage `stage` at its peak (layers + embedding + logits)."""
+    mc, par = cfg.model, cfg.parallel
+    s = mc.seq_length // par.cp
+    sb = s * par.micro_batch
+    h = mc.hidden_size
+    t = par.tp
+    t_sp = t if par.sp else 1
+    n_layers = mc.num_layers // par.pp
+    inflight = inflight_microbatches(cfg, stage, m)
+    per_mb = n_layers * layer_activation_bytes(cfg, profile)
+    if stage == 0 and mc.dropout > 0:
+        per_mb += sb * h // t_sp * profile.mask_bytes  # embedding dropout mask
+    total = per_mb * inflight
+    if stage == par.pp - 1:
+        # Final norm input (+ stats), output-layer input, fp32 logits for the cross entropy. The last
+        # stage finishes each micro-batch's backward right after its forward, except under gpipe.
+        last = 2 * (sb * h // t_sp) * profile.act_bytes
+        if profile.norm_stats:
+            last += (1 if mc.norm == "rmsnorm" else 2) * (sb // t_sp) * profile.stats_bytes
+        last += sb * padded_vocab(mc.vocab_size, t) // t * profile.logits_bytes
+        total += last * (m if par.schedule == "gpipe" else 1)
+    return int(math.ceil(total))

@@ -1,0 +1,167 @@
+"""Model size: parameter counts per layer, per pipeline stage and in total, and FLOPs per step (pure Python).
+
+Conventions shared with the engine (docs/CONTRACTS.md): padded_vocab = ceil(V/tp)*tp; every pipeline
+rank holds L/pp layers (split evenly over pp*vpp chunks); the first stage holds the embeddings, the
+last the final norm and the output layer; with tied embeddings and pp > 1 the last stage also holds
+a copy of the word embedding (Megatron), which counts in its memory but not in params_total.
+Narayanan et al. 2021's parameter count and FLOPs formulas are special cases, reproduced by the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from training.config import Config
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameter counts
+# --------------------------------------------------------------------------------------------------
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Vocabulary rounded up to a multiple of tp (the engine's embedding rows)."""
+    return -(-vocab_size // tp) * tp
+
+
+def _norm_params(cfg: Config) -> int:
+    m = cfg.model
+    if m.norm == "rmsnorm":
+        return m.hidden_size
+    return m.hidden_size * (2 if m.bias else 1)
+
+
+@dataclass
+class LayerParams:
+    """Parameters of one transformer layer held by one tp rank (sharded part / replicated part)."""
+
+    sharded: int
+    """Elements of column/row-parallel weights and column-parallel biases on this tp rank."""
+    replicated: int
+    """Elements replicated over tp: norms and the row-parallel biases."""
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+
+def layer_params(cfg: Config, tp: Optional[int] = None) -> LayerParams:
+    """One layer on one tp rank: fused QKV (column), attention output (row), MLP fc1 (column), fc2 (row)."""
+    m = cfg.model
+    t = tp if tp is not None else cfg.parallel.tp
+    h, a, g, f = m.hidden_size, m.num_attention_heads, m.query_groups, m.ffn
+    hd = h // a
+    qkv_out = (a + 2 * g) * hd
+    fc1_out = 2 * f if m.activation == "swiglu" else f
+    full_sharded = qkv_out * h + h * h + fc1_out * h + h * f
+    if m.bias:
+        full_sharded += qkv_out + fc1_out
+    replicated = 2 * _norm_params(cfg) + (2 * h if m.bias else 0)
+    return LayerParams(sharded=full_sharded // t, replicated=replicated)
+
+
+@dataclass
+class StageParams:
+    """Parameters one pipeline stage's tp rank holds, by part."""
+
+    layers: int
+    """Transformer layers on this rank (all its virtual chunks)."""
+    layer_params: int
+    """Elements of those layers."""
+    embedding: int
+    """Word (vocab-parallel shard) and position embeddings, or the tied copy on the last stage."""
+    head: int
+    """Final norm and the untied output layer."""
+
+    @property
+    def total(self) -> int:
+        return self.layer_params + self.embedding + self.head
+
+
+def stage_params(cfg: Config, stage: int) -> StageParams:
+    """Elements held by one rank of pipeline stage `stage` (0-based) at the config's tp."""
+    m, par = cfg.model, cfg.parallel
+    t, p = par.tp, par.pp
+    h = m.hidden_size
+    vp = padded_vocab(m.vocab_size, t)
+    word = vp * h // t
+    n_layers = m.num_layers // p
+    lp = layer_params(cfg).total * n_layers
+    embedding = 0
+    head = 0
+    if stage == 0:
+        embedding += word
+        if m.position == "learned":
+            embedding += m.seq_length * h
+    if stage == p - 1:
+        head += _norm_params(cfg)
+        if not m.tie_embeddings:
+            head += word
+        elif p > 1:
+            embedding += word  # Megatron's tied copy on the last stage
+    return StageParams(layers=n_layers, layer_params=lp, embedding=embedding, head=head)
+
+
+def params_total(cfg: Config, tp: Optional[int] = None) -> int:
+    """Unique parameters of the model as instantiated at tp (vocab padded to a multiple of tp).
+
+    With tp=1 and V already a multiple of tp this is the model's true size; the tied copy on the
+    last pipeline stage is not counted (it is the same parameter)."""
+    m = cfg.model
+    t = tp if tp is not None else cfg.parallel.tp
+    h = m.hidden_size
+    lp = layer_params(cfg, tp=1).total
+    total = m.num_layers * lp + padded_vocab(m.vocab_size, t) * h + _norm_params(cfg)
+    if m.position == "learned":
+        total += m.seq_length * h
+    if not m.tie_embeddings:
+        total += padded_vocab(m.vocab_size, t) * h
+    return total
+
+
+def narayanan_params(L: int, h: int, V: int, s: int) -> float:
+    """Narayanan et al. 2021, eq. for GPT with learned positions and tied embeddings."""
+    return 12 * L * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * L * h))
+
+
+# --------------------------------------------------------------------------------------------------
+# FLOPs per step
+# --------------------------------------------------------------------------------------------------
+
+
+def _forward_flops_per_token(cfg: Config) -> Dict[str, int]:
+    """Forward GEMM FLOPs per token: layers' weight GEMMs, attention scores (QK^T and AV), logits."""
+    m = cfg.model
+    h, a, g, f, s = m.hidden_size, m.num_attention_heads, m.query_groups, m.ffn, m.seq_length
+    hd = h // a
+    fc1 = 2 * f if m.activation == "swiglu" else f
+    weights = (a + 2 * g) * hd * h + a * hd * h + fc1 * h + f * h
+    return {
+        "layers": m.num_layers * 2 * weights,
+        "attention": m.num_layers * 4 * s * a * hd,
+        "logits": 2 * h * m.vocab_size,
+    }
+
+
+def model_flops_per_step(cfg: Config) -> int:
+    """3 x forward GEMMs for B = global batch sequences; for GPT: 72 B s L h^2 (1 + s/(6h) + V/(12 L h))."""
+    fw = _forward_flops_per_token(cfg)
+    tokens = cfg.parallel.global_batch * cfg.model.seq_length
+    return 3 * tokens * (fw["layers"] + fw["attention"] + fw["logits"])
+
+
+def hardware_flops_per_step(cfg: Config) -> int:
+    """Model FLOPs plus recomputation.
+
+    full: one more forward of the layers (not the logits) -> 96 B s L h^2 (1 + s/(6h) + V/(16 L h)).
+    selective: Korthikanti et al.'s published 72 B s L h^2 (1 + s/(3h) + V/(12 L h)), i.e. the
+    attention-score term counted twice; reproduced as published."""
+    fw = _forward_flops_per_token(cfg)
+    tokens = cfg.parallel.global_batch * cfg.model.seq_length
+    total = model_flops_per_step(cfg)
+    if cfg.parallel.recompute == "full":
+        total += tokens * (fw["layers"] + fw["attention"])
+    elif cfg.parallel.recompute == "selective":
+        total += 3 * tokens * fw["attention"]
+    return total
