@@ -1,5 +1,6 @@
 """`meshrun action=status run.dir=D`: one JSON object on stdout (state, job_id, attempt, last_step,
-excluded_nodes), from events.jsonl, metrics.jsonl, checkpoints/latest and squeue/sacct.
+excluded_nodes), from events.jsonl, metrics.jsonl, checkpoints/latest and squeue/sacct. D may also be
+a sweep directory (it holds sweep.json): then the object lists every point's status and counts the states.
 
 Also the small readers the Slurm driver shares (last step, the job chain in events.jsonl)."""
 
@@ -155,12 +156,44 @@ def run_status(run_dir: str) -> Dict[str, Any]:
     return out
 
 
+SWEEP_FILE = "sweep.json"
+
+
+def sweep_status(sweep_dir: str) -> Dict[str, Any]:
+    """Every point of a sweep: the run's status for launched points, SKIPPED with the reason for the
+    points the sweep left out (invalid, did not fit, refused), and how many points are in each state."""
+    with open(os.path.join(sweep_dir, SWEEP_FILE)) as f:
+        sweep = json.load(f)
+    points = []
+    for skipped, rows in ((False, sweep.get("feasible", [])), (True, sweep.get("infeasible", []))):
+        for row in rows:
+            point = {"num": row.get("num"), "overrides": row.get("overrides", [])}
+            run_dir = row.get("run_dir")
+            if skipped:
+                point.update(state="SKIPPED", reason=row.get("reason", row.get("status", "")))
+            elif run_dir and os.path.exists(os.path.join(run_dir, EVENTS_FILE)):
+                point.update(run_dir=run_dir, **run_status(run_dir))
+            else:  # an action=plan sweep: nothing was launched
+                point.update(state="PLANNED" if row.get("status") == "ok" else "UNKNOWN", run_dir=run_dir)
+            points.append(point)
+    points.sort(key=lambda pt: (pt["num"] is None, pt["num"]))
+    states: Dict[str, int] = {}
+    for point in points:
+        states[point["state"]] = states.get(point["state"], 0) + 1
+    return {"sweep_dir": sweep_dir, "points": points, "states": states}
+
+
 def print_status(run_dir: str) -> Dict[str, Any]:
     """Print exactly one JSON object on stdout; an unknown run dir is an error on stderr (exit 2)."""
+    if os.path.exists(os.path.join(run_dir, SWEEP_FILE)):
+        out = sweep_status(run_dir)
+        print(json.dumps(out, sort_keys=True))
+        return out
     # Hydra has created run_dir (with its app.log) before this runs: a run is known by what meshrun wrote.
     if not any(os.path.exists(os.path.join(run_dir, name)) for name in (EVENTS_FILE, "config.json")):
         print(f"error: run.dir={run_dir} is not a meshrun run directory (no {EVENTS_FILE} or config.json): "
-              "give the run directory printed at launch or submission", file=sys.stderr)
+              "give the run directory printed at launch or submission, or a sweep directory (it holds "
+              f"{SWEEP_FILE})", file=sys.stderr)
         raise SystemExit(2)
     status = run_status(run_dir)
     print(json.dumps(status, sort_keys=True))

@@ -261,6 +261,8 @@ def test_sweep_with_wait_ends_with_every_points_final_state(tmp_path, cluster):
     for job, run_dir in jobs:  # returned only after both ended for good
         assert read_events(run_dir)[-1]["event"] in ("completed", "stopped")
     assert "missing" in run_status(jobs[1][1])["reason"]
+    out = meshrun("action=status", f"run.dir={sweep_dir}")  # the whole sweep at once
+    assert out.returncode == 0 and json.loads(out.stdout)["states"] == {"COMPLETED": 1, "FAILED": 1}, out.stdout
 
 
 def test_bad_input_submits_nothing(tmp_path, cluster):

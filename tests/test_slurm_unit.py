@@ -245,6 +245,30 @@ def test_status_from_events(tmp_path):
     assert st == {"state": "COMPLETED", "job_id": "78", "attempt": 1, "last_step": 5, "excluded_nodes": ["n2"]}
 
 
+def test_status_of_a_sweep_lists_every_point(tmp_path):
+    """action=status on a sweep directory: each launched point's own status, skipped points with their
+    reason, and the count per state."""
+    done, failed = str(tmp_path / "0"), str(tmp_path / "1")
+    append_event(done, "submitted", job_id="5_0", attempt=0, excluded_nodes=[])
+    append_event(done, "completed", job_id="5_0", attempt=0)
+    append_event(failed, "submitted", job_id="5_1", attempt=0, excluded_nodes=[])
+    append_event(failed, "stopped", job_id="5_1", attempt=0, reason="invalid configuration or data")
+    sweep = {"feasible": [{"num": 1, "overrides": ["b=2"], "status": "submitted", "job_id": "5_1", "run_dir": failed},
+                          {"num": 0, "overrides": ["b=1"], "status": "submitted", "job_id": "5_0", "run_dir": done}],
+             "infeasible": [{"num": 2, "overrides": ["b=3"], "status": "invalid", "reason": "not divisible"}]}
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    res = subprocess.run([sys.executable, "-m", "launcher", "action=status", f"run.dir={tmp_path}"],
+                         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)  # exactly one JSON object
+    assert [p["num"] for p in out["points"]] == [0, 1, 2]
+    assert [(p["state"], p.get("job_id")) for p in out["points"]] == [
+        ("COMPLETED", "5_0"), ("FAILED", "5_1"), ("SKIPPED", None)]
+    assert out["points"][1]["reason"] == "invalid configuration or data"
+    assert out["points"][2]["reason"] == "not divisible"
+    assert out["states"] == {"COMPLETED": 1, "FAILED": 1, "SKIPPED": 1}
+
+
 def test_status_of_local_runs(tmp_path):
     run = str(tmp_path)
     append_event(run, "started", nodes=["here"])
