@@ -214,7 +214,7 @@ def test_sweep_submits_valid_points_as_one_job_array_and_skips_invalid(tmp_path,
     """4 points, micro_batch=3 invalid: 3 submitted as one job array; one array task preempted (USR2)
     requeues on its own and resumes without running a step twice; all 3 complete."""
     sweep_dir = tmp_path / "sweep"
-    steps = 8
+    steps = 16  # the preempted point must still be running when USR2 lands (steps can take 40 ms)
     res = meshrun("-m", "cluster=slurm_dev", "cluster.nodes=1", "cluster.gpus_per_node=1", "model=tiny",
                   "data=synthetic", "parallel.tp=1", "parallel.sp=false", "parallel.zero=0",
                   "parallel.global_batch=8", "parallel.micro_batch=1,2,4,3", f"train.steps={steps}",
