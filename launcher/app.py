@@ -60,7 +60,7 @@ def hydra_main(dcfg: DictConfig):
     if result.get("status") != "ok" or cfg.action == "plan":
         return result
     if cfg.cluster.kind == "slurm":
-        from launcher.slurm import submit
+        from launcher.slurm.submit import submit
 
         return submit(cfg, run_dir, result, multirun=_is_multirun())
     from launcher.local import launch_local

@@ -12,8 +12,8 @@ import os
 import sys
 from typing import Any, Dict
 
-from launcher.plan import format_plan
-from launcher.validate import validate
+from launcher.plan.estimate import format_plan
+from launcher.plan.validate import Report, validate
 from launcher.rundir import write_config
 from training.config import Config
 from training.exit_codes import EXIT_INVALID
@@ -25,13 +25,23 @@ def _point_label(cfg: Config) -> str:
            f"recompute={p.recompute} micro={p.micro_batch} global={p.global_batch}"
 
 
+def validate_for_launch(cfg: Config) -> Report:
+    """The planner's rules plus the launch backend's own (Slurm: sbatch safety), every violation at once."""
+    checks = None
+    if cfg.cluster.kind == "slurm":
+        from launcher.slurm.sbatch import validate_for_slurm
+
+        checks = validate_for_slurm
+    return validate(cfg, cluster_checks=checks)
+
+
 def plan_or_reject(cfg: Config, run_dir: str, multirun: bool = False) -> Dict[str, Any]:
     """Validate cfg; on success print the plan, write plan.json and config.json into run_dir.
 
     Returns {"status": "ok", "plan": plan.json's dict, "warnings": [...], "run_dir": run_dir}, or in a
     sweep {"status": "invalid" | "no_fit", "errors": [...], "warnings": [...]}. A single run with errors
     prints them all to stderr and raises SystemExit(2)."""
-    report = validate(cfg)
+    report = validate_for_launch(cfg)
     warnings = [str(i) for i in report.warnings]
     notes = [str(i) for i in report.notes]
     if report.errors:

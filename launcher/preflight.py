@@ -106,7 +106,7 @@ class PreflightTask:
 
 def slurm_parameters(cfg: Config, run_dir: str) -> Dict[str, Any]:
     """submitit parameters of the preflight job: the training job's, without its requeue machinery."""
-    from launcher.sbatch import job_spec
+    from launcher.slurm.sbatch import job_spec
 
     params = dict(job_spec(cfg, run_dir).parameters)
     params["job_name"] = "meshrun-preflight"
@@ -122,8 +122,8 @@ def submit_slurm(cfg: Config, run_dir: str) -> Dict[str, Any]:
     """Run the preflight alone as a Slurm job over cluster.nodes x gpus_per_node tasks; wait for it."""
     import submitit
 
-    from launcher.sbatch import SlurmConfigError
-    from launcher.slurm import SlurmUnavailable, check_controller, check_partition
+    from launcher.slurm.sbatch import SlurmConfigError
+    from launcher.slurm.submit import SlurmUnavailable, check_controller, check_partition
 
     try:
         params = slurm_parameters(cfg, run_dir)

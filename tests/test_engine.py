@@ -132,7 +132,7 @@ _ACTIVATIONS = {}
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_reproduces_single_process(layout):
-    from launcher.plan import make_plan
+    from launcher.plan.estimate import make_plan
 
     ref = _reference()
     cfg = _cfg(**LAYOUTS[layout])

@@ -89,7 +89,7 @@ def _rel(a: float, b: float) -> float:
                                         ("1f1b", 4, 1, 2), ("interleaved_1f1b", 2, 2, 4),
                                         ("interleaved_1f1b", 4, 2, 8), ("interleaved_1f1b", 4, 3, 4)])
 def test_orders_are_complete_and_bounded_as_planned(kind, p, v, m):
-    from launcher.memory import inflight_microbatches
+    from launcher.plan.memory import inflight_microbatches
 
     cfg = _cfg(pp=p, vpp=v, schedule=kind)
     for r in range(p):
@@ -284,7 +284,7 @@ def test_gpipe_and_1f1b_give_identical_losses():
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["pp2_1f1b", "pp2_gpipe", "pp4_1f1b", "pp2_vpp2_interleaved"])
 def test_first_stage_activations_match_the_plan(layout):
-    from launcher.memory import device_profile, stage_activation_bytes
+    from launcher.plan.memory import device_profile, stage_activation_bytes
 
     cfg = _cfg(**LAYOUTS[layout])
     p, m = cfg.parallel.pp, cfg.parallel.global_batch // cfg.parallel.micro_batch

@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from launcher.memory import (
+from launcher.plan.memory import (
     KORTHIKANTI,
     DeviceProfile,
     inflight_microbatches,
@@ -22,14 +22,14 @@ from launcher.memory import (
     model_state_bytes_per_param,
     stage_activation_bytes,
 )
-from launcher.model_size import (
+from launcher.plan.model_size import (
     hardware_flops_per_step,
     model_flops_per_step,
     narayanan_params,
     params_total,
     stage_params,
 )
-from launcher.plan import bubble, make_plan, with_parallel
+from launcher.plan.estimate import bubble, make_plan, with_parallel
 from launcher.schema import register
 from training.config import Config
 
@@ -259,6 +259,6 @@ def test_comm_volumes():
 
 
 def test_launcher_imports_no_torch():
-    code = ("import sys; import launcher.plan, launcher.validate, launcher.planning, launcher.sweep, launcher.app; "
+    code = ("import sys; import launcher.plan.estimate, launcher.plan.validate, launcher.planning, launcher.sweep, launcher.app; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

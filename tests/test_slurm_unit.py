@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from launcher import numa
-from launcher.requeue import decide, plan_exclusion
-from launcher.sbatch import (PROJECT_ROOT, SlurmConfigError, array_group_key, array_job_spec, dry_run_text, job_spec,
+from launcher.slurm import numa
+from launcher.slurm.requeue import decide, plan_exclusion
+from launcher.slurm.sbatch import (PROJECT_ROOT, SlurmConfigError, array_group_key, array_job_spec, dry_run_text, job_spec,
                              sbatch_text, setup_lines, validate_for_slurm)
 from launcher.status import run_status
 from training.config import ClusterConfig, Config
@@ -303,8 +303,8 @@ def test_status_of_a_local_run_whose_launcher_was_killed(tmp_path):
 
 
 def test_slurm_launcher_never_imports_torch():
-    code = ("import sys, launcher.slurm, launcher.slurm_driver, launcher.slurm_rank, launcher.status, "
-            "launcher.requeue, launcher.numa, launcher.sbatch, training.slurm_env; "
+    code = ("import sys, launcher.slurm.submit, launcher.slurm.driver, launcher.slurm.rank_task, launcher.status, "
+            "launcher.slurm.requeue, launcher.slurm.numa, launcher.slurm.sbatch, training.slurm_env; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT).returncode == 0
 

@@ -8,9 +8,10 @@ from dataclasses import replace
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from launcher.plan import with_parallel
+from launcher.plan.estimate import with_parallel
 from launcher.schema import register
-from launcher.validate import validate
+from launcher.plan.validate import validate
+from launcher.planning import validate_for_launch
 from training.config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,7 +146,7 @@ def test_context_parallel_is_planned_but_not_trained():
 
 def test_slurm_settings_are_listed_with_the_layout_errors():
     cfg = compose_cfg("cluster=slurm_dev", "cluster.partition=a$b", "parallel.tp=3")
-    report = validate(cfg)
+    report = validate_for_launch(cfg)
     messages = [i.message for i in report.errors]
     assert any("cluster.partition='a$b'" in m and "plain name" in m for m in messages), messages
     assert "parallel.tp" in _keys(report.errors)

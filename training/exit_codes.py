@@ -1,6 +1,6 @@
 """Exit codes, one place for all of them (docs/CONTRACTS.md, README "Rank exit codes").
 
-A rank's status tells the launcher's epilogue what to do (launcher/requeue.py); the `meshrun` command's
+A rank's status tells the launcher's epilogue what to do (launcher/slurm/requeue.py); the `meshrun` command's
 status tells the user what went wrong. Pure Python: the launcher imports it without torch.
 """
 

@@ -33,7 +33,7 @@ has a fixed shape per step, [s/tp if sp else s, micro_batch, h] in the model dty
 
 In-flight micro-batches (forward done, backward not yet) on rank r, which bound the activations held:
   gpipe m;  1f1b min(m, p - r);  interleaved min(m v, 2 (p - r - 1) + (v - 1) p + 1) chunk micro-batches.
-The planner (launcher/memory.py `inflight_microbatches`) uses the same numbers.
+The planner (launcher/plan/memory.py `inflight_microbatches`) uses the same numbers.
 
 Each step records this rank's busy time (forward and backward compute only, not waiting or
 communication) and its wall time; the pipeline's idle share, 1 - mean busy / longest wall over the

@@ -8,7 +8,7 @@ the whole sweep as before, and hands the built configs to MeshrunLauncher. Any o
 submitit one) gets the job overrides and composes as usual.
 
 MeshrunLauncher: BasicLauncher's local, sequential jobs (Slurm points are queued and submitted at
-the end of the batch as job arrays: launcher/slurm.py's array_batch). Every point still runs through Hydra's
+the end of the batch as job arrays: launcher/slurm/submit.py's array_batch). Every point still runs through Hydra's
 run_job: HydraConfig (runtime.output_dir, job.num), the per-point output directory, callbacks
 (on_job_end feeds launcher/sweep.py's summary) and the job's return value are as with the basic
 launcher. One per-point cost is dropped for action=plan points: the job logging setup (a file handler
@@ -70,7 +70,7 @@ class MeshrunLauncher(Launcher):
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         log.info(f"Launching {len(job_overrides)} jobs locally")
         # Slurm points are only checked and queued while the batch is open, then submitted as job arrays.
-        from launcher.slurm import array_batch
+        from launcher.slurm.submit import array_batch
 
         with array_batch(folder=str(Path(str(self.config.hydra.sweep.dir)).absolute() / "submitit")):
             return self._run_points(job_overrides, initial_job_idx)

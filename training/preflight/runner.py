@@ -141,7 +141,7 @@ def finish(report: Report, run_dir: str, rank: int) -> int:
     """Rank 0 writes preflight.json, prints the table and records the event.
 
     Returns this rank's exit status: 4 when *its* node is bad, else 0. Only ranks on bad nodes
-    report 4, so the requeue (launcher/requeue.py) excludes exactly those nodes.
+    report 4, so the requeue (launcher/slurm/requeue.py) excludes exactly those nodes.
     """
     if rank == 0:
         report.write(run_dir)

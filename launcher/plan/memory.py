@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Dict, Optional
 
-from launcher.model_size import padded_vocab
+from launcher.plan.model_size import padded_vocab
 from training.config import Config
 
 # Bytes per parameter: weights, gradients (fp32 main grads for bf16), optimizer (K).

@@ -12,9 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
-from launcher.model_size import padded_vocab
-from launcher.plan import GIB, Plan, make_plan, with_parallel
-from launcher.sbatch import validate_for_slurm
+from launcher.plan.model_size import padded_vocab
+from launcher.plan.estimate import GIB, Plan, make_plan, with_parallel
 from training.config import Config, derived_dp
 
 # Allowed values of the string fields (the dataclasses type them as str; the values are checked here).
@@ -374,13 +373,15 @@ def fit_fixes(cfg: Config, plan: Plan) -> List[str]:
     return lines
 
 
-def validate(cfg: Config) -> Report:
-    """Check every rule; plan when the layout allows it; add the no-fit error with its breakdown and fixes."""
+def validate(cfg: Config, cluster_checks: Optional[Callable[[Config], List[str]]] = None) -> Report:
+    """Check every rule; plan when the layout allows it; add the no-fit error with its breakdown and fixes.
+
+    cluster_checks: the launch backend's own rules (the Slurm backend passes its sbatch-safety checks), so one
+    run lists every violation at once; the planner itself knows nothing of Slurm."""
     issues: List[Issue] = []
     sizes_ok = _check_values(cfg, issues)
-    if cfg.cluster.kind == "slurm":
-        # The sbatch-safety rules too, so one run lists every violation (each message names its fix).
-        issues += [Issue("error", "cluster", message, code="slurm") for message in validate_for_slurm(cfg)]
+    if cluster_checks is not None:
+        issues += [Issue("error", "cluster", message, code=cfg.cluster.kind) for message in cluster_checks(cfg)]
     if not sizes_ok:
         return Report(issues)
     _check_model(cfg, issues)

@@ -2,7 +2,7 @@
 
 It maps SLURM_* to torch's variables, binds the rank to its NUMA node with numactl, runs
 `python -m training.main RUN_DIR` as a child, and records how the rank ended in
-run_dir/slurm/attempt_<A>/rank_<R>.json for the epilogue (launcher/slurm_driver.py). A failed rank
+run_dir/slurm/attempt_<A>/rank_<R>.json for the epilogue (launcher/slurm/driver.py). A failed rank
 raises, so the task exits non-zero and `srun --kill-on-bad-exit=1` ends the step at once.
 No torch import: the child imports it.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, List
 
 from launcher.local import usable_cores
-from launcher.numa import choose_node, numactl_prefix
+from launcher.slurm.numa import choose_node, numactl_prefix
 from training.config import load_config
 from training.slurm_env import torch_env_from_slurm
 

@@ -1,7 +1,7 @@
 """The plan of one job: memory of the worst rank, bubble, communication, FLOPs, fits or not, and its table.
 
 Pure arithmetic on the typed config (no torch, no Hydra), so a 64-point sweep plans in milliseconds
-per point. The counts live in launcher/model_size.py (parameters, FLOPs) and launcher/memory.py
+per point. The counts live in launcher/plan/model_size.py (parameters, FLOPs) and launcher/plan/memory.py
 (model states, activations); this module adds the pipeline bubble and communication volume, puts
 them together per pipeline stage (make_plan) and formats the table. Units: bytes and element counts
 are ints; GiB appear only in display code.
@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
-from launcher.memory import (GRAD_BYTES, PARAM_BYTES, DeviceProfile, device_profile, layer_activation_bytes,
+from launcher.plan.memory import (GRAD_BYTES, PARAM_BYTES, DeviceProfile, device_profile, layer_activation_bytes,
                              model_state_bytes, stage_activation_bytes)
-from launcher.model_size import (hardware_flops_per_step, layer_params, model_flops_per_step, padded_vocab,
+from launcher.plan.model_size import (hardware_flops_per_step, layer_params, model_flops_per_step, padded_vocab,
                                  params_total, stage_params)
 from training.config import Config, derived_dp
 

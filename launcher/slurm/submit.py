@@ -1,7 +1,7 @@
 """Submit a meshrun run to Slurm through submitit: one job per run, returns at once.
 
 submit() checks the controller and the partition before anything is written to Slurm, submits
-the job (launcher/sbatch.py describes it), records `submitted` in events.jsonl and prints the job id
+the job (launcher/slurm/sbatch.py describes it), records `submitted` in events.jsonl and prints the job id
 and run dir. wait=true follows the job (and its requeues/resubmissions) and streams rank 0's
 output (in a sweep: waits until every point has ended and adds the final states to the summary);
 dry_run=true prints the sbatch script and the srun line and submits nothing.
@@ -22,8 +22,8 @@ import sys
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from launcher.sbatch import SlurmConfigError, SlurmJobSpec, array_group_key, array_job_spec, dry_run_text, job_spec
-from launcher.slurm_rank import RankTask
+from launcher.slurm.sbatch import SlurmConfigError, SlurmJobSpec, array_group_key, array_job_spec, dry_run_text, job_spec
+from launcher.slurm.rank_task import RankTask
 from launcher.rundir import write_config
 from training.config import Config
 from training.events import append_event

@@ -1,8 +1,8 @@
-"""The batch script's own steps around srun: `python -m launcher.slurm_driver prologue|epilogue RUN_DIR`.
+"""The batch script's own steps around srun: `python -m launcher.slurm.driver prologue|epilogue RUN_DIR`.
 
 prologue (before srun): numbers the attempt, records `started` with the nodes, prints the
   rendezvous exports (MASTER_ADDR = first node, MASTER_PORT from the job id) for `eval`.
-epilogue (after srun): reads every rank's record and acts (launcher/requeue.py decides):
+epilogue (after srun): reads every rank's record and acts (launcher/slurm/requeue.py decides):
   completed -> `completed`; all ranks stopped early -> `requeued`, `scontrol requeue` (same job);
   a failure -> `failed` (node, rank, exit code), then a new job excluding the failing node, up to
   cluster.max_retries -> then `stopped`; exit 2 or the same error on every rank at step 0 -> `stopped`.
@@ -19,8 +19,8 @@ import sys
 import time
 from typing import Dict, List
 
-from launcher.requeue import decide
-from launcher.slurm_rank import attempt_dir
+from launcher.slurm.requeue import decide
+from launcher.slurm.rank_task import attempt_dir
 from launcher.status import excluded_nodes, last_step, retries_used
 from training.config import load_config
 from training.events import append_event, read_events
@@ -92,7 +92,7 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
     progressed = step_now is not None and (pro["last_step"] is None or step_now > pro["last_step"])
     events = read_events(run_dir)
     excluded = excluded_nodes(events)
-    from launcher.slurm import partition_nodes
+    from launcher.slurm.submit import partition_nodes
 
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     d = decide(records, world, rank_layout(pro["nodes"], cfg.cluster.gpus_per_node), progressed,
@@ -119,7 +119,7 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
         append_event(run_dir, "stopped", reason=d.reason, last_step=step_now, **ev)
         return 1
     # resubmit: a new job with the failing node(s) excluded, resuming from the last checkpoint.
-    from launcher.slurm import submit_job
+    from launcher.slurm.submit import submit_job
 
     for key in [k for k in os.environ if k.startswith(("SLURM_", "SBATCH_", "SUBMITIT_"))]:
         del os.environ[key]  # the new job must not inherit this job's allocation
@@ -140,7 +140,7 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
 
 def main(argv: List[str]) -> int:
     if len(argv) < 2 or argv[0] not in ("prologue", "epilogue"):
-        print("usage: python -m launcher.slurm_driver prologue|epilogue RUN_DIR [SRUN_RC]", file=sys.stderr)
+        print("usage: python -m launcher.slurm.driver prologue|epilogue RUN_DIR [SRUN_RC]", file=sys.stderr)
         return 2
     if argv[0] == "prologue":
         return prologue(argv[1])

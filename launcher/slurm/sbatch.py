@@ -3,9 +3,9 @@ lines, the per-rank environment, and the checks that keep shell metacharacters o
 
 The job (one per attempt):
     #SBATCH --nodes=N --ntasks-per-node=G --requeue --signal=USR2@delay ...
-    setup:    exports (NCCL_*, ...), then `launcher.slurm_driver prologue` (attempt, MASTER_ADDR/PORT)
+    setup:    exports (NCCL_*, ...), then `launcher.slurm.driver prologue` (attempt, MASTER_ADDR/PORT)
     command:  srun --kill-on-bad-exit=1 ... python -m submitit.core._submit  (one RankTask per rank)
-    teardown: `launcher.slurm_driver epilogue`: completed / requeue self / resubmit excluding a node / stop
+    teardown: `launcher.slurm.driver epilogue`: completed / requeue self / resubmit excluding a node / stop
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def setup_lines(cfg: Config, run_dirs: Sequence[str]) -> List[str]:
         f"export PYTHONPATH={shlex.quote(PROJECT_ROOT)}${{PYTHONPATH:+:$PYTHONPATH}}",
     ]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in rank_env(cfg).items()]
-    lines.append(f'eval "$({python_cmd()} -m launcher.slurm_driver prologue "$MESHRUN_RUN_DIR")" || exit 1')
+    lines.append(f'eval "$({python_cmd()} -m launcher.slurm.driver prologue "$MESHRUN_RUN_DIR")" || exit 1')
     return lines
 
 
@@ -112,7 +112,7 @@ def teardown_lines() -> List[str]:
     """After srun: the epilogue decides between completed, requeue, resubmit and stop."""
     return [
         "MESHRUN_SRUN_RC=$?",
-        f'{python_cmd()} -m launcher.slurm_driver epilogue "$MESHRUN_RUN_DIR" "$MESHRUN_SRUN_RC"',
+        f'{python_cmd()} -m launcher.slurm.driver epilogue "$MESHRUN_RUN_DIR" "$MESHRUN_SRUN_RC"',
         "exit $?",
     ]
 
@@ -211,7 +211,7 @@ def dry_run_text(cfg: Config, run_dir: str) -> str:
         "# srun line",
         srun_line(script),
         "",
-        "# each task (launcher/slurm_rank.py) then runs its rank as",
+        "# each task (launcher/slurm/rank_task.py) then runs its rank as",
         rank_command_text(cfg, run_dir),
         "",
     ])
