@@ -1,10 +1,11 @@
 # make run: install, then train the embedded default (tiny GPT, tp=2 sp, dp=2 zero=1, CPU processes).
 # make test: install, start the dev Slurm cluster, run the tests.
+# make check: the fast inner loop: every test that needs no cluster and no multi-process run (tests/conftest.py).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshrun-installed
 
-.PHONY: install run test plan bench slurm-up slurm-down clean
+.PHONY: install run test check plan bench slurm-up slurm-down clean
 
 install: $(STAMP)
 
@@ -24,6 +25,9 @@ plan: install
 
 test: install slurm-up
 	$(PY) -m pytest -q tests
+
+check: install
+	$(PY) -m pytest -q -m "not slurm and not slow" tests
 
 # Exit 77: the cluster cannot run here (no root / no apt-get); it said why, and the Slurm tests skip with that reason.
 slurm-up:

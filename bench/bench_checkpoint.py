@@ -22,6 +22,8 @@ import torch  # noqa: E402
 
 from training.checkpoint import CheckpointManager, storage  # noqa: E402
 from training.config import Config  # noqa: E402
+from training.mesh import ProcessMesh  # noqa: E402
+from training.optim import DistributedOptimizer  # noqa: E402
 
 
 class _Model(torch.nn.Module):
@@ -32,21 +34,6 @@ class _Model(torch.nn.Module):
 
     def named_parameters(self, *a, **k):
         return [(f"layers.{i}.weight", p) for i, p in enumerate(self.w)]
-
-
-class _Opt:
-    """The optimizer attributes CheckpointManager reads (zero=0, one rank)."""
-
-    def __init__(self, params):
-        self.names = [n for n, _ in params]
-        self.params = [p for _, p in params]
-        self.offsets, n = [], 0
-        for p in self.params:
-            self.offsets.append(n)
-            n += p.numel()
-        self.shard_lo, self.shard_size, self.zero = 0, n, 0
-        self.exp_avg, self.exp_avg_sq, self.master = torch.randn(n), torch.rand(n), None
-        self.step_count, self.loss_scale, self.good_steps = 1, 1.0, 0
 
 
 def raw_write_rate(directory: str, nbytes: int) -> float:
@@ -72,7 +59,12 @@ def main() -> None:
     base = tempfile.mkdtemp(dir=args.dir)
     try:
         model = _Model(args.mb * 2**20 // 4)
-        opt = _Opt(model.named_parameters())
+        mesh = ProcessMesh.single()
+        cfg = Config()
+        cfg.parallel.dp = 1
+        opt = DistributedOptimizer(model.named_parameters(), cfg, mesh)  # fp32, zero=0: m and v, no master
+        opt.exp_avg.normal_()
+        opt.exp_avg_sq.uniform_()
         total = sum(p.numel() for p in model.parameters()) * 4 * 3
         raw = raw_write_rate(base, total)
         rows = {}
@@ -80,7 +72,7 @@ def main() -> None:
             cfg = Config()
             cfg.train.async_save = mode == "async"
             run = os.path.join(base, mode)
-            ck = CheckpointManager(run, None, cfg, log=lambda m: None)
+            ck = CheckpointManager(run, mesh, cfg, log=lambda m: None)
             t0 = time.perf_counter()
             stats = ck.save(1, [model], opt, {"consumed_samples": 0})
             blocked = time.perf_counter() - t0
@@ -88,7 +80,7 @@ def main() -> None:
             total_s = time.perf_counter() - t0
             rows[mode] = (blocked, total_s, stats.bytes or storage.dir_size(storage.step_dir(run, 1)))
         cfg = Config()
-        ck = CheckpointManager(os.path.join(base, "sync"), None, cfg, log=lambda m: None)
+        ck = CheckpointManager(os.path.join(base, "sync"), mesh, cfg, log=lambda m: None)
         t0 = time.perf_counter()
         ck.maybe_resume([model], opt, {})
         load_s = time.perf_counter() - t0

@@ -126,7 +126,7 @@ def _tp_worker(cfg_dict):
         blk.a //= 2  # local heads after the column split
         parallelize_module(blk, dmesh, {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
                                         "proj": RowwiseParallel(), "fc": ColwiseParallel(), "out": RowwiseParallel()})
-    # foreach kernels and clip_grad_norm_ cannot mix DTensor and plain params (notes/torch-cpu-gloo.md):
+    # foreach kernels and clip_grad_norm_ cannot mix DTensor and plain params (docs/PLATFORM.md):
     # per-tensor AdamW and no clipping, which only favours DTensor.
     dtensor = time_plain(cfg, model, torch.device("cpu"), foreach=False, clip=False)
     mesh.destroy()

@@ -7,7 +7,7 @@ training/pipeline.py move real [s, b, h] activations and gradients between the r
 in the batch_isend_irecv exchanges (tag 0) that the schedules also use on NCCL.
 Measured: per rank, idle share = 1 - busy / wall of the step (busy = compute only), averaged over the
 pipeline ranks, median over the timed steps. Planned: (p - 1) / (v m + p - 1).
-Targets (issue 4): within 20 % relative of the formula for pp = 2, 4 at m = pp and m = 4 pp, and
+Targets: the measured idle share within 20 % relative of the formula for pp = 2, 4 at m = pp and m = 4 pp, and
 interleaved (v = 2) lower than 1f1b at the same m.
 
 Usage: python bench/bench_pipeline.py [--tf 0.1] [--tb 0.2] [--steps 3]

@@ -21,6 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from training.events import read_events  # noqa: E402
+from training.exit_codes import EXIT_FAILED  # noqa: E402
+from training.slurm_env import SlurmUnavailable, slurm_command  # noqa: E402
 
 STEPS = 16
 
@@ -49,8 +51,11 @@ def wait(pred, timeout=300, poll=0.05):
 
 
 def main() -> int:
-    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
-    if "UP" not in ping.stdout:
+    try:
+        up = "UP" in slurm_command(["scontrol", "ping"]).stdout
+    except SlurmUnavailable:
+        up = False
+    if not up:
         print("bench_slurm: SKIPPED: the dev Slurm cluster does not answer (bash slurm/dev-cluster.sh up)")
         return 77
     run_dir = os.path.join(tempfile.mkdtemp(prefix="bench_slurm_"), "run")
@@ -60,7 +65,7 @@ def main() -> int:
                           f"run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
         print(res.stderr[-3000:], file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     job = re.search(r"submitted Slurm job (\d+)", res.stdout).group(1)
     returned = time.time() - t0
     wait(lambda: metrics_lines(run_dir))
@@ -69,7 +74,8 @@ def main() -> int:
                       "command_returned_s": round(returned, 2), "job_id": job}))
     wait(lambda: len(metrics_lines(run_dir)) >= 4)
     t1 = time.time()
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    if slurm_command(["scancel", "--signal=USR2", job]).returncode != 0:
+        raise SystemExit(f"bench_slurm: scancel --signal=USR2 {job} failed")
     started = lambda: [e for e in read_events(run_dir) if e["event"] == "started"]  # noqa: E731
     wait(lambda: len(started()) >= 2)
     n_before = len(metrics_lines(run_dir))

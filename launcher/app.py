@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import List
 
 import hydra
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.schema import register
 from training.config import Config
-from training.exit_codes import EXIT_INVALID
+from training.exit_codes import EXIT_FAILED, EXIT_INVALID
 
 register()
 
@@ -25,14 +27,20 @@ def _is_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def _launcher_submits_arrays() -> bool:
+    """Whether the sweep's launcher submits its batch's Slurm points itself, as job arrays (meshrun's,
+    hydra_plugins/meshrun_sweep: hydra.launcher.slurm_arrays); other launchers leave each point to submit."""
+    return _is_multirun() and bool(OmegaConf.select(HydraConfig.get(), "launcher.slurm_arrays", default=False))
+
+
 def _run_dir(cfg: Config) -> str:
     """run.dir, or in a multirun sweep the point's own directory under the sweep directory."""
     return HydraConfig.get().runtime.output_dir if _is_multirun() else cfg.run.dir
 
 
-# An absolute path: run as `python -m launcher` or the console script, Hydra would otherwise look for
-# a Python package named `conf`.
-_CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+# Through the installed package, not a path next to the source: a wheel has no conf/ beside launcher/
+# (pyproject.toml installs conf/ as the package meshrun_conf).
+_CONF_DIR = "pkg://meshrun_conf"
 
 
 @hydra.main(version_base=None, config_path=_CONF_DIR, config_name="config")
@@ -40,7 +48,15 @@ def hydra_main(dcfg: DictConfig):
     global _task_started
     _task_started = True
     cfg: Config = OmegaConf.to_object(dcfg)
+    if cfg.action == "keys":
+        from launcher.keys import print_keys
+
+        return print_keys(cfg.keys.group, presets=_presets)
     run_dir = os.path.abspath(_run_dir(cfg))
+    if cfg.action in ("train", "plan") and not _is_multirun():
+        from launcher.resume import resume_config
+
+        cfg = resume_config(run_dir, cfg, HydraConfig.get().overrides.task)
     cfg.run.dir = run_dir
     if cfg.action == "status":
         from launcher.status import print_status
@@ -50,10 +66,6 @@ def hydra_main(dcfg: DictConfig):
         from launcher.preflight import run_preflight
 
         return run_preflight(cfg, run_dir)
-    if cfg.action not in ("plan", "train"):
-        print(f"error: unknown action={cfg.action!r}; use train, plan, status or preflight", file=sys.stderr)
-        raise SystemExit(EXIT_INVALID)
-
     from launcher.planning import plan_or_reject
 
     result = plan_or_reject(cfg, run_dir, multirun=_is_multirun())
@@ -62,10 +74,16 @@ def hydra_main(dcfg: DictConfig):
     if cfg.cluster.kind == "slurm":
         from launcher.slurm.submit import submit
 
-        return submit(cfg, run_dir, result, multirun=_is_multirun())
+        return submit(cfg, run_dir, result, multirun=_is_multirun(), queue=_launcher_submits_arrays())
     from launcher.local import launch_local
 
-    return launch_local(cfg, run_dir, result)
+    return launch_local(cfg, run_dir)
+
+
+def _presets(group: str) -> List[str]:
+    """The presets of a config group, as Hydra sees them (the installed conf tree)."""
+    loader = GlobalHydra.instance().config_loader()
+    return sorted(loader.get_group_options(group))
 
 
 def cli() -> None:
@@ -73,11 +91,11 @@ def cli() -> None:
     try:
         hydra_main()
     except SystemExit as exc:
-        if exc.code == 1 and not _task_started:
+        if exc.code == EXIT_FAILED and not _task_started:
             # Hydra's own hint ("use +key=value to append") is wrong for typed configs: keys are fixed.
             print("meshrun: invalid configuration; nothing was launched. Check the key's spelling and type "
-                  "(every key is documented in training/config.py; `meshrun --cfg job` prints the composed "
-                  "config) and that presets exist under conf/<group>/. Only dict fields such as "
+                  "(`meshrun action=keys` lists every key with its type and documentation; `meshrun --cfg job` prints "
+                  "the composed config) and that presets exist under conf/<group>/. Only dict fields such as "
                   "cluster.env take new keys, with a leading '+'.", file=sys.stderr)
             raise SystemExit(EXIT_INVALID) from None
         raise

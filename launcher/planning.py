@@ -40,7 +40,7 @@ def plan_or_reject(cfg: Config, run_dir: str, multirun: bool = False) -> Dict[st
 
     Returns {"status": "ok", "plan": plan.json's dict, "warnings": [...], "run_dir": run_dir}, or in a
     sweep {"status": "invalid" | "no_fit", "errors": [...], "warnings": [...]}. A single run with errors
-    prints them all to stderr and raises SystemExit(2)."""
+    prints them all to stderr and raises SystemExit(EXIT_INVALID)."""
     report = validate_for_launch(cfg)
     warnings = [str(i) for i in report.warnings]
     notes = [str(i) for i in report.notes]

@@ -1,8 +1,9 @@
 """`meshrun action=preflight`: run the preflight ranks alone, locally or as a Slurm job.
 
 No torch here: the ranks are `python -m training.preflight RUN_DIR` subprocesses (local) or the
-same command as a Slurm job (`submit_slurm`, a submitit job of `PreflightTask`s, no requeue). The verdict is read back from run_dir/preflight.json; a bad node
-makes this exit with 4 (docs/CONTRACTS.md), nothing bad with 0.
+same command as a Slurm job (`submit_slurm`, a submitit job of `PreflightTask`s, no requeue). The verdict
+is read back from run_dir/preflight.json; a bad node makes this exit with EXIT_NODE_BAD, nothing bad
+with EXIT_OK (training/exit_codes.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List
 
-from launcher.local import POLL_S, _stop, free_port, rank_env, usable_cores
+from launcher.local import LOOPBACK, free_port
+from launcher.procs import POLL_S, engine_env, rank_process_env, stop_processes, threads_per_rank
 from launcher.rundir import write_config
-from training.config import Config
-from training.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_SLURM
+from training.config import Config, load_config
+from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK, EXIT_SLURM
+from training.slurm_env import SlurmUnavailable, dist_env, torch_env_from_slurm
 
 PREFLIGHT_MODULE = "training.preflight"
 
@@ -29,17 +32,9 @@ def preflight_argv(run_dir: str) -> List[str]:
     return [sys.executable, "-m", PREFLIGHT_MODULE, run_dir]
 
 
-def rank_entry(run_dir: str) -> int:
-    """A submitit-picklable callable for one Slurm task: runs the rank command, returns its exit status.
-
-    Runs as a subprocess so that the submitting process never imports torch.
-    """
-    return subprocess.call(preflight_argv(run_dir))
-
-
 def _local_env(rank: int, world: int, per_node: int, port: int, threads: int, cfg: Config) -> Dict[str, str]:
-    env = rank_env(rank, world, port, threads, cfg)
-    env.update(LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node))
+    env = rank_process_env(dist_env(rank, world, rank % per_node, per_node, LOOPBACK, port), engine_env(cfg),
+                           threads)
     if cfg.cluster.nodes > 1:
         # Several simulated nodes on this machine: give each its own name so per-node checks,
         # verdicts and ib_sysfs_root_by_node work as on a real cluster.
@@ -51,7 +46,7 @@ def run_local(cfg: Config, run_dir: str, timeout_s: float = 0.0) -> int:
     """Spawn nodes x gpus_per_node preflight ranks here; return the exit status of the job."""
     per_node, world = cfg.cluster.gpus_per_node, cfg.cluster.nodes * cfg.cluster.gpus_per_node
     port = cfg.cluster.master_port or free_port()
-    threads = max(1, usable_cores() // world)
+    threads = threads_per_rank(world)  # every simulated node shares this machine's cores
     logdir = os.path.join(run_dir, "logs")
     os.makedirs(logdir, exist_ok=True)
     timeout_s = timeout_s or 2 * cfg.cluster.preflight.timeout_s + 60
@@ -61,17 +56,18 @@ def run_local(cfg: Config, run_dir: str, timeout_s: float = 0.0) -> int:
             # Rank 0 prints the table to this terminal; the others only log.
             log = open(os.path.join(logdir, f"preflight_rank_{r}.log"), "wb")
             logs.append(log)
-            procs.append(subprocess.Popen(preflight_argv(run_dir), env=_local_env(r, world, per_node, port, threads, cfg),
-                                          stdout=None if r == 0 else log, stderr=log))
+            env = _local_env(r, world, per_node, port, threads, cfg)
+            procs.append(subprocess.Popen(preflight_argv(run_dir), env=env, stdout=None if r == 0 else log,
+                                          stderr=log))
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             codes = [p.poll() for p in procs]
             if all(c is not None for c in codes):
                 break
-            if any(c not in (None, 0, EXIT_NODE_BAD) for c in codes):
+            if any(c not in (None, EXIT_OK, EXIT_NODE_BAD) for c in codes):
                 break  # a rank crashed: its peers would wait for it until the collective timeout
             time.sleep(POLL_S)
-        _stop(procs)
+        stop_processes(procs)
         codes = [p.returncode for p in procs]
     finally:
         for log in logs:
@@ -82,8 +78,8 @@ def run_local(cfg: Config, run_dir: str, timeout_s: float = 0.0) -> int:
     if crashed:
         r, c = crashed[0]
         print(f"meshrun: preflight rank {r} exited with {c}; see {logdir}/preflight_rank_{r}.log", file=sys.stderr)
-        return c if c > 0 else 1
-    return 0
+        return c if c > 0 else EXIT_FAILED
+    return EXIT_OK
 
 
 @dataclass
@@ -94,43 +90,24 @@ class PreflightTask:
     """The run directory holding config.json."""
 
     def __call__(self) -> int:
-        from training.slurm_env import torch_env_from_slurm
-
-        env = dict(os.environ)
-        env.update(torch_env_from_slurm(env))
-        env["PYTHONUNBUFFERED"] = "1"
+        cfg = load_config(os.path.join(self.run_dir, "config.json"))
+        env = rank_process_env(torch_env_from_slurm(os.environ), engine_env(cfg))
         # The status is returned, not raised: a bad node (4) must not make srun kill the healthy
         # ranks before they have reported; the verdict is in preflight.json.
         return subprocess.call(preflight_argv(self.run_dir), env=env)
-
-
-def slurm_parameters(cfg: Config, run_dir: str) -> Dict[str, Any]:
-    """submitit parameters of the preflight job: the training job's, without its requeue machinery."""
-    from launcher.slurm.sbatch import job_spec
-
-    params = dict(job_spec(cfg, run_dir).parameters)
-    params["job_name"] = "meshrun-preflight"
-    params["setup"] = [line for line in params["setup"] if "slurm_driver" not in line]
-    params.pop("teardown", None)
-    params["srun_args"] = [a for a in params.get("srun_args", []) if not a.startswith("--kill-on-bad-exit")]
-    extra = {k: v for k, v in params.get("additional_parameters", {}).items() if k != "requeue"}
-    params["additional_parameters"] = extra
-    return params
 
 
 def submit_slurm(cfg: Config, run_dir: str) -> Dict[str, Any]:
     """Run the preflight alone as a Slurm job over cluster.nodes x gpus_per_node tasks; wait for it."""
     import submitit
 
-    from launcher.slurm.sbatch import SlurmConfigError
-    from launcher.slurm.submit import SlurmUnavailable, check_controller, check_partition
+    from launcher.slurm.sbatch import SlurmConfigError, preflight_job_spec
+    from launcher.slurm.submit import resolve_for_slurm
 
     try:
-        params = slurm_parameters(cfg, run_dir)
-        check_controller()
-        check_partition(cfg)
-        ex = submitit.SlurmExecutor(folder=os.path.join(run_dir, "submitit_preflight"))
-        ex.update_parameters(**params)
+        spec = preflight_job_spec(resolve_for_slurm(cfg), run_dir)
+        ex = submitit.SlurmExecutor(folder=spec.folder, python=spec.python)
+        ex.update_parameters(**spec.parameters)
         try:
             job = ex.submit(PreflightTask(run_dir))
         except Exception as exc:  # submitit wraps sbatch's complaint
@@ -145,7 +122,8 @@ def submit_slurm(cfg: Config, run_dir: str) -> Dict[str, Any]:
 
 
 def run_preflight(cfg: Config, run_dir: str) -> Dict[str, Any]:
-    """meshrun action=preflight: write config.json, run the ranks, print the verdict, exit 4 on a bad node."""
+    """meshrun action=preflight: write config.json, run the ranks, print the verdict; exits EXIT_NODE_BAD
+    on a bad node."""
     write_config(cfg, run_dir)
     t = time.time()
     if cfg.cluster.kind == "slurm":

@@ -10,7 +10,7 @@ from training.config import Config, config_to_dict, save_config
 
 
 def write_config(cfg: Config, run_dir: str) -> None:
-    """run_dir/config.json (what every rank reads) and run_dir/config.yaml (DESIGN's resolved config)."""
+    """run_dir/config.json (what every rank reads) and run_dir/config.yaml (the same for people, docs/DESIGN.md)."""
     os.makedirs(run_dir, exist_ok=True)
     save_config(cfg, os.path.join(run_dir, "config.json"))
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:

@@ -10,11 +10,12 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 from typing import Any, Dict, List, Optional
 
 from training.events import EVENTS_FILE, read_events
+from training.exit_codes import EXIT_INVALID
+from training.slurm_env import SlurmUnavailable, slurm_command
 
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
                 "BOOT_FAIL", "DEADLINE"}
@@ -87,9 +88,10 @@ def retries_used(events: List[Dict[str, Any]]) -> int:
 
 
 def _run(cmd: List[str]) -> str:
+    """A Slurm query's output; "" when Slurm cannot answer (the run's state then comes from its events)."""
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
+        return slurm_command(cmd).stdout
+    except SlurmUnavailable:
         return ""
 
 
@@ -184,7 +186,7 @@ def sweep_status(sweep_dir: str) -> Dict[str, Any]:
 
 
 def print_status(run_dir: str) -> Dict[str, Any]:
-    """Print exactly one JSON object on stdout; an unknown run dir is an error on stderr (exit 2)."""
+    """Print exactly one JSON object on stdout; an unknown run dir is an error on stderr (EXIT_INVALID)."""
     if os.path.exists(os.path.join(run_dir, SWEEP_FILE)):
         out = sweep_status(run_dir)
         print(json.dumps(out, sort_keys=True))
@@ -194,7 +196,7 @@ def print_status(run_dir: str) -> Dict[str, Any]:
         print(f"error: run.dir={run_dir} is not a meshrun run directory (no {EVENTS_FILE} or config.json): "
               "give the run directory printed at launch or submission, or a sweep directory (it holds "
               f"{SWEEP_FILE})", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(EXIT_INVALID)
     status = run_status(run_dir)
     print(json.dumps(status, sort_keys=True))
     return status

@@ -8,7 +8,7 @@
 # Idempotent: `up` on a running cluster only checks it. Exit codes: 0 ok, 1 failure,
 # 77 cannot run here (not root / no apt-get): the reason is printed and written to $UNAVAILABLE_FILE,
 # and the Slurm tests turn it into a skip with that reason.
-# Settings are the ones measured in shared/notes/slurm-dev-cluster.md (fast requeue: cred_expire=5 etc.).
+# Settings are the ones measured in docs/PLATFORM.md (fast requeue: cred_expire=5 etc.).
 set -uo pipefail
 
 STATE="${MESHRUN_SLURM_STATE:-/var/lib/meshrun-slurm}"
@@ -21,6 +21,16 @@ RUN="$STATE/run"
 LOG="$STATE/log"
 MYSQL_SOCK=/run/mysqld/mysqld.sock
 PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server numactl)
+# Why each package is needed: printed before anything is installed.
+declare -A WHY=(
+    [munge]="authenticates the Slurm daemons and clients to each other (AuthType=auth/munge)"
+    [slurmctld]="the Slurm controller: queues, schedules and requeues the jobs"
+    [slurmd]="the node daemon: runs the tasks of the 3 fake nodes n1-n3"
+    [slurm-client]="sbatch, srun, squeue, scontrol, sinfo, sacct: what meshrun and the tests call"
+    [slurmdbd]="the accounting daemon: sacct answers for jobs that left the queue (status, requeues)"
+    [mariadb-server]="the database slurmdbd keeps job accounting in"
+    [numactl]="binds each rank to its NUMA node (numactl --cpunodebind/--membind)"
+)
 
 say() { echo "dev-cluster: $*" >&2; }
 die() { say "ERROR: $*"; exit 1; }
@@ -93,9 +103,16 @@ missing_packages() {
 install_missing() {
     local missing
     missing="$(missing_packages)"
-    [[ -z "${missing// /}" ]] && return 0
+    if [[ -z "${missing// /}" ]]; then
+        say "system packages already installed: ${PACKAGES[*]}"
+        return 0
+    fi
     command -v apt-get >/dev/null || unavailable "packages missing ($missing) and no apt-get on this machine"
-    say "installing: $missing"
+    local p
+    say "installing these system packages with apt-get (what the dev Slurm cluster needs):"
+    for p in $missing; do
+        say "  $p: ${WHY[$p]:-needed by the dev cluster}"
+    done
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq >"$LOG/apt.log" 2>&1 || { tail -5 "$LOG/apt.log" >&2; unavailable "apt-get update failed (no network or no apt sources?)"; }
     # shellcheck disable=SC2086

@@ -17,7 +17,7 @@ from dist_harness import run_distributed
 from training.checkpoint import CheckpointManager, storage
 from training.config import Config
 from training.mesh import ProcessMesh
-from training.optimizer import DistributedOptimizer
+from training.optim import DistributedOptimizer
 
 V, H, F = 11, 4, 8
 # name -> (global shape before vocab padding, tp_shard_dim)

@@ -14,7 +14,7 @@ from training.checkpoint import CheckpointError, CheckpointManager, storage
 from training.checkpoint.layout import flat_range_rects
 from training.events import read_events
 from training.mesh import ProcessMesh
-from training.optimizer import DistributedOptimizer
+from training.optim import DistributedOptimizer
 
 
 def _setup(run_dir, **train):

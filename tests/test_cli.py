@@ -39,7 +39,7 @@ def test_plan_writes_plan_json(tmp_path):
     assert (plan["tp"], plan["dp"], plan["grad_accum"]) == (2, 2, 2)  # the embedded default: tp2 sp dp2
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["parallel"]["tp"] == 2 and cfg["action"] == "plan"
-    import yaml  # the resolved config for people, as DESIGN's run directory lists it
+    import yaml  # the resolved config for people, as docs/DESIGN.md's run directory lists it
 
     assert yaml.safe_load((run / "config.yaml").read_text()) == cfg
 
@@ -81,8 +81,9 @@ def test_sweep_summary(tmp_path):
     data = json.loads((sweep / "sweep.json").read_text())
     assert len(data["points"]) == 6
     feasible = data["feasible"]
-    heads = [r["headroom_bytes"] for r in feasible]
-    assert heads == sorted(heads, reverse=True)
+    # Ranked by predicted step time, then by memory headroom (most first).
+    heads = [(r["predicted_step_s"], -r["headroom_bytes"]) for r in feasible]
+    assert heads == sorted(heads)
     assert all(r["reason"] for r in data["infeasible"])
     for r in feasible:
         assert os.path.exists(os.path.join(r["run_dir"], "plan.json"))

@@ -38,7 +38,7 @@ def _full_grads(trainer, mesh, sp) -> dict:
     """Every parameter's dp-reduced grad, gathered over tp into its full (global) shape."""
     opt = trainer.optimizer
     out = {}
-    for name, p, view in zip(opt.names, opt.params, opt._grad_views):
+    for name, p, view in zip(opt.names, opt.params, opt.grads.views):
         g = view.detach().float().clone()
         if getattr(p, "sequence_parallel", False) and sp and mesh.tp > 1:
             dist.all_reduce(g, group=mesh.tp_group)

@@ -10,7 +10,7 @@ import torch
 from dist_harness import run_distributed
 from training.config import Config
 from training.mesh import ProcessMesh
-from training.optimizer import DistributedOptimizer
+from training.optim import DistributedOptimizer
 
 STEPS = 3
 
@@ -117,7 +117,7 @@ def test_fp16_overflow_skips_step_halves_scale_and_training_continues():
         loss = torch.nn.functional.mse_loss(model(x.half()).float(), y)
         opt.scale_loss(loss, 1).backward()
         if inject:
-            opt.grad_buffer[3] = float("inf")
+            opt.grads.buffer[3] = float("inf")
         return opt.step(1e-2)
 
     before = [p.detach().clone() for p in model.parameters()]
@@ -164,7 +164,7 @@ def _norm_worker(layout):
     cfg = _cfg(clip=0.0)
     cfg.parallel.tp, cfg.parallel.pp = mesh.tp, mesh.pp
     opt = DistributedOptimizer(params, cfg, mesh)
-    for view, grad in zip(opt._grad_views, grads):
+    for view, grad in zip(opt.grads.views, grads):
         view.copy_(grad)
     res = opt.step(0.0)
     assert math.isclose(res.grad_norm, float(expect), rel_tol=1e-6), (res.grad_norm, float(expect))

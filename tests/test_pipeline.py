@@ -211,9 +211,9 @@ def test_one_exchange_per_action_would_deadlock_interleaved():
 
 
 def test_bad_schedule_shapes_are_clear_errors():
-    with pytest.raises(ValueError, match="multiple of parallel.pp"):
+    with pytest.raises(ValueError, match="multiple of pp=4"):
         check_schedule("interleaved_1f1b", 4, 2, 6)
-    with pytest.raises(ValueError, match="vpp=2 needs parallel.schedule=interleaved_1f1b"):
+    with pytest.raises(ValueError, match="vpp=2 needs schedule=interleaved_1f1b"):
         check_schedule("1f1b", 2, 2, 4)
     with pytest.raises(ValueError, match="use one of"):
         check_schedule("zigzag", 2, 1, 4)

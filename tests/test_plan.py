@@ -1,4 +1,4 @@
-"""The planner against the published formulas (notes/formulas.md) and the engine's accounting contract."""
+"""The planner against the published formulas (docs/FORMULAS.md) and the engine's accounting contract."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_general_ffn_width_and_flash():
     assert layer_activation_bytes(flash, KORTHIKANTI) == sbh * (18 + 4 * f // h)
 
 
-# ---- The CPU fp32 measurements of notes/torch-cpu-gloo.md ----------------------------------------
+# ---- The CPU fp32 measurements of docs/PLATFORM.md -----------------------------------------------
 
 CPU_FP32 = DeviceProfile(act_bytes=4, mask_bytes=4, flash_with_dropout=False)
 

@@ -37,7 +37,7 @@ def test_bandwidth_verdicts_attribute_blocks_to_nodes():
     nodes = ["a"] * 4 + ["b"] * 4
     results = [_res("all_reduce", 0, 4, 350), _res("all_reduce", 4, 4, 90), _res("all_reduce", 0, 8, 40),
                _res("all_reduce", 0, 4, 1, nbytes=2**20), _res("all_gather", 4, 4, 10)]
-    checks = check_bandwidth(results, nodes, 4, intra_gbps=360, inter_gbps=45, min_fraction=0.8)
+    checks = check_bandwidth(results, nodes, intra_gbps=360, inter_gbps=45, min_fraction=0.8)
     got = {(c.name, c.subject): c for c in checks}
     assert got[("coll.all_reduce", "ranks[0-3]")].status == OK
     assert got[("coll.all_reduce", "ranks[0-3]")].found["bytes"] == 2**23  # largest size is the one judged

@@ -21,6 +21,7 @@ def meshrun(*overrides, timeout=120):
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # CPU ranks started by the CLI
 def test_local_preflight_cpu_reports_without_failing(tmp_path):
     run_dir = str(tmp_path / "run")
     p = meshrun("action=preflight", "cluster=local", f"run.dir={run_dir}")
@@ -53,6 +54,7 @@ def test_local_preflight_cpu_reports_without_failing(tmp_path):
     assert len(ev) == 1 and ev[0]["bad_nodes"] == [] and ev[0]["job_id"] == "local"
 
 
+@pytest.mark.slow  # CPU ranks started by the CLI
 def test_fault_injected_on_one_node_fails_that_node_with_exit_4(tmp_path):
     good, bad = str(tmp_path / "ib_good"), str(tmp_path / "ib_bad")
     write_port(good, "mlx5_0")

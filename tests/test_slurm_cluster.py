@@ -17,6 +17,7 @@ import pytest
 
 from launcher.status import run_status
 from training.events import read_events
+from training.exit_codes import EXIT_SLURM
 
 pytestmark = pytest.mark.slurm
 
@@ -277,11 +278,20 @@ def test_bad_input_submits_nothing(tmp_path, cluster):
     real = open("/etc/slurm/slurm.conf").read()
     conf.write_text(re.sub(r"(?m)^SlurmctldHost=.*$", "SlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort=1", real))
     res = meshrun("cluster=slurm_dev", *COMMON, f"run.dir={tmp_path / 'c'}", env={"SLURM_CONF": str(conf)})
-    assert res.returncode == 3 and "controller does not answer" in res.stderr, res.stderr
+    assert res.returncode == EXIT_SLURM and "controller does not answer" in res.stderr, res.stderr
     for d in "abc":
         assert not (tmp_path / d / "events.jsonl").exists()
     after = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
     assert set(after) <= set(before)
+
+
+def test_cpus_per_task_default_comes_from_the_partitions_nodes(tmp_path, cluster):
+    """cluster.cpus_per_task=0: the dev nodes' 8 CPUs (sinfo) shared by the ranks per node, never 1."""
+    for ranks, cpus in ((2, 4), (1, 8)):
+        res = meshrun("cluster=slurm_dev", *COMMON, "dry_run=true", f"cluster.gpus_per_node={ranks}", "parallel.tp=1",
+                      f"run.dir={tmp_path / str(ranks)}")
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert f"#SBATCH --cpus-per-task={cpus}" in res.stdout.splitlines(), res.stdout
 
 
 def test_time_limit_signal_requeues_and_resumes(tmp_path, cluster):
@@ -354,7 +364,7 @@ def test_preflight_gate_keeps_bad_node_out_and_requeues_without_it(tmp_path, ref
     assert sorted(losses) == sorted(reference)
     for step, loss in reference.items():
         assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
-    # The dev preset keeps the per-attempt gate cheap (DESIGN: gate is the default on Slurm).
+    # The dev preset keeps the per-attempt gate cheap (docs/DESIGN.md: gate is the default on Slurm).
     assert all(e["elapsed_s"] < 5 for e in pre + second), pre + second
 
 

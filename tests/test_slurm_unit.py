@@ -13,10 +13,11 @@ import pytest
 
 from launcher.slurm import numa
 from launcher.slurm.requeue import decide, plan_exclusion
-from launcher.slurm.sbatch import (PROJECT_ROOT, SlurmConfigError, array_group_key, array_job_spec, dry_run_text, job_spec,
-                             sbatch_text, setup_lines, validate_for_slurm)
+from launcher.slurm.sbatch import (PROJECT_ROOT, SlurmConfigError, array_group_key, array_job_spec, cpus_per_task,
+                                   dry_run_text, job_spec, preflight_job_spec, sbatch_text, setup_lines,
+                                   srun_line, validate_for_slurm, with_cpus_per_task)
 from launcher.status import run_status
-from training.config import ClusterConfig, Config
+from training.config import ClusterConfig, Config, ContainerConfig
 from training.events import append_event
 from training import slurm_env
 
@@ -30,7 +31,12 @@ def dev_cfg(**cluster) -> Config:
     base.update(cluster)
     cfg.cluster = ClusterConfig(**base)
     cfg.parallel.tp = 2
-    return cfg
+    # As submit() leaves it: cpus_per_task=0 resolved from the dev cluster's nodes (8 CPUs, 2 ranks each).
+    return with_cpus_per_task(cfg, node_cpus=8)
+
+
+def dry_run(cfg: Config, run_dir: str) -> str:
+    return dry_run_text(cfg, job_spec(cfg, run_dir), run_dir)
 
 
 def normalise(text: str, run_dir: str) -> str:
@@ -40,7 +46,7 @@ def normalise(text: str, run_dir: str) -> str:
 
 def test_dry_run_matches_golden(tmp_path):
     run_dir = str(tmp_path / "run")
-    text = normalise(dry_run_text(dev_cfg(), run_dir), run_dir)
+    text = normalise(dry_run(dev_cfg(), run_dir), run_dir)
     if os.environ.get("MESHRUN_UPDATE_GOLDEN"):
         with open(GOLDEN, "w") as f:
             f.write(text)
@@ -55,7 +61,7 @@ def test_dry_run_matches_golden(tmp_path):
 def test_cuda_max_connections_only_with_tp(tmp_path):
     cfg = dev_cfg()
     cfg.parallel.tp = 1
-    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in dry_run_text(cfg, str(tmp_path))
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in dry_run(cfg, str(tmp_path))
 
 
 def test_gpus_requested_only_on_cuda(tmp_path):
@@ -129,6 +135,96 @@ def test_sbatch_extra_checked(tmp_path):
     assert len(errors) == 3
     spec = job_spec(dev_cfg(sbatch_extra={"constraint": "h100"}), str(tmp_path))
     assert spec.parameters["additional_parameters"] == {"requeue": True, "constraint": "h100"}
+
+
+# ------------------------------------------------------------------ resources a real cluster needs
+def test_cpus_per_task_defaults_to_the_nodes_cpus_per_rank(tmp_path):
+    assert "#SBATCH --cpus-per-task=4" in sbatch_text(job_spec(dev_cfg(), str(tmp_path)))  # 8 CPUs / 2 ranks
+    assert cpus_per_task(ClusterConfig(gpus_per_node=8), node_cpus=224) == 28
+    assert cpus_per_task(ClusterConfig(gpus_per_node=8, cpus_per_task=6), node_cpus=224) == 6  # explicit wins
+    assert cpus_per_task(ClusterConfig(gpus_per_node=8), node_cpus=4) == 1  # more ranks than CPUs
+    explicit = with_cpus_per_task(dev_cfg(cpus_per_task=3), node_cpus=8)
+    assert "#SBATCH --cpus-per-task=3" in sbatch_text(job_spec(explicit, str(tmp_path)))
+    # Unknown node CPUs is an error naming the fix, never Slurm's silent 1 CPU per task.
+    unresolved = dev_cfg()
+    unresolved.cluster.cpus_per_task = 0
+    with pytest.raises(SlurmConfigError, match="set cluster.cpus_per_task"):
+        job_spec(unresolved, str(tmp_path))
+    with pytest.raises(SlurmConfigError, match="set cluster.cpus_per_task"):
+        with_cpus_per_task(unresolved, node_cpus=0)
+
+
+def test_exclusive_is_a_bare_flag_and_mem_a_size(tmp_path):
+    plain = sbatch_text(job_spec(dev_cfg(), str(tmp_path)))
+    assert "--exclusive" not in plain and "--mem" not in plain
+    lines = sbatch_text(job_spec(dev_cfg(exclusive=True, mem="64G"), str(tmp_path))).splitlines()
+    assert "#SBATCH --exclusive" in lines and not any(ln.startswith("#SBATCH --exclusive=") for ln in lines)
+    assert "#SBATCH --mem=64G" in lines
+    assert "#SBATCH --mem=0" in sbatch_text(job_spec(dev_cfg(mem="0"), str(tmp_path))).splitlines()
+
+
+IMAGE = "nvcr.io#nvidia/pytorch:24.05-py3"
+
+
+def test_container_is_rendered_as_quoted_srun_options(tmp_path):
+    run_dir = str(tmp_path / "run")
+    cfg = dev_cfg(container=ContainerConfig(image=IMAGE, mounts=["/data:/data:ro", "/scratch/r un:/scratch/r un"]))
+    assert validate_for_slurm(cfg) == ["cluster.container.mounts entry '/scratch/r un:/scratch/r un': use "
+                                       "SRC:DST[:FLAGS] with absolute paths and no commas, colons or spaces "
+                                       "inside them (e.g. /data:/data:ro)"]
+    cfg = dev_cfg(container=ContainerConfig(image=IMAGE, mounts=["/data:/data:ro", f"{tmp_path}:{tmp_path}"]))
+    assert validate_for_slurm(cfg) == []
+    line = srun_line(sbatch_text(job_spec(cfg, run_dir)))
+    assert f"'--container-image={IMAGE}'" in line  # `#` quoted: never a comment, whatever the shell
+    # The shell hands srun exactly these words: the image with its `#`, the mounts joined by commas.
+    words = shlex.split(line)
+    assert f"--container-image={IMAGE}" in words
+    assert f"--container-mounts=/data:/data:ro,{tmp_path}:{tmp_path}" in words
+    assert words.index("--kill-on-bad-exit=1") < words.index(f"--container-image={IMAGE}") < words.index("bash")
+    # No image: no pyxis option at all (clusters without pyxis reject them).
+    assert "--container" not in sbatch_text(job_spec(dev_cfg(), run_dir))
+
+
+def test_preflight_job_keeps_resources_and_container_but_no_requeue_machinery(tmp_path):
+    run_dir = str(tmp_path / "run")
+    cfg = dev_cfg(exclusive=True, mem="64G", container=ContainerConfig(image=IMAGE))
+    train, pre = job_spec(cfg, run_dir), preflight_job_spec(cfg, run_dir)
+    for key in ("nodes", "ntasks_per_node", "cpus_per_task", "exclusive", "mem", "partition", "time"):
+        assert pre.parameters[key] == train.parameters[key], key
+    text = sbatch_text(pre)
+    assert f"--container-image={IMAGE}" in srun_line(text) and "--kill-on-bad-exit" not in text
+    assert "#SBATCH --requeue" not in text and "launcher.slurm.driver" not in text  # no prologue, no epilogue
+    assert "#SBATCH --job-name=meshrun-preflight" in text and pre.folder == os.path.join(run_dir, "submitit_preflight")
+    assert "export NCCL_IB_HCA=mlx5_0" in text
+
+
+@pytest.mark.parametrize("override,message", [
+    ("cluster.mem=64GB", "cluster.mem='64GB' is not a Slurm size"),
+    ("cluster.cpus_per_task=-2", "cluster.cpus_per_task=-2"),
+    ("cluster.container.image='nvcr.io#nvidia/pytorch:24.05 ;id'", "is not an image reference"),
+    ("cluster.container.mounts=[/data:/data]", "cluster.container.image is empty"),
+    ("+cluster.sbatch_extra.exclusive=true", "cluster.sbatch_extra.exclusive is set by meshrun itself"),
+    ("cluster.exclusive=maybe", "invalid configuration"),
+])
+def test_bad_resource_values_exit_2_through_meshrun(override, message, tmp_path):
+    res = subprocess.run([sys.executable, "-m", "launcher", "cluster=slurm_dev", "dry_run=true", "model=tiny",
+                          "cluster.cpus_per_task=4", f"run.dir={tmp_path / 'run'}", override],
+                         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert message in res.stderr and "#SBATCH" not in res.stdout
+
+
+def test_dry_run_through_meshrun_renders_every_option(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "launcher", "cluster=slurm_dev", "dry_run=true", "model=tiny",
+                          f"run.dir={tmp_path / 'run'}", "cluster.cpus_per_task=3", "cluster.exclusive=true",
+                          "cluster.mem=500000M", f"cluster.container.image='{IMAGE}'",
+                          "cluster.container.mounts=[/data:/data:ro]"],
+                         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    for line in ("#SBATCH --cpus-per-task=3", "#SBATCH --exclusive", "#SBATCH --mem=500000M"):
+        assert line in lines, line
+    assert f"'--container-image={IMAGE}' --container-mounts=/data:/data:ro" in res.stdout
 
 
 # ------------------------------------------------------------------------------------------ NUMA

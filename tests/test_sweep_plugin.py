@@ -1,10 +1,13 @@
 """hydra_plugins/meshrun_sweep: a `meshrun -m` sweep gives what Hydra's basic sweeper+launcher give
-(summary, sweep.json, per-point files, exit codes), composing once per set of config-group choices."""
+(summary, sweep.json, per-point files, exit codes), composing once per set of config-group choices.
+The summary (launcher/sweep.py) is built from the points' files, so every Hydra launcher gives the same
+one; it fits 120 columns; a Slurm sweep under dry_run=true prints its job arrays and submits nothing."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -29,6 +32,14 @@ def _summary_line(stdout: str) -> str:
 
 def _rows(data: dict) -> list:
     return [{k: v for k, v in r.items() if k != "run_dir"} for r in data["feasible"] + data["infeasible"]]
+
+
+def _table(stdout: str) -> list:
+    """The summary's lines, from its first line to the sweep.json path (excluded)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("sweep summary:"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("sweep.json: "))
+    return lines[start:end]
 
 
 def test_same_sweep_as_basic_incl_invalid_point(tmp_path):
@@ -89,3 +100,114 @@ def test_composer_matches_hydra_and_composes_once_per_group_set():
         want = loader.load_sweep_config(master, overrides)
         assert OmegaConf.to_container(got, resolve=False) == OmegaConf.to_container(want, resolve=False)
     assert composer.compositions == 2  # model=tiny, model=gpt2_125m
+
+
+SMALL_SWEEP = ["-m", "action=plan", "model=tiny,gpt2_125m", "parallel.pp=1,3", "parallel.sp=false"]
+LAUNCHERS = {  # Hydra launchers that run points in this process, in joblib workers, in submitit jobs
+    "meshrun": [],
+    "basic": BASIC,
+    "joblib": ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"],
+    "submitit_local": ["hydra/launcher=submitit_local"],
+}
+
+
+def test_every_hydra_launcher_gives_the_same_summary(tmp_path):
+    """The summary and sweep.json come from what each point wrote in its own directory, read in the
+    parent process: identical with meshrun's launcher, basic, joblib and submitit's local launcher."""
+    out = {}
+    for name, extra in LAUNCHERS.items():
+        sweep = tmp_path / name
+        p = meshrun(*SMALL_SWEEP, *extra, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+        assert p.returncode == 0, (name, p.stdout[-2000:], p.stderr[-3000:])
+        out[name] = (_table(p.stdout), json.loads((sweep / "sweep.json").read_text()), sweep)
+    table, data, sweep = out["meshrun"]
+    assert table[0] == "sweep summary: 1 feasible, 3 infeasible; ranked by predicted step time (compute, " \
+                       "communication, bubble); memory per GPU", table
+    for name, (other_table, other, other_sweep) in out.items():
+        assert _rows(other) == _rows(data), name
+        assert other_table == table, name
+        assert [pt["overrides"] for pt in other["points"]] == [pt["overrides"] for pt in data["points"]], name
+        for r in other["feasible"]:
+            assert r["run_dir"] == str(other_sweep / str(r["num"])), name
+    # A sweep directory used again: only this sweep's points count, not the older ones still there.
+    p = meshrun("-m", "action=plan", "model=tiny", "parallel.pp=1,3", "parallel.sp=false",
+                f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    again = json.loads((sweep / "sweep.json").read_text())
+    assert [pt["num"] for pt in again["points"]] == [0, 1]
+    assert _summary_line(p.stdout).startswith("sweep summary: 1 feasible, 1 infeasible;")
+
+
+def test_summary_fits_120_columns_and_ranks_by_predicted_step_time(tmp_path):
+    sys.path.insert(0, ROOT)
+    from launcher.plan.estimate import fmt_bytes
+
+    sweep = tmp_path / "sweep"
+    p = meshrun("-m", "action=plan", "model=tiny,gpt2_125m", "parallel.tp=1,2,4", "parallel.pp=1,2",
+                "parallel.micro_batch=1,2", "parallel.sp=true", "train.precision=fp32",
+                "cluster.gpu_memory_gb=4", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    table = _table(p.stdout)
+    assert max(len(line) for line in table) <= 120, "\n".join(line for line in table if len(line) > 120)
+    # The overrides every point has are shown once, above the table, and not in its rows.
+    common = "every point: action=plan parallel.sp=True train.precision=fp32 cluster.gpu_memory_gb=4"
+    assert table[1] == common, table[:3]
+    data = json.loads((sweep / "sweep.json").read_text())
+    assert data["common_overrides"] == common[len("every point: "):].split()
+    feasible, infeasible = data["feasible"], data["infeasible"]
+    assert feasible and infeasible
+    steps = [r["predicted_step_s"] for r in feasible]
+    assert steps == sorted(steps) and all(s > 0 for s in steps)
+    header = next(i for i, line in enumerate(table) if line.lstrip().startswith("rank"))
+    assert table[header].split()[2:7] == ["layout", "step", "memory", "headroom", "bubble"], table[header]
+    for rank, (line, r) in enumerate(zip(table[header + 2:], feasible), 1):
+        plan = json.loads(open(os.path.join(r["run_dir"], "plan.json")).read())
+        point = dict(o.split("=", 1) for o in r["overrides"])
+        assert plan["predicted_step_s"] == r["predicted_step_s"]
+        assert r["headroom_bytes"] == plan["gpu_memory_bytes"] - plan["memory_bytes"]["total"]
+        sp = " sp" if plan["tp"] > 1 else ""  # sequence parallelism needs tp > 1
+        assert r["layout"] == f"tp{plan['tp']}·pp{plan['pp']}·dp{plan['dp']} vpp{plan['vpp']}{sp}"
+        cells = line.split()
+        assert cells[:3] == [str(rank), str(r["num"]), r["layout"].split()[0]], line
+        assert "action=plan" not in line and fmt_bytes(r["headroom_bytes"]) in line
+        assert f"micro_batch={point['parallel.micro_batch']}" in line  # own overrides, short keys
+    below = table[table.index("infeasible (first reason):") + 1:]
+    assert len(below) == len(infeasible)
+    for line, r in zip(below, infeasible):
+        assert line.split()[:2] == ["x", str(r["num"])]
+        assert f"{r['status']}: {r['reason'][:20]}" in line
+
+
+def test_slurm_sweep_dry_run_prints_the_job_arrays_and_submits_nothing(tmp_path):
+    """No cluster needed: dry_run=true checks every point, groups the valid ones into the job arrays
+    that would be submitted (here: one per time limit) and prints each array's batch script."""
+    sweep = tmp_path / "sweep"
+    p = meshrun("-m", "cluster=slurm_dev", "dry_run=true", "cluster.nodes=1", "cluster.gpus_per_node=1",
+                "model=tiny", "data=synthetic", "parallel.tp=1", "parallel.zero=0", "parallel.global_batch=8",
+                # Given, not read from the partition (0 would ask sinfo): a dry run needs no Slurm.
+                "cluster.cpus_per_task=1",
+                "parallel.micro_batch=1,2,3", "cluster.time_min=10,11", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "submitted Slurm job" not in p.stdout
+    scripts = p.stdout.split("# job array of ")[1:]
+    assert len(scripts) == 2, p.stdout
+    data = json.loads((sweep / "sweep.json").read_text())
+    by_time = {}
+    for r in data["feasible"]:
+        point = dict(o.split("=", 1) for o in r["overrides"])
+        by_time.setdefault(point["cluster.time_min"], []).append(r["run_dir"])
+        assert r["status"] == "dry_run" and "job_id" not in r
+    assert sorted(len(v) for v in by_time.values()) == [2, 2] and len(data["infeasible"]) == 2
+    for script in scripts:
+        assert script.startswith("2 sweep points") and "nothing was submitted: dry_run=true" in script
+        assert "#SBATCH --array=0-1%2" in script and "#SBATCH --cpus-per-task=1" in script
+        assert f"#SBATCH --output={sweep}/submitit/%A_%a_0_log.out" in script
+        time_min = re.search(r"#SBATCH --time=(\d+)", script).group(1)
+        dirs = by_time[time_min]
+        assert f"MESHRUN_RUN_DIRS=({' '.join(dirs)})" in script
+        assert all(f"#   {task}: {d}" in script for task, d in enumerate(dirs))
+        assert "srun " in script and "submitit.core._submit" in script
+    for dirs in by_time.values():
+        for d in dirs:
+            assert not os.path.exists(os.path.join(d, "events.jsonl"))  # no `submitted` event
+    assert not (sweep / "submitit").exists()  # no pickles: submitit never ran

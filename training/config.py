@@ -11,7 +11,56 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Dict, List, Optional
+
+
+class Choice(str, Enum):
+    """A field with a fixed set of values. Hydra's schema rejects anything else at composition time
+    (OmegaConf matches a command-line string against the member names, which equal the values).
+    Members are strings: they compare equal to, print as and serialise to their value, so code
+    and config.json keep working with plain strings."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+def _choice(name: str, values: str) -> type:
+    # The functional form: names such as "1f1b" are not Python identifiers.
+    return Choice(name, [(v, v) for v in values.split()], module=__name__, qualname=name)
+
+
+Norm = _choice("Norm", "layernorm rmsnorm")
+Activation = _choice("Activation", "gelu swiglu")
+Attention = _choice("Attention", "flash math")
+Position = _choice("Position", "learned rope")
+Schedule = _choice("Schedule", "gpipe 1f1b interleaved_1f1b")
+Recompute = _choice("Recompute", "none selective full")
+Precision = _choice("Precision", "auto fp32 bf16 fp16")
+Optimizer = _choice("Optimizer", "adamw")
+ClusterKind = _choice("ClusterKind", "local slurm")
+Device = _choice("Device", "cpu cuda")
+NumaMode = _choice("NumaMode", "auto off explicit")
+PreflightMode = _choice("PreflightMode", "off warn gate")
+DataKind = _choice("DataKind", "synthetic text")
+Action = _choice("Action", "train plan status preflight keys")
+
+# Every choice field, by its command-line key: validation and `meshrun action=keys` read it.
+CHOICE_FIELDS: Dict[str, type] = {
+    "model.norm": Norm, "model.activation": Activation, "model.attention": Attention,
+    "model.position": Position, "parallel.schedule": Schedule, "parallel.recompute": Recompute,
+    "train.precision": Precision, "train.optimizer": Optimizer, "cluster.kind": ClusterKind,
+    "cluster.device": Device, "cluster.numa": NumaMode, "cluster.preflight.mode": PreflightMode,
+    "data.kind": DataKind, "action": Action,
+}
+
+
+def choices(key: str) -> tuple:
+    """The allowed values of a choice field, as strings."""
+    return tuple(m.value for m in CHOICE_FIELDS[key])
 
 
 @dataclass
@@ -34,15 +83,15 @@ class ModelConfig:
     """Tokens per sample (s)."""
     vocab_size: int = 256
     """Vocabulary size (V) before padding to a multiple of tp; the byte tokenizer needs at least 256."""
-    norm: str = "layernorm"
+    norm: Norm = Norm.layernorm
     """layernorm | rmsnorm."""
-    activation: str = "gelu"
+    activation: Activation = Activation.gelu
     """gelu (MLP of width f) | swiglu (gate and up projections of width f)."""
     dropout: float = 0.0
     """Dropout probability after attention softmax, attention output and MLP output."""
-    attention: str = "flash"
+    attention: Attention = Attention.flash
     """flash (fused SDPA, never stores the s x s scores) | math (explicit softmax, stores them)."""
-    position: str = "learned"
+    position: Position = Position.learned
     """learned (absolute position embedding table) | rope (rotary, no parameters)."""
     tie_embeddings: bool = True
     """Share the input embedding with the output layer."""
@@ -71,7 +120,7 @@ class ParallelConfig:
     vpp: int = 1
     """Virtual stages (model chunks) per pipeline rank; > 1 only with schedule=interleaved_1f1b."""
     cp: int = 1
-    """Context-parallel degree (sequence split for attention); planned and validated, engine supports 1."""
+    """Context-parallel degree (sequence split for attention); cp > 1 is planned and validated, training refuses it."""
     dp: Optional[int] = None
     """Data-parallel degree; None derives it from the cluster's ranks / (tp x pp x cp)."""
     sp: bool = False
@@ -82,9 +131,9 @@ class ParallelConfig:
     """Sequences per micro-batch per data-parallel rank."""
     global_batch: int = 8
     """Sequences per optimizer step over all ranks; = micro_batch x dp x accumulation."""
-    schedule: str = "1f1b"
+    schedule: Schedule = Schedule["1f1b"]
     """gpipe | 1f1b | interleaved_1f1b."""
-    recompute: str = "none"
+    recompute: Recompute = Recompute.none
     """none | selective (attention core) | full (whole layer)."""
     allow_tp_across_nodes: bool = False
     """Permit tp > ranks per node (TP then crosses the slow interconnect)."""
@@ -96,7 +145,7 @@ class ParallelConfig:
 class PreflightConfig:
     """Expected hardware and OS values the preflight checks compare against."""
 
-    mode: str = "off"
+    mode: PreflightMode = PreflightMode.off
     """off | warn (report only) | gate (a failing node stops the attempt and is excluded)."""
     ib_hcas: List[str] = field(default_factory=list)
     """InfiniBand HCAs every node must have ACTIVE and LinkUp (e.g. mlx5_0); empty: none expected."""
@@ -143,18 +192,30 @@ class PreflightConfig:
 
 
 @dataclass
+class ContainerConfig:
+    """A container every Slurm rank runs in, through the pyxis plugin of srun (enroot underneath)."""
+
+    image: str = ""
+    """Image for srun --container-image: a registry reference (nvcr.io#nvidia/pytorch:24.05-py3) or a
+    squashfs file; empty: no container."""
+    mounts: List[str] = field(default_factory=list)
+    """Bind mounts SRC:DST[:FLAGS] for srun --container-mounts (absolute paths); the run directory and
+    this Python environment must be visible inside at the same paths."""
+
+
+@dataclass
 class ClusterConfig:
     """Where the job runs."""
 
     name: str = "local"
     """Preset name, for display only."""
-    kind: str = "local"
+    kind: ClusterKind = ClusterKind.local
     """local (processes on this machine) | slurm (submitted through submitit)."""
     nodes: int = 1
     """Nodes of the job."""
     gpus_per_node: int = 4
     """Ranks per node (GPUs; on CPU: processes)."""
-    device: str = "cpu"
+    device: Device = Device.cpu
     """cpu (gloo) | cuda (NCCL)."""
     gpu_memory_gb: float = 16.0
     """Memory of one accelerator in GB (1e9 bytes); on CPU: the share of RAM one rank may use."""
@@ -176,7 +237,7 @@ class ClusterConfig:
     """Nodes never to use (Slurm hostlist)."""
     env: Dict[str, str] = field(default_factory=dict)
     """Environment for every rank (NCCL_IB_HCA, NCCL_SOCKET_IFNAME, NCCL_DEBUG, ...)."""
-    numa: str = "auto"
+    numa: NumaMode = NumaMode.auto
     """auto (bind each rank to its GPU's NUMA node) | off | explicit (use numa_map)."""
     numa_map: List[int] = field(default_factory=list)
     """NUMA node of each local rank when numa=explicit."""
@@ -186,6 +247,16 @@ class ClusterConfig:
     """Rendezvous port; 0 picks one (local: a free port; Slurm: derived from the job id)."""
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     """Preflight health checks and their expected values."""
+    cpus_per_task: int = 0
+    """CPUs of each rank (sbatch --cpus-per-task); 0: the node's CPUs divided by the ranks per node, read
+    from the partition's nodes (sinfo) when the job is submitted."""
+    exclusive: bool = False
+    """Whole nodes for the job, shared with no other job (the sbatch --exclusive flag)."""
+    mem: str = ""
+    """Memory per node (sbatch --mem, a Slurm size: 0 = all of it, 64G, 512000M); empty: the partition's
+    default."""
+    container: ContainerConfig = field(default_factory=ContainerConfig)
+    """Container of the ranks (pyxis/enroot); its image empty: none."""
 
 
 @dataclass
@@ -202,8 +273,8 @@ class TrainConfig:
     """Linear warm-up steps."""
     decay_steps: Optional[int] = None
     """Steps of cosine decay after warm-up; None: until train.steps."""
-    optimizer: str = "adamw"
-    """adamw (the only one for now)."""
+    optimizer: Optimizer = Optimizer.adamw
+    """adamw (the only optimizer)."""
     beta1: float = 0.9
     """Adam beta1."""
     beta2: float = 0.95
@@ -212,8 +283,8 @@ class TrainConfig:
     """Adam epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay (not applied to biases and norms)."""
-    precision: str = "fp32"
-    """fp32 | bf16 (fp32 main grads and masters) | fp16 (dynamic loss scaling)."""
+    precision: Precision = Precision.auto
+    """auto (bf16 on GPUs, fp32 on CPU) | fp32 | bf16 (fp32 main grads and masters) | fp16 (dynamic loss scaling)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 disables."""
     seed: int = 1234
@@ -250,7 +321,7 @@ class TrainConfig:
 class DataConfig:
     """Training data."""
 
-    kind: str = "text"
+    kind: DataKind = DataKind.text
     """synthetic (random tokens from the seed) | text (files tokenized to bytes)."""
     paths: List[str] = field(default_factory=list)
     """Text files or directories (*.py, *.txt, *.md); empty: the Python standard library's sources."""
@@ -267,11 +338,19 @@ class RunConfig:
 
 
 @dataclass
+class KeysConfig:
+    """What `meshrun action=keys` prints."""
+
+    group: str = ""
+    """Only this group's keys (model, parallel, cluster, train, data, run); empty: every key."""
+
+
+@dataclass
 class Config:
     """The whole job."""
 
-    action: str = "train"
-    """train (validate, plan, launch) | plan (validate and plan only) | status | preflight."""
+    action: Action = Action.train
+    """train (validate, plan, launch) | plan (validate and plan only) | status | preflight | keys (print every key)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -283,6 +362,15 @@ class Config:
     wait: bool = False
     """Slurm: follow the job and stream rank 0's progress; in a sweep, wait until every point has ended
     (the summary then shows each point's final state)."""
+    keys: KeysConfig = field(default_factory=KeysConfig)
+    """action=keys: which keys to print."""
+
+    def __post_init__(self) -> None:
+        # precision=auto means what the device does best; resolved here, the one place every Config passes
+        # (Hydra's schema, config.json on the ranks, tests), so the planner and the engine only ever see a
+        # concrete precision and config.json records what really ran.
+        if self.train.precision == "auto":
+            self.train.precision = Precision.bf16 if self.cluster.device == "cuda" else Precision.fp32
 
 
 def _build(cls, data: Any):
@@ -305,7 +393,9 @@ _DATACLASS_FIELDS = {
     (Config, "train"): TrainConfig,
     (Config, "data"): DataConfig,
     (Config, "run"): RunConfig,
+    (Config, "keys"): KeysConfig,
     (ClusterConfig, "preflight"): PreflightConfig,
+    (ClusterConfig, "container"): ContainerConfig,
 }
 
 
@@ -314,8 +404,13 @@ def config_from_dict(data: Dict[str, Any]) -> Config:
     return _build(Config, data)
 
 
+def _plain(pairs) -> Dict[str, Any]:
+    return {k: (v.value if isinstance(v, Enum) else v) for k, v in pairs}
+
+
 def config_to_dict(cfg: Config) -> Dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """Plain dicts, lists, numbers and strings (choice fields as their string value)."""
+    return dataclasses.asdict(cfg, dict_factory=_plain)
 
 
 def load_config(path: str) -> Config:

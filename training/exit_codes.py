@@ -1,4 +1,5 @@
-"""Exit codes, one place for all of them (docs/CONTRACTS.md, README "Rank exit codes").
+"""Exit codes, one place for all of them, each number with one meaning (docs/CONTRACTS.md, README
+"Rank exit codes").
 
 A rank's status tells the launcher's epilogue what to do (launcher/slurm/requeue.py); the `meshrun` command's
 status tells the user what went wrong. Pure Python: the launcher imports it without torch.
@@ -6,11 +7,16 @@ status tells the user what went wrong. Pure Python: the launcher imports it with
 
 EXIT_OK = 0
 """Finished: the run (or the rank's part of it) completed."""
+EXIT_FAILED = 1
+"""A failure: a rank raised, a Slurm attempt ended without completing the run (the batch script's
+prologue or epilogue), or `meshrun ... wait=true` saw the run (or a sweep point) end without completing."""
 EXIT_INVALID = 2
 """Invalid configuration, data or checkpoint: the user must change something; never retried."""
 EXIT_STOPPED = 3
 """A rank stopped early on purpose after a complete checkpoint (signal, exit_interval, exit_after_min): requeue it."""
 EXIT_NODE_BAD = 4
 """A rank's preflight found its node bad: exclude the node and resubmit."""
-EXIT_SLURM = 3
+EXIT_SLURM = 5
 """`meshrun` only (never a rank): Slurm itself refused (no controller, sbatch error); nothing was submitted."""
+EXIT_INTERRUPTED = 130
+"""`meshrun` only: a local run interrupted from the keyboard (128 + SIGINT, the shell's convention)."""

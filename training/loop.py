@@ -4,12 +4,13 @@ Structure (so pipeline parallelism plugs in without restructuring):
 - a *schedule* owns the micro-batch loop: `forward_backward(micro_batches) -> local mean loss`.
   `NoPipelineSchedule` is the pp=1 schedule; `make_schedule` is the one place that picks another
   (gpipe / 1f1b / interleaved_1f1b from training.pipeline when pp > 1);
-- the optimizer owns the dp reduction, clipping and the update (training.optimizer);
+- the optimizer owns the dp reduction, clipping and the update (training/optim/);
 - `Trainer.run` owns steps: data position, LR, logging, the stop flag and checkpoint call sites.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,8 +27,10 @@ from training.checkpoint import CheckpointManager, signals
 from training.config import Config
 from training.data import BatchSampler, DataError, build_corpus, make_source, validate_data_config
 from training.exit_codes import EXIT_OK, EXIT_STOPPED
-from training.optimizer import PRECISIONS, DistributedOptimizer, StepResult
+from training.layout_rules import layout_violations, raise_errors
+from training.optim import DistributedOptimizer, StepResult
 from training.pipeline import make_pipeline_schedule
+from training.precision import param_dtype
 from training.schedule_lr import lr_at
 
 
@@ -154,12 +157,13 @@ class Trainer:
                  checkpointing: bool = True):
         self.cfg, self.run_dir, self.mesh = cfg, run_dir, mesh
         self.is_logger = mesh.rank == 0
+        self._check_layout()
         validate_data_config(cfg)
         torch.manual_seed(cfg.train.seed)
         if chunks is None:
             from training.model import build_gpt
 
-            chunks = build_gpt(cfg, mesh, PRECISIONS[cfg.train.precision])
+            chunks = build_gpt(cfg, mesh, param_dtype(cfg.train.precision))
         self.chunks = chunks
         params = [(n, p) for c in chunks for n, p in c.named_parameters()]
         self.optimizer = DistributedOptimizer(params, cfg, mesh)
@@ -171,6 +175,15 @@ class Trainer:
         self.tokens_per_step = cfg.parallel.global_batch * cfg.model.seq_length
         self.flops_per_step = model_flops_per_step(cfg, run_dir)
         self.peak_flops = self._peak_flops()
+
+    def _check_layout(self) -> None:
+        """The launcher's layout rules (training/layout_rules.py) on the layout this rank really runs:
+        LayoutError on a broken one; warnings (e.g. sp with tp = 1: sequence parallelism off) said once."""
+        par = self.cfg.parallel
+        cfg = dataclasses.replace(self.cfg, parallel=dataclasses.replace(par, tp=self.mesh.tp, pp=self.mesh.pp))
+        for warning in raise_errors(layout_violations(cfg, self.mesh.dp)):
+            if self.is_logger:
+                print(f"warning: {warning}", file=sys.stderr)
 
     def _source(self):
         corpus, error = None, None
@@ -202,7 +215,7 @@ class Trainer:
         if self.cfg.cluster.peak_tflops > 0:
             per_rank = self.cfg.cluster.peak_tflops * 1e12
         else:
-            dtype = torch.float32 if self.mesh.device.type == "cpu" else PRECISIONS[self.cfg.train.precision]
+            dtype = torch.float32 if self.mesh.device.type == "cpu" else param_dtype(self.cfg.train.precision)
             per_rank = measure_peak_flops(self.mesh.device, dtype)
         return per_rank * self.mesh.world_size
 

@@ -12,7 +12,7 @@ import os
 import sys
 import traceback
 
-from training.exit_codes import EXIT_INVALID
+from training.exit_codes import EXIT_FAILED, EXIT_INVALID
 
 
 def _env_from_slurm() -> None:
@@ -52,6 +52,7 @@ def main(argv=None) -> int:
     from training.config import derived_dp, load_config
     from training.checkpoint.storage import CheckpointError
     from training.data import DataError
+    from training.layout_rules import LayoutError
 
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
@@ -82,12 +83,12 @@ def main(argv=None) -> int:
         before_training(cfg, run_dir)  # cluster.preflight.mode gate: a bad node exits 4 before training
         trainer = Trainer(cfg, run_dir, mesh)
         code = trainer.run()
-    except (DataError, CheckpointError) as exc:  # the user's to fix: retrying cannot help
+    except (DataError, CheckpointError, LayoutError) as exc:  # the user's to fix: retrying cannot help
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID
     except Exception:
         traceback.print_exc()
-        return 1
+        return EXIT_FAILED
     if mesh is not None:
         try:
             mesh.destroy()

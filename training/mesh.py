@@ -234,7 +234,3 @@ class ProcessMesh:
         if self.backend is not None and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-
-    def describe(self) -> str:
-        return (f"rank {self.rank}/{self.world_size} tp {self.tp_rank}/{self.tp} cp {self.cp_rank}/{self.cp} "
-                f"pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}")

@@ -33,6 +33,9 @@ from torch.utils.checkpoint import checkpoint
 
 from training.config import Config, ModelConfig, ParallelConfig
 from training.init import init_parameters, stable_seed
+from training.layout_rules import (
+    layer_rules, model_rules, padded_vocab, raise_errors, sequence_parallel_on, sp_rules, tp_rules,
+)
 from training.mesh import ProcessMesh
 from training.parallel.collectives import group_rank, group_size, reduce_from_tp, reduce_scatter_to_sp
 from training.parallel.layers import (
@@ -40,14 +43,8 @@ from training.parallel.layers import (
     vocab_parallel_cross_entropy,
 )
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # SDPA takes grouped key/value heads natively from torch 2.5 (enable_gqa); before, repeat them.
 _SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    """Vocabulary padded to a multiple of tp (CONTRACTS.md)."""
-    return -(-vocab_size // tp) * tp
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -56,23 +53,12 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def validate_model_layout(mc: ModelConfig, tp: int, sp: bool) -> None:
-    """Errors a user can cause by combining model and tp, each naming the fix."""
-    a, g = mc.num_attention_heads, mc.query_groups
-    _check(mc.hidden_size % a == 0, f"model.hidden_size={mc.hidden_size} must be divisible by "
-                                    f"model.num_attention_heads={a}")
-    _check(a % g == 0, f"model.num_attention_heads={a} must be divisible by model.num_query_groups={g}")
-    _check(g % tp == 0, f"parallel.tp={tp} must divide the key/value heads (model.num_query_groups or "
-                        f"num_attention_heads = {g}); lower tp or raise num_query_groups")
-    _check(mc.ffn % tp == 0, f"parallel.tp={tp} must divide model.ffn_hidden_size={mc.ffn}")
+    """Errors a user can cause by combining model and tp, each naming the fix (training/layout_rules.py)."""
+    raise_errors(model_rules(mc) + tp_rules(mc, tp) + sp_rules(sp, tp, mc.seq_length))
     _check(mc.norm in ("layernorm", "rmsnorm"), f"model.norm={mc.norm!r}: use layernorm or rmsnorm")
     _check(mc.activation in ("gelu", "swiglu"), f"model.activation={mc.activation!r}: use gelu or swiglu")
     _check(mc.position in ("learned", "rope"), f"model.position={mc.position!r}: use learned or rope")
     _check(mc.attention in ("flash", "math"), f"model.attention={mc.attention!r}: use flash or math")
-    if mc.position == "rope":
-        _check((mc.hidden_size // a) % 2 == 0, "rope needs an even head dimension (hidden_size / heads)")
-    if sp and tp > 1:
-        _check(mc.seq_length % tp == 0, f"parallel.sp needs model.seq_length={mc.seq_length} divisible "
-                                        f"by parallel.tp={tp}")
 
 
 def keyed_dropout(x: torch.Tensor, p: float, key: int, shard: int = 0, num_shards: int = 1) -> torch.Tensor:
@@ -294,7 +280,7 @@ class GPTChunk(nn.Module):
                  layer_ids: List[int], has_embedding: bool, has_head: bool, dtype: torch.dtype, seed: int):
         super().__init__()
         mc = model_cfg
-        self.sp = bool(parallel_cfg.sp) and mesh.tp > 1
+        self.sp = sequence_parallel_on(parallel_cfg.sp, mesh.tp)  # off at tp = 1 (the engine warns once)
         validate_model_layout(mc, mesh.tp, self.sp)
         if parallel_cfg.recompute not in ("none", "selective", "full"):
             raise ValueError(f"parallel.recompute={parallel_cfg.recompute!r}: use none, selective or full")
@@ -303,7 +289,7 @@ class GPTChunk(nn.Module):
         self.has_embedding, self.has_head = has_embedding, has_head
         self.recompute = parallel_cfg.recompute
         self.vocab_size = mc.vocab_size
-        self.padded_vocab = padded_vocab_size(mc.vocab_size, mesh.tp)
+        self.padded_vocab = padded_vocab(mc.vocab_size, mesh.tp)
         self.micro_step = 0  # counts training forwards: the dropout key of each micro-batch
         dev = mesh.device
         self.embedding = None
@@ -345,11 +331,8 @@ class GPTChunk(nn.Module):
 
 def chunk_layer_ids(num_layers: int, pp: int, vpp: int, pp_rank: int) -> List[List[int]]:
     """Global layer ids of this pipeline rank's chunks: model chunk v * pp + pp_rank for v < vpp."""
-    n = pp * vpp
-    if num_layers % n:
-        raise ValueError(f"model.num_layers={num_layers} must be divisible by parallel.pp x parallel.vpp "
-                         f"= {pp} x {vpp}; change num_layers, pp or vpp")
-    per = num_layers // n
+    raise_errors(layer_rules(num_layers, pp, vpp))
+    per = num_layers // (pp * vpp)
     return [list(range((v * pp + pp_rank) * per, (v * pp + pp_rank + 1) * per)) for v in range(vpp)]
 
 

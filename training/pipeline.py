@@ -25,7 +25,7 @@ send_backward_recv_forward, ... of p2p_communication.py). Every op has tag 0. Wh
 A NCCL communicator's first batch_isend_irecv must involve all its ranks: the first step starts with
 an all_reduce over the pipeline group, which creates it.
 Verified here on gloo (tag-0 issue-order matching, equivalence) and, for NCCL's stream/rendezvous
-rules, by that pure simulation; NOT YET RUN ON NCCL (that needs two GPUs). pp=1 never reaches this
+rules, by that pure simulation; the test suite has no NCCL run (that needs two GPUs). pp=1 never reaches this
 class (training.loop uses its NoPipelineSchedule), so a rank never sends to itself.
 
 Virtual stage of local chunk c on pipeline rank r: c * p + r (model.build_gpt's order). Every message
@@ -41,7 +41,7 @@ pipeline ranks, is reported next to the planner's (p - 1) / (v m + p - 1).
 
 Tied embeddings: the last stage's copy of `embedding.word.weight` starts equal to the first stage's
 (initialisation is seeded by parameter name) and its grad is all-reduced over mesh.embedding_group by
-the optimizer after the last backward (training/optimizer.py), so both copies stay equal.
+the optimizer after the last backward (training/optim/model_parallel.py), so both copies stay equal.
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
+
+from training.layout_rules import interleaved_batch_rules, raise_errors, schedule_rules, sequence_parallel_on
+from training.precision import param_dtype
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -75,11 +78,7 @@ def check_schedule(kind: str, p: int, v: int, m: int) -> None:
         raise ValueError(f"parallel.schedule={kind!r}: use one of {', '.join(SCHEDULES)}")
     if p < 1 or v < 1 or m < 1:
         raise ValueError(f"pipeline needs pp, vpp and micro-batches >= 1 (got pp={p}, vpp={v}, m={m})")
-    if v > 1 and kind != "interleaved_1f1b":
-        raise ValueError(f"parallel.vpp={v} needs parallel.schedule=interleaved_1f1b (or set parallel.vpp=1)")
-    if kind == "interleaved_1f1b" and m % p:
-        raise ValueError(f"interleaved_1f1b needs the micro-batches per step ({m}) to be a multiple of "
-                         f"parallel.pp={p}: change parallel.global_batch (micro_batch x dp x a multiple of pp)")
+    raise_errors(schedule_rules(kind, p, v) + interleaved_batch_rules(kind, p, m))
 
 
 def _interleaved_chunk(k: int, p: int, v: int, forward: bool) -> Tuple[int, int]:
@@ -340,7 +339,7 @@ class PipelineSchedule:
 def p2p_shape(cfg) -> Tuple[int, int, int]:
     """Shape of every activation / gradient message: [s/tp if sp else s, micro_batch, h]."""
     s, tp = cfg.model.seq_length, cfg.parallel.tp
-    if cfg.parallel.sp and tp > 1:
+    if sequence_parallel_on(cfg.parallel.sp, tp):
         s //= tp
     return (s, cfg.parallel.micro_batch, cfg.model.hidden_size)
 
@@ -348,16 +347,12 @@ def p2p_shape(cfg) -> Tuple[int, int, int]:
 def make_pipeline_schedule(cfg, mesh, chunks, optimizer) -> PipelineSchedule:
     """The schedule training.loop uses when pp > 1 (parallel.schedule picks the order)."""
     from training.config import derived_dp
-    from training.optimizer import PRECISIONS
 
     pc = cfg.parallel
     dp = derived_dp(cfg) or mesh.dp
     m = pc.global_batch // (pc.micro_batch * dp)
     kind = pc.schedule
-    if mesh.pp > 1 and kind == "interleaved_1f1b" and len(chunks) < 2:
-        raise ValueError("parallel.schedule=interleaved_1f1b needs parallel.vpp >= 2 model chunks per rank; "
-                         "set parallel.vpp=2 or parallel.schedule=1f1b")
-    check_schedule(kind, mesh.pp, len(chunks), m)
+    check_schedule(kind, mesh.pp, len(chunks), m)  # len(chunks): the vpp this rank really built
     ranks = mesh.group_ranks.get("pp") or list(range(mesh.pp))
     return PipelineSchedule(chunks, kind, mesh.pp, mesh.pp_rank, ranks, mesh.pp_group, p2p_shape(cfg),
-                            PRECISIONS[cfg.train.precision], mesh.device, optimizer.scale_loss)
+                            param_dtype(cfg.train.precision), mesh.device, optimizer.scale_loss)

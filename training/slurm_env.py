@@ -1,8 +1,10 @@
-"""Slurm's environment -> torch.distributed's (RANK, WORLD_SIZE, ...), and the NUMA affinity check.
+"""Slurm's environment -> torch.distributed's (RANK, WORLD_SIZE, ...), the one runner of Slurm's client
+commands, and the NUMA affinity check.
 
 Pure Python (no torch, no Hydra): the launcher's rank wrapper calls :func:`torch_env_from_slurm`
 before it starts `python -m training.main`, and training/main.py calls :func:`apply_slurm_env`
-so a rank started by a plain `srun python -m training.main RUN_DIR` works too.
+so a rank started by a plain `srun python -m training.main RUN_DIR` works too. Every squeue, sinfo,
+scontrol and sacct call of the launcher goes through :func:`slurm_command` (always with a timeout).
 """
 
 from __future__ import annotations
@@ -10,12 +12,38 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from typing import Dict, List, Mapping, MutableMapping, Optional, Set
+from typing import Dict, List, Mapping, MutableMapping, Optional, Sequence, Set
 
 PORT_BASE = 20000
 """Lowest rendezvous port derived from a job id."""
 PORT_SPAN = 20000
 """Ports PORT_BASE .. PORT_BASE + PORT_SPAN - 1 are used."""
+SLURM_TIMEOUT_S = 20.0
+"""How long a Slurm client command may take before the controller counts as unreachable."""
+
+
+class SlurmUnavailable(RuntimeError):
+    """A Slurm client command is missing or its controller does not answer."""
+
+
+def slurm_command(cmd: Sequence[str], timeout: float = SLURM_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run a Slurm client command (text output captured); its exit status is the caller's to read.
+    SlurmUnavailable when the command is not installed or does not answer within timeout."""
+    try:
+        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise SlurmUnavailable(f"`{cmd[0]}` not found: this machine has no Slurm client "
+                               "(install slurm-client, or use cluster=local)") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmUnavailable(f"`{' '.join(cmd)}` did not answer in {timeout:.0f} s: "
+                               "is the Slurm controller reachable?") from None
+
+
+def dist_env(rank: int, world: int, local_rank: int, local_world: int, master_addr: str,
+             master_port: int) -> Dict[str, str]:
+    """The standard torch.distributed variables of one rank (docs/CONTRACTS.md, "Launch")."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
 
 
 def expand_hostlist(hostlist: str) -> List[str]:
@@ -45,8 +73,10 @@ def hostnames(nodelist: str) -> List[str]:
     except ValueError:
         hosts = []
     if not hosts and nodelist:
-        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                               text=True).stdout.split()
+        try:
+            hosts = slurm_command(["scontrol", "show", "hostnames", nodelist]).stdout.split()
+        except SlurmUnavailable:
+            hosts = []
     return hosts
 
 
@@ -82,22 +112,12 @@ def torch_env_from_slurm(env: Mapping[str, str]) -> Dict[str, str]:
         return {}
     ntasks = int(env["SLURM_NTASKS"])
     nnodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
-    out = {
-        "RANK": env["SLURM_PROCID"],
-        "WORLD_SIZE": str(ntasks),
-        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
-        "LOCAL_WORLD_SIZE": str(ntasks // max(nnodes, 1)),
-    }
-    if env.get("MASTER_ADDR"):
-        out["MASTER_ADDR"] = env["MASTER_ADDR"]
-    else:
-        out["MASTER_ADDR"] = first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "localhost")
-    if env.get("MASTER_PORT"):
-        out["MASTER_PORT"] = env["MASTER_PORT"]
-    else:
-        job = env.get("SLURM_JOB_ID", "0")
-        out["MASTER_PORT"] = str(port_from_job(job, int(env.get("SLURM_RESTART_COUNT") or 0)))
-    return out
+    addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+                                                or "localhost")
+    port = env.get("MASTER_PORT") or port_from_job(env.get("SLURM_JOB_ID", "0"),
+                                                   int(env.get("SLURM_RESTART_COUNT") or 0))
+    return dist_env(int(env["SLURM_PROCID"]), ntasks, int(env.get("SLURM_LOCALID", "0")),
+                    ntasks // max(nnodes, 1), addr, int(port))
 
 
 def apply_slurm_env(env: Optional[MutableMapping[str, str]] = None) -> bool:

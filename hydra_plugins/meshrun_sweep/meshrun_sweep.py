@@ -7,12 +7,14 @@ the cached group composition (_composer.py), still before any job runs, so a typ
 the whole sweep as before, and hands the built configs to MeshrunLauncher. Any other launcher (e.g. a
 submitit one) gets the job overrides and composes as usual.
 
-MeshrunLauncher: BasicLauncher's local, sequential jobs (Slurm points are queued and submitted at
-the end of the batch as job arrays: launcher/slurm/submit.py's array_batch). Every point still runs through Hydra's
-run_job: HydraConfig (runtime.output_dir, job.num), the per-point output directory, callbacks
-(on_job_end feeds launcher/sweep.py's summary) and the job's return value are as with the basic
-launcher. One per-point cost is dropped for action=plan points: the job logging setup (a file handler
-per point writing an empty <point>/<job>.log); plan points only print.
+MeshrunLauncher: BasicLauncher's local, sequential jobs. With slurm_arrays (the default) a Slurm
+point only checks and queues itself (the app reads hydra.launcher.slurm_arrays), and the launcher
+passes the batch's queued run directories to launcher/slurm/submit.py's submit_arrays, which submits
+them as job arrays (or prints their scripts under dry_run=true). Every point still runs through
+Hydra's run_job: HydraConfig (runtime.output_dir, job.num), the per-point output directory, callbacks
+(on_job_end writes the point's record for launcher/sweep.py's summary) and the job's return value are
+as with the basic launcher. One per-point cost is dropped for action=plan points: the job logging
+setup (a file handler per point writing an empty <point>/<job>.log); plan points only print.
 """
 
 import logging
@@ -22,7 +24,7 @@ from typing import Dict, List, Optional, Sequence
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
-from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -34,9 +36,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class MeshrunLauncherConf:
-    """hydra/launcher=meshrun (no options)."""
+    """hydra/launcher=meshrun."""
 
     _target_: str = "hydra_plugins.meshrun_sweep.meshrun_sweep.MeshrunLauncher"
+    slurm_arrays: bool = True
+    """Submit a batch's Slurm points together, as job arrays, after the batch; false: one job per point."""
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="meshrun", node=MeshrunLauncherConf, provider="meshrun")
@@ -48,8 +52,10 @@ def _needs_job_logging(cfg: DictConfig) -> bool:
 
 
 class MeshrunLauncher(Launcher):
-    def __init__(self) -> None:
+    def __init__(self, slurm_arrays: bool = True) -> None:
         super().__init__()
+        # The points read it from their config too (hydra.launcher.slurm_arrays): false, none queues.
+        self.slurm_arrays = slurm_arrays
         self.config: Optional[DictConfig] = None
         self.task_function: Optional[TaskFunction] = None
         self.hydra_context: Optional[HydraContext] = None
@@ -69,11 +75,19 @@ class MeshrunLauncher(Launcher):
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         log.info(f"Launching {len(job_overrides)} jobs locally")
-        # Slurm points are only checked and queued while the batch is open, then submitted as job arrays.
-        from launcher.slurm.submit import array_batch
+        runs = self._run_points(job_overrides, initial_job_idx)
+        # Slurm points only checked and queued themselves (submit(queue=True)): submit them together now.
+        # A point that exits (SystemExit, which run_job does not catch) ends the sweep before this line.
+        queued = [ret.return_value for ret in runs if ret.status == JobStatus.COMPLETED
+                  and isinstance(ret.return_value, dict) and ret.return_value.get("status") == "queued"]
+        if queued and self.slurm_arrays:
+            from launcher.slurm.submit import submit_arrays
 
-        with array_batch(folder=str(Path(str(self.config.hydra.sweep.dir)).absolute() / "submitit")):
-            return self._run_points(job_overrides, initial_job_idx)
+            folder = str(Path(str(self.config.hydra.sweep.dir)).absolute() / "submitit")
+            updates = submit_arrays([point["run_dir"] for point in queued], folder)
+            for point in queued:
+                point.update(updates[point["run_dir"]])
+        return runs
 
     def _run_points(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[JobReturn]:
         assert self.hydra_context is not None and self.config is not None and self.task_function is not None

@@ -87,6 +87,54 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int) -> Dict[str,
 
 
 # --------------------------------------------------------------------------------------------------
+# Predicted step time
+# --------------------------------------------------------------------------------------------------
+
+# Rates used when the cluster preset gives none. They only have to rank layouts sensibly, not match a
+# measurement: a CPU rank (gloo, sharing cores) does tens of GFLOP/s and moves a few GB/s over shared
+# memory or loopback; a GPU without cluster.peak_tflops is taken as a mid-range accelerator.
+DEFAULT_PEAK_TFLOPS = {"cpu": 0.05, "cuda": 100.0}
+"""Per-rank peak TFLOP/s when cluster.peak_tflops is 0."""
+DEFAULT_BUSBW_GBPS = {"cpu": (2.0, 1.0), "cuda": (200.0, 20.0)}
+"""(inside a node, across nodes) all-reduce bus bandwidth in GB/s when cluster.preflight gives none."""
+
+
+def _spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
+    """Whether a group of `size` ranks `stride` apart (training/mesh.py's rank order: tp fastest, then
+    cp, pp, dp) crosses a node boundary: it stays inside a node when it covers at most one node's ranks."""
+    return size > 1 and stride * size > gpus_per_node
+
+
+def predict_step_seconds(cfg: Config, hardware_flops: int, world: int, bubble_ratio: float,
+                         comm: Dict[str, int]) -> Dict[str, float]:
+    """Seconds of one optimizer step, by part, and their sum under "total"; nothing is assumed to overlap.
+
+    compute: the GPU's share of the hardware FLOPs (model FLOPs plus recomputation) at the peak rate
+      (cluster.peak_tflops, else DEFAULT_PEAK_TFLOPS); bubble: bubble_ratio times that (pipeline idle time).
+    tp/cp/pp/dp/embedding: comm_bytes_per_step's bytes over the all-reduce bus bandwidth inside a node
+      (cluster.preflight.busbw_intra_gbps) or across nodes (busbw_inter_gbps), else DEFAULT_BUSBW_GBPS;
+      the bus bandwidth of a ring collective is by definition the bytes one rank sends per second.
+    """
+    c, par = cfg.cluster, cfg.parallel
+    device = c.device if c.device in DEFAULT_PEAK_TFLOPS else "cuda"
+    peak = (c.peak_tflops if c.peak_tflops > 0 else DEFAULT_PEAK_TFLOPS[device]) * 1e12
+    intra_default, inter_default = DEFAULT_BUSBW_GBPS[device]
+    intra = (c.preflight.busbw_intra_gbps or intra_default) * 1e9
+    inter = (c.preflight.busbw_inter_gbps or inter_default) * 1e9
+    dp = world // (par.tp * par.pp * par.cp)
+    strides = {"tp": (1, par.tp), "cp": (par.tp, par.cp), "pp": (par.tp * par.cp, par.pp),
+               # The tied-embedding all-reduce joins the first and last stage: the pp group's span.
+               "embedding": (par.tp * par.cp, par.pp), "dp": (par.tp * par.cp * par.pp, dp)}
+    compute = hardware_flops / world / peak
+    parts = {"compute": compute, "bubble": compute * bubble_ratio}
+    for kind, (stride, size) in strides.items():
+        bw = inter if _spans_nodes(stride, size, c.gpus_per_node) else intra
+        parts[kind] = comm.get(kind, 0) / bw
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+# --------------------------------------------------------------------------------------------------
 # The plan
 # --------------------------------------------------------------------------------------------------
 
@@ -105,7 +153,7 @@ class StagePlan:
 
 @dataclass
 class Plan:
-    """Everything `meshrun action=plan` reports; `to_json()` gives plan.json (DESIGN.md keys first)."""
+    """Everything `meshrun action=plan` reports; `to_json()` gives plan.json (docs/DESIGN.md keys first)."""
 
     world_size: int
     tp: int
@@ -139,6 +187,10 @@ class Plan:
     """Per-stage memory (every rank of a stage is the same)."""
     precision: str = "fp32"
     activation_profile: Dict[str, object] = field(default_factory=dict)
+    predicted_step_s: float = 0.0
+    """Predicted seconds per optimizer step (predict_step_seconds): ranks the points of a sweep."""
+    predicted_step_parts_s: Dict[str, float] = field(default_factory=dict)
+    """predicted_step_s by part: compute, bubble, tp, cp, pp, embedding, dp."""
 
     @property
     def headroom_bytes(self) -> int:
@@ -170,6 +222,10 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None) -> Plan:
     memory = dict(worst.memory_bytes)
     memory["activations_per_layer"] = per_layer
     gpu_bytes = int(cfg.cluster.gpu_memory_gb * 1e9)
+    bub = bubble(par.pp, m, v)
+    hw_flops = hardware_flops_per_step(cfg)
+    comm = comm_bytes_per_step(cfg, m, dp, worst.params)
+    step = predict_step_seconds(cfg, hw_flops, world, bub["bubble_ratio"], comm)
     return Plan(
         world_size=world,
         tp=par.tp,
@@ -184,18 +240,20 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None) -> Plan:
         params_total=params_total(cfg),
         params_per_gpu=worst.params,
         memory_bytes={k: memory[k] for k in ("weights", "grads", "optimizer", "activations", "activations_per_layer", "total")},
-        **bubble(par.pp, m, v),
+        **bub,
         model_flops_per_step=model_flops_per_step(cfg),
-        hardware_flops_per_step=hardware_flops_per_step(cfg),
+        hardware_flops_per_step=hw_flops,
         tokens_per_step=par.global_batch * mc.seq_length,
         gpu_memory_bytes=gpu_bytes,
         fits=memory["total"] <= gpu_bytes,
         worst_stage=worst.stage,
         padded_vocab=padded_vocab(mc.vocab_size, par.tp),
-        comm_bytes=comm_bytes_per_step(cfg, m, dp, worst.params),
+        comm_bytes=comm,
         stages=stages,
         precision=cfg.train.precision,
         activation_profile=asdict(profile),
+        predicted_step_s=step["total"],
+        predicted_step_parts_s={k: v for k, v in step.items() if k != "total"},
     )
 
 
@@ -216,6 +274,11 @@ def fmt_bytes(n: float) -> str:
 def fmt_count(n: float) -> str:
     """Parameter counts for display: B = 1e9, M = 1e6."""
     return f"{n / 1e9:.3f} B" if n >= 1e8 else f"{n / 1e6:.3f} M"
+
+
+def fmt_seconds(t: float) -> str:
+    """Seconds for display: ms below one second."""
+    return f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms"
 
 
 def format_plan(plan: Plan) -> str:
@@ -240,6 +303,8 @@ def format_plan(plan: Plan) -> str:
                          f"{plan.hardware_flops_per_step / 1e12:.4g} TFLOP (1 TFLOP = 1e12)"),
         ("comm / GPU / step", ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.comm_bytes.items() if v)
                               or "none"),
+        ("step (predicted)", f"{fmt_seconds(plan.predicted_step_s)}: " + ", ".join(
+            f"{k} {fmt_seconds(v)}" for k, v in plan.predicted_step_parts_s.items() if v)),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

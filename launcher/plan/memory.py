@@ -15,11 +15,9 @@ from typing import Dict, Optional
 
 from launcher.plan.model_size import padded_vocab
 from training.config import Config
-
-# Bytes per parameter: weights, gradients (fp32 main grads for bf16), optimizer (K).
-PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-GRAD_BYTES = {"fp32": 4, "bf16": 4, "fp16": 2}
-OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12}
+# Bytes per parameter: weights, gradients (fp32 main grads for bf16), optimizer (K); the engine allocates
+# from the same table.
+from training.precision import GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
 
 
 # --------------------------------------------------------------------------------------------------
@@ -76,7 +74,7 @@ KORTHIKANTI = DeviceProfile(act_bytes=2, mask_bytes=1, flash_saves_lse=False, no
 
 
 def device_profile(cfg: Config) -> DeviceProfile:
-    """The profile the planner uses for this run's device and precision (measured: notes/torch-cpu-gloo.md)."""
+    """The profile the planner uses for this run's device and precision (measured: docs/PLATFORM.md)."""
     act = PARAM_BYTES[cfg.train.precision]
     if cfg.cluster.device == "cpu":
         return DeviceProfile(act_bytes=act, mask_bytes=act, flash_with_dropout=False)

@@ -13,16 +13,12 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from training.config import Config
+from training.layout_rules import padded_vocab  # the engine's embedding rows: one definition for both
 
 
 # --------------------------------------------------------------------------------------------------
 # Parameter counts
 # --------------------------------------------------------------------------------------------------
-
-
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    """Vocabulary rounded up to a multiple of tp (the engine's embedding rows)."""
-    return -(-vocab_size // tp) * tp
 
 
 def _norm_params(cfg: Config) -> int:

@@ -12,26 +12,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
-from launcher.plan.model_size import padded_vocab
 from launcher.plan.estimate import GIB, Plan, make_plan, with_parallel
-from training.config import Config, derived_dp
+from training import layout_rules as rules
+from training.config import CHOICE_FIELDS, Config, choices, derived_dp
 
-# Allowed values of the string fields (the dataclasses type them as str; the values are checked here).
-CHOICES = {
-    "model.norm": ("layernorm", "rmsnorm"),
-    "model.activation": ("gelu", "swiglu"),
-    "model.attention": ("flash", "math"),
-    "model.position": ("learned", "rope"),
-    "parallel.schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
-    "parallel.recompute": ("none", "selective", "full"),
-    "train.precision": ("bf16", "fp16", "fp32"),
-    "train.optimizer": ("adamw",),
-    "cluster.kind": ("local", "slurm"),
-    "cluster.device": ("cpu", "cuda"),
-    "cluster.numa": ("auto", "off", "explicit"),
-    "cluster.preflight.mode": ("off", "warn", "gate"),
-    "data.kind": ("synthetic", "text"),
-}
+# Allowed values of the choice fields: the Enums of training/config.py (Hydra's schema already rejects
+# anything else; this catches configs built in code, e.g. with dataclasses.replace).
+CHOICES = {key: choices(key) for key in CHOICE_FIELDS if key not in ("action",)}
 
 # Sizes that must be >= 1 (None means "derive" where the field is Optional).
 POSITIVE = (
@@ -99,10 +86,6 @@ def _get(cfg: Config, dotted: str):
     return obj
 
 
-def _divisors(n: int, limit: int) -> List[int]:
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
-
-
 def _check_values(cfg: Config, out: List[Issue]) -> bool:
     """Enumerations and sizes; returns False when the sizes are too broken to go on."""
     for key, allowed in CHOICES.items():
@@ -149,14 +132,7 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
 
 def _check_model(cfg: Config, out: List[Issue]) -> None:
     m = cfg.model
-    h, a, g = m.hidden_size, m.num_attention_heads, m.query_groups
-    if h % a:
-        out.append(Issue("error", "model.hidden_size", f"hidden_size {h} is not divisible by num_attention_heads {a}",
-                         f"model.num_attention_heads={_closest([d for d in _divisors(h, h) if d > 1] or [1], a)}"))
-    if a % g:
-        out.append(Issue("error", "model.num_query_groups",
-                         f"num_attention_heads {a} is not divisible by num_query_groups {g}",
-                         f"model.num_query_groups=<one of {_divisors(a, a)}>"))
+    out += _issues(rules.model_rules(m))
     if cfg.data.kind == "text" and m.vocab_size < 256:
         out.append(Issue("error", "model.vocab_size",
                          f"data.kind=text tokenizes to bytes and needs vocab_size >= 256, got {m.vocab_size}",
@@ -171,30 +147,22 @@ def _check_model(cfg: Config, out: List[Issue]) -> None:
                                  "the Python standard library's sources"))
 
 
-def _closest(options: List[int], value: int) -> int:
-    return min(options, key=lambda o: (abs(o - value), o))
+def _issues(violations: List[rules.Violation]) -> List[Issue]:
+    """The layout rules' verdicts (training/layout_rules.py, which the engine checks too) as Issues."""
+    return [Issue(v.level, v.key, v.message, v.fix, v.code) for v in violations]
 
 
 def _check_layout(cfg: Config, out: List[Issue]) -> bool:
-    """Parallel layout rules; returns False when no plan can be computed."""
+    """Parallel layout rules (training/layout_rules.py) plus the cluster's; False when no plan can be computed."""
     m, par, c = cfg.model, cfg.parallel, cfg.cluster
     t, p, v, cp = par.tp, par.pp, par.vpp, par.cp
-    a, g, L, s = m.num_attention_heads, m.query_groups, m.num_layers, m.seq_length
+    s = m.seq_length
+    start = len(out)
     ok = True
     ranks = c.nodes * c.gpus_per_node
     mp = t * p * cp
-    valid_tp = [d for d in _divisors(a, c.gpus_per_node if not par.allow_tp_across_nodes else a)
-                if g % d == 0 and m.ffn % d == 0]
-    if a % t or g % t:
-        what = f"num_attention_heads {a}" + (f" and num_query_groups {g}" if g != a else "")
-        out.append(Issue("error", "parallel.tp", f"{what} must be divisible by tp={t}",
-                         f"parallel.tp=<one of {valid_tp}>", "tp_heads"))
-        ok = False
-    if m.ffn % t:
-        out.append(Issue("error", "parallel.tp", f"ffn_hidden_size {m.ffn} is not divisible by tp={t}",
-                         f"parallel.tp=<one of {valid_tp}>"))
-        ok = False
-    pv = padded_vocab(m.vocab_size, t)
+    out += _issues(rules.tp_rules(m, t, rules.valid_tp(cfg)))
+    pv = rules.padded_vocab(m.vocab_size, t)
     if pv != m.vocab_size:
         out.append(Issue("note", "model.vocab_size",
                          f"vocab {m.vocab_size} padded to {pv} (+{pv - m.vocab_size} rows) for tp={t}; padded rows never"
@@ -203,40 +171,15 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
         out.append(Issue("error", "parallel.tp",
                          f"tp={t} exceeds the {c.gpus_per_node} GPUs of a node: TP would cross the slow interconnect",
                          f"parallel.tp=<= {c.gpus_per_node} (use pp across nodes) or parallel.allow_tp_across_nodes=true"))
-    if p > L:
-        out.append(Issue("error", "parallel.pp", f"pp={p} is larger than num_layers={L}",
-                         f"parallel.pp=<one of {_divisors(L, L)}>"))
-        ok = False
-    elif L % (p * v):
-        fixes = [d for d in _divisors(L, L) if d % p == 0] if L % p == 0 else []
-        out.append(Issue("error", "parallel.pp",
-                         f"num_layers={L} is not divisible by pp x vpp = {p} x {v} = {p * v}",
-                         f"parallel.pp=<one of {_divisors(L, L)}>"
-                         + (f" or parallel.vpp=<one of {[d // p for d in fixes]}>" if fixes and v > 1 else "")))
-        ok = False
-    if par.schedule == "interleaved_1f1b":
-        if v < 2:
-            out.append(Issue("error", "parallel.vpp", "schedule=interleaved_1f1b needs vpp > 1",
-                             "parallel.vpp=2 or parallel.schedule=1f1b"))
-        if p < 2:
-            out.append(Issue("error", "parallel.pp", "schedule=interleaved_1f1b needs pp > 1",
-                             "parallel.pp=2 or parallel.schedule=1f1b"))
-    elif v > 1:
-        out.append(Issue("error", "parallel.vpp", f"vpp={v} needs schedule=interleaved_1f1b (got {par.schedule})",
-                         "parallel.schedule=interleaved_1f1b or parallel.vpp=1"))
-    if par.sp:
-        if t == 1:
-            out.append(Issue("error", "parallel.sp", "sequence parallelism needs tp > 1",
-                             "parallel.sp=false or parallel.tp=2"))
-        elif s % t:
-            out.append(Issue("error", "parallel.sp", f"seq_length {s} is not divisible by tp={t} (sp shards the sequence)",
-                             f"model.seq_length={(s // t + 1) * t} or parallel.sp=false"))
+    out += _issues(rules.layer_rules(m.num_layers, p, v))
+    out += _issues(rules.schedule_rules(par.schedule, p, v))
+    out += _issues(rules.sp_rules(par.sp, t, s))
     if s % cp:
         out.append(Issue("error", "parallel.cp", f"seq_length {s} is not divisible by cp={cp}",
-                         f"parallel.cp=<one of {_divisors(s, 64)}>"))
+                         f"parallel.cp=<one of {rules.divisors(s, 64)}>"))
         ok = False
     if cp > 1:
-        # The planner models context parallelism; the engine does not split attention yet, so a
+        # The planner models context parallelism; the engine does not split attention, so a
         # training launch with cp > 1 would silently compute something else: refuse it.
         out.append(Issue("error" if cfg.action == "train" else "warning", "parallel.cp",
                          f"cp={cp} is planned, but the engine trains with cp=1 only", "parallel.cp=1 to train"))
@@ -260,21 +203,11 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
     dp = derived_dp(cfg)
     if dp >= 1:
         unit = par.micro_batch * dp
-        if par.global_batch % unit:
-            lo = max(unit, par.global_batch // unit * unit)
-            out.append(Issue("error", "parallel.global_batch",
-                             f"global_batch {par.global_batch} is not divisible by micro_batch x dp = "
-                             f"{par.micro_batch} x {dp} = {unit}",
-                             f"parallel.global_batch={lo} or {lo + unit if lo < par.global_batch else lo * 2}"
-                             f" (accumulation = global / (micro x dp))", "batch"))
-            ok = False
-        else:
+        batch = _issues(rules.batch_rules(par.global_batch, par.micro_batch, dp))
+        out += batch
+        if not batch:
             mb = par.global_batch // unit
-            if par.schedule == "interleaved_1f1b" and p > 1 and mb % p:
-                out.append(Issue("error", "parallel.global_batch",
-                                 f"interleaved_1f1b needs the micro-batches per step ({mb}) to be a multiple of pp={p}",
-                                 f"parallel.global_batch={-(-mb // p) * p * unit}"))
-                ok = False
+            out += _issues(rules.interleaved_batch_rules(par.schedule, p, mb, unit))
             if par.schedule == "1f1b" and p > 1 and mb < p:
                 out.append(Issue("warning", "parallel.global_batch",
                                  f"1f1b with {mb} micro-batches for {p} stages: bubble "
@@ -288,7 +221,7 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
     if cfg.train.precision == "fp16" and cfg.cluster.device == "cpu":
         out.append(Issue("warning", "train.precision", "fp16 on CPU is slow and only useful to test loss scaling",
                          "train.precision=fp32 or bf16"))
-    return ok
+    return ok and not any(i.code in rules.BLOCKS_PLAN for i in out[start:] if i.level == "error")
 
 
 # The fixes tried when a model does not fit, cheapest first: (label, change) pairs.

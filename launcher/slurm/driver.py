@@ -5,7 +5,8 @@ prologue (before srun): numbers the attempt, records `started` with the nodes, p
 epilogue (after srun): reads every rank's record and acts (launcher/slurm/requeue.py decides):
   completed -> `completed`; all ranks stopped early -> `requeued`, `scontrol requeue` (same job);
   a failure -> `failed` (node, rank, exit code), then a new job excluding the failing node, up to
-  cluster.max_retries -> then `stopped`; exit 2 or the same error on every rank at step 0 -> `stopped`.
+  cluster.max_retries -> then `stopped`; EXIT_INVALID or the same error on every rank at step 0 -> `stopped`.
+The epilogue's own status is EXIT_OK only when the run completed (training/exit_codes.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import glob
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from typing import Dict, List
@@ -24,7 +24,8 @@ from launcher.slurm.rank_task import attempt_dir
 from launcher.status import excluded_nodes, last_step, retries_used
 from training.config import load_config
 from training.events import append_event, read_events
-from training.slurm_env import hostnames, port_from_job, slurm_job_id
+from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK
+from training.slurm_env import SlurmUnavailable, hostnames, port_from_job, slurm_command, slurm_job_id
 
 REQUEUE_WAIT_S = 120
 
@@ -54,7 +55,7 @@ def prologue(run_dir: str) -> int:
     }
     for k, v in exports.items():
         print(f"export {k}={shlex.quote(v)}")
-    return 0
+    return EXIT_OK
 
 
 SIGNAL_SWEEP_S = 30
@@ -65,7 +66,10 @@ def stop_time(signal_delay_s: int):
     """When the ranks should save and stop on their own: the job's end minus signal_delay_s minus
     Slurm's sweep period, so the stop comes before Slurm's own USR2 (which may arrive while the ranks
     still start up and is then lost) and never after it. None when the job has no time limit."""
-    out = subprocess.run(["squeue", "-h", "-j", job_id(), "-o", "%e"], capture_output=True, text=True).stdout.strip()
+    try:
+        out = slurm_command(["squeue", "-h", "-j", job_id(), "-o", "%e"]).stdout.strip()
+    except SlurmUnavailable:
+        return None  # Slurm's own USR2 still comes
     try:
         end = time.mktime(time.strptime(out, "%Y-%m-%dT%H:%M:%S"))
     except ValueError:
@@ -101,23 +105,27 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
     ev = dict(attempt=attempt, job_id=job_id())
     if d.action == "completed":
         append_event(run_dir, "completed", last_step=step_now, **ev)
-        return 0
+        return EXIT_OK
     if d.action == "requeue":
         append_event(run_dir, "requeued", cause="stopped_early", reason=d.reason, excluded_nodes=excluded,
                      last_step=step_now, **ev)
         sys.stdout.flush()
-        res = subprocess.run(["scontrol", "requeue", job_id()], capture_output=True, text=True)
-        if res.returncode != 0:
-            append_event(run_dir, "stopped", reason=f"scontrol requeue failed: {res.stderr.strip()}", **ev)
-            return 1
+        try:
+            res = slurm_command(["scontrol", "requeue", job_id()])
+            refused = res.stderr.strip() if res.returncode != 0 else ""
+        except SlurmUnavailable as exc:
+            refused = str(exc)
+        if refused:
+            append_event(run_dir, "stopped", reason=f"scontrol requeue failed: {refused}", **ev)
+            return EXIT_FAILED
         time.sleep(REQUEUE_WAIT_S)  # Slurm kills this script as part of the requeue
-        return 1
+        return EXIT_FAILED
     for f in d.failures:
         append_event(run_dir, "failed", node=f.node, rank=f.rank, exit_code=f.exit_code, reason=f.reason,
                      srun_exit_code=srun_rc, **ev)
     if d.action == "stop":
         append_event(run_dir, "stopped", reason=d.reason, last_step=step_now, **ev)
-        return 1
+        return EXIT_FAILED
     # resubmit: a new job with the failing node(s) excluded, resuming from the last checkpoint.
     from launcher.slurm.submit import submit_job
 
@@ -127,7 +135,7 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
         new_id = submit_job(cfg, run_dir, exclude=",".join(d.exclude))
     except Exception as exc:
         append_event(run_dir, "stopped", reason=f"resubmission failed: {exc}", **ev)
-        return 1
+        return EXIT_FAILED
     fields = dict(cause="failure", reason=d.reason, excluded_nodes=d.exclude, new_job_id=new_id,
                   retry=retries_used(events) + 1, max_retries=cfg.cluster.max_retries, **ev)
     if d.note:
@@ -135,13 +143,13 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
     append_event(run_dir, "requeued", **fields)
     print(f"meshrun: attempt {attempt} failed ({d.reason}); resubmitted as job {new_id} "
           f"excluding {d.exclude or 'no node'}", file=sys.stderr)
-    return 1
+    return EXIT_FAILED
 
 
 def main(argv: List[str]) -> int:
     if len(argv) < 2 or argv[0] not in ("prologue", "epilogue"):
         print("usage: python -m launcher.slurm.driver prologue|epilogue RUN_DIR [SRUN_RC]", file=sys.stderr)
-        return 2
+        return EXIT_INVALID
     if argv[0] == "prologue":
         return prologue(argv[1])
     return epilogue(argv[1], int(argv[2]) if len(argv) > 2 and argv[2].lstrip("-").isdigit() else -1)

@@ -19,14 +19,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import List
 
-from launcher.local import usable_cores
+from launcher.procs import engine_env, rank_process_env, start_pump
 from launcher.slurm.numa import choose_node, numactl_prefix
 from training.config import load_config
+from training.exit_codes import EXIT_OK, EXIT_STOPPED
 from training.slurm_env import torch_env_from_slurm
-
-TAIL_BYTES = 4096
 
 
 class RankFailed(RuntimeError):
@@ -35,16 +34,6 @@ class RankFailed(RuntimeError):
 
 def attempt_dir(run_dir: str, attempt: int) -> str:
     return os.path.join(run_dir, "slurm", f"attempt_{attempt}")
-
-
-def _pump(src, dst, tail: List[bytes]) -> None:
-    """Pass the child's stderr through and keep its last bytes (the exception line)."""
-    for chunk in iter(lambda: src.read1(4096), b""):
-        dst.write(chunk)
-        dst.flush()
-        tail.append(chunk)
-        while sum(map(len, tail)) > TAIL_BYTES and len(tail) > 1:
-            tail.pop(0)
 
 
 def last_error_line(text: str) -> str:
@@ -125,14 +114,6 @@ class RankTask:
     run_dir: str
     """The run directory (config.json, checkpoints, events)."""
 
-    def child_env(self) -> Dict[str, str]:
-        env = dict(os.environ)
-        env.update(torch_env_from_slurm(env))
-        env["PYTHONUNBUFFERED"] = "1"
-        local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
-        env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // max(local_world, 1))))
-        return env
-
     def __call__(self) -> int:
         # The preemption signal (USR2) and SIGTERM reach every process of the step. This wrapper must
         # stay alive to record how the rank ends, so it only notes them (this also replaces submitit's
@@ -143,11 +124,11 @@ class RankTask:
         for sig in (signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, forwarder.on_signal)
         signal.signal(signal.SIGCONT, lambda *_: None)
-        env = self.child_env()
+        cfg = load_config(os.path.join(self.run_dir, "config.json"))
+        env = rank_process_env(torch_env_from_slurm(os.environ), engine_env(cfg))
         rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
         attempt = int(env.get("MESHRUN_ATTEMPT", "0"))
         node = env.get("SLURMD_NODENAME") or socket.gethostname()
-        cfg = load_config(os.path.join(self.run_dir, "config.json"))
         prefix: List[str] = []
         numa_node = choose_node(cfg.cluster.numa, cfg.cluster.numa_map, cfg.cluster.device, local_rank,
                                 int(env.get("LOCAL_WORLD_SIZE", "1")), env.get("CUDA_VISIBLE_DEVICES"))
@@ -168,9 +149,8 @@ class RankTask:
             timer = threading.Timer(max(0.0, stop_at - time.time()), forwarder.on_signal, (signal.SIGUSR2, None))
             timer.daemon = True
             timer.start()
-        tail: List[bytes] = []
-        pump = threading.Thread(target=_pump, args=(child.stderr, sys.stderr.buffer, tail), daemon=True)
-        pump.start()
+        tail: List[bytes] = []  # the child's last output: its exception line goes into the rank's record
+        pump = start_pump(child.stderr, [sys.stderr.buffer], tail)
         code = child.wait()
         forwarder.done.set()
         for sig in (signal.SIGUSR2, signal.SIGTERM):
@@ -180,7 +160,8 @@ class RankTask:
         record = {
             "rank": rank, "local_rank": local_rank, "node": node, "exit_code": code,
             "signal": -code if code < 0 else None, "numa_node": numa_node,
-            "error": last_error_line(b"".join(tail).decode("utf-8", "replace")) if code not in (0, 3) else "",
+            "error": ("" if code in (EXIT_OK, EXIT_STOPPED)
+                      else last_error_line(b"".join(tail).decode("utf-8", "replace"))),
             "started": started, "ended": time.time(),
         }
         out = attempt_dir(self.run_dir, attempt)
@@ -189,6 +170,6 @@ class RankTask:
         with open(tmp, "w") as f:
             json.dump(record, f)
         os.replace(tmp, os.path.join(out, f"rank_{rank}.json"))
-        if code in (0, 3):
+        if code in (EXIT_OK, EXIT_STOPPED):
             return code
         raise RankFailed(f"rank {rank} on {node} exited with {code}: {record['error']}")

@@ -1,7 +1,8 @@
 """What to do when an attempt's srun step has ended (pure functions; the epilogue acts on them).
 
-Rank exit codes (docs/CONTRACTS.md): 0 finished, 3 stopped early after a complete checkpoint,
-4 preflight found the node bad, 2 invalid config/data, anything else (or no record) a failure.
+Rank exit codes (training/exit_codes.py, docs/CONTRACTS.md): EXIT_OK finished, EXIT_STOPPED stopped early
+after a complete checkpoint, EXIT_NODE_BAD preflight found the node bad, EXIT_INVALID invalid config/data,
+anything else (or no record) a failure.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from training.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK, EXIT_STOPPED
+from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK, EXIT_STOPPED
 
 
 @dataclass
@@ -62,8 +63,8 @@ def decide(
     if any(c == EXIT_INVALID for c in codes.values()):
         ranks = sorted(r for r, c in codes.items() if c == EXIT_INVALID)
         error = by_rank[ranks[0]].get("error") or "see the rank's log"
-        return Decision("stop", f"invalid configuration or data (exit 2 on rank(s) {ranks}), not retried: {error}",
-                        [_failure(by_rank[r]) for r in ranks])
+        return Decision("stop", f"invalid configuration or data (exit {EXIT_INVALID} on rank(s) {ranks}), "
+                                f"not retried: {error}", [_failure(by_rank[r]) for r in ranks])
     if len(by_rank) == world_size and all(c in (EXIT_OK, EXIT_STOPPED) for c in codes.values()):
         return Decision("requeue", "stopped early after a checkpoint (preemption, time limit or exit_interval)")
 
@@ -88,8 +89,8 @@ def decide(
     # the same exception but before they exited 1: a rank killed by a signal counts when its last
     # error line is that same exception.
     errors = {by_rank[r].get("error", "") for r in by_rank}
-    if (not progressed and len(by_rank) == world_size and any(c == 1 for c in codes.values())
-            and all(c == 1 or (isinstance(c, int) and c < 0) for c in codes.values())
+    if (not progressed and len(by_rank) == world_size and any(c == EXIT_FAILED for c in codes.values())
+            and all(c == EXIT_FAILED or (isinstance(c, int) and c < 0) for c in codes.values())
             and len(errors) == 1 and "" not in errors):
         return Decision("stop", f"the same error on every rank before any step: {by_rank[0].get('error', '')} "
                                 "(a bug or a config problem: not retried)", failures)

@@ -2,14 +2,18 @@
 lines, the per-rank environment, and the checks that keep shell metacharacters out (pure Python).
 
 The job (one per attempt):
-    #SBATCH --nodes=N --ntasks-per-node=G --requeue --signal=USR2@delay ...
+    #SBATCH --nodes=N --ntasks-per-node=G --cpus-per-task=C --requeue --signal=USR2@delay [--exclusive --mem]
     setup:    exports (NCCL_*, ...), then `launcher.slurm.driver prologue` (attempt, MASTER_ADDR/PORT)
-    command:  srun --kill-on-bad-exit=1 ... python -m submitit.core._submit  (one RankTask per rank)
+    command:  srun --kill-on-bad-exit=1 [--container-image --container-mounts] ... python -m submitit.core._submit
+              (one RankTask per rank)
     teardown: `launcher.slurm.driver epilogue`: completed / requeue self / resubmit excluding a node / stop
+The preflight-only job (`preflight_job_spec`) has the same resources and environment without the
+requeue machinery.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -18,9 +22,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence
 
-from training.config import Config
+from launcher.procs import PROJECT_ROOT, engine_env
+from training.config import ClusterConfig, Config
+from training.exit_codes import EXIT_FAILED
 
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB_NAME = "meshrun"
 
 # Values that reach an #SBATCH line or a hostlist: letters, digits and the few punctuation marks
@@ -28,9 +33,17 @@ JOB_NAME = "meshrun"
 _SBATCH_VALUE = re.compile(r"^[A-Za-z0-9_.:,@%/=+\-\[\]]*$")
 _SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# sbatch --mem: a number with an optional unit (Slurm's default unit is megabytes); 0 asks for all of it.
+_SLURM_SIZE = re.compile(r"^[0-9]+[KMGTkmgt]?$")
+# pyxis image references: [USER@][REGISTRY#]IMAGE[:TAG|@DIGEST], docker:// forms, or a squashfs path.
+# `#` separates the registry (nvcr.io#nvidia/pytorch:24.05-py3) and is legal; the value is quoted anyway.
+_CONTAINER_IMAGE = re.compile(r"^[A-Za-z0-9_./][A-Za-z0-9_.:/#@+\-]*$")
+# enroot mounts SRC:DST[:FLAGS], joined by commas in one srun option: no commas, colons or spaces inside.
+_CONTAINER_MOUNT = re.compile(r"^/[^\s,:]*:/[^\s,:]*(:[A-Za-z0-9_=+.\-]+)?$")
 # sbatch options meshrun sets itself: overriding them through sbatch_extra would break the job.
 _RESERVED = {"nodes", "ntasks-per-node", "signal", "requeue", "no-requeue", "output", "error", "open-mode",
-             "job-name", "partition", "account", "qos", "time", "exclude", "array"}
+             "job-name", "partition", "account", "qos", "time", "exclude", "array", "cpus-per-task",
+             "exclusive", "mem", "container-image", "container-mounts"}
 
 
 class SlurmConfigError(ValueError):
@@ -72,18 +85,52 @@ def validate_for_slurm(cfg: Config) -> List[str]:
         errors.append("cluster.nodes and cluster.gpus_per_node must be >= 1")
     if c.max_retries < 0:
         errors.append("cluster.max_retries must be >= 0")
+    return errors + _resource_errors(c)
+
+
+def _resource_errors(c: ClusterConfig) -> List[str]:
+    """cpus_per_task, mem and the container: what a real cluster's job asks for beyond nodes and time."""
+    errors = []
+    if c.cpus_per_task < 0:
+        errors.append(f"cluster.cpus_per_task={c.cpus_per_task}: give the CPUs of one rank, or 0 for the node's "
+                      f"CPUs divided by its ranks")
+    if c.mem and not _SLURM_SIZE.match(c.mem):
+        errors.append(f"cluster.mem={c.mem!r} is not a Slurm size: use a number with an optional unit K, M, G "
+                      f"or T (64G, 512000M; 0 = all of the node's memory), or leave it empty")
+    image, mounts = c.container.image, list(c.container.mounts)
+    if image and not _CONTAINER_IMAGE.match(image):
+        errors.append(f"cluster.container.image={image!r} is not an image reference: use REGISTRY#IMAGE:TAG "
+                      f"(e.g. nvcr.io#nvidia/pytorch:24.05-py3) or a .sqsh path, without spaces, quotes or "
+                      f"shell characters")
+    if mounts and not image:
+        errors.append("cluster.container.mounts is set but cluster.container.image is empty: set the image, "
+                      "or drop the mounts")
+    for mount in mounts:
+        if not _CONTAINER_MOUNT.match(str(mount)):
+            errors.append(f"cluster.container.mounts entry {mount!r}: use SRC:DST[:FLAGS] with absolute paths "
+                          f"and no commas, colons or spaces inside them (e.g. /data:/data:ro)")
     return errors
 
 
-def rank_env(cfg: Config) -> Dict[str, str]:
-    """Environment of every rank: the cluster's variables plus what the engine needs on NCCL."""
-    # A failed NCCL collective becomes an error (then exit, then requeue) instead of a hang.
-    env: Dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
-    if cfg.parallel.tp > 1:
-        # One hardware queue keeps TP communication ordered ahead of compute (Megatron's requirement).
-        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    env.update({str(k): str(v) for k, v in sorted(cfg.cluster.env.items())})
-    return env
+def cpus_per_task(c: ClusterConfig, node_cpus: int = 0) -> int:
+    """CPUs of one rank: cluster.cpus_per_task, or with 0 the node's CPUs (node_cpus, the partition's
+    smallest node) shared by its ranks. Never Slurm's silent default of 1: unknown is an error."""
+    if c.cpus_per_task > 0:
+        return c.cpus_per_task
+    if node_cpus > 0:
+        return max(1, node_cpus // max(c.gpus_per_node, 1))
+    raise SlurmConfigError("cluster.cpus_per_task=0 takes the node's CPUs from the partition (sinfo), which "
+                           "were not read: set cluster.cpus_per_task to the CPUs of one rank")
+
+
+def container_args(c: ClusterConfig) -> List[str]:
+    """pyxis's srun options (submitit quotes every srun argument); none without an image."""
+    if not c.container.image:
+        return []
+    args = [f"--container-image={c.container.image}"]
+    if c.container.mounts:
+        args.append("--container-mounts=" + ",".join(c.container.mounts))
+    return args
 
 
 def python_cmd() -> str:
@@ -103,9 +150,14 @@ def setup_lines(cfg: Config, run_dirs: Sequence[str]) -> List[str]:
     lines = run_dir_lines(run_dirs) + [
         f"export PYTHONPATH={shlex.quote(PROJECT_ROOT)}${{PYTHONPATH:+:$PYTHONPATH}}",
     ]
-    lines += [f"export {name}={shlex.quote(value)}" for name, value in rank_env(cfg).items()]
-    lines.append(f'eval "$({python_cmd()} -m launcher.slurm.driver prologue "$MESHRUN_RUN_DIR")" || exit 1')
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in engine_env(cfg).items()]
+    lines.append(prologue_line())
     return lines
+
+
+def prologue_line() -> str:
+    """The prologue prints exports for eval; when it fails the attempt ends before srun."""
+    return f'eval "$({python_cmd()} -m launcher.slurm.driver prologue "$MESHRUN_RUN_DIR")" || exit {EXIT_FAILED}'
 
 
 def teardown_lines() -> List[str]:
@@ -117,9 +169,9 @@ def teardown_lines() -> List[str]:
     ]
 
 
-def srun_args(cfg: Config) -> List[str]:
+def srun_args(cfg: Config, kill_on_bad_exit: bool = True) -> List[str]:
     # One dead rank ends the step at once instead of leaving the others hanging in a collective.
-    return ["--kill-on-bad-exit=1"]
+    return (["--kill-on-bad-exit=1"] if kill_on_bad_exit else []) + container_args(cfg.cluster)
 
 
 @dataclass
@@ -140,8 +192,16 @@ def task_python() -> str:
     return "bash -c " + shlex.quote("trap '' USR2 TERM; exec \"$0\" \"$@\"") + " " + python_cmd()
 
 
-def job_spec(cfg: Config, run_dir: str, exclude: str = "") -> SlurmJobSpec:
-    """submitit parameters for this config; exclude overrides cluster.exclude (resubmissions)."""
+def with_cpus_per_task(cfg: Config, node_cpus: int) -> Config:
+    """A copy of cfg whose cluster.cpus_per_task is the number the job asks for (its 0 resolved with
+    node_cpus): config.json then records it, and every later job of the run (resubmissions) asks the same."""
+    out = copy.deepcopy(cfg)
+    out.cluster.cpus_per_task = cpus_per_task(cfg.cluster, node_cpus)
+    return out
+
+
+def _resources(cfg: Config, exclude: str) -> Dict[str, Any]:
+    """The submitit parameters of the allocation itself, shared by the training and the preflight job."""
     errors = validate_for_slurm(cfg)
     if errors:
         raise SlurmConfigError("\n".join(errors))
@@ -150,28 +210,55 @@ def job_spec(cfg: Config, run_dir: str, exclude: str = "") -> SlurmJobSpec:
     if exclude and not _SBATCH_VALUE.match(exclude):
         raise SlurmConfigError(f"exclude list {exclude!r} is not a plain hostlist")
     params: Dict[str, Any] = {
-        "job_name": JOB_NAME,
         "nodes": c.nodes,
         "ntasks_per_node": c.gpus_per_node,
-        "cpus_per_task": 1,
+        "cpus_per_task": cpus_per_task(c),
         "time": c.time_min,
         "partition": c.partition,
         "signal_delay_s": c.signal_delay_s,
         "stderr_to_stdout": True,
+    }
+    if c.device == "cuda":
+        params["gpus_per_node"] = c.gpus_per_node
+    for name in ("account", "qos", "mem"):
+        if getattr(c, name):
+            params[name] = getattr(c, name)
+    if c.exclusive:
+        params["exclusive"] = True  # submitit writes True as the bare flag `#SBATCH --exclusive`
+    if exclude:
+        params["exclude"] = exclude
+    return params
+
+
+def job_spec(cfg: Config, run_dir: str, exclude: str = "") -> SlurmJobSpec:
+    """submitit parameters of the training job; exclude overrides cluster.exclude (resubmissions).
+    cluster.cpus_per_task must be resolved (with_cpus_per_task) when it is 0."""
+    params = _resources(cfg, exclude)
+    params.update({
+        "job_name": JOB_NAME,
         "srun_args": srun_args(cfg),
         "setup": setup_lines(cfg, [run_dir]),
         "teardown": teardown_lines(),
         # --requeue: the epilogue's `scontrol requeue` is refused without it.
-        "additional_parameters": {"requeue": True, **{str(k): str(v) for k, v in sorted(c.sbatch_extra.items())}},
-    }
-    if c.device == "cuda":
-        params["gpus_per_node"] = c.gpus_per_node
-    for name in ("account", "qos"):
-        if getattr(c, name):
-            params[name] = getattr(c, name)
-    if exclude:
-        params["exclude"] = exclude
+        "additional_parameters": {"requeue": True,
+                                  **{str(k): str(v) for k, v in sorted(cfg.cluster.sbatch_extra.items())}},
+    })
     return SlurmJobSpec(folder=os.path.join(run_dir, "submitit"), parameters=params, python=task_python())
+
+
+def preflight_job_spec(cfg: Config, run_dir: str) -> SlurmJobSpec:
+    """The preflight-only job (action=preflight): the training job's resources, environment and container,
+    without prologue, epilogue, --requeue and --kill-on-bad-exit (a bad node's rank must not make srun kill
+    the healthy ranks before they have reported)."""
+    params = _resources(cfg, "")
+    params.update({
+        "job_name": f"{JOB_NAME}-preflight",
+        "srun_args": srun_args(cfg, kill_on_bad_exit=False),
+        "setup": [line for line in setup_lines(cfg, [run_dir]) if line != prologue_line()],
+        "additional_parameters": {str(k): str(v) for k, v in sorted(cfg.cluster.sbatch_extra.items())},
+    })
+    return SlurmJobSpec(folder=os.path.join(run_dir, "submitit_preflight"), parameters=params,
+                        python=python_cmd())
 
 
 def array_group_key(cfg: Config) -> str:
@@ -189,20 +276,22 @@ def array_job_spec(cfg: Config, run_dirs: Sequence[str], folder: str) -> SlurmJo
     return spec
 
 
-def sbatch_text(spec: SlurmJobSpec) -> str:
-    """The batch script submitit would submit for this spec (for the dry run)."""
+def sbatch_text(spec: SlurmJobSpec, array_size: int = 0) -> str:
+    """The batch script submitit would submit for this spec (for the dry run); array_size > 1: as the
+    job array of that many tasks submitit makes of a batch (its map_count adds --array, %A_%a logs)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     command = " ".join([spec.python, "-u -m submitit.core._submit", shlex.quote(spec.folder)])
-    return _make_sbatch_string(command=command, folder=spec.folder, **spec.parameters)
+    array = {"map_count": array_size} if array_size > 1 else {}
+    return _make_sbatch_string(command=command, folder=spec.folder, **spec.parameters, **array)
 
 
 def srun_line(sbatch: str) -> str:
     return next(line for line in sbatch.splitlines() if line.startswith("srun "))
 
 
-def dry_run_text(cfg: Config, run_dir: str) -> str:
-    spec = job_spec(cfg, run_dir)
+def dry_run_text(cfg: Config, spec: SlurmJobSpec, run_dir: str) -> str:
+    """What `dry_run=true` prints: the batch script of spec, its srun line, and each rank's command."""
     script = sbatch_text(spec)
     return "\n".join([
         "# sbatch script (submitted by submitit; nothing was submitted: dry_run=true)",
@@ -215,6 +304,15 @@ def dry_run_text(cfg: Config, run_dir: str) -> str:
         rank_command_text(cfg, run_dir),
         "",
     ])
+
+
+def array_dry_run_text(spec: SlurmJobSpec, run_dirs: Sequence[str]) -> str:
+    """A sweep's job array under dry_run=true: which task runs which point, and the batch script."""
+    return "\n".join(
+        [f"# job array of {len(run_dirs)} sweep points (submitted by submitit; nothing was submitted: dry_run=true)",
+         "# task -> run dir:"]
+        + [f"#   {task}: {run_dir}" for task, run_dir in enumerate(run_dirs)]
+        + [sbatch_text(spec, array_size=len(run_dirs)).rstrip("\n"), ""])
 
 
 def rank_command_text(cfg: Config, run_dir: str) -> str:

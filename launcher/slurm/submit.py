@@ -1,15 +1,17 @@
 """Submit a meshrun run to Slurm through submitit: one job per run, returns at once.
 
-submit() checks the controller and the partition before anything is written to Slurm, submits
-the job (launcher/slurm/sbatch.py describes it), records `submitted` in events.jsonl and prints the job id
+submit() checks the controller and the partition before anything is written to Slurm, resolves
+cluster.cpus_per_task=0 from the partition's nodes, builds the job spec once, submits the job
+(launcher/slurm/sbatch.py describes it), records `submitted` in events.jsonl and prints the job id
 and run dir. wait=true follows the job (and its requeues/resubmissions) and streams rank 0's
 output (in a sweep: waits until every point has ended and adds the final states to the summary);
 dry_run=true prints the sbatch script and the srun line and submits nothing.
 
-In a sweep run by meshrun's Hydra launcher (hydra_plugins/meshrun_sweep), submit() only checks and
-queues each point; when the launcher's batch ends, `array_batch` submits the queued points as job
-arrays, one per group of points whose jobs differ only in their run directory (same nodes, time,
-environment, ...). Each array task is then a job of its own for status, requeue and events
+In a sweep run by meshrun's Hydra launcher (hydra_plugins/meshrun_sweep), submit(queue=True) only
+checks and queues each point; when the launcher's batch ends, it passes the queued run directories to
+`submit_arrays`, which submits them as job arrays, one per group of points whose jobs differ only in
+their run directory (same nodes, time, environment, ...), or with dry_run=true prints the batch script
+of each array instead. Each array task is then a job of its own for status, requeue and events
 ("<array>_<task>", submitit's naming); a resubmission after a failure is a plain job.
 """
 
@@ -17,36 +19,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from launcher.slurm.sbatch import SlurmConfigError, SlurmJobSpec, array_group_key, array_job_spec, dry_run_text, job_spec
+from launcher.slurm.sbatch import (SlurmConfigError, SlurmJobSpec, array_dry_run_text, array_group_key, array_job_spec,
+                                   dry_run_text, job_spec, with_cpus_per_task)
 from launcher.slurm.rank_task import RankTask
 from launcher.rundir import write_config
-from training.config import Config
+from launcher.sweep_point import update_point
+from training.config import Config, load_config
 from training.events import append_event
-from training.exit_codes import EXIT_INVALID, EXIT_SLURM
-
-
-class SlurmUnavailable(RuntimeError):
-    """The controller does not answer or refuses the job."""
-
-
-def _run(cmd: List[str], timeout: float = 20.0) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        raise SlurmUnavailable(f"`{cmd[0]}` not found: this machine has no Slurm client "
-                               "(install slurm-client, or use cluster=local)") from None
-    except subprocess.TimeoutExpired:
-        raise SlurmUnavailable(f"`{' '.join(cmd)}` did not answer in {timeout:.0f} s: "
-                               "is the Slurm controller reachable?") from None
+from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_SLURM
+from training.slurm_env import SlurmUnavailable, slurm_command
 
 
 def check_controller() -> None:
-    res = _run(["scontrol", "ping"])
+    res = slurm_command(["scontrol", "ping"])
     if res.returncode != 0 or "UP" not in res.stdout:
         msg = (res.stdout + res.stderr).strip().splitlines()
         raise SlurmUnavailable("the Slurm controller does not answer (`scontrol ping`: "
@@ -54,23 +43,53 @@ def check_controller() -> None:
                                "`bash slurm/dev-cluster.sh up`) or check SLURM_CONF")
 
 
+def partition_node_cpus(partition: str) -> Dict[str, int]:
+    """Node name -> CPUs of every node of a partition; {} when the partition does not exist."""
+    res = slurm_command(["sinfo", "-h", "-N", "-p", partition, "-o", "%N %c"])
+    if res.returncode != 0:
+        return {}
+    out: Dict[str, int] = {}
+    for line in res.stdout.splitlines():
+        name, _, cpus = line.strip().partition(" ")
+        if name:
+            out[name] = int(cpus) if cpus.strip().isdigit() else 0
+    return out
+
+
 def partition_nodes(partition: str) -> List[str]:
     """Node names of a partition; [] when the partition does not exist."""
-    res = _run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N"])
-    return sorted(set(res.stdout.split())) if res.returncode == 0 else []
+    return sorted(partition_node_cpus(partition))
 
 
-def check_partition(cfg: Config) -> List[str]:
-    nodes = partition_nodes(cfg.cluster.partition)
+def check_partition(cfg: Config) -> Dict[str, int]:
+    """The partition's nodes the job may use (node -> CPUs); SlurmConfigError when it has too few."""
+    nodes = partition_node_cpus(cfg.cluster.partition)
     if not nodes:
-        known = _run(["sinfo", "-h", "-o", "%R"]).stdout.split()
+        known = slurm_command(["sinfo", "-h", "-o", "%R"]).stdout.split()
         raise SlurmConfigError(f"cluster.partition={cfg.cluster.partition!r} does not exist on this cluster; "
                                f"known partitions: {', '.join(sorted(set(known))) or 'none'}")
-    usable = [n for n in nodes if n not in set(cfg.cluster.exclude.split(",")) - {""}]
+    excluded = set(cfg.cluster.exclude.split(",")) - {""}
+    usable = {n: cpus for n, cpus in sorted(nodes.items()) if n not in excluded}
     if len(usable) < cfg.cluster.nodes:
         raise SlurmConfigError(f"cluster.nodes={cfg.cluster.nodes} but partition {cfg.cluster.partition!r} has "
                                f"{len(usable)} usable node(s) ({', '.join(usable)}): lower cluster.nodes")
-    return nodes
+    return usable
+
+
+def resolve_for_slurm(cfg: Config) -> Config:
+    """Check the controller and the partition (a dry run asks Slurm only when it must: to resolve
+    cluster.cpus_per_task=0); returns cfg with cpus_per_task resolved from the partition's smallest usable node."""
+    if cfg.dry_run and cfg.cluster.cpus_per_task > 0:
+        return cfg
+    try:
+        check_controller()
+        nodes = check_partition(cfg)
+    except SlurmUnavailable as exc:
+        if not cfg.dry_run:
+            raise
+        raise SlurmUnavailable(f"{exc}. A dry run without Slurm: set cluster.cpus_per_task (0 reads the "
+                               "node's CPUs from the partition)") from None
+    return with_cpus_per_task(cfg, min((c for c in nodes.values() if c > 0), default=0))
 
 
 def _submit_spec(spec: SlurmJobSpec, run_dirs: List[str]) -> List[str]:
@@ -89,7 +108,8 @@ def _submit_spec(spec: SlurmJobSpec, run_dirs: List[str]) -> List[str]:
 
 
 def submit_job(cfg: Config, run_dir: str, exclude: str = "") -> str:
-    """Submit one job for run_dir through submitit; returns the job id."""
+    """Submit one job for run_dir through submitit (a resubmission: cfg from the run's config.json, its
+    cpus_per_task already resolved); returns the job id."""
     return _submit_spec(job_spec(cfg, run_dir, exclude), [run_dir])[0]
 
 
@@ -102,92 +122,75 @@ def _record_submission(cfg: Config, run_dir: str, job_id: str, log_dir: str) -> 
     print(f"  follow: meshrun action=status run.dir={run_dir}")
 
 
-class ArrayBatch:
-    """Sweep points checked and queued by submit(), submitted together by submit_all()."""
-
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-        """submitit's folder for the arrays (the sweep directory's submitit/)."""
-        self.points: List[Tuple[Config, str, Dict[str, Any]]] = []
-
-    def add(self, cfg: Config, run_dir: str, result: Dict[str, Any]) -> None:
-        self.points.append((cfg, run_dir, result))
-
-    def submit_all(self) -> None:
-        """One sbatch per group of identical jobs; each point's result dict (the sweep summary holds the
-        same objects) gets its job id, or the refusal when sbatch refuses its group. With wait=true, waits
-        until every submitted point has ended and adds its final status."""
-        groups: Dict[str, List[Tuple[Config, str, Dict[str, Any]]]] = {}
-        points, self.points = self.points, []
-        for point in points:
-            groups.setdefault(array_group_key(point[0]), []).append(point)
-        for group in groups.values():
-            cfg, run_dirs = group[0][0], [run_dir for _, run_dir, _ in group]
-            if len(group) == 1:
-                spec = job_spec(cfg, run_dirs[0])
-            else:
-                spec = array_job_spec(cfg, run_dirs, self.folder)
-                print(f"submitting {len(group)} sweep points as one Slurm job array", flush=True)
-            try:
-                job_ids = _submit_spec(spec, run_dirs)
-            except SlurmUnavailable as exc:
-                print(f"error: {exc}\nnothing was submitted for {', '.join(run_dirs)}.", file=sys.stderr)
-                for _, _, result in group:
-                    result.update(status="invalid", errors=[f"error: {exc}"])
-                continue
-            for (point_cfg, run_dir, result), job_id in zip(group, job_ids):
-                _record_submission(point_cfg, run_dir, job_id, spec.folder)
-                result.update(status="submitted", job_id=job_id)
-        waiting = {point[1]: point[2] for point in points if point[0].wait and point[2]["status"] == "submitted"}
-        if waiting:
-            for run_dir, final in wait_all(list(waiting)).items():
-                waiting[run_dir]["final"] = final
-
-
-_array_batch: Optional[ArrayBatch] = None
+def submit_arrays(run_dirs: Sequence[str], folder: str) -> Dict[str, Dict[str, Any]]:
+    """Submit queued sweep points (each run dir holds its config.json) as one sbatch per group of
+    identical jobs: a job array, or a plain job for a group of one; folder is submitit's folder for the
+    arrays (the sweep directory's submitit/). Points with dry_run=true get their group's batch script
+    printed instead. Returns run dir -> the fields its result gains (status and job_id, or the refusal;
+    with wait=true, after every submitted point has ended, its final status) and records them in the
+    point's point.json."""
+    groups: Dict[Tuple[bool, str], List[Tuple[Config, str]]] = {}
+    for run_dir in run_dirs:
+        cfg = load_config(os.path.join(run_dir, "config.json"))
+        groups.setdefault((cfg.dry_run, array_group_key(cfg)), []).append((cfg, run_dir))
+    updates: Dict[str, Dict[str, Any]] = {}
+    waiting: List[str] = []
+    for (dry, _), group in groups.items():
+        cfg, dirs = group[0][0], [run_dir for _, run_dir in group]
+        spec = job_spec(cfg, dirs[0]) if len(group) == 1 else array_job_spec(cfg, dirs, folder)
+        if dry:
+            print(dry_run_text(cfg, spec, dirs[0]) if len(group) == 1 else array_dry_run_text(spec, dirs), flush=True)
+            updates.update({run_dir: {"status": "dry_run"} for run_dir in dirs})
+            continue
+        if len(group) > 1:
+            print(f"submitting {len(group)} sweep points as one Slurm job array", flush=True)
+        try:
+            job_ids = _submit_spec(spec, dirs)
+        except SlurmUnavailable as exc:
+            print(f"error: {exc}\nnothing was submitted for {', '.join(dirs)}.", file=sys.stderr)
+            updates.update({run_dir: {"status": "invalid", "errors": [f"error: {exc}"]} for run_dir in dirs})
+            continue
+        for (point_cfg, run_dir), job_id in zip(group, job_ids):
+            _record_submission(point_cfg, run_dir, job_id, spec.folder)
+            updates[run_dir] = {"status": "submitted", "job_id": job_id}
+            if point_cfg.wait:
+                waiting.append(run_dir)
+    if waiting:
+        for run_dir, final in wait_all(waiting).items():
+            updates[run_dir]["final"] = final
+    for run_dir, fields in updates.items():
+        update_point(run_dir, **fields)
+    return updates
 
 
-@contextlib.contextmanager
-def array_batch(folder: str) -> Iterator[ArrayBatch]:
-    """While open, submit() queues sweep points instead of submitting them; on a normal exit they are
-    submitted as job arrays. An exception submits nothing (no half-submitted sweep)."""
-    global _array_batch
-    batch = _array_batch = ArrayBatch(folder)
+def submit(cfg: Config, run_dir: str, plan_result: Dict[str, Any], multirun: bool = False,
+           queue: bool = False) -> Dict[str, Any]:
+    """The app's Slurm launcher (action=train, cluster.kind=slurm). queue=True (a sweep point of
+    meshrun's launcher): check, then return status "queued"; the launcher submits the batch's queued
+    points with submit_arrays (a dry run too: it prints the arrays' scripts)."""
     try:
-        yield batch
-    finally:
-        _array_batch = None
-    batch.submit_all()
-
-
-def submit(cfg: Config, run_dir: str, plan_result: Dict[str, Any], multirun: bool = False) -> Dict[str, Any]:
-    """The app's Slurm launcher (action=train, cluster.kind=slurm)."""
-    try:
-        if cfg.dry_run:
-            print(dry_run_text(cfg, run_dir))
+        cfg = resolve_for_slurm(cfg)
+        spec = job_spec(cfg, run_dir)  # the one spec of this submission
+        if cfg.dry_run and not queue:
+            print(dry_run_text(cfg, spec, run_dir))
             return {**plan_result, "status": "dry_run", "run_dir": run_dir}
-        job_spec(cfg, run_dir)  # every config problem before touching Slurm
-        check_controller()
-        check_partition(cfg)
     except SlurmConfigError as exc:
         return _refuse(str(exc), multirun, EXIT_INVALID)
     except SlurmUnavailable as exc:
         return _refuse(str(exc), multirun, EXIT_SLURM)
-    write_config(cfg, run_dir)
-    if multirun and _array_batch is not None:
-        result = {**plan_result, "status": "queued", "run_dir": run_dir}
-        _array_batch.add(cfg, run_dir, result)  # submitted with the sweep's other points
-        return result
+    write_config(cfg, run_dir)  # with cpus_per_task resolved: resubmissions and arrays ask the same
+    if queue:  # submitted (or printed) with the batch's other points by submit_arrays
+        return {**plan_result, "status": "queued", "run_dir": run_dir}
     try:
-        job_id = submit_job(cfg, run_dir)
+        job_id = _submit_spec(spec, [run_dir])[0]
     except SlurmUnavailable as exc:
         return _refuse(str(exc), multirun, EXIT_SLURM)
-    _record_submission(cfg, run_dir, job_id, job_spec(cfg, run_dir).folder)
+    _record_submission(cfg, run_dir, job_id, spec.folder)
     result = {**plan_result, "status": "submitted", "job_id": job_id, "run_dir": run_dir}
     if cfg.wait and not multirun:
         result["final"] = follow(run_dir)
         if result["final"]["state"] != "COMPLETED":
-            raise SystemExit(1)
+            raise SystemExit(EXIT_FAILED)
     return result
 
 

@@ -1,7 +1,7 @@
 """The sharding description: every tensor a rank holds, as rectangular chunks of a layout-free global tensor.
 
 DCP can only reshard what it knows the global placement of (a plain per-rank tensor under a shared key is
-taken as replicated: notes/torch-cpu-gloo.md). So each piece a rank holds is described by its offsets in the
+taken as replicated: docs/PLATFORM.md). So each piece a rank holds is described by its offsets in the
 *stored* global tensor of its parameter, and all pieces of one key become one ShardedTensor:
 
 - model weights: the rank's tp shard, placed at tp_rank x local size on `param.tp_shard_dim`;
@@ -45,10 +45,6 @@ class ParamInfo:
     """Dimension split over tp, None when replicated over tp."""
     tp_rank: int
     """This rank's position in its tp group."""
-
-    def owner_over_tp(self) -> bool:
-        """Pieces of tp-replicated parameters are written by tp rank 0 only."""
-        return self.tp_shard_dim is not None or self.tp_rank == 0
 
 
 @dataclass

@@ -14,9 +14,9 @@ Loop usage (every rank, same order):
 must hold "consumed_samples"; anything else in it (loss scaler, data position, ...) is saved and restored
 in place. Per-rank RNG states (python, numpy, torch, cuda) are handled here.
 
-What this needs from the optimizer (training/optimizer.py `DistributedOptimizer`, read through its public
-attributes): names, params, offsets, shard_lo, shard_size, zero, exp_avg, exp_avg_sq, master (or None),
-step_count, loss_scale, good_steps, reload_master_from_params().
+The optimizer (training/optim/optimizer.py `DistributedOptimizer`) is saved and restored only through its
+`state_dict()` / `load_state_dict()`: per parameter, the slice of each state tensor this rank holds and where
+it starts in the parameter, plus the scalars step_count, loss_scale and good_steps.
 """
 
 from __future__ import annotations
@@ -44,10 +44,9 @@ from training.checkpoint.storage import CheckpointError
 from training.config import Config, config_to_dict
 from training.events import append_event
 from training.exit_codes import EXIT_STOPPED
+from training.optim import SCALARS
+from training.optim.model_parallel import TIED_EMBEDDING
 
-
-TIED_EMBEDDING = "embedding.word.weight"
-OPTIM_STATES = ("exp_avg", "exp_avg_sq", "master")
 # Model fields that change a parameter's shape (or meaning): a checkpoint cannot load across them.
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                 "seq_length", "vocab_size", "norm", "activation", "position", "tie_embeddings", "bias")
@@ -206,17 +205,10 @@ class CheckpointManager:
             self.log(f"{reason} received: saving step {step} and stopping (exit {EXIT_STOPPED})")
         return self._decided[1], reason
 
-    def due(self, step: int, now: Optional[float] = None) -> bool:
-        """A periodic save is due after `step` (train.checkpoint_every / checkpoint_every_min). Collective."""
-        return self.decide(step, now)[0]
-
-    def should_stop(self, step: int, now: Optional[float] = None) -> Optional[str]:
-        """None, or why this attempt stops after `step` (signal, exit_interval, exit_after_min). Collective."""
-        return self.decide(step, now)[1]
-
     # ----- the sharding description ----------------------------------------------------------------
-    def _pieces(self, model_chunks, optimizer, for_save: bool) -> List[Piece]:
-        """Every tensor of this rank's state as placed pieces; for saving, replicas are left out."""
+    def _pieces(self, model_chunks, opt_state: Optional[Dict[str, Any]], for_save: bool) -> List[Piece]:
+        """Every tensor of this rank's state (model, and the optimizer's state_dict) as placed pieces;
+        for saving, replicas are left out."""
         mesh, V = self.mesh, self.cfg.model.vocab_size
         tp_rank = getattr(mesh, "tp_rank", 0)
         dp_rank = getattr(mesh, "dp_rank", 0) + getattr(mesh, "cp_rank", 0)  # cp replicas: cp rank 0 writes
@@ -238,18 +230,13 @@ class CheckpointManager:
             if owner(name, p, True):
                 info = param_info(name, p, tp_rank, V)
                 pieces += pieces_for(f"model/{name}", info, p.detach().view(-1), 0)
-        if optimizer is not None:
-            opt = optimizer
-            lo, hi = opt.shard_lo, opt.shard_lo + opt.shard_size
-            for name, p, start in zip(opt.names, opt.params, opt.offsets):
-                a, b = max(start, lo), min(start + p.numel(), hi)
-                if a >= b or not owner(name, p, opt.zero == 0):
+        if opt_state is not None:
+            for shard in opt_state["params"]:
+                if not owner(shard.name, shard.param, opt_state["replicated_over_dp"]):
                     continue
-                info = param_info(name, p, tp_rank, V)
-                for state in OPTIM_STATES:
-                    buf = getattr(opt, state, None)
-                    if buf is not None:
-                        pieces += pieces_for(f"optim/{state}/{name}", info, buf[a - lo: b - lo], a - start)
+                info = param_info(shard.name, shard.param, tp_rank, V)
+                for state, tensor in shard.tensors.items():
+                    pieces += pieces_for(f"optim/{state}/{shard.name}", info, tensor, shard.param_start)
         return pieces
 
     # ----- save ------------------------------------------------------------------------------------
@@ -260,13 +247,14 @@ class CheckpointManager:
             return self.history[-1]
         t0 = time.monotonic()
         tmp = self._bcast(storage.new_tmp_dir(self.run_dir, step) if self.rank == 0 else None)
-        pieces = self._pieces(model_chunks, optimizer, for_save=True)
+        opt_state = optimizer.state_dict() if optimizer is not None else None
+        pieces = self._pieces(model_chunks, opt_state, for_save=True)
         state = to_state_dict(pieces) if self.distributed else self._plain(pieces)
         state[f"rank_state/{self.rank}"] = _json_tensor({"rng": _rng_state(), "layout": self._layout()})
         info = {
             "step": step, "reason": reason, "time": time.time(), "layout": self._layout(),
             "consumed_samples": int(extra_state.get("consumed_samples", 0)), "extra_state": extra_state,
-            "optimizer": self._optimizer_scalars(optimizer),
+            "optimizer": self._optimizer_scalars(opt_state),
         }
         json.dumps(info)  # fail here, on every rank, if the loop put something non-JSON in extra_state
         stats = SaveStats(step, reason)
@@ -423,8 +411,9 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001 - a damaged .metadata that still matched its manifest
             raise CheckpointError(self._unreadable(path, _short(exc))) from exc
         saved_keys = set(metadata.state_dict_metadata)
-        pieces = self._pieces(model_chunks, optimizer, for_save=False)
-        missing_master = any(p.key.startswith("optim/master/") and p.key not in saved_keys for p in pieces)
+        opt_state = optimizer.state_dict() if optimizer is not None else None
+        pieces = self._pieces(model_chunks, opt_state, for_save=False)
+        missing_master = {p.key for p in pieces if p.key.startswith("optim/master/") and p.key not in saved_keys}
         pieces = [p for p in pieces if not (p.key.startswith("optim/master/") and p.key not in saved_keys)]
         absent = sorted({p.key for p in pieces if p.key not in saved_keys})
         if absent:
@@ -441,12 +430,13 @@ class CheckpointManager:
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
             raise CheckpointError(self._unreadable(path, _short(exc))) from exc
         if optimizer is not None:
-            o = info["optimizer"]
-            optimizer.step_count = int(o["step_count"])
-            optimizer.loss_scale = float(o["loss_scale"])
-            optimizer.good_steps = int(o["good_steps"])
-            if missing_master:
-                optimizer.reload_master_from_params()
+            # The tensors were loaded in place into the state_dict's views; the optimizer takes the scalars,
+            # and fills the master copies a checkpoint without them (written in fp32) lacks from the params.
+            opt_state.update({k: info["optimizer"][k] for k in SCALARS})
+            for shard in opt_state["params"]:
+                if f"optim/master/{shard.name}" in missing_master:
+                    del shard.tensors["master"]
+            optimizer.load_state_dict(opt_state)
         if rank_key in state:
             _set_rng_state(json.loads(bytes(state[rank_key].tolist()).decode())["rng"])
         extra_state.update(info["extra_state"])
@@ -470,11 +460,10 @@ class CheckpointManager:
                 "cp": getattr(m, "cp", 1), "dp": getattr(m, "dp", 1), "zero": self.cfg.parallel.zero}
 
     @staticmethod
-    def _optimizer_scalars(optimizer) -> Dict[str, Any]:
-        if optimizer is None:
+    def _optimizer_scalars(opt_state: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        if opt_state is None:
             return {"step_count": 0, "loss_scale": 1.0, "good_steps": 0}
-        return {"step_count": int(optimizer.step_count), "loss_scale": float(optimizer.loss_scale),
-                "good_steps": int(optimizer.good_steps)}
+        return {k: opt_state[k] for k in SCALARS}
 
     @staticmethod
     def _plain(pieces: Sequence[Piece]) -> Dict[str, torch.Tensor]:

@@ -40,12 +40,6 @@ def received() -> Optional[str]:
     return _received["name"]
 
 
-def request(name: str = "SIGUSR2") -> None:
-    """Set the flag without a signal (tests, or a loop that decides to stop)."""
-    with _lock:
-        _received["name"] = name
-
-
 def clear() -> None:
     with _lock:
         _received["name"] = None

@@ -4,14 +4,12 @@ Layout convention: activations are sequence-first, [s, b, h]; sequence paralleli
 tensor parallelism splits the last dim. A group of None (ProcessMesh.single()) or of size 1 makes
 every function here the identity, so the model code never branches on the layout.
 
-Forward / backward pairs (Korthikanti et al. 2022, Megatron-LM):
+Forward / backward pairs (Korthikanti et al. 2022, Megatron-LM), the ones the model uses:
   copy_to_tp            identity     / all-reduce
   reduce_from_tp        all-reduce   / identity
-  scatter_to_tp         split last   / all-gather last
-  gather_from_tp        all-gather last / split last
-  scatter_to_sp         split dim 0  / all-gather dim 0
-  gather_from_sp        all-gather dim 0 / reduce-scatter dim 0 (the output feeds a TP region)
   reduce_scatter_to_sp  reduce-scatter dim 0 / all-gather dim 0
+(The sequence-parallel all-gather before a column-parallel linear lives in layers.py, fused with the
+matmul so that the gathered input is not kept for backward.)
 """
 
 from __future__ import annotations
@@ -69,26 +67,6 @@ def reduce_scatter_dim0(x: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
-def split_dim(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    """This rank's contiguous 1/n slice of x along dim (no communication)."""
-    n = group_size(group)
-    if n == 1:
-        return x
-    if x.shape[dim] % n:
-        raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by the group size {n}")
-    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
-
-
-def all_gather_last(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Concatenate every rank's x along the last dim."""
-    n = group_size(group)
-    if n == 1:
-        return x
-    # Gather along dim 0 (contiguous per rank), then move the rank axis next to the last dim.
-    g = all_gather_dim0(x.unsqueeze(0), group)  # [n, ...]
-    return torch.cat(g.unbind(0), dim=-1).contiguous()
-
-
 # ---- autograd regions -------------------------------------------------------------------------
 
 class _CopyToTP(torch.autograd.Function):
@@ -110,53 +88,6 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_dim(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather_last(g, ctx.group), None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return split_dim(g, -1, ctx.group), None
-
-
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_dim(x, 0, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather_dim0(g, ctx.group), None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, to_tp_region):
-        ctx.group, ctx.to_tp_region = group, to_tp_region
-        return all_gather_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        # Feeding a TP region, each rank's grad is a partial sum: reduce-scatter; otherwise just split.
-        if ctx.to_tp_region:
-            return reduce_scatter_dim0(g, ctx.group), None, None
-        return split_dim(g, 0, ctx.group), None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
@@ -182,26 +113,6 @@ def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
 def reduce_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Leave a TP region: all-reduce the partial sums forward, identity backward."""
     return _ReduceFromTP.apply(x, group) if _active(group) else x
-
-
-def scatter_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Keep this rank's slice of the last dim; backward all-gathers it."""
-    return _ScatterToTP.apply(x, group) if _active(group) else x
-
-
-def gather_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """All-gather along the last dim; backward keeps this rank's slice."""
-    return _GatherFromTP.apply(x, group) if _active(group) else x
-
-
-def scatter_to_sp(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Keep this rank's sequence shard (dim 0) of a replicated tensor; backward all-gathers."""
-    return _ScatterToSP.apply(x, group) if _active(group) else x
-
-
-def gather_from_sp(x: torch.Tensor, group: Any, to_tp_region: bool = True) -> torch.Tensor:
-    """All-gather sequence shards (dim 0); backward reduce-scatters (or splits if not to_tp_region)."""
-    return _GatherFromSP.apply(x, group, to_tp_region) if _active(group) else x
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: Any) -> torch.Tensor:

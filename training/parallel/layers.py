@@ -2,19 +2,18 @@
 
 Every parameter carries the metadata of docs/CONTRACTS.md: `tp_shard_dim` (0, 1 or None),
 `global_shape` (unsharded shape, vocab padding included) and `sequence_parallel` (a replicated
-parameter used on sequence shards: its grad is a partial sum that needs a TP all-reduce, see
-`allreduce_sequence_parallel_grads`). Weights are created empty; the model initialises them
+parameter used on sequence shards: its grad is a partial sum that needs a TP all-reduce, which
+training/optim/model_parallel.py does). Weights are created empty; the model initialises them
 layout-independently (training/init.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from training.parallel.collectives import (
     all_gather_dim0, all_reduce, copy_to_tp, group_rank, group_size, reduce_from_tp,
@@ -190,21 +189,3 @@ def vocab_parallel_cross_entropy(logits_local: torch.Tensor, targets: torch.Tens
     """
     vocab_start = group_rank(group) * logits_local.shape[-1]
     return _VocabParallelCE.apply(logits_local, targets, group, vocab_start, vocab_size)
-
-
-def allreduce_sequence_parallel_grads(params: Iterable[nn.Parameter], group: Any) -> None:
-    """Sum over tp the grads of replicated params used on sequence shards (`sequence_parallel`).
-
-    Call after backward and before the optimizer / grad-norm (one flat all-reduce per dtype).
-    """
-    by_dtype = {}
-    for p in params:
-        if getattr(p, "sequence_parallel", False) and p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    if group_size(group) == 1:
-        return
-    for grads in by_dtype.values():
-        flat = _flatten_dense_tensors(grads)
-        all_reduce(flat, group)
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)

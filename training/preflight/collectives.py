@@ -108,7 +108,7 @@ def run_sweep(rank: int, world: int, per_node: int, sizes_mb: List[float], iters
     return results
 
 
-def check_bandwidth(results: List[Dict[str, Any]], node_of_rank: List[str], per_node: int,
+def check_bandwidth(results: List[Dict[str, Any]], node_of_rank: List[str],
                     intra_gbps: float, inter_gbps: float, min_fraction: float) -> List[Check]:
     """One check per (block, op) at its largest size; all-reduce busbw against the expected rate."""
     checks = []

@@ -10,6 +10,7 @@ import os
 import re
 from typing import Dict, List, Optional
 
+from training import slurm_env
 from training.preflight.report import Check, ok, warn
 
 # I/O schedulers fit for SSD/NVMe; bfq and the old cfq add latency to checkpoint writes.
@@ -37,12 +38,8 @@ def bracketed(text: str) -> str:
 
 
 def parse_cpulist(text: str) -> List[int]:
-    """'0-3,8-11' -> [0, 1, 2, 3, 8, 9, 10, 11]."""
-    cpus: List[int] = []
-    for part in filter(None, text.strip().split(",")):
-        lo, _, hi = part.partition("-")
-        cpus.extend(range(int(lo), int(hi or lo) + 1))
-    return cpus
+    """'0-3,8-11' -> [0, 1, 2, 3, 8, 9, 10, 11] (sorted; the parser is training/slurm_env.py's)."""
+    return sorted(slurm_env.parse_cpulist(text))
 
 
 def numa_topology(sys_root: str) -> Dict[int, Dict]:

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 from training.config import Config, load_config
 from training.events import append_event
 from training.preflight import collectives, gpu_nvml, ib_sysfs, matmul, os_tunables
-from training.exit_codes import EXIT_NODE_BAD
+from training.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK
 from training.preflight.report import (FAIL, NODE_DIR, Check, Report, checks_from_dicts, fail,
                                        format_table, ok)
 
@@ -128,7 +128,7 @@ def run(cfg: Config, run_dir: str) -> Report:
         checks += checks_from_dicts(r["checks"])
     checks += matmul.check_matmul([r["matmul"] for r in everyone], pf.matmul_tflops, pf.min_rate_fraction,
                                   pf.straggler_ratio, on_gpu)
-    checks += collectives.check_bandwidth([s for r in everyone for s in r["sweep"]], node_of_rank, per_node,
+    checks += collectives.check_bandwidth([s for r in everyone for s in r["sweep"]], node_of_rank,
                                           pf.busbw_intra_gbps, pf.busbw_inter_gbps, pf.min_rate_fraction)
     checks += collectives.check_versions(everyone, pf.nccl_version)
     nodes = list(dict.fromkeys(node_of_rank))
@@ -149,7 +149,7 @@ def finish(report: Report, run_dir: str, rank: int) -> int:
         append_event(run_dir, "preflight", status=report.status, bad_nodes=report.bad_nodes,
                      nodes=report.node_status(), mode=report.meta.get("mode"),
                      elapsed_s=report.meta.get("elapsed_s"))
-    return EXIT_NODE_BAD if node_name() in report.bad_nodes else 0
+    return EXIT_NODE_BAD if node_name() in report.bad_nodes else EXIT_OK
 
 
 def before_training(cfg: Config, run_dir: str) -> None:
@@ -188,7 +188,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m training.preflight RUN_DIR (RUN_DIR holds config.json)", file=sys.stderr)
-        return 2
+        return EXIT_INVALID
     run_dir = argv[0]
     cfg = load_config(os.path.join(run_dir, "config.json"))
     from training.slurm_env import apply_slurm_env

@@ -1,0 +1,109 @@
+"""`meshrun action=keys [keys.group=G]`: every config key with its type, default and docstring.
+
+The docstrings are the attribute docstrings of training/config.py (the string under each field), read from
+that module's source with `ast`, so the printed text is exactly what the code documents.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import sys
+import typing
+from enum import Enum
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import training.config as config_module
+from training.config import Config
+from training.exit_codes import EXIT_INVALID
+
+
+def field_docstrings() -> Dict[Tuple[str, str], str]:
+    """(class name, field name) -> the docstring written under the field in training/config.py."""
+    tree = ast.parse(inspect.getsource(config_module))
+    docs: Dict[Tuple[str, str], str] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        body = node.body
+        for stmt, following in zip(body, body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)):
+                docs[(node.name, stmt.target.id)] = inspect.cleandoc(following.value.value)
+    return docs
+
+
+def _type_name(tp) -> str:
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return "|".join(m.value for m in tp)
+    if isinstance(tp, type):
+        return tp.__name__
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return f"{_type_name(rest[0])} or null" if len(rest) == 1 else str(tp)
+    if origin in (list, List):
+        return f"list[{_type_name(args[0])}]"
+    if origin in (dict, Dict):
+        return f"dict[{_type_name(args[0])}, {_type_name(args[1])}]"
+    return str(tp).replace("typing.", "")
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+    else:
+        return "(required)"
+    if isinstance(value, Enum):
+        return str(value.value)
+    return "null" if value is None else repr(value)
+
+
+def iter_keys(cls=Config, prefix: str = "") -> Iterator[Tuple[str, str, str, str]]:
+    """(key, type, default, docstring) for every leaf key, depth first in declaration order."""
+    docs = field_docstrings()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from iter_keys(tp, key + ".")
+            continue
+        yield key, _type_name(tp), _default(f), docs.get((cls.__name__, f.name), "")
+
+
+GROUPS = ("model", "parallel", "cluster", "train", "data", "run")
+
+
+def format_keys(group: str = "", presets: Optional[Callable[[str], List[str]]] = None) -> str:
+    """The text `action=keys` prints; `presets(group)` lists a group's presets when given."""
+    lines: List[str] = []
+    current = None
+    for key, tp, default, doc in iter_keys():
+        head = key.split(".", 1)[0] if "." in key else ""
+        if group and head != group:
+            continue
+        if head != current:
+            current = head
+            title = head or "top level"
+            if head and presets is not None and head in GROUPS:
+                names = presets(head)
+                if names:
+                    title += f" (presets: {', '.join(names)})"
+            lines.append(("\n" if lines else "") + f"== {title}")
+        lines.append(f"{key}: {tp} = {default}")
+        for text in doc.splitlines():
+            lines.append(f"    {text}")
+    return "\n".join(lines)
+
+
+def print_keys(group: str, presets: Optional[Callable[[str], List[str]]] = None) -> None:
+    if group and group not in GROUPS + ("keys",):
+        print(f"meshrun: keys.group={group!r} is not a config group; use one of {', '.join(GROUPS)} "
+              f"(or leave it empty for every key)", file=sys.stderr)
+        raise SystemExit(EXIT_INVALID)
+    print(format_keys(group, presets))

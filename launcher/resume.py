@@ -1,0 +1,120 @@
+"""Starting again on an existing run directory: its saved configuration, with the new command line on top.
+
+A user resumes with `meshrun run.dir=D` and nothing else: every key comes from `D/config.json` (what the run
+really used, presets and overrides resolved). Overrides given now are applied on top, each exactly as it
+composed in this invocation: a key override replaces that key; a preset choice (`model=gpt2_125m`) replaces the
+whole group. A changed parallel layout or rank count is announced as a reshard (the checkpoint is resharded on
+load, training/checkpoint/). Per-invocation keys (action, dry_run, wait, keys, run.dir) always come from now.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Dict, List, Sequence, Tuple
+
+from training.config import Config, config_from_dict, config_to_dict, derived_dp
+
+GROUPS = ("model", "parallel", "cluster", "train", "data")
+# Chosen anew by every invocation, never inherited from the saved run.
+PER_INVOCATION = ("action", "dry_run", "wait", "keys", "run")
+
+
+def _override_key(text: str) -> Tuple[str, bool]:
+    """('parallel.tp', False) for 'parallel.tp=2'; ('model', True) for the group choice 'model=tiny'."""
+    key = text.split("=", 1)[0].lstrip("+~").strip()
+    if key.startswith("override "):
+        key = key[len("override "):].strip()
+    return key, key in GROUPS
+
+
+def _get_path(data: Dict[str, Any], path: Sequence[str]) -> Tuple[bool, Any]:
+    for part in path:
+        if not isinstance(data, dict) or part not in data:
+            return False, None
+        data = data[part]
+    return True, data
+
+
+def _set_path(data: Dict[str, Any], path: Sequence[str], value: Any, present: bool) -> None:
+    for part in path[:-1]:
+        data = data.setdefault(part, {})
+    if present:
+        data[path[-1]] = value
+    else:
+        data.pop(path[-1], None)
+
+
+def layout_text(cfg: Config) -> str:
+    """The layout in the sweep table's form (launcher/sweep.py), plus the ranks it runs on."""
+    from launcher.sweep import layout_label
+
+    p, c = cfg.parallel, cfg.cluster
+    dims = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": derived_dp(cfg), "vpp": p.vpp}
+    return f"{layout_label(dims, p.sp)} zero{p.zero} on {c.nodes}x{c.gpus_per_node} ranks"
+
+
+def merge_saved(saved: Dict[str, Any], now: Config, overrides: Sequence[str]) -> Tuple[Config, List[str]]:
+    """The saved run's config with this command line's overrides (as composed in `now`) applied on top.
+
+    Returns the config and the keys that changed against the saved run."""
+    current = config_to_dict(now)
+    merged = json.loads(json.dumps(saved))
+    for key in PER_INVOCATION:
+        if key in current:
+            merged[key] = current[key]
+    for text in overrides:
+        key, is_group = _override_key(text)
+        if not key or key.startswith("hydra") or key.split(".", 1)[0] in PER_INVOCATION:
+            continue
+        path = key.split(".")
+        present, value = _get_path(current, path)
+        _set_path(merged, path, value, present)
+    changed = sorted(_diff(saved, merged))
+    return config_from_dict(merged), [k for k in changed if k.split(".", 1)[0] not in PER_INVOCATION]
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> List[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: List[str] = []
+        for key in sorted(set(a) | set(b)):
+            out += _diff(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def saved_config(run_dir: str) -> Dict[str, Any] | None:
+    """The run's config.json as plain dicts, or None for a new run directory."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def resume_config(run_dir: str, now: Config, overrides: Sequence[str]) -> Config:
+    """`now` for a new run directory; for an existing run, its saved config with `overrides` on top
+    (the resume and any reshard are announced on stderr)."""
+    try:
+        saved = saved_config(run_dir)
+    except (OSError, ValueError) as exc:
+        print(f"meshrun: {run_dir}/config.json cannot be read ({exc}); starting from the command line's "
+              f"configuration (fix or remove that file to resume the saved one)", file=sys.stderr)
+        return now
+    if saved is None:
+        return now
+    try:
+        old = config_from_dict(saved)
+        cfg, changed = merge_saved(saved, now, overrides)
+    except (KeyError, TypeError) as exc:
+        print(f"meshrun: {run_dir}/config.json was written by another meshrun version ({exc}); starting from "
+              f"the command line's configuration", file=sys.stderr)
+        return now
+    note = f"meshrun: resuming {run_dir} with its saved configuration"
+    note += f"; changed now: {', '.join(changed)}" if changed else " (no changes)"
+    print(note, file=sys.stderr)
+    if layout_text(old) != layout_text(cfg):
+        print(f"meshrun: layout {layout_text(old)} -> {layout_text(cfg)}: the checkpoint is resharded on load",
+              file=sys.stderr)
+    return cfg

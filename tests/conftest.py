@@ -1,0 +1,57 @@
+"""Markers by what a test needs, so test files carry few marks of their own (`make check` leaves both out):
+
+- slurm: the dev Slurm cluster. Tests in a module marked `pytestmark = pytest.mark.slurm`, and tests
+  skipped when the cluster is down (a skipif whose reason names the Slurm cluster).
+- slow: multi-process runs. Tests that spawn ranks through tests/dist_harness.py's run_distributed,
+  directly or through a helper or fixture of their module; tests that start ranks another way (the CLI)
+  or build a wheel say `@pytest.mark.slow` themselves.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+
+import pytest
+
+SPAWNERS = frozenset({"run_distributed"})
+
+
+@functools.lru_cache(maxsize=None)
+def _spawning_functions(path: str) -> frozenset:
+    """Module-level functions of the file at path that reach a spawner, through calls to each other."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    refs = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = set()
+            for n in ast.walk(node):
+                if isinstance(n, ast.Name):
+                    names.add(n.id)
+                elif isinstance(n, ast.Attribute):
+                    names.add(n.attr)
+            refs[node.name] = names
+    spawning = {name for name, names in refs.items() if names & SPAWNERS}
+    grown = True
+    while grown:  # a helper that calls a spawning helper spawns too
+        more = {name for name, names in refs.items() if names & spawning} - spawning
+        spawning |= more
+        grown = bool(more)
+    return frozenset(spawning)
+
+
+def _needs_slurm_cluster(item: pytest.Item) -> bool:
+    return any("slurm cluster" in str(m.kwargs.get("reason", "")).lower() for m in item.iter_markers("skipif"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    for item in items:
+        if _needs_slurm_cluster(item) and not item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.slurm)
+        path, function = getattr(item, "path", None), getattr(item, "function", None)
+        if item.get_closest_marker("slow") or path is None or function is None:
+            continue
+        # The test itself, or a fixture of its module by name (fixtures are functions of the module too).
+        spawning = _spawning_functions(str(path))
+        if function.__name__ in spawning or spawning.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

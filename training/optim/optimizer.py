@@ -1,0 +1,201 @@
+"""DistributedOptimizer: the object the training loop steps; it joins the parts of this package.
+
+A step:
+1. model-parallel finalisation of the grads (model_parallel.py: sp over tp, tied embedding over the
+   pipeline ends);
+2. the dp reduction of the gradient buffer (grad_buffer.py): zero=0 all-reduce, zero=1 reduce-scatter;
+3. the global grad norm over this rank's shard, counting each parameter exactly once, summed over dp
+   (zero=1) and the model-parallel group; a non-finite norm or loss skips the step (loss_scaler.py backs off);
+4. clipping, then AdamW on the fp32 shard (adamw.py);
+5. write-back to the parameters: zero=0 copies, zero=1 all-gathers the updated shards (bucketed).
+The memory it holds is exactly docs/CONTRACTS.md's accounting (see `memory_report`). Checkpoints go
+through `state_dict` / `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from training.config import Config
+from training.optim.adamw import ShardedAdamW
+from training.optim.flat import FlatLayout, Segment
+from training.optim.grad_buffer import GradBuffer
+from training.optim.loss_scaler import LossScaler
+from training.optim.model_parallel import ModelParallelGradSync
+from training.precision import grad_dtype, check_precision
+
+SCALARS = ("step_count", "loss_scale", "good_steps")
+"""The scalar entries of the optimizer's state_dict (the checkpoint's JSON part)."""
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did."""
+
+    grad_norm: float
+    """Global grad norm before clipping (unscaled; inf/nan when the grads overflowed)."""
+    skipped: bool
+    """True when the update was not applied."""
+    reason: str = ""
+    """Why it was skipped: "nonfinite_loss" | "nonfinite_grad" | "" when applied."""
+    loss_scale: Optional[float] = None
+    """fp16: the loss scale after this step (None otherwise)."""
+
+
+@dataclass
+class ParamShard:
+    """One parameter's part of this rank's optimizer state (an entry of state_dict()["params"])."""
+
+    name: str
+    """Parameter name (the same at any layout)."""
+    param: torch.nn.Parameter
+    """The local parameter (its tp metadata places the state in the global tensor)."""
+    param_start: int
+    """First element of the parameter's flattened local values that the tensors cover."""
+    tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
+    """State name (exp_avg, exp_avg_sq, master) -> 1-D tensor of the covered elements."""
+
+
+class DistributedOptimizer:
+    """AdamW over this rank's parameters, with the dp reduction and precision handling of the engine."""
+
+    def __init__(self, named_params: Iterable[Tuple[str, torch.nn.Parameter]], cfg: Config, mesh):
+        t = cfg.train
+        check_precision(t.precision)
+        self.cfg, self.mesh, self.precision = cfg, mesh, t.precision
+        self.layout = FlatLayout(named_params, cfg.parallel.zero, mesh.dp, mesh.dp_rank, mesh)
+        lay = self.layout
+        # The names tests and the loop read: the flat order and this rank's shard of it.
+        self.names, self.params, self.numel = lay.names, lay.params, lay.numel
+        self.zero, self.dp, self.shard_lo, self.shard_size = lay.zero, lay.dp, lay.shard_lo, lay.shard_size
+        self.segments: List[Segment] = lay.segments
+        self.dp_group = mesh.dp_cp_group if lay.dp > 1 else None
+        self.grads = GradBuffer(lay, grad_dtype(t.precision), self.dp_group, cfg.parallel.bucket_mb)
+        self.finalize_grads = ModelParallelGradSync(lay.names, lay.params, cfg, mesh)
+        self.adamw = ShardedAdamW(lay, t.beta1, t.beta2, t.eps, t.weight_decay)
+        self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.min_loss_scale, t.loss_scale_window)
+        self.step_count = 0
+
+    # ----- what tests and the checkpoint code read --------------------------------------------------
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.adamw.exp_avg
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.adamw.exp_avg_sq
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    # ----- the loop's calls --------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        self.grads.zero()
+
+    def scale_loss(self, loss: torch.Tensor, num_micro_batches: int) -> torch.Tensor:
+        """The tensor to call backward on: mean over micro-batches, times the fp16 loss scale."""
+        return loss * (self.scaler.scale / num_micro_batches)
+
+    def step(self, lr: float, loss_finite: bool = True) -> StepResult:
+        """Reduce grads, clip and apply AdamW with learning rate `lr` (or skip on non-finite values)."""
+        self.finalize_grads(self.grads.views)
+        self.grads.reduce_dp()
+        shard = self.grads.shard()
+        grads = shard.float().div_(self.scaler.scale) if self.scaler.enabled else shard
+        norm = self._grad_norm(grads)
+        if not loss_finite or not math.isfinite(norm):
+            self.scaler.backoff()
+            reason = "nonfinite_loss" if not loss_finite else "nonfinite_grad"
+            return StepResult(norm, True, reason, self.scaler.reported())
+        clip = self.cfg.train.grad_clip
+        if clip > 0:
+            coef = clip / (norm + 1e-6)
+            if coef < 1.0:
+                grads.mul_(coef)
+        weights = self.adamw.weights()
+        self.step_count += 1
+        self.adamw.update(weights, grads, lr, self.step_count)
+        self._write_back(weights)
+        self.scaler.grow()
+        return StepResult(norm, False, "", self.scaler.reported())
+
+    def _grad_norm(self, grads: torch.Tensor) -> float:
+        sq = torch.zeros((), dtype=torch.float64, device=grads.device)
+        for s in self.segments:
+            if s.counted:
+                sq += torch.linalg.vector_norm(grads[s.shard_start : s.shard_end]).double() ** 2
+        if self.zero == 1 and self.dp > 1:
+            dist.all_reduce(sq, group=self.dp_group)
+        if self.mesh.tp * self.mesh.pp > 1:
+            dist.all_reduce(sq, group=self.mesh.model_parallel_group)
+        return float(sq.sqrt())
+
+    def _write_back(self, values: torch.Tensor) -> None:
+        """Updated shard values into the parameters: a copy, or (zero=1) an all-gather of every rank's shard."""
+        lay = self.layout
+        if self.zero == 0 or self.dp == 1:
+            lay.write(values[: self.numel], self.shard_lo)
+            return
+        dtype = self.params[0].dtype
+        src = values.to(dtype)
+        width = max(1, self.grads.bucket_elems // self.dp)
+        for start in range(0, self.shard_size, width):
+            piece = src[start : start + width].contiguous()
+            out = torch.empty(self.dp * piece.numel(), dtype=dtype, device=src.device)
+            dist.all_gather_single(out, piece, group=self.dp_group)
+            for q, row in enumerate(out.view(self.dp, piece.numel())):
+                flat_start = q * self.shard_size + start
+                if flat_start < self.numel:
+                    lay.write(row[: self.numel - flat_start], flat_start)
+
+    # ----- accounting and checkpoints ----------------------------------------------------------------
+    def memory_report(self) -> Dict[str, int]:
+        """Bytes this rank really holds for weights, main grads and optimizer state (docs/CONTRACTS.md)."""
+        weights = sum(p.numel() * p.element_size() for p in self.params)
+        return {"weights": weights, "grads": self.grads.nbytes(), "optimizer": self.adamw.nbytes()}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's optimizer state.
+
+        {"step_count", "loss_scale", "good_steps": scalars,
+         "replicated_over_dp": True when every dp rank holds the same state (zero=0),
+         "params": [ParamShard per parameter with elements in this rank's shard]}.
+        The tensors are views of the optimizer's own buffers: a loader that fills tensors in place
+        (torch.distributed.checkpoint does) loads straight into the optimizer, and load_state_dict then
+        only takes the scalars and notices what is missing.
+        """
+        lay, states = self.layout, self.adamw.tensors()
+        params = []
+        for s in self.segments:
+            params.append(ParamShard(lay.names[s.param_index], lay.params[s.param_index], s.param_start,
+                                     {k: t[s.shard_start : s.shard_end] for k, t in states.items()}))
+        return {"step_count": self.step_count, **self.scaler.state_dict(),
+                "replicated_over_dp": self.zero == 0, "params": params}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore from a state_dict() of this optimizer's layout (resharding is the checkpoint's job).
+
+        A parameter whose entry lacks "master" (a checkpoint written in fp32) gets its master copy from
+        the parameter's current (already loaded) values.
+        """
+        self.step_count = int(state["step_count"])
+        self.scaler.load_state_dict(state)
+        own = {p.name: p for p in self.state_dict()["params"]}
+        refresh = []
+        for entry in state.get("params", []):
+            mine = own[entry.name]
+            for key, dst in mine.tensors.items():
+                src = entry.tensors.get(key)
+                if src is None:
+                    if key == "master":
+                        refresh.append(self.names.index(entry.name))
+                    continue
+                if src.data_ptr() != dst.data_ptr():  # loaded in place already: nothing to copy
+                    dst.copy_(src)
+        self.adamw.refresh_master(refresh)

@@ -1,0 +1,57 @@
+"""Training precisions: the one table of what each precision stores (pure Python; the planner reads it too).
+
+Mixed precision as docs/CONTRACTS.md accounts it: bf16 and fp16 keep the weights in 16 bits, with main
+grads in fp32 (bf16) or in fp16 under a loss scale (fp16), an fp32 master copy of the weights and fp32 Adam
+moments; fp32 keeps everything in fp32 and needs no master copy. Dtypes are named, not torch objects, so
+that the launcher can import this module without torch; `torch_dtype` turns a name into the torch dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""The values train.precision accepts once resolved."""
+
+PARAM_DTYPE: Dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""Dtype of the model's weights and activations."""
+
+GRAD_DTYPE: Dict[str, str] = {"fp32": "float32", "bf16": "float32", "fp16": "float16"}
+"""Dtype of the main (accumulated, reduced) gradients."""
+
+DTYPE_BYTES: Dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of each dtype."""
+
+PARAM_BYTES: Dict[str, int] = {p: DTYPE_BYTES[PARAM_DTYPE[p]] for p in PRECISIONS}
+"""Weight bytes per parameter."""
+
+GRAD_BYTES: Dict[str, int] = {p: DTYPE_BYTES[GRAD_DTYPE[p]] for p in PRECISIONS}
+"""Main-grad bytes per parameter."""
+
+OPTIMIZER_BYTES: Dict[str, int] = {p: 8 + (4 if PARAM_DTYPE[p] != "float32" else 0) for p in PRECISIONS}
+"""Optimizer-state bytes per parameter before ZeRO sharding: Adam's m and v in fp32, plus the fp32 master."""
+
+
+def check_precision(precision: str) -> None:
+    """ValueError naming the fix when `precision` is not one the engine trains in."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"train.precision={precision!r}; use {', '.join(PRECISIONS)}")
+
+
+def torch_dtype(dtype_name: str):
+    """The torch dtype of a name of PARAM_DTYPE / GRAD_DTYPE ("float32", "bfloat16", "float16")."""
+    import torch  # here, not at the top: the launcher imports this module and never torch
+
+    return getattr(torch, dtype_name)
+
+
+def param_dtype(precision: str):
+    """Torch dtype of the weights at `precision`."""
+    check_precision(precision)
+    return torch_dtype(PARAM_DTYPE[precision])
+
+
+def grad_dtype(precision: str):
+    """Torch dtype of the main grads at `precision`."""
+    check_precision(precision)
+    return torch_dtype(GRAD_DTYPE[precision])
