@@ -1,21 +1,34 @@
-"""Engine benchmarks, measured side by side in one run (CPU + gloo, or one GPU with --gpu):
+"""Engine benchmarks, measured side by side in one process (CPU + gloo, or one GPU with --gpu).
 
-1. engine at tp=1 vs a plain single-process PyTorch GPT of the same shape (target >= 0.95 of its tokens/s);
-2. hand-written TP vs PyTorch DTensor TP on the same model at tp=2 (2 gloo processes; target: faster);
-3. MFU of the engine against this machine's measured matmul rate.
-Usage: python bench/bench_engine.py [--steps N] [--gpu]   (--gpu: tp=1 bf16 GPT ~1.3B on one GPU)
+1. The engine at tp=1 against a plain nanoGPT-style PyTorch GPT of the same shape (fused QKV, SDPA, tied
+   embeddings, F.cross_entropy, torch.optim.AdamW with decay on 2-D weights, clip_grad_norm_ 1.0), at three
+   shapes. Both sides are measured the same way: the same number of warm-up steps, then `--rounds` rounds
+   in which each side runs one step (the order alternates from round to round, so neither always follows
+   the other); a step is forward + backward + clipping + AdamW + reading the loss, with the batch assembled
+   before the timer on both sides; its rate is tokens / step time. Reported: the median of the per-round
+   ratios engine / plain (robust to the machine's load swinging between rounds) and each side's median
+   tokens/s. Target: ratio >= 1.0 at every shape.
+2. Hand-written TP+SP against PyTorch DTensor TP on the same model at tp=2 (2 gloo processes), both
+   built with the engine's attention (8 heads of 32: 4 local heads per rank), interleaved the same way.
+   Target: > 1.
+3. MFU of the engine against this machine's measured matmul rate (printed, no target).
+Exits 1 when a target is missed.
+Usage: python bench/bench_engine.py [--rounds N] [--warmup N] [--shapes a,b,tiny] [--no-tp] [--gpu]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
+from typing import Callable, Dict, List, Tuple
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch
 import torch.nn as nn
@@ -23,93 +36,143 @@ import torch.nn.functional as F
 
 from training.config import Config, config_from_dict, config_to_dict
 
+# name -> (layers, hidden, heads, seq, batch); vocab 256 (the byte vocabulary) everywhere.
+SHAPES: Dict[str, Tuple[int, int, int, int, int]] = {
+    "a": (4, 256, 8, 256, 8),   # the shape of issue 15's measurement
+    "b": (4, 512, 8, 512, 4),
+    "tiny": (4, 64, 4, 64, 8),  # conf/model/tiny.yaml, global batch 8
+}
+ROUNDS = {"a": 15, "b": 7, "tiny": 31, "gpu": 15}
+"""Default timed rounds per shape (a step of shape b takes seconds on a CPU; tiny's take milliseconds)."""
 
-def bench_cfg(gpu: bool, steps: int) -> Config:
+
+def bench_cfg(shape: str, gpu: bool = False) -> Config:
     cfg = Config()
     m = cfg.model
     if gpu:
         m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 24, 2048, 16, 2048, 50304
-        cfg.parallel.micro_batch, cfg.parallel.global_batch = 4, 4
+        batch = 4
         cfg.train.precision, cfg.cluster.device = "bf16", "cuda"
     else:
-        m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 4, 256, 8, 128
-        cfg.parallel.micro_batch, cfg.parallel.global_batch = 8, 8
-    cfg.data.kind, cfg.train.steps, cfg.train.progress = "synthetic", steps, False
+        m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, batch = SHAPES[shape]
+    cfg.parallel.micro_batch = cfg.parallel.global_batch = batch
+    cfg.data.kind, cfg.train.progress = "synthetic", False
+    cfg.train.steps, cfg.train.grad_clip, cfg.train.weight_decay = 10**6, 1.0, 0.1
     return cfg
 
 
 class PlainBlock(nn.Module):
-    def __init__(self, h, a):
+    """nanoGPT's Block: fused c_attn (or separate q, k, v for DTensor's column split), SDPA, GELU MLP."""
+
+    def __init__(self, h: int, a: int, fused: bool):
         super().__init__()
-        self.a = a
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.q, self.k, self.v, self.proj = (nn.Linear(h, h) for _ in range(4))
-        self.fc, self.out = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+        self.d = h // a  # head dim: fixed, so a tp split keeps the engine's heads (a/tp local heads of h/a)
+        self.fused = fused
+        self.ln_1, self.ln_2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        if fused:
+            self.c_attn = nn.Linear(h, 3 * h)
+        else:
+            self.q, self.k, self.v = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
+        self.c_proj = nn.Linear(h, h)
+        self.c_fc, self.mlp_proj = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
 
     def forward(self, x):
         b, s, _ = x.shape
-        y = self.ln1(x)
-        q, k, v = (t(y).view(b, s, -1, y.shape[-1] // self.a).transpose(1, 2) for t in (self.q, self.k, self.v))
+        y = self.ln_1(x)
+        if self.fused:
+            q, k, v = self.c_attn(y).split(y.shape[-1], dim=2)
+        else:
+            q, k, v = self.q(y), self.k(y), self.v(y)
+        q, k, v = (t.view(b, s, -1, self.d).transpose(1, 2) for t in (q, k, v))
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
-        x = x + self.proj(att)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        x = x + self.c_proj(att)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
 
 
 class PlainGPT(nn.Module):
-    """nanoGPT-style reference: same shape as the engine's GPT (learned positions, tied embeddings)."""
+    """nanoGPT-style reference of the engine's GPT (learned positions, tied embeddings, biases)."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, fused: bool = True):
         super().__init__()
         m = cfg.model
         self.wte, self.wpe = nn.Embedding(m.vocab_size, m.hidden_size), nn.Embedding(m.seq_length, m.hidden_size)
-        self.blocks = nn.ModuleList(PlainBlock(m.hidden_size, m.num_attention_heads) for _ in range(m.num_layers))
-        self.ln = nn.LayerNorm(m.hidden_size)
+        self.blocks = nn.ModuleList(PlainBlock(m.hidden_size, m.num_attention_heads, fused)
+                                    for _ in range(m.num_layers))
+        self.ln_f = nn.LayerNorm(m.hidden_size)
 
     def forward(self, idx, targets):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for blk in self.blocks:
             x = blk(x)
-        logits = self.ln(x) @ self.wte.weight.t()
+        logits = F.linear(self.ln_f(x), self.wte.weight)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def time_plain(cfg: Config, model: nn.Module, device, dtype=None, foreach=None, clip=True) -> float:
-    """tokens/s of fwd+bwd+AdamW (clip 1.0) over train.steps steps after 2 warm-up steps."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=foreach)
+def plain_stepper(cfg: Config, model: nn.Module, device, dtype=None, foreach=None, clip=True) -> Callable[[], None]:
+    """One training step of the plain GPT per call (the batch is made once, before any timer)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    nodecay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.train.weight_decay},
+                             {"params": nodecay, "weight_decay": 0.0}], lr=1e-4, betas=(0.9, 0.95),
+                            foreach=foreach)
     b, s, V = cfg.parallel.global_batch, cfg.model.seq_length, cfg.model.vocab_size
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, V, (b, s + 1), generator=g).to(device)
-    times = []
-    for i in range(cfg.train.steps + 2):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def step() -> None:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             loss = model(idx[:, :-1], idx[:, 1:])
         loss.backward()
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=foreach)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip, foreach=foreach)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return b * s / (sum(times) / len(times))
+        float(loss.detach())  # the engine reads its loss every step too
+
+    return step
 
 
-def time_engine(cfg: Config, mesh=None):
+def engine_stepper(cfg: Config, mesh=None):
+    """(step function, trainer): one engine training step per call, its batch assembled before the timer."""
     from training.loop import Trainer
     from training.mesh import ProcessMesh
 
     mesh = mesh or ProcessMesh.single("cuda" if cfg.cluster.device == "cuda" else "cpu")
     trainer = Trainer(cfg, tempfile.mkdtemp(), mesh, checkpointing=False)
-    trainer.run()
-    return trainer.summary.tokens_per_s, trainer.summary.mfu
+    micro = trainer.sampler.micro_batches(0)
+
+    def step() -> None:
+        trainer.train_step(micro)
+
+    return step, trainer
 
 
-def _tp_worker(cfg_dict):
-    """On 2 ranks: engine tp=2 (hand-written TP+SP) tokens/s and DTensor TP of the plain GPT tokens/s."""
+def interleave(sides: List[Callable[[], None]], warmup: int, rounds: int, sync: Callable[[], None]) -> List[List[float]]:
+    """Seconds per step of each side: `warmup` untimed steps each, then `rounds` rounds of one step per side,
+    the order reversed every other round."""
+    for _ in range(warmup):
+        for f in sides:
+            f()
+    times: List[List[float]] = [[] for _ in sides]
+    for r in range(rounds):
+        order = range(len(sides)) if r % 2 == 0 else reversed(range(len(sides)))
+        for i in order:
+            sync()
+            t0 = time.perf_counter()
+            sides[i]()
+            sync()
+            times[i].append(time.perf_counter() - t0)
+    return times
+
+
+def compare(times_engine: List[float], times_other: List[float], tokens: int) -> Dict[str, float]:
+    """Median tokens/s of each side and the median of the per-round ratios engine / other."""
+    return {"engine": tokens / statistics.median(times_engine), "other": tokens / statistics.median(times_other),
+            "ratio": statistics.median(o / e for e, o in zip(times_engine, times_other))}
+
+
+def _tp_worker(cfg_dict, warmup: int, rounds: int):
+    """On 2 ranks: engine tp=2 (hand-written TP+SP) against DTensor TP of the plain GPT, interleaved."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -118,47 +181,69 @@ def _tp_worker(cfg_dict):
     cfg = config_from_dict(cfg_dict)
     cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp = 2, 1, True
     mesh = ProcessMesh.from_env(2, 1, 1, 1)
-    engine, _ = time_engine(cfg, mesh)
+    engine, _ = engine_stepper(cfg, mesh)
     torch.manual_seed(0)
-    model = PlainGPT(cfg)
+    model = PlainGPT(cfg, fused=False)
     dmesh = init_device_mesh("cpu", (2,))
     for blk in model.blocks:
-        blk.a //= 2  # local heads after the column split
         parallelize_module(blk, dmesh, {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
-                                        "proj": RowwiseParallel(), "fc": ColwiseParallel(), "out": RowwiseParallel()})
+                                        "c_proj": RowwiseParallel(), "c_fc": ColwiseParallel(),
+                                        "mlp_proj": RowwiseParallel()})
     # foreach kernels and clip_grad_norm_ cannot mix DTensor and plain params (docs/PLATFORM.md):
     # per-tensor AdamW and no clipping, which only favours DTensor.
-    dtensor = time_plain(cfg, model, torch.device("cpu"), foreach=False, clip=False)
+    dtensor = plain_stepper(cfg, model, torch.device("cpu"), foreach=False, clip=False)
+    barrier = torch.distributed.barrier  # both ranks start each timed step together
+    times = interleave([engine, dtensor], warmup, rounds, barrier)
     mesh.destroy()
-    return engine, dtensor
+    return times
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--gpu", action="store_true")
-    args = ap.parse_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads())
-    cfg = bench_cfg(args.gpu, args.steps)
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=0, help="timed rounds (one step of each side per round); "
+                                                          "default per shape: " + str(ROUNDS))
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps of each side first")
+    ap.add_argument("--shapes", default="a,b,tiny", help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--no-tp", action="store_true", help="skip the tp=2 comparison (2 processes)")
+    ap.add_argument("--gpu", action="store_true", help="tp=1 bf16 GPT ~1.3B on one GPU against plain PyTorch")
+    args = ap.parse_args(argv)
     device = torch.device("cuda" if args.gpu else "cpu")
-    dtype = torch.bfloat16 if args.gpu else None
-    torch.manual_seed(0)
-    plain = time_plain(cfg, PlainGPT(cfg).to(device), device, dtype)
-    engine, mfu = time_engine(cfg)
-    m = cfg.model
-    print(f"model: L={m.num_layers} h={m.hidden_size} a={m.num_attention_heads} s={m.seq_length} "
-          f"V={m.vocab_size} batch={cfg.parallel.global_batch} {cfg.train.precision} on {device}")
-    print(f"engine tp=1: {engine:,.0f} tok/s   plain PyTorch GPT: {plain:,.0f} tok/s   ratio {engine / plain:.3f} "
-          f"(target >= 0.95)")
-    print(f"engine MFU vs measured matmul peak: {100 * (mfu or 0):.1f}%")
-    if not args.gpu:
+    sync = torch.cuda.synchronize if args.gpu else (lambda: None)
+    shapes = ["gpu"] if args.gpu else args.shapes.split(",")
+    ok = True
+    print(f"engine tp=1 vs plain nanoGPT-style PyTorch GPT, one process, {torch.get_num_threads()} threads, "
+          f"{args.warmup} warm-up steps each, then interleaved rounds; medians")
+    print(f"{'shape':<5} {'L':>2} {'h':>5} {'a':>3} {'s':>5} {'b':>2} {'rounds':>6} {'engine tok/s':>13} "
+          f"{'plain tok/s':>12} {'ratio':>6}  target >= 1.0   MFU")
+    for name in shapes:
+        cfg = bench_cfg(name, args.gpu)
+        torch.manual_seed(0)
+        plain = plain_stepper(cfg, PlainGPT(cfg).to(device), device, torch.bfloat16 if args.gpu else None)
+        engine, trainer = engine_stepper(cfg)
+        t_engine, t_plain = interleave([engine, plain], args.warmup, args.rounds or ROUNDS[name], sync)
+        m = cfg.model
+        r = compare(t_engine, t_plain, cfg.parallel.global_batch * m.seq_length)
+        mfu = trainer.flops_per_step / statistics.median(t_engine) / trainer.peak_flops
+        hit = r["ratio"] >= 1.0
+        ok &= hit
+        print(f"{name:<5} {m.num_layers:>2} {m.hidden_size:>5} {m.num_attention_heads:>3} {m.seq_length:>5} "
+              f"{cfg.parallel.global_batch:>2} {len(t_engine):>6} {r['engine']:>13,.0f} {r['other']:>12,.0f} {r['ratio']:>6.3f}  "
+              f"{'yes' if hit else 'NO':<14} {100 * mfu:.1f}%")
+    if not args.gpu and not args.no_tp:
         from dist_harness import run_distributed
 
-        cfg.train.steps = max(4, args.steps // 2)
-        (tp_engine, tp_dtensor), _ = run_distributed(_tp_worker, 2, args=(config_to_dict(cfg),), timeout_s=600)
-        print(f"tp=2: hand-written TP+SP {tp_engine:,.0f} tok/s   DTensor TP {tp_dtensor:,.0f} tok/s   "
-              f"ratio {tp_engine / tp_dtensor:.3f} (target > 1)")
+        cfg = bench_cfg("a")
+        rounds = args.rounds or 8
+        (t_engine, t_dtensor), _ = run_distributed(_tp_worker, 2, args=(config_to_dict(cfg), 2, rounds),
+                                                   timeout_s=900)
+        r = compare(t_engine, t_dtensor, cfg.parallel.global_batch * cfg.model.seq_length)
+        hit = r["ratio"] > 1.0
+        ok &= hit
+        print(f"tp=2 (shape a, 4 local heads of 32 on both): hand-written TP+SP {r['engine']:,.0f} tok/s, "
+              f"DTensor TP {r['other']:,.0f} tok/s, ratio {r['ratio']:.3f} (target > 1): {'yes' if hit else 'NO'}")
+    print("RESULT:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

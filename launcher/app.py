@@ -52,20 +52,78 @@ def hydra_main(dcfg: DictConfig):
         from launcher.keys import print_keys
 
         return print_keys(cfg.keys.group, presets=_presets)
+    if cfg.action == "prepare":
+        from launcher.prepare import run_prepare
+
+        return run_prepare(cfg)
     run_dir = os.path.abspath(_run_dir(cfg))
+    lock = None
+    if cfg.action in ("train", "plan"):
+        # One owner per run directory, checked before anything is read or written there (launcher/rundir.py).
+        from launcher.rundir import claim_run_dir
+
+        lock, refusal = claim_run_dir(run_dir, multirun=_is_multirun())
+        if refusal is not None:
+            return refusal
+    try:
+        return _dispatch(cfg, run_dir)
+    finally:
+        if lock is not None:
+            lock.release()  # a no-op once a Slurm job holds it
+
+
+def _dispatch(cfg: Config, run_dir: str):
     if cfg.action in ("train", "plan") and not _is_multirun():
         from launcher.resume import resume_config
 
         cfg = resume_config(run_dir, cfg, HydraConfig.get().overrides.task)
+    if cfg.data.kind == "indexed" and cfg.action in ("train", "plan"):
+        from launcher.datasets import resolve_indexed
+
+        resolve_indexed(cfg, HydraConfig.get().overrides.task)
+    if cfg.train.init_from and cfg.action in ("train", "plan"):
+        from launcher.init_from import apply_init_from  # config.json's model wins over the data's vocabulary
+
+        cfg = apply_init_from(cfg, HydraConfig.get().overrides.task, run_dir)
     cfg.run.dir = run_dir
+    if cfg.action == "report":
+        from launcher.report import run_report  # matplotlib only, no torch
+
+        return run_report(run_dir)
     if cfg.action == "status":
         from launcher.status import print_status
 
-        return print_status(run_dir)
+        return print_status(run_dir, cfg.status.format)
+    if cfg.action == "logs":
+        from launcher.logs import run_logs
+
+        return run_logs(cfg, run_dir)
+    if cfg.action == "cancel":
+        from launcher.cancel import run_cancel
+
+        return run_cancel(cfg, run_dir)
+    if cfg.action == "train" and cfg.train.wandb:
+        from training.observe.wandb_sink import wandb_problem  # no torch: importlib only
+
+        if wandb_problem():
+            print(f"error: {wandb_problem()}; nothing was launched.", file=sys.stderr)
+            raise SystemExit(EXIT_INVALID)
     if cfg.action == "preflight":
         from launcher.preflight import run_preflight
 
         return run_preflight(cfg, run_dir)
+    if cfg.action == "export":
+        from launcher.export import run_export
+
+        return run_export(cfg, run_dir)
+    if cfg.action == "generate":
+        from launcher.generate import run_generate
+
+        return run_generate(cfg, run_dir)
+    if cfg.action == "recommend":
+        from launcher.recommend import run_recommend  # ranked layouts in run_dir/recommend.json
+
+        return run_recommend(cfg, run_dir)
     from launcher.planning import plan_or_reject
 
     result = plan_or_reject(cfg, run_dir, multirun=_is_multirun())
@@ -86,8 +144,24 @@ def _presets(group: str) -> List[str]:
     return sorted(loader.get_group_options(group))
 
 
+_DIR_KEYS = ("run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.run.dir")
+
+
+def _reject_control_characters(argv: List[str]) -> None:
+    """A directory given with a control character (newline, tab, escape) exits 2 before Hydra creates it
+    (a sweep directory is created before any point runs; launcher/rundir.py says why they are refused)."""
+    from launcher.rundir import path_problem
+
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if sep and key in _DIR_KEYS and path_problem(value, key):
+            print(f"meshrun: {path_problem(value, key)}; nothing was launched.", file=sys.stderr)
+            raise SystemExit(EXIT_INVALID)
+
+
 def cli() -> None:
     """Console entry point: Hydra's composition errors exit with 2 like every other invalid input."""
+    _reject_control_characters(sys.argv[1:])
     try:
         hydra_main()
     except SystemExit as exc:

@@ -102,8 +102,10 @@ def format_keys(group: str = "", presets: Optional[Callable[[str], List[str]]] =
 
 
 def print_keys(group: str, presets: Optional[Callable[[str], List[str]]] = None) -> None:
-    if group and group not in GROUPS + ("keys",):
-        print(f"meshrun: keys.group={group!r} is not a config group; use one of {', '.join(GROUPS)} "
+    # Every section of the config (the groups, and action sections such as export and generate).
+    sections = sorted({key.split(".", 1)[0] for key, *_ in iter_keys() if "." in key})
+    if group and group not in sections:
+        print(f"meshrun: keys.group={group!r} is not a config group; use one of {', '.join(sections)} "
               f"(or leave it empty for every key)", file=sys.stderr)
         raise SystemExit(EXIT_INVALID)
     print(format_keys(group, presets))

@@ -2,7 +2,9 @@
 
 No torch import here (the launcher must stay light). Each rank gets the standard env and
 OMP_NUM_THREADS = max(1, cores // world) (launcher/procs.py) so the ranks do not oversubscribe the
-cores. Rank 0's output is streamed to this terminal; every rank's output also goes to run_dir/logs/rank_<r>.log.
+cores. Rank 0's output is streamed to this terminal; every rank's output also goes to run_dir/logs/rank_<r>.log
+(appended: every attempt, each under a header line).
+The launcher holds run_dir's lock (training/run_lock.py) and every rank inherits it.
 If any rank exits non-zero the others are stopped within seconds (SIGTERM, then SIGKILL) and the
 launcher exits with that rank's code; events started / completed / failed / stopped go to events.jsonl.
 """
@@ -19,9 +21,12 @@ from typing import Any, Dict, List, Optional
 
 from launcher.procs import POLL_S, engine_env, rank_process_env, start_pump, stop_processes, threads_per_rank
 from launcher.rundir import write_config
+from launcher.status import job_alive
 from training.config import Config, derived_dp
-from training.events import append_event
+from training.events import append_event, read_events
 from training.exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED
+from training.resume_once import write_request
+from training.run_lock import TOKEN_ENV, RunLock, acquire, held
 from training.slurm_env import dist_env
 
 LOOPBACK = "127.0.0.1"
@@ -34,6 +39,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def attempt_header(attempt: int) -> str:
+    """The line that opens each attempt in a local rank log (launcher/logs.py finds attempts by it)."""
+    return f"===== meshrun attempt {attempt} ({time.strftime('%Y-%m-%d %H:%M:%S')}) =====\n"
+
+
 def run_ranks(cfg: Config, run_dir: str) -> int:
     """Spawn the ranks, wait, and return the job's exit code (the first failing rank's code, else EXIT_OK or
     EXIT_STOPPED)."""
@@ -41,22 +51,44 @@ def run_ranks(cfg: Config, run_dir: str) -> int:
     world = p.tp * p.pp * p.cp * derived_dp(cfg)
     port = cfg.cluster.master_port or free_port()
     threads = threads_per_rank(world)
+    lock = held(run_dir)
+    own_lock = lock is None
+    if own_lock:  # called without the app, which takes it before anything is written
+        lock = acquire(run_dir, what="meshrun local launcher", job_alive=job_alive)
+    try:
+        return _run_ranks(cfg, run_dir, world, port, threads, lock)
+    finally:
+        if own_lock:
+            lock.release()
+
+
+def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, lock: RunLock) -> int:
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     if not os.path.exists(os.path.join(run_dir, "config.json")):
         write_config(cfg, run_dir)
+    # Launches of one run.dir are its attempts (0, 1, ...), as a Slurm job's requeues are: events and metrics
+    # rows carry the number (MESHRUN_ATTEMPT, training/events.py).
+    attempt = sum(1 for ev in read_events(run_dir) if ev.get("event") == "started")
     # launcher_pid lets `action=status` tell a running job from one whose launcher was killed (no end event).
     append_event(run_dir, "started", nodes=[socket.gethostname()], world_size=world, threads_per_rank=threads,
-                 launcher_pid=os.getpid())
+                 launcher_pid=os.getpid(), attempt=attempt)
     procs: List[subprocess.Popen] = []
     pumps: List[threading.Thread] = []
     logs = []
     try:
         for r in range(world):
-            log = open(os.path.join(run_dir, "logs", f"rank_{r}.log"), "wb")
+            # Appended: every attempt of the run stays in the log, each under its own header (action=logs).
+            log = open(os.path.join(run_dir, "logs", f"rank_{r}.log"), "ab")
+            log.write(attempt_header(attempt).encode())
+            log.flush()
             logs.append(log)
-            env = rank_process_env(dist_env(r, world, r, world, LOOPBACK, port), engine_env(cfg), threads)
+            env = rank_process_env(dist_env(r, world, r, world, LOOPBACK, port), engine_env(cfg, run_dir), threads)
+            env[TOKEN_ENV] = lock.token
+            env["MESHRUN_ATTEMPT"] = str(attempt)
+            # Each rank inherits the locked file: the run directory stays locked while any rank lives, even
+            # if this launcher is killed (training/run_lock.py).
             proc = subprocess.Popen([sys.executable, "-m", "training.main", run_dir], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(lock.fd,))
             procs.append(proc)
             # Rank 0 also goes to this terminal (stderr: stdout stays for results).
             pumps.append(start_pump(proc.stdout, [log, sys.stderr.buffer] if r == 0 else [log]))
@@ -74,7 +106,7 @@ def run_ranks(cfg: Config, run_dir: str) -> int:
             stop_processes(procs)
             rank, code = failed
             append_event(run_dir, "failed", node=socket.gethostname(), rank=rank, exit_code=code,
-                         reason=f"rank {rank} exited with {code}; see {run_dir}/logs/rank_{rank}.log")
+                         reason=f"rank {rank} exited with {code}; see {run_dir}/logs/rank_{rank}.log", attempt=attempt)
             print(f"meshrun: rank {rank} exited with code {code}; stopped the other ranks "
                   f"(log: {run_dir}/logs/rank_{rank}.log)", file=sys.stderr)
             return code
@@ -82,14 +114,15 @@ def run_ranks(cfg: Config, run_dir: str) -> int:
         if any(c == EXIT_STOPPED for c in codes):
             # Stopped early on purpose after a checkpoint; nothing requeues a local run, the user does.
             append_event(run_dir, "stopped", reason="stopped early after a complete checkpoint (signal, "
-                         f"exit_interval or exit_after_min): run again with run.dir={run_dir} to resume")
+                         f"exit_interval or exit_after_min): run again with run.dir={run_dir} to resume",
+                         attempt=attempt)
             return EXIT_STOPPED
-        append_event(run_dir, "completed", world_size=world)
+        append_event(run_dir, "completed", world_size=world, attempt=attempt)
         return EXIT_OK
     except KeyboardInterrupt:
         stop_processes(procs)
         append_event(run_dir, "failed", node=socket.gethostname(), rank=-1, exit_code=EXIT_INTERRUPTED,
-                     reason="interrupted")
+                     reason="interrupted", attempt=attempt)
         return EXIT_INTERRUPTED
     finally:
         for t in pumps:
@@ -100,6 +133,7 @@ def run_ranks(cfg: Config, run_dir: str) -> int:
 
 def launch_local(cfg: Config, run_dir: str) -> Dict[str, Any]:
     """Launch the job on this machine; exits with the job's code when it is not 0."""
+    write_request(run_dir, cfg.train.resume)  # an explicit train.resume applies to this launch only
     code = run_ranks(cfg, run_dir)
     if code != EXIT_OK:
         raise SystemExit(code)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, List
 
+from launcher.plan.cadence import format_advice
+from launcher.plan.cadence import resolve as resolve_cadence
 from launcher.plan.estimate import format_plan
 from launcher.plan.validate import Report, validate
 from launcher.rundir import write_config
@@ -25,13 +27,19 @@ def _point_label(cfg: Config) -> str:
            f"recompute={p.recompute} micro={p.micro_batch} global={p.global_batch}"
 
 
+def _slurm_checks(cfg: Config) -> List[str]:
+    """sbatch safety, and every node count an elastic job may shrink to (validated before the first submission)."""
+    from launcher.slurm.elastic import elastic_checks
+    from launcher.slurm.sbatch import validate_for_slurm
+
+    return validate_for_slurm(cfg) + elastic_checks(cfg)
+
+
 def validate_for_launch(cfg: Config) -> Report:
     """The planner's rules plus the launch backend's own (Slurm: sbatch safety), every violation at once."""
     checks = None
     if cfg.cluster.kind == "slurm":
-        from launcher.slurm.sbatch import validate_for_slurm
-
-        checks = validate_for_slurm
+        checks = _slurm_checks
     return validate(cfg, cluster_checks=checks)
 
 
@@ -65,6 +73,10 @@ def plan_or_reject(cfg: Config, run_dir: str, multirun: bool = False) -> Dict[st
     assert plan is not None
     os.makedirs(run_dir, exist_ok=True)
     plan_json = plan.to_json()
+    # train.checkpoint_every_min (auto: the Young/Daly optimum, from the run's measured saves when it has any)
+    # resolved into config.json, where the engine reads it.
+    cadence = resolve_cadence(cfg, run_dir, plan.predicted_step_s)
+    plan_json["checkpoint_cadence"] = cadence.to_json()
     with open(os.path.join(run_dir, "plan.json"), "w") as f:
         json.dump(plan_json, f, indent=2, sort_keys=False)
     write_config(cfg, run_dir)
@@ -74,6 +86,8 @@ def plan_or_reject(cfg: Config, run_dir: str, multirun: bool = False) -> Dict[st
     else:
         print(f"meshrun plan ({cfg.model.name}, {cfg.train.precision}, {cfg.cluster.name}) -> {run_dir}")
         print(format_plan(plan))
+        if cadence.job_mtbf_h > 0 or cadence.resolved_min > 0:  # nothing to say for a local run without either
+            print(format_advice(cadence))
         for line in notes + warnings:
             print(line)
     return {"status": "ok", "plan": plan_json, "warnings": warnings, "run_dir": run_dir}

@@ -11,6 +11,7 @@ import time
 from typing import BinaryIO, Dict, List, Mapping, Optional, Sequence
 
 from training.config import Config
+from training.secret_env import is_secret, resolve
 
 KILL_GRACE_S = 3.0
 """Seconds between SIGTERM and SIGKILL when ranks are stopped."""
@@ -34,15 +35,20 @@ def threads_per_rank(local_ranks: int) -> int:
     return max(1, usable_cores() // max(local_ranks, 1))
 
 
-def engine_env(cfg: Config) -> Dict[str, str]:
+def engine_env(cfg: Config, run_dir: Optional[str] = None, secrets: bool = True) -> Dict[str, str]:
     """What the engine needs in every rank's environment (locally and in the Slurm batch script), then
-    the cluster's own variables (cluster.env), which win."""
+    the cluster's own variables (cluster.env), which win. Secret values (cluster.secret_keys) come from
+    run_dir/secrets.json or this process's environment when cfg holds their placeholder
+    (training/secret_env.py); secrets=False leaves them out (the batch script must not contain them)."""
     # A failed NCCL collective becomes an error (then exit, then requeue) instead of a hang.
     env: Dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     if cfg.parallel.tp > 1:
         # One hardware queue keeps TP communication ordered ahead of compute (Megatron's requirement).
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    env.update({str(k): str(v) for k, v in sorted(cfg.cluster.env.items())})
+    cluster = {str(k): str(v) for k, v in sorted(cfg.cluster.env.items())}
+    if not secrets:
+        cluster = {k: v for k, v in cluster.items() if not is_secret(k, cfg.cluster.secret_keys)}
+    env.update(resolve(cluster, run_dir))
     return env
 
 

@@ -71,6 +71,10 @@ def merge_saved(saved: Dict[str, Any], now: Config, overrides: Sequence[str]) ->
         path = key.split(".")
         present, value = _get_path(current, path)
         _set_path(merged, path, value, present)
+    if not any(_override_key(text)[0] in ("train.resume", "train") for text in overrides):
+        # An explicit train.resume is a one-time choice of the launch that gave it (training/resume_once.py):
+        # starting again without one resumes from `latest`, it does not roll back or restart a second time.
+        merged.setdefault("train", {})["resume"] = "auto"
     changed = sorted(_diff(saved, merged))
     return config_from_dict(merged), [k for k in changed if k.split(".", 1)[0] not in PER_INVOCATION]
 

@@ -1,5 +1,6 @@
 """`meshrun action=status run.dir=D`: one JSON object on stdout (state, job_id, attempt, last_step,
-excluded_nodes), from events.jsonl, metrics.jsonl, checkpoints/latest and squeue/sacct. D may also be
+excluded_nodes; step, total_steps, eta_s, last_loss, tokens_per_s, log: launcher/run_progress.py), from
+events.jsonl, metrics.jsonl, checkpoints/latest and squeue/sacct; status.format=table prints a table instead. D may also be
 a sweep directory (it holds sweep.json): then the object lists every point's status and counts the states.
 
 Also the small readers the Slurm driver shares (last step, the job chain in events.jsonl)."""
@@ -82,9 +83,28 @@ def excluded_nodes(events: List[Dict[str, Any]]) -> List[str]:
     return out
 
 
+RETRY_CAUSES = ("failure", "no_progress", "save_failed")
+"""Requeue causes that spend one of cluster.max_retries: a failure, a stop that saved nothing newer than the
+previous attempt (else a job stopped by every signal before its first save would requeue forever), a save
+that failed on an I/O error. A stop after new progress (preemption, time limit) costs nothing."""
+
+
 def retries_used(events: List[Dict[str, Any]]) -> int:
-    """Resubmissions after failures so far (preemption requeues do not count)."""
-    return sum(1 for ev in events if ev.get("event") == "requeued" and ev.get("cause") == "failure")
+    """Requeues and resubmissions that count against cluster.max_retries so far (RETRY_CAUSES)."""
+    return sum(1 for ev in events if ev.get("event") == "requeued" and ev.get("cause") in RETRY_CAUSES)
+
+
+def job_alive(job_id: str) -> Optional[bool]:
+    """Whether Slurm still holds the job (pending, running, requeued, completing): True/False, or None
+    when Slurm cannot answer (the run lock then counts the job as alive, training/run_lock.py)."""
+    try:
+        res = slurm_command(["squeue", "-h", "-r", "-j", job_id, "-o", "%T"])
+    except SlurmUnavailable:
+        return None
+    if res.returncode != 0:
+        return False if "Invalid job id" in res.stderr else None
+    states = res.stdout.split()
+    return any(s not in FINAL_STATES for s in states)
 
 
 def _run(cmd: List[str]) -> str:
@@ -95,16 +115,36 @@ def _run(cmd: List[str]) -> str:
         return ""
 
 
+SLURM_QUERIES = [0]
+"""squeue/sacct calls made by slurm_states so far (a sweep's status makes at most two, whatever its size)."""
+
+
+def slurm_states(job_ids: List[str]) -> Dict[str, str]:
+    """Job id -> PENDING, RUNNING, ... for many jobs at once: one squeue call for all of them, then one sacct
+    call for those that have left the queue. Jobs Slurm does not know (yet) are left out."""
+    jobs = sorted(set(job_ids))
+    out: Dict[str, str] = {}
+    if not jobs:
+        return out
+    SLURM_QUERIES[0] += 1
+    # -r: one line per array task ("<array>_<task>", the ids meshrun records); unknown ids are ignored.
+    for line in _run(["squeue", "-h", "-r", "-j", ",".join(jobs), "-o", "%i %T"]).splitlines():
+        jid, _, state = line.strip().partition(" ")
+        if jid in jobs and state and jid not in out:
+            out[jid] = state.strip()
+    missing = [j for j in jobs if j not in out]
+    if missing:
+        SLURM_QUERIES[0] += 1
+        for line in _run(["sacct", "-n", "-X", "-P", "-j", ",".join(missing), "-o", "JobID,State"]).splitlines():
+            jid, _, state = line.partition("|")
+            if jid.strip() in missing and state:
+                out[jid.strip()] = state.split()[0]  # "CANCELLED by 0" -> CANCELLED
+    return out
+
+
 def slurm_state(job_id: str) -> Optional[str]:
     """PENDING, RUNNING, ... from squeue, or from sacct once the job has left the queue."""
-    out = _run(["squeue", "-h", "-r", "-j", job_id, "-o", "%T"]).split()  # -r: one line per array task
-    if out:
-        return out[0]
-    for line in _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "JobID,State"]).splitlines():
-        jid, _, state = line.partition("|")
-        if jid.strip() == job_id and state:
-            return state.split()[0]  # "CANCELLED by 0" -> CANCELLED
-    return None
+    return slurm_states([job_id]).get(job_id)
 
 
 def _local_launcher_alive(started: Dict[str, Any]) -> bool:
@@ -121,19 +161,26 @@ def _local_launcher_alive(started: Dict[str, Any]) -> bool:
     return b"launcher" in cmdline or b"meshrun" in cmdline  # the pid may have been reused by another program
 
 
-def run_status(run_dir: str) -> Dict[str, Any]:
-    events = read_events(run_dir)
+def run_status(run_dir: str, states: Optional[Dict[str, str]] = None,
+               events: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """The status of one run; states: Slurm's states already asked for (a sweep asks once for all its jobs)."""
+    from launcher.cancel import cancelled_event
+
+    events = read_events(run_dir) if events is None else events
     job = current_job_id(events)
     attempt = max((int(ev.get("attempt", 0)) for ev in events if ev.get("event") == "started"), default=None)
     state = None
     reason = None
     last = events[-1] if events else {}
+    cancelled = cancelled_event(events)
     if last.get("event") == "completed":
         state = "COMPLETED"
+    elif cancelled is not None:
+        state, reason = "CANCELLED", cancelled.get("reason")
     elif last.get("event") == "stopped":
         state, reason = "FAILED", last.get("reason")
     elif job is not None:
-        state = slurm_state(job)
+        state = states.get(job) if states is not None else slurm_state(job)
         if state is None:
             state = "PENDING"  # accepted by sbatch but not yet visible (sacct lags)
         elif state == "PENDING" and last.get("event") == "requeued":
@@ -155,7 +202,26 @@ def run_status(run_dir: str) -> Dict[str, Any]:
     }
     if reason:
         out["reason"] = reason
+    from launcher.logs import current_log
+    from launcher.run_progress import progress_fields
+
+    out.update(progress_fields(run_dir, out["state"], current_log(run_dir, 0, events)))
+    current = current_layout(run_dir)
+    if current is not None:
+        out["layout"] = current
     return out
+
+
+def current_layout(run_dir: str) -> Optional[Dict[str, Any]]:
+    """The layout the run trains with now (config.json, which an elastic resize rewrites: nodes, ranks, tp, pp,
+    cp, dp, zero, micro/global batch, grad_accum); None without a readable config.json."""
+    from launcher.slurm.elastic import layout
+    from training.config import load_config
+
+    try:
+        return layout(load_config(os.path.join(run_dir, "config.json")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 SWEEP_FILE = "sweep.json"
@@ -166,6 +232,10 @@ def sweep_status(sweep_dir: str) -> Dict[str, Any]:
     points the sweep left out (invalid, did not fit, refused), and how many points are in each state."""
     with open(os.path.join(sweep_dir, SWEEP_FILE)) as f:
         sweep = json.load(f)
+    # One Slurm query for every job of the sweep (not one per point): a 1,000-point sweep answers as fast as one.
+    events_of = {row["run_dir"]: read_events(row["run_dir"]) for row in sweep.get("feasible", [])
+                 if row.get("run_dir") and os.path.exists(os.path.join(row["run_dir"], EVENTS_FILE))}
+    states = slurm_states([j for j in (current_job_id(evs) for evs in events_of.values()) if j is not None])
     points = []
     for skipped, rows in ((False, sweep.get("feasible", [])), (True, sweep.get("infeasible", []))):
         for row in rows:
@@ -173,8 +243,8 @@ def sweep_status(sweep_dir: str) -> Dict[str, Any]:
             run_dir = row.get("run_dir")
             if skipped:
                 point.update(state="SKIPPED", reason=row.get("reason", row.get("status", "")))
-            elif run_dir and os.path.exists(os.path.join(run_dir, EVENTS_FILE)):
-                point.update(run_dir=run_dir, **run_status(run_dir))
+            elif run_dir in events_of:
+                point.update(run_dir=run_dir, **run_status(run_dir, states, events_of[run_dir]))
             else:  # an action=plan sweep: nothing was launched
                 point.update(state="PLANNED" if row.get("status") == "ok" else "UNKNOWN", run_dir=run_dir)
             points.append(point)
@@ -185,11 +255,21 @@ def sweep_status(sweep_dir: str) -> Dict[str, Any]:
     return {"sweep_dir": sweep_dir, "points": points, "states": states}
 
 
-def print_status(run_dir: str) -> Dict[str, Any]:
-    """Print exactly one JSON object on stdout; an unknown run dir is an error on stderr (EXIT_INVALID)."""
+def _emit(status: Dict[str, Any], fmt: str) -> None:
+    if str(fmt) == "table":
+        from launcher.status_table import format_table
+
+        print(format_table(status))
+    else:
+        print(json.dumps(status, sort_keys=True))
+
+
+def print_status(run_dir: str, fmt: str = "json") -> Dict[str, Any]:
+    """Print exactly one JSON object on stdout (fmt="table": a table for people instead); an unknown run dir is
+    an error on stderr (EXIT_INVALID)."""
     if os.path.exists(os.path.join(run_dir, SWEEP_FILE)):
         out = sweep_status(run_dir)
-        print(json.dumps(out, sort_keys=True))
+        _emit(out, fmt)
         return out
     # Hydra has created run_dir (with its app.log) before this runs: a run is known by what meshrun wrote.
     if not any(os.path.exists(os.path.join(run_dir, name)) for name in (EVENTS_FILE, "config.json")):
@@ -198,5 +278,5 @@ def print_status(run_dir: str) -> Dict[str, Any]:
               f"{SWEEP_FILE})", file=sys.stderr)
         raise SystemExit(EXIT_INVALID)
     status = run_status(run_dir)
-    print(json.dumps(status, sort_keys=True))
+    _emit(status, fmt)
     return status

@@ -53,8 +53,8 @@ def _train(cfg_dict: dict, run_dir: str, hook: str = ""):
     if hook == "signal10" and mesh.rank == 1:
         step_fn = trainer.train_step
 
-        def train_step():
-            out = step_fn()
+        def train_step(*args, **kwargs):
+            out = step_fn(*args, **kwargs)
             if trainer.state.step == 10:
                 os.kill(os.getpid(), signal.SIGUSR2)  # only this rank gets it: the ranks must agree anyway
             return out

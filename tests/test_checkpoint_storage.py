@@ -3,6 +3,7 @@ atomic commit, keep-last-K, verification of a truncated shard, full disk, resume
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -139,10 +140,10 @@ def test_full_disk_is_a_clear_error_and_keeps_previous(tmp_path):
         subprocess.run(["umount", mnt])
 
 
-def test_damaged_shard_that_passes_the_size_check_is_a_clear_error(tmp_path, monkeypatch):
-    # Large shards are checked by size only (no CRC): damage that keeps the size must still end in a
-    # CheckpointError naming the fix, not in DCP's traceback.
-    monkeypatch.setattr(storage, "CRC_LIMIT_BYTES", 0)
+def test_damaged_shard_that_passes_the_size_check_is_a_clear_error(tmp_path):
+    # Every shard has a CRC32 now, whatever its size (computed while writing): damage that keeps the size is
+    # caught by verify. Damage that happened before the manifest was sealed (the manifest rewritten to match)
+    # passes verify and must still end in a CheckpointError naming the fix, not in DCP's traceback.
     run = str(tmp_path)
     _save_steps(run, [1])
     newest = storage.step_dir(run, 1)
@@ -150,6 +151,12 @@ def test_damaged_shard_that_passes_the_size_check_is_a_clear_error(tmp_path, mon
     path = os.path.join(newest, shard)
     with open(path, "r+b") as f:
         f.write(b"\0" * os.path.getsize(path))
+    assert storage.verify(newest).problems == [f"{shard} checksum mismatch"]
+    manifest = os.path.join(newest, storage.MANIFEST)
+    with open(manifest) as f:
+        sealed = json.load(f)
+    sealed["files"] = storage.build_manifest(newest)
+    storage.write_json_durable(manifest, sealed)
     assert storage.verify(newest).ok
     with pytest.raises(CheckpointError, match="could not be loaded.*train.resume"):
         _resumed_value(run)

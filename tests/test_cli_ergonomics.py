@@ -31,7 +31,8 @@ def test_help_names_actions_groups_and_where_keys_are_documented(tmp_path):
         assert f"\n  {action} " in p.stdout, action
     # The groups with their presets, as Hydra finds them in the installed config tree.
     assert "model: " in p.stdout and "llama3_8b" in p.stdout and "parallel: " in p.stdout
-    assert "cluster: dgx_h100, local, slurm_dev" in p.stdout
+    cluster_line = next(line for line in p.stdout.splitlines() if line.startswith("cluster: "))
+    assert {"dgx_h100", "local", "slurm_dev"} <= set(cluster_line[len("cluster: "):].split(", "))
     assert "action=keys" in p.stdout and "training/config.py" in p.stdout
     assert list(tmp_path.iterdir()) == []  # --help writes nothing
 

@@ -316,6 +316,12 @@ def test_time_limit_signal_requeues_and_resumes(tmp_path, cluster):
         subprocess.run(["scancel", job])
     sig = [e for e in events if e["event"] == "signal"][0]
     assert sig["name"] == "SIGUSR2" and resumed["step"] == sig["step"]
+    # The stop came from the rank wrapper's own clock while the engine ran (issue 11: it used to reach only
+    # a child that did not handle the signal yet), before Slurm's own USR2 was due: that one comes no earlier
+    # than limit - 20 s = stop_at + 30 s.
+    clock = [e for e in events if e["event"] == "stop_requested"]
+    assert clock and clock[0]["source"] == "clock" and clock[0]["time"] <= sig["time"]
+    assert sig["time"] < clock[0]["stop_at"] + 20, (sig, clock)
     requeued = [e for e in events if e["event"] == "requeued"][0]
     assert requeued["cause"] == "stopped_early" and starts[1]["job_id"] == job
     steps = sorted(metrics(run_dir))  # asserts no step ran twice
@@ -372,7 +378,7 @@ BUG_AT_STEP_0 = '''import sys
 if "training.main" in getattr(sys, "orig_argv", []):  # only the rank processes, not submitit or the driver
     import training.loop
 
-    def broken_step(self):
+    def broken_step(self, *args, **kwargs):
         raise RuntimeError("injected bug: train_step fails at step 0")
 
     training.loop.Trainer.train_step = broken_step

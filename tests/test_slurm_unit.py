@@ -14,7 +14,8 @@ import pytest
 from launcher.slurm import numa
 from launcher.slurm.requeue import decide, plan_exclusion
 from launcher.slurm.sbatch import (PROJECT_ROOT, SlurmConfigError, array_group_key, array_job_spec, cpus_per_task,
-                                   dry_run_text, job_spec, preflight_job_spec, sbatch_text, setup_lines,
+                                   dry_run_text, job_spec, preflight_job_spec, prologue_line, sbatch_text,
+                                   setup_lines,
                                    srun_line, validate_for_slurm, with_cpus_per_task)
 from launcher.status import run_status
 from training.config import ClusterConfig, Config, ContainerConfig
@@ -87,7 +88,7 @@ def test_array_task_selects_its_own_run_dir(tmp_path):
     dirs = [str(tmp_path / name) for name in ("p 0", "p$(id)1", "p'2")]
     cfg = dev_cfg()
     spec = array_job_spec(cfg, dirs, str(tmp_path / "submitit"))
-    lines = [ln for ln in spec.parameters["setup"] if not ln.startswith("eval ")]
+    lines = [ln for ln in spec.parameters["setup"] if ln != prologue_line()]
     path = tmp_path / "s.sh"
     path.write_text("\n".join(lines) + '\nprintf %s "$MESHRUN_RUN_DIR" > "$0.$SLURM_ARRAY_TASK_ID"')
     for task in range(3):

@@ -160,3 +160,58 @@ def test_slurm_settings_are_listed_with_the_layout_errors():
 def test_missing_data_path_is_an_error_before_launch():
     report = validate(compose_cfg("data.paths=[/nonexistent/corpus.txt]"))
     assert "data.paths" in _keys(report.errors)
+
+
+def test_nan_and_infinity_rejected_for_every_float_key():
+    """Walks every float field (train.lr=nan passes `< 0` tests and trained NaN weights before)."""
+    from dataclasses import fields, is_dataclass
+
+    cfg = compose_cfg()
+    keys = []
+
+    def walk(obj, prefix):
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            elif isinstance(value, float):
+                keys.append(f"{prefix}{f.name}")
+                setattr(obj, f.name, float("nan") if len(keys) % 2 else float("-inf"))
+
+    walk(cfg, "")
+    assert {"train.lr", "train.min_lr", "model.dropout", "cluster.gpu_memory_gb", "train.dist_timeout_s",
+            "cluster.preflight.busbw_intra_gbps"} <= set(keys), keys
+    finite = {i.key for i in validate(cfg).errors if i.code == "finite"}
+    assert finite == set(keys)
+    assert len(keys) >= 20  # every float key of the tree, counted by this walk, not by the validator
+
+
+def test_timeout_port_numa_and_cores(monkeypatch):
+    from launcher.plan import validate as v
+
+    bad = compose_cfg("train.dist_timeout_s=0", "cluster.master_port=80", "cluster.numa=explicit",
+                      "cluster.gpus_per_node=2", "parallel=single", "parallel.dp=2", "cluster.numa_map=[0,7]")
+    errors = {i.key: i for i in validate(bad).errors}
+    assert {"train.dist_timeout_s", "cluster.master_port", "cluster.numa_map"} <= set(errors)
+    assert "[7]" in errors["cluster.numa_map"].message and "cluster.numa=auto" in errors["cluster.numa_map"].fix
+    for port, ok in ((0, True), (1023, False), (1024, True), (65535, True), (65536, False)):
+        got = "cluster.master_port" in _keys(validate(compose_cfg(f"cluster.master_port={port}")).errors)
+        assert got is not ok, port
+    # A machine with NUMA nodes 0 and 1 (sysfs format "0-1"): node 1 is fine there.
+    monkeypatch.setattr(v, "online_numa_nodes", lambda: [0, 1])
+    two = compose_cfg("cluster.numa=explicit", "cluster.numa_map=[0,1,1,0]")
+    assert "cluster.numa_map" not in _keys(validate(two).errors)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    many = validate(compose_cfg("cluster.gpus_per_node=4"))
+    warn = next(i for i in many.warnings if i.key == "cluster.gpus_per_node")
+    assert "4 local ranks on 2 CPU cores" in warn.message and many.errors == []
+
+
+def test_online_numa_nodes_parses_sysfs_ranges(tmp_path):
+    from launcher.plan.validate import online_numa_nodes
+
+    path = tmp_path / "online"
+    path.write_text("0-2,5\n")
+    assert online_numa_nodes(str(path)) == [0, 1, 2, 5]
+    assert online_numa_nodes(str(tmp_path / "absent")) is None
+

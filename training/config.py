@@ -45,16 +45,19 @@ ClusterKind = _choice("ClusterKind", "local slurm")
 Device = _choice("Device", "cpu cuda")
 NumaMode = _choice("NumaMode", "auto off explicit")
 PreflightMode = _choice("PreflightMode", "off warn gate")
-DataKind = _choice("DataKind", "synthetic text")
-Action = _choice("Action", "train plan status preflight keys")
+ExportDtype = _choice("ExportDtype", "auto fp32 bf16 fp16")
+DataKind = _choice("DataKind", "synthetic text indexed")
+Action = _choice("Action", "train plan status preflight keys prepare export generate logs cancel report recommend")
+HealthAction = _choice("HealthAction", "warn requeue")
+StatusFormat = _choice("StatusFormat", "json table")
 
 # Every choice field, by its command-line key: validation and `meshrun action=keys` read it.
 CHOICE_FIELDS: Dict[str, type] = {
     "model.norm": Norm, "model.activation": Activation, "model.attention": Attention,
     "model.position": Position, "parallel.schedule": Schedule, "parallel.recompute": Recompute,
     "train.precision": Precision, "train.optimizer": Optimizer, "cluster.kind": ClusterKind,
-    "cluster.device": Device, "cluster.numa": NumaMode, "cluster.preflight.mode": PreflightMode,
-    "data.kind": DataKind, "action": Action,
+    "cluster.device": Device, "cluster.health.action": HealthAction, "cluster.numa": NumaMode, "cluster.preflight.mode": PreflightMode,
+    "data.kind": DataKind, "action": Action, "status.format": StatusFormat, "export.dtype": ExportDtype,
 }
 
 
@@ -99,6 +102,12 @@ class ModelConfig:
     """Biases in the linear layers and LayerNorm (GPT style); Llama-style models set False."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
+    norm_eps: float = 1e-5
+    """Epsilon of every LayerNorm / RMSNorm (GPT-2: 1e-5; Llama: 1e-5 or 1e-6, config.json's rms_norm_eps)."""
+    gelu_tanh: bool = False
+    """activation=gelu: use the tanh approximation of GELU (GPT-2's gelu_new) instead of the exact erf form."""
+    rope_base: float = 10000.0
+    """position=rope: the base (theta) of the rotary frequencies, base^(-2i/d) (Llama 3: 500000)."""
 
     @property
     def ffn(self) -> int:
@@ -139,6 +148,10 @@ class ParallelConfig:
     """Permit tp > ranks per node (TP then crosses the slow interconnect)."""
     bucket_mb: float = 4.0
     """Size of a gradient communication bucket in MiB."""
+    overlap_grad_reduce: bool = True
+    """Launch each bucket's data-parallel reduction asynchronously as soon as its grads are final, during backward."""
+    overlap_p2p: bool = True
+    """Pipeline: post receives one unit early and wait for sends only at the end of the step (false: wait for each exchange)."""
 
 
 @dataclass
@@ -204,6 +217,44 @@ class ContainerConfig:
 
 
 @dataclass
+class ElasticConfig:
+    """Slurm: shrink a resubmitted job to fewer nodes when its full count cannot be had (launcher/slurm/elastic.py)."""
+
+    min_nodes: int = 0
+    """Fewest nodes a job may shrink to after excluding failed nodes (data parallelism shrinks, the global batch
+    stays, the checkpoint is resharded on load); a later requeue grows it back when nodes return. 0: never shrink.
+    Every node count from this to cluster.nodes is validated before the first submission."""
+    wait_min: float = 10.0
+    """How long a resubmission waits for busy (not drained or down) nodes to free up before it shrinks, minutes;
+    the ending job keeps its own healthy nodes meanwhile. Never beyond the job's time limit."""
+
+
+@dataclass
+class HealthConfig:
+    """GPU and node health while training (training/observe/health.py): one NVML sampler thread per node."""
+
+    enabled: bool = True
+    """Sample NVML on each node (local rank 0) while training; CPU runs without cluster.health.nvml_double skip it."""
+    interval_s: float = 5.0
+    """Seconds between samples (utilisation, memory, temperature, power, throttle reasons, ECC and remap counters)."""
+    action: HealthAction = HealthAction.warn
+    """warn (a `health` event naming the node) | requeue (also checkpoint, then stop so the Slurm epilogue
+    resubmits the job without that node: its ranks exit with EXIT_NODE_BAD)."""
+    throttle_samples: int = 3
+    """Consecutive samples with a hardware throttle reason (HW/thermal slowdown, power brake) that make throttling
+    persistent."""
+    min_throughput_fraction: float = 0.5
+    """A node whose tokens/s (its ranks' compute time per step) falls below this fraction of its own baseline (the
+    median of its first cluster.health.baseline_intervals log intervals) for throttle_samples intervals is
+    unhealthy; 0 disables."""
+    baseline_intervals: int = 5
+    """Log intervals (after the first step) that make a node's throughput baseline."""
+    nvml_double: str = ""
+    """Tests and demos on machines without GPUs: a JSON file describing fake GPUs per node (counters may change
+    while the run reads it; training/observe/nvml_double.py); empty: the real NVML."""
+
+
+@dataclass
 class ClusterConfig:
     """Where the job runs."""
 
@@ -233,10 +284,26 @@ class ClusterConfig:
     """Seconds before the time limit that Slurm sends USR2; must exceed 30 s plus one checkpoint save."""
     max_retries: int = 3
     """Resubmissions after failures before the job stops."""
+    node_mtbf_h: float = 0.0
+    """Mean time between failures of one node, hours (the job's is this / nodes); 0: unknown. Sets the
+    Young/Daly checkpoint interval of train.checkpoint_every_min=auto (launcher/plan/cadence.py)."""
+    checkpoint_every_min: str = "0"
+    """This cluster's default for train.checkpoint_every_min when that is empty: minutes, 0 (no time-based
+    saves) or auto (the Young/Daly optimum from node_mtbf_h and the save time). The Slurm presets: auto."""
+    checkpoint_write_gbps: float = 0.0
+    """GB/s (1e9 bytes/s) at which the job's ranks together write a checkpoint, for the save time before
+    the run has measured one; 0: 1 GB/s per node (an assumption, docs/COST_MODEL.md)."""
+    restart_min: float = 10.0
+    """Minutes from a failure until training runs again (requeue, scheduling, start-up, checkpoint load), for
+    the checkpoint cadence; a run that has been requeued before measures its own (events.jsonl)."""
     exclude: str = ""
     """Nodes never to use (Slurm hostlist)."""
     env: Dict[str, str] = field(default_factory=dict)
     """Environment for every rank (NCCL_IB_HCA, NCCL_SOCKET_IFNAME, NCCL_DEBUG, ...)."""
+    secret_keys: List[str] = field(default_factory=lambda: ["KEY", "TOKEN", "SECRET", "PASSWORD"])
+    """env keys containing any of these (case-insensitive) are secrets: their values never reach config.json,
+    config.yaml, checkpoints, the sbatch script or the dry run; ranks read them from run.dir/secrets.json
+    (mode 0600) or the job's environment (training/secret_env.py)."""
     numa: NumaMode = NumaMode.auto
     """auto (bind each rank to its GPU's NUMA node) | off | explicit (use numa_map)."""
     numa_map: List[int] = field(default_factory=list)
@@ -257,6 +324,10 @@ class ClusterConfig:
     default."""
     container: ContainerConfig = field(default_factory=ContainerConfig)
     """Container of the ranks (pyxis/enroot); its image empty: none."""
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    """Slurm: elastic shrink after node loss (min_nodes 0: off) and growth back when nodes return."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """GPU health sampling while training and what an unhealthy node triggers."""
 
 
 @dataclass
@@ -283,6 +354,8 @@ class TrainConfig:
     """Adam epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay (not applied to biases and norms)."""
+    fused_adamw: bool = False
+    """AdamW as one fused kernel over the flat shard: faster, but not bit-identical to torch.optim.AdamW (docs/PERFORMANCE.md)."""
     precision: Precision = Precision.auto
     """auto (bf16 on GPUs, fp32 on CPU) | fp32 | bf16 (fp32 main grads and masters) | fp16 (dynamic loss scaling)."""
     grad_clip: float = 1.0
@@ -297,8 +370,13 @@ class TrainConfig:
     """fp16: the scale never falls below this."""
     checkpoint_every: int = 0
     """Save every N steps; 0: only at the end and when stopping early."""
-    checkpoint_every_min: float = 0.0
-    """Save every T minutes of wall clock; 0 disables (clusters: 60-120)."""
+    checkpoint_every_min: str = ""
+    """Save every T minutes of wall clock: a number of minutes (0: never by time), auto (the Young/Daly
+    optimum sqrt(2 x save time x job MTBF) from cluster.node_mtbf_h, launcher/plan/cadence.py), or empty:
+    the cluster preset's cluster.checkpoint_every_min. The launcher resolves it (checkpoint_every_min_resolved)."""
+    checkpoint_every_min_resolved: Optional[float] = None
+    """Written by the launcher into config.json, not set by users: the minutes checkpoint_every_min resolved to
+    for this launch (auto: the optimum then); the engine saves by this. None: checkpoint_every_min as a number."""
     keep_last: int = 3
     """Complete checkpoints kept."""
     async_save: bool = False
@@ -315,6 +393,38 @@ class TrainConfig:
     """Collective timeout: a dead peer becomes an error after this long, never a hang."""
     progress: bool = True
     """Progress bar on rank 0."""
+    init_from: str = ""
+    """A Hugging Face model directory (GPT2LMHeadModel or LlamaForCausalLM: config.json + safetensors) to start
+    from; the model config comes from its config.json. Read only on a fresh start (no checkpoint in run.dir yet)."""
+    eval_every: int = 0
+    """Loss on the held-out data every N steps and after the last (metrics `eval_loss`); 0 disables."""
+    eval_iters: int = 2
+    """Global batches of held-out data per evaluation (the same ones every time, so evaluations compare)."""
+    profile_steps: List[int] = field(default_factory=list)
+    """[a, b]: torch.profiler traces steps a..b (inclusive) on every rank, one Chrome trace JSON per rank in
+    run.dir/profile/ (open in chrome://tracing or Perfetto); empty: no profiling."""
+    memory_snapshot_step: int = 0
+    """GPU: after this step dump a CUDA memory snapshot per rank to run.dir/profile/ (pytorch.org/memory_viz);
+    CPU: a note that there is none; 0 disables."""
+    straggler_margin: float = 0.2
+    """A rank whose compute time per step exceeds the ranks' median by this fraction is slow; 0 disables the
+    check (it gathers one number per rank per log interval)."""
+    straggler_intervals: int = 3
+    """Consecutive slow log intervals that make a rank a straggler (a `straggler` event with rank and node)."""
+    nan_probe: bool = True
+    """When the loss goes non-finite, replay the failing step's micro-batches with forward hooks and name the
+    first layer and rank that produced a non-finite value (event `nonfinite`, and on stderr)."""
+    progress_every_s: float = 30.0
+    """Without a terminal (Slurm logs, a pipe): one progress line every this many seconds (and the first and last
+    step); on a terminal the bar is redrawn in place every step."""
+    tensorboard: bool = True
+    """Rank 0 writes TensorBoard event files to run.dir/tensorboard/ (loss, eval loss, lr, grad norm, loss scale,
+    tokens/s, MFU, memory); a resumed run purges the steps after its checkpoint, so each step appears once."""
+    wandb: bool = False
+    """Also log to Weights & Biases (rank 0; needs `pip install wandb`, never required). The run id is kept in
+    run.dir/wandb.json, so every requeue and resume continues the same W&B run."""
+    wandb_project: str = "meshrun"
+    """train.wandb=true: the W&B project."""
 
 
 @dataclass
@@ -322,11 +432,46 @@ class DataConfig:
     """Training data."""
 
     kind: DataKind = DataKind.text
-    """synthetic (random tokens from the seed) | text (files tokenized to bytes)."""
+    """synthetic (random tokens from the seed) | text (files tokenized to bytes) | indexed (Megatron-compatible
+    datasets written by `meshrun action=prepare`, memory-mapped, blended by data.weights)."""
     paths: List[str] = field(default_factory=list)
     """Text files or directories (*.py, *.txt, *.md); empty: the Python standard library's sources."""
     max_bytes: int = 8_000_000
     """Bytes of text read at most (the corpus is cached as one memory-mapped file in run.dir)."""
+    prefixes: List[str] = field(default_factory=list)
+    """data=indexed: dataset prefixes DIR/NAME (NAME.bin + NAME.idx, and NAME.json from prepare)."""
+    weights: List[float] = field(default_factory=list)
+    """data=indexed: blend weight per prefix (normalised); empty: each dataset's share of the tokens."""
+    valid_prefixes: List[str] = field(default_factory=list)
+    """data=indexed: held-out datasets for train.eval_every; empty: each prefix's validation split from prepare."""
+
+
+@dataclass
+class PrepareConfig:
+    """`meshrun action=prepare`: tokenize text into a Megatron-compatible indexed dataset."""
+
+    inputs: List[str] = field(default_factory=list)
+    """Text files, JSON Lines files (*.jsonl) or directories of them; empty: the Python standard library's sources."""
+    output: str = "data/stdlib"
+    """Dataset prefix DIR/NAME: writes NAME.bin, NAME.idx, NAME.json (+ NAME.valid.*, NAME.tokenizer.json)."""
+    tokenizer: str = "bytes"
+    """bytes (UTF-8 bytes + end-of-document) | bpe (train a byte-level BPE on the inputs) | a tokenizer.json path."""
+    vocab_size: int = 4096
+    """tokenizer=bpe: vocabulary of the trained BPE (special tokens included)."""
+    text_key: str = "text"
+    """JSON Lines: the field that holds each document's text."""
+    eod_token: str = ""
+    """End-of-document token of a given tokenizer.json; empty: <|endoftext|>, <|end_of_text|>, </s>, ... as found."""
+    valid_fraction: float = 0.01
+    """Share of documents held out for validation, chosen by a hash of each document's text (deterministic)."""
+    workers: int = 0
+    """Tokenizing worker processes; 0: one per CPU."""
+    max_bytes: int = 0
+    """Read at most this many bytes of input (whole documents); 0: everything."""
+    bpe_max_bytes: int = 50_000_000
+    """tokenizer=bpe: bytes of input the BPE trainer reads at most (from the start); 0: everything."""
+    progress: bool = True
+    """Progress bar (tokens/s, ETA) on stderr."""
 
 
 @dataclass
@@ -338,6 +483,76 @@ class RunConfig:
 
 
 @dataclass
+class ExportConfig:
+    """`meshrun action=export`: a checkpoint of run.dir as a Hugging Face model directory."""
+
+    output: str = ""
+    """Directory to write (must not exist yet): config.json, safetensors weights, tokenizer files."""
+    step: Optional[int] = None
+    """Checkpoint step to export; None: the latest complete one."""
+    dtype: ExportDtype = ExportDtype.auto
+    """auto (the dtype the run trained its weights in) | fp32 (the fp32 master copies when the run kept them) |
+    bf16 | fp16."""
+    max_shard_mb: float = 5000.0
+    """Largest safetensors file in MiB; a larger model is split into model-0000i-of-0000n.safetensors files
+    listed by model.safetensors.index.json."""
+
+
+@dataclass
+class GenerateConfig:
+    """`meshrun action=generate`: continue a prompt with a checkpoint of run.dir, on one process."""
+
+    prompt_tokens: List[int] = field(default_factory=list)
+    """The prompt as token ids."""
+    prompt: str = ""
+    """The prompt as text, encoded with the run's tokenizer (data=indexed with NAME.tokenizer.json); instead of
+    prompt_tokens."""
+    max_new_tokens: int = 32
+    """Tokens to generate (prompt plus new tokens must fit model.seq_length)."""
+    greedy: bool = True
+    """Take the most likely token each step; false samples with temperature, top_k, top_p and seed."""
+    temperature: float = 1.0
+    """Sampling: logits are divided by this (> 0)."""
+    top_k: int = 0
+    """Sampling: only the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Sampling: only the most likely tokens whose probabilities sum to p (nucleus); 1 keeps all."""
+    seed: int = 0
+    """Sampling: seed of the token draws."""
+    step: Optional[int] = None
+    """Checkpoint step; None: the latest complete one."""
+    stop_tokens: List[int] = field(default_factory=list)
+    """Stop once one of these token ids is generated (it is included in `tokens`)."""
+
+
+@dataclass
+class StatusConfig:
+    """What `meshrun action=status` prints."""
+
+    format: StatusFormat = StatusFormat.json
+    """json (one JSON object on stdout: the contract) | table (for people; a sweep as one table)."""
+
+
+@dataclass
+class LogsConfig:
+    """What `meshrun action=logs` prints."""
+
+    rank: int = 0
+    """Whose log: the global rank (Slurm: the task of that rank in every job of the run)."""
+    follow: bool = False
+    """Keep printing what is appended (and the logs of later attempts) until the run has ended."""
+
+
+@dataclass
+class CancelConfig:
+    """How `meshrun action=cancel` stops a run."""
+
+    timeout_s: float = 300.0
+    """Wait this long for the ranks to save and stop after the stop signal; then the job is killed (scancel /
+    SIGKILL: the last complete checkpoint is kept, the steps after it are lost)."""
+
+
+@dataclass
 class KeysConfig:
     """What `meshrun action=keys` prints."""
 
@@ -346,17 +561,47 @@ class KeysConfig:
 
 
 @dataclass
+class RecommendConfig:
+    """`meshrun action=recommend`: rank every valid layout of the model on the cluster by predicted step time."""
+
+    top: int = 10
+    """Layouts printed (and written to recommend.json as candidates, with the fastest that do not fit)."""
+    calibrate: bool = False
+    """Run the top candidates for a few steps here (local CPU processes, synthetic data, each in
+    run.dir/calibrate/NN) and re-rank them by measured throughput, with the Spearman rank correlation."""
+    calibrate_count: int = 4
+    """Candidates the calibration runs (at least 2 for a rank correlation)."""
+    calibrate_steps: int = 8
+    """Steps of each calibration run; the first is left out of the measurement (warm-up)."""
+    calibrate_min_gap: float = 0.1
+    """Calibrate candidates whose predicted step times differ by at least this fraction from the next faster
+    one chosen: layouts predicted within a few percent cannot be told apart by a short run on a shared machine."""
+    probe: bool = True
+    """On CPU clusters, measure this machine's layer compute rate and gloo collective latency and bandwidth in a
+    subprocess (python -m training.cost_probe) before ranking; false: the cluster config's rates only."""
+    max_micro_batch: int = 16
+    """Largest micro-batch size searched."""
+
+
+@dataclass
 class Config:
     """The whole job."""
 
     action: Action = Action.train
-    """train (validate, plan, launch) | plan (validate and plan only) | status | preflight | keys (print every key)."""
+    """train (validate, plan, launch) | plan (validate and plan only) | status | preflight | keys (print every key)
+    | prepare (tokenize text into an indexed dataset: the prepare.* keys) | export (a checkpoint as a Hugging Face
+    model directory: export.*) | generate (continue a prompt with a checkpoint: generate.*) | logs (print a rank's
+    log, every attempt: logs.*) | cancel (save, stop and never requeue the run or sweep in run.dir: cancel.*)
+    | report (PNG plots and a self-contained report.html of the run or sweep in run.dir, under run.dir/report/)
+    | recommend (rank every valid layout of the model on the cluster by predicted step time: recommend.*)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    """action=prepare: inputs, output and tokenizer of the dataset to write."""
     dry_run: bool = False
     """Slurm: print the sbatch script and srun line, submit nothing."""
     wait: bool = False
@@ -364,6 +609,18 @@ class Config:
     (the summary then shows each point's final state)."""
     keys: KeysConfig = field(default_factory=KeysConfig)
     """action=keys: which keys to print."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    """action=export: where to write the Hugging Face directory and from which checkpoint."""
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    """action=generate: prompt, length and sampling of the continuation."""
+    status: StatusConfig = field(default_factory=StatusConfig)
+    """action=status: output format."""
+    logs: LogsConfig = field(default_factory=LogsConfig)
+    """action=logs: which rank's log, and whether to follow it."""
+    cancel: CancelConfig = field(default_factory=CancelConfig)
+    """action=cancel: how long the ranks get to save before the job is killed."""
+    recommend: RecommendConfig = field(default_factory=RecommendConfig)
+    """action=recommend: how many layouts to print, and the calibration runs."""
 
     def __post_init__(self) -> None:
         # precision=auto means what the device does best; resolved here, the one place every Config passes
@@ -392,11 +649,33 @@ _DATACLASS_FIELDS = {
     (Config, "cluster"): ClusterConfig,
     (Config, "train"): TrainConfig,
     (Config, "data"): DataConfig,
+    (Config, "prepare"): PrepareConfig,
     (Config, "run"): RunConfig,
     (Config, "keys"): KeysConfig,
+    (Config, "export"): ExportConfig,
+    (Config, "generate"): GenerateConfig,
+    (Config, "status"): StatusConfig,
+    (Config, "logs"): LogsConfig,
+    (Config, "cancel"): CancelConfig,
+    (Config, "recommend"): RecommendConfig,
     (ClusterConfig, "preflight"): PreflightConfig,
     (ClusterConfig, "container"): ContainerConfig,
+    (ClusterConfig, "elastic"): ElasticConfig,
+    (ClusterConfig, "health"): HealthConfig,
 }
+
+
+def checkpoint_minutes(cfg: Config) -> float:
+    """Minutes between time-based saves: the launcher's resolution, else train.checkpoint_every_min (empty: the
+    cluster's default) as a number. An unresolved auto is an error: only the launcher knows the save time."""
+    t = cfg.train
+    if t.checkpoint_every_min_resolved is not None:
+        return float(t.checkpoint_every_min_resolved)
+    value = str(t.checkpoint_every_min).strip() or str(cfg.cluster.checkpoint_every_min).strip() or "0"
+    if value == "auto":
+        raise ValueError("train.checkpoint_every_min=auto was not resolved: launch through meshrun, which writes "
+                         "train.checkpoint_every_min_resolved into config.json (launcher/plan/cadence.py)")
+    return float(value)
 
 
 def config_from_dict(data: Dict[str, Any]) -> Config:

@@ -46,7 +46,7 @@ def append_event(run_dir: str, event: str, **fields: Any) -> Dict[str, Any]:
     record.update(fields)
     os.makedirs(run_dir, exist_ok=True)
     line = json.dumps(record, sort_keys=True, default=str) + "\n"
-    fd = os.open(os.path.join(run_dir, EVENTS_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(os.path.join(run_dir, EVENTS_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # the umask decides
     try:
         os.write(fd, line.encode())
     finally:

@@ -15,7 +15,8 @@ EXIT_INVALID = 2
 EXIT_STOPPED = 3
 """A rank stopped early on purpose after a complete checkpoint (signal, exit_interval, exit_after_min): requeue it."""
 EXIT_NODE_BAD = 4
-"""A rank's preflight found its node bad: exclude the node and resubmit."""
+"""A rank's preflight found its node bad, or the health sampler did (cluster.health.action=requeue, after a
+complete checkpoint): exclude the node and resubmit."""
 EXIT_SLURM = 5
 """`meshrun` only (never a rank): Slurm itself refused (no controller, sbatch error); nothing was submitted."""
 EXIT_INTERRUPTED = 130

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from training.checkpoint import CheckpointManager, signals
 from training.config import Config
-from training.data import BatchSampler, DataError, build_corpus, make_source, validate_data_config
+from training.data import BatchSampler, DataError, build_corpus, make_eval_source, make_source, validate_data_config
 from training.exit_codes import EXIT_OK, EXIT_STOPPED
 from training.layout_rules import layout_violations, raise_errors
 from training.optim import DistributedOptimizer, StepResult
@@ -61,6 +61,14 @@ class NoPipelineSchedule:
             self.optimizer.scale_loss(loss.float(), n).backward()
             total += loss.detach().float()
         return total / n
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Mean loss over `micro_batches` without building a graph (evaluation)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        for tokens, targets in micro_batches:
+            total += self.chunk(tokens.to(self.mesh.device), targets.to(self.mesh.device)).float()
+        return total / len(micro_batches)
 
 
 def make_schedule(cfg: Config, mesh, chunks, optimizer):
@@ -109,27 +117,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-class Progress:
-    """A tqdm-free progress line on stderr: redrawn in place on a terminal, every ~5 % otherwise."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled = total, enabled
-        self.tty = sys.stderr.isatty()
-        self.every = max(1, total // 20)
-
-    def update(self, step: int, text: str) -> None:
-        if not self.enabled:
-            return
-        width = 24
-        done = int(width * step / max(1, self.total))
-        line = f"[{'#' * done}{'.' * (width - done)}] {step}/{self.total} {text}"
-        if self.tty:
-            sys.stderr.write("\r" + line + ("\n" if step >= self.total else ""))
-        elif step % self.every == 0 or step == self.total or step == 1:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-
-
 # ---- checkpoint call sites ------------------------------------------------------------------------
 def make_checkpointer(cfg: Config, run_dir: str, mesh) -> CheckpointManager:
     """Saves, resumes, and decides (agreed over all ranks) when this attempt stops early."""
@@ -164,12 +151,23 @@ class Trainer:
             from training.model import build_gpt
 
             chunks = build_gpt(cfg, mesh, param_dtype(cfg.train.precision))
+            if cfg.train.init_from:
+                from training.hf.init_from import maybe_init_from
+
+                # Before the optimizer exists: it copies the weights into its fp32 masters.
+                maybe_init_from(cfg, run_dir, mesh, chunks)
         self.chunks = chunks
         params = [(n, p) for c in chunks for n, p in c.named_parameters()]
         self.optimizer = DistributedOptimizer(params, cfg, mesh)
         self.schedule = make_schedule(cfg, mesh, chunks, self.optimizer)
         self.sampler = BatchSampler(self._source(), cfg.parallel.global_batch, cfg.parallel.micro_batch,
                                     mesh.dp, mesh.dp_rank)
+        # Held-out data (train.eval_every): the same global batches at every evaluation, split over dp like training's.
+        self.eval_sampler = None
+        if cfg.train.eval_every > 0:
+            self.eval_sampler = BatchSampler(self._rank0_first(make_eval_source, "the held-out data"),
+                                             cfg.parallel.global_batch, cfg.parallel.micro_batch, mesh.dp, mesh.dp_rank)
+        self.eval_losses: List[Tuple[int, float]] = []
         self.state = TrainState()
         self.checkpointer = make_checkpointer(cfg, run_dir, mesh) if checkpointing else None
         self.tokens_per_step = cfg.parallel.global_batch * cfg.model.seq_length
@@ -200,7 +198,23 @@ class Trainer:
                 raise error or DataError("rank 0 could not build the text corpus; its log names the fix")
             if corpus is None:
                 corpus = build_corpus(self.cfg, self.run_dir)  # finds rank 0's file
+        if self.cfg.data.kind == "indexed":
+            return self._rank0_first(lambda cfg, may_describe: make_source(cfg, self.run_dir, None, may_describe),
+                                     "the indexed datasets")
         return make_source(self.cfg, self.run_dir, corpus)
+
+    def _rank0_first(self, make, what: str):
+        """make(cfg, may_describe) on rank 0 first (it may scan a dataset once and cache its description beside
+        it), then on the others (constant time, no writes); rank 0's DataError reaches every rank at once."""
+        source, error = None, None
+        if self.mesh.rank == 0:
+            try:
+                source = make(self.cfg, True)
+            except DataError as exc:
+                error = exc
+        if self._any_rank(error is not None):
+            raise error or DataError(f"rank 0 could not open {what}; its log names the fix")
+        return source if source is not None else make(self.cfg, False)
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any (a barrier that also carries one bit)."""
@@ -251,6 +265,12 @@ class Trainer:
             self.state = TrainState(int(step), int(consumed))
             if self.is_logger:
                 print(f"resumed at step {step} (consumed_samples {consumed})", file=sys.stderr)
+        if self.is_logger:
+            # A launch's explicit train.resume is spent: the next attempt resumes from `latest`.
+            from training.events import current_attempt, current_job_id
+            from training.resume_once import mark_consumed
+
+            mark_consumed(self.run_dir, self.state.step, current_attempt(), current_job_id())
 
     def _boundary(self) -> str:
         """After a step: save when due (or at the end, or when stopping); returns the stop reason or ""."""
@@ -266,38 +286,97 @@ class Trainer:
             ck.wait()
         return reason or ""
 
+    def _stop_for_health(self, watch, nodes: List[str]) -> int:
+        """A complete checkpoint, then the exit code that excludes the unhealthy nodes (observe/straggler.py)."""
+        if self.checkpointer is not None:
+            self.checkpointer.save(self.state.step, self.chunks, self.optimizer, self._extra_state(), reason="health")
+            self.checkpointer.wait()
+        return watch.stop_code(nodes)
+
     # -- the loop --
-    def train_step(self) -> Tuple[float, StepResult, float]:
-        """One optimizer step over the global batch; returns (global loss, step result, lr)."""
+    def train_step(self, micro: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+                   ) -> Tuple[float, StepResult, float]:
+        """One optimizer step over the global batch (`micro`: this step's micro-batches when the caller
+        assembled them ahead, as `run` does outside its step timer); returns (global loss, step result, lr)."""
         lr = lr_at(self.state.step, self.cfg.train)
-        micro = self.sampler.micro_batches(self.state.consumed_samples)
-        self.optimizer.zero_grad()
+        if micro is None:
+            micro = self.sampler.micro_batches(self.state.consumed_samples)
+        # Knowing the micro-batch count lets each dp bucket's reduction start during backward.
+        self.optimizer.zero_grad(len(micro))
         for c in self.chunks:
             c.train()
+        before = [int(getattr(c, "micro_step", 0)) for c in self.chunks]  # the NaN probe replays these masks
+        t0 = time.perf_counter()
         local = self.schedule.forward_backward(micro)
+        # This rank's own work, without the optimizer's reduction: what the straggler check compares.
+        self.compute_s = time.perf_counter() - t0
         loss = self._global_loss(local)
+        if not math.isfinite(loss) and self.cfg.train.nan_probe:
+            from training.observe.nan_probe import probe_nonfinite
+
+            probe_nonfinite(self, micro, before, loss)  # every rank: the loss is global
         result = self.optimizer.step(lr, loss_finite=math.isfinite(loss))
         # The data position advances even on a skipped step (the batch was consumed), like Megatron.
         self.state.step += 1
         self.state.consumed_samples += self.cfg.parallel.global_batch
         return loss, result, lr
 
+    def evaluate(self) -> float:
+        """Mean loss over train.eval_iters global batches of held-out data (no grads, dropout off); every rank
+        takes part and gets the value. Touches no state of the run, so resume stays exact."""
+        m = self.cfg.train.eval_iters
+        for c in self.chunks:
+            c.eval()
+        total = 0.0
+        try:
+            for k in range(m):
+                micro = self.eval_sampler.micro_batches(k * self.cfg.parallel.global_batch)
+                total += self._global_loss(self.schedule.forward_only(micro))
+        finally:
+            for c in self.chunks:
+                c.train()
+        return total / m
+
+    def _maybe_evaluate(self) -> Optional[float]:
+        """The held-out loss when train.eval_every says so (every N steps, and after the last step)."""
+        every = self.cfg.train.eval_every
+        step = self.state.step
+        if self.eval_sampler is None or not (step % every == 0 or step == self.cfg.train.steps):
+            return None
+        value = self.evaluate()
+        self.eval_losses.append((step, value))
+        return value
+
     def run(self) -> int:
         cfg = self.cfg
         self._resume()
-        progress = Progress(cfg.train.steps, self.is_logger and cfg.train.progress)
-        metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        from training.observe.metrics import MetricsLog, rank_figures
+        from training.observe.progress import Progress
+
+        progress = Progress(cfg.train.steps, self.is_logger and cfg.train.progress, cfg.train.progress_every_s,
+                            start_step=self.state.step)
+        # After the resume: rows and TensorBoard steps after the resumed checkpoint are purged (observe/metrics.py).
+        metrics = MetricsLog(cfg, self.run_dir, self.state.step, self.is_logger)
+        from training.observe.profile import StepProfiler
+        from training.observe.straggler import IntervalWatch
+
+        # Stragglers and node health (one gather per log interval), traces and memory snapshots (observe/).
+        watch, profiler = IntervalWatch(cfg, self.run_dir, self.mesh), StepProfiler(cfg, self.run_dir, self.mesh)
         rates, mfus, skipped = [], [], 0
         exit_code = EXIT_OK
         losses: List[float] = []
         while self.state.step < cfg.train.steps:
+            # Batch assembly is the data loader's work, ahead of the step (outside the step timer).
+            micro = self.sampler.micro_batches(self.state.consumed_samples)
             if self.mesh.device.type == "cuda":
                 torch.cuda.synchronize()
+            profiler.before(self.state.step + 1)
             t0 = time.perf_counter()
-            loss, res, lr = self.train_step()
+            loss, res, lr = self.train_step(micro)
             if self.mesh.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
+            profiler.after(self.state.step)
             tok_s = self.tokens_per_step / dt
             mfu = self.flops_per_step / dt / self.peak_flops if self.peak_flops > 0 else None
             if self.state.step > 1 or cfg.train.steps == 1:
@@ -306,8 +385,13 @@ class Trainer:
                     mfus.append(mfu)
             skipped += int(res.skipped)
             losses.append(loss)
+            eval_loss = self._maybe_evaluate()
+            logged = self.state.step % max(1, cfg.train.log_every) == 0 or res.skipped or eval_loss is not None
+            # A collective (every rank, the same steps: `logged` depends only on agreed values).
+            spread = rank_figures(dt, self.mesh.device) if logged else {}
+            spread.update(watch.step(self.state.step, self.compute_s, logged))  # also a collective when logged
             if self.is_logger:
-                if self.state.step % max(1, cfg.train.log_every) == 0 or res.skipped:
+                if logged:
                     rec: Dict[str, Any] = {
                         "step": self.state.step, "loss": loss, "grad_norm": res.grad_norm, "lr": lr,
                         "step_time_s": dt, "tokens_per_s": tok_s, "consumed_samples": self.state.consumed_samples,
@@ -320,17 +404,27 @@ class Trainer:
                     rec.update(getattr(self.schedule, "metrics", dict)())
                     if res.skipped:
                         rec["skipped"] = res.reason
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(rec) + "\n")
+                    if eval_loss is not None:
+                        rec["eval_loss"] = eval_loss
+                    rec.update(spread)
+                    metrics.write(rec)
                 if res.skipped:
                     print(f"\nstep {self.state.step}: {res.reason} (loss {loss}, grad norm {res.grad_norm}); "
                           f"update skipped" + (f", loss scale -> {res.loss_scale:g}" if res.loss_scale else ""),
                           file=sys.stderr)
-                progress.update(self.state.step, f"loss {loss:.4f} lr {lr:.2e} {tok_s:,.0f} tok/s")
+                shown_eval = f" eval {self.eval_losses[-1][1]:.4f}" if self.eval_losses else ""
+                progress.update(self.state.step, f"loss {loss:.4f}{shown_eval} lr {lr:.2e} {tok_s:,.0f} tok/s")
+            unhealthy = watch.requeue_nodes if self.state.step < cfg.train.steps else []
+            if unhealthy:  # cluster.health.action=requeue: checkpoint, then leave so the node is excluded
+                exit_code = self._stop_for_health(watch, unhealthy)
+                break
             if self._boundary():
                 exit_code = EXIT_STOPPED  # a complete checkpoint was written: the launcher may requeue
                 break
         signals.ignore()  # the final checkpoint is complete: a late Slurm signal must not kill this rank
+        metrics.close()  # TensorBoard's last events reach the file
+        watch.close()
+        profiler.close()
         self.losses = losses
         self.summary = self._summarise(rates, mfus, skipped, exit_code)
         return exit_code

@@ -38,6 +38,35 @@ def _single_process_env() -> None:
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
 
 
+def _claim_run_dir(run_dir: str) -> str:
+    """"" when run_dir belongs to this rank's job (training/run_lock.py), else why not."""
+    from training.run_lock import check_rank
+    from training.slurm_env import slurm_job_id
+
+    return check_rank(run_dir, slurm_job_id()) or ""
+
+
+def _is_save_failure(exc: BaseException) -> bool:
+    """A checkpoint that could not be written (disk full, I/O error), as opposed to one that cannot be read."""
+    return bool(getattr(exc, "during_save", False)) or str(exc).startswith("saving checkpoint")
+
+
+def _record_cause(cause: str, message: str) -> None:
+    """How this rank failed, in full, for the Slurm epilogue (launcher/slurm/rank_task.py sets the path):
+    the log's last line is cut and cannot tell a failed save from a bug."""
+    path = os.environ.get("MESHRUN_CAUSE_FILE")
+    if not path:
+        return
+    import json
+
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump({"cause": cause, "error": message}, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -53,6 +82,7 @@ def main(argv=None) -> int:
     from training.checkpoint.storage import CheckpointError
     from training.data import DataError
     from training.layout_rules import LayoutError
+    from training.hf.hf_config import HFError
 
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
@@ -64,6 +94,16 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return EXIT_INVALID
     cfg.run.dir = run_dir
+    problem = _claim_run_dir(run_dir)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        _record_cause("invalid", problem)
+        return EXIT_INVALID
+    from training.resume_once import effective_resume
+
+    # Read before the process group exists (its rendezvous waits for every rank), so that rank 0 marks the
+    # request consumed only after every rank has read it (training/resume_once.py).
+    cfg.train.resume = effective_resume(run_dir, cfg.train.resume)
 
     from training.loop import Trainer
     from training.mesh import ProcessMesh
@@ -83,11 +123,22 @@ def main(argv=None) -> int:
         before_training(cfg, run_dir)  # cluster.preflight.mode gate: a bad node exits 4 before training
         trainer = Trainer(cfg, run_dir, mesh)
         code = trainer.run()
-    except (DataError, CheckpointError, LayoutError) as exc:  # the user's to fix: retrying cannot help
+    except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if _is_save_failure(exc):
+            # Storage, not the user's input: the previous checkpoint is intact, so the job may requeue from it.
+            _record_cause("save_failed", str(exc))
+            return EXIT_FAILED
+        _record_cause("invalid", str(exc))
         return EXIT_INVALID
-    except Exception:
+    except (DataError, LayoutError, HFError) as exc:  # the user's to fix: retrying cannot help
+        print(f"error: {exc}", file=sys.stderr)
+        _record_cause("invalid", str(exc))
+        return EXIT_INVALID
+    except Exception as exc:
         traceback.print_exc()
+        # A Python exception is the program's or its input's, not evidence against the node it ran on.
+        _record_cause("exception", f"{type(exc).__name__}: {exc}")
         return EXIT_FAILED
     if mesh is not None:
         try:

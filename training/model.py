@@ -80,9 +80,9 @@ def keyed_dropout(x: torch.Tensor, p: float, key: int, shard: int = 0, num_shard
 class Norm(nn.Module):
     """LayerNorm or RMSNorm over the last dim; params replicated over tp (on sequence shards under SP)."""
 
-    def __init__(self, h: int, kind: str, bias: bool, sequence_parallel: bool, dtype, device):
+    def __init__(self, h: int, kind: str, bias: bool, sequence_parallel: bool, dtype, device, eps: float = 1e-5):
         super().__init__()
-        self.kind = kind
+        self.kind, self.eps = kind, eps
         self.weight = set_tp_meta(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None, (h,),
                                   sequence_parallel)
         self.bias = None
@@ -92,12 +92,17 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "rmsnorm":
-            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=1e-5)
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, eps=1e-5)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, eps=self.eps)
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (rotate-half form); cos/sin tables are buffers, not parameters."""
+    """Rotary position embedding; cos/sin tables are buffers, not parameters.
+
+    Rotate-half pairing: dimension i of a head rotates with dimension i + d/2 (not with its neighbour i + 1
+    as in the original Meta checkpoints), which is the convention of Hugging Face's Llama, so its q/k
+    weights map onto meshrun's without a permutation (training/hf/convert.py).
+    """
 
     def __init__(self, head_dim: int, seq_length: int, device, base: float = 10000.0):
         super().__init__()
@@ -107,13 +112,15 @@ class Rotary(nn.Module):
         self.register_buffer("cos", ang.cos(), persistent=False)
         self.register_buffer("sin", ang.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [b, heads, s, d] (full sequence)."""
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """x: [b, heads, s, d], positions offset .. offset + s - 1 (0: the full sequence; a KV-cached
+        decoding step passes the position of its first token)."""
         s = x.shape[-2]
         xf = x.float()
         x1, x2 = xf.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)
-        return (xf * self.cos[:s] + rotated * self.sin[:s]).to(x.dtype)
+        cos, sin = self.cos[offset:offset + s], self.sin[offset:offset + s]
+        return (xf * cos + rotated * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -132,14 +139,14 @@ class Attention(nn.Module):
         self.tp_rank = group_rank(group)
         self.qkv = ColumnParallelLinear(h, (a + 2 * g) * self.d, mc.bias, group, sp, dtype, device)
         self.proj = RowParallelLinear(a * self.d, h, mc.bias, group, sp, dtype, device)
-        self.rotary = Rotary(self.d, mc.seq_length, device) if mc.position == "rope" else None
+        self.rotary = Rotary(self.d, mc.seq_length, device, mc.rope_base) if mc.position == "rope" else None
         self.recompute_core = False
 
     def core(self, q, k, v, key: int) -> torch.Tensor:
         """softmax(q k^T / sqrt(d), causal) v with dropout on the probabilities; [b, heads, s, d]."""
         p = self.dropout if self.training else 0.0
-        # Differs per tp rank: each rank holds other heads.
-        key = stable_seed(key, "attn_probs", self.tp_rank)
+        if p > 0.0:  # differs per tp rank: each rank holds other heads
+            key = stable_seed(key, "attn_probs", self.tp_rank)
         if self.flash:
             kw = {}
             if self.q_per_group > 1:
@@ -166,13 +173,22 @@ class Attention(nn.Module):
         probs = keyed_dropout(probs, p, key)
         return torch.matmul(probs, v)
 
+    def split_qkv(self, qkv: torch.Tensor):
+        """[s, b, local_groups * (q_per_group + 2) * d] -> q [b, local_heads, s, d], k and v [b, local_groups, s, d]."""
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.local_groups, self.q_per_group + 2, self.d)
+        # One split, not three slices: the backward of a split is one concatenation, where each slice's
+        # backward would build a zero-filled grad of the whole qkv output and add the three.
+        q, k, v = torch.split(qkv, [self.q_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.local_heads, self.d).permute(1, 2, 0, 3)
+        k = k.squeeze(3).permute(1, 2, 0, 3)
+        v = v.squeeze(3).permute(1, 2, 0, 3)
+        return q, k, v
+
     def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:
         qkv = self.qkv(x)  # [s, b, local_groups * (q_per_group + 2) * d]; under SP s is the full sequence
         s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.local_groups, self.q_per_group + 2, self.d)
-        q = qkv[:, :, :, : self.q_per_group].reshape(s, b, self.local_heads, self.d).permute(1, 2, 0, 3)
-        k = qkv[:, :, :, self.q_per_group].permute(1, 2, 0, 3)
-        v = qkv[:, :, :, self.q_per_group + 1].permute(1, 2, 0, 3)
+        q, k, v = self.split_qkv(qkv)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         if self.recompute_core:
@@ -189,6 +205,7 @@ class MLP(nn.Module):
     def __init__(self, mc: ModelConfig, group, sp: bool, dtype, device):
         super().__init__()
         self.swiglu = mc.activation == "swiglu"
+        self.gelu_approximate = "tanh" if mc.gelu_tanh else "none"
         f, h = mc.ffn, mc.hidden_size
         self.fc1 = ColumnParallelLinear(h, 2 * f if self.swiglu else f, mc.bias, group, sp, dtype, device)
         self.fc2 = RowParallelLinear(f, h, mc.bias, group, sp, dtype, device)
@@ -196,10 +213,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)
         if self.swiglu:
-            y = y.view(*y.shape[:-1], -1, 2)  # interleaved gate / up rows
-            y = F.silu(y[..., 0]) * y[..., 1]
+            gate, up = y.view(*y.shape[:-1], -1, 2).unbind(-1)  # interleaved gate / up rows; one-op backward
+            y = F.silu(gate) * up
         else:
-            y = F.gelu(y)
+            y = F.gelu(y, approximate=self.gelu_approximate)
         return self.fc2(y)
 
 
@@ -212,9 +229,9 @@ class TransformerLayer(nn.Module):
         self.dropout = mc.dropout
         self.tp, self.tp_rank = mesh.tp, mesh.tp_rank
         self.sp = sp
-        self.attn_norm = Norm(mc.hidden_size, mc.norm, mc.bias, sp, dtype, device)
+        self.attn_norm = Norm(mc.hidden_size, mc.norm, mc.bias, sp, dtype, device, mc.norm_eps)
         self.attn = Attention(mc, mesh.tp_group, sp, dtype, device)
-        self.mlp_norm = Norm(mc.hidden_size, mc.norm, mc.bias, sp, dtype, device)
+        self.mlp_norm = Norm(mc.hidden_size, mc.norm, mc.bias, sp, dtype, device, mc.norm_eps)
         self.mlp = MLP(mc, mesh.tp_group, sp, dtype, device)
 
     def _drop(self, x: torch.Tensor, key: int, site: str) -> torch.Tensor:
@@ -226,7 +243,9 @@ class TransformerLayer(nn.Module):
         return keyed_dropout(x, self.dropout, k)
 
     def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.attn_norm(x), stable_seed(key, self.layer_id)), key, "attn_out")
+        # The attention's own key only matters with dropout (hashing it costs a little every layer).
+        attn_key = stable_seed(key, self.layer_id) if self.dropout > 0.0 and self.training else 0
+        x = x + self._drop(self.attn(self.attn_norm(x), attn_key), key, "attn_out")
         return x + self._drop(self.mlp(self.mlp_norm(x)), key, "mlp_out")
 
 
@@ -253,7 +272,8 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         b, s = ids.shape
-        partial = self.word(ids, reduce=False).transpose(0, 1).contiguous()  # [s, b, h], partial over tp
+        # Looked up in [s, b] order: the rows come out sequence-first and contiguous, with no transposing copy.
+        partial = self.word(ids.t(), reduce=False)  # [s, b, h], partial over tp
         if self.sp:
             x = reduce_scatter_to_sp(partial, self.group)
             rows = slice(self.tp_rank * x.shape[0], (self.tp_rank + 1) * x.shape[0])
@@ -300,7 +320,8 @@ class GPTChunk(nn.Module):
             {str(i): TransformerLayer(mc, mesh, self.sp, i, dtype, dev) for i in self.layer_ids})
         for layer in self.layers.values():
             layer.attn.recompute_core = self.recompute == "selective"
-        self.final_norm = Norm(mc.hidden_size, mc.norm, mc.bias, self.sp, dtype, dev) if has_head else None
+        self.final_norm = (Norm(mc.hidden_size, mc.norm, mc.bias, self.sp, dtype, dev, mc.norm_eps)
+                           if has_head else None)
         self.output = None
         if has_head and not mc.tie_embeddings:
             self.output = ColumnParallelLinear(mc.hidden_size, self.padded_vocab, False, mesh.tp_group,
@@ -308,7 +329,8 @@ class GPTChunk(nn.Module):
         init_parameters(self, seed, mc.init_std, mc.num_layers, mc.vocab_size, mesh.tp, mesh.tp_rank)
 
     def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        key = stable_seed(self.seed, "dropout", self.mesh.dp_rank, self.mesh.cp_rank, self.micro_step)
+        key = (stable_seed(self.seed, "dropout", self.mesh.dp_rank, self.mesh.cp_rank, self.micro_step)
+               if self.mc.dropout > 0.0 else 0)
         if self.training:
             self.micro_step += 1
         if self.has_embedding:

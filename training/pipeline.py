@@ -24,6 +24,13 @@ send_backward_recv_forward, ... of p2p_communication.py). Every op has tag 0. Wh
   * batch_isend_irecv issues a unit's sends and receives together, so neither blocks the other.
 A NCCL communicator's first batch_isend_irecv must involve all its ranks: the first step starts with
 an all_reduce over the pipeline group, which creates it.
+Overlap (parallel.overlap_p2p, `PipelineSchedule(overlap_p2p=True)`): an exchange waits only for its
+receives; its sends complete in the background while the rank computes, and are waited for at the end of
+the step (their tensors are kept alive until then). On backends other than NCCL it also posts the next
+exchange's receives right after this one's, so their data arrives while the next unit computes; each
+direction's sends and receives keep their issue order, so tag-0 matching is unchanged. NCCL keeps the
+plan's exchanges exactly (an early receive would enter NCCL's per-pair stream ahead of exchanges the
+simulation above orders before it), only without waiting for its sends.
 Verified here on gloo (tag-0 issue-order matching, equivalence) and, for NCCL's stream/rendezvous
 rules, by that pure simulation; the test suite has no NCCL run (that needs two GPUs). pp=1 never reaches this
 class (training.loop uses its NoPipelineSchedule), so a rank never sends to itself.
@@ -138,8 +145,23 @@ def _produces(action: Action, p: int, rank: int, v: int) -> Optional[P2P]:
 def build_comm_plan(kind: str, p: int, rank: int, m: int, v: int = 1) -> List[Union[Action, Exchange]]:
     """Rank `rank`'s step: its actions with an exchange (a tuple of P2P ops, never empty) between two
     units, before the first and after the last; see the module docstring for why this order."""
+    return _with_exchanges(build_units(kind, p, rank, m, v), p, rank, v)
+
+
+def build_forward_plan(p: int, rank: int, m: int, v: int = 1) -> List[Union[Action, Exchange]]:
+    """Evaluation's forward-only step of rank `rank`: every forward in the training order's sequence (micro-batch
+    order; interleaved's chunk groups when v > 1), one per unit, with the same exchanges between units. Only
+    activations travel and each rank's forwards come in order, so the exchanges form a chain (no cycle)."""
+    if v == 1:
+        forwards = [("F", 0, i) for i in range(m)]
+    else:
+        forwards = [("F",) + _interleaved_chunk(k, p, v, True) for k in range(m * v)]
+    return _with_exchanges([[a] for a in forwards], p, rank, v)
+
+
+def _with_exchanges(units: List[List[Action]], p: int, rank: int, v: int) -> List[Union[Action, Exchange]]:
+    """The units' actions with one exchange (sends of the previous unit, receives of the next) between them."""
     out: List[Union[Action, Exchange]] = []
-    units = build_units(kind, p, rank, m, v)
     prev: List[Action] = []
     for unit in units + [[]]:
         sends = [s for s in (_produces(a, p, rank, v) for a in prev) if s is not None]
@@ -209,9 +231,13 @@ class PipelineSchedule:
 
     def __init__(self, chunks: List[torch.nn.Module], kind: str, pp: int, pp_rank: int, pp_ranks: List[int],
                  pp_group, p2p_shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 scale_loss: Callable[[torch.Tensor, int], torch.Tensor], measure_memory: bool = True):
+                 scale_loss: Callable[[torch.Tensor, int], torch.Tensor], measure_memory: bool = True,
+                 overlap_p2p: bool = False):
         """pp_ranks: global rank of each pipeline rank of this pipeline; scale_loss(loss, m) -> the
-        tensor to backpropagate on the last stage (the optimizer's mean and loss scale)."""
+        tensor to backpropagate on the last stage (the optimizer's mean and loss scale); overlap_p2p:
+        sends in the background and (not on NCCL) receives posted one exchange early (module docstring)."""
+        self.overlap_p2p = overlap_p2p
+        self.early_recv = overlap_p2p and dist.is_initialized() and dist.get_backend(pp_group) != "nccl"
         self.chunks, self.kind, self.p, self.rank = chunks, kind, pp, pp_rank
         self.v = len(chunks)
         self.pp_ranks, self.group = list(pp_ranks), pp_group
@@ -251,9 +277,10 @@ class PipelineSchedule:
             self._group_ready = True
         self._sync()
         t_start = time.perf_counter()
+        comm = _Exchanger(self, plan)
         for step in plan:
             if isinstance(step[0], tuple):
-                self._exchange(step, outbox, inbox)
+                comm.exchange(outbox, inbox)
                 continue
             kind, c, mb = step
             vs = self._vstage(c)
@@ -296,6 +323,7 @@ class PipelineSchedule:
                 if vs > 0:
                     outbox[("grad", vs - 1, mb)] = inp.grad.contiguous()
                 del inp, out, grad_out
+        comm.finish()
         assert not outbox and not inbox, "every message of the plan is sent and consumed"
         st.wall_s = time.perf_counter() - t_start
         st.idle_share = max(0.0, 1.0 - st.busy_s / st.wall_s) if st.wall_s > 0 else 0.0
@@ -311,19 +339,36 @@ class PipelineSchedule:
         self.last_m = m
         return total / m
 
-    def _exchange(self, ops: Exchange, outbox: Dict, inbox: Dict) -> None:
-        """One batch_isend_irecv of the plan's ops in the plan's order (tag 0: matching is by issue
-        order, as on NCCL), waited for before the next unit runs."""
-        batch = []
-        for direction, msg, peer in ops:
-            if direction == "send":
-                batch.append(dist.P2POp(dist.isend, outbox.pop(msg), self.pp_ranks[peer], self.group))
+    @torch.no_grad()
+    def forward_only(self, micro_batches: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Evaluation: forwards of every micro-batch through the pipeline, no graph, no backward; returns the
+        mean micro-batch loss on the last stage (detached fp32; zero elsewhere)."""
+        m = len(micro_batches)
+        last_v = self.num_virtual - 1
+        outbox: Dict[Message, torch.Tensor] = {}
+        inbox: Dict[Message, torch.Tensor] = {}
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.p > 1 and not self._group_ready:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)  # see forward_backward
+            self._group_ready = True
+        plan = build_forward_plan(self.p, self.rank, m, self.v)
+        comm = _Exchanger(self, plan)
+        for step in plan:
+            if isinstance(step[0], tuple):
+                comm.exchange(outbox, inbox)
+                continue
+            _, c, mb = step
+            vs = self._vstage(c)
+            tokens, targets = micro_batches[mb]
+            x = tokens.to(self.device) if vs == 0 else inbox.pop(("act", vs, mb))
+            out = self._forward(c, x, targets if vs == last_v else None)
+            if vs == last_v:
+                total += out.float()
             else:
-                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                inbox[msg] = buf
-                batch.append(dist.P2POp(dist.irecv, buf, self.pp_ranks[peer], self.group))
-        for work in dist.batch_isend_irecv(batch):
-            work.wait()
+                outbox[("act", vs + 1, mb)] = out.contiguous()
+        comm.finish()
+        assert not outbox and not inbox, "every message of the plan is sent and consumed"
+        return total / m
 
     def _forward(self, c: int, x: torch.Tensor, targets: Optional[torch.Tensor]) -> torch.Tensor:
         if targets is not None:
@@ -334,6 +379,70 @@ class PipelineSchedule:
         """Fields for the metrics line: measured idle share (mean over stages) next to the plan's."""
         return {"bubble_measured": round(self.stats.idle_share_mean, 4),
                 "bubble_planned": round(planned_idle_share(self.p, getattr(self, "last_m", 1), self.v), 4)}
+
+
+class _Exchanger:
+    """Runs one step's exchanges in plan order: each is one batch_isend_irecv (tag 0: matching is by issue
+    order, as on NCCL). Without overlap every op is waited for before the next unit runs; with it only the
+    receives are, and (early_recv) the next exchange's receives are posted together with this one's ops."""
+
+    def __init__(self, sched: "PipelineSchedule", plan: List[Union[Action, Exchange]]):
+        self.s = sched
+        self.exchanges: List[Exchange] = [step for step in plan if isinstance(step[0], tuple)]
+        self.k = 0  # index of the next exchange
+        self.posted: Dict[Message, object] = {}  # receives posted early: message -> work
+        self.sends: List[Tuple[object, torch.Tensor]] = []  # (work, tensor) not yet waited for
+
+    def _recv_op(self, msg: Message, peer: int, inbox: Dict) -> "dist.P2POp":
+        s = self.s
+        buf = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+        inbox[msg] = buf
+        return dist.P2POp(dist.irecv, buf, s.pp_ranks[peer], s.group)
+
+    def exchange(self, outbox: Dict, inbox: Dict) -> None:
+        s, ops = self.s, self.exchanges[self.k]
+        self.k += 1
+        batch, kinds = [], []  # kinds: ("send", tensor) | ("recv", msg) | ("early", msg) per op
+        for direction, msg, peer in ops:
+            if direction == "send":
+                t = outbox.pop(msg)
+                batch.append(dist.P2POp(dist.isend, t, s.pp_ranks[peer], s.group))
+                kinds.append(("send", t))
+            elif msg not in self.posted:
+                batch.append(self._recv_op(msg, peer, inbox))
+                kinds.append(("recv", msg))
+        if s.early_recv and self.k < len(self.exchanges):
+            for direction, msg, peer in self.exchanges[self.k]:
+                if direction == "recv":
+                    batch.append(self._recv_op(msg, peer, inbox))
+                    kinds.append(("early", msg))
+        works = dist.batch_isend_irecv(batch) if batch else []
+        if not s.overlap_p2p or len(works) != len(batch):
+            for work in works:  # the plain path (or a backend that returns one work for the batch)
+                work.wait()
+            for (kind, msg), work in zip(kinds, works):
+                if kind == "early":
+                    self.posted[msg] = None  # already complete
+            return
+        for (kind, what), work in zip(kinds, works):
+            if kind == "send":
+                self.sends.append((work, what))
+            elif kind == "recv":
+                work.wait()
+            else:
+                self.posted[what] = work
+        for direction, msg, _ in ops:  # this exchange's receives posted one exchange ago
+            if direction == "recv" and msg in self.posted:
+                work = self.posted.pop(msg)
+                if work is not None:
+                    work.wait()
+
+    def finish(self) -> None:
+        """Wait for the sends still in flight (their tensors live until then)."""
+        for work, _ in self.sends:
+            work.wait()
+        self.sends.clear()
+        assert not self.posted, "every early receive belongs to a later exchange of the step"
 
 
 def p2p_shape(cfg) -> Tuple[int, int, int]:
@@ -355,4 +464,5 @@ def make_pipeline_schedule(cfg, mesh, chunks, optimizer) -> PipelineSchedule:
     check_schedule(kind, mesh.pp, len(chunks), m)  # len(chunks): the vpp this rank really built
     ranks = mesh.group_ranks.get("pp") or list(range(mesh.pp))
     return PipelineSchedule(chunks, kind, mesh.pp, mesh.pp_rank, ranks, mesh.pp_group, p2p_shape(cfg),
-                            param_dtype(cfg.train.precision), mesh.device, optimizer.scale_loss)
+                            param_dtype(cfg.train.precision), mesh.device, optimizer.scale_loss,
+                            overlap_p2p=getattr(pc, "overlap_p2p", True))

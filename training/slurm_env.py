@@ -46,23 +46,62 @@ def dist_env(rank: int, world: int, local_rank: int, local_world: int, master_ad
             "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
 
 
-def expand_hostlist(hostlist: str) -> List[str]:
-    """Expand a Slurm hostlist ("n[1-3,7],gpu01") in Python; `scontrol show hostnames` is the fallback."""
-    hosts: List[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", hostlist):
-        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
-        if not m:
-            hosts.append(part)
+def _split_top_level(hostlist: str) -> List[str]:
+    """Split at the commas outside brackets ("a[1,2],b" -> ["a[1,2]", "b"])."""
+    parts, depth, cur = [], 0, ""
+    for ch in hostlist:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in hostlist {hostlist!r}")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth:
+        raise ValueError(f"unbalanced '[' in hostlist {hostlist!r}")
+    return [p.strip() for p in parts + [cur] if p.strip()]
+
+
+def _expand_ranges(body: str) -> List[str]:
+    """"01-02,05" -> ["01", "02", "05"]: a range keeps the width of its lower bound (Slurm: n[9-11] ->
+    n9 n10 n11, n[001-2] -> n001 n002)."""
+    out: List[str] = []
+    for r in body.split(","):
+        lo, dash, hi = r.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"bad range {r!r} in a hostlist")
+        if not dash:
+            out.append(lo)
             continue
-        prefix, ranges, suffix = m.groups()
-        for r in ranges.split(","):
-            lo, _, hi = r.partition("-")
-            if not hi:
-                hosts.append(f"{prefix}{lo}{suffix}")
-                continue
-            width = len(lo) if lo.startswith("0") else 0
-            for i in range(int(lo), int(hi) + 1):
-                hosts.append(f"{prefix}{i:0{width}d}{suffix}")
+        if int(hi) < int(lo):
+            raise ValueError(f"descending range {r!r} in a hostlist")
+        out += [f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1)]
+    return out
+
+
+def expand_hostlist(hostlist: str) -> List[str]:
+    """Expand a Slurm hostlist exactly as `scontrol show hostnames` does (tests/test_fault_matrix_slurm.py
+    compares them on the dev cluster): every bracket of a name multiplies, the leftmost varying slowest
+    ("rack[1-2]-node[01-02]" -> rack1-node01, rack1-node02, rack2-node01, rack2-node02); ValueError for a
+    list Slurm also refuses (text after the last bracket, a descending range)."""
+    hosts: List[str] = []
+    for part in _split_top_level(hostlist):
+        pieces = re.split(r"(\[[^\]]*\])", part)
+        if len(pieces) > 1 and pieces[-1]:
+            raise ValueError(f"hostlist {hostlist!r}: text after the last bracket of {part!r}")
+        names = [""]
+        for piece in pieces:
+            if piece.startswith("["):
+                names = [n + v for n in names for v in _expand_ranges(piece[1:-1])]
+            elif piece:
+                if "[" in piece or "]" in piece:
+                    raise ValueError(f"unbalanced brackets in hostlist {hostlist!r}")
+                names = [n + piece for n in names]
+        hosts += names
     return hosts
 
 

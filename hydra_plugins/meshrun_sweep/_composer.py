@@ -5,13 +5,20 @@ point). A point's config is the composition of its group choices (model=..., par
 plain value overrides (parallel.tp=4) applied on top, in struct mode: exactly the order Hydra itself
 uses (config_loader_impl: defaults list first, then config overrides). So the group composition is
 cached and each point costs a copy plus OmegaConf updates; typos and wrong types still fail.
+
+The copy is a pickle round trip of the cached composition (bytes kept once per group set): OmegaConf
+containers pickle with their flags, types and parents (submitit and joblib launchers ship configs that
+way), and unpickling costs ~2 ms where copy.deepcopy of the same config costs ~9 ms. Parsed overrides
+are kept per override string: a sweep's points share most of their overrides, and the grammar's parse
+is ~1 ms each.
 """
 
 from __future__ import annotations
 
 import copy
+import pickle
 import sys
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
 from hydra.core.config_loader import ConfigLoader
@@ -30,7 +37,8 @@ class CachedComposer:
         self.master = master_config
         self.parser = OverridesParser.create(config_loader=config_loader)
         # Group-choice overrides (as typed) -> the composed config without the point's value overrides.
-        self._bases: Dict[Tuple[str, ...], DictConfig] = {}
+        self._bases: Dict[Tuple[str, ...], Tuple[Union[bytes, DictConfig], Union[bytes, DictConfig]]] = {}
+        self._parsed: Dict[str, Override] = {}
         # Points built ahead by the sweeper's validation, handed to the launcher once.
         self._ready: Dict[Tuple[str, ...], DictConfig] = {}
         self.compositions = 0
@@ -52,19 +60,10 @@ class CachedComposer:
         if not self.enabled:
             self.compositions += 1
             return self.loader.load_sweep_config(self.master, list(overrides))
-        parsed = self.parser.parse_overrides(list(overrides))
+        parsed = self._parse(overrides)
         groups = tuple(o.input_line for o in parsed if not self._is_value_override(o))
         values = [o for o in parsed if self._is_value_override(o)]
-        base = self._bases.get(groups)
-        if base is None:
-            base = self.loader.load_sweep_config(self.master, list(groups))
-            self._bases[groups] = base
-            self.compositions += 1
-        cfg = copy.deepcopy(base)
-        try:
-            ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
-        except OmegaConfBaseException as e:  # load_configuration wraps these the same way
-            raise ConfigCompositionException().with_traceback(sys.exc_info()[2]) from e
+        cfg = self._with_values(self._base(groups)[0], values)
         # The bookkeeping compose does for every override, not just the group ones.
         app = [o for o in parsed if not o.is_hydra_override()]
         dirname = cfg.hydra.job.config.override_dirname
@@ -74,6 +73,48 @@ class CachedComposer:
                 overrides=app, kv_sep=dirname.kv_sep, item_sep=dirname.item_sep, exclude_keys=dirname.exclude_keys)
         OmegaConf.copy_cache(from_config=self.master, to_config=cfg)
         return cfg
+
+    def _base(self, groups: Tuple[str, ...]) -> Tuple[Union[bytes, DictConfig], Union[bytes, DictConfig]]:
+        """The group set's composition, and the same without its hydra node (what the task gets)."""
+        bases = self._bases.get(groups)
+        if bases is None:
+            full = self.loader.load_sweep_config(self.master, list(groups))
+            task = copy.deepcopy(full)
+            with read_write(task), open_dict(task):
+                del task["hydra"]
+            bases = self._bases[groups] = (_dumps(full), _dumps(task))
+            self.compositions += 1
+        return bases
+
+    @staticmethod
+    def _with_values(base: Union[bytes, DictConfig], values: List[Override]) -> DictConfig:
+        cfg = _copy(base)
+        try:
+            ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+        except OmegaConfBaseException as e:  # load_configuration wraps these the same way
+            raise ConfigCompositionException().with_traceback(sys.exc_info()[2]) from e
+        return cfg
+
+    def task_config(self, overrides: Sequence[str]) -> Optional[DictConfig]:
+        """What run_job hands the task: the point's config without its hydra node (None: not cached here).
+
+        The group set's composition without hydra, with the point's value overrides applied: value
+        overrides never touch hydra (hydra.* overrides are part of the group set), so this equals
+        run_job's deepcopy of the full config with hydra deleted, at half the copying."""
+        if not self.enabled:
+            return None
+        parsed = self._parse(overrides)
+        groups = tuple(o.input_line for o in parsed if not self._is_value_override(o))
+        cfg = self._with_values(self._base(groups)[1], [o for o in parsed if self._is_value_override(o)])
+        OmegaConf.copy_cache(from_config=self.master, to_config=cfg)
+        return cfg
+
+    def _parse(self, overrides: Sequence[str]) -> List[Override]:
+        """The parsed overrides, each parsed once per sweep (Override objects are not modified by their users)."""
+        todo = [line for line in overrides if line not in self._parsed]
+        if todo:
+            self._parsed.update(zip(todo, self.parser.parse_overrides(todo)))
+        return [self._parsed[line] for line in overrides]
 
     def prepare(self, overrides: Sequence[str], keep: bool) -> None:
         """Build (so composition errors surface before any job runs); keep it for take() if asked."""
@@ -85,3 +126,16 @@ class CachedComposer:
         """The prepared config of this point, or a freshly built one."""
         cfg: Optional[DictConfig] = self._ready.pop(tuple(overrides), None)
         return cfg if cfg is not None else self.build(overrides)
+
+
+def _dumps(cfg: DictConfig) -> Union[bytes, DictConfig]:
+    """The composition as bytes to copy from; a value that cannot be pickled (none comes from YAML or the
+    dataclass schema, but a plugin's resolver could add one) keeps the config itself, copied with deepcopy."""
+    try:
+        return pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - any pickling failure means: copy it the slow way
+        return cfg
+
+
+def _copy(base: Union[bytes, DictConfig]) -> DictConfig:
+    return pickle.loads(base) if isinstance(base, bytes) else copy.deepcopy(base)

@@ -11,10 +11,10 @@ MeshrunLauncher: BasicLauncher's local, sequential jobs. With slurm_arrays (the 
 point only checks and queues itself (the app reads hydra.launcher.slurm_arrays), and the launcher
 passes the batch's queued run directories to launcher/slurm/submit.py's submit_arrays, which submits
 them as job arrays (or prints their scripts under dry_run=true). Every point still runs through
-Hydra's run_job: HydraConfig (runtime.output_dir, job.num), the per-point output directory, callbacks
-(on_job_end writes the point's record for launcher/sweep.py's summary) and the job's return value are
-as with the basic launcher. One per-point cost is dropped for action=plan points: the job logging
-setup (a file handler per point writing an empty <point>/<job>.log); plan points only print.
+Hydra's run_job contract (_run_job.py: the same steps without its redundant config copies): HydraConfig
+(runtime.output_dir, job.num), the per-point output directory, callbacks (on_job_end writes the point's
+record for launcher/sweep.py's summary) and the job's return value are as with the basic launcher.
+One per-point cost is dropped for action=plan points: the job logging setup (a file handler per point writing an empty <point>/<job>.log); plan points only print.
 """
 
 import logging
@@ -24,12 +24,13 @@ from typing import Dict, List, Optional, Sequence
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
-from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_plugins.meshrun_sweep._composer import CachedComposer
+from hydra_plugins.meshrun_sweep._run_job import run_point_job
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +101,10 @@ class MeshrunLauncher(Launcher):
                 sweep_config.hydra.job.id = idx
                 sweep_config.hydra.job.num = idx
             job_logging = _needs_job_logging(sweep_config)
-            ret = run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=sweep_config,
-                          job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir",
-                          configure_logging=job_logging)
+            ret = run_point_job(hydra_context=self.hydra_context, task_function=self.task_function,
+                                config=sweep_config, job_dir_key="hydra.sweep.dir",
+                                job_subdir_key="hydra.sweep.subdir", configure_logging=job_logging,
+                                task_cfg=self.composer.task_config(overrides))
             runs.append(ret)
             if job_logging:
                 configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)

@@ -16,6 +16,7 @@ from launcher.plan.memory import (GRAD_BYTES, PARAM_BYTES, DeviceProfile, device
                              model_state_bytes, stage_activation_bytes)
 from launcher.plan.model_size import (hardware_flops_per_step, layer_params, model_flops_per_step, padded_vocab,
                                  params_total, stage_params)
+from launcher.plan.cost_model import Rates, cluster_rates, predict
 from training.config import Config, derived_dp
 
 
@@ -90,48 +91,11 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int) -> Dict[str,
 # Predicted step time
 # --------------------------------------------------------------------------------------------------
 
-# Rates used when the cluster preset gives none. They only have to rank layouts sensibly, not match a
-# measurement: a CPU rank (gloo, sharing cores) does tens of GFLOP/s and moves a few GB/s over shared
-# memory or loopback; a GPU without cluster.peak_tflops is taken as a mid-range accelerator.
-DEFAULT_PEAK_TFLOPS = {"cpu": 0.05, "cuda": 100.0}
-"""Per-rank peak TFLOP/s when cluster.peak_tflops is 0."""
-DEFAULT_BUSBW_GBPS = {"cpu": (2.0, 1.0), "cuda": (200.0, 20.0)}
-"""(inside a node, across nodes) all-reduce bus bandwidth in GB/s when cluster.preflight gives none."""
-
-
-def _spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
-    """Whether a group of `size` ranks `stride` apart (training/mesh.py's rank order: tp fastest, then
-    cp, pp, dp) crosses a node boundary: it stays inside a node when it covers at most one node's ranks."""
-    return size > 1 and stride * size > gpus_per_node
-
-
-def predict_step_seconds(cfg: Config, hardware_flops: int, world: int, bubble_ratio: float,
-                         comm: Dict[str, int]) -> Dict[str, float]:
-    """Seconds of one optimizer step, by part, and their sum under "total"; nothing is assumed to overlap.
-
-    compute: the GPU's share of the hardware FLOPs (model FLOPs plus recomputation) at the peak rate
-      (cluster.peak_tflops, else DEFAULT_PEAK_TFLOPS); bubble: bubble_ratio times that (pipeline idle time).
-    tp/cp/pp/dp/embedding: comm_bytes_per_step's bytes over the all-reduce bus bandwidth inside a node
-      (cluster.preflight.busbw_intra_gbps) or across nodes (busbw_inter_gbps), else DEFAULT_BUSBW_GBPS;
-      the bus bandwidth of a ring collective is by definition the bytes one rank sends per second.
-    """
-    c, par = cfg.cluster, cfg.parallel
-    device = c.device if c.device in DEFAULT_PEAK_TFLOPS else "cuda"
-    peak = (c.peak_tflops if c.peak_tflops > 0 else DEFAULT_PEAK_TFLOPS[device]) * 1e12
-    intra_default, inter_default = DEFAULT_BUSBW_GBPS[device]
-    intra = (c.preflight.busbw_intra_gbps or intra_default) * 1e9
-    inter = (c.preflight.busbw_inter_gbps or inter_default) * 1e9
-    dp = world // (par.tp * par.pp * par.cp)
-    strides = {"tp": (1, par.tp), "cp": (par.tp, par.cp), "pp": (par.tp * par.cp, par.pp),
-               # The tied-embedding all-reduce joins the first and last stage: the pp group's span.
-               "embedding": (par.tp * par.cp, par.pp), "dp": (par.tp * par.cp * par.pp, dp)}
-    compute = hardware_flops / world / peak
-    parts = {"compute": compute, "bubble": compute * bubble_ratio}
-    for kind, (stride, size) in strides.items():
-        bw = inter if _spans_nodes(stride, size, c.gpus_per_node) else intra
-        parts[kind] = comm.get(kind, 0) / bw
-    parts["total"] = sum(parts.values())
-    return parts
+def predict_step_seconds(cfg: Config, comm: Dict[str, int], params_local: int,
+                         rates: Optional[Rates] = None) -> Dict[str, float]:
+    """Seconds of one optimizer step, by part, and their sum under "total": launcher/plan/cost_model.py's
+    prediction at the given rates (default: the cluster config's, cost_model.cluster_rates)."""
+    return predict(cfg, comm, params_local, rates or cluster_rates(cfg))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -190,7 +154,8 @@ class Plan:
     predicted_step_s: float = 0.0
     """Predicted seconds per optimizer step (predict_step_seconds): ranks the points of a sweep."""
     predicted_step_parts_s: Dict[str, float] = field(default_factory=dict)
-    """predicted_step_s by part: compute, bubble, tp, cp, pp, embedding, dp."""
+    """predicted_step_s by part: compute (recompute included), recompute, bubble, optimizer, tp, cp, pp,
+    embedding, dp (launcher/plan/cost_model.py)."""
 
     @property
     def headroom_bytes(self) -> int:
@@ -202,8 +167,9 @@ class Plan:
         return d
 
 
-def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None) -> Plan:
-    """Plan a config that passed the structural checks (sizes positive, divisibility holds)."""
+def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optional[Rates] = None) -> Plan:
+    """Plan a config that passed the structural checks (sizes positive, divisibility holds); rates: the
+    cost model's (default: the cluster config's)."""
     mc, par = cfg.model, cfg.parallel
     profile = profile or device_profile(cfg)
     dp = derived_dp(cfg)
@@ -225,7 +191,7 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None) -> Plan:
     bub = bubble(par.pp, m, v)
     hw_flops = hardware_flops_per_step(cfg)
     comm = comm_bytes_per_step(cfg, m, dp, worst.params)
-    step = predict_step_seconds(cfg, hw_flops, world, bub["bubble_ratio"], comm)
+    step = predict_step_seconds(cfg, comm, worst.params, rates)
     return Plan(
         world_size=world,
         tp=par.tp,
@@ -304,7 +270,8 @@ def format_plan(plan: Plan) -> str:
         ("comm / GPU / step", ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.comm_bytes.items() if v)
                               or "none"),
         ("step (predicted)", f"{fmt_seconds(plan.predicted_step_s)}: " + ", ".join(
-            f"{k} {fmt_seconds(v)}" for k, v in plan.predicted_step_parts_s.items() if v)),
+            f"{'of which ' if k == 'recompute' else ''}{k} {fmt_seconds(v)}"
+            for k, v in plan.predicted_step_parts_s.items() if v)),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

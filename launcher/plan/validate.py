@@ -7,11 +7,13 @@ No torch, no Hydra: the launcher calls it before anything is launched.
 
 from __future__ import annotations
 
+import math
 import os
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Callable, List, Optional, Tuple
 
+from launcher.plan.cadence import cadence_problems
 from launcher.plan.estimate import GIB, Plan, make_plan, with_parallel
 from training import layout_rules as rules
 from training.config import CHOICE_FIELDS, Config, choices, derived_dp
@@ -86,8 +88,65 @@ def _get(cfg: Config, dotted: str):
     return obj
 
 
+def _non_finite(obj, prefix: str = "") -> List[Tuple[str, float]]:
+    """Every float field of the config tree (lists included) that is NaN or infinite, by its key.
+
+    Walks the dataclasses rather than listing keys, so a float field added later is covered too:
+    `train.lr=nan` passes every `< 0` test (NaN compares false) and would train NaN weights."""
+    found: List[Tuple[str, float]] = []
+    for f in fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if is_dataclass(value):
+            found += _non_finite(value, key + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            found.append((key, value))
+        elif isinstance(value, (list, tuple)):
+            found += [(f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float) and not math.isfinite(v)]
+    return found
+
+
+def online_numa_nodes(path: str = "/sys/devices/system/node/online") -> Optional[List[int]]:
+    """This machine's NUMA node ids from sysfs ("0-1,3" -> [0, 1, 3]); None where sysfs does not say."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    nodes: List[int] = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        nodes += range(int(lo), int(hi or lo) + 1)
+    return nodes
+
+
+def _check_numa_and_cores(cfg: Config, out: List[Issue]) -> None:
+    """NUMA map entries that exist, and local ranks against this machine's cores.
+
+    Both are checked against this machine only for cluster.kind=local: a Slurm job's nodes are not this
+    host (there a negative entry is still an error, and the rank checks its binding itself)."""
+    c = cfg.cluster
+    local = c.kind == "local"
+    if c.numa == "explicit":
+        nodes = online_numa_nodes() if local else None
+        bad = [n for n in c.numa_map if n < 0 or (nodes is not None and n not in nodes)]
+        if bad:
+            where = f"this machine's NUMA nodes are {nodes}" if nodes is not None else "NUMA node ids are >= 0"
+            out.append(Issue("error", "cluster.numa_map", f"entries {bad} are not NUMA nodes of the node ({where})",
+                             f"cluster.numa_map=[...] with ids from {nodes if nodes is not None else '[0, ...]'}, "
+                             "or cluster.numa=auto"))
+    cores = os.cpu_count() or 0
+    if local and cores and c.gpus_per_node > cores:
+        out.append(Issue("warning", "cluster.gpus_per_node",
+                         f"{c.gpus_per_node} local ranks on {cores} CPU cores: ranks share cores and every "
+                         "collective waits for the slowest, so steps run several times slower",
+                         f"cluster.gpus_per_node=<= {cores}, or accept the slowdown"))
+
+
 def _check_values(cfg: Config, out: List[Issue]) -> bool:
     """Enumerations and sizes; returns False when the sizes are too broken to go on."""
+    for key, value in _non_finite(cfg):
+        out.append(Issue("error", key, f"must be a finite number, got {value}",
+                         f"{key}=<a finite number> (NaN and infinity poison every step that uses them)", "finite"))
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
@@ -113,9 +172,11 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
         out.append(Issue("error", "parallel.bucket_mb", f"must be > 0, got {cfg.parallel.bucket_mb}",
                          "parallel.bucket_mb=4"))
     for key in ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "checkpoint_every",
-                "checkpoint_every_min", "exit_interval", "exit_after_min", "log_every"):
+                "exit_interval", "exit_after_min", "log_every"):
         if _get(t, key) < 0:
             out.append(Issue("error", f"train.{key}", f"must be >= 0, got {_get(t, key)}", f"train.{key}=0"))
+    # train.checkpoint_every_min is minutes or auto (a string field): launcher/plan/cadence.py parses it.
+    out += [Issue("error", key, message, fix, "cadence") for key, message, fix in cadence_problems(cfg)]
     if t.log_every < 1:
         out.append(Issue("error", "train.log_every", f"must be >= 1, got {t.log_every}", "train.log_every=1"))
     if t.keep_last < 1:
@@ -124,6 +185,14 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
         out.append(Issue("error", "cluster.numa_map",
                          f"numa=explicit needs one NUMA node per local rank ({c.gpus_per_node}), got {len(c.numa_map)}",
                          f"cluster.numa_map=[{','.join(['0'] * max(c.gpus_per_node, 1))}] or cluster.numa=auto"))
+    if not t.dist_timeout_s > 0:
+        out.append(Issue("error", "train.dist_timeout_s", f"must be > 0 seconds, got {t.dist_timeout_s}",
+                         "train.dist_timeout_s=120"))
+    if c.master_port != 0 and not 1024 <= c.master_port <= 65535:
+        out.append(Issue("error", "cluster.master_port",
+                         f"must be 0 (pick one) or an unprivileged port 1024-65535, got {c.master_port}",
+                         "cluster.master_port=0"))
+    _check_numa_and_cores(cfg, out)
     if str(t.resume) not in ("auto", "none") and not str(t.resume).isdigit():
         out.append(Issue("error", "train.resume", f"{t.resume!r} is not auto, none or a step number",
                          "train.resume=auto"))
@@ -318,6 +387,11 @@ def validate(cfg: Config, cluster_checks: Optional[Callable[[Config], List[str]]
     if not sizes_ok:
         return Report(issues)
     _check_model(cfg, issues)
+    # Data: eval keys, blend weights, and (local runs) each dataset against its description and the model's
+    # vocabulary (launcher/datasets.py).
+    from launcher.datasets import data_errors
+
+    issues += [Issue("error", key, message, fix, "data") for key, message, fix in data_errors(cfg)]
     layout_ok = _check_layout(cfg, issues)
     report = Report(issues)
     if not layout_ok or any(i.key in ("model.hidden_size", "model.num_query_groups") for i in report.errors) \

@@ -1,12 +1,16 @@
 """The batch script's own steps around srun: `python -m launcher.slurm.driver prologue|epilogue RUN_DIR`.
 
-prologue (before srun): numbers the attempt, records `started` with the nodes, prints the
-  rendezvous exports (MASTER_ADDR = first node, MASTER_PORT from the job id) for `eval`.
+prologue (before srun): checks that the run directory's lock names this job (training/run_lock.py; else the
+  attempt stops before srun) and that the run was not cancelled (launcher/cancel.py: then `cancelled`, no srun), numbers the attempt, records `started` with the nodes and the code it runs (the
+  submission's snapshot, launcher/slurm/snapshot.py), prints the rendezvous exports (MASTER_ADDR = first node,
+  MASTER_PORT from the job id) for the batch script.
 epilogue (after srun): reads every rank's record and acts (launcher/slurm/requeue.py decides):
-  completed -> `completed`; all ranks stopped early -> `requeued`, `scontrol requeue` (same job);
+  completed -> `completed`; cancelled (meshrun action=cancel) -> `cancelled`, never a requeue; all ranks stopped early -> `requeued`, `scontrol requeue` (same job; a stop
+  without a new checkpoint, or a failed save, costs one of cluster.max_retries);
   a failure -> `failed` (node, rank, exit code), then a new job excluding the failing node, up to
   cluster.max_retries -> then `stopped`; EXIT_INVALID or the same error on every rank at step 0 -> `stopped`.
-The epilogue's own status is EXIT_OK only when the run completed (training/exit_codes.py).
+The epilogue's own status is EXIT_OK only when the run completed (training/exit_codes.py); when the run ends
+(completed, stopped) it releases the run directory's lock, and a resubmission hands the lock to the new job.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ import sys
 import time
 from typing import Dict, List
 
+from launcher.cancel import cancel_requested, record_cancelled
 from launcher.slurm.requeue import decide
 from launcher.slurm.rank_task import attempt_dir
-from launcher.status import excluded_nodes, last_step, retries_used
+from launcher.procs import PROJECT_ROOT
+from launcher.status import excluded_nodes, job_alive, last_step, retries_used
 from training.config import load_config
 from training.events import append_event, read_events
-from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK
+from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_STOPPED
+from training.run_lock import claim_for_job, release_job, set_job_holder
 from training.slurm_env import SlurmUnavailable, hostnames, port_from_job, slurm_command, slurm_job_id
 
 REQUEUE_WAIT_S = 120
@@ -38,14 +45,32 @@ def job_id() -> str:
 def prologue(run_dir: str) -> int:
     events = read_events(run_dir)
     attempt = sum(1 for ev in events if ev.get("event") == "started")
+    problem = claim_for_job(run_dir, job_id(), job_alive)
+    if problem:
+        # This job must not touch a run directory another run owns (not even its events.jsonl): stop
+        # before srun and say why in the job's log.
+        print(f"meshrun prologue: {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    if cancel_requested(run_dir, events) is not None:
+        # `meshrun action=cancel` came while this attempt was queued (launcher/cancel.py): do not start it.
+        record_cancelled(run_dir, "cancelled by meshrun action=cancel before this attempt started", job_id=job_id())
+        release_job(run_dir, job_id())
+        print("meshrun prologue: the run was cancelled (meshrun action=cancel); this attempt does not start",
+              file=sys.stderr)
+        return EXIT_STOPPED
     nodes = hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))
     step = last_step(run_dir)
     os.makedirs(attempt_dir(run_dir, attempt), exist_ok=True)
     with open(os.path.join(attempt_dir(run_dir, attempt), "prologue.json"), "w") as f:
         json.dump({"last_step": step, "nodes": nodes, "job_id": job_id()}, f)
     append_event(run_dir, "started", attempt=attempt, job_id=job_id(), nodes=nodes,
-                 restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0), resume_step=step)
-    stop_at = stop_time(load_config(os.path.join(run_dir, "config.json")).cluster.signal_delay_s)
+                 restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0), resume_step=step,
+                 code=PROJECT_ROOT)
+    # MESHRUN_SELF_STOP=0 in the submitter's environment turns the ranks' own clock off, leaving only
+    # Slurm's --signal (tests/test_fault_matrix_slurm.py checks that one alone still stops a run in time).
+    own_clock = os.environ.get("MESHRUN_SELF_STOP", "1") != "0"
+    stop_at = stop_time(load_config(os.path.join(run_dir, "config.json")).cluster.signal_delay_s) if own_clock \
+        else None
     exports = {
         "MESHRUN_STOP_AT": f"{stop_at:.0f}" if stop_at else "",
         "MESHRUN_ATTEMPT": str(attempt),
@@ -95,20 +120,45 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
     step_now = last_step(run_dir)
     progressed = step_now is not None and (pro["last_step"] is None or step_now > pro["last_step"])
     events = read_events(run_dir)
+    # Progress is a checkpoint written by this attempt, not a step number: after train.resume=none an
+    # attempt's steps are lower than the previous attempt's and still new work.
+    saved = any(ev.get("event") == "checkpoint" and ev.get("attempt") == attempt for ev in events)
     excluded = excluded_nodes(events)
     from launcher.slurm.submit import partition_nodes
 
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    elastic = cfg.cluster.elastic.min_nodes > 0
+    # An elastic run may exclude failing nodes down to min_nodes: the next job then shrinks (launcher/slurm/elastic.py).
     d = decide(records, world, rank_layout(pro["nodes"], cfg.cluster.gpus_per_node), progressed,
                retries_used(events), cfg.cluster.max_retries, excluded, partition_nodes(cfg.cluster.partition),
-               cfg.cluster.nodes)
+               cfg.cluster.elastic.min_nodes if elastic else cfg.cluster.nodes, saved=saved)
+    resize = None
     ev = dict(attempt=attempt, job_id=job_id())
     if d.action == "completed":
         append_event(run_dir, "completed", last_step=step_now, **ev)
+        release_job(run_dir, job_id())
         return EXIT_OK
-    if d.action == "requeue":
-        append_event(run_dir, "requeued", cause="stopped_early", reason=d.reason, excluded_nodes=excluded,
-                     last_step=step_now, **ev)
+    if cancel_requested(run_dir, events) is not None:
+        # `meshrun action=cancel` (launcher/cancel.py): the ranks saved on its SIGUSR2; never requeue or resubmit.
+        for f in d.failures:
+            append_event(run_dir, "failed", node=f.node, rank=f.rank, exit_code=f.exit_code, reason=f.reason,
+                         srun_exit_code=srun_rc, **ev)
+        record_cancelled(run_dir, "cancelled by meshrun action=cancel: saved a checkpoint and stopped",
+                         last_step=step_now, **ev)
+        release_job(run_dir, job_id())
+        return EXIT_STOPPED
+    for f in d.failures:
+        append_event(run_dir, "failed", node=f.node, rank=f.rank, exit_code=f.exit_code, reason=f.reason,
+                     srun_exit_code=srun_rc, **ev)
+    if d.action == "requeue" and elastic:
+        # A requeue keeps the job's node count: a run that must shrink (its node drained) or can grow back
+        # (nodes returned) is resubmitted instead, below.
+        resize = _plan_resize(cfg, events, pro["nodes"], excluded, [])
+    if d.action == "requeue" and resize is None:
+        fields = dict(cause=d.cause, reason=d.reason, excluded_nodes=excluded, last_step=step_now, **ev)
+        if d.cause != "stopped_early":
+            fields.update(retry=retries_used(events) + 1, max_retries=cfg.cluster.max_retries)
+        append_event(run_dir, "requeued", **fields)
         sys.stdout.flush()
         try:
             res = slurm_command(["scontrol", "requeue", job_id()])
@@ -117,33 +167,55 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
             refused = str(exc)
         if refused:
             append_event(run_dir, "stopped", reason=f"scontrol requeue failed: {refused}", **ev)
+            release_job(run_dir, job_id())
             return EXIT_FAILED
         time.sleep(REQUEUE_WAIT_S)  # Slurm kills this script as part of the requeue
         return EXIT_FAILED
-    for f in d.failures:
-        append_event(run_dir, "failed", node=f.node, rank=f.rank, exit_code=f.exit_code, reason=f.reason,
-                     srun_exit_code=srun_rc, **ev)
     if d.action == "stop":
         append_event(run_dir, "stopped", reason=d.reason, last_step=step_now, **ev)
+        release_job(run_dir, job_id())
         return EXIT_FAILED
     # resubmit: a new job with the failing node(s) excluded, resuming from the last checkpoint.
     from launcher.slurm.submit import submit_job
 
+    if d.action == "resubmit" and elastic:
+        resize = _plan_resize(cfg, events, pro["nodes"], d.exclude, [n for n in d.exclude if n not in excluded])
+    exclude = resize.exclude if resize else d.exclude
     for key in [k for k in os.environ if k.startswith(("SLURM_", "SBATCH_", "SUBMITIT_"))]:
         del os.environ[key]  # the new job must not inherit this job's allocation
     try:
-        new_id = submit_job(cfg, run_dir, exclude=",".join(d.exclude))
+        new_id = submit_job(resize.cfg if resize else cfg, run_dir, exclude=",".join(exclude))
     except Exception as exc:
         append_event(run_dir, "stopped", reason=f"resubmission failed: {exc}", **ev)
+        release_job(run_dir, job_id())
         return EXIT_FAILED
-    fields = dict(cause="failure", reason=d.reason, excluded_nodes=d.exclude, new_job_id=new_id,
-                  retry=retries_used(events) + 1, max_retries=cfg.cluster.max_retries, **ev)
+    if resize is not None:  # config.json of the new layout before the new job may start (it waits for the lock)
+        from launcher.slurm.elastic import apply_resize
+
+        apply_resize(run_dir, resize, new_job_id=new_id, **ev)
+    set_job_holder(run_dir, new_id, previous_job_id=job_id())  # the new job's prologue waits for this
+    fields = dict(cause=d.cause, reason=d.reason, excluded_nodes=exclude, new_job_id=new_id, **ev)
+    if d.cause != "stopped_early":
+        fields.update(retry=retries_used(events) + 1, max_retries=cfg.cluster.max_retries)
     if d.note:
         fields["note"] = d.note
     append_event(run_dir, "requeued", **fields)
-    print(f"meshrun: attempt {attempt} failed ({d.reason}); resubmitted as job {new_id} "
-          f"excluding {d.exclude or 'no node'}", file=sys.stderr)
+    print(f"meshrun: attempt {attempt} {'failed' if d.action == 'resubmit' else 'stopped'} ({d.reason}); "
+          f"resubmitted as job {new_id} on {(resize.cfg if resize else cfg).cluster.nodes} node(s) "
+          f"excluding {exclude or 'no node'}", file=sys.stderr)
     return EXIT_FAILED
+
+
+def _plan_resize(cfg, events, own, exclude, newly_excluded):
+    """launcher/slurm/elastic.py's next node count; None (no change) when it cannot be planned, so a
+    failure of the elastic logic never costs the run its resubmission."""
+    from launcher.slurm.elastic import job_end_time, plan_resize
+
+    try:
+        return plan_resize(cfg, events, own, exclude, newly_excluded, job_end=job_end_time(job_id()))
+    except Exception as exc:  # noqa: BLE001 - logged; the plain requeue or resubmission still happens
+        print(f"meshrun epilogue: elastic resize not planned: {exc!r}", file=sys.stderr)
+        return None
 
 
 def main(argv: List[str]) -> int:

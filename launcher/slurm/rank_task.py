@@ -24,6 +24,7 @@ from typing import List
 from launcher.procs import engine_env, rank_process_env, start_pump
 from launcher.slurm.numa import choose_node, numactl_prefix
 from training.config import load_config
+from training.events import append_event
 from training.exit_codes import EXIT_OK, EXIT_STOPPED
 from training.slurm_env import torch_env_from_slurm
 
@@ -78,6 +79,7 @@ class _Forwarder:
         self.signum = 0
         self.done = threading.Event()
         self.thread = None
+        self.clock = None
 
     def attach(self, pid: int) -> None:
         self.pid = pid
@@ -106,6 +108,33 @@ class _Forwarder:
                 return
             self.done.wait(FORWARD_POLL_S)
 
+    def on_clock(self, signum: int) -> None:
+        """This wrapper's own time-limit stop. Unlike Slurm's signal, nobody else sends it to the child,
+        so the child always gets it: at once when its handler is installed, else as soon as it is."""
+        if self.clock is not None:
+            return
+        self.clock = threading.Thread(target=self._deliver, args=(signum,), daemon=True)
+        self.clock.start()
+
+    def _deliver(self, signum: int) -> None:
+        while not self.done.is_set():
+            if self.pid and catches(self.pid, signum):
+                try:
+                    os.kill(self.pid, signum)
+                except OSError:
+                    pass
+                return
+            self.done.wait(FORWARD_POLL_S)
+
+
+def _read_cause(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
 
 @dataclass
 class RankTask:
@@ -125,7 +154,7 @@ class RankTask:
             signal.signal(sig, forwarder.on_signal)
         signal.signal(signal.SIGCONT, lambda *_: None)
         cfg = load_config(os.path.join(self.run_dir, "config.json"))
-        env = rank_process_env(torch_env_from_slurm(os.environ), engine_env(cfg))
+        env = rank_process_env(torch_env_from_slurm(os.environ), engine_env(cfg, self.run_dir))
         rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
         attempt = int(env.get("MESHRUN_ATTEMPT", "0"))
         node = env.get("SLURMD_NODENAME") or socket.gethostname()
@@ -140,13 +169,18 @@ class RankTask:
                 print(f"warning: numactl not found on {node}: rank {rank} is not NUMA-bound "
                       f"(install numactl or set cluster.numa=off)", file=sys.stderr)
         started = time.time()
+        out = attempt_dir(self.run_dir, attempt)
+        os.makedirs(out, exist_ok=True)
+        cause_file = os.path.join(out, f".cause_rank_{rank}.json")
+        env["MESHRUN_CAUSE_FILE"] = cause_file  # the engine writes its failure's cause there (training/main.py)
         child = subprocess.Popen(prefix + [sys.executable, "-m", "training.main", self.run_dir],
                                  env=env, stderr=subprocess.PIPE, preexec_fn=_ignore_stop_signals)
         forwarder.attach(child.pid)
         stop_at = float(env.get("MESHRUN_STOP_AT") or 0)
         if stop_at:
             # The time-limit stop, on our own clock (Slurm's USR2 is the backup).
-            timer = threading.Timer(max(0.0, stop_at - time.time()), forwarder.on_signal, (signal.SIGUSR2, None))
+            timer = threading.Timer(max(0.0, stop_at - time.time()), self._clock_stop,
+                                    (forwarder, rank, stop_at))
             timer.daemon = True
             timer.start()
         tail: List[bytes] = []  # the child's last output: its exception line goes into the rank's record
@@ -157,15 +191,16 @@ class RankTask:
             # Nothing left to stop; Python's own handler would turn back into "terminate" at exit.
             signal.signal(sig, signal.SIG_IGN)
         pump.join(timeout=5)
+        cause = _read_cause(cause_file) if code not in (EXIT_OK, EXIT_STOPPED) else {}
         record = {
             "rank": rank, "local_rank": local_rank, "node": node, "exit_code": code,
             "signal": -code if code < 0 else None, "numa_node": numa_node,
+            # The engine's own account, uncut, when it wrote one; else the log's last error line.
             "error": ("" if code in (EXIT_OK, EXIT_STOPPED)
-                      else last_error_line(b"".join(tail).decode("utf-8", "replace"))),
+                      else cause.get("error") or last_error_line(b"".join(tail).decode("utf-8", "replace"))),
+            "cause": cause.get("cause", ""),
             "started": started, "ended": time.time(),
         }
-        out = attempt_dir(self.run_dir, attempt)
-        os.makedirs(out, exist_ok=True)
         tmp = os.path.join(out, f".rank_{rank}.json.tmp")
         with open(tmp, "w") as f:
             json.dump(record, f)
@@ -173,3 +208,9 @@ class RankTask:
         if code in (EXIT_OK, EXIT_STOPPED):
             return code
         raise RankFailed(f"rank {rank} on {node} exited with {code}: {record['error']}")
+
+    def _clock_stop(self, forwarder: "_Forwarder", rank: int, stop_at: float) -> None:
+        if rank == 0:
+            append_event(self.run_dir, "stop_requested", source="clock", stop_at=stop_at,
+                         reason="the job's time limit minus cluster.signal_delay_s minus Slurm's 30 s sweep")
+        forwarder.on_clock(signal.SIGUSR2)

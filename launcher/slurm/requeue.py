@@ -7,6 +7,7 @@ anything else (or no record) a failure.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -32,7 +33,7 @@ class Decision:
     """The epilogue's verdict on one attempt."""
 
     action: str
-    """completed | requeue (stopped early: same job again) | resubmit (new job, nodes excluded) | stop."""
+    """completed | requeue (same job again) | resubmit (new job, nodes excluded) | stop."""
     reason: str = ""
     """Why, in words (goes to events.jsonl)."""
     failures: List[Failure] = field(default_factory=list)
@@ -41,6 +42,27 @@ class Decision:
     """Nodes excluded from the next job (old exclusions included)."""
     note: str = ""
     """A remark for events.jsonl (e.g. a node that could not be excluded)."""
+    cause: str = ""
+    """requeue/resubmit: stopped_early (costs no retry), no_progress, save_failed or failure (each costs one of
+    cluster.max_retries; launcher/status.py RETRY_CAUSES)."""
+
+
+# Exceptions that point at the machine rather than the program: a rank that raised one implicates its node.
+_HARDWARE = re.compile(r"CUDA error|NCCL error|ECC|uncorrectable|Xid|device-side assert|cudaError|"
+                       r"Input/output error on device|hardware", re.IGNORECASE)
+
+
+def _implicates_node(rec: Dict) -> bool:
+    """Whether a failed rank's end is evidence against its node: killed by a signal, preflight found the node
+    bad, an error naming hardware, or an exit code Python itself never gives. A plain Python exception
+    (exit 1: a bug, a configuration problem, a failed save) says nothing about the node it ran on."""
+    code = rec.get("exit_code")
+    if code == EXIT_NODE_BAD or (isinstance(code, int) and code < 0):
+        return True
+    if code == EXIT_FAILED:
+        return rec.get("cause") not in ("exception", "save_failed", "invalid", "") or bool(
+            _HARDWARE.search(rec.get("error") or ""))
+    return code not in (EXIT_OK, EXIT_STOPPED, EXIT_INVALID)
 
 
 def decide(
@@ -53,11 +75,14 @@ def decide(
     excluded: Sequence[str],
     partition_nodes: Sequence[str],
     nodes_needed: int,
+    saved: bool = True,
 ) -> Decision:
     """records: rank_<R>.json dicts of this attempt; rank_nodes: rank -> node from the job layout;
-    progressed: a new step was logged in this attempt; retries_used: resubmissions after failures so far."""
+    progressed: a new step was logged in this attempt; retries_used: requeues so far that cost a retry;
+    saved: this attempt wrote a checkpoint (a stop without one costs a retry)."""
     by_rank = {int(r["rank"]): r for r in records}
     codes = {r: by_rank[r]["exit_code"] for r in by_rank}
+    exhausted = retries_used >= max_retries
     if len(by_rank) == world_size and all(c == EXIT_OK for c in codes.values()):
         return Decision("completed")
     if any(c == EXIT_INVALID for c in codes.values()):
@@ -66,23 +91,44 @@ def decide(
         return Decision("stop", f"invalid configuration or data (exit {EXIT_INVALID} on rank(s) {ranks}), "
                                 f"not retried: {error}", [_failure(by_rank[r]) for r in ranks])
     if len(by_rank) == world_size and all(c in (EXIT_OK, EXIT_STOPPED) for c in codes.values()):
-        return Decision("requeue", "stopped early after a checkpoint (preemption, time limit or exit_interval)")
+        if saved:
+            return Decision("requeue", "stopped early after a checkpoint (preemption, time limit or exit_interval)",
+                            cause="stopped_early")
+        why = "stopped early without writing a checkpoint newer than the previous attempt's"
+        if exhausted:
+            return Decision("stop", f"{why}, again: retries exhausted (cluster.max_retries={max_retries})")
+        return Decision("requeue", f"{why} (costs one of cluster.max_retries)", cause="no_progress")
+    save_failed = [by_rank[r] for r in sorted(by_rank) if by_rank[r].get("cause") == "save_failed"]
+    if save_failed:
+        # Storage failed under a save; the previous checkpoint is intact and no node is to blame.
+        failures = [_failure(save_failed[0])]
+        reason = f"saving a checkpoint failed on rank {save_failed[0]['rank']}: {save_failed[0].get('error', '')}"
+        if exhausted:
+            return Decision("stop", f"{reason}; retries exhausted (cluster.max_retries={max_retries})", failures,
+                            list(excluded))
+        return Decision("requeue", f"{reason}; requeued from the previous checkpoint", failures, list(excluded),
+                        cause="save_failed")
 
+    missing = sorted(set(range(world_size)) - set(by_rank))
+    reported_nodes = {rec.get("node") for rec in by_rank.values()}
+    lost = [r for r in missing if rank_nodes.get(r, "?") not in reported_nodes]
+    failed = [rec for rec in by_rank.values() if rec["exit_code"] not in (EXIT_OK, EXIT_STOPPED)]
     bad_node = [r for r, c in codes.items() if c == EXIT_NODE_BAD]
     if bad_node:
         failures = [_failure(by_rank[r]) for r in sorted(bad_node)]
+    elif lost and by_rank and not any(_implicates_node(rec) for rec in failed):
+        # A whole node vanished (none of its ranks reported); the survivors' errors (a peer gone from a
+        # collective) are the consequence, not the cause: blame the node that vanished.
+        failures = [Failure(r, rank_nodes.get(r, "?"), None, "never reported (its node was lost)") for r in lost]
+    elif failed:
+        # The first rank to fail is the cause; srun --kill-on-bad-exit then killed the others.
+        first = min(failed, key=lambda rec: rec.get("ended", 0.0))
+        failures = [_failure(first)]
     else:
-        failed = [rec for rec in by_rank.values() if rec["exit_code"] not in (EXIT_OK, EXIT_STOPPED)]
-        if failed:
-            # The first rank to fail is the cause; srun --kill-on-bad-exit then killed the others.
-            first = min(failed, key=lambda rec: rec.get("ended", 0.0))
-            failures = [_failure(first)]
-        else:
-            missing = sorted(set(range(world_size)) - set(by_rank))
-            failures = [Failure(r, rank_nodes.get(r, "?"), None, "never reported (node or task lost)")
-                        for r in missing]
-            if not failures:
-                failures = [Failure(-1, "?", None, "step failed without a failing rank")]
+        failures = [Failure(r, rank_nodes.get(r, "?"), None, "never reported (node or task lost)")
+                    for r in missing]
+        if not failures:
+            failures = [Failure(-1, "?", None, "step failed without a failing rank")]
 
     # A bug, not a bad node: every rank raised the same exception and no step was ever completed.
     # The first rank to exit makes srun (--kill-on-bad-exit) kill the others, often after they printed
@@ -94,13 +140,19 @@ def decide(
             and len(errors) == 1 and "" not in errors):
         return Decision("stop", f"the same error on every rank before any step: {by_rank[0].get('error', '')} "
                                 "(a bug or a config problem: not retried)", failures)
-    if retries_used >= max_retries:
+    if exhausted:
         return Decision("stop", f"retries exhausted (cluster.max_retries={max_retries})", failures,
                         list(excluded))
-    exclude, note = plan_exclusion(excluded, [f.node for f in failures if f.node != "?"],
-                                   partition_nodes, nodes_needed)
+    # Only evidence against a node excludes it: a rank that raised a Python exception (a bug or a
+    # configuration problem) leaves its healthy node in the pool.
+    blamed = [f for f in failures if f.node != "?" and (
+        f.exit_code is None or _implicates_node({**by_rank.get(f.rank, {}), "exit_code": f.exit_code}))]
+    exclude, note = plan_exclusion(excluded, [f.node for f in blamed], partition_nodes, nodes_needed)
+    if failures and not blamed:
+        note = (note + "; " if note else "") + ("no node excluded: the failing rank raised an exception, "
+                                                 "which is the program's or its input's, not the node's")
     reason = "; ".join(f"rank {f.rank} on {f.node}: exit {f.exit_code} {f.reason}".strip() for f in failures)
-    return Decision("resubmit", reason, failures, exclude, note)
+    return Decision("resubmit", reason, failures, exclude, note, cause="failure")
 
 
 def plan_exclusion(excluded: Sequence[str], new: Sequence[str], partition_nodes: Sequence[str],

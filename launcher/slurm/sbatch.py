@@ -29,7 +29,9 @@ from training.exit_codes import EXIT_FAILED
 JOB_NAME = "meshrun"
 
 # Values that reach an #SBATCH line or a hostlist: letters, digits and the few punctuation marks
-# Slurm names and hostlists use. Anything else (spaces, quotes, ;, $, `, newlines) is rejected.
+# Slurm names and hostlists use. Anything else (spaces, quotes, ;, $, `, newlines) is rejected. Every
+# pattern is applied with fullmatch: `$` in re.match also matches before a trailing newline, which would
+# let "debug\n<command>" through and turn the rest of an #SBATCH line into a shell command.
 _SBATCH_VALUE = re.compile(r"^[A-Za-z0-9_.:,@%/=+\-\[\]]*$")
 _SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -56,22 +58,22 @@ def validate_for_slurm(cfg: Config) -> List[str]:
     errors = []
     for name in ("partition", "account", "qos", "exclude"):
         value = getattr(c, name)
-        if not _SBATCH_VALUE.match(value):
+        if not _SBATCH_VALUE.fullmatch(value):
             errors.append(f"cluster.{name}={value!r} contains characters Slurm names never have "
                           f"(spaces, quotes, ;, $, `, newlines): use the plain name")
     if not c.partition:
         errors.append("cluster.partition is empty: set the Slurm partition (sinfo lists them)")
     for key, value in c.sbatch_extra.items():
-        if not _SBATCH_KEY.match(str(key)):
+        if not _SBATCH_KEY.fullmatch(str(key)):
             errors.append(f"cluster.sbatch_extra key {key!r}: use the long sbatch option without dashes "
                           f"(e.g. constraint, mem)")
         elif str(key) in _RESERVED:
             errors.append(f"cluster.sbatch_extra.{key} is set by meshrun itself: use the cluster.* key instead")
-        if not _SBATCH_VALUE.match(str(value)):
+        if not _SBATCH_VALUE.fullmatch(str(value)):
             errors.append(f"cluster.sbatch_extra.{key}={value!r} contains shell or space characters: "
                           f"sbatch option values must be plain words")
     for name in c.env:
-        if not _ENV_NAME.match(str(name)):
+        if not _ENV_NAME.fullmatch(str(name)):
             errors.append(f"cluster.env key {name!r} is not an environment variable name")
     for name, value in c.env.items():
         if "\n" in str(value) or "\0" in str(value):
@@ -85,7 +87,26 @@ def validate_for_slurm(cfg: Config) -> List[str]:
         errors.append("cluster.nodes and cluster.gpus_per_node must be >= 1")
     if c.max_retries < 0:
         errors.append("cluster.max_retries must be >= 0")
+    errors += run_dir_errors(cfg.run.dir)
     return errors + _resource_errors(c)
+
+
+# sbatch reads #SBATCH --output=<run dir>/... up to the first blank (a space makes it refuse the script) and
+# expands %j, %t, ... in it; a control character would end the line. The script quotes the path everywhere else.
+_SLURM_PATH_BAD = re.compile(r"[\s%]")
+
+
+def run_dir_errors(run_dir: str) -> List[str]:
+    """A run (or sweep point) directory that cannot be written into an sbatch script safely."""
+    from launcher.rundir import path_problem
+
+    problem = path_problem(run_dir)
+    if problem:
+        return [problem]
+    if _SLURM_PATH_BAD.search(run_dir):
+        return [f"run.dir={run_dir!r} contains a space or '%': Slurm's #SBATCH --output takes the path up to the "
+                f"first blank and expands %-patterns in it; choose a directory without them"]
+    return []
 
 
 def _resource_errors(c: ClusterConfig) -> List[str]:
@@ -94,11 +115,11 @@ def _resource_errors(c: ClusterConfig) -> List[str]:
     if c.cpus_per_task < 0:
         errors.append(f"cluster.cpus_per_task={c.cpus_per_task}: give the CPUs of one rank, or 0 for the node's "
                       f"CPUs divided by its ranks")
-    if c.mem and not _SLURM_SIZE.match(c.mem):
+    if c.mem and not _SLURM_SIZE.fullmatch(c.mem):
         errors.append(f"cluster.mem={c.mem!r} is not a Slurm size: use a number with an optional unit K, M, G "
                       f"or T (64G, 512000M; 0 = all of the node's memory), or leave it empty")
     image, mounts = c.container.image, list(c.container.mounts)
-    if image and not _CONTAINER_IMAGE.match(image):
+    if image and not _CONTAINER_IMAGE.fullmatch(image):
         errors.append(f"cluster.container.image={image!r} is not an image reference: use REGISTRY#IMAGE:TAG "
                       f"(e.g. nvcr.io#nvidia/pytorch:24.05-py3) or a .sqsh path, without spaces, quotes or "
                       f"shell characters")
@@ -106,7 +127,7 @@ def _resource_errors(c: ClusterConfig) -> List[str]:
         errors.append("cluster.container.mounts is set but cluster.container.image is empty: set the image, "
                       "or drop the mounts")
     for mount in mounts:
-        if not _CONTAINER_MOUNT.match(str(mount)):
+        if not _CONTAINER_MOUNT.fullmatch(str(mount)):
             errors.append(f"cluster.container.mounts entry {mount!r}: use SRC:DST[:FLAGS] with absolute paths "
                           f"and no commas, colons or spaces inside them (e.g. /data:/data:ro)")
     return errors
@@ -145,19 +166,27 @@ def run_dir_lines(run_dirs: Sequence[str]) -> List[str]:
             'export MESHRUN_RUN_DIR="${MESHRUN_RUN_DIRS[$SLURM_ARRAY_TASK_ID]}"']
 
 
-def setup_lines(cfg: Config, run_dirs: Sequence[str]) -> List[str]:
-    """Batch-script lines before srun: exports (quoted), then the prologue that sets attempt and rendezvous."""
+def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> List[str]:
+    """Batch-script lines before srun: exports (quoted), then the prologue that sets attempt and rendezvous.
+    code_root (default: the code this process runs) goes first on PYTHONPATH: the submission's snapshot
+    (launcher/slurm/snapshot.py), so every attempt runs the code as it was at submission. Secret env values
+    are not in the script: each rank reads them (training/secret_env.py)."""
     lines = run_dir_lines(run_dirs) + [
-        f"export PYTHONPATH={shlex.quote(PROJECT_ROOT)}${{PYTHONPATH:+:$PYTHONPATH}}",
+        f"export PYTHONPATH={shlex.quote(code_root or PROJECT_ROOT)}${{PYTHONPATH:+:$PYTHONPATH}}",
+        # `python -m` would otherwise put the working directory (often the checkout) ahead of PYTHONPATH.
+        "export PYTHONSAFEPATH=1",
     ]
-    lines += [f"export {name}={shlex.quote(value)}" for name, value in engine_env(cfg).items()]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in engine_env(cfg, secrets=False).items()]
     lines.append(prologue_line())
     return lines
 
 
 def prologue_line() -> str:
-    """The prologue prints exports for eval; when it fails the attempt ends before srun."""
-    return f'eval "$({python_cmd()} -m launcher.slurm.driver prologue "$MESHRUN_RUN_DIR")" || exit {EXIT_FAILED}'
+    """The prologue prints exports for eval; when it fails the attempt ends before srun, saying so. The
+    assignment's status is the prologue's (`eval "$(...)" || exit` would see eval's, 0 even when it failed)."""
+    return (f'MESHRUN_PROLOGUE="$({python_cmd()} -m launcher.slurm.driver prologue "$MESHRUN_RUN_DIR")" || '
+            f'{{ echo "meshrun: the prologue failed (exit $?); the attempt stops before srun: see the lines above" '
+            f'>&2; exit {EXIT_FAILED}; }}; eval "$MESHRUN_PROLOGUE"')
 
 
 def teardown_lines() -> List[str]:
@@ -207,7 +236,7 @@ def _resources(cfg: Config, exclude: str) -> Dict[str, Any]:
         raise SlurmConfigError("\n".join(errors))
     c = cfg.cluster
     exclude = exclude if exclude else c.exclude
-    if exclude and not _SBATCH_VALUE.match(exclude):
+    if exclude and not _SBATCH_VALUE.fullmatch(exclude):
         raise SlurmConfigError(f"exclude list {exclude!r} is not a plain hostlist")
     params: Dict[str, Any] = {
         "nodes": c.nodes,
@@ -230,14 +259,14 @@ def _resources(cfg: Config, exclude: str) -> Dict[str, Any]:
     return params
 
 
-def job_spec(cfg: Config, run_dir: str, exclude: str = "") -> SlurmJobSpec:
-    """submitit parameters of the training job; exclude overrides cluster.exclude (resubmissions).
-    cluster.cpus_per_task must be resolved (with_cpus_per_task) when it is 0."""
+def job_spec(cfg: Config, run_dir: str, exclude: str = "", code_root: str = "") -> SlurmJobSpec:
+    """submitit parameters of the training job; exclude overrides cluster.exclude (resubmissions); code_root:
+    see setup_lines. cluster.cpus_per_task must be resolved (with_cpus_per_task) when it is 0."""
     params = _resources(cfg, exclude)
     params.update({
         "job_name": JOB_NAME,
         "srun_args": srun_args(cfg),
-        "setup": setup_lines(cfg, [run_dir]),
+        "setup": setup_lines(cfg, [run_dir], code_root),
         "teardown": teardown_lines(),
         # --requeue: the epilogue's `scontrol requeue` is refused without it.
         "additional_parameters": {"requeue": True,
@@ -267,11 +296,11 @@ def array_group_key(cfg: Config) -> str:
     return json.dumps(job_spec(cfg, "<run dir>").parameters, sort_keys=True, default=str)
 
 
-def array_job_spec(cfg: Config, run_dirs: Sequence[str], folder: str) -> SlurmJobSpec:
+def array_job_spec(cfg: Config, run_dirs: Sequence[str], folder: str, code_root: str = "") -> SlurmJobSpec:
     """One job array for run_dirs (all with cfg's array_group_key): task i runs run_dirs[i]; submitit
     keeps the array's pickles and logs (<array>_<task>_<rank>_log.out) in folder."""
-    spec = job_spec(cfg, run_dirs[0])
-    spec.parameters["setup"] = setup_lines(cfg, run_dirs)
+    spec = job_spec(cfg, run_dirs[0], code_root=code_root)
+    spec.parameters["setup"] = setup_lines(cfg, run_dirs, code_root)
     spec.folder = folder
     return spec
 

@@ -27,10 +27,13 @@ from launcher.slurm.sbatch import (SlurmConfigError, SlurmJobSpec, array_dry_run
                                    dry_run_text, job_spec, with_cpus_per_task)
 from launcher.slurm.rank_task import RankTask
 from launcher.rundir import write_config
+from launcher.slurm.snapshot import code_dir, take_snapshot
 from launcher.sweep_point import update_point
 from training.config import Config, load_config
 from training.events import append_event
 from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_SLURM
+from training.resume_once import write_request
+from training.run_lock import RunLocked, acquire, held
 from training.slurm_env import SlurmUnavailable, slurm_command
 
 
@@ -92,18 +95,38 @@ def resolve_for_slurm(cfg: Config) -> Config:
     return with_cpus_per_task(cfg, min((c for c in nodes.values() if c > 0), default=0))
 
 
+SBATCH_TIMEOUT_S = 60
+"""How long sbatch may take before the submission counts as refused (a hung controller must not hang meshrun)."""
+
+
+def _with_sbatch_timeout() -> None:
+    """submitit (1.5) runs sbatch without a timeout, and builds a plain SlurmExecutor for job arrays: the
+    submission command is therefore set on that class, as `timeout` around sbatch (coreutils)."""
+    from submitit.slurm.slurm import SlurmExecutor
+
+    def command(self, submission_file_path) -> List[str]:
+        return ["timeout", "--kill-after=5", str(SBATCH_TIMEOUT_S), "sbatch", str(submission_file_path)]
+
+    SlurmExecutor._make_submission_command = command
+
+
 def _submit_spec(spec: SlurmJobSpec, run_dirs: List[str]) -> List[str]:
     """One sbatch for spec: a plain job for one run dir, a job array for several; the job ids."""
     import submitit
 
+    _with_sbatch_timeout()
     os.makedirs(spec.folder, exist_ok=True)
     executor = submitit.SlurmExecutor(folder=spec.folder, python=spec.python)
     executor.update_parameters(**spec.parameters)
     try:
         with executor.batch() if len(run_dirs) > 1 else contextlib.nullcontext():
             jobs = [executor.submit(RankTask(run_dir)) for run_dir in run_dirs]
-    except Exception as exc:  # submitit wraps sbatch's complaint
-        raise SlurmUnavailable(f"sbatch refused the job: {str(exc).strip()}") from None
+    except Exception as exc:  # submitit wraps sbatch's complaint (exit 124: `timeout` stopped it)
+        text = str(exc).strip()
+        cause = getattr(exc, "__cause__", None)
+        if getattr(cause, "returncode", None) in (124, 137):
+            text = f"sbatch did not answer within {SBATCH_TIMEOUT_S} s (is the controller overloaded?) {text}"
+        raise SlurmUnavailable(f"sbatch refused the job: {text}") from None
     return [str(job.job_id) for job in jobs]
 
 
@@ -113,11 +136,16 @@ def submit_job(cfg: Config, run_dir: str, exclude: str = "") -> str:
     return _submit_spec(job_spec(cfg, run_dir, exclude), [run_dir])[0]
 
 
-def _record_submission(cfg: Config, run_dir: str, job_id: str, log_dir: str) -> None:
+def _record_submission(cfg: Config, run_dir: str, job_id: str, log_dir: str,
+                       code: Optional[Dict[str, Any]] = None) -> None:
     excluded = [n for n in cfg.cluster.exclude.split(",") if n]
+    snap = {k: code[k] for k in ("path", "commit", "dirty") if code and k in code}
     append_event(run_dir, "submitted", job_id=job_id, attempt=0, excluded_nodes=excluded,
                  partition=cfg.cluster.partition, nodes=cfg.cluster.nodes, ranks_per_node=cfg.cluster.gpus_per_node,
-                 log_dir=log_dir)
+                 log_dir=log_dir, **{f"code_{k}" if k != "path" else "code": v for k, v in snap.items()})
+    lock = held(run_dir)
+    if lock is not None:
+        lock.hand_to_job(job_id)  # from now on the job holds the run directory (training/run_lock.py)
     print(f"submitted Slurm job {job_id}; run dir {run_dir}")
     print(f"  follow: meshrun action=status run.dir={run_dir}")
 
@@ -136,12 +164,19 @@ def submit_arrays(run_dirs: Sequence[str], folder: str) -> Dict[str, Dict[str, A
     updates: Dict[str, Dict[str, Any]] = {}
     waiting: List[str] = []
     for (dry, _), group in groups.items():
+        if not dry:
+            group = _lock_points(group, updates)
+            if not group:
+                continue
         cfg, dirs = group[0][0], [run_dir for _, run_dir in group]
-        spec = job_spec(cfg, dirs[0]) if len(group) == 1 else array_job_spec(cfg, dirs, folder)
+        code_root = code_dir(dirs[0] if len(group) == 1 else folder)
+        spec = (job_spec(cfg, dirs[0], code_root=code_root) if len(group) == 1
+                else array_job_spec(cfg, dirs, folder, code_root=code_root))
         if dry:
             print(dry_run_text(cfg, spec, dirs[0]) if len(group) == 1 else array_dry_run_text(spec, dirs), flush=True)
             updates.update({run_dir: {"status": "dry_run"} for run_dir in dirs})
             continue
+        code = take_snapshot(dirs[0] if len(group) == 1 else folder)
         if len(group) > 1:
             print(f"submitting {len(group)} sweep points as one Slurm job array", flush=True)
         try:
@@ -149,9 +184,11 @@ def submit_arrays(run_dirs: Sequence[str], folder: str) -> Dict[str, Dict[str, A
         except SlurmUnavailable as exc:
             print(f"error: {exc}\nnothing was submitted for {', '.join(dirs)}.", file=sys.stderr)
             updates.update({run_dir: {"status": "invalid", "errors": [f"error: {exc}"]} for run_dir in dirs})
+            for run_dir in dirs:
+                _release(run_dir)
             continue
         for (point_cfg, run_dir), job_id in zip(group, job_ids):
-            _record_submission(point_cfg, run_dir, job_id, spec.folder)
+            _record_submission(point_cfg, run_dir, job_id, spec.folder, code)
             updates[run_dir] = {"status": "submitted", "job_id": job_id}
             if point_cfg.wait:
                 waiting.append(run_dir)
@@ -163,6 +200,29 @@ def submit_arrays(run_dirs: Sequence[str], folder: str) -> Dict[str, Dict[str, A
     return updates
 
 
+def _lock_points(group: List[Tuple[Config, str]], updates: Dict[str, Dict[str, Any]]) -> List[Tuple[Config, str]]:
+    """The queued points whose run directory this process could lock; the others become invalid."""
+    from launcher.status import job_alive
+
+    out = []
+    for cfg, run_dir in group:
+        if held(run_dir) is None:
+            try:
+                acquire(run_dir, what="meshrun sweep submission", job_alive=job_alive)
+            except RunLocked as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                updates[run_dir] = {"status": "invalid", "errors": [f"error: {exc}"]}
+                continue
+        out.append((cfg, run_dir))
+    return out
+
+
+def _release(run_dir: str) -> None:
+    lock = held(run_dir)
+    if lock is not None:
+        lock.release()
+
+
 def submit(cfg: Config, run_dir: str, plan_result: Dict[str, Any], multirun: bool = False,
            queue: bool = False) -> Dict[str, Any]:
     """The app's Slurm launcher (action=train, cluster.kind=slurm). queue=True (a sweep point of
@@ -170,7 +230,7 @@ def submit(cfg: Config, run_dir: str, plan_result: Dict[str, Any], multirun: boo
     points with submit_arrays (a dry run too: it prints the arrays' scripts)."""
     try:
         cfg = resolve_for_slurm(cfg)
-        spec = job_spec(cfg, run_dir)  # the one spec of this submission
+        spec = job_spec(cfg, run_dir, code_root=code_dir(run_dir))  # the one spec of this submission
         if cfg.dry_run and not queue:
             print(dry_run_text(cfg, spec, run_dir))
             return {**plan_result, "status": "dry_run", "run_dir": run_dir}
@@ -179,13 +239,15 @@ def submit(cfg: Config, run_dir: str, plan_result: Dict[str, Any], multirun: boo
     except SlurmUnavailable as exc:
         return _refuse(str(exc), multirun, EXIT_SLURM)
     write_config(cfg, run_dir)  # with cpus_per_task resolved: resubmissions and arrays ask the same
+    write_request(run_dir, cfg.train.resume)  # an explicit train.resume is this launch's first attempt's only
     if queue:  # submitted (or printed) with the batch's other points by submit_arrays
         return {**plan_result, "status": "queued", "run_dir": run_dir}
+    code = take_snapshot(run_dir)
     try:
         job_id = _submit_spec(spec, [run_dir])[0]
     except SlurmUnavailable as exc:
         return _refuse(str(exc), multirun, EXIT_SLURM)
-    _record_submission(cfg, run_dir, job_id, spec.folder)
+    _record_submission(cfg, run_dir, job_id, spec.folder, code)
     result = {**plan_result, "status": "submitted", "job_id": job_id, "run_dir": run_dir}
     if cfg.wait and not multirun:
         result["final"] = follow(run_dir)

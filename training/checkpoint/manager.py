@@ -39,9 +39,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from training.checkpoint import signals, storage
-from training.checkpoint.layout import Piece, param_info, pieces_for, to_load_state_dict, to_state_dict
+from training.checkpoint.crc_writer import CrcFileSystemWriter, read_sidecars
+from training.checkpoint.layout import (Piece, exact_storage, param_info, pieces_for, to_load_state_dict,
+                                        to_state_dict)
+from training.checkpoint.safe_read import SafeFileSystemReader
 from training.checkpoint.storage import CheckpointError
-from training.config import Config, config_to_dict
+from training.config import Config, checkpoint_minutes, config_to_dict
 from training.events import append_event
 from training.exit_codes import EXIT_STOPPED
 from training.optim import SCALARS
@@ -183,9 +186,11 @@ class CheckpointManager:
             return self._decided[1], self._decided[2]
         t = self.cfg.train
         now = time.monotonic() if now is None else now
-        time_due = t.checkpoint_every_min > 0 and (now - self._last_save_time) >= 60 * t.checkpoint_every_min
+        minutes = checkpoint_minutes(self.cfg)  # resolved by the launcher (train.checkpoint_every_min=auto)
+        time_due = minutes > 0 and (now - self._last_save_time) >= 60 * minutes
         stop = 0
-        if t.exit_interval > 0 and step > 0 and step % t.exit_interval == 0:
+        # Not at the last step: that one completes the run (a stop there would only cost the job another attempt).
+        if t.exit_interval > 0 and 0 < step < t.steps and step % t.exit_interval == 0:
             stop = 1
         if t.exit_after_min > 0 and (now - self._start) >= 60 * t.exit_after_min:
             stop = 2
@@ -249,16 +254,20 @@ class CheckpointManager:
         tmp = self._bcast(storage.new_tmp_dir(self.run_dir, step) if self.rank == 0 else None)
         opt_state = optimizer.state_dict() if optimizer is not None else None
         pieces = self._pieces(model_chunks, opt_state, for_save=True)
+        if not self.async_save:  # async_save stages its own compact host copy
+            pieces = [Piece(p.key, exact_storage(p.tensor), p.offsets, p.global_shape) for p in pieces]
         state = to_state_dict(pieces) if self.distributed else self._plain(pieces)
         state[f"rank_state/{self.rank}"] = _json_tensor({"rng": _rng_state(), "layout": self._layout()})
         info = {
             "step": step, "reason": reason, "time": time.time(), "layout": self._layout(),
             "consumed_samples": int(extra_state.get("consumed_samples", 0)), "extra_state": extra_state,
             "optimizer": self._optimizer_scalars(opt_state),
+            # The checkpoint this one continues (resumed from or saved last): the history `auto` follows.
+            "previous": self.last_saved_step,
         }
         json.dumps(info)  # fail here, on every rank, if the loop put something non-JSON in extra_state
         stats = SaveStats(step, reason)
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        writer = CrcFileSystemWriter(tmp, self.rank, sync_files=True)
         try:
             if self.async_save:
                 future = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
@@ -314,12 +323,13 @@ class CheckpointManager:
         if self.rank == 0:
             if error is None:
                 try:
+                    sums = read_sidecars(tmp)  # every rank's CRC32s, computed while writing
                     storage.write_json_durable(os.path.join(tmp, storage.STATE), info)
                     with open(os.path.join(tmp, storage.CONFIG), "w") as f:
                         json.dump(config_to_dict(self.cfg), f, indent=2, sort_keys=True)
                     storage.commit(tmp, storage.step_dir(self.run_dir, stats.step),
                                    os.path.join(storage.checkpoints_dir(self.run_dir), storage.LATEST),
-                                   {"step": stats.step})
+                                   {"step": stats.step, "previous": info["previous"]}, sums)
                     stats.bytes = storage.dir_size(storage.step_dir(self.run_dir, stats.step))
                     storage.prune(self.run_dir, self.keep_last, protect=stats.step)
                     storage.remove_stale_tmp(self.run_dir)
@@ -337,9 +347,11 @@ class CheckpointManager:
             prev = storage.read_latest(self.run_dir)
             hint = " (no space left: free space under run.dir or point run.dir at a larger filesystem)" \
                 if "No space left" in error or "ENOSPC" in error else ""
-            raise CheckpointError(
+            failure = CheckpointError(
                 f"saving checkpoint step_{stats.step} in {storage.checkpoints_dir(self.run_dir)} failed: {error}{hint}; "
                 f"the previous checkpoint ({'step_%d' % prev if prev is not None else 'none'}) is untouched")
+            failure.during_save = True  # training/main.py: a failed save requeues from the previous checkpoint
+            raise failure
         self.history.append(stats)
         self.last_saved_step = stats.step
         self._last_save_time = time.monotonic()
@@ -398,16 +410,23 @@ class CheckpointManager:
         if error:
             raise CheckpointError(error)
         if step is None:
-            if self.rank == 0 and storage.list_steps(self.run_dir) and str(self.cfg.train.resume) != "none":
-                self.log("no usable checkpoint found: starting fresh")
+            if self.rank == 0 and storage.list_steps(self.run_dir):
+                if self._mode() == "none":
+                    self._start_new_line(None)
+                elif not storage.candidates(self.run_dir):
+                    self.log("no checkpoint on the current line (latest): starting fresh")
+                else:
+                    self.log("no usable checkpoint found: starting fresh")
             return None
         t0 = time.monotonic()
         path = storage.step_dir(self.run_dir, step)
         with open(os.path.join(path, storage.STATE)) as f:
             info = json.load(f)
-        reader = dcp.FileSystemReader(path)
+        reader = SafeFileSystemReader(path)
         try:
             metadata = reader.read_metadata()
+        except CheckpointError:
+            raise  # refused (a crafted or damaged .metadata): the message says why and what to do
         except Exception as exc:  # noqa: BLE001 - a damaged .metadata that still matched its manifest
             raise CheckpointError(self._unreadable(path, _short(exc))) from exc
         saved_keys = set(metadata.state_dict_metadata)
@@ -441,12 +460,31 @@ class CheckpointManager:
             _set_rng_state(json.loads(bytes(state[rank_key].tolist()).decode())["rng"])
         extra_state.update(info["extra_state"])
         self.last_saved_step = step
+        if self.rank == 0 and self._mode() != "auto" and storage.read_latest(self.run_dir) != step:
+            self._start_new_line(step)
         if self.rank == 0:
             how = "same layout" if same_layout else f"resharded from {info['layout']} to {self._layout()}"
             append_event(self.run_dir, "resumed", step=step, layout_changed=not same_layout)
             self.log(f"resumed from {path} (step {step}, consumed_samples {info['consumed_samples']}, {how}) "
                      f"in {time.monotonic() - t0:.3f}s")
         return step, int(info["consumed_samples"])
+
+    # ----- rollback ---------------------------------------------------------------------------------
+    def _mode(self) -> str:
+        return str(self.cfg.train.resume).strip().lower()
+
+    def _start_new_line(self, step: Optional[int]) -> None:
+        """train.resume=<step> (or none) chose a point behind `latest`: it becomes `latest`, so a later
+        train.resume=auto (a requeue) follows the new line; the checkpoints past it are not deleted: the
+        new line's first save moves them to checkpoints/abandoned/ (storage.prune)."""
+        left = [s for s in storage.list_steps(self.run_dir) if step is None or s > step]
+        storage.set_latest(self.run_dir, step)
+        append_event(self.run_dir, "rollback", step=step, abandoned_steps=left)
+        where = f"step_{step}" if step is not None else "a fresh start (train.resume=none)"
+        if left:
+            self.log(f"rolled back to {where}: checkpoints {['step_%d' % s for s in left]} are off the line now; "
+                     f"they move to {os.path.join(storage.checkpoints_dir(self.run_dir), storage.ABANDONED)}/ at "
+                     "the next save and are never resumed")
 
     # ----- helpers ---------------------------------------------------------------------------------
     @staticmethod

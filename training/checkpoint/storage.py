@@ -3,7 +3,18 @@
 Layout of `run_dir/checkpoints/`:
   .tmp_step_<N>_<nonce>/   a save in progress (or one that crashed); never read, removed by the next commit
   step_<N>/                a complete checkpoint: DCP files + `.metadata`, state.json, config.json, manifest.json
-  latest                   text file naming the newest complete checkpoint ("step_<N>")
+  latest                   text file naming the newest complete checkpoint of the current line ("step_<N>"),
+                           or "none" right after a fresh start (train.resume=none) before its first save
+  abandoned/step_<N>_<time>/  checkpoints of a line that a rollback (train.resume=<step> or none) left: kept for
+                           people, never resumed and never deleted by meshrun
+
+History: each manifest records `previous`, the step `latest` named when it was committed. Resuming follows
+`latest` and then that chain, never simply the highest step number, so after a rollback to step N the
+checkpoints trained past N on the abandoned line are never picked up again (and are moved to abandoned/
+at the new line's first save); pruning keeps the newest `keep_last` of the chain.
+
+Trust: every file's CRC32 (computed while it was written, crc_writer.py) and size are in the manifest;
+a manifest path outside the directory, or a symlink anywhere inside it, makes the checkpoint invalid.
 
 A checkpoint is complete only once it has been renamed from its temporary name, and the rename happens
 after every file in it is written and fsynced, so a crash at any point leaves the previous one intact.
@@ -16,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
@@ -27,11 +39,10 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 CONFIG = "config.json"
 DCP_METADATA = ".metadata"
+ABANDONED = "abandoned"
+FRESH = "none"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp_step_"
-# Files up to this size get a CRC32 in the manifest (cheap); larger ones are checked by size only, so that
-# verification never re-reads a multi-GB shard.
-CRC_LIMIT_BYTES = 64 * 1024 * 1024
 
 
 class CheckpointError(RuntimeError):
@@ -45,7 +56,7 @@ class Verification:
     path: str
     """The checkpoint directory."""
     ok: bool
-    """True when every file of the manifest is present with its size (and CRC where recorded)."""
+    """True when every file of the manifest is present with its size and CRC32, and nothing is a symlink."""
     problems: List[str] = field(default_factory=list)
     """Human-readable reasons when not ok."""
 
@@ -92,8 +103,12 @@ def _crc32(path: str) -> int:
             crc = zlib.crc32(block, crc)
 
 
-def build_manifest(directory: str) -> Dict[str, Dict[str, int]]:
-    """Every file below `directory` (relative path -> size, crc32 for small files); fsyncs each file."""
+def build_manifest(directory: str, sums: Optional[Dict[str, List[int]]] = None) -> Dict[str, Dict[str, int]]:
+    """Every file below `directory` (relative path -> size, crc32); fsyncs each file.
+
+    `sums` holds (size, crc32) recorded while the ranks wrote their shards (crc_writer.py); only files
+    without one (rank 0's small state.json and config.json, or a stream DCP seeked) are read here."""
+    sums = sums or {}
     files: Dict[str, Dict[str, int]] = {}
     for root, _dirs, names in os.walk(directory):
         for name in names:
@@ -102,43 +117,91 @@ def build_manifest(directory: str) -> Dict[str, Dict[str, int]]:
             if rel == MANIFEST:
                 continue
             fsync_path(full)
-            entry = {"size": os.path.getsize(full)}
-            if entry["size"] <= CRC_LIMIT_BYTES:
-                entry["crc32"] = _crc32(full)
-            files[rel] = entry
+            size = os.path.getsize(full)
+            recorded = sums.get(rel)
+            crc = recorded[1] if recorded and recorded[0] == size else _crc32(full)
+            files[rel] = {"size": size, "crc32": crc}
     return files
 
 
-def commit(tmp_dir: str, final_dir: str, latest_path: str, info: Dict) -> None:
+def commit(tmp_dir: str, final_dir: str, latest_path: str, info: Dict,
+           sums: Optional[Dict[str, List[int]]] = None) -> None:
     """Seal a fully written temporary checkpoint: manifest, fsync, rename, then point `latest` at it.
 
-    Called on one rank (rank 0) after all ranks finished writing. An existing `final_dir` (the same step
-    saved again after a resume) is moved aside first and deleted only after the new one is in place.
+    Called on one rank (rank 0) after all ranks finished writing. The manifest records `previous` (the step
+    `latest` named until now: the history resuming follows). An existing `final_dir` (a checkpoint of the same
+    step on a line a rollback abandoned) is moved to abandoned/, never deleted.
     """
-    manifest = {"files": build_manifest(tmp_dir), **info}
+    run_dir = os.path.dirname(os.path.dirname(final_dir))
+    manifest = {"files": build_manifest(tmp_dir, sums), "previous": read_latest(run_dir), **info}
     write_json_durable(os.path.join(tmp_dir, MANIFEST), manifest)
     fsync_path(tmp_dir)
-    old = None
     if os.path.exists(final_dir):
-        old = f"{final_dir}.old{uuid.uuid4().hex[:6]}"
-        os.replace(final_dir, old)
+        abandon(run_dir, [int(_STEP_RE.match(os.path.basename(final_dir)).group(1))])
     os.replace(tmp_dir, final_dir)
     parent = os.path.dirname(final_dir)
     fsync_path(parent)
+    _write_latest(latest_path, os.path.basename(final_dir))
+    fsync_path(parent)
+
+
+def _write_latest(latest_path: str, text: str) -> None:
     tmp_latest = f"{latest_path}.tmp{uuid.uuid4().hex[:6]}"
     with open(tmp_latest, "w") as f:
-        f.write(os.path.basename(final_dir) + "\n")
+        f.write(text + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp_latest, latest_path)
-    fsync_path(parent)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+
+
+def set_latest(run_dir: str, step: Optional[int]) -> None:
+    """Point `latest` at `step` (a rollback), or at "none" (a fresh start: nothing to resume yet)."""
+    os.makedirs(checkpoints_dir(run_dir), exist_ok=True)
+    _write_latest(os.path.join(checkpoints_dir(run_dir), LATEST), f"step_{step}" if step is not None else FRESH)
+    fsync_path(checkpoints_dir(run_dir))
+
+
+def abandon(run_dir: str, steps: List[int]) -> List[str]:
+    """Move checkpoints off the current line to checkpoints/abandoned/step_<N>_<UTC time>/ (kept, never read)."""
+    moved = []
+    if not steps:
+        return moved
+    target = os.path.join(checkpoints_dir(run_dir), ABANDONED)
+    os.makedirs(target, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for step in steps:
+        dest = os.path.join(target, f"step_{step}_{stamp}")
+        if os.path.exists(dest):
+            dest = f"{dest}_{uuid.uuid4().hex[:6]}"
+        os.replace(step_dir(run_dir, step), dest)
+        moved.append(dest)
+    fsync_path(target)
+    fsync_path(checkpoints_dir(run_dir))
+    return moved
+
+
+def _symlinks(directory: str) -> List[str]:
+    found = [directory] if os.path.islink(directory) else []
+    for root, dirs, names in os.walk(directory):
+        found += [os.path.join(root, n) for n in dirs + names if os.path.islink(os.path.join(root, n))]
+    return [os.path.relpath(p, directory) for p in found]
+
+
+def _outside(directory: str, rel: str) -> bool:
+    """True for a manifest path that is absolute, climbs out (..), or is not in normal form."""
+    return (not isinstance(rel, str) or not rel or os.path.isabs(rel) or os.path.normpath(rel) != rel
+            or rel.split(os.sep)[0] == os.pardir)
 
 
 def verify(directory: str) -> Verification:
-    """Check a checkpoint directory: manifest readable, DCP metadata present, every file with its size/CRC."""
+    """Check a checkpoint directory: manifest readable, DCP metadata present, every file with its size and
+    CRC32, no manifest path outside the directory and no symlink inside it (a checkpoint holds only its
+    own files: a link could make a resume read, or a pruning delete, something elsewhere)."""
     result = Verification(path=directory, ok=False)
+    links = _symlinks(directory)
+    if links:
+        result.problems.append(f"symlinks are not allowed in a checkpoint: {links[:5]}")
+        return result
     manifest_path = os.path.join(directory, MANIFEST)
     try:
         with open(manifest_path) as f:
@@ -149,15 +212,21 @@ def verify(directory: str) -> Verification:
         return result
     if DCP_METADATA not in files:
         result.problems.append("DCP .metadata missing from the manifest")
+    outside = [rel for rel in files if _outside(directory, rel)]
+    if outside:
+        result.problems.append(f"manifest names paths outside the checkpoint directory: {outside[:5]}")
+        return result
     for rel, entry in sorted(files.items()):
         full = os.path.join(directory, rel)
         if not os.path.isfile(full):
             result.problems.append(f"{rel} missing")
             continue
         size = os.path.getsize(full)
-        if size != entry["size"]:
-            result.problems.append(f"{rel} has {size} bytes, manifest says {entry['size']}")
-        elif "crc32" in entry and _crc32(full) != entry["crc32"]:
+        if size != entry.get("size"):
+            result.problems.append(f"{rel} has {size} bytes, manifest says {entry.get('size')}")
+        elif "crc32" not in entry:
+            result.problems.append(f"{rel} has no checksum in the manifest")
+        elif _crc32(full) != entry["crc32"]:
             result.problems.append(f"{rel} checksum mismatch")
     result.ok = not result.problems
     return result
@@ -172,32 +241,77 @@ def list_steps(run_dir: str) -> List[int]:
     return sorted(steps, reverse=True)
 
 
-def read_latest(run_dir: str) -> Optional[int]:
-    """The step named by checkpoints/latest, or None when absent or unreadable."""
+def _read_latest_text(run_dir: str) -> Optional[str]:
     try:
         with open(os.path.join(checkpoints_dir(run_dir), LATEST)) as f:
-            m = _STEP_RE.match(f.read().strip())
+            return f.read().strip()
     except OSError:
         return None
+
+
+def read_latest(run_dir: str) -> Optional[int]:
+    """The step named by checkpoints/latest, or None when absent, "none" (a fresh start) or unreadable."""
+    m = _STEP_RE.match(_read_latest_text(run_dir) or "")
     return int(m.group(1)) if m else None
 
 
-def candidates(run_dir: str) -> List[int]:
-    """Steps to try when resuming, newest first; each must still pass `verify`.
+def previous_step(run_dir: str, step: int) -> Optional[int]:
+    """The step before `step` on its line: its manifest's `previous`; for a manifest without one (written
+    by an older meshrun) or an unreadable one, the next lower checkpoint directory."""
+    try:
+        with open(os.path.join(step_dir(run_dir, step), MANIFEST)) as f:
+            manifest = json.load(f)
+        if "previous" in manifest:
+            prev = manifest["previous"]
+            return int(prev) if prev is not None and int(prev) < step else None
+    except (OSError, ValueError, TypeError):
+        pass
+    lower = [s for s in list_steps(run_dir) if s < step]
+    return lower[0] if lower else None
 
-    Not only the step `latest` names: a crash between the rename and the update of `latest` leaves a newer
-    complete checkpoint, and a damaged newest one must fall back to the one before.
+
+def history(run_dir: str) -> List[int]:
+    """The current line, newest first: `latest`, then each checkpoint's `previous` while its directory exists.
+
+    Without `latest` (a run dir of an older meshrun, or one whose latest was lost) every checkpoint
+    directory, newest first; "none" (a fresh start not saved yet): nothing."""
+    steps = list_steps(run_dir)
+    text = _read_latest_text(run_dir)
+    if text == FRESH:
+        return []
+    latest = read_latest(run_dir)
+    if latest is None or latest not in steps:
+        return steps
+    chain: List[int] = []
+    step: Optional[int] = latest
+    while step is not None and step in steps and step not in chain:
+        chain.append(step)
+        step = previous_step(run_dir, step)
+    return chain
+
+
+def candidates(run_dir: str) -> List[int]:
+    """Steps to try when resuming (train.resume=auto), newest first; each must still pass `verify`.
+
+    The history of `latest`, not the highest step number: after a rollback the newer checkpoints of the
+    abandoned line are never candidates; a damaged newest one falls back to the one before it on the line.
     """
-    return list_steps(run_dir)
+    return history(run_dir)
 
 
 def prune(run_dir: str, keep_last: int, protect: Optional[int] = None) -> List[int]:
-    """Delete all but the newest `keep_last` checkpoints (never `protect`); temporary dirs are
-    `remove_stale_tmp`'s job."""
+    """Keep the newest `keep_last` checkpoints of the current line (`latest` first; never `protect`); delete
+    the older ones of the line; move every checkpoint that is not on the line (a rollback left it) to
+    abandoned/. Temporary dirs are `remove_stale_tmp`'s job. Returns the deleted steps."""
     removed = []
-    steps = list_steps(run_dir)
-    for step in steps[max(1, keep_last):]:
-        if step != protect:
+    chain = history(run_dir)
+    keep = set(chain[:max(1, keep_last)])
+    if protect is not None:
+        keep.add(protect)
+    if read_latest(run_dir) is not None or _read_latest_text(run_dir) == FRESH:
+        abandon(run_dir, [s for s in list_steps(run_dir) if s not in chain and s not in keep])
+    for step in chain:
+        if step not in keep:
             shutil.rmtree(step_dir(run_dir, step), ignore_errors=True)
             removed.append(step)
     return removed

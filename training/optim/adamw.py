@@ -2,6 +2,9 @@
 
 The update is torch.optim.AdamW's single-tensor algorithm with the same operation order, applied
 elementwise to the whole shard at once; weight decay applies only to the segments that take it.
+With train.fused_adamw the moment and weight update is torch's fused AdamW kernel (the one behind
+torch.optim.AdamW(fused=True)) on the whole shard: one pass instead of seven, equal up to the last bits
+(docs/PERFORMANCE.md gives the measured difference and the test that bounds it).
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ class ShardedAdamW:
     STATES = ("exp_avg", "exp_avg_sq", "master")
     """Names of the per-element state tensors (master only exists for 16-bit weights)."""
 
-    def __init__(self, layout: FlatLayout, beta1: float, beta2: float, eps: float, weight_decay: float):
+    def __init__(self, layout: FlatLayout, beta1: float, beta2: float, eps: float, weight_decay: float,
+                 fused: bool = False):
         self.layout = layout
+        self.fused = fused
+        self._step_t = torch.zeros((), dtype=torch.float32, device=layout.params[0].device)
         self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
         device = layout.params[0].device
         self.master: Optional[torch.Tensor] = None
@@ -37,8 +43,13 @@ class ShardedAdamW:
         return out
 
     def weights(self) -> torch.Tensor:
-        """The fp32 values to update: the master copy, or (fp32 params) a fresh read of the parameters."""
-        return self.master if self.master is not None else self.layout.read_shard()
+        """The fp32 values to update: the master copy; for fp32 params, this rank's shard of the flat parameter
+        buffer itself (updated in place, no copy), or a fresh read when the parameters are not flattened."""
+        if self.master is not None:
+            return self.master
+        if self.layout.param_buffer is not None:
+            return self.layout.shard_of(self.layout.param_buffer)
+        return self.layout.read_shard()
 
     def update(self, w: torch.Tensor, g: torch.Tensor, lr: float, step: int) -> None:
         """One AdamW step number `step` (1-based) of the shard `w` with grads `g`, in place."""
@@ -46,6 +57,12 @@ class ShardedAdamW:
             for s in self.layout.segments:
                 if s.decay:
                     w[s.shard_start : s.shard_end].mul_(1 - lr * self.weight_decay)
+        if self.fused:
+            self._step_t.fill_(step)  # the kernel reads the step count (torch increments it before the call)
+            torch._fused_adamw_([w], [g], [self.exp_avg], [self.exp_avg_sq], [], [self._step_t], lr=lr,
+                                beta1=self.beta1, beta2=self.beta2, weight_decay=0.0, eps=self.eps,
+                                amsgrad=False, maximize=False)
+            return
         self.exp_avg.lerp_(g, 1 - self.beta1)
         self.exp_avg_sq.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
         bc1 = 1 - self.beta1 ** step

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 
@@ -70,6 +70,30 @@ class FlatLayout:
             self.shard_size, self.total, self.shard_lo = n, n, 0
         self.shard_hi = self.shard_lo + self.shard_size
         self.segments = self._segments(mesh)
+        self.param_buffer: Optional[torch.Tensor] = None
+        """The parameters' values in flat order (padding zero) once `flatten_params` ran; the parameters are views."""
+
+    def flatten_params(self) -> None:
+        """Move every parameter into one flat buffer of the layout's order and make it a view of it.
+
+        The optimizer then updates fp32 weights in place (no per-step gather into a fresh buffer and
+        scatter back) and writes 16-bit weights back with one copy. Skipped when the parameters differ
+        in dtype or device (each stays its own tensor; the optimizer copies as before).
+        """
+        first = self.params[0]
+        if any(p.dtype != first.dtype or p.device != first.device for p in self.params):
+            return
+        buf = torch.zeros(self.total, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for o, p in zip(self.offsets, self.params):
+                view = buf[o : o + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+        self.param_buffer = buf
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a flat (padded, layout-ordered) tensor, as a view."""
+        return flat[self.shard_lo : self.shard_hi]
 
     def _segments(self, mesh) -> List[Segment]:
         segs = []

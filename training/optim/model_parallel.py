@@ -63,6 +63,10 @@ class ModelParallelGradSync:
         if mesh.pp > 1 and cfg.model.tie_embeddings and TIED_EMBEDDING in names:
             self.tied_index = names.index(TIED_EMBEDDING)
 
+    def param_indices(self) -> List[int]:
+        """The parameters (indices in construction order) whose grads this reduces before the dp reduction."""
+        return self.sp_params + ([self.tied_index] if self.tied_index is not None else [])
+
     def __call__(self, grads: List[torch.Tensor]) -> None:
         """Reduce in place the grads (one per parameter, in the order given at construction) that need it."""
         if self.sp_params:

@@ -75,11 +75,16 @@ class DistributedOptimizer:
         self.zero, self.dp, self.shard_lo, self.shard_size = lay.zero, lay.dp, lay.shard_lo, lay.shard_size
         self.segments: List[Segment] = lay.segments
         self.dp_group = mesh.dp_cp_group if lay.dp > 1 else None
-        self.grads = GradBuffer(lay, grad_dtype(t.precision), self.dp_group, cfg.parallel.bucket_mb)
+        # The parameters become views of one flat buffer: fp32 weights are updated in place.
+        lay.flatten_params()
+        self.grads = GradBuffer(lay, grad_dtype(t.precision), self.dp_group, cfg.parallel.bucket_mb,
+                                overlap=getattr(cfg.parallel, "overlap_grad_reduce", True))
         self.finalize_grads = ModelParallelGradSync(lay.names, lay.params, cfg, mesh)
-        self.adamw = ShardedAdamW(lay, t.beta1, t.beta2, t.eps, t.weight_decay)
+        self.grads.defer(self.finalize_grads.param_indices())
+        self.adamw = ShardedAdamW(lay, t.beta1, t.beta2, t.eps, t.weight_decay, getattr(t, "fused_adamw", False))
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.min_loss_scale, t.loss_scale_window)
         self.step_count = 0
+        self._runs = self._counted_runs()
 
     # ----- what tests and the checkpoint code read --------------------------------------------------
     @property
@@ -95,8 +100,13 @@ class DistributedOptimizer:
         return self.scaler.scale
 
     # ----- the loop's calls --------------------------------------------------------------------------
-    def zero_grad(self) -> None:
+    def zero_grad(self, num_micro_batches: Optional[int] = None) -> None:
+        """Start a step. Given its number of micro-batches (the loop does), each bucket's dp reduction starts
+        during backward as soon as its grads are final; without it, everything is reduced in `step`, and the
+        main grads (optimizer.grads.views) hold this rank's own sums until then."""
         self.grads.zero()
+        if num_micro_batches is not None:
+            self.grads.expect(num_micro_batches)
 
     def scale_loss(self, loss: torch.Tensor, num_micro_batches: int) -> torch.Tensor:
         """The tensor to call backward on: mean over micro-batches, times the fp16 loss scale."""
@@ -104,6 +114,7 @@ class DistributedOptimizer:
 
     def step(self, lr: float, loss_finite: bool = True) -> StepResult:
         """Reduce grads, clip and apply AdamW with learning rate `lr` (or skip on non-finite values)."""
+        self.grads.settle()
         self.finalize_grads(self.grads.views)
         self.grads.reduce_dp()
         shard = self.grads.shard()
@@ -125,11 +136,22 @@ class DistributedOptimizer:
         self.scaler.grow()
         return StepResult(norm, False, "", self.scaler.reported())
 
+    def _counted_runs(self) -> List[Tuple[int, int]]:
+        """Shard ranges of the counted segments, adjacent ones merged (tp = pp = 1: one range, the whole shard)."""
+        runs: List[Tuple[int, int]] = []
+        for s in self.segments:
+            if not s.counted:
+                continue
+            if runs and runs[-1][1] == s.shard_start:
+                runs[-1] = (runs[-1][0], s.shard_end)
+            else:
+                runs.append((s.shard_start, s.shard_end))
+        return runs
+
     def _grad_norm(self, grads: torch.Tensor) -> float:
         sq = torch.zeros((), dtype=torch.float64, device=grads.device)
-        for s in self.segments:
-            if s.counted:
-                sq += torch.linalg.vector_norm(grads[s.shard_start : s.shard_end]).double() ** 2
+        for lo, hi in self._runs:
+            sq += torch.linalg.vector_norm(grads[lo:hi]).double() ** 2
         if self.zero == 1 and self.dp > 1:
             dist.all_reduce(sq, group=self.dp_group)
         if self.mesh.tp * self.mesh.pp > 1:
@@ -139,6 +161,14 @@ class DistributedOptimizer:
     def _write_back(self, values: torch.Tensor) -> None:
         """Updated shard values into the parameters: a copy, or (zero=1) an all-gather of every rank's shard."""
         lay = self.layout
+        buf = lay.param_buffer
+        if buf is not None:
+            own = lay.shard_of(buf)
+            if own.data_ptr() != values.data_ptr():
+                own.copy_(values)  # 16-bit weights from the fp32 masters (fp32: updated in place already)
+            if self.zero == 1 and self.dp > 1:
+                self._all_gather_shards(buf)
+            return
         if self.zero == 0 or self.dp == 1:
             lay.write(values[: self.numel], self.shard_lo)
             return
@@ -153,6 +183,16 @@ class DistributedOptimizer:
                 flat_start = q * self.shard_size + start
                 if flat_start < self.numel:
                     lay.write(row[: self.numel - flat_start], flat_start)
+
+    def _all_gather_shards(self, buf: torch.Tensor) -> None:
+        """Every dp rank's updated shard into the flat parameter buffer, bucketed like the grads."""
+        rows = buf.view(self.dp, self.shard_size)
+        width = max(1, self.grads.bucket_elems // self.dp)
+        for start in range(0, self.shard_size, width):
+            piece = rows[self.layout.dp_rank, start : start + width].clone()
+            out = torch.empty(self.dp * piece.numel(), dtype=buf.dtype, device=buf.device)
+            dist.all_gather_single(out, piece, group=self.dp_group)
+            rows[:, start : start + piece.numel()].copy_(out.view(self.dp, piece.numel()))
 
     # ----- accounting and checkpoints ----------------------------------------------------------------
     def memory_report(self) -> Dict[str, int]:

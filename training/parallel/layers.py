@@ -112,8 +112,11 @@ class RowParallelLinear(nn.Module):
         self.weight = set_tp_meta(_param((out_features, local), dtype, device), 1, (out_features, in_features))
         self.bias = (set_tp_meta(_param((out_features,), dtype, device), None, (out_features,),
                                  self.sequence_parallel) if bias else None)
+        self.single = tp == 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.single:  # nothing to reduce: the bias joins the matmul (one addmm, not a matmul and an add)
+            return F.linear(x, self.weight, self.bias)
         y = F.linear(x, self.weight)
         y = reduce_scatter_to_sp(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
@@ -145,18 +148,20 @@ class VocabParallelEmbedding(nn.Module):
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, vocab_start, vocab_size):
-        in_dtype = logits.dtype
-        logits = logits.float()  # softmax statistics in fp32, whatever the param dtype
+    def forward(ctx, logits_in, targets, group, vocab_start, vocab_size):
+        in_dtype = logits_in.dtype
+        logits = logits_in.float()  # softmax statistics in fp32, whatever the param dtype
         n_local = logits.shape[-1]
         if vocab_start + n_local > vocab_size:  # padded vocabulary rows never win or count
             pad = torch.arange(vocab_start, vocab_start + n_local, device=logits.device) >= vocab_size
             logits = logits.masked_fill(pad, float("-inf"))
-        elif logits.dtype == in_dtype:
-            logits = logits.clone()  # modified in place below
         lmax = logits.max(dim=-1).values
         all_reduce(lmax, group, op=torch.distributed.ReduceOp.MAX)
-        logits.sub_(lmax.unsqueeze(-1))
+        if logits.data_ptr() == logits_in.data_ptr():
+            # Out of place: the caller's logits stay untouched without a defensive clone (one pass, not two).
+            logits = logits - lmax.unsqueeze(-1)
+        else:
+            logits.sub_(lmax.unsqueeze(-1))  # a fresh tensor already (masked or cast to fp32)
         in_range = (targets >= vocab_start) & (targets < vocab_start + n_local)
         local_t = (targets - vocab_start).masked_fill(~in_range, 0)
         target_logit = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
@@ -173,7 +178,9 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         softmax, in_range, local_t = ctx.saved_tensors
-        grad = softmax.clone()
+        # The saved softmax is this function's own tensor and backward runs once (no retain_graph in the
+        # engine): it becomes the grad in place instead of being cloned.
+        grad = softmax
         flat = grad.view(-1, grad.shape[-1])
         flat[torch.arange(flat.shape[0], device=flat.device), local_t.reshape(-1)] -= in_range.reshape(-1).float()
         grad.mul_(g.unsqueeze(-1))

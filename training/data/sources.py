@@ -6,8 +6,11 @@ The run consumes one endless stream of sample indices: position i of the stream 
 micro-batch k of the slice. So dp=2 sees exactly the samples of dp=1, split, and the resume point
 is just `consumed_samples` (a resumed run with another dp loses or repeats nothing).
 
-Kinds: `synthetic` (random tokens drawn from the seed and the sample index) and `text` (files
-tokenized to bytes, concatenated once into a uint8 file in the run dir, then memory-mapped).
+Kinds: `synthetic` (random tokens drawn from the seed and the sample index), `text` (files
+tokenized to bytes, concatenated once into a uint8 file in the run dir, then memory-mapped) and
+`indexed` (Megatron-compatible datasets that `meshrun action=prepare` writes: training/data/indexed.py,
+blended by training/data/blend.py). torch is imported only where batches become tensors, so the
+launcher can use the numpy parts (it must not import torch).
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import json
 import os
 import sysconfig
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import numpy as np
-import torch
 
 from training.config import Config
+
+if TYPE_CHECKING:  # annotations only: the module itself stays importable without torch
+    import torch
 
 BYTE_VOCAB = 256
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
@@ -161,8 +166,8 @@ class TextSource(SampleSource):
 
 def validate_data_config(cfg: Config) -> None:
     """Errors a user can cause, raised before any work: names the key to change."""
-    if cfg.data.kind not in ("synthetic", "text"):
-        raise DataError(f"data.kind={cfg.data.kind!r} is unknown; use data=synthetic or data=text")
+    if cfg.data.kind not in ("synthetic", "text", "indexed"):
+        raise DataError(f"data.kind={cfg.data.kind!r} is unknown; use data=synthetic, data=text or data=indexed")
     if cfg.data.kind == "text" and cfg.model.vocab_size < BYTE_VOCAB:
         raise DataError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's {BYTE_VOCAB} tokens; "
@@ -173,14 +178,39 @@ def validate_data_config(cfg: Config) -> None:
             f"data.max_bytes={cfg.data.max_bytes} is not more than model.seq_length={cfg.model.seq_length}; "
             f"raise data.max_bytes"
         )
+    if cfg.data.kind == "indexed" and not cfg.data.prefixes:
+        raise DataError("data=indexed needs data.prefixes=[DIR/NAME,...]: datasets written by "
+                        "`meshrun action=prepare` (or Megatron-LM's preprocess_data.py)")
+    if cfg.data.kind == "indexed" and cfg.data.weights and len(cfg.data.weights) != len(cfg.data.prefixes):
+        raise DataError(f"data.weights has {len(cfg.data.weights)} entries for {len(cfg.data.prefixes)} "
+                        f"data.prefixes; give one weight per prefix, or none (weights by token count)")
+    if cfg.train.eval_every > 0 and cfg.data.kind == "text":
+        raise DataError("train.eval_every needs held-out data, which data=text has not; use data=indexed "
+                        "(`meshrun action=prepare` holds out a validation split) or train.eval_every=0")
 
 
-def make_source(cfg: Config, run_dir: str, corpus: Optional[CorpusInfo] = None) -> SampleSource:
-    """The sample source of this run (builds the text corpus unless given)."""
+def make_source(cfg: Config, run_dir: str, corpus: Optional[CorpusInfo] = None,
+                may_describe: bool = True) -> SampleSource:
+    """The sample source of this run (builds the text corpus unless given; opens indexed datasets)."""
     validate_data_config(cfg)
     if cfg.data.kind == "synthetic":
         return SyntheticSource(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
+    if cfg.data.kind == "indexed":
+        from training.data.blend import make_indexed_source
+
+        return make_indexed_source(cfg, "train", may_describe)
     return TextSource(corpus or build_corpus(cfg, run_dir), cfg.model.seq_length, cfg.train.seed)
+
+
+def make_eval_source(cfg: Config, may_describe: bool = True) -> SampleSource:
+    """The held-out source of train.eval_every: the indexed datasets' validation split, or for synthetic
+    data a stream of another seed."""
+    validate_data_config(cfg)
+    if cfg.data.kind == "synthetic":
+        return SyntheticSource(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed ^ 0x5EED)
+    from training.data.blend import make_indexed_source
+
+    return make_indexed_source(cfg, "valid", may_describe)
 
 
 class BatchSampler:
@@ -205,8 +235,10 @@ class BatchSampler:
             for k in range(self.num_micro)
         ]
 
-    def micro_batches(self, consumed_samples: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    def micro_batches(self, consumed_samples: int) -> List[Tuple["torch.Tensor", "torch.Tensor"]]:
         """(tokens, targets) pairs, each (micro_batch, seq) int64, for the step at `consumed_samples`."""
+        import torch
+
         out = []
         for idx in self.sample_indices(consumed_samples):
             rows = np.stack([self.source.sample(i) for i in idx])

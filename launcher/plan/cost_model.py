@@ -1,0 +1,213 @@
+"""Predicted seconds of one optimizer step of a layout: compute, pipeline bubble, communication, optimizer.
+
+Pure Python (no torch): `meshrun action=recommend` ranks thousands of layouts with it in seconds, and every
+plan's predicted_step_s comes from it. The rates (Rates) come from, best first: a measurement on this machine
+(training/cost_probe.py, CPU clusters), a preflight.json's measured matmul and bus bandwidths, the cluster
+preset's expected ones (cluster.preflight.matmul_tflops, busbw_intra_gbps, busbw_inter_gbps), its peak
+(cluster.peak_tflops), and last the defaults below. docs/COST_MODEL.md gives the formulas and their limits;
+nothing is assumed to overlap.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Optional
+
+from launcher.plan.model_size import padded_vocab
+from training.config import Config, derived_dp
+
+DEFAULT_PEAK_TFLOPS = {"cpu": 0.05, "cuda": 100.0}
+"""Per-rank TFLOP/s when neither a measurement nor cluster.peak_tflops / preflight.matmul_tflops gives one."""
+DEFAULT_BUSBW_GBPS = {"cpu": (2.0, 1.0), "cuda": (200.0, 100.0)}
+"""(inside a node, across nodes with every rank of each node taking part) all-reduce bus bandwidth in GB/s when
+neither a preflight nor the cluster preset gives one (assumptions: docs/COST_MODEL.md)."""
+DEFAULT_LATENCY_S = {"cpu": 5e-4, "cuda": 2e-5}
+"""Seconds of one collective or point-to-point call beyond its bytes (assumptions; CPU: measured by the probe)."""
+DEFAULT_OVERHEAD_S = {"cpu": 0.0, "cuda": 0.0}
+"""Fixed seconds per layer forward + backward per micro-batch (operator dispatch): 0 unless measured (the probe
+measures it on CPU; GPUs hide it behind the kernels of large micro-batches)."""
+DEFAULT_OPTIMIZER_S_PER_PARAM = {"cpu": 5e-9, "cuda": 1.2e-11}
+"""Seconds of the Adam update per local parameter: about 24 bytes touched at 5 GB/s (a CPU core) or 2 TB/s (HBM)."""
+
+
+@dataclass
+class Rates:
+    """What one rank computes and moves per second."""
+
+    flops: float
+    """Per-rank FLOP/s of the transformer layers' work (matmuls and what comes with them)."""
+    intra_bw: float
+    """All-reduce bus bandwidth inside a node, bytes/s (nccl-tests' busbw: bytes one rank sends per second)."""
+    inter_bw: float
+    """The same across nodes when every rank of each node takes part (NCCL spreads rings over all NICs)."""
+    latency_s: float
+    """Seconds per collective or send beyond its bytes."""
+    overhead_s: float
+    """Fixed seconds per layer forward + backward per micro-batch."""
+    optimizer_s_per_param: float
+    """Seconds of the optimizer update per parameter this rank updates."""
+    sources: Dict[str, str] = field(default_factory=dict)
+    """Where each rate came from."""
+
+    def to_json(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def _device(cfg: Config) -> str:
+    return cfg.cluster.device if cfg.cluster.device in DEFAULT_PEAK_TFLOPS else "cuda"
+
+
+def preflight_measured(report: Dict[str, Any]) -> Dict[str, float]:
+    """Median measured matmul TFLOP/s and all-reduce busbw (GB/s) inside and across nodes of a preflight.json."""
+    mm, intra, inter = [], [], []
+    for c in report.get("checks", []):
+        found = c.get("found")
+        if c.get("name") in ("gpu.matmul", "gpu.straggler") and isinstance(found, (int, float)):
+            mm.append(float(found))
+        elif c.get("name") == "coll.all_reduce" and isinstance(found, dict) and "busbw_gbps" in found:
+            (intra if c.get("node") else inter).append(float(found["busbw_gbps"]))
+    out = {}
+    for key, values in (("matmul_tflops", mm), ("busbw_intra_gbps", intra), ("busbw_inter_gbps", inter)):
+        if values:
+            out[key] = statistics.median(values)
+    return out
+
+
+def cluster_rates(cfg: Config, preflight: Optional[Dict[str, Any]] = None,
+                  probe: Optional[Dict[str, Any]] = None) -> Rates:
+    """The rates of cfg's cluster; `preflight` is a preflight.json dict, `probe` training/cost_probe.py's output."""
+    c, dev = cfg.cluster, _device(cfg)
+    measured = preflight_measured(preflight) if preflight else {}
+    src: Dict[str, str] = {}
+
+    def pick(name: str, options) -> float:
+        for value, where in options:
+            if value and value > 0:
+                src[name] = where
+                return float(value)
+        raise AssertionError("the last option is a default")
+
+    probe = probe or {}
+    flops = pick("flops", [(probe.get("flops"), "measured here (training/cost_probe.py)"),
+                           ((measured.get("matmul_tflops") or 0) * 1e12, "preflight.json matmul"),
+                           (c.preflight.matmul_tflops * 1e12, "cluster.preflight.matmul_tflops"),
+                           (c.peak_tflops * 1e12, "cluster.peak_tflops"),
+                           (DEFAULT_PEAK_TFLOPS[dev] * 1e12, f"default for {dev}")])
+    intra_d, inter_d = DEFAULT_BUSBW_GBPS[dev]
+    intra = pick("intra_bw", [(probe.get("busbw"), "measured here (training/cost_probe.py)"),
+                              ((measured.get("busbw_intra_gbps") or 0) * 1e9, "preflight.json busbw inside a node"),
+                              (c.preflight.busbw_intra_gbps * 1e9, "cluster.preflight.busbw_intra_gbps"),
+                              (intra_d * 1e9, f"default for {dev}")])
+    inter = pick("inter_bw", [((measured.get("busbw_inter_gbps") or 0) * 1e9, "preflight.json busbw across nodes"),
+                              (c.preflight.busbw_inter_gbps * 1e9, "cluster.preflight.busbw_inter_gbps"),
+                              # The dev cluster's "nodes" share this machine: the probe's loopback figure holds.
+                              (probe.get("busbw") if c.device == "cpu" else 0, "measured here (training/cost_probe.py)"),
+                              (inter_d * 1e9, f"default for {dev}")])
+    latency = pick("latency_s", [(probe.get("latency_s"), "measured here (training/cost_probe.py)"),
+                                 (DEFAULT_LATENCY_S[dev], f"default for {dev}")])
+    overhead = pick("overhead_s", [(probe.get("overhead_s"), "measured here (training/cost_probe.py)"),
+                                   (DEFAULT_OVERHEAD_S[dev] or 1e-30, f"default for {dev}")])
+    opt = pick("optimizer_s_per_param", [(probe.get("optimizer_s_per_param"), "measured here (training/cost_probe.py)"),
+                                         (DEFAULT_OPTIMIZER_S_PER_PARAM[dev], f"default for {dev}")])
+    return Rates(flops=flops, intra_bw=intra, inter_bw=inter, latency_s=latency, overhead_s=overhead,
+                 optimizer_s_per_param=opt, sources=src)
+
+
+# --------------------------------------------------------------------------------------------------
+# The step
+# --------------------------------------------------------------------------------------------------
+
+
+def group_bandwidth(stride: int, size: int, gpus_per_node: int, rates: Rates) -> Optional[float]:
+    """Bus bandwidth of a group of `size` ranks `stride` apart (training/mesh.py's order: tp fastest, then cp,
+    pp, dp); None for a group of one. Inside a node: intra_bw. Across nodes, a group with k of a node's
+    gpus_per_node ranks gets k/gpus_per_node of the node's network (inter_bw is measured with all of them)."""
+    if size <= 1:
+        return None
+    if stride * size <= gpus_per_node:
+        return rates.intra_bw
+    k = max(1, gpus_per_node // stride) if stride < gpus_per_node else 1
+    return min(rates.intra_bw, rates.inter_bw * min(k, size) / gpus_per_node)
+
+
+def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
+    return size > 1 and stride * size > gpus_per_node
+
+
+def _layer_forward_flops(cfg: Config) -> Dict[str, float]:
+    """Forward FLOPs of one layer for one micro-batch on one tp rank: weight GEMMs and the attention core."""
+    m, par = cfg.model, cfg.parallel
+    h, a, g, f = m.hidden_size, m.num_attention_heads, m.query_groups, m.ffn
+    s = m.seq_length // par.cp
+    hd = h // a
+    fc1 = 2 * f if m.activation == "swiglu" else f
+    tokens = s * par.micro_batch
+    weights = 2 * tokens * ((a + 2 * g) * hd * h + a * hd * h + fc1 * h + f * h) / par.tp
+    # QK^T and AV over the whole s x s, as launcher/plan/model_size.py counts them (a causal fused kernel skips
+    # about half: the measured or configured rate absorbs that).
+    attention = 4 * tokens * m.seq_length * a * hd / par.tp
+    return {"weights": weights, "attention": attention}
+
+
+def collective_counts(cfg: Config, m: int, dp: int, grad_bytes: float) -> Dict[str, int]:
+    """Calls per step per rank by kind (each pays Rates.latency_s): see comm_bytes_per_step for the bytes."""
+    mc, par = cfg.model, cfg.parallel
+    t, p = par.tp, par.pp
+    v = par.vpp if par.schedule == "interleaved_1f1b" else 1
+    n_layers = mc.num_layers // p
+    passes = 3 if par.recompute == "full" else 2
+    out = {"tp": 0, "pp": 0, "dp": 0, "cp": 0, "embedding": 0}
+    if t > 1:
+        per_layer = passes * 2 * (2 if par.sp else 1)  # sp: an all-gather and a reduce-scatter per all-reduce
+        out["tp"] = m * (n_layers * per_layer + 2 + 3) + (1 if par.sp else 0)
+    if p > 1:
+        out["pp"] = m * 2 * (2 * v - 1)  # sends and receives per micro-batch, an interior rank
+        out["embedding"] = 1 if mc.tie_embeddings else 0
+    if par.cp > 1:
+        out["cp"] = m * n_layers * 3 * (par.cp - 1)
+    if dp > 1:
+        buckets = max(1, math.ceil(grad_bytes / (par.bucket_mb * 2**20)))
+        out["dp"] = buckets * (2 if par.zero == 1 else 1)
+    return out
+
+
+def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) -> Dict[str, float]:
+    """Seconds of one optimizer step by part (compute, recompute, bubble, optimizer, tp, cp, pp, embedding, dp)
+    and their sum under "total"; comm is comm_bytes_per_step's bytes, params_local the worst rank's parameters.
+
+    compute: the worst pipeline stage's m micro-batches (its layers forward + backward, the output layer and
+    cross entropy on the last stage) at rates.flops plus rates.overhead_s per layer pass; recompute: the part
+    of that spent recomputing (full: the layers' forward again; selective: the attention core's forward);
+    bubble: (p - 1)/(v m) of the stage's compute; each communication part: bytes / the group's bandwidth
+    (group_bandwidth) + calls x latency; optimizer: the update of the rank's (ZeRO-1: 1/dp of its) parameters."""
+    mc, par, c = cfg.model, cfg.parallel, cfg.cluster
+    dp = derived_dp(cfg)
+    m = max(1, par.global_batch // max(1, par.micro_batch * dp))
+    v = par.vpp if par.schedule == "interleaved_1f1b" else 1
+    n_layers = mc.num_layers // par.pp
+    fw = _layer_forward_flops(cfg)
+    layer_fwd = fw["weights"] + fw["attention"]
+    redo = {"full": layer_fwd, "selective": fw["attention"]}.get(str(par.recompute), 0.0)
+    redo_overhead = rates.overhead_s / 2 if par.recompute == "full" else 0.0
+    per_layer = 3 * layer_fwd / rates.flops + rates.overhead_s
+    tokens = mc.seq_length // par.cp * par.micro_batch
+    logits = 3 * 2 * tokens * mc.hidden_size * padded_vocab(mc.vocab_size, par.tp) / par.tp / rates.flops
+    compute = m * (n_layers * per_layer + (logits if par.pp == 1 else 0.0))
+    last = m * (n_layers * per_layer + logits)
+    compute = max(compute, last) if par.pp > 1 else compute
+    recompute = m * n_layers * (redo / rates.flops + redo_overhead)
+    compute += recompute
+    parts = {"compute": compute, "recompute": recompute,
+             "bubble": compute * (par.pp - 1) / (v * m)}
+    updated = params_local / dp if (par.zero == 1 and dp > 1) else params_local
+    parts["optimizer"] = updated * rates.optimizer_s_per_param
+    counts = collective_counts(cfg, m, dp, comm.get("dp", 0))
+    strides = {"tp": (1, par.tp), "cp": (par.tp, par.cp), "pp": (par.tp * par.cp, par.pp),
+               "embedding": (par.tp * par.cp, par.pp), "dp": (par.tp * par.cp * par.pp, dp)}
+    for kind, (stride, size) in strides.items():
+        bw = group_bandwidth(stride, size, c.gpus_per_node, rates)
+        parts[kind] = 0.0 if bw is None else comm.get(kind, 0) / bw + counts[kind] * rates.latency_s
+    parts["total"] = sum(v_ for k, v_ in parts.items() if k != "recompute")  # recompute is inside compute
+    return parts

@@ -1,0 +1,29 @@
+"""bench/gpu_check.sh --dry: the GPU readiness script runs its real steps on CPU (tiny model, few steps), so
+it cannot rot between the runs on a GPU machine: one JSON summary, every check present and passing, the
+rank's model-state bytes equal to plan.json's, fp16 metrics carrying the loss scale."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
+    run_dir = tmp_path / "gpu check"  # a space: every path in the script is quoted
+    p = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--dry", str(run_dir)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert summary["mode"] == "dry" and summary["model"] == "tiny" and summary["ok"] is True
+    checks = summary["checks"]
+    assert set(checks) == {"preflight", "train", "mfu", "model_state_bytes", "activations", "fp16_loss_scaling"}
+    assert all(c["ok"] for c in checks.values()), checks
+    assert checks["train"]["steps"] == 4 and checks["train"]["tokens_per_s"] > 0
+    states = checks["model_state_bytes"]
+    assert states["measured"] == states["plan"] and states["measured"]["weights"] > 0
+    assert 0 < checks["mfu"]["mfu"] < 1
+    assert len(checks["fp16_loss_scaling"]["loss_scales"]) == 3
+    assert json.loads((run_dir / "summary.json").read_text()) == summary

@@ -1,0 +1,136 @@
+"""metrics.jsonl rows, and the same numbers to TensorBoard (and W&B when asked for), for the loop.
+
+Each row carries `time` (Unix seconds) and `attempt` besides the loop's numbers, and the job-wide figures only a
+collective can give: `peak_memory_bytes` (the largest peak over the ranks), `step_time_max_s` /
+`step_time_min_s` with `slowest_rank` / `fastest_rank`. One run across attempts: when an attempt resumes from the
+checkpoint of step S (or starts afresh, S = 0), rows of steps after S, written by an attempt whose work was lost,
+move to metrics.purged.jsonl (nothing is deleted), so every step appears once in metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from training.events import current_attempt
+
+METRICS_FILE = "metrics.jsonl"
+PURGED_FILE = "metrics.purged.jsonl"
+
+
+def purge_after(run_dir: str, step: int) -> int:
+    """Move rows with a step > `step` from metrics.jsonl to metrics.purged.jsonl; returns how many moved.
+    metrics.jsonl is rewritten under a temporary name and renamed, so a reader never sees half of it."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except OSError:
+        return 0
+    keep: List[str] = []
+    moved: List[str] = []
+    for line in lines:
+        try:
+            newer = int(json.loads(line)["step"]) > step
+        except (ValueError, KeyError, TypeError):
+            newer = False  # a torn last line of a killed attempt: kept out of the way below
+            if not line.endswith("\n"):
+                moved.append(line + "\n")
+                continue
+        (moved if newer else keep).append(line)
+    if not moved:
+        return 0
+    with open(os.path.join(run_dir, PURGED_FILE), "a") as f:
+        f.writelines(moved)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+    return len(moved)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: CUDA allocator peak, or the process's max RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def rank_figures(step_time_s: float, device: torch.device) -> Dict[str, Any]:
+    """Job-wide step time spread and peak memory: a collective, so every rank calls it at the same steps."""
+    mine = torch.tensor([step_time_s, float(peak_memory_bytes(device))], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        rows = [t.tolist() for t in every]
+    else:
+        rows = [mine.tolist()]
+    times = [r[0] for r in rows]
+    slowest = max(range(len(times)), key=times.__getitem__)
+    fastest = min(range(len(times)), key=times.__getitem__)
+    return {"step_time_max_s": times[slowest], "slowest_rank": slowest, "step_time_min_s": times[fastest],
+            "fastest_rank": fastest, "peak_memory_bytes": int(max(r[1] for r in rows))}
+
+
+class MetricsLog:
+    """Rank 0's writer of metrics rows (other ranks get one that writes nothing)."""
+
+    def __init__(self, cfg, run_dir: str, resumed_step: int, is_logger: bool):
+        self.run_dir, self.enabled = run_dir, is_logger
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        self.attempt = current_attempt()
+        self.sinks: List[Any] = []
+        if not is_logger:
+            return
+        purge_after(run_dir, resumed_step)
+        if cfg.train.tensorboard:
+            from training.observe.tensorboard import TensorBoardSink
+
+            self.sinks.append(TensorBoardSink(run_dir, resumed_step))
+        if cfg.train.wandb:
+            self.sinks += _wandb(cfg, run_dir)
+
+    def write(self, row: Dict[str, Any]) -> Dict[str, Any]:
+        """Append one row (with time and attempt) to metrics.jsonl and give it to every sink."""
+        if not self.enabled:
+            return row
+        row = {**row, "time": time.time(), "attempt": self.attempt}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        for sink in self.sinks:
+            sink.write(row)
+        return row
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:  # a sink's failure at exit must not turn a finished run into a failed one
+                print(f"warning: closing {type(sink).__name__}: {exc}", file=sys.stderr)
+        self.sinks = []
+
+
+def _wandb(cfg, run_dir: str) -> List[Any]:
+    """[the W&B sink], or [] with a warning: W&B is never required, so a rank never fails for it."""
+    from training.observe.wandb_sink import WandbSink, wandb_problem
+
+    problem = wandb_problem()
+    if problem:
+        print(f"warning: {problem}; training goes on without W&B", file=sys.stderr)
+        return []
+    from training.config import config_to_dict
+
+    try:
+        return [WandbSink(run_dir, cfg.train.wandb_project, config_to_dict(cfg))]
+    except Exception as exc:  # no login, no network: the run matters more than the dashboard
+        print(f"warning: W&B did not start ({type(exc).__name__}: {exc}); training goes on without it",
+              file=sys.stderr)
+        return []

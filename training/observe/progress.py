@@ -1,0 +1,66 @@
+"""Rank 0's progress on stderr (no torch, no tqdm).
+
+On a terminal: a bar redrawn in place every step, with elapsed time and the time left. Without one (a Slurm log,
+a pipe, `wait=true` streaming that log): one plain line every `train.progress_every_s` seconds, plus the first
+and the last step, so a long run's log grows with wall time rather than with steps, and a short one still shows
+its start and end.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import IO, Optional
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """`1:02:03`, `4:05` or `?` (unknown)."""
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class Progress:
+    """Call update(step, text) after every step; start_step is where this attempt began (a resume)."""
+
+    WIDTH = 24
+
+    def __init__(self, total: int, enabled: bool, every_s: float = 30.0, start_step: int = 0,
+                 stream: Optional[IO[str]] = None, clock=time.monotonic):
+        self.total, self.enabled, self.every_s = total, enabled, max(0.0, float(every_s))
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.clock = clock
+        self.start_step = start_step
+        self.t0 = clock()
+        self.last_line: Optional[float] = None
+
+    def eta_s(self, step: int) -> Optional[float]:
+        """Seconds left at this attempt's mean pace so far; None before its first step."""
+        done = step - self.start_step
+        if done <= 0:
+            return None
+        return (self.clock() - self.t0) / done * max(0, self.total - step)
+
+    def line(self, step: int, text: str) -> str:
+        done = int(self.WIDTH * step / max(1, self.total))
+        elapsed = self.clock() - self.t0
+        return (f"[{'#' * done}{'.' * (self.WIDTH - done)}] {step}/{self.total} {text} "
+                f"[{format_duration(elapsed)} elapsed, {format_duration(self.eta_s(step))} left]")
+
+    def update(self, step: int, text: str) -> None:
+        if not self.enabled:
+            return
+        now = self.clock()
+        last = step >= self.total
+        if self.tty:
+            self.stream.write("\r" + self.line(step, text) + ("\n" if last else ""))
+        elif (self.last_line is None or last or now - self.last_line >= self.every_s):
+            self.stream.write(self.line(step, text) + "\n")
+            self.last_line = now
+        else:
+            return
+        self.stream.flush()

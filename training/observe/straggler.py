@@ -1,0 +1,184 @@
+"""Slow ranks and unhealthy nodes, decided once per log interval from one small gather.
+
+Every rank measures its compute time per step (the schedule's forward and backward, without the optimizer's
+reduction, so a fast rank's wait for a slow one does not count) and, at each logged step, all ranks gather
+[mean compute time of the interval, the node's health flag] (training/observe/health.py). From that, on every
+rank alike (the same numbers give the same answers, so no further collective is needed):
+- a rank slower than the ranks' median by train.straggler_margin for train.straggler_intervals intervals in a
+  row is a straggler: rank 0 appends a `straggler` event (rank, node, its time and the median) and says so on
+  stderr. Tensor- and pipeline-parallel peers of a slow rank wait for it inside the step and may be named too;
+- a node's tokens/s share below cluster.health.min_throughput_fraction of its own baseline is unhealthy
+  (a `health` event, kind throughput);
+- with cluster.health.action=requeue, any unhealthy node stops the attempt (the loop checkpoints first).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from training.events import append_event
+from training.observe.health import THROUGHPUT, ThroughputShare, kinds, record_cause, start_sampler
+
+
+def node_name() -> str:
+    from training.preflight.runner import node_name as preflight_node_name
+
+    return preflight_node_name()
+
+
+def gather_nodes(device) -> List[str]:
+    """Every rank's node name, in rank order (one collective at start-up)."""
+    mine = node_name()
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [mine]
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return [str(n) for n in out]
+
+
+def median_of(values: List[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+class StragglerDetector:
+    """Ranks whose time stays above the median by a margin for `intervals` consecutive log intervals."""
+
+    def __init__(self, margin: float, intervals: int):
+        self.margin, self.intervals = margin, max(1, intervals)
+        self.streak: Dict[int, int] = {}
+
+    def update(self, times: List[float]) -> List[int]:
+        """The ranks that have just become stragglers (reported once per streak)."""
+        if self.margin <= 0 or len(times) < 2:
+            return []
+        median = median_of(times)
+        out = []
+        for rank, t in enumerate(times):
+            if median > 0 and t > median * (1 + self.margin):
+                self.streak[rank] = self.streak.get(rank, 0) + 1
+                if self.streak[rank] == self.intervals:
+                    out.append(rank)
+            else:
+                self.streak[rank] = 0
+        return out
+
+
+class IntervalWatch:
+    """The loop's one object for stragglers and node health: `step(...)` after every step, `close()` at the end."""
+
+    def __init__(self, cfg, run_dir: str, mesh):
+        self.cfg, self.run_dir, self.mesh = cfg, run_dir, mesh
+        t, h = cfg.train, cfg.cluster.health
+        self.nodes = gather_nodes(mesh.device)
+        self.node = self.nodes[mesh.rank]
+        self.sampler = start_sampler(cfg, run_dir, mesh, self.node)
+        self.stragglers = StragglerDetector(t.straggler_margin, t.straggler_intervals)
+        self.share = ThroughputShare(h.min_throughput_fraction, h.baseline_intervals, h.throttle_samples)
+        self.enabled = t.straggler_margin > 0 or h.enabled
+        self.compute: List[float] = []
+        self.unhealthy: Dict[str, int] = {}
+        """node -> health flag bits, as agreed by every rank."""
+        self.acted: Dict[str, int] = {}
+        self.last_step = t.steps
+
+    def step(self, step: int, compute_s: float, logged: bool) -> Dict[str, Any]:
+        """After each step (every rank, the same `logged`); returns fields for rank 0's metrics row."""
+        self.compute.append(compute_s)
+        if not (self.enabled and logged):
+            return {}
+        if self.sampler is not None and (step >= self.last_step or time.monotonic() - self.sampler.last_time
+                                         > 2 * self.sampler.interval_s):
+            # The last step, or a thread starved by a busy machine: sample here, so a fault is not missed.
+            self.sampler.sample()
+        mean = sum(self.compute) / len(self.compute)
+        self.compute = []
+        flag = self.sampler.flag if self.sampler is not None else 0
+        summary = self.sampler.summary if self.sampler is not None else {}
+        # [compute time, health flag, max temperature, mean utilisation, power, memory]: NaN where not sampled.
+        mine = [mean, float(flag)] + [float(summary.get(k, math.nan)) for k in _SUMMARY]
+        rows = self._gather(mine)
+        times = [r[0] for r in rows]
+        out: Dict[str, Any] = {"compute_time_max_s": max(times), "compute_time_median_s": median_of(times)}
+        self._stragglers(step, times)
+        self._health(step, rows)
+        for i, key in enumerate(_SUMMARY):
+            values = [r[2 + i] for r in rows if not math.isnan(r[2 + i])]
+            if values:
+                out[key] = (sum(values) if key == "gpu_power_w" else
+                            sum(values) / len(values) if key == "gpu_utilization_mean_pct" else max(values))
+        return out
+
+    def _gather(self, mine: List[float]) -> List[List[float]]:
+        t = torch.tensor(mine, dtype=torch.float64, device=self.mesh.device)
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return [t.tolist()]
+        every = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, t)
+        return [x.tolist() for x in every]
+
+    def _stragglers(self, step: int, times: List[float]) -> None:
+        median = median_of(times)
+        for rank in self.stragglers.update(times):
+            msg = (f"rank {rank} on {self.nodes[rank]} is a straggler: compute {times[rank]:.4f} s per step vs the "
+                   f"median {median:.4f} s for {self.stragglers.intervals} log intervals")
+            if self.mesh.rank == 0:
+                append_event(self.run_dir, "straggler", rank=rank, node=self.nodes[rank], step=step,
+                             compute_time_s=times[rank], median_s=median, intervals=self.stragglers.intervals)
+                print(f"\nstraggler: {msg}", file=sys.stderr)
+
+    def _health(self, step: int, rows: List[List[float]]) -> None:
+        for rank, row in enumerate(rows):
+            if int(row[1]):
+                node = self.nodes[rank]
+                self.unhealthy[node] = self.unhealthy.get(node, 0) | int(row[1])
+        node_time: Dict[str, float] = {}
+        node_ranks: Dict[str, int] = {}
+        for rank, row in enumerate(rows):
+            node = self.nodes[rank]
+            node_time[node] = max(node_time.get(node, 0.0), row[0])
+            node_ranks[node] = node_ranks.get(node, 0) + 1
+        for node, why in self.share.update(node_time, node_ranks).items():
+            self.unhealthy[node] = self.unhealthy.get(node, 0) | THROUGHPUT
+            if self.mesh.rank == 0:
+                append_event(self.run_dir, "health", node=node, kind="throughput", step=step, reasons=[why])
+                print(f"\nhealth: node {node}: {why}", file=sys.stderr)
+
+    @property
+    def requeue_nodes(self) -> List[str]:
+        """Unhealthy nodes not yet acted on, when cluster.health.action=requeue (the same list on every rank)."""
+        if self.cfg.cluster.health.action != "requeue":
+            return []
+        return sorted(n for n, f in self.unhealthy.items() if f & ~self.acted.get(n, 0))
+
+    def stop_code(self, nodes: List[str]) -> int:
+        """After the loop's checkpoint: EXIT_NODE_BAD on an unhealthy node's ranks (the epilogue excludes the
+        node), EXIT_STOPPED elsewhere (the job is requeued)."""
+        from training.exit_codes import EXIT_NODE_BAD, EXIT_STOPPED
+
+        for n in nodes:
+            self.acted[n] = self.unhealthy.get(n, 0)
+        if self.node in nodes:
+            why = "health: node {} unhealthy ({})".format(self.node, ",".join(kinds(self.unhealthy[self.node])))
+            if self.sampler is not None and self.sampler.reasons:
+                why += ": " + "; ".join(self.sampler.reasons[:3])
+            record_cause(why)
+            print(f"{why}; checkpoint written, this node's ranks exit {EXIT_NODE_BAD} so it is excluded",
+                  file=sys.stderr)
+            return EXIT_NODE_BAD
+        return EXIT_STOPPED
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
+
+
+_SUMMARY = ("gpu_temperature_max_c", "gpu_utilization_mean_pct", "gpu_power_w", "gpu_mem_used_max_gib")
+
