@@ -178,6 +178,7 @@ def _tp_worker(cfg_dict, warmup: int, rounds: int):
 
     from training.mesh import ProcessMesh
 
+    torch.set_num_threads(1)  # two ranks, one core each
     cfg = config_from_dict(cfg_dict)
     cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp = 2, 1, True
     mesh = ProcessMesh.from_env(2, 1, 1, 1)
@@ -206,7 +207,11 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="a,b,tiny", help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--no-tp", action="store_true", help="skip the tp=2 comparison (2 processes)")
     ap.add_argument("--gpu", action="store_true", help="tp=1 bf16 GPT ~1.3B on one GPU against plain PyTorch")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU threads per process (1: on a shared machine, spinning OpenMP threads that lose their "
+                         "core to another job make timings swing far more than one thread does)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.gpu else "cpu")
     sync = torch.cuda.synchronize if args.gpu else (lambda: None)
     shapes = ["gpu"] if args.gpu else args.shapes.split(",")

@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         for m, d in by_m.items():
             ok &= d["interleaved_1f1b"] < d["1f1b"]
     print(f"pipeline bubble: uniform stages (forward {args.tf * 1e3:.0f} ms + backward {args.tb * 1e3:.0f} ms "
-          f"per micro-batch per rank, messages {shape} fp32 = {4 * shape[0] * shape[1] * shape[2] / 2**20:.2f} MiB), idle share of wall clock, mean over stages, median of {args.steps} steps")
+          f"per micro-batch per rank, messages {shape} fp32 = {4 * shape[0] * shape[1] * shape[2] / 2**10:.0f} KiB), idle share of wall clock, mean over stages, median of {args.steps} steps")
     print(f"{'pp':>3} {'m':>3} {'schedule':<17} {'v':>2} {'planned':>8} {'measured':>9} {'rel err':>8}  within 20%"
           f"  {'idle (wait)':>11} {'step wait s':>11} {'overlap s':>9} {'ratio':>6}")
     for p, m, kind, v, planned, measured, rel, within, measured_wait, wall_wait, wall_overlap in rows:

@@ -21,12 +21,15 @@ class ShardedAdamW:
 
     STATES = ("exp_avg", "exp_avg_sq", "master")
     """Names of the per-element state tensors (master only exists for 16-bit weights)."""
+    BLOCK = 1 << 15
+    """Elements per block of the CPU update: 5 fp32 blocks of 128 KiB stay in a core's L2 cache."""
 
     def __init__(self, layout: FlatLayout, beta1: float, beta2: float, eps: float, weight_decay: float,
                  fused: bool = False):
         self.layout = layout
         self.fused = fused
         self._step_t = torch.zeros((), dtype=torch.float32, device=layout.params[0].device)
+        self._scratch: Optional[torch.Tensor] = None
         self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
         device = layout.params[0].device
         self.master: Optional[torch.Tensor] = None
@@ -63,12 +66,23 @@ class ShardedAdamW:
                                 beta1=self.beta1, beta2=self.beta2, weight_decay=0.0, eps=self.eps,
                                 amsgrad=False, maximize=False)
             return
-        self.exp_avg.lerp_(g, 1 - self.beta1)
-        self.exp_avg_sq.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
         bc1 = 1 - self.beta1 ** step
         bc2 = 1 - self.beta2 ** step
-        denom = (self.exp_avg_sq.sqrt() / (bc2 ** 0.5)).add_(self.eps)
-        w.addcdiv_(self.exp_avg, denom, value=-lr / bc1)
+        # In blocks that stay in cache, with one reused scratch: seven whole-shard passes stream the state
+        # through memory seven times and allocate a shard-sized temporary each step (measured on CPU: slower
+        # than torch's per-parameter loop). Elementwise, so every element gets exactly the same operations.
+        n = w.numel()
+        block = self.BLOCK if w.device.type == "cpu" else max(n, 1)
+        if self._scratch is None or self._scratch.numel() < min(block, n):
+            self._scratch = torch.empty(min(block, n), dtype=torch.float32, device=w.device)
+        for lo in range(0, n, block):
+            hi = min(lo + block, n)
+            m, v, gg = self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], g[lo:hi]
+            m.lerp_(gg, 1 - self.beta1)
+            v.mul_(self.beta2).addcmul_(gg, gg, value=1 - self.beta2)
+            denom = torch.sqrt(v, out=self._scratch[: hi - lo])
+            denom.div_(bc2 ** 0.5).add_(self.eps)
+            w[lo:hi].addcdiv_(m, denom, value=-lr / bc1)
 
     def refresh_master(self, param_indices: List[int]) -> None:
         """Set the master copy of these parameters from their current values (a checkpoint without masters)."""
