@@ -478,8 +478,13 @@ def test_explicit_resume_applies_to_the_first_attempt_only(resume_none_job):
     assert [e["cause"] for e in requeued] == ["stopped_early"]
     req = json.load(open(run_dir / "resume_request.json"))
     assert req["resume"] == "none" and req["consumed"]["attempt"] == starts[0]["attempt"]
+    # The fresh start (none) moved the first run's rows aside (training/observe/metrics.py: nothing deleted, every
+    # step once in metrics.jsonl); then this launch's steps, none redone by the requeued attempt.
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2, 1, 2, 3]  # the first run, then this launch: no step redone
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["attempt"] for r in rows] == [starts[0]["attempt"]] * 2 + [starts[1]["attempt"]]
+    purged = [json.loads(line) for line in open(run_dir / "metrics.purged.jsonl")]
+    assert [r["step"] for r in purged] == [1, 2]
 
 
 @pytest.mark.slurm
