@@ -8,7 +8,7 @@ and async. Each repetition measures, one after the other: the raw write rate (on
 save, an async save (blocked time and total); medians are printed (the machine is shared). Load is
 measured from a warm page cache and, as root, from a cold one (`sync; echo 3 > /proc/sys/vm/drop_caches`
 before the load; otherwise the cold figure is skipped and says why).
-Targets (issue 15): sync save >= 0.5 x raw; async save blocks the loop < 0.1 x a sync save. Exit 1 when
+Targets: sync save >= 0.5 x raw; async save blocks the loop < 0.1 x a sync save. Exit 1 when
 one is missed. The last line is the figures as one JSON object.
 """
 

@@ -1,4 +1,4 @@
-"""Data pipeline figures of issue 12, each a ratio measured side by side in one run; exits 1 on a miss.
+"""Data pipeline figures, each a ratio measured side by side in one run; exits 1 on a miss.
 
     .venv/bin/python bench/bench_data.py [--dir /tmp] [--text-mb 16] [--big-gb 2.0]
 

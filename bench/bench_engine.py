@@ -38,7 +38,7 @@ from training.config import Config, config_from_dict, config_to_dict
 
 # name -> (layers, hidden, heads, seq, batch); vocab 256 (the byte vocabulary) everywhere.
 SHAPES: Dict[str, Tuple[int, int, int, int, int]] = {
-    "a": (4, 256, 8, 256, 8),   # the shape of issue 15's measurement
+    "a": (4, 256, 8, 256, 8),   # the shape of the nanoGPT-style comparison (docs/PERFORMANCE.md)
     "b": (4, 512, 8, 512, 4),
     "tiny": (4, 64, 4, 64, 8),  # conf/model/tiny.yaml, global batch 8
 }

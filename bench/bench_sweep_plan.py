@@ -37,7 +37,7 @@ OVERRIDES = [
 
 BASIC = ["hydra/sweeper=basic", "hydra/launcher=basic"]
 TARGET_RATIO = 2.5
-"""docs: issue 15: a 64-point plan sweep in at most 2.5x the wall time of one plan."""
+"""The target: a 64-point plan sweep in at most 2.5x the wall time of one plan."""
 
 
 def run_single() -> dict:

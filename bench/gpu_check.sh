@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU readiness in one script (issue 15): on one GPU, in under 8 minutes, through the real CLI.
+# GPU readiness in one script: on one GPU, in under 8 minutes, through the real CLI.
 #
 #   bash bench/gpu_check.sh [RUN_DIR]        # a GPU machine (torch with CUDA, nvidia-ml-py)
 #   bash bench/gpu_check.sh --dry [RUN_DIR]  # the same steps on CPU: tiny model, few steps (CI: tests/test_gpu_check.py)

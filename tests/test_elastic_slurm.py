@@ -1,4 +1,4 @@
-"""Elastic shrink and growth on Slurm (issue 13, section 1): cluster.elastic.min_nodes.
+"""Elastic shrink and growth on Slurm: cluster.elastic.min_nodes.
 
 Pure tests of the decision (launcher/slurm/elastic.py, launcher/slurm/requeue.py) and of the up-front validation;
 the checkpoint resharded from dp=3 to dp=2 with ZeRO-1 shards (2 spawns); one scenario on the real dev cluster:

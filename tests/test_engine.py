@@ -1,4 +1,4 @@
-"""Issue 3's acceptance for the engine: layouts reproduce the single-process run; memory equals the plan.
+"""The engine: layouts reproduce the single-process run; memory equals the plan.
 
 A tiny GPT (2 layers, h=32) on the byte corpus, global batch 8 in micro-batches of 2. Every layout runs
 the real Trainer (model, optimizer, data, loop) on gloo processes and is compared with the same Trainer

@@ -1,4 +1,4 @@
-"""Fault-and-abuse matrix, launcher and Slurm half (issue 11): one test per scenario, each asserting what is
+"""Fault-and-abuse matrix, launcher and Slurm half: one test per scenario, each asserting what is
 lost (nothing beyond the last checkpoint), what is written, the exit code and the message.
 
 Pure tests run everywhere; local runs spawn real ranks (marked slow); Slurm scenarios run on the real dev
@@ -445,7 +445,7 @@ SLURM1 = ["cluster=slurm_dev", "cluster.nodes=1", *ONE_RANK]
 @pytest.fixture(scope="module")
 def resume_none_job(tmp_path_factory, cluster):
     """A run with a checkpoint at step 2, then submitted again with train.resume=none, exit_interval=2, 3 steps,
-    from a copy of the checkout that is broken right after the submission (issue 11 items 1, 3, 12)."""
+    from a copy of the checkout that is broken right after the submission (resume once, one owner, code snapshot)."""
     base = tmp_path_factory.mktemp("resume_none")
     src, run_dir = base / "src", base / "run"
     _copy_checkout(src)

@@ -1,4 +1,4 @@
-"""Indexed datasets (issue 12): Megatron interoperability both ways, exact samples, blending, start-up checks.
+"""Indexed datasets: Megatron interoperability both ways, exact samples, blending, start-up checks.
 
 The format is checked with tests/megatron_format.py, a reader and writer written from the format's
 description, not with meshrun's code.

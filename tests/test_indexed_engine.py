@@ -1,4 +1,4 @@
-"""Issue 12's engine acceptance on indexed data (gloo, fp32, tiny model, 8 steps, held-out loss every 4):
+"""The engine on indexed data (gloo, fp32, tiny model, 8 steps, held-out loss every 4):
 
 - tp=2 sp x dp=2 zero=1 and a pipeline layout (pp=2 x dp=2 zero=1, 1f1b) reproduce the single-process training
   and validation losses to 1e-5;

@@ -1,4 +1,4 @@
-"""Issue 4's acceptance for pipeline parallelism (training/pipeline.py).
+"""Pipeline parallelism against its contract (training/pipeline.py).
 
 A tiny GPT (8 layers, h=32, s=16, byte-level text) trained 20 steps by the real Trainer on gloo processes,
 compared with the same Trainer in one process; torch.distributed.pipelining's native schedules are the

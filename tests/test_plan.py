@@ -131,7 +131,7 @@ def test_zero1_pads_to_multiple_of_dp():
     assert st == {"weights": 20, "grads": 3 * 4 * 4, "optimizer": 3 * 12}
 
 
-def test_zero_paper_worked_example_and_seed_7b():
+def test_zero_paper_worked_example_and_a_7b_model():
     psi, d = 7.5e9, 64
     assert sum(model_state_bytes(int(psi), "fp16", 0, d).values()) / 1e9 == 120.0
     assert round(sum(model_state_bytes(int(psi), "fp16", 1, d).values()) / 1e9, 1) == 31.4
@@ -183,14 +183,14 @@ def test_narayanan_table1_params_and_flops(billions, heads, hidden, layers):
 # ---- Pipeline, batch arithmetic, per-rank parameters -----------------------------------------------
 
 
-def test_seed_bubble_example():
+def test_bubble_worked_example():
     b = bubble(4, 4)
     assert b["bubble_ratio"] == 0.75
     assert round(100 * b["bubble_idle_fraction"]) == 43
     assert bubble(4, 8, 2)["bubble_ratio"] == 3 / 16
 
 
-def test_seed_32_gpu_layout():
+def test_32_gpu_layout_worked_example():
     cfg = compose_cfg("model=gpt_1p3b", "parallel=tp8_pp2", "cluster=dgx_h100", "cluster.nodes=4",
                       "train.precision=bf16")
     plan = make_plan(cfg)

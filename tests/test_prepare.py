@@ -1,4 +1,4 @@
-"""`meshrun action=prepare` (issue 12): the command, streaming large files, deterministic split, bad input."""
+"""`meshrun action=prepare`: the command, streaming large files, deterministic split, bad input."""
 
 from __future__ import annotations
 

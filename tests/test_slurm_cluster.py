@@ -316,7 +316,7 @@ def test_time_limit_signal_requeues_and_resumes(tmp_path, cluster):
         subprocess.run(["scancel", job])
     sig = [e for e in events if e["event"] == "signal"][0]
     assert sig["name"] == "SIGUSR2" and resumed["step"] == sig["step"]
-    # The stop came from the rank wrapper's own clock while the engine ran (issue 11: it used to reach only
+    # The stop came from the rank wrapper's own clock while the engine ran (it used to reach only
     # a child that did not handle the signal yet), before Slurm's own USR2 was due: that one comes no earlier
     # than limit - 20 s = stop_at + 30 s.
     clock = [e for e in events if e["event"] == "stop_requested"]
@@ -340,7 +340,7 @@ def write_ib_port(root, state, phys_state, hca="mlx5_0"):
 
 
 def test_preflight_gate_keeps_bad_node_out_and_requeues_without_it(tmp_path, reference, cluster):
-    """Issue 7: n2's IB port is Down (a fixture sysfs root for that node only). The gate stops the
+    """Preflight gate: n2's IB port is Down (a fixture sysfs root for that node only). The gate stops the
     attempt before any step, the job is resubmitted without n2, passes the preflight and completes."""
     healthy = write_ib_port(tmp_path / "ib_ok", "4: ACTIVE", "5: LinkUp")
     down = write_ib_port(tmp_path / "ib_down", "1: DOWN", "3: Disabled")
@@ -386,7 +386,7 @@ if "training.main" in getattr(sys, "orig_argv", []):  # only the rank processes,
 
 
 def test_exception_on_every_rank_at_step_0_is_a_bug_not_retried(tmp_path, cluster):
-    """Issue 6: the same Python exception on every rank before any step is a bug: the job stops
+    """The same Python exception on every rank before any step is a bug: the job stops
     after its first attempt with a clear final state instead of being resubmitted node after node.
     The bug is injected into the rank processes through a sitecustomize on PYTHONPATH (the job
     inherits the submitter's environment, as on any Slurm cluster)."""
