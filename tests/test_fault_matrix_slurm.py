@@ -261,6 +261,15 @@ def test_lost_node_is_excluded_not_the_first_survivor_to_report():
     assert all(f.node == "n2" and f.exit_code is None for f in d.failures)
 
 
+def test_lost_node_is_excluded_when_srun_killed_the_survivors():
+    """n2 vanished; srun (--kill-on-bad-exit) then sent SIGTERM to n1's ranks before their collectives failed:
+    that is the consequence, the vanished node is still the one excluded (the race the dev-cluster test below
+    hits). A SIGKILL stays evidence against its own node."""
+    survivors = [rec(0, -15, "", "", 3.0), rec(1, -15, "", "", 4.0)]
+    d = decide(survivors, **ARGS)
+    assert d.action == "resubmit" and d.exclude == ["n2"] and {f.rank for f in d.failures} == {2, 3}
+
+
 def test_exception_on_one_rank_excludes_no_healthy_node():
     """A rank that raised (exit 1: a configuration problem, a bug) says nothing against its node."""
     # srun (--kill-on-bad-exit) then killed the others: they ended later.

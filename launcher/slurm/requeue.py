@@ -8,6 +8,7 @@ anything else (or no record) a failure.
 from __future__ import annotations
 
 import re
+import signal
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -50,6 +51,12 @@ class Decision:
 # Exceptions that point at the machine rather than the program: a rank that raised one implicates its node.
 _HARDWARE = re.compile(r"CUDA error|NCCL error|ECC|uncorrectable|Xid|device-side assert|cudaError|"
                        r"Input/output error on device|hardware", re.IGNORECASE)
+
+
+def _terminated_by_srun(rec: Dict) -> bool:
+    """Ended by SIGTERM: what srun (--kill-on-bad-exit) sends every other task once one has ended. A SIGKILL
+    stays evidence (the OOM killer, an operator), as does any other signal."""
+    return rec.get("exit_code") == -int(signal.SIGTERM)
 
 
 def _implicates_node(rec: Dict) -> bool:
@@ -116,9 +123,11 @@ def decide(
     bad_node = [r for r, c in codes.items() if c == EXIT_NODE_BAD]
     if bad_node:
         failures = [_failure(by_rank[r]) for r in sorted(bad_node)]
-    elif lost and by_rank and not any(_implicates_node(rec) for rec in failed):
+    elif lost and by_rank and not any(_implicates_node(rec) and not _terminated_by_srun(rec) for rec in failed):
         # A whole node vanished (none of its ranks reported); the survivors' errors (a peer gone from a
-        # collective) are the consequence, not the cause: blame the node that vanished.
+        # collective) are the consequence, not the cause, and so is a survivor ended by SIGTERM: srun
+        # (--kill-on-bad-exit) sends it to every other task once the lost node's tasks have ended. Blame the node
+        # that vanished.
         failures = [Failure(r, rank_nodes.get(r, "?"), None, "never reported (its node was lost)") for r in lost]
     elif failed:
         # The first rank to fail is the cause; srun --kill-on-bad-exit then killed the others.
