@@ -14,7 +14,7 @@ from training.secret_env import split_env, write_secrets
 
 
 def write_config(cfg: Config, run_dir: str) -> None:
-    """run_dir/config.json (what every rank reads) and run_dir/config.yaml (the same for people, docs/DESIGN.md),
+    """run_dir/config.json (what every rank reads) and run_dir/config.yaml (the same for people, docs/USER_CONTRACTS.md),
     each written to a temporary name and renamed (a reader never sees half a file). Secret env values
     (cluster.secret_keys) are replaced by a placeholder and kept in run_dir/secrets.json (0600)."""
     os.makedirs(run_dir, exist_ok=True)

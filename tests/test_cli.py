@@ -39,7 +39,7 @@ def test_plan_writes_plan_json(tmp_path):
     assert (plan["tp"], plan["dp"], plan["grad_accum"]) == (2, 2, 2)  # the embedded default: tp2 sp dp2
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["parallel"]["tp"] == 2 and cfg["action"] == "plan"
-    import yaml  # the resolved config for people, as docs/DESIGN.md's run directory lists it
+    import yaml  # the resolved config for people, as docs/USER_CONTRACTS.md's run directory lists it
 
     assert yaml.safe_load((run / "config.yaml").read_text()) == cfg
 

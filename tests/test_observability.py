@@ -1,4 +1,4 @@
-"""Observability and run management (docs/DESIGN.md "Observability"): metrics rows with time and attempt and the
+"""Observability and run management (docs/USER_CONTRACTS.md "Observability"): metrics rows with time and attempt and the
 job-wide figures, TensorBoard read back with tensorboard's own EventAccumulator (one loss per step across a stop
 and a resume), W&B off unless asked for, the progress line, `action=status` (progress fields, table),
 `action=logs` and `action=cancel` on local runs. The Slurm side is tests/test_logs_cancel_slurm.py."""

@@ -370,7 +370,7 @@ def test_preflight_gate_keeps_bad_node_out_and_requeues_without_it(tmp_path, ref
     assert sorted(losses) == sorted(reference)
     for step, loss in reference.items():
         assert losses[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
-    # The dev preset keeps the per-attempt gate cheap (docs/DESIGN.md: gate is the default on Slurm).
+    # The dev preset keeps the per-attempt gate cheap (docs/USER_CONTRACTS.md: gate is the default on Slurm).
     assert all(e["elapsed_s"] < 5 for e in pre + second), pre + second
 
 

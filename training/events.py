@@ -1,7 +1,7 @@
 """Append-only job events (run_dir/events.jsonl): pure Python, importable from the launcher and ranks.
 
 One JSON object per line with `event`, `time`, `attempt`, `job_id` plus the event's own fields
-(docs/DESIGN.md lists the kinds). Lines are written with one `write` call on an O_APPEND file, so
+(docs/USER_CONTRACTS.md lists the kinds). Lines are written with one `write` call on an O_APPEND file, so
 several processes appending at once never interleave within a line.
 """
 

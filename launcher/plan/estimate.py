@@ -117,7 +117,7 @@ class StagePlan:
 
 @dataclass
 class Plan:
-    """Everything `meshrun action=plan` reports; `to_json()` gives plan.json (docs/DESIGN.md keys first)."""
+    """Everything `meshrun action=plan` reports; `to_json()` gives plan.json (docs/USER_CONTRACTS.md keys first)."""
 
     world_size: int
     tp: int
