@@ -697,11 +697,6 @@ def load_config(path: str) -> Config:
         return config_from_dict(json.load(f))
 
 
-def save_config(cfg: Config, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(config_to_dict(cfg), f, indent=2, sort_keys=True)
-
-
 def derived_dp(cfg: Config) -> int:
     """dp as given, or the cluster's ranks divided by tp x pp x cp (0 when that does not divide)."""
     if cfg.parallel.dp is not None:

@@ -104,7 +104,7 @@ class MeshrunLauncher(Launcher):
             ret = run_point_job(hydra_context=self.hydra_context, task_function=self.task_function,
                                 config=sweep_config, job_dir_key="hydra.sweep.dir",
                                 job_subdir_key="hydra.sweep.subdir", configure_logging=job_logging,
-                                task_cfg=self.composer.task_config(overrides))
+                                task_cfg=self.composer.task_config(overrides), owned=True)
             runs.append(ret)
             if job_logging:
                 configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
