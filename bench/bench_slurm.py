@@ -1,46 +1,64 @@
-"""Slurm timings on the dev cluster (bash slurm/dev-cluster.sh up): model=tiny, 2 nodes x 2 CPU ranks.
+"""Slurm turnaround on the dev cluster (bash slurm/dev-cluster.sh up), phase by phase, against Slurm's own
+times for a bare job measured in the same run.
 
-- submit-to-first-step: `meshrun` invoked -> first line of metrics.jsonl (includes Hydra, planning,
-  sbatch, scheduling, rank start-up, rendezvous and step 1).
-- preemption-signal-to-resumed-step: `scancel --signal=USR2` -> first step logged by the requeued attempt
-  (includes the save at the next step boundary, the requeue, cred_expire, start-up and the checkpoint load).
-Prints one JSON object per figure; exits 77 when the dev cluster is not reachable.
+    .venv/bin/python bench/bench_slurm.py [--reps 1]
+
+meshrun: model=tiny, 2 nodes x --ranks-per-node CPU ranks (default 2; tp=2), checkpoint every 4 steps.
+- submit -> first step: `meshrun` invoked -> the first step of attempt 0 (its `startup` event), split at
+  the command's return, `submitted`, `started` (the batch script's prologue), then the engine's start-up
+  marks on rank 0 (training/observe/startup.py: srun started the task, the engine's process started,
+  imports, process group, preflight, model/optimizer/data built, checkpoint lookup, first step).
+- preemption signal -> resumed step: `scancel --signal=USR2` -> the first step of attempt 1, split at the
+  `signal` event (seen at a step boundary), the checkpoint written, every rank's exit (its record in
+  slurm/attempt_0/), `requeued` (the epilogue asked Slurm), `started` of attempt 1, then its start-up marks
+  (`resumed` = checkpoint loaded).
+bare: a batch script with one srun step on the same 2 nodes x 2 tasks, no Python, no torch:
+- submit -> tasks running: `sbatch` invoked -> every task of the step wrote its start time.
+- requeue: `scancel --signal=USR2` -> the step's tasks exit, the script runs `scontrol requeue` (as
+  meshrun's epilogue does) -> every task of the restarted job wrote its start time.
+Goals: meshrun's signal -> resumed step <= 1.6x the bare requeue; submit -> first step < 8 s.
+Exit 1 when a goal is missed, 77 when the dev cluster does not answer. The last line is one JSON object.
 """
 
 from __future__ import annotations
 
+import argparse
+import glob
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from training.events import read_events  # noqa: E402
-from training.exit_codes import EXIT_FAILED  # noqa: E402
 from training.slurm_env import SlurmUnavailable, slurm_command  # noqa: E402
 
 STEPS = 16
+REQUEUE_VS_BARE = 1.6
+"""Goal: preemption signal -> resumed step within 1.6x of Slurm's own requeue of a bare job."""
+SUBMIT_TO_STEP_S = 8.0
+"""Goal: `meshrun` invoked -> first step in under 8 s."""
+NODES = 2
+ENGINE_PHASES = [
+    ("task_start", "srun started the task"),
+    ("process_start", "engine process started"),
+    ("imported", "torch + engine imported"),
+    ("process_group", "process group up"),
+    ("preflight", "preflight checks"),
+    ("built", "model, optimizer, data built"),
+    ("resumed", "checkpoint loaded (or none)"),
+    ("first_step", "first step"),
+]
 
 
-def metrics_lines(run_dir):
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    out = []
-    for line in open(path):
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
-def wait(pred, timeout=300, poll=0.05):
+def wait(pred: Callable, timeout: float = 300, poll: float = 0.05):
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = pred()
@@ -50,7 +68,143 @@ def wait(pred, timeout=300, poll=0.05):
     raise SystemExit(f"bench_slurm: timed out after {timeout} s")
 
 
+def events_of(run_dir: str, name: str, attempt: Optional[int] = None) -> List[dict]:
+    return [e for e in read_events(run_dir) if e.get("event") == name
+            and (attempt is None or e.get("attempt") == attempt)]
+
+
+def rank_exits(run_dir: str, attempt: int) -> List[float]:
+    out = []
+    for path in glob.glob(os.path.join(run_dir, "slurm", f"attempt_{attempt}", "rank_*.json")):
+        with open(path) as f:
+            out.append(json.load(f)["ended"])
+    return out
+
+
+def engine_marks(run_dir: str, attempt: int) -> List[Tuple[str, float]]:
+    startup = events_of(run_dir, "startup", attempt)
+    if not startup:
+        return []
+    marks = startup[0]["marks"]
+    return [(label, marks[key]) for key, label in ENGINE_PHASES if key in marks]
+
+
+def print_phases(title: str, t0: float, points: List[Tuple[str, float]]) -> Dict[str, float]:
+    """Each phase's duration (from the previous point) and the running total from t0."""
+    print(f"\n{title}")
+    print(f"  {'phase ends':34s} {'phase s':>8s} {'total s':>8s}")
+    prev, phases = t0, {}
+    for label, t in points:
+        print(f"  {label:34s} {t - prev:8.2f} {t - t0:8.2f}")
+        phases[label] = round(t - prev, 3)
+        prev = t
+    return phases
+
+
+def startup_cpu(run_dir: str, attempt: int) -> float:
+    return float(events_of(run_dir, "startup", attempt)[0].get("cpu_s") or 0.0)
+
+
+def meshrun_run(work: str, per_node: int) -> Dict[str, object]:
+    run_dir = os.path.join(work, "run")
+    t0 = time.time()
+    res = subprocess.run([sys.executable, "-m", "launcher", "cluster=slurm_dev", "model=tiny", "data=synthetic",
+                          "parallel.tp=2", f"train.steps={STEPS}", "train.checkpoint_every=4",
+                          f"cluster.nodes={NODES}", f"cluster.gpus_per_node={per_node}",
+                          f"run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True)
+    returned = time.time()
+    if res.returncode != 0:
+        print(res.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"bench_slurm: meshrun exited {res.returncode}")
+    job = re.search(r"submitted Slurm job (\d+)", res.stdout).group(1)
+    wait(lambda: engine_marks(run_dir, 0), timeout=600)
+    submit_points = [("meshrun command returned", returned),
+                     ("sbatch accepted (submitted)", events_of(run_dir, "submitted")[0]["time"]),
+                     ("batch script started (prologue)", events_of(run_dir, "started", 0)[0]["time"])]
+    submit_points += engine_marks(run_dir, 0)
+    submit_phases = print_phases(f"meshrun: submit -> first step (job {job})", t0, submit_points)
+    submit_total = submit_points[-1][1] - t0
+
+    wait(lambda: len(events_of(run_dir, "checkpoint")) >= 1)  # a step past the first checkpoint
+    t1 = time.time()
+    if slurm_command(["scancel", "--signal=USR2", job]).returncode != 0:
+        raise SystemExit(f"bench_slurm: scancel --signal=USR2 {job} failed")
+    wait(lambda: engine_marks(run_dir, 1), timeout=600)
+    signal = events_of(run_dir, "signal", 0)[0]
+    saved = [e for e in events_of(run_dir, "checkpoint", 0) if e.get("reason") == "SIGUSR2"]
+    requeue_points = [(f"signal seen (step {signal['step']})", signal["time"])]
+    if saved:
+        requeue_points.append(("checkpoint written", saved[0]["time"]))
+    requeue_points += [("every rank exited", max(rank_exits(run_dir, 0))),
+                       ("epilogue requeued the job", events_of(run_dir, "requeued", 0)[0]["time"]),
+                       ("batch script started (prologue)", events_of(run_dir, "started", 1)[0]["time"])]
+    requeue_points += engine_marks(run_dir, 1)
+    requeue_phases = print_phases("meshrun: preemption signal -> resumed step", t1, requeue_points)
+    requeue_total = requeue_points[-1][1] - t1
+    wait(lambda: read_events(run_dir)[-1]["event"] in ("completed", "stopped"), timeout=600)
+    cpu = (startup_cpu(run_dir, 0), startup_cpu(run_dir, 1))
+    print(f"\nrank 0's CPU time from process start to its first step: {cpu[0]:.2f} s (attempt 0), {cpu[1]:.2f} s "
+          f"(attempt 1); {NODES * per_node} ranks on {os.cpu_count()} cores need at least "
+          f"{cpu[1] * NODES * per_node / os.cpu_count():.2f} s of wall time for that (the dev cluster's nodes share "
+          f"this machine's cores)")
+    return {"submit_to_first_step_s": round(submit_total, 2), "signal_to_resumed_step_s": round(requeue_total, 2),
+            "startup_cpu_s": cpu,
+            "submit_phases": submit_phases, "requeue_phases": requeue_phases, "job_id": job,
+            "final": read_events(run_dir)[-1]["event"]}
+
+
+BARE_SCRIPT = """#!/bin/bash
+#SBATCH --job-name=bare-requeue
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node={tasks}
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output={work}/bare_%j.out
+#SBATCH --time=10
+# One step on every task: each writes its start time, then waits for USR2 (the preemption warning).
+srun bash -c 'echo "$(date +%s.%N)" >> "{work}/starts_${{SLURM_RESTART_COUNT:-0}}_${{SLURM_PROCID}}"; trap "exit 0" USR2; while :; do sleep 0.05; done'
+if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then scontrol requeue "$SLURM_JOB_ID"; fi
+"""
+
+
+def task_starts(work: str, attempt: int) -> List[float]:
+    out = []
+    for path in glob.glob(os.path.join(work, f"starts_{attempt}_*")):
+        with open(path) as f:
+            text = f.read().split()
+        if text:
+            out.append(float(text[0]))
+    return out
+
+
+def bare_run(work: str, per_node: int) -> Dict[str, float]:
+    script = os.path.join(work, "bare.sbatch")
+    with open(script, "w") as f:
+        f.write(BARE_SCRIPT.format(nodes=NODES, tasks=per_node, work=work))
+    ranks = NODES * per_node
+    t0 = time.time()
+    res = slurm_command(["sbatch", "--parsable", script])
+    if res.returncode != 0:
+        raise SystemExit(f"bench_slurm: sbatch of the bare job failed: {res.stderr.strip()}")
+    job = res.stdout.strip().split(";")[0]
+    try:
+        wait(lambda: len(task_starts(work, 0)) == ranks, timeout=300)
+        submit = max(task_starts(work, 0)) - t0
+        time.sleep(1.0)  # the tasks are in their loop
+        t1 = time.time()
+        slurm_command(["scancel", "--signal=USR2", job])
+        wait(lambda: len(task_starts(work, 1)) == ranks, timeout=300)
+        requeue = max(task_starts(work, 1)) - t1
+    finally:
+        slurm_command(["scancel", job])
+    return {"submit_to_tasks_s": round(submit, 2), "requeue_s": round(requeue, 2), "job_id": job}
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=1, help="alternated meshrun / bare pairs (medians printed)")
+    ap.add_argument("--ranks-per-node", type=int, default=2, help="CPU ranks (and bare tasks) on each of the 2 nodes")
+    args = ap.parse_args()
     try:
         up = "UP" in slurm_command(["scontrol", "ping"]).stdout
     except SlurmUnavailable:
@@ -58,35 +212,34 @@ def main() -> int:
     if not up:
         print("bench_slurm: SKIPPED: the dev Slurm cluster does not answer (bash slurm/dev-cluster.sh up)")
         return 77
-    run_dir = os.path.join(tempfile.mkdtemp(prefix="bench_slurm_"), "run")
-    t0 = time.time()
-    res = subprocess.run([sys.executable, "-m", "launcher", "cluster=slurm_dev", "model=tiny", "data=synthetic",
-                          "parallel.tp=2", f"train.steps={STEPS}", "train.checkpoint_every=4",
-                          f"run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True)
-    if res.returncode != 0:
-        print(res.stderr[-3000:], file=sys.stderr)
-        return EXIT_FAILED
-    job = re.search(r"submitted Slurm job (\d+)", res.stdout).group(1)
-    returned = time.time() - t0
-    wait(lambda: metrics_lines(run_dir))
-    first_step = time.time() - t0
-    print(json.dumps({"figure": "submit_to_first_step_s", "value": round(first_step, 2),
-                      "command_returned_s": round(returned, 2), "job_id": job}))
-    wait(lambda: len(metrics_lines(run_dir)) >= 4)
-    t1 = time.time()
-    if slurm_command(["scancel", "--signal=USR2", job]).returncode != 0:
-        raise SystemExit(f"bench_slurm: scancel --signal=USR2 {job} failed")
-    started = lambda: [e for e in read_events(run_dir) if e["event"] == "started"]  # noqa: E731
-    wait(lambda: len(started()) >= 2)
-    n_before = len(metrics_lines(run_dir))
-    wait(lambda: len(metrics_lines(run_dir)) > n_before)
-    resumed = time.time() - t1
-    signal_step = next((e["step"] for e in read_events(run_dir) if e["event"] == "signal"), None)
-    print(json.dumps({"figure": "preemption_signal_to_resumed_step_s", "value": round(resumed, 2),
-                      "signal_step": signal_step, "requeue_restarted_s": round(started()[1]["time"] - t1, 2)}))
-    wait(lambda: read_events(run_dir)[-1]["event"] in ("completed", "stopped"))
-    print(json.dumps({"figure": "run_dir", "value": run_dir, "final": read_events(run_dir)[-1]["event"]}))
-    return 0
+    runs, bares = [], []
+    for rep in range(args.reps):
+        work = tempfile.mkdtemp(prefix="bench_slurm_")
+        # Alternated, bare first every other time: the machine's load drifts between runs.
+        order = ("bare", "meshrun") if rep % 2 == 0 else ("meshrun", "bare")
+        for side in order:
+            if side == "bare":
+                bares.append(bare_run(work, args.ranks_per_node))
+                print(f"\nbare job (no Python): submit -> tasks running {bares[-1]['submit_to_tasks_s']:.2f} s, "
+                      f"signal -> requeued tasks running {bares[-1]['requeue_s']:.2f} s")
+            else:
+                runs.append(meshrun_run(work, args.ranks_per_node))
+    med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
+    submit, requeue = med(runs, "submit_to_first_step_s"), med(runs, "signal_to_resumed_step_s")
+    bare_submit, bare_requeue = med(bares, "submit_to_tasks_s"), med(bares, "requeue_s")
+    ratio = requeue / bare_requeue
+    print(f"\n{NODES} nodes x {args.ranks_per_node} ranks; medians of {args.reps}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"submit -> first step      {submit:6.2f} s   (bare job: submit -> tasks running {bare_submit:.2f} s; "
+          f"goal < {SUBMIT_TO_STEP_S:.0f} s)")
+    print(f"signal -> resumed step    {requeue:6.2f} s   = {ratio:.2f} x the bare job's requeue "
+          f"({bare_requeue:.2f} s; goal <= {REQUEUE_VS_BARE})")
+    ok = ratio <= REQUEUE_VS_BARE and submit < SUBMIT_TO_STEP_S
+    print(json.dumps({"bench": "slurm", "submit_to_first_step_s": submit, "bare_submit_to_tasks_s": bare_submit,
+                      "signal_to_resumed_step_s": requeue, "bare_requeue_s": bare_requeue,
+                      "requeue_vs_bare": round(ratio, 3), "ranks": NODES * args.ranks_per_node,
+                      "startup_cpu_s": runs[-1]["startup_cpu_s"], "submit_phases": runs[-1]["submit_phases"],
+                      "requeue_phases": runs[-1]["requeue_phases"], "ok": ok}))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from launcher.slurm.numa import choose_node, numactl_prefix
 from training.config import load_config
 from training.events import append_event
 from training.exit_codes import EXIT_OK, EXIT_STOPPED
+from training.observe.startup import TASK_START_ENV, process_start_time
 from training.slurm_env import torch_env_from_slurm
 
 
@@ -173,6 +174,8 @@ class RankTask:
         os.makedirs(out, exist_ok=True)
         cause_file = os.path.join(out, f".cause_rank_{rank}.json")
         env["MESHRUN_CAUSE_FILE"] = cause_file  # the engine writes its failure's cause there (training/main.py)
+        # Where the engine's start-up timeline begins (training/observe/startup.py): srun started this task.
+        env[TASK_START_ENV] = f"{process_start_time() or started:.3f}"
         child = subprocess.Popen(prefix + [sys.executable, "-m", "training.main", self.run_dir],
                                  env=env, stderr=subprocess.PIPE, preexec_fn=_ignore_stop_signals)
         forwarder.attach(child.pid)
