@@ -3,7 +3,8 @@ times for a bare job measured in the same run.
 
     .venv/bin/python bench/bench_slurm.py [--reps 1]
 
-meshrun: model=tiny, 2 nodes x --ranks-per-node CPU ranks (default 2; tp=2), checkpoint every 4 steps.
+meshrun: model=tiny, 2 nodes x --ranks-per-node CPU ranks (default 2: tp=2 in a node, dp=2 across; with 1: dp=2),
+checkpoint every 4 steps.
 - submit -> first step: `meshrun` invoked -> the first step of attempt 0 (its `startup` event), split at
   the command's return, `submitted`, `started` (the batch script's prologue), then the engine's start-up
   marks on rank 0 (training/observe/startup.py: srun started the task, the engine's process started,
@@ -54,6 +55,8 @@ ENGINE_PHASES = [
     ("preflight", "preflight checks"),
     ("built", "model, optimizer, data built"),
     ("resumed", "checkpoint loaded (or none)"),
+    ("observers", "metrics log, TensorBoard, watchers"),
+    ("first_batch", "first batch assembled"),
     ("first_step", "first step"),
 ]
 
@@ -109,7 +112,7 @@ def meshrun_run(work: str, per_node: int) -> Dict[str, object]:
     run_dir = os.path.join(work, "run")
     t0 = time.time()
     res = subprocess.run([sys.executable, "-m", "launcher", "cluster=slurm_dev", "model=tiny", "data=synthetic",
-                          "parallel.tp=2", f"train.steps={STEPS}", "train.checkpoint_every=4",
+                          f"parallel.tp={min(2, per_node)}", f"train.steps={STEPS}", "train.checkpoint_every=4",
                           f"cluster.nodes={NODES}", f"cluster.gpus_per_node={per_node}",
                           f"run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True)
     returned = time.time()

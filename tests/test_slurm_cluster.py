@@ -289,6 +289,7 @@ def test_cpus_per_task_default_comes_from_the_partitions_nodes(tmp_path, cluster
     """cluster.cpus_per_task=0: the dev nodes' 8 CPUs (sinfo) shared by the ranks per node, never 1."""
     for ranks, cpus in ((2, 4), (1, 8)):
         res = meshrun("cluster=slurm_dev", *COMMON, "dry_run=true", f"cluster.gpus_per_node={ranks}", "parallel.tp=1",
+                      "cluster.cpus_per_task=0",  # the preset's 1 (its nodes share this machine's cores) set back
                       f"run.dir={tmp_path / str(ranks)}")
         assert res.returncode == 0, res.stderr[-2000:]
         assert f"#SBATCH --cpus-per-task={cpus}" in res.stdout.splitlines(), res.stdout
