@@ -149,6 +149,20 @@ def test_tensorboard_has_one_loss_per_step_across_a_stop_and_a_resume(tmp_path):
     assert "===== meshrun attempt 0" in logs.stdout and "===== meshrun attempt 1" in logs.stdout
     assert logs.stdout.index("attempt 0") < logs.stdout.index("attempt 1")  # every attempt, newest last
 
+    # Each attempt's start-up timeline (training/observe/startup.py), written by rank 0 after its first step.
+    from training.events import read_events
+
+    startups = [e for e in read_events(str(run)) if e["event"] == "startup"]
+    assert [(e["attempt"], e["step"]) for e in startups] == [(0, 1), (1, 3)]
+    order = ["process_start", "imported", "process_group", "preflight", "built", "resumed", "observers",
+             "first_batch", "first_step"]
+    for e in startups:
+        assert set(e["marks"]) == set(order)  # no Slurm task wrapper here: no task_start
+        stamps = [e["marks"][k] for k in order]
+        assert stamps == sorted(stamps)  # (events.jsonl sorts keys: the order is the times')
+        assert e["marks"]["first_step"] <= e["time"] + 0.001 and e["time"] - e["marks"]["process_start"] < 600
+        assert 0 < e["cpu_s"] < 600
+
 
 @pytest.mark.slow
 def test_cancel_a_local_run_saves_stops_and_status_says_cancelled(tmp_path):

@@ -46,11 +46,13 @@ def test_exit_without_finalising_joins_threads_runs_atexit_flushes_and_keeps_the
             time.sleep(0.5)
             open({str(tmp_path / "thread")!r}, "w").write("done")
         threading.Thread(target=late_write).start()  # not a daemon: Python would wait for it
+        from concurrent.futures import ThreadPoolExecutor
+        ThreadPoolExecutor(max_workers=1).submit(time.sleep, 0)  # an idle worker stays: it must not hang the exit
         atexit.register(lambda: open({str(tmp_path / "atexit")!r}, "w").write("ran"))
         sys.stdout.write("unflushed")  # no newline, no flush
         exit_without_finalising(3)
         print("never")
     """)
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert res.returncode == 3 and res.stdout == "unflushed"
     assert (tmp_path / "thread").read_text() == "done" and (tmp_path / "atexit").read_text() == "ran"

@@ -27,7 +27,9 @@ from training.checkpoint import CheckpointManager, signals
 from training.config import Config
 from training.data import BatchSampler, DataError, build_corpus, make_eval_source, make_source, validate_data_config
 from training.exit_codes import EXIT_OK, EXIT_STOPPED
+from training.events import append_event
 from training.layout_rules import layout_violations, raise_errors
+from training.observe import startup
 from training.optim import DistributedOptimizer, StepResult
 from training.pipeline import make_pipeline_schedule
 from training.precision import param_dtype
@@ -315,6 +317,8 @@ class Trainer:
             from training.observe.nan_probe import probe_nonfinite
 
             probe_nonfinite(self, micro, before, loss)  # every rank: the loss is global
+        if self.checkpointer is not None:  # an async save's host copy must be complete before the step
+            self.checkpointer.wait_staged()  # changes the parameters and the optimizer state
         result = self.optimizer.step(lr, loss_finite=math.isfinite(loss))
         # The data position advances even on a skipped step (the batch was consumed), like Megatron.
         self.state.step += 1
@@ -350,6 +354,7 @@ class Trainer:
     def run(self) -> int:
         cfg = self.cfg
         self._resume()
+        startup.mark("resumed")  # also on a fresh start: the checkpoint lookup found nothing to load
         from training.observe.metrics import MetricsLog, rank_figures
         from training.observe.progress import Progress
 
@@ -362,12 +367,14 @@ class Trainer:
 
         # Stragglers and node health (one gather per log interval), traces and memory snapshots (observe/).
         watch, profiler = IntervalWatch(cfg, self.run_dir, self.mesh), StepProfiler(cfg, self.run_dir, self.mesh)
+        startup.mark("observers")
         rates, mfus, skipped = [], [], 0
         exit_code = EXIT_OK
         losses: List[float] = []
         while self.state.step < cfg.train.steps:
             # Batch assembly is the data loader's work, ahead of the step (outside the step timer).
             micro = self.sampler.micro_batches(self.state.consumed_samples)
+            startup.mark("first_batch")  # a no-op after the first step
             if self.mesh.device.type == "cuda":
                 torch.cuda.synchronize()
             profiler.before(self.state.step + 1)
@@ -377,6 +384,10 @@ class Trainer:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             profiler.after(self.state.step)
+            if not rates and not losses and self.is_logger:  # this attempt's first step: its start-up timeline
+                startup.mark("first_step")
+                append_event(self.run_dir, "startup", step=self.state.step, marks=startup.timeline(),
+                             cpu_s=startup.cpu_seconds())
             tok_s = self.tokens_per_step / dt
             mfu = self.flops_per_step / dt / self.peak_flops if self.peak_flops > 0 else None
             if self.state.step > 1 or cfg.train.steps == 1:

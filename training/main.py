@@ -166,9 +166,15 @@ def exit_without_finalising(code: int) -> None:
     import atexit
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        # What the interpreter's own exit runs first: threading's exit hooks (an idle executor's workers are
+        # told to stop; joined without that they would wait for work forever), then every non-daemon thread.
+        shutdown()
+    else:
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

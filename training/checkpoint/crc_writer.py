@@ -7,21 +7,102 @@ multi-GB re-read would double the save's I/O). DCP writes each file front to bac
 manifest, which then reads that file once. At the end of its writes each rank leaves
 `__crc_<rank>.json` (file name -> [size, crc32]) in the temporary directory; rank 0 folds these into the
 manifest (storage.build_manifest) and deletes them before the checkpoint is sealed.
+
+Speed: a large write's CRC32 is computed by a helper thread while the writing thread copies the same bytes
+to the file (both release the GIL), so a save costs about the longer of the two, not their sum. After each
+large write the kernel is asked to start writing the file's dirty pages to the device (Linux
+sync_file_range), so the disk works while the rest of the file is being copied and the closing fsync
+(still made, and still what makes the file durable) has little left to wait for. And
+torch.save's own zip-record CRC32 (a second checksum of the same tensor bytes, which torch.load does not
+check) is switched off while DCP writes shards: the manifest's CRC32 covers every byte of every file and is
+verified before any load.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import sys
 import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.utils.serialization import config as _torch_save_config
 
 CRC_SIDECAR_PREFIX = "__crc_"
+
+HELPER_MIN_BYTES = 1 << 20
+"""Writes at least this large have their CRC32 computed in the helper thread, overlapping the write; below
+it a thread hand-off costs more than it saves (torch.save's headers are a few dozen bytes)."""
+
+_helper: Optional[ThreadPoolExecutor] = None
+_helper_lock = threading.Lock()
+
+
+def _crc_helper() -> ThreadPoolExecutor:
+    """The process's CRC helper threads (one per concurrent writing thread is enough; DCP uses few)."""
+    global _helper
+    with _helper_lock:
+        if _helper is None:
+            _helper = ThreadPoolExecutor(max_workers=4, thread_name_prefix="checkpoint-crc")
+        return _helper
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start write-out of dirty pages, do not wait for it
+
+
+def _load_sync_file_range() -> Optional[Callable[..., int]]:
+    """libc's sync_file_range on Linux, else None (the closing fsync then does all the work)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing `fd`'s dirty pages to the device now (not waiting for it); pages
+    already being written are skipped. Only a head start for the final fsync: errors are ignored."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # offset 0, length 0: the whole file
+
+
+_zip_crc_users = 0
+_zip_crc_saved = True
+_zip_crc_lock = threading.Lock()
+
+
+@contextmanager
+def no_zip_record_crc() -> Iterator[None]:
+    """torch.save without its per-record CRC32 for the duration (nested and concurrent uses allowed).
+
+    The setting is process-wide: a torch.save elsewhere in the process during a checkpoint write also leaves
+    its zip CRC fields zero, which torch.load accepts (torch.serialization.set_crc32_options)."""
+    global _zip_crc_users, _zip_crc_saved
+    with _zip_crc_lock:
+        if _zip_crc_users == 0:
+            _zip_crc_saved = _torch_save_config.save.compute_crc32
+            _torch_save_config.save.compute_crc32 = False
+        _zip_crc_users += 1
+    try:
+        yield
+    finally:
+        with _zip_crc_lock:
+            _zip_crc_users -= 1
+            if _zip_crc_users == 0:
+                _torch_save_config.save.compute_crc32 = _zip_crc_saved
 
 
 class _CrcStream:
@@ -32,11 +113,22 @@ class _CrcStream:
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        n = self.raw.write(view)
+        if len(view) >= HELPER_MIN_BYTES:
+            crc = _crc_helper().submit(zlib.crc32, view, self.crc)
+            try:
+                n = self.raw.write(view)
+            finally:
+                # Waited for even when the write failed: the caller may free or reuse the memory once
+                # write() returns, so no thread may still be reading it then.
+                self.crc = crc.result()
+        else:
+            n = self.raw.write(view)
+            self.crc = zlib.crc32(view, self.crc)
         if n is not None and n != len(view):
             self.linear = False  # a short write: what reached the disk is not what was checksummed
-        self.crc = zlib.crc32(view, self.crc)
         self.size += len(view)
+        if len(view) >= HELPER_MIN_BYTES:
+            start_writeback(self.raw.fileno())
         return len(view) if n is None else n
 
     def seek(self, *args):
@@ -77,15 +169,23 @@ class _CrcFileSystem(FileSystem):
 
 
 class CrcFileSystemWriter(dcp.FileSystemWriter):
-    """FileSystemWriter whose files' CRC32s are computed as they are written (see the module docstring)."""
+    """FileSystemWriter whose files' CRC32s are computed as they are written (see the module docstring).
 
-    def __init__(self, path: str, rank: int, **kwargs: Any):
+    `check`, when given, runs before any shard is written and may raise: a failure that happened before the
+    write (an asynchronous save's host copy) then fails the save inside DCP's write step, which reports it
+    on every rank instead of leaving the other ranks waiting in a collective."""
+
+    def __init__(self, path: str, rank: int, check: Optional[Callable[[], None]] = None, **kwargs: Any):
         super().__init__(path, **kwargs)
         self.fs = _CrcFileSystem()
         self._crc_rank = rank
+        self._check = check
 
     def write_data(self, plan, planner):
-        future = super().write_data(plan, planner)  # the base class writes synchronously, then returns
+        if self._check is not None:
+            self._check()
+        with no_zip_record_crc():
+            future = super().write_data(plan, planner)  # the base class writes synchronously, then returns
         self._dump()
         return future
 

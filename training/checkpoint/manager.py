@@ -9,6 +9,8 @@ Loop usage (every rank, same order):
         if due or stop or step == last:
             ckpt.save(step, model_chunks, optimizer, extra, reason=stop or ("final" if step == last else "interval"))
         if stop or step == last: ckpt.wait()   # then exit with EXIT_STOPPED (3) when stopping
+    and in each step, right before the optimizer changes the parameters or its state:
+        ckpt.wait_staged()                     # an async save's host copy is complete (a no-op otherwise)
 
 `step` is the number of completed optimizer steps. `extra` is a JSON-serialisable dict owned by the loop and
 must hold "consumed_samples"; anything else in it (loss scaler, data position, ...) is saved and restored
@@ -29,6 +31,7 @@ import sys
 import threading
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -43,6 +46,7 @@ from training.checkpoint.crc_writer import CrcFileSystemWriter, read_sidecars
 from training.checkpoint.layout import (Piece, exact_storage, param_info, pieces_for, to_load_state_dict,
                                         to_state_dict)
 from training.checkpoint.safe_read import SafeFileSystemReader
+from training.checkpoint.staging import HostStager
 from training.checkpoint.storage import CheckpointError
 from training.config import Config, checkpoint_minutes, config_to_dict
 from training.events import append_event
@@ -67,7 +71,8 @@ class SaveStats:
     reason: str
     """Why: interval (train.checkpoint_every or _min) | final | exit_interval | exit_after_min | SIGTERM | SIGUSR2."""
     blocked_s: float = 0.0
-    """Seconds the training loop was blocked (sync: the whole save; async: the copy to host memory)."""
+    """Seconds the training loop was blocked (sync: the whole save; async: the save() call plus the wait at
+    the staging barrier, wait_staged, for the copy to host memory that runs during the next forward/backward)."""
     total_s: float = 0.0
     """Seconds from the start of the save until the checkpoint was committed."""
     bytes: int = 0
@@ -76,15 +81,18 @@ class SaveStats:
 
 @dataclass
 class _Pending:
-    """An asynchronous save still writing."""
+    """An asynchronous save still copying or writing."""
 
     stats: SaveStats
-    future: Any
     tmp_dir: str
     info: Dict[str, Any]
     started: float
-    thread: Optional[threading.Thread] = None
-    error: List[str] = field(default_factory=list)
+    staged: Future = field(default_factory=Future)
+    """Done once the state is copied to host memory."""
+    waited: bool = False
+    """The loop has passed wait_staged() for this save (its wait is in stats.blocked_s)."""
+    future: Optional[Future] = None
+    """The background job (copy, write, and on rank 0 the commit): its result is rank 0's error or None."""
 
 
 def _rank0_print(msg: str) -> None:
@@ -153,9 +161,18 @@ class CheckpointManager:
         self.world = dist.get_world_size() if self.distributed else 1
         self.keep_last = max(1, cfg.train.keep_last)
         self.async_save = bool(cfg.train.async_save)
-        # The background write of dcp.async_save runs collectives from its own thread; the mesh's dedicated
-        # gloo group keeps them from interleaving with the training's collectives on the default group.
+        # The background write runs DCP's collectives from its own thread; the mesh's dedicated gloo group
+        # keeps them from interleaving with the training's collectives on the default group.
         self._async_group = getattr(mesh, "background_group", None) if (self.async_save and self.distributed) else None
+        # Async saves: host buffers kept from one save to the next (staging.py), and one long-lived thread
+        # that copies, writes and commits each save in turn (no thread is started per save). Its thread is
+        # joined at interpreter exit, so a pending save is committed before the process ends.
+        self._stager = HostStager() if self.async_save else None
+        self._writer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-save") \
+            if self.async_save else None
+        # Set by the first wait_staged(): the caller has a barrier before it changes the state, so an async
+        # save may return before its host copy is complete (the copy then overlaps the next forward/backward).
+        self._has_barrier = False
         self._pending: Optional[_Pending] = None
         self.history: List[SaveStats] = []
         self.last_saved_step: Optional[int] = None
@@ -246,7 +263,11 @@ class CheckpointManager:
 
     # ----- save ------------------------------------------------------------------------------------
     def save(self, step: int, model_chunks, optimizer, extra_state: Dict[str, Any], reason: str = "interval") -> SaveStats:
-        """Write a complete checkpoint of `step` (collective). Async: returns after the copy to host memory."""
+        """Write a complete checkpoint of `step` (collective).
+
+        Async: returns once the state is copied to host memory, or, for a caller that has the staging barrier
+        (see wait_staged), once that copy has started; the write and the commit run in the background, and
+        wait() waits for them."""
         self.wait()
         if self.last_saved_step == step:
             return self.history[-1]
@@ -254,7 +275,9 @@ class CheckpointManager:
         tmp = self._bcast(storage.new_tmp_dir(self.run_dir, step) if self.rank == 0 else None)
         opt_state = optimizer.state_dict() if optimizer is not None else None
         pieces = self._pieces(model_chunks, opt_state, for_save=True)
-        if not self.async_save:  # async_save stages its own compact host copy
+        if self._stager is not None:  # async: the pieces become host buffers, filled in the background
+            pieces = self._stager.prepare(pieces)
+        else:
             pieces = [Piece(p.key, exact_storage(p.tensor), p.offsets, p.global_shape) for p in pieces]
         state = to_state_dict(pieces) if self.distributed else self._plain(pieces)
         state[f"rank_state/{self.rank}"] = _json_tensor({"rng": _rng_state(), "layout": self._layout()})
@@ -265,22 +288,22 @@ class CheckpointManager:
             # The checkpoint this one continues (resumed from or saved last): the history `auto` follows.
             "previous": self.last_saved_step,
         }
-        json.dumps(info)  # fail here, on every rank, if the loop put something non-JSON in extra_state
+        # A snapshot, and it fails here, on every rank, if the loop put something non-JSON in extra_state:
+        # an async commit writes it after the loop has moved on (and may have changed its dicts).
+        info = json.loads(json.dumps(info))
         stats = SaveStats(step, reason)
-        writer = CrcFileSystemWriter(tmp, self.rank, sync_files=True)
+        check = self._stager.raise_if_failed if self._stager is not None else None
+        writer = CrcFileSystemWriter(tmp, self.rank, check=check, sync_files=True)
+        if self.async_save:
+            p = self._pending = _Pending(stats, tmp, info, t0)
+            if not self._has_barrier:
+                self._stage(p)  # no barrier: the caller may change the state as soon as save() returns
+            p.future = self._writer_thread.submit(self._save_async, p, state, writer)
+            stats.blocked_s = time.monotonic() - t0  # wait_staged adds its wait
+            self.last_saved_step = step
+            self._last_save_time = time.monotonic()
+            return stats
         try:
-            if self.async_save:
-                future = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
-                stats.blocked_s = time.monotonic() - t0
-                self._pending = _Pending(stats, future, tmp, info, t0)
-                if self.rank == 0:
-                    # Commit as soon as the write finishes, not at the next wait(): a crash in between must
-                    # not cost a checkpoint that is already on disk.
-                    self._pending.thread = threading.Thread(target=self._finish_async, daemon=True)
-                    self._pending.thread.start()
-                self.last_saved_step = step
-                self._last_save_time = time.monotonic()
-                return stats
             dcp.save(state, storage_writer=writer)
             error = None
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
@@ -290,30 +313,65 @@ class CheckpointManager:
         self._after_commit(stats, error)
         return stats
 
-    def _finish_async(self) -> None:
-        p = self._pending
+    def _save_async(self, p: _Pending, state: Dict[str, Any], writer: CrcFileSystemWriter) -> Optional[str]:
+        """The background job of an async save: copy to host memory, write, and on rank 0 commit right away
+        (not at the next wait(): a crash in between must not cost a checkpoint that is already on disk).
+        Returns the error (rank 0's is the one every rank reports), or None."""
+        self._stage(p)
         try:
-            p.future.result()
+            dcp.save(state, storage_writer=writer, process_group=self._async_group)
             err = None
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
             err = _short(exc)
-        p.error.append(self._commit_or_clean(p.tmp_dir, p.info, p.stats, err, broadcast=False) or "")
+        if self.rank == 0:
+            err = self._commit_or_clean(p.tmp_dir, p.info, p.stats, err, broadcast=False)
+        return err
+
+    def _stage(self, p: _Pending) -> None:
+        """Copy the state to host memory, once per save: in save() when the caller has no barrier, else
+        first thing in the background job. A failure is raised by the writer, inside DCP's write step."""
+        if p.staged.done():
+            return
+        try:
+            self._stager.copy()
+        finally:
+            p.staged.set_result(None)
+
+    def wait_staged(self) -> float:
+        """The barrier before the optimizer step: wait until a pending async save's host copy is complete,
+        so the snapshot holds the state as it was at save(). Seconds waited (added to the save's blocked_s);
+        0 when there is nothing to wait for. Local (no collective); never raises: a failed copy fails the
+        save, reported by wait().
+
+        Calling it declares that the caller has this barrier before every change of the parameters or the
+        optimizer state (the training loop calls it before each optimizer step): from then on save() only
+        starts the host copy and returns, and the copy runs while the caller computes the next step's
+        forward and backward. Until then an async save makes the copy inside save()."""
+        self._has_barrier = True
+        return self._wait_for_copy()
+
+    def _wait_for_copy(self) -> float:
+        p = self._pending
+        if p is None or p.waited:
+            return 0.0
+        t0 = time.monotonic()
+        p.staged.result()  # set in a finally: never an exception
+        p.waited = True
+        waited = time.monotonic() - t0
+        p.stats.blocked_s += waited
+        return waited
 
     def wait(self) -> Optional[SaveStats]:
         """Block until a pending async save is committed (collective when one is pending); raise if it failed."""
+        self._wait_for_copy()  # its wait counts as blocked, as at the barrier
         p, self._pending = self._pending, None
         if p is None:
             return None
         try:
-            p.future.result()
-        except (Exception, CheckpointException):  # noqa: BLE001 - rank 0's commit thread reports it
-            pass
-        error = None
-        if p.thread is not None:
-            p.thread.join()
-            error = p.error[0] if p.error else "commit thread died"
-            error = error or None
-        error = self._bcast(error)
+            error = p.future.result()
+        except BaseException as exc:  # noqa: BLE001 - the job itself died (it catches the save's errors)
+            error = f"the checkpoint writer thread failed: {_short(exc)}"
+        error = self._bcast(error)  # rank 0's outcome: it committed, or removed the temporary directory
         p.stats.total_s = time.monotonic() - p.started
         self._after_commit(p.stats, error)
         return p.stats
