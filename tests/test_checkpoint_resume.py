@@ -61,7 +61,7 @@ def _train(cfg_dict: dict, run_dir: str, hook: str = ""):
 
         trainer.train_step = train_step
     if hook == "kill_in_save10" and mesh.rank == 1:
-        real_save = manager.dcp.save
+        real_save = dcp.save
 
         class _Dcp:
             def __getattr__(self, name):
@@ -75,7 +75,8 @@ def _train(cfg_dict: dict, run_dir: str, hook: str = ""):
                     os.kill(os.getpid(), signal.SIGKILL)
                 return real_save(state, storage_writer=storage_writer)
 
-        manager.dcp = _Dcp()
+        real_dcp = manager._dcp  # the manager imports DCP on first use, through this function
+        manager._dcp = lambda: (_Dcp(), real_dcp()[1])
     code = trainer.run()
     out = {"code": code, "losses": trainer.losses}
     mesh.destroy()

@@ -38,14 +38,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from training.checkpoint import signals, storage
-from training.checkpoint.crc_writer import CrcFileSystemWriter, read_sidecars
 from training.checkpoint.layout import (Piece, exact_storage, param_info, pieces_for, to_load_state_dict,
                                         to_state_dict)
-from training.checkpoint.safe_read import SafeFileSystemReader
 from training.checkpoint.staging import HostStager
 from training.checkpoint.storage import CheckpointError
 from training.config import Config, checkpoint_minutes, config_to_dict
@@ -93,6 +89,16 @@ class _Pending:
     """The loop has passed wait_staged() for this save (its wait is in stats.blocked_s)."""
     future: Optional[Future] = None
     """The background job (copy, write, and on rank 0 the commit): its result is rank 0's error or None."""
+
+
+def _dcp():
+    """torch.distributed.checkpoint and its exception type, imported on the first save or load: with the
+    DTensor code it pulls in, about 1.1 s of CPU per rank that a fresh start need not pay before its first
+    step (training/observe/startup.py); DCP's exception is a BaseException, caught beside Exception."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return dcp, CheckpointException
 
 
 def _rank0_print(msg: str) -> None:
@@ -292,6 +298,9 @@ class CheckpointManager:
         # an async commit writes it after the loop has moved on (and may have changed its dicts).
         info = json.loads(json.dumps(info))
         stats = SaveStats(step, reason)
+        from training.checkpoint.crc_writer import CrcFileSystemWriter
+
+        dcp, CheckpointException = _dcp()
         check = self._stager.raise_if_failed if self._stager is not None else None
         writer = CrcFileSystemWriter(tmp, self.rank, check=check, sync_files=True)
         if self.async_save:
@@ -313,10 +322,11 @@ class CheckpointManager:
         self._after_commit(stats, error)
         return stats
 
-    def _save_async(self, p: _Pending, state: Dict[str, Any], writer: CrcFileSystemWriter) -> Optional[str]:
+    def _save_async(self, p: _Pending, state: Dict[str, Any], writer) -> Optional[str]:
         """The background job of an async save: copy to host memory, write, and on rank 0 commit right away
         (not at the next wait(): a crash in between must not cost a checkpoint that is already on disk).
         Returns the error (rank 0's is the one every rank reports), or None."""
+        dcp, CheckpointException = _dcp()
         self._stage(p)
         try:
             dcp.save(state, storage_writer=writer, process_group=self._async_group)
@@ -381,6 +391,8 @@ class CheckpointManager:
         if self.rank == 0:
             if error is None:
                 try:
+                    from training.checkpoint.crc_writer import read_sidecars
+
                     sums = read_sidecars(tmp)  # every rank's CRC32s, computed while writing
                     storage.write_json_durable(os.path.join(tmp, storage.STATE), info)
                     with open(os.path.join(tmp, storage.CONFIG), "w") as f:
@@ -480,6 +492,9 @@ class CheckpointManager:
         path = storage.step_dir(self.run_dir, step)
         with open(os.path.join(path, storage.STATE)) as f:
             info = json.load(f)
+        from training.checkpoint.safe_read import SafeFileSystemReader
+
+        dcp, CheckpointException = _dcp()
         reader = SafeFileSystemReader(path)
         try:
             metadata = reader.read_metadata()
