@@ -29,10 +29,13 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def threads_per_rank(local_ranks: int) -> int:
+def threads_per_rank(local_ranks: int, allotted: int = 0) -> int:
     """OpenMP/MKL threads of one rank: the usable cores shared by the ranks of this node, so that they
-    do not oversubscribe them."""
-    return max(1, usable_cores() // max(local_ranks, 1))
+    do not oversubscribe them; at most `allotted` (a Slurm task's CPUs, when given). Slurm without CPU
+    binding (TaskPlugin=task/none) leaves every task the whole node's affinity, so the affinity alone
+    would let a node's ranks start more threads than their job was given."""
+    threads = max(1, usable_cores() // max(local_ranks, 1))
+    return min(threads, allotted) if allotted > 0 else threads
 
 
 def engine_env(cfg: Config, run_dir: Optional[str] = None, secrets: bool = True) -> Dict[str, str]:

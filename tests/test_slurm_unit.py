@@ -443,3 +443,15 @@ def test_late_stop_signal_cannot_kill_a_rank_after_its_final_save():
     assert _exit_under_signal_storm("training") < 0
     # ... once the engine has finished (final checkpoint done) it ignores them and exits 0.
     assert _exit_under_signal_storm("finished") == 0
+
+
+def test_rank_threads_never_exceed_the_tasks_cpus(monkeypatch):
+    """Slurm without CPU binding leaves each task the node's whole affinity: the task's own CPUs
+    (SLURM_CPUS_PER_TASK) cap its rank's OpenMP threads."""
+    from launcher import procs
+
+    monkeypatch.setattr(procs, "usable_cores", lambda: 8)
+    assert procs.threads_per_rank(2) == 4  # locally: the cores shared by the node's ranks
+    assert procs.threads_per_rank(2, allotted=1) == 1 and procs.threads_per_rank(1, allotted=3) == 3
+    assert procs.threads_per_rank(4, allotted=16) == 2  # an allotment above the cores' share changes nothing
+    assert procs.threads_per_rank(16, allotted=0) == 1

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import List
 
-from launcher.procs import engine_env, rank_process_env, start_pump
+from launcher.procs import engine_env, rank_process_env, start_pump, threads_per_rank
 from launcher.slurm.numa import choose_node, numactl_prefix
 from training.config import load_config
 from training.events import append_event
@@ -155,7 +155,10 @@ class RankTask:
             signal.signal(sig, forwarder.on_signal)
         signal.signal(signal.SIGCONT, lambda *_: None)
         cfg = load_config(os.path.join(self.run_dir, "config.json"))
-        env = rank_process_env(torch_env_from_slurm(os.environ), engine_env(cfg, self.run_dir))
+        dist_env = torch_env_from_slurm(os.environ)
+        allotted = int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)  # --cpus-per-task (cluster.cpus_per_task)
+        threads = threads_per_rank(int(dist_env.get("LOCAL_WORLD_SIZE", "1")), allotted)
+        env = rank_process_env(dist_env, engine_env(cfg, self.run_dir), threads=threads)
         rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
         attempt = int(env.get("MESHRUN_ATTEMPT", "0"))
         node = env.get("SLURMD_NODENAME") or socket.gethostname()
