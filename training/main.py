@@ -12,7 +12,7 @@ import os
 import sys
 import traceback
 
-from training.exit_codes import EXIT_FAILED, EXIT_INVALID
+from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_STOPPED
 
 
 def _env_from_slurm() -> None:
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
 
 
 def exit_without_finalising(code: int) -> None:
-    """End the process as Python would, minus the interpreter's finalisation.
+    """End the process as Python would, minus the interpreter's finalisation (after a completed run or a stop).
 
     With torch loaded, tearing the interpreter down (every module's objects, libtorch's static destructors)
     takes ~1-2.5 s per rank on a loaded machine, after the rank's work is done; a requeued job waits for the
@@ -201,4 +201,9 @@ def exit_without_finalising(code: int) -> None:
 
 
 if __name__ == "__main__":
-    exit_without_finalising(int(main() or 0))
+    exit_code = int(main() or 0)
+    if exit_code in (EXIT_OK, EXIT_STOPPED):
+        exit_without_finalising(exit_code)
+    # A failure exits the usual way: the launchers blame the rank that ended first, and a peer that fails
+    # only because this rank left its collectives must not overtake it in a quick exit of its own.
+    sys.exit(exit_code)
