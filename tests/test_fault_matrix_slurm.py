@@ -558,11 +558,12 @@ def test_transient_save_failure_requeues_from_the_previous_checkpoint(tmp_path, 
 
 @pytest.mark.slurm
 def test_slurm_signal_alone_stops_a_run_at_a_short_time_limit(tmp_path, cluster):
-    """The ranks' own clock off (MESHRUN_SELF_STOP=0): Slurm's --signal=USR2@40 at a 1-minute limit must
-    reach the engine, which saves and stops; the job requeues and resumes with no step lost."""
+    """The ranks' own clock off (MESHRUN_SELF_STOP=0): Slurm's --signal=USR2@50 at a 1-minute limit must
+    reach the engine, which saves and stops; the job requeues and resumes with no step lost. (Slurm sends
+    it from a check that runs about every 30 s: 50 s leaves room for one that a loaded machine delays.)"""
     run_dir = tmp_path / "run"
     res = meshrun("cluster=slurm_dev", *COMMON, f"run.dir={run_dir}", "cluster.nodes=1", "cluster.time_min=1",
-                  "cluster.signal_delay_s=40", "train.steps=100000", "train.checkpoint_every=0",
+                  "cluster.signal_delay_s=50", "train.steps=100000", "train.checkpoint_every=0",
                   "train.progress=false", env={"MESHRUN_SELF_STOP": "0"})
     assert res.returncode == 0, res.stderr[-3000:]
     job = re.search(r"submitted Slurm job (\d+)", res.stdout).group(1)
