@@ -12,13 +12,14 @@
    built with the engine's attention (8 heads of 32: 4 local heads per rank), interleaved the same way.
    Target: > 1.
 3. MFU of the engine against this machine's measured matmul rate (printed, no target).
-Exits 1 when a target is missed.
+Exits 1 when a target is missed. The last line is the figures as one JSON object.
 Usage: python bench/bench_engine.py [--rounds N] [--warmup N] [--shapes a,b,tiny] [--no-tp] [--gpu]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -216,6 +217,7 @@ def main(argv=None) -> int:
     sync = torch.cuda.synchronize if args.gpu else (lambda: None)
     shapes = ["gpu"] if args.gpu else args.shapes.split(",")
     ok = True
+    figures: Dict[str, object] = {"bench": "engine", "threads": torch.get_num_threads(), "warmup": args.warmup}
     print(f"engine tp=1 vs plain nanoGPT-style PyTorch GPT, one process, {torch.get_num_threads()} threads, "
           f"{args.warmup} warm-up steps each, then interleaved rounds; medians")
     print(f"{'shape':<5} {'L':>2} {'h':>5} {'a':>3} {'s':>5} {'b':>2} {'rounds':>6} {'engine tok/s':>13} "
@@ -231,6 +233,8 @@ def main(argv=None) -> int:
         mfu = trainer.flops_per_step / statistics.median(t_engine) / trainer.peak_flops
         hit = r["ratio"] >= 1.0
         ok &= hit
+        figures[name] = {"rounds": len(t_engine), "engine_tok_s": round(r["engine"], 1),
+                         "plain_tok_s": round(r["other"], 1), "ratio": round(r["ratio"], 4), "mfu": round(mfu, 4)}
         print(f"{name:<5} {m.num_layers:>2} {m.hidden_size:>5} {m.num_attention_heads:>3} {m.seq_length:>5} "
               f"{cfg.parallel.global_batch:>2} {len(t_engine):>6} {r['engine']:>13,.0f} {r['other']:>12,.0f} {r['ratio']:>6.3f}  "
               f"{'yes' if hit else 'NO':<14} {100 * mfu:.1f}%")
@@ -244,9 +248,13 @@ def main(argv=None) -> int:
         r = compare(t_engine, t_dtensor, cfg.parallel.global_batch * cfg.model.seq_length)
         hit = r["ratio"] > 1.0
         ok &= hit
+        figures["tp2"] = {"rounds": len(t_engine), "engine_tok_s": round(r["engine"], 1),
+                          "dtensor_tok_s": round(r["other"], 1), "ratio": round(r["ratio"], 4)}
         print(f"tp=2 (shape a, 4 local heads of 32 on both): hand-written TP+SP {r['engine']:,.0f} tok/s, "
               f"DTensor TP {r['other']:,.0f} tok/s, ratio {r['ratio']:.3f} (target > 1): {'yes' if hit else 'NO'}")
     print("RESULT:", "PASS" if ok else "FAIL")
+    figures["pass"] = ok
+    print(json.dumps(figures))
     return 0 if ok else 1
 
 

@@ -1,13 +1,18 @@
 """GPT decoder with explicit Megatron-style tensor and sequence parallelism.
 
-Hidden states are SEQUENCE-FIRST, [s, b, h] (as in Megatron): under sequence parallelism a rank holds
-the contiguous shard [s/tp, b, h] of the sequence, so splitting and gathering is along dim 0.
+Hidden states are SEQUENCE-FIRST, [s, b, h], under sequence parallelism (as in Megatron): a rank holds
+the contiguous shard [s/tp, b, h] of the sequence, so splitting and gathering is along dim 0. Without SP
+nothing needs the sequence first, and between the layers they are BATCH-FIRST, [b, s, h], as in nanoGPT:
+attention then reads q, k, v rows at a stride of 3h instead of b * 3h, and the heads merge after it
+without a copy (docs/PERFORMANCE.md has the measurements). Every op computes each token the same way in
+either order (the forward is bit for bit the same); a chunk's own inputs and outputs (pipeline messages,
+logits) are sequence-first either way.
 Where the parallelism lives (all visible here):
   embedding: vocab-parallel lookup, then all-reduce (or reduce-scatter into sequence shards under SP)
   attention: norm (on shards under SP) -> column-parallel fused QKV (one SP all-gather) -> heads split
              over tp -> row-parallel proj (all-reduce, or reduce-scatter under SP) -> dropout -> residual
   MLP:       norm -> column-parallel fc1 -> activation -> row-parallel fc2 -> dropout -> residual
-  head:      final norm -> column-parallel logits [s, b, Vp/tp] -> vocab-parallel cross-entropy
+  head:      final norm -> column-parallel logits -> vocab-parallel cross-entropy
 A model is built as `GPTChunk`s, contiguous slices of layers (pipeline stages / virtual stages);
 `build_gpt` makes this rank's chunks. Parameter names are the same at any tp / pp (CONTRACTS.md).
 
@@ -77,6 +82,19 @@ def keyed_dropout(x: torch.Tensor, p: float, key: int, shard: int = 0, num_shard
     return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
 
 
+class _SwapSequenceBatch(torch.autograd.Function):
+    """[s, b, h] <-> [b, s, h] as a contiguous copy, forward and backward alike: at a chunk's boundary (pipeline
+    messages are sequence-first) the grad handed back to the previous stage is contiguous too."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.transpose(0, 1).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.transpose(0, 1).contiguous()
+
+
 class Norm(nn.Module):
     """LayerNorm or RMSNorm over the last dim; params replicated over tp (on sequence shards under SP)."""
 
@@ -141,6 +159,7 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(a * self.d, h, mc.bias, group, sp, dtype, device)
         self.rotary = Rotary(self.d, mc.seq_length, device, mc.rope_base) if mc.position == "rope" else None
         self.recompute_core = False
+        self.batch_first = not (sp and tp > 1)  # the layout of its input and output (module docstring)
 
     def core(self, q, k, v, key: int) -> torch.Tensor:
         """softmax(q k^T / sqrt(d), causal) v with dropout on the probabilities; [b, heads, s, d]."""
@@ -173,30 +192,32 @@ class Attention(nn.Module):
         probs = keyed_dropout(probs, p, key)
         return torch.matmul(probs, v)
 
-    def split_qkv(self, qkv: torch.Tensor):
-        """[s, b, local_groups * (q_per_group + 2) * d] -> q [b, local_heads, s, d], k and v [b, local_groups, s, d]."""
-        s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.local_groups, self.q_per_group + 2, self.d)
+    def split_qkv(self, qkv: torch.Tensor, batch_first: bool = False):
+        """[s, b, local_groups * (q_per_group + 2) * d] (or [b, s, ...] with batch_first) -> q [b, local_heads, s, d],
+        k and v [b, local_groups, s, d]."""
+        n0, n1 = qkv.shape[:2]
+        qkv = qkv.view(n0, n1, self.local_groups, self.q_per_group + 2, self.d)
         # One split, not three slices: the backward of a split is one concatenation, where each slice's
         # backward would build a zero-filled grad of the whole qkv output and add the three.
         q, k, v = torch.split(qkv, [self.q_per_group, 1, 1], dim=3)
-        q = q.reshape(s, b, self.local_heads, self.d).permute(1, 2, 0, 3)
-        k = k.squeeze(3).permute(1, 2, 0, 3)
-        v = v.squeeze(3).permute(1, 2, 0, 3)
-        return q, k, v
+        order = (0, 2, 1, 3) if batch_first else (1, 2, 0, 3)
+        q = q.reshape(n0, n1, self.local_heads, self.d).permute(*order)
+        return q, k.squeeze(3).permute(*order), v.squeeze(3).permute(*order)
 
     def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:
-        qkv = self.qkv(x)  # [s, b, local_groups * (q_per_group + 2) * d]; under SP s is the full sequence
-        s, b = qkv.shape[:2]
-        q, k, v = self.split_qkv(qkv)
+        """x: [b, s, h], or under SP the local sequence shard [s/tp, b, h]; the output has x's order."""
+        qkv = self.qkv(x)  # [b, s, local_groups * (q_per_group + 2) * d]; under SP [s, b, ...], s the full sequence
+        n0, n1 = qkv.shape[:2]
+        q, k, v = self.split_qkv(qkv, self.batch_first)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         if self.recompute_core:
             ctx = checkpoint(self.core, q, k, v, key, use_reentrant=False)
         else:
             ctx = self.core(q, k, v, key)
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.d)
-        return self.proj(ctx)
+        # SDPA's output is [b, s, heads, d] in memory: batch-first, merging the heads is a view, not a copy.
+        ctx = ctx.transpose(1, 2) if self.batch_first else ctx.permute(2, 0, 1, 3)
+        return self.proj(ctx.reshape(n0, n1, self.local_heads * self.d))
 
 
 class MLP(nn.Module):
@@ -240,7 +261,8 @@ class TransformerLayer(nn.Module):
         k = stable_seed(key, self.layer_id, site)
         if self.sp:  # x is this rank's sequence shard: keep its rows of the full-sequence mask
             return keyed_dropout(x, self.dropout, k, self.tp_rank, self.tp)
-        return keyed_dropout(x, self.dropout, k)
+        # Batch-first: the mask is drawn in [s, b, h] order, the same as under SP.
+        return keyed_dropout(x.transpose(0, 1), self.dropout, k).transpose(0, 1)
 
     def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:
         # The attention's own key only matters with dropout (hashing it costs a little every layer).
@@ -259,7 +281,7 @@ class PositionEmbedding(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Word (vocab-parallel) plus optional learned position embedding; output [s(/tp under SP), b, h]."""
+    """Word (vocab-parallel) plus optional learned position embedding; output [b, s, h] ([s/tp, b, h] under SP)."""
 
     def __init__(self, mc: ModelConfig, mesh: ProcessMesh, sp: bool, padded_vocab: int, with_position: bool,
                  dtype, device):
@@ -271,17 +293,13 @@ class Embedding(nn.Module):
                          if with_position else None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        b, s = ids.shape
+        if not self.sp:
+            x = reduce_from_tp(self.word(ids, reduce=False), self.group)  # [b, s, h]
+            return x if self.position is None else x + self.position.weight[: ids.shape[1]]
         # Looked up in [s, b] order: the rows come out sequence-first and contiguous, with no transposing copy.
-        partial = self.word(ids.t(), reduce=False)  # [s, b, h], partial over tp
-        if self.sp:
-            x = reduce_scatter_to_sp(partial, self.group)
-            rows = slice(self.tp_rank * x.shape[0], (self.tp_rank + 1) * x.shape[0])
-        else:
-            x = reduce_from_tp(partial, self.group)
-            rows = slice(0, s)
+        x = reduce_scatter_to_sp(self.word(ids.t(), reduce=False), self.group)  # this rank's [s/tp, b, h]
         if self.position is not None:
-            x = x + self.position.weight[rows].unsqueeze(1)
+            x = x + self.position.weight[self.tp_rank * x.shape[0] : (self.tp_rank + 1) * x.shape[0]].unsqueeze(1)
         return x
 
 
@@ -290,8 +308,8 @@ class GPTChunk(nn.Module):
 
     forward(x, targets=None):
       x: token ids [b, s] when has_embedding, else hidden states [s/tp (SP) or s, b, h] (sequence-first);
-      returns hidden states, or with has_head: the mean token loss of this micro-batch (fp32 scalar,
-      identical on every tp rank) when targets [b, s] are given, else this rank's logits [s, b, Vp/tp].
+      returns hidden states (sequence-first), or with has_head: the mean token loss of this micro-batch (fp32
+      scalar, identical on every tp rank) when targets [b, s] are given, else this rank's logits [s, b, Vp/tp].
     With tied embeddings, a head-only chunk holds its own copy of `embedding.word.weight` (same name);
     the pipeline keeps the copies equal by all-reducing their grads over mesh.embedding_group.
     """
@@ -301,6 +319,7 @@ class GPTChunk(nn.Module):
         super().__init__()
         mc = model_cfg
         self.sp = sequence_parallel_on(parallel_cfg.sp, mesh.tp)  # off at tp = 1 (the engine warns once)
+        self.batch_first = not self.sp  # the layout between the layers (module docstring)
         validate_model_layout(mc, mesh.tp, self.sp)
         if parallel_cfg.recompute not in ("none", "selective", "full"):
             raise ValueError(f"parallel.recompute={parallel_cfg.recompute!r}: use none, selective or full")
@@ -333,22 +352,28 @@ class GPTChunk(nn.Module):
                if self.mc.dropout > 0.0 else 0)
         if self.training:
             self.micro_step += 1
+        batch_first = self.batch_first
         if self.has_embedding:
             x = self.embedding(x)
+        elif batch_first:
+            x = _SwapSequenceBatch.apply(x)
         for layer in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
                 x = checkpoint(layer, x, key, use_reentrant=False)
             else:
                 x = layer(x, key)
         if not self.has_head:
-            return x
+            return _SwapSequenceBatch.apply(x) if batch_first else x
         x = self.final_norm(x)
         weight = self.output.weight if self.output is not None else self.embedding.word.weight
-        logits = column_parallel_linear(x, weight, None, self.mesh.tp_group, self.sp)  # [s, b, Vp/tp]
+        logits = column_parallel_linear(x, weight, None, self.mesh.tp_group, self.sp)  # [b, s, Vp/tp] or [s, b, ...]
         if targets is None:
-            return logits
-        loss = vocab_parallel_cross_entropy(logits, targets.t(), self.mesh.tp_group, self.vocab_size)
-        return loss.mean()
+            return logits.transpose(0, 1).contiguous() if batch_first else logits
+        if batch_first:
+            # The mean over the tokens in sequence-first order (a copy of b s floats): the same sum as under SP.
+            loss = vocab_parallel_cross_entropy(logits, targets, self.mesh.tp_group, self.vocab_size)
+            return loss.t().contiguous().mean()
+        return vocab_parallel_cross_entropy(logits, targets.t(), self.mesh.tp_group, self.vocab_size).mean()
 
 
 def chunk_layer_ids(num_layers: int, pp: int, vpp: int, pp_rank: int) -> List[List[int]]:

@@ -9,7 +9,8 @@ torch.optim.AdamW(fused=True)) on the whole shard: one pass instead of seven, eq
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import bisect
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -21,8 +22,11 @@ class ShardedAdamW:
 
     STATES = ("exp_avg", "exp_avg_sq", "master")
     """Names of the per-element state tensors (master only exists for 16-bit weights)."""
-    BLOCK = 1 << 15
-    """Elements per block of the CPU update: 5 fp32 blocks of 128 KiB stay in a core's L2 cache."""
+    BLOCK = 1 << 18
+    """Elements per block of the CPU update. Measured (1 thread, 3.3 M and 12.9 M elements): 2^15 -> 2^18
+    takes the update from 10.4 to 6.9 ms and from 41 to 28 ms. Each op costs a few microseconds of dispatch
+    per block, and five 1 MiB blocks still stay in the last-level cache for the seven passes; a whole-shard
+    pass per op streams the state through memory seven times (66 ms at 12.9 M)."""
 
     def __init__(self, layout: FlatLayout, beta1: float, beta2: float, eps: float, weight_decay: float,
                  fused: bool = False):
@@ -37,6 +41,16 @@ class ShardedAdamW:
             self.master = layout.read_shard()
         self.exp_avg = torch.zeros(layout.shard_size, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(layout.shard_size, dtype=torch.float32, device=device)
+        # The shard ranges that take weight decay, adjacent segments merged.
+        self._decay_runs: List[Tuple[int, int]] = []
+        for seg in layout.segments:
+            if not seg.decay:
+                continue
+            if self._decay_runs and self._decay_runs[-1][1] == seg.shard_start:
+                self._decay_runs[-1] = (self._decay_runs[-1][0], seg.shard_end)
+            else:
+                self._decay_runs.append((seg.shard_start, seg.shard_end))
+        self._decay_ends = [b for _, b in self._decay_runs]
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         """The state tensors that exist, by name."""
@@ -54,13 +68,24 @@ class ShardedAdamW:
             return self.layout.shard_of(self.layout.param_buffer)
         return self.layout.read_shard()
 
-    def update(self, w: torch.Tensor, g: torch.Tensor, lr: float, step: int) -> None:
-        """One AdamW step number `step` (1-based) of the shard `w` with grads `g`, in place."""
-        if self.weight_decay:
-            for s in self.layout.segments:
-                if s.decay:
-                    w[s.shard_start : s.shard_end].mul_(1 - lr * self.weight_decay)
+    def _decay(self, w: torch.Tensor, lr: float, lo: int, hi: int) -> None:
+        """Weight decay of the decayed elements of shard range [lo, hi) (torch's AdamW: p *= 1 - lr wd first)."""
+        if not self.weight_decay:
+            return
+        runs = self._decay_runs
+        i = bisect.bisect_right(self._decay_ends, lo)  # the first run ending after lo
+        while i < len(runs) and runs[i][0] < hi:
+            a, b = max(runs[i][0], lo), min(runs[i][1], hi)
+            w[a:b].mul_(1 - lr * self.weight_decay)
+            i += 1
+
+    def update(self, w: torch.Tensor, g: torch.Tensor, lr: float, step: int, grad_coef: float = 1.0) -> None:
+        """One AdamW step number `step` (1-based) of the shard `w` with grads `g` times `grad_coef` (the clipping
+        coefficient; g is scaled in place, as a separate g.mul_(grad_coef) would), in place."""
         if self.fused:
+            if grad_coef != 1.0:
+                g.mul_(grad_coef)
+            self._decay(w, lr, 0, w.numel())
             self._step_t.fill_(step)  # the kernel reads the step count (torch increments it before the call)
             torch._fused_adamw_([w], [g], [self.exp_avg], [self.exp_avg_sq], [], [self._step_t], lr=lr,
                                 beta1=self.beta1, beta2=self.beta2, weight_decay=0.0, eps=self.eps,
@@ -70,7 +95,9 @@ class ShardedAdamW:
         bc2 = 1 - self.beta2 ** step
         # In blocks that stay in cache, with one reused scratch: seven whole-shard passes stream the state
         # through memory seven times and allocate a shard-sized temporary each step (measured on CPU: slower
-        # than torch's per-parameter loop). Elementwise, so every element gets exactly the same operations.
+        # than torch's per-parameter loop). The clipping and the weight decay join each block's passes instead
+        # of streaming the shard once more each. Elementwise, so every element gets exactly the same operations
+        # in the same order as torch.optim.AdamW (clip, decay, then the moments and the update).
         n = w.numel()
         block = self.BLOCK if w.device.type == "cpu" else max(n, 1)
         if self._scratch is None or self._scratch.numel() < min(block, n):
@@ -78,6 +105,9 @@ class ShardedAdamW:
         for lo in range(0, n, block):
             hi = min(lo + block, n)
             m, v, gg = self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], g[lo:hi]
+            if grad_coef != 1.0:
+                gg.mul_(grad_coef)
+            self._decay(w, lr, lo, hi)
             m.lerp_(gg, 1 - self.beta1)
             v.mul_(self.beta2).addcmul_(gg, gg, value=1 - self.beta2)
             denom = torch.sqrt(v, out=self._scratch[: hi - lo])

@@ -181,8 +181,8 @@ class _VocabParallelCE(torch.autograd.Function):
         # The saved softmax is this function's own tensor and backward runs once (no retain_graph in the
         # engine): it becomes the grad in place instead of being cloned.
         grad = softmax
-        flat = grad.view(-1, grad.shape[-1])
-        flat[torch.arange(flat.shape[0], device=flat.device), local_t.reshape(-1)] -= in_range.reshape(-1).float()
+        # softmax - one_hot(target), in place whatever the logits' layout (a caller may pass a transposed view).
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), in_range.unsqueeze(-1).to(grad.dtype).neg_())
         grad.mul_(g.unsqueeze(-1))
         return grad.to(ctx.in_dtype), None, None, None, None
 
