@@ -211,3 +211,87 @@ def test_slurm_sweep_dry_run_prints_the_job_arrays_and_submits_nothing(tmp_path)
         for d in dirs:
             assert not os.path.exists(os.path.join(d, "events.jsonl"))  # no `submitted` event
     assert not (sweep / "submitit").exists()  # no pickles: submitit never ran
+
+
+def _loader_and_master(overrides):
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.utils import setup_globals
+    from hydra.types import RunMode
+
+    sys.path.insert(0, ROOT)
+    import launcher.schema
+
+    launcher.schema.register()
+    setup_globals()
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(os.path.join(ROOT, "conf")))
+    return loader, loader.load_configuration("config", overrides, RunMode.MULTIRUN)
+
+
+def test_sweep_over_values_reuses_the_master_composition():
+    """No group swept: the points' base is the sweep's own composition (no extra compose), and every point
+    still equals Hydra's load_sweep_config. A non-sweep +key=value (not idempotent) disables the reuse."""
+    from hydra_plugins.meshrun_sweep._composer import CachedComposer
+
+    fixed = ["action=plan", "model=gpt2_125m", "cluster.nodes=2", "parallel.sp=false"]
+    loader, master = _loader_and_master(fixed + ["parallel.tp=1,2", "hydra.sweep.dir=/tmp/x"])
+    composer = CachedComposer(loader, master)
+    for tp in (1, 2):
+        point = fixed + [f"parallel.tp={tp}"]
+        got, want = composer.build(point), loader.load_sweep_config(master, point)
+        assert OmegaConf.to_container(got, resolve=False) == OmegaConf.to_container(want, resolve=False)
+        assert got.parallel.tp == tp and got.cluster.nodes == 2
+    assert composer.compositions == 0
+
+    added = fixed + ["+cluster.env.EXTRA=1"]
+    loader, master = _loader_and_master(added + ["parallel.tp=1,2", "hydra.sweep.dir=/tmp/x"])
+    composer = CachedComposer(loader, master)
+    point = added + ["parallel.tp=2"]
+    got, want = composer.build(point), loader.load_sweep_config(master, point)
+    assert OmegaConf.to_container(got, resolve=False) == OmegaConf.to_container(want, resolve=False)
+    assert composer.compositions == 1
+
+
+def test_task_view_is_the_config_without_hydra():
+    """What the task gets from a point's own config (no copy) equals run_job's deepcopy with hydra deleted,
+    typed the same; the point's hydra node still resolves interpolations of the user's keys."""
+    import copy
+
+    from omegaconf import open_dict, read_write
+
+    from hydra_plugins.meshrun_sweep._composer import CachedComposer
+    from hydra_plugins.meshrun_sweep._run_job import _task_view
+    from training.config import Config
+
+    loader, master = _loader_and_master(["action=plan", "model=tiny,gpt2_125m", "hydra.sweep.dir=/tmp/x"])
+    config = CachedComposer(loader, master).build(["action=plan", "model=tiny", "parallel.tp=2"])
+    want = copy.deepcopy(config)
+    with read_write(want), open_dict(want):
+        del want["hydra"]
+    view = _task_view(config)
+    assert "hydra" not in view and "hydra" in config
+    assert OmegaConf.to_container(view, resolve=False) == OmegaConf.to_container(want, resolve=False)
+    assert OmegaConf.get_type(view) is OmegaConf.get_type(want) is Config
+    assert OmegaConf.is_struct(view)
+    assert OmegaConf.to_object(view) == OmegaConf.to_object(want)
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.job.name = "${model.name}-${parallel.tp}"
+    assert config.hydra.job.name == "tiny-2"
+
+
+def test_config_yaml_is_yaml_dump():
+    """config.yaml from cached sections is byte for byte what one yaml.dump of the whole config writes."""
+    import yaml
+
+    sys.path.insert(0, ROOT)
+    from launcher.rundir import _DUMPER, config_yaml
+    from training.config import Config, config_to_dict
+
+    plain = config_to_dict(Config())
+    plain["cluster"]["env"] = {"A": "yes", "B": "1.0", "C": "line\nbreak", "D": "ünïcode: x", "E": ""}
+    plain["train"]["lr"] = 1e-05
+    for _ in range(2):  # the second time from the cache
+        assert config_yaml(plain) == yaml.dump(plain, Dumper=_DUMPER, sort_keys=False)
+    other = dict(plain, parallel=dict(plain["parallel"], tp=True))  # True is not 1: another section
+    assert config_yaml(other) == yaml.dump(other, Dumper=_DUMPER, sort_keys=False)
+    assert config_yaml({}) == yaml.dump({}, Dumper=_DUMPER, sort_keys=False)

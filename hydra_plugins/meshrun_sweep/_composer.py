@@ -11,6 +11,14 @@ containers pickle with their flags, types and parents (submitit and joblib launc
 way), and unpickling costs ~2 ms where copy.deepcopy of the same config costs ~9 ms. Parsed overrides
 are kept per override string: a sweep's points share most of their overrides, and the grammar's parse
 is ~1 ms each.
+
+The sweep's own (master) config is the composition of the same group choices when no group is swept:
+Hydra composed it from the command line's overrides minus the swept ones, i.e. the groups every point
+has plus value overrides that each point applies again anyway. It is then the base of those points, and
+a sweep over values alone composes nothing more (~80 ms, the cost of one composition). That holds only
+when applying its value overrides a second time changes nothing: plain key=value ones (a second
++key=value or ~key would fail), and no group left unchosen (a multirun composition skips a missing
+group's ??? where a point's composition fails).
 """
 
 from __future__ import annotations
@@ -37,8 +45,11 @@ class CachedComposer:
         self.master = master_config
         self.parser = OverridesParser.create(config_loader=config_loader)
         # Group-choice overrides (as typed) -> the composed config without the point's value overrides.
-        self._bases: Dict[Tuple[str, ...], Tuple[Union[bytes, DictConfig], Union[bytes, DictConfig]]] = {}
+        self._bases: Dict[Tuple[str, ...], Union[bytes, DictConfig]] = {}
         self._parsed: Dict[str, Override] = {}
+        # Override line -> whether it sets a value (not a group): asking the config repository whether a
+        # group exists walks its config sources every time, for every override of every point.
+        self._is_value: Dict[str, bool] = {}
         # Points built ahead by the sweeper's validation, handed to the launcher once.
         self._ready: Dict[Tuple[str, ...], DictConfig] = {}
         self.compositions = 0
@@ -46,14 +57,36 @@ class CachedComposer:
         # In either case every point is composed the standard way.
         self.enabled = isinstance(config_loader, ConfigLoaderImpl) and not OmegaConf.select(
             master_config, "hydra.searchpath")
+        self._master_groups = self._groups_of_master() if self.enabled else None
+
+    def _groups_of_master(self) -> Optional[Tuple[str, ...]]:
+        """The group overrides of the master config, as the basic sweeper writes them into every point's
+        overrides (key=value), when the master config may serve as those points' base; else None."""
+        lines = OmegaConf.to_container(self.master.hydra.overrides.task)
+        assert isinstance(lines, list)
+        fixed = [o for o in self._parse([str(line) for line in lines]) if not o.is_sweep_override()]
+        values = [o for o in fixed if self._is_value_override(o)]
+        if any(o.is_add() or o.is_delete() or o.is_force_add() for o in values):
+            return None
+        choices = OmegaConf.to_container(self.master.hydra.runtime.choices)
+        assert isinstance(choices, dict)
+        if any(choice == "???" for choice in choices.values()):
+            return None
+        return tuple(f"{o.get_key_element()}={o.get_value_element_as_str()}"
+                     for o in fixed if not self._is_value_override(o))
 
     def _is_value_override(self, o: Override) -> bool:
         """Hydra's own rule (defaults_list.Overrides): a dict value or a key that is no config group."""
-        if o.is_hydra_override() or o.is_sweep_override() or o.package is not None:
-            return False
-        if isinstance(o.value(), dict):
-            return True
-        return not self.loader.repository.group_exists(o.key_or_group)  # type: ignore[attr-defined]
+        known = self._is_value.get(o.input_line)
+        if known is None:
+            if o.is_hydra_override() or o.is_sweep_override() or o.package is not None:
+                known = False
+            elif isinstance(o.value(), dict):
+                known = True
+            else:
+                known = not self.loader.repository.group_exists(o.key_or_group)  # type: ignore[attr-defined]
+            self._is_value[o.input_line] = known
+        return known
 
     def build(self, overrides: Sequence[str]) -> DictConfig:
         """The point's full config (hydra node included), as load_sweep_config would return it."""
@@ -63,7 +96,7 @@ class CachedComposer:
         parsed = self._parse(overrides)
         groups = tuple(o.input_line for o in parsed if not self._is_value_override(o))
         values = [o for o in parsed if self._is_value_override(o)]
-        cfg = self._with_values(self._base(groups)[0], values)
+        cfg = self._with_values(self._base(groups), values)
         # The bookkeeping compose does for every override, not just the group ones.
         app = [o for o in parsed if not o.is_hydra_override()]
         dirname = cfg.hydra.job.config.override_dirname
@@ -74,17 +107,15 @@ class CachedComposer:
         OmegaConf.copy_cache(from_config=self.master, to_config=cfg)
         return cfg
 
-    def _base(self, groups: Tuple[str, ...]) -> Tuple[Union[bytes, DictConfig], Union[bytes, DictConfig]]:
-        """The group set's composition, and the same without its hydra node (what the task gets)."""
-        bases = self._bases.get(groups)
-        if bases is None:
-            full = self.loader.load_sweep_config(self.master, list(groups))
-            task = copy.deepcopy(full)
-            with read_write(task), open_dict(task):
-                del task["hydra"]
-            bases = self._bases[groups] = (_dumps(full), _dumps(task))
+    def _base(self, groups: Tuple[str, ...]) -> Union[bytes, DictConfig]:
+        """The group set's composition, kept to copy from."""
+        base = self._bases.get(groups)
+        if base is None and groups == self._master_groups:
+            base = self._bases[groups] = _dumps(self.master)
+        elif base is None:
+            base = self._bases[groups] = _dumps(self.loader.load_sweep_config(self.master, list(groups)))
             self.compositions += 1
-        return bases
+        return base
 
     @staticmethod
     def _with_values(base: Union[bytes, DictConfig], values: List[Override]) -> DictConfig:
@@ -93,20 +124,6 @@ class CachedComposer:
             ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
         except OmegaConfBaseException as e:  # load_configuration wraps these the same way
             raise ConfigCompositionException().with_traceback(sys.exc_info()[2]) from e
-        return cfg
-
-    def task_config(self, overrides: Sequence[str]) -> Optional[DictConfig]:
-        """What run_job hands the task: the point's config without its hydra node (None: not cached here).
-
-        The group set's composition without hydra, with the point's value overrides applied: value
-        overrides never touch hydra (hydra.* overrides are part of the group set), so this equals
-        run_job's deepcopy of the full config with hydra deleted, at half the copying."""
-        if not self.enabled:
-            return None
-        parsed = self._parse(overrides)
-        groups = tuple(o.input_line for o in parsed if not self._is_value_override(o))
-        cfg = self._with_values(self._base(groups)[1], [o for o in parsed if self._is_value_override(o)])
-        OmegaConf.copy_cache(from_config=self.master, to_config=cfg)
         return cfg
 
     def _parse(self, overrides: Sequence[str]) -> List[Override]:

@@ -7,8 +7,9 @@ For a plan point those copies cost more than the plan itself (~35 ms of ~60 ms).
 - set_config runs once; runtime.output_dir is then written into its copy as into the config (the same
   value the second set_config would copy); for a config built for this point alone (the meshrun
   launcher's) HydraConfig holds the config's own hydra node instead of a copy (_hydra_view);
-- the task's config comes from the sweep's cache (CachedComposer.task_config) or is a pickle round trip
-  (~3x cheaper than deepcopy for OmegaConf containers; an independent copy the same way);
+- the task's config, for a config built for this point alone, is that config's own nodes under a root
+  without the hydra node (_task_view: no copy); else a pickle round trip (~3x cheaper than deepcopy for
+  OmegaConf containers; an independent copy the same way);
 - JobReturn.hydra_cfg is HydraConfig's copy itself: it belongs to this point alone (set_config made it
   and nothing changes it afterwards; HydraConfig gets a new one for the next point);
 and every other step is Hydra's, in Hydra's order: output directory, chdir, job logging, output_subdir
@@ -53,14 +54,33 @@ def _hydra_view(config: DictConfig) -> DictConfig:
     return view
 
 
+def _task_view(config: DictConfig) -> DictConfig:
+    """What run_job hands the task (a copy of the config, its hydra node deleted), without the copy, for a
+    config built for this point alone.
+
+    The copy keeps the task from changing what Hydra reads afterwards (the callbacks' config, hydra.*
+    interpolations). The point's config is built for it and dropped after it, so the task may have its
+    nodes: a new root with the config's metadata and flags (typed as the app's schema, struct) holding every
+    node but hydra, each re-parented to it, so that the task's interpolations resolve against a root
+    without hydra, as in the copy. The point's config keeps the same nodes, so its hydra.* interpolations
+    of the user's keys see the same values. ~2 ms less a point."""
+    view = DictConfig(None)
+    view.__dict__["_metadata"] = copy.deepcopy(config.__dict__["_metadata"])
+    content = {key: node for key, node in config.__dict__["_content"].items() if key != "hydra"}
+    view.__dict__["_content"] = content
+    for node in content.values():
+        node._set_parent(view)
+    return view
+
+
 def run_point_job(task_function: TaskFunction, config: DictConfig, job_dir_key: str, job_subdir_key: str,
                   hydra_context: HydraContext, configure_logging: bool = True,
                   task_cfg: Optional[DictConfig] = None, owned: bool = False) -> JobReturn:
     """hydra.core.utils.run_job's contract (callbacks, HydraConfig, working directory, JobReturn).
 
-    task_cfg: the config without its hydra node, when the caller has it already (CachedComposer.task_config);
-    else it is copied from config. owned: config was built for this point alone (CachedComposer.take), so
-    HydraConfig may hold its hydra node instead of a copy (_hydra_view)."""
+    task_cfg: the config without its hydra node, when the caller has it already; else it is made from
+    config. owned: config was built for this point alone (CachedComposer.take), so HydraConfig may hold its
+    hydra node instead of a copy (_hydra_view) and the task may have its other nodes (_task_view)."""
     callbacks = hydra_context.callbacks
     old_cwd = os.getcwd()
     orig_hydra_cfg = HydraConfig.instance().cfg
@@ -80,7 +100,9 @@ def run_point_job(task_function: TaskFunction, config: DictConfig, job_dir_key: 
     _chdir = False
     try:
         ret = JobReturn()
-        if task_cfg is None:
+        if task_cfg is None and owned:
+            task_cfg = _task_view(config)
+        elif task_cfg is None:
             task_cfg = _copy(config)
             with read_write(task_cfg), open_dict(task_cfg):
                 del task_cfg["hydra"]

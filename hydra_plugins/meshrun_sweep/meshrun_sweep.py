@@ -15,12 +15,15 @@ Hydra's run_job contract (_run_job.py: the same steps without its redundant conf
 (runtime.output_dir, job.num), the per-point output directory, callbacks (on_job_end writes the point's
 record for launcher/sweep.py's summary) and the job's return value are as with the basic launcher.
 One per-point cost is dropped for action=plan points: the job logging setup (a file handler per point writing an empty <point>/<job>.log); plan points only print.
+While a sweep runs, the garbage collector runs less often (_fewer_collections).
 """
 
+import contextlib
+import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
@@ -104,7 +107,7 @@ class MeshrunLauncher(Launcher):
             ret = run_point_job(hydra_context=self.hydra_context, task_function=self.task_function,
                                 config=sweep_config, job_dir_key="hydra.sweep.dir",
                                 job_subdir_key="hydra.sweep.subdir", configure_logging=job_logging,
-                                task_cfg=self.composer.task_config(overrides), owned=True)
+                                owned=True)
             runs.append(ret)
             if job_logging:
                 configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
@@ -125,7 +128,31 @@ class MeshrunSweeperConf:
 ConfigStore.instance().store(group="hydra/sweeper", name="meshrun", node=MeshrunSweeperConf, provider="meshrun")
 
 
+@contextlib.contextmanager
+def _fewer_collections(gen0: int = 20_000):
+    """Collect garbage less often while the sweep builds and runs its points.
+
+    Every point creates tens of thousands of OmegaConf nodes (its config, overrides, the typed copy), so
+    with Python's default threshold (a young collection every 700 new objects) a 64-point plan sweep spent
+    ~10 % of its time in the collector, mostly re-scanning objects that live until the end anyway (Hydra's
+    state, imported modules, the cached compositions). Those are frozen out of the collector's view, and
+    a young collection runs every `gen0` new objects instead: the points' cyclic garbage (nodes point
+    to their parents) is still collected, in fewer passes; memory stays bounded by the threshold."""
+    old = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(gen0, old[1], old[2])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+        gc.unfreeze()
+
+
 class MeshrunSweeper(BasicSweeper):
+    def sweep(self, arguments: List[str]) -> Any:
+        with _fewer_collections():
+            return super().sweep(arguments)
+
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
         self.composer = CachedComposer(hydra_context.config_loader, config)
