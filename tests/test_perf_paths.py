@@ -113,3 +113,63 @@ def test_qkv_split_backward_is_one_op():
     names = {type(fn).__name__ for fn in seen}
     assert any(n.startswith("SplitWithSizesBackward") for n in names), names
     assert not any(n.startswith(("SliceBackward", "SelectBackward")) for n in names), names
+
+
+def _deferred_gather_worker():
+    """The GPT trainer at dp=2 zero=1: steps with the updated shards' all-gather deferred into the next
+    forward against steps that gather before returning, tied head + fp32 and untied head + bf16 + full
+    recomputation (the layers run again in the backward)."""
+    import tempfile
+
+    from training.loop import Trainer
+
+    mesh = ProcessMesh.from_env(tp=1, pp=1, cp=1, dp=2, backend="gloo", timeout_s=60)
+    out = []
+    for tie, recompute, precision in ((True, "none", "fp32"), (False, "full", "bf16")):
+        runs = {}
+        for defer in (False, True):
+            cfg = Config()
+            m = cfg.model
+            m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 3, 32, 4, 16
+            m.tie_embeddings = tie
+            cfg.parallel.dp, cfg.parallel.zero, cfg.parallel.recompute = 2, 1, recompute
+            cfg.parallel.micro_batch, cfg.parallel.global_batch = 2, 8  # 2 micro-batches per rank
+            cfg.parallel.bucket_mb = 2048 / 2**20  # 512 fp32 elements: many chunks
+            cfg.train.precision, cfg.data.kind, cfg.train.progress = precision, "synthetic", False
+            trainer = Trainer(cfg, tempfile.mkdtemp(), mesh, checkpointing=False)
+            gather = trainer.optimizer.param_gather
+            by_forward = []  # chunks the layers' pre-hooks completed before the next step's finish
+            finish = gather.finish
+            gather.finish = lambda: (by_forward.append(gather._completed), finish())[1]
+            losses, pending = [], []
+            for _ in range(4):
+                micro = trainer.sampler.micro_batches(trainer.state.consumed_samples)
+                loss, result, _ = trainer.train_step(micro, defer_param_gather=defer)
+                assert not result.skipped
+                losses.append(loss)
+                pending.append(len(gather._pending))
+            trainer.optimizer.finish_param_gather()
+            runs[defer] = {"losses": losses, "params": [p.detach().float().clone() for p in trainer.optimizer.params],
+                           "pending": pending, "by_forward": by_forward, "chunks": len(gather.starts)}
+        out.append({"losses": runs[True]["losses"] == runs[False]["losses"],
+                    "params": all(torch.equal(a, b) for a, b in zip(runs[True]["params"], runs[False]["params"])),
+                    "pending": runs[True]["pending"], "blocking_pending": runs[False]["pending"],
+                    "by_forward": runs[True]["by_forward"], "chunks": runs[True]["chunks"],
+                    "replica": [p.numpy() for p in runs[True]["params"]]})
+    mesh.destroy()
+    return out
+
+
+def test_zero1_param_gather_deferred_into_the_next_forward_is_bit_identical():
+    results = run_distributed(_deferred_gather_worker, 2, timeout_s=300)
+    for case in range(2):
+        for res in results:
+            r = res[case]
+            assert r["losses"] and r["params"], f"case {case}: deferring the gather changed the run"
+            assert r["chunks"] > 4
+            assert all(n == r["chunks"] for n in r["pending"]), r["pending"]  # step returned before any was done
+            assert not any(r["blocking_pending"])
+            # The next step's forward completed chunks through the layers' pre-hooks before its optimizer step.
+            assert any(done > 0 for done in r["by_forward"][1:]), r["by_forward"]
+        for a, b in zip(results[0][case]["replica"], results[1][case]["replica"]):
+            assert (a == b).all(), "the dp replicas diverged"

@@ -149,7 +149,9 @@ class ParallelConfig:
     bucket_mb: float = 4.0
     """Size of a gradient communication bucket in MiB."""
     overlap_grad_reduce: bool = True
-    """Launch each bucket's data-parallel reduction asynchronously as soon as its grads are final, during backward."""
+    """Launch each bucket's data-parallel reduction asynchronously as soon as its grads are final, during backward;
+    with zero=1 the updated shards' all-gather also runs into the next step's forward (each layer waits for its own
+    parameters)."""
     overlap_p2p: bool = True
     """Pipeline: post receives one unit early and wait for sends only at the end of the step (false: wait for each exchange)."""
 

@@ -161,6 +161,9 @@ class Trainer:
         self.chunks = chunks
         params = [(n, p) for c in chunks for n, p in c.named_parameters()]
         self.optimizer = DistributedOptimizer(params, cfg, mesh)
+        # zero=1: each layer waits for its own updated parameters when its forward starts (train_step's
+        # defer_param_gather; optim/param_gather.py).
+        self.optimizer.watch_modules(chunks)
         self.schedule = make_schedule(cfg, mesh, chunks, self.optimizer)
         self.sampler = BatchSampler(self._source(), cfg.parallel.global_batch, cfg.parallel.micro_batch,
                                     mesh.dp, mesh.dp_rank)
@@ -296,10 +299,12 @@ class Trainer:
         return watch.stop_code(nodes)
 
     # -- the loop --
-    def train_step(self, micro: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
-                   ) -> Tuple[float, StepResult, float]:
+    def train_step(self, micro: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None,
+                   defer_param_gather: bool = False) -> Tuple[float, StepResult, float]:
         """One optimizer step over the global batch (`micro`: this step's micro-batches when the caller
-        assembled them ahead, as `run` does outside its step timer); returns (global loss, step result, lr)."""
+        assembled them ahead, as `run` does outside its step timer); returns (global loss, step result, lr).
+        defer_param_gather (zero=1): the updated shards' all-gather may still run when this returns, and
+        completes during the next forward (`run` passes it; the optimizer's state_dict waits for it)."""
         lr = lr_at(self.state.step, self.cfg.train)
         if micro is None:
             micro = self.sampler.micro_batches(self.state.consumed_samples)
@@ -319,7 +324,7 @@ class Trainer:
             probe_nonfinite(self, micro, before, loss)  # every rank: the loss is global
         if self.checkpointer is not None:  # an async save's host copy must be complete before the step
             self.checkpointer.wait_staged()  # changes the parameters and the optimizer state
-        result = self.optimizer.step(lr, loss_finite=math.isfinite(loss))
+        result = self.optimizer.step(lr, loss_finite=math.isfinite(loss), defer_param_gather=defer_param_gather)
         # The data position advances even on a skipped step (the batch was consumed), like Megatron.
         self.state.step += 1
         self.state.consumed_samples += self.cfg.parallel.global_batch
@@ -379,7 +384,7 @@ class Trainer:
                 torch.cuda.synchronize()
             profiler.before(self.state.step + 1)
             t0 = time.perf_counter()
-            loss, res, lr = self.train_step(micro)
+            loss, res, lr = self.train_step(micro, defer_param_gather=True)
             if self.mesh.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -433,6 +438,7 @@ class Trainer:
                 exit_code = EXIT_STOPPED  # a complete checkpoint was written: the launcher may requeue
                 break
         signals.ignore()  # the final checkpoint is complete: a late Slurm signal must not kill this rank
+        self.optimizer.finish_param_gather()  # whoever reads the model after the run sees the last update
         metrics.close()  # TensorBoard's last events reach the file
         watch.close()
         profiler.close()

@@ -29,7 +29,7 @@ single-process mask at any tp / sp; attention-probability dropout (inside the TP
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -346,6 +346,19 @@ class GPTChunk(nn.Module):
             self.output = ColumnParallelLinear(mc.hidden_size, self.padded_vocab, False, mesh.tp_group,
                                                self.sp, dtype, dev)
         init_parameters(self, seed, mc.init_std, mc.num_layers, mc.vocab_size, mesh.tp, mesh.tp_rank)
+
+    def param_units(self) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
+        """The chunk's parts in forward order, each with the parameters read once that part's forward has
+        started: for code that puts parameters in place just in time (optim/param_gather.py). The head's
+        weight is read by this chunk's forward right after the final norm's forward."""
+        units: List[Tuple[nn.Module, List[nn.Parameter]]] = []
+        if self.has_embedding:
+            units.append((self.embedding, list(self.embedding.parameters())))
+        units += [(layer, list(layer.parameters())) for layer in self.layers.values()]
+        if self.has_head:
+            head = self.output.weight if self.output is not None else self.embedding.word.weight
+            units.append((self.final_norm, [*self.final_norm.parameters(), head]))
+        return units
 
     def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         key = (stable_seed(self.seed, "dropout", self.mesh.dp_rank, self.mesh.cp_rank, self.micro_step)

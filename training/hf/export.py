@@ -19,7 +19,7 @@ import sys
 import uuid
 from typing import Any, Dict, List, Tuple
 
-from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK
+from training.hf.cli_result import print_result
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -116,22 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-shard-mb", type=float, default=5000.0)
     args = ap.parse_args(argv)
 
-    from training.checkpoint.storage import CheckpointError
-    from training.hf.hf_config import HFError
-    from training.tokenizer import TokenizerError
-
-    try:
-        result = export(os.path.abspath(args.run_dir), args.output, args.step, args.dtype, args.max_shard_mb)
-    except (HFError, CheckpointError, TokenizerError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    except Exception:  # noqa: BLE001 - a bug: the traceback, and the failure code
-        import traceback
-
-        traceback.print_exc()
-        return EXIT_FAILED
-    print(json.dumps(result))
-    return EXIT_OK
+    return print_result(lambda: export(os.path.abspath(args.run_dir), args.output, args.step, args.dtype,
+                                       args.max_shard_mb))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from training.config import GenerateConfig
-from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK
+from training.hf.cli_result import print_result
 from training.hf.hf_config import HFError
 
 Cache = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
@@ -178,21 +178,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--options", default="", help="the generate.* keys as one JSON object")
     args = ap.parse_args(argv)
 
-    from training.checkpoint.storage import CheckpointError
-    from training.tokenizer import TokenizerError
-
-    try:
-        result = run(os.path.abspath(args.run_dir), _options(args.options))
-    except (HFError, CheckpointError, TokenizerError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    except Exception:  # noqa: BLE001 - a bug: the traceback, and the failure code
-        import traceback
-
-        traceback.print_exc()
-        return EXIT_FAILED
-    print(json.dumps(result))
-    return EXIT_OK
+    return print_result(lambda: run(os.path.abspath(args.run_dir), _options(args.options)))
 
 
 if __name__ == "__main__":

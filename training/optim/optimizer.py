@@ -7,7 +7,9 @@ A step:
 3. the global grad norm over this rank's shard, counting each parameter exactly once, summed over dp
    (zero=1) and the model-parallel group; a non-finite norm or loss skips the step (loss_scaler.py backs off);
 4. clipping, then AdamW on the fp32 shard (adamw.py);
-5. write-back to the parameters: zero=0 copies, zero=1 all-gathers the updated shards (bucketed).
+5. write-back to the parameters: zero=0 copies, zero=1 all-gathers the updated shards (bucketed); with
+   `step(defer_param_gather=True)` (the training loop's) those all-gathers run asynchronously and each
+   part of the model waits for its own parameters when its next forward starts (param_gather.py).
 The memory it holds is exactly docs/CONTRACTS.md's accounting (see `memory_report`). Checkpoints go
 through `state_dict` / `load_state_dict`.
 """
@@ -27,6 +29,7 @@ from training.optim.flat import FlatLayout, Segment
 from training.optim.grad_buffer import GradBuffer
 from training.optim.loss_scaler import LossScaler
 from training.optim.model_parallel import ModelParallelGradSync
+from training.optim.param_gather import ParamGather
 from training.precision import grad_dtype, check_precision
 
 SCALARS = ("step_count", "loss_scale", "good_steps")
@@ -85,6 +88,23 @@ class DistributedOptimizer:
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.min_loss_scale, t.loss_scale_window)
         self.step_count = 0
         self._runs = self._counted_runs()
+        # zero=1 over dp > 1 with overlap on and one flat parameter buffer: the updated shards may be gathered
+        # during the next forward (set up by watch_modules, once the model's modules are known).
+        self.param_gather: Optional[ParamGather] = None
+        if (self.zero == 1 and self.dp > 1 and lay.param_buffer is not None
+                and getattr(cfg.parallel, "overlap_grad_reduce", True)):
+            self.param_gather = ParamGather(lay, self.dp_group, max(1, self.grads.bucket_elems // self.dp))
+
+    def watch_modules(self, chunks: List[torch.nn.Module]) -> None:
+        """Let each part of these model chunks wait for its own parameters before its forward, so that
+        `step(defer_param_gather=True)` may return before the updated shards are all gathered."""
+        if self.param_gather is not None:
+            self.param_gather.watch(chunks)
+
+    def finish_param_gather(self) -> None:
+        """Every parameter holds its updated value (a no-op unless a deferred gather is still running)."""
+        if self.param_gather is not None:
+            self.param_gather.finish()
 
     # ----- what tests and the checkpoint code read --------------------------------------------------
     @property
@@ -112,8 +132,13 @@ class DistributedOptimizer:
         """The tensor to call backward on: mean over micro-batches, times the fp16 loss scale."""
         return loss * (self.scaler.scale / num_micro_batches)
 
-    def step(self, lr: float, loss_finite: bool = True) -> StepResult:
-        """Reduce grads, clip and apply AdamW with learning rate `lr` (or skip on non-finite values)."""
+    def step(self, lr: float, loss_finite: bool = True, defer_param_gather: bool = False) -> StepResult:
+        """Reduce grads, clip and apply AdamW with learning rate `lr` (or skip on non-finite values).
+
+        defer_param_gather (zero=1, after watch_modules): return with the updated shards' all-gathers still
+        running; the next forward waits for each module's part, anything else for `finish_param_gather`
+        (state_dict and the next step call it)."""
+        self.finish_param_gather()
         self.grads.settle()
         self.finalize_grads(self.grads.views)
         self.grads.reduce_dp()
@@ -130,7 +155,7 @@ class DistributedOptimizer:
         self.step_count += 1
         # The clipping (coef < 1) is applied to the grads block by block inside the update: one pass less.
         self.adamw.update(weights, grads, lr, self.step_count, grad_coef=min(coef, 1.0))
-        self._write_back(weights)
+        self._write_back(weights, defer_param_gather)
         self.scaler.grow()
         return StepResult(norm, False, "", self.scaler.reported())
 
@@ -156,7 +181,7 @@ class DistributedOptimizer:
             dist.all_reduce(sq, group=self.mesh.model_parallel_group)
         return float(sq.sqrt())
 
-    def _write_back(self, values: torch.Tensor) -> None:
+    def _write_back(self, values: torch.Tensor, defer: bool = False) -> None:
         """Updated shard values into the parameters: a copy, or (zero=1) an all-gather of every rank's shard."""
         lay = self.layout
         buf = lay.param_buffer
@@ -164,7 +189,9 @@ class DistributedOptimizer:
             own = lay.shard_of(buf)
             if own.data_ptr() != values.data_ptr():
                 own.copy_(values)  # 16-bit weights from the fp32 masters (fp32: updated in place already)
-            if self.zero == 1 and self.dp > 1:
+            if self.param_gather is not None and defer and self.param_gather.watching:
+                self.param_gather.start()
+            elif self.zero == 1 and self.dp > 1:
                 self._all_gather_shards(buf)
             return
         if self.zero == 0 or self.dp == 1:
@@ -208,6 +235,7 @@ class DistributedOptimizer:
         (torch.distributed.checkpoint does) loads straight into the optimizer, and load_state_dict then
         only takes the scalars and notices what is missing.
         """
+        self.finish_param_gather()  # a checkpoint reads the parameters right after this
         lay, states = self.layout, self.adamw.tensors()
         params = []
         for s in self.segments:

@@ -1,0 +1,110 @@
+"""zero=1: the updated shards all-gathered while the next forward runs (as Megatron's overlapped parameter
+gather and FSDP's per-unit all-gather do).
+
+After the optimizer step each dp rank holds the new values of its own shard of the flat parameter buffer;
+the other ranks' shards arrive by all-gather, in chunks of `width` elements of every shard (the chunks of
+the blocking write-back). Here the chunks' all-gathers start asynchronously, ordered by when the forward
+first needs them, and each unit of the model waits in a forward pre-hook only for the chunks that hold its
+parameters. The units are the model's: `chunk.param_units()` lists its parts in forward order with the
+parameters read once each part's forward has started (training/model.py: the embedding, each layer,
+the final norm with the head's weight), so a layer waits before its forward, also when activation
+recomputation runs it again in the backward. A parameter no unit lists is waited for when its chunk's
+forward starts (a module without param_units: all of them).
+Pieces in this rank's own shard are in place already and never waited for. A process group runs its
+collectives in issue order, so once the first chunks are in, later layers rarely wait. Anything else
+that reads the parameters calls `finish` (the optimizer's state_dict and its next step do). The values
+are those of the blocking write-back: the same chunks, copied into the same places.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Deque, Dict, Iterable, List, Set, Tuple
+
+import torch
+import torch.distributed as dist
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ParamGather:
+    """The deferred all-gather of one optimizer's updated zero=1 shards."""
+
+    def __init__(self, layout, group, width: int):
+        self.layout, self.group, self.width = layout, group, width
+        self.starts = list(range(0, layout.shard_size, width))
+        self.order = list(range(len(self.starts)))
+        """Chunk indices in issue order: the same on every dp rank (computed from the model, not the rank)."""
+        self.watching = False
+        """True once watch() put the pre-hooks in place: only then may the gather be deferred."""
+        self._pending: Deque[Tuple[int, object, torch.Tensor, torch.Tensor]] = collections.deque()
+        self._completed = 0
+        self._index = {id(p): i for i, p in enumerate(layout.params)}
+
+    def _chunks_of(self, params: Iterable[torch.nn.Parameter], skip_own: bool) -> Set[int]:
+        """Chunk indices holding any element of these parameters (skip_own: not counting this rank's shard)."""
+        lay, size, width = self.layout, self.layout.shard_size, self.width
+        out: Set[int] = set()
+        for p in params:
+            i = self._index.get(id(p))
+            if i is None:
+                continue
+            start, end = lay.offsets[i], lay.offsets[i] + p.numel()
+            for q in range(lay.dp):
+                if skip_own and q == lay.dp_rank:
+                    continue
+                lo, hi = max(start, q * size), min(end, (q + 1) * size)
+                if lo < hi:
+                    out.update(range((lo - q * size) // width, (hi - 1 - q * size) // width + 1))
+        return out
+
+    def watch(self, chunks: List[torch.nn.Module]) -> None:
+        """Order the chunks by first use in the forward and put a pre-hook on every unit that needs any."""
+        units: List[Tuple[torch.nn.Module, List[torch.nn.Parameter]]] = []
+        for chunk in chunks:
+            declared = chunk.param_units() if hasattr(chunk, "param_units") else []
+            listed = {id(p) for _, params in declared for p in params}
+            units.append((chunk, [p for p in chunk.parameters() if id(p) not in listed]))
+            units += declared
+        first_use: Dict[int, int] = {}
+        for k, (_, params) in enumerate(units):
+            for c in self._chunks_of(params, skip_own=False):
+                first_use.setdefault(c, k)
+        self.order = sorted(range(len(self.starts)), key=lambda c: first_use.get(c, len(units)))
+        position = {c: k for k, c in enumerate(self.order)}
+        for module, params in units:
+            need = self._chunks_of(params, skip_own=True)
+            if need:
+                upto = max(position[c] for c in need)
+                module.register_forward_pre_hook(lambda _module, _args, upto=upto: self.wait(upto))
+        self.watching = True
+
+    def start(self) -> None:
+        """Launch every chunk's all-gather of the (just updated) shards, in issue order."""
+        self.finish()
+        lay = self.layout
+        buf = lay.param_buffer
+        assert buf is not None
+        rows = buf.view(lay.dp, lay.shard_size)
+        self._completed = 0
+        for c in self.order:
+            s = self.starts[c]
+            piece = rows[lay.dp_rank, s : s + self.width].clone()
+            out = torch.empty(lay.dp * piece.numel(), dtype=buf.dtype, device=buf.device)
+            work = _all_gather(out, piece, group=self.group, async_op=True)
+            self._pending.append((c, work, out, piece))  # piece: alive until its collective is done
+
+    def wait(self, upto: int) -> None:
+        """Complete the chunks up to issue position `upto` (and those before it), each copied into place."""
+        lay = self.layout
+        while self._pending and self._completed <= upto:
+            c, work, out, _ = self._pending.popleft()
+            work.wait()
+            s, n = self.starts[c], out.numel() // lay.dp
+            rows = lay.param_buffer.view(lay.dp, lay.shard_size)
+            rows[:, s : s + n].copy_(out.view(lay.dp, n))
+            self._completed += 1
+
+    def finish(self) -> None:
+        """Every chunk complete: the parameters hold the updated values."""
+        self.wait(len(self.order))
