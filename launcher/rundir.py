@@ -61,6 +61,8 @@ def config_yaml(plain: dict) -> str:
             text = _SECTIONS[signature] = yaml.dump({key: value}, Dumper=_DUMPER, sort_keys=False)
         parts.append(text)
     return "".join(parts)
+
+
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
