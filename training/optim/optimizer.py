@@ -7,7 +7,7 @@ A step:
 3. the global grad norm over this rank's shard, counting each parameter exactly once, summed over dp
    (zero=1) and the model-parallel group; a non-finite norm or loss skips the step (loss_scaler.py backs off);
 4. clipping, then AdamW on the fp32 shard (adamw.py);
-5. write-back to the parameters: zero=0 copies, zero=1 all-gathers the updated shards (bucketed); with
+5. write-back to the parameters: zero=0 copies, zero=1 all-gathers the updated shards (bucketed, param_gather.py); with
    `step(defer_param_gather=True)` (the training loop's) those all-gathers run asynchronously and each
    part of the model waits for its own parameters when its next forward starts (param_gather.py).
 The memory it holds is exactly docs/CONTRACTS.md's accounting (see `memory_report`). Checkpoints go
@@ -88,17 +88,17 @@ class DistributedOptimizer:
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.min_loss_scale, t.loss_scale_window)
         self.step_count = 0
         self._runs = self._counted_runs()
-        # zero=1 over dp > 1 with overlap on and one flat parameter buffer: the updated shards may be gathered
-        # during the next forward (set up by watch_modules, once the model's modules are known).
+        # zero=1 over dp > 1 with one flat parameter buffer: the updated shards' all-gather, bucketed like the
+        # grads; with overlap on it may run into the next forward (set up by watch_modules).
         self.param_gather: Optional[ParamGather] = None
-        if (self.zero == 1 and self.dp > 1 and lay.param_buffer is not None
-                and getattr(cfg.parallel, "overlap_grad_reduce", True)):
+        if self.zero == 1 and self.dp > 1 and lay.param_buffer is not None:
             self.param_gather = ParamGather(lay, self.dp_group, max(1, self.grads.bucket_elems // self.dp))
+        self._overlap = getattr(cfg.parallel, "overlap_grad_reduce", True)
 
     def watch_modules(self, chunks: List[torch.nn.Module]) -> None:
         """Let each part of these model chunks wait for its own parameters before its forward, so that
-        `step(defer_param_gather=True)` may return before the updated shards are all gathered."""
-        if self.param_gather is not None:
+        `step(defer_param_gather=True)` may return before the updated shards are all gathered (overlap on)."""
+        if self.param_gather is not None and self._overlap:
             self.param_gather.watch(chunks)
 
     def finish_param_gather(self) -> None:
@@ -189,10 +189,10 @@ class DistributedOptimizer:
             own = lay.shard_of(buf)
             if own.data_ptr() != values.data_ptr():
                 own.copy_(values)  # 16-bit weights from the fp32 masters (fp32: updated in place already)
-            if self.param_gather is not None and defer and self.param_gather.watching:
+            if self.param_gather is not None:
                 self.param_gather.start()
-            elif self.zero == 1 and self.dp > 1:
-                self._all_gather_shards(buf)
+                if not (defer and self.param_gather.watching):
+                    self.param_gather.finish()
             return
         if self.zero == 0 or self.dp == 1:
             lay.write(values[: self.numel], self.shard_lo)
@@ -208,16 +208,6 @@ class DistributedOptimizer:
                 flat_start = q * self.shard_size + start
                 if flat_start < self.numel:
                     lay.write(row[: self.numel - flat_start], flat_start)
-
-    def _all_gather_shards(self, buf: torch.Tensor) -> None:
-        """Every dp rank's updated shard into the flat parameter buffer, bucketed like the grads."""
-        rows = buf.view(self.dp, self.shard_size)
-        width = max(1, self.grads.bucket_elems // self.dp)
-        for start in range(0, self.shard_size, width):
-            piece = rows[self.layout.dp_rank, start : start + width].clone()
-            out = torch.empty(self.dp * piece.numel(), dtype=buf.dtype, device=buf.device)
-            dist.all_gather_single(out, piece, group=self.dp_group)
-            rows[:, start : start + piece.numel()].copy_(out.view(self.dp, piece.numel()))
 
     # ----- accounting and checkpoints ----------------------------------------------------------------
     def memory_report(self) -> Dict[str, int]:

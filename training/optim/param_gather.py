@@ -1,19 +1,19 @@
-"""zero=1: the updated shards all-gathered while the next forward runs (as Megatron's overlapped parameter
-gather and FSDP's per-unit all-gather do).
+"""zero=1: the updated shards all-gathered, before the step returns or while the next forward runs (as
+Megatron's overlapped parameter gather and FSDP's per-unit all-gather do).
 
 After the optimizer step each dp rank holds the new values of its own shard of the flat parameter buffer;
-the other ranks' shards arrive by all-gather, in chunks of `width` elements of every shard (the chunks of
-the blocking write-back). Here the chunks' all-gathers start asynchronously, ordered by when the forward
-first needs them, and each unit of the model waits in a forward pre-hook only for the chunks that hold its
-parameters. The units are the model's: `chunk.param_units()` lists its parts in forward order with the
+the other ranks' shards arrive by all-gather, in chunks of `width` elements of every shard. The chunks'
+all-gathers start asynchronously (`start`); the optimizer either waits for all of them at once (`finish`)
+or, once `watch` has ordered them by when the forward first needs them, lets each unit of the model wait
+in a forward pre-hook only for the chunks that hold its parameters. The units are the model's: `chunk.param_units()` lists its parts in forward order with the
 parameters read once each part's forward has started (training/model.py: the embedding, each layer,
 the final norm with the head's weight), so a layer waits before its forward, also when activation
 recomputation runs it again in the backward. A parameter no unit lists is waited for when its chunk's
 forward starts (a module without param_units: all of them).
 Pieces in this rank's own shard are in place already and never waited for. A process group runs its
 collectives in issue order, so once the first chunks are in, later layers rarely wait. Anything else
-that reads the parameters calls `finish` (the optimizer's state_dict and its next step do). The values
-are those of the blocking write-back: the same chunks, copied into the same places.
+that reads the parameters calls `finish` (the optimizer's state_dict and its next step do). Either way
+the same chunks are copied into the same places: the values do not depend on when they are waited for.
 """
 
 from __future__ import annotations
