@@ -8,8 +8,9 @@ or, once `watch` has ordered them by when the forward first needs them, lets eac
 in a forward pre-hook only for the chunks that hold its parameters. The units are the model's:
 `chunk.param_units()` lists its parts in forward order with the parameters read once each part's forward
 has started (training/model.py: the embedding, each layer, the final norm with the head's weight), so
-a layer waits before its forward, also when activation recomputation runs it again in the backward. A parameter no unit lists is waited for when its chunk's
-forward starts (a module without param_units: all of them).
+a layer waits before its forward, also when activation recomputation runs it again in the backward.
+A parameter no unit lists is waited for when its chunk's forward starts (a module without param_units:
+all of them).
 Pieces in this rank's own shard are in place already and never waited for. A process group runs its
 collectives in issue order, so once the first chunks are in, later layers rarely wait. Anything else
 that reads the parameters calls `finish` (the optimizer's state_dict and its next step do). Either way
