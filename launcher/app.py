@@ -47,11 +47,17 @@ _CONF_DIR = "pkg://meshrun_conf"
 def hydra_main(dcfg: DictConfig):
     global _task_started
     _task_started = True
+    from launcher.unknown_keys import message, unknown_keys
+
+    unknown = unknown_keys(dcfg)
+    if unknown:  # `+group.key=v` adds a key the dataclasses would drop silently (launcher/unknown_keys.py)
+        print(f"meshrun: invalid configuration; nothing was launched. {message(unknown)}.", file=sys.stderr)
+        raise SystemExit(EXIT_INVALID)
     cfg: Config = OmegaConf.to_object(dcfg)
     if cfg.action == "keys":
         from launcher.keys import print_keys
 
-        return print_keys(cfg.keys.group, presets=_presets)
+        return print_keys(cfg.keys.group, presets=_presets, effective=cfg)
     if cfg.action == "prepare":
         from launcher.prepare import run_prepare
 
@@ -171,5 +177,10 @@ def cli() -> None:
                   "(`meshrun action=keys` lists every key with its type and documentation; `meshrun --cfg job` prints "
                   "the composed config) and that presets exist under conf/<group>/. Only dict fields such as "
                   "cluster.env take new keys, with a leading '+'.", file=sys.stderr)
+            from launcher.unknown_keys import argv_keys, message
+
+            unknown = argv_keys(sys.argv[1:])
+            if unknown:
+                print(f"meshrun: {message(unknown)}.", file=sys.stderr)
             raise SystemExit(EXIT_INVALID) from None
         raise

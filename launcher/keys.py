@@ -58,9 +58,22 @@ def _default(f: dataclasses.Field) -> str:
         value = f.default_factory()  # type: ignore[misc]
     else:
         return "(required)"
+    return _show(value)
+
+
+def _show(value) -> str:
     if isinstance(value, Enum):
         return str(value.value)
     return "null" if value is None else repr(value)
+
+
+def effective_value(cfg: Config, key: str) -> str:
+    """A key's value in a composed config (the presets of conf/config.yaml and the command line applied), shown
+    as the built-in default is."""
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return _show(obj)
 
 
 def iter_keys(cls=Config, prefix: str = "") -> Iterator[Tuple[str, str, str, str]]:
@@ -79,8 +92,11 @@ def iter_keys(cls=Config, prefix: str = "") -> Iterator[Tuple[str, str, str, str
 GROUPS = ("model", "parallel", "cluster", "train", "data", "run")
 
 
-def format_keys(group: str = "", presets: Optional[Callable[[str], List[str]]] = None) -> str:
-    """The text `action=keys` prints; `presets(group)` lists a group's presets when given."""
+def format_keys(group: str = "", presets: Optional[Callable[[str], List[str]]] = None,
+                effective: Optional[Config] = None) -> str:
+    """The text `action=keys` prints; `presets(group)` lists a group's presets when given. With `effective` (the
+    composed config of this invocation) each key shows the value a launch with these arguments uses, and the
+    built-in default of training/config.py beside it where the presets or the command line change it."""
     lines: List[str] = []
     current = None
     for key, tp, default, doc in iter_keys():
@@ -95,17 +111,22 @@ def format_keys(group: str = "", presets: Optional[Callable[[str], List[str]]] =
                 if names:
                     title += f" (presets: {', '.join(names)})"
             lines.append(("\n" if lines else "") + f"== {title}")
-        lines.append(f"{key}: {tp} = {default}")
+        value = effective_value(effective, key) if effective is not None else default
+        lines.append(f"{key}: {tp} = {value}" + (f"    (built-in: {default})" if value != default else ""))
         for text in doc.splitlines():
             lines.append(f"    {text}")
     return "\n".join(lines)
 
 
-def print_keys(group: str, presets: Optional[Callable[[str], List[str]]] = None) -> None:
+def print_keys(group: str, presets: Optional[Callable[[str], List[str]]] = None,
+               effective: Optional[Config] = None) -> None:
     # Every section of the config (the groups, and action sections such as export and generate).
     sections = sorted({key.split(".", 1)[0] for key, *_ in iter_keys() if "." in key})
     if group and group not in sections:
         print(f"meshrun: keys.group={group!r} is not a config group; use one of {', '.join(sections)} "
               f"(or leave it empty for every key)", file=sys.stderr)
         raise SystemExit(EXIT_INVALID)
-    print(format_keys(group, presets))
+    if effective is not None:
+        print("# values: what a launch with these arguments uses (conf/config.yaml's presets and the command line); "
+              "(built-in: X) is training/config.py's default where they differ")
+    print(format_keys(group, presets, effective))
