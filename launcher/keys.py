@@ -96,7 +96,8 @@ def format_keys(group: str = "", presets: Optional[Callable[[str], List[str]]] =
                 effective: Optional[Config] = None) -> str:
     """The text `action=keys` prints; `presets(group)` lists a group's presets when given. With `effective` (the
     composed config of this invocation) each key shows the value a launch with these arguments uses, and the
-    built-in default of training/config.py beside it where the presets or the command line change it."""
+    built-in default of training/config.py, and beside it `(effective: V)` where the presets or the command line
+    make it differ."""
     lines: List[str] = []
     current = None
     for key, tp, default, doc in iter_keys():
@@ -112,7 +113,7 @@ def format_keys(group: str = "", presets: Optional[Callable[[str], List[str]]] =
                     title += f" (presets: {', '.join(names)})"
             lines.append(("\n" if lines else "") + f"== {title}")
         value = effective_value(effective, key) if effective is not None else default
-        lines.append(f"{key}: {tp} = {value}" + (f"    (built-in: {default})" if value != default else ""))
+        lines.append(f"{key}: {tp} = {default}" + (f"    (effective: {value})" if value != default else ""))
         for text in doc.splitlines():
             lines.append(f"    {text}")
     return "\n".join(lines)
@@ -127,6 +128,6 @@ def print_keys(group: str, presets: Optional[Callable[[str], List[str]]] = None,
               f"(or leave it empty for every key)", file=sys.stderr)
         raise SystemExit(EXIT_INVALID)
     if effective is not None:
-        print("# values: what a launch with these arguments uses (conf/config.yaml's presets and the command line); "
-              "(built-in: X) is training/config.py's default where they differ")
+        print("== key: type = built-in default (training/config.py)    (effective: the value a launch with these "
+              "arguments uses, after conf/config.yaml's presets and the command line, where it differs)")
     print(format_keys(group, presets, effective))

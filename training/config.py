@@ -153,7 +153,10 @@ class ParallelConfig:
     with zero=1 the updated shards' all-gather also runs into the next step's forward (each layer waits for its own
     parameters)."""
     overlap_p2p: bool = True
-    """Pipeline: post receives one unit early and wait for sends only at the end of the step (false: wait for each exchange)."""
+    """Pipeline: sends are waited for only at the end of the step (false: each exchange waits for its sends). On gloo
+    (CPU) receives are also posted one exchange early; on NCCL they are not (an early receive would enter NCCL's
+    per-pair stream ahead of exchanges the schedule still has to post: training/pipeline.py), so there only the
+    send side overlaps."""
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Callable, List, Optional, Tuple
 
 from launcher.plan.cadence import cadence_problems
 from launcher.plan.estimate import GIB, Plan, make_plan, with_parallel
+from launcher.plan.honest_checks import SELECTIVE_MIN_SAVING
 from training import layout_rules as rules
 from training.config import CHOICE_FIELDS, Config, choices, derived_dp
 
@@ -356,6 +357,8 @@ def fit_fixes(cfg: Config, plan: Plan) -> List[str]:
         if new is None:
             continue
         pl = make_plan(new)
+        if pl.memory_bytes["total"] > plan.memory_bytes["total"] * (1 - SELECTIVE_MIN_SAVING):
+            continue  # offer only fixes that change the plan (selective recompute under flash attention does not)
         lines.append(f"{label}: {pl.memory_bytes['total'] / GIB:.2f} GiB" + (" (fits)" if pl.fits else ""))
         if pl.fits:
             fitting.append(label)
@@ -399,6 +402,9 @@ def validate(cfg: Config, cluster_checks: Optional[Callable[[Config], List[str]]
         return report
     plan = make_plan(cfg)
     report.plan = plan
+    from launcher.plan.honest_checks import honest_issues  # keys that would not do what they say
+
+    issues += honest_issues(cfg, plan)
     if not plan.fits:
         mem = plan.memory_bytes
         breakdown = ", ".join(f"{k} {mem[k] / GIB:.2f}" for k in ("weights", "grads", "optimizer", "activations"))
