@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
+from launcher.local_numa import rank_prefix
 from launcher.procs import POLL_S, engine_env, rank_process_env, start_pump, stop_processes, threads_per_rank
 from launcher.rundir import write_config
 from launcher.status import job_alive
@@ -69,9 +70,10 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
     # Launches of one run.dir are its attempts (0, 1, ...), as a Slurm job's requeues are: events and metrics
     # rows carry the number (MESHRUN_ATTEMPT, training/events.py).
     attempt = sum(1 for ev in read_events(run_dir) if ev.get("event") == "started")
+    binding = [rank_prefix(cfg, r, world) for r in range(world)]  # NUMA, as on Slurm (launcher/local_numa.py)
     # launcher_pid lets `action=status` tell a running job from one whose launcher was killed (no end event).
     append_event(run_dir, "started", nodes=[socket.gethostname()], world_size=world, threads_per_rank=threads,
-                 launcher_pid=os.getpid(), attempt=attempt)
+                 launcher_pid=os.getpid(), attempt=attempt, numa_nodes=[node for _, node in binding])
     procs: List[subprocess.Popen] = []
     pumps: List[threading.Thread] = []
     logs = []
@@ -85,9 +87,11 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
             env = rank_process_env(dist_env(r, world, r, world, LOOPBACK, port), engine_env(cfg, run_dir), threads)
             env[TOKEN_ENV] = lock.token
             env["MESHRUN_ATTEMPT"] = str(attempt)
+            if binding[r][1] is not None:
+                env["MESHRUN_NUMA_NODE"] = str(binding[r][1])
             # Each rank inherits the locked file: the run directory stays locked while any rank lives, even
             # if this launcher is killed (training/run_lock.py).
-            proc = subprocess.Popen([sys.executable, "-m", "training.main", run_dir], env=env,
+            proc = subprocess.Popen(binding[r][0] + [sys.executable, "-m", "training.main", run_dir], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(lock.fd,))
             procs.append(proc)
             # Rank 0 also goes to this terminal (stderr: stdout stays for results).

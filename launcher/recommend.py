@@ -56,7 +56,9 @@ class Candidate:
 
     def overrides(self) -> str:
         lay = self.layout()
-        keys = ("tp", "pp", "vpp", "sp", "zero", "micro_batch", "schedule", "recompute")
+        # Every layout key, cp and dp included: the line is pasted after whatever the user gave (an explicit
+        # parallel.dp or cp left from before would otherwise make the recommended layout invalid).
+        keys = ("tp", "pp", "vpp", "cp", "dp", "sp", "zero", "micro_batch", "schedule", "recompute")
         text = " ".join(f"parallel.{k}={str(lay[k]).lower() if isinstance(lay[k], bool) else lay[k]}" for k in keys)
         return text + (" parallel.allow_tp_across_nodes=true" if self.cfg.parallel.allow_tp_across_nodes else "")
 
@@ -115,6 +117,12 @@ def layouts(cfg: Config) -> Iterator[Config]:
                                     allow_tp_across_nodes=tp > c.gpus_per_node))
 
 
+def fits_with_headroom(plan: Plan, cfg: Config) -> bool:
+    """Fits and leaves recommend.min_headroom_gb (GiB, 2^30 bytes) free for what the plan does not count
+    (allocator fragmentation, NCCL buffers, the CUDA context)."""
+    return plan.fits and plan.headroom_bytes >= cfg.recommend.min_headroom_gb * 2**30
+
+
 def search(cfg: Config, rates: Rates) -> Search:
     """Plan every layout; those whose leanest variant (sp, full recompute, micro-batch 1) does not fit are
     skipped as a group."""
@@ -136,7 +144,7 @@ def search(cfg: Config, rates: Rates) -> Search:
         if not lean_fits[group]:
             continue
         plan = make_plan(lay, rates=rates)
-        (out.candidates if plan.fits else out.no_fit).append(Candidate(lay, plan))
+        (out.candidates if fits_with_headroom(plan, cfg) else out.no_fit).append(Candidate(lay, plan))
     out.candidates.sort(key=lambda c: (c.step_s, c.plan.memory_bytes["total"]))
     out.no_fit.sort(key=lambda c: c.step_s)
     for i, cand in enumerate(out.candidates, 1):
@@ -203,6 +211,8 @@ def annotate(result: Search) -> None:
     for c in result.no_fit:
         c.reason = (f"does not fit: {c.plan.memory_bytes['total'] / GIB:.1f} GiB of "
                     f"{c.plan.gpu_memory_bytes / GIB:.1f} GiB")
+        if c.plan.fits:
+            c.reason += f" with recommend.min_headroom_gb={c.cfg.recommend.min_headroom_gb:g} GiB free"
 
 
 def _tokens_per_gpu(c: Candidate) -> float:

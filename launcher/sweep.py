@@ -98,7 +98,8 @@ def summarize(points: List[Dict[str, Any]]) -> Dict[str, Any]:
             row.update(layout=layout_label(plan, bool(pt.get("sp"))), world_size=plan["world_size"],
                        predicted_step_s=plan.get("predicted_step_s", 0.0), memory_bytes=mem,
                        headroom_bytes=plan["gpu_memory_bytes"] - mem, bubble_ratio=plan["bubble_ratio"],
-                       run_dir=pt["run_dir"])
+                       run_dir=pt["run_dir"], tokens_per_s_per_gpu=plan.get("tokens_per_s_per_gpu", 0.0),
+                       mfu=plan.get("mfu", 0.0))
             feasible.append(row)
         else:
             row["reason"] = _reason(pt) if pt.get("status") not in FEASIBLE else "plan.json missing"
@@ -117,6 +118,14 @@ def common_overrides(points: List[Dict[str, Any]]) -> List[str]:
     return [o for o in points[0].get("overrides", []) if all(o in s for s in rest)]
 
 
+def fmt_rate(x: float) -> str:
+    """Tokens/s for a narrow column: 3 significant digits, k = 1e3, M = 1e6."""
+    for scale, unit in ((1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
 def _fit(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
 
@@ -131,7 +140,8 @@ def short_keys(points: List[Dict[str, Any]], common: List[str]) -> Dict[str, str
 
 def format_summary(summary: Dict[str, Any], common: List[str], short: Optional[Dict[str, str]] = None) -> str:
     """The table, every line at most WIDTH columns: the common overrides once, then one row per feasible
-    point (rank, number, layout, predicted step time, memory and headroom per GPU, bubble, the point's
+    point (rank, number, layout, predicted step time, tokens/s per GPU and MFU, memory and headroom per GPU,
+    bubble, the point's
     own overrides with short keys, job id/state), then the infeasible points with their first reason."""
     feasible, infeasible = summary["feasible"], summary["infeasible"]
     common_set, short = set(common), short or {}
@@ -148,14 +158,16 @@ def format_summary(summary: Dict[str, Any], common: List[str], short: Optional[D
     if feasible:
         lay_w = max(len("layout"), *(len(r["layout"]) for r in feasible))
         extras = [" ".join(f"{k}={r[k]}" for k in ("job_id", "state") if k in r) for r in feasible]
-        head = f"{'rank':>4} {'#':>4}  {'layout':<{lay_w}} {'step':>9} {'memory':>10} {'headroom':>10} {'bubble':>6}  "
+        head = (f"{'rank':>4} {'#':>3} {'layout':<{lay_w}} {'step':>8} {'tok/s/GPU':>9} {'MFU':>5} {'memory':>9} "
+                f"{'headroom':>9} {'bubble':>6} ")
         extra_w = max(len(e) for e in extras)
         ov_w = max(WIDTH - len(head) - (extra_w + 1 if extra_w else 0), 16)
         lines.append(_fit(head + ("overrides".ljust(ov_w) + " job" if extra_w else "overrides"), WIDTH))
         lines.append("-" * min(WIDTH, len(head) + ov_w + (extra_w + 1 if extra_w else 0)))
         for i, (r, extra) in enumerate(zip(feasible, extras), 1):
-            row = (f"{i:>4} {r['num']!s:>4}  {r['layout']:<{lay_w}} {fmt_seconds(r['predicted_step_s']):>9} "
-                   f"{fmt_bytes(r['memory_bytes']):>10} {fmt_bytes(r['headroom_bytes']):>10} {r['bubble_ratio']:6.3f}  ")
+            row = (f"{i:>4} {r['num']!s:>3} {r['layout']:<{lay_w}} {fmt_seconds(r['predicted_step_s']):>8} "
+                   f"{fmt_rate(r.get('tokens_per_s_per_gpu', 0.0)):>9} {100 * r.get('mfu', 0.0):>4.1f}% "
+                   f"{fmt_bytes(r['memory_bytes']):>9} {fmt_bytes(r['headroom_bytes']):>9} {r['bubble_ratio']:6.3f} ")
             tail = _fit(own(r), ov_w)
             lines.append(_fit((row + tail.ljust(ov_w) + " " + extra) if extra else row + tail, WIDTH))
     if infeasible:

@@ -141,6 +141,7 @@ def test_every_hydra_launcher_gives_the_same_summary(tmp_path):
 def test_summary_fits_120_columns_and_ranks_by_predicted_step_time(tmp_path):
     sys.path.insert(0, ROOT)
     from launcher.plan.estimate import fmt_bytes
+    from launcher.sweep import fmt_rate
 
     sweep = tmp_path / "sweep"
     p = meshrun("-m", "action=plan", "model=tiny,gpt2_125m", "parallel.tp=1,2,4", "parallel.pp=1,2",
@@ -159,7 +160,8 @@ def test_summary_fits_120_columns_and_ranks_by_predicted_step_time(tmp_path):
     steps = [r["predicted_step_s"] for r in feasible]
     assert steps == sorted(steps) and all(s > 0 for s in steps)
     header = next(i for i, line in enumerate(table) if line.lstrip().startswith("rank"))
-    assert table[header].split()[2:7] == ["layout", "step", "memory", "headroom", "bubble"], table[header]
+    assert table[header].split()[2:9] == ["layout", "step", "tok/s/GPU", "MFU", "memory", "headroom", "bubble"], \
+        table[header]
     for rank, (line, r) in enumerate(zip(table[header + 2:], feasible), 1):
         plan = json.loads(open(os.path.join(r["run_dir"], "plan.json")).read())
         point = dict(o.split("=", 1) for o in r["overrides"])
@@ -170,6 +172,7 @@ def test_summary_fits_120_columns_and_ranks_by_predicted_step_time(tmp_path):
         cells = line.split()
         assert cells[:3] == [str(rank), str(r["num"]), r["layout"].split()[0]], line
         assert "action=plan" not in line and fmt_bytes(r["headroom_bytes"]) in line
+        assert f" {fmt_rate(plan['tokens_per_s_per_gpu'])} " in line and f"{100 * plan['mfu']:.1f}%" in line
         assert f"micro_batch={point['parallel.micro_batch']}" in line  # own overrides, short keys
     below = table[table.index("infeasible (first reason):") + 1:]
     assert len(below) == len(infeasible)

@@ -586,6 +586,9 @@ class RecommendConfig:
     subprocess (python -m training.cost_probe) before ranking; false: the cluster config's rates only."""
     max_micro_batch: int = 16
     """Largest micro-batch size searched."""
+    min_headroom_gb: float = 0.0
+    """GiB (2^30 bytes) a recommended layout must leave free per GPU beyond its planned memory (allocator
+    fragmentation, NCCL buffers, the CUDA context: what the plan does not count); 0: fitting is enough."""
 
 
 @dataclass

@@ -156,6 +156,13 @@ class Plan:
     predicted_step_parts_s: Dict[str, float] = field(default_factory=dict)
     """predicted_step_s by part: compute (recompute included), recompute, bubble, optimizer, tp, cp, pp,
     embedding, dp (launcher/plan/cost_model.py)."""
+    tokens_per_s_per_gpu: float = 0.0
+    """Predicted training tokens per second per GPU: tokens_per_step / predicted_step_s / world_size."""
+    mfu: float = 0.0
+    """Predicted model FLOPs utilisation: model_flops_per_step / (predicted_step_s x world_size x peak), the peak
+    being cluster.peak_tflops or, when that is 0, the cost model's compute rate (peak_flops)."""
+    peak_flops: float = 0.0
+    """The per-GPU FLOP/s the mfu is relative to."""
 
     @property
     def headroom_bytes(self) -> int:
@@ -191,7 +198,12 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
     bub = bubble(par.pp, m, v)
     hw_flops = hardware_flops_per_step(cfg)
     comm = comm_bytes_per_step(cfg, m, dp, worst.params)
+    rates = rates or cluster_rates(cfg)
     step = predict_step_seconds(cfg, comm, worst.params, rates)
+    peak = cfg.cluster.peak_tflops * 1e12 if cfg.cluster.peak_tflops > 0 else rates.flops
+    tokens = par.global_batch * mc.seq_length
+    per_gpu = tokens / step["total"] / world if step["total"] > 0 and world else 0.0
+    mfu = model_flops_per_step(cfg) / (step["total"] * world * peak) if step["total"] > 0 and world and peak else 0.0
     return Plan(
         world_size=world,
         tp=par.tp,
@@ -220,6 +232,9 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
         activation_profile=asdict(profile),
         predicted_step_s=step["total"],
         predicted_step_parts_s={k: v for k, v in step.items() if k != "total"},
+        tokens_per_s_per_gpu=per_gpu,
+        mfu=mfu,
+        peak_flops=peak,
     )
 
 
@@ -272,6 +287,8 @@ def format_plan(plan: Plan) -> str:
         ("step (predicted)", f"{fmt_seconds(plan.predicted_step_s)}: " + ", ".join(
             f"{'of which ' if k == 'recompute' else ''}{k} {fmt_seconds(v)}"
             for k, v in plan.predicted_step_parts_s.items() if v)),
+        ("throughput", f"{plan.tokens_per_s_per_gpu:.4g} tokens/s per GPU, MFU {100 * plan.mfu:.1f} % "
+                       f"(of {plan.peak_flops / 1e12:.4g} TFLOP/s per GPU)"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
