@@ -177,7 +177,11 @@ def cli() -> None:
                   "(`meshrun action=keys` lists every key with its type and documentation; `meshrun --cfg job` prints "
                   "the composed config) and that presets exist under conf/<group>/. Only dict fields such as "
                   "cluster.env take new keys, with a leading '+'.", file=sys.stderr)
-            from launcher.unknown_keys import argv_keys, message
+            from launcher.unknown_keys import argv_keys, message, quoting_hint
+
+            hint = quoting_hint(sys.argv[1:])
+            if hint:
+                print(f"meshrun: {hint}", file=sys.stderr)
 
             unknown = argv_keys(sys.argv[1:])
             if unknown:

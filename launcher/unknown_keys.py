@@ -106,3 +106,29 @@ def _dict_fields(cls=Config, prefix: str = "") -> List[str]:
         elif typing.get_origin(tp) in (dict, typing.Dict):
             out.append(f"{prefix}{f.name}")
     return out
+
+
+# Characters Hydra's override grammar gives a meaning to (lists, dicts, functions, interpolation, quoting):
+# a value holding any of them, or a space, must be quoted for Hydra as well as for the shell.
+_GRAMMAR = set("()[]{},:='\"$ \\")
+
+
+def quoting_hint(argv: Iterable[str]) -> str:
+    """For the first key=value whose value Hydra's grammar would parse (spaces, brackets, commas, quotes): how to
+    quote it, and the file alternative for prompts; empty when no value needs it."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key.startswith("-") or not set(value) & _GRAMMAR:
+            continue
+        if value[:1] in "'\"" and value[-1:] == value[:1] and len(value) > 1:
+            continue  # already quoted for Hydra
+        if (value[:1], value[-1:]) in (("[", "]"), ("{", "}")) or value.startswith("${") or \
+                all(ch.isalnum() or ch in "._-/,+" for ch in value):
+            continue  # a list, a dict, an interpolation, a sweep's values: meant for the grammar
+        inner = value.replace("\\", "\\\\").replace('"', '\\"')
+        text = (f"the value of {key.lstrip('+~')} holds characters Hydra's override grammar reads (spaces, ( ) [ ] "
+                f"{{ }} , : = quotes): quote it for Hydra inside the shell's quotes, e.g. '{key}=\"{inner}\"'")
+        if key.lstrip("+~") == "generate.prompt":
+            text += ", or put the text in a file: generate.prompt_file=prompt.txt"
+        return text
+    return ""

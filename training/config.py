@@ -394,8 +394,11 @@ class TrainConfig:
     """Save and stop this attempt when the step is a multiple of this; 0 disables."""
     exit_after_min: float = 0.0
     """Save and stop this attempt after this many minutes; 0 disables."""
-    dist_timeout_s: float = 120.0
-    """Collective timeout: a dead peer becomes an error after this long, never a hang."""
+    dist_timeout_s: float = 600.0
+    """Collective timeout: a dead peer becomes an error after this long, never a hang. 600 s (10 minutes, torch's own
+    default for NCCL) because a real cluster's first collectives legitimately take minutes: NCCL's communicator
+    set-up at thousands of ranks, a slow checkpoint load before the first step. Lower it on small jobs to learn of a
+    dead peer sooner."""
     progress: bool = True
     """Progress bar on rank 0."""
     init_from: str = ""
@@ -477,6 +480,9 @@ class PrepareConfig:
     """tokenizer=bpe: bytes of input the BPE trainer reads at most (from the start); 0: everything."""
     progress: bool = True
     """Progress bar (tokens/s, ETA) on stderr."""
+    suffixes: List[str] = field(default_factory=list)
+    """File suffixes read from directories in prepare.inputs (e.g. [.txt,.c,.jsonl]; .jsonl files are JSON Lines);
+    empty: .py .txt .md .rst .jsonl. Files with other suffixes are skipped and listed on stderr."""
 
 
 @dataclass
@@ -512,6 +518,9 @@ class GenerateConfig:
     prompt: str = ""
     """The prompt as text, encoded with the run's tokenizer (data=indexed with NAME.tokenizer.json); instead of
     prompt_tokens."""
+    prompt_file: str = ""
+    """A UTF-8 text file whose whole content is the prompt (instead of prompt and prompt_tokens): text with
+    brackets, commas, quotes or newlines needs no Hydra quoting this way."""
     max_new_tokens: int = 32
     """Tokens to generate (prompt plus new tokens must fit model.seq_length)."""
     greedy: bool = True

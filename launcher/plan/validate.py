@@ -188,7 +188,7 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
                          f"cluster.numa_map=[{','.join(['0'] * max(c.gpus_per_node, 1))}] or cluster.numa=auto"))
     if not t.dist_timeout_s > 0:
         out.append(Issue("error", "train.dist_timeout_s", f"must be > 0 seconds, got {t.dist_timeout_s}",
-                         "train.dist_timeout_s=120"))
+                         "train.dist_timeout_s=600"))
     if c.master_port != 0 and not 1024 <= c.master_port <= 65535:
         out.append(Issue("error", "cluster.master_port",
                          f"must be 0 (pick one) or an unprivileged port 1024-65535, got {c.master_port}",

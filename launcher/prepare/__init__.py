@@ -105,13 +105,34 @@ def _check(pc: PrepareConfig) -> None:
         raise DataError(f"prepare.output: cannot create {out_dir} ({exc.strerror}); choose a writable folder") from exc
 
 
+SKIPPED_SHOWN = 10
+"""Skipped files named on stderr; the rest are counted."""
+
+
+def report_skipped(inputs: Inputs) -> None:
+    """Files of the input directories that are not read, by name (the first SKIPPED_SHOWN) and by suffix."""
+    skipped = inputs.skipped_suffix
+    if not skipped:
+        return
+    by_suffix: Dict[str, int] = {}
+    for f in skipped:
+        suffix = os.path.splitext(f)[1] or "(none)"
+        by_suffix[suffix] = by_suffix.get(suffix, 0) + 1
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(by_suffix.items(), key=lambda kv: -kv[1]))
+    names = ", ".join(skipped[:SKIPPED_SHOWN]) + (f", ... ({len(skipped) - SKIPPED_SHOWN} more)"
+                                                   if len(skipped) > SKIPPED_SHOWN else "")
+    print(f"prepare: skipped {len(skipped)} files whose suffix is not read ({kinds}): {names}; "
+          f"prepare.suffixes=[...] lists the suffixes to read", file=sys.stderr)
+
+
 def prepare(pc: PrepareConfig) -> Dict:
     """Write the dataset; returns the training split's description. Raises DataError / TokenizerError."""
     _check(pc)
     started = time.perf_counter()
     output = os.path.abspath(pc.output)
     name = os.path.basename(output)
-    inputs = list_inputs(pc.inputs)
+    inputs = list_inputs(pc.inputs, pc.suffixes)
+    report_skipped(inputs)
     total = inputs.total_bytes if pc.max_bytes <= 0 else min(inputs.total_bytes, pc.max_bytes)
     tag = f".tmp-{os.getpid()}"
     tok_final = output + ".tokenizer.json"
@@ -160,7 +181,7 @@ def prepare(pc: PrepareConfig) -> Dict:
         desc = describe(train.writer.tmp_prefix, IndexedDataset(train.writer.tmp_prefix), dict(
             common, split="train", valid_prefix=name + ".valid" if has_valid else None,
             valid_documents=valid.writer.documents, valid_tokens=valid.writer.tokens, sources=sources,
-            skipped_empty_files=inputs.skipped_empty))
+            skipped_empty_files=inputs.skipped_empty, skipped_suffix_files=len(inputs.skipped_suffix)))
         train.writer.commit()
         if has_valid:
             valid.writer.commit()
@@ -176,6 +197,10 @@ def prepare(pc: PrepareConfig) -> Dict:
             os.unlink(tok_tmp)
         raise
     elapsed = time.perf_counter() - started
+    if pc.valid_fraction > 0 and valid.writer.documents == 0:
+        print(f"prepare: warning: no document was held out (prepare.valid_fraction={pc.valid_fraction:g} of "
+              f"{desc['documents']} documents, chosen by hash): train.eval_every has no held-out split of this "
+              f"dataset; raise prepare.valid_fraction, add documents, or give data.valid_prefixes", file=sys.stderr)
     total_tokens = desc["tokens"] + valid.writer.tokens
     print(f"prepare: {desc['documents']} + {valid.writer.documents} held-out documents, {total_tokens:,} tokens "
           f"({tok.name if tok.name == BYTES else os.path.basename(tok_final)}, vocabulary {tok.vocab_size}, "

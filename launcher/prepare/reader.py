@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from launcher.prepare.worker import HEAD_BYTES, held_out
 from training.data.sources import TEXT_SUFFIXES, DataError, default_corpus_root
@@ -38,6 +38,8 @@ class Inputs:
 
     files: List[str] = field(default_factory=list)
     skipped_empty: int = 0
+    skipped_suffix: List[str] = field(default_factory=list)
+    """Files inside the given directories whose suffix is not read (prepare.suffixes); listed, never silent."""
 
     @property
     def total_bytes(self) -> int:
@@ -48,10 +50,20 @@ def is_jsonl(path: str) -> bool:
     return path.endswith(JSONL_SUFFIXES)
 
 
-def list_inputs(paths: List[str]) -> Inputs:
+def read_suffixes(suffixes: Optional[List[str]] = None) -> Tuple[str, ...]:
+    """The suffixes read from directories: prepare.suffixes (a leading dot added where missing), else the
+    defaults (TEXT_SUFFIXES and .jsonl)."""
+    if suffixes:
+        return tuple(x if x.startswith(".") else "." + x for x in (str(v).strip() for v in suffixes) if x)
+    return TEXT_SUFFIXES + JSONL_SUFFIXES
+
+
+def list_inputs(paths: List[str], suffixes: Optional[List[str]] = None) -> Inputs:
     """Files named by `paths` (directories searched recursively, sorted); empty files named directly are
-    errors, empty files inside directories are skipped (the standard library has empty __init__.py files)."""
+    errors, empty files inside directories are skipped (the standard library has empty __init__.py files), as
+    are files whose suffix is not read (recorded in skipped_suffix)."""
     roots = list(paths) or [default_corpus_root()]
+    known = read_suffixes(suffixes)
     out = Inputs()
     for root in roots:
         if not os.path.exists(root):
@@ -62,13 +74,14 @@ def list_inputs(paths: List[str]) -> Inputs:
             found = []
             for dirpath, dirnames, filenames in os.walk(root):
                 dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-                found += [os.path.join(dirpath, f) for f in sorted(filenames)
-                          if f.endswith(TEXT_SUFFIXES + JSONL_SUFFIXES)]
+                for f in sorted(filenames):
+                    (found if f.endswith(known) else out.skipped_suffix).append(os.path.join(dirpath, f))
             usable = [f for f in found if os.path.getsize(f) > 0]
             out.skipped_empty += len(found) - len(usable)
             if not usable:
-                raise DataError(f"prepare.inputs: directory {root!r} holds no non-empty text or JSON Lines files "
-                                f"({', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)}); point prepare.inputs at files")
+                raise DataError(f"prepare.inputs: directory {root!r} holds no non-empty files with a suffix read "
+                                f"({', '.join(known)}); point prepare.inputs at files, or list the suffixes to read "
+                                f"(prepare.suffixes=[.txt,.c])")
             out.files += usable
         else:
             if os.path.getsize(root) == 0:
