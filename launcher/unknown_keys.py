@@ -33,14 +33,15 @@ def nearest_key(key: str, known: Optional[Iterable[str]] = None) -> Optional[str
     known = list(known if known is not None else all_keys())
     group, _, leaf = key.rpartition(".")
     siblings = [k for k in known if k.rpartition(".")[0] == group]
-    for pool, probe, whole in ((siblings, leaf, False), (known, key, True)):
-        names = pool if whole else [k.rpartition(".")[2] for k in pool]
-        match = difflib.get_close_matches(probe, names, n=1, cutoff=0.6)
-        if match:
-            return match[0] if whole else (f"{group}.{match[0]}" if group else match[0])
-    # A leaf name given under the wrong group (cluster.tp): the same leaf anywhere.
+    match = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in siblings], n=1, cutoff=0.6)
+    if match:
+        return f"{group}.{match[0]}" if group else match[0]
+    # A leaf name given under the wrong group (cluster.tp): the same leaf elsewhere.
     same_leaf = [k for k in known if k.rpartition(".")[2] == leaf]
-    return same_leaf[0] if same_leaf else None
+    if same_leaf:
+        return same_leaf[0]
+    match = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    return match[0] if match else None
 
 
 def unknown_keys(node: Any, cls=Config, prefix: str = "") -> List[str]:
