@@ -79,8 +79,8 @@ def list_inputs(paths: List[str], suffixes: Optional[List[str]] = None) -> Input
             usable = [f for f in found if os.path.getsize(f) > 0]
             out.skipped_empty += len(found) - len(usable)
             if not usable:
-                raise DataError(f"prepare.inputs: directory {root!r} holds no non-empty files with a suffix read "
-                                f"({', '.join(known)}); point prepare.inputs at files, or list the suffixes to read "
+                raise DataError(f"prepare.inputs: directory {root!r} holds no non-empty text or JSON Lines files "
+                                f"(suffixes read: {', '.join(known)}); point prepare.inputs at files, or list the suffixes to read "
                                 f"(prepare.suffixes=[.txt,.c])")
             out.files += usable
         else:
