@@ -257,6 +257,9 @@ class HealthConfig:
     nvml_double: str = ""
     """Tests and demos on machines without GPUs: a JSON file describing fake GPUs per node (counters may change
     while the run reads it; training/observe/nvml_double.py); empty: the real NVML."""
+    min_utilization_pct: float = 95.0
+    """A node whose mean GPU utilisation stays below this for throttle_samples samples gets a `low_utilization`
+    event and a warning (the GPUs wait on data, communication or small kernels); 0 disables."""
 
 
 @dataclass
@@ -386,6 +389,11 @@ class TrainConfig:
     """Complete checkpoints kept."""
     async_save: bool = False
     """Write checkpoints in the background after a copy to host memory."""
+    checkpoint_replica_dir: str = ""
+    """A second copy of every complete checkpoint (absolute, or relative to run.dir; another disk or file system):
+    rank 0 copies each sealed checkpoint there in the background (verified, then renamed: never in place; keep_last
+    of them), and a resume whose checkpoint in run.dir fails verification restores that step from the copy
+    (the damaged one moves to checkpoints/abandoned/). Empty: no replica."""
     resume: str = "auto"
     """auto (latest complete checkpoint in run.dir) | none (fresh start) | a step number."""
     log_every: int = 1

@@ -189,6 +189,13 @@ class CheckpointManager:
             signals.install()
         if self.rank == 0:
             os.makedirs(storage.checkpoints_dir(run_dir), exist_ok=True)
+        # train.checkpoint_replica_dir: rank 0 copies each sealed checkpoint there in the background
+        # (training/checkpoint/replica.py) and resumes from that copy when the primary is damaged.
+        self._replica = None
+        if cfg.train.checkpoint_replica_dir and self.rank == 0:
+            from training.checkpoint.replica import Replicator
+
+            self._replica = Replicator(run_dir, cfg.train.checkpoint_replica_dir, self.keep_last)
 
     # ----- collectives -----------------------------------------------------------------------------
     def _bcast(self, obj: Any) -> Any:
@@ -403,6 +410,8 @@ class CheckpointManager:
                     stats.bytes = storage.dir_size(storage.step_dir(self.run_dir, stats.step))
                     storage.prune(self.run_dir, self.keep_last, protect=stats.step)
                     storage.remove_stale_tmp(self.run_dir)
+                    if self._replica is not None:
+                        self._replica.submit(stats.step)
                 except Exception as exc:  # noqa: BLE001
                     error = f"{type(exc).__name__}: {exc}"
             if error is not None:
@@ -449,12 +458,31 @@ class CheckpointManager:
                 return None, (f"train.resume={step}: no checkpoint step_{step} in {storage.checkpoints_dir(self.run_dir)} "
                               f"(available: {have or 'none'}); use train.resume=auto or one of those steps")
             wanted = [step]
+        replica = self.cfg.train.checkpoint_replica_dir
+        if replica and mode == "auto":
+            from training.checkpoint.replica import replica_root, replica_steps
+
+            # The primary lost every checkpoint its replica still holds (a wiped or replaced disk): the
+            # replica's newest is a candidate too.
+            newest = replica_steps(replica_root(replica, self.run_dir))[:1]
+            if newest and not wanted and not storage.list_steps(self.run_dir):
+                wanted = newest
         for step in wanted:
             result = storage.verify(storage.step_dir(self.run_dir, step))
             if result.ok:
                 return step, self._compatible(step)
             append_event(self.run_dir, "checkpoint_invalid", step=step, problems=result.problems[:10])
             self.log(f"checkpoint step_{step} is incomplete or corrupt, skipped: {'; '.join(result.problems[:5])}")
+            if replica:
+                from training.checkpoint.replica import restore
+
+                problem = restore(self.run_dir, replica, step)
+                if problem is None:
+                    if storage.read_latest(self.run_dir) is None:
+                        storage.set_latest(self.run_dir, step)
+                    self.log(f"checkpoint step_{step} restored from the replica {replica}")
+                    return step, self._compatible(step)
+                self.log(f"checkpoint step_{step} not restored from the replica: {problem}")
             if mode != "auto":
                 return None, f"train.resume={step}: checkpoint step_{step} is damaged ({'; '.join(result.problems[:3])})"
         return None, None

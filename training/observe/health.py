@@ -36,7 +36,9 @@ THROTTLE = 2
 """Flag bit: a hardware throttle reason persisted."""
 THROUGHPUT = 4
 """Flag bit: the node's tokens/s share fell below its baseline (set by the loop's gather, not the sampler)."""
-KIND_NAMES = {ECC: "ecc", THROTTLE: "throttle", THROUGHPUT: "throughput"}
+XID = 8
+"""Flag bit: a critical NVML Xid event (training/observe/xid.py)."""
+KIND_NAMES = {ECC: "ecc", THROTTLE: "throttle", THROUGHPUT: "throughput", XID: "xid"}
 
 
 def kinds(flag: int) -> List[str]:
@@ -104,8 +106,13 @@ _COUNTERS = ("ecc_uncorrected", "remapped_uncorrectable", "retired_pages")
 class HealthSampler:
     """The node's sampler: a daemon thread that samples every interval_s; the loop reads `flag` and `summary`."""
 
-    def __init__(self, nvml, node: str, run_dir: str, interval_s: float, throttle_samples: int):
+    def __init__(self, nvml, node: str, run_dir: str, interval_s: float, throttle_samples: int,
+                 min_utilization_pct: float = 0.0):
         self.nvml, self.node, self.run_dir = nvml, node, run_dir
+        self.min_utilization_pct, self.low_util = min_utilization_pct, -1  # -1: the pre-training sample is skipped
+        from training.observe.xid import XidWatcher
+
+        self.xid = XidWatcher(nvml, nvml.nvmlDeviceGetCount())
         self.interval_s, self.throttle_samples = max(0.01, interval_s), max(1, throttle_samples)
         self.path = os.path.join(run_dir, HEALTH_FILE)
         self.baseline: Dict[int, Dict[str, int]] = {}
@@ -152,6 +159,8 @@ class HealthSampler:
                 utils += [gpu["utilization_pct"]] if "utilization_pct" in gpu else []
                 powers += [gpu["power_w"]] if "power_w" in gpu else []
                 used += [gpu["memory_used_bytes"]] if "memory_used_bytes" in gpu else []
+            found += self._xids(now, lines)
+            self._utilization(utils)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
             try:
                 os.write(fd, "".join(lines).encode())  # one write: nodes appending at once never interleave
@@ -177,6 +186,43 @@ class HealthSampler:
                       file=sys.stderr)
             return self.flag
 
+    def _xids(self, now: float, lines: List[str]) -> List:
+        """Xid events since the last sample: a health.jsonl line and an `xid` event each; critical ones flag the node."""
+        from training.observe.xid import CRITICAL_XIDS, describe
+
+        out = []
+        for gpu, xid in self.xid.poll():
+            critical = xid in CRITICAL_XIDS
+            lines.append(json.dumps({"time": now, "node": self.node, "gpu": gpu, "xid": xid, "critical": critical}) + "\n")
+            append_event(self.run_dir, "xid", node=self.node, gpu=gpu, xid=xid, critical=critical, meaning=describe(xid))
+            if critical:
+                out.append((XID, f"gpu{gpu}: Xid {xid} ({describe(xid)})"))
+            else:
+                print(f"health: node {self.node} gpu{gpu}: Xid {xid} ({describe(xid)})", file=sys.stderr)
+        return out
+
+    def _utilization(self, utils: List[float]) -> None:
+        """The seed's utilisation target: a node whose mean GPU utilisation stays below min_utilization_pct for
+        throttle_samples samples gets one `low_utilization` event per streak (a warning: the input pipeline,
+        communication or small kernels leave the GPUs waiting; not a hardware fault)."""
+        if self.min_utilization_pct <= 0 or not utils:
+            return
+        if self.low_util < 0:  # the sample taken before the first step: GPUs idle by design
+            self.low_util = 0
+            return
+        mean = sum(utils) / len(utils)
+        if mean >= self.min_utilization_pct:
+            self.low_util = 0
+            return
+        self.low_util += 1
+        if self.low_util == self.throttle_samples:
+            append_event(self.run_dir, "low_utilization", node=self.node, utilization_mean_pct=round(mean, 1),
+                         target_pct=self.min_utilization_pct, samples=self.low_util)
+            print(f"warning: node {self.node}: mean GPU utilisation {mean:.0f} % below the "
+                  f"{self.min_utilization_pct:g} % target for {self.low_util} samples (input pipeline, communication "
+                  "or small kernels leave the GPUs waiting; a torch.profiler or nsys trace shows which)",
+                  file=sys.stderr)
+
     def _judge(self, i: int, gpu: Dict[str, Any]) -> List:
         out = []
         base = self.baseline.setdefault(i, {k: gpu[k] for k in _COUNTERS if k in gpu})
@@ -198,6 +244,7 @@ class HealthSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self.xid.close()
 
 
 def start_sampler(cfg, run_dir: str, mesh, node: str) -> Optional[HealthSampler]:
@@ -210,7 +257,7 @@ def start_sampler(cfg, run_dir: str, mesh, node: str) -> Optional[HealthSampler]
         if mesh.rank == 0 and cfg.cluster.device == "cuda":
             print(f"note: no GPU health sampling: {why}", file=sys.stderr)
         return None
-    return HealthSampler(nvml, node, run_dir, h.interval_s, h.throttle_samples).start()
+    return HealthSampler(nvml, node, run_dir, h.interval_s, h.throttle_samples, h.min_utilization_pct).start()
 
 
 class ThroughputShare:

@@ -10,7 +10,8 @@ whenever it changes, so a test can make a counter grow while the run reads it:
 
 A node's values: "*" first, then its own entry. Keys (defaults in DEFAULTS): utilization (%), memory_used,
 memory_total (bytes), temperature (C), power_w, throttle (names of nvmlClocksThrottleReason* bits, or the mask),
-ecc_uncorrected (volatile uncorrectable ECC errors), remapped_uncorrectable, remap_pending, retired_pages.
+ecc_uncorrected (volatile uncorrectable ECC errors), remapped_uncorrectable, remap_pending, retired_pages, and
+xid: [[gpu, xid], ...], Xid events delivered once each through the NVML event-set calls (training/observe/xid.py).
 """
 
 from __future__ import annotations
@@ -99,4 +100,24 @@ def make_nvml_double(path: str, node: str):
     m.nvmlDeviceGetTotalEccErrors = ecc
     m.nvmlDeviceGetRemappedRows = lambda h: (0, values()["remapped_uncorrectable"], values()["remap_pending"], 0)
     m.nvmlDeviceGetRetiredPages = lambda h, cause: [0] * int(values()["retired_pages"])
+    # Xid events (training/observe/xid.py): the node's "xid" list, [[gpu, xid], ...]; each entry is delivered once,
+    # in order, so a test appends to the file while the run reads it.
+    delivered = [0]
+    m.nvmlEventTypeXidCriticalError = pynvml.nvmlEventTypeXidCriticalError
+    m.nvmlEventSetCreate = lambda: "xid-event-set"
+    m.nvmlDeviceRegisterEvents = lambda h, kinds, event_set: None
+    m.nvmlEventSetFree = lambda event_set: None
+    m.nvmlDeviceGetIndex = lambda h: int(h)
+
+    def event_wait(event_set, timeout_ms):
+        events = values().get("xid") or []
+        if delivered[0] >= len(events):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+        gpu, xid = events[delivered[0]]
+        delivered[0] += 1
+        return types.SimpleNamespace(device=int(gpu), eventType=pynvml.nvmlEventTypeXidCriticalError,
+                                     eventData=int(xid))
+
+    m.nvmlEventSetWait_v2 = event_wait
+    m.nvmlEventSetWait = event_wait
     return m
