@@ -419,6 +419,16 @@ class TrainConfig:
     profile_steps: List[int] = field(default_factory=list)
     """[a, b]: torch.profiler traces steps a..b (inclusive) on every rank, one Chrome trace JSON per rank in
     run.dir/profile/ (open in chrome://tracing or Perfetto); empty: no profiling."""
+    nvtx: bool = False
+    """NVTX ranges over each step, model chunk forward, layer forward and backward, the optimizer step and the
+    engine's collectives (training/observe/nvtx.py), for Nsight Systems; on CPU the ranges are counted into
+    run.dir/profile/nvtx_rank<R>.json instead."""
+    nsys: bool = False
+    """GPU: run the ranks of train.nsys_ranks under `nsys profile` with the capture range on train.profile_steps
+    (cudaProfilerStart/Stop), one report per rank in run.dir/profile/nsys_rank<R>.nsys-rep; needs nsys on the
+    nodes and train.profile_steps."""
+    nsys_ranks: List[int] = field(default_factory=lambda: [0])
+    """Global ranks that train.nsys wraps (each writes its own report)."""
     memory_snapshot_step: int = 0
     """GPU: after this step dump a CUDA memory snapshot per rank to run.dir/profile/ (pytorch.org/memory_viz);
     CPU: a note that there is none; 0 disables."""

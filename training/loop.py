@@ -372,6 +372,12 @@ class Trainer:
 
         # Stragglers and node health (one gather per log interval), traces and memory snapshots (observe/).
         watch, profiler = IntervalWatch(cfg, self.run_dir, self.mesh), StepProfiler(cfg, self.run_dir, self.mesh)
+        from training.observe.nvtx import NvtxRanges
+        from training.observe.slowdown import SlowdownWatch
+
+        # NVTX ranges and the nsys capture range (train.nvtx, train.nsys); the whole job's slowdown (rank 0).
+        nvtx = NvtxRanges(cfg, self.run_dir, self.mesh, self.chunks, self.optimizer)
+        slowdown = SlowdownWatch(cfg, self.run_dir, self.is_logger)
         startup.mark("observers")
         rates, mfus, skipped = [], [], 0
         exit_code = EXIT_OK
@@ -383,12 +389,14 @@ class Trainer:
             if self.mesh.device.type == "cuda":
                 torch.cuda.synchronize()
             profiler.before(self.state.step + 1)
+            nvtx.before(self.state.step + 1)
             t0 = time.perf_counter()
             loss, res, lr = self.train_step(micro, defer_param_gather=True)
             if self.mesh.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             profiler.after(self.state.step)
+            nvtx.after(self.state.step)
             if not rates and not losses and self.is_logger:  # this attempt's first step: its start-up timeline
                 startup.mark("first_step")
                 append_event(self.run_dir, "startup", step=self.state.step, marks=startup.timeline(),
@@ -403,6 +411,7 @@ class Trainer:
             losses.append(loss)
             eval_loss = self._maybe_evaluate()
             logged = self.state.step % max(1, cfg.train.log_every) == 0 or res.skipped or eval_loss is not None
+            slowdown.step(self.state.step, tok_s, logged)
             # A collective (every rank, the same steps: `logged` depends only on agreed values).
             spread = rank_figures(dt, self.mesh.device) if logged else {}
             spread.update(watch.step(self.state.step, self.compute_s, logged))  # also a collective when logged
@@ -442,6 +451,7 @@ class Trainer:
         metrics.close()  # TensorBoard's last events reach the file
         watch.close()
         profiler.close()
+        nvtx.close()
         self.losses = losses
         self.summary = self._summarise(rates, mfus, skipped, exit_code)
         return exit_code

@@ -130,6 +130,7 @@ def main(argv=None) -> int:
     p = cfg.parallel
     backend = "nccl" if cfg.cluster.device == "cuda" else "gloo"
     mesh = None
+    states_bytes = None  # GPU memory held once the engine is built: the model states (training/observe/oom.py)
     try:
         mesh = ProcessMesh.from_env(p.tp, p.pp, p.cp, derived_dp(cfg), backend, cfg.train.dist_timeout_s)
         from training.slurm_env import reapply_affinity
@@ -144,6 +145,8 @@ def main(argv=None) -> int:
         mark("preflight")
         trainer = Trainer(cfg, run_dir, mesh)
         mark("built")  # model, optimizer, data
+        if mesh.device.type == "cuda":
+            states_bytes = torch.cuda.memory_allocated(mesh.device)
         code = trainer.run()
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -157,6 +160,16 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         _record_cause("invalid", str(exc))
         return EXIT_INVALID
+    except torch.cuda.OutOfMemoryError as exc:  # which part overflowed, and the levers that fit it
+        from training.observe.oom import explain
+        from training.preflight.runner import node_name
+
+        capacity = torch.cuda.get_device_properties(mesh.device).total_memory if mesh is not None and \
+            mesh.device.type == "cuda" else None
+        message = explain(cfg, run_dir, exc, states_bytes, capacity, int(os.environ.get("RANK", 0)), node_name())
+        print(f"error: {message}", file=sys.stderr)
+        _record_cause("oom", message)
+        return EXIT_FAILED
     except Exception as exc:
         traceback.print_exc()
         # A Python exception is the program's or its input's, not evidence against the node it ran on.

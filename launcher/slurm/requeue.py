@@ -67,7 +67,8 @@ def _implicates_node(rec: Dict) -> bool:
     if code == EXIT_NODE_BAD or (isinstance(code, int) and code < 0):
         return True
     if code == EXIT_FAILED:
-        return rec.get("cause") not in ("exception", "save_failed", "invalid", "") or bool(
+        # "oom": CUDA out of memory is the layout's (training/observe/oom.py), not the node's.
+        return rec.get("cause") not in ("exception", "save_failed", "invalid", "oom", "") or bool(
             _HARDWARE.search(rec.get("error") or ""))
     return code not in (EXIT_OK, EXIT_STOPPED, EXIT_INVALID)
 

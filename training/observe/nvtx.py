@@ -1,0 +1,135 @@
+"""train.nvtx: NVTX ranges over layers, forward, backward, the optimizer step and collectives; train.nsys: the
+capture range that `nsys profile --capture-range=cudaProfilerApi` records (train.profile_steps).
+
+The ranges are put on from outside the model: forward pre/post hooks on each model chunk ("forward") and each
+transformer layer ("layer<i>.forward"), full backward pre/post hooks on each layer ("layer<i>.backward"), a range
+around the optimizer step ("optimizer") and around each step ("step <n>"), and the engine's collectives wrapped
+where it calls them (torch.distributed.<name>, "coll.<name>": the range covers the call, an asynchronous op's
+launch). On GPUs the ranges go to NVTX (torch.cuda.nvtx), where Nsight Systems shows them on the timeline; a CPU
+build of torch has no NVTX, so there the ranges are counted instead and written to
+run.dir/profile/nvtx_rank<R>.json at the end (the same names, so the CPU test checks the wiring).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "broadcast",
+               "all_to_all_single", "batch_isend_irecv", "send", "recv", "isend", "irecv", "barrier")
+"""torch.distributed functions the engine calls that get a range."""
+
+
+class Ranges:
+    """push/pop to NVTX on GPUs, else counted per name (CPU)."""
+
+    def __init__(self, device_type: str):
+        self.nvtx = device_type == "cuda"
+        self.counts: Dict[str, int] = {}
+        self.depth = 0
+        self.max_depth = 0
+
+    def push(self, name: str) -> None:
+        if self.nvtx:
+            torch.cuda.nvtx.range_push(name)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        self.depth += 1
+        self.max_depth = max(self.max_depth, self.depth)
+
+    def pop(self) -> None:
+        if self.nvtx:
+            torch.cuda.nvtx.range_pop()
+        self.depth -= 1
+
+
+class NvtxRanges:
+    """Installs the ranges (train.nvtx) and drives the nsys capture range (train.nsys); `before(step)` /
+    `after(step)` around every step, `close()` at the end of the run."""
+
+    def __init__(self, cfg, run_dir: str, mesh, chunks: List[torch.nn.Module], optimizer=None):
+        self.run_dir, self.rank = run_dir, mesh.rank
+        self.enabled = bool(cfg.train.nvtx)
+        self.ranges = Ranges(mesh.device.type)
+        self.handles: List = []
+        self.restore: List[tuple] = []
+        steps = list(cfg.train.profile_steps)
+        self.capture = (int(steps[0]), int(steps[1])) if cfg.train.nsys and len(steps) == 2 else None
+        self.capturing = False
+        self.cuda = mesh.device.type == "cuda"
+        if not self.enabled:
+            return
+        for c, chunk in enumerate(chunks):
+            self._wrap_module(chunk, "forward", backward=False)
+            for name, layer in getattr(chunk, "layers", {}).items():
+                self._wrap_module(layer, f"layer{name}", backward=True)
+        if optimizer is not None:
+            self._wrap_call(optimizer, "step", "optimizer")
+        import torch.distributed as dist
+
+        for fn in COLLECTIVES:
+            if hasattr(dist, fn):
+                self._wrap_call(dist, fn, f"coll.{fn}")
+
+    def _wrap_module(self, module: torch.nn.Module, name: str, backward: bool) -> None:
+        r = self.ranges
+        fwd = name if not backward else f"{name}.forward"
+        self.handles.append(module.register_forward_pre_hook(lambda *_: r.push(fwd)))
+        self.handles.append(module.register_forward_hook(lambda *_: r.pop()))
+        if backward:
+            self.handles.append(module.register_full_backward_pre_hook(lambda *_: r.push(f"{name}.backward")))
+            self.handles.append(module.register_full_backward_hook(lambda *_: r.pop()))
+
+    def _wrap_call(self, owner, attr: str, name: str) -> None:
+        real: Callable = getattr(owner, attr)
+        r = self.ranges
+
+        @functools.wraps(real)
+        def wrapped(*args, **kwargs):
+            r.push(name)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                r.pop()
+
+        setattr(owner, attr, wrapped)
+        self.restore.append((owner, attr, real))
+
+    def before(self, step: int) -> None:
+        if self.capture and step == self.capture[0] and self.cuda and not self.capturing:
+            torch.cuda.profiler.start()  # cudaProfilerStart: nsys --capture-range=cudaProfilerApi begins here
+            self.capturing = True
+        if self.enabled:
+            self.ranges.push(f"step {step}")
+
+    def after(self, step: int) -> None:
+        if self.enabled:
+            self.ranges.pop()
+        if self.capturing and step >= self.capture[1]:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            self.capturing = False
+
+    def close(self) -> Optional[str]:
+        """Remove the hooks and wrappers; on CPU write the range counts. Returns the file written, if any."""
+        for h in self.handles:
+            h.remove()
+        for owner, attr, real in reversed(self.restore):
+            setattr(owner, attr, real)
+        self.handles, self.restore = [], []
+        if self.capturing:
+            torch.cuda.profiler.stop()
+            self.capturing = False
+        if not self.enabled or self.ranges.nvtx:
+            return None
+        out = os.path.join(self.run_dir, "profile")
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, f"nvtx_rank{self.rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"counts": self.ranges.counts, "balanced": self.ranges.depth == 0,
+                       "max_depth": self.ranges.max_depth}, f, indent=1, sort_keys=True)
+        os.replace(path + ".tmp", path)
+        return path
