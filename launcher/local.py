@@ -20,6 +20,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from launcher.local_numa import rank_prefix
+from launcher.nsys import nsys_prefix
 from launcher.procs import POLL_S, engine_env, rank_process_env, start_pump, stop_processes, threads_per_rank
 from launcher.rundir import write_config
 from launcher.status import job_alive
@@ -91,7 +92,8 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
                 env["MESHRUN_NUMA_NODE"] = str(binding[r][1])
             # Each rank inherits the locked file: the run directory stays locked while any rank lives, even
             # if this launcher is killed (training/run_lock.py).
-            proc = subprocess.Popen(binding[r][0] + [sys.executable, "-m", "training.main", run_dir], env=env,
+            argv = binding[r][0] + nsys_prefix(cfg, r, run_dir) + [sys.executable, "-m", "training.main", run_dir]
+            proc = subprocess.Popen(argv, env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(lock.fd,))
             procs.append(proc)
             # Rank 0 also goes to this terminal (stderr: stdout stays for results).

@@ -93,4 +93,56 @@ def honest_issues(cfg: Config, plan) -> list:
                          f"parallel.global_batch={gb} ({m} micro-batches: "
                          f"{100 * (par.pp - 1) / (v * m + par.pp - 1):.0f} % idle), or fewer stages",
                          "pipeline_idle"))
+    out += _operations_issues(cfg)
+    return out
+
+
+def _operations_issues(cfg: Config) -> list:
+    """train.nsys / nvtx, the checkpoint replica, and run.dir on a shared file system for multi-node Slurm jobs."""
+    import os
+    import shutil
+
+    from launcher.plan.validate import Issue
+    from launcher.shared_fs import shared_verdict
+
+    out = []
+    t, c = cfg.train, cfg.cluster
+    world = c.nodes * c.gpus_per_node
+    if t.nsys:
+        if str(c.device) != "cuda":
+            out.append(Issue("error", "train.nsys", "nsys profiles CUDA work: this is a CPU run",
+                             "cluster.device=cuda, or train.nsys=false (train.nvtx=true counts the ranges on CPU)"))
+        if len(t.profile_steps) != 2:
+            out.append(Issue("error", "train.nsys", "the capture range is train.profile_steps, which is not [first, last]",
+                             "train.profile_steps=[5,7]"))
+        bad = [r for r in t.nsys_ranks if not 0 <= r < world]
+        if bad or not t.nsys_ranks:
+            out.append(Issue("error", "train.nsys_ranks", f"ranks {bad or '[]'} are not ranks of this {world}-rank job",
+                             f"train.nsys_ranks=[0] (ranks 0..{world - 1})"))
+        if c.kind == "local" and not shutil.which("nsys"):
+            out.append(Issue("error", "train.nsys", "nsys (Nsight Systems) is not on PATH",
+                             "install Nsight Systems or put its bin/ on PATH, or train.nsys=false"))
+    if t.nvtx and str(c.device) != "cuda":
+        out.append(Issue("note", "train.nvtx", "a CPU build of torch has no NVTX: the ranges are counted into "
+                         "run.dir/profile/nvtx_rank<R>.json instead"))
+    if t.checkpoint_replica_dir:
+        run_dir = os.path.abspath(cfg.run.dir)
+        rep = t.checkpoint_replica_dir
+        rep = rep if os.path.isabs(rep) else os.path.normpath(os.path.join(run_dir, rep))
+        primary = os.path.join(run_dir, "checkpoints")
+        if rep == primary or rep.startswith(primary + os.sep) or primary.startswith(rep + os.sep):
+            out.append(Issue("error", "train.checkpoint_replica_dir",
+                             f"{rep} overlaps the primary checkpoints {primary}",
+                             "train.checkpoint_replica_dir=<a directory on another disk or file system>"))
+        elif c.kind == "slurm" and c.nodes > 1 and shared_verdict(rep)[0] is False:
+            out.append(Issue("warning", "train.checkpoint_replica_dir",
+                             f"{rep} is on a node-local file system ({shared_verdict(rep)[1]}): rank 0's node alone "
+                             "holds the replica", "a directory on a shared file system"))
+    if c.kind == "slurm" and (c.nodes > 1 or c.elastic.min_nodes > 0):
+        shared, where = shared_verdict(cfg.run.dir)
+        if shared is False:
+            out.append(Issue("warning", "run.dir",
+                             f"a {c.nodes}-node job needs run.dir on a file system every node sees; {cfg.run.dir} is on "
+                             f"{where}, a node-local one (fine only when the nodes share this host, as the dev "
+                             "cluster's do)", "run.dir=<a path on NFS, Lustre, GPFS or BeeGFS>", "run_dir_not_shared"))
     return out

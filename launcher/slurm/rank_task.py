@@ -179,6 +179,9 @@ class RankTask:
         env["MESHRUN_CAUSE_FILE"] = cause_file  # the engine writes its failure's cause there (training/main.py)
         # Where the engine's start-up timeline begins (training/observe/startup.py): srun started this task.
         env[TASK_START_ENV] = f"{process_start_time() or started:.3f}"
+        from launcher.nsys import nsys_prefix
+
+        prefix = prefix + nsys_prefix(cfg, rank, self.run_dir)  # train.nsys: the chosen ranks under nsys profile
         child = subprocess.Popen(prefix + [sys.executable, "-m", "training.main", self.run_dir],
                                  env=env, stderr=subprocess.PIPE, preexec_fn=_ignore_stop_signals)
         forwarder.attach(child.pid)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -25,25 +26,48 @@ COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", 
 
 
 class Ranges:
-    """push/pop to NVTX on GPUs, else counted per name (CPU)."""
+    """push/pop to NVTX on GPUs, else counted per name (CPU). NVTX ranges nest per thread (backward may run on
+    autograd's device thread), so each thread keeps its own stack of open names."""
 
     def __init__(self, device_type: str):
         self.nvtx = device_type == "cuda"
         self.counts: Dict[str, int] = {}
-        self.depth = 0
+        self.local = threading.local()
         self.max_depth = 0
+
+    def stack(self) -> List[str]:
+        if not hasattr(self.local, "stack"):
+            self.local.stack = []
+        return self.local.stack
 
     def push(self, name: str) -> None:
         if self.nvtx:
             torch.cuda.nvtx.range_push(name)
         self.counts[name] = self.counts.get(name, 0) + 1
-        self.depth += 1
-        self.max_depth = max(self.max_depth, self.depth)
+        st = self.stack()
+        st.append(name)
+        self.max_depth = max(self.max_depth, len(st))
 
     def pop(self) -> None:
-        if self.nvtx:
-            torch.cuda.nvtx.range_pop()
-        self.depth -= 1
+        st = self.stack()
+        if st:
+            st.pop()
+            if self.nvtx:
+                torch.cuda.nvtx.range_pop()
+
+    def push_once(self, name: str) -> None:
+        """A backward range: not opened twice (a recomputed layer's graph fires the pre-hook again)."""
+        st = self.stack()
+        if not st or st[-1] != name:
+            self.push(name)
+
+    def pop_to(self, name: str) -> None:
+        """Close `name` and whatever is still open inside it; nothing when it is not open on this thread."""
+        st = self.stack()
+        if name in st:
+            while st and st[-1] != name:
+                self.pop()
+            self.pop()
 
 
 class NvtxRanges:
@@ -80,8 +104,9 @@ class NvtxRanges:
         self.handles.append(module.register_forward_pre_hook(lambda *_: r.push(fwd)))
         self.handles.append(module.register_forward_hook(lambda *_: r.pop()))
         if backward:
-            self.handles.append(module.register_full_backward_pre_hook(lambda *_: r.push(f"{name}.backward")))
-            self.handles.append(module.register_full_backward_hook(lambda *_: r.pop()))
+            bwd = f"{name}.backward"
+            self.handles.append(module.register_full_backward_pre_hook(lambda *_: r.push_once(bwd)))
+            self.handles.append(module.register_full_backward_hook(lambda *_: r.pop_to(bwd)))
 
     def _wrap_call(self, owner, attr: str, name: str) -> None:
         real: Callable = getattr(owner, attr)
@@ -107,7 +132,7 @@ class NvtxRanges:
 
     def after(self, step: int) -> None:
         if self.enabled:
-            self.ranges.pop()
+            self.ranges.pop_to(f"step {step}")  # the step's range closes whatever a hook left open in it
         if self.capturing and step >= self.capture[1]:
             torch.cuda.synchronize()
             torch.cuda.profiler.stop()
@@ -129,7 +154,7 @@ class NvtxRanges:
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, f"nvtx_rank{self.rank}.json")
         with open(path + ".tmp", "w") as f:
-            json.dump({"counts": self.ranges.counts, "balanced": self.ranges.depth == 0,
+            json.dump({"counts": self.ranges.counts, "balanced": not self.ranges.stack(),
                        "max_depth": self.ranges.max_depth}, f, indent=1, sort_keys=True)
         os.replace(path + ".tmp", path)
         return path
