@@ -207,6 +207,12 @@ class PreflightConfig:
     """net.core.rmem_max / wmem_max below this warn (64 MiB, ESnet's value for 10-100 Gb/s hosts)."""
     timeout_s: float = 120.0
     """Rendezvous and collective timeout of the preflight ranks."""
+    min_read_ahead_kb: int = 1024
+    """read_ahead_kb of the block devices under run.dir and the data below this warns (sequential checkpoint and
+    shard reads in small requests; the kernel's default is 128); 0 skips the check."""
+    host_memory_per_rank_gb: float = 4.0
+    """Host memory (GiB) one rank needs besides checkpoint staging and offload (its process, CUDA context, pinned
+    buffers, data loader): compared, times the node's ranks, with the job's cgroup memory limit."""
 
 
 @dataclass

@@ -53,6 +53,11 @@ def node_checks(cfg: Config, node: str, before_ib: Optional[Dict] = None) -> (Li
     root = pf.ib_sysfs_root_by_node.get(node, pf.ib_sysfs_root)
     checks += ib_sysfs.check_ib(root, ib_sysfs.expected_hcas(pf.ib_hcas, cl.env), pf.ib_rate_gbps, node,
                                 before=before_ib)
+    from training.preflight import nccl_checks, node_ops  # the operations checklist (issue 23)
+
+    checks += nccl_checks.transport_checks(os.environ, root, node)
+    checks += node_ops.check_node_ops(cfg, node, root, dict(os.environ),
+                                      int(os.environ.get("LOCAL_WORLD_SIZE", cl.gpus_per_node)))
     return checks, facts
 
 
@@ -113,6 +118,9 @@ def run(cfg: Config, run_dir: str) -> Report:
                                      node, before=before_ib)
         mine = {"rank": rank, "node": node, "checks": [c.to_dict() for c in own], "matmul": {**mm, "rank": rank,
                 "node": node}, "sweep": sweep, "versions": collectives.local_versions(facts.get("driver"))}
+        from training.preflight.nccl_checks import extra_versions
+
+        mine["versions"].update(extra_versions(facts))  # cuDNN, the driver's CUDA (nccl_checks.version_checks)
         everyone: List[Dict[str, Any]] = [None] * world
         dist.all_gather_object(everyone, mine)
         if created:
@@ -131,6 +139,9 @@ def run(cfg: Config, run_dir: str) -> Report:
     checks += collectives.check_bandwidth([s for r in everyone for s in r["sweep"]], node_of_rank,
                                           pf.busbw_intra_gbps, pf.busbw_inter_gbps, pf.min_rate_fraction)
     checks += collectives.check_versions(everyone, pf.nccl_version)
+    from training.preflight.nccl_checks import version_checks
+
+    checks += version_checks(everyone)  # NCCL >= 2.18, cuDNN agreement, CUDA runtime <= driver
     nodes = list(dict.fromkeys(node_of_rank))
     report = Report(checks, nodes, {"mode": pf.mode, "world_size": world, "device": cl.device,
                                     "elapsed_s": round(time.time() - t0, 2), "versions": everyone[0]["versions"]})
