@@ -14,6 +14,8 @@ from typing import Optional, Tuple
 SHARED_TYPES = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "fuse.glusterfs",
                 "fuse.sshfs", "cifs", "smb3", "wekafs", "fuse.weka", "panfs", "orangefs", "9p", "virtiofs",
                 "fuse.juicefs", "fuse.ceph", "fuse.lustre")
+MOUNTS = "/proc/self/mounts"
+"""The mount table read (tests point it at a fixture)."""
 LOCAL_TYPES = ("ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "vfat", "ramfs")
 
 
@@ -22,8 +24,9 @@ def _unescape(path: str) -> str:
     return path.replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
 
 
-def mount_of(path: str, mounts: str = "/proc/self/mounts") -> Optional[Tuple[str, str]]:
+def mount_of(path: str, mounts: Optional[str] = None) -> Optional[Tuple[str, str]]:
     """(mount point, file system type) holding path, or None when the mount table cannot be read."""
+    mounts = mounts or MOUNTS
     probe = os.path.abspath(path)
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:
         probe = os.path.dirname(probe)
@@ -44,7 +47,7 @@ def mount_of(path: str, mounts: str = "/proc/self/mounts") -> Optional[Tuple[str
     return best
 
 
-def shared_verdict(path: str, mounts: str = "/proc/self/mounts") -> Tuple[Optional[bool], str]:
+def shared_verdict(path: str, mounts: Optional[str] = None) -> Tuple[Optional[bool], str]:
     """(True: shared, False: node-local, None: unknown type or table) and the mount it is on."""
     found = mount_of(path, mounts)
     if found is None:
