@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     p = cfg.parallel
     backend = "nccl" if cfg.cluster.device == "cuda" else "gloo"
     mesh = None
-    states_bytes = None  # GPU memory held once the engine is built: the model states (training/observe/oom.py)
+    states_bytes, built = None, False  # GPU memory held once the engine is built: the model states (observe/oom.py)
     try:
         mesh = ProcessMesh.from_env(p.tp, p.pp, p.cp, derived_dp(cfg), backend, cfg.train.dist_timeout_s)
         from training.slurm_env import reapply_affinity
@@ -145,6 +145,7 @@ def main(argv=None) -> int:
         mark("preflight")
         trainer = Trainer(cfg, run_dir, mesh)
         mark("built")  # model, optimizer, data
+        built = True
         if mesh.device.type == "cuda":
             states_bytes = torch.cuda.memory_allocated(mesh.device)
         code = trainer.run()
@@ -166,7 +167,8 @@ def main(argv=None) -> int:
 
         capacity = torch.cuda.get_device_properties(mesh.device).total_memory if mesh is not None and \
             mesh.device.type == "cuda" else None
-        message = explain(cfg, run_dir, exc, states_bytes, capacity, int(os.environ.get("RANK", 0)), node_name())
+        message = explain(cfg, run_dir, exc, states_bytes, capacity, int(os.environ.get("RANK", 0)), node_name(),
+                          built=built)
         print(f"error: {message}", file=sys.stderr)
         _record_cause("oom", message)
         return EXIT_FAILED

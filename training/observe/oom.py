@@ -49,16 +49,23 @@ def levers(cfg, part: str) -> List[str]:
 
 
 def explain(cfg, run_dir: str, exc: BaseException, states_bytes: Optional[int], capacity: Optional[int],
-            rank: int = 0, node: str = "") -> str:
-    """The `oom` event and the message: the overflowing part, planned against measured, and its levers."""
+            rank: int = 0, node: str = "", built: Optional[bool] = None) -> str:
+    """The `oom` event and the message: the overflowing part, planned against measured, and its levers.
+    states_bytes: GPU memory allocated once the engine was built (None: not built, or not measurable); built:
+    whether the engine was built (default: states_bytes is not None)."""
+    built = states_bytes is not None if built is None else built
     plan = _plan(run_dir)
     mem = plan.get("memory_bytes") or {}
     planned_states = sum(int(mem.get(k, 0)) for k in ("weights", "grads", "optimizer"))
     planned_acts = int(mem.get("activations", 0))
     capacity = capacity or int(plan.get("gpu_memory_bytes", 0)) or None
-    if states_bytes is None:
+    if not built:
         part = "states"
         why = "while the model and optimizer were being built"
+    elif states_bytes is None:  # built, not measured: the plan decides
+        part = "states" if capacity and planned_states >= STATES_FULL * capacity else "activations"
+        why = (f"planned: states {planned_states / 2**30:.2f} GiB, activations {planned_acts / 2**30:.2f} GiB "
+               "(nothing measured)")
     elif capacity and states_bytes >= STATES_FULL * capacity:
         part = "states"
         why = f"the model states took {states_bytes / 2**30:.2f} GiB of {capacity / 2**30:.2f} GiB before the first step"
