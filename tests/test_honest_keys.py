@@ -6,10 +6,7 @@ prepare's skipped files and empty held-out split, generate.prompt_file and the q
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from dataclasses import replace
 
 import pytest
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
 
 from test_plan import compose_cfg
 from test_preflight_ib import write_port
