@@ -23,6 +23,8 @@ RUN_DIR=${1:-${OUT:-/tmp}/gpu_check}
 rm -rf -- "$RUN_DIR"
 mkdir -p -- "$RUN_DIR"
 START=$(date +%s)
+# The operations checklist's GPU paths (issue 23): preflight checks, Xid events, NVTX/nsys, OOM explained.
+if [ "$DRY" = 0 ]; then bash bench/gpu_ops_check.sh "$RUN_DIR/ops" >&2 || echo "gpu_ops_check failed: $RUN_DIR/ops" >&2; fi
 
 "$PYTHON" - "$RUN_DIR" "$DRY" <<'PY'
 import json, os, re, subprocess, sys, time

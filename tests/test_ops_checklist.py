@@ -237,3 +237,31 @@ def test_oom_says_states_or_activations_and_the_levers_that_fit(tmp_path):
     assert levers(zero1, "states")[0].startswith("parallel.tp=") and levers(zero1, "activations") == ["parallel.cp=2 "
                                                                                                        "(the sequence split over more GPUs)"]
     assert isinstance(Config().cluster.health.min_utilization_pct, float)
+
+
+# ---- 12. nsys wrapping and its validation ------------------------------------------------------------------------
+
+def test_nsys_wraps_the_chosen_ranks_with_the_profile_steps_capture_range(tmp_path, monkeypatch):
+    from launcher.nsys import nsys_prefix
+    from launcher.plan.validate import validate
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nsys").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "nsys").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    gpu = ("cluster=dgx_h100", "cluster.kind=local", "cluster.nodes=1", "model=llama3_8b", "parallel=tp8")
+    cfg = compose_cfg(*gpu, "train.nsys=true", "train.nvtx=true", "train.profile_steps=[3,4]", "train.nsys_ranks=[0,5]")
+    run = str(tmp_path / "run")
+    argv = nsys_prefix(cfg, 5, run)
+    assert argv[:2] == ["nsys", "profile"] and "--capture-range=cudaProfilerApi" in argv
+    assert "--capture-range-end=stop" in argv and argv[-1] == os.path.join(run, "profile", "nsys_rank5")
+    assert nsys_prefix(cfg, 1, run) == []  # not a chosen rank
+    assert validate(cfg).errors == []
+    bad = compose_cfg(*gpu, "train.nsys=true", "train.nsys_ranks=[8]")
+    errors = {i.message for i in validate(bad).errors if i.key.startswith("train.nsys")}
+    assert any("profile_steps" in m for m in errors) and any("[8]" in m for m in errors)
+    cpu = compose_cfg("train.nsys=true", "train.profile_steps=[1,2]", "cluster.gpus_per_node=2")
+    assert any("CPU run" in i.message for i in validate(cpu).errors)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert any("not on PATH" in i.message for i in validate(cfg).errors)
