@@ -86,7 +86,7 @@ class NvtxRanges:
         self.cuda = mesh.device.type == "cuda"
         if not self.enabled:
             return
-        for c, chunk in enumerate(chunks):
+        for chunk in chunks:
             self._wrap_module(chunk, "forward", backward=False)
             for name, layer in getattr(chunk, "layers", {}).items():
                 self._wrap_module(layer, f"layer{name}", backward=True)
