@@ -7,6 +7,12 @@ by disassembling metadata written by torch.distributed.checkpoint with `pickleto
 with a message that says what it found and what to do, and checks that every shard the metadata points at is a
 plain file name inside the checkpoint directory. The tensors themselves are read by DCP with
 `torch.load(weights_only=True)`, which already refuses code.
+
+DCP's "bytes" entries (BytesStorageMetadata) are the exception: DCP reads each with
+`torch.load(weights_only=False)`, which runs whatever pickle the entry points at. meshrun's checkpoints hold
+tensors only (its scalars live in state.json, the rng state in a uint8 tensor), so a metadata file that
+declares a bytes entry was not written by meshrun: the unpickler refuses the class, and `read_data` refuses
+any bytes read item as well, so nothing in a checkpoint is ever read through a path that unpickles.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from training.checkpoint.storage import CheckpointError
 # registered with copyreg for torch.layout), the checkpoint id (a path) and plain containers.
 _METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED: Set[Tuple[str, str]] = {
-    (_METADATA, "Metadata"), (_METADATA, "TensorStorageMetadata"), (_METADATA, "BytesStorageMetadata"),
+    (_METADATA, "Metadata"), (_METADATA, "TensorStorageMetadata"),
     (_METADATA, "TensorProperties"), (_METADATA, "ChunkStorageMetadata"), (_METADATA, "MetadataIndex"),
     (_METADATA, "StorageMeta"), (_METADATA, "_MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -95,3 +101,16 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """DCP's read, after refusing any bytes item (DCP would unpickle it with weights_only=False)."""
+        from torch.distributed.checkpoint.planner import LoadItemType
+
+        byte_items = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
+        if byte_items:
+            raise CheckpointError(
+                f"{self.path} declares {len(byte_items)} non-tensor (bytes) entries, first "
+                f"{byte_items[0].dest_index.fqn!r}; meshrun's checkpoints hold tensors only and DCP would unpickle "
+                "them with code allowed, so the checkpoint was refused unread. Delete this checkpoint directory and "
+                "resume from another (train.resume=<step>) or start fresh (train.resume=none)")
+        return super().read_data(plan, planner)
