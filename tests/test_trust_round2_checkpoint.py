@@ -72,3 +72,41 @@ def test_bytes_entry_in_metadata_is_refused_and_its_pickle_never_runs(tmp_path):
     with pytest.raises(BaseException):  # noqa: B017 - DCP fails after unpickling (its error is a BaseException)
         dcp.load({key: torch.zeros(1)}, storage_reader=dcp.FileSystemReader(newest), no_dist=True)
     assert canary.exists()
+
+
+def test_short_error_keeps_torch_save_full_disk_message():
+    """torch.save onto a full device (/dev/full) fails with "[enforce fail at ...] . unexpected pos": the
+    whole line is kept (it was cut at the first ". "), and only torch.load's weights_only advice is dropped."""
+    from training.checkpoint.manager import _short
+
+    with pytest.raises(RuntimeError) as err:
+        torch.save(torch.zeros(100_000), "/dev/full")
+    assert "unexpected pos" in _short(err.value), _short(err.value)
+    with pytest.raises(pickle.UnpicklingError) as err:
+        torch.load(__import__("io").BytesIO(pickle.dumps(_RunsCommand("true"))), weights_only=True)
+    assert "weights_only=False" not in _short(err.value) and "Weights only load failed" in _short(err.value)
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 1 MiB tmpfs filled to its last few KiB: a real full filesystem (needs the right to mount)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=1m tmpfs {mnt} 2>/dev/null") != 0:
+        pytest.skip("mounting a small tmpfs (a real full disk) needs root")
+    try:
+        with open(mnt / "fill", "wb") as f:
+            f.write(b"\0" * (1024 * 1016))
+        yield str(mnt)
+    finally:
+        os.system(f"umount {mnt}")
+
+
+def test_save_on_full_disk_names_enospc_and_keeps_previous(full_disk):
+    run = os.path.join(full_disk, "run")
+    with pytest.raises(CheckpointError) as err:
+        _save_steps(run, [1])
+    msg = str(err.value)
+    assert ("ENOSPC" in msg or "No space left" in msg) and "free space under run.dir" in msg, msg
+    assert not [n for n in os.listdir(storage.checkpoints_dir(run)) if n.startswith(".tmp_step_")]
+    assert os.strerror(errno.ENOSPC) in msg or "ENOSPC" in msg

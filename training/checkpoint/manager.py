@@ -149,8 +149,33 @@ def _short(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     errors = [ln for ln in lines if _ERROR_LINE.match(ln)]
     line = errors[-1] if errors else (lines[-1] if lines else "")
-    # First sentence only: torch.load's weights_only error goes on to advise weights_only=False.
-    return f"{type(exc).__name__}: {line.split('. ')[0][:300]}"
+    # torch.load's weights_only error goes on to advise weights_only=False: keep its first sentence and the
+    # unpickler's reason only. Every other message is kept whole (cutting at the first ". " lost torch.save's
+    # "[enforce fail at inline_container.cc:N] . unexpected pos" on a full disk).
+    text = str(exc)
+    if "Weights only load failed" in text:
+        reason = text.split("WeightsUnpickler error:", 1)[1] if "WeightsUnpickler error:" in text else ""
+        reason = next((ln.strip() for ln in reason.splitlines() if ln.strip()), "")
+        head = line.split("Weights only load failed")[0] if "Weights only load failed" in line else ""
+        line = f"{head}Weights only load failed (refused by torch.load(weights_only=True): {reason[:200]})"
+    return f"{type(exc).__name__}: {line[:500]}"
+
+
+# Less free space than this on run.dir's filesystem right after a failed write: the disk is full, whatever
+# the writer's own message says (torch's zip writer reports "unexpected pos", never ENOSPC).
+_FULL_BYTES = 1 << 20
+
+
+def _disk_full_note(path: str, error: str) -> str:
+    """" [ENOSPC: ...]" when a save failed on a (nearly) full filesystem and its message does not say so."""
+    if "No space left" in error or "ENOSPC" in error:
+        return ""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    return f" [ENOSPC: {free} bytes free on the filesystem of {path}]" if free < _FULL_BYTES else ""
 
 
 def _json_tensor(obj: Any) -> torch.Tensor:
@@ -417,6 +442,7 @@ class CheckpointManager:
             if error is not None:
                 import shutil
 
+                error += _disk_full_note(os.path.dirname(tmp), error)  # before the partial files are removed
                 shutil.rmtree(tmp, ignore_errors=True)
         return self._bcast(error) if broadcast else error
 
