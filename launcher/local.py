@@ -23,6 +23,7 @@ from launcher.local_numa import rank_prefix
 from launcher.nsys import nsys_prefix
 from launcher.procs import POLL_S, engine_env, rank_process_env, start_pump, stop_processes, threads_per_rank
 from launcher.rundir import write_config
+from training.run_files import open_append
 from launcher.status import job_alive
 from training.config import Config, derived_dp
 from training.events import append_event, read_events
@@ -81,7 +82,7 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
     try:
         for r in range(world):
             # Appended: every attempt of the run stays in the log, each under its own header (action=logs).
-            log = open(os.path.join(run_dir, "logs", f"rank_{r}.log"), "ab")
+            log = open_append(os.path.join(run_dir, "logs", f"rank_{r}.log"), binary=True)  # never via a link
             log.write(attempt_header(attempt).encode())
             log.flush()
             logs.append(log)

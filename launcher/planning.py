@@ -71,15 +71,23 @@ def plan_or_reject(cfg: Config, run_dir: str, multirun: bool = False) -> Dict[st
 
     plan = report.plan
     assert plan is not None
+    # action=plan on an existing run (a config.json there) shows the plan and writes nothing: its config.json
+    # is the run's, changed only by a launch that goes ahead (docs/USER_CONTRACTS.md).
+    writes = not (cfg.action == "plan" and os.path.exists(os.path.join(run_dir, "config.json")))
     os.makedirs(run_dir, exist_ok=True)
     plan_json = plan.to_json()
     # train.checkpoint_every_min (auto: the Young/Daly optimum, from the run's measured saves when it has any)
     # resolved into config.json, where the engine reads it.
     cadence = resolve_cadence(cfg, run_dir, plan.predicted_step_s)
     plan_json["checkpoint_cadence"] = cadence.to_json()
-    with open(os.path.join(run_dir, "plan.json"), "w") as f:
-        json.dump(plan_json, f, indent=2, sort_keys=False)
-    write_config(cfg, run_dir)
+    from training.run_files import write_atomic  # never through a link (training/run_files.py)
+
+    if writes:
+        write_atomic(os.path.join(run_dir, "plan.json"), json.dumps(plan_json, indent=2, sort_keys=False))
+        write_config(cfg, run_dir)
+    elif not multirun:
+        print(f"meshrun: {run_dir} is an existing run: this plan is shown only (its plan.json and config.json "
+              f"are left as they are; a launch writes them)", file=sys.stderr)
     if multirun:
         mem = plan.memory_bytes["total"] / 2**30
         print(f"[ok] {_point_label(cfg)}: {mem:.2f} GiB/GPU, bubble {plan.bubble_ratio:.3f}")

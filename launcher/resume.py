@@ -97,24 +97,96 @@ def saved_config(run_dir: str) -> Dict[str, Any] | None:
         return json.load(f)
 
 
+def _refuse(message: str) -> None:
+    from training.exit_codes import EXIT_INVALID
+
+    print(f"meshrun: {message}; nothing was written.", file=sys.stderr)
+    raise SystemExit(EXIT_INVALID)
+
+
+def _type_problems(obj: Any, prefix: str = "") -> List[str]:
+    """Fields of a config rebuilt from config.json whose value has the wrong type (a string where a number
+    belongs): config_from_dict checks names, not types, and such a value would fail later inside a rank."""
+    import dataclasses
+    import typing
+
+    out: List[str] = []
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, hint = getattr(obj, f.name), hints.get(f.name)
+        if dataclasses.is_dataclass(value):
+            out += _type_problems(value, f"{prefix}{f.name}.")
+            continue
+        allowed = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,)
+        simple = [t for t in allowed if t in (int, float, bool, str, type(None))]
+        if len(simple) != len(allowed):
+            continue  # lists, dicts, enums: checked by the planner's own rules
+        ok = any(isinstance(value, t) and not (t in (int, float) and isinstance(value, bool)) for t in simple)
+        ok = ok or (float in simple and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            out.append(f"{prefix}{f.name}={value!r} (expected {' or '.join(t.__name__ for t in simple)})")
+    return out
+
+
+def checkpoint_conflict(run_dir: str, cfg: Config) -> str:
+    """"" when the checkpoint this launch would resume can take cfg's model; else why not, with the fix.
+    Checked before anything is written: a launch that failed on it used to leave its model in config.json."""
+    from training.checkpoint import storage
+
+    mode = str(cfg.train.resume).strip().lower()
+    if mode == "none":
+        return ""
+    steps = [int(mode)] if mode.isdigit() else storage.candidates(run_dir)
+    now = config_to_dict(cfg).get("model", {})
+    for step in steps:
+        try:
+            with open(os.path.join(storage.step_dir(run_dir, step), storage.CONFIG)) as f:
+                saved = json.load(f).get("model", {})
+        except (OSError, ValueError, AttributeError):
+            continue  # damaged or missing: the engine skips it too (checkpoint_invalid)
+        diff = [f"model.{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
+                for k in storage.SHAPE_FIELDS if saved.get(k) != now.get(k)]
+        if diff:
+            return (f"the checkpoint step_{step} in {run_dir} was written for another model shape "
+                    f"({'; '.join(diff)}): restore those settings, or start fresh with train.resume=none or a new "
+                    f"run.dir")
+        return ""
+    return ""
+
+
 def resume_config(run_dir: str, now: Config, overrides: Sequence[str]) -> Config:
     """`now` for a new run directory; for an existing run, its saved config with `overrides` on top
-    (the resume and any reshard are announced on stderr)."""
+    (the resume and any reshard are announced on stderr). A config.json that cannot be read, names keys
+    this version does not know or holds a value of the wrong type exits 2 naming the file (it is never
+    replaced by the command line's defaults), and so does a model the checkpoint cannot take."""
+    path = os.path.join(run_dir, "config.json")
     try:
         saved = saved_config(run_dir)
     except (OSError, ValueError) as exc:
-        print(f"meshrun: {run_dir}/config.json cannot be read ({exc}); starting from the command line's "
-              f"configuration (fix or remove that file to resume the saved one)", file=sys.stderr)
-        return now
+        _refuse(f"{path} cannot be read ({exc}): restore it (a copy is in every checkpoint: "
+                f"{run_dir}/checkpoints/step_<N>/config.json) or choose another run.dir")
     if saved is None:
-        return now
+        if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+            return now
+        _refuse(f"{run_dir} has checkpoints but no config.json: restore it from the newest checkpoint "
+                f"(cp {run_dir}/checkpoints/step_<N>/config.json {path}) or choose another run.dir")
+    if not isinstance(saved, dict):
+        _refuse(f"{path} holds a JSON {type(saved).__name__}, not a configuration: restore it from "
+                f"{run_dir}/checkpoints/step_<N>/config.json or choose another run.dir")
     try:
         old = config_from_dict(saved)
         cfg, changed = merge_saved(saved, now, overrides)
-    except (KeyError, TypeError) as exc:
-        print(f"meshrun: {run_dir}/config.json was written by another meshrun version ({exc}); starting from "
-              f"the command line's configuration", file=sys.stderr)
-        return now
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        _refuse(f"{path} does not match this meshrun's configuration ({str(exc).strip(chr(39))}): fix or remove that "
+                f"key in the file (`meshrun action=keys` lists the keys), or choose another run.dir")
+    wrong = _type_problems(old)
+    if wrong:
+        _refuse(f"{path} holds values of the wrong type: {'; '.join(wrong[:5])}: fix them in the file (or "
+                f"restore it from {run_dir}/checkpoints/step_<N>/config.json)")
+    if now.action == "train":
+        conflict = checkpoint_conflict(run_dir, cfg)
+        if conflict:
+            _refuse(conflict)
     note = f"meshrun: resuming {run_dir} with its saved configuration"
     note += f"; changed now: {', '.join(changed)}" if changed else " (no changes)"
     print(note, file=sys.stderr)

@@ -11,6 +11,7 @@ import sys
 import yaml  # PyYAML, which OmegaConf itself depends on
 
 from training.config import Config, config_to_dict
+from training.run_files import write_atomic
 from training.secret_env import split_env, write_secrets
 
 
@@ -23,15 +24,10 @@ def write_config(cfg: Config, run_dir: str) -> None:
     write_secrets(run_dir, secret)
     cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, env=public))
     plain = config_to_dict(cfg)
-    path = os.path.join(run_dir, "config.json")
-    with open(path + ".tmp", "w") as f:
-        # json.dumps without indent: json's C encoder runs only for a one-shot dumps without one (json.dump
-        # to a file always encodes in Python); config.yaml is the copy for people.
-        f.write(json.dumps(plain, sort_keys=True))
-    os.replace(path + ".tmp", path)
-    with open(os.path.join(run_dir, "config.yaml.tmp"), "w") as f:
-        f.write(config_yaml(plain))
-    os.replace(os.path.join(run_dir, "config.yaml.tmp"), os.path.join(run_dir, "config.yaml"))
+    # json.dumps without indent: json's C encoder runs only for a one-shot dumps without one (json.dump
+    # to a file always encodes in Python); config.yaml is the copy for people. Never through a link.
+    write_atomic(os.path.join(run_dir, "config.json"), json.dumps(plain, sort_keys=True))
+    write_atomic(os.path.join(run_dir, "config.yaml"), config_yaml(plain))
 
 
 # Plain dicts, not OmegaConf.structured: that costs ~50 ms a call, which a 64-point sweep pays 64 times;
@@ -83,7 +79,7 @@ def claim_run_dir(run_dir: str, multirun: bool = False):
     from training.exit_codes import EXIT_INVALID
     from training.run_lock import RunLocked, acquire
 
-    problem = path_problem(run_dir)
+    problem = path_problem(run_dir) or foreign_problem(run_dir)
     if not problem:
         try:
             return acquire(run_dir, what="meshrun launcher", job_alive=job_alive), None
@@ -94,3 +90,38 @@ def claim_run_dir(run_dir: str, multirun: bool = False):
         return None, {"status": "invalid", "errors": [f"error: {problem}"], "warnings": []}
     print(f"meshrun: {problem}", file=sys.stderr)
     raise SystemExit(EXIT_INVALID)
+
+
+# Files only meshrun writes: a directory holding one of them is a run directory (a copy of one included).
+_RUN_MARKERS = (".meshrun.lock", "events.jsonl", "plan.json", "checkpoints")
+
+
+def foreign_problem(run_dir: str) -> str:
+    """"" for a new, empty or meshrun run directory; else why a launch must not write there: a directory
+    meshrun did not create (a model download, a project folder) would lose its own config.json, and a
+    symbolic link among the files meshrun writes would send a write outside run.dir (training/run_files.py)."""
+    from training.run_files import links_in
+
+    if os.path.islink(run_dir):
+        return (f"run.dir={run_dir} is a symbolic link: meshrun writes a run only into a real directory. Give the "
+                f"link's target (realpath) as run.dir, or choose another run.dir")
+    if not os.path.isdir(run_dir):
+        return "" if not os.path.exists(run_dir) else f"run.dir={run_dir} exists and is not a directory; choose another"
+    try:
+        names = sorted(os.listdir(run_dir))
+    except OSError as exc:
+        return f"run.dir={run_dir} cannot be listed ({exc.strerror}); fix its permissions or choose another run.dir"
+    if names and not any(m in names for m in _RUN_MARKERS):
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        return (f"run.dir={run_dir} is an existing directory meshrun did not create (it holds {shown} and none of "
+                f"{', '.join(_RUN_MARKERS)}): a launch there would overwrite its files (config.json, plan.json). "
+                f"Choose a new or empty run.dir; nothing was written")
+    links = links_in(run_dir)
+    if links:
+        return (f"run.dir={run_dir} holds symbolic links where meshrun writes ({', '.join(links[:5])}): a write "
+                f"would land outside run.dir. Remove them (and check who could create them), or choose another run.dir; "
+                f"nothing was written")
+    if not os.access(run_dir, os.W_OK):
+        return (f"run.dir={run_dir} is not writable by you: make it writable (chmod u+w {run_dir}) or choose "
+                f"another run.dir; nothing was written")
+    return ""

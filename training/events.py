@@ -46,11 +46,9 @@ def append_event(run_dir: str, event: str, **fields: Any) -> Dict[str, Any]:
     record.update(fields)
     os.makedirs(run_dir, exist_ok=True)
     line = json.dumps(record, sort_keys=True, default=str) + "\n"
-    fd = os.open(os.path.join(run_dir, EVENTS_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # the umask decides
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+    from training.run_files import append_bytes  # never through a link (training/run_files.py)
+
+    append_bytes(os.path.join(run_dir, EVENTS_FILE), line.encode())  # the umask decides the mode
     return record
 
 

@@ -475,6 +475,7 @@ class Trainer:
             print("peak memory per rank (MiB): " + ", ".join(f"{b / 2**20:.0f}" for b in per_rank), file=sys.stderr)
             print(f"rank 0 model states (bytes): weights {mem['weights']}, grads {mem['grads']}, "
                   f"optimizer {mem['optimizer']}", file=sys.stderr)
-            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-                json.dump(asdict(s), f, indent=2)
+            from training.run_files import write_atomic  # never through a link (training/run_files.py)
+
+            write_atomic(os.path.join(self.run_dir, "summary.json"), json.dumps(asdict(s), indent=2))
         return s

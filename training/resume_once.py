@@ -22,10 +22,9 @@ def _path(run_dir: str) -> str:
 
 
 def _write(run_dir: str, data: Dict[str, Any]) -> None:
-    tmp = _path(run_dir) + f".tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, sort_keys=True)
-    os.replace(tmp, _path(run_dir))
+    from training.run_files import write_atomic  # never through a link (training/run_files.py)
+
+    write_atomic(_path(run_dir), json.dumps(data, sort_keys=True))
 
 
 def read_request(run_dir: str) -> Optional[Dict[str, Any]]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
 from training.events import append_event
+from training.run_files import open_rw
 
 LOCK_FILE = ".meshrun.lock"
 TOKEN_ENV = "MESHRUN_LOCK_TOKEN"
@@ -151,7 +152,7 @@ def acquire(run_dir: str, what: str = "meshrun", job_alive: Optional[JobAlive] =
     run_dir = os.path.abspath(run_dir)
     created = not os.path.isdir(run_dir)
     os.makedirs(run_dir, exist_ok=True)
-    fd = os.open(lock_path(run_dir), os.O_RDWR | os.O_CREAT, 0o666)
+    fd = open_rw(lock_path(run_dir))  # never through a link: a linked lock file's target would be truncated
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -187,7 +188,7 @@ def check_rank(run_dir: str, job_id: Optional[str], env: Optional[Dict[str, str]
         return None if str(holder.get("job_id")) == str(job_id) else _message(run_dir, holder)
     if not os.path.exists(lock_path(run_dir)):
         return None
-    fd = os.open(lock_path(run_dir), os.O_RDONLY)
+    fd = os.open(lock_path(run_dir), os.O_RDONLY | os.O_NOFOLLOW)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -205,7 +206,7 @@ _MANUAL_FDS: list = []
 # ---------------------------------------------------------------- Slurm: the job holds the run between attempts
 def _locked_fd(run_dir: str, wait_s: float = 10.0) -> Optional[int]:
     """The lock file, flocked for a short update (None when a local launcher holds it all along)."""
-    fd = os.open(lock_path(run_dir), os.O_RDWR | os.O_CREAT, 0o666)
+    fd = open_rw(lock_path(run_dir))
     deadline = time.time() + wait_s
     while True:
         try:

@@ -55,7 +55,7 @@ def write_secrets(run_dir: str, values: Mapping[str, str]) -> None:
     merged = {**read_secrets(run_dir), **{str(k): str(v) for k, v in values.items()}}
     path = os.path.join(run_dir, SECRETS_FILE)
     tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)  # never through a link
     try:
         os.fchmod(fd, 0o600)  # an existing temp file keeps its mode otherwise
         os.write(fd, json.dumps(merged, sort_keys=True).encode())

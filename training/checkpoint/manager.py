@@ -51,8 +51,7 @@ from training.optim import SCALARS
 from training.optim.model_parallel import TIED_EMBEDDING
 
 # Model fields that change a parameter's shape (or meaning): a checkpoint cannot load across them.
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "seq_length", "vocab_size", "norm", "activation", "position", "tie_embeddings", "bias")
+SHAPE_FIELDS = storage.SHAPE_FIELDS
 _STOP_CODES = {0: None, 1: "exit_interval", 2: "exit_after_min", 3: "SIGTERM", 4: "SIGUSR2"}
 
 warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*")

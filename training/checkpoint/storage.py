@@ -42,6 +42,10 @@ DCP_METADATA = ".metadata"
 ABANDONED = "abandoned"
 FRESH = "none"
 _STEP_RE = re.compile(r"^step_(\d+)$")
+# The model keys a checkpoint's tensors depend on: a resume with any of them changed cannot load it (the
+# engine checks them, training/checkpoint/manager.py, and so does the launcher before it writes anything).
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                "seq_length", "vocab_size", "norm", "activation", "position", "tie_embeddings", "bias")
 _TMP_PREFIX = ".tmp_step_"
 
 

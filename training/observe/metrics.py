@@ -46,12 +46,11 @@ def purge_after(run_dir: str, step: int) -> int:
         (moved if newer else keep).append(line)
     if not moved:
         return 0
-    with open(os.path.join(run_dir, PURGED_FILE), "a") as f:
+    from training.run_files import open_append, write_lines_atomic  # never through a link
+
+    with open_append(os.path.join(run_dir, PURGED_FILE)) as f:
         f.writelines(moved)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.writelines(keep)
-    os.replace(tmp, path)
+    write_lines_atomic(path, keep)
     return len(moved)
 
 
@@ -103,8 +102,9 @@ class MetricsLog:
         if not self.enabled:
             return row
         row = {**row, "time": time.time(), "attempt": self.attempt}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        from training.run_files import append_bytes  # never through a link (training/run_files.py)
+
+        append_bytes(self.path, (json.dumps(row) + "\n").encode())
         for sink in self.sinks:
             sink.write(row)
         return row
