@@ -11,7 +11,9 @@ launcher exits with that rank's code; events started / completed / failed / stop
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +29,7 @@ from training.run_files import open_append
 from launcher.status import job_alive
 from training.config import Config, derived_dp
 from training.events import append_event, read_events
-from training.exit_codes import EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED
+from training.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED
 from training.resume_once import write_request
 from training.run_lock import TOKEN_ENV, RunLock, acquire, held
 from training.slurm_env import dist_env
@@ -93,28 +95,41 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
                 env["MESHRUN_NUMA_NODE"] = str(binding[r][1])
             # Each rank inherits the locked file: the run directory stays locked while any rank lives, even
             # if this launcher is killed (training/run_lock.py).
+            env[LAUNCHER_PID_ENV] = str(os.getpid())
+            # A session of its own: Ctrl-C at the terminal reaches this launcher only, which stops the ranks
+            # through their own stop path (a checkpoint first) instead of a KeyboardInterrupt in each.
             argv = binding[r][0] + nsys_prefix(cfg, r, run_dir) + [sys.executable, "-m", "training.main", run_dir]
             proc = subprocess.Popen(argv, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(lock.fd,))
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(lock.fd,),
+                                    start_new_session=True)
             procs.append(proc)
             # Rank 0 also goes to this terminal (stderr: stdout stays for results).
             pumps.append(start_pump(proc.stdout, [log, sys.stderr.buffer] if r == 0 else [log]))
         failed: Optional[tuple] = None
-        while True:
-            codes = [proc.poll() for proc in procs]
-            bad = [(r, c) for r, c in enumerate(codes) if c is not None and c not in (EXIT_OK, EXIT_STOPPED)]
-            if bad:
-                failed = bad[0]
-                break
-            if all(c is not None for c in codes):
-                break
-            time.sleep(POLL_S)
+        stop = _StopRequest(procs, cfg.cancel.timeout_s)
+        with stop.installed():
+            while True:
+                stop.forward()
+                codes = [proc.poll() for proc in procs]
+                bad = [(r, c) for r, c in enumerate(codes) if c is not None and c not in (EXIT_OK, EXIT_STOPPED)]
+                if bad and not stop.name:
+                    failed = bad[0]
+                    break
+                if all(c is not None for c in codes):
+                    break
+                time.sleep(POLL_S)
+        if stop.name:
+            return _interrupted(run_dir, stop, procs, attempt)
         if failed is not None:
             stop_processes(procs)
             rank, code = failed
+            why = f"exited with {code}"
+            if code < 0:  # killed by a signal: Popen's -N, which would leave meshrun as 256 - N (outside the table)
+                why = f"was killed by {_signal_name(-code)}" + (" (out of memory? see dmesg)" if -code == 9 else "")
+                code = EXIT_FAILED
             append_event(run_dir, "failed", node=socket.gethostname(), rank=rank, exit_code=code,
-                         reason=f"rank {rank} exited with {code}; see {run_dir}/logs/rank_{rank}.log", attempt=attempt)
-            print(f"meshrun: rank {rank} exited with code {code}; stopped the other ranks "
+                         reason=f"rank {rank} {why}; see {run_dir}/logs/rank_{rank}.log", attempt=attempt)
+            print(f"meshrun: rank {rank} {why}; stopped the other ranks "
                   f"(log: {run_dir}/logs/rank_{rank}.log)", file=sys.stderr)
             return code
         codes = [proc.returncode for proc in procs]
@@ -136,6 +151,86 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
             t.join(timeout=2)
         for log in logs:
             log.close()
+
+
+LAUNCHER_PID_ENV = "MESHRUN_LAUNCHER_PID"
+"""Set in every rank a local launcher starts: its pid (a rank whose launcher dies stops, training/launcher_watch.py)."""
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+class _StopRequest:
+    """SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher: stop the ranks as action=cancel does (SIGUSR2, once
+    each rank has its handler: they agree on a step, save it and exit 3). A second signal, or ranks still
+    running after cancel.timeout_s, ends them at once (the last complete checkpoint stays)."""
+
+    def __init__(self, procs: List[subprocess.Popen], timeout_s: float):
+        self.procs, self.timeout_s = procs, timeout_s
+        self.name: Optional[str] = None
+        self.count = 0
+        self.since = 0.0
+        self.signalled: set = set()
+        self.forced = False
+
+    def _handler(self, signum, _frame) -> None:
+        self.count += 1
+        if self.name is None:
+            self.name, self.since = _signal_name(signum), time.time()
+            print(f"meshrun: {self.name}: stopping the ranks after a checkpoint (again to stop at once)",
+                  file=sys.stderr)
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signals reach the main thread only (a test harness, a sweep's worker)
+            return
+        previous = {sig: signal.signal(sig, self._handler) for sig in _STOP_SIGNALS}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def forward(self) -> None:
+        if self.name is None:
+            return
+        from launcher.slurm.rank_task import catches
+
+        if self.count > 1 or time.time() - self.since > self.timeout_s:
+            if not self.forced:
+                self.forced = True
+                stop_processes(self.procs)
+            return
+        for proc in self.procs:
+            if proc.pid not in self.signalled and proc.poll() is None and catches(proc.pid, signal.SIGUSR2):
+                try:
+                    os.kill(proc.pid, signal.SIGUSR2)
+                    self.signalled.add(proc.pid)
+                except OSError:
+                    pass
+
+
+def _interrupted(run_dir: str, stop: _StopRequest, procs: List[subprocess.Popen], attempt: int) -> int:
+    """Record and say how an interrupted run ended (`cancelled`, as action=cancel) and how to resume it."""
+    from launcher.cancel import record_cancelled
+
+    stop_processes(procs)  # already ended: reaps them
+    saved = all(p.returncode == EXIT_STOPPED for p in procs) and not stop.forced
+    how = ("saved a checkpoint and stopped" if saved else
+           "stopped at once: the last complete checkpoint is kept, the steps after it are lost")
+    event = record_cancelled(run_dir, f"interrupted by {stop.name} to the local launcher: {how}",
+                             forced=not saved, attempt=attempt)
+    step = event.get("checkpoint_step")
+    print(f"meshrun: interrupted ({stop.name}): {how}"
+          f"{f' (checkpoint step_{step})' if step is not None else ''}. Resume with: meshrun run.dir={run_dir}",
+          file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def launch_local(cfg: Config, run_dir: str) -> Dict[str, Any]:

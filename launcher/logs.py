@@ -10,6 +10,7 @@ the run has ended.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -105,10 +106,28 @@ def show_logs(run_dir: str, rank: int = 0, follow: bool = False, poll_s: float =
     return shown
 
 
+def _world_size(run_dir: str) -> int:
+    """The newest attempt's rank count (its `started` event), else config.json's; 0 when neither says."""
+    for ev in reversed(read_events(run_dir)):
+        if ev.get("event") == "started" and isinstance(ev.get("world_size"), int):
+            return ev["world_size"]
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            cluster = json.load(f)["cluster"]
+        return int(cluster["nodes"]) * int(cluster["gpus_per_node"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def run_logs(cfg, run_dir: str) -> List[str]:
     """The app's action=logs."""
     if cfg.logs.rank < 0:
         print(f"error: logs.rank={cfg.logs.rank} must be a global rank (0, 1, ...)", file=sys.stderr)
+        raise SystemExit(EXIT_INVALID)
+    world = _world_size(run_dir)
+    if world and cfg.logs.rank >= world:
+        print(f"error: logs.rank={cfg.logs.rank}: the run in {run_dir} has {world} ranks; give one of 0..{world - 1}",
+              file=sys.stderr)
         raise SystemExit(EXIT_INVALID)
     try:
         return show_logs(run_dir, cfg.logs.rank, cfg.logs.follow)

@@ -189,6 +189,8 @@ def run_status(run_dir: str, states: Optional[Dict[str, str]] = None,
         # A local run: the launcher's own events decide; the ranks' (checkpoint, signal, ...) come between.
         life = [ev for ev in events if ev.get("event") in ("started", "completed", "failed", "stopped")]
         state = {"started": "RUNNING", "failed": "FAILED"}.get(life[-1]["event"]) if life else None
+        if state == "FAILED":
+            reason = life[-1].get("reason")  # the launcher's own words: which rank, its code, its log
         if state == "RUNNING" and not _local_launcher_alive(life[-1]):
             state = "FAILED"
             reason = (f"the local launcher (pid {life[-1]['launcher_pid']}) ended without recording how; "

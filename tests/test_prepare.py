@@ -77,7 +77,7 @@ def test_a_large_file_is_streamed_in_pieces_as_one_document(tmp_path, monkeypatc
     small = tmp_path / "small.txt"
     small.write_text("tail document\n")
     for tokenizer in ("bytes", "bpe"):
-        lp.prepare(_pc(tmp_path, [big, small], tokenizer=tokenizer, vocab_size=400, workers=2))
+        lp.prepare(_pc(tmp_path, [big, small], tokenizer=tokenizer, vocab_size=400, workers=2, overwrite=True))
         got = mf.read(str(tmp_path / "out" / "ds"))
         tok = load_tokenizer(str(tmp_path / "out" / "ds"))
         assert len(got["sequences"]) == 2
@@ -95,7 +95,7 @@ def test_split_is_deterministic_by_document(tmp_path):
     b.write_text("".join(json.dumps({"text": d}) + "\n" for d in reversed(docs)))
     held = []
     for path, workers in ((a, 1), (b, 2)):
-        lp.prepare(_pc(tmp_path, [path], valid_fraction=0.2, workers=workers))
+        lp.prepare(_pc(tmp_path, [path], valid_fraction=0.2, workers=workers, overwrite=True))
         valid = mf.read(str(tmp_path / "out" / "ds.valid"))
         held.append(sorted(bytes(s[:-1].astype(np.uint8)).decode() for s in valid["sequences"]))
     assert held[0] == held[1]

@@ -490,6 +490,9 @@ class PrepareConfig:
     """bytes (UTF-8 bytes + end-of-document) | bpe (train a byte-level BPE on the inputs) | a tokenizer.json path."""
     vocab_size: int = 4096
     """tokenizer=bpe: vocabulary of the trained BPE (special tokens included)."""
+    overwrite: bool = False
+    """Replace an existing dataset at prepare.output (its .bin/.idx/.json and tokenizer). Off: an existing
+    output is refused (exit 2), since runs that trained on it would decode with the new tokenizer."""
     text_key: str = "text"
     """JSON Lines: the field that holds each document's text."""
     eod_token: str = ""

@@ -61,7 +61,9 @@ def read_events(run_dir: str) -> List[Dict[str, Any]]:
     with open(path) as f:
         for line in f:
             try:
-                out.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(record, dict):  # meshrun writes objects only: a list or number line is not an event
+                out.append(record)
     return out

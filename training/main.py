@@ -88,6 +88,9 @@ def main(argv=None) -> int:
         print("usage: python -m training.main RUN_DIR   (RUN_DIR holds config.json)", file=sys.stderr)
         return EXIT_INVALID
     run_dir = os.path.abspath(argv[0])
+    from training.launcher_watch import follow_launcher
+
+    follow_launcher()  # a local launcher's rank stops (after a checkpoint) when that launcher dies
     _env_from_slurm()
     _single_process_env()
 

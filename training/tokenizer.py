@@ -152,8 +152,17 @@ def dataset_tokenizer_spec(prefix: str) -> Optional[Tuple[str, str]]:
     return (tok["name"], "") if tok.get("name") else None
 
 
-def load_tokenizer(path_or_name: str, eod_token: str = "") -> Tokenizer:
-    """`bytes`, a tokenizer.json file, a directory holding one, or a dataset prefix (its NAME.json names it)."""
+def _recorded_sha256(prefix: str) -> Optional[str]:
+    try:
+        with open(description_path(prefix)) as f:
+            return ((json.load(f) or {}).get("tokenizer") or {}).get("sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def load_tokenizer(path_or_name: str, eod_token: str = "", _via: Optional[str] = None) -> Tokenizer:
+    """`bytes`, a tokenizer.json file, a directory holding one, or a dataset prefix (its NAME.json names it;
+    the tokenizer file must have the sha256 the description recorded)."""
     spec = str(path_or_name)
     if spec == BYTES:
         return ByteTokenizer()
@@ -162,10 +171,21 @@ def load_tokenizer(path_or_name: str, eod_token: str = "") -> Tokenizer:
     if os.path.isfile(spec) and not spec.endswith((".bin", ".idx")):
         return HFTokenizer(spec, eod_token)
     if os.path.isfile(description_path(spec)):
+        if _via is not None:  # a description naming a dataset (itself, or another one) as its tokenizer
+            raise TokenizerError(f"{description_path(_via)} names {spec!r} as its tokenizer, which is a dataset, not "
+                                 f"a tokenizer file; prepare the dataset again (action=prepare) or restore its "
+                                 f"tokenizer.json")
         inner = dataset_tokenizer_spec(spec)
         if inner is None:
             raise TokenizerError(f"{description_path(spec)}: names no tokenizer (a dataset meshrun did not prepare); "
                                  f"give the tokenizer file itself")
-        return load_tokenizer(inner[0], eod_token or inner[1])
+        tok = load_tokenizer(inner[0], eod_token or inner[1], _via=spec)
+        recorded = _recorded_sha256(spec)
+        actual = tok.describe().get("sha256")
+        if recorded and actual and recorded != actual:
+            raise TokenizerError(f"{inner[0]} is not the tokenizer {description_path(spec)} was prepared with "
+                                 f"(sha256 {actual[:12]}..., recorded {recorded[:12]}...): its token ids would "
+                                 f"decode to other text. Restore that tokenizer file, or prepare the dataset again")
+        return tok
     raise TokenizerError(f"{spec!r}: no such tokenizer file, directory with tokenizer.json, or dataset prefix "
                          f"(nothing is downloaded); give `bytes`, a path to a tokenizer.json, or a prepared dataset")

@@ -148,6 +148,9 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
     for key, value in _non_finite(cfg):
         out.append(Issue("error", key, f"must be a finite number, got {value}",
                          f"{key}=<a finite number> (NaN and infinity poison every step that uses them)", "finite"))
+    from launcher.plan.trust import trust_problems  # reserved cluster.env names, profile window
+
+    out += [Issue("error", key, message, fix, "trust") for key, message, fix in trust_problems(cfg)]
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:

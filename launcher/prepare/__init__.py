@@ -94,6 +94,12 @@ def _tokenizer(pc: PrepareConfig, inputs: Inputs, tmp_json: str) -> Tokenizer:
 def _check(pc: PrepareConfig) -> None:
     if not pc.output:
         raise DataError("prepare.output is empty; give the dataset prefix, e.g. prepare.output=data/corpus")
+    existing = [pc.output + s for s in (".json", ".bin", ".idx", ".tokenizer.json", ".valid.json")
+                if os.path.lexists(pc.output + s)]
+    if existing and not pc.overwrite:
+        raise DataError(f"prepare.output={pc.output} already holds a dataset ({', '.join(existing)}): runs that "
+                        f"trained on it would generate and export with the new tokenizer. Choose another "
+                        f"prepare.output, or replace it with prepare.overwrite=true")
     if not 0.0 <= pc.valid_fraction < 1.0:
         raise DataError(f"prepare.valid_fraction={pc.valid_fraction} must be in [0, 1); e.g. 0.01")
     if pc.workers < 0:

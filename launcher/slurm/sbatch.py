@@ -48,6 +48,16 @@ _RESERVED = {"nodes", "ntasks-per-node", "signal", "requeue", "no-requeue", "out
              "exclusive", "mem", "container-image", "container-mounts"}
 
 
+def reserved_option(key: str) -> str:
+    """The reserved option `key` names, or "": sbatch takes any unique prefix of a long option (--arr is
+    --array, --err is --error), and an ambiguous one is refused by sbatch anyway, so a key that begins a
+    reserved option's name is refused as that option."""
+    if key in _RESERVED:
+        return key
+    hits = sorted(name for name in _RESERVED if name.startswith(key))
+    return hits[0] if hits else ""
+
+
 class SlurmConfigError(ValueError):
     """A cluster setting that cannot be turned into a safe sbatch script."""
 
@@ -69,6 +79,9 @@ def validate_for_slurm(cfg: Config) -> List[str]:
                           f"(e.g. constraint, mem)")
         elif str(key) in _RESERVED:
             errors.append(f"cluster.sbatch_extra.{key} is set by meshrun itself: use the cluster.* key instead")
+        elif reserved_option(str(key)):
+            errors.append(f"cluster.sbatch_extra.{key} abbreviates --{reserved_option(str(key))} (sbatch takes any "
+                          f"unique prefix of an option), which is set by meshrun itself: use the cluster.* key instead")
         if not _SBATCH_VALUE.fullmatch(str(value)):
             errors.append(f"cluster.sbatch_extra.{key}={value!r} contains shell or space characters: "
                           f"sbatch option values must be plain words")

@@ -1,0 +1,222 @@
+"""Trust round two, run directory side (issue 22): config.json is never overwritten by a mistake, no write
+inside run.dir follows a symbolic link, cluster.env cannot set meshrun's own variables, sbatch options are
+reserved by prefix as sbatch reads them, and action=prepare never replaces a dataset silently.
+
+One tiny local training run (module fixture) gives a real run directory with a checkpoint; every case works
+on a copy of it. The launches that must be refused exit 2 before any rank starts, so they run side by side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
+if not os.path.exists(PYTHON):
+    PYTHON = sys.executable
+TINY = ["data=synthetic", "parallel=single", "cluster=local", "cluster.gpus_per_node=1", "model.num_layers=2",
+        "model.seq_length=32", "parallel.global_batch=2", "parallel.micro_batch=1", "cluster.peak_tflops=1",
+        "train.tensorboard=false"]
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=ROOT)
+
+
+def meshrun(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "launcher", *args], cwd=str(cwd), env=_env(), capture_output=True,
+                          text=True, timeout=600)
+
+
+def meshrun_many(cases, cwd):
+    """Start every launch at once (each exits 2 before any rank starts), then collect them in order."""
+    procs = [subprocess.Popen([PYTHON, "-m", "launcher", *args], cwd=str(cwd), env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in cases]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=600)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def _sha(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    base = tmp_path_factory.mktemp("trained")
+    run = base / "run"
+    p = meshrun(f"run.dir={run}", *TINY, "train.steps=2", cwd=base)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (run / "checkpoints" / "step_2").is_dir()
+    return run
+
+
+def _copy(trained, tmp_path, name: str):
+    dest = tmp_path / name
+    shutil.copytree(trained, dest, symlinks=True)
+    return dest
+
+
+def test_config_json_is_never_overwritten_by_a_mistake(trained, tmp_path):
+    """Each case leaves config.json byte for byte and the checkpoint's own config.json intact."""
+    runs = {name: _copy(trained, tmp_path, name) for name in
+            ("model", "plan", "typo", "truncated", "nonnumber", "list")}
+    with open(runs["typo"] / "config.json") as f:
+        cfg = json.load(f)
+    cfg["train"]["stepz"] = 5  # a hand-added misspelt key
+    (runs["typo"] / "config.json").write_text(json.dumps(cfg))
+    text = (runs["truncated"] / "config.json").read_text()
+    (runs["truncated"] / "config.json").write_text(text[: len(text) // 2])
+    cfg["train"].pop("stepz")
+    cfg["model"]["hidden_size"] = "sixty-four"
+    (runs["nonnumber"] / "config.json").write_text(json.dumps(cfg))
+    (runs["list"] / "config.json").write_text("[1, 2]")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}\n')
+    before = {name: _sha(run / "config.json") for name, run in runs.items()}
+    ckpt_cfg = {name: _sha(run / "checkpoints" / "step_2" / "config.json") for name, run in runs.items()}
+    plan_before = _sha(runs["plan"] / "plan.json")
+    results = meshrun_many([
+        [f"run.dir={runs['model']}", "model.num_layers=3"],
+        [f"run.dir={runs['plan']}", "action=plan", "model.num_layers=3"],
+        [f"run.dir={runs['typo']}"],
+        [f"run.dir={runs['truncated']}"],
+        [f"run.dir={runs['nonnumber']}"],
+        [f"run.dir={runs['list']}"],
+        [f"run.dir={foreign}", *TINY],
+    ], cwd=tmp_path)
+    model, plan, typo, truncated, nonnumber, as_list, foreign_run = results
+    assert model.returncode == 2 and "model.num_layers: checkpoint 2, now 3" in model.stderr, model.stderr
+    assert "train.resume=none" in model.stderr
+    assert plan.returncode == 0 and "is an existing run: this plan is shown only" in plan.stderr, plan.stderr
+    assert _sha(runs["plan"] / "plan.json") == plan_before
+    for res, what in ((typo, "stepz"), (truncated, "cannot be read"), (nonnumber, "model.hidden_size='sixty-four'"),
+                      (as_list, "holds a JSON list")):
+        assert res.returncode == 2, (what, res.stderr)
+        assert what in res.stderr and "config.json" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert foreign_run.returncode == 2 and "meshrun did not create" in foreign_run.stderr, foreign_run.stderr
+    assert (foreign / "config.json").read_text() == '{"architectures": ["GPT2LMHeadModel"]}\n'
+    assert sorted(os.listdir(foreign)) == ["config.json"]
+    for name, run in runs.items():
+        if name not in ("typo", "truncated", "nonnumber", "list"):
+            assert _sha(run / "config.json") == before[name], name
+        assert _sha(run / "checkpoints" / "step_2" / "config.json") == ckpt_cfg[name], name
+        assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
+    for name in ("typo", "truncated", "nonnumber", "list"):
+        assert _sha(runs[name] / "config.json") == before[name], name  # the damaged file is left for the user
+    # The run itself was not harmed: a plain relaunch afterwards still says "no changes".
+    again = meshrun(f"run.dir={runs['model']}", "action=plan", cwd=tmp_path)
+    assert again.returncode == 0 and "(no changes)" in again.stderr, again.stderr
+
+
+def test_writes_never_follow_symlinks_out_of_run_dir(trained, tmp_path):
+    """Launches on a run with planted links exit 2 and leave every target unchanged; the writers themselves
+    (events, metrics, logs, summary/plan/config, the lock) refuse a link without the launcher's check."""
+    run = _copy(trained, tmp_path, "linked")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    names = ["events.jsonl", "metrics.jsonl", "summary.json", "plan.json", ".meshrun.lock", "logs/rank_0.log"]
+    for name in names:
+        target = outside / name.replace("/", "_")
+        target.write_text(f"precious {name}\n")
+        os.unlink(run / name)
+        os.symlink(target, run / name)
+    snapshot = {p.name: p.read_text() for p in outside.iterdir()}
+    train, plan = meshrun_many([[f"run.dir={run}", "train.steps=3"], [f"run.dir={run}", "action=plan"]], tmp_path)
+    for res in (train, plan):
+        assert res.returncode == 2 and "symbolic links" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert {p.name: p.read_text() for p in outside.iterdir()} == snapshot
+
+    # The one writer, without the launcher's check (what a rank or any later write goes through).
+    from training.events import append_event
+    from training.run_files import LinkRefused, append_bytes, open_append, write_atomic
+    from training.run_lock import acquire
+
+    with pytest.raises(LinkRefused, match="symbolic link"):
+        append_event(str(run), "probe")
+    with pytest.raises(LinkRefused):
+        append_bytes(str(run / "metrics.jsonl"), b"{}\n")
+    with pytest.raises(LinkRefused):
+        open_append(str(run / "logs" / "rank_0.log"), binary=True)
+    with pytest.raises(LinkRefused):
+        acquire(str(run))
+    write_atomic(str(run / "summary.json"), "{}")  # replaces the link itself, never its target
+    assert not os.path.islink(run / "summary.json") and (run / "summary.json").read_text() == "{}"
+    os.rename(run / "logs", run / "logs.real")
+    os.symlink(outside, run / "logs")  # a linked directory below run.dir
+    with pytest.raises(LinkRefused):
+        open_append(str(run / "logs" / "rank_1.log"))
+    assert not (outside / "rank_1.log").exists()
+    assert {p.name: p.read_text() for p in outside.iterdir()} == snapshot
+
+
+def test_reserved_env_names_and_sbatch_prefixes_are_refused(tmp_path):
+    runs = [tmp_path / f"r{i}" for i in range(3)]
+    cases = [
+        ["action=plan", f"run.dir={runs[0]}", "+cluster.env.PYTHONPATH=/tmp/x", "+cluster.env.MESHRUN_RUN_DIR=/tmp/y",
+         "+cluster.env.PYTHONSAFEPATH=0", "+cluster.env.MY_FLAG=1"],
+        ["action=plan", f"run.dir={runs[1]}", "cluster=slurm_dev", "+cluster.sbatch_extra.arr=0-3",
+         "+cluster.sbatch_extra.err=/tmp/e", "+cluster.sbatch_extra.constraint=fast"],
+        ["action=plan", f"run.dir={runs[2]}", "train.profile_steps=[5,2]"],
+    ]
+    env, sbatch, profile = meshrun_many(cases, tmp_path)
+    assert env.returncode == 2, env.stderr
+    for name in ("PYTHONPATH", "MESHRUN_RUN_DIR", "PYTHONSAFEPATH"):
+        assert f"cluster.env.{name}" in env.stderr, env.stderr
+    assert "MY_FLAG" not in env.stderr
+    assert sbatch.returncode == 2, sbatch.stderr
+    assert "sbatch_extra.arr abbreviates --array" in sbatch.stderr, sbatch.stderr
+    assert "sbatch_extra.err abbreviates --error" in sbatch.stderr
+    assert "constraint" not in sbatch.stderr.split("sbatch_extra.err")[1].split("\n")[0]
+    assert profile.returncode == 2 and "train.profile_steps" in profile.stderr, profile.stderr
+    assert not any((run / "config.json").exists() for run in runs)
+    from launcher.slurm.sbatch import reserved_option
+
+    assert [reserved_option(k) for k in ("arr", "err", "ti", "nod", "constraint", "mem-per-gpu", "gres")] == \
+        ["array", "error", "time", "nodes", "", "", ""]
+
+
+def test_prepare_refuses_an_existing_dataset_and_the_tokenizer_sha_is_checked(tmp_path):
+    from launcher.prepare import prepare
+    from training.config import PrepareConfig
+    from training.data.sources import DataError
+    from training.tokenizer import TokenizerError, load_tokenizer
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"document {i} says hello world\n\n" for i in range(50)))
+    out = str(tmp_path / "data" / "ds")
+    pc = PrepareConfig(inputs=[str(corpus)], output=out, tokenizer="bpe", vocab_size=300, workers=1, progress=False)
+    prepare(pc)
+    files = {n: _sha(os.path.join(tmp_path, "data", n)) for n in os.listdir(tmp_path / "data")}
+    with pytest.raises(DataError, match="already holds a dataset.*prepare.overwrite=true"):
+        prepare(PrepareConfig(**{**pc.__dict__, "vocab_size": 280}))
+    assert {n: _sha(os.path.join(tmp_path, "data", n)) for n in os.listdir(tmp_path / "data")} == files
+    prepare(PrepareConfig(**{**pc.__dict__, "vocab_size": 280, "overwrite": True}))
+    assert load_tokenizer(out).vocab_size == 280
+    # A tokenizer file replaced behind the description's back is refused wherever it is read by prefix.
+    with open(out + ".tokenizer.json") as f:
+        tok = json.load(f)
+    tok["added_tokens"][0]["content"] = "<|other|>"
+    with open(out + ".tokenizer.json", "w") as f:
+        json.dump(tok, f)
+    with pytest.raises(TokenizerError, match="is not the tokenizer .* was prepared with"):
+        load_tokenizer(out)
+    # A description naming its own dataset as the tokenizer: an error, not a RecursionError.
+    with open(out + ".json") as f:
+        desc = json.load(f)
+    desc["tokenizer"] = {"name": out}
+    with open(out + ".json", "w") as f:
+        json.dump(desc, f)
+    with pytest.raises(TokenizerError, match="which is a dataset, not a tokenizer file"):
+        load_tokenizer(out)
