@@ -220,3 +220,92 @@ def test_prepare_refuses_an_existing_dataset_and_the_tokenizer_sha_is_checked(tm
         json.dump(desc, f)
     with pytest.raises(TokenizerError, match="which is a dataset, not a tokenizer file"):
         load_tokenizer(out)
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    import time
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _last_step(run) -> int:
+    try:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return 0
+    return max((int(r.get("step", 0)) for r in rows), default=0)
+
+
+def _training_rank(launcher: subprocess.Popen, run, after_step: int):
+    """The launcher's rank once it trains past after_step and catches the stop signal."""
+    import signal as sig
+
+    from launcher.cancel import _children
+    from launcher.slurm.rank_task import catches
+
+    def ready():
+        kids = [pid for pid in _children(launcher.pid) if catches(pid, sig.SIGUSR2)]
+        return kids[0] if kids and _last_step(run) > after_step else None
+
+    return _wait_for(ready, 240, "the rank to train a step")
+
+
+def _status(run, cwd):
+    return json.loads(meshrun("action=status", f"run.dir={run}", cwd=cwd).stdout)
+
+
+def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
+    """SIGINT to a local launcher saves and stops like action=cancel and says how to resume; a rank killed with
+    SIGKILL is exit 1 (in the table) with the reason in status; after SIGKILL of the launcher its ranks save and
+    stop, and a relaunch takes the lock over; logs.rank beyond the world size is exit 2."""
+    import signal as sig
+
+    run = _copy(trained, tmp_path, "signals")
+
+    def launch():
+        return subprocess.Popen([PYTHON, "-m", "launcher", f"run.dir={run}", "train.steps=500"], cwd=str(tmp_path),
+                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    # 1. Ctrl-C: a checkpoint of the step just trained, `cancelled`, the resume command, no traceback.
+    first = launch()
+    _training_rank(first, run, 2)
+    first.send_signal(sig.SIGINT)
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 130, err[-3000:]
+    latest = int((run / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert latest > 2 and f"checkpoint step_{latest}" in err and f"Resume with: meshrun run.dir={run}" in err, err
+    assert "Traceback" not in err and "Traceback" not in (run / "logs" / "rank_0.log").read_text()
+    status = _status(run, tmp_path)
+    assert status["state"] == "CANCELLED" and "interrupted by SIGINT" in status["reason"], status
+
+    # 2. A rank killed with SIGKILL: exit 1 (not 247), the reason in the event and in status.
+    second = launch()
+    pid = _training_rank(second, run, latest)
+    os.kill(pid, sig.SIGKILL)
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 1 and "rank 0 was killed by SIGKILL" in err, (second.returncode, err[-2000:])
+    status = _status(run, tmp_path)
+    assert status["state"] == "FAILED" and "killed by SIGKILL" in status["reason"], status
+
+    # 3. The launcher killed with SIGKILL: its rank saves and stops; a relaunch takes the dead holder over.
+    third = launch()
+    _training_rank(third, run, _last_step(run))
+    before = (run / "checkpoints" / "latest").read_text()
+    third.kill()
+    third.communicate(timeout=60)
+    plan = _wait_for(lambda: (lambda p: p if p.returncode == 0 else None)(
+        meshrun("action=plan", f"run.dir={run}", cwd=tmp_path)), 120, "the relaunch to take the run over")
+    assert "is an existing run" in plan.stderr
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert any(ev["event"] == "lock_taken_over" and "its process is gone" in ev["reason"] for ev in events)
+    assert events[-2]["event"] == "checkpoint" and events[-2]["reason"] == "SIGTERM"
+    assert (run / "checkpoints" / "latest").read_text() != before
+
+    logs = meshrun("action=logs", f"run.dir={run}", "logs.rank=1", cwd=tmp_path)
+    assert logs.returncode == 2 and "has 1 ranks" in logs.stderr, logs.stderr
