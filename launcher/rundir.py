@@ -85,6 +85,9 @@ def claim_run_dir(run_dir: str, multirun: bool = False):
             return acquire(run_dir, what="meshrun launcher", job_alive=job_alive), None
         except RunLocked as exc:
             problem = str(exc)
+        except OSError as exc:  # a read-only or foreign file system, a link planted since the check above
+            problem = (f"run.dir={run_dir} cannot be written ({exc.strerror or exc}): make it writable or choose "
+                       f"another run.dir; nothing was written")
     if multirun:
         print(f"[invalid] {problem}", file=sys.stderr)
         return None, {"status": "invalid", "errors": [f"error: {problem}"], "warnings": []}

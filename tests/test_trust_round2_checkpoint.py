@@ -110,3 +110,73 @@ def test_save_on_full_disk_names_enospc_and_keeps_previous(full_disk):
     assert ("ENOSPC" in msg or "No space left" in msg) and "free space under run.dir" in msg, msg
     assert not [n for n in os.listdir(storage.checkpoints_dir(run)) if n.startswith(".tmp_step_")]
     assert os.strerror(errno.ENOSPC) in msg or "ENOSPC" in msg
+
+
+# ---- the unclear list: each a clear error instead of a traceback ------------------------------------------
+def _safetensors(path, header: dict, data: bytes) -> None:
+    import json
+    import struct
+
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def test_malformed_overlapping_and_unknown_dtype_safetensors_are_hferrors(tmp_path):
+    from safetensors.torch import save_file
+
+    from training.hf.hf_config import HFError
+    from training.hf.safetensors_index import read_header
+
+    good = tmp_path / "good.safetensors"
+    save_file({"a": torch.zeros(2, 3), "b": torch.ones(4)}, str(good))
+    assert set(read_header(str(good))) == {"a", "b"}  # a real file passes
+    cases = {
+        "overlap": ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                     "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, "overlap"),
+        "dtype": ({"a": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}, "does not define"),
+        "malformed": ({"a": {"dtype": "F32", "shape": "four", "data_offsets": [0, 16]}}, "malformed"),
+        "offsets": ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0]}}, "malformed"),
+        "size": ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}, "claims bytes 0..12"),
+        "list": ([1, 2], "not a JSON object"),
+    }
+    for name, (header, expect) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        _safetensors(path, header, b"\0" * 32)
+        with pytest.raises(HFError, match=expect):
+            read_header(str(path))
+
+
+def test_exported_weights_follow_the_umask_and_a_dangling_output_link_is_refused(tmp_path):
+    from training.hf.export import export, write_weights
+    from training.hf.hf_config import HFError
+
+    old = os.umask(0o022)
+    try:
+        write_weights({"w": torch.zeros(4)}, str(tmp_path), 1 << 20)
+        assert os.stat(tmp_path / "model.safetensors").st_mode & 0o777 == 0o644
+        os.umask(0o077)
+        (tmp_path / "b").mkdir()
+        write_weights({"w": torch.zeros(4)}, str(tmp_path / "b"), 1 << 20)
+        assert os.stat(tmp_path / "b" / "model.safetensors").st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)
+    link = tmp_path / "hf_out"
+    os.symlink(tmp_path / "nowhere", link)
+    with pytest.raises(HFError, match="is a symbolic link to nothing"):
+        export(str(tmp_path / "run"), str(link))
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_events_list_line_is_skipped_and_a_failed_local_run_shows_its_reason(tmp_path):
+    from launcher.status import run_status
+    from training.events import append_event, read_events
+
+    run = str(tmp_path / "run")
+    append_event(run, "started", launcher_pid=os.getpid(), world_size=1, attempt=0)
+    with open(os.path.join(run, "events.jsonl"), "a") as f:
+        f.write("[1, 2]\n7\n")
+    append_event(run, "failed", rank=0, exit_code=1, reason="rank 0 was killed by SIGKILL; see logs/rank_0.log")
+    assert [ev["event"] for ev in read_events(run)] == ["started", "failed"]
+    status = run_status(run)
+    assert status["state"] == "FAILED" and status["reason"].startswith("rank 0 was killed by SIGKILL"), status

@@ -37,9 +37,21 @@ def shard_plan(sizes: List[Tuple[str, int]], max_bytes: int) -> List[List[str]]:
     return files
 
 
+def _umask_mode() -> int:
+    """0666 less this process's umask: the mode every other file of a run gets."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_weights(tensors: Dict[str, Any], directory: str, max_bytes: int) -> List[str]:
-    """model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json; returns the files."""
-    from safetensors.torch import save_file
+    """model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json; returns the files.
+    safetensors creates its files 0600: they get the umask's mode, as every other file meshrun writes."""
+    from safetensors.torch import save_file as _save_file
+
+    def save_file(part, path, metadata):
+        _save_file(part, path, metadata=metadata)
+        os.chmod(path, _umask_mode())
 
     from training.hf.safetensors_index import INDEX, SINGLE
 
@@ -72,6 +84,11 @@ def export(run_dir: str, output: str, step=None, dtype: str = "auto", max_shard_
     if not output:
         raise HFError("export.output is not set: give the directory to write, export.output=DIR")
     output = os.path.abspath(output)
+    for path in (output, os.path.dirname(output)):
+        if os.path.islink(path) and (path == output or not os.path.exists(path)):
+            raise HFError(f"export.output={output}: {path} is a symbolic link"
+                          f"{'' if os.path.exists(path) else ' to nothing'}; meshrun writes an export only to a new "
+                          f"directory: choose a new export.output (or remove the link)")
     if os.path.exists(output):
         raise HFError(f"export.output={output} already exists: meshrun never writes over a directory; choose a new "
                       f"export.output (or remove that one)")

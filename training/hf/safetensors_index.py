@@ -36,6 +36,42 @@ class TensorEntry:
     """Its name in the file (with or without the class prefix, see names.hf_name)."""
 
 
+# Bytes per element of the safetensors dtypes (its format's list); weights are read only from the float ones.
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+               "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
+WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def _check_entries(path: str, header: Dict[str, dict]) -> None:
+    """Every entry well formed (a known dtype, a shape, offsets that hold exactly its bytes) and no two
+    entries' byte ranges overlapping: a crafted or damaged header is an HFError naming the file, never a
+    traceback or two tensors read from the same bytes."""
+    ranges = []
+    for key, meta in header.items():
+        try:
+            dtype, shape, (begin, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in [*shape, begin, end]):
+                raise ValueError("negative or non-integer sizes")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HFError(f"{path}: the header entry of {key!r} is malformed ({exc}); the file is damaged or not "
+                          f"safetensors: download it again") from None
+        if dtype not in DTYPE_BYTES:
+            raise HFError(f"{path}: {key!r} has dtype {dtype!r}, which safetensors does not define; download the "
+                          f"file again")
+        count = 1
+        for dim in shape:
+            count *= dim
+        if end - begin != count * DTYPE_BYTES[dtype]:
+            raise HFError(f"{path}: {key!r} claims bytes {begin}..{end} for {count} {dtype} values "
+                          f"({count * DTYPE_BYTES[dtype]} bytes); the header is damaged: download the file again")
+        ranges.append((begin, end, key))
+    ranges.sort()
+    for (b0, e0, k0), (b1, e1, k1) in zip(ranges, ranges[1:]):
+        if b1 < e0:
+            raise HFError(f"{path}: {k0!r} and {k1!r} overlap (bytes {b0}..{e0} and {b1}..{e1}); the header is "
+                          f"damaged or crafted: download the file again")
+
+
 def read_header(path: str) -> Dict[str, dict]:
     """The JSON header of a safetensors file (without `__metadata__`)."""
     try:
@@ -50,7 +86,10 @@ def read_header(path: str) -> Dict[str, dict]:
             size = os.fstat(f.fileno()).st_size
     except (OSError, ValueError) as exc:
         raise HFError(f"{path} is not a readable safetensors file ({exc}); download it again") from exc
+    if not isinstance(header, dict):
+        raise HFError(f"{path} has a header that is not a JSON object; it is not a safetensors file: download it again")
     header.pop("__metadata__", None)
+    _check_entries(path, header)
     end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
     if 8 + n + end > size:
         raise HFError(f"{path} is truncated ({size} bytes, its header needs {8 + n + end}); download it again")
@@ -104,6 +143,9 @@ def check_tensors(directory: str, mc, family: str) -> Dict[str, TensorEntry]:
             problems.append(f"{name} is missing")
             continue
         entry = tensors[key]
+        if entry.dtype not in WEIGHT_DTYPES:
+            problems.append(f"{os.path.basename(entry.file)}: {key} is {entry.dtype}, not a floating-point weight "
+                            f"({', '.join(WEIGHT_DTYPES)})")
         if entry.shape != tuple(shape):
             problems.append(f"{os.path.basename(entry.file)}: {key} has shape {list(entry.shape)}, "
                             f"config.json implies {list(shape)}")
