@@ -88,6 +88,10 @@ def test_logs_then_cancel_saves_a_complete_checkpoint_and_never_requeues(tmp_pat
     final = json.loads(meshrun("action=status", f"run.dir={run}").stdout)
     assert final["state"] == "CANCELLED" and final["eta_s"] is None
     assert "SIGUSR2 received" in followed
+    # Slurm's accounting agrees that nothing failed (it said FAILED 3:0 beside meshrun's CANCELLED).
+    acct = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State,ExitCode"], capture_output=True,
+                          text=True, timeout=60).stdout.split()
+    assert acct and acct[0] == "COMPLETED|0:0", acct
 
 
 def test_a_sweeps_status_asks_slurm_once_for_all_its_points(tmp_path, cluster):

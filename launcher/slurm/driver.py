@@ -9,7 +9,8 @@ epilogue (after srun): reads every rank's record and acts (launcher/slurm/requeu
   without a new checkpoint, or a failed save, costs one of cluster.max_retries);
   a failure -> `failed` (node, rank, exit code), then a new job excluding the failing node, up to
   cluster.max_retries -> then `stopped`; EXIT_INVALID or the same error on every rank at step 0 -> `stopped`.
-The epilogue's own status is EXIT_OK only when the run completed (training/exit_codes.py); when the run ends
+The epilogue's own status is EXIT_OK only when the run completed or was cancelled as asked (a recorded
+`cancelled`: Slurm's accounting then agrees that nothing failed) (training/exit_codes.py); when the run ends
 (completed, stopped) it releases the run directory's lock, and a resubmission hands the lock to the new job.
 """
 
@@ -30,7 +31,7 @@ from launcher.procs import PROJECT_ROOT
 from launcher.status import excluded_nodes, job_alive, last_step, retries_used
 from training.config import load_config
 from training.events import append_event, read_events
-from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_STOPPED
+from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from training.run_lock import claim_for_job, release_job, set_job_holder
 from training.slurm_env import SlurmUnavailable, hostnames, port_from_job, slurm_command, slurm_job_id
 
@@ -57,7 +58,8 @@ def prologue(run_dir: str) -> int:
         release_job(run_dir, job_id())
         print("meshrun prologue: the run was cancelled (meshrun action=cancel); this attempt does not start",
               file=sys.stderr)
-        return EXIT_STOPPED
+        print("exit 0")  # evaluated by the batch script: ends before srun, and Slurm's accounting says COMPLETED
+        return EXIT_OK
     nodes = hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))
     step = last_step(run_dir)
     os.makedirs(attempt_dir(run_dir, attempt), exist_ok=True)
@@ -146,7 +148,8 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
         record_cancelled(run_dir, "cancelled by meshrun action=cancel: saved a checkpoint and stopped",
                          last_step=step_now, **ev)
         release_job(run_dir, job_id())
-        return EXIT_STOPPED
+        # The run ended as asked: Slurm's accounting says COMPLETED 0:0, not FAILED 3:0 beside meshrun's CANCELLED.
+        return EXIT_OK
     for f in d.failures:
         append_event(run_dir, "failed", node=f.node, rank=f.rank, exit_code=f.exit_code, reason=f.reason,
                      srun_exit_code=srun_rc, **ev)
