@@ -39,11 +39,35 @@ def dataset_vocab(prefixes: Sequence[str], may_scan: bool) -> Optional[int]:
     return need or None
 
 
+def _record_tokenizer(cfg: Config) -> None:
+    """data.tokenizer_sha256: recorded at the run's first launch from the first dataset's description; a later
+    launch whose dataset was prepared again with another tokenizer exits 2 (its ids would mean other text)."""
+    if not cfg.data.prefixes:
+        return
+    try:
+        desc = read_description(cfg.data.prefixes[0]) or {}
+    except (DataError, OSError):
+        return  # validation names the unreadable dataset
+    sha = str(((desc.get("tokenizer") or {}) if isinstance(desc, dict) else {}).get("sha256") or "")
+    if not sha:
+        return
+    if not cfg.data.tokenizer_sha256:
+        cfg.data.tokenizer_sha256 = sha
+    elif cfg.data.tokenizer_sha256 != sha:
+        from training.exit_codes import EXIT_INVALID
+
+        print(f"meshrun: {cfg.data.prefixes[0]} was prepared again with another tokenizer (sha256 {sha[:12]}...) "
+              f"since this run started with {cfg.data.tokenizer_sha256[:12]}...: its token ids now mean other text. "
+              f"Restore that dataset, or start a new run.dir on the new one; nothing was written.", file=sys.stderr)
+        raise SystemExit(EXIT_INVALID)
+
+
 def resolve_indexed(cfg: Config, overrides: Sequence[str]) -> None:
     """Absolute prefixes; model.vocab_size from the datasets unless given on the command line."""
     d = cfg.data
     d.prefixes = [os.path.abspath(p) for p in d.prefixes]
     d.valid_prefixes = [os.path.abspath(p) for p in d.valid_prefixes]
+    _record_tokenizer(cfg)
     if _given(overrides, "model.vocab_size"):
         return
     vocab = dataset_vocab(d.prefixes, may_scan=cfg.cluster.kind == "local")

@@ -198,12 +198,26 @@ def test_prepare_refuses_an_existing_dataset_and_the_tokenizer_sha_is_checked(tm
     out = str(tmp_path / "data" / "ds")
     pc = PrepareConfig(inputs=[str(corpus)], output=out, tokenizer="bpe", vocab_size=300, workers=1, progress=False)
     prepare(pc)
+    from launcher.datasets import resolve_indexed
+    from training.config import Config
+    from training.hf.tokenizer_files import run_tokenizer
+
+    run_cfg = Config()
+    run_cfg.data.kind, run_cfg.data.prefixes = "indexed", [out]
+    resolve_indexed(run_cfg, ["model.vocab_size=300"])  # the run's first launch records the tokenizer
+    assert run_cfg.data.tokenizer_sha256 == _sha(out + ".tokenizer.json")
     files = {n: _sha(os.path.join(tmp_path, "data", n)) for n in os.listdir(tmp_path / "data")}
     with pytest.raises(DataError, match="already holds a dataset.*prepare.overwrite=true"):
         prepare(PrepareConfig(**{**pc.__dict__, "vocab_size": 280}))
     assert {n: _sha(os.path.join(tmp_path, "data", n)) for n in os.listdir(tmp_path / "data")} == files
     prepare(PrepareConfig(**{**pc.__dict__, "vocab_size": 280, "overwrite": True}))
     assert load_tokenizer(out).vocab_size == 280
+    # The run that trained on the old dataset: a relaunch exits 2, export/generate refuse the new tokenizer.
+    with pytest.raises(SystemExit) as stop:
+        resolve_indexed(run_cfg, ["model.vocab_size=300"])
+    assert stop.value.code == 2
+    with pytest.raises(TokenizerError, match="prepared again with another tokenizer"):
+        run_tokenizer(run_cfg)
     # A tokenizer file replaced behind the description's back is refused wherever it is read by prefix.
     with open(out + ".tokenizer.json") as f:
         tok = json.load(f)

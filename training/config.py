@@ -476,6 +476,9 @@ class DataConfig:
     """data=indexed: blend weight per prefix (normalised); empty: each dataset's share of the tokens."""
     valid_prefixes: List[str] = field(default_factory=list)
     """data=indexed: held-out datasets for train.eval_every; empty: each prefix's validation split from prepare."""
+    tokenizer_sha256: str = ""
+    """data=indexed: the sha256 of the tokenizer the first dataset was prepared with, recorded by the run's first
+    launch (leave it empty). A later launch, export or generate refuses a dataset or tokenizer with another."""
 
 
 @dataclass

@@ -21,7 +21,16 @@ def run_tokenizer(cfg):
         return load_tokenizer("bytes")
     prefixes = list(getattr(cfg.data, "prefixes", []) or [])
     if kind == "indexed" and prefixes:
-        return load_tokenizer(prefixes[0])
+        tok = load_tokenizer(prefixes[0])  # checked against the sha256 its dataset's description recorded
+        recorded = str(getattr(cfg.data, "tokenizer_sha256", "") or "")
+        actual = tok.describe().get("sha256") if hasattr(tok, "describe") else None
+        if recorded and actual and actual != recorded:
+            from training.tokenizer import TokenizerError
+
+            raise TokenizerError(f"{prefixes[0]} was prepared again with another tokenizer (sha256 {actual[:12]}...) "
+                                 f"after this run trained with {recorded[:12]}...: its ids would decode to other text. "
+                                 f"Restore the dataset the run trained on (its tokenizer.json)")
+        return tok
     return None
 
 
