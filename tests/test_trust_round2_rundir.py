@@ -323,3 +323,21 @@ def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
 
     logs = meshrun("action=logs", f"run.dir={run}", "logs.rank=1", cwd=tmp_path)
     assert logs.returncode == 2 and "has 1 ranks" in logs.stderr, logs.stderr
+
+
+def test_read_only_run_dir_exits_2(tmp_path):
+    """A run.dir on a read-only file system (a real read-only tmpfs) is exit 2 with the fix, not a traceback."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=1m tmpfs {mnt} 2>/dev/null") != 0:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    try:
+        (mnt / "empty").mkdir()
+        assert os.system(f"mount -o remount,ro {mnt}") == 0
+        inside, below = meshrun_many([["action=plan", f"run.dir={mnt / 'empty'}"],
+                                      ["action=plan", f"run.dir={mnt / 'new' / 'run'}"]], tmp_path)
+    finally:
+        os.system(f"umount {mnt}")
+    for res in (inside, below):
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert "writable" in res.stderr or "cannot be written" in res.stderr, res.stderr
