@@ -111,12 +111,14 @@ def test_starting_again_reuses_the_saved_configuration(tmp_path):
     assert moved.returncode == 0, moved.stderr
     assert "changed now: cluster.gpus_per_node, parallel.sp, parallel.tp" in moved.stderr
     assert "the checkpoint is resharded on load" in moved.stderr
-    now = json.loads((run / "config.json").read_text())
-    assert (now["parallel"]["tp"], now["cluster"]["gpus_per_node"]) == (1, 2)
-    assert (now["train"]["steps"], now["model"]["num_layers"]) == (7, 2)  # kept from the first launch
+    # action=plan on an existing run shows the merged plan and writes nothing (issue 22: a plan never changes a
+    # run's config.json); the merge is what the plan reports: tp1 dp2, steps and layers kept from the first launch.
+    assert json.loads((run / "config.json").read_text()) == saved
+    assert "world 2 = tp 1 x pp 1 x cp 1 x dp 2" in moved.stdout, moved.stdout
     # A preset choice replaces its whole group.
     preset = meshrun("action=plan", f"run.dir={run}", "model=gpt2_125m", "cluster.gpu_memory_gb=64", cwd=tmp_path)
     assert preset.returncode == 0, preset.stderr
-    now = json.loads((run / "config.json").read_text())
-    assert now["model"]["name"] == "gpt2_125m" and now["model"]["num_layers"] == 12
-    assert now["train"]["steps"] == 7
+    changed = preset.stderr.split("changed now: ")[1].split("\n")[0].split(", ")
+    assert "model.name" in changed and "model.num_layers" in changed and "train.steps" not in changed, changed
+    assert "(gpt2_125m," in preset.stdout
+    assert json.loads((run / "config.json").read_text()) == saved
