@@ -67,11 +67,9 @@ def cancelled_event(events: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
 
 def write_mark(run_dir: str) -> Dict[str, Any]:
     mark = {"time": time.time(), "user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid()}
-    path = os.path.join(run_dir, CANCEL_FILE)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(mark, f)
-    os.replace(tmp, path)
+    from training.run_files import write_atomic  # never through a link (training/run_files.py)
+
+    write_atomic(os.path.join(run_dir, CANCEL_FILE), json.dumps(mark))
     return mark
 
 

@@ -294,10 +294,9 @@ def format_table(cands: List[Candidate], peak: float) -> str:
 
 
 def _write_json(path: str, data: Dict[str, Any]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+    from training.run_files import write_atomic  # never through a link (training/run_files.py)
+
+    write_atomic(path, json.dumps(data, indent=2))
 
 
 def recommend(cfg: Config, run_dir: str, rates: Optional[Rates] = None) -> Dict[str, Any]:

@@ -429,10 +429,10 @@ def build_report(directory: str) -> Tuple[str, Report]:
     else:
         plot_run(directory, out_dir, plt, report)
     path = os.path.join(out_dir, "report.html")
-    with open(path + ".tmp", "w") as f:
-        f.write(render_html(report, f"meshrun {'sweep' if is_sweep else 'run'} report: "
-                                    f"{os.path.basename(directory.rstrip('/'))}"))
-    os.replace(path + ".tmp", path)
+    from training.run_files import write_atomic  # never through a link (training/run_files.py)
+
+    write_atomic(path, render_html(report, f"meshrun {'sweep' if is_sweep else 'run'} report: "
+                                           f"{os.path.basename(directory.rstrip('/'))}"))
     return path, report
 
 

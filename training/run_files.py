@@ -1,4 +1,8 @@
-"""The one place that opens files for writing inside a run directory (pure Python: launcher and ranks).
+"""The one place that writes meshrun's own files of a run directory (pure Python: launcher and ranks): config,
+plan, summary, events, metrics, rank logs, the lock, the resume request, the cancel mark, recommend.json,
+report.html and each Slurm attempt's prologue.json. (Checkpoints are written into a fresh temporary directory
+and checked for links when read, training/checkpoint/storage.py; TensorBoard, W&B and submitit write their
+own files.)
 
 A run directory may have been touched by someone else (a copied run, a shared file system, a planted link).
 A symbolic link there would turn an append to metrics.jsonl or a rewrite of plan.json into a write to

@@ -63,8 +63,10 @@ def prologue(run_dir: str) -> int:
     nodes = hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))
     step = last_step(run_dir)
     os.makedirs(attempt_dir(run_dir, attempt), exist_ok=True)
-    with open(os.path.join(attempt_dir(run_dir, attempt), "prologue.json"), "w") as f:
-        json.dump({"last_step": step, "nodes": nodes, "job_id": job_id()}, f)
+    from training.run_files import write_atomic  # never through a link (training/run_files.py)
+
+    write_atomic(os.path.join(attempt_dir(run_dir, attempt), "prologue.json"),
+                 json.dumps({"last_step": step, "nodes": nodes, "job_id": job_id()}))
     append_event(run_dir, "started", attempt=attempt, job_id=job_id(), nodes=nodes,
                  restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0), resume_step=step,
                  code=PROJECT_ROOT)
