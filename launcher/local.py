@@ -6,7 +6,10 @@ cores. Rank 0's output is streamed to this terminal; every rank's output also go
 (appended: every attempt, each under a header line).
 The launcher holds run_dir's lock (training/run_lock.py) and every rank inherits it.
 If any rank exits non-zero the others are stopped within seconds (SIGTERM, then SIGKILL) and the
-launcher exits with that rank's code; events started / completed / failed / stopped go to events.jsonl.
+launcher exits with that rank's code (1 for a rank killed by a signal); events started / completed / failed /
+stopped go to events.jsonl. SIGINT, SIGTERM or SIGHUP to the launcher stops the ranks as action=cancel does
+(a checkpoint first, `cancelled`, exit 130); a launcher that dies takes its ranks with it
+(training/launcher_watch.py).
 """
 
 from __future__ import annotations
@@ -25,12 +28,12 @@ from launcher.local_numa import rank_prefix
 from launcher.nsys import nsys_prefix
 from launcher.procs import POLL_S, engine_env, rank_process_env, start_pump, stop_processes, threads_per_rank
 from launcher.rundir import write_config
-from training.run_files import open_append
 from launcher.status import job_alive
 from training.config import Config, derived_dp
 from training.events import append_event, read_events
 from training.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED
 from training.resume_once import write_request
+from training.run_files import open_append
 from training.run_lock import TOKEN_ENV, RunLock, acquire, held
 from training.slurm_env import dist_env
 
@@ -93,11 +96,11 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
             env["MESHRUN_ATTEMPT"] = str(attempt)
             if binding[r][1] is not None:
                 env["MESHRUN_NUMA_NODE"] = str(binding[r][1])
+            env[LAUNCHER_PID_ENV] = str(os.getpid())  # the rank stops (after a checkpoint) if this launcher dies
             # Each rank inherits the locked file: the run directory stays locked while any rank lives, even
-            # if this launcher is killed (training/run_lock.py).
-            env[LAUNCHER_PID_ENV] = str(os.getpid())
-            # A session of its own: Ctrl-C at the terminal reaches this launcher only, which stops the ranks
-            # through their own stop path (a checkpoint first) instead of a KeyboardInterrupt in each.
+            # if this launcher is killed (training/run_lock.py). A session of its own: Ctrl-C at the terminal
+            # reaches this launcher only, which stops the ranks through their own stop path (a checkpoint
+            # first) instead of a KeyboardInterrupt in each.
             argv = binding[r][0] + nsys_prefix(cfg, r, run_dir) + [sys.executable, "-m", "training.main", run_dir]
             proc = subprocess.Popen(argv, env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(lock.fd,),
