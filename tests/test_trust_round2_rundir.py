@@ -67,7 +67,7 @@ def _copy(trained, tmp_path, name: str):
     return dest
 
 
-def test_config_json_is_never_overwritten_by_a_mistake(trained, tmp_path):
+def test_config_json_is_never_overwritten_by_a_mistake(trained, tmp_path, capsys):
     """Each case leaves config.json byte for byte and the checkpoint's own config.json intact."""
     runs = {name: _copy(trained, tmp_path, name) for name in
             ("model", "plan", "typo", "truncated", "nonnumber", "list")}
@@ -87,24 +87,27 @@ def test_config_json_is_never_overwritten_by_a_mistake(trained, tmp_path):
     before = {name: _sha(run / "config.json") for name, run in runs.items()}
     ckpt_cfg = {name: _sha(run / "checkpoints" / "step_2" / "config.json") for name, run in runs.items()}
     plan_before = _sha(runs["plan"] / "plan.json")
-    results = meshrun_many([
+    model, plan, foreign_run = meshrun_many([
         [f"run.dir={runs['model']}", "model.num_layers=3"],
         [f"run.dir={runs['plan']}", "action=plan", "model.num_layers=3"],
-        [f"run.dir={runs['typo']}"],
-        [f"run.dir={runs['truncated']}"],
-        [f"run.dir={runs['nonnumber']}"],
-        [f"run.dir={runs['list']}"],
         [f"run.dir={foreign}", *TINY],
     ], cwd=tmp_path)
-    model, plan, typo, truncated, nonnumber, as_list, foreign_run = results
     assert model.returncode == 2 and "model.num_layers: checkpoint 2, now 3" in model.stderr, model.stderr
     assert "train.resume=none" in model.stderr
     assert plan.returncode == 0 and "is an existing run: this plan is shown only" in plan.stderr, plan.stderr
     assert _sha(runs["plan"] / "plan.json") == plan_before
-    for res, what in ((typo, "stepz"), (truncated, "cannot be read"), (nonnumber, "model.hidden_size='sixty-four'"),
-                      (as_list, "holds a JSON list")):
-        assert res.returncode == 2, (what, res.stderr)
-        assert what in res.stderr and "config.json" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    # The damaged files, through the same code a launch runs first (launcher/resume.py), in this process.
+    from launcher.resume import resume_config
+    from training.config import Config
+
+    for name, what in (("typo", "stepz"), ("truncated", "cannot be read"),
+                       ("nonnumber", "model.hidden_size='sixty-four'"), ("list", "holds a JSON list")):
+        now = Config()
+        now.action = "train"
+        with pytest.raises(SystemExit) as stop:
+            resume_config(str(runs[name]), now, [])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and what in err and str(runs[name] / "config.json") in err, (name, err)
     assert foreign_run.returncode == 2 and "meshrun did not create" in foreign_run.stderr, foreign_run.stderr
     assert (foreign / "config.json").read_text() == '{"architectures": ["GPT2LMHeadModel"]}\n'
     assert sorted(os.listdir(foreign)) == ["config.json"]
@@ -256,18 +259,19 @@ def _last_step(run) -> int:
     return max((int(r.get("step", 0)) for r in rows), default=0)
 
 
-def _training_rank(launcher: subprocess.Popen, run, after_step: int):
-    """The launcher's rank once it trains past after_step and catches the stop signal."""
+def _training_rank(launcher: subprocess.Popen):
+    """The launcher's rank once it catches the stop signals (its checkpoint manager exists: a stop from now on
+    saves the step it trains)."""
     import signal as sig
 
     from launcher.cancel import _children
     from launcher.slurm.rank_task import catches
 
     def ready():
-        kids = [pid for pid in _children(launcher.pid) if catches(pid, sig.SIGUSR2)]
-        return kids[0] if kids and _last_step(run) > after_step else None
+        kids = [pid for pid in _children(launcher.pid) if catches(pid, sig.SIGUSR2) and catches(pid, sig.SIGTERM)]
+        return kids[0] if kids else None
 
-    return _wait_for(ready, 240, "the rank to train a step")
+    return _wait_for(ready, 240, "the rank to install its stop handlers")
 
 
 def _status(run, cwd):
@@ -288,7 +292,7 @@ def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
 
     # 1. Ctrl-C: a checkpoint of the step just trained, `cancelled`, the resume command, no traceback.
     first = launch()
-    _training_rank(first, run, 2)
+    _training_rank(first)
     first.send_signal(sig.SIGINT)
     out, err = first.communicate(timeout=300)
     assert first.returncode == 130, err[-3000:]
@@ -300,7 +304,7 @@ def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
 
     # 2. A rank killed with SIGKILL: exit 1 (not 247), the reason in the event and in status.
     second = launch()
-    pid = _training_rank(second, run, latest)
+    pid = _training_rank(second)
     os.kill(pid, sig.SIGKILL)
     out, err = second.communicate(timeout=300)
     assert second.returncode == 1 and "rank 0 was killed by SIGKILL" in err, (second.returncode, err[-2000:])
@@ -309,7 +313,7 @@ def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
 
     # 3. The launcher killed with SIGKILL: its rank saves and stops; a relaunch takes the dead holder over.
     third = launch()
-    _training_rank(third, run, _last_step(run))
+    _training_rank(third)
     before = (run / "checkpoints" / "latest").read_text()
     third.kill()
     third.communicate(timeout=60)
@@ -325,8 +329,11 @@ def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
     assert logs.returncode == 2 and "has 1 ranks" in logs.stderr, logs.stderr
 
 
-def test_read_only_run_dir_exits_2(tmp_path):
-    """A run.dir on a read-only file system (a real read-only tmpfs) is exit 2 with the fix, not a traceback."""
+def test_read_only_run_dir_exits_2(tmp_path, capsys):
+    """A run.dir on a read-only file system (a real read-only tmpfs) is exit 2 with the fix, not a traceback
+    (the launcher's claim of run.dir, the first thing a train or plan does, called directly)."""
+    from launcher.rundir import claim_run_dir
+
     mnt = tmp_path / "ro"
     mnt.mkdir()
     if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=1m tmpfs {mnt} 2>/dev/null") != 0:
@@ -334,10 +341,11 @@ def test_read_only_run_dir_exits_2(tmp_path):
     try:
         (mnt / "empty").mkdir()
         assert os.system(f"mount -o remount,ro {mnt}") == 0
-        inside, below = meshrun_many([["action=plan", f"run.dir={mnt / 'empty'}"],
-                                      ["action=plan", f"run.dir={mnt / 'new' / 'run'}"]], tmp_path)
+        for run in (mnt / "empty", mnt / "new" / "run"):
+            with pytest.raises(SystemExit) as stop:
+                claim_run_dir(str(run))
+            assert stop.value.code == 2
+            err = capsys.readouterr().err
+            assert "writable" in err or "cannot be written" in err, err
     finally:
         os.system(f"umount {mnt}")
-    for res in (inside, below):
-        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
-        assert "writable" in res.stderr or "cannot be written" in res.stderr, res.stderr
