@@ -126,12 +126,13 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
         if failed is not None:
             stop_processes(procs)
             rank, code = failed
-            why = f"exited with {code}"
+            why = f"exited with code {code}"
             if code < 0:  # killed by a signal: Popen's -N, which would leave meshrun as 256 - N (outside the table)
                 why = f"was killed by {_signal_name(-code)}" + (" (out of memory? see dmesg)" if -code == 9 else "")
                 code = EXIT_FAILED
             append_event(run_dir, "failed", node=socket.gethostname(), rank=rank, exit_code=code,
-                         reason=f"rank {rank} {why}; see {run_dir}/logs/rank_{rank}.log", attempt=attempt)
+                         reason=f"rank {rank} {why.replace('with code', 'with')}; see {run_dir}/logs/rank_{rank}.log",
+                         attempt=attempt)
             print(f"meshrun: rank {rank} {why}; stopped the other ranks "
                   f"(log: {run_dir}/logs/rank_{rank}.log)", file=sys.stderr)
             return code

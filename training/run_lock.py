@@ -143,6 +143,21 @@ def _stale_reason(holder: Dict[str, Any], job_alive: Optional[JobAlive]) -> Opti
     return None
 
 
+def _dead_launcher_note(holder: Dict[str, Any]) -> str:
+    """For a local holder on this host whose launcher process is gone while its ranks still hold the flock."""
+    pid = holder.get("pid")
+    if holder.get("kind") != "local" or holder.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return ""
+    try:
+        os.kill(pid, 0)
+        return ""
+    except ProcessLookupError:
+        return (" (that launcher has died; its ranks still hold the run while they save a checkpoint and stop "
+                "on their own: run again in a moment)")
+    except OSError:
+        return ""
+
+
 def acquire(run_dir: str, what: str = "meshrun", job_alive: Optional[JobAlive] = None,
             event_fields: Optional[Dict[str, Any]] = None) -> RunLock:
     """Take the run directory for this process (creating it); RunLocked naming the holder when it is taken.
@@ -157,7 +172,8 @@ def acquire(run_dir: str, what: str = "meshrun", job_alive: Optional[JobAlive] =
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise RunLocked(_message(run_dir, read_holder(run_dir))) from None
+        holder = read_holder(run_dir)
+        raise RunLocked(_message(run_dir, holder, _dead_launcher_note(holder))) from None
     previous = read_holder(run_dir)
     if previous and not previous.get("released"):
         reason = _stale_reason(previous, job_alive)
