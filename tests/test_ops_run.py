@@ -135,10 +135,11 @@ def test_nvtx_replica_and_slowdown_in_one_spawn(tmp_path):
 def test_local_rank_numa_bound_and_oom_explained(tmp_path):
     hook = tmp_path / "hook"
     hook.mkdir()
-    # The ranks (only they get cluster.env) replace the training loop with a CUDA out-of-memory error.
+    # The ranks (only they get cluster.env) replace the training loop with a CUDA out-of-memory error (not a
+    # MESHRUN_ name: cluster.env may not set meshrun's own variables, launcher/plan/trust.py).
     (hook / "sitecustomize.py").write_text(
         "import os\n"
-        "if os.environ.get('MESHRUN_TEST_OOM'):\n"
+        "if os.environ.get('OPS_TEST_OOM'):\n"
         "    import torch\n"
         "    import training.loop as loop\n"
         "    def run(self):\n"
@@ -148,7 +149,7 @@ def test_local_rank_numa_bound_and_oom_explained(tmp_path):
     env = dict(os.environ, PYTHONPATH=f"{hook}{os.pathsep}{ROOT}")
     p = subprocess.run([sys.executable, "-m", "launcher", "model=tiny", "parallel=single", "cluster.gpus_per_node=1",
                         "data=synthetic", "train.steps=2", "cluster.numa=explicit", "cluster.numa_map=[0]",
-                        "+cluster.env.MESHRUN_TEST_OOM=1", "cluster.max_retries=0", f"run.dir={run}"],
+                        "+cluster.env.OPS_TEST_OOM=1", "cluster.max_retries=0", f"run.dir={run}"],
                        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stderr[-3000:]
     assert "a local run ignores Slurm-only keys: cluster.max_retries" in p.stdout
