@@ -129,7 +129,11 @@ class ParallelConfig:
     vpp: int = 1
     """Virtual stages (model chunks) per pipeline rank; > 1 only with schedule=interleaved_1f1b."""
     cp: int = 1
-    """Context-parallel degree (sequence split for attention); cp > 1 is planned and validated, training refuses it."""
+    """Context-parallel degree: each sample's sequence split over cp ranks in 2 x cp chunks (rank i holds chunks
+    i and 2cp-1-i), attention computed across them (training/parallel/context.py)."""
+    cp_comm: str = "ring"
+    """How attention reaches the other cp ranks' keys and values: ring (passed around the cp ring, overlapping
+    each block's attention) | all_gather (gathered once per layer)."""
     dp: Optional[int] = None
     """Data-parallel degree; None derives it from the cluster's ranks / (tp x pp x cp)."""
     sp: bool = False

@@ -8,7 +8,8 @@ The rules: the hidden size splits into heads and the heads into query groups; tp
 query groups and the MLP width; pp x vpp divides the layers; vpp > 1 needs the interleaved schedule, which
 needs pp > 1 and a number of micro-batches that is a multiple of pp; micro_batch x dp divides the global
 batch; sequence parallelism needs tp > 1 (with tp = 1 it is off, with a warning, as in Megatron-LM) and a
-sequence length divisible by tp. The vocabulary is padded to a multiple of tp.
+sequence length divisible by tp; context parallelism needs the sequence length divisible by 2 x cp (times tp
+under sp) and no dropout. The vocabulary is padded to a multiple of tp.
 """
 
 from __future__ import annotations
@@ -174,6 +175,31 @@ def batch_rules(global_batch: int, micro_batch: int, dp: int) -> List[Violation]
                    " (accumulation = global / (micro x dp))", "batch")]
 
 
+# ---- context parallelism -------------------------------------------------------------------------
+CP_COMMS = ("ring", "all_gather")
+
+
+def cp_rules(cp: int, seq_length: int, tp: int, sp: bool, dropout: float, cp_comm: str = "ring") -> List[Violation]:
+    """cp splits each sequence in 2 x cp chunks (causal load balancing), whose tokens sp splits again over tp;
+    the cp attention has no dropout on the probabilities; cp_comm is ring or all_gather."""
+    out = []
+    if cp_comm not in CP_COMMS:
+        out.append(_error("parallel.cp_comm", f"cp_comm={cp_comm!r} is not one of {list(CP_COMMS)}",
+                          "parallel.cp_comm=ring", "cp_comm"))
+    if cp <= 1:
+        return out
+    unit = 2 * cp * (tp if sequence_parallel_on(sp, tp) else 1)
+    if seq_length % unit:
+        what = f"2 x cp = {2 * cp}" if unit == 2 * cp else f"2 x cp x tp = {unit} (sp splits each cp rank's tokens over tp)"
+        out.append(_error("parallel.cp", f"seq_length {seq_length} is not divisible by {what}: each sample is cut "
+                          f"into 2 x cp chunks", f"model.seq_length={(seq_length // unit + 1) * unit} or "
+                          f"parallel.cp=<one with seq_length divisible by 2 x cp>", "cp_seq"))
+    if dropout > 0.0:
+        out.append(_error("model.dropout", f"dropout {dropout} with cp={cp}: context-parallel attention has no "
+                          "dropout on the attention probabilities", "model.dropout=0 or parallel.cp=1", "cp_dropout"))
+    return out
+
+
 # ---- everything -----------------------------------------------------------------------------------
 def layout_violations(cfg: Config, dp: int) -> List[Violation]:
     """Every rule above for cfg's layout with `dp` data-parallel ranks (launcher and engine alike)."""
@@ -181,6 +207,7 @@ def layout_violations(cfg: Config, dp: int) -> List[Violation]:
     out = model_rules(m) + tp_rules(m, par.tp, valid_tp(cfg)) + layer_rules(m.num_layers, par.pp, par.vpp)
     out += schedule_rules(par.schedule, par.pp, par.vpp)
     out += sp_rules(par.sp, par.tp, m.seq_length)
+    out += cp_rules(par.cp, m.seq_length, par.tp, par.sp, m.dropout, getattr(par, "cp_comm", "ring"))
     if dp >= 1:
         out += batch_rules(par.global_batch, par.micro_batch, dp)
         if not any(v.code == "batch" for v in out):

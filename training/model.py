@@ -43,6 +43,7 @@ from training.layout_rules import (
 )
 from training.mesh import ProcessMesh
 from training.parallel.collectives import group_rank, group_size, reduce_from_tp, reduce_scatter_to_sp
+from training.parallel.context import CPContext, context_parallel_attention, split_sequence
 from training.parallel.layers import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_linear, set_tp_meta,
     vocab_parallel_cross_entropy,
@@ -130,23 +131,29 @@ class Rotary(nn.Module):
         self.register_buffer("cos", ang.cos(), persistent=False)
         self.register_buffer("sin", ang.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: [b, heads, s, d], positions offset .. offset + s - 1 (0: the full sequence; a KV-cached
-        decoding step passes the position of its first token)."""
+        decoding step passes the position of its first token), or `positions` (a cp rank's tokens)."""
         s = x.shape[-2]
         xf = x.float()
         x1, x2 = xf.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)
-        cos, sin = self.cos[offset:offset + s], self.sin[offset:offset + s]
+        if positions is not None:
+            cos, sin = self.cos[positions], self.sin[positions]
+        else:
+            cos, sin = self.cos[offset:offset + s], self.sin[offset:offset + s]
         return (xf * cos + rotated * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
     """Causal self-attention with heads split over tp, grouped-query attention, flash or math core."""
 
-    def __init__(self, mc: ModelConfig, group, sp: bool, dtype, device):
+    def __init__(self, mc: ModelConfig, group, sp: bool, dtype, device, cp: Optional[CPContext] = None):
         super().__init__()
         tp = group_size(group)
+        # cp > 1: this rank's queries attend over the whole sequence through the cp group (parallel/context.py).
+        self.cp = cp
+        self.positions = cp.positions(mc.seq_length, device) if cp is not None else None
         a, g, h = mc.num_attention_heads, mc.query_groups, mc.hidden_size
         self.d = h // a
         self.q_per_group = a // g
@@ -163,6 +170,8 @@ class Attention(nn.Module):
 
     def core(self, q, k, v, key: int) -> torch.Tensor:
         """softmax(q k^T / sqrt(d), causal) v with dropout on the probabilities; [b, heads, s, d]."""
+        if self.cp is not None:
+            return context_parallel_attention(q, k, v, self.cp)
         p = self.dropout if self.training else 0.0
         if p > 0.0:  # differs per tp rank: each rank holds other heads
             key = stable_seed(key, "attn_probs", self.tp_rank)
@@ -210,7 +219,7 @@ class Attention(nn.Module):
         n0, n1 = qkv.shape[:2]
         q, k, v = self.split_qkv(qkv, self.batch_first)
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+            q, k = self.rotary(q, positions=self.positions), self.rotary(k, positions=self.positions)
         if self.recompute_core:
             ctx = checkpoint(self.core, q, k, v, key, use_reentrant=False)
         else:
@@ -244,14 +253,15 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(self, mc: ModelConfig, mesh: ProcessMesh, sp: bool, layer_id: int, dtype, device):
+    def __init__(self, mc: ModelConfig, mesh: ProcessMesh, sp: bool, layer_id: int, dtype, device,
+                 cp: Optional[CPContext] = None):
         super().__init__()
         self.layer_id = layer_id
         self.dropout = mc.dropout
         self.tp, self.tp_rank = mesh.tp, mesh.tp_rank
         self.sp = sp
         self.attn_norm = Norm(mc.hidden_size, mc.norm, mc.bias, sp, dtype, device, mc.norm_eps)
-        self.attn = Attention(mc, mesh.tp_group, sp, dtype, device)
+        self.attn = Attention(mc, mesh.tp_group, sp, dtype, device, cp)
         self.mlp_norm = Norm(mc.hidden_size, mc.norm, mc.bias, sp, dtype, device, mc.norm_eps)
         self.mlp = MLP(mc, mesh.tp_group, sp, dtype, device)
 
@@ -284,9 +294,11 @@ class Embedding(nn.Module):
     """Word (vocab-parallel) plus optional learned position embedding; output [b, s, h] ([s/tp, b, h] under SP)."""
 
     def __init__(self, mc: ModelConfig, mesh: ProcessMesh, sp: bool, padded_vocab: int, with_position: bool,
-                 dtype, device):
+                 dtype, device, cp: Optional[CPContext] = None):
         super().__init__()
         self.group, self.sp, self.tp_rank = mesh.tp_group, sp, mesh.tp_rank
+        # cp > 1: the rows of this rank's tokens' true positions (parallel/context.py); else the first s rows.
+        self.positions = cp.positions(mc.seq_length, device) if cp is not None else None
         self.word = VocabParallelEmbedding(padded_vocab, mc.hidden_size, mesh.tp_group, dtype, device)
         # Under SP the position table is added to sequence shards, so its grad is a partial sum.
         self.position = (PositionEmbedding(mc.seq_length, mc.hidden_size, sp, dtype, device)
@@ -295,11 +307,17 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.sp:
             x = reduce_from_tp(self.word(ids, reduce=False), self.group)  # [b, s, h]
-            return x if self.position is None else x + self.position.weight[: ids.shape[1]]
+            if self.position is None:
+                return x
+            if self.positions is not None:
+                return x + self.position.weight[self.positions]
+            return x + self.position.weight[: ids.shape[1]]
         # Looked up in [s, b] order: the rows come out sequence-first and contiguous, with no transposing copy.
         x = reduce_scatter_to_sp(self.word(ids.t(), reduce=False), self.group)  # this rank's [s/tp, b, h]
         if self.position is not None:
-            x = x + self.position.weight[self.tp_rank * x.shape[0] : (self.tp_rank + 1) * x.shape[0]].unsqueeze(1)
+            lo, hi = self.tp_rank * x.shape[0], (self.tp_rank + 1) * x.shape[0]
+            rows = self.position.weight[self.positions[lo:hi]] if self.positions is not None else self.position.weight[lo:hi]
+            x = x + rows.unsqueeze(1)
         return x
 
 
@@ -331,12 +349,15 @@ class GPTChunk(nn.Module):
         self.padded_vocab = padded_vocab(mc.vocab_size, mesh.tp)
         self.micro_step = 0  # counts training forwards: the dropout key of each micro-batch
         dev = mesh.device
+        # Context parallelism: this rank runs its two chunks of every sample (parallel/context.py).
+        self.cp = (CPContext(mesh.cp, mesh.cp_rank, mesh.cp_group, list(mesh.group_ranks.get("cp", [])),
+                             getattr(parallel_cfg, "cp_comm", "ring")) if mesh.cp > 1 else None)
         self.embedding = None
         if has_embedding or (has_head and mc.tie_embeddings):
             self.embedding = Embedding(mc, mesh, self.sp, self.padded_vocab,
-                                       has_embedding and mc.position == "learned", dtype, dev)
+                                       has_embedding and mc.position == "learned", dtype, dev, self.cp)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(mc, mesh, self.sp, i, dtype, dev) for i in self.layer_ids})
+            {str(i): TransformerLayer(mc, mesh, self.sp, i, dtype, dev, self.cp) for i in self.layer_ids})
         for layer in self.layers.values():
             layer.attn.recompute_core = self.recompute == "selective"
         self.final_norm = (Norm(mc.hidden_size, mc.norm, mc.bias, self.sp, dtype, dev, mc.norm_eps)
@@ -366,6 +387,11 @@ class GPTChunk(nn.Module):
         if self.training:
             self.micro_step += 1
         batch_first = self.batch_first
+        if self.cp is not None:  # full samples in: keep this rank's chunks of the tokens and of the targets
+            if self.has_embedding:
+                x = split_sequence(x, 1, self.cp.cp, self.cp.cp_rank)
+            if targets is not None:
+                targets = split_sequence(targets, 1, self.cp.cp, self.cp.cp_rank)
         if self.has_embedding:
             x = self.embedding(x)
         elif batch_first:

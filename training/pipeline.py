@@ -446,8 +446,8 @@ class _Exchanger:
 
 
 def p2p_shape(cfg) -> Tuple[int, int, int]:
-    """Shape of every activation / gradient message: [s/tp if sp else s, micro_batch, h]."""
-    s, tp = cfg.model.seq_length, cfg.parallel.tp
+    """Shape of every activation / gradient message: [s/tp if sp else s, micro_batch, h], s this cp rank's tokens."""
+    s, tp = cfg.model.seq_length // max(1, getattr(cfg.parallel, "cp", 1)), cfg.parallel.tp
     if sequence_parallel_on(cfg.parallel.sp, tp):
         s //= tp
     return (s, cfg.parallel.micro_batch, cfg.model.hidden_size)

@@ -247,15 +247,13 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
     out += _issues(rules.layer_rules(m.num_layers, p, v))
     out += _issues(rules.schedule_rules(par.schedule, p, v))
     out += _issues(rules.sp_rules(par.sp, t, s))
-    if s % cp:
-        out.append(Issue("error", "parallel.cp", f"seq_length {s} is not divisible by cp={cp}",
-                         f"parallel.cp=<one of {rules.divisors(s, 64)}>"))
+    cp_issues = _issues(rules.cp_rules(cp, s, t, par.sp, m.dropout, getattr(par, "cp_comm", "ring")))
+    for i in cp_issues:  # dropout only stops training: a plan of the layout still holds
+        if i.code == "cp_dropout" and cfg.action != "train":
+            i.level = "warning"
+    out += cp_issues
+    if any(i.level == "error" and i.key == "parallel.cp" for i in cp_issues):
         ok = False
-    if cp > 1:
-        # The planner models context parallelism; the engine does not split attention, so a
-        # training launch with cp > 1 would silently compute something else: refuse it.
-        out.append(Issue("error" if cfg.action == "train" else "warning", "parallel.cp",
-                         f"cp={cp} is planned, but the engine trains with cp=1 only", "parallel.cp=1 to train"))
     # World size and batch arithmetic.
     if par.dp is not None:
         if mp * par.dp != ranks:
