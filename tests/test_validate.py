@@ -142,12 +142,21 @@ def test_no_fit_reports_breakdown_and_working_fixes():
     assert validate(with_parallel(small, **{field: typed})).errors == []
 
 
-def test_context_parallel_is_planned_but_not_trained():
-    """cp > 1 plans (a warning), but a training launch is refused: the engine does not split attention."""
+def test_context_parallel_is_planned_and_trained():
+    """cp > 1 plans and trains (the engine splits attention over the cp group); its rules still name fixes."""
     planned = validate(compose_cfg("action=plan", "parallel.cp=2", "parallel.tp=1", "parallel.sp=false"))
-    assert planned.errors == [] and "parallel.cp" in _keys(planned.warnings)
+    assert planned.errors == [] and "parallel.cp" not in _keys(planned.warnings)
     trained = validate(compose_cfg("action=train", "parallel.cp=2", "parallel.tp=1", "parallel.sp=false"))
-    assert _keys(trained.errors) == ["parallel.cp"]
+    assert "parallel.cp" not in _keys(trained.errors)
+    odd = validate(compose_cfg("action=train", "parallel.cp=2", "parallel.tp=1", "parallel.sp=false",
+                               "model.seq_length=18"))
+    err = next(i for i in odd.errors if i.key == "parallel.cp")
+    assert "2 x cp" in err.message and "model.seq_length=20" in err.fix
+    dropped = validate(compose_cfg("action=train", "parallel.cp=2", "parallel.tp=1", "parallel.sp=false",
+                                   "model.dropout=0.1"))
+    assert "model.dropout" in _keys(dropped.errors)
+    bad = validate(compose_cfg("action=plan", "parallel.cp_comm=tree"))
+    assert "parallel.cp_comm" in _keys(bad.errors)
 
 
 def test_slurm_settings_are_listed_with_the_layout_errors():
