@@ -287,7 +287,8 @@ class ClusterConfig:
     device: Device = Device.cpu
     """cpu (gloo) | cuda (NCCL)."""
     gpu_memory_gb: float = 16.0
-    """Memory of one accelerator in GB (1e9 bytes); on CPU: the share of RAM one rank may use."""
+    """Usable memory of one accelerator in GiB (2^30 bytes, as nvidia-smi reports it: an H100 80 GB is 81,559 MiB
+    = 79.65); on CPU: the share of RAM one rank may use."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one accelerator at the training precision, for MFU; 0: measure (CPU)."""
     partition: str = ""

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 
 from launcher.plan.memory import (GRAD_BYTES, PARAM_BYTES, DeviceProfile, device_profile, layer_activation_bytes,
                              model_state_bytes, stage_activation_bytes)
+from launcher.plan.context_memory import gpu_memory_bytes, optimizer_shard_degree
 from launcher.plan.model_size import (hardware_flops_per_step, layer_params, model_flops_per_step, padded_vocab,
                                  params_total, stage_params)
 from launcher.plan.cost_model import Rates, cluster_rates, predict
@@ -187,14 +188,14 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
     stages = []
     for st in range(par.pp):
         sp_ = stage_params(cfg, st)
-        mem = model_state_bytes(sp_.total, cfg.train.precision, par.zero, dp)
+        mem = model_state_bytes(sp_.total, cfg.train.precision, par.zero, optimizer_shard_degree(cfg, dp))
         mem["activations"] = stage_activation_bytes(cfg, st, m, profile)
         mem["total"] = mem["weights"] + mem["grads"] + mem["optimizer"] + mem["activations"]
         stages.append(StagePlan(stage=st, params=sp_.total, memory_bytes=mem))
     worst = max(stages, key=lambda x: x.memory_bytes["total"])
     memory = dict(worst.memory_bytes)
     memory["activations_per_layer"] = per_layer
-    gpu_bytes = int(cfg.cluster.gpu_memory_gb * 1e9)
+    gpu_bytes = gpu_memory_bytes(cfg)
     bub = bubble(par.pp, m, v)
     hw_flops = hardware_flops_per_step(cfg)
     comm = comm_bytes_per_step(cfg, m, dp, worst.params)

@@ -412,6 +412,6 @@ def validate(cfg: Config, cluster_checks: Optional[Callable[[Config], List[str]]
         issues.append(Issue(
             "error", "cluster.gpu_memory_gb",
             f"the worst GPU (pipeline stage {plan.worst_stage}) needs {mem['total'] / GIB:.2f} GiB ({breakdown} GiB) but "
-            f"has {plan.gpu_memory_bytes / GIB:.2f} GiB ({cfg.cluster.gpu_memory_gb:g} GB)",
+            f"has {plan.gpu_memory_bytes / GIB:.2f} GiB (cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g})",
             "; ".join(fit_fixes(cfg, plan)), "no_fit"))
     return report
