@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterator, List, Optional
 
+from launcher.plan.context_memory import search_cp
 from launcher.plan.cost_model import Rates, cluster_rates, spans_nodes
 from launcher.plan.estimate import GIB, Plan, fmt_seconds, make_plan
 from launcher.plan.validate import validate
@@ -64,7 +65,8 @@ class Candidate:
 
     def short(self) -> str:
         lay = self.layout()
-        text = f"tp{lay['tp']} pp{lay['pp']}" + (f" v{lay['vpp']}" if lay["vpp"] > 1 else "") + f" dp{lay['dp']}"
+        text = f"tp{lay['tp']} pp{lay['pp']}" + (f" v{lay['vpp']}" if lay["vpp"] > 1 else "")
+        text += (f" cp{lay['cp']}" if lay["cp"] > 1 else "") + f" dp{lay['dp']}"
         text += f" mb{lay['micro_batch']}" + (" sp" if lay["sp"] else "") + f" rc={lay['recompute']}"
         return text + (" z1" if lay["zero"] else "")
 
@@ -91,8 +93,8 @@ def _divisors(n: int) -> List[int]:
 
 
 def layouts(cfg: Config) -> Iterator[Config]:
-    """Every layout of cfg's model on cfg's cluster (cp = 1: the engine trains no other) that the layout rules
-    accept; tp beyond a node only up to twice the node (to show what TP across nodes costs)."""
+    """Every layout of cfg's model on cfg's cluster that the layout rules accept; tp beyond a node only up to
+    twice the node (to show what TP across nodes costs); cp > 1 at long sequences (context_memory.search_cp)."""
     m, c, par = cfg.model, cfg.cluster, cfg.parallel
     world, B, L = c.nodes * c.gpus_per_node, par.global_batch, m.num_layers
     for tp in _divisors(world):
@@ -101,20 +103,27 @@ def layouts(cfg: Config) -> Iterator[Config]:
         for pp in _divisors(L):
             if world % (tp * pp):
                 continue
-            dp = world // (tp * pp)
-            if B % dp:
-                continue
-            for mb in [d for d in _divisors(B // dp) if d <= cfg.recommend.max_micro_batch]:
-                micro_batches = B // (dp * mb)
-                vpps = [1] + [v for v in _divisors(L // pp) if v > 1 and pp > 1 and micro_batches % pp == 0]
-                for vpp in vpps:
-                    for sp in ([False, True] if tp > 1 and m.seq_length % tp == 0 else [False]):
-                        for zero in ([0, 1] if dp > 1 else [0]):
-                            for recompute in ("none", "selective", "full"):
-                                yield replace(cfg, parallel=replace(
-                                    par, tp=tp, pp=pp, vpp=vpp, cp=1, dp=None, sp=sp, zero=zero, micro_batch=mb,
-                                    schedule="interleaved_1f1b" if vpp > 1 else "1f1b", recompute=recompute,
-                                    allow_tp_across_nodes=tp > c.gpus_per_node))
+            for sp in ([False, True] if tp > 1 and m.seq_length % tp == 0 else [False]):
+                for cp in search_cp(cfg, tp, sp, world // (tp * pp)):
+                    yield from _layouts_at(cfg, tp, pp, sp, cp, world // (tp * pp * cp))
+
+
+def _layouts_at(cfg: Config, tp: int, pp: int, sp: bool, cp: int, dp: int) -> Iterator[Config]:
+    """The batch, virtual-stage, zero and recompute variants of one tp x pp x cp x dp (x sp) layout."""
+    m, c, par = cfg.model, cfg.cluster, cfg.parallel
+    B, L = par.global_batch, m.num_layers
+    if B % dp:
+        return
+    for mb in [d for d in _divisors(B // dp) if d <= cfg.recommend.max_micro_batch]:
+        micro_batches = B // (dp * mb)
+        vpps = [1] + [v for v in _divisors(L // pp) if v > 1 and pp > 1 and micro_batches % pp == 0]
+        for vpp in vpps:
+            for zero in ([0, 1] if dp * cp > 1 else [0]):
+                for recompute in ("none", "selective", "full"):
+                    yield replace(cfg, parallel=replace(
+                        par, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=None, sp=sp, zero=zero, micro_batch=mb,
+                        schedule="interleaved_1f1b" if vpp > 1 else "1f1b", recompute=recompute,
+                        allow_tp_across_nodes=tp > c.gpus_per_node))
 
 
 def fits_with_headroom(plan: Plan, cfg: Config) -> bool:
@@ -134,7 +143,7 @@ def search(cfg: Config, rates: Rates) -> Search:
         if any(v.level == "error" for v in rules.layout_violations(lay, derived_dp(lay))):
             continue
         out.valid += 1
-        group = (p.tp, p.pp, p.vpp, p.zero)
+        group = (p.tp, p.pp, p.vpp, p.zero, p.cp)
         if group not in lean_fits:
             lean = replace(lay, parallel=replace(p, sp=p.tp > 1 and lay.model.seq_length % p.tp == 0,
                                                  recompute="full", micro_batch=1))

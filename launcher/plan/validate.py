@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Callable, List, Optional, Tuple
 
 from launcher.plan.cadence import cadence_problems
+from launcher.plan.context_memory import more_cp
 from launcher.plan.estimate import GIB, Plan, make_plan, with_parallel
 from launcher.plan.honest_checks import SELECTIVE_MIN_SAVING
 from training import layout_rules as rules
@@ -339,13 +340,16 @@ def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[
         ("parallel.recompute=full", full),
         ("parallel.pp x 2 (dp / 2)", more_pp),
         ("parallel.tp x 2 (dp / 2)", more_tp),
+        # Context parallelism for activation-bound layouts at long sequences (launcher/plan/context_memory.py).
+        ("parallel.cp x 2 (dp / 2)", lambda c: more_cp(c, derived_dp(c), make_plan(c).memory_bytes)),
     ]
 
 
 def _describe(c: Config) -> str:
     p = c.parallel
     return f"parallel.tp={p.tp} parallel.pp={p.pp} parallel.sp={str(p.sp).lower()} parallel.zero={p.zero} " \
-           f"parallel.recompute={p.recompute} parallel.micro_batch={p.micro_batch}"
+           f"parallel.recompute={p.recompute} parallel.micro_batch={p.micro_batch}" \
+           + (f" parallel.cp={p.cp}" if p.cp > 1 else "")
 
 
 def fit_fixes(cfg: Config, plan: Plan) -> List[str]:
