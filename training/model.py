@@ -131,17 +131,14 @@ class Rotary(nn.Module):
         self.register_buffer("cos", ang.cos(), persistent=False)
         self.register_buffer("sin", ang.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, offset: int = 0, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """x: [b, heads, s, d], positions offset .. offset + s - 1 (0: the full sequence; a KV-cached
-        decoding step passes the position of its first token), or `positions` (a cp rank's tokens)."""
+        decoding step passes the position of its first token). Under cp the tables hold this rank's positions."""
         s = x.shape[-2]
         xf = x.float()
         x1, x2 = xf.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)
-        if positions is not None:
-            cos, sin = self.cos[positions], self.sin[positions]
-        else:
-            cos, sin = self.cos[offset:offset + s], self.sin[offset:offset + s]
+        cos, sin = self.cos[offset:offset + s], self.sin[offset:offset + s]
         return (xf * cos + rotated * sin).to(x.dtype)
 
 
@@ -165,6 +162,9 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(h, (a + 2 * g) * self.d, mc.bias, group, sp, dtype, device)
         self.proj = RowParallelLinear(a * self.d, h, mc.bias, group, sp, dtype, device)
         self.rotary = Rotary(self.d, mc.seq_length, device, mc.rope_base) if mc.position == "rope" else None
+        if self.rotary is not None and self.positions is not None:
+            # This rank's rows of the tables, once: each forward then reads a slice, as without cp.
+            self.rotary.cos, self.rotary.sin = self.rotary.cos[self.positions], self.rotary.sin[self.positions]
         self.recompute_core = False
         self.batch_first = not (sp and tp > 1)  # the layout of its input and output (module docstring)
 
@@ -219,7 +219,7 @@ class Attention(nn.Module):
         n0, n1 = qkv.shape[:2]
         q, k, v = self.split_qkv(qkv, self.batch_first)
         if self.rotary is not None:
-            q, k = self.rotary(q, positions=self.positions), self.rotary(k, positions=self.positions)
+            q, k = self.rotary(q), self.rotary(k)
         if self.recompute_core:
             ctx = checkpoint(self.core, q, k, v, key, use_reentrant=False)
         else:

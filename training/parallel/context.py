@@ -179,11 +179,14 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv, works = pending
                 _Ring.finish(works)
-        out = torch.cat([acc["a"][0], acc["b"][0]], dim=-2)
         lse = torch.cat([acc["a"][1], acc["b"][1]], dim=-1)
+        # Stored [b, s, g, r, d] like SDPA's output: merging the heads after attention is then a view, and
+        # the projection's saved input is this same tensor (for fp32), not a second copy.
+        out = torch.cat([acc["a"][0], acc["b"][0]], dim=-2).to(dtype).permute(0, 3, 1, 2, 4).contiguous()
+        out = out.permute(0, 2, 3, 1, 4)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cpc, ctx.scale = cpc, scale
-        return out.to(dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -192,7 +195,7 @@ class RingAttention(torch.autograd.Function):
         me, n = cpc.cp_rank, cpc.cp
         c = q.shape[-2] // 2
         qf, dout = q.float(), dout.float()
-        delta = (dout * out).sum(-1)
+        delta = (dout * out.float()).sum(-1)
         kv = torch.stack([k.float(), v.float()]).contiguous()
         dq = torch.zeros_like(qf)
         dkv = torch.zeros_like(kv)  # the grads of the K/V this rank holds now (they travel with them)
