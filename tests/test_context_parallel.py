@@ -162,6 +162,10 @@ def _cases_2(base: str) -> Dict[str, Any]:
         gathered = _cfg(model, cp=2)
         gathered.parallel.cp_comm = "all_gather"
         out[f"{model}/cp2_all_gather"] = _run(gathered, os.path.join(base, model, "cp2_all_gather"), mesh)
+        # Recompute replays the ring inside backward (full: whole layers; selective: the attention core).
+        recompute = _cfg(model, cp=2)
+        recompute.parallel.recompute = "full" if model == "llama" else "selective"
+        out[f"{model}/cp2_recompute"] = _run(recompute, os.path.join(base, model, "cp2_recompute"), mesh)
     # Resume: the reference with checkpoints, then the same run stopped after step 2 and resumed.
     ref = _run(_cfg("llama", cp=2, steps=4), os.path.join(base, "resume", "ref"), mesh, True, False)
     run = os.path.join(base, "resume", "run")
@@ -201,7 +205,7 @@ def _assert_equivalent(got: Dict[str, Any], ref: Dict[str, Any], label: str) -> 
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("layout", ["cp2", "cp2_all_gather"])
+@pytest.mark.parametrize("layout", ["cp2", "cp2_all_gather", "cp2_recompute"])
 def test_cp2_reproduces_single_process(results, model, layout):
     single, two, _, _ = results
     for rank in two:  # every cp rank: the same loss and the same reduced grads
