@@ -71,6 +71,9 @@ class CPContext:
     """Global ranks of the group, by cp rank (the ring's order)."""
     comm: str = "ring"
     """ring | all_gather (parallel.cp_comm)."""
+    overlap: bool = True
+    """Ring: the next block's K/V exchange runs during this block's attention; False waits for it first
+    (bench/bench_context_parallel.py measures the difference)."""
 
     def positions(self, seq_length: int, device) -> torch.Tensor:
         """True positions of this rank's tokens."""
@@ -169,6 +172,8 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             src = (me - step) % n
             pending = ring.start(kv, step) if step < n - 1 else None  # the next block's K/V, while this one computes
+            if pending is not None and not cpc.overlap:
+                _Ring.finish(pending[1])
             for qp, kp, causal in ring_blocks(step, src, me):
                 out, lse = _block_forward(_part(qf, qp, c), _part(kv[0], kp, c), _part(kv[1], kp, c), scale, causal)
                 if qp == "ab":
@@ -204,6 +209,8 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             src = (me - step) % n
             pending = ring.start(kv, 2 * step) if step < n - 1 else None
+            if pending is not None and not cpc.overlap:
+                _Ring.finish(pending[1])
             mine = torch.zeros_like(kv)
             for qp, kp, causal in ring_blocks(step, src, me):
                 rows = slice(None) if qp == "ab" else (slice(0, c) if qp == "a" else slice(c, 2 * c))
@@ -218,6 +225,8 @@ class RingAttention(torch.autograd.Function):
                 _Ring.finish(works)
                 mine += dkv
             dkv_pending = ring.start(mine, 2 * step + 1)  # on towards the K/V's owner
+            if not cpc.overlap:
+                _Ring.finish(dkv_pending[1])
             if pending is not None:
                 kv, works = pending
                 _Ring.finish(works)
