@@ -95,8 +95,8 @@ def _divisors(n: int) -> List[int]:
 def layouts(cfg: Config) -> Iterator[Config]:
     """Every layout of cfg's model on cfg's cluster that the layout rules accept; tp beyond a node only up to
     twice the node (to show what TP across nodes costs); cp > 1 at long sequences (context_memory.search_cp)."""
-    m, c, par = cfg.model, cfg.cluster, cfg.parallel
-    world, B, L = c.nodes * c.gpus_per_node, par.global_batch, m.num_layers
+    m, c = cfg.model, cfg.cluster
+    world, L = c.nodes * c.gpus_per_node, m.num_layers
     for tp in _divisors(world):
         if tp > 2 * c.gpus_per_node or rules.tp_rules(m, tp):
             continue
