@@ -53,6 +53,17 @@ def _cfg(model: str, tp=1, pp=1, vpp=1, cp=1, dp=1, schedule="1f1b", zero=None, 
     return cfg
 
 
+def _with_eval(cfg: Config) -> Config:
+    """Held-out evaluation after the last step (forward only, on every rank)."""
+    cfg.train.eval_every, cfg.train.eval_iters = STEPS, 1
+    return cfg
+
+
+def _bf16(cfg: Config) -> Config:
+    cfg.train.precision = "bf16"
+    return cfg
+
+
 def _full_grads(trainer) -> Dict[str, np.ndarray]:
     """Every parameter's grad of the step's mean loss: model-parallel finalised, averaged over dp x cp, tp-assembled."""
     import torch.distributed as dist
@@ -87,7 +98,7 @@ def _run(cfg: Config, run_dir: str, mesh, checkpointing: bool = False, grads: bo
         g = _full_grads(trainer)
         trainer.optimizer.zero_grad()
     code = trainer.run()
-    return {"code": code, "losses": list(trainer.losses), "grads": g}
+    return {"code": code, "losses": list(trainer.losses), "grads": g, "eval": list(trainer.eval_losses)}
 
 
 MEMORY_SEQ = 256
@@ -155,10 +166,12 @@ def _cases_2(base: str) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     mesh = None
     for model in MODELS:
-        cfg = _cfg(model, cp=2)
+        cfg = _with_eval(_cfg(model, cp=2))
         mesh = _mesh(cfg)
         out[f"{model}/memory"] = _saved_activation_bytes(_memory_cfg(model, 2), mesh)
         out[f"{model}/cp2"] = _run(cfg, os.path.join(base, model, "cp2"), mesh)
+        out[f"{model}/cp2_bf16"] = _run(_bf16(_cfg(model, cp=2)), os.path.join(base, model, "cp2_bf16"), mesh,
+                                        grads=False)
         gathered = _cfg(model, cp=2)
         gathered.parallel.cp_comm = "all_gather"
         out[f"{model}/cp2_all_gather"] = _run(gathered, os.path.join(base, model, "cp2_all_gather"), mesh)
@@ -185,7 +198,9 @@ def results(tmp_path_factory):
     from training.mesh import ProcessMesh
 
     base = str(tmp_path_factory.mktemp("cp"))
-    single = {m: _run(_cfg(m), tempfile.mkdtemp(), ProcessMesh.single()) for m in MODELS}
+    single = {m: _run(_with_eval(_cfg(m)), tempfile.mkdtemp(), ProcessMesh.single()) for m in MODELS}
+    for m in MODELS:
+        single[m]["bf16"] = _run(_bf16(_cfg(m)), tempfile.mkdtemp(), ProcessMesh.single(), grads=False)
     for m in MODELS:
         single[m]["memory"] = _saved_activation_bytes(_memory_cfg(m, 1), ProcessMesh.single())
     two = run_distributed(_cases_2, 2, args=(base,), timeout_s=400)
@@ -211,6 +226,24 @@ def test_cp2_reproduces_single_process(results, model, layout):
     for rank in two:  # every cp rank: the same loss and the same reduced grads
         _assert_equivalent(rank[f"{model}/{layout}"], single[model], f"{model} {layout}")
     assert len(set(single[model]["losses"])) == STEPS  # the updates changed the model: the steps differ
+    if layout == "cp2":  # evaluation (forward only) over the cp group: the held-out loss of one process
+        ref = single[model]["eval"]
+        assert len(ref) == 1 and ref[0][0] == STEPS
+        for rank in two:
+            got = rank[f"{model}/cp2"]["eval"]
+            assert got[0][0] == ref[0][0] and abs(got[0][1] - ref[0][1]) <= 1e-5 * abs(ref[0][1]), (got, ref)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_cp2_bf16_tracks_the_bf16_single_process(results, model):
+    """bf16 at cp2 only moves where bf16 values are rounded (attention itself runs in fp32): within 1e-3."""
+    single, two, _, _ = results
+    ref = single[model]["bf16"]["losses"]
+    for rank in two:
+        got = rank[f"{model}/cp2_bf16"]["losses"]
+        assert len(got) == len(ref) == STEPS
+        for step, (a, b) in enumerate(zip(got, ref)):
+            assert abs(a - b) <= 1e-3 * abs(b), f"{model} bf16 cp2 step {step + 1}: {a} vs {b}"
 
 
 @pytest.mark.parametrize("model", MODELS)
