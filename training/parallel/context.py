@@ -150,9 +150,11 @@ class _Ring:
         return recv, works
 
     @staticmethod
-    def finish(works) -> None:
-        for w in works:
-            w.wait()
+    def finish(works: list) -> None:
+        """Wait for the exchange; the list is emptied, so a second call is a no-op (waiting twice on a gloo
+        send would wait for a send that never comes)."""
+        while works:
+            works.pop().wait()
 
 
 class RingAttention(torch.autograd.Function):
