@@ -179,6 +179,20 @@ def _cases_2(base: str) -> Dict[str, Any]:
         recompute = _cfg(model, cp=2)
         recompute.parallel.recompute = "full" if model == "llama" else "selective"
         out[f"{model}/cp2_recompute"] = _run(recompute, os.path.join(base, model, "cp2_recompute"), mesh)
+    # The engine's own layout rules: a rank started on a cp layout it cannot run refuses it, naming the fix.
+    from training.layout_rules import LayoutError
+    from training.loop import Trainer
+
+    refused = []
+    for change in ({"seq_length": 20}, {"dropout": 0.1}):
+        bad = _cfg("gpt", cp=2)
+        for k, v in change.items():
+            setattr(bad.model, k, v)
+        try:
+            Trainer(bad, os.path.join(base, "refused"), mesh, checkpointing=False)
+        except LayoutError as exc:
+            refused.append(str(exc))
+    out["refused"] = refused
     # Resume: the reference with checkpoints, then the same run stopped after step 2 and resumed.
     ref = _run(_cfg("llama", cp=2, steps=4), os.path.join(base, "resume", "ref"), mesh, True, False)
     run = os.path.join(base, "resume", "run")
@@ -256,6 +270,14 @@ def test_cp_layouts_reproduce_single_process(results, model, layout):
         _assert_equivalent(res, single[model], f"{model} {layout}")
         names |= set(res["grads"])
     assert names == set(single[model]["grads"]), f"{model} {layout}: every parameter's grad was compared"
+
+
+def test_engine_refuses_cp_layouts_it_cannot_run(results):
+    _, two, _, _ = results
+    for rank in two:
+        seq, dropout = rank["refused"]
+        assert "seq_length 20 is not divisible by 2 x cp = 4" in seq and "model.seq_length=24" in seq
+        assert "model.dropout=0" in dropout
 
 
 def test_cp2_resume_is_bit_exact(results):
