@@ -85,8 +85,30 @@ def _causal_bias(n: int, device) -> torch.Tensor:
     return torch.full((n, n), float("-inf"), device=device).triu_(1)
 
 
+# CPU: torch's fused attention kernel that also returns the log-sum-exp (and its backward, which takes the merged
+# output and log-sum-exp, exactly what a ring block needs); elsewhere the math below.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _fused(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and _CPU_FLASH is not None and _CPU_FLASH_BWD is not None
+
+
+def _heads(q, k, v):
+    """[b, g, r, s, d] queries and [b, g, 1, s, d] keys/values as [b, g r, s, d] each (keys repeated per query)."""
+    b, g, r, sq, d = q.shape
+    sk = k.shape[-2]
+    return (q.reshape(b, g * r, sq, d).contiguous(), k.expand(b, g, r, sk, d).reshape(b, g * r, sk, d).contiguous(),
+            v.expand(b, g, r, sk, d).reshape(b, g * r, sk, d).contiguous())
+
+
 def _block_forward(q, k, v, scale: float, causal: bool):
     """q [b, g, r, sq, d], k and v [b, g, 1, sk, d] (fp32) -> out [b, g, r, sq, d], lse [b, g, r, sq]."""
+    if _fused(q):
+        b, g, r, sq, d = q.shape
+        out, lse = _CPU_FLASH(*_heads(q, k, v), 0.0, causal, scale=scale)
+        return out.reshape(b, g, r, sq, d), lse.reshape(b, g, r, sq)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
         scores = scores + _causal_bias(scores.shape[-1], scores.device)
@@ -95,8 +117,17 @@ def _block_forward(q, k, v, scale: float, causal: bool):
     return torch.matmul(probs, v), lse
 
 
-def _block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool):
-    """Grads of one block given the merged output's lse and delta = rowsum(dout * out): (dq, dk, dv)."""
+def _block_backward(q, k, v, out, dout, lse, scale: float, causal: bool):
+    """Grads of one block given the merged output and log-sum-exp of its query rows: (dq, dk, dv)."""
+    b, g, r, sq, d = q.shape
+    if _fused(q):
+        sk = k.shape[-2]
+        dq, dk, dv = _CPU_FLASH_BWD(dout.reshape(b, g * r, sq, d).contiguous(), *_heads(q, k, v),
+                                    out.reshape(b, g * r, sq, d).contiguous(), lse.reshape(b, g * r, sq).contiguous(),
+                                    0.0, causal, scale=scale)
+        return (dq.reshape(b, g, r, sq, d), dk.reshape(b, g, r, sk, d).sum(2, keepdim=True),
+                dv.reshape(b, g, r, sk, d).sum(2, keepdim=True))
+    delta = (dout * out).sum(-1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
         scores = scores + _causal_bias(scores.shape[-1], scores.device)
@@ -201,8 +232,7 @@ class RingAttention(torch.autograd.Function):
         cpc, scale = ctx.cpc, ctx.scale
         me, n = cpc.cp_rank, cpc.cp
         c = q.shape[-2] // 2
-        qf, dout = q.float(), dout.float()
-        delta = (dout * out.float()).sum(-1)
+        qf, dout, outf = q.float(), dout.float(), out.float()
         kv = torch.stack([k.float(), v.float()]).contiguous()
         dq = torch.zeros_like(qf)
         dkv = torch.zeros_like(kv)  # the grads of the K/V this rank holds now (they travel with them)
@@ -218,7 +248,7 @@ class RingAttention(torch.autograd.Function):
                 rows = slice(None) if qp == "ab" else (slice(0, c) if qp == "a" else slice(c, 2 * c))
                 cols = slice(None) if kp == "ab" else (slice(0, c) if kp == "a" else slice(c, 2 * c))
                 g_q, g_k, g_v = _block_backward(qf[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
-                                                dout[..., rows, :], lse[..., rows], delta[..., rows], scale, causal)
+                                                outf[..., rows, :], dout[..., rows, :], lse[..., rows], scale, causal)
                 dq[..., rows, :] += g_q
                 mine[0][..., cols, :] += g_k
                 mine[1][..., cols, :] += g_v
