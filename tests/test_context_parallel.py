@@ -184,7 +184,7 @@ def _cases_2(base: str) -> Dict[str, Any]:
     from training.loop import Trainer
 
     refused = []
-    for change in ({"seq_length": 20}, {"dropout": 0.1}):
+    for change in ({"seq_length": 18}, {"dropout": 0.1}):
         bad = _cfg("gpt", cp=2)
         for k, v in change.items():
             setattr(bad.model, k, v)
@@ -276,7 +276,7 @@ def test_engine_refuses_cp_layouts_it_cannot_run(results):
     _, two, _, _ = results
     for rank in two:
         seq, dropout = rank["refused"]
-        assert "seq_length 20 is not divisible by 2 x cp = 4" in seq and "model.seq_length=24" in seq
+        assert "seq_length 18 is not divisible by 2 x cp = 4" in seq and "model.seq_length=20" in seq
         assert "model.dropout=0" in dropout
 
 
