@@ -167,7 +167,11 @@ def _reject_control_characters(argv: List[str]) -> None:
 
 def cli() -> None:
     """Console entry point: Hydra's composition errors exit with 2 like every other invalid input."""
+    from launcher.secret_args import hide_secret_args
+
     _reject_control_characters(sys.argv[1:])
+    # Before Hydra copies the overrides into its logs and files (launcher/secret_args.py).
+    sys.argv[1:] = hide_secret_args(sys.argv[1:])
     try:
         hydra_main()
     except SystemExit as exc:

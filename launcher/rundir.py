@@ -12,15 +12,16 @@ import yaml  # PyYAML, which OmegaConf itself depends on
 
 from training.config import Config, config_to_dict
 from training.run_files import write_atomic
-from training.secret_env import split_env, write_secrets
+from training.secret_env import split_given, write_secrets
 
 
 def write_config(cfg: Config, run_dir: str) -> None:
     """run_dir/config.json (what every rank reads) and run_dir/config.yaml (the same for people, docs/USER_CONTRACTS.md),
     each written to a temporary name and renamed (a reader never sees half a file). Secret env values
-    (cluster.secret_keys) are replaced by a placeholder and kept in run_dir/secrets.json (0600)."""
+    (cluster.secret_keys) are replaced by a placeholder and kept in run_dir/secrets.json (0600), with the
+    values the command line gave for placeholders (launcher/secret_args.py)."""
     os.makedirs(run_dir, exist_ok=True)
-    public, secret = split_env(cfg.cluster.env, cfg.cluster.secret_keys)
+    public, secret = split_given(cfg.cluster.env, cfg.cluster.secret_keys)
     write_secrets(run_dir, secret)
     cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, env=public))
     plain = config_to_dict(cfg)

@@ -55,3 +55,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
         spawning = _spawning_functions(str(path))
         if function.__name__ in spawning or spawning.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def slurm_jobs():
+    """A list the test appends each Slurm job id it submits to (an array's base id cancels every task);
+    they are cancelled when the test ends, passed or failed, so a failed test leaves nothing queued or
+    running for the tests after it (cancelling a finished job changes nothing)."""
+    import subprocess
+
+    jobs: list = []
+    yield jobs
+    if jobs:
+        subprocess.run(["scancel", *[str(j) for j in jobs]], capture_output=True, timeout=60)
