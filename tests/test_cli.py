@@ -1,5 +1,8 @@
 """`meshrun action=plan` as a user types it: plan.json on success; exit 2, a clear message and nothing
-written (but Hydra's log) on bad input; a `-m` sweep closes with one table and sweep.json."""
+written (but Hydra's log) on bad input; a `-m` sweep closes with one table and sweep.json.
+
+The installed command in a fresh interpreter once (test_plan_writes_plan_json, a subprocess); every other
+command runs in this process through the same entry point (tests/cli_harness.py), without ~2 s of start-up."""
 
 from __future__ import annotations
 
@@ -10,21 +13,29 @@ import sys
 
 import pytest
 
+from cli_harness import run_cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
     PYTHON = sys.executable
 
 
-def meshrun(*args: str, cwd: str) -> subprocess.CompletedProcess:
+def meshrun_subprocess(*args: str, cwd: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run([PYTHON, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
 
 
+def meshrun(*args: str, cwd: str):
+    """The same command in this process (tests/cli_harness.py): returncode, stdout, stderr."""
+    return run_cli(*args, cwd=cwd)
+
+
 def test_plan_writes_plan_json(tmp_path):
+    """The smoke test of the real command: a fresh interpreter, `python -m launcher`."""
     run = tmp_path / "run"
-    p = meshrun("action=plan", f"run.dir={run}", cwd=tmp_path)
+    p = meshrun_subprocess("action=plan", f"run.dir={run}", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert "GiB" in p.stdout or "MiB" in p.stdout
     plan = json.loads((run / "plan.json").read_text())

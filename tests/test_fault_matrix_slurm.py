@@ -346,15 +346,36 @@ def test_second_launch_on_a_running_run_dir_exits_2_and_a_dead_holder_is_taken_o
     assert read_holder(str(run_dir)).get("released")
 
 
+FROZEN_CLOCK = '''import datetime
+_real = datetime.datetime
+
+
+class _Frozen(_real):
+    """Every launch reads the same wall-clock instant, to the microsecond."""
+
+    @classmethod
+    def now(cls, tz=None):
+        return _real(2026, 1, 2, 3, 4, 5, 7, tzinfo=tz)
+
+
+datetime.datetime = _Frozen
+'''
+
+
 def test_default_run_dirs_differ_for_launches_in_the_same_second(tmp_path):
+    """Both launches read the same instant (a frozen clock in each, to the microsecond): the run directories
+    still differ, by the launches' pids."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(FROZEN_CLOCK)
+    env = {**os.environ, "PYTHONPATH": str(inject)}
     meshrun_bin = os.path.join(os.path.dirname(PY), "meshrun")
     procs = [subprocess.Popen([meshrun_bin, "action=plan"], cwd=str(tmp_path), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     dirs = sorted(os.listdir(tmp_path / "runs"))
-    assert len(dirs) == 2, dirs
-    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d-\d{6}-\d+", d) for d in dirs), dirs
+    assert dirs == sorted(f"2026-01-02_03-04-05-000007-{p.pid}" for p in procs), dirs
     for d in dirs:
         assert os.path.exists(tmp_path / "runs" / d / "plan.json")
         assert not os.path.exists(tmp_path / "runs" / d / LOCK_FILE) or read_holder(str(tmp_path / "runs" / d))[

@@ -40,6 +40,16 @@ def _wait(predicate, timeout, what):
     raise AssertionError(f"{what} not within {timeout} s")
 
 
+def _ended_records(job: str):
+    """The states of every accounting record of the job (requeued instances included), once the last one
+    has ended; None while it has not."""
+    res = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job], capture_output=True,
+                         text=True, timeout=30)
+    states = [line.split()[0] for line in res.stdout.splitlines() if line.strip()]
+    ended = states and states[-1] not in ("PENDING", "RUNNING", "REQUEUED", "SUSPENDED", "COMPLETING")
+    return states if ended else None
+
+
 def _logged_steps(run_dir) -> int:
     path = os.path.join(str(run_dir), "metrics.jsonl")
     if not os.path.exists(path):
@@ -81,9 +91,11 @@ def test_logs_then_cancel_saves_a_complete_checkpoint_and_never_requeues(tmp_pat
     assert any(e["event"] == "checkpoint" and e["step"] == step and e["reason"] == "SIGUSR2" for e in events)
     assert verify(step_dir(str(run), step)).ok
     assert not any(e["event"] == "requeued" for e in events)
-    # Not requeued: the job has left the queue for good and the run stays cancelled.
+    # Not requeued: the job has left the queue for good, and Slurm's accounting holds one record of it, ended
+    # CANCELLED (a requeue would have left a REQUEUED record before it: sacct --duplicates lists both).
     _wait(lambda: status_mod.job_alive(job) is False, 120, "the job to leave the queue")
-    time.sleep(3)
+    records = _wait(lambda: _ended_records(job), 120, "Slurm's accounting to record the job's end")
+    assert records == ["CANCELLED"], records
     assert not any(e["event"] in ("requeued", "started") for e in read_events(str(run))[len(events):])
     final = json.loads(meshrun("action=status", f"run.dir={run}").stdout)
     assert final["state"] == "CANCELLED" and final["eta_s"] is None

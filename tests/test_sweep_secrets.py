@@ -17,7 +17,9 @@ import pytest
 
 from training.secret_env import PLACEHOLDER
 
-from test_slurm_cluster import cluster  # noqa: F401 - the dev cluster fixture (a loud skip when it cannot run)
+import test_slurm_cluster as dev
+
+cluster = dev.cluster  # the dev cluster fixture (started if needed; a loud skip when it cannot run here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "hf_sw33p-s3cr3t-4c2e"
@@ -138,8 +140,6 @@ def test_slurm_array_rank_reads_the_secret_and_a_relaunch_resolves_it(tmp_path, 
     secrets.json (the job's environment has no HF_TOKEN); then `meshrun run.dir=POINT train.steps=4` with
     no secret anywhere on its command line relaunches the point, and its rank gets the value
     again (from secrets.json alone: that command line gave no value)."""
-    from test_slurm_cluster import wait_final
-
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(PROBE)
@@ -164,7 +164,7 @@ def test_slurm_array_rank_reads_the_secret_and_a_relaunch_resolves_it(tmp_path, 
     assert len(jobs) == 2 and len({job for job, _ in jobs}) == 1, p.stdout  # one job array, two tasks
     assert SECRET not in p.stdout + p.stderr
     for _, point in jobs:
-        assert wait_final(point)["state"] == "COMPLETED"
+        assert dev.wait_final(point)["state"] == "COMPLETED"
     got = [open(probes / f).read() for f in sorted(os.listdir(probes))]
     assert got == [repr(SECRET)] * 2, got
     point = jobs[0][1]
@@ -172,6 +172,6 @@ def test_slurm_array_rank_reads_the_secret_and_a_relaunch_resolves_it(tmp_path, 
     job = re.search(r"submitted Slurm job (\d+)", p.stdout)
     slurm_jobs.extend([job.group(1)] if job else [])
     assert p.returncode == 0 and job, p.stdout[-2000:] + p.stderr[-3000:]
-    assert wait_final(point)["state"] == "COMPLETED"
+    assert dev.wait_final(point)["state"] == "COMPLETED"
     assert open(probes / f"probe-{job.group(1)}").read() == repr(SECRET)
     assert_only_in_secrets_files(sweep, [d for _, d in jobs])  # logs, events, checkpoints, batch scripts
