@@ -10,7 +10,7 @@ rank), never at the barrier.
 from __future__ import annotations
 
 import os
-import time
+import threading
 import zlib
 
 import numpy as np
@@ -76,20 +76,26 @@ def test_snapshot_is_bit_exact_when_the_state_changes_right_after_the_barrier(tm
     run = str(tmp_path)
     _, _, model, opt, ck = _build(run)
     copy = HostStager.copy
+    release, done = threading.Event(), threading.Event()
 
-    def slow_copy(self):  # a copy still running when save() returns: only the barrier keeps it exact
-        time.sleep(0.2)
+    def held_copy(self):  # a copy still running when save() returns: only the barrier keeps it exact
+        release.wait(timeout=60)  # held until the test lets it go (a save that waited for it would wait 60 s)
         copy(self)
+        done.set()
 
-    monkeypatch.setattr(HostStager, "copy", slow_copy)
+    monkeypatch.setattr(HostStager, "copy", held_copy)
     ck.wait_staged()  # the loop's barrier of the step before the save: nothing pending, returns at once
     expected = {}
     for step in (1, 2):
         _randomise(model, opt, seed=step)
         expected[step] = _snapshot(model, opt)
+        release.clear()
+        done.clear()
         stats = ck.save(step, [model], opt, {"consumed_samples": 8 * step})
+        assert not done.is_set()  # save() returned with the copy still to run
+        release.set()  # the copy goes on in the background now
         waited = ck.wait_staged()
-        assert waited > 0.1  # the copy ran in the background, after save() returned
+        assert done.is_set()  # the barrier returned once the copy had finished
         _mutate(model, opt)  # the optimizer step, right after the barrier
         assert ck.wait() is stats
         assert stats.blocked_s >= waited >= 0 and stats.total_s >= stats.blocked_s

@@ -17,7 +17,7 @@ import megatron_format as mf
 from launcher.prepare import prepare
 from training.config import Config, PrepareConfig
 from training.data import BatchSampler, DataError, make_eval_source, make_source
-from training.data.blend import BlendedSource, Permutation, block_counts
+from training.data.blend import BlendedSource, Permutation
 from training.data.indexed import open_dataset
 from training.tokenizer import load_tokenizer
 
@@ -136,9 +136,15 @@ def test_blend_matches_weights_within_one_percent(tmp_path):
     share = counts / counts.sum()
     for s, w in zip(share, weights):
         assert abs(s - w) <= 0.01 * w, (share, weights)
-    # Without weights: each dataset's share of the tokens.
+    # Without weights: each dataset's share of the tokens (20, 30 and 40 documents of 37 tokens: 2/9, 3/9, 4/9),
+    # counted in the samples drawn.
     plain = make_source(_cfg(prefixes), "")
-    assert plain.counts == block_counts([20 * 37, 30 * 37, 40 * 37])
+    counts = np.zeros(3)
+    for i in range(9_000):
+        counts[int(plain.sample(i)[0]) // 10000] += 1
+    tokens = np.array([20 * 37, 30 * 37, 40 * 37])
+    for s, w in zip(counts / counts.sum(), tokens / tokens.sum()):
+        assert abs(s - w) <= 0.01 * w, (counts, tokens)
 
 
 def test_permutation_is_a_bijection():
@@ -163,9 +169,21 @@ def test_eval_source_reads_the_held_out_split(tmp_path):
     cfg = _cfg([out], seq=8)
     cfg.train.eval_every = 1
     held_out = mf.read(out + ".valid")["flat"]
-    row = make_eval_source(cfg).sample(0)
-    text = held_out.tobytes()
-    assert np.asarray(row, dtype=np.uint16).tobytes() in text
+    row = np.asarray(make_eval_source(cfg).sample(0), dtype=np.uint16)
+    assert _at(held_out, row)
+    # ... and is no training sample: not in the training split's tokens, not among the samples training draws.
+    train_flat = mf.read(out)["flat"]
+    assert len(train_flat) > 4 * len(row) and not _at(train_flat, row)
+    train = make_source(cfg, "")
+    drawn = [np.asarray(train.sample(i), dtype=np.uint16) for i in range(len(train_flat) // len(row) * 2)]
+    assert drawn and all(d.shape == row.shape for d in drawn)
+    assert not any(np.array_equal(d, row) for d in drawn)
+
+
+def _at(flat: np.ndarray, row: np.ndarray) -> bool:
+    """Whether row occurs in flat at some token position."""
+    windows = np.lib.stride_tricks.sliding_window_view(flat, len(row))
+    return bool((windows == row).all(axis=1).any())
 
 
 # ---- what is wrong with a dataset is named, with the fix ---------------------------------------------------

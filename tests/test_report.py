@@ -48,6 +48,7 @@ def run_dir(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow  # run_dir trains (two CLI launches)
 def test_report_of_a_run(run_dir):
     p = meshrun("action=report", f"run.dir={run_dir}", cwd=os.path.dirname(run_dir))
     assert p.returncode == 0, p.stderr[-3000:]
@@ -73,6 +74,7 @@ def test_report_of_a_run(run_dir):
     assert sum(k == "attempt" and lb.startswith("attempt") for k, lb in labels) >= 1 and unplaced == []
 
 
+@pytest.mark.slow  # run_dir trains
 def test_report_of_a_sweep(run_dir, tmp_path):
     sweep = tmp_path / "sweep"
     p = meshrun("-m", "action=plan", *TINY, "cluster.gpus_per_node=2", "parallel.dp=null", "parallel.tp=1,2",
@@ -124,6 +126,7 @@ _PROBE = """<script>window.addEventListener('load', () => {
 });</script>"""
 
 
+@pytest.mark.slow  # run_dir trains
 def test_report_renders_every_image_in_a_headless_browser(run_dir, tmp_path):
     browser = chromium()
     p = meshrun("action=report", f"run.dir={run_dir}", cwd=tmp_path)
