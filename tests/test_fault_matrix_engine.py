@@ -190,11 +190,36 @@ def test_rollback_is_never_undone_by_auto_and_keeps_the_newer_checkpoints(base, 
     assert os.listdir(base_abandoned) == [name]
 
 
+# The rank waits before its 4th step until the stop signal has arrived (at most 120 s): the signal lands
+# mid-run however slow or fast the machine is, instead of within a few seconds' window of a 200-step run.
+HOLD_FOR_SIGNAL = '''import sys
+if "training.main" in getattr(sys, "orig_argv", []):
+    import time
+    import training.loop
+    from training.checkpoint import signals
+    real = training.loop.Trainer.train_step
+
+    def step(self, *args, **kwargs):
+        if self.state.step == 3:
+            deadline = time.monotonic() + 120
+            while signals.received() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return real(self, *args, **kwargs)
+
+    training.loop.Trainer.train_step = step
+'''
+
+
 def test_sigterm_stops_at_a_checkpoint_and_resumes_exactly(base, tmp_path):
     _, ref = base
     run = str(tmp_path / "run")
     _write_config(run)
-    proc = subprocess.Popen([sys.executable, "-m", "training.main", run], cwd=ROOT, env=_env(),
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(HOLD_FOR_SIGNAL)
+    env = _env()
+    env["PYTHONPATH"] = f"{inject}{os.pathsep}{env['PYTHONPATH']}"
+    proc = subprocess.Popen([sys.executable, "-m", "training.main", run], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while len(_losses(run)) < 3 and proc.poll() is None and time.monotonic() < deadline:
