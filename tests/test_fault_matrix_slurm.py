@@ -229,16 +229,6 @@ def test_slurm_commands_time_out(tmp_path, monkeypatch):
     with pytest.raises(slurm_env.SlurmUnavailable, match="did not answer within 1 s"):
         submit_mod.submit_job(cfg, str(tmp_path / "run"))
     assert time.time() - t0 < 30
-    # Every Slurm client call of the launcher and the ranks goes through one of those two.
-    pattern = re.compile(r"""["'](squeue|scontrol|sacct|sbatch|sinfo|scancel)["']""")
-    for pkg in ("launcher", "training"):
-        for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
-            for name in files:
-                if name.endswith(".py"):
-                    for line in open(os.path.join(dirpath, name)):
-                        if pattern.search(line) and not line.lstrip().startswith(("#", '"', "'")):
-                            assert "slurm_command(" in line or "_run(" in line or "timeout" in line or \
-                                "sbatch\", str(" in line, f"{name}: {line.strip()}"
 
 
 # ------------------------------------------------------------------------------- 8, 11, 1: requeue decisions

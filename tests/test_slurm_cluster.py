@@ -211,17 +211,49 @@ def test_max_retries_reached_stops(tmp_path, cluster):
     assert kinds.count("started") == 1 and kinds[-2:] == ["failed", "stopped"]
 
 
-def test_sweep_submits_valid_points_as_one_job_array_and_skips_invalid(tmp_path, cluster):
+# Every rank waits before its 4th step until it got a stop signal or the file named by HOLD_RELEASE exists (at
+# most 120 s): a signal sent after step 3 lands mid-run however fast the steps are.
+HOLD = '''import os, sys
+if "training.main" in getattr(sys, "orig_argv", []):
+    import time
+    import training.loop
+    from training.checkpoint import signals
+    real = training.loop.Trainer.train_step
+
+    def step(self, *args, **kwargs):
+        if self.state.step == 3:
+            deadline = time.monotonic() + 120
+            while (signals.received() is None and not os.path.exists(os.environ["HOLD_RELEASE"])
+                   and time.monotonic() < deadline):
+                time.sleep(0.02)
+        return real(self, *args, **kwargs)
+
+    training.loop.Trainer.train_step = step
+'''
+
+
+def hold_env(tmp_path) -> dict:
+    """The environment that makes every rank wait before step 4 (HOLD); create env["HOLD_RELEASE"] to let go."""
+    inject = tmp_path / "inject_hold"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(HOLD)
+    return {"PYTHONPATH": f"{inject}{os.pathsep}{ROOT}", "HOLD_RELEASE": str(tmp_path / "release")}
+
+
+def test_sweep_submits_valid_points_as_one_job_array_and_skips_invalid(tmp_path, cluster, slurm_jobs):
     """4 points, micro_batch=3 invalid: 3 submitted as one job array; one array task preempted (USR2)
     requeues on its own and resumes without running a step twice; all 3 complete."""
     sweep_dir = tmp_path / "sweep"
-    steps = 16  # the preempted point must still be running when USR2 lands (steps can take 40 ms)
+    steps = 16
+    env = hold_env(tmp_path)  # the preempted point is still running when USR2 lands: it waits for it
     res = meshrun("-m", "cluster=slurm_dev", "cluster.nodes=1", "cluster.gpus_per_node=1", "model=tiny",
                   "data=synthetic", "parallel.tp=1", "parallel.sp=false", "parallel.zero=0",
                   "parallel.global_batch=8", "parallel.micro_batch=1,2,4,3", f"train.steps={steps}",
-                  "train.checkpoint_every=2", "train.log_every=1", f"hydra.sweep.dir={sweep_dir}", timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+                  "train.checkpoint_every=2", "train.log_every=1", f"hydra.sweep.dir={sweep_dir}", timeout=300,
+                  env=env)
     jobs = re.findall(r"submitted Slurm job (\d+_\d+); run dir (\S+)", res.stdout)
+    slurm_jobs.extend(sorted({job.split("_")[0] for job, _ in jobs}))
+    assert res.returncode == 0, res.stderr[-3000:]
     assert len(jobs) == 3, res.stdout
     assert "micro_batch=3" in res.stdout + res.stderr
     assert len({job.split("_")[0] for job, _ in jobs}) == 1  # one sbatch: tasks <array>_0.._2
@@ -231,6 +263,7 @@ def test_sweep_submits_valid_points_as_one_job_array_and_skips_invalid(tmp_path,
     preempted_job, preempted = jobs[1]
     wait_step(preempted, 3)
     subprocess.run(["scancel", "--signal=USR2", preempted_job], check=True)
+    open(env["HOLD_RELEASE"], "w").close()  # the other points go on
     for job, run_dir in jobs:
         status = wait_final(run_dir)
         assert status["state"] == "COMPLETED" and status["job_id"] == job, (run_dir, status)
