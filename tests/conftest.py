@@ -62,9 +62,25 @@ def slurm_jobs():
     """A list the test appends each Slurm job id it submits to (an array's base id cancels every task);
     they are cancelled when the test ends, passed or failed, so a failed test leaves nothing queued or
     running for the tests after it (cancelling a finished job changes nothing)."""
-    import subprocess
+    import noted_jobs as noted
 
     jobs: list = []
     yield jobs
-    if jobs:
-        subprocess.run(["scancel", *[str(j) for j in jobs]], capture_output=True, timeout=60)
+    noted.cancel(jobs)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that failed (in setup or in its body) cancels the Slurm jobs noted while it ran
+    (tests/noted_jobs.py: every job tests/test_slurm_cluster.py's meshrun() saw submitted)."""
+    outcome = yield
+    report = outcome.get_result()
+    import sys
+
+    noted = sys.modules.get("noted_jobs")
+    if noted is None:
+        return
+    if report.failed and report.when in ("setup", "call"):
+        noted.cancel(noted.submitted)
+    if report.when == "teardown" or report.failed:
+        noted.submitted.clear()

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+import noted_jobs
 from launcher.status import run_status
 from training.events import read_events
 from training.exit_codes import EXIT_SLURM
@@ -52,8 +53,12 @@ def cluster():
 
 
 def meshrun(*overrides, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "launcher", *overrides], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    """`meshrun` in a subprocess; every Slurm job it says it submitted is noted (tests/noted_jobs.py), so a
+    test that fails leaves none of them queued or running (tests/conftest.py cancels them)."""
+    res = subprocess.run([sys.executable, "-m", "launcher", *overrides], cwd=ROOT, capture_output=True,
+                         text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    noted_jobs.note(res.stdout)
+    return res
 
 
 def submit(run_dir, *overrides):
