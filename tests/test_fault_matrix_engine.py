@@ -117,6 +117,7 @@ class _RunsCommand:
         return (os.system, (self.cmd,))
 
 
+@pytest.mark.slow  # base trains (training.main in a subprocess)
 def test_crafted_metadata_pickle_exits_2_and_runs_nothing(base, tmp_path):
     run = _copy(base[0], str(tmp_path / "run"))
     canary = tmp_path / "canary"
@@ -134,6 +135,7 @@ def test_crafted_metadata_pickle_exits_2_and_runs_nothing(base, tmp_path):
     assert _losses(run) == {}  # nothing trained on top of a checkpoint that could not be trusted
 
 
+@pytest.mark.slow  # base trains (training.main in a subprocess)
 def test_same_size_shard_damage_resumes_the_previous_checkpoint(base, tmp_path):
     base_dir, ref = base
     run = _copy(base_dir, str(tmp_path / "run"))
@@ -156,6 +158,7 @@ def test_same_size_shard_damage_resumes_the_previous_checkpoint(base, tmp_path):
     assert storage.verify(storage.step_dir(run, 200)).ok and storage.history(run) == [200, 100]
 
 
+@pytest.mark.slow  # base trains (training.main in a subprocess)
 def test_symlink_in_checkpoint_with_explicit_resume_exits_2(base, tmp_path):
     run = _copy(base[0], str(tmp_path / "run"))
     newest = storage.step_dir(run, 200)
@@ -170,6 +173,7 @@ def test_symlink_in_checkpoint_with_explicit_resume_exits_2(base, tmp_path):
     assert os.path.exists(outside) and storage.list_steps(run) == [200, 100]  # nothing followed or deleted
 
 
+@pytest.mark.slow  # base trains (training.main in a subprocess)
 def test_rollback_is_never_undone_by_auto_and_keeps_the_newer_checkpoints(base, tmp_path):
     base_dir, ref = base
     run = _copy(base_dir, str(tmp_path / "run"))
@@ -210,6 +214,7 @@ if "training.main" in getattr(sys, "orig_argv", []):
 '''
 
 
+@pytest.mark.slow  # base trains (training.main in a subprocess)
 def test_sigterm_stops_at_a_checkpoint_and_resumes_exactly(base, tmp_path):
     _, ref = base
     run = str(tmp_path / "run")

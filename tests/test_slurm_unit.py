@@ -437,6 +437,7 @@ def _exit_under_signal_storm(stage: str) -> int:
     return p.wait()
 
 
+@pytest.mark.slow  # starts rank processes under a signal storm
 def test_late_stop_signal_cannot_kill_a_rank_after_its_final_save():
     # Python turns its handlers back into the default action (terminate) during interpreter shutdown:
     # with only the flag handler, a late Slurm signal kills a rank that had finished cleanly ...

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from omegaconf import OmegaConf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,6 +112,7 @@ LAUNCHERS = {  # Hydra launchers that run points in this process, in joblib work
 }
 
 
+@pytest.mark.slow  # joblib workers and submitit jobs: processes of their own
 def test_every_hydra_launcher_gives_the_same_summary(tmp_path):
     """The summary and sweep.json come from what each point wrote in its own directory, read in the
     parent process: identical with meshrun's launcher, basic, joblib and submitit's local launcher."""

@@ -60,7 +60,9 @@ def assert_only_in_secrets_files(root, run_dirs):
         assert json.load(open(path)) == {"HF_TOKEN": SECRET}
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+# Launchers that start worker processes are in the slow set (`make check` keeps the in-process ones).
+@pytest.mark.parametrize("launcher", [pytest.param(name, marks=[pytest.mark.slow] if name in ("joblib", "submitit_local")
+                                                   else []) for name in LAUNCHERS])
 def test_sweep_keeps_a_secret_out_of_its_files_and_output(tmp_path, launcher):
     sweep = tmp_path / "sweep"
     p = meshrun("-m", "action=plan", f"+cluster.env.HF_TOKEN={SECRET}", "+cluster.env.NCCL_DEBUG=WARN",
