@@ -97,6 +97,16 @@ def consecutive_block_group(size: int, timeout_s: Optional[float] = None) -> Any
     return group
 
 
+def local_cuda_index(local_rank: int) -> int:
+    """The CUDA device of this local rank: local_rank modulo the devices this process sees. Slurm's
+    --gpus-per-task / cgroup binding shows each task only its own GPU(s), renumbered from 0, so cuda:LOCAL_RANK
+    would name a device that does not exist for every local rank past the first."""
+    count = torch.cuda.device_count()
+    if count < 1:
+        raise RuntimeError("cluster.device=cuda but torch sees no CUDA device (CUDA_VISIBLE_DEVICES, driver?)")
+    return local_rank % count
+
+
 def _env_int(name: str) -> int:
     value = os.environ.get(name)
     if value is None:
@@ -192,8 +202,7 @@ class ProcessMesh:
                 "set parallel.dp (or the number of ranks) so that the product equals the world size"
             )
         if backend == "nccl":
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            device = torch.device("cuda", local_rank)
+            device = torch.device("cuda", local_cuda_index(int(os.environ.get("LOCAL_RANK", "0"))))
             torch.cuda.set_device(device)
         elif backend == "gloo":
             device = torch.device("cpu")

@@ -12,6 +12,9 @@ A node's values: "*" first, then its own entry. Keys (defaults in DEFAULTS): uti
 memory_total (bytes), temperature (C), power_w, throttle (names of nvmlClocksThrottleReason* bits, or the mask),
 ecc_uncorrected (volatile uncorrectable ECC errors), remapped_uncorrectable, remap_pending, retired_pages, and
 xid: [[gpu, xid], ...], Xid events delivered once each through the NVML event-set calls (training/observe/xid.py).
+The preflight's queries (training/preflight/gpu_nvml.py, bench/gpu_preflight.sh --dry) read more keys: driver,
+cuda_driver (NVML's 1000*major + 10*minor), name, slowdown_c, pcie ([gen, max gen, width, max width]),
+nvlinks (active links), processes ([{"pid", "used"}] on every GPU), mig (1: MIG mode on).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any, Dict
 DEFAULTS: Dict[str, Any] = {
     "utilization": 90, "memory_used": 40 * 2**30, "memory_total": 80 * 2**30, "temperature": 45, "power_w": 400.0,
     "throttle": 0, "ecc_uncorrected": 0, "remapped_uncorrectable": 0, "remap_pending": 0, "retired_pages": 0,
+    "driver": "550.54.15", "cuda_driver": 12040, "name": "NVML double", "slowdown_c": 87, "pcie": [5, 5, 16, 16],
+    "nvlinks": 0, "processes": [], "mig": 0,
 }
 
 
@@ -120,4 +125,37 @@ def make_nvml_double(path: str, node: str):
 
     m.nvmlEventSetWait_v2 = event_wait
     m.nvmlEventSetWait = event_wait
+    _add_preflight_queries(m, pynvml, values)
     return m
+
+
+def _add_preflight_queries(m, pynvml, values) -> None:
+    """The queries of the preflight's GPU checks (training/preflight/gpu_nvml.py), from the same values."""
+
+    def err(code):
+        raise pynvml.NVMLError(code)
+
+    m.nvmlSystemGetDriverVersion = lambda: values()["driver"]
+    m.nvmlSystemGetCudaDriverVersion = lambda: int(values()["cuda_driver"])
+    m.nvmlDeviceGetName = lambda h: values()["name"]
+    m.nvmlDeviceGetUUID = lambda h: f"GPU-00000000-0000-0000-0000-{h:012d}"
+    m.nvmlDeviceGetPciInfo = lambda h: types.SimpleNamespace(busId=f"00000000:{0x18 + h:02X}:00.0".encode())
+
+    def ecc(h, etype, counter):
+        assert etype == pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+        return values()["ecc_uncorrected"]
+
+    m.nvmlDeviceGetTotalEccErrors = ecc
+    m.nvmlDeviceGetRetiredPagesPendingStatus = lambda h: (pynvml.NVML_FEATURE_ENABLED if values()["retired_pages"]
+                                                          else pynvml.NVML_FEATURE_DISABLED)
+    m.nvmlDeviceGetTemperatureThreshold = lambda h, kind: values()["slowdown_c"]
+    m.nvmlDeviceGetCurrPcieLinkGeneration = lambda h: values()["pcie"][0]
+    m.nvmlDeviceGetMaxPcieLinkGeneration = lambda h: values()["pcie"][1]
+    m.nvmlDeviceGetCurrPcieLinkWidth = lambda h: values()["pcie"][2]
+    m.nvmlDeviceGetMaxPcieLinkWidth = lambda h: values()["pcie"][3]
+    m.nvmlDeviceGetNvLinkState = lambda h, link: (pynvml.NVML_FEATURE_ENABLED if link < int(values()["nvlinks"])
+                                                  else err(pynvml.NVML_ERROR_NOT_SUPPORTED))
+    m.nvmlDeviceGetComputeRunningProcesses = lambda h: [types.SimpleNamespace(pid=int(p["pid"]),
+                                                                              usedGpuMemory=int(p["used"]))
+                                                        for p in values()["processes"]]
+    m.nvmlDeviceGetMigMode = lambda h: [int(values()["mig"]), int(values()["mig"])]

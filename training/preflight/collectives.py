@@ -108,6 +108,21 @@ def run_sweep(rank: int, world: int, per_node: int, sizes_mb: List[float], iters
     return results
 
 
+GPU_BUSBW_MB = 256.0
+"""Smallest largest-message size (MB) of the sweep on GPUs: NVLink all-reduce reaches its bus bandwidth only
+with messages of tens to hundreds of MB (at 1-8 MB launch and protocol latency dominate), and check_bandwidth
+judges the largest size against busbw_intra_gbps / busbw_inter_gbps."""
+
+
+def sweep_sizes_mb(sizes_mb: List[float], on_gpu: bool) -> List[float]:
+    """The sweep's message sizes: cluster.preflight.collective_sizes_mb, plus GPU_BUSBW_MB on GPUs when the
+    configured sizes stop short of it (the CPU default of 1 and 8 MB only checks that collectives work)."""
+    sizes = sorted(float(s) for s in sizes_mb)
+    if on_gpu and (not sizes or sizes[-1] < GPU_BUSBW_MB):
+        sizes.append(GPU_BUSBW_MB)
+    return sizes
+
+
 def check_bandwidth(results: List[Dict[str, Any]], node_of_rank: List[str],
                     intra_gbps: float, inter_gbps: float, min_fraction: float) -> List[Check]:
     """One check per (block, op) at its largest size; all-reduce busbw against the expected rate."""
@@ -152,15 +167,19 @@ def check_versions(per_rank: List[Dict[str, Any]], expected_nccl: str) -> List[C
     """Every rank must agree on torch/CUDA/NCCL/driver; ranks off the majority mark their node bad."""
     checks = []
     for key in ("torch", "cuda", "nccl", "driver"):
-        values = [r["versions"].get(key) for r in per_rank]
+        ranks = per_rank
+        if key == "driver":
+            # Only each node's leader reads NVML; the other ranks of a node report no driver and agree with it.
+            ranks = [r for r in per_rank if r["versions"].get(key) is not None] or per_rank
+        values = [r["versions"].get(key) for r in ranks]
         majority, _ = Counter(values).most_common(1)[0]
-        odd = [r for r in per_rank if r["versions"].get(key) != majority]
+        odd = [r for r in ranks if r["versions"].get(key) != majority]
         for r in odd:
             checks.append(fail(f"version.{key}", f"rank {r['rank']} differs from the other ranks",
                                subject=f"rank{r['rank']}", node=r["node"], found=r["versions"].get(key),
                                expected=majority))
         if not odd:
-            checks.append(ok(f"version.{key}", f"same on all {len(per_rank)} ranks", found=majority))
+            checks.append(ok(f"version.{key}", f"same on all {len(ranks)} ranks", found=majority))
     if expected_nccl:
         for r in per_rank:
             v = r["versions"].get("nccl") or ""

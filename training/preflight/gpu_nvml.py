@@ -32,7 +32,30 @@ def load_nvml():
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
         return None, f"NVML unavailable: {exc}"
+    except Exception as exc:  # noqa: BLE001 - pynvml's NVMLLibraryMismatchError is no NVMLError subclass
+        return None, f"NVML unavailable ({type(exc).__name__}: {exc}): nvidia-ml-py and the driver disagree"
     return pynvml, ""
+
+
+def job_gpu_indices(nvml, count: int, visible: Optional[str] = None) -> List[int]:
+    """NVML indices of the GPUs this job owns. NVML lists every GPU of the node, also those a scheduler gave
+    to other jobs; CUDA_VISIBLE_DEVICES names the job's own, by UUID (GPU-...) or by index. Unset or empty
+    entries: every GPU. MIG-... entries cannot be mapped to a whole GPU and leave the list as NVML gives it
+    (the per-GPU MIG check refuses such GPUs)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    entries = [e.strip() for e in (visible or "").split(",") if e.strip()]
+    if not entries or any(e.startswith("MIG-") for e in entries):
+        return list(range(count))
+    if all(e.isdigit() for e in entries):
+        wanted = sorted({int(e) for e in entries if int(e) < count})
+        return wanted or list(range(count))
+    uuids = {}
+    for i in range(count):
+        try:
+            uuids[_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)))] = i
+        except nvml.NVMLError:
+            continue
+    return sorted(uuids[e] for e in entries if e in uuids) or list(range(count))
 
 
 def _text(value: Any) -> str:
@@ -76,7 +99,9 @@ def check_gpus(nvml, pf, gpus_per_node: int, node: str, own_pids: Optional[set] 
         c.node = node
         checks.append(c)
 
-    count = nvml.nvmlDeviceGetCount()
+    total = nvml.nvmlDeviceGetCount()
+    indices = job_gpu_indices(nvml, total)
+    count = len(indices)
     facts["gpu_count"] = count
     if count != gpus_per_node:
         add(fail("gpu.count", "device count differs from cluster.gpus_per_node (a GPU fell off the bus?)",
@@ -99,7 +124,7 @@ def check_gpus(nvml, pf, gpus_per_node: int, node: str, own_pids: Optional[set] 
         add(fail("gpu.cuda_driver", "CUDA driver version differs from cluster.preflight.cuda_driver_version",
                  found=cuda, expected=pf.cuda_driver_version))
 
-    for i in range(count):
+    for i in indices:
         gpu = f"gpu{i}"
         try:
             h = nvml.nvmlDeviceGetHandleByIndex(i)
@@ -161,9 +186,17 @@ def _check_one(nvml, pf, h, own_pids) -> List[Check]:
     else:
         out.append(ok("gpu.temperature", found=temp, expected=f"< {limit}" if limit else None))
 
-    fn = ("nvmlDeviceGetCurrentClocksEventReasons" if hasattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons")
-          else "nvmlDeviceGetCurrentClocksThrottleReasons")
-    mask, why = _try(nvml, fn, h)
+    mig = _mig_check(nvml, h)
+    if mig is not None:
+        out.append(mig)
+    mask, why = None, "not supported"
+    # "Clocks event reasons" since driver R535; older drivers answer FUNCTION_NOT_FOUND for that name (a new
+    # nvidia-ml-py has both), so the older throttle-reasons call is asked next.
+    for fn in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
+        if hasattr(nvml, fn):
+            mask, why = _try(nvml, fn, h)
+            if why is None:
+                break
     active = [label for const, label in _BAD_THROTTLE if mask and mask & getattr(nvml, const)]
     if active:
         out.append(fail("gpu.throttle", "clocks held down by " + ", ".join(active), found=active, expected=[]))
@@ -197,6 +230,20 @@ def _check_one(nvml, pf, h, own_pids) -> List[Check]:
     else:
         out.append(ok("gpu.foreign_memory", found=round(used_mb), expected=f"<= {pf.max_used_gpu_memory_mb:g} MiB"))
     return out
+
+
+def _mig_check(nvml, h) -> Optional[Check]:
+    """MIG mode on: the GPU is split into instances that meshrun's one-rank-per-GPU layout does not address."""
+    if not hasattr(nvml, "nvmlDeviceGetMigMode"):
+        return None
+    mode, why = _try(nvml, "nvmlDeviceGetMigMode", h)
+    if why or mode is None:
+        return ok("gpu.mig", f"MIG {why or 'not reported'}")
+    current = mode[0] if isinstance(mode, (list, tuple)) else mode
+    if current == getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1):
+        return fail("gpu.mig", "MIG mode is on: meshrun needs whole GPUs (nvidia-smi -mig 0, then a GPU reset)",
+                    found="enabled", expected="disabled")
+    return ok("gpu.mig", found="disabled")
 
 
 def _check_nvlink(nvml, pf, h) -> Check:

@@ -35,7 +35,12 @@ def node_checks(cfg: Config, node: str, before_ib: Optional[Dict] = None) -> (Li
     """GPU (NVML), OS and IB checks of this node; run by one rank per node."""
     pf, cl = cfg.cluster.preflight, cfg.cluster
     checks: List[Check] = []
-    nvml, why = gpu_nvml.load_nvml()
+    if cl.health.nvml_double:  # machines without GPUs (tests, bench/gpu_preflight.sh --dry)
+        from training.observe.nvml_double import make_nvml_double
+
+        nvml, why = make_nvml_double(cl.health.nvml_double, node), ""
+    else:
+        nvml, why = gpu_nvml.load_nvml()
     facts: Dict[str, Any] = {"gpus": [], "driver": None}
     if nvml is None:
         if cl.device == "cuda":
@@ -61,9 +66,28 @@ def node_checks(cfg: Config, node: str, before_ib: Optional[Dict] = None) -> (Li
     return checks, facts
 
 
-def _job_pids() -> set:
-    """This process and its siblings on the node do not count as 'other processes' on a GPU."""
-    return {os.getpid(), os.getppid()}
+def _job_pids(proc: str = "/proc") -> set:
+    """This process, its parent and its siblings on the node (the job's other ranks: the launcher or srun's
+    step daemon started them all, each holds GPU memory by now) do not count as 'other processes' on a GPU."""
+    me, parent = os.getpid(), os.getppid()
+    pids = {me, parent}
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return pids
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc, name, "stat")) as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ')'.
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 1 and fields[1].isdigit() and int(fields[1]) == parent:
+            pids.add(int(name))
+    return pids
 
 
 def run(cfg: Config, run_dir: str) -> Report:
@@ -91,11 +115,13 @@ def run(cfg: Config, run_dir: str) -> Report:
             json.dump([c.to_dict() for c in own], f, indent=1, default=str)
 
     on_gpu = cl.device == "cuda"
-    device = f"cuda:{local_rank}" if on_gpu else "cpu"
+    from training.mesh import local_cuda_index
+
+    device = f"cuda:{local_cuda_index(local_rank)}" if on_gpu else "cpu"
     created = False
     if not dist.is_initialized():
         if on_gpu:
-            torch.cuda.set_device(local_rank)
+            torch.cuda.set_device(device)
         dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pf.timeout_s))
         created = True
@@ -110,7 +136,8 @@ def run(cfg: Config, run_dir: str) -> Report:
                 if r == rank:
                     mm = matmul.measure_tflops(device, n)
                 dist.barrier()
-        sweep = collectives.run_sweep(rank, world, per_node, pf.collective_sizes_mb, pf.collective_iters, device,
+        sizes_mb = collectives.sweep_sizes_mb(pf.collective_sizes_mb, on_gpu)
+        sweep = collectives.run_sweep(rank, world, per_node, sizes_mb, pf.collective_iters, device,
                                       timeout_s=pf.timeout_s)
         if leader:  # counters read again after the traffic: rising ones fail
             own = [c for c in own if not c.name.startswith("ib.")]
