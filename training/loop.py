@@ -81,21 +81,21 @@ def make_schedule(cfg: Config, mesh, chunks, optimizer):
 
 
 # ---- helpers --------------------------------------------------------------------------------------
-def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 512) -> float:
-    """FLOP/s of a square matmul on this rank (the CPU 'peak' for MFU): best of a few timed runs."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    best = math.inf
-    for _ in range(6):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / 4)
-    return 2 * n**3 / best
+PEAK_PROBE_N = {"cuda": 8192, "cpu": 512}
+"""Square matmul size of the peak measurement: on GPUs one that saturates the tensor cores (at 512^3 one
+matmul lasts a few microseconds and launch latency, not the device, sets the rate); on CPU a small one."""
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 0) -> float:
+    """FLOP/s of a square matmul on this rank (the 'peak' for MFU when cluster.peak_tflops is 0): the
+    preflight's probe (training/preflight/matmul.py: a warm-up call, then ~0.2 s of timed calls), best of
+    three. n = 0: PEAK_PROBE_N of the device type."""
+    from training.preflight.matmul import measure_tflops
+
+    n = n or PEAK_PROBE_N.get(device.type, PEAK_PROBE_N["cuda"])
+    iters = 4 if device.type == "cpu" else 0  # CPU: a fixed few (every Trainer measures); GPU: ~0.2 s each
+    best = max(measure_tflops(str(device), n, iters=iters, dtype=dtype)["tflops"] for _ in range(3))
+    return best * 1e12
 
 
 def model_flops_per_step(cfg: Config, run_dir: str) -> float:

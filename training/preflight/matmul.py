@@ -9,11 +9,13 @@ from typing import Dict, List
 from training.preflight.report import Check, fail, ok, warn
 
 
-def measure_tflops(device: str, n: int, iters: int = 0) -> Dict[str, float]:
-    """TFLOP/s of an n x n x n matmul: bf16 on GPU (tensor cores), fp32 on CPU (bf16 is emulated there)."""
+def measure_tflops(device: str, n: int, iters: int = 0, dtype=None) -> Dict[str, float]:
+    """TFLOP/s of an n x n x n matmul: bf16 on GPU (tensor cores), fp32 on CPU (bf16 is emulated there),
+    or `dtype` (training/loop.py's MFU peak: the run's parameter dtype)."""
     import torch
 
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype is None:
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)

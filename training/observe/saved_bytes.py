@@ -1,0 +1,72 @@
+"""Bytes autograd saves for backward in one micro-batch's forward: the activation memory the planner
+estimates (launcher/plan/memory.py), measured on any device, independent of the allocator.
+
+    python -m training.observe.saved_bytes RUN_DIR     # one process; prints {"saved_activation_bytes": N, ...}
+
+bench/gpu_check.sh compares it with plan.json's activations (on CPU, where the process's peak RSS says
+nothing about activations; on GPU next to peak allocated minus model states). Each saved tensor is counted
+once (by storage, shape and dtype); parameters are not activations and are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import List, Optional
+
+import torch
+
+
+def saved_activation_bytes(trainer) -> int:
+    """Bytes saved for backward by the first chunk's forward of this rank's first micro-batch."""
+    params = {p.data_ptr() for p in trainer.optimizer.params}
+    seen, total = set(), [0]
+
+    def pack(t):
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)
+        if t.data_ptr() not in params and key not in seen:
+            seen.add(key)
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    tokens, targets = trainer.sampler.micro_batches(0)[0]
+    for c in trainer.chunks:
+        c.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.chunks[0](tokens, targets)
+    return total[0]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from training.config import load_config
+    from training.loop import Trainer
+    from training.mesh import ProcessMesh
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m training.observe.saved_bytes RUN_DIR", file=sys.stderr)
+        return 2
+    src = argv[0]
+    cfg = load_config(os.path.join(src, "config.json"))
+    if cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp != 1:
+        print("saved_bytes measures a one-rank layout (tp = pp = cp = 1)", file=sys.stderr)
+        return 2
+    cfg.parallel.dp = 1
+    # A scratch copy of the run's config and plan: the measurement writes nothing into the run.
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("config.json", "plan.json"):
+            if os.path.exists(os.path.join(src, name)):
+                shutil.copy(os.path.join(src, name), tmp)
+        device = "cuda" if str(cfg.cluster.device) == "cuda" else "cpu"
+        trainer = Trainer(cfg, tmp, ProcessMesh.single(device), checkpointing=False)
+        n = saved_activation_bytes(trainer)
+    print(json.dumps({"saved_activation_bytes": n, "micro_batch": cfg.parallel.micro_batch,
+                      "precision": str(cfg.train.precision), "device": str(cfg.cluster.device)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
