@@ -30,6 +30,7 @@ from training.exit_codes import EXIT_OK, EXIT_STOPPED
 from training.events import append_event
 from training.layout_rules import layout_violations, raise_errors
 from training.observe import startup
+from training.observe.busy_timer import BusyTimer
 from training.optim import DistributedOptimizer, StepResult
 from training.pipeline import make_pipeline_schedule
 from training.precision import param_dtype
@@ -317,10 +318,12 @@ class Trainer:
         for c in self.chunks:
             c.train()
         before = [int(getattr(c, "micro_step", 0)) for c in self.chunks]  # the NaN probe replays these masks
-        t0 = time.perf_counter()
+        busy = BusyTimer(self.mesh.device)  # CUDA: events on the compute stream (perf_counter returns early)
+        busy.start()
         local = self.schedule.forward_backward(micro)
+        busy.stop()
         # This rank's own work, without the optimizer's reduction: what the straggler check compares.
-        self.compute_s = time.perf_counter() - t0
+        self.compute_s = busy.seconds()
         loss = self._global_loss(local)
         if not math.isfinite(loss) and self.cfg.train.nan_probe:
             from training.observe.nan_probe import probe_nonfinite
@@ -399,6 +402,10 @@ class Trainer:
             if self.mesh.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
+            if not rates and not losses and self.mesh.device.type == "cuda":
+                # The first step allocates the optimizer state and the allocator's caches: its transient peak
+                # is no training step's, and the activations check compares the steady one.
+                torch.cuda.reset_peak_memory_stats(self.mesh.device)
             profiler.after(self.state.step)
             nvtx.after(self.state.step)
             if not rates and not losses and self.is_logger:  # this attempt's first step: its start-up timeline

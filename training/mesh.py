@@ -220,11 +220,16 @@ class ProcessMesh:
             device=device, backend=backend,
         )
         pp_rank_is_end = c["pp"] in (0, pp - 1)
+        # One group per distinct rank list: on NCCL each group is a communicator with its own buffers on every
+        # member GPU, and the kinds often coincide (dp and dp_cp at cp=1, tp and model_parallel at pp=1).
+        made: Dict[tuple, Any] = {}
         for kind, lists in rank_groups(tp, pp, cp, dp).items():
             mine = None
             for ranks in lists:
-                # Every rank must call new_group for every list, in the same order.
-                group = dist.new_group(ranks, timeout=timeout)
+                # Every rank must call new_group for every new list, in the same order.
+                group = made.get(tuple(ranks))
+                if group is None:
+                    group = made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     assert mine is None, f"rank {rank} in two {kind} groups"
                     mine = (group, ranks)

@@ -60,6 +60,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from training.observe.busy_timer import BusyTimer
 from training.layout_rules import interleaved_batch_rules, raise_errors, schedule_rules, sequence_parallel_on
 from training.precision import param_dtype
 
@@ -277,6 +278,7 @@ class PipelineSchedule:
             self._group_ready = True
         self._sync()
         t_start = time.perf_counter()
+        busy = BusyTimer(self.device)  # CUDA: events on the compute stream, no device-wide sync per unit
         comm = _Exchanger(self, plan)
         for step in plan:
             if isinstance(step[0], tuple):
@@ -292,14 +294,13 @@ class PipelineSchedule:
                     inp = inbox.pop(("act", vs, mb)).requires_grad_(True)
                     x = inp
                 counter = _SavedBytes(self._param_ptrs)
-                t0 = time.perf_counter()
+                busy.start()
                 if self.measure_memory:
                     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
                         out = self._forward(c, x, targets if vs == last_v else None)
                 else:
                     out = self._forward(c, x, targets if vs == last_v else None)
-                self._sync()
-                st.busy_s += time.perf_counter() - t0
+                busy.stop()
                 if vs == last_v:
                     total += out.detach().float()
                 else:
@@ -312,20 +313,21 @@ class PipelineSchedule:
             else:
                 inp, out, nbytes = held.pop((c, mb))
                 grad_out = None if vs == last_v else inbox.pop(("grad", vs, mb))
-                t0 = time.perf_counter()
+                busy.start()
                 if grad_out is None:
                     self.scale_loss(out.float(), m).backward()
                 else:
                     torch.autograd.backward(out, grad_tensors=grad_out)
-                self._sync()
-                st.busy_s += time.perf_counter() - t0
+                busy.stop()
                 live_bytes -= nbytes
                 if vs > 0:
                     outbox[("grad", vs - 1, mb)] = inp.grad.contiguous()
                 del inp, out, grad_out
         comm.finish()
         assert not outbox and not inbox, "every message of the plan is sent and consumed"
+        self._sync()  # once per step: the wall clock ends when this rank's queued work has
         st.wall_s = time.perf_counter() - t_start
+        st.busy_s = busy.seconds()
         st.idle_share = max(0.0, 1.0 - st.busy_s / st.wall_s) if st.wall_s > 0 else 0.0
         # The pipeline's wall clock is the longest rank's (a rank that finishes early idles until the
         # step ends); ranks start together, synchronised by the previous step's collectives.

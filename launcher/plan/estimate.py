@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 from launcher.plan.memory import (GRAD_BYTES, PARAM_BYTES, DeviceProfile, device_profile, layer_activation_bytes,
                              model_state_bytes, stage_activation_bytes)
 from launcher.plan.context_memory import gpu_memory_bytes, optimizer_shard_degree
+from launcher.plan.memory import device_reserve_bytes
 from launcher.plan.model_size import (hardware_flops_per_step, layer_params, model_flops_per_step, padded_vocab,
                                  params_total, stage_params)
 from launcher.plan.cost_model import Rates, cluster_rates, predict
@@ -164,10 +165,13 @@ class Plan:
     being cluster.peak_tflops or, when that is 0, the cost model's compute rate (peak_flops)."""
     peak_flops: float = 0.0
     """The per-GPU FLOP/s the mfu is relative to."""
+    reserve_bytes: int = 0
+    """GPU memory kept back from model states and activations (CUDA context, NCCL buffers, allocator
+    fragmentation: launcher/plan/memory.py device_reserve_bytes); 0 on CPU. fits needs total + reserve."""
 
     @property
     def headroom_bytes(self) -> int:
-        return self.gpu_memory_bytes - self.memory_bytes["total"]
+        return self.gpu_memory_bytes - self.memory_bytes["total"] - self.reserve_bytes
 
     def to_json(self) -> Dict[str, object]:
         d = asdict(self)
@@ -224,7 +228,8 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
         hardware_flops_per_step=hw_flops,
         tokens_per_step=par.global_batch * mc.seq_length,
         gpu_memory_bytes=gpu_bytes,
-        fits=memory["total"] <= gpu_bytes,
+        fits=memory["total"] + device_reserve_bytes(cfg, gpu_bytes) <= gpu_bytes,
+        reserve_bytes=device_reserve_bytes(cfg, gpu_bytes),
         worst_stage=worst.stage,
         padded_vocab=padded_vocab(mc.vocab_size, par.tp),
         comm_bytes=comm,

@@ -14,7 +14,7 @@ from fractions import Fraction
 from typing import Dict, Optional
 
 from launcher.plan.model_size import padded_vocab
-from training.config import Config
+from training.config import Config, derived_dp
 # Bytes per parameter: weights, gradients (fp32 main grads for bf16), optimizer (K); the engine allocates
 # from the same table.
 from training.precision import GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
@@ -67,6 +67,9 @@ class DeviceProfile:
     """Bytes per element of the logits kept for the cross-entropy backward (fp32 softmax)."""
     flash_with_dropout: bool = True
     """Fused attention supports attention dropout; if not, dropout > 0 falls back to the math path."""
+    softmax_fp32: bool = False
+    """Math attention's softmax runs in fp32 and saves its fp32 output (training/model.py); at 16 bits the
+    cast copy the next matmul (or the dropout) takes is saved besides it."""
 
 
 # Korthikanti et al. 2022's accounting: 16-bit activations, 1-byte masks, nothing else.
@@ -77,8 +80,10 @@ def device_profile(cfg: Config) -> DeviceProfile:
     """The profile the planner uses for this run's device and precision (measured: docs/PLATFORM.md)."""
     act = PARAM_BYTES[cfg.train.precision]
     if cfg.cluster.device == "cpu":
-        return DeviceProfile(act_bytes=act, mask_bytes=act, flash_with_dropout=False)
-    return DeviceProfile(act_bytes=act, mask_bytes=1)
+        return DeviceProfile(act_bytes=act, mask_bytes=act, flash_with_dropout=False, softmax_fp32=True)
+    # The model's dropout (keyed_dropout) multiplies by its mask in the activation dtype on every device:
+    # the mask saved for backward has act bytes per element, not a 1-byte bool (Korthikanti's accounting).
+    return DeviceProfile(act_bytes=act, mask_bytes=act, softmax_fp32=True)
 
 
 def effective_attention(cfg: Config, profile: DeviceProfile) -> str:
@@ -133,9 +138,16 @@ def layer_activation_bytes(
     if par.recompute == "none":
         if attention == "math":
             scores = a * s * s * b // t
-            total += scores * ab
-            if dropout:
-                total += scores * (mb + ab)
+            if profile.softmax_fp32:
+                total += scores * stb  # the fp32 softmax output (the probabilities themselves at fp32)
+                if dropout:
+                    total += scores * (mb + ab)  # the mask and the dropout output
+                elif ab != stb:
+                    total += scores * ab  # the 16-bit cast of the probabilities
+            else:
+                total += scores * ab
+                if dropout:
+                    total += scores * (mb + ab)
         elif profile.flash_saves_lse:
             total += a * sb // t * stb
     return total
@@ -199,3 +211,24 @@ def stage_activation_bytes(cfg: Config, stage: int, m: int, profile: DeviceProfi
         last += sb * padded_vocab(mc.vocab_size, t) // t * profile.logits_bytes
         total += last * (m if par.schedule == "gpipe" else 1)
     return int(math.ceil(total))
+
+
+# What a CUDA rank holds besides the allocator's tensors, and what the caching allocator reserves above what
+# it has allocated: estimates until the first GPU run measures them (docs/PLATFORM.md, "Not verified on a GPU").
+CUDA_CONTEXT_BYTES = 2**30
+"""CUDA context, cuBLAS / cuDNN workspaces and kernel images of one rank."""
+NCCL_COMM_BYTES = 2**28
+"""Buffers of one NCCL communicator on one GPU (channels x peers x NCCL_BUFFSIZE, with its default 4 MiB)."""
+FRAGMENTATION = 0.05
+"""Share of the GPU's memory the caching allocator reserves but cannot hand out (fragmentation)."""
+
+
+def device_reserve_bytes(cfg: Config, gpu_bytes: int) -> int:
+    """Memory of one GPU that neither the model states nor the activations can use (0 on CPU): the plan's
+    `fits` compares model states + activations + this against the GPU's memory."""
+    if cfg.cluster.device != "cuda":
+        return 0
+    par = cfg.parallel
+    comms = sum(1 for size in (par.tp, par.pp, par.cp, derived_dp(cfg)) if size > 1)
+    return CUDA_CONTEXT_BYTES + comms * NCCL_COMM_BYTES + int(FRAGMENTATION * gpu_bytes)
+

@@ -80,8 +80,24 @@ def gpu_numa_node(bus_id: str, pci_root: str = "/sys/bus/pci/devices") -> Option
     return node if node >= 0 else None
 
 
-def visible_gpu(local_rank: int, cuda_visible: Optional[str]) -> int:
-    """Physical GPU index of a local rank: the local_rank-th entry of CUDA_VISIBLE_DEVICES."""
+def _indices(text: Optional[str]) -> List[int]:
+    entries = [x.strip() for x in (text or "").split(",") if x.strip()]
+    return [int(x) for x in entries] if entries and all(x.isdigit() for x in entries) else []
+
+
+def visible_gpu(local_rank: int, cuda_visible: Optional[str], step_gpus: Optional[str] = None) -> int:
+    """Physical GPU index (device minor) of a local rank: the local_rank-th entry of CUDA_VISIBLE_DEVICES.
+    step_gpus: Slurm's SLURM_STEP_GPUS, the step's physical GPUs on this node. Under cgroup device
+    confinement CUDA_VISIBLE_DEVICES is renumbered from 0 inside the cgroup (every task of
+    --gpus-per-task=1 sees "0"), so its entries index that list instead of naming device minors."""
+    ids, phys = _indices(cuda_visible), _indices(step_gpus)
+    if phys:
+        if len(ids) == 1 and len(phys) > 1:  # one GPU per task, each renumbered to 0: tasks bind in order
+            return phys[local_rank % len(phys)]
+        if ids and all(i < len(phys) for i in ids):  # renumbered (or identical: phys[i] == i)
+            return phys[ids[local_rank % len(ids)]]
+        if not ids:
+            return phys[local_rank % len(phys)]
     if cuda_visible:
         ids = [x for x in cuda_visible.split(",") if x.strip()]
         if local_rank < len(ids) and ids[local_rank].strip().isdigit():
@@ -99,8 +115,9 @@ def choose_node(
     sysfs_nodes: str = "/sys/devices/system/node",
     pci_root: str = "/sys/bus/pci/devices",
     proc_root: str = "/proc/driver/nvidia/gpus",
+    step_gpus: Optional[str] = None,
 ) -> Optional[int]:
-    """The NUMA node this local rank binds to, or None for no binding."""
+    """The NUMA node this local rank binds to, or None for no binding (step_gpus: see visible_gpu)."""
     if numa == "off":
         return None
     if numa == "explicit":
@@ -114,7 +131,7 @@ def choose_node(
         raise ValueError(f"cluster.numa={numa!r}: use auto, off or explicit")
     nodes = numa_nodes(sysfs_nodes)
     if device == "cuda":
-        bus = gpu_bus_ids(proc_root).get(visible_gpu(local_rank, cuda_visible))
+        bus = gpu_bus_ids(proc_root).get(visible_gpu(local_rank, cuda_visible, step_gpus))
         node = gpu_numa_node(bus, pci_root) if bus else None
         if node is not None:
             return node

@@ -164,7 +164,8 @@ class RankTask:
         node = env.get("SLURMD_NODENAME") or socket.gethostname()
         prefix: List[str] = []
         numa_node = choose_node(cfg.cluster.numa, cfg.cluster.numa_map, cfg.cluster.device, local_rank,
-                                int(env.get("LOCAL_WORLD_SIZE", "1")), env.get("CUDA_VISIBLE_DEVICES"))
+                                int(env.get("LOCAL_WORLD_SIZE", "1")), env.get("CUDA_VISIBLE_DEVICES"),
+                                step_gpus=env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS"))
         if numa_node is not None:
             if shutil.which("numactl"):
                 prefix = numactl_prefix(numa_node)

@@ -181,6 +181,19 @@ def _json_tensor(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
 
 
+
+def _use_device(device: torch.device) -> None:
+    """A new thread's CUDA device is GPU 0 whatever the training thread set: the save thread's first CUDA
+    call (the staging copy) would open a context on GPU 0, on every local rank of the node."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def writer_thread(device: torch.device) -> ThreadPoolExecutor:
+    """The async save's one long-lived thread, on this rank's device."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-save", initializer=_use_device,
+                              initargs=(torch.device(device),))
+
 class CheckpointManager:
     """Saves and restores the whole training state of this rank as one part of a sharded DCP checkpoint."""
 
@@ -198,8 +211,7 @@ class CheckpointManager:
         # that copies, writes and commits each save in turn (no thread is started per save). Its thread is
         # joined at interpreter exit, so a pending save is committed before the process ends.
         self._stager = HostStager() if self.async_save else None
-        self._writer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-save") \
-            if self.async_save else None
+        self._writer_thread = writer_thread(mesh.device) if self.async_save else None
         # Set by the first wait_staged(): the caller has a barrier before it changes the state, so an async
         # save may return before its host copy is complete (the copy then overlaps the next forward/backward).
         self._has_barrier = False
@@ -467,21 +479,56 @@ class CheckpointManager:
 
     # ----- resume ----------------------------------------------------------------------------------
     def _choose(self) -> Tuple[Optional[int], Optional[str]]:
-        """Rank 0 picks the checkpoint to resume from; (step or None, error message or None)."""
+        """The checkpoint to resume from, the same on every rank; (step or None, error message or None).
+        Collective: rank 0 lists the candidates, every rank CRC-reads its share of each one's files
+        (storage.verify's part), so the check takes 1/world of one rank reading the whole checkpoint, and
+        no rank sits in a collective for that long under its timeout."""
         mode = str(self.cfg.train.resume).strip().lower()
         if mode == "none":
             return None, None
+        wanted, error = self._bcast(self._candidates(mode) if self.rank == 0 else None)
+        if error:
+            return None, error
+        replica = self.cfg.train.checkpoint_replica_dir
+        for step in wanted:
+            problems = self._verify_shared(storage.step_dir(self.run_dir, step))
+            if not problems:
+                return step, self._compatible(step)
+            if self.rank == 0:
+                append_event(self.run_dir, "checkpoint_invalid", step=step, problems=problems[:10])
+            self.log(f"checkpoint step_{step} is incomplete or corrupt, skipped: {'; '.join(problems[:5])}")
+            if replica:
+                problem = self._bcast(self._restore_from_replica(replica, step) if self.rank == 0 else None)
+                if problem is None:
+                    self.log(f"checkpoint step_{step} restored from the replica {replica}")
+                    return step, self._compatible(step)
+                self.log(f"checkpoint step_{step} not restored from the replica: {problem}")
+            if mode != "auto":
+                return None, f"train.resume={step}: checkpoint step_{step} is damaged ({'; '.join(problems[:3])})"
+        return None, None
+
+    def _restore_from_replica(self, replica: str, step: int) -> Optional[str]:
+        """Rank 0: copy step back from the replica; None when restored, else the problem."""
+        from training.checkpoint.replica import restore
+
+        problem = restore(self.run_dir, replica, step)
+        if problem is None and storage.read_latest(self.run_dir) is None:
+            storage.set_latest(self.run_dir, step)
+        return problem
+
+    def _candidates(self, mode: str) -> Tuple[List[int], Optional[str]]:
+        """Rank 0: the steps to try, newest first, or the error of a train.resume naming a missing step."""
         if mode == "auto":
             wanted = storage.candidates(self.run_dir)
         else:
             try:
                 step = int(mode)
             except ValueError:
-                return None, f"train.resume={self.cfg.train.resume!r}: use auto, none or a step number"
+                return [], f"train.resume={self.cfg.train.resume!r}: use auto, none or a step number"
             if step not in storage.list_steps(self.run_dir):
                 have = storage.list_steps(self.run_dir)
-                return None, (f"train.resume={step}: no checkpoint step_{step} in {storage.checkpoints_dir(self.run_dir)} "
-                              f"(available: {have or 'none'}); use train.resume=auto or one of those steps")
+                return [], (f"train.resume={step}: no checkpoint step_{step} in {storage.checkpoints_dir(self.run_dir)} "
+                            f"(available: {have or 'none'}); use train.resume=auto or one of those steps")
             wanted = [step]
         replica = self.cfg.train.checkpoint_replica_dir
         if replica and mode == "auto":
@@ -492,25 +539,17 @@ class CheckpointManager:
             newest = replica_steps(replica_root(replica, self.run_dir))[:1]
             if newest and not wanted and not storage.list_steps(self.run_dir):
                 wanted = newest
-        for step in wanted:
-            result = storage.verify(storage.step_dir(self.run_dir, step))
-            if result.ok:
-                return step, self._compatible(step)
-            append_event(self.run_dir, "checkpoint_invalid", step=step, problems=result.problems[:10])
-            self.log(f"checkpoint step_{step} is incomplete or corrupt, skipped: {'; '.join(result.problems[:5])}")
-            if replica:
-                from training.checkpoint.replica import restore
+        return wanted, None
 
-                problem = restore(self.run_dir, replica, step)
-                if problem is None:
-                    if storage.read_latest(self.run_dir) is None:
-                        storage.set_latest(self.run_dir, step)
-                    self.log(f"checkpoint step_{step} restored from the replica {replica}")
-                    return step, self._compatible(step)
-                self.log(f"checkpoint step_{step} not restored from the replica: {problem}")
-            if mode != "auto":
-                return None, f"train.resume={step}: checkpoint step_{step} is damaged ({'; '.join(result.problems[:3])})"
-        return None, None
+    def _verify_shared(self, directory: str) -> List[str]:
+        """storage.verify over the job: each rank reads the CRC of its share of the files; every rank gets
+        all the problems found (in rank order)."""
+        result = storage.verify(directory, (self.rank, self.world))
+        if not self.distributed:
+            return result.problems
+        everyone: List[Any] = [None] * self.world
+        dist.all_gather_object(everyone, result.problems)
+        return list(dict.fromkeys(p for problems in everyone for p in problems))
 
     def _compatible(self, step: int) -> Optional[str]:
         with open(os.path.join(storage.step_dir(self.run_dir, step), storage.CONFIG)) as f:
@@ -529,7 +568,7 @@ class CheckpointManager:
         Returns (step, consumed_samples), or None for a fresh start. Collective. Raises CheckpointError with the
         fix when the chosen checkpoint cannot be used (changed model shape, missing step).
         """
-        step, error = self._bcast(self._choose() if self.rank == 0 else None)
+        step, error = self._choose()  # collective, the same answer on every rank
         if error:
             raise CheckpointError(error)
         if step is None:

@@ -57,7 +57,9 @@ class HostStager:
                 if dst is None:
                     # Allocating only reserves address space: the pages are touched by the first copy,
                     # in the background thread.
-                    dst = torch.empty(src.shape, dtype=src.dtype, device="cpu")
+                    # Pinned for a GPU source: a pageable destination makes the copy synchronous and staged
+                    # through the driver's own bounce buffer.
+                    dst = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
                 buffers[key] = dst
             copies.append((src, dst))
             out.append(Piece(p.key, dst, p.offsets, p.global_shape))

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from training.optim.flat import FlatLayout
+from training.parallel.collectives import reduce_scatter_single
 
 
 class GradBuffer:
@@ -207,7 +208,7 @@ class GradBuffer:
         width = self._width()
         send = rows[:, start : start + width].contiguous().view(-1)  # kept alive until the wait
         out = rows[lay.dp_rank, start : start + width]
-        work = dist.reduce_scatter_single(out, send, group=self.dp_group, async_op=True)
+        work = reduce_scatter_single(out, send, group=self.dp_group, async_op=True)
         self._launched[b] = (work, out, send)
 
     def reduce_dp(self) -> None:

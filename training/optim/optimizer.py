@@ -31,6 +31,7 @@ from training.optim.loss_scaler import LossScaler
 from training.optim.model_parallel import ModelParallelGradSync
 from training.optim.param_gather import ParamGather
 from training.precision import grad_dtype, check_precision
+from training.parallel.collectives import all_gather_single
 
 SCALARS = ("step_count", "loss_scale", "good_steps")
 """The scalar entries of the optimizer's state_dict (the checkpoint's JSON part)."""
@@ -206,7 +207,7 @@ class DistributedOptimizer:
         for start in range(0, self.shard_size, width):
             piece = src[start : start + width].contiguous()
             out = torch.empty(self.dp * piece.numel(), dtype=dtype, device=src.device)
-            dist.all_gather_single(out, piece, group=self.dp_group)
+            all_gather_single(out, piece, group=self.dp_group)
             for q, row in enumerate(out.view(self.dp, piece.numel())):
                 flat_start = q * self.shard_size + start
                 if flat_start < self.numel:

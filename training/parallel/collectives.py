@@ -19,9 +19,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# torch 2.13 deprecates the *_into_tensor / *_tensor names in favour of the *_single ones.
+# torch 2.13 deprecates the *_into_tensor / *_tensor names in favour of the *_single ones, which older
+# torch (pyproject allows 2.4) does not have: every caller goes through these two names
+# (tests/test_gpu_readiness.py checks that no module calls dist.*_single directly).
 _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, group: Any = None, async_op: bool = False):
+    """The ranks' x concatenated into out (dim 0), under either torch's name for it."""
+    return _all_gather_base(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group: Any = None, async_op: bool = False):
+    """This rank's slice of the sum of the ranks' x into out, under either torch's name for it."""
+    return _reduce_scatter_base(out, x, group=group, async_op=async_op)
 
 
 def group_size(group: Any) -> int:

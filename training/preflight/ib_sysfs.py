@@ -24,6 +24,9 @@ ERROR_COUNTERS = (
     "port_xmit_constraint_errors", "port_rcv_constraint_errors", "local_link_integrity_errors",
     "excessive_buffer_overrun_errors", "VL15_dropped",
 )
+CONGESTION_COUNTERS = ("port_xmit_discards",)
+"""Counters that also rise on a healthy link under congestion (packets dropped at a full output queue, e.g.
+during the preflight's own all-reduce): rising, they warn; they never fail a node."""
 
 
 @dataclass
@@ -177,6 +180,12 @@ def _counter_check(p: Port, before: Optional[Dict[str, int]]) -> Check:
     subject = p.name
     if before is not None:
         rising = {k: v - before[k] for k, v in p.counters.items() if k in before and v > before[k]}
+        congestion = {k: d for k, d in rising.items() if k in CONGESTION_COUNTERS}
+        rising = {k: d for k, d in rising.items() if k not in CONGESTION_COUNTERS}
+        if congestion and not rising:
+            return warn("ib.errors", "congestion drops during preflight (not a link fault): " +
+                        ", ".join(f"{k} +{d}" for k, d in sorted(congestion.items())),
+                        subject=subject, found=congestion, expected={})
         if rising:
             return fail("ib.errors", "error counters rising during preflight: " +
                         ", ".join(f"{k} +{d}" for k, d in sorted(rising.items())),
