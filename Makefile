@@ -12,7 +12,10 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# CPU machines: the CPU wheel first, so the project's torch range installs nothing more.
+	# torch 2.13.0 unless the venv has a torch already (a system torch is not visible: no system site
+	# packages). From the public index on Linux that pin is the CUDA build (several GB); CPU machines point pip
+	# at the CPU wheels first (PIP_INDEX_URL). A GPU machine with CUDA torch preinstalled and no package index:
+	# bash bench/gpu_check.sh --install-wheels DIR (bench/gpu_venv.sh; DIR from bench/gpu_wheels.sh) instead.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 WHEELS=${1:?usage: bash bench/gpu_venv.sh WHEELS [VENV]}
 VENV=${2:-.venv}
 BASE=${BASE_PYTHON:-python3}
-if ! "$BASE" -c "import torch" 2>/dev/null; then
+if ! "$BASE" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null; then
   echo "gpu_venv: $BASE has no torch: set BASE_PYTHON to the interpreter with CUDA torch" >&2
   exit 2
 fi

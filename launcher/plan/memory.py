@@ -139,10 +139,10 @@ def layer_activation_bytes(
         if attention == "math":
             scores = a * s * s * b // t
             if profile.softmax_fp32:
-                total += scores * stb  # the fp32 softmax output (the probabilities themselves at fp32)
+                total += scores * 4  # the fp32 softmax output (the probabilities themselves at fp32)
                 if dropout:
                     total += scores * (mb + ab)  # the mask and the dropout output
-                elif ab != stb:
+                elif ab != 4:
                     total += scores * ab  # the 16-bit cast of the probabilities
             else:
                 total += scores * ab
