@@ -266,7 +266,8 @@ class HealthConfig:
     """Log intervals (after the first step) that make a node's throughput baseline."""
     nvml_double: str = ""
     """Tests and demos on machines without GPUs: a JSON file describing fake GPUs per node (counters may change
-    while the run reads it; training/observe/nvml_double.py); empty: the real NVML."""
+    while the run reads it; training/observe/nvml_double.py), read by the health sampler and by the preflight's
+    GPU checks (bench/gpu_preflight.sh --dry); empty: the real NVML."""
     min_utilization_pct: float = 95.0
     """A node whose mean GPU utilisation stays below this for throttle_samples samples gets a `low_utilization`
     event and a warning (the GPUs wait on data, communication or small kernels); 0 disables."""
