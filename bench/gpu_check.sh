@@ -50,7 +50,7 @@ if ! "$PYTHON" - "$PWD" <<'PY'
 import os, sys
 root = sys.argv[1]
 try:
-    import hydra, omegaconf  # noqa: F401 - the CLI's config layer
+    import hydra, omegaconf, meshrun_conf  # noqa: F401 - the CLI's config layer and its presets
     import launcher
 except ImportError as exc:
     sys.exit(f"gpu_check: {sys.executable} cannot import {exc.name}: install the project into it "

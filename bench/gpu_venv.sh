@@ -7,7 +7,8 @@
 # nvidia-ml-py as they are (a pip install of torch would fetch the multi-GB CUDA build, or fail offline); when
 # BASE_PYTHON is itself a venv, whose packages --system-site-packages does not reach, a .pth file adds its
 # site-packages. The wheels in WHEELS (bench/gpu_wheels.sh) are installed without an index and without
-# dependency resolution; the project itself is this checkout, on the path by a .pth file (no build step).
+# dependency resolution; the project itself is this checkout, on the path by a .pth file (no build step), and
+# its conf/ linked in as the package meshrun_conf, as the editable install maps it.
 # Exit 2, naming the fix, when BASE_PYTHON has no torch or an import the checks need is still missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,8 @@ with open(sys.argv[1], "w") as f:
     f.write("".join(p + "\n" for p in paths))
 PY
 echo "$PWD" > "$SITE/meshrun-checkout.pth"
+# The presets: pyproject.toml installs conf/ as the package meshrun_conf (the CLI reads pkg://meshrun_conf).
+ln -sfn -- "$PWD/conf" "$SITE/meshrun_conf"
 # BASE's pip installs into the venv's site-packages (--target): the venv itself has no pip (no ensurepip
 # needed). By distribution name from the folder, so pip picks the wheel that fits this interpreter (PyYAML).
 names=$(cd -- "$WHEELS" && ls -- *.whl 2>/dev/null | sed 's/-.*//' | sort -u || true)
@@ -49,7 +52,8 @@ fi
 import importlib, sys
 need = {"torch": "BASE_PYTHON's torch", "hydra": "hydra-core", "omegaconf": "omegaconf",
         "antlr4": "antlr4-python3-runtime", "yaml": "PyYAML", "submitit": "submitit", "pynvml": "nvidia-ml-py",
-        "numpy": "numpy", "launcher.app": "this checkout", "training.main": "this checkout"}
+        "numpy": "numpy", "launcher.app": "this checkout", "training.main": "this checkout",
+        "meshrun_conf": "this checkout's conf/"}
 missing = []
 for mod, pkg in need.items():
     try:

@@ -104,13 +104,14 @@ def test_install_mode_uses_the_base_torch_and_the_carried_wheels(tmp_path):
                        env={**os.environ, "BASE_PYTHON": PY, "PIP_NO_INDEX": "1"})
     assert p.returncode == 0, p.stdout + p.stderr
     probe = ("import importlib.util, json; print(json.dumps({m: importlib.util.find_spec(m).origin "
-             "for m in ('hydra', 'omegaconf', 'antlr4', 'torch', 'launcher')}))")
+             "for m in ('hydra', 'omegaconf', 'antlr4', 'torch', 'launcher', 'meshrun_conf')}))")
     where = json.loads(subprocess.run([str(venv / "bin/python"), "-c", probe], capture_output=True, text=True,
                                       check=True, cwd=str(tmp_path)).stdout)
     for mod in ("hydra", "omegaconf", "antlr4"):  # from the carried wheels, inside the new venv
         assert where[mod].startswith(str(venv)), where
     assert where["torch"] == torch.__file__  # the base interpreter's own torch, not a download
     assert os.path.dirname(os.path.dirname(where["launcher"])) == ROOT  # this checkout
+    assert os.path.realpath(where["meshrun_conf"]) == os.path.join(ROOT, "conf", "__init__.py")  # its presets
 
 
 def test_makefile_comment_matches_what_install_does():
