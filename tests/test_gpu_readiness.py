@@ -502,7 +502,7 @@ def _fake_checkpoint(root, bad: str):
 def test_resume_verification_is_shared_and_fits_a_small_timeout(tmp_path):
     """Likely 7: every rank CRC-reads its share of the checkpoint, all ranks get every problem found, and the
     check stays within a collective timeout that one rank reading everything would exceed. Also: one
-    communicator per distinct rank list (7 group kinds at dp=2 are 3 distinct lists)."""
+    communicator per distinct rank list (7 group kinds at dp=2 are 3 distinct lists, plus pp's own two)."""
     from training.checkpoint import storage
 
     d = _fake_checkpoint(tmp_path, bad="__1_0.distcp")
@@ -513,4 +513,4 @@ def test_resume_verification_is_shared_and_fits_a_small_timeout(tmp_path):
     for r in results:
         assert r["problems"] == ["__1_0.distcp checksum mismatch"]
         assert r["took"] < 3.0
-        assert sorted(r["groups"]) == [[0], [0, 1], [1]]
+        assert sorted(r["groups"]) == [[0], [0], [0, 1], [1], [1]]  # pp's own [0], [1]; the rest shared

@@ -221,15 +221,18 @@ class ProcessMesh:
         )
         pp_rank_is_end = c["pp"] in (0, pp - 1)
         # One group per distinct rank list: on NCCL each group is a communicator with its own buffers on every
-        # member GPU, and the kinds often coincide (dp and dp_cp at cp=1, tp and model_parallel at pp=1).
+        # member GPU, and the kinds often coincide (dp and dp_cp at cp=1, tp and model_parallel at pp=1). The pp
+        # group keeps its own: pipeline stages run different programs, and its point-to-point traffic on a
+        # shared communicator would be ordered against the collectives of the kinds sharing it.
         made: Dict[tuple, Any] = {}
         for kind, lists in rank_groups(tp, pp, cp, dp).items():
             mine = None
             for ranks in lists:
                 # Every rank must call new_group for every new list, in the same order.
-                group = made.get(tuple(ranks))
+                key = (kind == "pp", tuple(ranks))
+                group = made.get(key)
                 if group is None:
-                    group = made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout)
+                    group = made[key] = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     assert mine is None, f"rank {rank} in two {kind} groups"
                     mine = (group, ranks)
