@@ -135,7 +135,7 @@ if dry:
 else:
     import torch  # only to size the GPU
 
-    mem_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+    mem_gb = torch.cuda.get_device_properties(0).total_memory / 2**30  # GiB, as cluster.gpu_memory_gb
     device = ["cluster.device=cuda", "cluster.gpus_per_node=1", f"cluster.gpu_memory_gb={mem_gb:.1f}"]
     models, steps, fp16_steps, precision = ["llama3_8b", "gpt_1p3b"], 30, 10, "bf16"
     pf_args = []

@@ -61,7 +61,7 @@ else:
 
     cl.device = "cuda"
     cl.gpus_per_node = torch.cuda.device_count()
-    cl.gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+    cl.gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30  # GiB
 pf.mode = "warn"
 pf.matmul_tflops = float(env.get("MATMUL_TFLOPS", 0))
 pf.busbw_intra_gbps = float(env.get("BUSBW_INTRA_GBPS", 0))
