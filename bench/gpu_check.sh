@@ -13,6 +13,10 @@
 #  4. memory: rank 0's model-state bytes (weights, grads, optimizer; training/optim/optimizer.py memory_report)
 #     must equal plan.json's; activations measured (peak allocated minus model states) within 10 % of the plan.
 #     --dry: model states checked, activations reported only (CPU peak is the process RSS, not activations).
+#  5. memory levers (bench/gpu_memory_levers.py, one rank): for zero 0-3, offload cpu/nvme and
+#     recompute_num_layers, memory_report equals plan.json's bytes exactly, and on the GPU the allocator's gain
+#     while building the Trainer equals the device part of it (within the allocator's rounding);
+#     --dry: the accounting against the plan only, on CPU.
 # Prints one JSON object (the last line); exit 0 when every check passed, 1 otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -111,6 +115,17 @@ else:
     scales = [r.get("loss_scale") for r in rows if "loss_scale" in r]
     check("fp16_loss_scaling", p.returncode == 0 and len(scales) == len(rows) > 0, exit_code=p.returncode,
           loss_scales=scales, seconds=round(dt, 1))
+t = time.time()
+lev = subprocess.run([py, "bench/gpu_memory_levers.py", *(["--dry"] if dry else []),
+                      "--out", os.path.join(run_dir, "memory_levers")], capture_output=True, text=True, timeout=300)
+with open(os.path.join(run_dir, "memory_levers.log"), "w") as f:
+    f.write(lev.stdout + "\n--- stderr ---\n" + lev.stderr)
+try:
+    levers = json.loads(lev.stdout.strip().splitlines()[-1])
+except (ValueError, IndexError):
+    levers = {"ok": False, "checks": {}}
+check("memory_levers", lev.returncode == 0 and levers.get("ok"), exit_code=lev.returncode,
+      failed=[k for k, c in levers.get("checks", {}).items() if not c.get("ok")], seconds=round(time.time() - t, 1))
 summary["ok"] = all(c["ok"] for c in summary["checks"].values())
 with open(os.path.join(run_dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
