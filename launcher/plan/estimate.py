@@ -197,7 +197,7 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
         mem = model_state_bytes(sp_.total, cfg.train.precision, par.zero, optimizer_shard_degree(cfg, dp))
         mem["activations"] = stage_activation_bytes(cfg, st, m, profile)
         mem["zero3_gathered"] = zero3_gathered_bytes(cfg, st) if par.zero >= 3 else 0
-        mem.update(offload_bytes(cfg, sp_.total, dp))  # device optimizer bytes, and what went to host / files
+        mem.update(offload_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp)))  # device optimizer bytes, host / files
         mem["total"] = mem["weights"] + mem["grads"] + mem["optimizer"] + mem["activations"] + mem["zero3_gathered"]
         stages.append(StagePlan(stage=st, params=sp_.total, memory_bytes=mem))
     worst = max(stages, key=lambda x: x.memory_bytes["total"])
