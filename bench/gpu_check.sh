@@ -21,6 +21,10 @@
 #  4. memory: rank 0's model-state bytes (weights, grads, optimizer; training/optim/optimizer.py memory_report)
 #     must equal plan.json's; activations saved for backward (training/observe/saved_bytes.py) within 10 % of
 #     plan.json's; on GPU also the allocator's peak (after the first step) minus model states.
+#  5. memory levers (bench/gpu_memory_levers.py, one rank): for zero 0-3, offload cpu/nvme and
+#     recompute_num_layers, memory_report equals plan.json's bytes exactly, and on the GPU the allocator's gain
+#     while building the Trainer equals the device part of it (within the allocator's rounding);
+#     --dry: the accounting against the plan only, on CPU.
 # Runs write their checkpoints under a scratch folder (GPU_CHECK_WORK, default a mktemp -d) that is removed
 # at the end; RUN_DIR gets only the logs, plans, metrics and summaries. Each command has a time limit; one that
 # runs past it is killed with its whole process group (its ranks too), so nothing stays on the GPU.
@@ -214,6 +218,17 @@ else:
     scales = [r.get("loss_scale") for r in rows if "loss_scale" in r]
     check("fp16_loss_scaling", p.returncode == 0 and len(scales) == len(rows) > 0, exit_code=p.returncode,
           loss_scales=scales, seconds=round(dt, 1))
+t = time.time()
+lev = subprocess.run([py, "bench/gpu_memory_levers.py", *(["--dry"] if dry else []),
+                      "--out", os.path.join(run_dir, "memory_levers")], capture_output=True, text=True, timeout=300)
+with open(os.path.join(run_dir, "memory_levers.log"), "w") as f:
+    f.write(lev.stdout + "\n--- stderr ---\n" + lev.stderr)
+try:
+    levers = json.loads(lev.stdout.strip().splitlines()[-1])
+except (ValueError, IndexError):
+    levers = {"ok": False, "checks": {}}
+check("memory_levers", lev.returncode == 0 and levers.get("ok"), exit_code=lev.returncode,
+      failed=[k for k, c in levers.get("checks", {}).items() if not c.get("ok")], seconds=round(time.time() - t, 1))
 summary["ok"] = all(c["ok"] for c in summary["checks"].values())
 with open(os.path.join(run_dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)

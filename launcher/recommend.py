@@ -21,12 +21,14 @@ from typing import Any, Dict, Iterator, List, Optional
 from launcher.plan.context_memory import search_cp
 from launcher.plan.cost_model import Rates, cluster_rates, spans_nodes
 from launcher.plan.estimate import GIB, Plan, fmt_seconds, make_plan
+from launcher.plan.levers import chunk_layers, search_recompute, search_zero_stages
 from launcher.plan.validate import validate
 from training import layout_rules as rules
 from training.config import Config, derived_dp
 from training.exit_codes import EXIT_FAILED, EXIT_INVALID
 
-PARALLEL_KEYS = ("tp", "pp", "vpp", "dp", "cp", "sp", "zero", "micro_batch", "global_batch", "schedule", "recompute")
+PARALLEL_KEYS = ("tp", "pp", "vpp", "dp", "cp", "sp", "zero", "micro_batch", "global_batch", "schedule", "recompute",
+                 "recompute_num_layers", "offload")
 WITHIN = 0.10
 """The recommended layout is 'as good as' the configured one when its predicted step is within this fraction."""
 
@@ -53,13 +55,14 @@ class Candidate:
         p = self.cfg.parallel
         d = {k: getattr(p, k) for k in PARALLEL_KEYS}
         d["dp"] = self.plan.dp
-        return {k: (str(v) if k in ("schedule", "recompute") else v) for k, v in d.items()}
+        return {k: (str(v) if k in ("schedule", "recompute", "offload") else v) for k, v in d.items()}
 
     def overrides(self) -> str:
         lay = self.layout()
         # Every layout key, cp and dp included: the line is pasted after whatever the user gave (an explicit
         # parallel.dp or cp left from before would otherwise make the recommended layout invalid).
-        keys = ("tp", "pp", "vpp", "cp", "dp", "sp", "zero", "micro_batch", "schedule", "recompute")
+        keys = ("tp", "pp", "vpp", "cp", "dp", "sp", "zero", "micro_batch", "schedule", "recompute",
+                "recompute_num_layers", "offload")
         text = " ".join(f"parallel.{k}={str(lay[k]).lower() if isinstance(lay[k], bool) else lay[k]}" for k in keys)
         return text + (" parallel.allow_tp_across_nodes=true" if self.cfg.parallel.allow_tp_across_nodes else "")
 
@@ -68,7 +71,9 @@ class Candidate:
         text = f"tp{lay['tp']} pp{lay['pp']}" + (f" v{lay['vpp']}" if lay["vpp"] > 1 else "")
         text += (f" cp{lay['cp']}" if lay["cp"] > 1 else "") + f" dp{lay['dp']}"
         text += f" mb{lay['micro_batch']}" + (" sp" if lay["sp"] else "") + f" rc={lay['recompute']}"
-        return text + (" z1" if lay["zero"] else "")
+        text += f"[{lay['recompute_num_layers']}]" if lay["recompute_num_layers"] else ""
+        text += f" z{lay['zero']}" if lay["zero"] else ""
+        return text + (f" offload={lay['offload']}" if lay["offload"] != "none" else "")
 
 
 @dataclass
@@ -123,7 +128,52 @@ def _layouts_at(cfg: Config, tp: int, pp: int, sp: bool, cp: int, dp: int) -> It
                     yield replace(cfg, parallel=replace(
                         par, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=None, sp=sp, zero=zero, micro_batch=mb,
                         schedule="interleaved_1f1b" if vpp > 1 else "1f1b", recompute=recompute,
-                        allow_tp_across_nodes=tp > c.gpus_per_node))
+                        recompute_num_layers=0, allow_tp_across_nodes=tp > c.gpus_per_node))
+
+
+def _with(lay: Config, **changes) -> Config:
+    return replace(lay, parallel=replace(lay.parallel, **changes))
+
+
+def _lean(lay: Config) -> Config:
+    p = lay.parallel
+    return _with(lay, sp=p.tp > 1 and lay.model.seq_length % p.tp == 0, recompute="full", recompute_num_layers=0,
+                 micro_batch=1)
+
+
+def _deeper_zero(lay: Config, rates: Rates) -> Optional[Candidate]:
+    """The first higher ZeRO stage (2, then 3), then offload (cpu, nvme) at which a zero=1 (or dp=1) layout that
+    does not fit fits: never faster in the cost model (more traffic, a host-side update), so only tried where
+    the layout runs out of memory."""
+    tries = [dict(zero=z) for z in search_zero_stages(derived_dp(lay) * lay.parallel.cp) if z > lay.parallel.zero >= 1]
+    top = tries[-1]["zero"] if tries else lay.parallel.zero
+    tries += [dict(zero=top, offload=o) for o in ("cpu", "nvme")]  # then the optimizer state off the GPU
+    for changes in tries:
+        new = _with(lay, **changes)
+        if changes.get("offload") == "nvme" and not new.parallel.offload_dir:
+            new = _with(new, offload_dir="/local/nvme")  # a placeholder the user replaces (printed with it)
+        plan = make_plan(new, rates=rates)
+        if fits_with_headroom(plan, lay):
+            return Candidate(new, plan)
+    return None
+
+
+def _partial_recompute(lay: Config, rates: Rates) -> List[Candidate]:
+    """Under recompute=full, the fastest variant recomputing only the first N layers of each chunk that still
+    fits (fewest N first: less recomputation, more activation memory)."""
+    for recompute, n in search_recompute(chunk_layers(lay)):
+        if recompute == "full" and n > 0:
+            plan = make_plan(_with(lay, recompute_num_layers=n), rates=rates)
+            if fits_with_headroom(plan, lay):
+                return [Candidate(_with(lay, recompute_num_layers=n), plan)]
+    return []
+
+
+def _states_could_fit(plan: Plan) -> bool:
+    """Whether the layout could fit with no model states on the device at all (else no ZeRO stage or offload
+    can make it fit: no plan needed to know)."""
+    mem = plan.memory_bytes
+    return mem["total"] - mem["weights"] - mem["grads"] - mem["optimizer"] <= plan.gpu_memory_bytes
 
 
 def fits_with_headroom(plan: Plan, cfg: Config) -> bool:
@@ -134,9 +184,11 @@ def fits_with_headroom(plan: Plan, cfg: Config) -> bool:
 
 def search(cfg: Config, rates: Rates) -> Search:
     """Plan every layout; those whose leanest variant (sp, full recompute, micro-batch 1) does not fit are
-    skipped as a group."""
+    skipped as a group. A zero=1 layout that does not fit is tried at zero=2 and 3, and one that fits under
+    recompute=full also with recompute_num_layers (launcher/plan/levers.py's choices)."""
     out = Search()
     lean_fits: Dict[tuple, bool] = {}
+    none_fits: Dict[tuple, bool] = {}  # recompute=none fits at these other settings: partial recompute is slower
     for lay in layouts(cfg):
         out.searched += 1
         p = lay.parallel
@@ -145,15 +197,25 @@ def search(cfg: Config, rates: Rates) -> Search:
         out.valid += 1
         group = (p.tp, p.pp, p.vpp, p.zero, p.cp)
         if group not in lean_fits:
-            lean = replace(lay, parallel=replace(p, sp=p.tp > 1 and lay.model.seq_length % p.tp == 0,
-                                                 recompute="full", micro_batch=1))
-            lean_fits[group] = make_plan(lean, rates=rates).fits
+            lean_fits[group] = make_plan(_lean(lay), rates=rates).fits
+            if not lean_fits[group] and (p.zero == 1 or derived_dp(lay) == 1):
+                lean_fits[group] = _deeper_zero(_lean(lay), rates) is not None
             if not lean_fits[group]:
                 out.no_fit.append(Candidate(lay, make_plan(lay, rates=rates)))
         if not lean_fits[group]:
             continue
         plan = make_plan(lay, rates=rates)
-        (out.candidates if fits_with_headroom(plan, cfg) else out.no_fit).append(Candidate(lay, plan))
+        if not fits_with_headroom(plan, cfg) and (p.zero == 1 or derived_dp(lay) == 1) and _states_could_fit(plan):
+            deeper = _deeper_zero(lay, rates)
+            if deeper is not None:
+                lay, plan = deeper.cfg, deeper.plan
+        fits = fits_with_headroom(plan, cfg)
+        (out.candidates if fits else out.no_fit).append(Candidate(lay, plan))
+        others = (p.tp, p.pp, p.vpp, p.sp, p.zero, p.micro_batch)
+        if p.recompute == "none":
+            none_fits[others] = fits
+        if fits and lay.parallel.recompute == "full" and not none_fits.get(others, False):
+            out.candidates += _partial_recompute(lay, rates)
     out.candidates.sort(key=lambda c: (c.step_s, c.plan.memory_bytes["total"]))
     out.no_fit.sort(key=lambda c: c.step_s)
     for i, cand in enumerate(out.candidates, 1):
@@ -174,11 +236,12 @@ def _part_words(cand: Candidate, part: str) -> str:
         return "TP traffic" + (" across nodes" if spans_nodes(1, p.tp, c.gpus_per_node) else "") + f" (tp {p.tp})"
     if part == "dp":
         return "DP traffic" + (" across nodes" if spans_nodes(p.tp * p.pp, plan.dp, c.gpus_per_node) else "") \
-            + f" (dp {plan.dp}" + (", ZeRO-1)" if p.zero else ")")
+            + f" (dp {plan.dp}" + (f", ZeRO-{p.zero})" if p.zero else ")")
     if part == "pp":
         return "pipeline sends" + (" across nodes" if spans_nodes(p.tp, p.pp, c.gpus_per_node) else "")
     if part == "recompute":
-        return f"recompute={p.recompute}"
+        return f"recompute={p.recompute}" + (f" ({p.recompute_num_layers} layers per chunk)"
+                                             if p.recompute == "full" and p.recompute_num_layers else "")
     if part == "compute":
         return f"compute (micro-batch {p.micro_batch}, tp {p.tp})"
     return part

@@ -50,6 +50,7 @@ DataKind = _choice("DataKind", "synthetic text indexed")
 Action = _choice("Action", "train plan status preflight keys prepare export generate logs cancel report recommend")
 HealthAction = _choice("HealthAction", "warn requeue")
 StatusFormat = _choice("StatusFormat", "json table")
+Offload = _choice("Offload", "none cpu nvme")
 
 # Every choice field, by its command-line key: validation and `meshrun action=keys` read it.
 CHOICE_FIELDS: Dict[str, type] = {
@@ -59,6 +60,7 @@ CHOICE_FIELDS: Dict[str, type] = {
     "cluster.device": Device, "cluster.health.action": HealthAction, "cluster.numa": NumaMode, "cluster.preflight.mode": PreflightMode,
     "data.kind": DataKind, "action": Action, "status.format": StatusFormat, "export.dtype": ExportDtype,
 }
+CHOICE_FIELDS["parallel.offload"] = Offload
 
 
 def choices(key: str) -> tuple:
@@ -139,7 +141,17 @@ class ParallelConfig:
     sp: bool = False
     """Sequence parallelism: norms and dropout on sequence shards (needs tp > 1)."""
     zero: int = 0
-    """0: gradient all-reduce; 1: distributed optimizer (fp32 masters and Adam states sharded over dp)."""
+    """0: gradient all-reduce; 1: distributed optimizer (fp32 masters and Adam states sharded over dp); 2: the
+    main grads sharded too (reduced per bucket during backward, only this rank's shard kept); 3: the parameters
+    sharded too (each unit gathered before its forward and its backward, released after)."""
+    offload: Offload = Offload.none
+    """none | cpu (optimizer state and fp32 masters in host memory, the update runs there; on a CPU rank the
+    state is in host memory already) | nvme (in files under offload_dir, read and written in blocks)."""
+    offload_dir: str = ""
+    """offload=nvme: a node-local directory for the state files (one subdirectory per rank, removed at exit)."""
+    zero3_reshard_after_forward: bool = True
+    """zero=3: release each unit's gathered parameters after its forward and gather them again for backward;
+    false keeps them from forward to backward (less communication, more memory)."""
     micro_batch: int = 1
     """Sequences per micro-batch per data-parallel rank."""
     global_batch: int = 8
@@ -148,6 +160,9 @@ class ParallelConfig:
     """gpipe | 1f1b | interleaved_1f1b."""
     recompute: Recompute = Recompute.none
     """none | selective (attention core) | full (whole layer)."""
+    recompute_num_layers: int = 0
+    """With recompute=full: only the first N layers of every pipeline chunk are recomputed (Megatron's block
+    method), the others keep their activations; 0 = every layer."""
     allow_tp_across_nodes: bool = False
     """Permit tp > ranks per node (TP then crosses the slow interconnect)."""
     bucket_mb: float = 4.0

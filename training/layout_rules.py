@@ -201,6 +201,45 @@ def cp_rules(cp: int, seq_length: int, tp: int, sp: bool, dropout: float, cp_com
 
 
 # ---- everything -----------------------------------------------------------------------------------
+# ---- memory levers --------------------------------------------------------------------------------
+ZERO_STAGES = (0, 1, 2, 3)
+"""The ZeRO stages the engine runs."""
+
+
+def memory_lever_rules(zero: int, recompute: str, recompute_num_layers: int, chunk_layers: int,
+                       offload: str = "none", offload_dir: str = "") -> List[Violation]:
+    """zero is a stage the engine runs; recompute_num_layers is >= 0 and only means something under
+    recompute=full (a warning otherwise, and when it covers the whole chunk anyway); offload=nvme names its
+    directory."""
+    out = []
+    if str(offload) == "nvme" and not offload_dir:
+        out.append(_error("parallel.offload_dir", "offload=nvme needs a node-local directory for the state files",
+                          "parallel.offload_dir=/local/nvme/meshrun (or parallel.offload=cpu)", "offload"))
+    if zero not in ZERO_STAGES:
+        out.append(_error("parallel.zero", f"must be one of {list(ZERO_STAGES)}, got {zero}",
+                          "parallel.zero=1 (optimizer sharded), 2 (grads too), 3 (parameters too) or 0", "zero"))
+    n = recompute_num_layers
+    if n < 0:
+        out.append(_error("parallel.recompute_num_layers", f"must be >= 0 (0 = every layer), got {n}",
+                          "parallel.recompute_num_layers=0", "recompute_num_layers"))
+    elif n > 0 and str(recompute) != "full":
+        out.append(Violation("warning", "parallel.recompute_num_layers",
+                             f"recompute_num_layers={n} only applies to recompute=full (got {recompute}): ignored",
+                             "parallel.recompute=full, or parallel.recompute_num_layers=0", "recompute_num_layers"))
+    elif n >= chunk_layers > 0 and n > 0:
+        out.append(Violation("warning", "parallel.recompute_num_layers",
+                             f"recompute_num_layers={n} covers every one of the chunk's {chunk_layers} layers",
+                             "parallel.recompute_num_layers=0 (all) or fewer", "recompute_num_layers"))
+    return out
+
+
+def chunk_layer_count(cfg: Config) -> int:
+    """Layers of one pipeline chunk (0 when pp x vpp does not divide the layers)."""
+    par = cfg.parallel
+    v = par.vpp if par.schedule == "interleaved_1f1b" and par.pp > 1 else 1
+    return cfg.model.num_layers // (par.pp * v) if par.pp * v and cfg.model.num_layers % (par.pp * v) == 0 else 0
+
+
 def layout_violations(cfg: Config, dp: int) -> List[Violation]:
     """Every rule above for cfg's layout with `dp` data-parallel ranks (launcher and engine alike)."""
     m, par = cfg.model, cfg.parallel
@@ -208,6 +247,8 @@ def layout_violations(cfg: Config, dp: int) -> List[Violation]:
     out += schedule_rules(par.schedule, par.pp, par.vpp)
     out += sp_rules(par.sp, par.tp, m.seq_length)
     out += cp_rules(par.cp, m.seq_length, par.tp, par.sp, m.dropout, getattr(par, "cp_comm", "ring"))
+    out += memory_lever_rules(par.zero, par.recompute, getattr(par, "recompute_num_layers", 0), chunk_layer_count(cfg),
+                              str(getattr(par, "offload", "none")), getattr(par, "offload_dir", ""))
     if dp >= 1:
         out += batch_rules(par.global_batch, par.micro_batch, dp)
         if not any(v.code == "batch" for v in out):

@@ -318,6 +318,9 @@ class Trainer:
         for c in self.chunks:
             c.train()
         before = [int(getattr(c, "micro_step", 0)) for c in self.chunks]  # the NaN probe replays these masks
+        if self.checkpointer is not None and self.cfg.parallel.zero >= 3:
+            # zero=3 releases parameter storage during the forward: an async save's host copy must be done.
+            self.checkpointer.wait_staged()
         busy = BusyTimer(self.mesh.device)  # CUDA: events on the compute stream (perf_counter returns early)
         busy.start()
         local = self.schedule.forward_backward(micro)
@@ -486,6 +489,9 @@ class Trainer:
             print("peak memory per rank (MiB): " + ", ".join(f"{b / 2**20:.0f}" for b in per_rank), file=sys.stderr)
             print(f"rank 0 model states (bytes): weights {mem['weights']}, grads {mem['grads']}, "
                   f"optimizer {mem['optimizer']}", file=sys.stderr)
+            if "host_offload" in mem:  # parallel.offload: where the optimizer state went
+                print(f"rank 0 offloaded optimizer state (bytes): host {mem['host_offload']}, "
+                      f"nvme {mem['nvme_offload']}", file=sys.stderr)
             from training.run_files import write_atomic  # never through a link (training/run_files.py)
 
             write_atomic(os.path.join(self.run_dir, "summary.json"), json.dumps(asdict(s), indent=2))

@@ -345,6 +345,11 @@ class GPTChunk(nn.Module):
         self.layer_ids = list(layer_ids)
         self.has_embedding, self.has_head = has_embedding, has_head
         self.recompute = parallel_cfg.recompute
+        n = getattr(parallel_cfg, "recompute_num_layers", 0)
+        if n < 0:
+            raise ValueError(f"parallel.recompute_num_layers={n}: use 0 (every layer) or a positive count")
+        # Full recompute of the first n layers of this chunk (0: all); the others keep their activations.
+        self.recompute_layers = len(layer_ids) if n == 0 else min(n, len(layer_ids))
         self.vocab_size = mc.vocab_size
         self.padded_vocab = padded_vocab(mc.vocab_size, mesh.tp)
         self.micro_step = 0  # counts training forwards: the dropout key of each micro-batch
@@ -396,8 +401,8 @@ class GPTChunk(nn.Module):
             x = self.embedding(x)
         elif batch_first:
             x = _SwapSequenceBatch.apply(x)
-        for layer in self.layers.values():
-            if self.recompute == "full" and torch.is_grad_enabled():
+        for k, layer in enumerate(self.layers.values()):
+            if self.recompute == "full" and k < self.recompute_layers and torch.is_grad_enabled():
                 x = checkpoint(layer, x, key, use_reentrant=False)
             else:
                 x = layer(x, key)

@@ -15,6 +15,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
+from launcher.plan.levers import offload_seconds, recomputed_layers_per_rank
 from launcher.plan.model_size import padded_vocab
 from training.config import Config, derived_dp
 
@@ -157,11 +158,11 @@ def collective_counts(cfg: Config, m: int, dp: int, grad_bytes: float) -> Dict[s
     t, p = par.tp, par.pp
     v = par.vpp if par.schedule == "interleaved_1f1b" else 1
     n_layers = mc.num_layers // p
-    passes = 3 if par.recompute == "full" else 2
+    redo_layers = recomputed_layers_per_rank(cfg)
     out = {"tp": 0, "pp": 0, "dp": 0, "cp": 0, "embedding": 0}
     if t > 1:
-        per_layer = passes * 2 * (2 if par.sp else 1)  # sp: an all-gather and a reduce-scatter per all-reduce
-        out["tp"] = m * (n_layers * per_layer + 2 + 3) + (1 if par.sp else 0)
+        per_pass = 2 * (2 if par.sp else 1)  # sp: an all-gather and a reduce-scatter per all-reduce
+        out["tp"] = m * ((2 * n_layers + redo_layers) * per_pass + 2 + 3) + (1 if par.sp else 0)
     if p > 1:
         out["pp"] = m * 2 * (2 * v - 1)  # sends and receives per micro-batch, an interior rank
         out["embedding"] = 1 if mc.tie_embeddings else 0
@@ -169,7 +170,7 @@ def collective_counts(cfg: Config, m: int, dp: int, grad_bytes: float) -> Dict[s
         out["cp"] = m * n_layers * 3 * (par.cp - 1)
     if dp > 1:
         buckets = max(1, math.ceil(grad_bytes / (par.bucket_mb * 2**20)))
-        out["dp"] = buckets * (2 if par.zero == 1 else 1)
+        out["dp"] = buckets * (2 if par.zero >= 1 else 1)
     return out
 
 
@@ -197,12 +198,15 @@ def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) 
     compute = m * (n_layers * per_layer + (logits if par.pp == 1 else 0.0))
     last = m * (n_layers * per_layer + logits)
     compute = max(compute, last) if par.pp > 1 else compute
-    recompute = m * n_layers * (redo / rates.flops + redo_overhead)
+    recompute = m * (n_layers if par.recompute != "full" else recomputed_layers_per_rank(cfg)) * \
+        (redo / rates.flops + redo_overhead)
     compute += recompute
     parts = {"compute": compute, "recompute": recompute,
              "bubble": compute * (par.pp - 1) / (v * m)}
-    updated = params_local / dp if (par.zero == 1 and dp > 1) else params_local
+    updated = params_local / dp if (par.zero >= 1 and dp > 1) else params_local
     parts["optimizer"] = updated * rates.optimizer_s_per_param
+    if str(getattr(par, "offload", "none")) != "none":  # the update runs on the host instead
+        parts["optimizer"] = offload_seconds(cfg, params_local, dp)
     counts = collective_counts(cfg, m, dp, comm.get("dp", 0))
     strides = {"tp": (1, par.tp), "cp": (par.tp, par.cp), "pp": (par.tp * par.cp, par.pp),
                "embedding": (par.tp * par.cp, par.pp), "dp": (par.tp * par.cp * par.pp, dp)}

@@ -19,6 +19,8 @@ from launcher.plan.memory import device_reserve_bytes
 from launcher.plan.model_size import (hardware_flops_per_step, layer_params, model_flops_per_step, padded_vocab,
                                  params_total, stage_params)
 from launcher.plan.cost_model import Rates, cluster_rates, predict
+from launcher.plan.levers import (offload_bytes, recomputed_layers_per_rank, zero2_dp_bytes, zero3_dp_bytes,
+                                 zero3_gathered_bytes)
 from training.config import Config, derived_dp
 
 
@@ -51,7 +53,7 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int) -> Dict[str,
       (v sends each way for an interior rank).
     cp: ring attention: (cp-1) K/V chunks forward and twice that (K/V and their grads) backward per layer.
     dp: zero=0 all-reduce of the grads (n g bytes); zero=1 reduce-scatter of the padded grad buffer plus
-      all-gather of the updated params.
+      all-gather of the updated params; zero=2 the reduction once per micro-batch (levers.zero2_dp_bytes).
     embedding: all-reduce of the tied word-embedding grads between the first and last stage (pp > 1).
     """
     mc, par = cfg.model, cfg.parallel
@@ -64,8 +66,8 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int) -> Dict[str,
     h = mc.hidden_size
     n_layers = mc.num_layers // p
     act = sb * h * ab
-    passes = 3 if par.recompute == "full" else 2
-    tp = m * n_layers * passes * 2 * _ring(t, act, "all_reduce")
+    passes = 2 * n_layers + recomputed_layers_per_rank(cfg)  # layer passes: fwd, bwd, recomputed fwd
+    tp = m * passes * 2 * _ring(t, act, "all_reduce")
     tp += m * 2 * _ring(t, act, "all_reduce")  # embedding fwd + output layer bwd
     tp += m * 3 * _ring(t, sb * 4, "all_reduce")
     if par.sp:
@@ -78,7 +80,11 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int) -> Dict[str,
     pp = m * sends * sb * h // t_sp * ab
     kv = sb * 2 * mc.query_groups * (h // mc.num_attention_heads) // t * ab
     cpb = m * n_layers * 3 * (cp - 1) * kv if cp > 1 else 0
-    if par.zero == 1:
+    if par.zero == 3:
+        dpb = zero3_dp_bytes(cfg, n_local, dp, m, g, ab)
+    elif par.zero == 2:
+        dpb = zero2_dp_bytes(n_local, dp, m, g, ab)
+    elif par.zero == 1:
         padded = -(-n_local // dp) * dp
         dpb = _ring(dp, padded * g, "reduce_scatter") + _ring(dp, padded * ab, "all_gather")
     else:
@@ -194,7 +200,9 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
         sp_ = stage_params(cfg, st)
         mem = model_state_bytes(sp_.total, cfg.train.precision, par.zero, optimizer_shard_degree(cfg, dp))
         mem["activations"] = stage_activation_bytes(cfg, st, m, profile)
-        mem["total"] = mem["weights"] + mem["grads"] + mem["optimizer"] + mem["activations"]
+        mem["zero3_gathered"] = zero3_gathered_bytes(cfg, st) if par.zero >= 3 else 0
+        mem.update(offload_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp)))  # device optimizer bytes, host / files
+        mem["total"] = mem["weights"] + mem["grads"] + mem["optimizer"] + mem["activations"] + mem["zero3_gathered"]
         stages.append(StagePlan(stage=st, params=sp_.total, memory_bytes=mem))
     worst = max(stages, key=lambda x: x.memory_bytes["total"])
     memory = dict(worst.memory_bytes)
@@ -222,7 +230,8 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
         num_microbatches=m,
         params_total=params_total(cfg),
         params_per_gpu=worst.params,
-        memory_bytes={k: memory[k] for k in ("weights", "grads", "optimizer", "activations", "activations_per_layer", "total")},
+        memory_bytes={k: memory[k] for k in ("weights", "grads", "optimizer", "activations", "activations_per_layer",
+                                             "zero3_gathered", "host_offload", "nvme_offload", "total")},
         **bub,
         model_flops_per_step=model_flops_per_step(cfg),
         hardware_flops_per_step=hw_flops,
@@ -282,6 +291,9 @@ def format_plan(plan: Plan) -> str:
         ("optimizer", fmt_bytes(mem["optimizer"])),
         ("activations", f"{fmt_bytes(mem['activations'])} ({fmt_bytes(mem['activations_per_layer'])} per layer"
                         " per micro-batch)"),
+        *[(label, fmt_bytes(mem[key])) for key, label in (("zero3_gathered", "zero=3 gathered"),
+                                                           ("host_offload", "host (offload)"),
+                                                           ("nvme_offload", "nvme (offload)")) if mem.get(key)],
         ("total / GPU", f"{fmt_bytes(mem['total'])} of {fmt_bytes(plan.gpu_memory_bytes)}, headroom "
                         f"{fmt_bytes(plan.headroom_bytes)} -> " + ("fits" if plan.fits else "DOES NOT FIT")),
         ("bubble", f"{plan.bubble_ratio:.3f} of ideal compute, {100 * plan.bubble_idle_fraction:.1f} % of wall clock idle"),

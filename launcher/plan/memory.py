@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Dict, Optional
 
+from launcher.plan.levers import recomputed_layers_per_rank, zero_bytes_per_param, zero_state_bytes
 from launcher.plan.model_size import padded_vocab
 from training.config import Config, derived_dp
 # Bytes per parameter: weights, gradients (fp32 main grads for bf16), optimizer (K); the engine allocates
@@ -28,7 +29,10 @@ from training.precision import GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
 def model_state_bytes(n: int, precision: str, zero: int, dp: int) -> Dict[str, int]:
     """Bytes of weights, grads and optimizer for n local parameters (docs/CONTRACTS.md, exact).
 
-    zero=1 pads the flat buffer to a multiple of dp: grads ceil(n/dp)*dp*g, optimizer ceil(n/dp)*K."""
+    zero=1 pads the flat buffer to a multiple of dp: grads ceil(n/dp)*dp*g, optimizer ceil(n/dp)*K.
+    zero=2: launcher/plan/levers.py."""
+    if zero >= 2:
+        return zero_state_bytes(n, precision, zero, dp)
     w = n * PARAM_BYTES[precision]
     g = GRAD_BYTES[precision]
     k = OPTIMIZER_BYTES[precision]
@@ -40,6 +44,8 @@ def model_state_bytes(n: int, precision: str, zero: int, dp: int) -> Dict[str, i
 
 def model_state_bytes_per_param(precision: str, zero: int, dp: int) -> float:
     """The published bytes/param (ZeRO: fp16 4 + 12/d; Megatron: bf16 6 + 12/d, fp32 8 + 8/d)."""
+    if zero >= 2:
+        return zero_bytes_per_param(precision, zero, dp)
     g, k = GRAD_BYTES[precision], OPTIMIZER_BYTES[precision]
     return PARAM_BYTES[precision] + g + (k / dp if zero == 1 else k)
 
@@ -188,6 +194,20 @@ def inflight_microbatches(cfg: Config, stage: int, m: int) -> float:
     return float(min(m, p - stage))
 
 
+def stage_layers_activation_bytes(cfg: Config, profile: DeviceProfile) -> int:
+    """Bytes the L/pp layers of one rank save for one micro-batch: with recompute=full and
+    recompute_num_layers = N > 0, the first N layers of each chunk keep only their input and the others
+    everything (launcher/plan/levers.py counts them)."""
+    n_layers = cfg.model.num_layers // cfg.parallel.pp
+    redo = recomputed_layers_per_rank(cfg)
+    if str(cfg.parallel.recompute) != "full" or redo == n_layers:
+        return n_layers * layer_activation_bytes(cfg, profile)
+    from dataclasses import replace
+
+    kept = replace(cfg, parallel=replace(cfg.parallel, recompute="none"))
+    return redo * layer_activation_bytes(cfg, profile) + (n_layers - redo) * layer_activation_bytes(kept, profile)
+
+
 def stage_activation_bytes(cfg: Config, stage: int, m: int, profile: DeviceProfile) -> int:
     """Activation bytes of one rank of pipeline stage `stage` at its peak (layers + embedding + logits)."""
     mc, par = cfg.model, cfg.parallel
@@ -196,9 +216,8 @@ def stage_activation_bytes(cfg: Config, stage: int, m: int, profile: DeviceProfi
     h = mc.hidden_size
     t = par.tp
     t_sp = t if par.sp else 1
-    n_layers = mc.num_layers // par.pp
     inflight = inflight_microbatches(cfg, stage, m)
-    per_mb = n_layers * layer_activation_bytes(cfg, profile)
+    per_mb = stage_layers_activation_bytes(cfg, profile)
     if stage == 0 and mc.dropout > 0:
         per_mb += sb * h // t_sp * profile.mask_bytes  # embedding dropout mask
     total = per_mb * inflight

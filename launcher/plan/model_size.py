@@ -157,7 +157,9 @@ def hardware_flops_per_step(cfg: Config) -> int:
     tokens = cfg.parallel.global_batch * cfg.model.seq_length
     total = model_flops_per_step(cfg)
     if cfg.parallel.recompute == "full":
-        total += tokens * (fw["layers"] + fw["attention"])
+        from launcher.plan.levers import recomputed_fraction  # recompute_num_layers: only those layers
+
+        total += round(tokens * (fw["layers"] + fw["attention"]) * recomputed_fraction(cfg))
     elif cfg.parallel.recompute == "selective":
         total += 3 * tokens * fw["attention"]
     return total

@@ -17,6 +17,7 @@ from launcher.plan.cadence import cadence_problems
 from launcher.plan.context_memory import more_cp
 from launcher.plan.estimate import GIB, Plan, make_plan, with_parallel
 from launcher.plan.honest_checks import SELECTIVE_MIN_SAVING
+from launcher.plan.levers import chunk_layers
 from training import layout_rules as rules
 from training.config import CHOICE_FIELDS, Config, choices, derived_dp
 
@@ -170,9 +171,12 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
         out.append(Issue("error", "cluster.gpu_memory_gb", f"must be > 0, got {c.gpu_memory_gb}",
                          "cluster.gpu_memory_gb=80"))
         sizes_ok = False
-    if cfg.parallel.zero not in (0, 1):
-        out.append(Issue("error", "parallel.zero", f"must be 0 or 1, got {cfg.parallel.zero}",
-                         "parallel.zero=1 (distributed optimizer) or 0"))
+    par_ = cfg.parallel
+    levers = _issues(rules.memory_lever_rules(par_.zero, par_.recompute, par_.recompute_num_layers,
+                                              rules.chunk_layer_count(cfg), str(par_.offload), par_.offload_dir))
+    out += levers
+    if any(i.code == "zero" and i.level == "error" for i in levers):
+        sizes_ok = False  # no ZeRO stage to plan for
     if cfg.parallel.bucket_mb <= 0:
         out.append(Issue("error", "parallel.bucket_mb", f"must be > 0, got {cfg.parallel.bucket_mb}",
                          "parallel.bucket_mb=4"))
@@ -285,8 +289,9 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
                                  f"1f1b with {mb} micro-batches for {p} stages: bubble "
                                  f"{(p - 1) / (mb + p - 1):.0%} of the wall clock",
                                  f"parallel.global_batch={p * unit} or more (>= pp micro-batches)"))
-        if par.zero == 1 and dp == 1:
-            out.append(Issue("warning", "parallel.zero", "zero=1 with dp=1 shards nothing (one data-parallel rank)",
+        if par.zero >= 1 and dp == 1:
+            out.append(Issue("warning", "parallel.zero",
+                             f"zero={par.zero} with dp=1 shards nothing (one data-parallel rank)",
                              "parallel.zero=0, or a layout with dp > 1"))
     else:
         ok = False
@@ -306,6 +311,29 @@ def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[
 
     def zero(c: Config):
         return with_parallel(c, zero=1) if c.parallel.zero == 0 and derived_dp(c) > 1 else None
+
+    def zero2(c: Config):
+        return with_parallel(c, zero=2) if c.parallel.zero < 2 and derived_dp(c) > 1 else None
+
+    def zero3(c: Config):
+        return with_parallel(c, zero=3) if c.parallel.zero < 3 and derived_dp(c) > 1 else None
+
+    def offload(kind: str):
+        def change(c: Config):
+            if str(c.parallel.offload) != "none" and (kind == "cpu" or str(c.parallel.offload) == "nvme"):
+                return None
+            return with_parallel(c, offload=kind, offload_dir=c.parallel.offload_dir or "<node-local dir>")
+        return change
+
+    def partial_recompute(c: Config):
+        """recompute=full on only as many layers per chunk as it takes (the fewest recomputed that fit)."""
+        if c.parallel.recompute == "full" and getattr(c.parallel, "recompute_num_layers", 0) == 0:
+            return None
+        for n in range(1, chunk_layers(c)):
+            new = with_parallel(c, recompute="full", recompute_num_layers=n)
+            if make_plan(new).fits:
+                return new
+        return None
 
     def selective(c: Config):
         return with_parallel(c, recompute="selective") if c.parallel.recompute == "none" else None
@@ -335,9 +363,14 @@ def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[
     return [
         ("parallel.sp=true", sp),
         ("parallel.zero=1", zero),
+        ("parallel.zero=2", zero2),
         ("parallel.recompute=selective", selective),
         ("parallel.micro_batch=1", micro),
+        ("parallel.recompute=full parallel.recompute_num_layers=N", partial_recompute),
         ("parallel.recompute=full", full),
+        ("parallel.zero=3", zero3),
+        ("parallel.offload=cpu", offload("cpu")),
+        ("parallel.offload=nvme parallel.offload_dir=<node-local dir>", offload("nvme")),
         ("parallel.pp x 2 (dp / 2)", more_pp),
         ("parallel.tp x 2 (dp / 2)", more_tp),
         # Context parallelism for activation-bound layouts at long sequences (launcher/plan/context_memory.py).
@@ -349,7 +382,9 @@ def _describe(c: Config) -> str:
     p = c.parallel
     return f"parallel.tp={p.tp} parallel.pp={p.pp} parallel.sp={str(p.sp).lower()} parallel.zero={p.zero} " \
            f"parallel.recompute={p.recompute} parallel.micro_batch={p.micro_batch}" \
-           + (f" parallel.cp={p.cp}" if p.cp > 1 else "")
+           + (f" parallel.cp={p.cp}" if p.cp > 1 else "") \
+           + (f" parallel.recompute_num_layers={p.recompute_num_layers}" if p.recompute_num_layers else "") \
+           + (f" parallel.offload={p.offload}" if str(p.offload) != "none" else "")
 
 
 def fit_fixes(cfg: Config, plan: Plan) -> List[str]:
@@ -364,6 +399,7 @@ def fit_fixes(cfg: Config, plan: Plan) -> List[str]:
         pl = make_plan(new)
         if pl.memory_bytes["total"] > plan.memory_bytes["total"] * (1 - SELECTIVE_MIN_SAVING):
             continue  # offer only fixes that change the plan (selective recompute under flash attention does not)
+        label = label.replace("recompute_num_layers=N", f"recompute_num_layers={new.parallel.recompute_num_layers}")
         lines.append(f"{label}: {pl.memory_bytes['total'] / GIB:.2f} GiB" + (" (fits)" if pl.fits else ""))
         if pl.fits:
             fitting.append(label)

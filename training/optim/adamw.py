@@ -10,6 +10,7 @@ torch.optim.AdamW(fused=True)) on the whole shard: one pass instead of seven, eq
 from __future__ import annotations
 
 import bisect
+import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -33,9 +34,10 @@ class ShardedAdamW:
     block's passes stay long enough that the per-op launch cost does not show."""
 
     def __init__(self, layout: FlatLayout, beta1: float, beta2: float, eps: float, weight_decay: float,
-                 fused: bool = False):
+                 fused: bool = False, offload: str = "none", offload_dir: str = "", rank: int = 0):
         self.layout = layout
         self.fused = fused
+        self.offload = offload
         self._step_t = torch.zeros((), dtype=torch.float32, device=layout.params[0].device)
         self._scratch: Optional[torch.Tensor] = None
         self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
@@ -43,8 +45,14 @@ class ShardedAdamW:
         self.master: Optional[torch.Tensor] = None
         if any(p.dtype != torch.float32 for p in layout.params):
             self.master = layout.read_shard()
-        self.exp_avg = torch.zeros(layout.shard_size, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(layout.shard_size, dtype=torch.float32, device=device)
+        self.store = None
+        """offload=cpu on a GPU, or nvme: where the state lives (training/optim/offload.py); None: on the device."""
+        if offload == "nvme" or (offload == "cpu" and device.type != "cpu"):
+            self._init_store(offload, offload_dir, rank, device)
+            self.exp_avg = self.exp_avg_sq = None
+        else:  # offload=cpu on a CPU rank: the state is in host memory already, nothing moves
+            self.exp_avg = torch.zeros(layout.shard_size, dtype=torch.float32, device=device)
+            self.exp_avg_sq = torch.zeros(layout.shard_size, dtype=torch.float32, device=device)
         # The shard ranges that take weight decay, adjacent segments merged.
         self._decay_runs: List[Tuple[int, int]] = []
         for seg in layout.segments:
@@ -56,8 +64,40 @@ class ShardedAdamW:
                 self._decay_runs.append((seg.shard_start, seg.shard_end))
         self._decay_ends = [b for _, b in self._decay_runs]
 
+    def _init_store(self, offload: str, offload_dir: str, rank: int, device: torch.device) -> None:
+        from training.optim.offload import FileStore, HostStore
+
+        names = ["exp_avg", "exp_avg_sq"]
+        # The update runs where the state is: a master copy there unless the weights are fp32 in host memory.
+        initial = {}
+        if self.master is not None or device.type != "cpu":
+            names.append("master")
+            initial["master"] = self.layout.read_shard().cpu()
+        self.master = None
+        self._store_master = "master" in names
+        if offload == "cpu":
+            self.store = HostStore(names, self.layout.shard_size, initial, pin=device.type == "cuda")
+        else:
+            import atexit
+            import shutil
+            import tempfile
+
+            if not offload_dir:
+                raise ValueError("parallel.offload=nvme needs parallel.offload_dir (a node-local directory)")
+            os.makedirs(offload_dir, exist_ok=True)
+            where = tempfile.mkdtemp(prefix=f"meshrun-optimizer-rank{rank}-", dir=offload_dir)
+            atexit.register(shutil.rmtree, where, True)
+            self.store = FileStore(names, self.layout.shard_size, initial, where)
+
+    def store_tensors(self, tensors: Dict[str, torch.Tensor]) -> None:
+        """Write back whole state tensors obtained from `tensors()` (offloaded state: a checkpoint's load)."""
+        if self.store is not None:
+            self.store.store_all(tensors)
+
     def tensors(self) -> Dict[str, torch.Tensor]:
-        """The state tensors that exist, by name."""
+        """The state tensors that exist, by name (offload=nvme: read whole from the files, a copy)."""
+        if self.store is not None:
+            return self.store.tensors()
         out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         if self.master is not None:
             out["master"] = self.master
@@ -68,19 +108,22 @@ class ShardedAdamW:
         buffer itself (updated in place, no copy), or a fresh read when the parameters are not flattened."""
         if self.master is not None:
             return self.master
+        if getattr(self.layout, "shard_values", None) is not None:
+            return self.layout.shard_values  # zero=3: the shard of fp32 weights, updated in place
         if self.layout.param_buffer is not None:
             return self.layout.shard_of(self.layout.param_buffer)
         return self.layout.read_shard()
 
-    def _decay(self, w: torch.Tensor, lr: float, lo: int, hi: int) -> None:
-        """Weight decay of the decayed elements of shard range [lo, hi) (torch's AdamW: p *= 1 - lr wd first)."""
+    def _decay(self, w: torch.Tensor, lr: float, lo: int, hi: int, base: int = 0) -> None:
+        """Weight decay of the decayed elements of shard range [lo, hi) (torch's AdamW: p *= 1 - lr wd first);
+        w holds the shard from element `base` on."""
         if not self.weight_decay:
             return
         runs = self._decay_runs
         i = bisect.bisect_right(self._decay_ends, lo)  # the first run ending after lo
         while i < len(runs) and runs[i][0] < hi:
             a, b = max(runs[i][0], lo), min(runs[i][1], hi)
-            w[a:b].mul_(1 - lr * self.weight_decay)
+            w[a - base : b - base].mul_(1 - lr * self.weight_decay)
             i += 1
 
     def update(self, w: torch.Tensor, g: torch.Tensor, lr: float, step: int, grad_coef: float = 1.0) -> None:
@@ -126,8 +169,45 @@ class ShardedAdamW:
         """Bytes of the non-fused update's fp32 scratch (at most one block; none before the first step)."""
         return 0 if self._scratch is None else self._scratch.numel() * self._scratch.element_size()
 
+    def update_offloaded(self, g: torch.Tensor, lr: float, step: int, grad_coef: float, dest: torch.Tensor) -> None:
+        """`update` with the state in the store, block by block: each block's grads go to the state, the same
+        operations in the same order as `update` (so the result is the same, bit for bit), the state block is
+        written back and the new weights go to `dest` (this rank's shard of the parameter values)."""
+        bc1 = 1 - self.beta1 ** step
+        bc2 = 1 - self.beta2 ** step
+        store, n = self.store, g.numel()
+        has_master = self._store_master
+        block = getattr(store, "block_elems", self.BLOCK)
+        for lo in range(0, n, block):
+            hi = min(lo + block, n)
+            gg = g[lo:hi].to("cpu", torch.float32)
+            m, v = store.block("exp_avg", lo, hi), store.block("exp_avg_sq", lo, hi)
+            w = store.block("master", lo, hi) if has_master else dest[lo:hi]
+            if grad_coef != 1.0:
+                gg.mul_(grad_coef)
+            self._decay(w, lr, lo, hi, base=lo)
+            m.lerp_(gg, 1 - self.beta1)
+            v.mul_(self.beta2).addcmul_(gg, gg, value=1 - self.beta2)
+            denom = torch.sqrt(v)
+            denom.div_(bc2 ** 0.5).add_(self.eps)
+            w.addcdiv_(m, denom, value=-lr / bc1)
+            store.commit("exp_avg", lo, hi)
+            store.commit("exp_avg_sq", lo, hi)
+            if has_master:
+                store.commit("master", lo, hi)
+                dest[lo:hi].copy_(w, non_blocking=True)
+
     def refresh_master(self, param_indices: List[int]) -> None:
         """Set the master copy of these parameters from their current values (a checkpoint without masters)."""
+        if self.store is not None and param_indices:
+            states = self.store.tensors()
+            if "master" in states:
+                wanted = set(param_indices)
+                for s in self.layout.segments:
+                    if s.param_index in wanted:
+                        self.layout.read_segment(s, states["master"])
+                self.store.store_all({"master": states["master"]})
+            return
         if self.master is None:
             return
         wanted = set(param_indices)
@@ -136,5 +216,19 @@ class ShardedAdamW:
                 self.layout.read_segment(s, self.master)
 
     def nbytes(self) -> int:
-        """Bytes of the state tensors."""
+        """Bytes of the state tensors on the device (offloaded: none; see host_bytes, file_bytes)."""
+        if self.store is not None or self.offload != "none":
+            return 0
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def host_bytes(self) -> int:
+        """Bytes of offloaded state (or of its block buffers, nvme) in host memory."""
+        if self.store is not None:
+            return self.store.host_bytes()
+        if self.offload == "cpu":  # a CPU rank: the state itself, in host memory
+            return sum(t.numel() * t.element_size() for t in self.tensors().values())
+        return 0
+
+    def file_bytes(self) -> int:
+        """Bytes of optimizer state in files (offload=nvme)."""
+        return self.store.file_bytes() if self.store is not None else 0

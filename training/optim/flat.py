@@ -1,6 +1,6 @@
 """Where each parameter sits in a rank's flat buffers, and which part of them this rank's shard holds.
 
-Parameter i occupies flat positions [offsets[i], offsets[i] + numel_i). With zero=1 the flat range is
+Parameter i occupies flat positions [offsets[i], offsets[i] + numel_i). With zero >= 1 the flat range is
 padded to S x dp, S = ceil(N / dp), and data-parallel rank r owns the shard [r S, (r + 1) S); with
 zero=0 every rank owns the whole range. Gradient buffer, Adam states and checkpoints all use this layout.
 """
@@ -62,7 +62,7 @@ class FlatLayout:
             self.offsets.append(n)
             n += p.numel()
         self.numel = n
-        if zero == 1:
+        if zero >= 1:
             self.shard_size = -(-n // dp)
             self.total = self.shard_size * dp
             self.shard_lo = dp_rank * self.shard_size
@@ -70,6 +70,8 @@ class FlatLayout:
             self.shard_size, self.total, self.shard_lo = n, n, 0
         self.shard_hi = self.shard_lo + self.shard_size
         self.segments = self._segments(mesh)
+        self.shard_values: Optional[torch.Tensor] = None
+        """zero=3: this rank's shard of the parameter values (model dtype), the only copy between gathers."""
         self.param_buffer: Optional[torch.Tensor] = None
         """The parameters' values in flat order (padding zero) once `flatten_params` ran; the parameters are views."""
 

@@ -10,6 +10,9 @@ A step:
 5. write-back to the parameters: zero=0 copies, zero=1 all-gathers the updated shards (bucketed, param_gather.py); with
    `step(defer_param_gather=True)` (the training loop's) those all-gathers run asynchronously and each
    part of the model waits for its own parameters when its next forward starts (param_gather.py).
+zero=2 keeps only the shard of the main grads (grad_shard.py: reduced per bucket during backward, the
+model-parallel sums after), zero=3 only the shard of the weights too (zero3.py: units gathered for their
+forward and backward), and parallel.offload moves the AdamW state to host memory or files (offload.py).
 The memory it holds is exactly docs/CONTRACTS.md's accounting (see `memory_report`). Checkpoints go
 through `state_dict` / `load_state_dict`.
 """
@@ -27,9 +30,11 @@ from training.config import Config
 from training.optim.adamw import ShardedAdamW
 from training.optim.flat import FlatLayout, Segment
 from training.optim.grad_buffer import GradBuffer
+from training.optim.grad_shard import ShardedGradBuffer
 from training.optim.loss_scaler import LossScaler
 from training.optim.model_parallel import ModelParallelGradSync
 from training.optim.param_gather import ParamGather
+from training.optim.zero3 import Zero3Params
 from training.precision import grad_dtype, check_precision
 from training.parallel.collectives import all_gather_single
 
@@ -82,20 +87,32 @@ class DistributedOptimizer:
         self.zero, self.dp, self.shard_lo, self.shard_size = lay.zero, lay.dp, lay.shard_lo, lay.shard_size
         self.segments: List[Segment] = lay.segments
         self.dp_group = mesh.dp_cp_group if lay.dp > 1 else None
-        # The parameters become views of one flat buffer: fp32 weights are updated in place.
-        lay.flatten_params()
-        self.grads = GradBuffer(lay, grad_dtype(t.precision), self.dp_group, cfg.parallel.bucket_mb,
-                                overlap=getattr(cfg.parallel, "overlap_grad_reduce", True))
+        # The parameters become views of one flat buffer: fp32 weights are updated in place. zero=3: each keeps
+        # a storage of its own, gathered per unit (zero3.py), and the rank holds only its shard of the values.
+        self.zero3: Optional[Zero3Params] = None
+        if lay.zero >= 3:
+            self.zero3 = Zero3Params(lay, self.dp_group,
+                                     getattr(cfg.parallel, "zero3_reshard_after_forward", True))
+            lay.shard_values = self.zero3.shard
+        else:
+            lay.flatten_params()
+        grads_cls = ShardedGradBuffer if lay.zero >= 2 else GradBuffer  # zero=2: only the shard of main grads
+        self.grads = grads_cls(lay, grad_dtype(t.precision), self.dp_group, cfg.parallel.bucket_mb,
+                               overlap=getattr(cfg.parallel, "overlap_grad_reduce", True))
         self.finalize_grads = ModelParallelGradSync(lay.names, lay.params, cfg, mesh)
         self.grads.defer(self.finalize_grads.param_indices())
-        self.adamw = ShardedAdamW(lay, t.beta1, t.beta2, t.eps, t.weight_decay, getattr(t, "fused_adamw", False))
+        offload = str(getattr(cfg.parallel, "offload", "none"))
+        if offload != "none" and lay.param_buffer is None and lay.shard_values is None:
+            raise ValueError("parallel.offload needs parameters of one dtype and device (one flat buffer)")
+        self.adamw = ShardedAdamW(lay, t.beta1, t.beta2, t.eps, t.weight_decay, getattr(t, "fused_adamw", False),
+                                  offload, getattr(cfg.parallel, "offload_dir", ""), mesh.rank)
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.min_loss_scale, t.loss_scale_window)
         self.step_count = 0
         self._runs = self._counted_runs()
         # zero=1 over dp > 1 with one flat parameter buffer: the updated shards' all-gather, bucketed like the
         # grads; with overlap on it may run into the next forward (set up by watch_modules).
         self.param_gather: Optional[ParamGather] = None
-        if self.zero == 1 and self.dp > 1 and lay.param_buffer is not None:
+        if self.zero >= 1 and self.dp > 1 and lay.param_buffer is not None:
             self.param_gather = ParamGather(lay, self.dp_group, max(1, self.grads.bucket_elems // self.dp))
         self._overlap = getattr(cfg.parallel, "overlap_grad_reduce", True)
 
@@ -104,11 +121,16 @@ class DistributedOptimizer:
         `step(defer_param_gather=True)` may return before the updated shards are all gathered (overlap on)."""
         if self.param_gather is not None and self._overlap:
             self.param_gather.watch(chunks)
+        if self.zero3 is not None:
+            self.zero3.watch(chunks)  # zero=3: the units gather before their forward and backward
 
     def finish_param_gather(self) -> None:
-        """Every parameter holds its updated value (a no-op unless a deferred gather is still running)."""
+        """Every parameter holds its updated value (a no-op unless a deferred gather is still running;
+        zero=3: every unit gathered, until the next step releases them)."""
         if self.param_gather is not None:
             self.param_gather.finish()
+        if self.zero3 is not None and self.zero3.watching:
+            self.zero3.gather_all()
 
     # ----- what tests and the checkpoint code read --------------------------------------------------
     @property
@@ -142,11 +164,14 @@ class DistributedOptimizer:
         defer_param_gather (zero=1, after watch_modules): return with the updated shards' all-gathers still
         running; the next forward waits for each module's part, anything else for `finish_param_gather`
         (state_dict and the next step call it)."""
-        self.finish_param_gather()
-        self.grads.settle()
-        self.finalize_grads(self.grads.views)
-        self.grads.reduce_dp()
-        shard = self.grads.shard()
+        if self.zero3 is not None:
+            if not self.zero3.watching:
+                raise RuntimeError("parallel.zero=3: call optimizer.watch_modules(model_chunks) before training "
+                                   "(the units gather their parameters through its hooks)")
+            self.zero3.release_all()  # backward is over: only the shards stay
+        else:
+            self.finish_param_gather()
+        shard = self.reduce_grads()
         grads = shard.float().div_(self.scaler.scale) if self.scaler.enabled else shard
         norm = self._grad_norm(grads)
         if not loss_finite or not math.isfinite(norm):
@@ -155,13 +180,36 @@ class DistributedOptimizer:
             return StepResult(norm, True, reason, self.scaler.reported())
         clip = self.cfg.train.grad_clip
         coef = clip / (norm + 1e-6) if clip > 0 else 1.0
-        weights = self.adamw.weights()
         self.step_count += 1
-        # The clipping (coef < 1) is applied to the grads block by block inside the update: one pass less.
-        self.adamw.update(weights, grads, lr, self.step_count, grad_coef=min(coef, 1.0))
-        self._write_back(weights, defer_param_gather)
+        if self.adamw.store is not None:  # offloaded state: the update runs where it lives, block by block
+            dest = self._param_shard()
+            self.adamw.update_offloaded(grads, lr, self.step_count, min(coef, 1.0), dest)
+            self._write_back(dest, defer_param_gather)
+        else:
+            weights = self.adamw.weights()
+            # The clipping (coef < 1) is applied to the grads block by block inside the update: one pass less.
+            self.adamw.update(weights, grads, lr, self.step_count, grad_coef=min(coef, 1.0))
+            self._write_back(weights, defer_param_gather)
         self.scaler.grow()
         return StepResult(norm, False, "", self.scaler.reported())
+
+    def reduce_grads(self) -> torch.Tensor:
+        """Finish the step's gradient reductions (model-parallel and dp); returns this rank's shard of the
+        dp-averaged main grads (zero=0: every grad)."""
+        self.grads.settle()
+        if isinstance(self.grads, ShardedGradBuffer):
+            self.grads.reduce_dp()  # zero=2: the dp sums first, then the model-parallel ones on the shard
+            self.grads.finalize(self.finalize_grads, self.mesh)
+        else:
+            self.finalize_grads(self.grads.views)
+            self.grads.reduce_dp()
+        return self.grads.shard()
+
+    def _param_shard(self) -> torch.Tensor:
+        """This rank's shard of the parameter values in the model dtype (a view of what the model reads)."""
+        if self.zero3 is not None:
+            return self.zero3.shard
+        return self.layout.shard_of(self.layout.param_buffer)
 
     def _counted_runs(self) -> List[Tuple[int, int]]:
         """Shard ranges of the counted segments, adjacent ones merged (tp = pp = 1: one range, the whole shard)."""
@@ -179,7 +227,7 @@ class DistributedOptimizer:
         sq = torch.zeros((), dtype=torch.float64, device=grads.device)
         for lo, hi in self._runs:
             sq += torch.linalg.vector_norm(grads[lo:hi]).double() ** 2
-        if self.zero == 1 and self.dp > 1:
+        if self.zero >= 1 and self.dp > 1:
             dist.all_reduce(sq, group=self.dp_group)
         if self.mesh.tp * self.mesh.pp > 1:
             dist.all_reduce(sq, group=self.mesh.model_parallel_group)
@@ -188,6 +236,10 @@ class DistributedOptimizer:
     def _write_back(self, values: torch.Tensor, defer: bool = False) -> None:
         """Updated shard values into the parameters: a copy, or (zero=1) an all-gather of every rank's shard."""
         lay = self.layout
+        if self.zero3 is not None:  # the shard is the weights: the next gathers read it
+            if self.zero3.shard.data_ptr() != values.data_ptr():
+                self.zero3.shard.copy_(values)
+            return
         buf = lay.param_buffer
         if buf is not None:
             own = lay.shard_of(buf)
@@ -216,8 +268,12 @@ class DistributedOptimizer:
     # ----- accounting and checkpoints ----------------------------------------------------------------
     def memory_report(self) -> Dict[str, int]:
         """Bytes this rank really holds for weights, main grads and optimizer state (docs/CONTRACTS.md)."""
-        weights = sum(p.numel() * p.element_size() for p in self.params)
-        return {"weights": weights, "grads": self.grads.nbytes(), "optimizer": self.adamw.nbytes()}
+        weights = (self.zero3.nbytes() if self.zero3 is not None
+                   else sum(p.numel() * p.element_size() for p in self.params))
+        out = {"weights": weights, "grads": self.grads.nbytes(), "optimizer": self.adamw.nbytes()}
+        if self.adamw.offload != "none":
+            out.update(host_offload=self.adamw.host_bytes(), nvme_offload=self.adamw.file_bytes())
+        return out
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's optimizer state.
@@ -230,13 +286,13 @@ class DistributedOptimizer:
         only takes the scalars and notices what is missing.
         """
         self.finish_param_gather()  # a checkpoint reads the parameters right after this
-        lay, states = self.layout, self.adamw.tensors()
-        params = []
-        for s in self.segments:
-            params.append(ParamShard(lay.names[s.param_index], lay.params[s.param_index], s.param_start,
-                                     {k: t[s.shard_start : s.shard_end] for k, t in states.items()}))
         return {"step_count": self.step_count, **self.scaler.state_dict(),
-                "replicated_over_dp": self.zero == 0, "params": params}
+                "replicated_over_dp": self.zero == 0, "params": self._shards(self.adamw.tensors())}
+
+    def _shards(self, states: Dict[str, torch.Tensor]) -> List[ParamShard]:
+        lay = self.layout
+        return [ParamShard(lay.names[s.param_index], lay.params[s.param_index], s.param_start,
+                           {k: t[s.shard_start : s.shard_end] for k, t in states.items()}) for s in self.segments]
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore from a state_dict() of this optimizer's layout (resharding is the checkpoint's job).
@@ -246,7 +302,9 @@ class DistributedOptimizer:
         """
         self.step_count = int(state["step_count"])
         self.scaler.load_state_dict(state)
-        own = {p.name: p for p in self.state_dict()["params"]}
+        self.finish_param_gather()
+        states = self.adamw.tensors()  # offload=nvme: a copy read from the files, written back below
+        own = {s_.name: s_ for s_ in self._shards(states)}
         refresh = []
         for entry in state.get("params", []):
             mine = own[entry.name]
@@ -258,4 +316,7 @@ class DistributedOptimizer:
                     continue
                 if src.data_ptr() != dst.data_ptr():  # loaded in place already: nothing to copy
                     dst.copy_(src)
+        self.adamw.store_tensors(states)
+        if self.zero3 is not None:
+            self.zero3.refresh_shard()  # the parameters (gathered above) were loaded in place
         self.adamw.refresh_master(refresh)

@@ -1,0 +1,99 @@
+"""The engine's model-state bytes under every memory lever, against plan.json and the device allocator.
+
+One rank (world size 1: NCCL on a GPU, gloo with --dry) builds the real Trainer for each setting, zero 0-3,
+offload=cpu and nvme, recompute_num_layers, and checks:
+  1. the optimizer's own accounting (memory_report: bytes summed over the tensors it allocated) equals the
+     plan's per-rank weights, grads, optimizer, host_offload and nvme_offload exactly;
+  2. on a GPU: the bytes torch.cuda's allocator gained while the Trainer was built equal the device part of
+     that accounting (weights + grads + optimizer) within the allocator's rounding (512-byte blocks) and a few
+     scalars: ALLOCATOR_SLACK bytes. --dry (CPU): step 2 is skipped (no device allocator to read).
+Prints one JSON object (the last line); exit 0 when every check passed, 1 otherwise.
+Usage: python bench/gpu_memory_levers.py [--dry] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+ALLOCATOR_SLACK = 64 * 1024
+"""Bytes the allocator may add beyond the model states: 512-byte rounding of each buffer and a few scalars."""
+
+SETTINGS = {
+    "zero0": dict(zero=0),
+    "zero1": dict(zero=1),
+    "zero2": dict(zero=2),
+    "zero3": dict(zero=3),
+    "zero2_offload_cpu": dict(zero=2, offload="cpu"),
+    "zero3_offload_nvme": dict(zero=3, offload="nvme"),
+    "recompute_num_layers_1": dict(zero=1, recompute="full", recompute_num_layers=1),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dry", action="store_true", help="CPU (gloo): the accounting against the plan only")
+    ap.add_argument("--out", default=tempfile.mkdtemp(prefix="memory_levers-"))
+    args = ap.parse_args()
+    import torch
+
+    from launcher.plan.estimate import make_plan
+    from training.config import Config
+    from training.loop import Trainer
+    from training.mesh import ProcessMesh
+
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": os.environ.get("MASTER_PORT", "29531")})
+    cuda = not args.dry
+    mesh = ProcessMesh.from_env(1, 1, 1, 1, backend="nccl" if cuda else "gloo")
+    checks = {}
+    for name, lever in SETTINGS.items():
+        cfg = Config()
+        m = cfg.model
+        if args.dry:
+            m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 4, 64, 4, 32
+        else:
+            m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 8, 1024, 16, 512
+        cfg.cluster.device = "cuda" if cuda else "cpu"
+        cfg.cluster.gpus_per_node, cfg.cluster.peak_tflops = 1, 1.0
+        cfg.train.precision = "bf16" if cuda else "fp32"
+        cfg.train.progress, cfg.data.kind = False, "synthetic"
+        p = cfg.parallel
+        p.micro_batch, p.global_batch, p.dp = 1, 1, 1
+        for k, v in lever.items():
+            setattr(p, k, v)
+        p.offload_dir = os.path.join(args.out, "nvme")
+        plan = make_plan(cfg).memory_bytes
+        if cuda:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+        trainer = Trainer(cfg, os.path.join(args.out, name), mesh, checkpointing=False)
+        report = trainer.optimizer.memory_report()
+        keys = [k for k in ("weights", "grads", "optimizer", "host_offload", "nvme_offload") if k in report]
+        want = {k: plan[k] for k in keys}
+        found = {"measured": report, "plan": want}
+        ok = report == want
+        if cuda:
+            torch.cuda.synchronize()
+            gained = torch.cuda.memory_allocated() - before
+            device = report["weights"] + report["grads"] + report["optimizer"]
+            found.update(allocator_gained=gained, device_states=device)
+            ok = ok and 0 <= gained - device <= ALLOCATOR_SLACK
+        checks[name] = {"ok": ok, **found}
+        del trainer
+        if cuda:
+            torch.cuda.empty_cache()
+    mesh.destroy()
+    summary = {"mode": "dry" if args.dry else "gpu", "ok": all(c["ok"] for c in checks.values()), "checks": checks}
+    print(json.dumps(summary))
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

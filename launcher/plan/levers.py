@@ -1,0 +1,189 @@
+"""The planner's memory levers beyond ZeRO-1: ZeRO-2 (sharded main grads) and partial recomputation
+(pure Python, no torch).
+
+Kept apart from memory.py / estimate.py so that the formulas of each lever sit in one place; those modules
+call in here when a config uses a lever. Bytes follow the engine's allocations exactly (training/optim/
+grad_shard.py, training/model.py) and docs/FORMULAS.md gives the published forms (ZeRO paper, Megatron).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+from training.config import Config
+from training.precision import GRAD_BYTES, OFFLOAD_BLOCK_ELEMS, OPTIMIZER_BYTES, PARAM_BYTES
+
+from training.layout_rules import ZERO_STAGES as ENGINE_ZERO_STAGES  # the planner accepts exactly these
+
+
+def zero_state_bytes(n: int, precision: str, zero: int, dp: int) -> Dict[str, int]:
+    """Weights, grads and optimizer bytes of n local parameters at zero >= 2 (exact, the engine's buffers).
+
+    zero=2: the flat layout is padded to S x dp, S = ceil(n/dp); this rank keeps the full weights, the
+    shard of main grads (S g) and the shard of optimizer state (S K). Staging of in-flight buckets is
+    transient (bounded by parallel.bucket_mb, docs/FORMULAS.md) and not held between steps.
+    zero=3: the weights too are only the shard, S w (the units gathered for compute: zero3_gathered_bytes)."""
+    if zero not in (2, 3):
+        raise ValueError(f"zero={zero}: the engine runs ZeRO stages {ENGINE_ZERO_STAGES}")
+    shard = -(-n // dp)
+    weights = (shard if zero == 3 else n) * PARAM_BYTES[precision]
+    return {"weights": weights, "grads": shard * GRAD_BYTES[precision],
+            "optimizer": shard * OPTIMIZER_BYTES[precision]}
+
+
+def zero3_units(cfg: Config, stage: int) -> List[int]:
+    """Elements of each zero=3 gather unit of one rank of pipeline stage `stage` (training/model.py's
+    param_units: the embedding, each layer, the final norm with the output layer)."""
+    from launcher.plan.model_size import layer_params, padded_vocab, stage_params
+
+    m, par = cfg.model, cfg.parallel
+    sp_ = stage_params(cfg, stage)
+    word = padded_vocab(m.vocab_size, par.tp) * m.hidden_size // par.tp
+    units = [layer_params(cfg).total] * sp_.layers
+    if stage == 0:
+        units.append(word + (m.seq_length * m.hidden_size if m.position == "learned" else 0))
+    if stage == par.pp - 1:
+        units.append(sp_.head + (word if m.tie_embeddings else 0))  # the head reads the (tied) word embedding
+    return units
+
+
+def zero3_gathered_bytes(cfg: Config, stage: int) -> int:
+    """Peak bytes of gathered parameters at zero=3 on one rank of `stage` (an upper bound, beside the shard).
+
+    Resharding after forward (the default): at most three units at once: the one computing, the next one
+    prefetched, and the output layer's unit, which stays gathered from its forward to its backward (or, in
+    backward, the unit just finished until the next one is gathered). Without it, every unit stays gathered
+    from forward to backward: the stage's whole weights."""
+    w = PARAM_BYTES[cfg.train.precision]
+    units = sorted(zero3_units(cfg, stage), reverse=True)
+    if not getattr(cfg.parallel, "zero3_reshard_after_forward", True):
+        from launcher.plan.model_size import stage_params
+
+        return stage_params(cfg, stage).total * w
+    return sum(units[:3]) * w
+
+
+def zero_bytes_per_param(precision: str, zero: int, dp: int) -> float:
+    """Published bytes/param by ZeRO stage (Rajbhandari et al. 2020, Psi = params, K = optimizer bytes):
+    stage 2: w + (g + K)/dp; stage 3: (w + g + K)/dp (fp16: 2 + 14/dp and 16/dp). Stage 3's gathered units
+    are extra (zero3_gathered_bytes)."""
+    w, g, k = PARAM_BYTES[precision], GRAD_BYTES[precision], OPTIMIZER_BYTES[precision]
+    if zero == 2:
+        return w + (g + k) / dp
+    if zero == 3:
+        return (w + g + k) / dp
+    raise ValueError(f"zero={zero}: stages 2 and 3 only (memory.model_state_bytes_per_param has 0 and 1)")
+
+
+def chunk_layers(cfg: Config) -> int:
+    """Layers of one pipeline chunk (model chunk of the interleaved schedule, or the rank's stage)."""
+    par = cfg.parallel
+    v = par.vpp if par.schedule == "interleaved_1f1b" and par.pp > 1 else 1
+    return cfg.model.num_layers // (par.pp * v)
+
+
+def recomputed_layers_per_rank(cfg: Config) -> int:
+    """Layers of one pipeline rank that recompute their forward in backward (recompute=full): the first
+    recompute_num_layers of each of its chunks, every layer when it is 0; none without full recompute."""
+    par = cfg.parallel
+    if str(par.recompute) != "full":
+        return 0
+    per_rank = cfg.model.num_layers // par.pp
+    n = getattr(par, "recompute_num_layers", 0)
+    if n <= 0:
+        return per_rank
+    chunks = per_rank // chunk_layers(cfg)
+    return chunks * min(n, chunk_layers(cfg))
+
+
+def recomputed_fraction(cfg: Config) -> float:
+    """Share of the layers that are recomputed (1 under recompute=full with recompute_num_layers=0)."""
+    return recomputed_layers_per_rank(cfg) / (cfg.model.num_layers // cfg.parallel.pp)
+
+
+def zero3_dp_bytes(cfg: Config, n_local: int, dp: int, m: int, grad_bytes: int, param_bytes: int) -> float:
+    """Bytes one rank sends per step at zero=3: zero=2's grad reductions, and instead of the all-gather of the
+    updated shards, the parameters gathered for every micro-batch's forward and again for its backward
+    (2 m all-gathers; with zero3_reshard_after_forward=false, once per micro-batch). At m = 1 and g = w this
+    is the ZeRO paper's 1.5x of an all-reduce (3 (dp-1)/dp of the parameters against 2 (dp-1)/dp)."""
+    if dp <= 1:
+        return 0.0
+    padded = -(-n_local // dp) * dp
+    gathers = 2 if getattr(cfg.parallel, "zero3_reshard_after_forward", True) else 1
+    return m * (dp - 1) / dp * padded * (grad_bytes + gathers * param_bytes)
+
+
+def zero2_dp_bytes(n_local: int, dp: int, m: int, grad_bytes: int, param_bytes: int) -> float:
+    """Bytes one rank sends per step at zero=2: the padded grads reduced to their owners once per
+    micro-batch (the reduce-scatter's volume, (dp-1)/dp of the buffer, m times: the full-size grads are never
+    held through the accumulation), then the updated shards all-gathered once."""
+    if dp <= 1:
+        return 0.0
+    padded = -(-n_local // dp) * dp
+    return m * (dp - 1) / dp * padded * grad_bytes + (dp - 1) / dp * padded * param_bytes
+
+
+def search_zero_stages(dp: int) -> List[int]:
+    """The ZeRO stages action=recommend tries at dp data-parallel ranks (one stage when there is nothing to
+    shard)."""
+    return list(ENGINE_ZERO_STAGES) if dp > 1 else [0]
+
+
+def search_recompute(chunk: int) -> List[Tuple[str, int]]:
+    """(recompute, recompute_num_layers) pairs action=recommend tries for chunks of `chunk` layers: none,
+    selective, full on every layer, and full on the first 1 and half of the layers of each chunk."""
+    out = [("none", 0), ("selective", 0), ("full", 0)]
+    for n in sorted({1, chunk // 2}):
+        if 0 < n < chunk:
+            out.append(("full", n))
+    return out
+
+
+def offload_bytes(cfg: Config, n: int, dp: int) -> Dict[str, int]:
+    """Optimizer bytes on the device, in host memory and in files for n local parameters under
+    parallel.offload (the engine's allocations, training/optim/adamw.py and offload.py).
+
+    The state is K bytes per element of this rank's shard (S = ceil(n/dp) at zero >= 1, else n); offloaded,
+    the update runs where the state lives, so a master copy goes with it even for fp32 weights unless they
+    are in host memory already (a CPU rank). cpu: all of it in host memory; nvme: all of it in files, and
+    host memory holds one block buffer of min(OFFLOAD_BLOCK_ELEMS, S) fp32 elements per state tensor."""
+    par, precision = cfg.parallel, cfg.train.precision
+    shard = -(-n // dp) if par.zero >= 1 else n
+    k = OPTIMIZER_BYTES[precision]
+    offload = str(getattr(par, "offload", "none"))
+    if offload == "none":
+        return {"optimizer": shard * k, "host_offload": 0, "nvme_offload": 0}
+    on_host = cfg.cluster.device == "cpu"
+    master = precision != "fp32" or not on_host
+    if offload == "cpu":
+        if on_host:  # the state is in host memory already: nothing moves, it is counted as host memory
+            return {"optimizer": 0, "host_offload": shard * k, "nvme_offload": 0}
+        return {"optimizer": 0, "host_offload": shard * (8 + (4 if master else 0)), "nvme_offload": 0}
+    states = 3 if master else 2
+    return {"optimizer": 0, "host_offload": states * 4 * min(OFFLOAD_BLOCK_ELEMS, shard),
+            "nvme_offload": states * 4 * shard}
+
+
+HOST_LINK_GBPS = 25.0
+"""Device <-> host copy rate assumed for offload=cpu/nvme on GPUs (PCIe 4.0 x16, GB/s; docs/COST_MODEL.md)."""
+NVME_GBPS = 3.0
+"""Read and write rate of the node-local drive assumed for offload=nvme (GB/s; docs/COST_MODEL.md)."""
+HOST_OPTIMIZER_S_PER_PARAM = 5e-9
+"""Seconds of the Adam update per parameter on one host core (as the CPU rate in cost_model.py)."""
+
+
+def offload_seconds(cfg: Config, n: int, dp: int) -> float:
+    """Seconds one step spends on the offloaded optimizer (0 without offload): the update on the host, the
+    grads down and the weights up over the host link (GPU ranks), and for nvme the state read and written
+    once. Nothing is assumed to overlap (as everywhere in the cost model)."""
+    par = cfg.parallel
+    offload = str(getattr(par, "offload", "none"))
+    if offload == "none":
+        return 0.0
+    shard = -(-n // dp) if par.zero >= 1 else n
+    seconds = shard * HOST_OPTIMIZER_S_PER_PARAM
+    if cfg.cluster.device != "cpu":
+        seconds += shard * (GRAD_BYTES[cfg.train.precision] + PARAM_BYTES[cfg.train.precision]) / (HOST_LINK_GBPS * 1e9)
+    if offload == "nvme":
+        seconds += 2 * offload_bytes(cfg, n, dp)["nvme_offload"] / (NVME_GBPS * 1e9)
+    return seconds

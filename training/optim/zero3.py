@@ -1,0 +1,246 @@
+"""ZeRO-3: parameters sharded over dp like the optimizer state, gathered per unit just in time.
+
+The flat layout is zero=1's (training/optim/flat.py): data-parallel rank q owns the flat range [q S, (q + 1) S)
+of its model chunks' parameters (the TP-local values: tp shards first, dp shards what tp left). Between uses
+a rank holds only `shard` (its S values in the model dtype); the optimizer, the main grads (zero=2's
+ShardedGradBuffer) and the checkpoints see exactly the zero=1/2 layout.
+
+A unit is a part of a chunk that reads its parameters once its forward starts (GPTChunk.param_units: the
+embedding, each layer, the final norm with the output layer). Each parameter has a storage of its own that
+is allocated (resized) when a unit holding it is gathered and released (resized to 0) when no gathered unit
+holds it; the parameter object, and every tensor autograd saved of it, keep pointing at that storage, so a
+re-gather before backward restores what backward reads (nothing writes through the parameter, so its version
+counter does not move). A gather broadcasts, from each owner whose shard intersects the unit, that owner's
+part of the unit in one message: a unit inside one shard costs one broadcast of its own size.
+
+Schedule of a chunk's units u_0..u_n (forward order):
+- forward pre-hook of u_k: gather u_k (waiting for its prefetch), start gathering u_{k+1};
+- forward post-hook: release u_k (zero3_reshard_after_forward; never the chunk's last unit when it holds the
+  head, whose weight the chunk reads after the final norm's forward), and hook u_k's output so that
+- when the gradient of u_k's output is ready (u_k's backward starts): gather u_k, release u_{k+1} (its backward
+  is over: that gradient was its last use of its weights), start gathering u_{k-1};
+- inside backward (recomputation) the hooks neither release nor prefetch;
+- `release_all` at the end of the step's backward and before the optimizer writes the shard.
+`gather_all` materialises every parameter (checkpoints, export and tests read them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass
+class _Unit:
+    params: List[int]
+    """Indices into the layout's parameters."""
+    keep_after_forward: bool = False
+    """Read after its module's forward returns (the output layer): released only after its backward."""
+    pieces: List[Tuple[int, List[Tuple[int, int, int]]]] = field(default_factory=list)
+    """Per owner dp rank q: (q, [(param index, flat lo, flat hi)]) of the unit's elements in q's shard."""
+    state: str = "free"
+    """free | pending (broadcasts in flight) | ready."""
+    works: List[Tuple[Any, torch.Tensor, List[Tuple[int, int, int]]]] = field(default_factory=list)
+
+
+class Zero3Params:
+    """The parameters of one optimizer's layout, sharded over dp and gathered unit by unit."""
+
+    def __init__(self, layout, group, reshard_after_forward: bool = True):
+        self.layout, self.group = layout, group
+        self.reshard_after_forward = reshard_after_forward
+        first = layout.params[0]
+        # The persistent values: this rank's shard in the model dtype (exact: read from the parameters).
+        self.shard = torch.zeros(layout.shard_size, dtype=first.dtype, device=first.device)
+        for s in layout.segments:
+            p = layout.params[s.param_index].detach().reshape(-1)
+            self.shard[s.shard_start : s.shard_end].copy_(p[s.param_start : s.param_start + s.shard_end - s.shard_start])
+        self.refs = [0] * len(layout.params)
+        self.units: List[_Unit] = []
+        self.peak_gathered_bytes = 0
+        """Most parameter bytes gathered at once (beside the shard) by the forward and backward hooks
+        (gather_all, for checkpoints and readers of the whole model, is not counted)."""
+        self._gathered_bytes = 0
+        self.prefetched = 0
+        """Gathers by the hooks that found their broadcasts already issued by a prefetch (over the run)."""
+        self._index = {id(p): i for i, p in enumerate(layout.params)}
+        self.watching = False
+
+    # ----- setup -----------------------------------------------------------------------------------
+    def watch(self, chunks: List[torch.nn.Module]) -> None:
+        """Build each chunk's units, hook them, and release every parameter (each gets a storage of its own)."""
+        covered = set()
+        for chunk in chunks:
+            declared = chunk.param_units() if hasattr(chunk, "param_units") else []
+            listed = {id(p) for _, params in declared for p in params}
+            rest = [p for p in chunk.parameters() if id(p) not in listed and id(p) in self._index]
+            if rest:  # parameters of no declared unit: gathered when the chunk's forward starts, kept for the step
+                covered.update(self._index[id(p)] for p in rest)
+                self.units.append(self._make_unit([self._index[id(p)] for p in rest], True))
+                chunk.register_forward_pre_hook(lambda _m, _a, u=len(self.units) - 1: self.gather(u))
+            head = bool(getattr(chunk, "has_head", False))
+            mods = []
+            for k, (module, params) in enumerate(declared):
+                idx = list(dict.fromkeys(self._index[id(p)] for p in params if id(p) in self._index))
+                if idx:
+                    mods.append((module, idx, head and k == len(declared) - 1))
+            chain: List[int] = []
+            for module, idx, keep in mods:
+                covered.update(idx)
+                self.units.append(self._make_unit(idx, keep))
+                chain.append(len(self.units) - 1)
+            for pos, (module, _, _) in enumerate(mods):
+                self._hook(module, chain, pos)
+        missing = [self.layout.names[i] for i in range(len(self.layout.params)) if i not in covered]
+        if missing:
+            raise ValueError(f"zero=3: parameters {missing[:3]} belong to no unit of the model chunks")
+        with torch.no_grad():
+            for p in self.layout.params:
+                p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)  # a storage of its own
+                p.data.untyped_storage().resize_(0)
+        self.watching = True
+
+    def _make_unit(self, idx: List[int], keep: bool) -> _Unit:
+        lay = self.layout
+        S = lay.shard_size
+        pieces = []
+        for q in range(lay.dp):
+            mine = []
+            for i in idx:
+                o = lay.offsets[i]
+                lo, hi = max(o, q * S), min(o + lay.params[i].numel(), (q + 1) * S)
+                if lo < hi:
+                    mine.append((i, lo, hi))
+            if mine:
+                pieces.append((q, mine))
+        return _Unit(idx, keep, pieces)
+
+    def _hook(self, module: torch.nn.Module, chain: List[int], pos: int) -> None:
+        u = chain[pos]
+        nxt = chain[pos + 1] if pos + 1 < len(chain) else None
+        prev = chain[pos - 1] if pos > 0 else None
+
+        def pre(_module, _args):
+            self.gather(u)
+            if nxt is not None and not _in_backward():
+                self.prefetch(nxt)
+
+        def before_backward(grad):
+            self.gather(u)
+            if nxt is not None:
+                self.release(nxt)
+            if prev is not None:
+                self.prefetch(prev)
+            return grad
+
+        def post(_module, _args, output):
+            if _in_backward():
+                return output  # recomputation: backward reads the unit next
+            if torch.is_tensor(output) and output.requires_grad:
+                output.register_hook(before_backward)
+                if self.reshard_after_forward and not self.units[u].keep_after_forward:
+                    self.release(u)
+            elif not torch.is_grad_enabled() and not self.units[u].keep_after_forward:
+                self.release(u)  # evaluation: no backward follows (the head's unit: until the next step)
+            return output
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+
+    # ----- gather and release ----------------------------------------------------------------------
+    def _alloc(self, i: int) -> None:
+        p = self.layout.params[i]
+        if self.refs[i] == 0:
+            p.data.untyped_storage().resize_(p.numel() * p.element_size())
+            self._gathered_bytes += p.numel() * p.element_size()
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes)
+        self.refs[i] += 1
+
+    def prefetch(self, u: int) -> None:
+        """Start gathering unit u (a no-op when it is gathered or on its way)."""
+        unit = self.units[u]
+        if unit.state != "free":
+            return
+        for i in unit.params:
+            self._alloc(i)
+        lay = self.layout
+        for q, mine in unit.pieces:
+            n = sum(hi - lo for _, lo, hi in mine)
+            buf = torch.empty(n, dtype=self.shard.dtype, device=self.shard.device)
+            if q == lay.dp_rank:
+                pos = 0
+                for _, lo, hi in mine:
+                    buf[pos : pos + hi - lo].copy_(self.shard[lo - lay.shard_lo : hi - lay.shard_lo])
+                    pos += hi - lo
+            work = None
+            if lay.dp > 1:
+                work = dist.broadcast(buf, src=dist.get_global_rank(self.group, q), group=self.group, async_op=True)
+            unit.works.append((work, buf, mine))
+        unit.state = "pending"
+
+    def gather(self, u: int) -> None:
+        """Unit u's parameters hold their full values when this returns."""
+        unit = self.units[u]
+        if unit.state == "free":
+            self.prefetch(u)
+        elif unit.state == "pending":
+            self.prefetched += 1
+        if unit.state == "pending":
+            lay = self.layout
+            with torch.no_grad():
+                for work, buf, mine in unit.works:
+                    if work is not None:
+                        work.wait()
+                    pos = 0
+                    for i, lo, hi in mine:
+                        o = lay.offsets[i]
+                        lay.params[i].data.view(-1)[lo - o : hi - o].copy_(buf[pos : pos + hi - lo])
+                        pos += hi - lo
+            unit.works = []
+            unit.state = "ready"
+
+    def release(self, u: int) -> None:
+        """Unit u no longer needs its parameters: each storage no gathered unit holds is freed."""
+        unit = self.units[u]
+        if unit.state == "free":
+            return
+        if unit.state == "pending":
+            self.gather(u)  # its broadcasts must complete (every dp rank takes part in them)
+        for i in unit.params:
+            self.refs[i] -= 1
+            if self.refs[i] == 0:
+                p = self.layout.params[i]
+                p.data.untyped_storage().resize_(0)
+                self._gathered_bytes -= p.numel() * p.element_size()
+        unit.state = "free"
+
+    def gather_all(self) -> None:
+        """Every parameter materialised (checkpoints and whoever reads the model); released by the next step."""
+        peak, prefetched = self.peak_gathered_bytes, self.prefetched  # the hooks' figures, not this
+        for u in range(len(self.units)):
+            self.prefetch(u)
+        for u in range(len(self.units)):
+            self.gather(u)
+        self.peak_gathered_bytes, self.prefetched = peak, prefetched
+
+    def release_all(self) -> None:
+        for u in range(len(self.units)):
+            self.release(u)
+
+    def nbytes(self) -> int:
+        """Bytes of the persistent shard."""
+        return self.shard.numel() * self.shard.element_size()
+
+    def refresh_shard(self) -> None:
+        """Take this rank's shard from the (gathered) parameters: after a checkpoint loaded them in place."""
+        lay = self.layout
+        for s in lay.segments:
+            p = lay.params[s.param_index].detach().reshape(-1)
+            self.shard[s.shard_start : s.shard_end].copy_(p[s.param_start : s.param_start + s.shard_end - s.shard_start])
