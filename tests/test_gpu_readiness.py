@@ -43,7 +43,10 @@ def test_gpu_preflight_dry_runs_every_check(tmp_path):
         assert by[("gpu.mig", gpu)]["found"] == "disabled"
         assert by[("gpu.foreign_memory", gpu)]["found"] == 0
     for rank in ("rank0", "rank1"):
-        assert by[("gpu.matmul", rank)]["found"] > 0
+        # A rank measured much slower than its peer is reported as gpu.straggler (a warning) instead of
+        # gpu.matmul: on a loaded 2-core machine either can happen; both carry the measured rate.
+        rate = by.get(("gpu.matmul", rank)) or by[("gpu.straggler", rank)]
+        assert rate["found"] > 0
     assert by[("coll.all_reduce", "ranks[0-1]")]["found"]["busbw_gbps"] > 0
     # Only local rank 0 reads NVML: the others' missing driver used to fail version.driver on every node.
     assert by[("version.driver", "")]["status"] == "ok" and by[("version.driver", "")]["found"] == "550.54.15"
