@@ -34,7 +34,7 @@ from training.observe.busy_timer import BusyTimer
 from training.optim import DistributedOptimizer, StepResult
 from training.pipeline import make_pipeline_schedule
 from training.precision import param_dtype
-from training.schedule_lr import lr_at
+from training.schedule_lr import lr_at, schedule_problems
 
 
 @dataclass
@@ -189,6 +189,11 @@ class Trainer:
         for warning in raise_errors(layout_violations(cfg, self.mesh.dp)):
             if self.is_logger:
                 print(f"warning: {warning}", file=sys.stderr)
+        problems = schedule_problems(self.cfg.train)
+        if problems:
+            from training.layout_rules import LayoutError
+
+            raise LayoutError("; ".join(f"{key} {message} (fix: {fix})" for key, message, fix in problems))
 
     def _source(self):
         corpus, error = None, None

@@ -180,6 +180,9 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
                 "exit_interval", "exit_after_min", "log_every"):
         if _get(t, key) < 0:
             out.append(Issue("error", f"train.{key}", f"must be >= 0, got {_get(t, key)}", f"train.{key}=0"))
+    from training.schedule_lr import schedule_problems  # pure Python: the engine checks the same at start-up
+
+    out += [Issue("error", key, message, fix) for key, message, fix in schedule_problems(t)]
     # train.checkpoint_every_min is minutes or auto (a string field): launcher/plan/cadence.py parses it.
     out += [Issue("error", key, message, fix, "cadence") for key, message, fix in cadence_problems(cfg)]
     if t.log_every < 1:
