@@ -3,7 +3,8 @@
   cosine        cosine decay from lr to min_lr over decay_steps, then flat at min_lr
   linear        linear decay from lr to min_lr over decay_steps, then flat at min_lr
   constant      lr after warm-up
-  wsd           warmup-stable-decay: lr until the last train.decay_fraction of the horizon, then linear to min_lr
+  wsd           warmup-stable-decay: lr until the last train.decay_fraction of the horizon, then linear down to
+                min_lr at the horizon's last step
   inverse_sqrt  lr x sqrt(max(1, warmup) / (step + 1)), never below min_lr
 
 The formulas with their published sources are in docs/FORMULAS.md ("Learning-rate schedules"). Each is a pure
@@ -45,7 +46,8 @@ def lr_at(step: int, train: TrainConfig) -> float:
         stable = decay - d
         if since < stable:
             return train.lr
-        progress = min(1.0, (since - stable) / max(1, d))
+        # Counted so the last step of the horizon runs at min_lr: the point of the decay is to end annealed.
+        progress = min(1.0, (since - stable + 1) / max(1, d))
         return train.lr - (train.lr - train.min_lr) * progress
     progress = min(1.0, since / decay)
     if kind == "linear":
