@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from dist_harness import run_distributed
-from training.config import Config, TrainConfig, choices, config_from_dict, config_to_dict
+from training.config import Config, TrainConfig, choices
 from training.schedule_lr import lr_at, lr_curve, schedule_problems
 
 LR, MIN = 1e-3, 1e-4
@@ -130,5 +130,15 @@ def test_stop_and_resume_never_change_the_schedule(tmp_path):
         assert got["codes"] == [EXIT_STOPPED, EXIT_STOPPED, EXIT_OK], kind
         want = {n: lr_at(n - 1, _cfg(kind).train) for n in range(1, 10)}
         assert got["run"] == got["ref"] == pytest.approx(want, rel=1e-12), kind
-    # The report draws the whole schedule under the logged points (from config.json).
-    assert config_from_dict(config_to_dict(_cfg("wsd"))).train.lr_schedule == "wsd"
+    # The report's lr plot draws the whole schedule (from config.json) under the logged points.
+    from launcher.report import _lr_lines, run_report
+    from launcher.rundir import write_config
+
+    run_dir = str(tmp_path / "wsd" / "run")
+    write_config(_cfg("wsd"), run_dir)
+    title, lines = _lr_lines(run_dir, [{"step": n, "lr": v} for n, v in sorted(out["wsd"]["run"].items())])
+    assert "wsd" in title
+    (_, logged), (label, (xs, ys)) = lines
+    assert label == "wsd schedule" and xs == list(range(1, 10)) and ys == lr_curve(_cfg("wsd").train)
+    assert dict(zip(*logged)) == pytest.approx(dict(zip(xs, ys)), rel=1e-12)
+    assert run_report(run_dir) == 0 and os.path.getsize(os.path.join(run_dir, "report", "lr.png")) > 0

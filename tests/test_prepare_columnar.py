@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.ipc
 import pyarrow.parquet as pq
