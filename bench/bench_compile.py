@@ -89,7 +89,8 @@ def main() -> int:
         ratios.append(got["compiled"] / got["eager"])
     mesh.destroy()
     ratio = statistics.median(ratios)
-    figures = {"shape": [args.layers, args.hidden, args.heads, args.seq, args.batch], "threads": torch.get_num_threads(),
+    figures = {"shape": [args.layers, args.hidden, args.heads, args.seq, args.batch],
+               "threads": torch.get_num_threads(),
                "compile_s": round(compile_s, 2), "first_step_s": round(first, 2),
                "eager_step_s": round(statistics.median(times["eager"]), 4),
                "compiled_step_s": round(statistics.median(times["compiled"]), 4),
