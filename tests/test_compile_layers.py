@@ -93,3 +93,15 @@ def test_compiled_layers_match_eager_at_tp2_sp_dp2_and_pp2(tmp_path, monkeypatch
     assert [r["compiled"] for r in tp2] == [2, 2, 2, 2] and [r["compiled"] for r in pp2] == [1, 1]
     assert single["compiled"]["compiled"] == 2
     assert pp2[0]["names"] != pp2[1]["names"]  # two stages, two different slices of the model
+
+
+def test_compile_without_a_cxx_compiler_is_a_warning_naming_the_fix(monkeypatch, tmp_path):
+    from launcher.plan.validate import validate
+
+    cfg = _cfg(compile=True)
+    assert not [i for i in validate(cfg).issues if i.key == "train.compile"]  # g++ is on this machine's PATH
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    (issue,) = [i for i in validate(cfg).issues if i.key == "train.compile"]
+    assert issue.level == "warning" and "train.compile=false" in issue.fix
+    assert not [i for i in validate(_cfg()).issues if i.key == "train.compile"]  # off by default: no check
