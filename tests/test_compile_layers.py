@@ -61,11 +61,15 @@ def _one(base: str):
     return out
 
 
-def _layout(base: str, tp: int, pp: int, dp: int):
+def _four(base: str):
+    """Both layouts in the same 4 ranks: the second mesh's groups are added beside the first's (the default group
+    stays, nothing is torn down between them)."""
     from training.mesh import ProcessMesh
 
-    mesh = ProcessMesh.from_env(tp, pp, 1, dp, timeout_s=300)
-    out = _run(_cfg(tp, pp, dp, compile=True), os.path.join(base, f"tp{tp}_pp{pp}_dp{dp}"), mesh)
+    out = {}
+    for name, (tp, pp, dp) in (("tp2_sp_dp2", (2, 1, 2)), ("pp2_dp2", (1, 2, 2))):
+        mesh = ProcessMesh.from_env(tp, pp, 1, dp, timeout_s=300)
+        out[name] = _run(_cfg(tp, pp, dp, compile=True), os.path.join(base, name), mesh)
     mesh.destroy()
     return out
 
@@ -78,11 +82,8 @@ def test_compiled_layers_match_eager_at_tp2_sp_dp2_and_pp2(tmp_path, monkeypatch
     assert len(eager) == STEPS and len(set(eager)) == STEPS  # three different steps: the weights moved
     assert single["eager"]["compiled"] == 0 and all("compile_s" not in r for r in single["eager"]["rows"])
     runs = {"single": single["compiled"]}
-    # One spawn per layout (a process group is not rebuilt in a process whose compiled graphs captured the old one).
-    tp2 = run_distributed(_layout, 4, args=(str(tmp_path), 2, 1, 2), timeout_s=900)
-    pp2 = run_distributed(_layout, 2, args=(str(tmp_path), 1, 2, 1), timeout_s=900)
-    runs.update({"tp2_sp_dp2": tp2[0], "pp2": pp2[-1]})  # the loss is known on every rank; rows on rank 0
-    runs["pp2"]["rows"] = pp2[0]["rows"]
+    ranks = run_distributed(_four, 4, args=(str(tmp_path),), timeout_s=900)
+    runs.update(ranks[0])
     for name, got in runs.items():
         assert got["losses"] == pytest.approx(eager, rel=COMPILE_RTOL), name
         # Names are those of the eager model (no `_orig_mod.`): checkpoints do not change with compile.
@@ -90,9 +91,9 @@ def test_compiled_layers_match_eager_at_tp2_sp_dp2_and_pp2(tmp_path, monkeypatch
         assert [r["step"] for r in got["rows"] if "compile_s" in r] == [1], name
         assert got["rows"][0]["compile_s"] > 0, name
     # Each pipeline stage compiled its own layer (layers stay modules of their own); tp ranks both layers.
-    assert [r["compiled"] for r in tp2] == [2, 2, 2, 2] and [r["compiled"] for r in pp2] == [1, 1]
-    assert single["compiled"]["compiled"] == 2
-    assert pp2[0]["names"] != pp2[1]["names"]  # two stages, two different slices of the model
+    assert [r["tp2_sp_dp2"]["compiled"] for r in ranks] == [2, 2, 2, 2]
+    assert [r["pp2_dp2"]["compiled"] for r in ranks] == [1, 1, 1, 1] and single["compiled"]["compiled"] == 2
+    assert ranks[0]["pp2_dp2"]["names"] != ranks[1]["pp2_dp2"]["names"]  # two stages, two slices of the model
 
 
 def test_compile_without_a_cxx_compiler_is_a_warning_naming_the_fix(monkeypatch, tmp_path):
