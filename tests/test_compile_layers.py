@@ -1,6 +1,7 @@
 """train.compile=true: every transformer layer's forward compiled with torch.compile (inductor on CPU), the
 layers still modules of their own. Losses of compiled runs at tp=2 sp x dp=2 zero=1 and at pp=2 x dp=2 (1f1b)
-match the eager single-process run within COMPILE_RTOL (docs/PERFORMANCE.md), parameter names are unchanged,
+match the eager single-process run within COMPILE_RTOL (docs/PERFORMANCE.md), as does recompute=full with
+dropout (each compiled layer checkpointed whole) in one process; parameter names are unchanged,
 and the compile time is reported once (metrics `compile_s` on the first step only).
 
 Compiling is slow on shared CPU cores: a tiny model, 3 steps, and one cache directory inside the test's tmp dir
@@ -57,6 +58,11 @@ def _one(base: str):
     mesh = ProcessMesh.from_env(1, 1, 1, 1, timeout_s=300)
     out = {"eager": _run(_cfg(), os.path.join(base, "eager"), mesh),
            "compiled": _run(_cfg(compile=True), os.path.join(base, "compiled1"), mesh)}
+    # recompute=full checkpoints each (compiled) layer whole, and recomputes it with the same dropout masks.
+    for name, compile in (("full_eager", False), ("full_compiled", True)):
+        cfg = _cfg(compile=compile)
+        cfg.parallel.recompute, cfg.model.dropout = "full", 0.1
+        out[name] = _run(cfg, os.path.join(base, name), mesh)
     mesh.destroy()
     return out
 
@@ -82,6 +88,8 @@ def test_compiled_layers_match_eager_at_tp2_sp_dp2_and_pp2(tmp_path, monkeypatch
     assert len(eager) == STEPS and len(set(eager)) == STEPS  # three different steps: the weights moved
     assert single["eager"]["compiled"] == 0 and all("compile_s" not in r for r in single["eager"]["rows"])
     runs = {"single": single["compiled"]}
+    full = single["full_eager"]["losses"]
+    assert full != eager and single["full_compiled"]["losses"] == pytest.approx(full, rel=COMPILE_RTOL)
     ranks = run_distributed(_four, 4, args=(str(tmp_path),), timeout_s=900)
     runs.update(ranks[0])
     for name, got in runs.items():
