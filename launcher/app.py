@@ -63,6 +63,10 @@ def hydra_main(dcfg: DictConfig):
 
         return run_prepare(cfg)
     run_dir = os.path.abspath(_run_dir(cfg))
+    if not _is_multirun():
+        from launcher.latest import resolve_latest  # run.dir=runs/latest: the run the link names
+
+        run_dir = resolve_latest(run_dir)
     lock = None
     if cfg.action in ("train", "plan"):
         # One owner per run directory, checked before anything is read or written there (launcher/rundir.py).
@@ -133,6 +137,10 @@ def _dispatch(cfg: Config, run_dir: str):
     from launcher.planning import plan_or_reject
 
     result = plan_or_reject(cfg, run_dir, multirun=_is_multirun())
+    if result.get("status") == "ok" and not _is_multirun():
+        from launcher.latest import point_latest
+
+        point_latest(run_dir)  # runs/latest names the newest run (launcher/latest.py)
     if result.get("status") != "ok" or cfg.action == "plan":
         return result
     if cfg.cluster.kind == "slurm":

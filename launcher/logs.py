@@ -64,6 +64,38 @@ def _print_from(path: str, offset: int) -> int:
     return offset + len(chunk)
 
 
+def _tail_offsets(paths: List[str], lines: int) -> Dict[str, int]:
+    """Where to start printing each file so that only the last `lines` lines of them all (in order) show:
+    files wholly before those lines start at their end, read backwards in blocks (a log may be large)."""
+    offsets: Dict[str, int] = {}
+    need = lines
+    for path in reversed(paths):
+        size = os.path.getsize(path)
+        if need <= 0:
+            offsets[path] = size
+            continue
+        pos, tail = size, b""
+        with open(path, "rb") as f:
+            while pos > 0 and tail.count(b"\n") <= need:
+                step = min(1 << 16, pos)
+                pos -= step
+                f.seek(pos)
+                tail = f.read(step) + tail
+        # A final line without its newline counts as a line too.
+        body = tail[:-1] if tail.endswith(b"\n") else tail
+        found = body.count(b"\n") + (1 if body else 0)
+        if found <= need:
+            offsets[path] = pos
+            need -= found
+        else:
+            cut = len(body)
+            for _ in range(need):
+                cut = body.rfind(b"\n", 0, cut)
+            offsets[path] = pos + cut + 1
+            need = 0
+    return offsets
+
+
 def _ended(run_dir: str) -> bool:
     from launcher.status import FINAL_STATES, run_status
 
@@ -71,8 +103,9 @@ def _ended(run_dir: str) -> bool:
 
 
 def show_logs(run_dir: str, rank: int = 0, follow: bool = False, poll_s: float = 1.0,
-              timeout_s: Optional[float] = None) -> List[str]:
-    """Print the logs (a `==> FILE <==` line before each file, as tail does); returns the files printed."""
+              timeout_s: Optional[float] = None, tail: int = 0) -> List[str]:
+    """Print the logs (a `==> FILE <==` line before each file, as tail does); returns the files printed.
+    tail > 0: only the last `tail` lines of the files that exist now (files before them are skipped)."""
     events = read_events(run_dir)
     if not events and not os.path.isdir(os.path.join(run_dir, "logs")):
         print(f"error: run.dir={run_dir} holds no meshrun run (no events.jsonl, no logs/): give the run directory "
@@ -81,13 +114,20 @@ def show_logs(run_dir: str, rank: int = 0, follow: bool = False, poll_s: float =
     offsets: Dict[str, int] = {}
     shown: List[str] = []
     start = time.time()
+    if tail > 0:
+        existing = [p for p in log_files(run_dir, rank, events) if os.path.exists(p)]
+        skip = _tail_offsets(existing, tail)
+        offsets.update({p: off for p, off in skip.items() if off >= os.path.getsize(p) and p != existing[-1]})
+        starts = {p: off for p, off in skip.items() if p not in offsets}
+    else:
+        starts = {}
     while True:
         for path in log_files(run_dir, rank):
             if path not in offsets:
                 if not os.path.exists(path):
                     continue  # not written yet (a pending job): printed once it appears
                 print(f"==> {path} <==", flush=True)
-                offsets[path] = 0
+                offsets[path] = starts.get(path, 0)
                 shown.append(path)
             offsets[path] = _print_from(path, offsets[path])
         if not follow:
@@ -129,7 +169,10 @@ def run_logs(cfg, run_dir: str) -> List[str]:
         print(f"error: logs.rank={cfg.logs.rank}: the run in {run_dir} has {world} ranks; give one of 0..{world - 1}",
               file=sys.stderr)
         raise SystemExit(EXIT_INVALID)
+    if cfg.logs.tail < 0:
+        print(f"error: logs.tail={cfg.logs.tail} must be >= 0 (the last N lines; 0: the whole log)", file=sys.stderr)
+        raise SystemExit(EXIT_INVALID)
     try:
-        return show_logs(run_dir, cfg.logs.rank, cfg.logs.follow)
+        return show_logs(run_dir, cfg.logs.rank, cfg.logs.follow, tail=cfg.logs.tail)
     except KeyboardInterrupt:  # ctrl-c ends following; nothing is wrong with the run
         return []

@@ -242,6 +242,27 @@ def _memory_keys(rows: List[Dict[str, Any]]) -> List[str]:
     return sorted(keys)
 
 
+def _lr_lines(run_dir: str, rows: List[Dict[str, Any]]):
+    """The logged lr and, from config.json, the whole schedule the run follows (training/schedule_lr.py): the
+    curve resuming and stopping early never change, so the logged points must lie on it."""
+    lines = [("lr", series(rows, "lr"))]
+    title = "Learning rate"
+    cfg_data = read_json(os.path.join(run_dir, "config.json"))
+    if cfg_data:
+        from training.config import config_from_dict
+        from training.schedule_lr import lr_curve
+
+        try:
+            train = config_from_dict(cfg_data).train
+            curve = lr_curve(train)
+        except (KeyError, TypeError, ValueError):
+            return title, lines  # a config.json of another version: the logged values only
+        title = f"Learning rate ({train.lr_schedule}, warm-up {train.warmup_steps})"
+        # metrics' `lr` of step n is the rate step n - 1 (0-based) ran with.
+        lines.append((f"{train.lr_schedule} schedule", (list(range(1, len(curve) + 1)), curve)))
+    return title, lines
+
+
 def plot_run(run_dir: str, out_dir: str, plt, report: Report) -> None:
     raw = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     rows = latest_rows(raw)
@@ -264,7 +285,8 @@ def plot_run(run_dir: str, out_dir: str, plt, report: Report) -> None:
 
     _step_plot(plt, out_dir, report, "loss", "Loss", [("train loss", series(rows, "loss")),
                                                       ("eval loss", series(rows, "eval_loss"))], marks, "loss")
-    _step_plot(plt, out_dir, report, "lr", "Learning rate", [("lr", series(rows, "lr"))], marks, "lr")
+    lr_title, lr_lines = _lr_lines(run_dir, rows)
+    _step_plot(plt, out_dir, report, "lr", lr_title, lr_lines, marks, "lr")
     _step_plot(plt, out_dir, report, "tokens_per_s", "Throughput",
                [("tokens/s", series(rows, "tokens_per_s"))], marks, "tokens/s")
     mfu = series(rows, "mfu")

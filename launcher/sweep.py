@@ -189,6 +189,11 @@ class SweepSummary(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.sweep_id = uuid.uuid4().hex
+        from launcher.latest import point_latest
+
+        sweep_dir = str(config.hydra.sweep.dir)
+        os.makedirs(sweep_dir, exist_ok=True)  # Hydra's launchers create it too; the link must not dangle
+        point_latest(sweep_dir)  # multirun/latest names the newest sweep (launcher/latest.py)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if not self.sweep_id or OmegaConf.select(config, "hydra.mode") != RunMode.MULTIRUN:

@@ -366,8 +366,9 @@ def test_default_run_dirs_differ_for_launches_in_the_same_second(tmp_path):
                               stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    dirs = sorted(os.listdir(tmp_path / "runs"))
+    dirs = sorted(d for d in os.listdir(tmp_path / "runs") if d != "latest")  # runs/latest: launcher/latest.py
     assert dirs == sorted(f"2026-01-02_03-04-05-000007-{p.pid}" for p in procs), dirs
+    assert os.readlink(tmp_path / "runs" / "latest") in dirs
     for d in dirs:
         assert os.path.exists(tmp_path / "runs" / d / "plan.json")
         assert not os.path.exists(tmp_path / "runs" / d / LOCK_FILE) or read_holder(str(tmp_path / "runs" / d))[

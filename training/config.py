@@ -51,6 +51,7 @@ Action = _choice("Action", "train plan status preflight keys prepare export gene
 HealthAction = _choice("HealthAction", "warn requeue")
 StatusFormat = _choice("StatusFormat", "json table")
 Offload = _choice("Offload", "none cpu nvme")
+LrSchedule = _choice("LrSchedule", "cosine linear constant wsd inverse_sqrt")
 
 # Every choice field, by its command-line key: validation and `meshrun action=keys` read it.
 CHOICE_FIELDS: Dict[str, type] = {
@@ -59,6 +60,7 @@ CHOICE_FIELDS: Dict[str, type] = {
     "train.precision": Precision, "train.optimizer": Optimizer, "cluster.kind": ClusterKind,
     "cluster.device": Device, "cluster.health.action": HealthAction, "cluster.numa": NumaMode, "cluster.preflight.mode": PreflightMode,
     "data.kind": DataKind, "action": Action, "status.format": StatusFormat, "export.dtype": ExportDtype,
+    "train.lr_schedule": LrSchedule,
 }
 CHOICE_FIELDS["parallel.offload"] = Offload
 
@@ -374,11 +376,19 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr: float = 3e-4
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the decay (cosine, linear, wsd) and the floor of inverse_sqrt."""
     warmup_steps: int = 10
     """Linear warm-up steps."""
     decay_steps: Optional[int] = None
-    """Steps of cosine decay after warm-up; None: until train.steps."""
+    """Steps of decay after warm-up (cosine, linear, wsd); None: until train.steps."""
+    lr_schedule: LrSchedule = LrSchedule.cosine
+    """After the linear warm-up: cosine (to min_lr over decay_steps) | linear (to min_lr over decay_steps) |
+    constant (lr) | wsd (warmup-stable-decay: lr, then linear to min_lr over the last decay_fraction of the
+    decay horizon) | inverse_sqrt (lr x sqrt(max(1, warmup_steps) / (step + 1)), never below min_lr). A pure
+    function of the step (training/schedule_lr.py, docs/FORMULAS.md): resuming never changes it."""
+    decay_fraction: float = 0.2
+    """lr_schedule=wsd: the share of the decay horizon (decay_steps, else the steps after warm-up) spent
+    decaying at its end; in [0, 1] (0: no decay, 1: linear decay over the whole horizon)."""
     optimizer: Optimizer = Optimizer.adamw
     """adamw (the only optimizer)."""
     beta1: float = 0.9
@@ -478,6 +488,11 @@ class TrainConfig:
     run.dir/wandb.json, so every requeue and resume continues the same W&B run."""
     wandb_project: str = "meshrun"
     """train.wandb=true: the W&B project."""
+    compile: bool = False
+    """Compile each transformer layer with torch.compile (inductor; CPU needs a C++ compiler): per layer, so
+    pipeline stages, recompute and the tensor-parallel layers keep their module boundaries. The first step
+    carries the compile time (metrics `compile_s`, once); losses match eager within docs/PERFORMANCE.md's
+    tolerance."""
 
 
 @dataclass
@@ -533,7 +548,8 @@ class PrepareConfig:
     """Progress bar (tokens/s, ETA) on stderr."""
     suffixes: List[str] = field(default_factory=list)
     """File suffixes read from directories in prepare.inputs (e.g. [.txt,.c,.jsonl]; .jsonl files are JSON Lines);
-    empty: .py .txt .md .rst .jsonl. Files with other suffixes are skipped and listed on stderr."""
+    empty: .py .txt .md .rst .jsonl .parquet .arrow (Parquet / Arrow: one document per row). Files with other
+    suffixes are skipped and listed on stderr."""
 
 
 @dataclass
@@ -606,6 +622,8 @@ class LogsConfig:
     """Whose log: the global rank (Slurm: the task of that rank in every job of the run)."""
     follow: bool = False
     """Keep printing what is appended (and the logs of later attempts) until the run has ended."""
+    tail: int = 0
+    """Only the last N lines of the rank's log (over every attempt, newest last), then follow if asked; 0: all."""
 
 
 @dataclass

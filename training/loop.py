@@ -34,7 +34,7 @@ from training.observe.busy_timer import BusyTimer
 from training.optim import DistributedOptimizer, StepResult
 from training.pipeline import make_pipeline_schedule
 from training.precision import param_dtype
-from training.schedule_lr import lr_at
+from training.schedule_lr import lr_at, schedule_problems
 
 
 @dataclass
@@ -160,6 +160,12 @@ class Trainer:
                 # Before the optimizer exists: it copies the weights into its fp32 masters.
                 maybe_init_from(cfg, run_dir, mesh, chunks)
         self.chunks = chunks
+        self.compile_clock, self.compiled_layers = None, 0
+        if cfg.train.compile:  # before the optimizer and the schedule see the layers (training/compile_layers.py)
+            from training.compile_layers import CompileClock, compile_layers
+
+            self.compile_clock = CompileClock()
+            self.compiled_layers = compile_layers(chunks)
         params = [(n, p) for c in chunks for n, p in c.named_parameters()]
         self.optimizer = DistributedOptimizer(params, cfg, mesh)
         # zero=1: each layer waits for its own updated parameters when its forward starts (train_step's
@@ -189,6 +195,11 @@ class Trainer:
         for warning in raise_errors(layout_violations(cfg, self.mesh.dp)):
             if self.is_logger:
                 print(f"warning: {warning}", file=sys.stderr)
+        problems = schedule_problems(self.cfg.train)
+        if problems:
+            from training.layout_rules import LayoutError
+
+            raise LayoutError("; ".join(f"{key} {message} (fix: {fix})" for key, message, fix in problems))
 
     def _source(self):
         corpus, error = None, None
@@ -421,10 +432,15 @@ class Trainer:
                 rates.append(tok_s)
                 if mfu is not None:
                     mfus.append(mfu)
+            compile_s = None
+            if self.compile_clock is not None and not losses:
+                # This attempt's first step compiled the layers (forward and backward): said once.
+                compile_s = self.compile_clock.seconds
             skipped += int(res.skipped)
             losses.append(loss)
             eval_loss = self._maybe_evaluate()
-            logged = self.state.step % max(1, cfg.train.log_every) == 0 or res.skipped or eval_loss is not None
+            logged = (self.state.step % max(1, cfg.train.log_every) == 0 or res.skipped or eval_loss is not None
+                      or compile_s is not None)
             slowdown.step(self.state.step, tok_s, logged)
             # A collective (every rank, the same steps: `logged` depends only on agreed values).
             spread = rank_figures(dt, self.mesh.device) if logged else {}
@@ -445,6 +461,8 @@ class Trainer:
                         rec["skipped"] = res.reason
                     if eval_loss is not None:
                         rec["eval_loss"] = eval_loss
+                    if compile_s is not None:
+                        rec["compile_s"] = compile_s
                     rec.update(spread)
                     metrics.write(rec)
                 if res.skipped:
@@ -452,7 +470,10 @@ class Trainer:
                           f"update skipped" + (f", loss scale -> {res.loss_scale:g}" if res.loss_scale else ""),
                           file=sys.stderr)
                 shown_eval = f" eval {self.eval_losses[-1][1]:.4f}" if self.eval_losses else ""
-                progress.update(self.state.step, f"loss {loss:.4f}{shown_eval} lr {lr:.2e} {tok_s:,.0f} tok/s")
+                shown_compile = (f" (compiled {self.compiled_layers} layers in {compile_s:.1f} s)"
+                                 if compile_s is not None else "")
+                progress.update(self.state.step,
+                                f"loss {loss:.4f}{shown_eval} lr {lr:.2e} {tok_s:,.0f} tok/s{shown_compile}")
             unhealthy = watch.requeue_nodes if self.state.step < cfg.train.steps else []
             if unhealthy:  # cluster.health.action=requeue: checkpoint, then leave so the node is excluded
                 exit_code = self._stop_for_health(watch, unhealthy)
@@ -460,6 +481,8 @@ class Trainer:
             if self._boundary():
                 exit_code = EXIT_STOPPED  # a complete checkpoint was written: the launcher may requeue
                 break
+        if self.compile_clock is not None:
+            self.compile_clock.close()
         signals.ignore()  # the final checkpoint is complete: a late Slurm signal must not kill this rank
         self.optimizer.finish_param_gather()  # whoever reads the model after the run sees the last update
         metrics.close()  # TensorBoard's last events reach the file

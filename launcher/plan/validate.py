@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Callable, List, Optional, Tuple
@@ -184,6 +185,15 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
                 "exit_interval", "exit_after_min", "log_every"):
         if _get(t, key) < 0:
             out.append(Issue("error", f"train.{key}", f"must be >= 0, got {_get(t, key)}", f"train.{key}=0"))
+    from training.schedule_lr import schedule_problems  # pure Python: the engine checks the same at start-up
+
+    out += [Issue("error", key, message, fix) for key, message, fix in schedule_problems(t)]
+    compilers = (os.environ.get("CXX", ""), "g++", "c++", "clang++")
+    if t.compile and c.device == "cpu" and not any(shutil.which(cc) for cc in compilers if cc):
+        # Inductor's CPU kernels are C++ built by the host compiler: without one the first step fails.
+        out.append(Issue("warning", "train.compile", "no C++ compiler (CXX, g++, c++, clang++) on this machine's PATH: "
+                         "torch.compile's CPU kernels need one",
+                         "install g++ (apt-get install g++) or train.compile=false"))
     # train.checkpoint_every_min is minutes or auto (a string field): launcher/plan/cadence.py parses it.
     out += [Issue("error", key, message, fix, "cadence") for key, message, fix in cadence_problems(cfg)]
     if t.log_every < 1:

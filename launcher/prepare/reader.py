@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from launcher.prepare import columnar
+from launcher.prepare.columnar import COLUMNAR_SUFFIXES, is_columnar
 from launcher.prepare.worker import HEAD_BYTES, held_out
 from training.data.sources import TEXT_SUFFIXES, DataError, default_corpus_root
 
@@ -52,10 +54,10 @@ def is_jsonl(path: str) -> bool:
 
 def read_suffixes(suffixes: Optional[List[str]] = None) -> Tuple[str, ...]:
     """The suffixes read from directories: prepare.suffixes (a leading dot added where missing), else the
-    defaults (TEXT_SUFFIXES and .jsonl)."""
+    defaults (TEXT_SUFFIXES, .jsonl, and .parquet / .arrow: launcher/prepare/columnar.py)."""
     if suffixes:
         return tuple(x if x.startswith(".") else "." + x for x in (str(v).strip() for v in suffixes) if x)
-    return TEXT_SUFFIXES + JSONL_SUFFIXES
+    return TEXT_SUFFIXES + JSONL_SUFFIXES + COLUMNAR_SUFFIXES
 
 
 def list_inputs(paths: List[str], suffixes: Optional[List[str]] = None) -> Inputs:
@@ -70,7 +72,9 @@ def list_inputs(paths: List[str], suffixes: Optional[List[str]] = None) -> Input
             raise DataError(f"prepare.inputs: {root!r} does not exist; give existing text or JSON Lines files or "
                             f"directories (prepare.inputs=[dir1,file2.jsonl]), or none for the Python standard "
                             f"library's sources")
-        if os.path.isdir(root):
+        if columnar.is_saved_dataset(root):  # a Hugging Face save_to_disk directory: its Arrow files in order
+            out.files += columnar.saved_dataset_files(root)
+        elif os.path.isdir(root):
             found = []
             for dirpath, dirnames, filenames in os.walk(root):
                 dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
@@ -133,6 +137,9 @@ class Reader:
             if is_jsonl(path):
                 yield from self._flush()
                 yield from self._jsonl(path, src, h)
+            elif is_columnar(path):
+                yield from self._flush()
+                yield from self._columnar(path, src, h)
             elif src.bytes <= self.chunk:
                 with open(path, "rb") as f:
                     data = f.read()
@@ -201,3 +208,39 @@ class Reader:
                 if stop:
                     break
         src.bytes = offset
+
+    def _columnar(self, path: str, src: Source, h) -> Iterator[Dict]:
+        """Parquet / Arrow rows, one document each (launcher/prepare/columnar.py), in items of about one chunk
+        of text; with a byte budget, stops after the document that reaches it. Progress counts the file's own
+        bytes (compressed Parquet holds more text than its size) in proportion to the text sent."""
+        with open(path, "rb") as f:  # the description's sha256 is of the file as stored
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        batch: List[str] = []
+        size = 0
+        rows_total, rows_sent, shown = max(1, columnar.row_count(path)), 0, 0
+
+        def item() -> Dict:
+            nonlocal batch, size, rows_sent, shown
+            rows_sent += len(batch)
+            progress = src.bytes * rows_sent // rows_total  # the file's bytes, in proportion to its rows
+            out = self._item(kind="docs", path=path, texts=batch, nbytes=progress - shown, text_bytes=size)
+            shown = progress
+            src.documents += len(batch)
+            batch, size = [], 0
+            return out
+
+        for values in columnar.texts(path, self.base["text_key"]):
+            for text in values:
+                if self.budget <= 0:
+                    break
+                n = len(text.encode("utf-8"))
+                batch.append(text)
+                size += n
+                self.budget -= n
+                if size >= self.chunk:
+                    yield item()
+            if self.budget <= 0:
+                break
+        if batch:
+            yield item()

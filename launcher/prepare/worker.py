@@ -88,6 +88,9 @@ def item_documents(item: Dict) -> Tuple[List[str], List[bool], bool, bool]:
     if kind == "piece":
         text = decode_utf8(item["data"], item["path"], item["offset"])
         return [text], [item["valid"]], not item["first"], not item["last"]
+    if kind == "docs":  # Parquet / Arrow rows: the texts themselves (launcher/prepare/columnar.py)
+        texts = item["texts"]
+        return texts, [held_out(t.encode("utf-8"), frac) for t in texts], False, False
     texts = jsonl_texts(item["data"], item["path"], item["offset"], item["line"], item["text_key"])
     return texts, [held_out(t.encode("utf-8"), frac) for t in texts], False, False
 
