@@ -117,20 +117,10 @@ def _saved_activation_bytes(cfg: Config, mesh) -> Dict[str, int]:
     from training.loop import Trainer
 
     trainer = Trainer(config_from_dict(config_to_dict(cfg)), tempfile.mkdtemp(), mesh, checkpointing=False)
-    params = {p.data_ptr() for p in trainer.optimizer.params}
-    seen, total = set(), [0]
+    from training.observe.saved_bytes import saved_activation_bytes
 
-    def pack(t):
-        key = (t.data_ptr(), tuple(t.shape), t.dtype)
-        if t.data_ptr() not in params and key not in seen:
-            seen.add(key)
-            total[0] += t.numel() * t.element_size()
-        return t
-
-    tokens, targets = trainer.sampler.micro_batches(0)[0]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        trainer.chunks[0](tokens, targets)
-    return {"measured": total[0], "planned": make_plan(cfg).memory_bytes["activations"]}
+    measured = saved_activation_bytes(trainer)
+    return {"measured": measured, "planned": make_plan(cfg).memory_bytes["activations"]}
 
 
 def _mesh(cfg: Config):

@@ -56,22 +56,14 @@ def _full_grads(trainer, mesh, sp) -> dict:
 
 def saved_activation_bytes(trainer) -> int:
     """Bytes autograd saves for backward in one micro-batch's forward (parameters excluded, each tensor once)."""
-    params = {p.data_ptr() for p in trainer.optimizer.params}
-    seen, total = set(), [0]
+    from training.observe.saved_bytes import saved_activation_bytes as measure
 
-    def pack(t):
-        key = (t.data_ptr(), tuple(t.shape), t.dtype)
-        if t.data_ptr() not in params and key not in seen:
-            seen.add(key)
-            total[0] += t.numel() * t.element_size()
-        return t
-
-    tokens, targets = trainer.sampler.micro_batches(0)[0]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        trainer.chunks[0](tokens, targets)
-    for c in trainer.chunks:
+    modes = [c.training for c in trainer.chunks]
+    total = measure(trainer)
+    for c, mode in zip(trainer.chunks, modes):
         c.micro_step = 0
-    return total[0]
+        c.train(mode)
+    return total
 
 
 def _train(cfg_dict: dict, run_dir: str, with_grads: bool = True):

@@ -408,26 +408,17 @@ def test_cuda_activation_profile_matches_what_a_16bit_layer_saves():
     from launcher.plan.memory import device_profile, layer_activation_bytes
     from training.mesh import ProcessMesh
     from training.model import build_gpt
+    from training.observe.saved_bytes import SavedBytes
 
     def saved(layers):
         cfg = _cfg(num_layers=layers, dropout=0.1, attention="math")
         torch.manual_seed(0)
         chunk = build_gpt(cfg, ProcessMesh.single(), torch.bfloat16)[0]
         chunk.train()
-        params = {p.data_ptr() for p in chunk.parameters()}
-        seen, total = set(), [0]
-
-        def pack(t):
-            key = (t.data_ptr(), tuple(t.shape), t.dtype)
-            if t.data_ptr() not in params and key not in seen:
-                seen.add(key)
-                total[0] += t.numel() * t.element_size()
-            return t
-
         tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with SavedBytes(chunk.parameters()) as counted:
             chunk(tokens, tokens)
-        return total[0]
+        return counted.total
 
     cfg = _cfg(dropout=0.1, attention="math")
     cfg.train.precision, cfg.cluster.device, cfg.parallel.micro_batch = "bf16", "cuda", 1

@@ -390,20 +390,9 @@ def test_nvme_offload_lowers_resident_memory_by_the_state(offload_pair):
 
 def _saved_bytes(trainer) -> int:
     """Bytes autograd saves for backward in one micro-batch's forward (parameters excluded, each tensor once)."""
-    params = {p.data_ptr() for p in trainer.optimizer.params}
-    seen, total = set(), [0]
+    from training.observe.saved_bytes import saved_activation_bytes
 
-    def pack(t):
-        key = (t.data_ptr(), tuple(t.shape), t.dtype)
-        if t.data_ptr() not in params and key not in seen:
-            seen.add(key)
-            total[0] += t.numel() * t.element_size()
-        return t
-
-    tokens, targets = trainer.sampler.micro_batches(0)[0]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        trainer.chunks[0](tokens, targets)
-    return total[0]
+    return saved_activation_bytes(trainer)
 
 
 def test_recompute_num_layers_activations_match_the_plan():

@@ -20,24 +20,39 @@ from typing import List, Optional
 import torch
 
 
-def saved_activation_bytes(trainer) -> int:
-    """Bytes saved for backward by the first chunk's forward of this rank's first micro-batch."""
-    params = {p.data_ptr() for p in trainer.optimizer.params}
-    seen, total = set(), [0]
+class SavedBytes:
+    """Counts the bytes autograd saves for backward while the block runs (parameters left out, each tensor
+    once, by storage, shape and dtype): `with SavedBytes(params) as saved: forward(); saved.total`."""
 
-    def pack(t):
+    def __init__(self, params) -> None:
+        self._params = {p.data_ptr() for p in params}
+        self._seen: set = set()
+        self.total = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = (t.data_ptr(), tuple(t.shape), t.dtype)
-        if t.data_ptr() not in params and key not in seen:
-            seen.add(key)
-            total[0] += t.numel() * t.element_size()
+        if t.data_ptr() not in self._params and key not in self._seen:
+            self._seen.add(key)
+            self.total += t.numel() * t.element_size()
         return t
 
+    def __enter__(self) -> "SavedBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def saved_activation_bytes(trainer) -> int:
+    """Bytes saved for backward by the first chunk's forward of this rank's first micro-batch."""
     tokens, targets = trainer.sampler.micro_batches(0)[0]
     for c in trainer.chunks:
         c.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes(trainer.optimizer.params) as saved:
         trainer.chunks[0](tokens, targets)
-    return total[0]
+    return saved.total
 
 
 def main(argv: Optional[List[str]] = None) -> int:
