@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from launcher.report import latest_rows, markers, read_jsonl, sweep_points
+from launcher.report import build_report, sweep_points
 from training.events import append_event
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,6 +25,43 @@ TINY = ["data=synthetic", "parallel=single", "cluster.gpus_per_node=1", "model.n
         "model.seq_length=32", "parallel.global_batch=2", "parallel.micro_batch=1", "train.steps=12",
         "train.checkpoint_every=4", "train.eval_every=4", "train.warmup_steps=2"]
 RUN_PLOTS = {"loss", "lr", "tokens_per_s", "mfu", "step_times", "memory"}
+
+
+def rows_of(path: str) -> list:
+    """The JSON lines of a file as the test reads them itself (no helper of launcher/report.py)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def last_per_step(rows: list) -> dict:
+    """step -> the row written last for it (a resumed attempt rewrites steps newer than its checkpoint)."""
+    out = {}
+    for row in rows:
+        if "step" in row:
+            out[row["step"]] = row
+    return out
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """What the report really draws: every figure's axes (title, lines with their data and style, bar heights,
+    annotations), recorded as matplotlib saves it; read back instead of asking the report's own helpers."""
+    import matplotlib.figure
+
+    figures = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        ax = fig.axes[0]
+        figures[ax.get_title()] = {
+            "lines": [(ln.get_label(), [float(x) for x in ln.get_xdata()], [float(y) for y in ln.get_ydata()],
+                       ln.get_linestyle(), ln.get_color()) for ln in ax.get_lines()],
+            "texts": [(t.get_text(), float(t.xy[0])) for t in ax.texts],
+            "bars": [(p.get_x() + p.get_width() / 2, p.get_height()) for p in ax.patches]}
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    return figures
 
 
 def meshrun(*args: str, cwd) -> subprocess.CompletedProcess:
@@ -49,7 +86,7 @@ def run_dir(tmp_path_factory):
 
 
 @pytest.mark.slow  # run_dir trains (two CLI launches)
-def test_report_of_a_run(run_dir):
+def test_report_of_a_run(run_dir, drawn):
     p = meshrun("action=report", f"run.dir={run_dir}", cwd=os.path.dirname(run_dir))
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)
@@ -64,18 +101,33 @@ def test_report_of_a_run(run_dir):
         page = f.read()
     assert len(re.findall(r"<img [^>]*src='data:image/png;base64,", page)) == len(RUN_PLOTS)
     assert "src='http" not in page and "src='file" not in page  # self-contained
-    # One row per step across the stop and the resume; the markers the plots carry.
-    rows = latest_rows(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
-    assert [r["step"] for r in rows] == list(range(1, 13))
-    marks, unplaced = markers(read_jsonl(os.path.join(run_dir, "events.jsonl")), rows)
-    labels = {(m.kind, m.label) for m in marks}
-    assert {("checkpoint", "ckpt 4"), ("checkpoint", "ckpt 6"), ("checkpoint", "ckpt 12"),
-            ("attempt", "resumed @ 6"), ("requeue", "requeue (failure) excl. n2")} <= labels, labels
-    assert sum(k == "attempt" and lb.startswith("attempt") for k, lb in labels) >= 1 and unplaced == []
+    # One row per step across the stop and the resume; the markers the plots carry. The reference is the run's
+    # own files read here; the figures are what matplotlib was asked to draw (an in-process second report).
+    metrics = last_per_step(rows_of(os.path.join(run_dir, "metrics.jsonl")))
+    assert sorted(metrics) == list(range(1, 13))
+    events = rows_of(os.path.join(run_dir, "events.jsonl"))
+    build_report(run_dir)
+    loss = drawn["Loss"]
+    (xs, ys), = [(x, y) for label, x, y, _, _ in loss["lines"] if label == "train loss"]
+    assert xs == list(range(1, 13)) and ys == pytest.approx([metrics[s]["loss"] for s in range(1, 13)])
+    (_, lr), = [(x, y) for label, x, y, _, _ in drawn["Learning rate"]["lines"] if label == "lr"]
+    assert lr == pytest.approx([metrics[s]["lr"] for s in range(1, 13)])
+    vertical = [(x[0], style, color) for _, x, _, style, color in loss["lines"] if len(x) == 2 and x[0] == x[1]]
+    ckpt_steps = sorted({e["step"] for e in events if e.get("event") == "checkpoint"})
+    assert {4, 6, 12} <= set(ckpt_steps), ckpt_steps
+    assert sorted(x for x, style, _ in vertical if style == ":") == ckpt_steps  # one dotted line per checkpoint
+    texts = set(loss["texts"])
+    assert {("resumed @ 6", 6.0), ("requeue (failure) excl. n2", 12.0)} <= texts, texts
+    assert any(t.startswith("attempt") for t, _ in texts) and not any(t.startswith("ckpt") for t, _ in texts)
+    assert not any("events without a step" in n for n in out["notes"])  # every event placed
+    # The facts table of the page, read back from the HTML.
+    facts = dict(re.findall(r"<tr><td><b>([^<]*)</b></td><td>([^<]*)</td></tr>", page))
+    assert facts["steps logged"] == "12" and facts["requeues"] == "1" and facts["excluded nodes"] == "n2"
+    assert facts["checkpoints"] == str(sum(e.get("event") == "checkpoint" for e in events)), facts
 
 
 @pytest.mark.slow  # run_dir trains
-def test_report_of_a_sweep(run_dir, tmp_path):
+def test_report_of_a_sweep(run_dir, tmp_path, drawn):
     sweep = tmp_path / "sweep"
     p = meshrun("-m", "action=plan", *TINY, "cluster.gpus_per_node=2", "parallel.dp=null", "parallel.tp=1,2",
                 f"hydra.sweep.dir={sweep}", cwd=tmp_path)
@@ -87,8 +139,8 @@ def test_report_of_a_sweep(run_dir, tmp_path):
     for name in ("metrics.jsonl", "summary.json"):
         shutil.copy(os.path.join(run_dir, name), os.path.join(feasible[0]["run_dir"], name))
     points = sweep_points(str(sweep))
-    rows = latest_rows(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
-    rates = [r["tokens_per_s"] for r in rows[1:]]
+    metrics = last_per_step(rows_of(os.path.join(run_dir, "metrics.jsonl")))
+    rates = [metrics[s]["tokens_per_s"] for s in sorted(metrics)[1:]]  # every logged step after the first
     assert points[0]["measured_tokens_per_s"] == pytest.approx(sum(rates) / len(rates))
     with open(os.path.join(feasible[0]["run_dir"], "plan.json")) as f:
         plan = json.load(f)
@@ -99,6 +151,13 @@ def test_report_of_a_sweep(run_dir, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert {os.path.basename(x) for x in json.loads(p.stdout)["images"]} == {"sweep_tokens_per_s.png",
                                                                               "sweep_memory.png"}
+    # The bars drawn (in-process): point 0's measured bar is that mean, its plan bar tokens_per_step over
+    # predicted_step_s; point 1 has no measured bar (height 0).
+    build_report(str(sweep))
+    bars = sorted(drawn["Tokens/s per point: measured vs plan"]["bars"])  # measured at x-0.2, plan at x+0.2
+    assert [h for _, h in bars] == pytest.approx([sum(rates) / len(rates),
+                                                  plan["tokens_per_step"] / plan["predicted_step_s"], 0,
+                                                  bars[3][1]]) and bars[3][1] > 0
 
 
 def test_report_of_a_directory_that_is_no_run(tmp_path):
