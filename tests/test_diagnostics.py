@@ -5,7 +5,8 @@ a health sampler against the NVML double of training/observe/nvml_double.py) and
 - a slow rank: a forward pre-hook that sleeps in every step -> a `straggler` event naming rank 1 and nodeB;
 - a NaN: one weight of layers.1.mlp.fc1 set to NaN before step 5 -> a `nonfinite` event naming that layer and
   rank 1 (the replay with hooks runs only then);
-- an ECC error: the double's uncorrectable ECC count of nodeB grows after step 7 -> a `health` event naming
+- an ECC error: the double's uncorrectable ECC count of nodeB grows from step 7 on, once the straggler event is
+  written (an event, not a step count, so the slow streak is complete) -> a `health` event naming
   nodeB; with cluster.health.action=requeue a checkpoint, then rank 1 exits EXIT_NODE_BAD (its node is
   excluded by the Slurm epilogue) and rank 0 EXIT_STOPPED;
 - train.profile_steps=[2,3]: a Chrome trace per rank under run.dir/profile/.
@@ -61,12 +62,18 @@ def _rank(cfg_dict: dict, run_dir: str, double: str):
 
         def slow_and_faulty(module, args):
             step = trainer.state.step + 1  # the step being taken
-            time.sleep(0.04)
+            # 0.1 s: rank 0's compute must stall past 2/3 of that in one step to break the slow streak.
+            time.sleep(0.1)
             if step == NAN_STEP and not getattr(trainer, "poisoned", False):
                 trainer.poisoned = True
                 with torch.no_grad():
                     dict(trainer.chunks[0].named_modules())["layers.1.mlp.fc1"].weight[0, 0] = float("nan")
-            if step == ECC_STEP:
+            # The ECC error (which stops the run) waits for the straggler event rank 0 writes after the slow
+            # streak, so the streak is never cut short by a loaded machine's slow early steps; at STEPS - 3
+            # it comes anyway and the straggler test fails with what happened.
+            straggled = any(e["event"] == "straggler" for e in read_events(run_dir))
+            if step >= ECC_STEP and (straggled or step >= STEPS - 3) and not getattr(trainer, "ecc", False):
+                trainer.ecc = True
                 with open(double + ".tmp", "w") as f:
                     json.dump({"gpus": 1, "nodes": {"*": {"temperature": 50}, "nodeB": {"ecc_uncorrected": 2}}}, f)
                 os.replace(double + ".tmp", double)
