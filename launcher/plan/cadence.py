@@ -43,7 +43,10 @@ def expected_goodput(interval_s: float, save_s: float, restart_s: float, mtbf_s:
     that may also strike during saves and restarts)."""
     if interval_s <= 0 or mtbf_s <= 0:
         return 0.0
-    segment = mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((interval_s + save_s) / mtbf_s)
+    try:
+        segment = mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((interval_s + save_s) / mtbf_s)
+    except OverflowError:  # an MTBF far below the restart or save time: a segment practically never completes
+        return 0.0
     return interval_s / segment
 
 
