@@ -334,10 +334,12 @@ def test_cpus_per_task_default_comes_from_the_partitions_nodes(tmp_path, cluster
 
 
 def test_time_limit_signal_requeues_and_resumes(tmp_path, cluster):
-    """A 1-minute limit with a 20 s delay: the ranks stop themselves at limit - 20 s - 30 s (before
-    Slurm's own USR2, which may come while they still start), save, requeue, resume."""
+    """A 2-minute limit with an 80 s delay: the ranks stop themselves at limit - 80 s - 30 s (before
+    Slurm's own USR2, which may come while they still start), save, requeue, resume. (The stop is due 10 s
+    after the start, as with 1 minute and 20 s; the longer limit leaves a loaded machine's slow start and save
+    100 s more before Slurm ends the job.)"""
     run_dir = tmp_path / "run"
-    job = submit(run_dir, "cluster.nodes=1", "cluster.time_min=1", "cluster.signal_delay_s=20",
+    job = submit(run_dir, "cluster.nodes=1", "cluster.time_min=2", "cluster.signal_delay_s=80",
                  "train.steps=100000", "train.checkpoint_every=0", "train.progress=false")
     try:
         deadline = time.time() + 180
@@ -357,7 +359,7 @@ def test_time_limit_signal_requeues_and_resumes(tmp_path, cluster):
     assert sig["name"] == "SIGUSR2" and resumed["step"] == sig["step"]
     # The stop came from the rank wrapper's own clock while the engine ran (it used to reach only
     # a child that did not handle the signal yet), before Slurm's own USR2 was due: that one comes no earlier
-    # than limit - 20 s = stop_at + 30 s.
+    # than limit - 80 s = stop_at + 30 s.
     clock = [e for e in events if e["event"] == "stop_requested"]
     assert clock and clock[0]["source"] == "clock" and clock[0]["time"] <= sig["time"]
     assert sig["time"] < clock[0]["stop_at"] + 20, (sig, clock)
