@@ -110,7 +110,8 @@ def test_report_of_a_run(run_dir, drawn):
     loss = drawn["Loss"]
     (xs, ys), = [(x, y) for label, x, y, _, _ in loss["lines"] if label == "train loss"]
     assert xs == list(range(1, 13)) and ys == pytest.approx([metrics[s]["loss"] for s in range(1, 13)])
-    (_, lr), = [(x, y) for label, x, y, _, _ in drawn["Learning rate"]["lines"] if label == "lr"]
+    (lr_fig,) = [fig for title, fig in drawn.items() if title.startswith("Learning rate")]
+    (_, lr), = [(x, y) for label, x, y, _, _ in lr_fig["lines"] if label == "lr"]
     assert lr == pytest.approx([metrics[s]["lr"] for s in range(1, 13)])
     vertical = [(x[0], style, color) for _, x, _, style, color in loss["lines"] if len(x) == 2 and x[0] == x[1]]
     ckpt_steps = sorted({e["step"] for e in events if e.get("event") == "checkpoint"})
