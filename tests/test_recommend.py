@@ -105,25 +105,15 @@ def test_spearman_and_choice_of_calibration_candidates():
 @pytest.mark.slow
 def test_calibration_on_this_machine_agrees_with_the_prediction(tmp_path):
     """Acceptance: at least 4 CPU layouts of a small model, run for a few steps, come out in the predicted order
-    (Spearman >= 0.8, computed and reported by the tool).
-
-    Held still on a loaded 2-core machine: recommend.probe=false, so the prediction uses the CPU preset's rates
-    and the same 4 layouts are chosen on every run (probed under load, the rates moved so much that sometimes
-    fewer than 4 layouts were calibrate_min_gap apart); each is predicted at least 1.6x slower than the one
-    before (calibrate_min_gap=0.6, was 0.3, where a load swing between two sequential runs reordered them once:
-    Spearman 0.4), so only a cost model wrong by about that much reorders them; each measurement is the median
-    of the steps after the first."""
+    (Spearman >= 0.8, computed and reported by the tool)."""
     run_dir = tmp_path / "cal"
     p = subprocess.run([sys.executable, "-m", "launcher", "action=recommend", "data=synthetic", "model.num_layers=4",
                         "model.hidden_size=128", "model.seq_length=128", "cluster.gpus_per_node=2",
                         "parallel.global_batch=16", "recommend.calibrate=true", "recommend.calibrate_count=4",
-                        "recommend.calibrate_min_gap=0.6", "recommend.calibrate_steps=6", "recommend.probe=false",
-                        f"run.dir={run_dir}"],
+                        "recommend.calibrate_min_gap=0.3", "recommend.calibrate_steps=8", f"run.dir={run_dir}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     cal = json.loads((run_dir / "recommend.json").read_text())["calibration"]
     measured = [r for r in cal["runs"] if r["measured_step_s"] is not None]
     assert len(measured) >= 4, cal
     assert "Spearman rank correlation" in p.stdout and cal["spearman"] >= 0.8, cal
-    predicted = [r["predicted_step_s"] for r in measured]
-    assert all(b >= 1.6 * a for a, b in zip(predicted, predicted[1:])), predicted  # the gap the test relies on
