@@ -203,13 +203,16 @@ def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) 
     compute += recompute
     parts = {"compute": compute, "recompute": recompute,
              "bubble": compute * (par.pp - 1) / (v * m)}
-    updated = params_local / dp if (par.zero >= 1 and dp > 1) else params_local
+    # The dp reduction and the distributed optimizer span dp x cp ranks (the engine's dp_cp group); its reach,
+    # which decides the link it runs over, is the dp dimension's when dp > 1, else the cp one's.
+    dpc = dp * max(1, par.cp)
+    updated = params_local / dpc if (par.zero >= 1 and dpc > 1) else params_local
     parts["optimizer"] = updated * rates.optimizer_s_per_param
     if str(getattr(par, "offload", "none")) != "none":  # the update runs on the host instead
-        parts["optimizer"] = offload_seconds(cfg, params_local, dp)
-    counts = collective_counts(cfg, m, dp, comm.get("dp", 0))
+        parts["optimizer"] = offload_seconds(cfg, params_local, dpc)
+    counts = collective_counts(cfg, m, dpc, comm.get("dp", 0))
     strides = {"tp": (1, par.tp), "cp": (par.tp, par.cp), "pp": (par.tp * par.cp, par.pp),
-               "embedding": (par.tp * par.cp, par.pp), "dp": (par.tp * par.cp * par.pp, dp)}
+               "embedding": (par.tp * par.cp, par.pp), "dp": (par.tp * par.cp * par.pp, dp) if dp > 1 else (par.tp, par.cp)}
     for kind, (stride, size) in strides.items():
         bw = group_bandwidth(stride, size, c.gpus_per_node, rates)
         parts[kind] = 0.0 if bw is None else comm.get(kind, 0) / bw + counts[kind] * rates.latency_s

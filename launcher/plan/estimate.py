@@ -52,7 +52,7 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int) -> Dict[str,
     pp: each micro-batch's activation (fwd) and gradient (bwd) s b h/t_sp per chunk boundary of the rank
       (v sends each way for an interior rank).
     cp: ring attention: (cp-1) K/V chunks forward and twice that (K/V and their grads) backward per layer.
-    dp: zero=0 all-reduce of the grads (n g bytes); zero=1 reduce-scatter of the padded grad buffer plus
+    dp: over the dp x cp ranks: zero=0 all-reduce of the grads (n g bytes); zero=1 reduce-scatter of the padded grad buffer plus
       all-gather of the updated params; zero=2 the reduction once per micro-batch (levers.zero2_dp_bytes).
     embedding: all-reduce of the tied word-embedding grads between the first and last stage (pp > 1).
     """
@@ -80,15 +80,17 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int) -> Dict[str,
     pp = m * sends * sb * h // t_sp * ab
     kv = sb * 2 * mc.query_groups * (h // mc.num_attention_heads) // t * ab
     cpb = m * n_layers * 3 * (cp - 1) * kv if cp > 1 else 0
+    # Grads are reduced, and the distributed optimizer sharded, over dp x cp (the engine's dp_cp group).
+    dpc = optimizer_shard_degree(cfg, dp)
     if par.zero == 3:
-        dpb = zero3_dp_bytes(cfg, n_local, dp, m, g, ab)
+        dpb = zero3_dp_bytes(cfg, n_local, dpc, m, g, ab)
     elif par.zero == 2:
-        dpb = zero2_dp_bytes(n_local, dp, m, g, ab)
+        dpb = zero2_dp_bytes(n_local, dpc, m, g, ab)
     elif par.zero == 1:
-        padded = -(-n_local // dp) * dp
-        dpb = _ring(dp, padded * g, "reduce_scatter") + _ring(dp, padded * ab, "all_gather")
+        padded = -(-n_local // dpc) * dpc
+        dpb = _ring(dpc, padded * g, "reduce_scatter") + _ring(dpc, padded * ab, "all_gather")
     else:
-        dpb = _ring(dp, n_local * g, "all_reduce")
+        dpb = _ring(dpc, n_local * g, "all_reduce")
     emb = 0
     if p > 1 and mc.tie_embeddings:
         emb = _ring(2, padded_vocab(mc.vocab_size, t) * h // t * g, "all_reduce")

@@ -461,7 +461,9 @@ def validate(cfg: Config, cluster_checks: Optional[Callable[[Config], List[str]]
         breakdown = ", ".join(f"{k} {mem[k] / GIB:.2f}" for k in ("weights", "grads", "optimizer", "activations"))
         issues.append(Issue(
             "error", "cluster.gpu_memory_gb",
-            f"the worst GPU (pipeline stage {plan.worst_stage}) needs {mem['total'] / GIB:.2f} GiB ({breakdown} GiB) but "
-            f"has {plan.gpu_memory_bytes / GIB:.2f} GiB (cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g})",
+            f"the worst GPU (pipeline stage {plan.worst_stage}) needs {mem['total'] / GIB:.2f} GiB ({breakdown} GiB)"
+            + (f" + {plan.reserve_bytes / GIB:.2f} GiB kept back (CUDA context, NCCL buffers, fragmentation)"
+               if plan.reserve_bytes else "")
+            + f" but has {plan.gpu_memory_bytes / GIB:.2f} GiB (cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g})",
             "; ".join(fit_fixes(cfg, plan)), "no_fit"))
     return report
