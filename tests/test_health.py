@@ -103,7 +103,8 @@ def test_node_throughput_share_against_its_own_baseline():
 @pytest.mark.slurm
 def test_growing_ecc_on_slurm_requeues_without_that_node(tmp_path, cluster):
     double = tmp_path / "gpus.json"
-    double.write_text(json.dumps({"gpus": 1, "nodes": {}}))
+    # As many GPUs as the slurm_dev preset's gpus_per_node: the preflight reads the same double and checks the count.
+    double.write_text(json.dumps({"gpus": 2, "nodes": {}}))
     run_dir = tmp_path / "run"
     dev.submit(run_dir, "train.steps=80", "train.checkpoint_every=40", f"cluster.health.nvml_double={double}",
            "cluster.health.interval_s=0.2", "cluster.health.action=requeue")
@@ -111,7 +112,7 @@ def test_growing_ecc_on_slurm_requeues_without_that_node(tmp_path, cluster):
     nodes = [e for e in read_events(str(run_dir)) if e["event"] == "started"][0]["nodes"]
     bad = nodes[1]
     tmp = tmp_path / "gpus.json.tmp"
-    tmp.write_text(json.dumps({"gpus": 1, "nodes": {bad: {"ecc_uncorrected": 2}}}))
+    tmp.write_text(json.dumps({"gpus": 2, "nodes": {bad: {"ecc_uncorrected": 2}}}))
     os.replace(tmp, double)  # the node's uncorrectable ECC count grows while the job runs
     status = dev.wait_final(run_dir, timeout=420)
     events = read_events(str(run_dir))
