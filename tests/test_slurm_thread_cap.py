@@ -11,9 +11,11 @@ import time
 
 import pytest
 
-from test_slurm_cluster import cluster, metrics, submit  # noqa: F401 (cluster: the fixture)
+import test_slurm_cluster as dev
+from test_slurm_cluster import metrics, submit
 
 pytestmark = pytest.mark.slurm
+cluster = dev.cluster  # the dev cluster fixture (started if needed; a loud skip when it cannot run here)
 
 
 def _rank_envs(run_dir: str) -> list:
