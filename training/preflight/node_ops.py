@@ -18,17 +18,10 @@ import os
 from typing import Dict, List, Optional
 
 from training.preflight import ib_sysfs
+from training.preflight.os_tunables import _read  # one reader of /proc and /sys files
 from training.preflight.report import Check, fail, ok, warn
 
 GIB = 2**30
-
-
-def _read(path: str) -> Optional[str]:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 def _cpulist(text: str) -> List[int]:
