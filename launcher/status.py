@@ -14,6 +14,7 @@ import socket
 import sys
 from typing import Any, Dict, List, Optional
 
+from launcher import goodput
 from training.events import EVENTS_FILE, read_events
 from training.exit_codes import EXIT_INVALID
 from training.slurm_env import SlurmUnavailable, slurm_command
@@ -162,8 +163,10 @@ def _local_launcher_alive(started: Dict[str, Any]) -> bool:
 
 
 def run_status(run_dir: str, states: Optional[Dict[str, str]] = None,
-               events: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
-    """The status of one run; states: Slurm's states already asked for (a sweep asks once for all its jobs)."""
+               events: Optional[List[Dict[str, Any]]] = None,
+               allocations: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The status of one run; states: Slurm's states already asked for (a sweep asks once for all its jobs);
+    allocations: Slurm's accounting of its jobs for the goodput (launcher/goodput.py sacct_records), likewise."""
     from launcher.cancel import cancelled_event
 
     events = read_events(run_dir) if events is None else events
@@ -211,7 +214,32 @@ def run_status(run_dir: str, states: Optional[Dict[str, str]] = None,
     current = current_layout(run_dir)
     if current is not None:
         out["layout"] = current
+    out.update(in_job_fields(events))
+    out.update(goodput_fields(run_dir, events, allocations))
     return out
+
+
+def in_job_fields(events: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """With in-job restarts (cluster.max_in_job_restarts): the current allocation's idle spares and the in-job
+    restarts it has used (launcher/slurm/in_job.py); {} otherwise."""
+    started = [ev for ev in events if ev.get("event") == "started"]
+    if not started or "spares" not in started[-1]:
+        return {}
+    last = started[-1]
+    return {"spares_left": len(last.get("spares") or []), "spare_nodes": last.get("spares") or [],
+            "in_job_restarts_used": int(last.get("in_job_restarts") or 0),
+            "max_in_job_restarts": last.get("max_in_job_restarts"),
+            "in_job_restarts_total": sum(1 for ev in events if ev.get("event") == "restarted_in_job")}
+
+
+def goodput_fields(run_dir: str, events: List[Dict[str, Any]],
+                   allocations: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """goodput (productive / wall) and goodput_s (seconds per cause, launcher/goodput.py); {} before the first
+    attempt."""
+    if not any(ev.get("event") == "started" for ev in events):
+        return {}
+    g = goodput.run_goodput(run_dir, events, allocations)
+    return {"goodput": g["goodput"], "goodput_s": goodput.summary(g)} if g else {}
 
 
 def current_layout(run_dir: str) -> Optional[Dict[str, Any]]:
@@ -238,6 +266,9 @@ def sweep_status(sweep_dir: str) -> Dict[str, Any]:
     events_of = {row["run_dir"]: read_events(row["run_dir"]) for row in sweep.get("feasible", [])
                  if row.get("run_dir") and os.path.exists(os.path.join(row["run_dir"], EVENTS_FILE))}
     states = slurm_states([j for j in (current_job_id(evs) for evs in events_of.values()) if j is not None])
+    # One sacct call for every allocation of the sweep's runs (the goodput's queue wait).
+    allocations = goodput.sacct_records([ev.get("job_id") for evs in events_of.values() for ev in evs
+                                         if ev.get("event") == "started"])
     points = []
     for skipped, rows in ((False, sweep.get("feasible", [])), (True, sweep.get("infeasible", []))):
         for row in rows:
@@ -246,7 +277,7 @@ def sweep_status(sweep_dir: str) -> Dict[str, Any]:
             if skipped:
                 point.update(state="SKIPPED", reason=row.get("reason", row.get("status", "")))
             elif run_dir in events_of:
-                point.update(run_dir=run_dir, **run_status(run_dir, states, events_of[run_dir]))
+                point.update(run_dir=run_dir, **run_status(run_dir, states, events_of[run_dir], allocations))
             else:  # an action=plan sweep: nothing was launched
                 point.update(state="PLANNED" if row.get("status") == "ok" else "UNKNOWN", run_dir=run_dir)
             points.append(point)
@@ -254,7 +285,12 @@ def sweep_status(sweep_dir: str) -> Dict[str, Any]:
     states: Dict[str, int] = {}
     for point in points:
         states[point["state"]] = states.get(point["state"], 0) + 1
-    return {"sweep_dir": sweep_dir, "points": points, "states": states}
+    out = {"sweep_dir": sweep_dir, "points": points, "states": states}
+    summed = goodput.total([pt.get("goodput_s") for pt in points])
+    if summed is not None:
+        out["goodput"] = summed["goodput"]
+        out["goodput_s"] = summed
+    return out
 
 
 def _emit(status: Dict[str, Any], fmt: str) -> None:

@@ -19,5 +19,8 @@ EXIT_NODE_BAD = 4
 complete checkpoint): exclude the node and resubmit."""
 EXIT_SLURM = 5
 """`meshrun` only (never a rank): Slurm itself refused (no controller, sbatch error); nothing was submitted."""
+EXIT_RESTART_IN_JOB = 75
+"""The Slurm epilogue only (never a rank): relaunch the training step inside the same allocation (the batch
+script's loop, launcher/slurm/in_job.py); the batch script never exits with it."""
 EXIT_INTERRUPTED = 130
 """`meshrun` only: a local run interrupted from the keyboard (128 + SIGINT, the shell's convention)."""

@@ -438,7 +438,9 @@ class Trainer:
                 compile_s = self.compile_clock.seconds
             skipped += int(res.skipped)
             losses.append(loss)
+            eval_clock = time.perf_counter()
             eval_loss = self._maybe_evaluate()
+            eval_s = time.perf_counter() - eval_clock if eval_loss is not None else None
             logged = (self.state.step % max(1, cfg.train.log_every) == 0 or res.skipped or eval_loss is not None
                       or compile_s is not None)
             slowdown.step(self.state.step, tok_s, logged)
@@ -461,6 +463,7 @@ class Trainer:
                         rec["skipped"] = res.reason
                     if eval_loss is not None:
                         rec["eval_loss"] = eval_loss
+                        rec["eval_s"] = eval_s  # goodput's eval time (launcher/goodput.py)
                     if compile_s is not None:
                         rec["compile_s"] = compile_s
                     rec.update(spread)

@@ -150,7 +150,8 @@ def torch_env_from_slurm(env: Mapping[str, str]) -> Dict[str, str]:
     if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
         return {}
     ntasks = int(env["SLURM_NTASKS"])
-    nnodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    # The step's nodes first: an in-job restart's step runs on a subset of the allocation (spares idle).
+    nnodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
     addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
                                                 or "localhost")
     port = env.get("MASTER_PORT") or port_from_job(env.get("SLURM_JOB_ID", "0"),

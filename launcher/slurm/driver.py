@@ -25,13 +25,14 @@ import time
 from typing import Dict, List
 
 from launcher.cancel import cancel_requested, record_cancelled
-from launcher.slurm.requeue import decide
+from launcher.slurm import in_job
+from launcher.slurm.requeue import blamed_failures, decide
 from launcher.slurm.rank_task import attempt_dir
 from launcher.procs import PROJECT_ROOT
 from launcher.status import excluded_nodes, job_alive, last_step, retries_used
 from training.config import load_config
 from training.events import append_event, read_events
-from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK
+from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_RESTART_IN_JOB
 from training.run_lock import claim_for_job, release_job, set_job_holder
 from training.slurm_env import SlurmUnavailable, hostnames, port_from_job, slurm_command, slurm_job_id
 
@@ -60,21 +61,24 @@ def prologue(run_dir: str) -> int:
               file=sys.stderr)
         print("exit 0")  # evaluated by the batch script: ends before srun, and Slurm's accounting says COMPLETED
         return EXIT_OK
-    nodes = hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))
+    allocation = hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))
+    cfg = load_config(os.path.join(run_dir, "config.json"))
+    restart_count = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    nodes, extra = allocation, {}
+    if in_job.enabled(cfg.cluster):
+        nodes, extra = _step_nodes(cfg, events, allocation, restart_count)
     step = last_step(run_dir)
     os.makedirs(attempt_dir(run_dir, attempt), exist_ok=True)
     from training.run_files import write_atomic  # never through a link (training/run_files.py)
 
     write_atomic(os.path.join(attempt_dir(run_dir, attempt), "prologue.json"),
-                 json.dumps({"last_step": step, "nodes": nodes, "job_id": job_id()}))
+                 json.dumps({"last_step": step, "nodes": nodes, "job_id": job_id(), "allocation": allocation}))
     append_event(run_dir, "started", attempt=attempt, job_id=job_id(), nodes=nodes,
-                 restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0), resume_step=step,
-                 code=PROJECT_ROOT)
+                 restart_count=restart_count, resume_step=step, code=PROJECT_ROOT, **extra)
     # MESHRUN_SELF_STOP=0 in the submitter's environment turns the ranks' own clock off, leaving only
     # Slurm's --signal (tests/test_fault_matrix_slurm.py checks that one alone still stops a run in time).
     own_clock = os.environ.get("MESHRUN_SELF_STOP", "1") != "0"
-    stop_at = stop_time(load_config(os.path.join(run_dir, "config.json")).cluster.signal_delay_s) if own_clock \
-        else None
+    stop_at = stop_time(cfg.cluster.signal_delay_s) if own_clock else None
     exports = {
         "MESHRUN_STOP_AT": f"{stop_at:.0f}" if stop_at else "",
         "MESHRUN_ATTEMPT": str(attempt),
@@ -84,7 +88,28 @@ def prologue(run_dir: str) -> int:
     }
     for k, v in exports.items():
         print(f"export {k}={shlex.quote(v)}")
+    if in_job.enabled(cfg.cluster):
+        print(in_job.step_args_line(nodes, cfg.cluster.gpus_per_node))
     return EXIT_OK
+
+
+def _step_nodes(cfg, events, allocation: List[str], restart_count: int):
+    """With in-job restarts: this attempt's step nodes (the allocation minus the nodes blamed earlier in it and
+    those Slurm shows down or drained, the previous step's healthy nodes first) and the started event's extra
+    fields (allocation, spares, in-job restarts used)."""
+    from launcher.slurm.elastic import UNUSABLE, node_states
+
+    bad = in_job.bad_nodes(events, job_id(), restart_count)
+    done = in_job.restarts(events, job_id(), restart_count)
+    previous = done[-1].get("nodes", []) if done else []
+    states = node_states(cfg.cluster.partition) if bad or done else {}
+    unusable = [n for n in allocation if states.get(n) in UNUSABLE]
+    step = in_job.choose_step(allocation, bad, previous, cfg.cluster.nodes, unusable)
+    if step is None:  # the epilogue checked there were enough; Slurm's view changed since: try the allocation's
+        step = [n for n in allocation if n not in bad][:cfg.cluster.nodes] or allocation[:cfg.cluster.nodes]
+    spare = in_job.spares(allocation, bad + unusable, step)
+    return step, {"allocation": allocation, "spares": spare, "bad_nodes": bad, "in_job_restarts": len(done),
+                  "max_in_job_restarts": cfg.cluster.max_in_job_restarts}
 
 
 SIGNAL_SWEEP_S = 30
@@ -140,6 +165,7 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
     ev = dict(attempt=attempt, job_id=job_id())
     if d.action == "completed":
         append_event(run_dir, "completed", last_step=step_now, **ev)
+        write_goodput_quietly(run_dir)
         release_job(run_dir, job_id())
         return EXIT_OK
     if cancel_requested(run_dir, events) is not None:
@@ -155,6 +181,19 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
     for f in d.failures:
         append_event(run_dir, "failed", node=f.node, rank=f.rank, exit_code=f.exit_code, reason=f.reason,
                      srun_exit_code=srun_rc, **ev)
+    if in_job.enabled(cfg.cluster) and _failure_like(d):
+        restart = _in_job_restart(run_dir, cfg, d, records, pro, events, step_now, ev)
+        if restart.ok:
+            write_goodput_quietly(run_dir)
+            return EXIT_RESTART_IN_JOB  # the batch script's loop starts the next step in this allocation
+        # Fall back to the resubmission (or requeue): this allocation's bad nodes are excluded too.
+        if d.action == "resubmit":
+            from launcher.slurm.requeue import plan_exclusion
+            from launcher.slurm.submit import partition_nodes as _partition_nodes
+
+            d.exclude, note = plan_exclusion(d.exclude, restart.bad, _partition_nodes(cfg.cluster.partition),
+                                             cfg.cluster.elastic.min_nodes if elastic else cfg.cluster.nodes)
+            d.note = "; ".join(x for x in (d.note, note, f"no in-job restart: {restart.why}") if x)
     if d.action == "requeue" and elastic:
         # A requeue keeps the job's node count: a run that must shrink (its node drained) or can grow back
         # (nodes returned) is resubmitted instead, below.
@@ -164,6 +203,7 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
         if d.cause != "stopped_early":
             fields.update(retry=retries_used(events) + 1, max_retries=cfg.cluster.max_retries)
         append_event(run_dir, "requeued", **fields)
+        write_goodput_quietly(run_dir)
         sys.stdout.flush()
         try:
             res = slurm_command(["scontrol", "requeue", job_id()])
@@ -178,6 +218,7 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
         return EXIT_FAILED
     if d.action == "stop":
         append_event(run_dir, "stopped", reason=d.reason, last_step=step_now, **ev)
+        write_goodput_quietly(run_dir)
         release_job(run_dir, job_id())
         return EXIT_FAILED
     # resubmit: a new job with the failing node(s) excluded, resuming from the last checkpoint.
@@ -189,7 +230,7 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
     for key in [k for k in os.environ if k.startswith(("SLURM_", "SBATCH_", "SUBMITIT_"))]:
         del os.environ[key]  # the new job must not inherit this job's allocation
     try:
-        new_id = submit_job(resize.cfg if resize else cfg, run_dir, exclude=",".join(exclude))
+        new_id = submit_job(_fit_spares(resize.cfg if resize else cfg, exclude), run_dir, exclude=",".join(exclude))
     except Exception as exc:
         append_event(run_dir, "stopped", reason=f"resubmission failed: {exc}", **ev)
         release_job(run_dir, job_id())
@@ -205,10 +246,74 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
     if d.note:
         fields["note"] = d.note
     append_event(run_dir, "requeued", **fields)
+    write_goodput_quietly(run_dir)
     print(f"meshrun: attempt {attempt} {'failed' if d.action == 'resubmit' else 'stopped'} ({d.reason}); "
           f"resubmitted as job {new_id} on {(resize.cfg if resize else cfg).cluster.nodes} node(s) "
           f"excluding {exclude or 'no node'}", file=sys.stderr)
     return EXIT_FAILED
+
+
+def _failure_like(d) -> bool:
+    """A failure the allocation can recover from in place: a failed rank or node, a failed save, or such a
+    failure past cluster.max_retries (the in-job restarts do not count against it). A stop after a checkpoint
+    (preemption, time limit) is not: the allocation is going away."""
+    if d.cause in ("failure", "save_failed"):
+        return True
+    return d.action == "stop" and bool(d.failures) and d.reason.startswith("retries exhausted")
+
+
+def _in_job_restart(run_dir, cfg, d, records, pro, events, step_now, ev) -> "in_job.Restart":
+    """launcher/slurm/in_job.py's plan for this failure; when it is possible, the `restarted_in_job` event."""
+    from launcher.slurm.elastic import UNUSABLE, node_states
+    from training.checkpoint.storage import read_latest
+
+    restart_count = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    allocation = pro.get("allocation") or pro["nodes"]
+    by_rank = {int(r["rank"]): r for r in records}
+    blamed = [f.node for f in blamed_failures(d.failures, by_rank)]
+    states = node_states(cfg.cluster.partition)
+    unusable = [n for n in allocation if states.get(n) in UNUSABLE]
+    done = in_job.restarts(events, job_id(), restart_count)
+    r = in_job.plan(cfg.cluster, allocation, pro["nodes"], blamed, in_job.bad_nodes(events, job_id(), restart_count),
+                    len(done), unusable)
+    if r.ok:
+        left = in_job.spares(allocation, r.bad + unusable, r.step)
+        append_event(run_dir, in_job.EVENT, cause=in_job.cause_of(d.failures, by_rank), reason=d.reason,
+                     replaced_node=r.replaced[0] if r.replaced else None,
+                     spare=r.spares_used[0] if r.spares_used else None, replaced_nodes=r.replaced,
+                     spares_used=r.spares_used, nodes=r.step, bad_nodes=r.bad, spares_left=len(left),
+                     restart=len(done) + 1, max_in_job_restarts=cfg.cluster.max_in_job_restarts,
+                     restart_count=restart_count, last_step=step_now, resume_step=read_latest(run_dir), **ev)
+        print(f"meshrun: attempt {ev['attempt']} failed ({d.reason}); restarting in job {job_id()} on "
+              f"{', '.join(r.step)}" + (f" ({', '.join(r.spares_used)} replacing {', '.join(r.replaced)})"
+                                        if r.spares_used else ""), file=sys.stderr)
+    return r
+
+
+def _fit_spares(cfg, exclude):
+    """cfg with cluster.spare_nodes lowered so that nodes + spares fit the partition after `exclude` (a
+    resubmission that asked for more nodes than remain would never start)."""
+    if cfg.cluster.spare_nodes <= 0:
+        return cfg
+    import dataclasses
+    from launcher.slurm.submit import partition_nodes
+
+    usable = [n for n in partition_nodes(cfg.cluster.partition) if n not in exclude]
+    spare = max(0, min(cfg.cluster.spare_nodes, len(usable) - cfg.cluster.nodes)) if usable else \
+        cfg.cluster.spare_nodes
+    if spare == cfg.cluster.spare_nodes:
+        return cfg
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, spare_nodes=spare))
+
+
+def write_goodput_quietly(run_dir: str) -> None:
+    """run_dir/goodput.json (launcher/goodput.py); a failure to account never costs the run its next step."""
+    try:
+        from launcher.goodput import write_goodput
+
+        write_goodput(run_dir)
+    except Exception as exc:  # noqa: BLE001 - logged; accounting is not the run
+        print(f"meshrun epilogue: goodput.json not written: {exc!r}", file=sys.stderr)
 
 
 def _plan_resize(cfg, events, own, exclude, newly_excluded):

@@ -155,14 +155,20 @@ def decide(
                         list(excluded))
     # Only evidence against a node excludes it: a rank that raised a Python exception (a bug or a
     # configuration problem) leaves its healthy node in the pool.
-    blamed = [f for f in failures if f.node != "?" and (
-        f.exit_code is None or _implicates_node({**by_rank.get(f.rank, {}), "exit_code": f.exit_code}))]
+    blamed = blamed_failures(failures, by_rank)
     exclude, note = plan_exclusion(excluded, [f.node for f in blamed], partition_nodes, nodes_needed)
     if failures and not blamed:
         note = (note + "; " if note else "") + ("no node excluded: the failing rank raised an exception, "
                                                  "which is the program's or its input's, not the node's")
     reason = "; ".join(f"rank {f.rank} on {f.node}: exit {f.exit_code} {f.reason}".strip() for f in failures)
     return Decision("resubmit", reason, failures, exclude, note, cause="failure")
+
+
+def blamed_failures(failures: Sequence[Failure], by_rank: Dict[int, Dict]) -> List[Failure]:
+    """The failures that are evidence against their node (a node lost, a signal, a bad node, hardware errors);
+    by_rank: rank -> its rank_<R>.json record."""
+    return [f for f in failures if f.node != "?" and (
+        f.exit_code is None or _implicates_node({**by_rank.get(f.rank, {}), "exit_code": f.exit_code}))]
 
 
 def plan_exclusion(excluded: Sequence[str], new: Sequence[str], partition_nodes: Sequence[str],

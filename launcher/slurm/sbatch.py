@@ -20,9 +20,10 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from launcher.procs import PROJECT_ROOT, engine_env
+from launcher.slurm import in_job
 from training.config import ClusterConfig, Config
 from training.exit_codes import EXIT_FAILED
 
@@ -45,7 +46,7 @@ _CONTAINER_MOUNT = re.compile(r"^/[^\s,:]*:/[^\s,:]*(:[A-Za-z0-9_=+.\-]+)?$")
 # sbatch options meshrun sets itself: overriding them through sbatch_extra would break the job.
 _RESERVED = {"nodes", "ntasks-per-node", "signal", "requeue", "no-requeue", "output", "error", "open-mode",
              "job-name", "partition", "account", "qos", "time", "exclude", "array", "cpus-per-task",
-             "exclusive", "mem", "container-image", "container-mounts"}
+             "exclusive", "mem", "container-image", "container-mounts", "no-kill"}
 
 
 def reserved_option(key: str) -> str:
@@ -101,6 +102,7 @@ def validate_for_slurm(cfg: Config) -> List[str]:
     if c.max_retries < 0:
         errors.append("cluster.max_retries must be >= 0")
     errors += run_dir_errors(cfg.run.dir)
+    errors += in_job.config_errors(c)
     return errors + _resource_errors(c)
 
 
@@ -190,6 +192,8 @@ def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> Li
         "export PYTHONSAFEPATH=1",
     ]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in engine_env(cfg, secrets=False).items()]
+    if in_job.enabled(cfg.cluster):
+        lines += in_job.batch_loop_head()  # prologue, srun, epilogue repeat inside this allocation
     lines.append(prologue_line())
     return lines
 
@@ -202,8 +206,12 @@ def prologue_line() -> str:
             f'>&2; exit {EXIT_FAILED}; }}; eval "$MESHRUN_PROLOGUE"')
 
 
-def teardown_lines() -> List[str]:
-    """After srun: the epilogue decides between completed, requeue, resubmit and stop."""
+def teardown_lines(cfg: Optional[Config] = None) -> List[str]:
+    """After srun: the epilogue decides between completed, requeue, resubmit and stop (and, with in-job
+    restarts, a new step in this allocation: launcher/slurm/in_job.py)."""
+    if cfg is not None and in_job.enabled(cfg.cluster):
+        return in_job.batch_loop_tail(
+            f'{python_cmd()} -m launcher.slurm.driver epilogue "$MESHRUN_RUN_DIR" "$MESHRUN_SRUN_RC"')
     return [
         "MESHRUN_SRUN_RC=$?",
         f'{python_cmd()} -m launcher.slurm.driver epilogue "$MESHRUN_RUN_DIR" "$MESHRUN_SRUN_RC"',
@@ -252,7 +260,7 @@ def _resources(cfg: Config, exclude: str) -> Dict[str, Any]:
     if exclude and not _SBATCH_VALUE.fullmatch(exclude):
         raise SlurmConfigError(f"exclude list {exclude!r} is not a plain hostlist")
     params: Dict[str, Any] = {
-        "nodes": c.nodes,
+        "nodes": in_job.allocation_nodes(c),  # cluster.spare_nodes wait idle beside the training nodes
         "ntasks_per_node": c.gpus_per_node,
         "cpus_per_task": cpus_per_task(c),
         "time": c.time_min,
@@ -280,12 +288,18 @@ def job_spec(cfg: Config, run_dir: str, exclude: str = "", code_root: str = "") 
         "job_name": JOB_NAME,
         "srun_args": srun_args(cfg),
         "setup": setup_lines(cfg, [run_dir], code_root),
-        "teardown": teardown_lines(),
+        "teardown": teardown_lines(cfg),
         # --requeue: the epilogue's `scontrol requeue` is refused without it.
-        "additional_parameters": {"requeue": True,
+        "additional_parameters": {"requeue": True, **_no_kill(cfg),
                                   **{str(k): str(v) for k, v in sorted(cfg.cluster.sbatch_extra.items())}},
     })
     return SlurmJobSpec(folder=os.path.join(run_dir, "submitit"), parameters=params, python=task_python())
+
+
+def _no_kill(cfg: Config) -> Dict[str, Any]:
+    """--no-kill with in-job restarts: a failing node does not end the allocation, whose other nodes then run
+    the next step (launcher/slurm/in_job.py)."""
+    return {"no-kill": True} if in_job.enabled(cfg.cluster) else {}
 
 
 def preflight_job_spec(cfg: Config, run_dir: str) -> SlurmJobSpec:
@@ -296,7 +310,8 @@ def preflight_job_spec(cfg: Config, run_dir: str) -> SlurmJobSpec:
     params.update({
         "job_name": f"{JOB_NAME}-preflight",
         "srun_args": srun_args(cfg, kill_on_bad_exit=False),
-        "setup": [line for line in setup_lines(cfg, [run_dir]) if line != prologue_line()],
+        "setup": [line for line in setup_lines(cfg, [run_dir]) if line != prologue_line()
+                  and line not in in_job.batch_loop_head()],
         "additional_parameters": {str(k): str(v) for k, v in sorted(cfg.cluster.sbatch_extra.items())},
     })
     return SlurmJobSpec(folder=os.path.join(run_dir, "submitit_preflight"), parameters=params,

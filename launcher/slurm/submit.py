@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from launcher.slurm.sbatch import (SlurmConfigError, SlurmJobSpec, array_dry_run_text, array_group_key, array_job_spec,
                                    dry_run_text, job_spec, with_cpus_per_task)
+from launcher.slurm import in_job
 from launcher.slurm.rank_task import RankTask
 from launcher.rundir import write_config
 from launcher.slurm.snapshot import code_dir, take_snapshot
@@ -76,6 +77,12 @@ def check_partition(cfg: Config) -> Dict[str, int]:
     if len(usable) < cfg.cluster.nodes:
         raise SlurmConfigError(f"cluster.nodes={cfg.cluster.nodes} but partition {cfg.cluster.partition!r} has "
                                f"{len(usable)} usable node(s) ({', '.join(usable)}): lower cluster.nodes")
+    wanted = in_job.allocation_nodes(cfg.cluster)
+    if len(usable) < wanted:
+        raise SlurmConfigError(f"cluster.nodes={cfg.cluster.nodes} + cluster.spare_nodes={cfg.cluster.spare_nodes} "
+                               f"but partition {cfg.cluster.partition!r} has {len(usable)} usable node(s) "
+                               f"({', '.join(usable)}): lower cluster.spare_nodes to "
+                               f"{len(usable) - cfg.cluster.nodes}")
     return usable
 
 
