@@ -18,6 +18,9 @@ bare: a batch script with one srun step on the same 2 nodes x 2 tasks, no Python
 - requeue: `scancel --signal=USR2` -> the step's tasks exit, the script runs `scontrol requeue` (as
   meshrun's epilogue does) -> every task of the restarted job wrote its start time.
 Goals: meshrun's signal -> resumed step <= 1.6x the bare requeue; submit -> first step < 8 s.
+--in-job (`in_job_main`): a node lost after the first checkpoint (every process of the run on it killed) -> the
+resumed step, with an in-job restart onto a spare (cluster.spare_nodes=1) against the resubmission excluding the
+node, alternated; the resubmission's queue wait (sacct) set aside. Goal: in-job <= 0.6x.
 Exit 1 when a goal is missed, 77 when the dev cluster does not answer. The last line is one JSON object.
 """
 
@@ -203,10 +206,114 @@ def bare_run(work: str, per_node: int) -> Dict[str, float]:
     return {"submit_to_tasks_s": round(submit, 2), "requeue_s": round(requeue, 2), "job_id": job}
 
 
+# ---- --in-job: a lost node -> resumed step, in-job restart onto a spare against the resubmission path ----
+IN_JOB_VS_REQUEUE = 0.6
+"""Goal: a lost node -> the resumed step with an in-job restart within 0.6x of the resubmission path's time,
+queue wait aside (launcher/slurm/in_job.py)."""
+
+
+def _node_pids(run_dir: str, node: str) -> List[int]:
+    """Every process of this run on a fake node: the rank wrappers (submitit) and their ranks."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if f"SLURMD_NODENAME={node}".encode() in env and f"MESHRUN_RUN_DIR={run_dir}".encode() in env and (
+                b"submitit" in cmd or b"training.main" in cmd):
+            pids.append(int(pid))
+    return pids
+
+
+def _queue_wait(job: str, after: float) -> float:
+    """Seconds job waited in Slurm's queue (sacct: Submit -> Start of its allocation that started after `after`)."""
+    from launcher.goodput import sacct_records
+
+    def rec():
+        recs = [r for r in sacct_records([job]).get(job, []) if r[1] >= after - 1]
+        return recs[0] if recs else None
+
+    submit, start = wait(rec, timeout=60, poll=0.5)
+    return max(0.0, start - submit)
+
+
+def lost_node_run(work: str, per_node: int, in_job: bool) -> Dict[str, object]:
+    """One run on 2 nodes (in_job: plus 1 spare); after its first checkpoint every process of the run on its
+    second node is killed; returns the seconds from the kill to the next attempt's first step, the queue wait
+    of a new allocation set aside."""
+    import signal as _signal
+
+    run_dir = os.path.join(work, "in_job" if in_job else "requeue")
+    extra = ["cluster.spare_nodes=1", "cluster.max_in_job_restarts=1"] if in_job else []
+    res = subprocess.run([sys.executable, "-m", "launcher", "cluster=slurm_dev", "model=tiny", "data=synthetic",
+                          f"parallel.tp={min(2, per_node)}", f"train.steps={STEPS * 4}", "train.checkpoint_every=4",
+                          f"cluster.nodes={NODES}", f"cluster.gpus_per_node={per_node}", "train.progress=false",
+                          *extra, f"run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True)
+    if res.returncode != 0:
+        print(res.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"bench_slurm: meshrun exited {res.returncode}")
+    jobs = [re.search(r"submitted Slurm job (\d+)", res.stdout).group(1)]
+    try:
+        wait(lambda: events_of(run_dir, "checkpoint", 0), timeout=600)
+        node = events_of(run_dir, "started", 0)[0]["nodes"][1]
+        t1 = time.time()
+        for pid in _node_pids(run_dir, node):
+            try:
+                os.kill(pid, _signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait(lambda: engine_marks(run_dir, 1), timeout=600)
+        started = events_of(run_dir, "started", 1)[0]
+        requeued = events_of(run_dir, "requeued", 0)
+        if requeued and requeued[0].get("new_job_id"):
+            jobs.append(str(requeued[0]["new_job_id"]))
+        restarted = events_of(run_dir, "restarted_in_job", 0)
+        if in_job and not restarted:
+            raise SystemExit(f"bench_slurm: no in-job restart: {read_events(run_dir)[-3:]}")
+        queue = 0.0 if in_job else _queue_wait(str(started["job_id"]), t1)
+        first_step = dict(engine_marks(run_dir, 1))["first step"]
+        decided = (restarted or requeued)[0]["time"]
+        points = [("every rank exited, epilogue decided", decided), ("batch script started (prologue)",
+                                                                     started["time"])]
+        points += engine_marks(run_dir, 1)
+        phases = print_phases(f"{'in-job restart' if in_job else 'resubmission'}: node {node} lost -> resumed step"
+                              + ("" if in_job else f" (queue wait {queue:.2f} s set aside)"), t1, points)
+        return {"lost_to_resumed_s": round(first_step - t1 - queue, 2), "queue_s": round(queue, 2),
+                "phases": phases, "jobs": jobs}
+    finally:
+        slurm_command(["scancel", *jobs])
+        wait(lambda: not slurm_command(["squeue", "-h", "-j", ",".join(jobs)]).stdout.strip(), timeout=120,
+             poll=0.5)
+
+
+def in_job_main(reps: int, per_node: int) -> int:
+    """--in-job: the two recovery paths measured alternately, medians and their ratio."""
+    inside, requeue = [], []
+    for rep in range(reps):
+        work = tempfile.mkdtemp(prefix="bench_slurm_in_job_")
+        for side in ((True, False) if rep % 2 == 0 else (False, True)):
+            (inside if side else requeue).append(lost_node_run(work, per_node, side)["lost_to_resumed_s"])
+    a, b = statistics.median(inside), statistics.median(requeue)
+    ratio = a / b
+    print(f"\n{NODES} nodes x {per_node} ranks; medians of {reps}; load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores")
+    print(f"node lost -> resumed step: in-job restart {a:.2f} s, resubmission {b:.2f} s (queue wait aside) = "
+          f"{ratio:.2f}x (goal <= {IN_JOB_VS_REQUEUE})")
+    ok = ratio <= IN_JOB_VS_REQUEUE
+    print(json.dumps({"bench": "slurm_in_job", "in_job_s": inside, "requeue_s": requeue, "in_job_median_s": a,
+                      "requeue_median_s": b, "in_job_vs_requeue": round(ratio, 3), "ok": ok}))
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=1, help="alternated meshrun / bare pairs (medians printed)")
     ap.add_argument("--ranks-per-node", type=int, default=2, help="CPU ranks (and bare tasks) on each of the 2 nodes")
+    ap.add_argument("--in-job", action="store_true", help="a lost node: in-job restart against the resubmission")
     args = ap.parse_args()
     try:
         up = "UP" in slurm_command(["scontrol", "ping"]).stdout
@@ -215,6 +322,8 @@ def main() -> int:
     if not up:
         print("bench_slurm: SKIPPED: the dev Slurm cluster does not answer (bash slurm/dev-cluster.sh up)")
         return 77
+    if args.in_job:
+        return in_job_main(args.reps, args.ranks_per_node)
     runs, bares = [], []
     for rep in range(args.reps):
         work = tempfile.mkdtemp(prefix="bench_slurm_")

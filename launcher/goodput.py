@@ -164,9 +164,10 @@ def compute(events: Sequence[Dict[str, Any]], kept: Sequence[Dict[str, Any]], pu
             span = t_row - start_i
             ck = min(blocked, span)
             ev_s = min(evaluation, span - ck)
-            line.add("productive" if keep else "lost_steps", t_row - ck - ev_s, a)
-            line.add("eval", t_row - ck, a)
-            line.add("checkpoint_blocking", t_row, a)
+            # In order: the previous step's save (it blocks before this step), the step, its evaluation.
+            line.add("checkpoint_blocking", start_i + ck, a)
+            line.add("productive" if keep else "lost_steps", t_row - ev_s, a)
+            line.add("eval", t_row, a)
             step = int(rec["step"])
             if not keep:
                 lost_steps += step - prev_step if prev_step is not None and step > prev_step else 1
@@ -174,8 +175,8 @@ def compute(events: Sequence[Dict[str, Any]], kept: Sequence[Dict[str, Any]], pu
         last = i + 1 == len(starts)
         tail_cause = "startup" if last and finished else "restart_gap"
         tail_saves = sum(b for t, b in my_saves if line.t < t <= e_a)
-        line.add(tail_cause, max(line.t, e_a - tail_saves), a)
-        line.add("checkpoint_blocking", e_a, a)
+        line.add("checkpoint_blocking", min(e_a, line.t + tail_saves), a)
+        line.add(tail_cause, e_a, a)
     line.add("restart_gap" if not finished else "startup", t_end, None)
     totals = {c: 0.0 for c in CAUSES}
     for cause, s, e, _ in line.segments:

@@ -299,6 +299,38 @@ def plot_run(run_dir: str, out_dir: str, plt, report: Report) -> None:
     _step_plot(plt, out_dir, report, "step_times", "Step time per rank", rank_lines, marks, "seconds")
     _memory_plot(plt, out_dir, report, rows, plan, summary, marks)
     _health_plot(plt, out_dir, report, run_dir, marks)
+    _goodput_plot(plt, out_dir, report, run_dir)
+
+
+_CAUSE_COLOR = {"queue": "#bbbbbb", "startup": "#f0c05a", "productive": "#4c9a4c", "lost_steps": "#d9534f",
+                "checkpoint_blocking": "#5b7fc7", "eval": "#9b6bc7", "restart_gap": "#333333"}
+
+
+def _goodput_plot(plt, out_dir, report, run_dir) -> None:
+    """The attempts as a time line, one row per attempt, coloured by cause (launcher/goodput.py); writes
+    run_dir/goodput.json; its seconds per cause go into the facts."""
+    from launcher.goodput import CAUSES, write_goodput
+
+    g = write_goodput(run_dir)
+    if not g:
+        report.notes.append("Goodput: no attempt has started yet")
+        return
+    report.facts.append(("goodput", f"{100 * g['goodput']:.1f} % of {g['wall_s']:.0f} s wall: " + ", ".join(
+        f"{c} {g[c]:.1f} s" for c in CAUSES if g[c] > 0) + f"; {g['lost_step_count']} step(s) lost"))
+    fig, ax = plt.subplots(figsize=(10, 0.6 + 0.45 * (g["attempts"] + 1)))
+    seen = set()
+    for cause, start, dur, attempt in g["timeline"]:
+        row = -1 if attempt is None else attempt
+        ax.broken_barh([(start, dur)], (row - 0.4, 0.8), color=_CAUSE_COLOR[cause],
+                       label=cause if cause not in seen else None)
+        seen.add(cause)
+    ax.set_yticks(range(-1, g["attempts"]), ["-"] + [f"attempt {a}" for a in range(g["attempts"])], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("s since submission")
+    ax.legend(fontsize=6, loc="lower right", ncol=4)
+    title = f"Attempts: goodput {100 * g['goodput']:.1f} %"
+    ax.set_title(title, fontsize=10)
+    _save(plt, fig, out_dir, Figure("goodput", title), report)
 
 
 def _memory_plot(plt, out_dir, report, rows, plan, summary, marks) -> None:

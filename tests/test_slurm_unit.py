@@ -339,7 +339,9 @@ def test_status_from_events(tmp_path):
     append_event(run, "started", job_id="78", attempt=1, nodes=["n1", "n3"])
     append_event(run, "completed", job_id="78", attempt=1)
     st = run_status(run)
+    goodput = {k: st.pop(k) for k in ("goodput", "goodput_s")}  # launcher/goodput.py (tests/test_in_job_restart.py)
     assert st == {"state": "COMPLETED", "job_id": "78", "attempt": 1, "last_step": 5, "excluded_nodes": ["n2"]}
+    assert goodput["goodput_s"]["wall_s"] >= 0 and 0 <= goodput["goodput"] <= 1
 
 
 def test_status_of_a_sweep_lists_every_point(tmp_path):

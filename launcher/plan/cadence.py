@@ -137,16 +137,54 @@ def measured_restart_s(run_dir: Optional[str]) -> Tuple[Optional[float], int]:
     """Median seconds from a failure or requeue to the next attempt's `resumed` (or `started`) event."""
     if not run_dir:
         return None, 0
-    gaps, down = [], None
+    return _restart_gaps(run_dir, in_job=False)
+
+
+def measured_in_job_restart_s(run_dir: Optional[str]) -> Tuple[Optional[float], int]:
+    """Median seconds from a failure to the next attempt's `resumed` (or `started`) when it restarted inside its
+    job (`restarted_in_job`, launcher/slurm/in_job.py)."""
+    return _restart_gaps(run_dir, in_job=True) if run_dir else (None, 0)
+
+
+def _restart_gaps(run_dir: str, in_job: bool) -> Tuple[Optional[float], int]:
+    """Restart gaps of one kind: through the queue (requeue, resubmission) or inside the job."""
+    gaps, down, inside = [], None, False
     for e in read_events(run_dir):
         kind = e.get("event")
         if kind in ("failed", "requeued") and down is None:
             down = float(e.get("time", 0))
+        if kind == "restarted_in_job":
+            inside = True
+            down = float(e.get("time", 0)) if down is None else down
         elif kind in ("resumed", "started") and down is not None and int(e.get("attempt", 0) or 0) > 0:
-            gaps.append(float(e.get("time", 0)) - down)
-            down = None
+            if inside == in_job:
+                gaps.append(float(e.get("time", 0)) - down)
+            down, inside = None, False
     gaps = [g for g in gaps if g >= 0]
     return (statistics.median(gaps), len(gaps)) if gaps else (None, 0)
+
+
+def in_job_share(cfg: Config) -> int:
+    """Node failures an allocation absorbs in-job before one goes through the queue: min(spares, in-job
+    restarts); 0 without in-job restarts or spares (a blamed node then needs a new allocation)."""
+    c = cfg.cluster
+    return min(c.spare_nodes, c.max_in_job_restarts) if c.max_in_job_restarts > 0 and c.spare_nodes > 0 else 0
+
+
+def blended_restart_s(cfg: Config, run_dir: Optional[str], requeue_s: float, requeue_source: str
+                      ) -> Tuple[float, str]:
+    """The mean cost of one failure's restart: with m = in_job_share spares per allocation, m of every m + 1
+    node failures restart in the job (no queue wait) and one goes through the queue."""
+    m = in_job_share(cfg)
+    if m == 0:
+        return requeue_s, requeue_source
+    inside, n = measured_in_job_restart_s(run_dir)
+    source = f"measured: median of the run's {n} in-job restart(s)" if inside is not None else \
+        "cluster.in_job_restart_min"
+    inside = 60.0 * cfg.cluster.in_job_restart_min if inside is None else inside
+    blended = (m * inside + requeue_s) / (m + 1)
+    return blended, (f"{m} of {m + 1} failures restart in the job ({inside:.3g} s, {source}) on a spare, one "
+                     f"requeues ({requeue_s:.3g} s, {requeue_source})")
 
 
 @dataclass
@@ -204,6 +242,8 @@ def advise(cfg: Config, run_dir: Optional[str] = None, step_s: float = 0.0) -> C
         restart_source = f"measured: median of the run's {n} restart(s)"
     else:
         restart, restart_source = 60.0 * c.restart_min, "cluster.restart_min"
+    # Spares make most restarts cheap (launcher/slurm/in_job.py): the expected goodput uses the mean restart.
+    restart, restart_source = blended_restart_s(cfg, run_dir, restart, restart_source)
     job_mtbf_h = c.node_mtbf_h / max(c.nodes, 1) if c.node_mtbf_h > 0 else 0.0
     mtbf_s = job_mtbf_h * 3600
     optimal_s = young_interval_s(save, mtbf_s) if mtbf_s > 0 else 0.0

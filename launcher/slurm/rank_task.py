@@ -137,6 +137,13 @@ def _read_cause(path: str) -> dict:
         return {}
 
 
+def _write_record(path: str, record: dict) -> None:
+    tmp = path + f".tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
 @dataclass
 class RankTask:
     """The pickled callable of a meshrun Slurm job (the same object for every attempt)."""
@@ -151,8 +158,20 @@ class RankTask:
         # exits: the child starts with both ignored, so a signal that arrives while it still imports
         # torch is not fatal, and the forwarded copy reaches the engine once its handler is installed.
         forwarder = _Forwarder()
+        provisional: dict = {}  # filled once this rank's record path is known
+
+        def on_signal(signum, frame) -> None:
+            forwarder.on_signal(signum, frame)
+            if signum == signal.SIGTERM and provisional.get("path"):
+                # srun (--kill-on-bad-exit) ends the step with TERM, then KILL after Slurm's KillWait: a rank
+                # stuck in a collective with a lost peer may not exit in time, and a rank that never reported
+                # would be blamed with the lost node. Recorded now; the rank's own end overwrites it.
+                _write_record(provisional["path"], {**provisional["record"], "exit_code": -int(signal.SIGTERM),
+                              "signal": int(signal.SIGTERM), "ended": time.time(),
+                              "error": "terminated (SIGTERM) while its rank still ran"})
+
         for sig in (signal.SIGUSR2, signal.SIGTERM):
-            signal.signal(sig, forwarder.on_signal)
+            signal.signal(sig, on_signal)
         signal.signal(signal.SIGCONT, lambda *_: None)
         cfg = load_config(os.path.join(self.run_dir, "config.json"))
         dist_env = torch_env_from_slurm(os.environ)
@@ -186,6 +205,9 @@ class RankTask:
         child = subprocess.Popen(prefix + [sys.executable, "-m", "training.main", self.run_dir],
                                  env=env, stderr=subprocess.PIPE, preexec_fn=_ignore_stop_signals)
         forwarder.attach(child.pid)
+        provisional.update(path=os.path.join(out, f"rank_{rank}.json"), record={
+            "rank": rank, "local_rank": local_rank, "node": node, "numa_node": numa_node, "cause": "",
+            "started": started, "provisional": True})
         stop_at = float(env.get("MESHRUN_STOP_AT") or 0)
         if stop_at:
             # The time-limit stop, on our own clock (Slurm's USR2 is the backup).
@@ -211,10 +233,8 @@ class RankTask:
             "cause": cause.get("cause", ""),
             "started": started, "ended": time.time(),
         }
-        tmp = os.path.join(out, f".rank_{rank}.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, os.path.join(out, f"rank_{rank}.json"))
+        provisional.clear()
+        _write_record(os.path.join(out, f"rank_{rank}.json"), record)
         if code in (EXIT_OK, EXIT_STOPPED):
             return code
         raise RankFailed(f"rank {rank} on {node} exited with {code}: {record['error']}")
