@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -211,6 +212,15 @@ def write_goodput(run_dir: str) -> Optional[Dict[str, Any]]:
     if out is not None:
         write_atomic(os.path.join(run_dir, GOODPUT_FILE), json.dumps(out, indent=1))
     return out
+
+
+def write_goodput_quietly(run_dir: str) -> None:
+    """write_goodput for the launchers' end of an attempt: a failure to account never costs the run its next
+    step (it is printed on stderr)."""
+    try:
+        write_goodput(run_dir)
+    except Exception as exc:  # noqa: BLE001 - reported; accounting is not the run
+        print(f"meshrun: goodput.json not written: {exc!r}", file=sys.stderr)
 
 
 def summary(g: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:

@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
+from launcher.goodput import write_goodput_quietly
 from launcher.local_numa import rank_prefix
 from launcher.nsys import nsys_prefix
 from launcher.procs import POLL_S, engine_env, rank_process_env, start_pump, stop_processes, threads_per_rank
@@ -66,6 +67,7 @@ def run_ranks(cfg: Config, run_dir: str) -> int:
     try:
         return _run_ranks(cfg, run_dir, world, port, threads, lock)
     finally:
+        write_goodput_quietly(run_dir)  # run_dir/goodput.json (launcher/goodput.py)
         if own_lock:
             lock.release()
 

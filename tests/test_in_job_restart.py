@@ -15,7 +15,6 @@ its lost steps are the steps computed twice (metrics.purged.jsonl).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -69,8 +68,10 @@ def test_spare_replaces_a_lost_node_in_job_then_falls_back_and_goodput_adds_up(t
     (inject / "sitecustomize.py").write_text(INJECT)
     run_dir = tmp_path / "run"
     try:
+        # Five attempts: start-up kept short (no preflight, TensorBoard or progress bar: not what is tested here).
         res = dev.meshrun("cluster=slurm_dev", *dev.COMMON, f"run.dir={run_dir}", "cluster.spare_nodes=1",
-                          "cluster.max_in_job_restarts=3", env={"PYTHONPATH": str(inject)})
+                          "cluster.max_in_job_restarts=3", "cluster.preflight.mode=off", "train.tensorboard=false",
+                          "train.progress=false", env={"PYTHONPATH": str(inject)})
         assert res.returncode == 0, res.stderr[-3000:]
         job = noted_jobs.submitted[-1]
         status = _wait_final_noting(run_dir, timeout=420)

@@ -25,6 +25,7 @@ import time
 from typing import Dict, List
 
 from launcher.cancel import cancel_requested, record_cancelled
+from launcher.goodput import write_goodput_quietly
 from launcher.slurm import in_job
 from launcher.slurm.requeue import blamed_failures, decide
 from launcher.slurm.rank_task import attempt_dir
@@ -304,16 +305,6 @@ def _fit_spares(cfg, exclude):
     if spare == cfg.cluster.spare_nodes:
         return cfg
     return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, spare_nodes=spare))
-
-
-def write_goodput_quietly(run_dir: str) -> None:
-    """run_dir/goodput.json (launcher/goodput.py); a failure to account never costs the run its next step."""
-    try:
-        from launcher.goodput import write_goodput
-
-        write_goodput(run_dir)
-    except Exception as exc:  # noqa: BLE001 - logged; accounting is not the run
-        print(f"meshrun epilogue: goodput.json not written: {exc!r}", file=sys.stderr)
 
 
 def _plan_resize(cfg, events, own, exclude, newly_excluded):
