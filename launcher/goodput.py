@@ -16,7 +16,8 @@ one cause, so the causes add up to the wall time exactly:
   restart_gap          from an attempt's last step to the next attempt's prologue, queue wait aside (failure
                        detection, teardown, requeue or relaunch).
 A step's segment runs from the previous row (or the attempt's first step start) to its own row's time, less
-the saves and the evaluation inside it. goodput = productive / wall. `lost_step_count` counts the steps behind
+the saves and the evaluation inside it. While an attempt runs, the time since its last row counts as productive
+(the step under way; start-up before its first). goodput = productive / wall. `lost_step_count` counts the steps behind
 lost_steps (with train.log_every=1: the rows of metrics.purged.jsonl).
 """
 
@@ -174,7 +175,13 @@ def compute(events: Sequence[Dict[str, Any]], kept: Sequence[Dict[str, Any]], pu
                 lost_steps += step - prev_step if prev_step is not None and step > prev_step else 1
             prev_step = step
         last = i + 1 == len(starts)
-        tail_cause = "startup" if last and finished else "restart_gap"
+        tail_cause = "restart_gap"
+        if last and finished:
+            tail_cause = "startup"  # the run's exit after its last step
+        elif last and own_end == []:
+            # The attempt runs now: before its first step it starts up, after it the step under way counts as
+            # productive until a failure says otherwise.
+            tail_cause = "productive" if mine else "startup"
         tail_saves = sum(b for t, b in my_saves if line.t < t <= e_a)
         line.add("checkpoint_blocking", min(e_a, line.t + tail_saves), a)
         line.add(tail_cause, e_a, a)

@@ -317,17 +317,18 @@ def _goodput_plot(plt, out_dir, report, run_dir) -> None:
         return
     report.facts.append(("goodput", f"{100 * g['goodput']:.1f} % of {g['wall_s']:.0f} s wall: " + ", ".join(
         f"{c} {g[c]:.1f} s" for c in CAUSES if g[c] > 0) + f"; {g['lost_step_count']} step(s) lost"))
-    fig, ax = plt.subplots(figsize=(10, 0.6 + 0.45 * (g["attempts"] + 1)))
+    fig, ax = plt.subplots(figsize=(11, 1.0 + 0.45 * (g["attempts"] + 1)))
     seen = set()
+    # Time outside every attempt (a run still waiting after its last one) goes on a row of its own, "-".
+    rows = (["-"] if any(a is None for *_, a in g["timeline"]) else []) + list(range(g["attempts"]))
     for cause, start, dur, attempt in g["timeline"]:
-        row = -1 if attempt is None else attempt
-        ax.broken_barh([(start, dur)], (row - 0.4, 0.8), color=_CAUSE_COLOR[cause],
-                       label=cause if cause not in seen else None)
+        ax.broken_barh([(start, dur)], (rows.index("-" if attempt is None else attempt) - 0.4, 0.8),
+                       color=_CAUSE_COLOR[cause], label=cause if cause not in seen else None)
         seen.add(cause)
-    ax.set_yticks(range(-1, g["attempts"]), ["-"] + [f"attempt {a}" for a in range(g["attempts"])], fontsize=7)
+    ax.set_yticks(range(len(rows)), [r if r == "-" else f"attempt {r}" for r in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("s since submission")
-    ax.legend(fontsize=6, loc="lower right", ncol=4)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     title = f"Attempts: goodput {100 * g['goodput']:.1f} %"
     ax.set_title(title, fontsize=10)
     _save(plt, fig, out_dir, Figure("goodput", title), report)
