@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
+from launcher.goodput import CAUSES
 from training.observe.progress import format_duration
 
 COLUMNS = ("state", "job", "attempt", "step", "loss", "tokens/s", "eta", "log")
@@ -38,7 +39,7 @@ def format_table(status: Dict[str, Any]) -> str:
     if "points" not in status:
         text = _render(COLUMNS, [_row(status)])
         extra: Optional[str] = status.get("reason") if status.get("log") else None
-        return text + (f"\nreason: {extra}" if extra else "")
+        return text + (f"\nreason: {extra}" if extra else "") + _goodput_line(status)
     rows = []
     for pt in status["points"]:
         overrides = " ".join(pt.get("overrides", [])) or "-"
@@ -49,4 +50,17 @@ def format_table(status: Dict[str, Any]) -> str:
             rows.append([str(pt.get("num")), overrides] + _row(pt))
     counts = ", ".join(f"{n} {state}" for state, n in sorted(status.get("states", {}).items()))
     return (f"sweep {status.get('sweep_dir')}: {len(rows)} point(s): {counts}\n"
-            + _render(("#", "overrides") + COLUMNS, rows))
+            + _render(("#", "overrides") + COLUMNS, rows) + _goodput_line(status))
+
+
+def _goodput_line(status: Dict[str, Any]) -> str:
+    """The wall time split by cause (launcher/goodput.py) and, with in-job restarts, the spares left."""
+    g = status.get("goodput_s")
+    if not g:
+        return ""
+    parts = ", ".join(f"{c} {g[c]:.0f} s" for c in CAUSES if g.get(c))
+    line = f"\ngoodput: {100 * g['goodput']:.1f} % of {g['wall_s']:.0f} s ({parts})"
+    if "spares_left" in status:
+        line += (f"\nin-job restarts: {status['in_job_restarts_used']} of {status['max_in_job_restarts']} used in "
+                 f"this allocation, {status['spares_left']} spare node(s) left")
+    return line

@@ -24,7 +24,7 @@ if not os.path.exists(PYTHON):
 TINY = ["data=synthetic", "parallel=single", "cluster.gpus_per_node=1", "model.num_layers=2",
         "model.seq_length=32", "parallel.global_batch=2", "parallel.micro_batch=1", "train.steps=12",
         "train.checkpoint_every=4", "train.eval_every=4", "train.warmup_steps=2"]
-RUN_PLOTS = {"loss", "lr", "tokens_per_s", "mfu", "step_times", "memory"}
+RUN_PLOTS = {"loss", "lr", "tokens_per_s", "mfu", "step_times", "memory", "goodput"}  # goodput: launcher/goodput.py
 
 
 def rows_of(path: str) -> list:
