@@ -192,3 +192,49 @@ def test_goodput_segments_add_up_and_count_recomputed_steps():
     # startup: 4->10 before the prologue, 10->20 and 32->39 to the first steps, 40->50 after the last step.
     assert g["startup"] == pytest.approx(6 + 10 + 7 + 10)
     assert g["productive"] == pytest.approx(1 + 1.5 + 0.75) and g["restart_gap"] == pytest.approx(6 + 2)
+
+
+def test_batch_script_loops_over_steps_in_one_allocation(tmp_path):
+    """The sbatch text: nodes + spares with --no-kill, srun on the prologue's step nodes, the epilogue's
+    EXIT_RESTART_IN_JOB starts the next step; valid bash (bash -n). Without in-job restarts: unchanged."""
+    from launcher.slurm.sbatch import job_spec, preflight_job_spec, sbatch_text
+    from test_slurm_unit import dev_cfg
+    from training.exit_codes import EXIT_RESTART_IN_JOB
+
+    script = sbatch_text(job_spec(dev_cfg(spare_nodes=1, max_in_job_restarts=2), str(tmp_path)))
+    assert "#SBATCH --nodes=3" in script and "#SBATCH --no-kill" in script
+    lines = script.splitlines()
+    loop, srun, done = lines.index("while :; do"), next(i for i, x in enumerate(lines) if x.startswith("srun ")), \
+        lines.index("done")
+    assert loop < srun < done and "prologue" in lines[loop + 1]
+    assert f'if [ "$MESHRUN_EPILOGUE_RC" -eq {EXIT_RESTART_IN_JOB} ]; then continue; fi' in lines[srun:done]
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert in_job.step_args_line(["n1", "n3"], 2) == \
+        "MESHRUN_STEP_ARGS=(--nodes=2 --ntasks=4 --ntasks-per-node=2 --nodelist=n1,n3)"
+    plain = sbatch_text(job_spec(dev_cfg(), str(tmp_path)))
+    assert "while :; do" not in plain and "--no-kill" not in plain and "#SBATCH --nodes=2" in plain
+    pre = sbatch_text(preflight_job_spec(dev_cfg(spare_nodes=1, max_in_job_restarts=2), str(tmp_path)))
+    assert "while :; do" not in pre and "srun()" not in pre
+
+
+def test_cadence_counts_the_cheaper_in_job_restart_when_spares_exist():
+    """checkpoint_every_min=auto's expected goodput: with 2 spares (and restarts allowed) 2 of every 3 node
+    failures restart in the job (cluster.in_job_restart_min) and one requeues (cluster.restart_min)."""
+    from launcher.plan.cadence import advise, expected_goodput
+    from test_slurm_unit import dev_cfg
+
+    cfg = dev_cfg(node_mtbf_h=2.0, restart_min=30.0, in_job_restart_min=1.5)
+    cfg.train.checkpoint_every_min = "auto"
+    plain = advise(cfg)
+    cfg.cluster.spare_nodes, cfg.cluster.max_in_job_restarts = 2, 5
+    spares = advise(cfg)
+    assert plain.restart_s == 1800 and spares.restart_s == pytest.approx((2 * 90 + 1800) / 3)
+    assert "2 of 3 failures restart in the job" in spares.restart_source
+    assert spares.goodput_optimal == pytest.approx(expected_goodput(spares.optimal_min * 60, spares.save_s,
+                                                                    spares.restart_s, 3600.0))
+    assert spares.goodput_optimal > plain.goodput_optimal + 0.1
+    cfg.cluster.max_in_job_restarts = 1  # one in-job restart per allocation: 1 of 2
+    assert advise(cfg).restart_s == pytest.approx((90 + 1800) / 2)
