@@ -112,6 +112,18 @@ class ModelConfig:
     """activation=gelu: use the tanh approximation of GELU (GPT-2's gelu_new) instead of the exact erf form."""
     rope_base: float = 10000.0
     """position=rope: the base (theta) of the rotary frequencies, base^(-2i/d) (Llama 3: 500000)."""
+    num_experts: int = 0
+    """Mixture of experts: experts in every layer's MLP (0 = the dense MLP)."""
+    moe_top_k: int = 2
+    """Experts each token is routed to (the router's top k; their gates are softmax-normalised over the k, as
+    Mixtral does)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Hidden size of each expert's MLP; None = ffn_hidden_size (or 4 x hidden_size)."""
+    moe_aux_loss_coeff: float = 0.01
+    """Weight of the load-balancing auxiliary loss (Switch Transformer / Mixtral form) added to the training loss."""
+    moe_capacity_factor: float = 0.0
+    """Tokens an expert may take per micro-batch, as a multiple of tokens x top_k / num_experts (the rest are
+    dropped and counted); 0 = dropless."""
 
     @property
     def ffn(self) -> int:
@@ -138,6 +150,9 @@ class ParallelConfig:
     cp_comm: str = "ring"
     """How attention reaches the other cp ranks' keys and values: ring (passed around the cp ring, overlapping
     each block's attention) | all_gather (gathered once per layer)."""
+    ep: int = 1
+    """Expert-parallel degree: the experts of every MoE layer split over ep ranks carved out of the data-parallel
+    ranks (ep divides dp); tokens reach their experts' ranks by all-to-all."""
     dp: Optional[int] = None
     """Data-parallel degree; None derives it from the cluster's ranks / (tp x pp x cp)."""
     sp: bool = False
