@@ -20,7 +20,7 @@ from typing import List, Optional
 from training.config import Config, ModelConfig
 
 # Codes of the violations after which no plan can be computed (the launcher stops before planning).
-BLOCKS_PLAN = frozenset({"tp_heads", "tp_ffn", "layers", "batch", "interleaved_batch"})
+BLOCKS_PLAN = frozenset({"tp_heads", "tp_ffn", "layers", "batch", "interleaved_batch", "moe_size", "ep"})
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,51 @@ def cp_rules(cp: int, seq_length: int, tp: int, sp: bool, dropout: float, cp_com
     return out
 
 
+# ---- mixture of experts ---------------------------------------------------------------------------
+def moe_rules(m: ModelConfig, ep: int, tp: int, dp: int, cp: int = 1) -> List[Violation]:
+    """model.num_experts >= 0 (0 = dense); 1 <= moe_top_k <= num_experts; the expert width splits over tp;
+    capacity factor and aux-loss weight >= 0; parallel.ep >= 1, > 1 only for a mixture of experts, dividing the
+    experts and the data-parallel ranks (an ep group is ep of the dp ranks: Megatron's arrangement)."""
+    out: List[Violation] = []
+    E = m.num_experts
+    if E < 0:
+        return [_error("model.num_experts", f"must be >= 0 (0 = the dense MLP), got {E}", "model.num_experts=0",
+                       "moe_size")]
+    if ep < 1:
+        return [_error("parallel.ep", f"must be >= 1, got {ep}", "parallel.ep=1", "ep")]
+    if E == 0:
+        if ep > 1:
+            out.append(_error("parallel.ep", f"ep={ep} needs a mixture of experts (model.num_experts=0 is dense)",
+                              "parallel.ep=1, or model.num_experts=<a multiple of ep> (e.g. model=tiny_moe)", "ep"))
+        return out
+    if not 1 <= m.moe_top_k <= E:
+        out.append(_error("model.moe_top_k", f"moe_top_k={m.moe_top_k} must be between 1 and num_experts={E}",
+                          f"model.moe_top_k={min(2, E)}", "moe_size"))
+    fe = m.moe_ffn_hidden_size if m.moe_ffn_hidden_size is not None else m.ffn
+    if fe < 1:
+        out.append(_error("model.moe_ffn_hidden_size", f"must be >= 1 (or null: the dense width), got {fe}",
+                          "model.moe_ffn_hidden_size=null", "moe_size"))
+    elif fe % tp:
+        out.append(_error("model.moe_ffn_hidden_size", f"expert width {fe} is not divisible by tp={tp} (each expert"
+                          " splits over tp like the dense MLP)", f"model.moe_ffn_hidden_size={-(-fe // tp) * tp} or "
+                          f"parallel.tp=<a divisor of {fe}>", "moe_size"))
+    if m.moe_capacity_factor < 0:
+        out.append(_error("model.moe_capacity_factor", f"must be >= 0 (0 = dropless), got {m.moe_capacity_factor}",
+                          "model.moe_capacity_factor=0 (dropless) or e.g. 1.25", "moe_size"))
+    if m.moe_aux_loss_coeff < 0:
+        out.append(_error("model.moe_aux_loss_coeff", f"must be >= 0, got {m.moe_aux_loss_coeff}",
+                          "model.moe_aux_loss_coeff=0.01", "moe_size"))
+    fits_dp = [d for d in divisors(E, E) if dp >= 1 and (dp * max(1, cp)) % d == 0 and dp % d == 0]
+    if E % ep:
+        out.append(_error("parallel.ep", f"num_experts={E} is not divisible by ep={ep} (every ep rank holds the same "
+                          "number of experts)", f"parallel.ep=<one of {fits_dp or divisors(E, E)}>", "ep"))
+    elif dp >= 1 and dp % ep:
+        out.append(_error("parallel.ep", f"ep={ep} does not divide the data-parallel ranks dp={dp} (expert-parallel "
+                          "ranks are carved out of them)", f"parallel.ep=<one of {fits_dp}> or a layout with dp a "
+                          f"multiple of {ep}", "ep"))
+    return out
+
+
 # ---- everything -----------------------------------------------------------------------------------
 # ---- memory levers --------------------------------------------------------------------------------
 ZERO_STAGES = (0, 1, 2, 3)
@@ -249,6 +294,7 @@ def layout_violations(cfg: Config, dp: int) -> List[Violation]:
     out += cp_rules(par.cp, m.seq_length, par.tp, par.sp, m.dropout, getattr(par, "cp_comm", "ring"))
     out += memory_lever_rules(par.zero, par.recompute, getattr(par, "recompute_num_layers", 0), chunk_layer_count(cfg),
                               str(getattr(par, "offload", "none")), getattr(par, "offload_dir", ""))
+    out += moe_rules(m, getattr(par, "ep", 1), par.tp, dp, par.cp)
     if dp >= 1:
         out += batch_rules(par.global_batch, par.micro_batch, dp)
         if not any(v.code == "batch" for v in out):
