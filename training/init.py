@@ -33,7 +33,8 @@ def full_init(name: str, global_shape, seed: int, init_std: float, num_layers: i
     if "norm" in name.split(".")[-2]:
         return torch.ones(shape)
     std = init_std
-    if name.endswith("attn.proj.weight") or name.endswith("mlp.fc2.weight"):
+    if name.endswith("attn.proj.weight") or name.endswith("mlp.fc2.weight") or (
+            ".mlp.experts." in name and name.endswith(".fc2.weight")):  # an MoE expert's output projection
         std = init_std / math.sqrt(2.0 * num_layers)
     g = torch.Generator().manual_seed(stable_seed(seed, name))
     full = torch.empty(shape).normal_(0.0, std, generator=g)

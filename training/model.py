@@ -12,6 +12,7 @@ Where the parallelism lives (all visible here):
   attention: norm (on shards under SP) -> column-parallel fused QKV (one SP all-gather) -> heads split
              over tp -> row-parallel proj (all-reduce, or reduce-scatter under SP) -> dropout -> residual
   MLP:       norm -> column-parallel fc1 -> activation -> row-parallel fc2 -> dropout -> residual
+             (model.num_experts > 0: router -> top-k -> all-to-all over ep -> experts -> back; training/moe.py)
   head:      final norm -> column-parallel logits -> vocab-parallel cross-entropy
 A model is built as `GPTChunk`s, contiguous slices of layers (pipeline stages / virtual stages);
 `build_gpt` makes this rank's chunks. Parameter names are the same at any tp / pp (CONTRACTS.md).
@@ -42,6 +43,7 @@ from training.layout_rules import (
     layer_rules, model_rules, padded_vocab, raise_errors, sequence_parallel_on, sp_rules, tp_rules,
 )
 from training.mesh import ProcessMesh
+from training.moe import MoEMLP
 from training.parallel.collectives import group_rank, group_size, reduce_from_tp, reduce_scatter_to_sp
 from training.parallel.context import CPContext, context_parallel_attention, split_sequence
 from training.parallel.layers import (
@@ -263,7 +265,9 @@ class TransformerLayer(nn.Module):
         self.attn_norm = Norm(mc.hidden_size, mc.norm, mc.bias, sp, dtype, device, mc.norm_eps)
         self.attn = Attention(mc, mesh.tp_group, sp, dtype, device, cp)
         self.mlp_norm = Norm(mc.hidden_size, mc.norm, mc.bias, sp, dtype, device, mc.norm_eps)
-        self.mlp = MLP(mc, mesh.tp_group, sp, dtype, device)
+        # model.num_experts > 0: the mixture-of-experts MLP (training/moe.py), experts over parallel.ep.
+        self.mlp = (MoEMLP(mc, mesh, sp, dtype, device) if mc.num_experts > 0
+                    else MLP(mc, mesh.tp_group, sp, dtype, device))
 
     def _drop(self, x: torch.Tensor, key: int, site: str) -> torch.Tensor:
         if not self.training or self.dropout <= 0.0:
