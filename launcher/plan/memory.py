@@ -137,7 +137,7 @@ def layer_activation_bytes(
     act += sb * (a * hd + 2 * kv_heads * hd + a * hd) // t
     moe_fp32 = 0
     if is_moe(cfg):  # the experts' k copies of every token in place of the dense MLP (launcher/plan/moe.py)
-        moe = moe_activation_elements(cfg, sb // t_sp if t_sp > 1 else sb, t)
+        moe = moe_activation_elements(cfg, sb, t)  # every tp rank routes the whole micro-batch, sp or not
         act += moe["act"]
         moe_fp32 = moe["fp32"]
     else:

@@ -72,15 +72,15 @@ def active_mlp_params(m: ModelConfig) -> int:
 def all_to_all_bytes(cfg: Config, act_bytes: int) -> float:
     """Bytes one rank sends in one token exchange (dispatch or combine) of one MoE layer for one micro-batch.
 
-    Each of the rank's T = s b / (tp under sp) tokens goes to k experts; with the load balanced over the ep
-    ranks, (ep - 1)/ep of the k T copies of h elements leave the rank (dropless; a capacity factor below 1
-    sends fewer, which this upper bound ignores)."""
+    Each of the rank's T = s b tokens (the whole micro-batch: under sequence parallelism the MoE block gathers
+    the sequence first, so every tp rank routes all of it, training/moe.py) goes to k experts; with the load
+    balanced over the ep ranks, (ep - 1)/ep of the k T copies of h elements leave the rank (dropless; a
+    capacity factor below 1 sends fewer, which this upper bound ignores)."""
     ep = ep_degree(cfg)
     if ep <= 1:
         return 0.0
     m, par = cfg.model, cfg.parallel
-    t_sp = par.tp if (par.sp and par.tp > 1) else 1
-    tokens = m.seq_length // max(1, par.cp) * par.micro_batch // t_sp
+    tokens = m.seq_length // max(1, par.cp) * par.micro_batch
     return m.moe_top_k * tokens * m.hidden_size * act_bytes * (ep - 1) / ep
 
 
