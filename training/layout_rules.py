@@ -20,7 +20,7 @@ from typing import List, Optional
 from training.config import Config, ModelConfig
 
 # Codes of the violations after which no plan can be computed (the launcher stops before planning).
-BLOCKS_PLAN = frozenset({"tp_heads", "tp_ffn", "layers", "batch", "interleaved_batch", "moe_size", "ep"})
+BLOCKS_PLAN = frozenset({"tp_heads", "tp_ffn", "layers", "batch", "interleaved_batch"})
 
 
 @dataclass(frozen=True)
@@ -200,51 +200,6 @@ def cp_rules(cp: int, seq_length: int, tp: int, sp: bool, dropout: float, cp_com
     return out
 
 
-# ---- mixture of experts ---------------------------------------------------------------------------
-def moe_rules(m: ModelConfig, ep: int, tp: int, dp: int, cp: int = 1) -> List[Violation]:
-    """model.num_experts >= 0 (0 = dense); 1 <= moe_top_k <= num_experts; the expert width splits over tp;
-    capacity factor and aux-loss weight >= 0; parallel.ep >= 1, > 1 only for a mixture of experts, dividing the
-    experts and the data-parallel ranks (an ep group is ep of the dp ranks: Megatron's arrangement)."""
-    out: List[Violation] = []
-    E = m.num_experts
-    if E < 0:
-        return [_error("model.num_experts", f"must be >= 0 (0 = the dense MLP), got {E}", "model.num_experts=0",
-                       "moe_size")]
-    if ep < 1:
-        return [_error("parallel.ep", f"must be >= 1, got {ep}", "parallel.ep=1", "ep")]
-    if E == 0:
-        if ep > 1:
-            out.append(_error("parallel.ep", f"ep={ep} needs a mixture of experts (model.num_experts=0 is dense)",
-                              "parallel.ep=1, or model.num_experts=<a multiple of ep> (e.g. model=tiny_moe)", "ep"))
-        return out
-    if not 1 <= m.moe_top_k <= E:
-        out.append(_error("model.moe_top_k", f"moe_top_k={m.moe_top_k} must be between 1 and num_experts={E}",
-                          f"model.moe_top_k={min(2, E)}", "moe_size"))
-    fe = m.moe_ffn_hidden_size if m.moe_ffn_hidden_size is not None else m.ffn
-    if fe < 1:
-        out.append(_error("model.moe_ffn_hidden_size", f"must be >= 1 (or null: the dense width), got {fe}",
-                          "model.moe_ffn_hidden_size=null", "moe_size"))
-    elif fe % tp:
-        out.append(_error("model.moe_ffn_hidden_size", f"expert width {fe} is not divisible by tp={tp} (each expert"
-                          " splits over tp like the dense MLP)", f"model.moe_ffn_hidden_size={-(-fe // tp) * tp} or "
-                          f"parallel.tp=<a divisor of {fe}>", "moe_size"))
-    if m.moe_capacity_factor < 0:
-        out.append(_error("model.moe_capacity_factor", f"must be >= 0 (0 = dropless), got {m.moe_capacity_factor}",
-                          "model.moe_capacity_factor=0 (dropless) or e.g. 1.25", "moe_size"))
-    if m.moe_aux_loss_coeff < 0:
-        out.append(_error("model.moe_aux_loss_coeff", f"must be >= 0, got {m.moe_aux_loss_coeff}",
-                          "model.moe_aux_loss_coeff=0.01", "moe_size"))
-    fits_dp = [d for d in divisors(E, E) if dp >= 1 and (dp * max(1, cp)) % d == 0 and dp % d == 0]
-    if E % ep:
-        out.append(_error("parallel.ep", f"num_experts={E} is not divisible by ep={ep} (every ep rank holds the same "
-                          "number of experts)", f"parallel.ep=<one of {fits_dp or divisors(E, E)}>", "ep"))
-    elif dp >= 1 and dp % ep:
-        out.append(_error("parallel.ep", f"ep={ep} does not divide the data-parallel ranks dp={dp} (expert-parallel "
-                          "ranks are carved out of them)", f"parallel.ep=<one of {fits_dp}> or a layout with dp a "
-                          f"multiple of {ep}", "ep"))
-    return out
-
-
 # ---- everything -----------------------------------------------------------------------------------
 # ---- memory levers --------------------------------------------------------------------------------
 ZERO_STAGES = (0, 1, 2, 3)
@@ -285,6 +240,47 @@ def chunk_layer_count(cfg: Config) -> int:
     return cfg.model.num_layers // (par.pp * v) if par.pp * v and cfg.model.num_layers % (par.pp * v) == 0 else 0
 
 
+def moe_rules(m: ModelConfig, ep: int, dp: int, tp: int, cp: int, zero: int) -> List[Violation]:
+    """Mixture of experts (training/moe.py): top_k within the experts, ep inside dp splitting the experts evenly,
+    the expert width split by tp; what the engine does not run with experts yet (cp > 1, zero=3)."""
+    out: List[Violation] = []
+    E = m.num_experts
+    if E < 0:
+        return [_error("model.num_experts", f"num_experts={E} is negative", "model.num_experts=0 (dense) or > 0")]
+    if E == 0:
+        if ep > 1:
+            out.append(_error("parallel.ep", f"ep={ep} but the model has no experts (model.num_experts=0)",
+                              "parallel.ep=1, or set model.num_experts", "ep_dense"))
+        return out
+    if not 1 <= m.moe_top_k <= E:
+        out.append(_error("model.moe_top_k", f"moe_top_k={m.moe_top_k} is outside 1..num_experts={E}",
+                          f"model.moe_top_k={min(max(1, m.moe_top_k), E)}", "moe_top_k"))
+    if m.moe_capacity_factor < 0:
+        out.append(_error("model.moe_capacity_factor", f"moe_capacity_factor={m.moe_capacity_factor} is negative",
+                          "model.moe_capacity_factor=0 (dropless) or a positive factor such as 1.25", "moe_capacity"))
+    good = [d for d in divisors(E, E) if dp < 1 or dp % d == 0]
+    if ep < 1 or E % ep:
+        out.append(_error("parallel.ep", f"num_experts={E} is not divisible by ep={ep}",
+                          f"parallel.ep={_closest(good, ep)}", "ep_experts"))
+    elif dp >= 1 and dp % ep:
+        out.append(_error("parallel.ep", f"ep={ep} does not divide the data-parallel ranks dp={dp} (expert-parallel "
+                          "groups are carved out of dp)", f"parallel.ep={_closest(good, ep)}, or a dp that ep divides",
+                          "ep_dp"))
+    f = m.moe_ffn_hidden_size or m.ffn
+    if tp > 1 and f % tp:
+        out.append(_error("model.moe_ffn_hidden_size", f"expert hidden size {f} is not divisible by tp={tp}",
+                          f"parallel.tp={max(divisors(f, tp))}, or an expert width tp divides", "tp_moe_ffn"))
+    if cp > 1:
+        out.append(_error("parallel.cp", f"cp={cp} with experts: the engine routes whole sequences (the balance loss "
+                          "and capacity are per micro-batch) and does not split them over cp yet",
+                          "parallel.cp=1 with model.num_experts > 0", "moe_cp"))
+    if zero >= 3:
+        out.append(_error("parallel.zero", "zero=3 with experts: expert weights are not gathered per unit yet",
+                          "parallel.zero=2 (grads and optimizer state sharded; expert state over the expert-dp "
+                          "group)", "moe_zero3"))
+    return out
+
+
 def layout_violations(cfg: Config, dp: int) -> List[Violation]:
     """Every rule above for cfg's layout with `dp` data-parallel ranks (launcher and engine alike)."""
     m, par = cfg.model, cfg.parallel
@@ -294,7 +290,7 @@ def layout_violations(cfg: Config, dp: int) -> List[Violation]:
     out += cp_rules(par.cp, m.seq_length, par.tp, par.sp, m.dropout, getattr(par, "cp_comm", "ring"))
     out += memory_lever_rules(par.zero, par.recompute, getattr(par, "recompute_num_layers", 0), chunk_layer_count(cfg),
                               str(getattr(par, "offload", "none")), getattr(par, "offload_dir", ""))
-    out += moe_rules(m, getattr(par, "ep", 1), par.tp, dp, par.cp)
+    out += moe_rules(m, getattr(par, "ep", 1), dp, par.tp, par.cp, par.zero)
     if dp >= 1:
         out += batch_rules(par.global_batch, par.micro_batch, dp)
         if not any(v.code == "batch" for v in out):

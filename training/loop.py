@@ -29,6 +29,7 @@ from training.data import BatchSampler, DataError, build_corpus, make_eval_sourc
 from training.exit_codes import EXIT_OK, EXIT_STOPPED
 from training.events import append_event
 from training.layout_rules import layout_violations, raise_errors
+from training.moe import moe_metrics, reset_moe_stats
 from training.observe import startup
 from training.observe.busy_timer import BusyTimer
 from training.optim import DistributedOptimizer, StepResult
@@ -326,6 +327,8 @@ class Trainer:
             micro = self.sampler.micro_batches(self.state.consumed_samples)
         # Knowing the micro-batch count lets each dp bucket's reduction start during backward.
         self.optimizer.zero_grad(len(micro))
+        if self.cfg.model.num_experts > 0:
+            reset_moe_stats(self.chunks)  # this step's routing figures (moe_metrics)
         for c in self.chunks:
             c.train()
         before = [int(getattr(c, "micro_step", 0)) for c in self.chunks]  # the NaN probe replays these masks
@@ -445,6 +448,12 @@ class Trainer:
             # A collective (every rank, the same steps: `logged` depends only on agreed values).
             spread = rank_figures(dt, self.mesh.device) if logged else {}
             spread.update(watch.step(self.state.step, self.compute_s, logged))  # also a collective when logged
+            if logged and cfg.model.num_experts > 0:  # a collective over dp and pp
+                load = moe_metrics(self.chunks, self.mesh, cfg.model.num_layers, cfg.model.num_experts)
+                spread.update({k: load[k] for k in ("moe_aux_loss", "moe_max_load", "moe_dropped_tokens")})
+                if self.is_logger:
+                    append_event(self.run_dir, "moe_load", step=self.state.step,
+                                 tokens_per_expert=load["tokens_per_expert"], max_load=load["max_load"])
             if self.is_logger:
                 if logged:
                     rec: Dict[str, Any] = {

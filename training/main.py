@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     mesh = None
     states_bytes, built = None, False  # GPU memory held once the engine is built: the model states (observe/oom.py)
     try:
-        mesh = ProcessMesh.from_env(p.tp, p.pp, p.cp, derived_dp(cfg), backend, cfg.train.dist_timeout_s)
+        mesh = ProcessMesh.from_env(p.tp, p.pp, p.cp, derived_dp(cfg), backend, cfg.train.dist_timeout_s,
+                                    ep=getattr(p, "ep", 1))
         from training.slurm_env import reapply_affinity
 
         mark("process_group")

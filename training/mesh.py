@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 # The group kinds ProcessMesh holds, in creation order.
-GROUP_KINDS = ("tp", "cp", "pp", "dp", "dp_cp", "model_parallel", "embedding")
+GROUP_KINDS = ("tp", "cp", "pp", "dp", "dp_cp", "model_parallel", "embedding", "ep", "edp")
 
 
 def rank_of(tp_rank: int, cp_rank: int, pp_rank: int, dp_rank: int, tp: int, cp: int, pp: int) -> int:
@@ -39,7 +39,7 @@ def coords_of(rank: int, tp: int, pp: int, cp: int, dp: int) -> Dict[str, int]:
     }
 
 
-def rank_groups(tp: int, pp: int, cp: int, dp: int) -> Dict[str, List[List[int]]]:
+def rank_groups(tp: int, pp: int, cp: int, dp: int, ep: int = 1) -> Dict[str, List[List[int]]]:
     """Rank lists of every group kind for a tp x pp x cp x dp layout (pure; no processes).
 
     tp: ranks differing only in tp_rank.      cp: only in cp_rank.     pp: only in pp_rank.
@@ -47,10 +47,16 @@ def rank_groups(tp: int, pp: int, cp: int, dp: int) -> Dict[str, List[List[int]]
     model_parallel: in tp_rank and pp_rank (one model replica's shards: gradient-norm reduction).
     embedding: first and last pipeline stage at one (dp, cp, tp) position (tied-embedding grad reduction);
     a single rank when pp == 1, and for each middle stage when pp > 2.
+    ep: expert parallelism, carved out of dp: ep consecutive dp ranks (dp_rank // ep the same) at one
+    (pp, cp, tp) position hold the experts between them and exchange tokens (all-to-all).
+    edp: expert-data-parallel, the dp ranks holding the same experts (dp_rank % ep the same): expert grads.
+    At ep = 1 ep is a single rank and edp equals dp.
     """
-    for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", dp)):
+    for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("dp", dp), ("ep", ep)):
         if v < 1:
             raise ValueError(f"parallel degree {name}={v} must be >= 1")
+    if dp % ep:
+        raise ValueError(f"parallel.ep={ep} does not divide the data-parallel degree dp={dp}: choose an ep that divides it")
     R = lambda t, c, p, d: rank_of(t, c, p, d, tp, cp, pp)  # noqa: E731
     g: Dict[str, List[List[int]]] = {k: [] for k in GROUP_KINDS}
     for d in range(dp):
@@ -83,6 +89,13 @@ def rank_groups(tp: int, pp: int, cp: int, dp: int) -> Dict[str, List[List[int]]
                 # Middle stages hold no embedding: each gets a group of its own, so every kind
                 # partitions the world and no rank's group is None (None would mean WORLD to torch).
                 g["embedding"].extend([R(t, c, p, d)] for p in range(1, pp - 1))
+    for p in range(pp):
+        for c in range(cp):
+            for t in range(tp):
+                for b in range(dp // ep):
+                    g["ep"].append([R(t, c, p, d) for d in range(b * ep, (b + 1) * ep)])
+                for j in range(ep):
+                    g["edp"].append([R(t, c, p, d) for d in range(j, dp, ep)])
     return g
 
 
@@ -146,6 +159,14 @@ class ProcessMesh:
     """Index inside the context-parallel group."""
     dp_rank: int = 0
     """Data-parallel replica index."""
+    ep: int = 1
+    """Expert-parallel degree (inside dp)."""
+    ep_rank: int = 0
+    """Index inside the expert-parallel group: dp_rank % ep (this rank holds experts ep_rank x E/ep ..)."""
+    edp: int = 1
+    """Expert-data-parallel degree: dp / ep replicas of each expert."""
+    edp_rank: int = 0
+    """Index inside the expert-data-parallel group: dp_rank // ep."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """cpu, or cuda:LOCAL_RANK with NCCL."""
     backend: Optional[str] = None
@@ -164,6 +185,10 @@ class ProcessMesh:
     """tp x pp: one model replica (gradient-norm reduction)."""
     embedding_group: Any = None
     """First and last pipeline stage at this (dp, cp, tp) position (tied embedding grads)."""
+    ep_group: Any = None
+    """ep consecutive dp ranks: the experts of a layer split between them (token all-to-all)."""
+    edp_group: Any = None
+    """The dp ranks holding the same experts (expert grad reduction, expert optimizer sharding)."""
     background_group: Any = None
     """Every rank, always gloo: collectives issued from background threads (async checkpoint writes)
     run here so they never interleave with the training's collectives on the other groups."""
@@ -188,7 +213,7 @@ class ProcessMesh:
 
     @classmethod
     def from_env(
-        cls, tp: int, pp: int, cp: int, dp: int, backend: str = "gloo", timeout_s: float = 120.0
+        cls, tp: int, pp: int, cp: int, dp: int, backend: str = "gloo", timeout_s: float = 120.0, ep: int = 1
     ) -> "ProcessMesh":
         """Join the job described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and build every group.
 
@@ -217,6 +242,7 @@ class ProcessMesh:
         mesh = cls(
             rank=rank, world_size=world, tp=tp, pp=pp, cp=cp, dp=dp,
             tp_rank=c["tp"], pp_rank=c["pp"], cp_rank=c["cp"], dp_rank=c["dp"],
+            ep=ep, ep_rank=c["dp"] % ep, edp=dp // ep, edp_rank=c["dp"] // ep,
             device=device, backend=backend,
         )
         pp_rank_is_end = c["pp"] in (0, pp - 1)
@@ -225,7 +251,7 @@ class ProcessMesh:
         # group keeps its own: pipeline stages run different programs, and its point-to-point traffic on a
         # shared communicator would be ordered against the collectives of the kinds sharing it.
         made: Dict[tuple, Any] = {}
-        for kind, lists in rank_groups(tp, pp, cp, dp).items():
+        for kind, lists in rank_groups(tp, pp, cp, dp, ep).items():
             mine = None
             for ranks in lists:
                 # Every rank must call new_group for every new list, in the same order.
@@ -241,7 +267,7 @@ class ProcessMesh:
             mesh.group_ranks[kind] = list(mine[1])
             expected = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "dp_cp": dp * cp,
                         "model_parallel": tp * pp,
-                        "embedding": min(pp, 2) if pp_rank_is_end else 1}[kind]
+                        "embedding": min(pp, 2) if pp_rank_is_end else 1, "ep": ep, "edp": dp // ep}[kind]
             assert dist.get_world_size(mine[0]) == expected, (kind, mine[1], expected)
         mesh.background_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
         return mesh

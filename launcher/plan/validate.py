@@ -287,7 +287,7 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
                          f"make tp x pp x cp divide {ranks}, or set cluster.nodes / cluster.gpus_per_node", "world"))
         ok = False
     dp = derived_dp(cfg)
-    out += _issues(rules.moe_rules(m, getattr(par, "ep", 1), t, dp, cp))  # mixture of experts and parallel.ep
+    out += _issues(rules.moe_rules(m, getattr(par, "ep", 1), dp, t, cp, par.zero))  # mixture of experts, parallel.ep
     if dp >= 1:
         unit = par.micro_batch * dp
         batch = _issues(rules.batch_rules(par.global_batch, par.micro_batch, dp))

@@ -44,7 +44,7 @@ from training.checkpoint.layout import (Piece, exact_storage, param_info, pieces
                                         to_state_dict)
 from training.checkpoint.staging import HostStager
 from training.checkpoint.storage import CheckpointError
-from training.config import Config, checkpoint_minutes, config_to_dict
+from training.config import Config, ModelConfig, checkpoint_minutes, config_to_dict
 from training.events import append_event
 from training.exit_codes import EXIT_STOPPED
 from training.optim import SCALARS
@@ -52,6 +52,8 @@ from training.optim.model_parallel import TIED_EMBEDDING
 
 # Model fields that change a parameter's shape (or meaning): a checkpoint cannot load across them.
 SHAPE_FIELDS = storage.SHAPE_FIELDS
+MOE_SHAPE_FIELDS = ("num_experts", "moe_ffn_hidden_size")
+"""Mixture-of-experts fields that change parameters (absent from checkpoints written before them: dense)."""
 _STOP_CODES = {0: None, 1: "exit_interval", 2: "exit_after_min", 3: "SIGTERM", 4: "SIGUSR2"}
 
 warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*")
@@ -285,10 +287,13 @@ class CheckpointManager:
         dp_rank = getattr(mesh, "dp_rank", 0) + getattr(mesh, "cp_rank", 0)  # cp replicas: cp rank 0 writes
         first_stage = getattr(mesh, "pp_rank", 0) == 0
 
+        # An expert's replicas are the expert-dp group's ranks (training/moe.py): its rank 0 writes.
+        edp_rank = getattr(mesh, "edp_rank", 0)
+
         def owner(name: str, p: torch.Tensor, replicated_over_dp: bool) -> bool:
             if not for_save:
                 return True
-            if replicated_over_dp and dp_rank != 0:
+            if replicated_over_dp and (edp_rank if getattr(p, "expert_parallel", False) else dp_rank) != 0:
                 return False
             if getattr(p, "tp_shard_dim", None) is None and tp_rank != 0:
                 return False
@@ -557,6 +562,10 @@ class CheckpointManager:
         now = asdict(self.cfg.model)
         diff = [f"model.{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
                 for k in SHAPE_FIELDS if saved.get(k) != now.get(k)]
+        # Expert count and width (training/moe.py); a checkpoint from before they existed was dense.
+        dense = asdict(ModelConfig())
+        diff += [f"model.{k}: checkpoint {saved.get(k, dense[k])!r}, now {now.get(k)!r}"
+                 for k in MOE_SHAPE_FIELDS if saved.get(k, dense[k]) != now.get(k)]
         if diff:
             return (f"checkpoint step_{step} in {self.run_dir} was written for another model shape ({'; '.join(diff)}); "
                     "restore those settings, or start fresh with train.resume=none or a new run.dir")
@@ -659,8 +668,11 @@ class CheckpointManager:
 
     def _layout(self) -> Dict[str, int]:
         m = self.mesh
-        return {"world": self.world, "tp": getattr(m, "tp", 1), "pp": getattr(m, "pp", 1),
-                "cp": getattr(m, "cp", 1), "dp": getattr(m, "dp", 1), "zero": self.cfg.parallel.zero}
+        out = {"world": self.world, "tp": getattr(m, "tp", 1), "pp": getattr(m, "pp", 1),
+               "cp": getattr(m, "cp", 1), "dp": getattr(m, "dp", 1), "zero": self.cfg.parallel.zero}
+        if getattr(m, "ep", 1) > 1:  # named only when used: earlier checkpoints' layouts stay comparable
+            out["ep"] = m.ep
+        return out
 
     @staticmethod
     def _optimizer_scalars(opt_state: Optional[Dict[str, Any]]) -> Dict[str, Any]:

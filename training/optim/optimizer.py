@@ -19,6 +19,7 @@ through `state_dict` / `load_state_dict`.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -35,6 +36,7 @@ from training.optim.loss_scaler import LossScaler
 from training.optim.model_parallel import ModelParallelGradSync
 from training.optim.param_gather import ParamGather
 from training.optim.zero3 import Zero3Params
+from training.moe import is_expert_param, set_aux_loss_grad_scale
 from training.precision import grad_dtype, check_precision
 from training.parallel.collectives import all_gather_single
 
@@ -73,8 +75,21 @@ class ParamShard:
 class DistributedOptimizer:
     """AdamW over this rank's parameters, with the dp reduction and precision handling of the engine."""
 
-    def __init__(self, named_params: Iterable[Tuple[str, torch.nn.Parameter]], cfg: Config, mesh):
+    def __init__(self, named_params: Iterable[Tuple[str, torch.nn.Parameter]], cfg: Config, mesh,
+                 _expert_part: bool = False):
         t = cfg.train
+        # Mixture of experts (training/moe.py): the expert parameters get an optimizer of their own over the
+        # expert-data-parallel group (grads reduced and state sharded over the dp ranks holding the same experts);
+        # this one steps both with one grad norm and one loss scale. None without experts.
+        self.experts: Optional["DistributedOptimizer"] = None
+        named_params = list(named_params)
+        expert_params = [(n, p) for n, p in named_params if is_expert_param(p)]
+        if expert_params and not _expert_part:
+            named_params = [(n, p) for n, p in named_params if not is_expert_param(p)]
+            self.experts = DistributedOptimizer(expert_params, cfg, _expert_mesh(mesh), _expert_part=True)
+        self.ep, self._expert_part = int(getattr(mesh, "ep", 1)), _expert_part
+        # The expert part's norm also sums over the ep ranks: they hold different experts.
+        self._norm_ep_group = getattr(mesh, "ep_group", None) if _expert_part and self.ep > 1 else None
         check_precision(t.precision)
         self.cfg, self.mesh, self.precision = cfg, mesh, t.precision
         # Grads are averaged and the optimizer sharded over dp x cp (cp ranks hold the same parameters and
@@ -123,6 +138,8 @@ class DistributedOptimizer:
             self.param_gather.watch(chunks)
         if self.zero3 is not None:
             self.zero3.watch(chunks)  # zero=3: the units gather before their forward and backward
+        if self.experts is not None:
+            self.experts.watch_modules(chunks)
 
     def finish_param_gather(self) -> None:
         """Every parameter holds its updated value (a no-op unless a deferred gather is still running;
@@ -131,6 +148,8 @@ class DistributedOptimizer:
             self.param_gather.finish()
         if self.zero3 is not None and self.zero3.watching:
             self.zero3.gather_all()
+        if self.experts is not None:
+            self.experts.finish_param_gather()
 
     # ----- what tests and the checkpoint code read --------------------------------------------------
     @property
@@ -153,9 +172,14 @@ class DistributedOptimizer:
         self.grads.zero()
         if num_micro_batches is not None:
             self.grads.expect(num_micro_batches)
+            if not self._expert_part:  # the parent's loss scale is the one the loss gets
+                set_aux_loss_grad_scale(self.scaler.scale / num_micro_batches)
+        if self.experts is not None:
+            self.experts.zero_grad(num_micro_batches)
 
     def scale_loss(self, loss: torch.Tensor, num_micro_batches: int) -> torch.Tensor:
         """The tensor to call backward on: mean over micro-batches, times the fp16 loss scale."""
+        set_aux_loss_grad_scale(self.scaler.scale / num_micro_batches)  # MoE balance losses get the same factor
         return loss * (self.scaler.scale / num_micro_batches)
 
     def step(self, lr: float, loss_finite: bool = True, defer_param_gather: bool = False) -> StepResult:
@@ -173,7 +197,13 @@ class DistributedOptimizer:
             self.finish_param_gather()
         shard = self.reduce_grads()
         grads = shard.float().div_(self.scaler.scale) if self.scaler.enabled else shard
-        norm = self._grad_norm(grads)
+        sq = self._grad_norm_sq(grads)
+        expert_grads = None
+        if self.experts is not None:  # reduced (and scaled by 1/ep) in reduce_grads
+            eshard = self.experts.grads.shard()
+            expert_grads = eshard.float().div_(self.scaler.scale) if self.scaler.enabled else eshard
+            sq = sq + self.experts._grad_norm_sq(expert_grads)
+        norm = float(sq.sqrt())
         if not loss_finite or not math.isfinite(norm):
             self.scaler.backoff()
             reason = "nonfinite_loss" if not loss_finite else "nonfinite_grad"
@@ -181,17 +211,24 @@ class DistributedOptimizer:
         clip = self.cfg.train.grad_clip
         coef = clip / (norm + 1e-6) if clip > 0 else 1.0
         self.step_count += 1
+        self._update(grads, lr, min(coef, 1.0), defer_param_gather)
+        if self.experts is not None:
+            self.experts.step_count = self.step_count
+            self.experts._update(expert_grads, lr, min(coef, 1.0), defer_param_gather)
+        self.scaler.grow()
+        return StepResult(norm, False, "", self.scaler.reported())
+
+    def _update(self, grads: torch.Tensor, lr: float, coef: float, defer_param_gather: bool) -> None:
+        """AdamW (step self.step_count) on this rank's shard with the clipped grads, then the write-back."""
         if self.adamw.store is not None:  # offloaded state: the update runs where it lives, block by block
             dest = self._param_shard()
-            self.adamw.update_offloaded(grads, lr, self.step_count, min(coef, 1.0), dest)
+            self.adamw.update_offloaded(grads, lr, self.step_count, coef, dest)
             self._write_back(dest, defer_param_gather)
         else:
             weights = self.adamw.weights()
             # The clipping (coef < 1) is applied to the grads block by block inside the update: one pass less.
-            self.adamw.update(weights, grads, lr, self.step_count, grad_coef=min(coef, 1.0))
+            self.adamw.update(weights, grads, lr, self.step_count, grad_coef=coef)
             self._write_back(weights, defer_param_gather)
-        self.scaler.grow()
-        return StepResult(norm, False, "", self.scaler.reported())
 
     def reduce_grads(self) -> torch.Tensor:
         """Finish the step's gradient reductions (model-parallel and dp); returns this rank's shard of the
@@ -203,6 +240,12 @@ class DistributedOptimizer:
         else:
             self.finalize_grads(self.grads.views)
             self.grads.reduce_dp()
+        if self.experts is not None:
+            expert = self.experts.reduce_grads()
+            if self.ep > 1:
+                # An expert's grad already sums the tokens of the ep ranks' micro-batches; the expert-dp average
+                # covers dp / ep ranks: 1 / ep more gives the mean over all dp ranks, as for dense parameters.
+                expert.mul_(1.0 / self.ep)
         return self.grads.shard()
 
     def _param_shard(self) -> torch.Tensor:
@@ -224,6 +267,10 @@ class DistributedOptimizer:
         return runs
 
     def _grad_norm(self, grads: torch.Tensor) -> float:
+        return float(self._grad_norm_sq(grads).sqrt())
+
+    def _grad_norm_sq(self, grads: torch.Tensor) -> torch.Tensor:
+        """Squared global grad norm of this optimizer's parameters (fp64 scalar, the same on every rank)."""
         sq = torch.zeros((), dtype=torch.float64, device=grads.device)
         for lo, hi in self._runs:
             sq += torch.linalg.vector_norm(grads[lo:hi]).double() ** 2
@@ -231,7 +278,9 @@ class DistributedOptimizer:
             dist.all_reduce(sq, group=self.dp_group)
         if self.mesh.tp * self.mesh.pp > 1:
             dist.all_reduce(sq, group=self.mesh.model_parallel_group)
-        return float(sq.sqrt())
+        if self._norm_ep_group is not None:
+            dist.all_reduce(sq, group=self._norm_ep_group)
+        return sq
 
     def _write_back(self, values: torch.Tensor, defer: bool = False) -> None:
         """Updated shard values into the parameters: a copy, or (zero=1) an all-gather of every rank's shard."""
@@ -273,6 +322,9 @@ class DistributedOptimizer:
         out = {"weights": weights, "grads": self.grads.nbytes(), "optimizer": self.adamw.nbytes()}
         if self.adamw.offload != "none":
             out.update(host_offload=self.adamw.host_bytes(), nvme_offload=self.adamw.file_bytes())
+        if self.experts is not None:
+            for k, v in self.experts.memory_report().items():
+                out[k] = out.get(k, 0) + v
         return out
 
     def state_dict(self) -> Dict[str, Any]:
@@ -286,8 +338,11 @@ class DistributedOptimizer:
         only takes the scalars and notices what is missing.
         """
         self.finish_param_gather()  # a checkpoint reads the parameters right after this
+        params = self._shards(self.adamw.tensors())
+        if self.experts is not None:  # expert entries: replicated over the expert-dp group at zero=0
+            params += self.experts._shards(self.experts.adamw.tensors())
         return {"step_count": self.step_count, **self.scaler.state_dict(),
-                "replicated_over_dp": self.zero == 0, "params": self._shards(self.adamw.tensors())}
+                "replicated_over_dp": self.zero == 0, "params": params}
 
     def _shards(self, states: Dict[str, torch.Tensor]) -> List[ParamShard]:
         lay = self.layout
@@ -300,6 +355,10 @@ class DistributedOptimizer:
         A parameter whose entry lacks "master" (a checkpoint written in fp32) gets its master copy from
         the parameter's current (already loaded) values.
         """
+        if self.experts is not None:
+            mine = set(self.names)
+            self.experts.load_state_dict({**state, "params": [e for e in state.get("params", []) if e.name not in mine]})
+            state = {**state, "params": [e for e in state.get("params", []) if e.name in mine]}
         self.step_count = int(state["step_count"])
         self.scaler.load_state_dict(state)
         self.finish_param_gather()
@@ -320,3 +379,13 @@ class DistributedOptimizer:
         if self.zero3 is not None:
             self.zero3.refresh_shard()  # the parameters (gathered above) were loaded in place
         self.adamw.refresh_master(refresh)
+
+
+def _expert_mesh(mesh):
+    """The mesh as the expert optimizer sees it: its data-parallel group is the expert-data-parallel one."""
+    view = copy.copy(mesh)
+    view.dp, view.dp_rank = int(getattr(mesh, "edp", mesh.dp)), int(getattr(mesh, "edp_rank", mesh.dp_rank))
+    group = getattr(mesh, "edp_group", None) if getattr(mesh, "ep", 1) > 1 else getattr(mesh, "dp_group", None)
+    view.dp_group = view.dp_cp_group = group
+    view.cp, view.cp_rank = 1, 0
+    return view
