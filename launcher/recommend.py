@@ -169,6 +169,8 @@ def _deeper_zero(lay: Config, rates: Rates) -> Optional[Candidate]:
     tries += [dict(zero=top, offload=o) for o in ("cpu", "nvme")]  # then the optimizer state off the GPU
     for changes in tries:
         new = _with(lay, **changes)
+        if any(v.level == "error" for v in rules.layout_violations(new, derived_dp(new))):
+            continue  # a stage the engine does not run for this model (zero=3 with experts)
         if changes.get("offload") == "nvme" and not new.parallel.offload_dir:
             new = _with(new, offload_dir="/local/nvme")  # a placeholder the user replaces (printed with it)
         plan = make_plan(new, rates=rates)
