@@ -90,6 +90,7 @@ def test_moe_layout_rules_name_their_fixes():
     assert ("parallel.ep", "parallel.ep=1") in errors(ep=0)
     assert any(k == "model.moe_ffn_hidden_size" for k, _ in errors(model=dict(moe_ffn_hidden_size=127)))
     assert any(k == "model.moe_capacity_factor" for k, _ in errors(model=dict(moe_capacity_factor=-1.0)))
+    assert ("model.moe_aux_loss_coeff", "model.moe_aux_loss_coeff=0.01") in errors(model=dict(moe_aux_loss_coeff=-1.0))
 
 
 def test_recommend_searches_ep():

@@ -221,6 +221,9 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
 def _check_model(cfg: Config, out: List[Issue]) -> None:
     m = cfg.model
     out += _issues(rules.model_rules(m))
+    if m.num_experts > 0 and not m.moe_aux_loss_coeff >= 0:  # the rest of the MoE rules: layout_rules.moe_rules
+        out.append(Issue("error", "model.moe_aux_loss_coeff", f"must be >= 0 (0: no balance loss), got "
+                         f"{m.moe_aux_loss_coeff}", "model.moe_aux_loss_coeff=0.01"))
     if cfg.data.kind == "text" and m.vocab_size < 256:
         out.append(Issue("error", "model.vocab_size",
                          f"data.kind=text tokenizes to bytes and needs vocab_size >= 256, got {m.vocab_size}",
