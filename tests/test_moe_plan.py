@@ -106,7 +106,8 @@ def test_recommend_searches_ep():
 
 
 def test_the_engine_holds_the_planned_parameters():
-    """The planner's counts are the engine's: the tiny MoE built by training/model.py, on one process."""
+    """The planner's counts are the engine's: the tiny MoE built by training/model.py, on one process, whole and
+    as the second of two ep ranks."""
     from training.mesh import ProcessMesh
     from training.model import build_gpt
 
@@ -115,3 +116,11 @@ def test_the_engine_holds_the_planned_parameters():
     assert sum(p.numel() for p in chunk.parameters()) == params_total(cfg) == stage_params(cfg, 0).total
     experts = sum(p.numel() for n, p in chunk.named_parameters() if ".experts." in n)
     assert experts == stage_params(cfg, 0).experts
+    # ep=2, the second ep rank (its mesh coordinate; the model reads only ep and ep_rank): experts 2 and 3 of 4.
+    half = replace(cfg, parallel=replace(cfg.parallel, ep=2))
+    (chunk,) = build_gpt(half, replace(ProcessMesh.single(), ep=2, ep_rank=1), torch.float32)
+    names = {n.split(".")[4] for n, _ in chunk.named_parameters() if ".experts." in n}
+    assert names == {"2", "3"}
+    assert sum(p.numel() for p in chunk.parameters()) == stage_params(half, 0).total
+    assert sum(p.numel() for n, p in chunk.named_parameters() if ".experts." in n) == stage_params(half, 0).experts \
+        == experts // 2
