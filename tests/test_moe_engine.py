@@ -4,7 +4,8 @@ A tiny MoE GPT (2 layers, h=32, 4 swiglu experts of width 32, top-2, dropless, a
 real Trainer in one process (the reference, in this pytest process) and on 4 gloo ranks in ONE spawn that
 runs every multi-process case in turn:
 - ep2 x dp4 (zero=1: expert optimizer state sharded over the expert-dp group of 2), ep2 x tp2 (sp, zero=1),
-  ep2 x pp2 (1f1b, full recompute, zero=2): every step's loss, global grad norm and every parameter's reduced
+  ep2 x pp2 (1f1b, full recompute, zero=2), ep4 x dp4 (gelu experts, capacity factor 1 with tokens dropped,
+  zero=2): every step's loss, global grad norm and every parameter's reduced
   gradient (assembled over tp / pp / ep / ZeRO shards) equal the reference's within 1e-5;
 - bit-exact resume at ep2 x dp4 (a run stopped at step 2 and resumed gives the continuous run's losses
   exactly), and the same step-2 checkpoint resumed at ep1 x dp4: weights and Adam moments, assembled by name,
@@ -59,6 +60,8 @@ def _full_grads(opt, mesh) -> Dict[str, np.ndarray]:
     """Every parameter's reduced grad on this rank (dense and expert parts), gathered over ZeRO and tp."""
     import torch.distributed as dist
 
+    from training.parallel.collectives import all_gather_single
+
     out = {}
     for o in (opt, opt.experts):
         if o is None:
@@ -68,7 +71,7 @@ def _full_grads(opt, mesh) -> Dict[str, np.ndarray]:
         full = shard
         if lay.zero >= 1 and lay.dp > 1:
             full = torch.empty(lay.dp * shard.numel())
-            dist.all_gather_into_tensor(full, shard, group=o.dp_group)
+            all_gather_single(full, shard, group=o.dp_group)
         for name, p, off in zip(lay.names, lay.params, lay.offsets):
             g = full[off: off + p.numel()].view(p.shape)
             dim = getattr(p, "tp_shard_dim", None)
@@ -197,6 +200,8 @@ CASES = {
     "ep2_dp4": dict(dp=4, ep=2, zero=1, checkpoint_every=2),
     "ep2_tp2_sp": dict(tp=2, dp=2, ep=2, zero=1),
     "ep2_pp2": dict(pp=2, dp=2, ep=2, zero=2, recompute="full"),
+    # Capacity drops are decided on each source rank's own tokens, as in one process; gelu experts; edp = 1.
+    "ep4_dp4_gelu_capacity": dict(dp=4, ep=4, zero=2, activation="gelu", moe_capacity_factor=1.0),
     "ep2_dp4_bf16": dict(dp=4, ep=2, zero=1, precision="bf16", steps=2),
 }
 
@@ -208,13 +213,20 @@ def four_ranks(tmp_path_factory):
     return run_distributed(_four_ranks, 4, args=(base, cases), timeout_s=400)
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return _reference()
+_REFERENCES: Dict[str, Any] = {}
 
 
-@pytest.mark.parametrize("case", ["ep2_dp4", "ep2_tp2_sp", "ep2_pp2"])
-def test_expert_parallel_layout_reproduces_single_process(four_ranks, reference, case):
+def _reference_of(case: str) -> Dict[str, Any]:
+    model = {k: v for k, v in CASES[case].items() if k in ("activation", "moe_capacity_factor")}
+    key = repr(sorted(model.items()))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference(**model)
+    return _REFERENCES[key]
+
+
+@pytest.mark.parametrize("case", ["ep2_dp4", "ep2_tp2_sp", "ep2_pp2", "ep4_dp4_gelu_capacity"])
+def test_expert_parallel_layout_reproduces_single_process(four_ranks, case):
+    reference = _reference_of(case)
     vocab = Config().model.vocab_size
     names = set()
     for rank, result in enumerate(four_ranks):
