@@ -7,8 +7,10 @@ import os
 
 import pytest
 
+import test_report
 from launcher.report import build_report
-from test_report import drawn  # noqa: F401  (the fixture: what matplotlib was asked to draw)
+
+drawn = test_report.drawn  # the fixture: what matplotlib was asked to draw (tests/test_report.py)
 
 TITLE = "Expert load balance (max tokens per expert / mean)"
 
@@ -20,7 +22,7 @@ def _write_rows(run_dir, rows):
             f.write(json.dumps(row) + "\n")
 
 
-def test_the_report_plots_the_expert_load_per_step(tmp_path, drawn):  # noqa: F811
+def test_the_report_plots_the_expert_load_per_step(tmp_path, drawn):
     base = {"loss": 5.0, "lr": 1e-3, "tokens_per_s": 100.0, "step_time_s": 0.1}
     loads = [2.5, 1.9, 1.4, 1.2]
     _write_rows(str(tmp_path / "moe"), [dict(base, step=i + 1, moe_max_load=v, moe_aux_loss=0.01,
