@@ -192,7 +192,8 @@ class Trainer:
         LayoutError on a broken one; warnings (e.g. sp with tp = 1: sequence parallelism off) said once."""
         par = self.cfg.parallel
         cfg = dataclasses.replace(self.cfg, parallel=dataclasses.replace(par, tp=self.mesh.tp, pp=self.mesh.pp,
-                                                                          cp=getattr(self.mesh, "cp", 1)))
+                                                                          cp=getattr(self.mesh, "cp", 1),
+                                                                          ep=getattr(self.mesh, "ep", 1)))
         for warning in raise_errors(layout_violations(cfg, self.mesh.dp)):
             if self.is_logger:
                 print(f"warning: {warning}", file=sys.stderr)
