@@ -87,9 +87,11 @@ def all_to_all_bytes(cfg: Config, act_bytes: int) -> float:
 def moe_activation_elements(cfg: Config, tokens: int, tp: int) -> dict:
     """Elements one MoE layer saves for backward for `tokens` tokens on one tp rank, in place of the dense MLP's
     fc1/fc2 activations: the experts' inputs and outputs (k copies of every token, tokens to their experts and
-    back), each expert's fc1 output and fc2 input at fe/tp (SwiGLU: gate, up and their product), and the router's
-    fp32 logits and probabilities (elements counted at 4 bytes by the caller)."""
+    back), each expert's inner activations at fe/tp (SwiGLU: the fc1 output 2 fe that the gate and up views keep
+    alive, the SiLU output and the product fc2 takes, 4 fe as training/moe.py's autograd saves them; GELU: the fc1
+    output and the GELU output, 2 fe), and the router's fp32 logits and probabilities (elements counted at 4 bytes
+    by the caller)."""
     m = cfg.model
     k, fe, h = m.moe_top_k, expert_ffn(m), m.hidden_size
-    inner = (3 if m.activation == "swiglu" else 2) * fe
+    inner = (4 if m.activation == "swiglu" else 2) * fe
     return {"act": k * tokens * (2 * h + inner // tp), "fp32": 2 * tokens * m.num_experts}
