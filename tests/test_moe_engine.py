@@ -9,7 +9,7 @@ runs every multi-process case in turn:
   gradient (assembled over tp / pp / ep / ZeRO shards) equal the reference's within 1e-5;
 - bit-exact resume at ep2 x dp4 (a run stopped at step 2 and resumed gives the continuous run's losses
   exactly), and the same step-2 checkpoint resumed at ep1 x dp4: weights and Adam moments, assembled by name,
-  equal the saved ones exactly and the losses go on within 1e-5;
+  equal the saved ones exactly and the losses go on within 1e-5; resumed at tp2 x dp2 x ep2 (sp) too;
 - bf16 at ep2 x dp4 tracks the single-process bf16 run.
 In-process: capacity drops counted and the dropped assignments contribute nothing; MoE metrics rows; layout
 rules refuse what the engine cannot run.
@@ -142,13 +142,14 @@ def _four_ranks(base: str, cases: Dict[str, dict]) -> Dict[str, Any]:
     # ep2_dp4 saved step 2 (checkpoint_every=2): resume it at ep2 (bit-exact) and, from a copy, at ep1 x dp4.
     src = os.path.join(base, "ep2_dp4")
     if dist.get_rank() == 0:
-        for copy in ("resume_ep2", "resume_ep1"):
+        for copy in ("resume_ep2", "resume_ep1", "resume_tp2_dp2"):
             shutil.copytree(src, os.path.join(base, copy))
     dist.barrier()
-    for name, ep in (("resume_ep2", 2), ("resume_ep1", 1)):
+    for name, ep, tp in (("resume_ep2", 2, 1), ("resume_ep1", 1, 1), ("resume_tp2_dp2", 2, 2)):
         cfg = config_from_dict(cases["ep2_dp4"])
         cfg.parallel.ep, cfg.train.resume, cfg.train.checkpoint_every = ep, "2", 0
-        mesh = ProcessMesh.from_env(1, 1, 1, 4, timeout_s=60, ep=ep)
+        cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp = tp, 4 // tp, tp > 1
+        mesh = ProcessMesh.from_env(tp, 1, 1, 4 // tp, timeout_s=60, ep=ep)
         out[name] = _train(cfg, os.path.join(base, name), mesh, capture_resume=True)
     mesh.destroy()
     return out
@@ -265,6 +266,10 @@ def test_resume_at_ep2_is_bit_exact_and_at_ep1_loads_the_same_state(four_ranks):
             for k, arr in full.items():
                 np.testing.assert_array_equal(loaded[name][k], arr, err_msg=f"{key}: {name} {k}")
     np.testing.assert_allclose(ep1["losses"], cont[2:], rtol=TOL, atol=0)
+    # dp and tp changed too (dp4 -> tp2 x dp2, sp): experts resharded over tp; the next step's loss and norm.
+    other = four_ranks[0]["resume_tp2_dp2"]
+    np.testing.assert_allclose(other["losses"], cont[2:], rtol=TOL, atol=0)
+    np.testing.assert_allclose(other["norms"], four_ranks[0]["ep2_dp4"]["norms"][2:], rtol=TOL, atol=0)
 
 
 # ----- in-process -------------------------------------------------------------------------------------
