@@ -25,6 +25,10 @@
 #     recompute_num_layers, memory_report equals plan.json's bytes exactly, and on the GPU the allocator's gain
 #     while building the Trainer equals the device part of it (within the allocator's rounding);
 #     --dry: the accounting against the plan only, on CPU.
+#  6. mixture of experts, one rank: a Mixtral-shaped MoE (8 SwiGLU experts, top-2, 4 layers of width 2048; --dry:
+#     model=tiny_moe in fp32) trains a few steps forward and backward through router, experts and balance loss:
+#     finite losses, metrics rows carrying moe_max_load (>= 1) and moe_aux_loss (> 0), and rank 0's model-state
+#     bytes (every expert's) equal to plan.json's.
 # Runs write their checkpoints under a scratch folder (GPU_CHECK_WORK, default a mktemp -d) that is removed
 # at the end; RUN_DIR gets only the logs, plans, metrics and summaries. Each command has a time limit; one that
 # runs past it is killed with its whole process group (its ranks too), so nothing stays on the GPU.
@@ -218,6 +222,30 @@ else:
     scales = [r.get("loss_scale") for r in rows if "loss_scale" in r]
     check("fp16_loss_scaling", p.returncode == 0 and len(scales) == len(rows) > 0, exit_code=p.returncode,
           loss_scales=scales, seconds=round(dt, 1))
+moe_dir = os.path.join(work, "moe")
+moe_model = ["model=tiny_moe"] if dry else [
+    "model=tiny_moe", "model.hidden_size=2048", "model.num_attention_heads=16", "model.num_query_groups=4",
+    "model.num_layers=4", "model.ffn_hidden_size=5632", "model.moe_ffn_hidden_size=5632", "model.num_experts=8",
+    "model.seq_length=1024", "model.vocab_size=32000"]
+moe_steps = 3 if dry else 10
+p, dt = meshrun("train_moe", [*moe_model, *common, f"train.precision={precision}", "parallel.micro_batch=1",
+                              "parallel.global_batch=1", f"train.steps={moe_steps}", f"run.dir={moe_dir}"], 300)
+keep(moe_dir, "moe")
+rows = []
+if os.path.exists(os.path.join(moe_dir, "metrics.jsonl")):
+    rows = [json.loads(line) for line in open(os.path.join(moe_dir, "metrics.jsonl")) if line.strip()]
+loads = [r.get("moe_max_load") for r in rows]
+aux = [r.get("moe_aux_loss") for r in rows]
+finite = all(isinstance(r.get("loss"), (int, float)) and r["loss"] == r["loss"] and abs(r["loss"]) < 1e9 for r in rows)
+m = re.search(r"model states \(bytes\): weights (\d+), grads (\d+), optimizer (\d+)", p.stderr_text)
+states = {k: int(v) for k, v in zip(("weights", "grads", "optimizer"), m.groups())} if m else {}
+want = {k: load(os.path.join(moe_dir, "plan.json"), {}).get("memory_bytes", {}).get(k)
+        for k in ("weights", "grads", "optimizer")}
+check("moe", p.returncode == 0 and len(rows) == moe_steps and finite
+      and all(isinstance(v, (int, float)) and v >= 1.0 for v in loads)
+      and all(isinstance(v, (int, float)) and v > 0 for v in aux) and bool(states) and states == want,
+      exit_code=p.returncode, steps=len(rows), max_load=loads, aux_loss=aux, model_states=states, plan=want,
+      seconds=round(dt, 1))
 t = time.time()
 lev = subprocess.run([py, "bench/gpu_memory_levers.py", *(["--dry"] if dry else []),
                       "--out", os.path.join(run_dir, "memory_levers")], capture_output=True, text=True, timeout=300)

@@ -55,6 +55,8 @@ class Candidate:
         p = self.cfg.parallel
         d = {k: getattr(p, k) for k in PARALLEL_KEYS}
         d["dp"] = self.plan.dp
+        if self.cfg.model.num_experts > 0:  # a mixture of experts: its expert-parallel degree too
+            d["ep"] = getattr(p, "ep", 1)
         return {k: (str(v) if k in ("schedule", "recompute", "offload") else v) for k, v in d.items()}
 
     def overrides(self) -> str:
@@ -63,6 +65,7 @@ class Candidate:
         # parallel.dp or cp left from before would otherwise make the recommended layout invalid).
         keys = ("tp", "pp", "vpp", "cp", "dp", "sp", "zero", "micro_batch", "schedule", "recompute",
                 "recompute_num_layers", "offload")
+        keys += ("ep",) if "ep" in lay else ()
         text = " ".join(f"parallel.{k}={str(lay[k]).lower() if isinstance(lay[k], bool) else lay[k]}" for k in keys)
         return text + (" parallel.allow_tp_across_nodes=true" if self.cfg.parallel.allow_tp_across_nodes else "")
 
@@ -70,6 +73,7 @@ class Candidate:
         lay = self.layout()
         text = f"tp{lay['tp']} pp{lay['pp']}" + (f" v{lay['vpp']}" if lay["vpp"] > 1 else "")
         text += (f" cp{lay['cp']}" if lay["cp"] > 1 else "") + f" dp{lay['dp']}"
+        text += f" ep{lay['ep']}" if lay.get("ep", 1) > 1 else ""
         text += f" mb{lay['micro_batch']}" + (" sp" if lay["sp"] else "") + f" rc={lay['recompute']}"
         text += f"[{lay['recompute_num_layers']}]" if lay["recompute_num_layers"] else ""
         text += f" z{lay['zero']}" if lay["zero"] else ""
@@ -113,7 +117,22 @@ def layouts(cfg: Config) -> Iterator[Config]:
                     yield from _layouts_at(cfg, tp, pp, sp, cp, world // (tp * pp * cp))
 
 
+def search_ep(cfg: Config, dp: int) -> List[int]:
+    """The expert-parallel degrees tried at dp data-parallel ranks: 1 for a dense model, else every ep dividing
+    both the experts and dp (training/layout_rules.py moe_rules)."""
+    E = cfg.model.num_experts
+    return [e for e in _divisors(dp) if E % e == 0] if E > 0 else [1]
+
+
 def _layouts_at(cfg: Config, tp: int, pp: int, sp: bool, cp: int, dp: int) -> Iterator[Config]:
+    """The batch, virtual-stage, zero, recompute and (mixture of experts) ep variants of one tp x pp x cp x dp
+    (x sp) layout."""
+    for ep in search_ep(cfg, dp):
+        lay = replace(cfg, parallel=replace(cfg.parallel, ep=ep)) if cfg.model.num_experts > 0 else cfg
+        yield from _dense_layouts_at(lay, tp, pp, sp, cp, dp)
+
+
+def _dense_layouts_at(cfg: Config, tp: int, pp: int, sp: bool, cp: int, dp: int) -> Iterator[Config]:
     """The batch, virtual-stage, zero and recompute variants of one tp x pp x cp x dp (x sp) layout."""
     m, c, par = cfg.model, cfg.cluster, cfg.parallel
     B, L = par.global_batch, m.num_layers
@@ -150,6 +169,8 @@ def _deeper_zero(lay: Config, rates: Rates) -> Optional[Candidate]:
     tries += [dict(zero=top, offload=o) for o in ("cpu", "nvme")]  # then the optimizer state off the GPU
     for changes in tries:
         new = _with(lay, **changes)
+        if any(v.level == "error" for v in rules.layout_violations(new, derived_dp(new))):
+            continue  # a stage the engine does not run for this model (zero=3 with experts)
         if changes.get("offload") == "nvme" and not new.parallel.offload_dir:
             new = _with(new, offload_dir="/local/nvme")  # a placeholder the user replaces (printed with it)
         plan = make_plan(new, rates=rates)
@@ -195,7 +216,7 @@ def search(cfg: Config, rates: Rates) -> Search:
         if any(v.level == "error" for v in rules.layout_violations(lay, derived_dp(lay))):
             continue
         out.valid += 1
-        group = (p.tp, p.pp, p.vpp, p.zero, p.cp)
+        group = (p.tp, p.pp, p.vpp, p.zero, p.cp, getattr(p, "ep", 1))
         if group not in lean_fits:
             lean_fits[group] = make_plan(_lean(lay), rates=rates).fits
             if not lean_fits[group] and (p.zero == 1 or derived_dp(lay) == 1):
@@ -211,7 +232,7 @@ def search(cfg: Config, rates: Rates) -> Search:
                 lay, plan = deeper.cfg, deeper.plan
         fits = fits_with_headroom(plan, cfg)
         (out.candidates if fits else out.no_fit).append(Candidate(lay, plan))
-        others = (p.tp, p.pp, p.vpp, p.sp, p.zero, p.micro_batch)
+        others = (p.tp, p.pp, p.vpp, p.sp, p.zero, p.micro_batch, getattr(p, "ep", 1))
         if p.recompute == "none":
             none_fits[others] = fits
         if fits and lay.parallel.recompute == "full" and not none_fits.get(others, False):
@@ -237,6 +258,9 @@ def _part_words(cand: Candidate, part: str) -> str:
     if part == "dp":
         return "DP traffic" + (" across nodes" if spans_nodes(p.tp * p.pp, plan.dp, c.gpus_per_node) else "") \
             + f" (dp {plan.dp}" + (f", ZeRO-{p.zero})" if p.zero else ")")
+    if part == "ep":
+        return "expert all-to-all" + (" across nodes" if spans_nodes(p.tp * p.cp * p.pp, p.ep, c.gpus_per_node) else "") \
+            + f" (ep {p.ep})"
     if part == "pp":
         return "pipeline sends" + (" across nodes" if spans_nodes(p.tp, p.pp, c.gpus_per_node) else "")
     if part == "recompute":

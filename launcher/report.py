@@ -300,6 +300,7 @@ def plot_run(run_dir: str, out_dir: str, plt, report: Report) -> None:
     _memory_plot(plt, out_dir, report, rows, plan, summary, marks)
     _health_plot(plt, out_dir, report, run_dir, marks)
     _goodput_plot(plt, out_dir, report, run_dir)
+    _moe_load_plot(plt, out_dir, report, rows, marks)
 
 
 _CAUSE_COLOR = {"queue": "#bbbbbb", "startup": "#f0c05a", "productive": "#4c9a4c", "lost_steps": "#d9534f",
@@ -332,6 +333,20 @@ def _goodput_plot(plt, out_dir, report, run_dir) -> None:
     title = f"Attempts: goodput {100 * g['goodput']:.1f} %"
     ax.set_title(title, fontsize=10)
     _save(plt, fig, out_dir, Figure("goodput", title), report)
+
+
+def _moe_load_plot(plt, out_dir, report, rows, marks) -> None:
+    """Mixture of experts: the load balance per step, `moe_max_load` (the busiest expert's tokens over the mean,
+    the largest over layers; 1 is perfect balance) against that ideal, and the dropped tokens in the title.
+    Dense runs carry no such rows: no figure and no note."""
+    load = series(rows, "moe_max_load")
+    if not load[0]:
+        return
+    dropped = sum(int(r.get("moe_dropped_tokens") or 0) for r in rows)
+    title = "Expert load balance (max tokens per expert / mean)" + (f", {dropped} tokens dropped" if dropped else "")
+    ideal = ([load[0][0], load[0][-1]], [1.0, 1.0])
+    _step_plot(plt, out_dir, report, "moe_load", title, [("moe_max_load", load), ("balanced (1.0)", ideal)], marks,
+               "max / mean")
 
 
 def _memory_plot(plt, out_dir, report, rows, plan, summary, marks) -> None:

@@ -28,7 +28,7 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     assert summary["mode"] == "dry" and summary["model"] == "tiny" and summary["ok"] is True
     checks = summary["checks"]
     assert set(checks) == {"preflight", "train", "mfu", "model_state_bytes", "activations", "fp16_loss_scaling",
-                           "memory_levers"}
+                           "memory_levers", "moe"}
     assert all(c["ok"] for c in checks.values()), checks
     assert checks["train"]["steps"] == 4 and checks["train"]["tokens_per_s"] > 0
     states = checks["model_state_bytes"]
@@ -45,3 +45,7 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     act = checks["activations"]
     assert act["measured"] > 0 and abs(act["measured"] - act["plan"]) <= 0.1 * act["plan"]
     assert not list(run_dir.rglob("checkpoints"))  # checkpoints stay in the scratch folder
+    # The mixture-of-experts step (issue 26): tiny_moe forward and backward, its rows and model states computed.
+    moe = checks["moe"]
+    assert moe["steps"] == 3 and all(v >= 1.0 for v in moe["max_load"]) and all(v > 0 for v in moe["aux_loss"])
+    assert moe["model_states"] == moe["plan"] and moe["model_states"]["weights"] > 0

@@ -155,7 +155,7 @@ class Expert(nn.Module):
         """This tp rank's partial sum of the expert's output (no fc2 bias): [n, h]."""
         y = F.linear(x, self.fc1.weight, self.fc1.bias)
         if swiglu:
-            gate, up = y.view(*y.shape[:-1], -1, 2).unbind(-1)
+            gate, up = y.view(*y.shape[:-1], y.shape[-1] // 2, 2).unbind(-1)
             y = F.silu(gate) * up
         else:
             y = F.gelu(y, approximate=gelu_approximate)

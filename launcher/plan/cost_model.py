@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional
 
 from launcher.plan.levers import offload_seconds, recomputed_layers_per_rank
 from launcher.plan.model_size import padded_vocab
+from launcher.plan.moe import ep_degree, expert_ffn, is_moe, router_params
 from training.config import Config, derived_dp
 
 DEFAULT_PEAK_TFLOPS = {"cpu": 0.05, "cuda": 100.0}
@@ -146,6 +147,11 @@ def _layer_forward_flops(cfg: Config) -> Dict[str, float]:
     fc1 = 2 * f if m.activation == "swiglu" else f
     tokens = s * par.micro_batch
     weights = 2 * tokens * ((a + 2 * g) * hd * h + a * hd * h + fc1 * h + f * h) / par.tp
+    if is_moe(cfg):  # the router, and k experts per token (balanced over the ep ranks: k tokens' worth each)
+        fe = expert_ffn(m)
+        expert = (3 if m.activation == "swiglu" else 2) * fe * h
+        weights = 2 * tokens * (((a + 2 * g) * hd * h + a * hd * h + m.moe_top_k * expert) / par.tp
+                                + router_params(m))
     # QK^T and AV over the whole s x s, as launcher/plan/model_size.py counts them (a causal fused kernel skips
     # about half: the measured or configured rate absorbs that).
     attention = 4 * tokens * m.seq_length * a * hd / par.tp
@@ -159,7 +165,7 @@ def collective_counts(cfg: Config, m: int, dp: int, grad_bytes: float) -> Dict[s
     v = par.vpp if par.schedule == "interleaved_1f1b" else 1
     n_layers = mc.num_layers // p
     redo_layers = recomputed_layers_per_rank(cfg)
-    out = {"tp": 0, "pp": 0, "dp": 0, "cp": 0, "embedding": 0}
+    out = {"tp": 0, "pp": 0, "dp": 0, "cp": 0, "embedding": 0, "ep": 0}
     if t > 1:
         per_pass = 2 * (2 if par.sp else 1)  # sp: an all-gather and a reduce-scatter per all-reduce
         out["tp"] = m * ((2 * n_layers + redo_layers) * per_pass + 2 + 3) + (1 if par.sp else 0)
@@ -168,6 +174,8 @@ def collective_counts(cfg: Config, m: int, dp: int, grad_bytes: float) -> Dict[s
         out["embedding"] = 1 if mc.tie_embeddings else 0
     if par.cp > 1:
         out["cp"] = m * n_layers * 3 * (par.cp - 1)
+    if ep_degree(cfg) > 1:  # dispatch and combine per layer pass (launcher/plan/estimate.py comm_bytes_per_step)
+        out["ep"] = m * (2 * n_layers + redo_layers) * 2
     if dp > 1:
         buckets = max(1, math.ceil(grad_bytes / (par.bucket_mb * 2**20)))
         out["dp"] = buckets * (2 if par.zero >= 1 else 1)
@@ -175,8 +183,8 @@ def collective_counts(cfg: Config, m: int, dp: int, grad_bytes: float) -> Dict[s
 
 
 def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) -> Dict[str, float]:
-    """Seconds of one optimizer step by part (compute, recompute, bubble, optimizer, tp, cp, pp, embedding, dp)
-    and their sum under "total"; comm is comm_bytes_per_step's bytes, params_local the worst rank's parameters.
+    """Seconds of one optimizer step by part (compute, recompute, bubble, optimizer, tp, cp, pp, embedding, dp,
+    and ep for a mixture of experts over ep > 1: its all-to-alls) and their sum under "total"; comm is comm_bytes_per_step's bytes, params_local the worst rank's parameters.
 
     compute: the worst pipeline stage's m micro-batches (its layers forward + backward, the output layer and
     cross entropy on the last stage) at rates.flops plus rates.overhead_s per layer pass; recompute: the part
@@ -213,6 +221,8 @@ def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) 
     counts = collective_counts(cfg, m, dpc, comm.get("dp", 0))
     strides = {"tp": (1, par.tp), "cp": (par.tp, par.cp), "pp": (par.tp * par.cp, par.pp),
                "embedding": (par.tp * par.cp, par.pp), "dp": (par.tp * par.cp * par.pp, dp) if dp > 1 else (par.tp, par.cp)}
+    if ep_degree(cfg) > 1:  # the all-to-all among ep consecutive dp ranks
+        strides["ep"] = (par.tp * par.cp * par.pp, ep_degree(cfg))
     for kind, (stride, size) in strides.items():
         bw = group_bandwidth(stride, size, c.gpus_per_node, rates)
         parts[kind] = 0.0 if bw is None else comm.get(kind, 0) / bw + counts[kind] * rates.latency_s

@@ -21,6 +21,8 @@ from launcher.plan.model_size import (hardware_flops_per_step, layer_params, mod
 from launcher.plan.cost_model import Rates, cluster_rates, predict
 from launcher.plan.levers import (offload_bytes, recomputed_layers_per_rank, zero2_dp_bytes, zero3_dp_bytes,
                                  zero3_gathered_bytes)
+from launcher.plan.model_size import params_active
+from launcher.plan.moe import all_to_all_bytes, expert_dp
 from training.config import Config, derived_dp
 
 
@@ -42,7 +44,7 @@ def _ring(n: int, nbytes: float, kind: str) -> float:
     return factor * nbytes
 
 
-def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int) -> Dict[str, int]:
+def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int, experts_local: int = 0) -> Dict[str, int]:
     """Bytes each GPU sends per optimizer step, ring algorithms (worst rank). Returned keys:
 
     tp: per layer and micro-batch, 2 all-reduces forward and 2 backward of s b h activations (with sp: the
@@ -55,6 +57,10 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int) -> Dict[str,
     dp: over the dp x cp ranks: zero=0 all-reduce of the grads (n g bytes); zero=1 reduce-scatter of the padded grad buffer plus
       all-gather of the updated params; zero=2 the reduction once per micro-batch (levers.zero2_dp_bytes).
     embedding: all-reduce of the tied word-embedding grads between the first and last stage (pp > 1).
+    ep: mixture of experts over ep > 1: per MoE layer and micro-batch, two all-to-alls forward (tokens to their
+      experts' ranks and back), two backward, two more per recomputed forward (launcher/plan/moe.py
+      all_to_all_bytes). The experts_local expert parameters of n_local are reduced over the expert-data-parallel
+      group (dp x cp / ep ranks) instead of dp x cp, in the "dp" bytes.
     """
     mc, par = cfg.model, cfg.parallel
     prec = cfg.train.precision
@@ -82,19 +88,28 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int) -> Dict[str,
     cpb = m * n_layers * 3 * (cp - 1) * kv if cp > 1 else 0
     # Grads are reduced, and the distributed optimizer sharded, over dp x cp (the engine's dp_cp group).
     dpc = optimizer_shard_degree(cfg, dp)
-    if par.zero == 3:
-        dpb = zero3_dp_bytes(cfg, n_local, dpc, m, g, ab)
-    elif par.zero == 2:
-        dpb = zero2_dp_bytes(n_local, dpc, m, g, ab)
-    elif par.zero == 1:
-        padded = -(-n_local // dpc) * dpc
-        dpb = _ring(dpc, padded * g, "reduce_scatter") + _ring(dpc, padded * ab, "all_gather")
-    else:
-        dpb = _ring(dpc, n_local * g, "all_reduce")
+
+    def dp_traffic(n: int, group: int) -> float:
+        if par.zero == 3:
+            return zero3_dp_bytes(cfg, n, group, m, g, ab)
+        if par.zero == 2:
+            return zero2_dp_bytes(n, group, m, g, ab)
+        if par.zero == 1:
+            padded = -(-n // group) * group
+            return _ring(group, padded * g, "reduce_scatter") + _ring(group, padded * ab, "all_gather")
+        return _ring(group, n * g, "all_reduce")
+
+    dpb = dp_traffic(n_local - experts_local, dpc)
+    if experts_local:
+        dpb += dp_traffic(experts_local, expert_dp(cfg, dp))
+    epb = m * passes * 2 * all_to_all_bytes(cfg, ab)
     emb = 0
     if p > 1 and mc.tie_embeddings:
         emb = _ring(2, padded_vocab(mc.vocab_size, t) * h // t * g, "all_reduce")
-    return {"tp": int(tp), "pp": int(pp), "cp": int(cpb), "dp": int(dpb), "embedding": int(emb)}
+    out = {"tp": int(tp), "pp": int(pp), "cp": int(cpb), "dp": int(dpb), "embedding": int(emb)}
+    if epb:
+        out["ep"] = int(epb)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,6 +191,11 @@ class Plan:
     reserve_bytes: int = 0
     """GPU memory kept back from model states and activations (CUDA context, NCCL buffers, allocator
     fragmentation: launcher/plan/memory.py device_reserve_bytes); 0 on CPU. fits needs total + reserve."""
+    params_active: int = 0
+    """Parameters one token runs through (model_size.params_active): params_total for a dense model; a mixture
+    of experts counts moe_top_k of its num_experts experts per layer."""
+    ep: int = 1
+    """Expert-parallel degree (parallel.ep; 1 for a dense model)."""
 
     @property
     def headroom_bytes(self) -> int:
@@ -200,10 +220,17 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
     stages = []
     for st in range(par.pp):
         sp_ = stage_params(cfg, st)
-        mem = model_state_bytes(sp_.total, cfg.train.precision, par.zero, optimizer_shard_degree(cfg, dp))
+        mem = model_state_bytes(sp_.total - sp_.experts, cfg.train.precision, par.zero, optimizer_shard_degree(cfg, dp))
+        if sp_.experts:  # the experts' states shard over their own (expert-data-parallel) group
+            experts = model_state_bytes(sp_.experts, cfg.train.precision, par.zero, expert_dp(cfg, dp))
+            mem = {k: mem[k] + experts[k] for k in mem}
         mem["activations"] = stage_activation_bytes(cfg, st, m, profile)
         mem["zero3_gathered"] = zero3_gathered_bytes(cfg, st) if par.zero >= 3 else 0
         mem.update(offload_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp)))  # device optimizer bytes, host / files
+        if sp_.experts:  # dense and expert states, each sharded over its own group
+            dense = offload_bytes(cfg, sp_.total - sp_.experts, optimizer_shard_degree(cfg, dp))
+            experts = offload_bytes(cfg, sp_.experts, expert_dp(cfg, dp))
+            mem.update({k: dense[k] + experts[k] for k in dense})
         mem["total"] = mem["weights"] + mem["grads"] + mem["optimizer"] + mem["activations"] + mem["zero3_gathered"]
         stages.append(StagePlan(stage=st, params=sp_.total, memory_bytes=mem))
     worst = max(stages, key=lambda x: x.memory_bytes["total"])
@@ -212,7 +239,7 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
     gpu_bytes = gpu_memory_bytes(cfg)
     bub = bubble(par.pp, m, v)
     hw_flops = hardware_flops_per_step(cfg)
-    comm = comm_bytes_per_step(cfg, m, dp, worst.params)
+    comm = comm_bytes_per_step(cfg, m, dp, worst.params, stage_params(cfg, worst.stage).experts)
     rates = rates or cluster_rates(cfg)
     step = predict_step_seconds(cfg, comm, worst.params, rates)
     peak = cfg.cluster.peak_tflops * 1e12 if cfg.cluster.peak_tflops > 0 else rates.flops
@@ -252,6 +279,8 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
         tokens_per_s_per_gpu=per_gpu,
         mfu=mfu,
         peak_flops=peak,
+        params_active=params_active(cfg),
+        ep=getattr(par, "ep", 1) if mc.num_experts > 0 else 1,
     )
 
 
@@ -284,9 +313,12 @@ def format_plan(plan: Plan) -> str:
     mem = plan.memory_bytes
     rows = [
         ("layout", f"world {plan.world_size} = tp {plan.tp} x pp {plan.pp} x cp {plan.cp} x dp {plan.dp}"
-                   + (f", vpp {plan.vpp}" if plan.vpp > 1 else "")),
+                   + (f", vpp {plan.vpp}" if plan.vpp > 1 else "") + (f", ep {plan.ep} (inside dp)" if plan.ep > 1 else "")),
         ("batch", f"global {plan.global_batch} = micro {plan.micro_batch} x dp {plan.dp} x accum {plan.grad_accum}"),
-        ("parameters", f"{fmt_count(plan.params_total)} total, {fmt_count(plan.params_per_gpu)} on the worst GPU"
+        ("parameters", f"{fmt_count(plan.params_total)} total, "
+                       + (f"{fmt_count(plan.params_active)} active per token, " if plan.params_active != plan.params_total
+                          else "")
+                       + f"{fmt_count(plan.params_per_gpu)} on the worst GPU"
                        f" (stage {plan.worst_stage}); vocab padded to {plan.padded_vocab}"),
         ("weights", fmt_bytes(mem["weights"])),
         ("grads", fmt_bytes(mem["grads"])),

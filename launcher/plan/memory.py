@@ -15,6 +15,7 @@ from typing import Dict, Optional
 
 from launcher.plan.levers import recomputed_layers_per_rank, zero_bytes_per_param, zero_state_bytes
 from launcher.plan.model_size import padded_vocab
+from launcher.plan.moe import is_moe, moe_activation_elements
 from training.config import Config, derived_dp
 # Bytes per parameter: weights, gradients (fp32 main grads for bf16), optimizer (K); the engine allocates
 # from the same table.
@@ -134,8 +135,14 @@ def layer_activation_bytes(
     # Activations replicated over tp unless sp (norm inputs, QKV and fc1 inputs) and sharded by tp.
     act = 4 * sb * h // t_sp
     act += sb * (a * hd + 2 * kv_heads * hd + a * hd) // t
-    act += sb * (3 * f if m.activation == "swiglu" else 2 * f) // t
-    total = act * ab
+    moe_fp32 = 0
+    if is_moe(cfg):  # the experts' k copies of every token in place of the dense MLP (launcher/plan/moe.py)
+        moe = moe_activation_elements(cfg, sb, t)  # every tp rank routes the whole micro-batch, sp or not
+        act += moe["act"]
+        moe_fp32 = moe["fp32"]
+    else:
+        act += sb * (3 * f if m.activation == "swiglu" else 2 * f) // t
+    total = act * ab + moe_fp32 * 4
     if dropout:
         total += 2 * (sb * h // t_sp) * mb
     if profile.norm_stats:
@@ -251,5 +258,6 @@ def device_reserve_bytes(cfg: Config, gpu_bytes: int) -> int:
         return 0
     par = cfg.parallel
     comms = sum(1 for size in (par.tp, par.pp, par.cp, derived_dp(cfg)) if size > 1)
+    comms += 1 if cfg.model.num_experts > 0 and getattr(par, "ep", 1) > 1 else 0  # the ep all-to-all group
     return CUDA_CONTEXT_BYTES + comms * NCCL_COMM_BYTES + int(FRAGMENTATION * gpu_bytes)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional
 
+from launcher.plan.moe import active_mlp_params, expert_ffn, expert_params_per_layer, is_moe, router_params
 from training.config import Config
 from training.layout_rules import padded_vocab  # the engine's embedding rows: one definition for both
 
@@ -42,14 +43,22 @@ class LayerParams:
         return self.sharded + self.replicated
 
 
-def layer_params(cfg: Config, tp: Optional[int] = None) -> LayerParams:
-    """One layer on one tp rank: fused QKV (column), attention output (row), MLP fc1 (column), fc2 (row)."""
+def layer_params(cfg: Config, tp: Optional[int] = None, all_experts: bool = False) -> LayerParams:
+    """One layer on one tp rank: fused QKV (column), attention output (row), MLP fc1 (column), fc2 (row).
+
+    A mixture of experts (launcher/plan/moe.py) replaces the MLP: the router (replicated) and the rank's E/ep
+    experts (all E with all_experts), each split over tp like the dense MLP (expert fc2 biases included)."""
     m = cfg.model
     t = tp if tp is not None else cfg.parallel.tp
     h, a, g, f = m.hidden_size, m.num_attention_heads, m.query_groups, m.ffn
     hd = h // a
     qkv_out = (a + 2 * g) * hd
     fc1_out = 2 * f if m.activation == "swiglu" else f
+    if is_moe(cfg):
+        full_sharded = qkv_out * h + h * h + (qkv_out if m.bias else 0)
+        replicated = 2 * _norm_params(cfg) + (h if m.bias else 0) + router_params(m)
+        return LayerParams(sharded=full_sharded // t + expert_params_per_layer(cfg, t, all_experts),
+                           replicated=replicated)
     full_sharded = qkv_out * h + h * h + fc1_out * h + h * f
     if m.bias:
         full_sharded += qkv_out + fc1_out
@@ -69,6 +78,9 @@ class StageParams:
     """Word (vocab-parallel shard) and position embeddings, or the tied copy on the last stage."""
     head: int
     """Final norm and the untied output layer."""
+    experts: int = 0
+    """Of layer_params, the experts' elements (sharded over ep; their gradients and optimizer state belong to the
+    expert-data-parallel group, launcher/plan/moe.py)."""
 
     @property
     def total(self) -> int:
@@ -96,7 +108,8 @@ def stage_params(cfg: Config, stage: int) -> StageParams:
             head += word
         elif p > 1:
             embedding += word  # Megatron's tied copy on the last stage
-    return StageParams(layers=n_layers, layer_params=lp, embedding=embedding, head=head)
+    experts = n_layers * expert_params_per_layer(cfg, t)
+    return StageParams(layers=n_layers, layer_params=lp, embedding=embedding, head=head, experts=experts)
 
 
 def params_total(cfg: Config, tp: Optional[int] = None) -> int:
@@ -107,13 +120,24 @@ def params_total(cfg: Config, tp: Optional[int] = None) -> int:
     m = cfg.model
     t = tp if tp is not None else cfg.parallel.tp
     h = m.hidden_size
-    lp = layer_params(cfg, tp=1).total
+    lp = layer_params(cfg, tp=1, all_experts=True).total
     total = m.num_layers * lp + padded_vocab(m.vocab_size, t) * h + _norm_params(cfg)
     if m.position == "learned":
         total += m.seq_length * h
     if not m.tie_embeddings:
         total += padded_vocab(m.vocab_size, t) * h
     return total
+
+
+def params_active(cfg: Config, tp: Optional[int] = None) -> int:
+    """Parameters one token runs through: params_total with each layer's experts counted k times instead of E
+    times (a dense model: params_total). Mixtral 8x7B: 12.9B of 46.7B (docs/FORMULAS.md)."""
+    total = params_total(cfg, tp)
+    if not is_moe(cfg):
+        return total
+    m = cfg.model
+    all_experts = expert_params_per_layer(cfg, 1, all_experts=True)
+    return total - m.num_layers * (all_experts + router_params(m)) + m.num_layers * active_mlp_params(m)
 
 
 def narayanan_params(L: int, h: int, V: int, s: int) -> float:
@@ -133,11 +157,28 @@ def _forward_flops_per_token(cfg: Config) -> Dict[str, int]:
     hd = h // a
     fc1 = 2 * f if m.activation == "swiglu" else f
     weights = (a + 2 * g) * hd * h + a * hd * h + fc1 * h + f * h
+    if is_moe(cfg):  # the router and the k experts a token runs through (biases are not GEMMs)
+        weights = (a + 2 * g) * hd * h + a * hd * h + router_params(m) + m.moe_top_k * _expert_gemm(cfg)
     return {
         "layers": m.num_layers * 2 * weights,
         "attention": m.num_layers * 4 * s * a * hd,
         "logits": 2 * h * m.vocab_size,
     }
+
+
+def _expert_gemm(cfg: Config) -> int:
+    """Weight elements of one expert's GEMMs (no biases)."""
+    m = cfg.model
+    fe = expert_ffn(m)
+    return (3 if m.activation == "swiglu" else 2) * fe * m.hidden_size
+
+
+def model_flops_per_token(cfg: Config) -> int:
+    """Training FLOPs per token: 3 x the forward GEMMs (weights of the active parameters, attention scores,
+    logits). Without the attention term this is 6 x the active GEMM weights (Kaplan et al.'s 6N, with N the
+    active parameters less the embedding lookup and the norms)."""
+    fw = _forward_flops_per_token(cfg)
+    return 3 * (fw["layers"] + fw["attention"] + fw["logits"])
 
 
 def model_flops_per_step(cfg: Config) -> int:

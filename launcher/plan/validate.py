@@ -221,6 +221,9 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
 def _check_model(cfg: Config, out: List[Issue]) -> None:
     m = cfg.model
     out += _issues(rules.model_rules(m))
+    if m.num_experts > 0 and not m.moe_aux_loss_coeff >= 0:  # the rest of the MoE rules: layout_rules.moe_rules
+        out.append(Issue("error", "model.moe_aux_loss_coeff", f"must be >= 0 (0: no balance loss), got "
+                         f"{m.moe_aux_loss_coeff}", "model.moe_aux_loss_coeff=0.01"))
     if cfg.data.kind == "text" and m.vocab_size < 256:
         out.append(Issue("error", "model.vocab_size",
                          f"data.kind=text tokenizes to bytes and needs vocab_size >= 256, got {m.vocab_size}",
@@ -287,6 +290,7 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
                          f"make tp x pp x cp divide {ranks}, or set cluster.nodes / cluster.gpus_per_node", "world"))
         ok = False
     dp = derived_dp(cfg)
+    out += _issues(rules.moe_rules(m, getattr(par, "ep", 1), dp, t, cp, par.zero))  # mixture of experts, parallel.ep
     if dp >= 1:
         unit = par.micro_batch * dp
         batch = _issues(rules.batch_rules(par.global_batch, par.micro_batch, dp))
@@ -325,8 +329,9 @@ def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[
     def zero2(c: Config):
         return with_parallel(c, zero=2) if c.parallel.zero < 2 and derived_dp(c) > 1 else None
 
-    def zero3(c: Config):
-        return with_parallel(c, zero=3) if c.parallel.zero < 3 and derived_dp(c) > 1 else None
+    def zero3(c: Config):  # not with experts: the engine does not gather expert weights per unit (moe_rules)
+        ok = c.parallel.zero < 3 and derived_dp(c) > 1 and c.model.num_experts == 0
+        return with_parallel(c, zero=3) if ok else None
 
     def offload(kind: str):
         def change(c: Config):
@@ -357,7 +362,7 @@ def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[
     def more_pp(c: Config):
         d = derived_dp(c)
         p2 = c.parallel.pp * 2
-        if d % 2 or L % (p2 * c.parallel.vpp) or p2 > L:
+        if d % 2 or L % (p2 * c.parallel.vpp) or p2 > L or (d // 2) % getattr(c.parallel, "ep", 1):
             return None
         new = with_parallel(c, pp=p2, dp=(d // 2) if c.parallel.dp is not None else None)
         return new if new.parallel.global_batch % (new.parallel.micro_batch * (d // 2)) == 0 else None
@@ -368,6 +373,8 @@ def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[
         m = c.model
         if d % 2 or t2 > c.cluster.gpus_per_node or m.num_attention_heads % t2 or m.query_groups % t2 or m.ffn % t2:
             return None
+        if (d // 2) % getattr(c.parallel, "ep", 1) or (m.moe_ffn_hidden_size or m.ffn) % t2:
+            return None  # ep must still divide dp, and tp the expert width (moe_rules)
         return with_parallel(c, tp=t2, dp=(d // 2) if c.parallel.dp is not None else None)
 
     return [
@@ -384,7 +391,8 @@ def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[
         ("parallel.pp x 2 (dp / 2)", more_pp),
         ("parallel.tp x 2 (dp / 2)", more_tp),
         # Context parallelism for activation-bound layouts at long sequences (launcher/plan/context_memory.py).
-        ("parallel.cp x 2 (dp / 2)", lambda c: more_cp(c, derived_dp(c), make_plan(c).memory_bytes)),
+        ("parallel.cp x 2 (dp / 2)", lambda c: None if c.model.num_experts > 0 else  # experts: cp=1 (moe_rules)
+         more_cp(c, derived_dp(c), make_plan(c).memory_bytes)),
     ]
 
 

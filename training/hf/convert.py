@@ -1,7 +1,8 @@
 """meshrun parameters <-> Hugging Face tensors, both ways (names and layouts).
 
 meshrun's layouts (training/model.py): the fused qkv.weight [(a + 2g) d, h] holds, per query group j, the rows
-[q heads of j, k_j, v_j]; under swiglu fc1.weight [2f, h] interleaves rows gate_0, up_0, gate_1, ...; the
+[q heads of j, k_j, v_j]; under swiglu fc1.weight [2f, h] interleaves rows gate_0, up_0, gate_1, ... (each
+expert's `mlp.experts.{e}.fc1.weight` too, e the global expert index; `mlp.router.weight` is Mixtral's gate); the
 vocabulary dim of embedding.word.weight / output.weight is padded to a multiple of tp (the padding rows are
 zero and never exported). Hugging Face: GPT-2's Conv1D stores [in, out] (the transpose) and c_attn is
 [q | k | v] along out; Llama has separate q/k/v and gate/up projections. Rotary pairing is rotate-half on both
@@ -18,7 +19,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from training.hf.hf_config import GPT2
+from training.hf.hf_config import GPT2, MIXTRAL
 from training.hf.names import PREFIX
 
 Reader = Callable[[str, Optional[slice], Optional[slice]], torch.Tensor]
@@ -63,6 +64,9 @@ def to_hf(full: Dict[str, torch.Tensor], mc, family: str) -> Dict[str, torch.Ten
         out[b + "post_attention_layernorm.weight"] = m("mlp_norm.weight")
         out[b + "self_attn.q_proj.weight"], out[b + "self_attn.k_proj.weight"] = q, k
         out[b + "self_attn.v_proj.weight"], out[b + "self_attn.o_proj.weight"] = v, m("attn.proj.weight")
+        if family == MIXTRAL:
+            out.update(_mixtral_experts_to_hf(full, mc, i, b))
+            continue
         fc1 = m("mlp.fc1.weight").view(f, 2, h)
         out[b + "mlp.gate_proj.weight"], out[b + "mlp.up_proj.weight"] = fc1[:, 0], fc1[:, 1]
         out[b + "mlp.down_proj.weight"] = m("mlp.fc2.weight")
@@ -82,6 +86,18 @@ def to_hf(full: Dict[str, torch.Tensor], mc, family: str) -> Dict[str, torch.Ten
         out["lm_head.weight"] = full["output.weight"][:V]
     # safetensors stores each tensor on its own: contiguous copies, no views sharing storage.
     return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def _mixtral_experts_to_hf(full: Dict[str, torch.Tensor], mc, i: int, b: str) -> Dict[str, torch.Tensor]:
+    """Layer i's router and experts as Mixtral's gate and w1 (gate) / w3 (up) / w2 (down) per expert."""
+    h, fe = mc.hidden_size, mc.moe_ffn_hidden_size or mc.ffn
+    out = {b + "block_sparse_moe.gate.weight": full[f"layers.{i}.mlp.router.weight"]}
+    for e in range(mc.num_experts):
+        src, dst = f"layers.{i}.mlp.experts.{e}.", f"{b}block_sparse_moe.experts.{e}."
+        fc1 = full[src + "fc1.weight"].view(fe, 2, h)
+        out[dst + "w1.weight"], out[dst + "w3.weight"] = fc1[:, 0], fc1[:, 1]
+        out[dst + "w2.weight"] = full[src + "fc2.weight"]
+    return out
 
 
 # ---- import: this rank's slice of each meshrun parameter from the Hugging Face tensors ----------------
@@ -141,6 +157,17 @@ def local_from_hf(name: str, global_shape, tp_shard_dim: Optional[int], tp: int,
                 read(b + "attn.c_proj.weight", rows, None).t()
         return read(b + "self_attn.o_proj.bias", None, None) if kind == "bias" else \
             read(b + "self_attn.o_proj.weight", None, rows)
+    if rest.startswith("mlp.router."):  # replicated over tp
+        return read(b + "block_sparse_moe.gate.weight", None, None)
+    if rest.startswith("mlp.experts."):  # Mixtral: mlp.experts.{e}.fc1 / fc2 of global expert e
+        e, part = rest[len("mlp.experts."):].split(".", 1)
+        x = f"{b}block_sparse_moe.experts.{e}."
+        if part.startswith("fc1."):
+            hi_ = hi if hi is not None else global_shape[0]
+            half = slice(lo // 2, hi_ // 2)  # interleaved gate / up rows, as the dense fc1
+            gate, up = read(x + "w1.weight", half, None), read(x + "w3.weight", half, None)
+            return torch.stack([gate, up], 1).reshape(hi_ - lo, *gate.shape[1:])
+        return read(x + "w2.weight", None, rows)  # fc2: row-parallel, columns of w2
     if rest.startswith("mlp.fc1."):
         if gpt2:
             return read(b + "mlp.c_fc.bias", rows, None) if kind == "bias" else \

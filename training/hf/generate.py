@@ -35,8 +35,8 @@ def single_process_model(cfg, full: Dict[str, torch.Tensor], device: str = "cpu"
     from training.mesh import ProcessMesh
     from training.model import build_gpt
 
-    par = dataclasses.replace(cfg.parallel, tp=1, pp=1, vpp=1, cp=1, dp=1, sp=False, recompute="none",
-                              schedule="1f1b")
+    par = dataclasses.replace(cfg.parallel, tp=1, pp=1, vpp=1, cp=1, dp=1, ep=1, sp=False, recompute="none",
+                              schedule="1f1b")  # ep=1: every expert of a mixture on this one process
     one = dataclasses.replace(cfg, parallel=par)
     (chunk,) = build_gpt(one, ProcessMesh.single(device), dtype)
     with torch.no_grad():

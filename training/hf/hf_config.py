@@ -3,6 +3,9 @@
 - GPT-2 (GPT2LMHeadModel): LayerNorm with biases, GELU (exact or tanh), learned positions, multi-head attention.
 - Llama (LlamaForCausalLM): RMSNorm, SwiGLU, rotary positions (rotate-half pairing, meshrun's own), grouped-query
   attention, biases off (or on in every linear: attention_bias = mlp_bias), tied or untied embeddings.
+- Mixtral (MixtralForCausalLM): Llama's attention and norms, no biases, and a mixture of num_local_experts SwiGLU
+  experts of width intermediate_size per layer, num_experts_per_tok of them per token (meshrun's model.num_experts,
+  moe_top_k, moe_ffn_hidden_size; router_aux_loss_coef -> moe_aux_loss_coeff, overridable).
 
 Pure Python (no torch): the launcher reads config.json with it before a launch (train.init_from), and the
 export writes config.json with it. Anything either side cannot express is an HFError naming the field.
@@ -16,8 +19,9 @@ from typing import Any, Dict, List, Tuple
 
 GPT2 = "gpt2"
 LLAMA = "llama"
-ARCHITECTURES = {"GPT2LMHeadModel": GPT2, "LlamaForCausalLM": LLAMA}
-CLASS_OF = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
+MIXTRAL = "mixtral"
+ARCHITECTURES = {"GPT2LMHeadModel": GPT2, "LlamaForCausalLM": LLAMA, "MixtralForCausalLM": MIXTRAL}
+CLASS_OF = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", MIXTRAL: "MixtralForCausalLM"}
 CONFIG = "config.json"
 
 # GPT-2's activation_function values: the exact erf GELU, or the tanh approximation (transformers' ACT2FN).
@@ -58,11 +62,12 @@ def family_of(hf: Dict[str, Any], path: str) -> str:
         what = f"architectures={archs}"
     else:
         mt = hf.get("model_type")
-        if mt in (GPT2, LLAMA):
+        if mt in (GPT2, LLAMA, MIXTRAL):
             return mt
         what = f"model_type={mt!r}"
     raise HFError(f"{path}: {what} is not supported; meshrun imports and exports only GPT2LMHeadModel "
-                  f"(model_type gpt2) and LlamaForCausalLM (model_type llama): use a model of one of those classes")
+                  f"(model_type gpt2), LlamaForCausalLM (model_type llama) and MixtralForCausalLM (model_type "
+                  f"mixtral): use a model of one of those classes")
 
 
 def _rope_theta(hf: Dict[str, Any], path: str) -> float:
@@ -109,6 +114,8 @@ def model_fields_from_hf(hf: Dict[str, Any], path: str) -> Tuple[str, Dict[str, 
         }
         return family, fields, ()
     need("hidden_act", hf.get("hidden_act", "silu") == "silu", "meshrun's swiglu gates with SiLU")
+    if family == MIXTRAL:
+        return family, *_mixtral_fields(hf, path, need)
     need("mlp_bias", bool(hf.get("mlp_bias", False)) == bool(hf.get("attention_bias", False)),
          "meshrun has biases in every linear layer or in none: attention_bias and mlp_bias must agree")
     h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
@@ -125,6 +132,30 @@ def model_fields_from_hf(hf: Dict[str, Any], path: str) -> Tuple[str, Dict[str, 
     return family, fields, ("seq_length",)
 
 
+def _mixtral_fields(hf: Dict[str, Any], path: str, need) -> Tuple[Dict[str, Any], Tuple[str, ...]]:
+    """MixtralForCausalLM's fields: Llama's attention and norms without biases, the experts' shape; the aux-loss
+    weight and the capacity factor change no weight and stay overridable."""
+    h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    seq = int(hf.get("max_position_embeddings", 4096))
+    need("head_dim", hf.get("head_dim") in (None, h // heads) and h % heads == 0,
+         f"meshrun's head size is hidden_size / num_attention_heads = {h}/{heads}")
+    window = hf.get("sliding_window")
+    need("sliding_window", window is None or int(window) >= seq,
+         "meshrun's attention is full causal attention: use a model without a sliding window (sliding_window null)")
+    ffn = int(hf["intermediate_size"])
+    fields = {
+        "num_layers": int(hf["num_hidden_layers"]), "hidden_size": h, "num_attention_heads": heads,
+        "num_query_groups": int(hf.get("num_key_value_heads") or heads), "ffn_hidden_size": ffn,
+        "seq_length": seq, "vocab_size": int(hf["vocab_size"]), "norm": "rmsnorm", "activation": "swiglu",
+        "position": "rope", "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "bias": False,
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-5)), "rope_base": _rope_theta(hf, path),
+        "num_experts": int(hf.get("num_local_experts", 8)), "moe_top_k": int(hf.get("num_experts_per_tok", 2)),
+        "moe_ffn_hidden_size": ffn, "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)),
+        "moe_capacity_factor": 0.0,
+    }
+    return fields, ("seq_length", "moe_aux_loss_coeff", "moe_capacity_factor")
+
+
 def effective(field: str, fields: Dict[str, Any]) -> Any:
     """A field's meaning rather than its spelling: num_query_groups None is one group per head, ffn None is 4h."""
     value = fields.get(field)
@@ -132,6 +163,8 @@ def effective(field: str, fields: Dict[str, Any]) -> Any:
         return fields.get("num_attention_heads")
     if field == "ffn_hidden_size" and value is None:
         return 4 * fields.get("hidden_size", 0)
+    if field == "moe_ffn_hidden_size" and value is None:
+        return effective("ffn_hidden_size", fields)
     if hasattr(value, "value"):  # a choice Enum member
         return value.value
     return value
@@ -141,6 +174,14 @@ def family_for_model(mc) -> str:
     """The Hugging Face family of a meshrun ModelConfig, or an HFError naming each field that stands in the way."""
     pos, norm, act, bias = str(mc.position), str(mc.norm), str(mc.activation), bool(mc.bias)
     groups = mc.num_query_groups or mc.num_attention_heads
+    if getattr(mc, "num_experts", 0) > 0:  # a mixture of experts: Mixtral's shape or nothing
+        wrong = [f"model.{k}={v} (MixtralForCausalLM needs {need})" for k, v, need, ok in (
+            ("position", pos, "rope", pos == "rope"), ("norm", norm, "rmsnorm", norm == "rmsnorm"),
+            ("activation", act, "swiglu", act == "swiglu"), ("bias", bias, "false", not bias)) if not ok]
+        if wrong:
+            raise HFError(f"this mixture of experts has no Hugging Face class meshrun exports to: {'; '.join(wrong)}. "
+                          "MixtralForCausalLM: rope, rmsnorm, swiglu experts, no biases")
+        return MIXTRAL
     if pos == "learned":
         wrong = [f"model.{k}={v} (GPT2LMHeadModel needs {need})" for k, v, need, ok in (
             ("norm", norm, "layernorm", norm == "layernorm"), ("activation", act, "gelu", act == "gelu"),
@@ -184,6 +225,15 @@ def hf_config_from_model(mc, family: str, dtype: str, token_ids: Dict[str, Any] 
             # Both spellings: transformers 5 reads rope_parameters, earlier versions rope_theta.
             "rope_theta": mc.rope_base, "rope_parameters": {"rope_type": "default", "rope_theta": mc.rope_base},
         }
+    if family == MIXTRAL:  # Llama's keys less the biases, with the experts
+        for key in ("attention_bias", "mlp_bias"):
+            cfg.pop(key)
+        cfg.update({
+            "architectures": [CLASS_OF[MIXTRAL]], "model_type": MIXTRAL, "intermediate_size": mc.moe_ffn_hidden_size
+            or mc.ffn, "num_local_experts": mc.num_experts, "num_experts_per_tok": mc.moe_top_k,
+            "router_aux_loss_coef": mc.moe_aux_loss_coeff, "output_router_logits": False,
+            "router_jitter_noise": 0.0, "sliding_window": None,
+        })
     cfg.update(ids)
     cfg.update({"initializer_range": mc.init_std, "use_cache": True, "dtype": dtype, "torch_dtype": dtype})
     return cfg

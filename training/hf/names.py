@@ -3,15 +3,19 @@
 GPT2LMHeadModel keeps its weights under `transformer.` (checkpoints of the GPT2Model class have no prefix:
 `hf_name` accepts both when reading); Conv1D stores [in, out], the transpose of a Linear. LlamaForCausalLM
 keeps them under `model.`. A tied output layer has no tensor of its own (lm_head.weight is absent or ignored).
+MixtralForCausalLM is Llama's layout with `block_sparse_moe.gate` (the router, [E, h]) and, per expert e,
+`block_sparse_moe.experts.{e}.w1` (gate projection), `w3` (up), `w2` (down) in place of the MLP: the Hub's
+checkpoint format, which every transformers version reads (recent ones fuse the experts in memory at load and
+write this format back on save).
 """
 
 from __future__ import annotations
 
 from typing import Dict, Iterable, Optional, Tuple
 
-from training.hf.hf_config import GPT2
+from training.hf.hf_config import GPT2, MIXTRAL
 
-PREFIX = {GPT2: "transformer.", "llama": "model."}
+PREFIX = {GPT2: "transformer.", "llama": "model.", MIXTRAL: "model."}
 
 
 def expected_shapes(mc, family: str) -> Dict[str, Tuple[int, ...]]:
@@ -47,6 +51,11 @@ def expected_shapes(mc, family: str) -> Dict[str, Tuple[int, ...]]:
                 b + "input_layernorm.weight": (h,), b + "post_attention_layernorm.weight": (h,),
                 b + "self_attn.q_proj.weight": (a * d, h), b + "self_attn.k_proj.weight": (g * d, h),
                 b + "self_attn.v_proj.weight": (g * d, h), b + "self_attn.o_proj.weight": (h, a * d),
+            })
+            if family == MIXTRAL:
+                out.update(_mixtral_moe_shapes(mc, b))
+                continue
+            out.update({
                 b + "mlp.gate_proj.weight": (f, h), b + "mlp.up_proj.weight": (f, h),
                 b + "mlp.down_proj.weight": (h, f),
             })
@@ -59,6 +68,16 @@ def expected_shapes(mc, family: str) -> Dict[str, Tuple[int, ...]]:
         out[p + "norm.weight"] = (h,)
     if not mc.tie_embeddings:
         out["lm_head.weight"] = (V, h)
+    return out
+
+
+def _mixtral_moe_shapes(mc, b: str) -> Dict[str, Tuple[int, ...]]:
+    """One Mixtral layer's router and experts (names under the layer's prefix b)."""
+    h, fe = mc.hidden_size, mc.moe_ffn_hidden_size or mc.ffn
+    out: Dict[str, Tuple[int, ...]] = {b + "block_sparse_moe.gate.weight": (mc.num_experts, h)}
+    for e in range(mc.num_experts):
+        x = f"{b}block_sparse_moe.experts.{e}."
+        out.update({x + "w1.weight": (fe, h), x + "w3.weight": (fe, h), x + "w2.weight": (h, fe)})
     return out
 
 
