@@ -38,8 +38,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from training.events import read_events  # noqa: E402
-from training.slurm_env import SlurmUnavailable, slurm_command  # noqa: E402
+from training.contract.rundir.events import read_events  # noqa: E402
+from training.contract.slurm_env import SlurmUnavailable, slurm_command  # noqa: E402
 
 STEPS = 16
 REQUEUE_VS_BARE = 1.6

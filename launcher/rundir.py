@@ -10,16 +10,16 @@ import sys
 
 import yaml  # PyYAML, which OmegaConf itself depends on
 
-from training.config import Config, config_to_dict
-from training.run_files import write_atomic
-from training.secret_env import split_given, write_secrets
+from training.contract.config import Config, config_to_dict
+from training.contract.rundir.files import write_atomic
+from training.contract.rundir.secret_env import split_given, write_secrets
 
 
 def write_config(cfg: Config, run_dir: str) -> None:
     """run_dir/config.json (what every rank reads) and run_dir/config.yaml (the same for people, docs/USER_CONTRACTS.md),
     each written to a temporary name and renamed (a reader never sees half a file). Secret env values
     (cluster.secret_keys) are replaced by a placeholder and kept in run_dir/secrets.json (0600), with the
-    values the command line gave for placeholders (launcher/secret_args.py)."""
+    values the command line gave for placeholders (launcher/cli/secret_args.py)."""
     os.makedirs(run_dir, exist_ok=True)
     public, secret = split_given(cfg.cluster.env, cfg.cluster.secret_keys)
     write_secrets(run_dir, secret)
@@ -76,9 +76,9 @@ def claim_run_dir(run_dir: str, multirun: bool = False):
     """Before a launch reads or writes run_dir: (the lock now held, None), or for a sweep point that cannot
     have it (None, the point's "invalid" result); a single run exits 2 with the reason (a control character
     in the path, or another live run holding the directory, named)."""
-    from launcher.status import job_alive
-    from training.exit_codes import EXIT_INVALID
-    from training.run_lock import RunLocked, acquire
+    from launcher.manage.status import job_alive
+    from training.contract.exit_codes import EXIT_INVALID
+    from training.contract.rundir.lock import RunLocked, acquire
 
     problem = path_problem(run_dir) or foreign_problem(run_dir)
     if not problem:
@@ -103,8 +103,8 @@ _RUN_MARKERS = (".meshrun.lock", "events.jsonl", "plan.json", "checkpoints")
 def foreign_problem(run_dir: str) -> str:
     """"" for a new, empty or meshrun run directory; else why a launch must not write there: a directory
     meshrun did not create (a model download, a project folder) would lose its own config.json, and a
-    symbolic link among the files meshrun writes would send a write outside run.dir (training/run_files.py)."""
-    from training.run_files import links_in
+    symbolic link among the files meshrun writes would send a write outside run.dir (training/contract/rundir/files.py)."""
+    from training.contract.rundir.files import links_in
 
     if os.path.islink(run_dir):
         return (f"run.dir={run_dir} is a symbolic link: meshrun writes a run only into a real directory. Give the "

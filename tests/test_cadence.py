@@ -15,7 +15,7 @@ import pytest
 from launcher.plan.cadence import (advise, expected_goodput, resolve, simulate_goodput, young_interval_s)
 from launcher.plan.validate import validate
 from test_plan import compose_cfg
-from training.config import checkpoint_minutes
+from training.contract.config import checkpoint_minutes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODE_MTBF_H = 10_000.0

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from launcher import status as status_mod
+from launcher.manage import status as status_mod
 from training.checkpoint.storage import step_dir, verify
-from training.events import read_events
+from training.contract.rundir.events import read_events
 
 import test_slurm_cluster
 from test_slurm_cluster import ROOT, meshrun

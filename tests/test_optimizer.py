@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from training.config import Config
-from training.mesh import ProcessMesh
+from training.contract.config import Config
+from training.parallel.mesh import ProcessMesh
 from training.optim import DistributedOptimizer
 
 STEPS = 3

@@ -30,8 +30,8 @@ from launcher.plan.model_size import (
     stage_params,
 )
 from launcher.plan.estimate import bubble, make_plan, with_parallel
-from launcher.schema import register
-from training.config import Config
+from launcher.cli.schema import register
+from training.contract.config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 register()
@@ -269,6 +269,6 @@ def test_comm_volumes():
 
 
 def test_launcher_imports_no_torch():
-    code = ("import sys; import launcher.plan.estimate, launcher.plan.validate, launcher.planning, launcher.sweep, launcher.app; "
+    code = ("import sys; import launcher.plan.estimate, launcher.plan.validate, launcher.plan.gate, launcher.sweep.summary, launcher.cli.app; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

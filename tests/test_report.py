@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from launcher.report import build_report, sweep_points
-from training.events import append_event
+from launcher.manage.report import build_report, sweep_points
+from training.contract.rundir.events import append_event
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
@@ -28,7 +28,7 @@ RUN_PLOTS = {"loss", "lr", "tokens_per_s", "mfu", "step_times", "memory"}
 
 
 def rows_of(path: str) -> list:
-    """The JSON lines of a file as the test reads them itself (no helper of launcher/report.py)."""
+    """The JSON lines of a file as the test reads them itself (no helper of launcher/manage/report.py)."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 

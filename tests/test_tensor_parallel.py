@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from dist_harness import run_distributed
-from training.config import Config
-from training.mesh import ProcessMesh
-from training.model import GPTChunk, build_gpt, chunk_layer_ids, keyed_dropout
+from training.contract.config import Config
+from training.parallel.mesh import ProcessMesh
+from training.model.gpt import GPTChunk, build_gpt, chunk_layer_ids, keyed_dropout
 from training.optim.model_parallel import allreduce_sequence_parallel_grads
 from training.parallel.layers import vocab_parallel_cross_entropy
 

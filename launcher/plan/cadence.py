@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from launcher.plan.model_size import params_total
-from training.config import Config
-from training.events import read_events
-from training.precision import OPTIMIZER_BYTES, PARAM_BYTES
+from training.contract.config import Config
+from training.contract.rundir.events import read_events
+from training.contract.precision import OPTIMIZER_BYTES, PARAM_BYTES
 
 DEFAULT_WRITE_GBPS_PER_NODE = 1.0
 """Checkpoint write rate per node when cluster.checkpoint_write_gbps is 0 (an assumption: docs/COST_MODEL.md)."""

@@ -21,7 +21,7 @@ from launcher.plan.model_size import (hardware_flops_per_step, layer_params, mod
 from launcher.plan.cost_model import Rates, cluster_rates, predict
 from launcher.plan.levers import (offload_bytes, recomputed_layers_per_rank, zero2_dp_bytes, zero3_dp_bytes,
                                  zero3_gathered_bytes)
-from training.config import Config, derived_dp
+from training.contract.config import Config, derived_dp
 
 
 # --------------------------------------------------------------------------------------------------

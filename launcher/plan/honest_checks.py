@@ -14,7 +14,7 @@ import dataclasses
 import math
 from typing import List, Optional
 
-from training.config import ClusterConfig, Config, derived_dp
+from training.contract.config import ClusterConfig, Config, derived_dp
 
 PIPELINE_IDLE_WARN = 0.25
 """A pipeline idle longer than this share of the wall clock (the bubble (p-1)/(v m + p-1)) is warned about."""
@@ -103,7 +103,7 @@ def _operations_issues(cfg: Config) -> list:
     import shutil
 
     from launcher.plan.validate import Issue
-    from launcher.shared_fs import shared_verdict
+    from launcher.launch.shared_fs import shared_verdict
 
     out = []
     t, c = cfg.train, cfg.cluster

@@ -3,17 +3,17 @@
 
 Kept apart from memory.py / estimate.py so that the formulas of each lever sit in one place; those modules
 call in here when a config uses a lever. Bytes follow the engine's allocations exactly (training/optim/
-grad_shard.py, training/model.py) and docs/FORMULAS.md gives the published forms (ZeRO paper, Megatron).
+grad_shard.py, training/model/gpt.py) and docs/FORMULAS.md gives the published forms (ZeRO paper, Megatron).
 """
 
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-from training.config import Config
-from training.precision import GRAD_BYTES, OFFLOAD_BLOCK_ELEMS, OPTIMIZER_BYTES, PARAM_BYTES
+from training.contract.config import Config
+from training.contract.precision import GRAD_BYTES, OFFLOAD_BLOCK_ELEMS, OPTIMIZER_BYTES, PARAM_BYTES
 
-from training.layout_rules import ZERO_STAGES as ENGINE_ZERO_STAGES  # the planner accepts exactly these
+from training.contract.layout_rules import ZERO_STAGES as ENGINE_ZERO_STAGES  # the planner accepts exactly these
 
 
 def zero_state_bytes(n: int, precision: str, zero: int, dp: int) -> Dict[str, int]:
@@ -32,7 +32,7 @@ def zero_state_bytes(n: int, precision: str, zero: int, dp: int) -> Dict[str, in
 
 
 def zero3_units(cfg: Config, stage: int) -> List[int]:
-    """Elements of each zero=3 gather unit of one rank of pipeline stage `stage` (training/model.py's
+    """Elements of each zero=3 gather unit of one rank of pipeline stage `stage` (training/model/gpt.py's
     param_units: the embedding, each layer, the final norm with the output layer)."""
     from launcher.plan.model_size import layer_params, padded_vocab, stage_params
 

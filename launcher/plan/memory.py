@@ -15,10 +15,10 @@ from typing import Dict, Optional
 
 from launcher.plan.levers import recomputed_layers_per_rank, zero_bytes_per_param, zero_state_bytes
 from launcher.plan.model_size import padded_vocab
-from training.config import Config, derived_dp
+from training.contract.config import Config, derived_dp
 # Bytes per parameter: weights, gradients (fp32 main grads for bf16), optimizer (K); the engine allocates
 # from the same table.
-from training.precision import GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
+from training.contract.precision import GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
 
 
 # --------------------------------------------------------------------------------------------------
@@ -74,7 +74,7 @@ class DeviceProfile:
     flash_with_dropout: bool = True
     """Fused attention supports attention dropout; if not, dropout > 0 falls back to the math path."""
     softmax_fp32: bool = False
-    """Math attention's softmax runs in fp32 and saves its fp32 output (training/model.py); at 16 bits the
+    """Math attention's softmax runs in fp32 and saves its fp32 output (training/model/gpt.py); at 16 bits the
     cast copy the next matmul (or the dropout) takes is saved besides it."""
 
 

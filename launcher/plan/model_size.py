@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from training.config import Config
-from training.layout_rules import padded_vocab  # the engine's embedding rows: one definition for both
+from training.contract.config import Config
+from training.contract.layout_rules import padded_vocab  # the engine's embedding rows: one definition for both
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ Slurm shows idle again (an administrator resumed it) is re-admitted. A node that
 again. The full count is the one of the run's last submission (`submitted` event).
 
 Every node count from min_nodes to cluster.nodes is validated with the planner before the first submission
-(`elastic_checks`, called by launcher/planning.py), so a resize can never produce a layout that does not fit
+(`elastic_checks`, called by launcher/plan/gate.py), so a resize can never produce a layout that does not fit
 or does not divide the batch. The one function that changes a run's layout is `apply_resize`: config.json
 (cluster.nodes, and parallel.dp when it was given), plan.json, and a `shrunk` or `grown` event with the old
 and new layouts.
@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from training.config import Config, derived_dp
-from training.events import append_event
+from training.contract.config import Config, derived_dp
+from training.contract.rundir.events import append_event
 
 UNUSABLE = {"down", "drain", "drng", "drained", "draining", "fail", "failg", "failing", "maint", "inval", "futr",
             "future", "unk", "unknown", "npc", "pow_dn", "powered_down", "powering_down", "reboot"}
@@ -122,7 +122,7 @@ def _state(raw: str) -> str:
 
 def node_states(partition: str) -> Dict[str, str]:
     """Node -> short state of every node of the partition (sinfo %t); {} when Slurm cannot answer."""
-    from training.slurm_env import SlurmUnavailable, slurm_command
+    from training.contract.slurm_env import SlurmUnavailable, slurm_command
 
     try:
         res = slurm_command(["sinfo", "-h", "-N", "-p", partition, "-o", "%N %t"])
@@ -266,7 +266,7 @@ def apply_resize(run_dir: str, r: Resize, **fields: Any) -> None:
 
 def job_end_time(job: str) -> Optional[float]:
     """When this job's time limit ends (Unix seconds), or None (no limit, or Slurm cannot say)."""
-    from training.slurm_env import SlurmUnavailable, slurm_command
+    from training.contract.slurm_env import SlurmUnavailable, slurm_command
 
     try:
         out = slurm_command(["squeue", "-h", "-j", job, "-o", "%e"]).stdout.strip()

@@ -22,9 +22,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence
 
-from launcher.procs import PROJECT_ROOT, engine_env
-from training.config import ClusterConfig, Config
-from training.exit_codes import EXIT_FAILED
+from launcher.launch.processes import PROJECT_ROOT, engine_env
+from training.contract.config import ClusterConfig, Config
+from training.contract.exit_codes import EXIT_FAILED
 
 JOB_NAME = "meshrun"
 
@@ -183,7 +183,7 @@ def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> Li
     """Batch-script lines before srun: exports (quoted), then the prologue that sets attempt and rendezvous.
     code_root (default: the code this process runs) goes first on PYTHONPATH: the submission's snapshot
     (launcher/slurm/snapshot.py), so every attempt runs the code as it was at submission. Secret env values
-    are not in the script: each rank reads them (training/secret_env.py)."""
+    are not in the script: each rank reads them (training/contract/rundir/secret_env.py)."""
     lines = run_dir_lines(run_dirs) + [
         f"export PYTHONPATH={shlex.quote(code_root or PROJECT_ROOT)}${{PYTHONPATH:+:$PYTHONPATH}}",
         # `python -m` would otherwise put the working directory (often the checkout) ahead of PYTHONPATH.

@@ -39,14 +39,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training.checkpoint import signals, storage
+from training.checkpoint import storage
+from training.run import signals
 from training.checkpoint.layout import (Piece, exact_storage, param_info, pieces_for, to_load_state_dict,
                                         to_state_dict)
 from training.checkpoint.staging import HostStager
 from training.checkpoint.storage import CheckpointError
-from training.config import Config, checkpoint_minutes, config_to_dict
-from training.events import append_event
-from training.exit_codes import EXIT_STOPPED
+from training.contract.config import Config, checkpoint_minutes, config_to_dict
+from training.contract.rundir.events import append_event
+from training.contract.exit_codes import EXIT_STOPPED
 from training.optim import SCALARS
 from training.optim.model_parallel import TIED_EMBEDDING
 

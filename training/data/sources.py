@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import numpy as np
 
-from training.config import Config
+from training.contract.config import Config
 
 if TYPE_CHECKING:  # annotations only: the module itself stays importable without torch
     import torch

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from training.events import append_event
+from training.contract.rundir.events import append_event
 from training.preflight.gpu_nvml import _BAD_THROTTLE, _try as _try_nvml
 
 HEALTH_FILE = "health.jsonl"

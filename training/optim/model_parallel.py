@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterable, List
 import torch
 import torch.distributed as dist
 
-from training.layout_rules import sequence_parallel_on
+from training.contract.layout_rules import sequence_parallel_on
 
 TIED_EMBEDDING = "embedding.word.weight"
 """The parameter name the first and the last pipeline stage share when embeddings are tied."""

@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from training.config import Config
+from training.contract.config import Config
 from training.optim.adamw import ShardedAdamW
 from training.optim.flat import FlatLayout, Segment
 from training.optim.grad_buffer import GradBuffer
@@ -35,7 +35,7 @@ from training.optim.loss_scaler import LossScaler
 from training.optim.model_parallel import ModelParallelGradSync
 from training.optim.param_gather import ParamGather
 from training.optim.zero3 import Zero3Params
-from training.precision import grad_dtype, check_precision
+from training.contract.precision import grad_dtype, check_precision
 from training.parallel.collectives import all_gather_single
 
 SCALARS = ("step_count", "loss_scale", "good_steps")

@@ -18,10 +18,10 @@ import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
-from training.config import Config, load_config
-from training.events import append_event
+from training.contract.config import Config, load_config
+from training.contract.rundir.events import append_event
 from training.preflight import collectives, gpu_nvml, ib_sysfs, matmul, os_tunables
-from training.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK
+from training.contract.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK
 from training.preflight.report import (FAIL, NODE_DIR, Check, Report, checks_from_dicts, fail,
                                        format_table, ok)
 
@@ -115,7 +115,7 @@ def run(cfg: Config, run_dir: str) -> Report:
             json.dump([c.to_dict() for c in own], f, indent=1, default=str)
 
     on_gpu = cl.device == "cuda"
-    from training.mesh import local_cuda_index
+    from training.parallel.mesh import local_cuda_index
 
     device = f"cuda:{local_cuda_index(local_rank)}" if on_gpu else "cpu"
     created = False
@@ -229,7 +229,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_INVALID
     run_dir = argv[0]
     cfg = load_config(os.path.join(run_dir, "config.json"))
-    from training.slurm_env import apply_slurm_env
+    from training.contract.slurm_env import apply_slurm_env
 
     apply_slurm_env()  # srun starts this module directly: RANK & co., MASTER_ADDR/PORT from SLURM_*
     return finish(run(cfg, run_dir), run_dir, int(os.environ.get("RANK", 0)))

@@ -1,0 +1,284 @@
+"""`meshrun action=status run.dir=D`: one JSON object on stdout (state, job_id, attempt, last_step,
+excluded_nodes; step, total_steps, eta_s, last_loss, tokens_per_s, log: launcher/manage/progress.py), from
+events.jsonl, metrics.jsonl, checkpoints/latest and squeue/sacct; status.format=table prints a table instead. D may also be
+a sweep directory (it holds sweep.json): then the object lists every point's status and counts the states.
+
+Also the small readers the Slurm driver shares (last step, the job chain in events.jsonl)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+from typing import Any, Dict, List, Optional
+
+from training.contract.rundir.events import EVENTS_FILE, read_events
+from training.contract.exit_codes import EXIT_INVALID
+from training.contract.slurm_env import SlurmUnavailable, slurm_command
+
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+                "BOOT_FAIL", "DEADLINE"}
+
+
+def last_metrics_step(run_dir: str) -> Optional[int]:
+    """Step of the last complete line of metrics.jsonl."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def last_checkpoint_step(run_dir: str) -> Optional[int]:
+    """Step named by checkpoints/latest ("step_<N>")."""
+    try:
+        with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
+            m = re.search(r"(\d+)", f.read())
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
+def last_step(run_dir: str) -> Optional[int]:
+    steps = [s for s in (last_metrics_step(run_dir), last_checkpoint_step(run_dir)) if s is not None]
+    return max(steps) if steps else None
+
+
+def current_job_id(events: List[Dict[str, Any]]) -> Optional[str]:
+    """The newest Slurm job of the run: the last submitted or resubmitted one."""
+    job = None
+    for ev in events:
+        if ev.get("event") == "submitted" and ev.get("job_id") not in (None, "local"):
+            job = str(ev["job_id"])
+        if ev.get("event") == "requeued" and ev.get("new_job_id"):
+            job = str(ev["new_job_id"])
+    return job
+
+
+def job_log_dir(run_dir: str, job: str) -> str:
+    """Where submitit keeps a job's logs: recorded at submission (a sweep's job array shares the sweep's
+    folder); a resubmitted job's are in run_dir/submitit."""
+    for ev in read_events(run_dir):
+        if ev.get("event") == "submitted" and str(ev.get("job_id")) == job and ev.get("log_dir"):
+            return str(ev["log_dir"])
+    return os.path.join(run_dir, "submitit")
+
+
+def excluded_nodes(events: List[Dict[str, Any]]) -> List[str]:
+    out: List[str] = []
+    for ev in events:
+        if ev.get("event") in ("submitted", "requeued") and "excluded_nodes" in ev:
+            out = list(ev["excluded_nodes"])
+    return out
+
+
+RETRY_CAUSES = ("failure", "no_progress", "save_failed")
+"""Requeue causes that spend one of cluster.max_retries: a failure, a stop that saved nothing newer than the
+previous attempt (else a job stopped by every signal before its first save would requeue forever), a save
+that failed on an I/O error. A stop after new progress (preemption, time limit) costs nothing."""
+
+
+def retries_used(events: List[Dict[str, Any]]) -> int:
+    """Requeues and resubmissions that count against cluster.max_retries so far (RETRY_CAUSES)."""
+    return sum(1 for ev in events if ev.get("event") == "requeued" and ev.get("cause") in RETRY_CAUSES)
+
+
+def job_alive(job_id: str) -> Optional[bool]:
+    """Whether Slurm still holds the job (pending, running, requeued, completing): True/False, or None
+    when Slurm cannot answer (the run lock then counts the job as alive, training/contract/rundir/lock.py)."""
+    try:
+        res = slurm_command(["squeue", "-h", "-r", "-j", job_id, "-o", "%T"])
+    except SlurmUnavailable:
+        return None
+    if res.returncode != 0:
+        return False if "Invalid job id" in res.stderr else None
+    states = res.stdout.split()
+    return any(s not in FINAL_STATES for s in states)
+
+
+def _run(cmd: List[str]) -> str:
+    """A Slurm query's output; "" when Slurm cannot answer (the run's state then comes from its events)."""
+    try:
+        return slurm_command(cmd).stdout
+    except SlurmUnavailable:
+        return ""
+
+
+SLURM_QUERIES = [0]
+"""squeue/sacct calls made by slurm_states so far (a sweep's status makes at most two, whatever its size)."""
+
+
+def slurm_states(job_ids: List[str]) -> Dict[str, str]:
+    """Job id -> PENDING, RUNNING, ... for many jobs at once: one squeue call for all of them, then one sacct
+    call for those that have left the queue. Jobs Slurm does not know (yet) are left out."""
+    jobs = sorted(set(job_ids))
+    out: Dict[str, str] = {}
+    if not jobs:
+        return out
+    SLURM_QUERIES[0] += 1
+    # -r: one line per array task ("<array>_<task>", the ids meshrun records); unknown ids are ignored.
+    for line in _run(["squeue", "-h", "-r", "-j", ",".join(jobs), "-o", "%i %T"]).splitlines():
+        jid, _, state = line.strip().partition(" ")
+        if jid in jobs and state and jid not in out:
+            out[jid] = state.strip()
+    missing = [j for j in jobs if j not in out]
+    if missing:
+        SLURM_QUERIES[0] += 1
+        for line in _run(["sacct", "-n", "-X", "-P", "-j", ",".join(missing), "-o", "JobID,State"]).splitlines():
+            jid, _, state = line.partition("|")
+            if jid.strip() in missing and state:
+                out[jid.strip()] = state.split()[0]  # "CANCELLED by 0" -> CANCELLED
+    return out
+
+
+def slurm_state(job_id: str) -> Optional[str]:
+    """PENDING, RUNNING, ... from squeue, or from sacct once the job has left the queue."""
+    return slurm_states([job_id]).get(job_id)
+
+
+def _local_launcher_alive(started: Dict[str, Any]) -> bool:
+    """False only when the started event names a launcher on this host that no longer runs (killed -9,
+    machine rebooted): then nothing will ever write the run's end. Unknown cases count as alive."""
+    pid = started.get("launcher_pid")
+    if pid is None or socket.gethostname() not in started.get("nodes", []):
+        return True
+    try:
+        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    return b"launcher" in cmdline or b"meshrun" in cmdline  # the pid may have been reused by another program
+
+
+def run_status(run_dir: str, states: Optional[Dict[str, str]] = None,
+               events: Optional[List[Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """The status of one run; states: Slurm's states already asked for (a sweep asks once for all its jobs)."""
+    from launcher.manage.cancel import cancelled_event
+
+    events = read_events(run_dir) if events is None else events
+    job = current_job_id(events)
+    attempt = max((int(ev.get("attempt", 0)) for ev in events if ev.get("event") == "started"), default=None)
+    state = None
+    reason = None
+    last = events[-1] if events else {}
+    cancelled = cancelled_event(events)
+    if last.get("event") == "completed":
+        state = "COMPLETED"
+    elif cancelled is not None:
+        state, reason = "CANCELLED", cancelled.get("reason")
+    elif last.get("event") == "stopped":
+        state, reason = "FAILED", last.get("reason")
+    elif job is not None:
+        state = states.get(job) if states is not None else slurm_state(job)
+        if state is None:
+            state = "PENDING"  # accepted by sbatch but not yet visible (sacct lags)
+        elif state == "PENDING" and last.get("event") == "requeued":
+            state = "REQUEUED"
+    else:
+        # A local run: the launcher's own events decide; the ranks' (checkpoint, signal, ...) come between.
+        life = [ev for ev in events if ev.get("event") in ("started", "completed", "failed", "stopped")]
+        state = {"started": "RUNNING", "failed": "FAILED"}.get(life[-1]["event"]) if life else None
+        if state == "FAILED":
+            reason = life[-1].get("reason")  # the launcher's own words: which rank, its code, its log
+        if state == "RUNNING" and not _local_launcher_alive(life[-1]):
+            state = "FAILED"
+            reason = (f"the local launcher (pid {life[-1]['launcher_pid']}) ended without recording how; "
+                      "run again with the same run.dir to resume from the last checkpoint")
+    out = {
+        "state": state or "UNKNOWN",
+        "job_id": job if job is not None else (last.get("job_id") if last else None),
+        "attempt": attempt,
+        "last_step": last_step(run_dir),
+        "excluded_nodes": excluded_nodes(events),
+    }
+    if reason:
+        out["reason"] = reason
+    from launcher.manage.logs import current_log
+    from launcher.manage.progress import progress_fields
+
+    out.update(progress_fields(run_dir, out["state"], current_log(run_dir, 0, events)))
+    current = current_layout(run_dir)
+    if current is not None:
+        out["layout"] = current
+    return out
+
+
+def current_layout(run_dir: str) -> Optional[Dict[str, Any]]:
+    """The layout the run trains with now (config.json, which an elastic resize rewrites: nodes, ranks, tp, pp,
+    cp, dp, zero, micro/global batch, grad_accum); None without a readable config.json."""
+    from launcher.slurm.elastic import layout
+    from training.contract.config import load_config
+
+    try:
+        return layout(load_config(os.path.join(run_dir, "config.json")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+SWEEP_FILE = "sweep.json"
+
+
+def sweep_status(sweep_dir: str) -> Dict[str, Any]:
+    """Every point of a sweep: the run's status for launched points, SKIPPED with the reason for the
+    points the sweep left out (invalid, did not fit, refused), and how many points are in each state."""
+    with open(os.path.join(sweep_dir, SWEEP_FILE)) as f:
+        sweep = json.load(f)
+    # One Slurm query for every job of the sweep (not one per point): a 1,000-point sweep answers as fast as one.
+    events_of = {row["run_dir"]: read_events(row["run_dir"]) for row in sweep.get("feasible", [])
+                 if row.get("run_dir") and os.path.exists(os.path.join(row["run_dir"], EVENTS_FILE))}
+    states = slurm_states([j for j in (current_job_id(evs) for evs in events_of.values()) if j is not None])
+    points = []
+    for skipped, rows in ((False, sweep.get("feasible", [])), (True, sweep.get("infeasible", []))):
+        for row in rows:
+            point = {"num": row.get("num"), "overrides": row.get("overrides", [])}
+            run_dir = row.get("run_dir")
+            if skipped:
+                point.update(state="SKIPPED", reason=row.get("reason", row.get("status", "")))
+            elif run_dir in events_of:
+                point.update(run_dir=run_dir, **run_status(run_dir, states, events_of[run_dir]))
+            else:  # an action=plan sweep: nothing was launched
+                point.update(state="PLANNED" if row.get("status") == "ok" else "UNKNOWN", run_dir=run_dir)
+            points.append(point)
+    points.sort(key=lambda pt: (pt["num"] is None, pt["num"]))
+    states: Dict[str, int] = {}
+    for point in points:
+        states[point["state"]] = states.get(point["state"], 0) + 1
+    return {"sweep_dir": sweep_dir, "points": points, "states": states}
+
+
+def _emit(status: Dict[str, Any], fmt: str) -> None:
+    if str(fmt) == "table":
+        from launcher.manage.status_table import format_table
+
+        print(format_table(status))
+    else:
+        print(json.dumps(status, sort_keys=True))
+
+
+def print_status(run_dir: str, fmt: str = "json") -> Dict[str, Any]:
+    """Print exactly one JSON object on stdout (fmt="table": a table for people instead); an unknown run dir is
+    an error on stderr (EXIT_INVALID)."""
+    if os.path.exists(os.path.join(run_dir, SWEEP_FILE)):
+        out = sweep_status(run_dir)
+        _emit(out, fmt)
+        return out
+    # Hydra has created run_dir (with its app.log) before this runs: a run is known by what meshrun wrote.
+    if not any(os.path.exists(os.path.join(run_dir, name)) for name in (EVENTS_FILE, "config.json")):
+        print(f"error: run.dir={run_dir} is not a meshrun run directory (no {EVENTS_FILE} or config.json): "
+              "give the run directory printed at launch or submission, or a sweep directory (it holds "
+              f"{SWEEP_FILE})", file=sys.stderr)
+        raise SystemExit(EXIT_INVALID)
+    status = run_status(run_dir)
+    _emit(status, fmt)
+    return status
