@@ -251,10 +251,10 @@ def sweep_status(sweep_dir: str) -> Dict[str, Any]:
                 point.update(state="PLANNED" if row.get("status") == "ok" else "UNKNOWN", run_dir=run_dir)
             points.append(point)
     points.sort(key=lambda pt: (pt["num"] is None, pt["num"]))
-    states: Dict[str, int] = {}
+    counts: Dict[str, int] = {}  # points per state (not the Slurm states above)
     for point in points:
-        states[point["state"]] = states.get(point["state"], 0) + 1
-    return {"sweep_dir": sweep_dir, "points": points, "states": states}
+        counts[point["state"]] = counts.get(point["state"], 0) + 1
+    return {"sweep_dir": sweep_dir, "points": points, "states": counts}
 
 
 def _emit(status: Dict[str, Any], fmt: str) -> None:

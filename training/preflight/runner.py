@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from training.contract.config import Config, load_config
 from training.contract.rundir.events import append_event
@@ -31,7 +31,7 @@ def node_name() -> str:
     return os.environ.get("MESHRUN_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
 
 
-def node_checks(cfg: Config, node: str, before_ib: Optional[Dict] = None) -> (List[Check], Dict[str, Any]):
+def node_checks(cfg: Config, node: str, before_ib: Optional[Dict] = None) -> Tuple[List[Check], Dict[str, Any]]:
     """GPU (NVML), OS and IB checks of this node; run by one rank per node."""
     pf, cl = cfg.cluster.preflight, cfg.cluster
     checks: List[Check] = []
