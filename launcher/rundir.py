@@ -76,7 +76,7 @@ def claim_run_dir(run_dir: str, multirun: bool = False):
     """Before a launch reads or writes run_dir: (the lock now held, None), or for a sweep point that cannot
     have it (None, the point's "invalid" result); a single run exits 2 with the reason (a control character
     in the path, or another live run holding the directory, named)."""
-    from launcher.manage.status import job_alive
+    from launcher.slurm.queries import job_alive
     from training.contract.exit_codes import EXIT_INVALID
     from training.contract.rundir.lock import RunLocked, acquire
 

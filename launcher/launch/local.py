@@ -28,7 +28,7 @@ from launcher.launch.local_numa import rank_prefix
 from launcher.launch.nsys import nsys_prefix
 from launcher.launch.processes import POLL_S, engine_env, rank_process_env, start_pump, stop_processes, threads_per_rank
 from launcher.rundir import write_config
-from launcher.manage.status import job_alive
+from launcher.slurm.queries import job_alive
 from training.contract.config import Config, derived_dp
 from training.contract.rundir.events import append_event, read_events
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED

@@ -27,42 +27,11 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+from launcher.manage.run_state import CANCEL_FILE, cancelled_event
 from training.contract.rundir.events import EVENTS_FILE, append_event, read_events
 from training.contract.exit_codes import EXIT_INVALID
 
-CANCEL_FILE = "cancel.json"
 POLL_S = 1.0
-
-
-def _launches(events: List[Dict[str, Any]]) -> List[float]:
-    """Times of the launches of the run directory (submission, or a local launcher's start)."""
-    return [float(ev.get("time", 0)) for ev in events
-            if ev.get("event") == "submitted" or (ev.get("event") == "started" and "launcher_pid" in ev)]
-
-
-def cancel_requested(run_dir: str, events: Optional[List[Dict[str, Any]]] = None) -> Optional[Dict[str, Any]]:
-    """The cancel mark when it applies to the current launch (written after it), else None."""
-    try:
-        with open(os.path.join(run_dir, CANCEL_FILE)) as f:
-            mark = json.load(f)
-    except (OSError, ValueError):
-        return None
-    events = read_events(run_dir) if events is None else events
-    launches = _launches(events)
-    if not isinstance(mark, dict) or (launches and float(mark.get("time", 0)) < max(launches)):
-        return None
-    return mark
-
-
-def cancelled_event(events: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-    """The `cancelled` event of the current launch (none after the last launch: None)."""
-    launches = _launches(events)
-    latest = max(launches) if launches else 0.0
-    found = None
-    for ev in events:
-        if ev.get("event") == "cancelled" and float(ev.get("time", 0)) >= latest:
-            found = ev
-    return found
 
 
 def write_mark(run_dir: str) -> Dict[str, Any]:
@@ -74,7 +43,7 @@ def write_mark(run_dir: str) -> Dict[str, Any]:
 
 
 def record_cancelled(run_dir: str, reason: str, **fields: Any) -> Dict[str, Any]:
-    from launcher.manage.status import last_checkpoint_step
+    from launcher.manage.run_state import last_checkpoint_step
 
     return append_event(run_dir, "cancelled", reason=reason, checkpoint_step=last_checkpoint_step(run_dir), **fields)
 
@@ -171,7 +140,7 @@ def _force_slurm(run_dir: str, job: str, timeout_s: float) -> Dict[str, Any]:
 # ---- the action ------------------------------------------------------------------------------------
 def _targets(run_dir: str) -> List[str]:
     """The run directories to cancel: run_dir itself, or every launched point of a sweep directory."""
-    from launcher.manage.status import SWEEP_FILE
+    from launcher.manage.run_state import SWEEP_FILE
 
     if os.path.exists(os.path.join(run_dir, SWEEP_FILE)):
         with open(os.path.join(run_dir, SWEEP_FILE)) as f:
@@ -187,7 +156,8 @@ def _targets(run_dir: str) -> List[str]:
 
 def cancel(run_dir: str, timeout_s: float = 300.0) -> Dict[str, Dict[str, Any]]:
     """Cancel the run(s) in run_dir; returns run dir -> its status afterwards."""
-    from launcher.manage.status import FINAL_STATES, current_job_id, run_status, slurm_states
+    from launcher.slurm.queries import FINAL_STATES, slurm_states
+    from launcher.manage.run_state import current_job_id, run_status
 
     if not timeout_s > 0:
         print(f"error: cancel.timeout_s={timeout_s} must be > 0 (seconds the ranks get to save before they are "
@@ -228,7 +198,7 @@ def cancel(run_dir: str, timeout_s: float = 300.0) -> Dict[str, Dict[str, Any]]:
 
 
 def _checkpoint(run_dir: str) -> Optional[int]:
-    from launcher.manage.status import last_checkpoint_step
+    from launcher.manage.run_state import last_checkpoint_step
 
     return last_checkpoint_step(run_dir)
 

@@ -16,38 +16,9 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from launcher.manage.run_state import log_files
 from training.contract.rundir.events import read_events
 from training.contract.exit_codes import EXIT_INVALID
-
-
-def slurm_jobs(events: List[Dict]) -> List[str]:
-    """Every Slurm job of the run, oldest first (submitted, then each resubmission)."""
-    jobs: List[str] = []
-    for ev in events:
-        job = None
-        if ev.get("event") == "submitted" and ev.get("job_id") not in (None, "local"):
-            job = str(ev["job_id"])
-        elif ev.get("event") == "requeued" and ev.get("new_job_id"):
-            job = str(ev["new_job_id"])
-        if job and job not in jobs:
-            jobs.append(job)
-    return jobs
-
-
-def log_files(run_dir: str, rank: int = 0, events: Optional[List[Dict]] = None) -> List[str]:
-    """The files that hold `rank`'s output, oldest first (they may not exist yet)."""
-    events = read_events(run_dir) if events is None else events
-    jobs = slurm_jobs(events)
-    if not jobs:
-        return [os.path.join(run_dir, "logs", f"rank_{rank}.log")]
-    from launcher.manage.status import job_log_dir
-
-    return [os.path.join(job_log_dir(run_dir, job), f"{job}_{rank}_log.out") for job in jobs]
-
-
-def current_log(run_dir: str, rank: int = 0, events: Optional[List[Dict]] = None) -> str:
-    """The file rank's output goes to now (the newest attempt)."""
-    return log_files(run_dir, rank, events)[-1]
 
 
 def _print_from(path: str, offset: int) -> int:
@@ -97,7 +68,8 @@ def _tail_offsets(paths: List[str], lines: int) -> Dict[str, int]:
 
 
 def _ended(run_dir: str) -> bool:
-    from launcher.manage.status import FINAL_STATES, run_status
+    from launcher.slurm.queries import FINAL_STATES
+    from launcher.manage.run_state import run_status
 
     return run_status(run_dir)["state"] in FINAL_STATES
 

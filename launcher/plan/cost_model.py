@@ -15,7 +15,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
-from launcher.plan.levers import offload_seconds, recomputed_layers_per_rank
+from launcher.plan.levers import offload_seconds
+from launcher.plan.model_size import recomputed_layers_per_rank
 from launcher.plan.model_size import padded_vocab
 from training.contract.config import Config, derived_dp
 

@@ -19,8 +19,8 @@ from launcher.plan.memory import device_reserve_bytes
 from launcher.plan.model_size import (hardware_flops_per_step, layer_params, model_flops_per_step, padded_vocab,
                                  params_total, stage_params)
 from launcher.plan.cost_model import Rates, cluster_rates, predict
-from launcher.plan.levers import (offload_bytes, recomputed_layers_per_rank, zero2_dp_bytes, zero3_dp_bytes,
-                                 zero3_gathered_bytes)
+from launcher.plan.levers import offload_bytes, zero2_dp_bytes, zero3_dp_bytes, zero3_gathered_bytes
+from launcher.plan.model_size import recomputed_layers_per_rank
 from training.contract.config import Config, derived_dp
 
 

@@ -64,7 +64,7 @@ def micro_batches_for_idle(pp: int, vpp: int, limit: float = PIPELINE_IDLE_WARN)
 
 def honest_issues(cfg: Config, plan) -> list:
     """The warnings and notes of this module, as launcher/plan/validate.py's Issues."""
-    from launcher.plan.validate import Issue
+    from launcher.plan.issues import Issue
 
     out = []
     ignored = ignored_on_local(cfg)
@@ -102,7 +102,7 @@ def _operations_issues(cfg: Config) -> list:
     import os
     import shutil
 
-    from launcher.plan.validate import Issue
+    from launcher.plan.issues import Issue
     from launcher.launch.shared_fs import shared_verdict
 
     out = []

@@ -75,32 +75,6 @@ def zero_bytes_per_param(precision: str, zero: int, dp: int) -> float:
     raise ValueError(f"zero={zero}: stages 2 and 3 only (memory.model_state_bytes_per_param has 0 and 1)")
 
 
-def chunk_layers(cfg: Config) -> int:
-    """Layers of one pipeline chunk (model chunk of the interleaved schedule, or the rank's stage)."""
-    par = cfg.parallel
-    v = par.vpp if par.schedule == "interleaved_1f1b" and par.pp > 1 else 1
-    return cfg.model.num_layers // (par.pp * v)
-
-
-def recomputed_layers_per_rank(cfg: Config) -> int:
-    """Layers of one pipeline rank that recompute their forward in backward (recompute=full): the first
-    recompute_num_layers of each of its chunks, every layer when it is 0; none without full recompute."""
-    par = cfg.parallel
-    if str(par.recompute) != "full":
-        return 0
-    per_rank = cfg.model.num_layers // par.pp
-    n = getattr(par, "recompute_num_layers", 0)
-    if n <= 0:
-        return per_rank
-    chunks = per_rank // chunk_layers(cfg)
-    return chunks * min(n, chunk_layers(cfg))
-
-
-def recomputed_fraction(cfg: Config) -> float:
-    """Share of the layers that are recomputed (1 under recompute=full with recompute_num_layers=0)."""
-    return recomputed_layers_per_rank(cfg) / (cfg.model.num_layers // cfg.parallel.pp)
-
-
 def zero3_dp_bytes(cfg: Config, n_local: int, dp: int, m: int, grad_bytes: int, param_bytes: int) -> float:
     """Bytes one rank sends per step at zero=3: zero=2's grad reductions, and instead of the all-gather of the
     updated shards, the parameters gathered for every micro-batch's forward and again for its backward

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Dict, Optional
 
-from launcher.plan.levers import recomputed_layers_per_rank, zero_bytes_per_param, zero_state_bytes
+from launcher.plan.model_size import recomputed_layers_per_rank
+from launcher.plan.levers import zero_bytes_per_param, zero_state_bytes
 from launcher.plan.model_size import padded_vocab
 from training.contract.config import Config, derived_dp
 # Bytes per parameter: weights, gradients (fp32 main grads for bf16), optimizer (K); the engine allocates

@@ -21,7 +21,8 @@ from typing import Any, Dict, Iterator, List, Optional
 from launcher.plan.context_memory import search_cp
 from launcher.plan.cost_model import Rates, cluster_rates, spans_nodes
 from launcher.plan.estimate import GIB, Plan, fmt_seconds, make_plan
-from launcher.plan.levers import chunk_layers, search_recompute, search_zero_stages
+from launcher.plan.model_size import chunk_layers
+from launcher.plan.levers import search_recompute, search_zero_stages
 from launcher.plan.validate import validate
 from training.contract import layout_rules as rules
 from training.contract.config import Config, derived_dp

@@ -18,7 +18,8 @@ from launcher.plan.cadence import cadence_problems
 from launcher.plan.context_memory import more_cp
 from launcher.plan.estimate import GIB, Plan, make_plan, with_parallel
 from launcher.plan.honest_checks import SELECTIVE_MIN_SAVING
-from launcher.plan.levers import chunk_layers
+from launcher.plan.issues import Issue
+from launcher.plan.model_size import chunk_layers
 from training.contract import layout_rules as rules
 from training.contract.config import CHOICE_FIELDS, Config, choices, derived_dp
 
@@ -34,29 +35,6 @@ POSITIVE = (
     "parallel.micro_batch", "parallel.global_batch",
     "cluster.nodes", "cluster.gpus_per_node", "train.steps",
 )
-
-
-@dataclass
-class Issue:
-    """One finding about the configuration."""
-
-    level: str
-    """error (nothing runs) | warning (runs, but costly) | note (for information)."""
-    key: str
-    """The config key(s) concerned, as the user would override them."""
-    message: str
-    """What is wrong, with the numbers."""
-    fix: str = ""
-    """What to change (concrete overrides where possible)."""
-    code: str = ""
-    """Machine-readable kind: e.g. no_fit for a model that does not fit."""
-
-    def __str__(self) -> str:
-        text = f"{self.level}: {self.key}: {self.message}"
-        return text + (f"\n    fix: {self.fix}" if self.fix else "")
-
-    def to_json(self) -> dict:
-        return {"level": self.level, "key": self.key, "message": self.message, "fix": self.fix, "code": self.code}
 
 
 @dataclass

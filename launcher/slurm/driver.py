@@ -24,11 +24,13 @@ import sys
 import time
 from typing import Dict, List
 
-from launcher.manage.cancel import cancel_requested, record_cancelled
+from launcher.manage.run_state import cancel_requested
+from launcher.manage.cancel import record_cancelled
 from launcher.slurm.requeue import decide
 from launcher.slurm.rank_task import attempt_dir
 from launcher.launch.processes import PROJECT_ROOT
-from launcher.manage.status import excluded_nodes, job_alive, last_step, retries_used
+from launcher.manage.run_state import excluded_nodes, last_step, retries_used
+from launcher.slurm.queries import job_alive
 from training.contract.config import load_config
 from training.contract.rundir.events import append_event, read_events
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK
