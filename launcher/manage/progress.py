@@ -11,31 +11,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
-TAIL_BYTES = 65536
-
-
-def tail_rows(run_dir: str, limit_bytes: int = TAIL_BYTES) -> List[Dict[str, Any]]:
-    """The complete rows in the last limit_bytes of metrics.jsonl, oldest first."""
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl"), "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - limit_bytes))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return []
-    if size > limit_bytes:
-        lines = lines[1:]  # the first line is cut
-    rows = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
-    return rows
-
+from training.contract.rundir.metrics import tail_rows
 
 def total_steps(run_dir: str) -> Optional[int]:
     try:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from training.contract.exit_codes import EXIT_INVALID, EXIT_OK
+from training.contract.rundir.metrics import read_rows
 
 REPORT_DIR = "report"
 GIB = 2.0**30
@@ -264,7 +265,7 @@ def _lr_lines(run_dir: str, rows: List[Dict[str, Any]]):
 
 
 def plot_run(run_dir: str, out_dir: str, plt, report: Report) -> None:
-    raw = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    raw = read_rows(run_dir)
     rows = latest_rows(raw)
     events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
     plan = read_json(os.path.join(run_dir, "plan.json")) or {}
@@ -371,7 +372,7 @@ def sweep_points(sweep_dir: str) -> List[Dict[str, Any]]:
     for pt in sweep.get("feasible") or []:
         run_dir = pt.get("run_dir") or ""
         plan = read_json(os.path.join(run_dir, "plan.json")) or {}
-        rows = latest_rows(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
+        rows = latest_rows(read_rows(run_dir))
         summary = read_json(os.path.join(run_dir, "summary.json")) or {}
         rates = [r["tokens_per_s"] for r in (rows[1:] or rows) if isinstance(r.get("tokens_per_s"), (int, float))]
         step_s, tokens = plan.get("predicted_step_s"), plan.get("tokens_per_step")

@@ -13,23 +13,11 @@ from typing import Any, Dict, List, Optional
 from launcher.manage.progress import progress_fields
 from launcher.slurm.queries import slurm_state
 from training.contract.rundir.events import read_events
+from training.contract.rundir.metrics import last_step as metrics_last_step
 
 def last_metrics_step(run_dir: str) -> Optional[int]:
     """Step of the last complete line of metrics.jsonl."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return None
+    return metrics_last_step(run_dir)
 
 
 def last_checkpoint_step(run_dir: str) -> Optional[int]:

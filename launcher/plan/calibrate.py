@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import statistics
 import sys
@@ -21,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from launcher.plan.estimate import fmt_seconds
 from training.contract.config import Config, DataConfig, RecommendConfig
 from training.contract.exit_codes import EXIT_OK
+from training.contract.rundir.metrics import read_rows
 
 
 def ranks_of(values: Sequence[float]) -> List[float]:
@@ -63,11 +63,7 @@ def choose(cands: List[Any], count: int, min_gap: float) -> List[Any]:
 
 def measured_step_s(run_dir: str) -> Optional[float]:
     """Median step_time_s of the run's metrics.jsonl without the first step; None without two steps."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_rows(run_dir)
     times = [r["step_time_s"] for r in rows if "step_time_s" in r and "loss" in r][1:]
     return statistics.median(times) if times else None
 

@@ -19,9 +19,7 @@ import torch
 import torch.distributed as dist
 
 from training.contract.rundir.events import current_attempt
-
-METRICS_FILE = "metrics.jsonl"
-PURGED_FILE = "metrics.purged.jsonl"
+from training.contract.rundir.metrics import METRICS_FILE, PURGED_FILE
 
 
 def purge_after(run_dir: str, step: int) -> int:
