@@ -118,7 +118,7 @@ def _stubs(tmp_path):
 def _run_script_up_to_srun(cfg, run_dir, tmp_path):
     """The whole generated batch script, executed by bash up to and including srun (a stub); the teardown
     is cut. The prologue runs for real on run_dir."""
-    from launcher.rundir import write_config
+    from training.contract.rundir.config_files import write_config
 
     os.makedirs(run_dir, exist_ok=True)
     write_config(cfg, run_dir)

@@ -132,7 +132,7 @@ def test_stop_and_resume_never_change_the_schedule(tmp_path):
         assert got["run"] == got["ref"] == pytest.approx(want, rel=1e-12), kind
     # The report's lr plot draws the whole schedule (from config.json) under the logged points.
     from launcher.manage.report import _lr_lines, run_report
-    from launcher.rundir import write_config
+    from training.contract.rundir.config_files import write_config
 
     run_dir = str(tmp_path / "wsd" / "run")
     write_config(_cfg("wsd"), run_dir)

@@ -289,7 +289,7 @@ def test_config_yaml_is_yaml_dump():
     import yaml
 
     sys.path.insert(0, ROOT)
-    from launcher.rundir import _DUMPER, config_yaml
+    from training.contract.rundir.config_files import _DUMPER, config_yaml
     from training.contract.config import Config, config_to_dict
 
     plain = config_to_dict(Config())

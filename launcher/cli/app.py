@@ -69,8 +69,8 @@ def hydra_main(dcfg: DictConfig):
         run_dir = resolve_latest(run_dir)
     lock = None
     if cfg.action in ("train", "plan"):
-        # One owner per run directory, checked before anything is read or written there (launcher/rundir.py).
-        from launcher.rundir import claim_run_dir
+        # One owner per run directory, checked before anything is read or written there (training/contract/rundir/config_files.py).
+        from training.contract.rundir.config_files import claim_run_dir
 
         lock, refusal = claim_run_dir(run_dir, multirun=_is_multirun())
         if refusal is not None:
@@ -163,8 +163,8 @@ _DIR_KEYS = ("run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.run.dir"
 
 def _reject_control_characters(argv: List[str]) -> None:
     """A directory given with a control character (newline, tab, escape) exits 2 before Hydra creates it
-    (a sweep directory is created before any point runs; launcher/rundir.py says why they are refused)."""
-    from launcher.rundir import path_problem
+    (a sweep directory is created before any point runs; training/contract/rundir/config_files.py says why they are refused)."""
+    from training.contract.rundir.config_files import path_problem
 
     for arg in argv:
         key, sep, value = arg.lstrip("+~").partition("=")

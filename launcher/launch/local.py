@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 from launcher.launch.local_numa import rank_prefix
 from launcher.launch.nsys import nsys_prefix
 from launcher.launch.processes import POLL_S, engine_env, rank_process_env, start_pump, stop_processes, threads_per_rank
-from launcher.rundir import write_config
+from training.contract.rundir.config_files import write_config
 from launcher.slurm.queries import job_alive
 from training.contract.config import Config, derived_dp
 from training.contract.rundir.events import append_event, read_events

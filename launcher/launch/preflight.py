@@ -19,7 +19,7 @@ from typing import Any, Dict, List
 
 from launcher.launch.local import LOOPBACK, free_port
 from launcher.launch.processes import POLL_S, engine_env, rank_process_env, stop_processes, threads_per_rank
-from launcher.rundir import write_config
+from training.contract.rundir.config_files import write_config
 from training.contract.config import Config, load_config
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK, EXIT_SLURM
 from training.contract.slurm_env import SlurmUnavailable, dist_env, torch_env_from_slurm

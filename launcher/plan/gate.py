@@ -16,7 +16,7 @@ from launcher.plan.cadence import format_advice
 from launcher.plan.cadence import resolve as resolve_cadence
 from launcher.plan.estimate import format_plan
 from launcher.plan.validate import Report, validate
-from launcher.rundir import write_config
+from training.contract.rundir.config_files import write_config
 from training.contract.config import Config
 from training.contract.exit_codes import EXIT_INVALID
 

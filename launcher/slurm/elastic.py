@@ -250,7 +250,7 @@ def apply_resize(run_dir: str, r: Resize, **fields: Any) -> None:
     """The one place a run's layout changes: config.json (and config.yaml), plan.json, and the `shrunk` or
     `grown` event with the old and new layouts (fields: attempt, job_id, new_job_id, ...)."""
     from launcher.plan.validate import validate
-    from launcher.rundir import write_config
+    from training.contract.rundir.config_files import write_config
 
     write_config(r.cfg, run_dir)
     report = validate(r.cfg)

@@ -111,7 +111,7 @@ _SLURM_PATH_BAD = re.compile(r"[\s%]")
 
 def run_dir_errors(run_dir: str) -> List[str]:
     """A run (or sweep point) directory that cannot be written into an sbatch script safely."""
-    from launcher.rundir import path_problem
+    from training.contract.rundir.config_files import path_problem
 
     problem = path_problem(run_dir)
     if problem:

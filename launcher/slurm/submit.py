@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from launcher.slurm.sbatch import (SlurmConfigError, SlurmJobSpec, array_dry_run_text, array_group_key, array_job_spec,
                                    dry_run_text, job_spec, with_cpus_per_task)
 from launcher.slurm.rank_task import RankTask
-from launcher.rundir import write_config
+from training.contract.rundir.config_files import write_config
 from launcher.slurm.snapshot import code_dir, take_snapshot
 from launcher.sweep.point import update_point
 from training.contract.config import Config, load_config

@@ -24,7 +24,7 @@ import uuid
 from typing import IO, Iterable
 
 # The names meshrun writes at the top of a run directory (and the directories it writes into): checked for
-# links before a launch writes anything (launcher/rundir.py), so a planted link is an exit 2, not a rank's
+# links before a launch writes anything (training/contract/rundir/config_files.py), so a planted link is an exit 2, not a rank's
 # traceback halfway through a run.
 RUN_FILES = ("config.json", "config.yaml", "plan.json", "summary.json", "events.jsonl", "metrics.jsonl",
              "metrics.purged.jsonl", "secrets.json", "resume_request.json", ".meshrun.lock", "logs", "checkpoints",
