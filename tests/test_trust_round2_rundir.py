@@ -332,7 +332,7 @@ def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
 def test_read_only_run_dir_exits_2(tmp_path, capsys):
     """A run.dir on a read-only file system (a real read-only tmpfs) is exit 2 with the fix, not a traceback
     (the launcher's claim of run.dir, the first thing a train or plan does, called directly)."""
-    from training.contract.rundir.config_files import claim_run_dir
+    from launcher.launch.claim import claim_run_dir
 
     mnt = tmp_path / "ro"
     mnt.mkdir()

@@ -69,8 +69,8 @@ def hydra_main(dcfg: DictConfig):
         run_dir = resolve_latest(run_dir)
     lock = None
     if cfg.action in ("train", "plan"):
-        # One owner per run directory, checked before anything is read or written there (training/contract/rundir/config_files.py).
-        from training.contract.rundir.config_files import claim_run_dir
+        # One owner per run directory, checked before anything is read or written there (launcher/launch/claim.py).
+        from launcher.launch.claim import claim_run_dir
 
         lock, refusal = claim_run_dir(run_dir, multirun=_is_multirun())
         if refusal is not None:

@@ -1,4 +1,5 @@
-"""Writes the resolved configuration into a run directory: config.json for the ranks, config.yaml for people."""
+"""The configuration files of a run directory: config.json for the ranks, config.yaml for people (written here
+only); and the checks of a run.dir path before a launch writes there (path_problem, foreign_problem)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import dataclasses
 import json
 import os
 import re
-import sys
 
 import yaml  # PyYAML, which OmegaConf itself depends on
 
@@ -70,30 +70,6 @@ def path_problem(path: str, key: str = "run.dir") -> str:
         return (f"{key}={str(path)!r} contains a control character (newline, tab, escape, ...): choose a "
                 f"directory name without them (for a sweep: hydra.sweep.dir and hydra.sweep.subdir)")
     return ""
-
-
-def claim_run_dir(run_dir: str, multirun: bool = False):
-    """Before a launch reads or writes run_dir: (the lock now held, None), or for a sweep point that cannot
-    have it (None, the point's "invalid" result); a single run exits 2 with the reason (a control character
-    in the path, or another live run holding the directory, named)."""
-    from launcher.slurm.queries import job_alive
-    from training.contract.exit_codes import EXIT_INVALID
-    from training.contract.rundir.lock import RunLocked, acquire
-
-    problem = path_problem(run_dir) or foreign_problem(run_dir)
-    if not problem:
-        try:
-            return acquire(run_dir, what="meshrun launcher", job_alive=job_alive), None
-        except RunLocked as exc:
-            problem = str(exc)
-        except OSError as exc:  # a read-only or foreign file system, a link planted since the check above
-            problem = (f"run.dir={run_dir} cannot be written ({exc.strerror or exc}): make it writable or choose "
-                       f"another run.dir; nothing was written")
-    if multirun:
-        print(f"[invalid] {problem}", file=sys.stderr)
-        return None, {"status": "invalid", "errors": [f"error: {problem}"], "warnings": []}
-    print(f"meshrun: {problem}", file=sys.stderr)
-    raise SystemExit(EXIT_INVALID)
 
 
 # Files only meshrun writes: a directory holding one of them is a run directory (a copy of one included).
