@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from launcher.manage.run_state import CANCEL_FILE, cancel_requested, cancelled_event
+from launcher.manage.status import CANCEL_FILE, cancel_requested, cancelled_event
 from launcher.manage.cancel import write_mark
 from launcher.slurm import driver
 from training.contract.config import Config, config_to_dict

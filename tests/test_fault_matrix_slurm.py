@@ -21,7 +21,7 @@ import pytest
 
 from launcher.slurm.requeue import decide
 from launcher.slurm.sbatch import SlurmConfigError, array_job_spec, job_spec, sbatch_text, validate_for_slurm
-from launcher.manage.run_state import RETRY_CAUSES, retries_used
+from launcher.manage.status import RETRY_CAUSES, retries_used
 from training.contract import slurm_env
 from training.contract.rundir.events import read_events
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import noted_jobs
-from launcher.manage.run_state import run_status
+from launcher.manage.status import run_status
 from training.contract.rundir.events import read_events
 from training.contract.exit_codes import EXIT_SLURM
 

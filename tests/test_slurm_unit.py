@@ -17,7 +17,7 @@ from launcher.slurm.sbatch import (PROJECT_ROOT, SlurmConfigError, array_group_k
                                    dry_run_text, job_spec, preflight_job_spec, prologue_line, sbatch_text,
                                    setup_lines,
                                    srun_line, validate_for_slurm, with_cpus_per_task)
-from launcher.manage.run_state import run_status
+from launcher.manage.status import run_status
 from training.contract.config import ClusterConfig, Config, ContainerConfig
 from training.contract.rundir.events import append_event
 from training.contract import slurm_env

@@ -169,7 +169,7 @@ def test_exported_weights_follow_the_umask_and_a_dangling_output_link_is_refused
 
 
 def test_events_list_line_is_skipped_and_a_failed_local_run_shows_its_reason(tmp_path):
-    from launcher.manage.run_state import run_status
+    from launcher.manage.status import run_status
     from training.contract.rundir.events import append_event, read_events
 
     run = str(tmp_path / "run")

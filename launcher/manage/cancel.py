@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from launcher.manage.run_state import CANCEL_FILE, cancelled_event
+from launcher.manage.status import CANCEL_FILE, cancelled_event
 from training.contract.rundir.events import EVENTS_FILE, append_event, read_events
 from training.contract.exit_codes import EXIT_INVALID
 
@@ -43,7 +43,7 @@ def write_mark(run_dir: str) -> Dict[str, Any]:
 
 
 def record_cancelled(run_dir: str, reason: str, **fields: Any) -> Dict[str, Any]:
-    from launcher.manage.run_state import last_checkpoint_step
+    from launcher.manage.status import last_checkpoint_step
 
     return append_event(run_dir, "cancelled", reason=reason, checkpoint_step=last_checkpoint_step(run_dir), **fields)
 
@@ -140,7 +140,7 @@ def _force_slurm(run_dir: str, job: str, timeout_s: float) -> Dict[str, Any]:
 # ---- the action ------------------------------------------------------------------------------------
 def _targets(run_dir: str) -> List[str]:
     """The run directories to cancel: run_dir itself, or every launched point of a sweep directory."""
-    from launcher.manage.run_state import SWEEP_FILE
+    from launcher.manage.status import SWEEP_FILE
 
     if os.path.exists(os.path.join(run_dir, SWEEP_FILE)):
         with open(os.path.join(run_dir, SWEEP_FILE)) as f:
@@ -157,7 +157,7 @@ def _targets(run_dir: str) -> List[str]:
 def cancel(run_dir: str, timeout_s: float = 300.0) -> Dict[str, Dict[str, Any]]:
     """Cancel the run(s) in run_dir; returns run dir -> its status afterwards."""
     from launcher.slurm.queries import FINAL_STATES, slurm_states
-    from launcher.manage.run_state import current_job_id, run_status
+    from launcher.manage.status import current_job_id, run_status
 
     if not timeout_s > 0:
         print(f"error: cancel.timeout_s={timeout_s} must be > 0 (seconds the ranks get to save before they are "
@@ -198,7 +198,7 @@ def cancel(run_dir: str, timeout_s: float = 300.0) -> Dict[str, Dict[str, Any]]:
 
 
 def _checkpoint(run_dir: str) -> Optional[int]:
-    from launcher.manage.run_state import last_checkpoint_step
+    from launcher.manage.status import last_checkpoint_step
 
     return last_checkpoint_step(run_dir)
 

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from launcher.manage.run_state import log_files
+from launcher.manage.status import log_files
 from training.contract.rundir.events import read_events
 from training.contract.exit_codes import EXIT_INVALID
 
@@ -69,7 +69,7 @@ def _tail_offsets(paths: List[str], lines: int) -> Dict[str, int]:
 
 def _ended(run_dir: str) -> bool:
     from launcher.slurm.queries import FINAL_STATES
-    from launcher.manage.run_state import run_status
+    from launcher.manage.status import run_status
 
     return run_status(run_dir)["state"] in FINAL_STATES
 

@@ -24,12 +24,11 @@ import sys
 import time
 from typing import Dict, List
 
-from launcher.manage.run_state import cancel_requested
 from launcher.manage.cancel import record_cancelled
 from launcher.slurm.requeue import decide
 from launcher.slurm.rank_task import attempt_dir
 from launcher.launch.processes import PROJECT_ROOT
-from launcher.manage.run_state import excluded_nodes, last_step, retries_used
+from launcher.manage.status import cancel_requested, excluded_nodes, last_step, retries_used
 from launcher.slurm.queries import job_alive
 from training.contract.config import load_config
 from training.contract.rundir.events import append_event, read_events

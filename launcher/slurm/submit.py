@@ -267,7 +267,7 @@ def _settled(run_dir: str, status: Dict[str, Any], poll_s: float) -> Optional[Di
     """The final status when the run has ended for good, else None. A FAILED job may still be followed
     by a resubmission its epilogue is writing: a final state counts only when a second look agrees."""
     from launcher.slurm.queries import FINAL_STATES
-    from launcher.manage.run_state import run_status
+    from launcher.manage.status import run_status
 
     if status["state"] not in FINAL_STATES:
         return None
@@ -279,7 +279,7 @@ def _settled(run_dir: str, status: Dict[str, Any], poll_s: float) -> Optional[Di
 def wait_all(run_dirs: List[str], poll_s: float = 2.0) -> Dict[str, Dict[str, Any]]:
     """A sweep with wait=true: until every run has ended (requeues and resubmissions included); prints
     each run's end as it comes and returns run dir -> final status."""
-    from launcher.manage.run_state import run_status
+    from launcher.manage.status import run_status
 
     print(f"waiting for {len(run_dirs)} sweep point(s) to end (wait=true)", flush=True)
     finals: Dict[str, Dict[str, Any]] = {}
@@ -300,7 +300,7 @@ def wait_all(run_dirs: List[str], poll_s: float = 2.0) -> Dict[str, Dict[str, An
 def follow(run_dir: str, poll_s: float = 1.0, timeout_s: Optional[float] = None) -> Dict[str, Any]:
     """Stream rank 0's output (<log dir>/<job>_0_log.out of every job of the run) until the run
     is COMPLETED or FAILED/CANCELLED without a follow-up job; returns the final status."""
-    from launcher.manage.run_state import job_log_dir, run_status
+    from launcher.manage.status import job_log_dir, run_status
 
     offsets: Dict[str, int] = {}
     start = time.time()
