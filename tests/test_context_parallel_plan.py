@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from launcher.plan.context_memory import MIB, gpu_memory_bytes
 from launcher.plan.estimate import make_plan, with_parallel
 from launcher.plan.validate import validate
-from launcher.plan.recommend import layouts, recommend
+from launcher.planning.recommend import layouts, recommend
 from launcher.cli.schema import register
 from training.contract.config import Config
 

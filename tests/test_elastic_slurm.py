@@ -15,7 +15,7 @@ import time
 import pytest
 
 from launcher.plan.validate import validate
-from launcher.plan.gate import validate_for_launch
+from launcher.planning.gate import validate_for_launch
 from launcher.slurm.elastic import elastic_checks, layout, plan_resize, pool, with_nodes
 from launcher.slurm.requeue import decide
 from training.contract.config import Config

@@ -15,7 +15,7 @@ from launcher.launch.local_numa import local_binding, rank_prefix
 from launcher.plan.estimate import format_plan, make_plan, with_parallel
 from launcher.plan.honest_checks import PIPELINE_IDLE_WARN, ignored_on_local, micro_batches_for_idle
 from launcher.plan.validate import validate
-from launcher.plan.recommend import recommend
+from launcher.planning.recommend import recommend
 from launcher.cli.unknown_keys import nearest_key, quoting_hint
 from test_cli import meshrun
 from test_plan import compose_cfg

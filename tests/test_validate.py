@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from launcher.plan.estimate import with_parallel
 from launcher.cli.schema import register
 from launcher.plan.validate import validate
-from launcher.plan.gate import validate_for_launch
+from launcher.planning.gate import validate_for_launch
 from training.contract.config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

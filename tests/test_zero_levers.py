@@ -466,7 +466,7 @@ def test_13b_example_plan_by_stage():
 
 def test_validate_and_recommend_reach_the_levers():
     from launcher.plan.validate import validate
-    from launcher.plan.recommend import _deeper_zero, _partial_recompute
+    from launcher.planning.recommend import _deeper_zero, _partial_recompute
     from launcher.plan.cost_model import cluster_rates
 
     report = validate(_13b())

@@ -131,10 +131,10 @@ def _dispatch(cfg: Config, run_dir: str):
 
         return run_generate(cfg, run_dir)
     if cfg.action == "recommend":
-        from launcher.plan.recommend import run_recommend  # ranked layouts in run_dir/recommend.json
+        from launcher.planning.recommend import run_recommend  # ranked layouts in run_dir/recommend.json
 
         return run_recommend(cfg, run_dir)
-    from launcher.plan.gate import plan_or_reject
+    from launcher.planning.gate import plan_or_reject
 
     result = plan_or_reject(cfg, run_dir, multirun=_is_multirun())
     if result.get("status") == "ok" and not _is_multirun():

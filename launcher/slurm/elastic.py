@@ -15,7 +15,7 @@ Slurm shows idle again (an administrator resumed it) is re-admitted. A node that
 again. The full count is the one of the run's last submission (`submitted` event).
 
 Every node count from min_nodes to cluster.nodes is validated with the planner before the first submission
-(`elastic_checks`, called by launcher/plan/gate.py), so a resize can never produce a layout that does not fit
+(`elastic_checks`, called by launcher/planning/gate.py), so a resize can never produce a layout that does not fit
 or does not divide the batch. The one function that changes a run's layout is `apply_resize`: config.json
 (cluster.nodes, and parallel.dp when it was given), plan.json, and a `shrunk` or `grown` event with the old
 and new layouts.

@@ -1,7 +1,7 @@
 """recommend.calibrate=true: run the top candidates for a few steps here and compare their measured step times
 with the predicted ones (Spearman rank correlation).
 
-Each candidate runs through the normal local path (launcher/plan/gate.py's plan_or_reject, then
+Each candidate runs through the normal local path (launcher/planning/gate.py's plan_or_reject, then
 launcher/launch/local.py's run_ranks) into run.dir/calibrate/NN, on synthetic data (throughput does not depend on the
 token values), with no periodic checkpoint; its measured step time is the median step_time_s of metrics.jsonl
 without the first (warm-up) step.
@@ -79,7 +79,7 @@ def _run_config(cfg: Config, cand_cfg: Config, run_dir: str, steps: int) -> Conf
 def calibrate(cfg: Config, run_dir: str, cands: List[Any], rc: RecommendConfig) -> Dict[str, Any]:
     """Run the chosen candidates; set each one's measured_step_s; print and return the comparison."""
     from launcher.launch.local import run_ranks
-    from launcher.plan.gate import plan_or_reject
+    from launcher.planning.gate import plan_or_reject
 
     chosen = choose(cands, rc.calibrate_count, rc.calibrate_min_gap)
     runs = []

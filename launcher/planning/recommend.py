@@ -4,7 +4,7 @@ Searches tp, pp, vpp, micro-batch, sp, recompute and zero at the cluster's world
 batch (training/contract/layout_rules.py decides what is valid, launcher/plan/estimate.py what fits, and
 launcher/plan/cost_model.py how long a step takes), prints the fastest layouts that fit with tokens/s per GPU,
 MFU and why each wins or loses, compares them with the configured layout, and writes run.dir/recommend.json.
-recommend.calibrate=true runs the top candidates here for a few steps (launcher/plan/calibrate.py). No torch: on CPU
+recommend.calibrate=true runs the top candidates here for a few steps (launcher/planning/calibrate.py). No torch: on CPU
 clusters the rates are measured by a subprocess (python -m training.observe.cost_probe).
 """
 
@@ -450,7 +450,7 @@ def run_recommend(cfg: Config, run_dir: str) -> Dict[str, Any]:
         print(f"  use: {result.candidates[0].overrides()}")
     os.makedirs(run_dir, exist_ok=True)
     if cfg.recommend.calibrate and result.candidates:
-        from launcher.plan.calibrate import calibrate
+        from launcher.planning.calibrate import calibrate
 
         data["calibration"] = calibrate(cfg, run_dir, result.candidates, cfg.recommend)
         for c in result.candidates:
