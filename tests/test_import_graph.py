@@ -184,3 +184,12 @@ def test_no_launcher_module_loads_torch_on_import():
                 chain.setdefault(imported, name)
                 todo.append(imported)
     assert not wrong, "torch imported on import of a launcher module:\n" + "\n".join(wrong)
+
+
+def test_the_planner_imports_nothing_from_slurm_or_the_launch_code():
+    # launcher/plan/ is the model a 64-point sweep runs per point: pure arithmetic on the config (its __init__ says
+    # so); the planning actions that submit or launch live in launcher/planning/.
+    wrong = [f"{name} imports {imported}" for name, path in _modules().items() if name.startswith("launcher.plan.")
+             for imported in _imports(path)
+             if imported.startswith(("launcher.slurm", "launcher.launch.local", "launcher.planning"))]
+    assert not wrong, wrong
