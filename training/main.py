@@ -13,6 +13,7 @@ import sys
 import traceback
 
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_STOPPED
+from training.contract.rundir.files import write_atomic
 
 
 def _env_from_slurm() -> None:
@@ -60,9 +61,7 @@ def _record_cause(cause: str, message: str) -> None:
     import json
 
     try:
-        with open(path + ".tmp", "w") as f:
-            json.dump({"cause": cause, "error": message}, f)
-        os.replace(path + ".tmp", path)
+        write_atomic(path, json.dumps({"cause": cause, "error": message}))
     except OSError:
         pass
 

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from training.contract.config import Config, derived_dp
 from training.contract.rundir.events import append_event
+from training.contract.rundir.files import write_atomic
 
 UNUSABLE = {"down", "drain", "drng", "drained", "draining", "fail", "failg", "failing", "maint", "inval", "futr",
             "future", "unk", "unknown", "npc", "pow_dn", "powered_down", "powering_down", "reboot"}
@@ -256,9 +257,7 @@ def apply_resize(run_dir: str, r: Resize, **fields: Any) -> None:
     report = validate(r.cfg)
     if report.plan is not None:
         path = os.path.join(run_dir, "plan.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(report.plan.to_json(), f, indent=2)
-        os.replace(path + ".tmp", path)
+        write_atomic(path, json.dumps(report.plan.to_json(), indent=2))
     if r.event:
         append_event(run_dir, r.event, old_layout=r.old, new_layout=r.new, readmitted_nodes=r.readmitted,
                      excluded_nodes=r.exclude, reason=r.reason, waited_s=round(r.waited_s, 1), **fields)

@@ -28,6 +28,7 @@ from training.contract.rundir.events import append_event
 from training.contract.exit_codes import EXIT_OK, EXIT_STOPPED
 from training.observe.startup import TASK_START_ENV, process_start_time
 from training.contract.slurm_env import torch_env_from_slurm
+from training.contract.rundir.files import write_atomic
 
 
 class RankFailed(RuntimeError):
@@ -211,10 +212,7 @@ class RankTask:
             "cause": cause.get("cause", ""),
             "started": started, "ended": time.time(),
         }
-        tmp = os.path.join(out, f".rank_{rank}.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, os.path.join(out, f"rank_{rank}.json"))
+        write_atomic(os.path.join(out, f"rank_{rank}.json"), json.dumps(record))
         if code in (EXIT_OK, EXIT_STOPPED):
             return code
         raise RankFailed(f"rank {rank} on {node} exited with {code}: {record['error']}")

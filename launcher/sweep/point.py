@@ -19,6 +19,8 @@ import json
 import os
 from typing import Any, Dict, List
 
+from training.contract.rundir.files import write_atomic
+
 POINT_FILE = "point.json"
 
 
@@ -29,10 +31,7 @@ def point_path(run_dir: str) -> str:
 def write_point(run_dir: str, record: Dict[str, Any]) -> None:
     """Replace the point's record (written whole, then renamed: a reader never sees half a file)."""
     os.makedirs(run_dir, exist_ok=True)
-    tmp = point_path(run_dir) + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=2, default=str)
-    os.replace(tmp, point_path(run_dir))
+    write_atomic(point_path(run_dir), json.dumps(record, indent=2, default=str))
 
 
 def read_point(run_dir: str) -> Dict[str, Any]:

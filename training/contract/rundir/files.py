@@ -21,7 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import uuid
-from typing import IO, Iterable
+from typing import IO, Iterable, Optional
 
 # The names meshrun writes at the top of a run directory (and the directories it writes into): checked for
 # links before a launch writes anything (training/contract/rundir/config_files.py), so a planted link is an exit 2, not a rank's
@@ -77,13 +77,16 @@ def open_rw(path: str) -> int:
     return _open_fd(path, os.O_RDWR | os.O_CREAT)
 
 
-def write_atomic(path: str, data: "str | bytes", fsync: bool = False) -> None:
+def write_atomic(path: str, data: "str | bytes", fsync: bool = False, mode: Optional[int] = None) -> None:
     """Replace `path` with data: a fresh temporary file, then a rename (readers see old or new, never half;
-    a link at `path` is replaced, its target untouched)."""
+    a link at `path` is replaced, its target untouched). fsync: durable before the rename (checkpoint
+    manifests). mode: the file's permissions exactly (0o600 for secrets), else the umask's default."""
     _check_parent(path)
     tmp = f"{path}.tmp{uuid.uuid4().hex[:8]}"
     fd = _open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         os.write(fd, data.encode() if isinstance(data, str) else data)
         if fsync:
             os.fsync(fd)

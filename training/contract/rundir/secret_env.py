@@ -78,14 +78,9 @@ def write_secrets(run_dir: str, values: Mapping[str, str]) -> None:
         return
     merged = {**read_secrets(run_dir), **{str(k): str(v) for k, v in values.items()}}
     path = os.path.join(run_dir, SECRETS_FILE)
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)  # never through a link
-    try:
-        os.fchmod(fd, 0o600)  # an existing temp file keeps its mode otherwise
-        os.write(fd, json.dumps(merged, sort_keys=True).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    from training.contract.rundir.files import write_atomic  # never through a link
+
+    write_atomic(path, json.dumps(merged, sort_keys=True), mode=0o600)
 
 
 def resolve(env: Mapping[str, str], run_dir: Optional[str], job_env: Optional[Mapping[str, str]] = None
