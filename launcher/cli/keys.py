@@ -131,3 +131,16 @@ def print_keys(group: str, presets: Optional[Callable[[str], List[str]]] = None,
         print("== key: type = built-in default (training/contract/config.py)    (effective: the value a launch with these "
               "arguments uses, after conf/config.yaml's presets and the command line, where it differs)")
     print(format_keys(group, presets, effective))
+
+
+def _presets(group: str) -> List[str]:
+    """The presets of a config group, as Hydra sees them (the installed conf tree)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    loader = GlobalHydra.instance().config_loader()
+    return sorted(loader.get_group_options(group))
+
+
+def keys_action(cfg: Config, run_dir: Optional[str] = None) -> None:
+    """action=keys (the action table, training/contract/actions.py)."""
+    return print_keys(cfg.keys.group, presets=_presets, effective=cfg)

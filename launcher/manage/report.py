@@ -469,3 +469,8 @@ def run_report(run_dir: str) -> int:
     path, report = build_report(run_dir)
     print(json.dumps({"report": path, "images": [f.path for f in report.figures], "notes": report.notes}))
     return EXIT_OK
+
+
+def report_action(cfg, run_dir: str) -> int:
+    """action=report (the action table, training/contract/actions.py)."""
+    return run_report(run_dir)

@@ -273,3 +273,8 @@ def print_status(run_dir: str, fmt: str = "json") -> Dict[str, Any]:
     status = run_status(run_dir)
     _emit(status, fmt)
     return status
+
+
+def status_action(cfg, run_dir: str) -> Dict[str, Any]:
+    """action=status (the action table, training/contract/actions.py)."""
+    return print_status(run_dir, cfg.status.format)

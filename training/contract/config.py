@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
+from training.contract.actions import NAMES as ACTION_NAMES
+
 
 class Choice(str, Enum):
     """A field with a fixed set of values. Hydra's schema rejects anything else at composition time
@@ -47,7 +49,7 @@ NumaMode = _choice("NumaMode", "auto off explicit")
 PreflightMode = _choice("PreflightMode", "off warn gate")
 ExportDtype = _choice("ExportDtype", "auto fp32 bf16 fp16")
 DataKind = _choice("DataKind", "synthetic text indexed")
-Action = _choice("Action", "train plan status preflight keys prepare export generate logs cancel report recommend")
+Action = _choice("Action", ACTION_NAMES)  # the action table: training/contract/actions.py
 HealthAction = _choice("HealthAction", "warn requeue")
 StatusFormat = _choice("StatusFormat", "json table")
 Offload = _choice("Offload", "none cpu nvme")

@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -253,7 +253,7 @@ def _run_pool(reader: Reader, splits: List[_Split], tok: Tokenizer, dtype: np.dt
     return documents
 
 
-def run_prepare(cfg: Config) -> int:
+def run_prepare(cfg: Config, run_dir: Optional[str] = None) -> int:
     """The action: prepare, and turn a user's error into exit code 2 with its message."""
     try:
         prepare(cfg.prepare)
