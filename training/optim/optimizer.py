@@ -79,7 +79,7 @@ class DistributedOptimizer:
         self.cfg, self.mesh, self.precision = cfg, mesh, t.precision
         # Grads are averaged and the optimizer sharded over dp x cp (cp ranks hold the same parameters and
         # each computes the grads of its own tokens), in the dp_cp group's order: index dp_rank x cp + cp_rank.
-        cp, cp_rank = getattr(mesh, "cp", 1), getattr(mesh, "cp_rank", 0)
+        cp, cp_rank = mesh.cp, mesh.cp_rank
         self.layout = FlatLayout(named_params, cfg.parallel.zero, mesh.dp * cp, mesh.dp_rank * cp + cp_rank, mesh)
         lay = self.layout
         # The names tests and the loop read: the flat order and this rank's shard of it.

@@ -1,4 +1,5 @@
-"""The process mesh: the only place that creates process groups.
+"""The process mesh: every process group a training run uses is created here (the preflight and the cost probe,
+which run apart from training, start their own).
 
 Rank order (docs/CONTRACTS.md): global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank,
 i.e. tp varies fastest (so a TP group sits inside a node), then cp, then pp, then dp.

@@ -192,7 +192,7 @@ class Trainer:
         LayoutError on a broken one; warnings (e.g. sp with tp = 1: sequence parallelism off) said once."""
         par = self.cfg.parallel
         cfg = dataclasses.replace(self.cfg, parallel=dataclasses.replace(par, tp=self.mesh.tp, pp=self.mesh.pp,
-                                                                          cp=getattr(self.mesh, "cp", 1)))
+                                                                          cp=self.mesh.cp))
         for warning in raise_errors(layout_violations(cfg, self.mesh.dp)):
             if self.is_logger:
                 print(f"warning: {warning}", file=sys.stderr)
@@ -260,7 +260,7 @@ class Trainer:
         if self.mesh.dp > 1:
             dist.all_reduce(value, group=self.mesh.dp_group)
             value /= self.mesh.dp
-        if getattr(self.mesh, "cp", 1) > 1:  # every cp rank holds as many tokens: the mean of their means
+        if self.mesh.cp > 1:  # every cp rank holds as many tokens: the mean of their means
             dist.all_reduce(value, group=self.mesh.cp_group)
             value /= self.mesh.cp
         if self.mesh.pp > 1:
