@@ -16,19 +16,19 @@ from launcher.plan.memory import (
     KORTHIKANTI,
     DeviceProfile,
     inflight_microbatches,
-    korthikanti_table2,
     layer_activation_bytes,
     model_state_bytes,
     model_state_bytes_per_param,
     stage_activation_bytes,
 )
+from oracles_plan import korthikanti_table2
 from launcher.plan.model_size import (
     hardware_flops_per_step,
     model_flops_per_step,
-    narayanan_params,
     params_total,
     stage_params,
 )
+from oracles_plan import narayanan_params
 from launcher.plan.estimate import bubble, make_plan, with_parallel
 from launcher.cli.schema import register
 from training.contract.config import Config

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Dict, Optional
 
 from launcher.plan.model_size import recomputed_layers_per_rank
@@ -158,24 +157,6 @@ def layer_activation_bytes(
         elif profile.flash_saves_lse:
             total += a * sb // t * stb
     return total
-
-
-def korthikanti_table2(s: int, b: int, h: int, a: int, t: int, setting: str) -> Fraction:
-    """The six closed forms of Korthikanti et al. 2022 Table 2 (bytes per layer), exact, for the tests."""
-    F = Fraction
-    if setting == "none":
-        return s * b * h * (34 + F(5 * a * s, h))
-    if setting == "tp":
-        return s * b * h * (10 + F(24, t) + F(5 * a * s, h * t))
-    if setting == "tp_sp":
-        return F(s * b * h, t) * (34 + F(5 * a * s, h))
-    if setting == "tp_selective":
-        return s * b * h * (10 + F(24, t))
-    if setting == "tp_sp_selective":
-        return F(34 * s * b * h, t)
-    if setting == "full":
-        return F(2 * s * b * h)
-    raise ValueError(setting)
 
 
 def inflight_microbatches(cfg: Config, stage: int, m: int) -> float:

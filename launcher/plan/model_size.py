@@ -116,11 +116,6 @@ def params_total(cfg: Config, tp: Optional[int] = None) -> int:
     return total
 
 
-def narayanan_params(L: int, h: int, V: int, s: int) -> float:
-    """Narayanan et al. 2021, eq. for GPT with learned positions and tied embeddings."""
-    return 12 * L * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * L * h))
-
-
 # --------------------------------------------------------------------------------------------------
 # FLOPs per step
 # --------------------------------------------------------------------------------------------------
