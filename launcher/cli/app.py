@@ -8,9 +8,11 @@ import sys
 from typing import Any, Callable, List, Optional
 
 import hydra
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from launcher.cli.context import is_multirun, point_dir, task_overrides
 from launcher.cli.schema import register
 from training.contract.actions import BY_NAME, ActionSpec
 from training.contract.config import Config
@@ -21,6 +23,21 @@ register()
 # Set once the task function runs: Hydra exits 1 on a composition error (typo, wrong type,
 # unknown preset) before that, and the CLI turns such exits into the contract's exit code 2.
 _task_started = False
+
+
+def _is_multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _launcher_submits_arrays() -> bool:
+    """Whether the sweep's launcher submits its batch's Slurm points itself, as job arrays (meshrun's,
+    hydra_plugins/meshrun_sweep: hydra.launcher.slurm_arrays); other launchers leave each point to submit."""
+    return _is_multirun() and bool(OmegaConf.select(HydraConfig.get(), "launcher.slurm_arrays", default=False))
+
+
+def _run_dir(cfg: Config) -> str:
+    """run.dir, or in a multirun sweep the point's own directory under the sweep directory."""
+    return HydraConfig.get().runtime.output_dir if _is_multirun() else cfg.run.dir
 
 
 # Through the installed package, not a path next to the source: a wheel has no conf/ beside launcher/
@@ -47,8 +64,8 @@ def run_action(cfg: Config):
     spec = BY_NAME[str(cfg.action)]
     if spec.config == "composed":
         return _function(spec)(cfg, None)
-    run_dir = os.path.abspath(point_dir() if is_multirun() else cfg.run.dir)
-    if not is_multirun():
+    run_dir = os.path.abspath(_run_dir(cfg))
+    if not _is_multirun():
         from launcher.manage.latest import resolve_latest  # run.dir=runs/latest: the run the link names
 
         run_dir = resolve_latest(run_dir)
@@ -57,7 +74,7 @@ def run_action(cfg: Config):
         # One owner per run directory, checked before anything is read or written there (launcher/launch/claim.py).
         from launcher.launch.claim import claim_run_dir
 
-        lock, refusal = claim_run_dir(run_dir, multirun=is_multirun())
+        lock, refusal = claim_run_dir(run_dir, multirun=_is_multirun())
         if refusal is not None:
             return refusal
     try:
@@ -77,19 +94,52 @@ def _function(spec: ActionSpec) -> Callable[[Config, Optional[str]], Any]:
 def _launch_config(cfg: Config, run_dir: str) -> Config:
     """A launch's config: an existing run's saved config under the new command line, the indexed datasets'
     paths and vocabulary, then train.init_from's model (config.json's model wins over the data's vocabulary)."""
-    if not is_multirun():
+    if not _is_multirun():
         from launcher.manage.resume import resume_config
 
-        cfg = resume_config(run_dir, cfg, task_overrides())
+        cfg = resume_config(run_dir, cfg, HydraConfig.get().overrides.task)
     if cfg.data.kind == "indexed":
         from launcher.data.datasets import resolve_indexed
 
-        resolve_indexed(cfg, task_overrides())
+        resolve_indexed(cfg, HydraConfig.get().overrides.task)
     if cfg.train.init_from:
         from launcher.hf.init_from import apply_init_from
 
-        cfg = apply_init_from(cfg, task_overrides(), run_dir)
+        cfg = apply_init_from(cfg, HydraConfig.get().overrides.task, run_dir)
     return cfg
+
+
+def start(cfg: Config, run_dir: str):
+    """action=train and action=plan: validate and plan (the gate every launch passes), then launch here or submit
+    to Slurm; action=plan stops after the plan. The config arrives resolved (training/contract/actions.py: launch)."""
+    if cfg.action == "train" and cfg.train.wandb:
+        from training.observe.wandb_sink import wandb_problem  # no torch: importlib only
+
+        if wandb_problem():
+            print(f"error: {wandb_problem()}; nothing was launched.", file=sys.stderr)
+            raise SystemExit(EXIT_INVALID)
+    from launcher.planning.gate import plan_or_reject
+
+    result = plan_or_reject(cfg, run_dir, multirun=_is_multirun())
+    if result.get("status") == "ok" and not _is_multirun():
+        from launcher.manage.latest import point_latest
+
+        point_latest(run_dir)  # runs/latest names the newest run (launcher/manage/latest.py)
+    if result.get("status") != "ok" or cfg.action == "plan":
+        return result
+    if cfg.cluster.kind == "slurm":
+        from launcher.slurm.submit import submit
+
+        return submit(cfg, run_dir, result, multirun=_is_multirun(), queue=_launcher_submits_arrays())
+    from launcher.launch.local import launch_local
+
+    return launch_local(cfg, run_dir)
+
+
+def _presets(group: str) -> List[str]:
+    """The presets of a config group, as Hydra sees them (the installed conf tree)."""
+    loader = GlobalHydra.instance().config_loader()
+    return sorted(loader.get_group_options(group))
 
 
 _DIR_KEYS = ("run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.run.dir")

@@ -133,14 +133,8 @@ def print_keys(group: str, presets: Optional[Callable[[str], List[str]]] = None,
     print(format_keys(group, presets, effective))
 
 
-def _presets(group: str) -> List[str]:
-    """The presets of a config group, as Hydra sees them (the installed conf tree)."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    loader = GlobalHydra.instance().config_loader()
-    return sorted(loader.get_group_options(group))
-
-
 def keys_action(cfg: Config, run_dir: Optional[str] = None) -> None:
     """action=keys (the action table, training/contract/actions.py)."""
+    from launcher.cli.app import _presets  # Hydra's view of the installed conf tree
+
     return print_keys(cfg.keys.group, presets=_presets, effective=cfg)

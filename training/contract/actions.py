@@ -36,8 +36,8 @@ class ActionSpec:
 
 
 ACTIONS: Tuple[ActionSpec, ...] = (
-    ActionSpec("train", "launcher.launch.start", "start", locks=True, config="launch"),
-    ActionSpec("plan", "launcher.launch.start", "start", locks=True, config="launch"),
+    ActionSpec("train", "launcher.cli.app", "start", locks=True, config="launch"),
+    ActionSpec("plan", "launcher.cli.app", "start", locks=True, config="launch"),
     ActionSpec("status", "launcher.manage.status", "status_action", locks=False, config="run_dir"),
     ActionSpec("preflight", "launcher.launch.preflight", "run_preflight", locks=False, config="run_dir"),
     ActionSpec("keys", "launcher.cli.keys", "keys_action", locks=False, config="composed"),
