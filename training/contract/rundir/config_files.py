@@ -31,8 +31,8 @@ def write_config(cfg: Config, run_dir: str) -> None:
     write_atomic(os.path.join(run_dir, "config.yaml"), config_yaml(plain))
 
 
-# Plain dicts, not OmegaConf.structured: that costs ~50 ms a call, which a 64-point sweep pays 64 times;
-# libyaml's emitter where PyYAML has it (same YAML, ~8 ms less a call than the pure-Python one).
+# Plain dicts, not OmegaConf.structured, which a sweep would pay once per point; libyaml's emitter where PyYAML
+# has it (the same YAML, faster than the pure-Python one). Figures: docs/PERFORMANCE.md "Plan sweep".
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 # (top-level key, repr of its value) -> that section's YAML text. Bounded: cleared when full.
 _SECTIONS: dict = {}
@@ -43,8 +43,8 @@ def config_yaml(plain: dict) -> str:
     """yaml.dump(plain) in block style, key order kept, built from cached top-level sections.
 
     A block mapping's text is its items' texts one after another, so dumping {key: value} per top-level
-    key gives the same text. PyYAML builds its node tree in Python even with libyaml's emitter (~1.2 ms
-    for a whole config); the points of a sweep differ in a section or two (parallel, cluster), so the
+    key gives the same text. PyYAML builds its node tree in Python even with libyaml's emitter
+    (docs/PERFORMANCE.md "Plan sweep"); the points of a sweep differ in a section or two (parallel, cluster), so the
     others come from the cache. The key is the value's repr, which tells 1, 1.0 and True apart."""
     if not plain:
         return yaml.dump(plain, Dumper=_DUMPER)
