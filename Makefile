@@ -1,11 +1,12 @@
 # make run: install, then train the embedded default (tiny GPT, tp=2 sp, dp=2 zero=1, CPU processes).
 # make test: install, start the dev Slurm cluster, run the tests.
-# make check: the fast inner loop: every test that needs no cluster and no multi-process run (tests/conftest.py).
+# make check: the fast inner loop: lint, then every test that needs no cluster and no multi-process run (tests/conftest.py).
+# make lint: ruff's lint and mypy (settings in pyproject.toml); `ruff format` is configured there too.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshrun-installed
 
-.PHONY: install run test check plan bench slurm-up slurm-down browser clean
+.PHONY: install run test check lint plan bench slurm-up slurm-down browser clean
 
 install: $(STAMP)
 
@@ -34,11 +35,15 @@ run: install $(DATA).json
 plan: install
 	$(VENV)/bin/meshrun action=plan
 
-test: install slurm-up browser
+test: install lint slurm-up browser
 	$(PY) -m pytest -q tests
 
-check: install
+check: install lint
 	$(PY) -m pytest -q -m "not slurm and not slow" tests
+
+lint: install
+	$(PY) -m ruff check launcher training hydra_plugins bench tests
+	$(PY) -m mypy
 
 # Exit 77: the cluster cannot run here (no root / no apt-get); it said why, and the Slurm tests skip with that reason.
 slurm-up:

@@ -11,7 +11,7 @@ async save; medians are printed (the machine is shared). Load is
 measured from a warm page cache and, as root, from a cold one (`sync; echo 3 > /proc/sys/vm/drop_caches`
 before the load; otherwise the cold figure is skipped and says why).
 
-Both modes are measured the way the training loop (training/loop.py) uses a save:
+Both modes are measured the way the training loop (training/run/loop.py) uses a save:
     [optimizer step] save(); the next step's forward and backward; wait_staged(); [optimizer step]
 and "blocked" is the time the loop spends inside save() plus the time it waits in wait_staged(), the
 barrier before the optimizer changes the state. A sync save is complete when save() returns (its barrier
@@ -43,8 +43,8 @@ import torch  # noqa: E402
 
 from training.checkpoint import CheckpointManager, storage  # noqa: E402
 from training.checkpoint.crc_writer import start_writeback  # noqa: E402
-from training.config import Config  # noqa: E402
-from training.mesh import ProcessMesh  # noqa: E402
+from training.contract.config import Config  # noqa: E402
+from training.parallel.mesh import ProcessMesh  # noqa: E402
 from training.optim import DistributedOptimizer  # noqa: E402
 
 

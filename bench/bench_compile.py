@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
 def _cfg(args, compile: bool):
-    from training.config import Config
+    from training.contract.config import Config
 
     cfg = Config()
     m = cfg.model
@@ -62,8 +62,8 @@ def main() -> int:
     os.environ["MASTER_PORT"] = str(free_port())
     import torch
 
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     mesh = ProcessMesh.from_env(1, 1, 1, 1, timeout_s=600)
     sides = {name: Trainer(_cfg(args, name == "compiled"), os.path.join(tmp, name), mesh, checkpointing=False)

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 
 def _cfg(seq: int, cp: int):
-    from training.config import Config
+    from training.contract.config import Config
 
     cfg = Config()
     m = cfg.model
@@ -95,8 +95,8 @@ def _ring_times(seq: int, mesh, rounds: int):
 def _worker(seq: int, rounds: int):
     import torch.distributed as dist
 
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     mesh = ProcessMesh.from_env(1, 1, 2, 1, timeout_s=600)
     single = Trainer(_cfg(seq, 1), tempfile.mkdtemp(), ProcessMesh.single(), checkpointing=False) \

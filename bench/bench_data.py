@@ -89,7 +89,7 @@ def _peak_rss_of(cmd, env=None) -> "tuple[int, float, str]":
 
 
 def stdlib_jsonl(path: str, limit: int) -> int:
-    from launcher.prepare.reader import list_inputs
+    from launcher.data.prepare.reader import list_inputs
 
     n = 0
     with open(path, "w", encoding="utf-8") as out:
@@ -108,7 +108,7 @@ def stdlib_jsonl(path: str, limit: int) -> int:
 def prepare_cmd(inputs: str, output: str, tokenizer: str, workers: int) -> list:
     # Timed inside: prepare() from its call to its return (pool start-up, reading, writing, describing
     # included); the interpreter's own start is not prepare's.
-    code = ("import json, sys, time; from launcher.prepare import prepare; from training.config import PrepareConfig; "
+    code = ("import json, sys, time; from launcher.data.prepare import prepare; from training.contract.config import PrepareConfig; "
             f"t0 = time.perf_counter(); d = prepare(PrepareConfig(inputs=[{inputs!r}], output={output!r}, "
             f"tokenizer={tokenizer!r}, workers={workers}, progress=False, valid_fraction=0.01)); "
             "print(json.dumps({'tokens': d['tokens'] + d['valid_tokens'], 'seconds': time.perf_counter() - t0}))")
@@ -118,7 +118,7 @@ def prepare_cmd(inputs: str, output: str, tokenizer: str, workers: int) -> list:
 def bench_prepare(base: str, text_mb: float, workers: int) -> dict:
     jsonl = os.path.join(base, "stdlib.jsonl")
     nbytes = stdlib_jsonl(jsonl, int(text_mb * 1e6))
-    from training.tokenizer import train_bpe
+    from training.contract.tokenizer import train_bpe
 
     docs = [json.loads(line)["text"] for line in open(jsonl, encoding="utf-8")]
     tok_path = os.path.join(base, "bpe4096.json")
@@ -170,7 +170,7 @@ def make_big_dataset(prefix: str, gb: float) -> int:
 def bench_loader_startup(prefix: str) -> float:
     # torch is imported first: a rank has it loaded before it builds its data, and its import is not the loader's.
     code = ("import time, torch; t0 = time.perf_counter()\n"
-            "from training.config import Config; from training.data import BatchSampler, make_source\n"
+            "from training.contract.config import Config; from training.data import BatchSampler, make_source\n"
             "t1 = time.perf_counter(); cfg = Config(); cfg.data.kind = 'indexed'; "
             f"cfg.data.prefixes = [{prefix!r}]; cfg.model.vocab_size = 50000\n"
             "s = BatchSampler(make_source(cfg, ''), 16, 4, 1, 0); s.micro_batches(0)\n"
@@ -185,7 +185,7 @@ def bench_loader_rate(prefix: str) -> float:
 
     assert torch.__version__
 
-    from training.config import Config
+    from training.contract.config import Config
     from training.data import BatchSampler, make_source
 
     cfg = Config()

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch
 
-from training.config import Config, config_from_dict, config_to_dict
+from training.contract.config import Config, config_from_dict, config_to_dict
 
 TARGET = 1.25
 STEPS_PER_TURN = 3
@@ -58,8 +58,8 @@ def _turn(trainer, micro) -> None:
 def _worker(cfg_dict, warmup: int, rounds: int):
     import torch.distributed as dist
 
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     torch.set_num_threads(1)  # two ranks on two cores
     mesh2 = ProcessMesh.from_env(1, 1, 1, 2, backend="gloo", timeout_s=300)

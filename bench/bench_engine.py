@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from training.config import Config, config_from_dict, config_to_dict
+from training.contract.config import Config, config_from_dict, config_to_dict
 
 # name -> (layers, hidden, heads, seq, batch); vocab 256 (the byte vocabulary) everywhere.
 SHAPES: Dict[str, Tuple[int, int, int, int, int]] = {
@@ -138,8 +138,8 @@ def plain_stepper(cfg: Config, model: nn.Module, device, dtype=None, foreach=Non
 
 def engine_stepper(cfg: Config, mesh=None):
     """(step function, trainer): one engine training step per call, its batch assembled before the timer."""
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     mesh = mesh or ProcessMesh.single("cuda" if cfg.cluster.device == "cuda" else "cpu")
     trainer = Trainer(cfg, tempfile.mkdtemp(), mesh, checkpointing=False)
@@ -180,7 +180,7 @@ def _tp_worker(cfg_dict, warmup: int, rounds: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
 
     torch.set_num_threads(1)  # two ranks, one core each
     cfg = config_from_dict(cfg_dict)

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch
 
-from training.config import Config, config_from_dict, config_to_dict
+from training.contract.config import Config, config_from_dict, config_to_dict
 
 TARGET_SPEED = 0.8
 TARGET_MEMORY = 0.72
@@ -53,8 +53,8 @@ def base_cfg() -> Config:
 def _worker(cfg_dict, warmup: int, rounds: int):
     import torch.distributed as dist
 
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     torch.set_num_threads(1)  # two ranks on two cores
     sides, memory = {}, {}

@@ -3,11 +3,11 @@
 Stage work is made uniform and independent of how busy the machine's cores are: every virtual stage is
 a module whose forward sleeps t_f / v and whose backward sleeps t_b / v (a custom autograd Function),
 so each rank's compute per micro-batch is exactly t_f + t_b whatever v. The real schedules of
-training/pipeline.py move real [s, b, h] activations and gradients between the ranks over gloo,
+training/schedules/pipeline.py move real [s, b, h] activations and gradients between the ranks over gloo,
 in the batch_isend_irecv exchanges (tag 0) that the schedules also use on NCCL.
 Measured: per rank, idle share = 1 - busy / wall of the step (busy = compute only), averaged over the
 pipeline ranks, median over the timed steps. Planned: (p - 1) / (v m + p - 1).
-Every case runs both exchange paths of training/pipeline.py, step by step in turn: "wait" (each exchange
+Every case runs both exchange paths of training/schedules/pipeline.py, step by step in turn: "wait" (each exchange
 waited for whole, the previous behaviour) and "overlap" (parallel.overlap_p2p: sends in the background,
 receives posted one exchange early); the step time is the wall clock of forward_backward on the slowest
 rank, median over the timed steps.
@@ -65,8 +65,8 @@ class SleepStage(nn.Module):
 
 
 def _worker(p: int, cases, t_f: float, t_b: float, steps: int, shape):
-    from training.mesh import ProcessMesh
-    from training.pipeline import PipelineSchedule
+    from training.parallel.mesh import ProcessMesh
+    from training.schedules.pipeline import PipelineSchedule
 
     mesh = ProcessMesh.from_env(1, p, 1, 1, backend="gloo", timeout_s=120)
     out = []
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     shape = (SHAPE[0], SHAPE[1], args.hidden)
     from dist_harness import run_distributed
-    from training.pipeline import planned_idle_share
+    from training.schedules.pipeline import planned_idle_share
 
     rows, ok = [], True
     for p in (2, 4):

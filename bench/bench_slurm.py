@@ -41,8 +41,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from training.events import read_events  # noqa: E402
-from training.slurm_env import SlurmUnavailable, slurm_command  # noqa: E402
+from training.contract.rundir.events import read_events  # noqa: E402
+from training.contract.slurm_env import SlurmUnavailable, slurm_command  # noqa: E402
 
 STEPS = 16
 REQUEUE_VS_BARE = 1.6
@@ -231,7 +231,7 @@ def _node_pids(run_dir: str, node: str) -> List[int]:
 
 def _queue_wait(job: str, after: float) -> float:
     """Seconds job waited in Slurm's queue (sacct: Submit -> Start of its allocation that started after `after`)."""
-    from launcher.goodput import sacct_records
+    from launcher.manage.goodput import sacct_records
 
     def rec():
         recs = [r for r in sacct_records([job]).get(job, []) if r[1] >= after - 1]

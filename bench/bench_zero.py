@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from training.config import Config, config_from_dict, config_to_dict
+from training.contract.config import Config, config_from_dict, config_to_dict
 
 ZERO3_TARGET = 2.0
 RSS_TARGET = 0.8
@@ -47,8 +47,8 @@ def base_cfg(hidden: int) -> Config:
 def _timing_worker(cfg_dict, warmup: int, rounds: int):
     import torch.distributed as dist
 
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     mesh = ProcessMesh.from_env(1, 1, 1, 2, timeout_s=300)
     trainers = {}
@@ -82,8 +82,8 @@ def _rss() -> int:
 
 
 def _rss_worker(cfg_dict, offload_dir: str):
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     cfg = config_from_dict(cfg_dict)
     cfg.parallel.offload = "none" if os.environ["RANK"] == "0" else "nvme"

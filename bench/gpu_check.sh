@@ -15,7 +15,7 @@
 #     answered by the double (training/observe/nvml_double.py): every check computed.
 #  2. the largest GPT preset that the planner says fits this GPU (llama3_8b, else gpt_1p3b; --dry: tiny),
 #     bf16, 30 steps (--dry: fp32 on CPU, 4 steps), one rank: an NCCL process group (--dry: gloo).
-#     MFU is training/loop.py's: model FLOPs / step time / this device's matmul rate (measured with warm-up at
+#     MFU is training/run/loop.py's: model FLOPs / step time / this device's matmul rate (measured with warm-up at
 #     a saturating size). Goal: 0.5 <= MFU <= 1 on GPU; --dry: 0 < MFU <= 1 (above 1 means a wrong peak).
 #  3. the same model in fp16 with dynamic loss scaling, a few steps: metrics carry loss_scale.
 #  4. memory: rank 0's model-state bytes (weights, grads, optimizer; training/optim/optimizer.py memory_report)
@@ -190,7 +190,7 @@ else:
     low = 0.0 if dry else 0.5
     check("mfu", mfu is not None and low < mfu <= 1.0 if dry else mfu is not None and low <= mfu <= 1.0,
           mfu=mfu, goal=[low, 1.0],
-          note="against this device's matmul rate (training/loop.py measure_peak_flops); above 1: a wrong peak")
+          note="against this device's matmul rate (training/run/loop.py measure_peak_flops); above 1: a wrong peak")
     m = re.search(r"model states \(bytes\): weights (\d+), grads (\d+), optimizer (\d+)", p.stderr_text)
     states = {k: int(v) for k, v in zip(("weights", "grads", "optimizer"), m.groups())} if m else {}
     want = {k: plan.get("memory_bytes", {}).get(k) for k in ("weights", "grads", "optimizer")}

@@ -44,9 +44,9 @@ def main() -> int:
     import torch
 
     from launcher.plan.estimate import make_plan
-    from training.config import Config
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.contract.config import Config
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": os.environ.get("MASTER_PORT", "29531")})

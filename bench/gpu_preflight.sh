@@ -37,9 +37,9 @@ PY
 "$PYTHON" - "$RUN_DIR" "$DRY" <<'PY'
 import json, os, sys, time
 sys.path.insert(0, os.getcwd())
-from training.config import Config
-from launcher.preflight import run_local
-from launcher.rundir import write_config
+from training.contract.config import Config
+from launcher.launch.preflight import run_local
+from training.contract.rundir.config_files import write_config
 
 run_dir, dry = sys.argv[1], sys.argv[2] == "1"
 env = os.environ

@@ -1,3 +1,3 @@
-from launcher.app import cli
+from launcher.cli.app import cli
 
 cli()

@@ -1,4 +1,4 @@
-"""`meshrun ARGS` inside the test process: the console entry point (launcher/app.py's cli) with sys.argv set,
+"""`meshrun ARGS` inside the test process: the console entry point (launcher/cli/app.py's cli) with sys.argv set,
 stdout and stderr captured, the exit code taken from its SystemExit (0 when it returns).
 
 A subprocess costs ~2 s of Python start-up and imports on two shared cores; this costs the command alone.
@@ -33,7 +33,7 @@ class CliResult:
 def run_cli(*args: str, cwd: Optional[str] = None) -> CliResult:
     from hydra.core.global_hydra import GlobalHydra
 
-    import launcher.app as app
+    import launcher.cli.app as app
 
     out, err = io.StringIO(), io.StringIO()
     argv, here, environ = sys.argv, os.getcwd(), dict(os.environ)

@@ -12,10 +12,11 @@ import sys
 
 import pytest
 
-from launcher.plan.cadence import (advise, expected_goodput, resolve, simulate_goodput, young_interval_s)
+from launcher.plan.cadence import advise, expected_goodput, resolve, young_interval_s
+from oracles_plan import simulate_goodput
 from launcher.plan.validate import validate
 from test_plan import compose_cfg
-from training.config import checkpoint_minutes
+from training.contract.config import checkpoint_minutes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODE_MTBF_H = 10_000.0

@@ -1,4 +1,4 @@
-"""A cancel mark (run.dir/cancel.json, launcher/cancel.py) applies to the launch it was written in: a mark older
+"""A cancel mark (run.dir/cancel.json, launcher/manage/cancel.py) applies to the launch it was written in: a mark older
 than the latest launch of the directory is stale and stops nothing; one written while an attempt waited in the
 queue stops that attempt in the Slurm prologue (launcher/slurm/driver.py), run here in-process on real files."""
 
@@ -9,10 +9,11 @@ import os
 
 import pytest
 
-from launcher.cancel import CANCEL_FILE, cancel_requested, cancelled_event, write_mark
+from launcher.manage.status import CANCEL_FILE, cancel_requested, cancelled_event
+from launcher.manage.cancel import write_mark
 from launcher.slurm import driver
-from training.config import Config, config_to_dict
-from training.events import append_event, read_events
+from training.contract.config import Config, config_to_dict
+from training.contract.rundir.events import append_event, read_events
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import torch
 
 from dist_harness import run_distributed
 from training.checkpoint import CheckpointManager, storage
-from training.config import Config
-from training.mesh import ProcessMesh
+from training.contract.config import Config
+from training.parallel.mesh import ProcessMesh
 from training.optim import DistributedOptimizer
 
 V, H, F = 11, 4, 8

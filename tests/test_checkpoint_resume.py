@@ -21,8 +21,8 @@ import pytest
 
 from dist_harness import run_distributed
 from training.checkpoint import storage
-from training.config import Config, config_from_dict, config_to_dict
-from training.events import read_events
+from training.contract.config import Config, config_from_dict, config_to_dict
+from training.contract.rundir.events import read_events
 
 STEPS = 20
 
@@ -48,7 +48,7 @@ def _train(cfg: Config, run_dir: str, mesh, hook: str = "") -> Dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     from training.checkpoint import manager
-    from training.loop import Trainer
+    from training.run.loop import Trainer
 
     trainer = Trainer(cfg, run_dir, mesh)
     if hook == "signal10" and mesh.rank == 1:
@@ -81,7 +81,7 @@ def _train(cfg: Config, run_dir: str, mesh, hook: str = "") -> Dict[str, Any]:
     code = trainer.run()
     if hook == "signal10":
         # The stop flag is per process; the next Trainer of this spawn stands for a new process (a relaunch).
-        from training.checkpoint import signals
+        from training.run import signals
 
         signals.clear()
     return {"code": code, "losses": list(trainer.losses)}
@@ -93,7 +93,7 @@ def _spawned(cases: List[Tuple[str, dict, str, str]]) -> Dict[str, Any]:
     After each case, rank 0 records what the run left on disk (checkpoint steps, latest, events)."""
     import torch.distributed as dist
 
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
 
     meshes: Dict[tuple, Any] = {}
     out: Dict[str, Any] = {}

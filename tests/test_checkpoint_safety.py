@@ -19,7 +19,7 @@ import pytest
 
 from test_checkpoint_storage import _fill, _resumed_value, _save_steps, _setup
 from training.checkpoint import CheckpointError, storage
-from training.events import read_events
+from training.contract.rundir.events import read_events
 
 
 class _RunsCommand:

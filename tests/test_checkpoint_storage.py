@@ -13,8 +13,8 @@ import torch
 from test_checkpoint_reshard import StandInModel, _cfg
 from training.checkpoint import CheckpointError, CheckpointManager, storage
 from training.checkpoint.layout import flat_range_rects
-from training.events import read_events
-from training.mesh import ProcessMesh
+from training.contract.rundir.events import read_events
+from training.parallel.mesh import ProcessMesh
 from training.optim import DistributedOptimizer
 
 

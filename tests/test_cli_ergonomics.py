@@ -8,9 +8,9 @@ import dataclasses
 import json
 import typing
 
-from launcher.keys import field_docstrings, iter_keys
+from launcher.cli.keys import field_docstrings, iter_keys
 from test_cli import meshrun
-from training.config import CHOICE_FIELDS, Action, Config
+from training.contract.config import CHOICE_FIELDS, Action, Config
 
 
 def _leaf_keys(cls=Config, prefix=""):
@@ -25,7 +25,7 @@ def _leaf_keys(cls=Config, prefix=""):
 
 
 def _leaf_owners(cls=Config, prefix=""):
-    """key -> (dataclass name, field name), walking the dataclasses (not launcher/keys.py)."""
+    """key -> (dataclass name, field name), walking the dataclasses (not launcher/cli/keys.py)."""
     hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
@@ -37,13 +37,13 @@ def _leaf_owners(cls=Config, prefix=""):
 
 
 def _docstrings_from_source():
-    """(class, field) -> the triple-quoted string right under the field's line in training/config.py, read
-    as text line by line (an independent reading: launcher/keys.py uses the ast)."""
+    """(class, field) -> the triple-quoted string right under the field's line in training/contract/config.py, read
+    as text line by line (an independent reading: launcher/cli/keys.py uses the ast)."""
     import re
 
-    import training.config
+    import training.contract.config
 
-    lines = open(training.config.__file__, encoding="utf-8").read().splitlines()
+    lines = open(training.contract.config.__file__, encoding="utf-8").read().splitlines()
     docs, cls = {}, None
     for i, line in enumerate(lines):
         m = re.match(r"class (\w+)", line)
@@ -70,7 +70,7 @@ def test_help_names_actions_groups_and_where_keys_are_documented(tmp_path):
     assert "model: " in p.stdout and "llama3_8b" in p.stdout and "parallel: " in p.stdout
     cluster_line = next(line for line in p.stdout.splitlines() if line.startswith("cluster: "))
     assert {"dgx_h100", "local", "slurm_dev"} <= set(cluster_line[len("cluster: "):].split(", "))
-    assert "action=keys" in p.stdout and "training/config.py" in p.stdout
+    assert "action=keys" in p.stdout and "training/contract/config.py" in p.stdout
     assert list(tmp_path.iterdir()) == []  # --help writes nothing
 
 
@@ -83,7 +83,7 @@ def test_keys_prints_every_key_with_type_default_and_docstring(tmp_path):
     # Every field of every config dataclass has a docstring (the user's documentation of that key).
     missing = [key for key, _, _, doc in iter_keys() if not doc]
     assert missing == [], missing
-    # Each key's printed text is its docstring as written in training/config.py (whitespace aside).
+    # Each key's printed text is its docstring as written in training/contract/config.py (whitespace aside).
     blocks, key = {}, None
     for line in p.stdout.splitlines():
         if line.startswith("    ") and key:

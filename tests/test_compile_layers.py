@@ -17,7 +17,7 @@ import os
 import pytest
 
 from dist_harness import run_distributed
-from training.config import Config
+from training.contract.config import Config
 
 STEPS = 3
 COMPILE_RTOL = 1e-5
@@ -39,7 +39,7 @@ def _cfg(tp=1, pp=1, dp=1, compile=False) -> Config:
 
 
 def _run(cfg: Config, run_dir: str, mesh):
-    from training.loop import Trainer
+    from training.run.loop import Trainer
 
     trainer = Trainer(cfg, run_dir, mesh, checkpointing=False)
     trainer.run()
@@ -53,7 +53,7 @@ def _run(cfg: Config, run_dir: str, mesh):
 
 
 def _one(base: str):
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
 
     mesh = ProcessMesh.from_env(1, 1, 1, 1, timeout_s=300)
     out = {"eager": _run(_cfg(), os.path.join(base, "eager"), mesh),
@@ -70,7 +70,7 @@ def _one(base: str):
 def _four(base: str):
     """Both layouts in the same 4 ranks: the second mesh's groups are added beside the first's (the default group
     stays, nothing is torn down between them)."""
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
 
     out = {}
     for name, (tp, pp, dp) in (("tp2_sp_dp2", (2, 1, 2)), ("pp2_dp2", (1, 2, 2))):

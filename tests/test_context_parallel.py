@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from training.config import Config, config_from_dict, config_to_dict
+from training.contract.config import Config, config_from_dict, config_to_dict
 
 STEPS = 3
 MODELS = ("gpt", "llama")
@@ -88,7 +88,7 @@ def _full_grads(trainer) -> Dict[str, np.ndarray]:
 
 def _run(cfg: Config, run_dir: str, mesh, checkpointing: bool = False, grads: bool = True) -> Dict[str, Any]:
     """Grads of step 1 (before any update), then the whole run from scratch."""
-    from training.loop import Trainer
+    from training.run.loop import Trainer
 
     trainer = Trainer(config_from_dict(config_to_dict(cfg)), run_dir, mesh, checkpointing=checkpointing)
     g = None
@@ -114,7 +114,7 @@ def _saved_activation_bytes(cfg: Config, mesh) -> Dict[str, int]:
     """Bytes autograd saves for backward in one micro-batch's forward on this rank (saved-tensor hooks; parameters
     excluded, each tensor once), and the plan's activation bytes for the layout."""
     from launcher.plan.estimate import make_plan
-    from training.loop import Trainer
+    from training.run.loop import Trainer
 
     trainer = Trainer(config_from_dict(config_to_dict(cfg)), tempfile.mkdtemp(), mesh, checkpointing=False)
     from training.observe.saved_bytes import saved_activation_bytes
@@ -124,7 +124,7 @@ def _saved_activation_bytes(cfg: Config, mesh) -> Dict[str, int]:
 
 
 def _mesh(cfg: Config):
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
 
     p = cfg.parallel
     return ProcessMesh.from_env(p.tp, p.pp, p.cp, p.dp, timeout_s=60)
@@ -170,8 +170,8 @@ def _cases_2(base: str) -> Dict[str, Any]:
         recompute.parallel.recompute = "full" if model == "llama" else "selective"
         out[f"{model}/cp2_recompute"] = _run(recompute, os.path.join(base, model, "cp2_recompute"), mesh)
     # The engine's own layout rules: a rank started on a cp layout it cannot run refuses it, naming the fix.
-    from training.layout_rules import LayoutError
-    from training.loop import Trainer
+    from training.contract.layout_rules import LayoutError
+    from training.run.loop import Trainer
 
     refused = []
     for change in ({"seq_length": 18}, {"dropout": 0.1}):
@@ -199,7 +199,7 @@ def _cases_2(base: str) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     torch.set_num_threads(1)
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
 
     base = str(tmp_path_factory.mktemp("cp"))
     single = {m: _run(_with_eval(_cfg(m)), tempfile.mkdtemp(), ProcessMesh.single()) for m in MODELS}
@@ -281,7 +281,7 @@ def test_cp2_resume_is_bit_exact(results):
 
 def test_cp2_checkpoint_resumed_at_cp1_exports_the_cp1_model(results):
     from training.hf.export import export
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
     from safetensors.torch import load_file
 
     _, two, _, base = results

@@ -14,9 +14,9 @@ from omegaconf import OmegaConf
 from launcher.plan.context_memory import MIB, gpu_memory_bytes
 from launcher.plan.estimate import make_plan, with_parallel
 from launcher.plan.validate import validate
-from launcher.recommend import layouts, recommend
-from launcher.schema import register
-from training.config import Config
+from launcher.planning.recommend import layouts, recommend
+from launcher.cli.schema import register
+from training.contract.config import Config
 
 register()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.config import Config
+from training.contract.config import Config
 from training.data import BatchSampler, DataError, build_corpus, make_source, validate_data_config
 
 
@@ -86,10 +86,10 @@ def test_global_batch_must_split_over_dp():
 
 
 def _trainer_data_error(cfg_dict: dict, run_dir: str) -> str:
-    from training.config import config_from_dict
+    from training.contract.config import config_from_dict
     from training.data import DataError
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     cfg = config_from_dict(cfg_dict)
     mesh = ProcessMesh.from_env(1, 1, 1, 2, timeout_s=cfg.train.dist_timeout_s)
@@ -108,7 +108,7 @@ def test_a_data_error_on_rank_0_reaches_every_rank_at_once(tmp_path):
     import time
 
     from dist_harness import run_distributed
-    from training.config import Config, config_to_dict
+    from training.contract.config import Config, config_to_dict
 
     cfg = Config()
     cfg.data.paths = [str(tmp_path / "missing.txt")]  # bypasses the launcher's check, as a Slurm node would

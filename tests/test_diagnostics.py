@@ -18,9 +18,9 @@ import os
 import pytest
 
 from dist_harness import run_distributed
-from training.config import Config, config_from_dict, config_to_dict
-from training.events import read_events
-from training.exit_codes import EXIT_NODE_BAD, EXIT_STOPPED
+from training.contract.config import Config, config_from_dict, config_to_dict
+from training.contract.rundir.events import read_events
+from training.contract.exit_codes import EXIT_NODE_BAD, EXIT_STOPPED
 
 STEPS = 14
 NAN_STEP = 5
@@ -49,8 +49,8 @@ def _cfg(run_dir: str, double: str) -> Config:
 def _rank(cfg_dict: dict, run_dir: str, double: str):
     import torch
 
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     rank = int(os.environ["RANK"])
     os.environ.update(MESHRUN_NODE=f"node{'AB'[rank]}", LOCAL_RANK="0")  # two "nodes", one rank each
@@ -147,7 +147,7 @@ def test_profile_steps_write_a_chrome_trace_per_rank(diagnosed):
 
 
 def test_memory_snapshot_on_cpu_says_there_is_none(tmp_path, capsys):
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
     from training.observe.profile import StepProfiler, profile_window
 
     cfg = Config()
@@ -155,7 +155,7 @@ def test_memory_snapshot_on_cpu_says_there_is_none(tmp_path, capsys):
     prof = StepProfiler(cfg, str(tmp_path), ProcessMesh.single())
     prof.after(2)
     assert "no CUDA memory allocator" in capsys.readouterr().err and not os.path.exists(tmp_path / "profile")
-    from training.layout_rules import LayoutError
+    from training.contract.layout_rules import LayoutError
 
     for bad in ([3], [0, 2], [5, 4]):
         with pytest.raises(LayoutError, match="train.profile_steps"):

@@ -15,11 +15,11 @@ import time
 import pytest
 
 from launcher.plan.validate import validate
-from launcher.planning import validate_for_launch
+from launcher.planning.gate import validate_for_launch
 from launcher.slurm.elastic import elastic_checks, layout, plan_resize, pool, with_nodes
 from launcher.slurm.requeue import decide
-from training.config import Config
-from training.events import read_events
+from training.contract.config import Config
+from training.contract.rundir.events import read_events
 
 import test_checkpoint_reshard as reshard
 import test_slurm_cluster as dev
@@ -142,9 +142,9 @@ def test_zero1_checkpoint_saved_at_dp3_loads_at_dp2_exactly(tmp_path):
 KILL_RANK_1_AT_STEP_5 = '''import os, signal, sys
 if "training.main" in getattr(sys, "orig_argv", []) and os.environ.get("MESHRUN_ATTEMPT") == "0" \\
         and os.environ.get("RANK") == "1":
-    import training.loop
+    import training.run.loop
 
-    real = training.loop.Trainer.train_step
+    real = training.run.loop.Trainer.train_step
 
     def train_step(self, *args, **kwargs):
         out = real(self, *args, **kwargs)
@@ -152,7 +152,7 @@ if "training.main" in getattr(sys, "orig_argv", []) and os.environ.get("MESHRUN_
             os.kill(os.getpid(), signal.SIGKILL)
         return out
 
-    training.loop.Trainer.train_step = train_step
+    training.run.loop.Trainer.train_step = train_step
 '''
 STEPS = 12
 RUN = ["model=tiny", "data=synthetic", "parallel.tp=1", "parallel.pp=1", "parallel.sp=false",

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_distributed
-from training.config import Config, config_from_dict, config_to_dict
+from training.contract.config import Config, config_from_dict, config_to_dict
 
 STEPS = 20
 
@@ -68,8 +68,8 @@ def saved_activation_bytes(trainer) -> int:
 
 def _train(cfg_dict: dict, run_dir: str, with_grads: bool = True):
     """One layout: grads of step 1 (before any update), then the whole run from scratch."""
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     cfg = config_from_dict(cfg_dict)
     p = cfg.parallel

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.config import Config
-from training.mesh import ProcessMesh
-from training.model import GPTChunk
+from training.contract.config import Config
+from training.parallel.mesh import ProcessMesh
+from training.model.gpt import GPTChunk
 from training.optim.optimizer import DistributedOptimizer
 from training.parallel.layers import vocab_parallel_cross_entropy
 

@@ -22,9 +22,9 @@ from typing import Dict, List
 import pytest
 
 from training.checkpoint import storage
-from training.config import Config, config_to_dict
-from training.events import read_events
-from training.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_STOPPED
+from training.contract.config import Config, config_to_dict
+from training.contract.rundir.events import read_events
+from training.contract.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_STOPPED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 200  # long enough (about 10 ms a step) for a signal to land mid-run
@@ -199,9 +199,9 @@ def test_rollback_is_never_undone_by_auto_and_keeps_the_newer_checkpoints(base, 
 HOLD_FOR_SIGNAL = '''import sys
 if "training.main" in getattr(sys, "orig_argv", []):
     import time
-    import training.loop
-    from training.checkpoint import signals
-    real = training.loop.Trainer.train_step
+    import training.run.loop
+    from training.run import signals
+    real = training.run.loop.Trainer.train_step
 
     def step(self, *args, **kwargs):
         if self.state.step == 3:
@@ -210,7 +210,7 @@ if "training.main" in getattr(sys, "orig_argv", []):
                 time.sleep(0.01)
         return real(self, *args, **kwargs)
 
-    training.loop.Trainer.train_step = step
+    training.run.loop.Trainer.train_step = step
 '''
 
 

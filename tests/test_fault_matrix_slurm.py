@@ -21,12 +21,12 @@ import pytest
 
 from launcher.slurm.requeue import decide
 from launcher.slurm.sbatch import SlurmConfigError, array_job_spec, job_spec, sbatch_text, validate_for_slurm
-from launcher.status import RETRY_CAUSES, retries_used
-from training import slurm_env
-from training.events import read_events
-from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK
-from training.run_lock import LOCK_FILE, read_holder
-from training.secret_env import PLACEHOLDER
+from launcher.manage.status import RETRY_CAUSES, retries_used
+from training.contract import slurm_env
+from training.contract.rundir.events import read_events
+from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK
+from training.contract.rundir.lock import LOCK_FILE, read_holder
+from training.contract.rundir.secret_env import PLACEHOLDER
 
 import test_slurm_cluster as dev
 from test_slurm_cluster import COMMON, ROOT, meshrun, metrics, submit, wait_final, wait_step
@@ -118,7 +118,7 @@ def _stubs(tmp_path):
 def _run_script_up_to_srun(cfg, run_dir, tmp_path):
     """The whole generated batch script, executed by bash up to and including srun (a stub); the teardown
     is cut. The prologue runs for real on run_dir."""
-    from launcher.rundir import write_config
+    from training.contract.rundir.config_files import write_config
 
     os.makedirs(run_dir, exist_ok=True)
     write_config(cfg, run_dir)
@@ -366,7 +366,7 @@ def test_default_run_dirs_differ_for_launches_in_the_same_second(tmp_path):
                               stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    dirs = sorted(d for d in os.listdir(tmp_path / "runs") if d != "latest")  # runs/latest: launcher/latest.py
+    dirs = sorted(d for d in os.listdir(tmp_path / "runs") if d != "latest")  # runs/latest: launcher/manage/latest.py
     assert dirs == sorted(f"2026-01-02_03-04-05-000007-{p.pid}" for p in procs), dirs
     assert os.readlink(tmp_path / "runs" / "latest") in dirs
     for d in dirs:
@@ -414,15 +414,15 @@ def test_secret_env_values_never_reach_files_or_output(tmp_path):
 # ------------------------------------------------------------------------------- 13: local failure path
 FAIL_RANK_1 = '''import os, sys
 if "training.main" in getattr(sys, "orig_argv", []) and os.environ.get("RANK") == "1":
-    import training.loop
-    real = training.loop.Trainer.train_step
+    import training.run.loop
+    real = training.run.loop.Trainer.train_step
 
     def step(self, *args, **kwargs):
         if self.state.step == 2:
             raise RuntimeError("injected failure on rank 1 at step 3")
         return real(self, *args, **kwargs)
 
-    training.loop.Trainer.train_step = step
+    training.run.loop.Trainer.train_step = step
 '''
 
 

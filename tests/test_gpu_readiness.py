@@ -124,7 +124,7 @@ def test_makefile_comment_matches_what_install_does():
 
 # ---------------------------------------------------------------- MFU peak (would-fail 2)
 def test_mfu_peak_on_cuda_is_the_warmed_up_saturating_probe(monkeypatch):
-    import training.loop as loop
+    import training.run.loop as loop
     import training.preflight.matmul as matmul
 
     calls = []
@@ -189,7 +189,7 @@ def _double(tmp_path, **values):
 
 
 def _node_checks(tmp_path, monkeypatch, visible=None, **values):
-    from training.config import Config
+    from training.contract.config import Config
     from training.preflight.runner import node_checks
 
     if visible is None:
@@ -221,7 +221,7 @@ def test_throttle_reasons_on_drivers_before_r535():
     """A new nvidia-ml-py on an old driver: the clocks-event call is FUNCTION_NOT_FOUND, the throttle-reasons
     call answers, and a hardware slowdown still fails."""
     from tests.test_preflight_nvml import fake_nvml, healthy_gpu
-    from training.config import PreflightConfig
+    from training.contract.config import PreflightConfig
     from training.preflight.gpu_nvml import check_gpus
 
     gpu = healthy_gpu(0)
@@ -283,7 +283,7 @@ def test_ib_congestion_drops_warn_and_link_errors_fail():
 
 # ---------------------------------------------------------------- devices, threads, NUMA
 def test_cuda_device_is_local_rank_modulo_visible_devices(monkeypatch):
-    from training.mesh import local_cuda_index
+    from training.parallel.mesh import local_cuda_index
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # --gpus-per-task=1: each task sees one GPU
     assert [local_cuda_index(r) for r in range(4)] == [0, 0, 0, 0]
@@ -394,7 +394,7 @@ def test_no_module_calls_the_new_collective_names_directly():
 
 # ---------------------------------------------------------------- planner
 def _cfg(**model):
-    from training.config import Config
+    from training.contract.config import Config
 
     cfg = Config()
     for k, v in model.items():
@@ -406,8 +406,8 @@ def test_cuda_activation_profile_matches_what_a_16bit_layer_saves():
     """Likely 9: measured (saved-tensor hooks) bytes of one bf16 layer with math attention and dropout equal the
     planner's CUDA profile: masks at the activation dtype, the fp32 softmax output kept."""
     from launcher.plan.memory import device_profile, layer_activation_bytes
-    from training.mesh import ProcessMesh
-    from training.model import build_gpt
+    from training.parallel.mesh import ProcessMesh
+    from training.model.gpt import build_gpt
     from training.observe.saved_bytes import SavedBytes
 
     def saved(layers):
@@ -450,8 +450,8 @@ def _ranks_case(root: str, timeout_s: float):
 
     from training.checkpoint import manager as mgr
     from training.checkpoint import storage
-    from training.config import Config
-    from training.mesh import ProcessMesh
+    from training.contract.config import Config
+    from training.parallel.mesh import ProcessMesh
 
     made = []
     real_new_group = dist.new_group

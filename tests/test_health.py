@@ -14,8 +14,8 @@ import pytest
 
 import test_slurm_cluster as dev
 from test_preflight_nvml import fake_nvml, healthy_gpu
-from training.config import Config
-from training.events import read_events
+from training.contract.config import Config
+from training.contract.rundir.events import read_events
 from training.observe.health import ECC, THROTTLE, HealthSampler, ThroughputShare, load_health_nvml
 from training.observe.nvml_double import make_nvml_double
 

@@ -20,7 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra: pip install -e .[test]")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is a runtime dependency")
 
-from training.config import Config  # noqa: E402
+from training.contract.config import Config  # noqa: E402
 from training.data import SyntheticSource  # noqa: E402
 from training.hf.convert import local_from_hf, to_hf  # noqa: E402
 from training.hf.hf_config import (  # noqa: E402
@@ -28,9 +28,9 @@ from training.hf.hf_config import (  # noqa: E402
 )
 from training.hf.init_from import SliceReader, load_init_from  # noqa: E402
 from training.hf.safetensors_index import check_tensors  # noqa: E402
-from training.layout_rules import padded_vocab  # noqa: E402
-from training.mesh import ProcessMesh  # noqa: E402
-from training.model import build_gpt  # noqa: E402
+from training.contract.layout_rules import padded_vocab  # noqa: E402
+from training.parallel.mesh import ProcessMesh  # noqa: E402
+from training.model.gpt import build_gpt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
@@ -181,7 +181,7 @@ def test_tp_slices_read_with_get_slice_assemble_to_the_full_tensor(hf_dirs, whic
 
 def test_kv_cache_decoding_equals_full_recompute(hf_dirs):
     """Cached decoding gives the tokens (and logits) of running the whole model on the growing sequence."""
-    from training.config import GenerateConfig
+    from training.contract.config import GenerateConfig
     from training.hf.generate import forward_cached, generate_tokens
 
     cfg, chunk = _single_model(hf_dirs["llama"])
@@ -213,7 +213,7 @@ def test_models_without_a_hugging_face_class_name_the_field():
 
 
 def test_bad_directories_name_the_file_and_the_fix(hf_dirs, tmp_path):
-    from launcher.init_from import derive_model
+    from launcher.hf.init_from import derive_model
 
     def bad(directory, *overrides):
         cfg = Config()
@@ -340,7 +340,7 @@ def test_llama_trained_at_tp2_dp2_zero1_exports_what_transformers_reads(hf_dirs,
     model = _hf_model(out_dir)
     from training.hf.checkpoint_reader import read_checkpoint
     from training.hf.generate import run as generate_run, single_process_model
-    from training.config import GenerateConfig
+    from training.contract.config import GenerateConfig
 
     saved_cfg, _, full = read_checkpoint(run)
     chunk = single_process_model(saved_cfg, full)
@@ -370,8 +370,8 @@ def test_llama_trained_at_tp2_dp2_zero1_exports_what_transformers_reads(hf_dirs,
 def test_export_ships_the_runs_tokenizer_for_transformers(tmp_path):
     """A run on a prepared dataset (data=indexed): its tokenizer.json goes into the export, AutoTokenizer reads it
     and encodes as meshrun does, and config.json's eos_token_id is the end-of-document token."""
-    from launcher.prepare import prepare
-    from training.config import PrepareConfig
+    from launcher.data.prepare import prepare
+    from training.contract.config import PrepareConfig
     from training.hf.tokenizer_files import run_tokenizer, write_tokenizer_files
 
     text = tmp_path / "corpus.txt"
@@ -392,7 +392,7 @@ def test_export_ships_the_runs_tokenizer_for_transformers(tmp_path):
 
 
 def test_launcher_side_imports_no_torch():
-    code = ("import sys; import launcher.init_from, launcher.export, launcher.generate, training.hf.tokenizer_files; "
+    code = ("import sys; import launcher.hf.init_from, launcher.hf.export, launcher.hf.generate, training.hf.tokenizer_files; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([PYTHON, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -400,7 +400,7 @@ def test_launcher_side_imports_no_torch():
 
 def test_a_run_that_resumes_no_longer_needs_the_directory(tmp_path):
     """Once the run has its own checkpoint, the launcher keeps the saved model and never reads DIR again."""
-    from launcher.init_from import apply_init_from
+    from launcher.hf.init_from import apply_init_from
 
     cfg = _with_init(tmp_path / "deleted_model")
     (tmp_path / "run" / "checkpoints" / "step_3").mkdir(parents=True)

@@ -10,16 +10,16 @@ import subprocess
 
 import pytest
 
-import launcher.prepare as lp
-from launcher.local_numa import local_binding, rank_prefix
+import launcher.data.prepare as lp
+from launcher.launch.local_numa import local_binding, rank_prefix
 from launcher.plan.estimate import format_plan, make_plan, with_parallel
 from launcher.plan.honest_checks import PIPELINE_IDLE_WARN, ignored_on_local, micro_batches_for_idle
 from launcher.plan.validate import validate
-from launcher.recommend import recommend
-from launcher.unknown_keys import nearest_key, quoting_hint
+from launcher.planning.recommend import recommend
+from launcher.cli.unknown_keys import nearest_key, quoting_hint
 from test_cli import meshrun
 from test_plan import compose_cfg
-from training.config import Config, PrepareConfig
+from training.contract.config import Config, PrepareConfig
 
 
 # ---- 1. unknown keys, even with '+' -----------------------------------------------------------------------------
@@ -194,7 +194,7 @@ def test_prepare_lists_skipped_files_reads_given_suffixes_and_warns_on_no_held_o
 
 
 def test_generate_prompt_file_and_quoting_hint(tmp_path, monkeypatch):
-    from launcher import generate
+    from launcher.hf import generate
 
     prompt = tmp_path / "p.txt"
     prompt.write_text('def main(argv=["a, b"]):\n    print("hi")\n')

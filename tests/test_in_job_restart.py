@@ -22,23 +22,23 @@ import pytest
 
 import noted_jobs
 import test_slurm_cluster as dev
-from launcher.goodput import CAUSES, GOODPUT_FILE, compute
+from launcher.manage.goodput import CAUSES, GOODPUT_FILE, compute
 from launcher.slurm import in_job
-from launcher.status import run_status
-from training.config import ClusterConfig
-from training.events import read_events
+from launcher.manage.status import run_status
+from training.contract.config import ClusterConfig
+from training.contract.rundir.events import read_events
 
 cluster = dev.cluster
 
 # Faults by attempt, at the entry of a training step (state.step = steps completed): rows 1..K are logged.
 INJECT = r'''import os, signal, subprocess, sys
 if "training.main" in getattr(sys, "orig_argv", []):
-    import training.loop
+    import training.run.loop
 
     _attempt = os.environ.get("MESHRUN_ATTEMPT")
     _node = os.environ.get("SLURM_NODEID")
     _rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
-    _real = training.loop.Trainer.train_step
+    _real = training.run.loop.Trainer.train_step
 
     def train_step(self, *args, **kwargs):
         done = self.state.step
@@ -52,7 +52,7 @@ if "training.main" in getattr(sys, "orig_argv", []):
             subprocess.run(["scancel", "--signal=USR2", os.environ["SLURM_JOB_ID"]], check=True)
         return _real(self, *args, **kwargs)
 
-    training.loop.Trainer.train_step = train_step
+    training.run.loop.Trainer.train_step = train_step
 '''
 
 
@@ -199,7 +199,7 @@ def test_batch_script_loops_over_steps_in_one_allocation(tmp_path):
     EXIT_RESTART_IN_JOB starts the next step; valid bash (bash -n). Without in-job restarts: unchanged."""
     from launcher.slurm.sbatch import job_spec, preflight_job_spec, sbatch_text
     from test_slurm_unit import dev_cfg
-    from training.exit_codes import EXIT_RESTART_IN_JOB
+    from training.contract.exit_codes import EXIT_RESTART_IN_JOB
 
     script = sbatch_text(job_spec(dev_cfg(spare_nodes=1, max_in_job_restarts=2), str(tmp_path)))
     assert "#SBATCH --nodes=3" in script and "#SBATCH --no-kill" in script

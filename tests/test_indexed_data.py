@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 import megatron_format as mf
-from launcher.prepare import prepare
-from training.config import Config, PrepareConfig
+from launcher.data.prepare import prepare
+from training.contract.config import Config, PrepareConfig
 from training.data import BatchSampler, DataError, make_eval_source, make_source
 from training.data.blend import BlendedSource, Permutation
 from training.data.indexed import open_dataset
-from training.tokenizer import load_tokenizer
+from training.contract.tokenizer import load_tokenizer
 
 DOCS = ["def f(x):\n    return x + 1\n", "héllo wörld — ünïcode ✓\n" * 3, "print('a')\n" * 40,
         "class A:\n    pass\n", "x = [i * i for i in range(10)]\n" * 5, "# a comment\n"]
@@ -229,7 +229,7 @@ def test_weights_and_vocabulary_errors(tmp_path):
     cfg.model.vocab_size = 100
     with pytest.raises(DataError, match="model.vocab_size=100 is smaller.*set model.vocab_size=1850"):
         make_source(cfg, "")
-    from launcher.datasets import data_errors
+    from launcher.data.datasets import data_errors
 
     keys = [k for k, _, _ in data_errors(cfg)]
     assert "model.vocab_size" in keys

@@ -15,8 +15,8 @@ import os
 import pytest
 
 from dist_harness import run_distributed
-from launcher.prepare import prepare
-from training.config import Config, PrepareConfig, config_from_dict, config_to_dict
+from launcher.data.prepare import prepare
+from training.contract.config import Config, PrepareConfig, config_from_dict, config_to_dict
 
 STEPS, EVERY = 8, 4
 pytestmark = pytest.mark.slow
@@ -52,8 +52,8 @@ def _cfg(prefix: str, tp=1, pp=1, dp=1, sp=False, zero=0, **train) -> Config:
 
 
 def _train(cfg_dict: dict, run_dir: str, checkpointing: bool):
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     cfg = config_from_dict(cfg_dict)
     p = cfg.parallel

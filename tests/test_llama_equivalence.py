@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from training.config import Config, config_from_dict, config_to_dict
+from training.contract.config import Config, config_from_dict, config_to_dict
 
 STEPS = 4
 
@@ -43,7 +43,7 @@ LAYOUTS = {
 
 
 def _train(cfg_dict: dict, run_dir: str, mesh) -> dict:
-    from training.loop import Trainer
+    from training.run.loop import Trainer
 
     cfg = config_from_dict(cfg_dict)
     trainer = Trainer(cfg, run_dir, mesh, checkpointing=False)
@@ -53,7 +53,7 @@ def _train(cfg_dict: dict, run_dir: str, mesh) -> dict:
 
 
 def _layouts(base: str) -> dict:
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
 
     out, mesh = {}, None
     for name, kw in LAYOUTS.items():
@@ -68,7 +68,7 @@ def _layouts(base: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     torch.set_num_threads(1)
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
 
     single = _train(config_to_dict(_cfg()), tempfile.mkdtemp(), ProcessMesh.single())
     ranks = run_distributed(_layouts, 4, args=(str(tmp_path_factory.mktemp("llama")),), timeout_s=400)

@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from launcher import status as status_mod
+from launcher.manage import status as status_mod
+from launcher.slurm import queries as slurm_queries
 from training.checkpoint.storage import step_dir, verify
-from training.events import read_events
+from training.contract.rundir.events import read_events
 
 import test_slurm_cluster
 from test_slurm_cluster import ROOT, meshrun
@@ -93,7 +94,7 @@ def test_logs_then_cancel_saves_a_complete_checkpoint_and_never_requeues(tmp_pat
     assert not any(e["event"] == "requeued" for e in events)
     # Not requeued: the job has left the queue for good, and Slurm's accounting holds one record of it, ended
     # (a requeue would have left a REQUEUED record before the last one: sacct --duplicates lists each).
-    _wait(lambda: status_mod.job_alive(job) is False, 120, "the job to leave the queue")
+    _wait(lambda: slurm_queries.job_alive(job) is False, 120, "the job to leave the queue")
     records = _wait(lambda: _ended_records(job), 120, "Slurm's accounting to record the job's end")
     assert len(records) == 1 and records[0] != "REQUEUED", records
     assert not any(e["event"] in ("requeued", "started") for e in read_events(str(run))[len(events):])
@@ -123,11 +124,11 @@ def test_a_sweeps_status_asks_slurm_once_for_all_its_points(tmp_path, cluster):
             f.write(json.dumps({"event": "submitted", "job_id": job, "time": time.time(), "attempt": 0}) + "\n")
         feasible.append({"num": num, "overrides": [f"train.seed={num}"], "run_dir": str(run_dir), "status": "ok"})
     (tmp_path / "sweep.json").write_text(json.dumps({"feasible": feasible, "infeasible": []}))
-    before = status_mod.SLURM_QUERIES[0]
+    before = slurm_queries.SLURM_QUERIES[0]
     t0 = time.time()
     out = status_mod.sweep_status(str(tmp_path))
     elapsed = time.time() - t0
-    assert status_mod.SLURM_QUERIES[0] - before <= 2
-    expected = {job: status_mod.slurm_state(job) for job in jobs}
+    assert slurm_queries.SLURM_QUERIES[0] - before <= 2
+    expected = {job: slurm_queries.slurm_state(job) for job in jobs}
     assert [p["state"] for p in out["points"]] == [expected[jobs[n % len(jobs)]] or "PENDING" for n in range(200)]
     assert elapsed < 30, f"200 points took {elapsed:.1f} s"

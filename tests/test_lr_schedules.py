@@ -1,5 +1,5 @@
 """train.lr_schedule: every schedule's curve against its formula (docs/FORMULAS.md, written out here again
-independently of training/schedule_lr.py), bad keys refused by the launcher and the engine, and the engine's
+independently of training/contract/lr_schedule.py), bad keys refused by the launcher and the engine, and the engine's
 logged lr unchanged when a run stops early and resumes (the real Trainer, one spawned process)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from dist_harness import run_distributed
-from training.config import Config, TrainConfig, choices
-from training.schedule_lr import lr_at, lr_curve, schedule_problems
+from training.contract.config import Config, TrainConfig, choices
+from training.contract.lr_schedule import lr_at, lr_curve, schedule_problems
 
 LR, MIN = 1e-3, 1e-4
 MESHRUN = os.path.join(os.path.dirname(sys.executable), "meshrun")
@@ -107,8 +107,8 @@ def _logged_lr(run_dir):
 
 def _stop_resume_runs(base):
     """Each schedule: an uninterrupted run, and one stopped at steps 3 and 6 and resumed twice."""
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     mesh = ProcessMesh.from_env(1, 1, 1, 1, timeout_s=60)
     out = {}
@@ -123,7 +123,7 @@ def _stop_resume_runs(base):
 
 
 def test_stop_and_resume_never_change_the_schedule(tmp_path):
-    from training.exit_codes import EXIT_OK, EXIT_STOPPED
+    from training.contract.exit_codes import EXIT_OK, EXIT_STOPPED
 
     (out,) = run_distributed(_stop_resume_runs, 1, args=(str(tmp_path),), timeout_s=240)
     for kind, got in out.items():
@@ -131,8 +131,8 @@ def test_stop_and_resume_never_change_the_schedule(tmp_path):
         want = {n: lr_at(n - 1, _cfg(kind).train) for n in range(1, 10)}
         assert got["run"] == got["ref"] == pytest.approx(want, rel=1e-12), kind
     # The report's lr plot draws the whole schedule (from config.json) under the logged points.
-    from launcher.report import _lr_lines, run_report
-    from launcher.rundir import write_config
+    from launcher.manage.report import _lr_lines, run_report
+    from training.contract.rundir.config_files import write_config
 
     run_dir = str(tmp_path / "wsd" / "run")
     write_config(_cfg("wsd"), run_dir)

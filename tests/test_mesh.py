@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from dist_harness import run_distributed
-from training.mesh import GROUP_KINDS, ProcessMesh, coords_of, rank_groups, rank_of
+from training.parallel.mesh import GROUP_KINDS, ProcessMesh, coords_of, rank_groups, rank_of
 
 
 def test_rank_groups_2x2x2_tp_pp_dp():

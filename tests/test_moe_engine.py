@@ -1,4 +1,4 @@
-"""Mixture of experts in the engine (training/moe.py, parallel.ep): layouts reproduce one process; checkpoints.
+"""Mixture of experts in the engine (training/model/moe.py, parallel.ep): layouts reproduce one process; checkpoints.
 
 A tiny MoE GPT (2 layers, h=32, 4 swiglu experts of width 32, top-2, dropless, aux loss on) trains with the
 real Trainer in one process (the reference, in this pytest process) and on 4 gloo ranks in ONE spawn that
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from training.config import Config, config_from_dict, config_to_dict
+from training.contract.config import Config, config_from_dict, config_to_dict
 
 STEPS = 3
 TOL = 1e-5
@@ -94,7 +94,7 @@ def _named_state(trainer) -> Dict[str, Dict[str, Any]]:
 
 
 def _train(cfg: Config, run_dir: str, mesh, grads: bool = False, capture_resume: bool = False) -> Dict[str, Any]:
-    from training.loop import Trainer
+    from training.run.loop import Trainer
 
     trainer = Trainer(cfg, run_dir, mesh, checkpointing=capture_resume or cfg.train.checkpoint_every > 0)
     saved: Dict[str, Any] = {}
@@ -131,7 +131,7 @@ def _four_ranks(base: str, cases: Dict[str, dict]) -> Dict[str, Any]:
     """Every 4-rank case in one spawn: the equivalence layouts, then resumes of ep2_dp4's step-2 checkpoint."""
     import torch.distributed as dist
 
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
 
     out: Dict[str, Any] = {}
     for name, cfg_dict in cases.items():
@@ -173,7 +173,7 @@ def _assemble(rank_states: List[Dict[str, Dict[str, Any]]]) -> Dict[str, Dict[st
 
 
 def _reference(precision="fp32", steps=STEPS, **model) -> Dict[str, Any]:
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
 
     torch.set_num_threads(1)
     return _train(_cfg(precision=precision, steps=steps, **model), tempfile.mkdtemp(), ProcessMesh.single(),
@@ -274,8 +274,8 @@ def test_resume_at_ep2_is_bit_exact_and_at_ep1_loads_the_same_state(four_ranks):
 
 # ----- in-process -------------------------------------------------------------------------------------
 def test_capacity_drops_are_counted_and_contribute_nothing():
-    from training.mesh import ProcessMesh
-    from training.moe import MoEMLP
+    from training.parallel.mesh import ProcessMesh
+    from training.model.moe import MoEMLP
 
     torch.manual_seed(0)
     cfg = _cfg(moe_capacity_factor=0.5)
@@ -308,8 +308,8 @@ def test_capacity_drops_are_counted_and_contribute_nothing():
 
 
 def test_metrics_rows_and_load_event(tmp_path):
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     # Full recompute replays each layer's forward in backward (torch may stop the replay once it has the saved
     # tensors back): the routing is counted once either way.
@@ -329,7 +329,7 @@ def test_metrics_rows_and_load_event(tmp_path):
 
 
 def test_layout_rules_refuse_what_the_engine_cannot_run():
-    from training.layout_rules import LayoutError, layout_violations, raise_errors
+    from training.contract.layout_rules import LayoutError, layout_violations, raise_errors
 
     def errors(dp, **kw):
         cfg = _cfg(**{k: v for k, v in kw.items() if k in ("tp", "pp", "ep", "zero")},

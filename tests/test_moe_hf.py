@@ -20,7 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra: pip install -e .[test]")
 pytest.importorskip("safetensors.torch", reason="safetensors is a runtime dependency")
 
-from training.config import GenerateConfig  # noqa: E402
+from training.contract.config import GenerateConfig  # noqa: E402
 from training.hf.convert import local_from_hf, to_hf  # noqa: E402
 from training.hf.generate import generate_tokens  # noqa: E402
 from training.hf.hf_config import (HFError, MIXTRAL, family_for_model, hf_config_from_model,  # noqa: E402
@@ -108,7 +108,7 @@ def test_moe_models_without_a_mixtral_shape_name_the_field():
 
 
 def _cfg_for_fields(**fields):
-    from training.config import Config
+    from training.contract.config import Config
 
     cfg = Config()
     cfg.model.position, cfg.model.norm, cfg.model.bias = "rope", "rmsnorm", False

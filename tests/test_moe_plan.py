@@ -14,7 +14,7 @@ from launcher.plan.model_size import (_forward_flops_per_token, model_flops_per_
                                       stage_params)
 from launcher.plan.moe import all_to_all_bytes, expert_dp, expert_params
 from launcher.plan.validate import validate
-from launcher.recommend import search
+from launcher.planning.recommend import search
 from launcher.plan.cost_model import cluster_rates
 from test_plan import compose_cfg
 
@@ -106,10 +106,10 @@ def test_recommend_searches_ep():
 
 
 def test_the_engine_holds_the_planned_parameters():
-    """The planner's counts are the engine's: the tiny MoE built by training/model.py, on one process, whole and
+    """The planner's counts are the engine's: the tiny MoE built by training/model/gpt.py, on one process, whole and
     as the second of two ep ranks."""
-    from training.mesh import ProcessMesh
-    from training.model import build_gpt
+    from training.parallel.mesh import ProcessMesh
+    from training.model.gpt import build_gpt
 
     cfg = compose_cfg("model=tiny_moe", "parallel=single")
     (chunk,) = build_gpt(cfg, ProcessMesh.single(), torch.float32)

@@ -8,7 +8,7 @@ import os
 import pytest
 
 import test_report
-from launcher.report import build_report
+from launcher.manage.report import build_report
 
 drawn = test_report.drawn  # the fixture: what matplotlib was asked to draw (tests/test_report.py)
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from launcher.status_table import format_table
+from launcher.manage.status_table import format_table
 from training.observe.metrics import PURGED_FILE, purge_after
 from training.observe.progress import Progress, format_duration
 
@@ -150,7 +150,7 @@ def test_tensorboard_has_one_loss_per_step_across_a_stop_and_a_resume(tmp_path):
     assert logs.stdout.index("attempt 0") < logs.stdout.index("attempt 1")  # every attempt, newest last
 
     # Each attempt's start-up timeline (training/observe/startup.py), written by rank 0 after its first step.
-    from training.events import read_events
+    from training.contract.rundir.events import read_events
 
     startups = [e for e in read_events(str(run)) if e["event"] == "startup"]
     assert [(e["attempt"], e["step"]) for e in startups] == [(0, 1), (1, 3)]

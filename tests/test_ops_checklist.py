@@ -12,8 +12,8 @@ import os
 
 from test_plan import compose_cfg
 from test_preflight_ib import write_port
-from training.config import Config
-from training.events import read_events
+from training.contract.config import Config
+from training.contract.rundir.events import read_events
 from training.observe.health import XID, HealthSampler
 from training.observe.nvml_double import make_nvml_double
 from training.observe.oom import explain, levers
@@ -158,7 +158,7 @@ def test_cgroup_memory_limit_against_the_host_memory_the_ranks_need(tmp_path):
 
 
 def test_multi_node_run_dir_must_be_on_a_shared_file_system(tmp_path, monkeypatch):
-    from launcher import shared_fs
+    from launcher.launch import shared_fs
     from launcher.plan.validate import validate
 
     mounts = tmp_path / "mounts"
@@ -242,7 +242,7 @@ def test_oom_says_states_or_activations_and_the_levers_that_fit(tmp_path):
 # ---- 12. nsys wrapping and its validation ------------------------------------------------------------------------
 
 def test_nsys_wraps_the_chosen_ranks_with_the_profile_steps_capture_range(tmp_path, monkeypatch):
-    from launcher.nsys import nsys_prefix
+    from launcher.launch.nsys import nsys_prefix
     from launcher.plan.validate import validate
 
     bin_dir = tmp_path / "bin"

@@ -21,8 +21,8 @@ import pytest
 
 from dist_harness import run_distributed
 from test_cli import ROOT
-from training.config import Config, config_from_dict, config_to_dict
-from training.events import read_events
+from training.contract.config import Config, config_from_dict, config_to_dict
+from training.contract.rundir.events import read_events
 
 
 def _cfg(steps: int, **train) -> Config:
@@ -43,8 +43,8 @@ def _cfg(steps: int, **train) -> Config:
 def _cases(cfgs: dict, base: str):
     import torch.distributed as dist
 
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     mesh = ProcessMesh.from_env(2, 1, 1, 1, timeout_s=60)
     out = {}
@@ -141,7 +141,7 @@ def test_local_rank_numa_bound_and_oom_explained(tmp_path):
         "import os\n"
         "if os.environ.get('OPS_TEST_OOM'):\n"
         "    import torch\n"
-        "    import training.loop as loop\n"
+        "    import training.run.loop as loop\n"
         "    def run(self):\n"
         "        raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 20.00 GiB')\n"
         "    loop.Trainer.run = run\n")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from training.config import Config
-from training.mesh import ProcessMesh
+from training.contract.config import Config
+from training.parallel.mesh import ProcessMesh
 from training.optim import DistributedOptimizer
 
 STEPS = 3
@@ -148,16 +148,20 @@ def _norm_worker(layout):
     if layout == "tp2":
         mesh = ProcessMesh.from_env(tp=2, pp=1, cp=1, dp=1, backend="gloo", timeout_s=60)
         rank = mesh.tp_rank
-        W = torch.nn.Parameter(torch.zeros(3, 4)); W.tp_shard_dim = 0
-        b = torch.nn.Parameter(torch.zeros(4)); b.tp_shard_dim = None
+        W = torch.nn.Parameter(torch.zeros(3, 4))
+        W.tp_shard_dim = 0
+        b = torch.nn.Parameter(torch.zeros(4))
+        b.tp_shard_dim = None
         params = [("layers.0.w", W), ("layers.0.b", b)]
         grads = [gW[3 * rank : 3 * rank + 3], gb]
         expect = torch.cat([gW.flatten(), gb]).norm()
     else:  # pp2 with a tied embedding held by the first and the last stage
         mesh = ProcessMesh.from_env(tp=1, pp=2, cp=1, dp=1, backend="gloo", timeout_s=60)
         rank = mesh.pp_rank
-        E = torch.nn.Parameter(torch.zeros(5, 4)); E.tp_shard_dim = 0
-        b = torch.nn.Parameter(torch.zeros(4)); b.tp_shard_dim = None
+        E = torch.nn.Parameter(torch.zeros(5, 4))
+        E.tp_shard_dim = 0
+        b = torch.nn.Parameter(torch.zeros(4))
+        b.tp_shard_dim = None
         params = [("embedding.word.weight", E), (f"layers.{rank}.b", b)]
         grads = [gE if rank == 0 else gE2, gb * (rank + 1)]
         expect = torch.cat([(gE + gE2).flatten(), gb, 2 * gb]).norm()

@@ -58,7 +58,7 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_outside_the_checkout(tmp_path
     names = set(zipfile.ZipFile(wheel).namelist())
     for must in ("meshrun_conf/__init__.py", "meshrun_conf/config.yaml", "meshrun_conf/model/tiny.yaml",
                  "meshrun_conf/parallel/tp2.yaml", "hydra_plugins/meshrun_sweep/__init__.py",
-                 "launcher/app.py", "training/loop.py"):
+                 "launcher/cli/app.py", "training/run/loop.py"):
         assert must in names, must
     assert "hydra_plugins/__init__.py" not in names  # a namespace other Hydra plugins share
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from dist_harness import run_distributed
-from training.config import Config
-from training.mesh import ProcessMesh
+from training.contract.config import Config
+from training.parallel.mesh import ProcessMesh
 from training.optim import DistributedOptimizer
 
 
@@ -118,7 +118,7 @@ def _split_by_hand(qkv: torch.Tensor, groups: int, q_per_group: int, d: int, bat
 def test_qkv_split_values_and_gradients_match_the_layout_by_hand():
     """GQA (8 heads in 2 groups): split_qkv's q, k, v and their gradient back to qkv equal the ones
     picked out index by index from the documented layout, in both token orders."""
-    from training.model import Attention
+    from training.model.gpt import Attention
 
     cfg = Config()
     cfg.model.num_attention_heads, cfg.model.num_query_groups, cfg.model.hidden_size = 8, 2, 64
@@ -143,7 +143,7 @@ def _deferred_gather_worker():
     recomputation (the layers run again in the backward)."""
     import tempfile
 
-    from training.loop import Trainer
+    from training.run.loop import Trainer
 
     mesh = ProcessMesh.from_env(tp=1, pp=1, cp=1, dp=2, backend="gloo", timeout_s=60)
     out = []

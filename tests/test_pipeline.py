@@ -1,4 +1,4 @@
-"""Pipeline parallelism against its contract (training/pipeline.py).
+"""Pipeline parallelism against its contract (training/schedules/pipeline.py).
 
 A tiny GPT (8 layers, h=32, s=16, byte-level text) trained 20 steps by the real Trainer on gloo processes,
 compared with the same Trainer in one process; torch.distributed.pipelining's native schedules are the
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_distributed
-from training.config import Config, config_from_dict, config_to_dict
-from training.pipeline import build_actions, build_comm_plan, check_schedule, peak_in_flight
+from training.contract.config import Config, config_from_dict, config_to_dict
+from training.schedules.pipeline import build_actions, build_comm_plan, check_schedule, peak_in_flight
 
 STEPS = 20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,8 +40,8 @@ def _cfg(pp=1, vpp=1, schedule="1f1b", tp=1, dp=1, sp=False, zero=0, steps=STEPS
 
 def _train(cfg_dict: dict, run_dir: str):
     """The whole run from scratch; rank 0 (first stage) returns losses and its pipeline statistics."""
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     cfg = config_from_dict(cfg_dict)
     p = cfg.parallel
@@ -140,7 +140,7 @@ def _simulated_idle_share(kind, p, m, v, t_f=1.0, t_b=2.0) -> float:
                                         ("interleaved_1f1b", 2, 2, 8), ("interleaved_1f1b", 4, 2, 4),
                                         ("interleaved_1f1b", 4, 4, 8)])
 def test_orders_reach_the_formula_bubble_with_free_communication(kind, p, v, m):
-    from training.pipeline import planned_idle_share
+    from training.schedules.pipeline import planned_idle_share
 
     assert _simulated_idle_share(kind, p, m, v) == pytest.approx(planned_idle_share(p, m, v), abs=1e-9)
 
@@ -200,7 +200,7 @@ def test_exchanges_match_in_issue_order_and_never_deadlock_on_nccl(kind, p, v, m
 def test_one_exchange_per_action_would_deadlock_interleaved():
     """The walk can fail: interleaved with an exchange between every two actions (instead of its
     steady F+B pairs) deadlocks, which is why build_units pairs them."""
-    import training.pipeline as pl
+    import training.schedules.pipeline as pl
 
     real = pl.build_units
     try:
@@ -302,10 +302,10 @@ def _oracle_worker(cfg_dict: dict):
     """Grads of one step from our schedules and from torch's native ones on identical chunks."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    from training.mesh import ProcessMesh
-    from training.model import build_gpt
+    from training.parallel.mesh import ProcessMesh
+    from training.model.gpt import build_gpt
     from training.parallel.layers import vocab_parallel_cross_entropy
-    from training.pipeline import PipelineSchedule, p2p_shape
+    from training.schedules.pipeline import PipelineSchedule, p2p_shape
 
     base = config_from_dict(cfg_dict)
     mesh = ProcessMesh.from_env(1, base.parallel.pp, 1, 1)
@@ -363,9 +363,9 @@ def _p2p_record_worker(cfg_dict: dict):
     P2P entry points wrapped: direct isend / irecv calls are counted, batched ops recorded."""
     import torch.distributed as tdist
 
-    from training.mesh import ProcessMesh
-    from training.model import build_gpt
-    from training.pipeline import PipelineSchedule, p2p_shape
+    from training.parallel.mesh import ProcessMesh
+    from training.model.gpt import build_gpt
+    from training.schedules.pipeline import PipelineSchedule, p2p_shape
 
     cfg = config_from_dict(cfg_dict)
     mesh = ProcessMesh.from_env(1, cfg.parallel.pp, 1, 1)

@@ -16,22 +16,22 @@ from launcher.plan.memory import (
     KORTHIKANTI,
     DeviceProfile,
     inflight_microbatches,
-    korthikanti_table2,
     layer_activation_bytes,
     model_state_bytes,
     model_state_bytes_per_param,
     stage_activation_bytes,
 )
+from oracles_plan import korthikanti_table2
 from launcher.plan.model_size import (
     hardware_flops_per_step,
     model_flops_per_step,
-    narayanan_params,
     params_total,
     stage_params,
 )
+from oracles_plan import narayanan_params
 from launcher.plan.estimate import bubble, make_plan, with_parallel
-from launcher.schema import register
-from training.config import Config
+from launcher.cli.schema import register
+from training.contract.config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 register()
@@ -269,6 +269,6 @@ def test_comm_volumes():
 
 
 def test_launcher_imports_no_torch():
-    code = ("import sys; import launcher.plan.estimate, launcher.plan.validate, launcher.planning, launcher.sweep, launcher.app; "
+    code = ("import sys; import launcher.plan.estimate, launcher.plan.validate, launcher.planning.gate, launcher.sweep.summary, launcher.cli.app; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

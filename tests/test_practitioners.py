@@ -101,7 +101,7 @@ def test_latest_links_follow_the_newest_run_and_sweep(tmp_path):
 
 
 def test_logs_tail_counts_lines_across_attempts(tmp_path):
-    from launcher.logs import _tail_offsets
+    from launcher.manage.logs import _tail_offsets
 
     a, b = tmp_path / "a.log", tmp_path / "b.log"
     a.write_text("a1\na2\na3\n")

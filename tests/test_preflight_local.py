@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from test_preflight_ib import write_port  # pytest puts tests/ on sys.path
-from training.events import read_events
+from training.contract.rundir.events import read_events
 from training.preflight.collectives import bus_factor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,7 +77,7 @@ def test_fault_injected_on_one_node_fails_that_node_with_exit_4(tmp_path):
 
 
 def test_before_training_gate_and_warn_in_process(tmp_path, monkeypatch):
-    from training.config import Config
+    from training.contract.config import Config
     from training.preflight.runner import before_training
 
     bad = str(tmp_path / "ib_bad")
@@ -106,9 +106,9 @@ def test_before_training_gate_and_warn_in_process(tmp_path, monkeypatch):
 
 
 def test_launcher_side_never_imports_torch():
-    code = ("import sys, launcher.preflight, training.preflight.runner, training.preflight.report; "
+    code = ("import sys, launcher.launch.preflight, training.preflight.runner, training.preflight.report; "
             "assert 'torch' not in sys.modules, 'torch imported'; "
-            "print(launcher.preflight.preflight_argv('/r')[1:])")
+            "print(launcher.launch.preflight.preflight_argv('/r')[1:])")
     p = subprocess.run([PY if os.path.exists(PY) else sys.executable, "-c", code], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr

@@ -5,7 +5,7 @@ import types
 import pynvml
 import pytest
 
-from training.config import PreflightConfig
+from training.contract.config import PreflightConfig
 from training.preflight.gpu_nvml import check_gpus, cuda_version_text, pci_bus_to_sysfs
 from training.preflight.report import FAIL, WARN
 

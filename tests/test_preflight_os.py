@@ -2,7 +2,7 @@
 
 import os
 
-from training.config import PreflightConfig
+from training.contract.config import PreflightConfig
 from training.preflight.os_tunables import bracketed, check_os, numa_topology, parse_cpulist
 from training.preflight.report import FAIL, WARN
 

@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-import launcher.prepare as lp
+import launcher.data.prepare as lp
 import megatron_format as mf
-from training.config import PrepareConfig
+from training.contract.config import PrepareConfig
 from training.data import DataError
-from training.tokenizer import TokenizerError, load_tokenizer
+from training.contract.tokenizer import TokenizerError, load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHRUN = os.path.join(os.path.dirname(sys.executable), "meshrun")
@@ -142,7 +142,7 @@ def test_a_tokenizer_file_that_does_not_load_is_a_clear_error(tmp_path):
 
 
 def test_a_given_tokenizer_json_is_used_and_copied(tmp_path):
-    from training.tokenizer import train_bpe
+    from training.contract.tokenizer import train_bpe
 
     (tmp_path / "t.txt").write_text("alpha beta gamma\n" * 50)
     hf = train_bpe(["alpha beta gamma delta\n" * 20], 300)
@@ -154,6 +154,6 @@ def test_a_given_tokenizer_json_is_used_and_copied(tmp_path):
 
 
 def test_prepare_and_data_modules_import_no_torch():
-    code = ("import sys; import launcher.prepare, launcher.prepare.worker, launcher.datasets, training.data.blend, "
-            "training.tokenizer; assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys; import launcher.data.prepare, launcher.data.prepare.worker, launcher.data.datasets, training.data.blend, "
+            "training.contract.tokenizer; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

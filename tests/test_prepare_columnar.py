@@ -12,9 +12,9 @@ import pyarrow.ipc
 import pyarrow.parquet as pq
 import pytest
 
-import launcher.prepare as lp
+import launcher.data.prepare as lp
 import megatron_format as mf
-from training.config import PrepareConfig
+from training.contract.config import PrepareConfig
 from training.data import DataError
 
 # Multilingual, multi-line, empty-ish and long documents: what must survive every container unchanged.

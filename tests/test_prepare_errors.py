@@ -12,9 +12,9 @@ import sys
 import numpy as np
 import pytest
 
-import launcher.prepare as lp
+import launcher.data.prepare as lp
 import megatron_format as mf
-from training.config import PrepareConfig
+from training.contract.config import PrepareConfig
 from training.data import DataError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,8 +60,8 @@ def test_an_output_that_cannot_be_created_is_a_clear_error(tmp_path):
 # A prepare SIGKILLed in its last step: after the data files are complete, when the first one is renamed into place.
 _KILLED = """
 import os, signal, sys
-import launcher.prepare as lp
-from training.config import PrepareConfig
+import launcher.data.prepare as lp
+from training.contract.config import PrepareConfig
 from training.data.indexed import IndexedWriter
 IndexedWriter.commit = lambda self: os.kill(os.getpid(), signal.SIGKILL)
 lp.prepare(PrepareConfig(inputs=[sys.argv[1]], output=sys.argv[2], progress=False, workers=1, valid_fraction=0.0))

@@ -1,4 +1,4 @@
-"""`meshrun action=recommend` (launcher/recommend.py, launcher/plan/cost_model.py): the published layouts of
+"""`meshrun action=recommend` (launcher/planning/recommend.py, launcher/plan/cost_model.py): the published layouts of
 Korthikanti et al. 2022 and Narayanan et al. 2021 against the recommended ones, the search's speed and
 recommend.json, and the calibration on this machine (predicted against measured order)."""
 
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from launcher.calibrate import choose, spearman
-from launcher.recommend import PARALLEL_KEYS, recommend
+from launcher.planning.calibrate import choose, spearman
+from launcher.planning.recommend import PARALLEL_KEYS, recommend
 from test_plan import compose_cfg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from launcher.report import build_report, sweep_points
-from training.events import append_event
+from launcher.manage.report import build_report, sweep_points
+from training.contract.rundir.events import append_event
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
@@ -24,11 +24,11 @@ if not os.path.exists(PYTHON):
 TINY = ["data=synthetic", "parallel=single", "cluster.gpus_per_node=1", "model.num_layers=2",
         "model.seq_length=32", "parallel.global_batch=2", "parallel.micro_batch=1", "train.steps=12",
         "train.checkpoint_every=4", "train.eval_every=4", "train.warmup_steps=2"]
-RUN_PLOTS = {"loss", "lr", "tokens_per_s", "mfu", "step_times", "memory", "goodput"}  # goodput: launcher/goodput.py
+RUN_PLOTS = {"loss", "lr", "tokens_per_s", "mfu", "step_times", "memory", "goodput"}  # goodput: launcher/manage/goodput.py
 
 
 def rows_of(path: str) -> list:
-    """The JSON lines of a file as the test reads them itself (no helper of launcher/report.py)."""
+    """The JSON lines of a file as the test reads them itself (no helper of launcher/manage/report.py)."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from dist_harness import run_distributed
-from training.config import Config, config_from_dict, config_to_dict
+from training.contract.config import Config, config_from_dict, config_to_dict
 
 STEPS = 6
 
@@ -69,7 +69,7 @@ def _shards(trainer) -> List[Dict[str, Any]]:
 
 
 def _train(cfg: Config, run_dir: str, mesh, capture_resume: bool = False):
-    from training.loop import Trainer
+    from training.run.loop import Trainer
 
     trainer = Trainer(cfg, run_dir, mesh)
     captured: Dict[str, Any] = {}
@@ -88,7 +88,7 @@ def _train(cfg: Config, run_dir: str, mesh, capture_resume: bool = False):
 
 
 def _stop_and_resume(cfg_ref: Config, cfg_stop: Config, base: str, name: str, mesh) -> Dict[str, Any]:
-    from training.events import read_events
+    from training.contract.rundir.events import read_events
 
     ref = _train(cfg_ref, os.path.join(base, name, "ref"), mesh)
     run = os.path.join(base, name, "run")
@@ -101,7 +101,7 @@ def _stop_and_resume(cfg_ref: Config, cfg_stop: Config, base: str, name: str, me
 
 def _one_process(base: str) -> Dict[str, Any]:
     """Every single-process scenario in one spawned process."""
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
 
     mesh = ProcessMesh.from_env(1, 1, 1, 1, timeout_s=60)
     out = {
@@ -128,7 +128,7 @@ def _two_processes(base: str) -> Dict[str, Any]:
     """pp=2 resume, and bf16/fp16 checkpoints of the real model resharded from tp=2 sp to tp=1 x dp=2 zero=1."""
     import torch
 
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
 
     pp2 = ProcessMesh.from_env(1, 2, 1, 1, timeout_s=60)
     out: Dict[str, Any] = {"pp2": _stop_and_resume(_cfg(pp=2, dropout=0.1), _cfg(pp=2, dropout=0.1, exit_interval=3),

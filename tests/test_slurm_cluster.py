@@ -16,9 +16,9 @@ import time
 import pytest
 
 import noted_jobs
-from launcher.status import run_status
-from training.events import read_events
-from training.exit_codes import EXIT_SLURM
+from launcher.manage.status import run_status
+from training.contract.rundir.events import read_events
+from training.contract.exit_codes import EXIT_SLURM
 
 pytestmark = pytest.mark.slurm
 
@@ -221,9 +221,9 @@ def test_max_retries_reached_stops(tmp_path, cluster):
 HOLD = '''import os, sys
 if "training.main" in getattr(sys, "orig_argv", []):
     import time
-    import training.loop
-    from training.checkpoint import signals
-    real = training.loop.Trainer.train_step
+    import training.run.loop
+    from training.run import signals
+    real = training.run.loop.Trainer.train_step
 
     def step(self, *args, **kwargs):
         if self.state.step == 3:
@@ -233,7 +233,7 @@ if "training.main" in getattr(sys, "orig_argv", []):
                 time.sleep(0.02)
         return real(self, *args, **kwargs)
 
-    training.loop.Trainer.train_step = step
+    training.run.loop.Trainer.train_step = step
 '''
 
 
@@ -417,12 +417,12 @@ def test_preflight_gate_keeps_bad_node_out_and_requeues_without_it(tmp_path, ref
 
 BUG_AT_STEP_0 = '''import sys
 if "training.main" in getattr(sys, "orig_argv", []):  # only the rank processes, not submitit or the driver
-    import training.loop
+    import training.run.loop
 
     def broken_step(self, *args, **kwargs):
         raise RuntimeError("injected bug: train_step fails at step 0")
 
-    training.loop.Trainer.train_step = broken_step
+    training.run.loop.Trainer.train_step = broken_step
 '''
 
 

@@ -17,10 +17,10 @@ from launcher.slurm.sbatch import (PROJECT_ROOT, SlurmConfigError, array_group_k
                                    dry_run_text, job_spec, preflight_job_spec, prologue_line, sbatch_text,
                                    setup_lines,
                                    srun_line, validate_for_slurm, with_cpus_per_task)
-from launcher.status import run_status
-from training.config import ClusterConfig, Config, ContainerConfig
-from training.events import append_event
-from training import slurm_env
+from launcher.manage.status import run_status
+from training.contract.config import ClusterConfig, Config, ContainerConfig
+from training.contract.rundir.events import append_event
+from training.contract import slurm_env
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "slurm_dry_run.txt")
 
@@ -339,7 +339,7 @@ def test_status_from_events(tmp_path):
     append_event(run, "started", job_id="78", attempt=1, nodes=["n1", "n3"])
     append_event(run, "completed", job_id="78", attempt=1)
     st = run_status(run)
-    goodput = {k: st.pop(k) for k in ("goodput", "goodput_s")}  # launcher/goodput.py (tests/test_in_job_restart.py)
+    goodput = {k: st.pop(k) for k in ("goodput", "goodput_s")}  # launcher/manage/goodput.py (tests/test_in_job_restart.py)
     assert st == {"state": "COMPLETED", "job_id": "78", "attempt": 1, "last_step": 5, "excluded_nodes": ["n2"]}
     assert goodput["goodput_s"]["wall_s"] >= 0 and 0 <= goodput["goodput"] <= 1
 
@@ -402,15 +402,15 @@ def test_status_of_a_local_run_whose_launcher_was_killed(tmp_path):
 
 
 def test_slurm_launcher_never_imports_torch():
-    code = ("import sys, launcher.slurm.submit, launcher.slurm.driver, launcher.slurm.rank_task, launcher.status, "
-            "launcher.slurm.requeue, launcher.slurm.numa, launcher.slurm.sbatch, training.slurm_env; "
+    code = ("import sys, launcher.slurm.submit, launcher.slurm.driver, launcher.slurm.rank_task, launcher.manage.status, "
+            "launcher.slurm.requeue, launcher.slurm.numa, launcher.slurm.sbatch, training.contract.slurm_env; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT).returncode == 0
 
 
 _LATE_SIGNAL_CHILD = r'''
 import sys, time
-from training.checkpoint import signals
+from training.run import signals
 signals.install()  # what the checkpoint manager does when a rank starts training
 if sys.argv[1] == "finished":
     signals.ignore()  # what Trainer.run does after its final checkpoint
@@ -451,7 +451,7 @@ def test_late_stop_signal_cannot_kill_a_rank_after_its_final_save():
 def test_rank_threads_never_exceed_the_tasks_cpus(monkeypatch):
     """Slurm without CPU binding leaves each task the node's whole affinity: the task's own CPUs
     (SLURM_CPUS_PER_TASK) cap its rank's OpenMP threads."""
-    from launcher import procs
+    from launcher.launch import processes as procs
 
     monkeypatch.setattr(procs, "usable_cores", lambda: 8)
     assert procs.threads_per_rank(2) == 4  # locally: the cores shared by the node's ranks

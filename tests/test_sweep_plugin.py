@@ -1,6 +1,6 @@
 """hydra_plugins/meshrun_sweep: a `meshrun -m` sweep gives what Hydra's basic sweeper+launcher give
 (summary, sweep.json, per-point files, exit codes), composing once per set of config-group choices.
-The summary (launcher/sweep.py) is built from the points' files, so every Hydra launcher gives the same
+The summary (launcher/sweep/summary.py) is built from the points' files, so every Hydra launcher gives the same
 one; it fits 120 columns; a Slurm sweep under dry_run=true prints its job arrays and submits nothing."""
 
 from __future__ import annotations
@@ -86,11 +86,11 @@ def test_composer_matches_hydra_and_composes_once_per_group_set():
     from hydra.types import RunMode
 
     sys.path.insert(0, ROOT)
-    import launcher.schema
+    import launcher.cli.schema
 
     from hydra_plugins.meshrun_sweep._composer import CachedComposer
 
-    launcher.schema.register()
+    launcher.cli.schema.register()
     setup_globals()
     loader = ConfigLoaderImpl(config_search_path=create_config_search_path(os.path.join(ROOT, "conf")))
     master = loader.load_configuration("config", ["action=plan", "hydra.sweep.dir=/tmp/x"], RunMode.MULTIRUN)
@@ -143,7 +143,7 @@ def test_every_hydra_launcher_gives_the_same_summary(tmp_path):
 def test_summary_fits_120_columns_and_ranks_by_predicted_step_time(tmp_path):
     sys.path.insert(0, ROOT)
     from launcher.plan.estimate import fmt_bytes
-    from launcher.sweep import fmt_rate
+    from launcher.sweep.summary import fmt_rate
 
     sweep = tmp_path / "sweep"
     p = meshrun("-m", "action=plan", "model=tiny,gpt2_125m", "parallel.tp=1,2,4", "parallel.pp=1,2",
@@ -225,9 +225,9 @@ def _loader_and_master(overrides):
     from hydra.types import RunMode
 
     sys.path.insert(0, ROOT)
-    import launcher.schema
+    import launcher.cli.schema
 
-    launcher.schema.register()
+    launcher.cli.schema.register()
     setup_globals()
     loader = ConfigLoaderImpl(config_search_path=create_config_search_path(os.path.join(ROOT, "conf")))
     return loader, loader.load_configuration("config", overrides, RunMode.MULTIRUN)
@@ -266,7 +266,7 @@ def test_task_view_is_the_config_without_hydra():
 
     from hydra_plugins.meshrun_sweep._composer import CachedComposer
     from hydra_plugins.meshrun_sweep._run_job import _task_view
-    from training.config import Config
+    from training.contract.config import Config
 
     loader, master = _loader_and_master(["action=plan", "model=tiny,gpt2_125m", "hydra.sweep.dir=/tmp/x"])
     config = CachedComposer(loader, master).build(["action=plan", "model=tiny", "parallel.tp=2"])
@@ -289,8 +289,8 @@ def test_config_yaml_is_yaml_dump():
     import yaml
 
     sys.path.insert(0, ROOT)
-    from launcher.rundir import _DUMPER, config_yaml
-    from training.config import Config, config_to_dict
+    from training.contract.rundir.config_files import _DUMPER, config_yaml
+    from training.contract.config import Config, config_to_dict
 
     plain = config_to_dict(Config())
     plain["cluster"]["env"] = {"A": "yes", "B": "1.0", "C": "line\nbreak", "D": "ünïcode: x", "E": ""}

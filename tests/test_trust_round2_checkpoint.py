@@ -169,8 +169,8 @@ def test_exported_weights_follow_the_umask_and_a_dangling_output_link_is_refused
 
 
 def test_events_list_line_is_skipped_and_a_failed_local_run_shows_its_reason(tmp_path):
-    from launcher.status import run_status
-    from training.events import append_event, read_events
+    from launcher.manage.status import run_status
+    from training.contract.rundir.events import append_event, read_events
 
     run = str(tmp_path / "run")
     append_event(run, "started", launcher_pid=os.getpid(), world_size=1, attempt=0)

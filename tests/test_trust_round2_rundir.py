@@ -96,9 +96,9 @@ def test_config_json_is_never_overwritten_by_a_mistake(trained, tmp_path, capsys
     assert "train.resume=none" in model.stderr
     assert plan.returncode == 0 and "is an existing run: this plan is shown only" in plan.stderr, plan.stderr
     assert _sha(runs["plan"] / "plan.json") == plan_before
-    # The damaged files, through the same code a launch runs first (launcher/resume.py), in this process.
-    from launcher.resume import resume_config
-    from training.config import Config
+    # The damaged files, through the same code a launch runs first (launcher/manage/resume.py), in this process.
+    from launcher.manage.resume import resume_config
+    from training.contract.config import Config
 
     for name, what in (("typo", "stepz"), ("truncated", "cannot be read"),
                        ("nonnumber", "model.hidden_size='sixty-four'"), ("list", "holds a JSON list")):
@@ -142,9 +142,9 @@ def test_writes_never_follow_symlinks_out_of_run_dir(trained, tmp_path):
     assert {p.name: p.read_text() for p in outside.iterdir()} == snapshot
 
     # The one writer, without the launcher's check (what a rank or any later write goes through).
-    from training.events import append_event
-    from training.run_files import LinkRefused, append_bytes, open_append, write_atomic
-    from training.run_lock import acquire
+    from training.contract.rundir.events import append_event
+    from training.contract.rundir.files import LinkRefused, append_bytes, open_append, write_atomic
+    from training.contract.rundir.lock import acquire
 
     with pytest.raises(LinkRefused, match="symbolic link"):
         append_event(str(run), "probe")
@@ -191,18 +191,18 @@ def test_reserved_env_names_and_sbatch_prefixes_are_refused(tmp_path):
 
 
 def test_prepare_refuses_an_existing_dataset_and_the_tokenizer_sha_is_checked(tmp_path):
-    from launcher.prepare import prepare
-    from training.config import PrepareConfig
+    from launcher.data.prepare import prepare
+    from training.contract.config import PrepareConfig
     from training.data.sources import DataError
-    from training.tokenizer import TokenizerError, load_tokenizer
+    from training.contract.tokenizer import TokenizerError, load_tokenizer
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("".join(f"document {i} says hello world\n\n" for i in range(50)))
     out = str(tmp_path / "data" / "ds")
     pc = PrepareConfig(inputs=[str(corpus)], output=out, tokenizer="bpe", vocab_size=300, workers=1, progress=False)
     prepare(pc)
-    from launcher.datasets import resolve_indexed
-    from training.config import Config
+    from launcher.data.datasets import resolve_indexed
+    from training.contract.config import Config
     from training.hf.tokenizer_files import run_tokenizer
 
     run_cfg = Config()
@@ -264,7 +264,7 @@ def _training_rank(launcher: subprocess.Popen):
     saves the step it trains)."""
     import signal as sig
 
-    from launcher.cancel import _children
+    from launcher.manage.cancel import _children
     from launcher.slurm.rank_task import catches
 
     def ready():
@@ -332,7 +332,7 @@ def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
 def test_read_only_run_dir_exits_2(tmp_path, capsys):
     """A run.dir on a read-only file system (a real read-only tmpfs) is exit 2 with the fix, not a traceback
     (the launcher's claim of run.dir, the first thing a train or plan does, called directly)."""
-    from launcher.rundir import claim_run_dir
+    from launcher.launch.claim import claim_run_dir
 
     mnt = tmp_path / "ro"
     mnt.mkdir()

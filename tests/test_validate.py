@@ -9,10 +9,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from launcher.plan.estimate import with_parallel
-from launcher.schema import register
+from launcher.cli.schema import register
 from launcher.plan.validate import validate
-from launcher.planning import validate_for_launch
-from training.config import Config
+from launcher.planning.gate import validate_for_launch
+from training.contract.config import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 register()

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from training.config import Config
+from training.contract.config import Config
 from training.observe.metrics import MetricsLog
 
 STAND_IN = '''

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
-from training.config import Config, config_from_dict, config_to_dict
+from training.contract.config import Config, config_from_dict, config_to_dict
 
 STEPS = 4
 
@@ -123,7 +123,7 @@ def _full_state(trainer) -> Dict[str, np.ndarray]:
 
 def _train(cfg: Config, run_dir: str, mesh, capture_resume: bool = False) -> Dict[str, Any]:
     """A whole run with checkpoints; the full state at its end and, resuming, right after the resume."""
-    from training.loop import Trainer
+    from training.run.loop import Trainer
 
     trainer = Trainer(cfg, run_dir, mesh)
     captured: Dict[str, Any] = {}
@@ -141,7 +141,7 @@ def _train(cfg: Config, run_dir: str, mesh, capture_resume: bool = False) -> Dic
 
 def _stop_and_resume(layout: Dict[str, Any], base: str, mesh, stop: int = 2) -> Dict[str, Any]:
     """The run stopped at `stop` and resumed (its uninterrupted twin is a LAYOUTS run of the same config)."""
-    from training.config import config_from_dict, config_to_dict
+    from training.contract.config import config_from_dict, config_to_dict
 
     first = _train(_cfg(**layout, exit_interval=stop), f"{base}/run", mesh)
     cont = config_from_dict(config_to_dict(_cfg(**layout)))
@@ -155,7 +155,7 @@ def _reshard(src_layout: Dict[str, Any], dst_layout: Dict[str, Any], base: str, 
 
     import torch.distributed as dist
 
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
 
     src_cfg, dst_cfg = _cfg(**src_layout, exit_interval=stop), _cfg(**dst_layout)
     p = src_cfg.parallel
@@ -171,7 +171,7 @@ def _reshard(src_layout: Dict[str, Any], dst_layout: Dict[str, Any], base: str, 
 
 def _run(cfg: Config, run_dir: str, mesh) -> Dict[str, Any]:
     """Step-1 grads (before any update), then the whole run from scratch, with what the optimizer holds."""
-    from training.loop import Trainer
+    from training.run.loop import Trainer
 
     trainer = Trainer(cfg, run_dir, mesh, checkpointing=False)
     opt = trainer.optimizer
@@ -194,7 +194,7 @@ def _run(cfg: Config, run_dir: str, mesh) -> Dict[str, Any]:
 
 
 def _four_ranks(base: str) -> Dict[str, Any]:
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
 
     out = {}
     for name, layout in LAYOUTS.items():
@@ -220,7 +220,7 @@ def _four_ranks(base: str) -> Dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def reference():
-    from training.mesh import ProcessMesh
+    from training.parallel.mesh import ProcessMesh
 
     torch.set_num_threads(1)
     return _run(_cfg(eval_every=2), tempfile.mkdtemp(), ProcessMesh.single())
@@ -332,8 +332,8 @@ def _offload_single(base: str) -> Dict[str, Any]:
     """One single-rank job per process (no process group): rank 0 zero=1 without offload, rank 1 zero=3 with nvme."""
     import gc
 
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     mode = "none" if os.environ["RANK"] == "0" else "nvme"
     nvme = dict(offload=mode, offload_dir=f"{base}/nvme{os.environ['RANK']}")
@@ -399,8 +399,8 @@ def test_recompute_num_layers_activations_match_the_plan():
     """The first N layers keep only their input: the bytes saved for backward (measured with saved-tensor hooks)
     fall between full recompute and none as the plan says (within 10 %, as for the other settings)."""
     from launcher.plan.estimate import make_plan
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     torch.set_num_threads(1)
     measured, planned = {}, {}
@@ -466,7 +466,7 @@ def test_13b_example_plan_by_stage():
 
 def test_validate_and_recommend_reach_the_levers():
     from launcher.plan.validate import validate
-    from launcher.recommend import _deeper_zero, _partial_recompute
+    from launcher.planning.recommend import _deeper_zero, _partial_recompute
     from launcher.plan.cost_model import cluster_rates
 
     report = validate(_13b())

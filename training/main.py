@@ -12,12 +12,13 @@ import os
 import sys
 import traceback
 
-from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_STOPPED
+from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_STOPPED
+from training.contract.rundir.files import write_atomic
 
 
 def _env_from_slurm() -> None:
     """Map Slurm's task variables onto the standard ones when a launcher did not set them."""
-    from training.slurm_env import apply_slurm_env
+    from training.contract.slurm_env import apply_slurm_env
 
     apply_slurm_env()  # also MASTER_ADDR (first node) and MASTER_PORT (from the job id)
     for std, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS"), ("LOCAL_RANK", "SLURM_LOCALID"),
@@ -39,9 +40,9 @@ def _single_process_env() -> None:
 
 
 def _claim_run_dir(run_dir: str) -> str:
-    """"" when run_dir belongs to this rank's job (training/run_lock.py), else why not."""
-    from training.run_lock import check_rank
-    from training.slurm_env import slurm_job_id
+    """"" when run_dir belongs to this rank's job (training/contract/rundir/lock.py), else why not."""
+    from training.contract.rundir.lock import check_rank
+    from training.contract.slurm_env import slurm_job_id
 
     return check_rank(run_dir, slurm_job_id()) or ""
 
@@ -60,9 +61,7 @@ def _record_cause(cause: str, message: str) -> None:
     import json
 
     try:
-        with open(path + ".tmp", "w") as f:
-            json.dump({"cause": cause, "error": message}, f)
-        os.replace(path + ".tmp", path)
+        write_atomic(path, json.dumps({"cause": cause, "error": message}))
     except OSError:
         pass
 
@@ -88,7 +87,7 @@ def main(argv=None) -> int:
         print("usage: python -m training.main RUN_DIR   (RUN_DIR holds config.json)", file=sys.stderr)
         return EXIT_INVALID
     run_dir = os.path.abspath(argv[0])
-    from training.launcher_watch import follow_launcher
+    from training.run.launcher_watch import follow_launcher
 
     follow_launcher()  # a local launcher's rank stops (after a checkpoint) when that launcher dies
     _env_from_slurm()
@@ -96,10 +95,10 @@ def main(argv=None) -> int:
 
     import torch
 
-    from training.config import derived_dp, load_config
+    from training.contract.config import derived_dp, load_config
     from training.checkpoint.storage import CheckpointError
     from training.data import DataError
-    from training.layout_rules import LayoutError
+    from training.contract.layout_rules import LayoutError
     from training.hf.hf_config import HFError
     from training.observe.startup import mark
 
@@ -120,24 +119,23 @@ def main(argv=None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         _record_cause("invalid", problem)
         return EXIT_INVALID
-    from training.resume_once import effective_resume
+    from training.contract.rundir.resume_request import effective_resume
 
     # Read before the process group exists (its rendezvous waits for every rank), so that rank 0 marks the
-    # request consumed only after every rank has read it (training/resume_once.py).
+    # request consumed only after every rank has read it (training/contract/rundir/resume_request.py).
     cfg.train.resume = effective_resume(run_dir, cfg.train.resume)
     _prefetch_checkpoint_code(run_dir, cfg.train.resume)
 
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     p = cfg.parallel
     backend = "nccl" if cfg.cluster.device == "cuda" else "gloo"
     mesh = None
     states_bytes, built = None, False  # GPU memory held once the engine is built: the model states (observe/oom.py)
     try:
-        mesh = ProcessMesh.from_env(p.tp, p.pp, p.cp, derived_dp(cfg), backend, cfg.train.dist_timeout_s,
-                                    ep=getattr(p, "ep", 1))
-        from training.slurm_env import reapply_affinity
+        mesh = ProcessMesh.from_env(p.tp, p.pp, p.cp, derived_dp(cfg), backend, cfg.train.dist_timeout_s, ep=p.ep)
+        from training.contract.slurm_env import reapply_affinity
 
         mark("process_group")
         if reapply_affinity():  # a communicator reset the NUMA binding the launcher set

@@ -116,7 +116,7 @@ def run_point_job(task_function: TaskFunction, config: DictConfig, job_dir_key: 
         ret.overrides = overrides
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         _chdir = hydra_cfg.hydra.job.chdir
-        if _chdir is None:  # run_job: no chdir from version_base 1.2 on (launcher/app.py: None = current)
+        if _chdir is None:  # run_job: no chdir from version_base 1.2 on (launcher/cli/app.py: None = current)
             _chdir = not version.base_at_least("1.2")
         if _chdir:
             os.chdir(output_dir)

@@ -13,7 +13,7 @@ passes the batch's queued run directories to launcher/slurm/submit.py's submit_a
 them as job arrays (or prints their scripts under dry_run=true). Every point still runs through
 Hydra's run_job contract (_run_job.py: the same steps without its redundant config copies): HydraConfig
 (runtime.output_dir, job.num), the per-point output directory, callbacks (on_job_end writes the point's
-record for launcher/sweep.py's summary) and the job's return value are as with the basic launcher.
+record for launcher/sweep/summary.py's summary) and the job's return value are as with the basic launcher.
 One per-point cost is dropped for action=plan points: the job logging setup (a file handler per point writing an empty <point>/<job>.log); plan points only print.
 While a sweep runs, the garbage collector runs less often (_fewer_collections).
 """

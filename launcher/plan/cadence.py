@@ -12,15 +12,14 @@ work / wall time) of any interval. docs/COST_MODEL.md shows the table and the si
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from launcher.plan.model_size import params_total
-from training.config import Config
-from training.events import read_events
-from training.precision import OPTIMIZER_BYTES, PARAM_BYTES
+from training.contract.config import Config
+from training.contract.rundir.events import read_events
+from training.contract.precision import OPTIMIZER_BYTES, PARAM_BYTES
 
 DEFAULT_WRITE_GBPS_PER_NODE = 1.0
 """Checkpoint write rate per node when cluster.checkpoint_write_gbps is 0 (an assumption: docs/COST_MODEL.md)."""
@@ -48,31 +47,6 @@ def expected_goodput(interval_s: float, save_s: float, restart_s: float, mtbf_s:
     except OverflowError:  # an MTBF far below the restart or save time: a segment practically never completes
         return 0.0
     return interval_s / segment
-
-
-def simulate_goodput(interval_s: float, save_s: float, restart_s: float, mtbf_s: float, work_s: float,
-                     seed: int = 0) -> float:
-    """Monte Carlo of the same job: exponential failures (also during saves and restarts), each failure costs the
-    restart and the work since the last complete checkpoint; returns work_s / the wall time it took."""
-    rng = random.Random(seed)
-    wall, done = 0.0, 0.0
-    while done < work_s:
-        segment = min(interval_s, work_s - done)
-        need = segment + (save_s if done + segment < work_s else 0.0)  # the last segment needs no save
-        while True:
-            fail_in = rng.expovariate(1.0 / mtbf_s)
-            if fail_in >= need:
-                wall += need
-                done += segment
-                break
-            wall += fail_in  # the segment's work is lost; restart, which may fail too
-            while True:
-                fail_in = rng.expovariate(1.0 / mtbf_s)
-                if fail_in >= restart_s:
-                    wall += restart_s
-                    break
-                wall += fail_in
-    return work_s / wall
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from training.config import Config
+from training.contract.config import Config
 
 GIB = 2**30
 MIB = 2**20
@@ -46,7 +46,7 @@ def more_cp(c: Config, derived_dp: int, memory_bytes) -> "Config | None":
     activation-bound layouts at long sequences, when the engine can run it (the cp layout rules hold)."""
     from dataclasses import replace
 
-    from training.layout_rules import cp_rules
+    from training.contract.layout_rules import cp_rules
 
     par, m = c.parallel, c.model
     cp2 = par.cp * 2
@@ -67,7 +67,7 @@ def search_cp(c: Config, tp: int, sp: bool, ranks_left: int) -> list:
     """The cp values `action=recommend` tries for a tp (x sp) and the ranks left after tp x pp: 1, and at long
     sequences (from LONG_SEQUENCE tokens, where activations dominate) the powers of two up to MAX_SEARCH_CP that
     divide those ranks and that the engine runs (the cp layout rules)."""
-    from training.layout_rules import cp_rules
+    from training.contract.layout_rules import cp_rules
 
     out = [1]
     m = c.model

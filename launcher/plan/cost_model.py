@@ -2,7 +2,7 @@
 
 Pure Python (no torch): `meshrun action=recommend` ranks thousands of layouts with it in seconds, and every
 plan's predicted_step_s comes from it. The rates (Rates) come from, best first: a measurement on this machine
-(training/cost_probe.py, CPU clusters), a preflight.json's measured matmul and bus bandwidths, the cluster
+(training/observe/cost_probe.py, CPU clusters), a preflight.json's measured matmul and bus bandwidths, the cluster
 preset's expected ones (cluster.preflight.matmul_tflops, busbw_intra_gbps, busbw_inter_gbps), its peak
 (cluster.peak_tflops), and last the defaults below. docs/COST_MODEL.md gives the formulas and their limits;
 nothing is assumed to overlap.
@@ -15,10 +15,11 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
-from launcher.plan.levers import offload_seconds, recomputed_layers_per_rank
+from launcher.plan.levers import offload_seconds
+from launcher.plan.model_size import recomputed_layers_per_rank
 from launcher.plan.model_size import padded_vocab
 from launcher.plan.moe import ep_degree, expert_ffn, is_moe, router_params
-from training.config import Config, derived_dp
+from training.contract.config import Config, derived_dp
 
 DEFAULT_PEAK_TFLOPS = {"cpu": 0.05, "cuda": 100.0}
 """Per-rank TFLOP/s when neither a measurement nor cluster.peak_tflops / preflight.matmul_tflops gives one."""
@@ -79,7 +80,7 @@ def preflight_measured(report: Dict[str, Any]) -> Dict[str, float]:
 
 def cluster_rates(cfg: Config, preflight: Optional[Dict[str, Any]] = None,
                   probe: Optional[Dict[str, Any]] = None) -> Rates:
-    """The rates of cfg's cluster; `preflight` is a preflight.json dict, `probe` training/cost_probe.py's output."""
+    """The rates of cfg's cluster; `preflight` is a preflight.json dict, `probe` training/observe/cost_probe.py's output."""
     c, dev = cfg.cluster, _device(cfg)
     measured = preflight_measured(preflight) if preflight else {}
     src: Dict[str, str] = {}
@@ -92,26 +93,26 @@ def cluster_rates(cfg: Config, preflight: Optional[Dict[str, Any]] = None,
         raise AssertionError("the last option is a default")
 
     probe = probe or {}
-    flops = pick("flops", [(probe.get("flops"), "measured here (training/cost_probe.py)"),
+    flops = pick("flops", [(probe.get("flops"), "measured here (training/observe/cost_probe.py)"),
                            ((measured.get("matmul_tflops") or 0) * 1e12, "preflight.json matmul"),
                            (c.preflight.matmul_tflops * 1e12, "cluster.preflight.matmul_tflops"),
                            (c.peak_tflops * 1e12, "cluster.peak_tflops"),
                            (DEFAULT_PEAK_TFLOPS[dev] * 1e12, f"default for {dev}")])
     intra_d, inter_d = DEFAULT_BUSBW_GBPS[dev]
-    intra = pick("intra_bw", [(probe.get("busbw"), "measured here (training/cost_probe.py)"),
+    intra = pick("intra_bw", [(probe.get("busbw"), "measured here (training/observe/cost_probe.py)"),
                               ((measured.get("busbw_intra_gbps") or 0) * 1e9, "preflight.json busbw inside a node"),
                               (c.preflight.busbw_intra_gbps * 1e9, "cluster.preflight.busbw_intra_gbps"),
                               (intra_d * 1e9, f"default for {dev}")])
     inter = pick("inter_bw", [((measured.get("busbw_inter_gbps") or 0) * 1e9, "preflight.json busbw across nodes"),
                               (c.preflight.busbw_inter_gbps * 1e9, "cluster.preflight.busbw_inter_gbps"),
                               # The dev cluster's "nodes" share this machine: the probe's loopback figure holds.
-                              (probe.get("busbw") if c.device == "cpu" else 0, "measured here (training/cost_probe.py)"),
+                              (probe.get("busbw") if c.device == "cpu" else 0, "measured here (training/observe/cost_probe.py)"),
                               (inter_d * 1e9, f"default for {dev}")])
-    latency = pick("latency_s", [(probe.get("latency_s"), "measured here (training/cost_probe.py)"),
+    latency = pick("latency_s", [(probe.get("latency_s"), "measured here (training/observe/cost_probe.py)"),
                                  (DEFAULT_LATENCY_S[dev], f"default for {dev}")])
-    overhead = pick("overhead_s", [(probe.get("overhead_s"), "measured here (training/cost_probe.py)"),
+    overhead = pick("overhead_s", [(probe.get("overhead_s"), "measured here (training/observe/cost_probe.py)"),
                                    (DEFAULT_OVERHEAD_S[dev] or 1e-30, f"default for {dev}")])
-    opt = pick("optimizer_s_per_param", [(probe.get("optimizer_s_per_param"), "measured here (training/cost_probe.py)"),
+    opt = pick("optimizer_s_per_param", [(probe.get("optimizer_s_per_param"), "measured here (training/observe/cost_probe.py)"),
                                          (DEFAULT_OPTIMIZER_S_PER_PARAM[dev], f"default for {dev}")])
     return Rates(flops=flops, intra_bw=intra, inter_bw=inter, latency_s=latency, overhead_s=overhead,
                  optimizer_s_per_param=opt, sources=src)
@@ -123,7 +124,7 @@ def cluster_rates(cfg: Config, preflight: Optional[Dict[str, Any]] = None,
 
 
 def group_bandwidth(stride: int, size: int, gpus_per_node: int, rates: Rates) -> Optional[float]:
-    """Bus bandwidth of a group of `size` ranks `stride` apart (training/mesh.py's order: tp fastest, then cp,
+    """Bus bandwidth of a group of `size` ranks `stride` apart (training/parallel/mesh.py's order: tp fastest, then cp,
     pp, dp); None for a group of one. Inside a node: intra_bw. Across nodes, a group with k of a node's
     gpus_per_node ranks gets k/gpus_per_node of the node's network (inter_bw is measured with all of them)."""
     if size <= 1:

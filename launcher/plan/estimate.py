@@ -19,11 +19,10 @@ from launcher.plan.memory import device_reserve_bytes
 from launcher.plan.model_size import (hardware_flops_per_step, layer_params, model_flops_per_step, padded_vocab,
                                  params_total, stage_params)
 from launcher.plan.cost_model import Rates, cluster_rates, predict
-from launcher.plan.levers import (offload_bytes, recomputed_layers_per_rank, zero2_dp_bytes, zero3_dp_bytes,
-                                 zero3_gathered_bytes)
-from launcher.plan.model_size import params_active
+from launcher.plan.levers import offload_bytes, zero2_dp_bytes, zero3_dp_bytes, zero3_gathered_bytes
+from launcher.plan.model_size import params_active, recomputed_layers_per_rank
 from launcher.plan.moe import all_to_all_bytes, expert_dp
-from training.config import Config, derived_dp
+from training.contract.config import Config, derived_dp
 
 
 # --------------------------------------------------------------------------------------------------

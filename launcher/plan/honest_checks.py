@@ -14,7 +14,7 @@ import dataclasses
 import math
 from typing import List, Optional
 
-from training.config import ClusterConfig, Config, derived_dp
+from training.contract.config import ClusterConfig, Config, derived_dp
 
 PIPELINE_IDLE_WARN = 0.25
 """A pipeline idle longer than this share of the wall clock (the bubble (p-1)/(v m + p-1)) is warned about."""
@@ -64,7 +64,7 @@ def micro_batches_for_idle(pp: int, vpp: int, limit: float = PIPELINE_IDLE_WARN)
 
 def honest_issues(cfg: Config, plan) -> list:
     """The warnings and notes of this module, as launcher/plan/validate.py's Issues."""
-    from launcher.plan.validate import Issue
+    from launcher.plan.issues import Issue
 
     out = []
     ignored = ignored_on_local(cfg)
@@ -102,8 +102,8 @@ def _operations_issues(cfg: Config) -> list:
     import os
     import shutil
 
-    from launcher.plan.validate import Issue
-    from launcher.shared_fs import shared_verdict
+    from launcher.plan.issues import Issue
+    from launcher.launch.shared_fs import shared_verdict
 
     out = []
     t, c = cfg.train, cfg.cluster

@@ -3,17 +3,17 @@
 
 Kept apart from memory.py / estimate.py so that the formulas of each lever sit in one place; those modules
 call in here when a config uses a lever. Bytes follow the engine's allocations exactly (training/optim/
-grad_shard.py, training/model.py) and docs/FORMULAS.md gives the published forms (ZeRO paper, Megatron).
+grad_shard.py, training/model/gpt.py) and docs/FORMULAS.md gives the published forms (ZeRO paper, Megatron).
 """
 
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-from training.config import Config
-from training.precision import GRAD_BYTES, OFFLOAD_BLOCK_ELEMS, OPTIMIZER_BYTES, PARAM_BYTES
+from training.contract.config import Config
+from training.contract.precision import GRAD_BYTES, OFFLOAD_BLOCK_ELEMS, OPTIMIZER_BYTES, PARAM_BYTES
 
-from training.layout_rules import ZERO_STAGES as ENGINE_ZERO_STAGES  # the planner accepts exactly these
+from training.contract.layout_rules import ZERO_STAGES as ENGINE_ZERO_STAGES  # the planner accepts exactly these
 
 
 def zero_state_bytes(n: int, precision: str, zero: int, dp: int) -> Dict[str, int]:
@@ -32,7 +32,7 @@ def zero_state_bytes(n: int, precision: str, zero: int, dp: int) -> Dict[str, in
 
 
 def zero3_units(cfg: Config, stage: int) -> List[int]:
-    """Elements of each zero=3 gather unit of one rank of pipeline stage `stage` (training/model.py's
+    """Elements of each zero=3 gather unit of one rank of pipeline stage `stage` (training/model/gpt.py's
     param_units: the embedding, each layer, the final norm with the output layer)."""
     from launcher.plan.model_size import layer_params, padded_vocab, stage_params
 
@@ -73,32 +73,6 @@ def zero_bytes_per_param(precision: str, zero: int, dp: int) -> float:
     if zero == 3:
         return (w + g + k) / dp
     raise ValueError(f"zero={zero}: stages 2 and 3 only (memory.model_state_bytes_per_param has 0 and 1)")
-
-
-def chunk_layers(cfg: Config) -> int:
-    """Layers of one pipeline chunk (model chunk of the interleaved schedule, or the rank's stage)."""
-    par = cfg.parallel
-    v = par.vpp if par.schedule == "interleaved_1f1b" and par.pp > 1 else 1
-    return cfg.model.num_layers // (par.pp * v)
-
-
-def recomputed_layers_per_rank(cfg: Config) -> int:
-    """Layers of one pipeline rank that recompute their forward in backward (recompute=full): the first
-    recompute_num_layers of each of its chunks, every layer when it is 0; none without full recompute."""
-    par = cfg.parallel
-    if str(par.recompute) != "full":
-        return 0
-    per_rank = cfg.model.num_layers // par.pp
-    n = getattr(par, "recompute_num_layers", 0)
-    if n <= 0:
-        return per_rank
-    chunks = per_rank // chunk_layers(cfg)
-    return chunks * min(n, chunk_layers(cfg))
-
-
-def recomputed_fraction(cfg: Config) -> float:
-    """Share of the layers that are recomputed (1 under recompute=full with recompute_num_layers=0)."""
-    return recomputed_layers_per_rank(cfg) / (cfg.model.num_layers // cfg.parallel.pp)
 
 
 def zero3_dp_bytes(cfg: Config, n_local: int, dp: int, m: int, grad_bytes: int, param_bytes: int) -> float:

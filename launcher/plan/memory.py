@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Dict, Optional
 
-from launcher.plan.levers import recomputed_layers_per_rank, zero_bytes_per_param, zero_state_bytes
+from launcher.plan.model_size import recomputed_layers_per_rank
+from launcher.plan.levers import zero_bytes_per_param, zero_state_bytes
 from launcher.plan.model_size import padded_vocab
 from launcher.plan.moe import is_moe, moe_activation_elements
-from training.config import Config, derived_dp
+from training.contract.config import Config, derived_dp
 # Bytes per parameter: weights, gradients (fp32 main grads for bf16), optimizer (K); the engine allocates
 # from the same table.
-from training.precision import GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
+from training.contract.precision import GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
 
 
 # --------------------------------------------------------------------------------------------------
@@ -75,7 +75,7 @@ class DeviceProfile:
     flash_with_dropout: bool = True
     """Fused attention supports attention dropout; if not, dropout > 0 falls back to the math path."""
     softmax_fp32: bool = False
-    """Math attention's softmax runs in fp32 and saves its fp32 output (training/model.py); at 16 bits the
+    """Math attention's softmax runs in fp32 and saves its fp32 output (training/model/gpt.py); at 16 bits the
     cast copy the next matmul (or the dropout) takes is saved besides it."""
 
 
@@ -164,24 +164,6 @@ def layer_activation_bytes(
         elif profile.flash_saves_lse:
             total += a * sb // t * stb
     return total
-
-
-def korthikanti_table2(s: int, b: int, h: int, a: int, t: int, setting: str) -> Fraction:
-    """The six closed forms of Korthikanti et al. 2022 Table 2 (bytes per layer), exact, for the tests."""
-    F = Fraction
-    if setting == "none":
-        return s * b * h * (34 + F(5 * a * s, h))
-    if setting == "tp":
-        return s * b * h * (10 + F(24, t) + F(5 * a * s, h * t))
-    if setting == "tp_sp":
-        return F(s * b * h, t) * (34 + F(5 * a * s, h))
-    if setting == "tp_selective":
-        return s * b * h * (10 + F(24, t))
-    if setting == "tp_sp_selective":
-        return F(34 * s * b * h, t)
-    if setting == "full":
-        return F(2 * s * b * h)
-    raise ValueError(setting)
 
 
 def inflight_microbatches(cfg: Config, stage: int, m: int) -> float:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from launcher.plan.moe import active_mlp_params, expert_ffn, expert_params_per_layer, is_moe, router_params
-from training.config import Config
-from training.layout_rules import padded_vocab  # the engine's embedding rows: one definition for both
+from training.contract.config import Config
+from training.contract.layout_rules import padded_vocab  # the engine's embedding rows: one definition for both
 
 
 # --------------------------------------------------------------------------------------------------
@@ -198,9 +198,34 @@ def hardware_flops_per_step(cfg: Config) -> int:
     tokens = cfg.parallel.global_batch * cfg.model.seq_length
     total = model_flops_per_step(cfg)
     if cfg.parallel.recompute == "full":
-        from launcher.plan.levers import recomputed_fraction  # recompute_num_layers: only those layers
 
         total += round(tokens * (fw["layers"] + fw["attention"]) * recomputed_fraction(cfg))
     elif cfg.parallel.recompute == "selective":
         total += 3 * tokens * fw["attention"]
     return total
+
+
+def chunk_layers(cfg: Config) -> int:
+    """Layers of one pipeline chunk (model chunk of the interleaved schedule, or the rank's stage)."""
+    par = cfg.parallel
+    v = par.vpp if par.schedule == "interleaved_1f1b" and par.pp > 1 else 1
+    return cfg.model.num_layers // (par.pp * v)
+
+
+def recomputed_layers_per_rank(cfg: Config) -> int:
+    """Layers of one pipeline rank that recompute their forward in backward (recompute=full): the first
+    recompute_num_layers of each of its chunks, every layer when it is 0; none without full recompute."""
+    par = cfg.parallel
+    if str(par.recompute) != "full":
+        return 0
+    per_rank = cfg.model.num_layers // par.pp
+    n = getattr(par, "recompute_num_layers", 0)
+    if n <= 0:
+        return per_rank
+    chunks = per_rank // chunk_layers(cfg)
+    return chunks * min(n, chunk_layers(cfg))
+
+
+def recomputed_fraction(cfg: Config) -> float:
+    """Share of the layers that are recomputed (1 under recompute=full with recompute_num_layers=0)."""
+    return recomputed_layers_per_rank(cfg) / (cfg.model.num_layers // cfg.parallel.pp)

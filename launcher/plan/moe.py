@@ -12,7 +12,7 @@ the same experts: dp x cp / ep of them).
 
 from __future__ import annotations
 
-from training.config import Config, ModelConfig
+from training.contract.config import Config, ModelConfig
 
 
 def is_moe(cfg: Config) -> bool:
@@ -73,7 +73,7 @@ def all_to_all_bytes(cfg: Config, act_bytes: int) -> float:
     """Bytes one rank sends in one token exchange (dispatch or combine) of one MoE layer for one micro-batch.
 
     Each of the rank's T = s b tokens (the whole micro-batch: under sequence parallelism the MoE block gathers
-    the sequence first, so every tp rank routes all of it, training/moe.py) goes to k experts; with the load
+    the sequence first, so every tp rank routes all of it, training/model/moe.py) goes to k experts; with the load
     balanced over the ep ranks, (ep - 1)/ep of the k T copies of h elements leave the rank (dropless; a
     capacity factor below 1 sends fewer, which this upper bound ignores)."""
     ep = ep_degree(cfg)
@@ -88,7 +88,7 @@ def moe_activation_elements(cfg: Config, tokens: int, tp: int) -> dict:
     """Elements one MoE layer saves for backward for `tokens` tokens on one tp rank, in place of the dense MLP's
     fc1/fc2 activations: the experts' inputs and outputs (k copies of every token, tokens to their experts and
     back), each expert's inner activations at fe/tp (SwiGLU: the fc1 output 2 fe that the gate and up views keep
-    alive, the SiLU output and the product fc2 takes, 4 fe as training/moe.py's autograd saves them; GELU: the fc1
+    alive, the SiLU output and the product fc2 takes, 4 fe as training/model/moe.py's autograd saves them; GELU: the fc1
     output and the GELU output, 2 fe), and the router's fp32 logits and probabilities (elements counted at 4 bytes
     by the caller)."""
     m = cfg.model

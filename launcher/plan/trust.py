@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import List
 
-from training.config import Config
+from training.contract.config import Config
 
 RESERVED_ENV = ("PYTHONPATH", "PYTHONSAFEPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONNOUSERSITE", "PYTHONUSERBASE",
                 "PYTHONEXECUTABLE", "PYTHONINSPECT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",

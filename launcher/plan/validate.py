@@ -18,11 +18,12 @@ from launcher.plan.cadence import cadence_problems
 from launcher.plan.context_memory import more_cp
 from launcher.plan.estimate import GIB, Plan, make_plan, with_parallel
 from launcher.plan.honest_checks import SELECTIVE_MIN_SAVING
-from launcher.plan.levers import chunk_layers
-from training import layout_rules as rules
-from training.config import CHOICE_FIELDS, Config, choices, derived_dp
+from launcher.plan.issues import Issue
+from launcher.plan.model_size import chunk_layers
+from training.contract import layout_rules as rules
+from training.contract.config import CHOICE_FIELDS, Config, choices, derived_dp
 
-# Allowed values of the choice fields: the Enums of training/config.py (Hydra's schema already rejects
+# Allowed values of the choice fields: the Enums of training/contract/config.py (Hydra's schema already rejects
 # anything else; this catches configs built in code, e.g. with dataclasses.replace).
 CHOICES = {key: choices(key) for key in CHOICE_FIELDS if key not in ("action",)}
 
@@ -34,29 +35,6 @@ POSITIVE = (
     "parallel.micro_batch", "parallel.global_batch",
     "cluster.nodes", "cluster.gpus_per_node", "train.steps",
 )
-
-
-@dataclass
-class Issue:
-    """One finding about the configuration."""
-
-    level: str
-    """error (nothing runs) | warning (runs, but costly) | note (for information)."""
-    key: str
-    """The config key(s) concerned, as the user would override them."""
-    message: str
-    """What is wrong, with the numbers."""
-    fix: str = ""
-    """What to change (concrete overrides where possible)."""
-    code: str = ""
-    """Machine-readable kind: e.g. no_fit for a model that does not fit."""
-
-    def __str__(self) -> str:
-        text = f"{self.level}: {self.key}: {self.message}"
-        return text + (f"\n    fix: {self.fix}" if self.fix else "")
-
-    def to_json(self) -> dict:
-        return {"level": self.level, "key": self.key, "message": self.message, "fix": self.fix, "code": self.code}
 
 
 @dataclass
@@ -185,7 +163,7 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
                 "exit_interval", "exit_after_min", "log_every"):
         if _get(t, key) < 0:
             out.append(Issue("error", f"train.{key}", f"must be >= 0, got {_get(t, key)}", f"train.{key}=0"))
-    from training.schedule_lr import schedule_problems  # pure Python: the engine checks the same at start-up
+    from training.contract.lr_schedule import schedule_problems  # pure Python: the engine checks the same at start-up
 
     out += [Issue("error", key, message, fix) for key, message, fix in schedule_problems(t)]
     compilers = (os.environ.get("CXX", ""), "g++", "c++", "clang++")
@@ -239,12 +217,12 @@ def _check_model(cfg: Config, out: List[Issue]) -> None:
 
 
 def _issues(violations: List[rules.Violation]) -> List[Issue]:
-    """The layout rules' verdicts (training/layout_rules.py, which the engine checks too) as Issues."""
+    """The layout rules' verdicts (training/contract/layout_rules.py, which the engine checks too) as Issues."""
     return [Issue(v.level, v.key, v.message, v.fix, v.code) for v in violations]
 
 
 def _check_layout(cfg: Config, out: List[Issue]) -> bool:
-    """Parallel layout rules (training/layout_rules.py) plus the cluster's; False when no plan can be computed."""
+    """Parallel layout rules (training/contract/layout_rules.py) plus the cluster's; False when no plan can be computed."""
     m, par, c = cfg.model, cfg.parallel, cfg.cluster
     t, p, v, cp = par.tp, par.pp, par.vpp, par.cp
     s = m.seq_length
@@ -450,8 +428,8 @@ def validate(cfg: Config, cluster_checks: Optional[Callable[[Config], List[str]]
         return Report(issues)
     _check_model(cfg, issues)
     # Data: eval keys, blend weights, and (local runs) each dataset against its description and the model's
-    # vocabulary (launcher/datasets.py).
-    from launcher.datasets import data_errors
+    # vocabulary (launcher/data/datasets.py).
+    from launcher.data.datasets import data_errors
 
     issues += [Issue("error", key, message, fix, "data") for key, message, fix in data_errors(cfg)]
     layout_ok = _check_layout(cfg, issues)

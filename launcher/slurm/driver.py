@@ -1,7 +1,7 @@
 """The batch script's own steps around srun: `python -m launcher.slurm.driver prologue|epilogue RUN_DIR`.
 
-prologue (before srun): checks that the run directory's lock names this job (training/run_lock.py; else the
-  attempt stops before srun) and that the run was not cancelled (launcher/cancel.py: then `cancelled`, no srun), numbers the attempt, records `started` with the nodes and the code it runs (the
+prologue (before srun): checks that the run directory's lock names this job (training/contract/rundir/lock.py; else the
+  attempt stops before srun) and that the run was not cancelled (launcher/manage/cancel.py: then `cancelled`, no srun), numbers the attempt, records `started` with the nodes and the code it runs (the
   submission's snapshot, launcher/slurm/snapshot.py), prints the rendezvous exports (MASTER_ADDR = first node,
   MASTER_PORT from the job id) for the batch script.
 epilogue (after srun): reads every rank's record and acts (launcher/slurm/requeue.py decides):
@@ -10,7 +10,7 @@ epilogue (after srun): reads every rank's record and acts (launcher/slurm/requeu
   a failure -> `failed` (node, rank, exit code), then a new job excluding the failing node, up to
   cluster.max_retries -> then `stopped`; EXIT_INVALID or the same error on every rank at step 0 -> `stopped`.
 The epilogue's own status is EXIT_OK only when the run completed or was cancelled as asked (a recorded
-`cancelled`: Slurm's accounting then agrees that nothing failed) (training/exit_codes.py); when the run ends
+`cancelled`: Slurm's accounting then agrees that nothing failed) (training/contract/exit_codes.py); when the run ends
 (completed, stopped) it releases the run directory's lock, and a resubmission hands the lock to the new job.
 """
 
@@ -24,18 +24,19 @@ import sys
 import time
 from typing import Dict, List
 
-from launcher.cancel import cancel_requested, record_cancelled
-from launcher.goodput import write_goodput_quietly
+from launcher.manage.cancel import record_cancelled
+from launcher.manage.goodput import write_goodput_quietly
 from launcher.slurm import in_job
 from launcher.slurm.requeue import blamed_failures, decide
 from launcher.slurm.rank_task import attempt_dir
-from launcher.procs import PROJECT_ROOT
-from launcher.status import excluded_nodes, job_alive, last_step, retries_used
-from training.config import load_config
-from training.events import append_event, read_events
-from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_RESTART_IN_JOB
-from training.run_lock import claim_for_job, release_job, set_job_holder
-from training.slurm_env import SlurmUnavailable, hostnames, port_from_job, slurm_command, slurm_job_id
+from launcher.launch.processes import PROJECT_ROOT
+from launcher.manage.status import cancel_requested, excluded_nodes, last_step, retries_used
+from launcher.slurm.queries import job_alive
+from training.contract.config import load_config
+from training.contract.rundir.events import append_event, read_events
+from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_RESTART_IN_JOB
+from training.contract.rundir.lock import claim_for_job, release_job, set_job_holder
+from training.contract.slurm_env import SlurmUnavailable, hostnames, port_from_job, slurm_command, slurm_job_id
 
 REQUEUE_WAIT_S = 120
 
@@ -55,7 +56,7 @@ def prologue(run_dir: str) -> int:
         print(f"meshrun prologue: {problem}", file=sys.stderr)
         return EXIT_INVALID
     if cancel_requested(run_dir, events) is not None:
-        # `meshrun action=cancel` came while this attempt was queued (launcher/cancel.py): do not start it.
+        # `meshrun action=cancel` came while this attempt was queued (launcher/manage/cancel.py): do not start it.
         record_cancelled(run_dir, "cancelled by meshrun action=cancel before this attempt started", job_id=job_id())
         release_job(run_dir, job_id())
         print("meshrun prologue: the run was cancelled (meshrun action=cancel); this attempt does not start",
@@ -70,7 +71,7 @@ def prologue(run_dir: str) -> int:
         nodes, extra = _step_nodes(cfg, events, allocation, restart_count)
     step = last_step(run_dir)
     os.makedirs(attempt_dir(run_dir, attempt), exist_ok=True)
-    from training.run_files import write_atomic  # never through a link (training/run_files.py)
+    from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
 
     write_atomic(os.path.join(attempt_dir(run_dir, attempt), "prologue.json"),
                  json.dumps({"last_step": step, "nodes": nodes, "job_id": job_id(), "allocation": allocation}))
@@ -170,7 +171,7 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
         release_job(run_dir, job_id())
         return EXIT_OK
     if cancel_requested(run_dir, events) is not None:
-        # `meshrun action=cancel` (launcher/cancel.py): the ranks saved on its SIGUSR2; never requeue or resubmit.
+        # `meshrun action=cancel` (launcher/manage/cancel.py): the ranks saved on its SIGUSR2; never requeue or resubmit.
         for f in d.failures:
             append_event(run_dir, "failed", node=f.node, rank=f.rank, exit_code=f.exit_code, reason=f.reason,
                          srun_exit_code=srun_rc, **ev)

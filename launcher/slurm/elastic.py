@@ -15,7 +15,7 @@ Slurm shows idle again (an administrator resumed it) is re-admitted. A node that
 again. The full count is the one of the run's last submission (`submitted` event).
 
 Every node count from min_nodes to cluster.nodes is validated with the planner before the first submission
-(`elastic_checks`, called by launcher/planning.py), so a resize can never produce a layout that does not fit
+(`elastic_checks`, called by launcher/planning/gate.py), so a resize can never produce a layout that does not fit
 or does not divide the batch. The one function that changes a run's layout is `apply_resize`: config.json
 (cluster.nodes, and parallel.dp when it was given), plan.json, and a `shrunk` or `grown` event with the old
 and new layouts.
@@ -30,8 +30,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from training.config import Config, derived_dp
-from training.events import append_event
+from training.contract.config import Config, derived_dp
+from training.contract.rundir.events import append_event
+from training.contract.rundir.files import write_atomic
 
 UNUSABLE = {"down", "drain", "drng", "drained", "draining", "fail", "failg", "failing", "maint", "inval", "futr",
             "future", "unk", "unknown", "npc", "pow_dn", "powered_down", "powering_down", "reboot"}
@@ -122,7 +123,7 @@ def _state(raw: str) -> str:
 
 def node_states(partition: str) -> Dict[str, str]:
     """Node -> short state of every node of the partition (sinfo %t); {} when Slurm cannot answer."""
-    from training.slurm_env import SlurmUnavailable, slurm_command
+    from training.contract.slurm_env import SlurmUnavailable, slurm_command
 
     try:
         res = slurm_command(["sinfo", "-h", "-N", "-p", partition, "-o", "%N %t"])
@@ -250,15 +251,13 @@ def apply_resize(run_dir: str, r: Resize, **fields: Any) -> None:
     """The one place a run's layout changes: config.json (and config.yaml), plan.json, and the `shrunk` or
     `grown` event with the old and new layouts (fields: attempt, job_id, new_job_id, ...)."""
     from launcher.plan.validate import validate
-    from launcher.rundir import write_config
+    from training.contract.rundir.config_files import write_config
 
     write_config(r.cfg, run_dir)
     report = validate(r.cfg)
     if report.plan is not None:
         path = os.path.join(run_dir, "plan.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(report.plan.to_json(), f, indent=2)
-        os.replace(path + ".tmp", path)
+        write_atomic(path, json.dumps(report.plan.to_json(), indent=2))
     if r.event:
         append_event(run_dir, r.event, old_layout=r.old, new_layout=r.new, readmitted_nodes=r.readmitted,
                      excluded_nodes=r.exclude, reason=r.reason, waited_s=round(r.waited_s, 1), **fields)
@@ -266,7 +265,7 @@ def apply_resize(run_dir: str, r: Resize, **fields: Any) -> None:
 
 def job_end_time(job: str) -> Optional[float]:
     """When this job's time limit ends (Unix seconds), or None (no limit, or Slurm cannot say)."""
-    from training.slurm_env import SlurmUnavailable, slurm_command
+    from training.contract.slurm_env import SlurmUnavailable, slurm_command
 
     try:
         out = slurm_command(["squeue", "-h", "-j", job, "-o", "%e"]).stdout.strip()

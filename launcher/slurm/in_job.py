@@ -22,8 +22,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from training.config import ClusterConfig
-from training.exit_codes import EXIT_NODE_BAD, EXIT_RESTART_IN_JOB
+from training.contract.config import ClusterConfig
+from training.contract.exit_codes import EXIT_NODE_BAD, EXIT_RESTART_IN_JOB
 
 EVENT = "restarted_in_job"
 

@@ -21,13 +21,14 @@ import time
 from dataclasses import dataclass
 from typing import List
 
-from launcher.procs import engine_env, rank_process_env, start_pump, threads_per_rank
+from launcher.launch.processes import engine_env, rank_process_env, start_pump, threads_per_rank
 from launcher.slurm.numa import choose_node, numactl_prefix
-from training.config import load_config
-from training.events import append_event
-from training.exit_codes import EXIT_OK, EXIT_STOPPED
+from training.contract.config import load_config
+from training.contract.rundir.events import append_event
+from training.contract.exit_codes import EXIT_OK, EXIT_STOPPED
 from training.observe.startup import TASK_START_ENV, process_start_time
-from training.slurm_env import torch_env_from_slurm
+from training.contract.slurm_env import torch_env_from_slurm
+from training.contract.rundir.files import write_atomic
 
 
 class RankFailed(RuntimeError):
@@ -138,10 +139,7 @@ def _read_cause(path: str) -> dict:
 
 
 def _write_record(path: str, record: dict) -> None:
-    tmp = path + f".tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(record))
 
 
 @dataclass
@@ -199,7 +197,7 @@ class RankTask:
         env["MESHRUN_CAUSE_FILE"] = cause_file  # the engine writes its failure's cause there (training/main.py)
         # Where the engine's start-up timeline begins (training/observe/startup.py): srun started this task.
         env[TASK_START_ENV] = f"{process_start_time() or started:.3f}"
-        from launcher.nsys import nsys_prefix
+        from launcher.launch.nsys import nsys_prefix
 
         prefix = prefix + nsys_prefix(cfg, rank, self.run_dir)  # train.nsys: the chosen ranks under nsys profile
         child = subprocess.Popen(prefix + [sys.executable, "-m", "training.main", self.run_dir],

@@ -1,6 +1,6 @@
 """What to do when an attempt's srun step has ended (pure functions; the epilogue acts on them).
 
-Rank exit codes (training/exit_codes.py, docs/CONTRACTS.md): EXIT_OK finished, EXIT_STOPPED stopped early
+Rank exit codes (training/contract/exit_codes.py, docs/CONTRACTS.md): EXIT_OK finished, EXIT_STOPPED stopped early
 after a complete checkpoint, EXIT_NODE_BAD preflight found the node bad, EXIT_INVALID invalid config/data,
 anything else (or no record) a failure.
 """
@@ -12,7 +12,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK, EXIT_STOPPED
+from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK, EXIT_STOPPED
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Decision:
     """A remark for events.jsonl (e.g. a node that could not be excluded)."""
     cause: str = ""
     """requeue/resubmit: stopped_early (costs no retry), no_progress, save_failed or failure (each costs one of
-    cluster.max_retries; launcher/status.py RETRY_CAUSES)."""
+    cluster.max_retries; launcher/manage/status.py RETRY_CAUSES)."""
 
 
 # Exceptions that point at the machine rather than the program: a rank that raised one implicates its node.

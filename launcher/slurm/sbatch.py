@@ -22,10 +22,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from launcher.procs import PROJECT_ROOT, engine_env
+from launcher.launch.processes import PROJECT_ROOT, engine_env
 from launcher.slurm import in_job
-from training.config import ClusterConfig, Config
-from training.exit_codes import EXIT_FAILED
+from training.contract.config import ClusterConfig, Config
+from training.contract.exit_codes import EXIT_FAILED
 
 JOB_NAME = "meshrun"
 
@@ -113,7 +113,7 @@ _SLURM_PATH_BAD = re.compile(r"[\s%]")
 
 def run_dir_errors(run_dir: str) -> List[str]:
     """A run (or sweep point) directory that cannot be written into an sbatch script safely."""
-    from launcher.rundir import path_problem
+    from training.contract.rundir.config_files import path_problem
 
     problem = path_problem(run_dir)
     if problem:
@@ -185,7 +185,7 @@ def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> Li
     """Batch-script lines before srun: exports (quoted), then the prologue that sets attempt and rendezvous.
     code_root (default: the code this process runs) goes first on PYTHONPATH: the submission's snapshot
     (launcher/slurm/snapshot.py), so every attempt runs the code as it was at submission. Secret env values
-    are not in the script: each rank reads them (training/secret_env.py)."""
+    are not in the script: each rank reads them (training/contract/rundir/secret_env.py)."""
     lines = run_dir_lines(run_dirs) + [
         f"export PYTHONPATH={shlex.quote(code_root or PROJECT_ROOT)}${{PYTHONPATH:+:$PYTHONPATH}}",
         # `python -m` would otherwise put the working directory (often the checkout) ahead of PYTHONPATH.

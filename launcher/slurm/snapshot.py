@@ -19,7 +19,7 @@ import subprocess
 import time
 from typing import Any, Dict, List, Optional
 
-from launcher.procs import PROJECT_ROOT
+from launcher.launch.processes import PROJECT_ROOT
 
 CODE_DIR = "code"
 PACKAGES = ("launcher", "training", "hydra_plugins")

@@ -27,15 +27,15 @@ from launcher.slurm.sbatch import (SlurmConfigError, SlurmJobSpec, array_dry_run
                                    dry_run_text, job_spec, with_cpus_per_task)
 from launcher.slurm import in_job
 from launcher.slurm.rank_task import RankTask
-from launcher.rundir import write_config
+from training.contract.rundir.config_files import write_config
 from launcher.slurm.snapshot import code_dir, take_snapshot
-from launcher.sweep_point import update_point
-from training.config import Config, load_config
-from training.events import append_event
-from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_SLURM
-from training.resume_once import write_request
-from training.run_lock import RunLocked, acquire, held
-from training.slurm_env import SlurmUnavailable, slurm_command
+from launcher.sweep.point import update_point
+from training.contract.config import Config, load_config
+from training.contract.rundir.events import append_event
+from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_SLURM
+from training.contract.rundir.resume_request import write_request
+from training.contract.rundir.lock import RunLocked, acquire, held
+from training.contract.slurm_env import SlurmUnavailable, slurm_command
 
 
 def check_controller() -> None:
@@ -152,7 +152,7 @@ def _record_submission(cfg: Config, run_dir: str, job_id: str, log_dir: str,
                  log_dir=log_dir, **{f"code_{k}" if k != "path" else "code": v for k, v in snap.items()})
     lock = held(run_dir)
     if lock is not None:
-        lock.hand_to_job(job_id)  # from now on the job holds the run directory (training/run_lock.py)
+        lock.hand_to_job(job_id)  # from now on the job holds the run directory (training/contract/rundir/lock.py)
     print(f"submitted Slurm job {job_id}; run dir {run_dir}")
     print(f"  follow: meshrun action=status run.dir={run_dir}")
 
@@ -209,7 +209,7 @@ def submit_arrays(run_dirs: Sequence[str], folder: str) -> Dict[str, Dict[str, A
 
 def _lock_points(group: List[Tuple[Config, str]], updates: Dict[str, Dict[str, Any]]) -> List[Tuple[Config, str]]:
     """The queued points whose run directory this process could lock; the others become invalid."""
-    from launcher.status import job_alive
+    from launcher.slurm.queries import job_alive
 
     out = []
     for cfg, run_dir in group:
@@ -273,7 +273,8 @@ def _refuse(message: str, multirun: bool, code: int) -> Dict[str, Any]:
 def _settled(run_dir: str, status: Dict[str, Any], poll_s: float) -> Optional[Dict[str, Any]]:
     """The final status when the run has ended for good, else None. A FAILED job may still be followed
     by a resubmission its epilogue is writing: a final state counts only when a second look agrees."""
-    from launcher.status import FINAL_STATES, run_status
+    from launcher.slurm.queries import FINAL_STATES
+    from launcher.manage.status import run_status
 
     if status["state"] not in FINAL_STATES:
         return None
@@ -285,7 +286,7 @@ def _settled(run_dir: str, status: Dict[str, Any], poll_s: float) -> Optional[Di
 def wait_all(run_dirs: List[str], poll_s: float = 2.0) -> Dict[str, Dict[str, Any]]:
     """A sweep with wait=true: until every run has ended (requeues and resubmissions included); prints
     each run's end as it comes and returns run dir -> final status."""
-    from launcher.status import run_status
+    from launcher.manage.status import run_status
 
     print(f"waiting for {len(run_dirs)} sweep point(s) to end (wait=true)", flush=True)
     finals: Dict[str, Dict[str, Any]] = {}
@@ -306,7 +307,7 @@ def wait_all(run_dirs: List[str], poll_s: float = 2.0) -> Dict[str, Dict[str, An
 def follow(run_dir: str, poll_s: float = 1.0, timeout_s: Optional[float] = None) -> Dict[str, Any]:
     """Stream rank 0's output (<log dir>/<job>_0_log.out of every job of the run) until the run
     is COMPLETED or FAILED/CANCELLED without a follow-up job; returns the final status."""
-    from launcher.status import job_log_dir, run_status
+    from launcher.manage.status import job_log_dir, run_status
 
     offsets: Dict[str, int] = {}
     start = time.time()

@@ -39,16 +39,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training.checkpoint import signals, storage
+from training.checkpoint import storage
+from training.run import signals
 from training.checkpoint.layout import (Piece, exact_storage, param_info, pieces_for, to_load_state_dict,
                                         to_state_dict)
 from training.checkpoint.staging import HostStager
 from training.checkpoint.storage import CheckpointError
-from training.config import Config, ModelConfig, checkpoint_minutes, config_to_dict
-from training.events import append_event
-from training.exit_codes import EXIT_STOPPED
+from training.contract.config import Config, ModelConfig, checkpoint_minutes, config_to_dict
+from training.contract.rundir.events import append_event
+from training.contract.exit_codes import EXIT_STOPPED
 from training.optim import SCALARS
 from training.optim.model_parallel import TIED_EMBEDDING
+from training.parallel.mesh import ProcessMesh
 
 # Model fields that change a parameter's shape (or meaning): a checkpoint cannot load across them.
 SHAPE_FIELDS = storage.SHAPE_FIELDS
@@ -199,7 +201,7 @@ def writer_thread(device: torch.device) -> ThreadPoolExecutor:
 class CheckpointManager:
     """Saves and restores the whole training state of this rank as one part of a sharded DCP checkpoint."""
 
-    def __init__(self, run_dir: str, mesh, cfg: Config, log=_rank0_print):
+    def __init__(self, run_dir: str, mesh: ProcessMesh, cfg: Config, log=_rank0_print):
         self.run_dir, self.mesh, self.cfg, self.log = run_dir, mesh, cfg, log
         self.distributed = dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -208,7 +210,7 @@ class CheckpointManager:
         self.async_save = bool(cfg.train.async_save)
         # The background write runs DCP's collectives from its own thread; the mesh's dedicated gloo group
         # keeps them from interleaving with the training's collectives on the default group.
-        self._async_group = getattr(mesh, "background_group", None) if (self.async_save and self.distributed) else None
+        self._async_group = mesh.background_group if (self.async_save and self.distributed) else None
         # Async saves: host buffers kept from one save to the next (staging.py), and one long-lived thread
         # that copies, writes and commits each save in turn (no thread is started per save). Its thread is
         # joined at interpreter exit, so a pending save is committed before the process ends.
@@ -283,11 +285,11 @@ class CheckpointManager:
         """Every tensor of this rank's state (model, and the optimizer's state_dict) as placed pieces;
         for saving, replicas are left out."""
         mesh, V = self.mesh, self.cfg.model.vocab_size
-        tp_rank = getattr(mesh, "tp_rank", 0)
-        dp_rank = getattr(mesh, "dp_rank", 0) + getattr(mesh, "cp_rank", 0)  # cp replicas: cp rank 0 writes
-        first_stage = getattr(mesh, "pp_rank", 0) == 0
+        tp_rank = mesh.tp_rank
+        dp_rank = mesh.dp_rank + mesh.cp_rank  # cp replicas: cp rank 0 writes
+        first_stage = mesh.pp_rank == 0
 
-        # An expert's replicas are the expert-dp group's ranks (training/moe.py): its rank 0 writes.
+        # An expert's replicas are the expert-dp group's ranks (training/model/moe.py): its rank 0 writes.
         edp_rank = getattr(mesh, "edp_rank", 0)
 
         def owner(name: str, p: torch.Tensor, replicated_over_dp: bool) -> bool:
@@ -562,7 +564,7 @@ class CheckpointManager:
         now = asdict(self.cfg.model)
         diff = [f"model.{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
                 for k in SHAPE_FIELDS if saved.get(k) != now.get(k)]
-        # Expert count and width (training/moe.py); a checkpoint from before they existed was dense.
+        # Expert count and width (training/model/moe.py); a checkpoint from before they existed was dense.
         dense = asdict(ModelConfig())
         diff += [f"model.{k}: checkpoint {saved.get(k, dense[k])!r}, now {now.get(k)!r}"
                  for k in MOE_SHAPE_FIELDS if saved.get(k, dense[k]) != now.get(k)]
@@ -668,9 +670,8 @@ class CheckpointManager:
 
     def _layout(self) -> Dict[str, int]:
         m = self.mesh
-        out = {"world": self.world, "tp": getattr(m, "tp", 1), "pp": getattr(m, "pp", 1),
-               "cp": getattr(m, "cp", 1), "dp": getattr(m, "dp", 1), "zero": self.cfg.parallel.zero}
-        if getattr(m, "ep", 1) > 1:  # named only when used: earlier checkpoints' layouts stay comparable
+        out = {"world": self.world, "tp": m.tp, "pp": m.pp, "cp": m.cp, "dp": m.dp, "zero": self.cfg.parallel.zero}
+        if m.ep > 1:  # named only when used: earlier checkpoints' layouts stay comparable
             out["ep"] = m.ep
         return out
 

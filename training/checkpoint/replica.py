@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import List, Optional
 
 from training.checkpoint import storage
-from training.events import append_event
+from training.contract.rundir.events import append_event
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 

@@ -33,6 +33,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from training.contract.rundir.files import write_atomic
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -89,12 +91,7 @@ def fsync_path(path: str) -> None:
 
 def write_json_durable(path: str, obj) -> None:
     """Write JSON to `path` via a temporary file + fsync + os.replace (readers see old or new, never half)."""
-    tmp = f"{path}.tmp{uuid.uuid4().hex[:6]}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1, sort_keys=True), fsync=True)
 
 
 def _crc32(path: str) -> int:

@@ -2,7 +2,8 @@
 
 - sources.py: the deterministic, layout-independent stream (BatchSampler), synthetic and byte-text sources;
 - indexed.py: the MMIDIDX .bin/.idx format (reader, streaming writer) and NAME.json descriptions;
-- blend.py: windows packed across documents, keyed shuffles without tables, weighted blending.
+- blend.py: windows packed across documents, keyed shuffles without tables, weighted blending;
+- factory.py: the run's sources from its config (make_source, make_eval_source).
 No torch at import time (the launcher validates and prepares data through this package).
 """
 
@@ -18,10 +19,9 @@ from training.data.sources import (
     build_corpus,
     default_corpus_root,
     list_text_files,
-    make_eval_source,
-    make_source,
     validate_data_config,
 )
+from training.data.factory import make_eval_source, make_source
 
 __all__ = [
     "BYTE_VOCAB",

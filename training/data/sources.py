@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import numpy as np
 
-from training.config import Config
+from training.contract.config import Config
 
 if TYPE_CHECKING:  # annotations only: the module itself stays importable without torch
     import torch
@@ -187,30 +187,6 @@ def validate_data_config(cfg: Config) -> None:
     if cfg.train.eval_every > 0 and cfg.data.kind == "text":
         raise DataError("train.eval_every needs held-out data, which data=text has not; use data=indexed "
                         "(`meshrun action=prepare` holds out a validation split) or train.eval_every=0")
-
-
-def make_source(cfg: Config, run_dir: str, corpus: Optional[CorpusInfo] = None,
-                may_describe: bool = True) -> SampleSource:
-    """The sample source of this run (builds the text corpus unless given; opens indexed datasets)."""
-    validate_data_config(cfg)
-    if cfg.data.kind == "synthetic":
-        return SyntheticSource(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
-    if cfg.data.kind == "indexed":
-        from training.data.blend import make_indexed_source
-
-        return make_indexed_source(cfg, "train", may_describe)
-    return TextSource(corpus or build_corpus(cfg, run_dir), cfg.model.seq_length, cfg.train.seed)
-
-
-def make_eval_source(cfg: Config, may_describe: bool = True) -> SampleSource:
-    """The held-out source of train.eval_every: the indexed datasets' validation split, or for synthetic
-    data a stream of another seed."""
-    validate_data_config(cfg)
-    if cfg.data.kind == "synthetic":
-        return SyntheticSource(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed ^ 0x5EED)
-    from training.data.blend import make_indexed_source
-
-    return make_indexed_source(cfg, "valid", may_describe)
 
 
 class BatchSampler:

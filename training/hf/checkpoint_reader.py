@@ -20,7 +20,7 @@ import torch
 from training.checkpoint import storage
 from training.checkpoint.safe_read import SafeFileSystemReader
 from training.checkpoint.storage import CheckpointError
-from training.config import Config, config_from_dict
+from training.contract.config import Config, config_from_dict
 
 MODEL = "model/"
 MASTER = "optim/master/"

@@ -1,6 +1,6 @@
 """How `python -m training.hf.export` and `python -m training.hf.generate` end: one JSON line and exit 0; a
 user's error (bad checkpoint, model not convertible, tokenizer missing) as one `error:` line and exit 2; a
-bug as its traceback and exit 1 (training/exit_codes.py: the launcher turns each into its message)."""
+bug as its traceback and exit 1 (training/contract/exit_codes.py: the launcher turns each into its message)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import json
 import sys
 from typing import Any, Callable, Dict
 
-from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK
+from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 
 
 def print_result(action: Callable[[], Dict[str, Any]]) -> int:
     """Run the action; print its result or its error; return the exit code."""
     from training.checkpoint.storage import CheckpointError
     from training.hf.hf_config import HFError
-    from training.tokenizer import TokenizerError
+    from training.contract.tokenizer import TokenizerError
 
     try:
         result = action()

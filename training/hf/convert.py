@@ -1,12 +1,12 @@
 """meshrun parameters <-> Hugging Face tensors, both ways (names and layouts).
 
-meshrun's layouts (training/model.py): the fused qkv.weight [(a + 2g) d, h] holds, per query group j, the rows
+meshrun's layouts (training/model/gpt.py): the fused qkv.weight [(a + 2g) d, h] holds, per query group j, the rows
 [q heads of j, k_j, v_j]; under swiglu fc1.weight [2f, h] interleaves rows gate_0, up_0, gate_1, ... (each
 expert's `mlp.experts.{e}.fc1.weight` too, e the global expert index; `mlp.router.weight` is Mixtral's gate); the
 vocabulary dim of embedding.word.weight / output.weight is padded to a multiple of tp (the padding rows are
 zero and never exported). Hugging Face: GPT-2's Conv1D stores [in, out] (the transpose) and c_attn is
 [q | k | v] along out; Llama has separate q/k/v and gate/up projections. Rotary pairing is rotate-half on both
-sides (training/model.py Rotary), so q and k rows need no permutation.
+sides (training/model/gpt.py Rotary), so q and k rows need no permutation.
 
 Export works on full tensors (one process). Import reads only this rank's slice of each Hugging Face tensor
 (`read(name, rows, cols)` is safetensors' get_slice): a tp shard of a fused or interleaved meshrun tensor is

@@ -2,7 +2,7 @@
 prompt with a checkpoint of the run, on one process, with a KV cache.
 
 The checkpoint's full parameters (any layout: training/hf/checkpoint_reader.py) go into meshrun's own model
-built at tp = pp = 1 (training/model.py), and decoding reuses its modules (norms, fused QKV and its split,
+built at tp = pp = 1 (training/model/gpt.py), and decoding reuses its modules (norms, fused QKV and its split,
 rotary embedding at an offset, output projection, MLP); only the attention over cached keys and values is
 written here. The prompt is token ids, or text encoded with the run's tokenizer. Greedy takes the most
 likely token; sampling applies temperature, top-k and top-p with a seeded generator. Prints one JSON object
@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from training.config import GenerateConfig
+from training.contract.config import GenerateConfig
 from training.hf.cli_result import print_result
 from training.hf.hf_config import HFError
 
@@ -32,8 +32,8 @@ Cache = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
 def single_process_model(cfg, full: Dict[str, torch.Tensor], device: str = "cpu",
                          dtype: torch.dtype = torch.float32):
     """meshrun's model (one chunk: tp = pp = 1) holding the full parameters `full` (vocabulary rows unpadded)."""
-    from training.mesh import ProcessMesh
-    from training.model import build_gpt
+    from training.parallel.mesh import ProcessMesh
+    from training.model.gpt import build_gpt
 
     par = dataclasses.replace(cfg.parallel, tp=1, pp=1, vpp=1, cp=1, dp=1, ep=1, sp=False, recompute="none",
                               schedule="1f1b")  # ep=1: every expert of a mixture on this one process
@@ -149,7 +149,7 @@ def run(run_dir: str, g: GenerateConfig) -> Dict:
         prompt = [int(t) for t in g.prompt_tokens]
     check_request(g, prompt, cfg.model.vocab_size, cfg.model.seq_length)
     cuda = str(cfg.cluster.device) == "cuda" and torch.cuda.is_available()
-    from training.precision import param_dtype
+    from training.contract.precision import param_dtype
 
     dtype = param_dtype(cfg.train.precision) if cuda else torch.float32
     chunk = single_process_model(cfg, full, "cuda" if cuda else "cpu", dtype)

@@ -3,7 +3,7 @@
 Each rank opens the safetensors files with safe_open and reads, per parameter, only the row or column ranges
 its tp shard needs (get_slice), and only for the layers of its pipeline stage: no rank materialises the whole
 model. The launcher has already derived the model config from DIR/config.json and checked every tensor's
-shape (launcher/init_from.py); the same checks run here, so a rank started by hand fails just as clearly.
+shape (launcher/hf/init_from.py); the same checks run here, so a rank started by hand fails just as clearly.
 """
 
 from __future__ import annotations

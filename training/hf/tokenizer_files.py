@@ -1,6 +1,6 @@
 """The tokenizer a run trained with, for export (its files) and generate (a text prompt). No torch.
 
-data=indexed: the tokenizer `meshrun action=prepare` recorded for the first dataset prefix (training/tokenizer.py);
+data=indexed: the tokenizer `meshrun action=prepare` recorded for the first dataset prefix (training/contract/tokenizer.py);
 data=text: UTF-8 bytes; data=synthetic: none (token ids only).
 """
 
@@ -13,8 +13,8 @@ from typing import Any, Dict, Optional
 
 
 def run_tokenizer(cfg):
-    """The run's tokenizer (training/tokenizer.py's interface: encode, decode, vocab_size, eod_id), or None."""
-    from training.tokenizer import load_tokenizer
+    """The run's tokenizer (training/contract/tokenizer.py's interface: encode, decode, vocab_size, eod_id), or None."""
+    from training.contract.tokenizer import load_tokenizer
 
     kind = str(cfg.data.kind)
     if kind == "text":
@@ -25,7 +25,7 @@ def run_tokenizer(cfg):
         recorded = str(getattr(cfg.data, "tokenizer_sha256", "") or "")
         actual = tok.describe().get("sha256") if hasattr(tok, "describe") else None
         if recorded and actual and actual != recorded:
-            from training.tokenizer import TokenizerError
+            from training.contract.tokenizer import TokenizerError
 
             raise TokenizerError(f"{prefixes[0]} was prepared again with another tokenizer (sha256 {actual[:12]}...) "
                                  f"after this run trained with {recorded[:12]}...: its ids would decode to other text. "

@@ -25,8 +25,9 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from training.events import append_event
+from training.contract.rundir.events import append_event
 from training.preflight.gpu_nvml import _BAD_THROTTLE, _try as _try_nvml
+from training.contract.rundir.files import write_atomic
 
 HEALTH_FILE = "health.jsonl"
 
@@ -298,8 +299,6 @@ def record_cause(message: str) -> None:
     if not path:
         return
     try:
-        with open(path + ".tmp", "w") as f:
-            json.dump({"cause": "health", "error": message}, f)
-        os.replace(path + ".tmp", path)
+        write_atomic(path, json.dumps({"cause": "health", "error": message}))
     except OSError:
         pass

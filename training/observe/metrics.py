@@ -18,10 +18,8 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from training.events import current_attempt
-
-METRICS_FILE = "metrics.jsonl"
-PURGED_FILE = "metrics.purged.jsonl"
+from training.contract.rundir.events import current_attempt
+from training.contract.rundir.metrics import METRICS_FILE, PURGED_FILE
 
 
 def purge_after(run_dir: str, step: int) -> int:
@@ -46,7 +44,7 @@ def purge_after(run_dir: str, step: int) -> int:
         (moved if newer else keep).append(line)
     if not moved:
         return 0
-    from training.run_files import open_append, write_lines_atomic  # never through a link
+    from training.contract.rundir.files import open_append, write_lines_atomic  # never through a link
 
     with open_append(os.path.join(run_dir, PURGED_FILE)) as f:
         f.writelines(moved)
@@ -102,7 +100,7 @@ class MetricsLog:
         if not self.enabled:
             return row
         row = {**row, "time": time.time(), "attempt": self.attempt}
-        from training.run_files import append_bytes  # never through a link (training/run_files.py)
+        from training.contract.rundir.files import append_bytes  # never through a link (training/contract/rundir/files.py)
 
         append_bytes(self.path, (json.dumps(row) + "\n").encode())
         for sink in self.sinks:
@@ -126,7 +124,7 @@ def _wandb(cfg, run_dir: str) -> List[Any]:
     if problem:
         print(f"warning: {problem}; training goes on without W&B", file=sys.stderr)
         return []
-    from training.config import config_to_dict
+    from training.contract.config import config_to_dict
 
     try:
         return [WandbSink(run_dir, cfg.train.wandb_project, config_to_dict(cfg))]

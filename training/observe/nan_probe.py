@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from training.events import append_event
+from training.contract.rundir.events import append_event
 
 
 def _non_finite(value: Any) -> bool:

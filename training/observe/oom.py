@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
-from training.events import append_event
+from training.contract.rundir.events import append_event
 
 STATES_FULL = 0.9
 """Measured states above this share of the GPU's memory leave too little for any activations: the states' fault."""

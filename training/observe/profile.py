@@ -28,7 +28,7 @@ def profile_window(steps: List[int]) -> Optional[tuple]:
     if not steps:
         return None
     if len(steps) != 2 or steps[0] < 1 or steps[1] < steps[0]:
-        from training.layout_rules import LayoutError
+        from training.contract.layout_rules import LayoutError
 
         raise LayoutError(f"train.profile_steps={list(steps)}: give [first, last] with 1 <= first <= last "
                          "(steps count from 1)")

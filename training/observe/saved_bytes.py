@@ -56,9 +56,9 @@ def saved_activation_bytes(trainer) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from training.config import load_config
-    from training.loop import Trainer
-    from training.mesh import ProcessMesh
+    from training.contract.config import load_config
+    from training.run.loop import Trainer
+    from training.parallel.mesh import ProcessMesh
 
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:

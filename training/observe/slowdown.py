@@ -15,7 +15,7 @@ import os
 import sys
 from typing import List, Optional
 
-from training.events import append_event
+from training.contract.rundir.events import append_event
 
 
 def planned_tokens_per_s(run_dir: str) -> Optional[float]:

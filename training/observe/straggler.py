@@ -22,7 +22,7 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from training.events import append_event
+from training.contract.rundir.events import append_event
 from training.observe.health import THROUGHPUT, ThroughputShare, kinds, record_cause, start_sampler
 
 
@@ -161,7 +161,7 @@ class IntervalWatch:
     def stop_code(self, nodes: List[str]) -> int:
         """After the loop's checkpoint: EXIT_NODE_BAD on an unhealthy node's ranks (the epilogue excludes the
         node), EXIT_STOPPED elsewhere (the job is requeued)."""
-        from training.exit_codes import EXIT_NODE_BAD, EXIT_STOPPED
+        from training.contract.exit_codes import EXIT_NODE_BAD, EXIT_STOPPED
 
         for n in nodes:
             self.acted[n] = self.unhealthy.get(n, 0)

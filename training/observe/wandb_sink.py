@@ -15,6 +15,8 @@ import os
 import uuid
 from typing import Any, Dict
 
+from training.contract.rundir.files import write_atomic
+
 ID_FILE = "wandb.json"
 
 
@@ -36,10 +38,7 @@ def run_id(run_dir: str) -> str:
     except (OSError, ValueError, KeyError):
         pass
     value = uuid.uuid4().hex[:16]
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"id": value}, f)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps({"id": value}))
     return value
 
 

@@ -24,10 +24,10 @@ class ShardedAdamW:
     STATES = ("exp_avg", "exp_avg_sq", "master")
     """Names of the per-element state tensors (master only exists for 16-bit weights)."""
     BLOCK = 1 << 18
-    """Elements per block of the CPU update. Measured (1 thread, 3.3 M and 12.9 M elements): 2^15 -> 2^18
-    takes the update from 10.4 to 6.9 ms and from 41 to 28 ms. Each op costs a few microseconds of dispatch
-    per block, and five 1 MiB blocks still stay in the last-level cache for the seven passes; a whole-shard
-    pass per op streams the state through memory seven times (66 ms at 12.9 M)."""
+    """Elements per block of the CPU update (measured against smaller blocks and whole-shard passes:
+    docs/PERFORMANCE.md "CPU AdamW block size"). Each op costs a few microseconds of dispatch per block, and five
+    1 MiB blocks still stay in the last-level cache for the seven passes; a whole-shard pass per op streams the
+    state through memory seven times."""
     DEVICE_BLOCK = 1 << 24
     """Elements per block on accelerators: bounds the fp32 scratch at 64 MiB (a whole-shard scratch is 4 B per
     element of the shard, e.g. 4.9 GiB for gpt_1p3b at dp=1, that no memory report or plan counted), while each

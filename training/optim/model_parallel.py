@@ -10,12 +10,12 @@ of the model counts exactly once.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
 
-from training.layout_rules import sequence_parallel_on
+from training.contract.layout_rules import sequence_parallel_on
 
 TIED_EMBEDDING = "embedding.word.weight"
 """The parameter name the first and the last pipeline stage share when embeddings are tied."""
@@ -44,12 +44,6 @@ def allreduce_flat(tensors: List[torch.Tensor], group: Any) -> None:
         for t in same:
             t.copy_(flat[pos : pos + t.numel()].view_as(t))
             pos += t.numel()
-
-
-def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], group: Any) -> None:
-    """Sum over tp the `.grad` of every `sequence_parallel` parameter (for code without the optimizer)."""
-    allreduce_flat([p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None],
-                   group)
 
 
 class ModelParallelGradSync:

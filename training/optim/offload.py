@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from training.precision import OFFLOAD_BLOCK_ELEMS
+from training.contract.precision import OFFLOAD_BLOCK_ELEMS
 
 
 class HostStore:

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from training.config import Config
+from training.contract.config import Config
 from training.optim.adamw import ShardedAdamW
 from training.optim.flat import FlatLayout, Segment
 from training.optim.grad_buffer import GradBuffer
@@ -36,8 +36,8 @@ from training.optim.loss_scaler import LossScaler
 from training.optim.model_parallel import ModelParallelGradSync
 from training.optim.param_gather import ParamGather
 from training.optim.zero3 import Zero3Params
-from training.moe import is_expert_param, set_aux_loss_grad_scale
-from training.precision import grad_dtype, check_precision
+from training.model.moe import is_expert_param, set_aux_loss_grad_scale
+from training.contract.precision import grad_dtype, check_precision
 from training.parallel.collectives import all_gather_single
 
 SCALARS = ("step_count", "loss_scale", "good_steps")
@@ -78,7 +78,7 @@ class DistributedOptimizer:
     def __init__(self, named_params: Iterable[Tuple[str, torch.nn.Parameter]], cfg: Config, mesh,
                  _expert_part: bool = False):
         t = cfg.train
-        # Mixture of experts (training/moe.py): the expert parameters get an optimizer of their own over the
+        # Mixture of experts (training/model/moe.py): the expert parameters get an optimizer of their own over the
         # expert-data-parallel group (grads reduced and state sharded over the dp ranks holding the same experts);
         # this one steps both with one grad norm and one loss scale. None without experts.
         self.experts: Optional["DistributedOptimizer"] = None
@@ -94,7 +94,7 @@ class DistributedOptimizer:
         self.cfg, self.mesh, self.precision = cfg, mesh, t.precision
         # Grads are averaged and the optimizer sharded over dp x cp (cp ranks hold the same parameters and
         # each computes the grads of its own tokens), in the dp_cp group's order: index dp_rank x cp + cp_rank.
-        cp, cp_rank = getattr(mesh, "cp", 1), getattr(mesh, "cp_rank", 0)
+        cp, cp_rank = mesh.cp, mesh.cp_rank
         self.layout = FlatLayout(named_params, cfg.parallel.zero, mesh.dp * cp, mesh.dp_rank * cp + cp_rank, mesh)
         lay = self.layout
         # The names tests and the loop read: the flat order and this rank's shard of it.

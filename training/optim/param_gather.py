@@ -7,7 +7,7 @@ all-gathers start asynchronously (`start`); the optimizer either waits for all o
 or, once `watch` has ordered them by when the forward first needs them, lets each unit of the model wait
 in a forward pre-hook only for the chunks that hold its parameters. The units are the model's:
 `chunk.param_units()` lists its parts in forward order with the parameters read once each part's forward
-has started (training/model.py: the embedding, each layer, the final norm with the head's weight), so
+has started (training/model/gpt.py: the embedding, each layer, the final norm with the head's weight), so
 a layer waits before its forward, also when activation recomputation runs it again in the backward.
 A parameter no unit lists is waited for when its chunk's forward starts (a module without param_units:
 all of them).

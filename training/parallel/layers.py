@@ -4,7 +4,7 @@ Every parameter carries the metadata of docs/CONTRACTS.md: `tp_shard_dim` (0, 1 
 `global_shape` (unsharded shape, vocab padding included) and `sequence_parallel` (a replicated
 parameter used on sequence shards: its grad is a partial sum that needs a TP all-reduce, which
 training/optim/model_parallel.py does). Weights are created empty; the model initialises them
-layout-independently (training/init.py).
+layout-independently (training/model/init.py).
 """
 
 from __future__ import annotations

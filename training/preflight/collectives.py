@@ -65,7 +65,7 @@ def run_sweep(rank: int, world: int, per_node: int, sizes_mb: List[float], iters
     import torch
     import torch.distributed as dist
 
-    from training.mesh import consecutive_block_group
+    from training.parallel.mesh import consecutive_block_group
 
     results = []
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)

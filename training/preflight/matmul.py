@@ -11,7 +11,7 @@ from training.preflight.report import Check, fail, ok, warn
 
 def measure_tflops(device: str, n: int, iters: int = 0, dtype=None) -> Dict[str, float]:
     """TFLOP/s of an n x n x n matmul: bf16 on GPU (tensor cores), fp32 on CPU (bf16 is emulated there),
-    or `dtype` (training/loop.py's MFU peak: the run's parameter dtype)."""
+    or `dtype` (training/run/loop.py's MFU peak: the run's parameter dtype)."""
     import torch
 
     if dtype is None:

@@ -10,7 +10,7 @@ import os
 import re
 from typing import Dict, List, Optional
 
-from training import slurm_env
+from training.contract import slurm_env
 from training.preflight.report import Check, ok, warn
 
 # I/O schedulers fit for SSD/NVMe; bfq and the old cfq add latency to checkpoint writes.
@@ -38,7 +38,7 @@ def bracketed(text: str) -> str:
 
 
 def parse_cpulist(text: str) -> List[int]:
-    """'0-3,8-11' -> [0, 1, 2, 3, 8, 9, 10, 11] (sorted; the parser is training/slurm_env.py's)."""
+    """'0-3,8-11' -> [0, 1, 2, 3, 8, 9, 10, 11] (sorted; the parser is training/contract/slurm_env.py's)."""
     return sorted(slurm_env.parse_cpulist(text))
 
 

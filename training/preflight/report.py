@@ -10,6 +10,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, List, Optional
 
+from training.contract.rundir.files import write_atomic
+
 OK, WARN, FAIL = "ok", "warn", "fail"
 _RANK = {OK: 0, WARN: 1, FAIL: 2}
 
@@ -96,10 +98,7 @@ class Report:
 
     def write(self, run_dir: str) -> str:
         path = os.path.join(run_dir, PREFLIGHT_FILE)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=2, default=str)
-        os.replace(tmp, path)  # readers never see a half-written file
+        write_atomic(path, json.dumps(self.to_dict(), indent=2, default=str))  # readers never see half a file
         return path
 
 

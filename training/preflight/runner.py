@@ -16,12 +16,12 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-from training.config import Config, load_config
-from training.events import append_event
+from training.contract.config import Config, load_config
+from training.contract.rundir.events import append_event
 from training.preflight import collectives, gpu_nvml, ib_sysfs, matmul, os_tunables
-from training.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK
+from training.contract.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK
 from training.preflight.report import (FAIL, NODE_DIR, Check, Report, checks_from_dicts, fail,
                                        format_table, ok)
 
@@ -31,7 +31,7 @@ def node_name() -> str:
     return os.environ.get("MESHRUN_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
 
 
-def node_checks(cfg: Config, node: str, before_ib: Optional[Dict] = None) -> (List[Check], Dict[str, Any]):
+def node_checks(cfg: Config, node: str, before_ib: Optional[Dict] = None) -> Tuple[List[Check], Dict[str, Any]]:
     """GPU (NVML), OS and IB checks of this node; run by one rank per node."""
     pf, cl = cfg.cluster.preflight, cfg.cluster
     checks: List[Check] = []
@@ -115,7 +115,7 @@ def run(cfg: Config, run_dir: str) -> Report:
             json.dump([c.to_dict() for c in own], f, indent=1, default=str)
 
     on_gpu = cl.device == "cuda"
-    from training.mesh import local_cuda_index
+    from training.parallel.mesh import local_cuda_index
 
     device = f"cuda:{local_cuda_index(local_rank)}" if on_gpu else "cpu"
     created = False
@@ -229,7 +229,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_INVALID
     run_dir = argv[0]
     cfg = load_config(os.path.join(run_dir, "config.json"))
-    from training.slurm_env import apply_slurm_env
+    from training.contract.slurm_env import apply_slurm_env
 
     apply_slurm_env()  # srun starts this module directly: RANK & co., MASTER_ADDR/PORT from SLURM_*
     return finish(run(cfg, run_dir), run_dir, int(os.environ.get("RANK", 0)))

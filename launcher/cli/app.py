@@ -1,0 +1,186 @@
+"""The `meshrun` Hydra app: compose the config, then run the action (the table: training/contract/actions.py)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any, Callable, List, Optional
+
+import hydra
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from launcher.cli.schema import register
+from training.contract.actions import BY_NAME, ActionSpec
+from training.contract.config import Config
+from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID
+
+register()
+
+# Set once the task function runs: Hydra exits 1 on a composition error (typo, wrong type,
+# unknown preset) before that, and the CLI turns such exits into the contract's exit code 2.
+_task_started = False
+
+
+def _is_multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _launcher_submits_arrays() -> bool:
+    """Whether the sweep's launcher submits its batch's Slurm points itself, as job arrays (meshrun's,
+    hydra_plugins/meshrun_sweep: hydra.launcher.slurm_arrays); other launchers leave each point to submit."""
+    return _is_multirun() and bool(OmegaConf.select(HydraConfig.get(), "launcher.slurm_arrays", default=False))
+
+
+def _run_dir(cfg: Config) -> str:
+    """run.dir, or in a multirun sweep the point's own directory under the sweep directory."""
+    return HydraConfig.get().runtime.output_dir if _is_multirun() else cfg.run.dir
+
+
+# Through the installed package, not a path next to the source: a wheel has no conf/ beside launcher/
+# (pyproject.toml installs conf/ as the package meshrun_conf).
+_CONF_DIR = "pkg://meshrun_conf"
+
+
+@hydra.main(version_base=None, config_path=_CONF_DIR, config_name="config")
+def hydra_main(dcfg: DictConfig):
+    global _task_started
+    _task_started = True
+    from launcher.cli.unknown_keys import message, unknown_keys
+
+    unknown = unknown_keys(dcfg)
+    if unknown:  # `+group.key=v` adds a key the dataclasses would drop silently (launcher/cli/unknown_keys.py)
+        print(f"meshrun: invalid configuration; nothing was launched. {message(unknown)}.", file=sys.stderr)
+        raise SystemExit(EXIT_INVALID)
+    cfg: Config = OmegaConf.to_object(dcfg)
+    return run_action(cfg)
+
+
+def run_action(cfg: Config):
+    """The action's config resolved in the table's fixed order (training/contract/actions.py), then its function."""
+    spec = BY_NAME[str(cfg.action)]
+    if spec.config == "composed":
+        return _function(spec)(cfg, None)
+    run_dir = os.path.abspath(_run_dir(cfg))
+    if not _is_multirun():
+        from launcher.manage.latest import resolve_latest  # run.dir=runs/latest: the run the link names
+
+        run_dir = resolve_latest(run_dir)
+    lock = None
+    if spec.locks:
+        # One owner per run directory, checked before anything is read or written there (launcher/launch/claim.py).
+        from launcher.launch.claim import claim_run_dir
+
+        lock, refusal = claim_run_dir(run_dir, multirun=_is_multirun())
+        if refusal is not None:
+            return refusal
+    try:
+        if spec.config == "launch":
+            cfg = _launch_config(cfg, run_dir)
+        cfg.run.dir = run_dir
+        return _function(spec)(cfg, run_dir)
+    finally:
+        if lock is not None:
+            lock.release()  # a no-op once a Slurm job holds it
+
+
+def _function(spec: ActionSpec) -> Callable[[Config, Optional[str]], Any]:
+    return getattr(importlib.import_module(spec.module), spec.function)
+
+
+def _launch_config(cfg: Config, run_dir: str) -> Config:
+    """A launch's config: an existing run's saved config under the new command line, the indexed datasets'
+    paths and vocabulary, then train.init_from's model (config.json's model wins over the data's vocabulary)."""
+    if not _is_multirun():
+        from launcher.manage.resume import resume_config
+
+        cfg = resume_config(run_dir, cfg, HydraConfig.get().overrides.task)
+    if cfg.data.kind == "indexed":
+        from launcher.data.datasets import resolve_indexed
+
+        resolve_indexed(cfg, HydraConfig.get().overrides.task)
+    if cfg.train.init_from:
+        from launcher.hf.init_from import apply_init_from
+
+        cfg = apply_init_from(cfg, HydraConfig.get().overrides.task, run_dir)
+    return cfg
+
+
+def start(cfg: Config, run_dir: str):
+    """action=train and action=plan: validate and plan (the gate every launch passes), then launch here or submit
+    to Slurm; action=plan stops after the plan. The config arrives resolved (training/contract/actions.py: launch)."""
+    if cfg.action == "train" and cfg.train.wandb:
+        from training.observe.wandb_sink import wandb_problem  # no torch: importlib only
+
+        if wandb_problem():
+            print(f"error: {wandb_problem()}; nothing was launched.", file=sys.stderr)
+            raise SystemExit(EXIT_INVALID)
+    from launcher.planning.gate import plan_or_reject
+
+    result = plan_or_reject(cfg, run_dir, multirun=_is_multirun())
+    if result.get("status") == "ok" and not _is_multirun():
+        from launcher.manage.latest import point_latest
+
+        point_latest(run_dir)  # runs/latest names the newest run (launcher/manage/latest.py)
+    if result.get("status") != "ok" or cfg.action == "plan":
+        return result
+    if cfg.cluster.kind == "slurm":
+        from launcher.slurm.submit import submit
+
+        return submit(cfg, run_dir, result, multirun=_is_multirun(), queue=_launcher_submits_arrays())
+    from launcher.launch.local import launch_local
+
+    return launch_local(cfg, run_dir)
+
+
+def _presets(group: str) -> List[str]:
+    """The presets of a config group, as Hydra sees them (the installed conf tree)."""
+    loader = GlobalHydra.instance().config_loader()
+    return sorted(loader.get_group_options(group))
+
+
+_DIR_KEYS = ("run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.run.dir")
+
+
+def _reject_control_characters(argv: List[str]) -> None:
+    """A directory given with a control character (newline, tab, escape) exits 2 before Hydra creates it
+    (a sweep directory is created before any point runs; training/contract/rundir/config_files.py says why they are refused)."""
+    from training.contract.rundir.config_files import path_problem
+
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if sep and key in _DIR_KEYS and path_problem(value, key):
+            print(f"meshrun: {path_problem(value, key)}; nothing was launched.", file=sys.stderr)
+            raise SystemExit(EXIT_INVALID)
+
+
+def cli() -> None:
+    """Console entry point: Hydra's composition errors exit with 2 like every other invalid input."""
+    from launcher.cli.secret_args import hide_secret_args
+
+    _reject_control_characters(sys.argv[1:])
+    # Before Hydra copies the overrides into its logs and files (launcher/cli/secret_args.py).
+    sys.argv[1:] = hide_secret_args(sys.argv[1:])
+    try:
+        hydra_main()
+    except SystemExit as exc:
+        if exc.code == EXIT_FAILED and not _task_started:
+            # Hydra's own hint ("use +key=value to append") is wrong for typed configs: keys are fixed.
+            print("meshrun: invalid configuration; nothing was launched. Check the key's spelling and type "
+                  "(`meshrun action=keys` lists every key with its type and documentation; `meshrun --cfg job` prints "
+                  "the composed config) and that presets exist under conf/<group>/. Only dict fields such as "
+                  "cluster.env take new keys, with a leading '+'.", file=sys.stderr)
+            from launcher.cli.unknown_keys import argv_keys, message, quoting_hint
+
+            hint = quoting_hint(sys.argv[1:])
+            if hint:
+                print(f"meshrun: {hint}", file=sys.stderr)
+
+            unknown = argv_keys(sys.argv[1:])
+            if unknown:
+                print(f"meshrun: {message(unknown)}.", file=sys.stderr)
+            raise SystemExit(EXIT_INVALID) from None
+        raise

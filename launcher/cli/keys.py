@@ -1,0 +1,140 @@
+"""`meshrun action=keys [keys.group=G]`: every config key with its type, default and docstring.
+
+The docstrings are the attribute docstrings of training/contract/config.py (the string under each field), read from
+that module's source with `ast`, so the printed text is exactly what the code documents.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import sys
+import typing
+from enum import Enum
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import training.contract.config as config_module
+from training.contract.config import Config
+from training.contract.exit_codes import EXIT_INVALID
+
+
+def field_docstrings() -> Dict[Tuple[str, str], str]:
+    """(class name, field name) -> the docstring written under the field in training/contract/config.py."""
+    tree = ast.parse(inspect.getsource(config_module))
+    docs: Dict[Tuple[str, str], str] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        body = node.body
+        for stmt, following in zip(body, body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)):
+                docs[(node.name, stmt.target.id)] = inspect.cleandoc(following.value.value)
+    return docs
+
+
+def _type_name(tp) -> str:
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return "|".join(m.value for m in tp)
+    if isinstance(tp, type):
+        return tp.__name__
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return f"{_type_name(rest[0])} or null" if len(rest) == 1 else str(tp)
+    if origin in (list, List):
+        return f"list[{_type_name(args[0])}]"
+    if origin in (dict, Dict):
+        return f"dict[{_type_name(args[0])}, {_type_name(args[1])}]"
+    return str(tp).replace("typing.", "")
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+    else:
+        return "(required)"
+    return _show(value)
+
+
+def _show(value) -> str:
+    if isinstance(value, Enum):
+        return str(value.value)
+    return "null" if value is None else repr(value)
+
+
+def effective_value(cfg: Config, key: str) -> str:
+    """A key's value in a composed config (the presets of conf/config.yaml and the command line applied), shown
+    as the built-in default is."""
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return _show(obj)
+
+
+def iter_keys(cls=Config, prefix: str = "") -> Iterator[Tuple[str, str, str, str]]:
+    """(key, type, default, docstring) for every leaf key, depth first in declaration order."""
+    docs = field_docstrings()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from iter_keys(tp, key + ".")
+            continue
+        yield key, _type_name(tp), _default(f), docs.get((cls.__name__, f.name), "")
+
+
+GROUPS = ("model", "parallel", "cluster", "train", "data", "run")
+
+
+def format_keys(group: str = "", presets: Optional[Callable[[str], List[str]]] = None,
+                effective: Optional[Config] = None) -> str:
+    """The text `action=keys` prints; `presets(group)` lists a group's presets when given. With `effective` (the
+    composed config of this invocation) each key shows the value a launch with these arguments uses, and the
+    built-in default of training/contract/config.py, and beside it `(effective: V)` where the presets or the command line
+    make it differ."""
+    lines: List[str] = []
+    current = None
+    for key, tp, default, doc in iter_keys():
+        head = key.split(".", 1)[0] if "." in key else ""
+        if group and head != group:
+            continue
+        if head != current:
+            current = head
+            title = head or "top level"
+            if head and presets is not None and head in GROUPS:
+                names = presets(head)
+                if names:
+                    title += f" (presets: {', '.join(names)})"
+            lines.append(("\n" if lines else "") + f"== {title}")
+        value = effective_value(effective, key) if effective is not None else default
+        lines.append(f"{key}: {tp} = {default}" + (f"    (effective: {value})" if value != default else ""))
+        for text in doc.splitlines():
+            lines.append(f"    {text}")
+    return "\n".join(lines)
+
+
+def print_keys(group: str, presets: Optional[Callable[[str], List[str]]] = None,
+               effective: Optional[Config] = None) -> None:
+    # Every section of the config (the groups, and action sections such as export and generate).
+    sections = sorted({key.split(".", 1)[0] for key, *_ in iter_keys() if "." in key})
+    if group and group not in sections:
+        print(f"meshrun: keys.group={group!r} is not a config group; use one of {', '.join(sections)} "
+              f"(or leave it empty for every key)", file=sys.stderr)
+        raise SystemExit(EXIT_INVALID)
+    if effective is not None:
+        print("== key: type = built-in default (training/contract/config.py)    (effective: the value a launch with these "
+              "arguments uses, after conf/config.yaml's presets and the command line, where it differs)")
+    print(format_keys(group, presets, effective))
+
+
+def keys_action(cfg: Config, run_dir: Optional[str] = None) -> None:
+    """action=keys (the action table, training/contract/actions.py)."""
+    from launcher.cli.app import _presets  # Hydra's view of the installed conf tree
+
+    return print_keys(cfg.keys.group, presets=_presets, effective=cfg)

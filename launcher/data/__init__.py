@@ -1,0 +1,1 @@
+"""Data on the launcher's side: indexed dataset resolution and action=prepare."""

@@ -1,0 +1,1 @@
+"""Hugging Face actions in the launcher: train.init_from checks, action=export, action=generate."""

@@ -1,0 +1,1 @@
+"""Launching on this machine: local rank processes, NUMA binding, nsys, preflight."""

@@ -1,0 +1,248 @@
+"""Run a job on this machine: exactly tp x pp x cp x dp rank processes of `python -m training.main RUN_DIR`.
+
+No torch import here (the launcher must stay light). Each rank gets the standard env and
+OMP_NUM_THREADS = max(1, cores // world) (launcher/launch/processes.py) so the ranks do not oversubscribe the
+cores. Rank 0's output is streamed to this terminal; every rank's output also goes to run_dir/logs/rank_<r>.log
+(appended: every attempt, each under a header line).
+The launcher holds run_dir's lock (training/contract/rundir/lock.py) and every rank inherits it.
+If any rank exits non-zero the others are stopped within seconds (SIGTERM, then SIGKILL) and the
+launcher exits with that rank's code (1 for a rank killed by a signal); events started / completed / failed /
+stopped go to events.jsonl. SIGINT, SIGTERM or SIGHUP to the launcher stops the ranks as action=cancel does
+(a checkpoint first, `cancelled`, exit 130); a launcher that dies takes its ranks with it
+(training/run/launcher_watch.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+from launcher.manage.goodput import write_goodput_quietly
+from launcher.launch.local_numa import rank_prefix
+from launcher.launch.nsys import nsys_prefix
+from launcher.launch.processes import POLL_S, engine_env, rank_process_env, start_pump, stop_processes, threads_per_rank
+from training.contract.rundir.config_files import write_config
+from launcher.slurm.queries import job_alive
+from training.contract.config import Config, derived_dp
+from training.contract.rundir.events import append_event, read_events
+from training.contract.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED
+from training.contract.rundir.resume_request import write_request
+from training.contract.rundir.files import open_append
+from training.contract.rundir.lock import TOKEN_ENV, RunLock, acquire, held
+from training.contract.slurm_env import dist_env
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the rendezvous of this job)."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def attempt_header(attempt: int) -> str:
+    """The line that opens each attempt in a local rank log (launcher/manage/logs.py finds attempts by it)."""
+    return f"===== meshrun attempt {attempt} ({time.strftime('%Y-%m-%d %H:%M:%S')}) =====\n"
+
+
+def run_ranks(cfg: Config, run_dir: str) -> int:
+    """Spawn the ranks, wait, and return the job's exit code (the first failing rank's code, else EXIT_OK or
+    EXIT_STOPPED)."""
+    p = cfg.parallel
+    world = p.tp * p.pp * p.cp * derived_dp(cfg)
+    port = cfg.cluster.master_port or free_port()
+    threads = threads_per_rank(world)
+    lock = held(run_dir)
+    own_lock = lock is None
+    if own_lock:  # called without the app, which takes it before anything is written
+        lock = acquire(run_dir, what="meshrun local launcher", job_alive=job_alive)
+    try:
+        return _run_ranks(cfg, run_dir, world, port, threads, lock)
+    finally:
+        write_goodput_quietly(run_dir)  # run_dir/goodput.json (launcher/manage/goodput.py)
+        if own_lock:
+            lock.release()
+
+
+def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, lock: RunLock) -> int:
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    if not os.path.exists(os.path.join(run_dir, "config.json")):
+        write_config(cfg, run_dir)
+    # Launches of one run.dir are its attempts (0, 1, ...), as a Slurm job's requeues are: events and metrics
+    # rows carry the number (MESHRUN_ATTEMPT, training/contract/rundir/events.py).
+    attempt = sum(1 for ev in read_events(run_dir) if ev.get("event") == "started")
+    binding = [rank_prefix(cfg, r, world) for r in range(world)]  # NUMA, as on Slurm (launcher/launch/local_numa.py)
+    # launcher_pid lets `action=status` tell a running job from one whose launcher was killed (no end event).
+    append_event(run_dir, "started", nodes=[socket.gethostname()], world_size=world, threads_per_rank=threads,
+                 launcher_pid=os.getpid(), attempt=attempt, numa_nodes=[node for _, node in binding])
+    procs: List[subprocess.Popen] = []
+    pumps: List[threading.Thread] = []
+    logs = []
+    try:
+        for r in range(world):
+            # Appended: every attempt of the run stays in the log, each under its own header (action=logs).
+            log = open_append(os.path.join(run_dir, "logs", f"rank_{r}.log"), binary=True)  # never via a link
+            log.write(attempt_header(attempt).encode())
+            log.flush()
+            logs.append(log)
+            env = rank_process_env(dist_env(r, world, r, world, LOOPBACK, port), engine_env(cfg, run_dir), threads)
+            env[TOKEN_ENV] = lock.token
+            env["MESHRUN_ATTEMPT"] = str(attempt)
+            if binding[r][1] is not None:
+                env["MESHRUN_NUMA_NODE"] = str(binding[r][1])
+            env[LAUNCHER_PID_ENV] = str(os.getpid())  # the rank stops (after a checkpoint) if this launcher dies
+            # Each rank inherits the locked file: the run directory stays locked while any rank lives, even
+            # if this launcher is killed (training/contract/rundir/lock.py). A session of its own: Ctrl-C at the terminal
+            # reaches this launcher only, which stops the ranks through their own stop path (a checkpoint
+            # first) instead of a KeyboardInterrupt in each.
+            argv = binding[r][0] + nsys_prefix(cfg, r, run_dir) + [sys.executable, "-m", "training.main", run_dir]
+            proc = subprocess.Popen(argv, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(lock.fd,),
+                                    start_new_session=True)
+            procs.append(proc)
+            # Rank 0 also goes to this terminal (stderr: stdout stays for results).
+            pumps.append(start_pump(proc.stdout, [log, sys.stderr.buffer] if r == 0 else [log]))
+        failed: Optional[tuple] = None
+        stop = _StopRequest(procs, cfg.cancel.timeout_s)
+        with stop.installed():
+            while True:
+                stop.forward()
+                codes = [proc.poll() for proc in procs]
+                bad = [(r, c) for r, c in enumerate(codes) if c is not None and c not in (EXIT_OK, EXIT_STOPPED)]
+                if bad and not stop.name:
+                    failed = bad[0]
+                    break
+                if all(c is not None for c in codes):
+                    break
+                time.sleep(POLL_S)
+        if stop.name:
+            return _interrupted(run_dir, stop, procs, attempt)
+        if failed is not None:
+            stop_processes(procs)
+            rank, code = failed
+            why = f"exited with code {code}"
+            if code < 0:  # killed by a signal: Popen's -N, which would leave meshrun as 256 - N (outside the table)
+                why = f"was killed by {_signal_name(-code)}" + (" (out of memory? see dmesg)" if -code == 9 else "")
+                code = EXIT_FAILED
+            append_event(run_dir, "failed", node=socket.gethostname(), rank=rank, exit_code=code,
+                         reason=f"rank {rank} {why.replace('with code', 'with')}; see {run_dir}/logs/rank_{rank}.log",
+                         attempt=attempt)
+            print(f"meshrun: rank {rank} {why}; stopped the other ranks "
+                  f"(log: {run_dir}/logs/rank_{rank}.log)", file=sys.stderr)
+            return code
+        codes = [proc.returncode for proc in procs]
+        if any(c == EXIT_STOPPED for c in codes):
+            # Stopped early on purpose after a checkpoint; nothing requeues a local run, the user does.
+            append_event(run_dir, "stopped", reason="stopped early after a complete checkpoint (signal, "
+                         f"exit_interval or exit_after_min): run again with run.dir={run_dir} to resume",
+                         attempt=attempt)
+            return EXIT_STOPPED
+        append_event(run_dir, "completed", world_size=world, attempt=attempt)
+        return EXIT_OK
+    except KeyboardInterrupt:
+        stop_processes(procs)
+        append_event(run_dir, "failed", node=socket.gethostname(), rank=-1, exit_code=EXIT_INTERRUPTED,
+                     reason="interrupted", attempt=attempt)
+        return EXIT_INTERRUPTED
+    finally:
+        for t in pumps:
+            t.join(timeout=2)
+        for log in logs:
+            log.close()
+
+
+LAUNCHER_PID_ENV = "MESHRUN_LAUNCHER_PID"
+"""Set in every rank a local launcher starts: its pid (a rank whose launcher dies stops, training/run/launcher_watch.py)."""
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+class _StopRequest:
+    """SIGINT (Ctrl-C), SIGTERM or SIGHUP to the launcher: stop the ranks as action=cancel does (SIGUSR2, once
+    each rank has its handler: they agree on a step, save it and exit 3). A second signal, or ranks still
+    running after cancel.timeout_s, ends them at once (the last complete checkpoint stays)."""
+
+    def __init__(self, procs: List[subprocess.Popen], timeout_s: float):
+        self.procs, self.timeout_s = procs, timeout_s
+        self.name: Optional[str] = None
+        self.count = 0
+        self.since = 0.0
+        self.signalled: set = set()
+        self.forced = False
+
+    def _handler(self, signum, _frame) -> None:
+        self.count += 1
+        if self.name is None:
+            self.name, self.since = _signal_name(signum), time.time()
+            print(f"meshrun: {self.name}: stopping the ranks after a checkpoint (again to stop at once)",
+                  file=sys.stderr)
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signals reach the main thread only (a test harness, a sweep's worker)
+            return
+        previous = {sig: signal.signal(sig, self._handler) for sig in _STOP_SIGNALS}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def forward(self) -> None:
+        if self.name is None:
+            return
+        from launcher.slurm.rank_task import catches
+
+        if self.count > 1 or time.time() - self.since > self.timeout_s:
+            if not self.forced:
+                self.forced = True
+                stop_processes(self.procs)
+            return
+        for proc in self.procs:
+            if proc.pid not in self.signalled and proc.poll() is None and catches(proc.pid, signal.SIGUSR2):
+                try:
+                    os.kill(proc.pid, signal.SIGUSR2)
+                    self.signalled.add(proc.pid)
+                except OSError:
+                    pass
+
+
+def _interrupted(run_dir: str, stop: _StopRequest, procs: List[subprocess.Popen], attempt: int) -> int:
+    """Record and say how an interrupted run ended (`cancelled`, as action=cancel) and how to resume it."""
+    from launcher.manage.cancel import record_cancelled
+
+    stop_processes(procs)  # already ended: reaps them
+    saved = all(p.returncode == EXIT_STOPPED for p in procs) and not stop.forced
+    how = ("saved a checkpoint and stopped" if saved else
+           "stopped at once: the last complete checkpoint is kept, the steps after it are lost")
+    event = record_cancelled(run_dir, f"interrupted by {stop.name} to the local launcher: {how}",
+                             forced=not saved, attempt=attempt)
+    step = event.get("checkpoint_step")
+    print(f"meshrun: interrupted ({stop.name}): {how}"
+          f"{f' (checkpoint step_{step})' if step is not None else ''}. Resume with: meshrun run.dir={run_dir}",
+          file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def launch_local(cfg: Config, run_dir: str) -> Dict[str, Any]:
+    """Launch the job on this machine; exits with the job's code when it is not 0."""
+    write_request(run_dir, cfg.train.resume)  # an explicit train.resume applies to this launch only
+    code = run_ranks(cfg, run_dir)
+    if code != EXIT_OK:
+        raise SystemExit(code)
+    return {"status": "completed", "run_dir": run_dir}

@@ -1,0 +1,1 @@
+"""Managing runs that exist: status, logs, cancel, report, progress, resume, runs/latest."""

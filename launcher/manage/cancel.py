@@ -1,0 +1,211 @@
+"""`meshrun action=cancel run.dir=D`: stop a run, a sweep or one sweep point gracefully, for good.
+
+1. The mark: run.dir/cancel.json (time, who), written under a temporary name and renamed. It applies to the
+   launch it was written in: a later launch (a `submitted` event, or a local launcher's `started`) is a new
+   run of the directory and ignores an older mark (cancel_requested).
+2. The stop: the ranks' own stop path (training/run/signals.py): SIGUSR2, so they agree on a step, save a
+   complete checkpoint and exit 3.
+   Slurm: `scancel --signal=USR2 JOB` (the job's steps: the ranks) while it runs; the epilogue
+   (launcher/slurm/driver.py) sees the mark and records `cancelled` instead of requeueing or resubmitting, and
+   releases the run directory; a job that has not started yet (pending, or pending again after a requeue) is
+   removed with `scancel` at once. Local: SIGUSR2 to each rank process of the launcher (only once its handler is
+   installed: before that the signal would kill it), then `cancelled` once the launcher has ended.
+3. A run that does not stop within cancel.timeout_s is killed (scancel / SIGKILL); its last complete checkpoint
+   stays, and the event says so.
+`meshrun action=status` then says CANCELLED (cancelled_event). A sweep directory cancels every launched point
+and asks Slurm once for all its jobs.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from launcher.manage.status import CANCEL_FILE, cancelled_event
+from training.contract.rundir.events import EVENTS_FILE, append_event, read_events
+from training.contract.exit_codes import EXIT_INVALID
+
+POLL_S = 1.0
+
+
+def write_mark(run_dir: str) -> Dict[str, Any]:
+    mark = {"time": time.time(), "user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid()}
+    from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
+
+    write_atomic(os.path.join(run_dir, CANCEL_FILE), json.dumps(mark))
+    return mark
+
+
+def record_cancelled(run_dir: str, reason: str, **fields: Any) -> Dict[str, Any]:
+    from launcher.manage.status import last_checkpoint_step
+
+    return append_event(run_dir, "cancelled", reason=reason, checkpoint_step=last_checkpoint_step(run_dir), **fields)
+
+
+# ---- local runs ------------------------------------------------------------------------------------
+def _children(pid: int) -> List[int]:
+    """Processes whose parent is pid (the local launcher's ranks)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _cancel_local(run_dir: str, started: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
+    from launcher.slurm.rank_task import catches
+
+    launcher = int(started["launcher_pid"])
+    signalled: set = set()
+    deadline = time.time() + timeout_s
+    while _alive(launcher) and time.time() < deadline:
+        for pid in _children(launcher):
+            # Before the rank installs its handler SIGUSR2 would kill it: wait until it catches the signal.
+            if pid not in signalled and catches(pid, signal.SIGUSR2):
+                try:
+                    os.kill(pid, signal.SIGUSR2)
+                    signalled.add(pid)
+                except OSError:
+                    pass
+        time.sleep(POLL_S / 4)
+    if _alive(launcher):
+        for pid in _children(launcher):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return record_cancelled(run_dir, f"the ranks did not stop within cancel.timeout_s={timeout_s:g} s: killed; "
+                                "the last complete checkpoint is kept", forced=True)
+    return record_cancelled(run_dir, "cancelled by meshrun action=cancel: saved a checkpoint and stopped")
+
+
+# ---- Slurm runs ------------------------------------------------------------------------------------
+def _scancel(args: List[str]) -> str:
+    """"" when scancel accepted, else its complaint."""
+    from training.contract.slurm_env import SlurmUnavailable, slurm_command
+
+    try:
+        res = slurm_command(["scancel"] + args)
+    except SlurmUnavailable as exc:
+        return str(exc)
+    return res.stderr.strip() if res.returncode != 0 else ""
+
+
+def _signal_slurm(run_dir: str, job: str, state: Optional[str]) -> Optional[Dict[str, Any]]:
+    """Stop one Slurm job: the `cancelled` event when done at once (not started yet), else None (the epilogue
+    records it once the ranks have saved)."""
+    from training.contract.rundir.lock import release_job
+
+    if state in (None, "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED"):
+        problem = _scancel([job])
+        release_job(run_dir, job)
+        return record_cancelled(run_dir, "cancelled by meshrun action=cancel before the job started"
+                                + (f" (scancel: {problem})" if problem else ""), job_id=job)
+    problem = _scancel(["--signal=USR2", job])  # the job's steps (the ranks); the batch script keeps running
+    if problem:
+        print(f"warning: scancel --signal=USR2 {job}: {problem}", file=sys.stderr)
+    return None
+
+
+def _force_slurm(run_dir: str, job: str, timeout_s: float) -> Dict[str, Any]:
+    from training.contract.rundir.lock import release_job
+
+    _scancel([job])
+    release_job(run_dir, job)
+    return record_cancelled(run_dir, f"job {job} did not stop within cancel.timeout_s={timeout_s:g} s: scancel; "
+                            "the last complete checkpoint is kept", job_id=job, forced=True)
+
+
+# ---- the action ------------------------------------------------------------------------------------
+def _targets(run_dir: str) -> List[str]:
+    """The run directories to cancel: run_dir itself, or every launched point of a sweep directory."""
+    from launcher.manage.status import SWEEP_FILE
+
+    if os.path.exists(os.path.join(run_dir, SWEEP_FILE)):
+        with open(os.path.join(run_dir, SWEEP_FILE)) as f:
+            sweep = json.load(f)
+        return [row["run_dir"] for row in sweep.get("feasible", [])
+                if row.get("run_dir") and os.path.exists(os.path.join(row["run_dir"], EVENTS_FILE))]
+    if not os.path.exists(os.path.join(run_dir, EVENTS_FILE)):
+        print(f"error: run.dir={run_dir} is neither a launched meshrun run (no {EVENTS_FILE}) nor a sweep directory "
+              f"(no {SWEEP_FILE}): give the directory printed at launch or submission", file=sys.stderr)
+        raise SystemExit(EXIT_INVALID)
+    return [run_dir]
+
+
+def cancel(run_dir: str, timeout_s: float = 300.0) -> Dict[str, Dict[str, Any]]:
+    """Cancel the run(s) in run_dir; returns run dir -> its status afterwards."""
+    from launcher.slurm.queries import FINAL_STATES, slurm_states
+    from launcher.manage.status import current_job_id, run_status
+
+    if not timeout_s > 0:
+        print(f"error: cancel.timeout_s={timeout_s} must be > 0 (seconds the ranks get to save before they are "
+              "killed)", file=sys.stderr)
+        raise SystemExit(EXIT_INVALID)
+    targets = _targets(run_dir)
+    events_of = {d: read_events(d) for d in targets}
+    states = slurm_states([j for j in (current_job_id(e) for e in events_of.values()) if j is not None])
+    waiting: Dict[str, Any] = {}
+    for d in targets:
+        status = run_status(d, states, events_of[d])
+        if status["state"] in FINAL_STATES:
+            print(f"{d}: already {status['state']}; nothing to cancel", file=sys.stderr)
+            continue
+        write_mark(d)
+        job = current_job_id(events_of[d])
+        if job is not None:
+            if _signal_slurm(d, job, states.get(job)) is None:
+                waiting[d] = job
+            continue
+        started = [ev for ev in events_of[d] if ev.get("event") == "started" and "launcher_pid" in ev]
+        if started:
+            waiting[d] = started[-1]
+    deadline = time.time() + timeout_s
+    for d, what in waiting.items():
+        if isinstance(what, dict):  # local: this process signals the ranks and waits for the launcher
+            _cancel_local(d, what, max(0.0, deadline - time.time()))
+            continue
+        while time.time() < deadline and cancelled_event(read_events(d)) is None \
+                and run_status(d)["state"] not in FINAL_STATES:
+            time.sleep(POLL_S)
+        if cancelled_event(read_events(d)) is None and run_status(d)["state"] not in FINAL_STATES:
+            _force_slurm(d, what, timeout_s)
+    out = {d: run_status(d) for d in targets}
+    for d, st in out.items():
+        print(f"{st['state']}: {d} (checkpoint step {_checkpoint(d)})", file=sys.stderr)
+    return out
+
+
+def _checkpoint(run_dir: str) -> Optional[int]:
+    from launcher.manage.status import last_checkpoint_step
+
+    return last_checkpoint_step(run_dir)
+
+
+def run_cancel(cfg, run_dir: str) -> Dict[str, Any]:
+    """The app's action=cancel: one JSON object on stdout (run dir -> state)."""
+    result = cancel(run_dir, cfg.cancel.timeout_s)
+    summary = {d: st["state"] for d, st in result.items()}
+    print(json.dumps(summary, sort_keys=True))
+    return summary

@@ -1,0 +1,316 @@
+"""`meshrun action=status run.dir=D`: one JSON object on stdout (state, job_id, attempt, last_step,
+excluded_nodes; step, total_steps, eta_s, last_loss, tokens_per_s, log: launcher/manage/progress.py), from
+events.jsonl, metrics.jsonl, checkpoints/latest and squeue/sacct; status.format=table prints a table instead. D may also be
+a sweep directory (it holds sweep.json): then the object lists every point's status and counts the states.
+
+Also the readers of a run's state that logs, cancel and the Slurm driver share (last step, the job chain in
+events.jsonl, the cancel mark, where each rank's log is). Slurm's answers come from launcher/slurm/queries.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+from typing import Any, Dict, List, Optional
+
+from launcher.manage import goodput
+from launcher.manage.progress import progress_fields
+from launcher.slurm.queries import slurm_state, slurm_states
+from training.contract.rundir.events import EVENTS_FILE, read_events
+from training.contract.rundir.metrics import last_step as metrics_last_step
+from training.contract.exit_codes import EXIT_INVALID
+
+
+def last_metrics_step(run_dir: str) -> Optional[int]:
+    """Step of the last complete line of metrics.jsonl."""
+    return metrics_last_step(run_dir)
+
+
+def last_checkpoint_step(run_dir: str) -> Optional[int]:
+    """Step named by checkpoints/latest ("step_<N>")."""
+    try:
+        with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
+            m = re.search(r"(\d+)", f.read())
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
+def last_step(run_dir: str) -> Optional[int]:
+    steps = [s for s in (last_metrics_step(run_dir), last_checkpoint_step(run_dir)) if s is not None]
+    return max(steps) if steps else None
+
+
+def current_job_id(events: List[Dict[str, Any]]) -> Optional[str]:
+    """The newest Slurm job of the run: the last submitted or resubmitted one."""
+    job = None
+    for ev in events:
+        if ev.get("event") == "submitted" and ev.get("job_id") not in (None, "local"):
+            job = str(ev["job_id"])
+        if ev.get("event") == "requeued" and ev.get("new_job_id"):
+            job = str(ev["new_job_id"])
+    return job
+
+
+def job_log_dir(run_dir: str, job: str) -> str:
+    """Where submitit keeps a job's logs: recorded at submission (a sweep's job array shares the sweep's
+    folder); a resubmitted job's are in run_dir/submitit."""
+    for ev in read_events(run_dir):
+        if ev.get("event") == "submitted" and str(ev.get("job_id")) == job and ev.get("log_dir"):
+            return str(ev["log_dir"])
+    return os.path.join(run_dir, "submitit")
+
+
+def excluded_nodes(events: List[Dict[str, Any]]) -> List[str]:
+    out: List[str] = []
+    for ev in events:
+        if ev.get("event") in ("submitted", "requeued") and "excluded_nodes" in ev:
+            out = list(ev["excluded_nodes"])
+    return out
+
+
+RETRY_CAUSES = ("failure", "no_progress", "save_failed")
+"""Requeue causes that spend one of cluster.max_retries: a failure, a stop that saved nothing newer than the
+previous attempt (else a job stopped by every signal before its first save would requeue forever), a save
+that failed on an I/O error. A stop after new progress (preemption, time limit) costs nothing."""
+
+
+def retries_used(events: List[Dict[str, Any]]) -> int:
+    """Requeues and resubmissions that count against cluster.max_retries so far (RETRY_CAUSES)."""
+    return sum(1 for ev in events if ev.get("event") == "requeued" and ev.get("cause") in RETRY_CAUSES)
+
+
+def _local_launcher_alive(started: Dict[str, Any]) -> bool:
+    """False only when the started event names a launcher on this host that no longer runs (killed -9,
+    machine rebooted): then nothing will ever write the run's end. Unknown cases count as alive."""
+    pid = started.get("launcher_pid")
+    if pid is None or socket.gethostname() not in started.get("nodes", []):
+        return True
+    try:
+        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    return b"launcher" in cmdline or b"meshrun" in cmdline  # the pid may have been reused by another program
+
+
+def run_status(run_dir: str, states: Optional[Dict[str, str]] = None,
+               events: Optional[List[Dict[str, Any]]] = None,
+               allocations: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The status of one run; states: Slurm's states already asked for (a sweep asks once for all its jobs);
+    allocations: Slurm's accounting of its jobs for the goodput (launcher/manage/goodput.py sacct_records), likewise."""
+    events = read_events(run_dir) if events is None else events
+    job = current_job_id(events)
+    attempt = max((int(ev.get("attempt", 0)) for ev in events if ev.get("event") == "started"), default=None)
+    state = None
+    reason = None
+    last = events[-1] if events else {}
+    cancelled = cancelled_event(events)
+    if last.get("event") == "completed":
+        state = "COMPLETED"
+    elif cancelled is not None:
+        state, reason = "CANCELLED", cancelled.get("reason")
+    elif last.get("event") == "stopped":
+        state, reason = "FAILED", last.get("reason")
+    elif job is not None:
+        state = states.get(job) if states is not None else slurm_state(job)
+        if state is None:
+            state = "PENDING"  # accepted by sbatch but not yet visible (sacct lags)
+        elif state == "PENDING" and last.get("event") == "requeued":
+            state = "REQUEUED"
+    else:
+        # A local run: the launcher's own events decide; the ranks' (checkpoint, signal, ...) come between.
+        life = [ev for ev in events if ev.get("event") in ("started", "completed", "failed", "stopped")]
+        state = {"started": "RUNNING", "failed": "FAILED"}.get(life[-1]["event"]) if life else None
+        if state == "FAILED":
+            reason = life[-1].get("reason")  # the launcher's own words: which rank, its code, its log
+        if state == "RUNNING" and not _local_launcher_alive(life[-1]):
+            state = "FAILED"
+            reason = (f"the local launcher (pid {life[-1]['launcher_pid']}) ended without recording how; "
+                      "run again with the same run.dir to resume from the last checkpoint")
+    out = {
+        "state": state or "UNKNOWN",
+        "job_id": job if job is not None else (last.get("job_id") if last else None),
+        "attempt": attempt,
+        "last_step": last_step(run_dir),
+        "excluded_nodes": excluded_nodes(events),
+    }
+    if reason:
+        out["reason"] = reason
+    out.update(progress_fields(run_dir, out["state"], current_log(run_dir, 0, events)))
+    current = current_layout(run_dir)
+    if current is not None:
+        out["layout"] = current
+    out.update(in_job_fields(events))
+    out.update(goodput_fields(run_dir, events, allocations))
+    return out
+
+
+def in_job_fields(events: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """With in-job restarts (cluster.max_in_job_restarts): the current allocation's idle spares and the in-job
+    restarts it has used (launcher/slurm/in_job.py); {} otherwise."""
+    started = [ev for ev in events if ev.get("event") == "started"]
+    if not started or "spares" not in started[-1]:
+        return {}
+    last = started[-1]
+    return {"spares_left": len(last.get("spares") or []), "spare_nodes": last.get("spares") or [],
+            "in_job_restarts_used": int(last.get("in_job_restarts") or 0),
+            "max_in_job_restarts": last.get("max_in_job_restarts"),
+            "in_job_restarts_total": sum(1 for ev in events if ev.get("event") == "restarted_in_job")}
+
+
+def goodput_fields(run_dir: str, events: List[Dict[str, Any]],
+                   allocations: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """goodput (productive / wall) and goodput_s (seconds per cause, launcher/manage/goodput.py); {} before the first
+    attempt."""
+    if not any(ev.get("event") == "started" for ev in events):
+        return {}
+    g = goodput.run_goodput(run_dir, events, allocations)
+    return {"goodput": g["goodput"], "goodput_s": goodput.summary(g)} if g else {}
+
+
+def current_layout(run_dir: str) -> Optional[Dict[str, Any]]:
+    """The layout the run trains with now (config.json, which an elastic resize rewrites: nodes, ranks, tp, pp,
+    cp, dp, zero, micro/global batch, grad_accum); None without a readable config.json."""
+    from launcher.slurm.elastic import layout
+    from training.contract.config import load_config
+
+    try:
+        return layout(load_config(os.path.join(run_dir, "config.json")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+SWEEP_FILE = "sweep.json"
+
+
+CANCEL_FILE = "cancel.json"
+
+
+def _launches(events: List[Dict[str, Any]]) -> List[float]:
+    """Times of the launches of the run directory (submission, or a local launcher's start)."""
+    return [float(ev.get("time", 0)) for ev in events
+            if ev.get("event") == "submitted" or (ev.get("event") == "started" and "launcher_pid" in ev)]
+
+
+def cancel_requested(run_dir: str, events: Optional[List[Dict[str, Any]]] = None) -> Optional[Dict[str, Any]]:
+    """The cancel mark when it applies to the current launch (written after it), else None."""
+    try:
+        with open(os.path.join(run_dir, CANCEL_FILE)) as f:
+            mark = json.load(f)
+    except (OSError, ValueError):
+        return None
+    events = read_events(run_dir) if events is None else events
+    launches = _launches(events)
+    if not isinstance(mark, dict) or (launches and float(mark.get("time", 0)) < max(launches)):
+        return None
+    return mark
+
+
+def cancelled_event(events: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The `cancelled` event of the current launch (none after the last launch: None)."""
+    launches = _launches(events)
+    latest = max(launches) if launches else 0.0
+    found = None
+    for ev in events:
+        if ev.get("event") == "cancelled" and float(ev.get("time", 0)) >= latest:
+            found = ev
+    return found
+
+
+def slurm_jobs(events: List[Dict]) -> List[str]:
+    """Every Slurm job of the run, oldest first (submitted, then each resubmission)."""
+    jobs: List[str] = []
+    for ev in events:
+        job = None
+        if ev.get("event") == "submitted" and ev.get("job_id") not in (None, "local"):
+            job = str(ev["job_id"])
+        elif ev.get("event") == "requeued" and ev.get("new_job_id"):
+            job = str(ev["new_job_id"])
+        if job and job not in jobs:
+            jobs.append(job)
+    return jobs
+
+
+def log_files(run_dir: str, rank: int = 0, events: Optional[List[Dict]] = None) -> List[str]:
+    """The files that hold `rank`'s output, oldest first (they may not exist yet)."""
+    events = read_events(run_dir) if events is None else events
+    jobs = slurm_jobs(events)
+    if not jobs:
+        return [os.path.join(run_dir, "logs", f"rank_{rank}.log")]
+    return [os.path.join(job_log_dir(run_dir, job), f"{job}_{rank}_log.out") for job in jobs]
+
+
+def current_log(run_dir: str, rank: int = 0, events: Optional[List[Dict]] = None) -> str:
+    """The file rank's output goes to now (the newest attempt)."""
+    return log_files(run_dir, rank, events)[-1]
+
+
+def sweep_status(sweep_dir: str) -> Dict[str, Any]:
+    """Every point of a sweep: the run's status for launched points, SKIPPED with the reason for the
+    points the sweep left out (invalid, did not fit, refused), and how many points are in each state."""
+    with open(os.path.join(sweep_dir, SWEEP_FILE)) as f:
+        sweep = json.load(f)
+    # One Slurm query for every job of the sweep (not one per point): a 1,000-point sweep answers as fast as one.
+    events_of = {row["run_dir"]: read_events(row["run_dir"]) for row in sweep.get("feasible", [])
+                 if row.get("run_dir") and os.path.exists(os.path.join(row["run_dir"], EVENTS_FILE))}
+    states = slurm_states([j for j in (current_job_id(evs) for evs in events_of.values()) if j is not None])
+    # One sacct call for every allocation of the sweep's runs (the goodput's queue wait).
+    allocations = goodput.sacct_records([ev.get("job_id") for evs in events_of.values() for ev in evs
+                                         if ev.get("event") == "started"])
+    points = []
+    for skipped, rows in ((False, sweep.get("feasible", [])), (True, sweep.get("infeasible", []))):
+        for row in rows:
+            point = {"num": row.get("num"), "overrides": row.get("overrides", [])}
+            run_dir = row.get("run_dir")
+            if skipped:
+                point.update(state="SKIPPED", reason=row.get("reason", row.get("status", "")))
+            elif run_dir in events_of:
+                point.update(run_dir=run_dir, **run_status(run_dir, states, events_of[run_dir], allocations))
+            else:  # an action=plan sweep: nothing was launched
+                point.update(state="PLANNED" if row.get("status") == "ok" else "UNKNOWN", run_dir=run_dir)
+            points.append(point)
+    points.sort(key=lambda pt: (pt["num"] is None, pt["num"]))
+    counts: Dict[str, int] = {}  # points per state (not the Slurm states above)
+    for point in points:
+        counts[point["state"]] = counts.get(point["state"], 0) + 1
+    out = {"sweep_dir": sweep_dir, "points": points, "states": counts}
+    summed = goodput.total([pt.get("goodput_s") for pt in points])
+    if summed is not None:
+        out["goodput"] = summed["goodput"]
+        out["goodput_s"] = summed
+    return out
+
+
+def _emit(status: Dict[str, Any], fmt: str) -> None:
+    if str(fmt) == "table":
+        from launcher.manage.status_table import format_table
+
+        print(format_table(status))
+    else:
+        print(json.dumps(status, sort_keys=True))
+
+
+def print_status(run_dir: str, fmt: str = "json") -> Dict[str, Any]:
+    """Print exactly one JSON object on stdout (fmt="table": a table for people instead); an unknown run dir is
+    an error on stderr (EXIT_INVALID)."""
+    if os.path.exists(os.path.join(run_dir, SWEEP_FILE)):
+        out = sweep_status(run_dir)
+        _emit(out, fmt)
+        return out
+    # Hydra has created run_dir (with its app.log) before this runs: a run is known by what meshrun wrote.
+    if not any(os.path.exists(os.path.join(run_dir, name)) for name in (EVENTS_FILE, "config.json")):
+        print(f"error: run.dir={run_dir} is not a meshrun run directory (no {EVENTS_FILE} or config.json): "
+              "give the run directory printed at launch or submission, or a sweep directory (it holds "
+              f"{SWEEP_FILE})", file=sys.stderr)
+        raise SystemExit(EXIT_INVALID)
+    status = run_status(run_dir)
+    _emit(status, fmt)
+    return status
+
+
+def status_action(cfg, run_dir: str) -> Dict[str, Any]:
+    """action=status (the action table, training/contract/actions.py)."""
+    return print_status(run_dir, cfg.status.format)

@@ -1,0 +1,113 @@
+"""recommend.calibrate=true: run the top candidates for a few steps here and compare their measured step times
+with the predicted ones (Spearman rank correlation).
+
+Each candidate runs through the normal local path (launcher/planning/gate.py's plan_or_reject, then
+launcher/launch/local.py's run_ranks) into run.dir/calibrate/NN, on synthetic data (throughput does not depend on the
+token values), with no periodic checkpoint; its measured step time is the median step_time_s of metrics.jsonl
+without the first (warm-up) step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import statistics
+import sys
+from dataclasses import replace
+from typing import Any, Dict, List, Optional, Sequence
+
+from launcher.plan.estimate import fmt_seconds
+from training.contract.config import Config, DataConfig, RecommendConfig
+from training.contract.exit_codes import EXIT_OK
+from training.contract.rundir.metrics import read_rows
+
+
+def ranks_of(values: Sequence[float]) -> List[float]:
+    """1-based ranks, ties sharing their average rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
+    """Spearman's rank correlation: Pearson's correlation of the ranks; None for fewer than 2 pairs or no spread."""
+    if len(a) < 2:
+        return None
+    ra, rb = ranks_of(a), ranks_of(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra)
+    vb = sum((y - mb) ** 2 for y in rb)
+    return cov / (va * vb) ** 0.5 if va > 0 and vb > 0 else None
+
+
+def choose(cands: List[Any], count: int, min_gap: float) -> List[Any]:
+    """The fastest candidates, each predicted at least min_gap slower than the previous one chosen."""
+    out: List[Any] = []
+    for c in cands:
+        if not out or c.step_s >= out[-1].step_s * (1 + min_gap):
+            out.append(c)
+        if len(out) == count:
+            break
+    return out
+
+
+def measured_step_s(run_dir: str) -> Optional[float]:
+    """Median step_time_s of the run's metrics.jsonl without the first step; None without two steps."""
+    rows = read_rows(run_dir)
+    times = [r["step_time_s"] for r in rows if "step_time_s" in r and "loss" in r][1:]
+    return statistics.median(times) if times else None
+
+
+def _run_config(cfg: Config, cand_cfg: Config, run_dir: str, steps: int) -> Config:
+    t = replace(cfg.train, steps=steps, warmup_steps=min(cfg.train.warmup_steps, 1), checkpoint_every=0,
+                checkpoint_every_min="0", checkpoint_every_min_resolved=None, exit_interval=0, exit_after_min=0.0,
+                eval_every=0, log_every=1, progress=False, resume="none", init_from="")
+    return replace(cand_cfg, action="train", train=t, data=DataConfig(kind="synthetic"),
+                   run=replace(cfg.run, dir=run_dir))
+
+
+def calibrate(cfg: Config, run_dir: str, cands: List[Any], rc: RecommendConfig) -> Dict[str, Any]:
+    """Run the chosen candidates; set each one's measured_step_s; print and return the comparison."""
+    from launcher.launch.local import run_ranks
+    from launcher.planning.gate import plan_or_reject
+
+    chosen = choose(cands, rc.calibrate_count, rc.calibrate_min_gap)
+    runs = []
+    print(f"  calibrating {len(chosen)} candidates ({rc.calibrate_steps} steps each) under {run_dir}/calibrate/",
+          file=sys.stderr)
+    for i, c in enumerate(chosen):
+        sub = os.path.join(run_dir, "calibrate", f"{i:02d}")
+        run_cfg = _run_config(cfg, c.cfg, sub, rc.calibrate_steps)
+        with contextlib.redirect_stdout(io.StringIO()):  # the plan table of every run would drown the ranking
+            try:
+                planned = plan_or_reject(run_cfg, sub)
+            except SystemExit:
+                planned = {"status": "invalid"}
+        code = run_ranks(run_cfg, sub) if planned.get("status") == "ok" else None
+        c.measured_step_s = measured_step_s(sub) if code == EXIT_OK else None
+        runs.append({"rank": c.rank, "layout": c.short(), "overrides": c.overrides(), "run_dir": sub,
+                     "predicted_step_s": c.step_s, "measured_step_s": c.measured_step_s, "exit_code": code})
+        print(f"  [{i + 1}/{len(chosen)}] {c.short()}: predicted {fmt_seconds(c.step_s)}, measured "
+              + (fmt_seconds(c.measured_step_s) if c.measured_step_s is not None else f"nothing (exit {code})"),
+              file=sys.stderr)
+    done = [r for r in runs if r["measured_step_s"] is not None]
+    rho = spearman([r["predicted_step_s"] for r in done], [r["measured_step_s"] for r in done])
+    by_measured = sorted(done, key=lambda r: r["measured_step_s"])
+    print("  calibration (fastest measured first):")
+    for r in by_measured:
+        print(f"    #{r['rank']:<4} {r['layout']:<40} predicted {fmt_seconds(r['predicted_step_s']):>9}  "
+              f"measured {fmt_seconds(r['measured_step_s']):>9}")
+    print("  Spearman rank correlation, predicted vs measured step time: "
+          + (f"{rho:.3f} over {len(done)} layouts" if rho is not None else "n/a (fewer than 2 runs measured)"))
+    return {"runs": runs, "spearman": rho, "measured_order": [r["rank"] for r in by_measured],
+            "recommended": by_measured[0]["overrides"] if by_measured else None}

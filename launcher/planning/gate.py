@@ -1,0 +1,101 @@
+"""Validate and plan one job: the gate every launch passes (used by launcher/cli/app.py).
+
+On errors nothing is written to run_dir (Hydra's own log may exist): a single run exits 2 with every
+violation on stderr; a sweep point returns {"status": "invalid" | "no_fit", ...} so the sweep goes on
+and its summary lists the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Dict, List
+
+from launcher.plan.cadence import format_advice
+from launcher.plan.cadence import resolve as resolve_cadence
+from launcher.plan.estimate import format_plan
+from launcher.plan.validate import Report, validate
+from training.contract.rundir.config_files import write_config
+from training.contract.config import Config
+from training.contract.exit_codes import EXIT_INVALID
+
+
+def _point_label(cfg: Config) -> str:
+    p = cfg.parallel
+    return f"model={cfg.model.name} tp={p.tp} pp={p.pp} cp={p.cp} vpp={p.vpp} sp={p.sp} zero={p.zero} " \
+           f"recompute={p.recompute} micro={p.micro_batch} global={p.global_batch}"
+
+
+def _slurm_checks(cfg: Config) -> List[str]:
+    """sbatch safety, and every node count an elastic job may shrink to (validated before the first submission)."""
+    from launcher.slurm.elastic import elastic_checks
+    from launcher.slurm.sbatch import validate_for_slurm
+
+    return validate_for_slurm(cfg) + elastic_checks(cfg)
+
+
+def validate_for_launch(cfg: Config) -> Report:
+    """The planner's rules plus the launch backend's own (Slurm: sbatch safety), every violation at once."""
+    checks = None
+    if cfg.cluster.kind == "slurm":
+        checks = _slurm_checks
+    return validate(cfg, cluster_checks=checks)
+
+
+def plan_or_reject(cfg: Config, run_dir: str, multirun: bool = False) -> Dict[str, Any]:
+    """Validate cfg; on success print the plan, write plan.json and config.json into run_dir.
+
+    Returns {"status": "ok", "plan": plan.json's dict, "warnings": [...], "run_dir": run_dir}, or in a
+    sweep {"status": "invalid" | "no_fit", "errors": [...], "warnings": [...]}. A single run with errors
+    prints them all to stderr and raises SystemExit(EXIT_INVALID)."""
+    report = validate_for_launch(cfg)
+    warnings = [str(i) for i in report.warnings]
+    notes = [str(i) for i in report.notes]
+    if report.errors:
+        status = "no_fit" if report.no_fit and len(report.errors) == 1 else "invalid"
+        errors = [str(i) for i in report.errors]
+        if not multirun:
+            print(f"meshrun: invalid configuration ({len(errors)} error(s)); nothing was launched.", file=sys.stderr)
+            for line in errors + warnings:
+                print(line, file=sys.stderr)
+            if report.plan is not None:
+                print("plan of the rejected layout:\n" + format_plan(report.plan), file=sys.stderr)
+            raise SystemExit(EXIT_INVALID)
+        print(f"[{status}] {_point_label(cfg)}: {report.errors[0].message}", file=sys.stderr)
+        result: Dict[str, Any] = {"status": status, "errors": errors, "warnings": warnings,
+                                  "issues": [i.to_json() for i in report.issues]}
+        if report.plan is not None:
+            result["plan"] = report.plan.to_json()
+        return result
+
+    plan = report.plan
+    assert plan is not None
+    # action=plan on an existing run (a config.json there) shows the plan and writes nothing: its config.json
+    # is the run's, changed only by a launch that goes ahead (docs/USER_CONTRACTS.md).
+    writes = not (cfg.action == "plan" and os.path.exists(os.path.join(run_dir, "config.json")))
+    os.makedirs(run_dir, exist_ok=True)
+    plan_json = plan.to_json()
+    # train.checkpoint_every_min (auto: the Young/Daly optimum, from the run's measured saves when it has any)
+    # resolved into config.json, where the engine reads it.
+    cadence = resolve_cadence(cfg, run_dir, plan.predicted_step_s)
+    plan_json["checkpoint_cadence"] = cadence.to_json()
+    from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
+
+    if writes:
+        write_atomic(os.path.join(run_dir, "plan.json"), json.dumps(plan_json, indent=2, sort_keys=False))
+        write_config(cfg, run_dir)
+    elif not multirun:
+        print(f"meshrun: {run_dir} is an existing run: this plan is shown only (its plan.json and config.json "
+              f"are left as they are; a launch writes them)", file=sys.stderr)
+    if multirun:
+        mem = plan.memory_bytes["total"] / 2**30
+        print(f"[ok] {_point_label(cfg)}: {mem:.2f} GiB/GPU, bubble {plan.bubble_ratio:.3f}")
+    else:
+        print(f"meshrun plan ({cfg.model.name}, {cfg.train.precision}, {cfg.cluster.name}) -> {run_dir}")
+        print(format_plan(plan))
+        if cadence.job_mtbf_h > 0 or cadence.resolved_min > 0:  # nothing to say for a local run without either
+            print(format_advice(cadence))
+        for line in notes + warnings:
+            print(line)
+    return {"status": "ok", "plan": plan_json, "warnings": warnings, "run_dir": run_dir}

@@ -1,0 +1,1 @@
+"""Sweeps: the summary callback and each point's record."""

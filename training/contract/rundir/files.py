@@ -1,0 +1,111 @@
+"""The one place that writes meshrun's own files of a run directory (pure Python: launcher and ranks): config,
+plan, summary, events, metrics, rank logs, the lock, the resume request, the cancel mark, recommend.json,
+report.html and each Slurm attempt's prologue.json. (Checkpoints are written into a fresh temporary directory
+and checked for links when read, training/checkpoint/storage.py; TensorBoard, W&B and submitit write their
+own files.)
+
+A run directory may have been touched by someone else (a copied run, a shared file system, a planted link).
+A symbolic link there would turn an append to metrics.jsonl or a rewrite of plan.json into a write to
+whatever the link names, outside run.dir. So every write here refuses to follow one:
+
+- appends and in-place writes open with O_NOFOLLOW (the kernel refuses a link as the last component) and
+  refuse a linked parent directory below the run directory (logs/ -> elsewhere);
+- whole-file writes go to a fresh temporary name (O_CREAT | O_EXCL | O_NOFOLLOW: never an existing file or
+  link) and are renamed over the target (a rename replaces a link itself, never its target).
+
+Files are created with mode 0666 and the umask decides, as for every other file of the run.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from typing import IO, Iterable, Optional
+
+# The names meshrun writes at the top of a run directory (and the directories it writes into): checked for
+# links before a launch writes anything (training/contract/rundir/config_files.py), so a planted link is an exit 2, not a rank's
+# traceback halfway through a run.
+RUN_FILES = ("config.json", "config.yaml", "plan.json", "summary.json", "events.jsonl", "metrics.jsonl",
+             "metrics.purged.jsonl", "secrets.json", "resume_request.json", ".meshrun.lock", "logs", "checkpoints",
+             "recommend.json", "code", "attempts")
+
+
+class LinkRefused(OSError):
+    """A write inside run.dir met a symbolic link; the message names it and the fix."""
+
+
+def _refusal(path: str) -> LinkRefused:
+    return LinkRefused(errno.ELOOP, f"{path} is a symbolic link (or lies under one): meshrun never writes through "
+                                    "a link inside run.dir, which could point anywhere. Remove the link (and check "
+                                    "who could create it), or choose another run.dir")
+
+
+def _check_parent(path: str) -> None:
+    parent = os.path.dirname(path)
+    if parent and os.path.islink(parent):
+        raise _refusal(parent)
+
+
+def _open_fd(path: str, flags: int) -> int:
+    _check_parent(path)
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _refusal(path) from None
+        raise
+
+
+def open_append(path: str, binary: bool = False) -> IO:
+    """`path` opened for appending (created when absent), never through a link."""
+    fd = _open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    return os.fdopen(fd, "ab" if binary else "a")
+
+
+def append_bytes(path: str, data: bytes) -> None:
+    """One write() on an O_APPEND file (several processes appending at once never interleave within it)."""
+    fd = _open_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def open_rw(path: str) -> int:
+    """A read-write descriptor on `path` (created when absent, not truncated), never through a link."""
+    return _open_fd(path, os.O_RDWR | os.O_CREAT)
+
+
+def write_atomic(path: str, data: "str | bytes", fsync: bool = False, mode: Optional[int] = None) -> None:
+    """Replace `path` with data: a fresh temporary file, then a rename (readers see old or new, never half;
+    a link at `path` is replaced, its target untouched). fsync: durable before the rename (checkpoint
+    manifests). mode: the file's permissions exactly (0o600 for secrets), else the umask's default."""
+    _check_parent(path)
+    tmp = f"{path}.tmp{uuid.uuid4().hex[:8]}"
+    fd = _open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)
+        os.write(fd, data.encode() if isinstance(data, str) else data)
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+
+
+def write_lines_atomic(path: str, lines: Iterable[str]) -> None:
+    write_atomic(path, "".join(lines))
+
+
+def links_in(run_dir: str) -> list:
+    """The names of RUN_FILES (and logs/*) that are symbolic links in run_dir: what a launch refuses."""
+    found = [name for name in RUN_FILES if os.path.islink(os.path.join(run_dir, name))]
+    logs = os.path.join(run_dir, "logs")
+    if os.path.isdir(logs) and not os.path.islink(logs):
+        found += [f"logs/{n}" for n in sorted(os.listdir(logs)) if os.path.islink(os.path.join(logs, n))]
+    return found

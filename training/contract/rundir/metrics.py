@@ -1,0 +1,61 @@
+"""Reading run.dir/metrics.jsonl: the one reader (status, progress, report and calibrate read through it).
+One JSON object per line, written by rank 0 (training/observe/metrics.py); a line torn by a crash mid-write is
+skipped, never an error. Pure Python (launcher and ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+METRICS_FILE = "metrics.jsonl"
+PURGED_FILE = "metrics.purged.jsonl"
+"""Rows of steps a resume went back over (moved out of metrics.jsonl, never deleted)."""
+TAIL_BYTES = 65536
+"""How much of the file's end tail_rows reads: many rows whatever the run's length, in constant time."""
+
+
+def metrics_path(run_dir: str) -> str:
+    return os.path.join(run_dir, METRICS_FILE)
+
+
+def _rows(lines: List[str]) -> List[Dict[str, Any]]:
+    out = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a torn line
+        if isinstance(row, dict):
+            out.append(row)
+    return out
+
+
+def read_rows(run_dir: str) -> List[Dict[str, Any]]:
+    """Every row of metrics.jsonl, oldest first ([] without the file)."""
+    try:
+        with open(metrics_path(run_dir), encoding="utf-8", errors="replace") as f:
+            return _rows(f.readlines())
+    except OSError:
+        return []
+
+
+def tail_rows(run_dir: str, limit_bytes: int = TAIL_BYTES) -> List[Dict[str, Any]]:
+    """The complete step rows (an integer `step`) in the last limit_bytes of metrics.jsonl, oldest first."""
+    try:
+        with open(metrics_path(run_dir), "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - limit_bytes))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return []
+    if size > limit_bytes:
+        lines = lines[1:]  # the first line is cut
+    return [row for row in _rows(lines) if isinstance(row.get("step"), int)]
+
+
+def last_step(run_dir: str) -> Optional[int]:
+    """Step of the last complete row of metrics.jsonl; None without one."""
+    rows = tail_rows(run_dir)
+    return rows[-1]["step"] if rows else None

@@ -1,0 +1,1 @@
+"""Run control on a rank: the training loop, stop signals and the launcher watch."""

@@ -1,0 +1,534 @@
+"""The training loop every rank runs: micro-batch schedule, optimizer step, metrics, stop/checkpoint hooks.
+
+Structure (so pipeline parallelism plugs in without restructuring):
+- a *schedule* owns the micro-batch loop: `forward_backward(micro_batches) -> local mean loss`.
+  `NoPipelineSchedule` is the pp=1 schedule; `make_schedule` is the one place that picks another
+  (gpipe / 1f1b / interleaved_1f1b from training.schedules.pipeline when pp > 1);
+- the optimizer owns the dp reduction, clipping and the update (training/optim/);
+- `Trainer.run` owns steps: data position, LR, logging, the stop flag and checkpoint call sites.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from training.checkpoint import CheckpointManager
+from training.run import signals
+from training.contract.config import Config
+from training.data import BatchSampler, DataError, build_corpus, make_eval_source, make_source, validate_data_config
+from training.contract.exit_codes import EXIT_OK, EXIT_STOPPED
+from training.contract.rundir.events import append_event
+from training.contract.layout_rules import layout_violations, raise_errors
+from training.model.moe import moe_metrics, reset_moe_stats
+from training.observe import startup
+from training.observe.busy_timer import BusyTimer
+from training.optim import DistributedOptimizer, StepResult
+from training.schedules.pipeline import make_pipeline_schedule
+from training.contract.precision import param_dtype
+from training.contract.lr_schedule import lr_at, schedule_problems
+
+
+@dataclass
+class TrainState:
+    """Where the run is; saved in checkpoints so a resumed run continues exactly."""
+
+    step: int = 0
+    """Optimizer steps completed."""
+    consumed_samples: int = 0
+    """Samples of the global stream consumed (the data position; independent of dp)."""
+
+
+# ---- schedules ------------------------------------------------------------------------------------
+class NoPipelineSchedule:
+    """pp = 1: forward and backward of each micro-batch in turn through the single model chunk."""
+
+    def __init__(self, chunks: List[torch.nn.Module], optimizer: DistributedOptimizer, mesh):
+        assert len(chunks) == 1, "the no-pipeline schedule runs exactly one model chunk"
+        self.chunk, self.optimizer, self.mesh = chunks[0], optimizer, mesh
+
+    def forward_backward(self, micro_batches: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Accumulate grads of the mean loss over `micro_batches`; returns that mean (detached, fp32)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        n = len(micro_batches)
+        for tokens, targets in micro_batches:
+            loss = self.chunk(tokens.to(self.mesh.device), targets.to(self.mesh.device))
+            self.optimizer.scale_loss(loss.float(), n).backward()
+            total += loss.detach().float()
+        return total / n
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Mean loss over `micro_batches` without building a graph (evaluation)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        for tokens, targets in micro_batches:
+            total += self.chunk(tokens.to(self.mesh.device), targets.to(self.mesh.device)).float()
+        return total / len(micro_batches)
+
+
+def make_schedule(cfg: Config, mesh, chunks, optimizer):
+    """The micro-batch schedule for this layout: NoPipelineSchedule, or training.schedules.pipeline's when pp > 1."""
+    if mesh.pp == 1 and len(chunks) == 1:
+        return NoPipelineSchedule(chunks, optimizer, mesh)
+    return make_pipeline_schedule(cfg, mesh, chunks, optimizer)
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+PEAK_PROBE_N = {"cuda": 8192, "cpu": 512}
+"""Square matmul size of the peak measurement: on GPUs one that saturates the tensor cores (at 512^3 one
+matmul lasts a few microseconds and launch latency, not the device, sets the rate); on CPU a small one."""
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 0) -> float:
+    """FLOP/s of a square matmul on this rank (the 'peak' for MFU when cluster.peak_tflops is 0): the
+    preflight's probe (training/preflight/matmul.py: a warm-up call, then ~0.2 s of timed calls), best of
+    three. n = 0: PEAK_PROBE_N of the device type."""
+    from training.preflight.matmul import measure_tflops
+
+    n = n or PEAK_PROBE_N.get(device.type, PEAK_PROBE_N["cuda"])
+    iters = 4 if device.type == "cpu" else 0  # CPU: a fixed few (every Trainer measures); GPU: ~0.2 s each
+    best = max(measure_tflops(str(device), n, iters=iters, dtype=dtype)["tflops"] for _ in range(3))
+    return best * 1e12
+
+
+def model_flops_per_step(cfg: Config, run_dir: str) -> float:
+    """plan.json's model_flops_per_step when the planner wrote it, else Narayanan et al.'s formula."""
+    try:
+        with open(os.path.join(run_dir, "plan.json")) as f:
+            value = json.load(f).get("model_flops_per_step")
+        if value:
+            return float(value)
+    except (OSError, ValueError):
+        pass
+    m = cfg.model
+    B, s, L, h, V = cfg.parallel.global_batch, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size
+    return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: CUDA allocator peak, or the process's max RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+# ---- checkpoint call sites ------------------------------------------------------------------------
+def make_checkpointer(cfg: Config, run_dir: str, mesh) -> CheckpointManager:
+    """Saves, resumes, and decides (agreed over all ranks) when this attempt stops early."""
+    return CheckpointManager(run_dir, mesh, cfg)
+
+
+# ---- the trainer ----------------------------------------------------------------------------------
+@dataclass
+class Summary:
+    """The closing summary of a run (printed by rank 0, written to run_dir/summary.json)."""
+
+    steps: int
+    tokens_per_s: float
+    """Mean over the steps after the first (the first includes warm-up)."""
+    mfu: Optional[float]
+    peak_memory_bytes_per_rank: List[int] = field(default_factory=list)
+    skipped_steps: int = 0
+    exit_code: int = 0
+
+
+class Trainer:
+    """Builds model, optimizer and data for this rank and runs the steps."""
+
+    def __init__(self, cfg: Config, run_dir: str, mesh, chunks: Optional[List[torch.nn.Module]] = None,
+                 checkpointing: bool = True):
+        self.cfg, self.run_dir, self.mesh = cfg, run_dir, mesh
+        self.is_logger = mesh.rank == 0
+        self._check_layout()
+        validate_data_config(cfg)
+        torch.manual_seed(cfg.train.seed)
+        if chunks is None:
+            from training.model.gpt import build_gpt
+
+            chunks = build_gpt(cfg, mesh, param_dtype(cfg.train.precision))
+            if cfg.train.init_from:
+                from training.hf.init_from import maybe_init_from
+
+                # Before the optimizer exists: it copies the weights into its fp32 masters.
+                maybe_init_from(cfg, run_dir, mesh, chunks)
+        self.chunks = chunks
+        self.compile_clock, self.compiled_layers = None, 0
+        if cfg.train.compile:  # before the optimizer and the schedule see the layers (training/model/compile_layers.py)
+            from training.model.compile_layers import CompileClock, compile_layers
+
+            self.compile_clock = CompileClock()
+            self.compiled_layers = compile_layers(chunks)
+        params = [(n, p) for c in chunks for n, p in c.named_parameters()]
+        self.optimizer = DistributedOptimizer(params, cfg, mesh)
+        # zero=1: each layer waits for its own updated parameters when its forward starts (train_step's
+        # defer_param_gather; optim/param_gather.py).
+        self.optimizer.watch_modules(chunks)
+        self.schedule = make_schedule(cfg, mesh, chunks, self.optimizer)
+        self.sampler = BatchSampler(self._source(), cfg.parallel.global_batch, cfg.parallel.micro_batch,
+                                    mesh.dp, mesh.dp_rank)
+        # Held-out data (train.eval_every): the same global batches at every evaluation, split over dp like training's.
+        self.eval_sampler = None
+        if cfg.train.eval_every > 0:
+            self.eval_sampler = BatchSampler(self._rank0_first(make_eval_source, "the held-out data"),
+                                             cfg.parallel.global_batch, cfg.parallel.micro_batch, mesh.dp, mesh.dp_rank)
+        self.eval_losses: List[Tuple[int, float]] = []
+        self.state = TrainState()
+        self.checkpointer = make_checkpointer(cfg, run_dir, mesh) if checkpointing else None
+        self.tokens_per_step = cfg.parallel.global_batch * cfg.model.seq_length
+        self.flops_per_step = model_flops_per_step(cfg, run_dir)
+        self.peak_flops = self._peak_flops()
+
+    def _check_layout(self) -> None:
+        """The launcher's layout rules (training/contract/layout_rules.py) on the layout this rank really runs:
+        LayoutError on a broken one; warnings (e.g. sp with tp = 1: sequence parallelism off) said once."""
+        par = self.cfg.parallel
+        cfg = dataclasses.replace(self.cfg, parallel=dataclasses.replace(par, tp=self.mesh.tp, pp=self.mesh.pp,
+                                                                          cp=self.mesh.cp, ep=self.mesh.ep))
+        for warning in raise_errors(layout_violations(cfg, self.mesh.dp)):
+            if self.is_logger:
+                print(f"warning: {warning}", file=sys.stderr)
+        problems = schedule_problems(self.cfg.train)
+        if problems:
+            from training.contract.layout_rules import LayoutError
+
+            raise LayoutError("; ".join(f"{key} {message} (fix: {fix})" for key, message, fix in problems))
+
+    def _source(self):
+        corpus, error = None, None
+        if self.cfg.data.kind == "text":
+            # One rank builds the cached corpus file; the others wait, then map the same file.
+            if self.mesh.rank == 0:
+                try:
+                    corpus = build_corpus(self.cfg, self.run_dir)
+                except DataError as exc:
+                    error = exc
+            # Instead of a plain barrier: every rank learns of rank 0's data error and exits 2 with it,
+            # rather than waiting out the collective timeout and exiting as a failure.
+            if self._any_rank(error is not None):
+                raise error or DataError("rank 0 could not build the text corpus; its log names the fix")
+            if corpus is None:
+                corpus = build_corpus(self.cfg, self.run_dir)  # finds rank 0's file
+        if self.cfg.data.kind == "indexed":
+            return self._rank0_first(lambda cfg, may_describe: make_source(cfg, self.run_dir, None, may_describe),
+                                     "the indexed datasets")
+        return make_source(self.cfg, self.run_dir, corpus)
+
+    def _rank0_first(self, make, what: str):
+        """make(cfg, may_describe) on rank 0 first (it may scan a dataset once and cache its description beside
+        it), then on the others (constant time, no writes); rank 0's DataError reaches every rank at once."""
+        source, error = None, None
+        if self.mesh.rank == 0:
+            try:
+                source = make(self.cfg, True)
+            except DataError as exc:
+                error = exc
+        if self._any_rank(error is not None):
+            raise error or DataError(f"rank 0 could not open {what}; its log names the fix")
+        return source if source is not None else make(self.cfg, False)
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any (a barrier that also carries one bit)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.mesh.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def _peak_flops(self) -> float:
+        """Peak FLOP/s of the whole job: cluster.peak_tflops per rank, or this machine's measured matmul rate."""
+        if self.cfg.cluster.peak_tflops > 0:
+            per_rank = self.cfg.cluster.peak_tflops * 1e12
+        else:
+            dtype = torch.float32 if self.mesh.device.type == "cpu" else param_dtype(self.cfg.train.precision)
+            per_rank = measure_peak_flops(self.mesh.device, dtype)
+        return per_rank * self.mesh.world_size
+
+    def _global_loss(self, local: torch.Tensor) -> float:
+        """Mean loss over the global batch: mean over dp of the last stage's loss, known on every rank."""
+        value = local.detach().float().reshape(1).clone()
+        if not self.mesh.is_last_stage:
+            value.zero_()
+        if self.mesh.dp > 1:
+            dist.all_reduce(value, group=self.mesh.dp_group)
+            value /= self.mesh.dp
+        if self.mesh.cp > 1:  # every cp rank holds as many tokens: the mean of their means
+            dist.all_reduce(value, group=self.mesh.cp_group)
+            value /= self.mesh.cp
+        if self.mesh.pp > 1:
+            dist.all_reduce(value, group=self.mesh.pp_group)
+        return float(value.item())
+
+    # -- checkpoint call sites --
+    def _extra_state(self) -> Dict[str, Any]:
+        # micro_step keys each chunk's dropout masks: restoring it keeps dropout bit-exact across a resume.
+        return {"consumed_samples": self.state.consumed_samples,
+                "micro_steps": [int(getattr(c, "micro_step", 0)) for c in self.chunks]}
+
+    def _resume(self) -> None:
+        ck = self.checkpointer
+        if ck is None:
+            return
+        extra = self._extra_state()
+        resumed = ck.maybe_resume(self.chunks, self.optimizer, extra)
+        if resumed is not None:
+            step, consumed = resumed
+            if len(extra.get("micro_steps", [])) == len(self.chunks):  # same chunking: same dropout stream
+                for chunk, micro_step in zip(self.chunks, extra["micro_steps"]):
+                    chunk.micro_step = int(micro_step)
+            self.state = TrainState(int(step), int(consumed))
+            if self.is_logger:
+                print(f"resumed at step {step} (consumed_samples {consumed})", file=sys.stderr)
+        if self.is_logger:
+            # A launch's explicit train.resume is spent: the next attempt resumes from `latest`.
+            from training.contract.rundir.events import current_attempt, current_job_id
+            from training.contract.rundir.resume_request import mark_consumed
+
+            mark_consumed(self.run_dir, self.state.step, current_attempt(), current_job_id())
+
+    def _boundary(self) -> str:
+        """After a step: save when due (or at the end, or when stopping); returns the stop reason or ""."""
+        step, last = self.state.step, self.state.step >= self.cfg.train.steps
+        ck = self.checkpointer
+        if ck is None:  # checkpointing off (tests, benchmarks): the run never stops early
+            return ""
+        due, reason = ck.decide(step)
+        if due or reason or last:
+            ck.save(step, self.chunks, self.optimizer, self._extra_state(),
+                    reason=reason or ("final" if last else "interval"))
+        if reason or last:
+            ck.wait()
+        return reason or ""
+
+    def _stop_for_health(self, watch, nodes: List[str]) -> int:
+        """A complete checkpoint, then the exit code that excludes the unhealthy nodes (observe/straggler.py)."""
+        if self.checkpointer is not None:
+            self.checkpointer.save(self.state.step, self.chunks, self.optimizer, self._extra_state(), reason="health")
+            self.checkpointer.wait()
+        return watch.stop_code(nodes)
+
+    # -- the loop --
+    def train_step(self, micro: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None,
+                   defer_param_gather: bool = False) -> Tuple[float, StepResult, float]:
+        """One optimizer step over the global batch (`micro`: this step's micro-batches when the caller
+        assembled them ahead, as `run` does outside its step timer); returns (global loss, step result, lr).
+        defer_param_gather (zero=1): the updated shards' all-gather may still run when this returns, and
+        completes during the next forward (`run` passes it; the optimizer's state_dict waits for it)."""
+        lr = lr_at(self.state.step, self.cfg.train)
+        if micro is None:
+            micro = self.sampler.micro_batches(self.state.consumed_samples)
+        # Knowing the micro-batch count lets each dp bucket's reduction start during backward.
+        self.optimizer.zero_grad(len(micro))
+        if self.cfg.model.num_experts > 0:
+            reset_moe_stats(self.chunks)  # this step's routing figures (moe_metrics)
+        for c in self.chunks:
+            c.train()
+        before = [int(getattr(c, "micro_step", 0)) for c in self.chunks]  # the NaN probe replays these masks
+        if self.checkpointer is not None and self.cfg.parallel.zero >= 3:
+            # zero=3 releases parameter storage during the forward: an async save's host copy must be done.
+            self.checkpointer.wait_staged()
+        busy = BusyTimer(self.mesh.device)  # CUDA: events on the compute stream (perf_counter returns early)
+        busy.start()
+        local = self.schedule.forward_backward(micro)
+        busy.stop()
+        # This rank's own work, without the optimizer's reduction: what the straggler check compares.
+        self.compute_s = busy.seconds()
+        loss = self._global_loss(local)
+        if not math.isfinite(loss) and self.cfg.train.nan_probe:
+            from training.observe.nan_probe import probe_nonfinite
+
+            probe_nonfinite(self, micro, before, loss)  # every rank: the loss is global
+        if self.checkpointer is not None:  # an async save's host copy must be complete before the step
+            self.checkpointer.wait_staged()  # changes the parameters and the optimizer state
+        result = self.optimizer.step(lr, loss_finite=math.isfinite(loss), defer_param_gather=defer_param_gather)
+        # The data position advances even on a skipped step (the batch was consumed), like Megatron.
+        self.state.step += 1
+        self.state.consumed_samples += self.cfg.parallel.global_batch
+        return loss, result, lr
+
+    def evaluate(self) -> float:
+        """Mean loss over train.eval_iters global batches of held-out data (no grads, dropout off); every rank
+        takes part and gets the value. Touches no state of the run, so resume stays exact."""
+        m = self.cfg.train.eval_iters
+        for c in self.chunks:
+            c.eval()
+        total = 0.0
+        try:
+            for k in range(m):
+                micro = self.eval_sampler.micro_batches(k * self.cfg.parallel.global_batch)
+                total += self._global_loss(self.schedule.forward_only(micro))
+        finally:
+            for c in self.chunks:
+                c.train()
+        return total / m
+
+    def _maybe_evaluate(self) -> Optional[float]:
+        """The held-out loss when train.eval_every says so (every N steps, and after the last step)."""
+        every = self.cfg.train.eval_every
+        step = self.state.step
+        if self.eval_sampler is None or not (step % every == 0 or step == self.cfg.train.steps):
+            return None
+        value = self.evaluate()
+        self.eval_losses.append((step, value))
+        return value
+
+    def run(self) -> int:
+        cfg = self.cfg
+        self._resume()
+        startup.mark("resumed")  # also on a fresh start: the checkpoint lookup found nothing to load
+        from training.observe.metrics import MetricsLog, rank_figures
+        from training.observe.progress import Progress
+
+        progress = Progress(cfg.train.steps, self.is_logger and cfg.train.progress, cfg.train.progress_every_s,
+                            start_step=self.state.step)
+        # After the resume: rows and TensorBoard steps after the resumed checkpoint are purged (observe/metrics.py).
+        metrics = MetricsLog(cfg, self.run_dir, self.state.step, self.is_logger)
+        from training.observe.profile import StepProfiler
+        from training.observe.straggler import IntervalWatch
+
+        # Stragglers and node health (one gather per log interval), traces and memory snapshots (observe/).
+        watch, profiler = IntervalWatch(cfg, self.run_dir, self.mesh), StepProfiler(cfg, self.run_dir, self.mesh)
+        from training.observe.nvtx import NvtxRanges
+        from training.observe.slowdown import SlowdownWatch
+
+        # NVTX ranges and the nsys capture range (train.nvtx, train.nsys); the whole job's slowdown (rank 0).
+        nvtx = NvtxRanges(cfg, self.run_dir, self.mesh, self.chunks, self.optimizer)
+        slowdown = SlowdownWatch(cfg, self.run_dir, self.is_logger)
+        startup.mark("observers")
+        rates, mfus, skipped = [], [], 0
+        exit_code = EXIT_OK
+        losses: List[float] = []
+        while self.state.step < cfg.train.steps:
+            # Batch assembly is the data loader's work, ahead of the step (outside the step timer).
+            micro = self.sampler.micro_batches(self.state.consumed_samples)
+            startup.mark("first_batch")  # a no-op after the first step
+            if self.mesh.device.type == "cuda":
+                torch.cuda.synchronize()
+            profiler.before(self.state.step + 1)
+            nvtx.before(self.state.step + 1)
+            t0 = time.perf_counter()
+            loss, res, lr = self.train_step(micro, defer_param_gather=True)
+            if self.mesh.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if not rates and not losses and self.mesh.device.type == "cuda":
+                # The first step allocates the optimizer state and the allocator's caches: its transient peak
+                # is no training step's, and the activations check compares the steady one.
+                torch.cuda.reset_peak_memory_stats(self.mesh.device)
+            profiler.after(self.state.step)
+            nvtx.after(self.state.step)
+            if not rates and not losses and self.is_logger:  # this attempt's first step: its start-up timeline
+                startup.mark("first_step")
+                append_event(self.run_dir, "startup", step=self.state.step, marks=startup.timeline(),
+                             cpu_s=startup.cpu_seconds())
+            tok_s = self.tokens_per_step / dt
+            mfu = self.flops_per_step / dt / self.peak_flops if self.peak_flops > 0 else None
+            if self.state.step > 1 or cfg.train.steps == 1:
+                rates.append(tok_s)
+                if mfu is not None:
+                    mfus.append(mfu)
+            compile_s = None
+            if self.compile_clock is not None and not losses:
+                # This attempt's first step compiled the layers (forward and backward): said once.
+                compile_s = self.compile_clock.seconds
+            skipped += int(res.skipped)
+            losses.append(loss)
+            eval_clock = time.perf_counter()
+            eval_loss = self._maybe_evaluate()
+            eval_s = time.perf_counter() - eval_clock if eval_loss is not None else None
+            logged = (self.state.step % max(1, cfg.train.log_every) == 0 or res.skipped or eval_loss is not None
+                      or compile_s is not None)
+            slowdown.step(self.state.step, tok_s, logged)
+            # A collective (every rank, the same steps: `logged` depends only on agreed values).
+            spread = rank_figures(dt, self.mesh.device) if logged else {}
+            spread.update(watch.step(self.state.step, self.compute_s, logged))  # also a collective when logged
+            if logged and cfg.model.num_experts > 0:  # a collective over dp and pp
+                load = moe_metrics(self.chunks, self.mesh, cfg.model.num_layers, cfg.model.num_experts)
+                spread.update({k: load[k] for k in ("moe_aux_loss", "moe_max_load", "moe_dropped_tokens")})
+                if self.is_logger:
+                    append_event(self.run_dir, "moe_load", step=self.state.step,
+                                 tokens_per_expert=load["tokens_per_expert"], max_load=load["max_load"])
+            if self.is_logger:
+                if logged:
+                    rec: Dict[str, Any] = {
+                        "step": self.state.step, "loss": loss, "grad_norm": res.grad_norm, "lr": lr,
+                        "step_time_s": dt, "tokens_per_s": tok_s, "consumed_samples": self.state.consumed_samples,
+                    }
+                    if mfu is not None:
+                        rec["mfu"] = mfu
+                    if res.loss_scale is not None:
+                        rec["loss_scale"] = res.loss_scale
+                    # Pipeline schedules add bubble_measured / bubble_planned (training/schedules/pipeline.py).
+                    rec.update(getattr(self.schedule, "metrics", dict)())
+                    if res.skipped:
+                        rec["skipped"] = res.reason
+                    if eval_loss is not None:
+                        rec["eval_loss"] = eval_loss
+                        rec["eval_s"] = eval_s  # goodput's eval time (launcher/manage/goodput.py)
+                    if compile_s is not None:
+                        rec["compile_s"] = compile_s
+                    rec.update(spread)
+                    metrics.write(rec)
+                if res.skipped:
+                    print(f"\nstep {self.state.step}: {res.reason} (loss {loss}, grad norm {res.grad_norm}); "
+                          f"update skipped" + (f", loss scale -> {res.loss_scale:g}" if res.loss_scale else ""),
+                          file=sys.stderr)
+                shown_eval = f" eval {self.eval_losses[-1][1]:.4f}" if self.eval_losses else ""
+                shown_compile = (f" (compiled {self.compiled_layers} layers in {compile_s:.1f} s)"
+                                 if compile_s is not None else "")
+                progress.update(self.state.step,
+                                f"loss {loss:.4f}{shown_eval} lr {lr:.2e} {tok_s:,.0f} tok/s{shown_compile}")
+            unhealthy = watch.requeue_nodes if self.state.step < cfg.train.steps else []
+            if unhealthy:  # cluster.health.action=requeue: checkpoint, then leave so the node is excluded
+                exit_code = self._stop_for_health(watch, unhealthy)
+                break
+            if self._boundary():
+                exit_code = EXIT_STOPPED  # a complete checkpoint was written: the launcher may requeue
+                break
+        if self.compile_clock is not None:
+            self.compile_clock.close()
+        signals.ignore()  # the final checkpoint is complete: a late Slurm signal must not kill this rank
+        self.optimizer.finish_param_gather()  # whoever reads the model after the run sees the last update
+        metrics.close()  # TensorBoard's last events reach the file
+        watch.close()
+        profiler.close()
+        nvtx.close()
+        self.losses = losses
+        self.summary = self._summarise(rates, mfus, skipped, exit_code)
+        return exit_code
+
+    def _summarise(self, rates, mfus, skipped, exit_code) -> Summary:
+        peak = torch.tensor([peak_memory_bytes(self.mesh.device)], dtype=torch.int64, device=self.mesh.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            out = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+            dist.all_gather(out, peak)
+            per_rank = [int(x.item()) for x in out]
+        else:
+            per_rank = [int(peak.item())]
+        s = Summary(self.state.step, sum(rates) / len(rates) if rates else 0.0,
+                    sum(mfus) / len(mfus) if mfus else None, per_rank, skipped, exit_code)
+        if self.is_logger:
+            mem = self.optimizer.memory_report()
+            mfu_txt = f"{100 * s.mfu:.2f}%" if s.mfu is not None else "n/a"
+            print(f"summary: {s.steps} steps, {s.tokens_per_s:,.0f} tokens/s, MFU {mfu_txt} "
+                  f"(peak {self.peak_flops / 1e12:.3f} TFLOP/s over {self.mesh.world_size} ranks), "
+                  f"skipped {skipped}", file=sys.stderr)
+            print("peak memory per rank (MiB): " + ", ".join(f"{b / 2**20:.0f}" for b in per_rank), file=sys.stderr)
+            print(f"rank 0 model states (bytes): weights {mem['weights']}, grads {mem['grads']}, "
+                  f"optimizer {mem['optimizer']}", file=sys.stderr)
+            if "host_offload" in mem:  # parallel.offload: where the optimizer state went
+                print(f"rank 0 offloaded optimizer state (bytes): host {mem['host_offload']}, "
+                      f"nvme {mem['nvme_offload']}", file=sys.stderr)
+            from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
+
+            write_atomic(os.path.join(self.run_dir, "summary.json"), json.dumps(asdict(s), indent=2))
+        return s
