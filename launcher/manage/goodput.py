@@ -30,9 +30,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from training.contract.rundir.events import read_events
-
-PURGED_FILE = "metrics.purged.jsonl"
-"""training/observe/metrics.py's PURGED_FILE (that module imports torch, which the launcher must not)."""
+from training.contract.rundir.metrics import read_purged_rows, read_rows
 
 CAUSES = ("queue", "startup", "productive", "lost_steps", "checkpoint_blocking", "eval", "restart_gap")
 GOODPUT_FILE = "goodput.json"
@@ -40,20 +38,8 @@ _END = ("completed", "stopped", "cancelled")
 _ATTEMPT_END = ("restarted_in_job", "requeued", "completed", "stopped", "cancelled")
 
 
-def _rows(path: str) -> List[Dict[str, Any]]:
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a row cut by a crash
-                if isinstance(rec, dict) and "step" in rec and "time" in rec:
-                    out.append(rec)
-    except OSError:
-        pass
-    return out
+def _step_rows(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    return [rec for rec in rows if "step" in rec and "time" in rec]
 
 
 def _parse_slurm_time(text: str) -> Optional[float]:
@@ -207,7 +193,7 @@ def run_goodput(run_dir: str, events: Optional[List[Dict[str, Any]]] = None,
     events = read_events(run_dir) if events is None else events
     if allocations is None:
         allocations = sacct_records([ev.get("job_id") for ev in events if ev.get("event") == "started"])
-    return compute(events, _rows(os.path.join(run_dir, "metrics.jsonl")), _rows(os.path.join(run_dir, PURGED_FILE)),
+    return compute(events, _step_rows(read_rows(run_dir)), _step_rows(read_purged_rows(run_dir)),
                    allocations)
 
 

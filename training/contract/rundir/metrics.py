@@ -31,13 +31,22 @@ def _rows(lines: List[str]) -> List[Dict[str, Any]]:
     return out
 
 
-def read_rows(run_dir: str) -> List[Dict[str, Any]]:
-    """Every row of metrics.jsonl, oldest first ([] without the file)."""
+def _read(path: str) -> List[Dict[str, Any]]:
     try:
-        with open(metrics_path(run_dir), encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             return _rows(f.readlines())
     except OSError:
         return []
+
+
+def read_rows(run_dir: str) -> List[Dict[str, Any]]:
+    """Every row of metrics.jsonl, oldest first ([] without the file)."""
+    return _read(metrics_path(run_dir))
+
+
+def read_purged_rows(run_dir: str) -> List[Dict[str, Any]]:
+    """Every row of metrics.purged.jsonl (steps a resume went back over), oldest first ([] without the file)."""
+    return _read(os.path.join(run_dir, PURGED_FILE))
 
 
 def tail_rows(run_dir: str, limit_bytes: int = TAIL_BYTES) -> List[Dict[str, Any]]:
