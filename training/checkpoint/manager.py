@@ -290,7 +290,7 @@ class CheckpointManager:
         first_stage = mesh.pp_rank == 0
 
         # An expert's replicas are the expert-dp group's ranks (training/model/moe.py): its rank 0 writes.
-        edp_rank = getattr(mesh, "edp_rank", 0)
+        edp_rank = mesh.edp_rank
 
         def owner(name: str, p: torch.Tensor, replicated_over_dp: bool) -> bool:
             if not for_save:

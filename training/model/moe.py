@@ -190,15 +190,15 @@ class MoEMLP(nn.Module):
     def __init__(self, mc: ModelConfig, mesh, sp: bool, dtype, device):
         super().__init__()
         E, k = mc.num_experts, mc.moe_top_k
-        ep = getattr(mesh, "ep", 1)
+        ep = mesh.ep
         if E % ep:
             raise ValueError(f"model.num_experts={E} is not divisible by parallel.ep={ep}; choose an ep that divides it")
         if not 1 <= k <= E:
             raise ValueError(f"model.moe_top_k={k} must be between 1 and model.num_experts={E}")
         self.num_experts, self.top_k, self.ep = E, k, ep
-        self.ep_group = getattr(mesh, "ep_group", None)
+        self.ep_group = mesh.ep_group
         self.local_experts = E // ep
-        self.first_expert = getattr(mesh, "ep_rank", 0) * self.local_experts
+        self.first_expert = mesh.ep_rank * self.local_experts
         self.tp_group, self.sp = mesh.tp_group, sp and mesh.tp > 1
         self.swiglu = mc.activation == "swiglu"
         self.gelu_approximate = "tanh" if mc.gelu_tanh else "none"
@@ -327,7 +327,7 @@ def moe_metrics(chunks, mesh, num_layers: int, num_experts: int) -> Dict[str, An
         table[i, :num_experts] = st.tokens
         table[i, num_experts] = st.aux / max(1, st.micro_batches)
         table[i, num_experts + 1] = st.dropped
-    for group, size in ((getattr(mesh, "dp_group", None), mesh.dp), (getattr(mesh, "pp_group", None), mesh.pp)):
+    for group, size in ((mesh.dp_group, mesh.dp), (mesh.pp_group, mesh.pp)):
         if group is not None and size > 1:
             dist.all_reduce(table, group=group)
     tokens = table[:, :num_experts]

@@ -87,9 +87,9 @@ class DistributedOptimizer:
         if expert_params and not _expert_part:
             named_params = [(n, p) for n, p in named_params if not is_expert_param(p)]
             self.experts = DistributedOptimizer(expert_params, cfg, _expert_mesh(mesh), _expert_part=True)
-        self.ep, self._expert_part = int(getattr(mesh, "ep", 1)), _expert_part
+        self.ep, self._expert_part = int(mesh.ep), _expert_part
         # The expert part's norm also sums over the ep ranks: they hold different experts.
-        self._norm_ep_group = getattr(mesh, "ep_group", None) if _expert_part and self.ep > 1 else None
+        self._norm_ep_group = mesh.ep_group if _expert_part and self.ep > 1 else None
         check_precision(t.precision)
         self.cfg, self.mesh, self.precision = cfg, mesh, t.precision
         # Grads are averaged and the optimizer sharded over dp x cp (cp ranks hold the same parameters and
@@ -384,8 +384,8 @@ class DistributedOptimizer:
 def _expert_mesh(mesh):
     """The mesh as the expert optimizer sees it: its data-parallel group is the expert-data-parallel one."""
     view = copy.copy(mesh)
-    view.dp, view.dp_rank = int(getattr(mesh, "edp", mesh.dp)), int(getattr(mesh, "edp_rank", mesh.dp_rank))
-    group = getattr(mesh, "edp_group", None) if getattr(mesh, "ep", 1) > 1 else getattr(mesh, "dp_group", None)
+    view.dp, view.dp_rank = int(mesh.edp), int(mesh.edp_rank)
+    group = mesh.edp_group if mesh.ep > 1 else mesh.dp_group
     view.dp_group = view.dp_cp_group = group
     view.cp, view.cp_rank = 1, 0
     return view
