@@ -223,7 +223,7 @@ def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) 
         bw = group_bandwidth(stride, size, c.gpus_per_node, rates)
         parts[kind] = 0.0 if bw is None else comm.get(kind, 0) / bw + counts[kind] * rates.latency_s
     hidden = overlap_hidden_s(cfg, parts, m, counts)
-    if hidden:
+    if sum(hidden.values()) > 0:
         parts["overlapped"] = -sum(hidden.values())
     parts["total"] = sum(v_ for k, v_ in parts.items() if k != "recompute")  # recompute is inside compute
     return parts
