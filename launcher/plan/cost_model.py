@@ -33,10 +33,10 @@ measures it on CPU; GPUs hide it behind the kernels of large micro-batches)."""
 DEFAULT_OPTIMIZER_S_PER_PARAM = {"cpu": 5e-9, "cuda": 1.2e-11}
 """Seconds of the Adam update per local parameter: about 24 bytes touched at 5 GB/s (a CPU core) or 2 TB/s (HBM)."""
 
-OVERLAP_EFFICIENCY = {"cpu": 0.5, "cuda": 1.0}
-"""Share of a compute window that a background transfer can fill. GPUs: NCCL runs on its own stream beside the
-kernels. CPU: gloo's threads take the same cores the forward and backward use, so at most half of the window
-(docs/COST_MODEL.md gives the calibration this was checked with)."""
+OVERLAP_EFFICIENCY = {"cpu": 0.5, "cuda": 0.5}
+"""Share of a compute window that a background transfer can fill (assumptions, not measured here). GPUs: NCCL
+runs on its own stream, but its kernels take SMs and memory bandwidth from the compute they overlap, and the dp
+and tp traffic of a node share its links. CPU: gloo's threads take the cores the forward and backward use."""
 
 
 @dataclass
