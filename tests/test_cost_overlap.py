@@ -40,13 +40,13 @@ def test_dp_reduce_overlaps_only_when_the_engine_overlaps_it(zero):
 def test_zero3_prefetch_pipeline_sends_and_cp_ring_are_hidden_up_to_their_windows():
     z3 = _parts("parallel.zero=3")
     assert 0 < -z3["overlapped"] < z3["dp"]
-    pp = make_plan(compose_cfg("model=gpt_1p3b", "cluster=dgx_h100", "cluster.nodes=2", "parallel.tp=1",
-                               "parallel.pp=4", "parallel.dp=null", "parallel.global_batch=64",
+    pp = make_plan(compose_cfg("model=tiny", "cluster.device=cpu", "cluster.gpus_per_node=4", "parallel.tp=1",
+                               "parallel.pp=2", "parallel.dp=null", "parallel.global_batch=64",
                                "parallel.micro_batch=1", "parallel.sp=false", "parallel.zero=0",
                                "parallel.overlap_grad_reduce=false")).predicted_step_parts_s
     assert 0 < -pp["overlapped"] <= pp["pp"] / 2
-    pp_off = make_plan(compose_cfg("model=gpt_1p3b", "cluster=dgx_h100", "cluster.nodes=2", "parallel.tp=1",
-                                   "parallel.pp=4", "parallel.dp=null", "parallel.global_batch=64",
+    pp_off = make_plan(compose_cfg("model=tiny", "cluster.device=cpu", "cluster.gpus_per_node=4", "parallel.tp=1",
+                                   "parallel.pp=2", "parallel.dp=null", "parallel.global_batch=64",
                                    "parallel.micro_batch=1", "parallel.sp=false", "parallel.zero=0",
                                    "parallel.overlap_grad_reduce=false", "parallel.overlap_p2p=false")
                        ).predicted_step_parts_s

@@ -33,10 +33,12 @@ measures it on CPU; GPUs hide it behind the kernels of large micro-batches)."""
 DEFAULT_OPTIMIZER_S_PER_PARAM = {"cpu": 5e-9, "cuda": 1.2e-11}
 """Seconds of the Adam update per local parameter: about 24 bytes touched at 5 GB/s (a CPU core) or 2 TB/s (HBM)."""
 
-OVERLAP_EFFICIENCY = {"cpu": 0.5, "cuda": 0.5}
-"""Share of a compute window that a background transfer can fill (assumptions, not measured here). GPUs: NCCL
-runs on its own stream, but its kernels take SMs and memory bandwidth from the compute they overlap, and the dp
-and tp traffic of a node share its links. CPU: gloo's threads take the cores the forward and backward use."""
+OVERLAP_EFFICIENCY = {"cpu": 0.5, "cuda": 0.25}
+"""Share of a compute window that a background transfer can fill. GPUs: NCCL runs on its own stream, but its
+kernels take SMs and memory bandwidth from the compute they overlap, and the dp and tp traffic of a node share its
+links; 0.25 is the largest of 1, 0.5, 0.25 at which the published layouts (tests/test_recommend.py) stay within
+10 % of the recommended ones (docs/COST_MODEL.md). CPU: gloo's threads take the cores the compute uses (an
+assumption)."""
 
 
 @dataclass
@@ -240,7 +242,7 @@ def overlap_hidden_s(cfg: Config, parts: Dict[str, float], m: int, counts: Dict[
     - dp, zero=1: the updated shards' all-gather (the other half) runs into the next step's first forward;
     - dp, zero=2: the per-micro-batch reduction overlaps every micro-batch's backward;
     - dp, zero=3: the next unit's parameter gather is prefetched during the current unit's compute (all of it);
-    - pp with parallel.overlap_p2p: sends complete behind the next micro-batch's compute;
+    - pp with parallel.overlap_p2p, on CPU (gloo): sends complete behind the next micro-batch's compute;
     - cp: the ring's K/V exchange runs during the attention of the block in hand (the attention's share)."""
     par = cfg.parallel
     stage = parts.get("compute", 0.0)
@@ -268,8 +270,11 @@ def overlap_hidden_s(cfg: Config, parts: Dict[str, float], m: int, counts: Dict[
                 hide("dp", dp_s / 2, dp_calls // 2, fwd)
             else:
                 hide("dp", dp_s, dp_calls, bwd)
-    if parts.get("pp", 0.0) > 0 and par.overlap_p2p:
-        hide("pp", parts["pp"] / 2, counts.get("pp", 0) // 2, stage)  # the send half of the exchanges
+    if parts.get("pp", 0.0) > 0 and par.overlap_p2p and _device(cfg) == "cpu":
+        # gloo: the next exchange's receives are posted early, so the send half completes behind compute. NCCL
+        # (training/pipeline.py): receives are posted at the exchange itself, and a send cannot complete
+        # before its receive is posted: counted as not hidden.
+        hide("pp", parts["pp"] / 2, counts.get("pp", 0) // 2, stage)
     if parts.get("cp", 0.0) > 0:
         fw = _layer_forward_flops(cfg)
         share = fw["attention"] / max(1.0, fw["weights"] + fw["attention"])
