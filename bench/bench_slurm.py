@@ -18,6 +18,8 @@ bare: a batch script with one srun step on the same 2 nodes x 2 tasks, no Python
 - requeue: `scancel --signal=USR2` -> the step's tasks exit, the script runs `scontrol requeue` (as
   meshrun's epilogue does) -> every task of the restarted job wrote its start time.
 Goals: meshrun's signal -> resumed step <= 1.6x the bare requeue; submit -> first step < 8 s.
+--preemption-cases: only signal -> resumed step against the bare requeue, at 1 node x 2 ranks and at 2 nodes x 1
+rank (each case's meshrun and bare runs alternated, --reps of each), each case <= 1.6x.
 Exit 1 when a goal is missed, 77 when the dev cluster does not answer. The last line is one JSON object.
 """
 
