@@ -15,8 +15,14 @@
    SP (all-gather + reduce-scatter instead, activations split over the sequence) runs in the same rounds
    and is printed against the same DTensor steps, without a target (its gain is memory).
 3. MFU of the engine against this machine's measured matmul rate (printed, no target).
+4. The tp=1 comparison as users run it: each side in its own process at the machine's default thread count
+   (torch's default, no set_num_threads), `--pairs` pairs of runs per shape, the order of the two runs
+   alternating from pair to pair; each run times `--proc-steps` steps after 2 warm-up steps and reports its
+   median step time. Reported: the median of the per-pair ratios plain step / engine step. Target >= 1.0
+   at every shape. (The one-thread in-process figure of 1. stays as the second figure.)
 Exits 1 when a target is missed. The last line is the figures as one JSON object.
 Usage: python bench/bench_engine.py [--rounds N] [--warmup N] [--shapes a,b,tiny] [--no-tp] [--gpu]
+                                   [--pairs N] [--proc-steps N] [--no-procs] [--no-inproc]
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -206,6 +213,72 @@ def _tp_worker(cfg_dict, warmup: int, rounds: int):
     return times
 
 
+PROC_STEPS = {"a": 4, "b": 2, "tiny": 20}
+"""Default timed steps per separate-process run (after 2 warm-up steps)."""
+
+
+def side_main(side: str, shape: str, steps: int) -> int:
+    """One side alone in this process at the default thread count: prints its median step time as JSON."""
+    cfg = bench_cfg(shape)
+    torch.manual_seed(0)
+    if side == "plain":
+        step = plain_stepper(cfg, PlainGPT(cfg), torch.device("cpu"))
+    else:
+        step, _ = engine_stepper(cfg)
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    print(json.dumps({"side": side, "shape": shape, "threads": torch.get_num_threads(),
+                      "step_s": statistics.median(times)}))
+    return 0
+
+
+def run_side(side: str, shape: str, steps: int) -> Tuple[float, int]:
+    """(median step seconds, threads) of one side run in a fresh process with the user's environment."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--side", side, "--shapes", shape,
+                          "--proc-steps", str(steps)], env=env, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"{side} run of shape {shape} failed:\n{out.stderr[-2000:]}")
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    return row["step_s"], row["threads"]
+
+
+def separate_processes(shapes: List[str], pairs: int, steps: int, figures: Dict[str, object]) -> bool:
+    """Section 4: alternated pairs of separate-process runs at the default thread count; True if all hit."""
+    ok = True
+    print(f"\nengine tp=1 vs plain GPT, each side in its own process at the default thread count, {pairs} "
+          f"alternated pairs per shape; median of the pair ratios plain step / engine step")
+    print(f"{'shape':<5} {'threads':>7} {'engine s/step':>13} {'plain s/step':>12} {'pair ratios':<34} "
+          f"{'ratio':>6}  target >= 1.0")
+    for name in shapes:
+        n = steps or PROC_STEPS[name]
+        t_e: List[float] = []
+        t_p: List[float] = []
+        threads = 0
+        for i in range(pairs):
+            for side in (("engine", "plain") if i % 2 == 0 else ("plain", "engine")):
+                t, threads = run_side(side, name, n)
+                (t_e if side == "engine" else t_p).append(t)
+        ratios = [p / e for e, p in zip(t_e, t_p)]
+        r = statistics.median(ratios)
+        hit = r >= 1.0
+        ok &= hit
+        figures[f"procs_{name}"] = {"pairs": pairs, "steps": n, "threads": threads,
+                                    "engine_step_s": round(statistics.median(t_e), 4),
+                                    "plain_step_s": round(statistics.median(t_p), 4),
+                                    "pair_ratios": [round(x, 3) for x in ratios], "ratio": round(r, 4),
+                                    "loadavg_1m": round(os.getloadavg()[0], 2)}
+        print(f"{name:<5} {threads:>7} {statistics.median(t_e):>13.3f} {statistics.median(t_p):>12.3f} "
+              f"{' '.join(f'{x:.2f}' for x in ratios):<34} {r:>6.3f}  {'yes' if hit else 'NO'}"
+              f"   (load average {os.getloadavg()[0]:.1f})")
+    return ok
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=0, help="timed rounds (one step of each side per round); "
@@ -217,17 +290,30 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU threads per process (1: on a shared machine, spinning OpenMP threads that lose their "
                          "core to another job make timings swing far more than one thread does)")
+    ap.add_argument("--pairs", type=int, default=5, help="separate-process pairs per shape (section 4)")
+    ap.add_argument("--proc-steps", type=int, default=0,
+                    help="timed steps per separate-process run; default per shape: " + str(PROC_STEPS))
+    ap.add_argument("--no-procs", action="store_true", help="skip the separate-process default-thread section")
+    ap.add_argument("--no-inproc", action="store_true", help="skip the one-process sections (1. and 2.)")
+    ap.add_argument("--side", choices=("engine", "plain"), help=argparse.SUPPRESS)  # a section-4 child run
     args = ap.parse_args(argv)
+    if args.side:
+        return side_main(args.side, args.shapes, args.proc_steps or PROC_STEPS[args.shapes])
+    default_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.gpu else "cpu")
     sync = torch.cuda.synchronize if args.gpu else (lambda: None)
     shapes = ["gpu"] if args.gpu else args.shapes.split(",")
     ok = True
-    figures: Dict[str, object] = {"bench": "engine", "threads": torch.get_num_threads(), "warmup": args.warmup}
-    print(f"engine tp=1 vs plain nanoGPT-style PyTorch GPT, one process, {torch.get_num_threads()} threads, "
-          f"{args.warmup} warm-up steps each, then interleaved rounds; medians")
-    print(f"{'shape':<5} {'L':>2} {'h':>5} {'a':>3} {'s':>5} {'b':>2} {'rounds':>6} {'engine tok/s':>13} "
-          f"{'plain tok/s':>12} {'ratio':>6}  target >= 1.0   MFU")
+    figures: Dict[str, object] = {"bench": "engine", "threads": torch.get_num_threads(), "warmup": args.warmup,
+                                  "default_threads": default_threads}
+    if args.no_inproc:
+        shapes = []
+    if shapes:
+        print(f"engine tp=1 vs plain nanoGPT-style PyTorch GPT, one process, {torch.get_num_threads()} threads, "
+              f"{args.warmup} warm-up steps each, then interleaved rounds; medians")
+        print(f"{'shape':<5} {'L':>2} {'h':>5} {'a':>3} {'s':>5} {'b':>2} {'rounds':>6} {'engine tok/s':>13} "
+              f"{'plain tok/s':>12} {'ratio':>6}  target >= 1.0   MFU")
     for name in shapes:
         cfg = bench_cfg(name, args.gpu)
         torch.manual_seed(0)
@@ -244,7 +330,7 @@ def main(argv=None) -> int:
         print(f"{name:<5} {m.num_layers:>2} {m.hidden_size:>5} {m.num_attention_heads:>3} {m.seq_length:>5} "
               f"{cfg.parallel.global_batch:>2} {len(t_engine):>6} {r['engine']:>13,.0f} {r['other']:>12,.0f} {r['ratio']:>6.3f}  "
               f"{'yes' if hit else 'NO':<14} {100 * mfu:.1f}%")
-    if not args.gpu and not args.no_tp:
+    if not args.gpu and not args.no_tp and not args.no_inproc:
         from dist_harness import run_distributed
 
         cfg = bench_cfg("a")
@@ -263,6 +349,8 @@ def main(argv=None) -> int:
               f"{'yes' if hit else 'NO'}")
         print(f"  engine TP+SP {r_sp['engine']:,.0f} tok/s, ratio to the same DTensor TP steps {r_sp['ratio']:.3f} "
               f"(no target: SP trades an all-reduce for all-gather + reduce-scatter to split activations)")
+    if not args.gpu and not args.no_procs:
+        ok &= separate_processes(args.shapes.split(","), args.pairs, args.proc_steps, figures)
     print("RESULT:", "PASS" if ok else "FAIL")
     figures["pass"] = ok
     print(json.dumps(figures))

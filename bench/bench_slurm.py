@@ -21,6 +21,8 @@ Goals: meshrun's signal -> resumed step <= 1.6x the bare requeue; submit -> firs
 --in-job (`in_job_main`): a node lost after the first checkpoint (every process of the run on it killed) -> the
 resumed step, with an in-job restart onto a spare (cluster.spare_nodes=1) against the resubmission excluding the
 node, alternated; the resubmission's queue wait (sacct) set aside. Goal: in-job <= 0.6x.
+--preemption-cases: only signal -> resumed step against the bare requeue, at 1 node x 2 ranks and at 2 nodes x 1
+rank (each case's meshrun and bare runs alternated, --reps of each), each case <= 1.6x.
 Exit 1 when a goal is missed, 77 when the dev cluster does not answer. The last line is one JSON object.
 """
 
@@ -111,12 +113,12 @@ def startup_cpu(run_dir: str, attempt: int) -> float:
     return float(events_of(run_dir, "startup", attempt)[0].get("cpu_s") or 0.0)
 
 
-def meshrun_run(work: str, per_node: int) -> Dict[str, object]:
+def meshrun_run(work: str, per_node: int, nodes: int = NODES) -> Dict[str, object]:
     run_dir = os.path.join(work, "run")
     t0 = time.time()
     res = subprocess.run([sys.executable, "-m", "launcher", "cluster=slurm_dev", "model=tiny", "data=synthetic",
                           f"parallel.tp={min(2, per_node)}", f"train.steps={STEPS}", "train.checkpoint_every=4",
-                          f"cluster.nodes={NODES}", f"cluster.gpus_per_node={per_node}",
+                          f"cluster.nodes={nodes}", f"cluster.gpus_per_node={per_node}",
                           f"run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True)
     returned = time.time()
     if res.returncode != 0:
@@ -150,8 +152,8 @@ def meshrun_run(work: str, per_node: int) -> Dict[str, object]:
     wait(lambda: read_events(run_dir)[-1]["event"] in ("completed", "stopped"), timeout=600)
     cpu = (startup_cpu(run_dir, 0), startup_cpu(run_dir, 1))
     print(f"\nrank 0's CPU time from process start to its first step: {cpu[0]:.2f} s (attempt 0), {cpu[1]:.2f} s "
-          f"(attempt 1); {NODES * per_node} ranks on {os.cpu_count()} cores need at least "
-          f"{cpu[1] * NODES * per_node / os.cpu_count():.2f} s of wall time for that (the dev cluster's nodes share "
+          f"(attempt 1); {nodes * per_node} ranks on {os.cpu_count()} cores need at least "
+          f"{cpu[1] * nodes * per_node / os.cpu_count():.2f} s of wall time for that (the dev cluster's nodes share "
           f"this machine's cores)")
     return {"submit_to_first_step_s": round(submit_total, 2), "signal_to_resumed_step_s": round(requeue_total, 2),
             "startup_cpu_s": cpu,
@@ -183,11 +185,11 @@ def task_starts(work: str, attempt: int) -> List[float]:
     return out
 
 
-def bare_run(work: str, per_node: int) -> Dict[str, float]:
+def bare_run(work: str, per_node: int, nodes: int = NODES) -> Dict[str, float]:
     script = os.path.join(work, "bare.sbatch")
     with open(script, "w") as f:
-        f.write(BARE_SCRIPT.format(nodes=NODES, tasks=per_node, work=work))
-    ranks = NODES * per_node
+        f.write(BARE_SCRIPT.format(nodes=nodes, tasks=per_node, work=work))
+    ranks = nodes * per_node
     t0 = time.time()
     res = slurm_command(["sbatch", "--parsable", script])
     if res.returncode != 0:
@@ -309,11 +311,51 @@ def in_job_main(reps: int, per_node: int) -> int:
     return 0 if ok else 1
 
 
+PREEMPTION_CASES = ((1, 2), (2, 1))
+"""(nodes, ranks per node) of --preemption-cases: 1 node x 2 ranks and 2 nodes x 1 rank."""
+
+
+def preemption_cases(reps: int) -> int:
+    """--preemption-cases: USR2 -> resumed step against the bare requeue, per case of PREEMPTION_CASES, each
+    case's meshrun and bare runs alternated (bare first every other rep); prints each case's ratio of the
+    medians and exits 1 when one is above REQUEUE_VS_BARE."""
+    figures: Dict[str, object] = {"bench": "slurm_preemption"}
+    ok = True
+    for nodes, per_node in PREEMPTION_CASES:
+        runs, bares = [], []
+        for rep in range(reps):
+            work = tempfile.mkdtemp(prefix="bench_slurm_preempt_")
+            for side in (("bare", "meshrun") if rep % 2 == 0 else ("meshrun", "bare")):
+                if side == "bare":
+                    bares.append(bare_run(work, per_node, nodes))
+                    print(f"\nbare job {nodes} node(s) x {per_node}: signal -> requeued tasks running "
+                          f"{bares[-1]['requeue_s']:.2f} s")
+                else:
+                    runs.append(meshrun_run(work, per_node, nodes))
+        requeue = statistics.median(r["signal_to_resumed_step_s"] for r in runs)
+        bare = statistics.median(b["requeue_s"] for b in bares)
+        ratio = requeue / bare
+        hit = ratio <= REQUEUE_VS_BARE
+        ok &= hit
+        name = f"{nodes}x{per_node}"
+        figures[name] = {"signal_to_resumed_step_s": [r["signal_to_resumed_step_s"] for r in runs],
+                         "bare_requeue_s": [b["requeue_s"] for b in bares], "ratio": round(ratio, 3),
+                         "requeue_phases": runs[-1]["requeue_phases"], "loadavg_1m": round(os.getloadavg()[0], 2)}
+        print(f"\n{nodes} node(s) x {per_node} rank(s): signal -> resumed step {requeue:.2f} s = {ratio:.2f} x "
+              f"the bare requeue ({bare:.2f} s; medians of {reps}; goal <= {REQUEUE_VS_BARE}): "
+              f"{'yes' if hit else 'NO'} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    figures["ok"] = ok
+    print(json.dumps(figures))
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=1, help="alternated meshrun / bare pairs (medians printed)")
     ap.add_argument("--ranks-per-node", type=int, default=2, help="CPU ranks (and bare tasks) on each of the 2 nodes")
     ap.add_argument("--in-job", action="store_true", help="a lost node: in-job restart against the resubmission")
+    ap.add_argument("--preemption-cases", action="store_true",
+                    help="only USR2 -> resumed step vs the bare requeue at 1 node x 2 ranks and 2 nodes x 1 rank")
     args = ap.parse_args()
     try:
         up = "UP" in slurm_command(["scontrol", "ping"]).stdout
@@ -324,6 +366,8 @@ def main() -> int:
         return 77
     if args.in_job:
         return in_job_main(args.reps, args.ranks_per_node)
+    if args.preemption_cases:
+        return preemption_cases(args.reps)
     runs, bares = [], []
     for rep in range(args.reps):
         work = tempfile.mkdtemp(prefix="bench_slurm_")

@@ -29,6 +29,11 @@
 #     model=tiny_moe in fp32) trains a few steps forward and backward through router, experts and balance loss:
 #     finite losses, metrics rows carrying moe_max_load (>= 1) and moe_aux_loss (> 0), and rank 0's model-state
 #     bytes (every expert's) equal to plan.json's.
+#  7. engine features (bench/gpu_engine_features.py, one rank): zero=3's gathered parameter bytes during steps
+#     against plan.json's zero3_gathered (GPU: the allocator's peak against the plan's total), offload=cpu's
+#     memory_report after steps against the plan (GPU: no optimizer state left on the device), and the
+#     context-parallel ring kernels (cp 2 and 4 simulated on the one device) against float64 attention;
+#     --dry: the same on CPU without the allocator figures.
 # Runs write their checkpoints under a scratch folder (GPU_CHECK_WORK, default a mktemp -d) that is removed
 # at the end; RUN_DIR gets only the logs, plans, metrics and summaries. Each command has a time limit; one that
 # runs past it is killed with its whole process group (its ranks too), so nothing stays on the GPU.
@@ -257,6 +262,18 @@ except (ValueError, IndexError):
     levers = {"ok": False, "checks": {}}
 check("memory_levers", lev.returncode == 0 and levers.get("ok"), exit_code=lev.returncode,
       failed=[k for k, c in levers.get("checks", {}).items() if not c.get("ok")], seconds=round(time.time() - t, 1))
+t = time.time()
+feat = subprocess.run([py, "bench/gpu_engine_features.py", *(["--dry"] if dry else []),
+                       "--out", os.path.join(work, "engine_features")], capture_output=True, text=True, timeout=300)
+with open(os.path.join(run_dir, "engine_features.log"), "w") as f:
+    f.write(feat.stdout + "\n--- stderr ---\n" + feat.stderr)
+try:
+    features = json.loads(feat.stdout.strip().splitlines()[-1])
+except (ValueError, IndexError):
+    features = {"ok": False, "checks": {}}
+check("engine_features", feat.returncode == 0 and features.get("ok"), exit_code=feat.returncode,
+      failed=[k for k, c in features.get("checks", {}).items() if not c.get("ok")],
+      checks=sorted(features.get("checks", {})), seconds=round(time.time() - t, 1))
 summary["ok"] = all(c["ok"] for c in summary["checks"].values())
 with open(os.path.join(run_dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)

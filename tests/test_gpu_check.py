@@ -28,7 +28,7 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     assert summary["mode"] == "dry" and summary["model"] == "tiny" and summary["ok"] is True
     checks = summary["checks"]
     assert set(checks) == {"preflight", "train", "mfu", "model_state_bytes", "activations", "fp16_loss_scaling",
-                           "memory_levers", "moe"}
+                           "memory_levers", "moe", "engine_features"}
     assert all(c["ok"] for c in checks.values()), checks
     assert checks["train"]["steps"] == 4 and checks["train"]["tokens_per_s"] > 0
     states = checks["model_state_bytes"]

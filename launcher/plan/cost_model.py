@@ -4,8 +4,9 @@ Pure Python (no torch): `meshrun action=recommend` ranks thousands of layouts wi
 plan's predicted_step_s comes from it. The rates (Rates) come from, best first: a measurement on this machine
 (training/observe/cost_probe.py, CPU clusters), a preflight.json's measured matmul and bus bandwidths, the cluster
 preset's expected ones (cluster.preflight.matmul_tflops, busbw_intra_gbps, busbw_inter_gbps), its peak
-(cluster.peak_tflops), and last the defaults below. docs/COST_MODEL.md gives the formulas and their limits;
-nothing is assumed to overlap.
+(cluster.peak_tflops), and last the defaults below. docs/COST_MODEL.md gives the formulas and their limits.
+The communication the engine overlaps with compute (overlap_hidden_s) is taken off the step as the negative
+part "overlapped".
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ DEFAULT_OVERHEAD_S = {"cpu": 0.0, "cuda": 0.0}
 measures it on CPU; GPUs hide it behind the kernels of large micro-batches)."""
 DEFAULT_OPTIMIZER_S_PER_PARAM = {"cpu": 5e-9, "cuda": 1.2e-11}
 """Seconds of the Adam update per local parameter: about 24 bytes touched at 5 GB/s (a CPU core) or 2 TB/s (HBM)."""
+
+OVERLAP_EFFICIENCY = {"cpu": 0.5, "cuda": 0.25}
+"""Share of a compute window that a background transfer can fill. GPUs: NCCL runs on its own stream, but its
+kernels take SMs and memory bandwidth from the compute they overlap, and the dp and tp traffic of a node share its
+links; 0.25 is the largest of 1, 0.5, 0.25 at which the published layouts (tests/test_recommend.py) stay within
+10 % of the recommended ones (docs/COST_MODEL.md). CPU: gloo's threads take the cores the compute uses (an
+assumption)."""
 
 
 @dataclass
@@ -227,5 +235,59 @@ def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) 
     for kind, (stride, size) in strides.items():
         bw = group_bandwidth(stride, size, c.gpus_per_node, rates)
         parts[kind] = 0.0 if bw is None else comm.get(kind, 0) / bw + counts[kind] * rates.latency_s
+    hidden = overlap_hidden_s(cfg, parts, m, counts)
+    if sum(hidden.values()) > 0:
+        parts["overlapped"] = -sum(hidden.values())
     parts["total"] = sum(v_ for k, v_ in parts.items() if k != "recompute")  # recompute is inside compute
     return parts
+
+
+def overlap_hidden_s(cfg: Config, parts: Dict[str, float], m: int, counts: Dict[str, int]) -> Dict[str, float]:
+    """Seconds of each communication part that the engine hides behind compute, by kind (docs/COST_MODEL.md).
+
+    Windows, per rank (a micro-batch's forward is 1/3 of its compute, its backward 2/3), each scaled by
+    OVERLAP_EFFICIENCY; what a window hides is at most the part less its one exposed call (the last bucket, the
+    first gather, the last send), which waits at the step's end:
+    - dp, zero=0/1 with parallel.overlap_grad_reduce: the grad reduction (zero=1: the reduce half of its bytes)
+      runs while the last micro-batch's backward goes on (buckets start once their grads are final);
+    - dp, zero=1: the updated shards' all-gather (the other half) runs into the next step's first forward;
+    - dp, zero=2: the per-micro-batch reduction overlaps every micro-batch's backward;
+    - dp, zero=3: the next unit's parameter gather is prefetched during the current unit's compute (all of it);
+    - pp with parallel.overlap_p2p, on CPU (gloo): sends complete behind the next micro-batch's compute;
+    - cp: the ring's K/V exchange runs during the attention of the block in hand (the attention's share)."""
+    par = cfg.parallel
+    stage = parts.get("compute", 0.0)
+    if stage <= 0 or m <= 0:
+        return {}
+    eff = OVERLAP_EFFICIENCY[_device(cfg)]
+    per_micro = stage / m
+    fwd, bwd = per_micro / 3, 2 * per_micro / 3
+    out: Dict[str, float] = {}
+
+    def hide(kind: str, seconds: float, calls: int, window: float) -> None:
+        if seconds > 0 and window > 0:
+            exposed = seconds / max(1, calls)  # the call that can only start (or must end) at the boundary
+            out[kind] = out.get(kind, 0.0) + min(seconds - exposed, eff * window)
+
+    dp_s, dp_calls = parts.get("dp", 0.0), counts.get("dp", 0)
+    if dp_s > 0:
+        if par.zero >= 3:
+            hide("dp", dp_s, dp_calls, stage)
+        elif par.zero == 2:
+            hide("dp", dp_s, dp_calls, m * bwd)
+        elif par.overlap_grad_reduce:
+            if par.zero == 1:  # reduce-scatter and all-gather: half the bytes and half the calls each
+                hide("dp", dp_s / 2, dp_calls // 2, bwd)
+                hide("dp", dp_s / 2, dp_calls // 2, fwd)
+            else:
+                hide("dp", dp_s, dp_calls, bwd)
+    if parts.get("pp", 0.0) > 0 and par.overlap_p2p and _device(cfg) == "cpu":
+        # gloo: the next exchange's receives are posted early, so the send half completes behind compute. NCCL
+        # (training/schedules/pipeline.py): receives are posted at the exchange itself, and a send cannot complete
+        # before its receive is posted: counted as not hidden.
+        hide("pp", parts["pp"] / 2, counts.get("pp", 0) // 2, stage)
+    if parts.get("cp", 0.0) > 0:
+        fw = _layer_forward_flops(cfg)
+        share = fw["attention"] / max(1.0, fw["weights"] + fw["attention"])
+        hide("cp", parts["cp"], counts.get("cp", 0), share * stage)
+    return out

@@ -104,6 +104,19 @@ def _dcp():
     return dcp, CheckpointException
 
 
+def import_save_path() -> Tuple[Any, ...]:
+    """Import every module a save needs that the engine's start does not (DCP and the DTensor code it pulls
+    in, the ShardedTensor wrapping of training/checkpoint/layout.py, the CRC writer): about a second of CPU
+    per rank. `CheckpointManager.prewarm` runs it on a background thread once training runs, so that a save
+    at a preemption signal, which is on the critical path to the requeue, does not pay for it."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor  # layout.to_state_dict's imports
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+
+    from training.checkpoint.crc_writer import CrcFileSystemWriter
+
+    return _dcp(), ShardedTensor, ShardedTensorMetadata, CrcFileSystemWriter
+
+
 def _rank0_print(msg: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"[checkpoint] {msg}", file=sys.stderr, flush=True)
@@ -216,6 +229,7 @@ class CheckpointManager:
         # joined at interpreter exit, so a pending save is committed before the process ends.
         self._stager = HostStager() if self.async_save else None
         self._writer_thread = writer_thread(mesh.device) if self.async_save else None
+        self._prewarm_thread: Optional[threading.Thread] = None  # prewarm()'s import thread
         # Set by the first wait_staged(): the caller has a barrier before it changes the state, so an async
         # save may return before its host copy is complete (the copy then overlaps the next forward/backward).
         self._has_barrier = False
@@ -316,6 +330,15 @@ class CheckpointManager:
                 for state, tensor in shard.tensors.items():
                     pieces += pieces_for(f"optim/{state}/{shard.name}", info, tensor, shard.param_start)
         return pieces
+
+    def prewarm(self) -> None:
+        """Import the save path in the background (import_save_path), once: the loop calls it after the
+        first step, so the start-up before that step does not share its CPU with the import."""
+        if self._prewarm_thread is not None:
+            return
+        self._prewarm_thread = threading.Thread(target=import_save_path, name="meshrun-checkpoint-import",
+                                                daemon=True)
+        self._prewarm_thread.start()
 
     # ----- save ------------------------------------------------------------------------------------
     def save(self, step: int, model_chunks, optimizer, extra_state: Dict[str, Any], reason: str = "interval") -> SaveStats:

@@ -35,6 +35,7 @@ from training.optim.grad_shard import ShardedGradBuffer
 from training.optim.loss_scaler import LossScaler
 from training.optim.model_parallel import ModelParallelGradSync
 from training.optim.param_gather import ParamGather
+from training.optim.threads import elementwise_threads
 from training.optim.zero3 import Zero3Params
 from training.model.moe import is_expert_param, set_aux_loss_grad_scale
 from training.contract.precision import grad_dtype, check_precision
@@ -169,7 +170,8 @@ class DistributedOptimizer:
         """Start a step. Given its number of micro-batches (the loop does), each bucket's dp reduction starts
         during backward as soon as its grads are final; without it, everything is reduced in `step`, and the
         main grads (optimizer.grads.views) hold this rank's own sums until then."""
-        self.grads.zero()
+        with elementwise_threads(self.layout.params[0].device):  # a zero-fill: see training/optim/threads.py
+            self.grads.zero()
         if num_micro_batches is not None:
             self.grads.expect(num_micro_batches)
             if not self._expert_part:  # the parent's loss scale is the one the loss gets
@@ -227,7 +229,9 @@ class DistributedOptimizer:
         else:
             weights = self.adamw.weights()
             # The clipping (coef < 1) is applied to the grads block by block inside the update: one pass less.
-            self.adamw.update(weights, grads, lr, self.step_count, grad_coef=coef)
+            # Elementwise only, on one CPU thread (training/optim/threads.py): the same bits, no barriers.
+            with elementwise_threads(grads.device):
+                self.adamw.update(weights, grads, lr, self.step_count, grad_coef=coef)
             self._write_back(weights, defer_param_gather)
 
     def reduce_grads(self) -> torch.Tensor:

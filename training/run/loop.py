@@ -430,6 +430,9 @@ class Trainer:
                 startup.mark("first_step")
                 append_event(self.run_dir, "startup", step=self.state.step, marks=startup.timeline(),
                              cpu_s=startup.cpu_seconds())
+            if not rates and not losses and self.checkpointer is not None:
+                # Training runs: the save path's imports now, in the background, not at a preemption signal.
+                self.checkpointer.prewarm()
             tok_s = self.tokens_per_step / dt
             mfu = self.flops_per_step / dt / self.peak_flops if self.peak_flops > 0 else None
             if self.state.step > 1 or cfg.train.steps == 1:
