@@ -15,7 +15,8 @@ backward is the same derivative computed in another order (fp32 rounding differs
 
 Device-agnostic (CPU, CUDA; fp32, bf16, fp16): reduced-precision inputs are computed in fp32 and rounded
 once, as the composite forms do. torch.compile traces through them (training/compile_layers.py).
-On CUDA torch has its own fused RMSNorm kernel, which saves the same two tensors: `rms_norm` uses it there.
+On CUDA torch has its own fused RMSNorm kernel (aten::_fused_rms_norm, which saves the input, the weight and
+the fp32 rstd as the Function does): `rms_norm` calls it there through F.rms_norm, as the model did before.
 """
 
 from __future__ import annotations
