@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from training.contract.config import Config, ModelConfig, ParallelConfig
+from training.model.fused_ops import rms_norm, rotary_qkv, swiglu
 from training.model.init import init_parameters, stable_seed
 from training.contract.layout_rules import (
     layer_rules, model_rules, padded_vocab, raise_errors, sequence_parallel_on, sp_rules, tp_rules,
@@ -113,7 +114,7 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "rmsnorm":
-            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
+            return rms_norm(x, self.weight, self.eps)  # saves x and rstd only (training/model/fused_ops.py)
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, eps=self.eps)
 
 
@@ -219,9 +220,14 @@ class Attention(nn.Module):
         """x: [b, s, h], or under SP the local sequence shard [s/tp, b, h]; the output has x's order."""
         qkv = self.qkv(x)  # [b, s, local_groups * (q_per_group + 2) * d]; under SP [s, b, ...], s the full sequence
         n0, n1 = qkv.shape[:2]
-        q, k, v = self.split_qkv(qkv, self.batch_first)
-        if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+        if self.rotary is not None:  # rotated into new q and k+v tensors: the linear's output is freed (fused_ops)
+            s = n1 if self.batch_first else n0
+            q, kv = rotary_qkv(qkv.view(n0, n1, self.local_groups, self.q_per_group + 2, self.d),
+                               self.rotary.cos[:s], self.rotary.sin[:s], 1 if self.batch_first else 0)
+            order = (0, 2, 1, 3) if self.batch_first else (1, 2, 0, 3)
+            q, k, v = q.permute(*order), kv[:, :, :, 0].permute(*order), kv[:, :, :, 1].permute(*order)
+        else:
+            q, k, v = self.split_qkv(qkv, self.batch_first)
         if self.recompute_core:
             ctx = checkpoint(self.core, q, k, v, key, use_reentrant=False)
         else:
@@ -245,8 +251,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)
         if self.swiglu:
-            gate, up = y.view(*y.shape[:-1], -1, 2).unbind(-1)  # interleaved gate / up rows; one-op backward
-            y = F.silu(gate) * up
+            y = swiglu(y)  # interleaved gate / up rows; saves only y (training/model/fused_ops.py)
         else:
             y = F.gelu(y, approximate=self.gelu_approximate)
         return self.fc2(y)

@@ -4,8 +4,10 @@ estimates (launcher/plan/memory.py), measured on any device, independent of the 
     python -m training.observe.saved_bytes RUN_DIR     # one process; prints {"saved_activation_bytes": N, ...}
 
 bench/gpu_check.sh compares it with plan.json's activations (on CPU, where the process's peak RSS says
-nothing about activations; on GPU next to peak allocated minus model states). Each saved tensor is counted
-once (by storage, shape and dtype); parameters are not activations and are left out.
+nothing about activations; on GPU next to peak allocated minus model states). Each storage a saved tensor
+keeps alive is counted once, whole: two views of one storage (attention's output and the next linear's input)
+are one buffer, and a view keeps its whole storage alive (as training/schedules/pipeline.py counts). Parameters and
+module buffers (RoPE tables) are model state, not activations, and are left out.
 """
 
 from __future__ import annotations
@@ -21,20 +23,22 @@ import torch
 
 
 class SavedBytes:
-    """Counts the bytes autograd saves for backward while the block runs (parameters left out, each tensor
-    once, by storage, shape and dtype): `with SavedBytes(params) as saved: forward(); saved.total`."""
+    """Counts the bytes of the storages autograd saves for backward while the block runs (those of `params`,
+    the model's parameters and buffers, left out; each storage once, whole):
+    `with SavedBytes(params) as saved: forward(); saved.total`."""
 
     def __init__(self, params) -> None:
-        self._params = {p.data_ptr() for p in params}
+        self._params = {p.untyped_storage().data_ptr() for p in params}
         self._seen: set = set()
         self.total = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = (t.data_ptr(), tuple(t.shape), t.dtype)
-        if t.data_ptr() not in self._params and key not in self._seen:
-            self._seen.add(key)
-            self.total += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._params and ptr not in self._seen:
+            self._seen.add(ptr)
+            self.total += storage.nbytes()
         return t
 
     def __enter__(self) -> "SavedBytes":
@@ -50,7 +54,8 @@ def saved_activation_bytes(trainer) -> int:
     tokens, targets = trainer.sampler.micro_batches(0)[0]
     for c in trainer.chunks:
         c.train()
-    with SavedBytes(trainer.optimizer.params) as saved:
+    state = list(trainer.optimizer.params) + [b for c in trainer.chunks for b in c.buffers()]
+    with SavedBytes(state) as saved:
         trainer.chunks[0](tokens, targets)
     return saved.total
 
