@@ -207,6 +207,18 @@ else:
         found["allocator_measured"] = act
         within = within and act is not None and abs(act - act_plan) <= 0.1 * act_plan
     check("activations", within, **found)
+    # Reserved, not allocated (launcher/plan/memory.py reserved_check): the caching allocator's peak after the
+    # first step must stay within the plan's total plus its fragmentation share, and fit the device with the
+    # rest of the reserve. --dry: CPU has no caching allocator; its figure is the rank's peak RSS (the
+    # interpreter included), checked against the device memory given to the plan only.
+    from launcher.plan.memory import reserved_check
+
+    reserved = (s.get("peak_reserved_bytes_per_rank") or [None])[0]
+    if reserved is None or not plan:
+        check("memory_reserved", False, reason="no peak_reserved_bytes_per_rank in summary.json or no plan.json")
+    else:
+        r = reserved_check(plan, reserved)
+        check("memory_reserved", r["within_device"] and (dry or r["within_plan"]), **r)
     fp16_dir = os.path.join(work, "fp16")
     p, dt = meshrun("train_fp16", [f"model={chosen}", *common, "train.precision=fp16", "parallel.micro_batch=1",
                                    "parallel.global_batch=1", f"train.steps={fp16_steps}", f"run.dir={fp16_dir}"],

@@ -44,7 +44,7 @@ MODE=()
 [ "$DRY" = 1 ] && MODE=(--dry)
 rm -rf -- "$VENV"
 step install 300 bash bench/gpu_venv.sh "$WHEELS" "$VENV" || { echo "no usable $VENV: stopping"; exit 2; }
-PYTHON=$PWD/$VENV/bin/python
+case "$VENV" in /*) PYTHON=$VENV/bin/python ;; *) PYTHON=$PWD/$VENV/bin/python ;; esac
 export PYTHON
 
 step preflight 240 bash bench/gpu_preflight.sh "${MODE[@]}" "$OUT/preflight"

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 from launcher.plan.memory import (GRAD_BYTES, PARAM_BYTES, DeviceProfile, device_profile, layer_activation_bytes,
                              model_state_bytes, stage_activation_bytes)
 from launcher.plan.context_memory import gpu_memory_bytes, optimizer_shard_degree
-from launcher.plan.memory import device_reserve_bytes
+from launcher.plan.memory import device_reserve_bytes, param_gather_bytes
 from launcher.plan.model_size import (hardware_flops_per_step, layer_params, model_flops_per_step, padded_vocab,
                                  params_total, stage_params)
 from launcher.plan.cost_model import Rates, cluster_rates, predict
@@ -205,6 +205,8 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
         mem["zero3_gathered"] = zero3_gathered_bytes(cfg, st) if par.zero >= 3 else 0
         mem.update(offload_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp)))  # device optimizer bytes, host / files
         mem["total"] = mem["weights"] + mem["grads"] + mem["optimizer"] + mem["activations"] + mem["zero3_gathered"]
+        mem["param_gather"] = param_gather_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp))
+        mem["total"] += mem["param_gather"]
         stages.append(StagePlan(stage=st, params=sp_.total, memory_bytes=mem))
     worst = max(stages, key=lambda x: x.memory_bytes["total"])
     memory = dict(worst.memory_bytes)
@@ -233,7 +235,8 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
         params_total=params_total(cfg),
         params_per_gpu=worst.params,
         memory_bytes={k: memory[k] for k in ("weights", "grads", "optimizer", "activations", "activations_per_layer",
-                                             "zero3_gathered", "host_offload", "nvme_offload", "total")},
+                                             "zero3_gathered", "host_offload", "nvme_offload", "param_gather",
+                                             "total")},
         **bub,
         model_flops_per_step=model_flops_per_step(cfg),
         hardware_flops_per_step=hw_flops,
@@ -295,7 +298,8 @@ def format_plan(plan: Plan) -> str:
                         " per micro-batch)"),
         *[(label, fmt_bytes(mem[key])) for key, label in (("zero3_gathered", "zero=3 gathered"),
                                                            ("host_offload", "host (offload)"),
-                                                           ("nvme_offload", "nvme (offload)")) if mem.get(key)],
+                                                           ("nvme_offload", "nvme (offload)"),
+                                                           ("param_gather", "zero=1/2 param gather")) if mem.get(key)],
         ("total / GPU", f"{fmt_bytes(mem['total'])} of {fmt_bytes(plan.gpu_memory_bytes)}, headroom "
                         f"{fmt_bytes(plan.headroom_bytes)} -> " + ("fits" if plan.fits else "DOES NOT FIT")),
         ("bubble", f"{plan.bubble_ratio:.3f} of ideal compute, {100 * plan.bubble_idle_fraction:.1f} % of wall clock idle"),

@@ -34,6 +34,14 @@ from training.optim.flat import FlatLayout
 from training.parallel.collectives import reduce_scatter_single
 
 
+def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the dp reduction sums in: fp32 for fp16 main grads. A dp sum of loss-scaled fp16 grads
+    overflows at 65,504 although their average fits, and rounds at every partial sum; in fp32 it rounds once,
+    when the average is written back. The fp16 buffer (2 B per parameter, ZeRO's accounting) is kept; the
+    fp32 copy lives only while its bucket is reduced (parallel.bucket_mb)."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 class GradBuffer:
     """Main grads of one rank's parameters, accumulated over micro-batches and reduced over dp."""
 
@@ -69,7 +77,7 @@ class GradBuffer:
         self._counts = [0] * len(layout.params)
         self._expected: Optional[int] = None
         self._pending = [len(m) for m in self._bucket_params]
-        self._launched: List[Optional[Tuple[Any, torch.Tensor, Optional[torch.Tensor]]]] = [None] * len(self._buckets)
+        self._launched: List[Optional[Tuple[Any, ...]]] = [None] * len(self._buckets)
         # Hooks only where they have work: moving a grad of another dtype, or counting grads for the overlap.
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(layout.params) if self.overlap or not self.direct[i]]
@@ -188,28 +196,32 @@ class GradBuffer:
         if self._expected is not None and any(c < self._expected for c in self._counts):
             self.launched_in_backward += 1  # some grads still to come: this bucket overlaps the backward
         lay = self.layout
+        wide = reduce_dtype(self.buffer.dtype)
         if lay.zero == 0:
             lo, hi = self._buckets[b][0]
             bucket = self.buffer[lo:hi]
-            work = dist.all_reduce(bucket, group=self.dp_group, async_op=True)
-            self._launched[b] = (work, bucket, None)
+            summed = bucket.to(wide)  # the bucket itself unless fp16
+            work = dist.all_reduce(summed, group=self.dp_group, async_op=True)
+            self._launched[b] = (work, summed, bucket)
             return
         if self.reduce_to_owner:
             lo, hi = self._buckets[b][0]
             owner = self._owners[b]
             bucket = self.buffer[lo:hi]
-            work = dist.reduce(bucket, dst=dist.get_global_rank(self.dp_group, owner), group=self.dp_group,
+            summed = bucket.to(wide)
+            work = dist.reduce(summed, dst=dist.get_global_rank(self.dp_group, owner), group=self.dp_group,
                                async_op=True)
             # Only the owner's copy is the sum (and only it is read): the others are left as they are.
-            self._launched[b] = (work, bucket if owner == lay.dp_rank else None, None)
+            self._launched[b] = (work, summed, bucket) if owner == lay.dp_rank else (work, None, summed)
             return
         start = self._buckets[b][0][0]
         rows = self.buffer.view(lay.dp, lay.shard_size)
         width = self._width()
-        send = rows[:, start : start + width].contiguous().view(-1)  # kept alive until the wait
+        send = rows[:, start : start + width].to(wide).contiguous().view(-1)  # kept alive until the wait
         out = rows[lay.dp_rank, start : start + width]
-        work = reduce_scatter_single(out, send, group=self.dp_group, async_op=True)
-        self._launched[b] = (work, out, send)
+        summed = out if wide == out.dtype else torch.empty(out.shape, dtype=wide, device=out.device)
+        work = reduce_scatter_single(summed, send, group=self.dp_group, async_op=True)
+        self._launched[b] = (work, summed, out, send)
 
     def reduce_dp(self) -> None:
         """Average over dp: all-reduce (zero=0) or reduce-scatter into this rank's shard (zero=1), bucketed;
@@ -228,10 +240,13 @@ class GradBuffer:
         inv = 1.0 / self.layout.dp
         for b, item in enumerate(self._launched):
             if item is not None:
-                work, result, _ = item
+                # (work, the sum or None, where it goes (the same tensor unless summed in fp32), kept alive...)
+                work, result, dest = item[0], item[1], item[2]
                 work.wait()
                 if result is not None:
                     result.mul_(inv)
+                    if dest is not None and dest.data_ptr() != result.data_ptr():
+                        dest.copy_(result)
                 self._launched[b] = None
 
     def nbytes(self) -> int:
