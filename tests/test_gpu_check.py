@@ -28,7 +28,7 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     assert summary["mode"] == "dry" and summary["model"] == "tiny" and summary["ok"] is True
     checks = summary["checks"]
     assert set(checks) == {"preflight", "train", "mfu", "model_state_bytes", "activations", "fp16_loss_scaling",
-                           "memory_levers"}
+                           "memory_levers", "memory_reserved"}
     assert all(c["ok"] for c in checks.values()), checks
     assert checks["train"]["steps"] == 4 and checks["train"]["tokens_per_s"] > 0
     states = checks["model_state_bytes"]
@@ -45,3 +45,5 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     act = checks["activations"]
     assert act["measured"] > 0 and abs(act["measured"] - act["plan"]) <= 0.1 * act["plan"]
     assert not list(run_dir.rglob("checkpoints"))  # checkpoints stay in the scratch folder
+    reserved = checks["memory_reserved"]  # issue 31 (d): computed from summary.json and plan.json
+    assert reserved["reserved"] > 0 and reserved["within_device"] and reserved["device_limit"] == 4 * 2**30
