@@ -60,11 +60,12 @@ OFFLOAD_BLOCK_ELEMS = 1 << 18
 """Elements per block of the offloaded optimizer step (parallel.offload=nvme reads and writes the state in
 blocks of this size; the planner counts one fp32 buffer of it per state tensor as the rank's host bytes)."""
 
-PARAM_GATHER_INFLIGHT_BYTES = 256 << 20
+PARAM_GATHER_INFLIGHT_BYTES = 64 << 20
 """Bound of the zero=1/2 all-gather of the updated shards (training/optim/param_gather.py): the chunks in
 flight at once, their receive buffers and send copies together, stay within this many bytes, instead of a
 second copy of every weight while the next forward waits for them. The planner counts it
-(launcher/plan/memory.py param_gather_bytes)."""
+(launcher/plan/memory.py param_gather_bytes). 64 MiB: about one bucket of Megatron-LM's overlapped parameter
+gather (which gathers in place and holds nothing extra); how much of the gather it hides on a GPU is unmeasured."""
 
 
 def param_gather_chunk_elems(precision: str, bucket_mb: float, dp: int) -> int:
