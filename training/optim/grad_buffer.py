@@ -45,6 +45,10 @@ def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
 class GradBuffer:
     """Main grads of one rank's parameters, accumulated over micro-batches and reduced over dp."""
 
+    MAX_WIDE_INFLIGHT = 4
+    """fp16: buckets whose fp32 copies may be in flight at once (older ones are completed first), so the
+    copies stay a few buckets, not an fp32 copy of every grad, when backward launches them all (overlap)."""
+
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, dp_group: Any, bucket_mb: float,
                  overlap: bool = True):
         self.layout = layout
@@ -78,6 +82,8 @@ class GradBuffer:
         self._expected: Optional[int] = None
         self._pending = [len(m) for m in self._bucket_params]
         self._launched: List[Optional[Tuple[Any, ...]]] = [None] * len(self._buckets)
+        self._wide: List[int] = []  # launched buckets holding an fp32 copy, oldest first
+        self._done: set = set()  # buckets reduced this step (completed early to bound the fp32 copies)
         # Hooks only where they have work: moving a grad of another dtype, or counting grads for the overlap.
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(layout.params) if self.overlap or not self.direct[i]]
@@ -158,6 +164,7 @@ class GradBuffer:
     def zero(self) -> None:
         """Start a new step: no accumulated grads (the next grad of each parameter overwrites its view)."""
         self.wait()
+        self._done = set()
         self._counts = [0] * len(self.layout.params)
         self._pending = [len(m) for m in self._bucket_params]
         self._expected = None
@@ -197,6 +204,10 @@ class GradBuffer:
             self.launched_in_backward += 1  # some grads still to come: this bucket overlaps the backward
         lay = self.layout
         wide = reduce_dtype(self.buffer.dtype)
+        if wide != self.buffer.dtype:
+            self._wide.append(b)
+            while len(self._wide) > self.MAX_WIDE_INFLIGHT:
+                self._complete(self._wide.pop(0))
         if lay.zero == 0:
             lo, hi = self._buckets[b][0]
             bucket = self.buffer[lo:hi]
@@ -231,23 +242,31 @@ class GradBuffer:
         if self.layout.dp == 1:
             return
         for b in range(len(self._buckets)):
-            if self._launched[b] is None:
+            if self._launched[b] is None and b not in self._done:
                 self._launch(b)
         self.wait()
+        self._done = set()
 
     def wait(self) -> None:
         """Wait for the launched buckets and average them over dp (nothing launched: nothing to do)."""
-        inv = 1.0 / self.layout.dp
-        for b, item in enumerate(self._launched):
-            if item is not None:
-                # (work, the sum or None, where it goes (the same tensor unless summed in fp32), kept alive...)
-                work, result, dest = item[0], item[1], item[2]
-                work.wait()
-                if result is not None:
-                    result.mul_(inv)
-                    if dest is not None and dest.data_ptr() != result.data_ptr():
-                        dest.copy_(result)
-                self._launched[b] = None
+        for b in range(len(self._launched)):
+            self._complete(b)
+        self._wide = []
+
+    def _complete(self, b: int) -> None:
+        """Wait for bucket b's collective (if launched and not complete yet) and average it over dp."""
+        item = self._launched[b]
+        if item is None:
+            return
+        # (work, the sum or None, where it goes (the same tensor unless summed in fp32), kept alive...)
+        work, result, dest = item[0], item[1], item[2]
+        work.wait()
+        if result is not None:
+            result.mul_(1.0 / self.layout.dp)
+            if dest is not None and dest.data_ptr() != result.data_ptr():
+                dest.copy_(result)
+        self._launched[b] = None
+        self._done.add(b)
 
     def nbytes(self) -> int:
         """Bytes of the buffer (padding included)."""
