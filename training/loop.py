@@ -144,11 +144,11 @@ class Summary:
     mfu: Optional[float]
     peak_memory_bytes_per_rank: List[int] = field(default_factory=list)
     skipped_steps: int = 0
+    exit_code: int = 0
     peak_reserved_bytes_per_rank: List[int] = field(default_factory=list)
     """The CUDA caching allocator's peak reserved bytes per rank after the first step (what the GPU really
     gave the allocator: allocated plus its fragmentation; bench/gpu_check.sh compares it with the plan); on
     CPU the same figure as peak_memory_bytes_per_rank."""
-    exit_code: int = 0
 
 
 class Trainer:
