@@ -262,3 +262,35 @@ def test_reserved_memory_is_compared_with_the_plan_and_its_fragmentation_share(m
     assert not over["within_plan"] and over["within_device"]
     full = reserved_check(plan, gpu - CUDA_CONTEXT_BYTES + 1)
     assert not full["within_device"]
+
+
+def test_checkpoint_staging_buffers_are_pinned_for_gpu_sources(monkeypatch):
+    """Risk 'pageable staging buffers': the async save's host buffers are pinned when the state is on a GPU
+    (a pageable destination makes the copy synchronous), pageable for CPU state. Stand-in: a tensor that
+    says it is on CUDA, torch.empty recording what it was asked for."""
+    from training.checkpoint.layout import Piece
+    from training.checkpoint.staging import HostStager
+
+    asked = []
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        asked.append(kw.get("pin_memory"))
+        return real_empty(*shape, **{k: v for k, v in kw.items() if k != "pin_memory"})
+
+    class OnGpu:
+        def __init__(self, t):
+            self.t, self.shape, self.dtype, self.is_cuda = t, t.shape, t.dtype, True
+
+        def detach(self):
+            return self
+
+    class Event:
+        def record(self, stream=None):
+            pass
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    pieces = [Piece("model/w", OnGpu(torch.ones(3)), (0,), (3,)), Piece("model/b", torch.ones(2), (0,), (2,))]
+    HostStager().prepare(pieces)
+    assert asked == [True, False]
