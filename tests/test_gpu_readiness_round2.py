@@ -212,9 +212,11 @@ def test_zero1_gather_holds_a_bounded_window_not_a_second_copy(two_ranks):
 
 
 # ---------------------------------------------------------------- single process
-def test_plan_counts_the_param_gather_in_total():
+def test_plan_keeps_the_param_gather_back():
+    """The window is kept back beside the CUDA reserve: `fits` and the headroom count it (total, the model
+    states and activations, stays the published figures)."""
     from launcher.plan.estimate import make_plan
-    from launcher.plan.memory import param_gather_bytes
+    from launcher.plan.memory import FRAGMENTATION, device_reserve_bytes, param_gather_bytes
     from training.config import Config
     from training.precision import PARAM_GATHER_INFLIGHT_BYTES
 
@@ -222,16 +224,24 @@ def test_plan_counts_the_param_gather_in_total():
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 4, 512, 8
     cfg.cluster.gpus_per_node, cfg.parallel.dp, cfg.parallel.global_batch = 8, 8, 8
     cfg.train.precision = "bf16"
+    cfg.cluster.device = "cuda"
     plans = {}
     for zero in (0, 1, 2, 3):
         cfg.parallel.zero = zero
-        plans[zero] = make_plan(cfg).memory_bytes
-    assert plans[0]["param_gather"] == plans[3]["param_gather"] == 0
+        plans[zero] = make_plan(cfg)
+    assert plans[0].memory_bytes["param_gather"] == plans[3].memory_bytes["param_gather"] == 0
     for zero in (1, 2):
-        mem = plans[zero]
+        cfg.parallel.zero = zero
+        plan, mem = plans[zero], plans[zero].memory_bytes
         assert 0 < mem["param_gather"] <= PARAM_GATHER_INFLIGHT_BYTES
-        assert mem["total"] == sum(mem[k] for k in ("weights", "grads", "optimizer", "activations",
-                                                    "zero3_gathered", "param_gather"))
+        assert plan.reserve_bytes == device_reserve_bytes(cfg, plan.gpu_memory_bytes) + mem["param_gather"]
+        # Exactly as much GPU as the plan without the window: no longer fits.
+        fixed = plan.reserve_bytes - mem["param_gather"] - int(FRAGMENTATION * plan.gpu_memory_bytes)
+        cfg.cluster.gpu_memory_gb = ((mem["total"] + fixed) / (1 - FRAGMENTATION) + 2**20) / 2**30
+        tight = make_plan(cfg)
+        assert tight.memory_bytes["param_gather"] == mem["param_gather"] and not tight.fits
+        assert 0 < tight.headroom_bytes + mem["param_gather"] < 2**20  # it would, without the window
+        cfg.cluster.gpu_memory_gb = 80
     # Large enough that the bound binds: a 7B-class model's weights at dp=8 would be GBs, the window is not.
     cfg.parallel.zero = 1
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 32, 4096, 32

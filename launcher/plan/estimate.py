@@ -175,7 +175,8 @@ class Plan:
     """The per-GPU FLOP/s the mfu is relative to."""
     reserve_bytes: int = 0
     """GPU memory kept back from model states and activations (CUDA context, NCCL buffers, allocator
-    fragmentation: launcher/plan/memory.py device_reserve_bytes); 0 on CPU. fits needs total + reserve."""
+    fragmentation: launcher/plan/memory.py device_reserve_bytes; 0 on CPU), plus memory_bytes' param_gather
+    (the zero=1/2 all-gather's in-flight chunks, on any device). fits needs total + reserve."""
 
     @property
     def headroom_bytes(self) -> int:
@@ -205,8 +206,9 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
         mem["zero3_gathered"] = zero3_gathered_bytes(cfg, st) if par.zero >= 3 else 0
         mem.update(offload_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp)))  # device optimizer bytes, host / files
         mem["total"] = mem["weights"] + mem["grads"] + mem["optimizer"] + mem["activations"] + mem["zero3_gathered"]
+        # Transient, beside total (the README's and users' model-state + activation figures): kept back in
+        # reserve_bytes with the CUDA reserve, so `fits` and the headroom count it.
         mem["param_gather"] = param_gather_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp))
-        mem["total"] += mem["param_gather"]
         stages.append(StagePlan(stage=st, params=sp_.total, memory_bytes=mem))
     worst = max(stages, key=lambda x: x.memory_bytes["total"])
     memory = dict(worst.memory_bytes)
@@ -242,8 +244,8 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
         hardware_flops_per_step=hw_flops,
         tokens_per_step=par.global_batch * mc.seq_length,
         gpu_memory_bytes=gpu_bytes,
-        fits=memory["total"] + device_reserve_bytes(cfg, gpu_bytes) <= gpu_bytes,
-        reserve_bytes=device_reserve_bytes(cfg, gpu_bytes),
+        fits=memory["total"] + device_reserve_bytes(cfg, gpu_bytes) + memory["param_gather"] <= gpu_bytes,
+        reserve_bytes=device_reserve_bytes(cfg, gpu_bytes) + memory["param_gather"],
         worst_stage=worst.stage,
         padded_vocab=padded_vocab(mc.vocab_size, par.tp),
         comm_bytes=comm,

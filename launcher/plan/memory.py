@@ -273,11 +273,12 @@ def param_gather_bytes(cfg: Config, n: int, dp: int) -> int:
 
 def reserved_check(plan: Dict, reserved: int) -> Dict[str, object]:
     """A run's peak reserved bytes (the CUDA caching allocator's max_memory_reserved: allocated plus what
-    fragmentation keeps) against its plan.json: within_plan when they stay within the plan's total plus its
-    fragmentation share (FRAGMENTATION of the GPU), within_device when, with the rest of the reserve (CUDA
-    context, NCCL buffers), they fit the GPU. `fits` counts allocated bytes; this is what the device gives."""
-    gpu, total = int(plan["gpu_memory_bytes"]), int(plan["memory_bytes"]["total"])
+    fragmentation keeps) against its plan.json: within_plan when they stay within the plan's total and
+    param_gather plus its fragmentation share (FRAGMENTATION of the GPU), within_device when, with the rest
+    of the reserve (CUDA context, NCCL buffers), they fit the GPU. `fits` counts allocated bytes; this is what the device gives."""
+    gather = int(plan["memory_bytes"].get("param_gather", 0))  # allocator memory too: in `reserved`
+    gpu, total = int(plan["gpu_memory_bytes"]), int(plan["memory_bytes"]["total"]) + gather
     fragmentation = int(FRAGMENTATION * gpu)
-    rest = max(0, int(plan.get("reserve_bytes", 0)) - fragmentation)
+    rest = max(0, int(plan.get("reserve_bytes", 0)) - gather - fragmentation)
     return {"reserved": reserved, "plan_limit": total + fragmentation, "device_limit": gpu - rest,
             "within_plan": reserved <= total + fragmentation, "within_device": reserved + rest <= gpu}
