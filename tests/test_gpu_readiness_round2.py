@@ -9,7 +9,6 @@ Single-process: the plan's param_gather bytes, and the reserved-memory check of 
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
