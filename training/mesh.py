@@ -21,12 +21,6 @@ import torch.distributed as dist
 # The group kinds ProcessMesh holds, in creation order.
 GROUP_KINDS = ("tp", "cp", "pp", "dp", "dp_cp", "model_parallel", "embedding")
 
-CHECKPOINT_TIMEOUT_S = 3600.0
-"""Timeout of the checkpoint phases' collectives (background_group), never below the collective timeout. A
-save or a resume may keep the other ranks waiting on one rank's files for minutes: with zero=0, dp rank 0
-writes all replicated state (about 112 GB for an 8B model), rank 0 commits, prunes and copies a replica.
-Under the training's collective timeout those waits would be killed; a dead peer is still an error, after
-this long."""
 
 
 def rank_of(tp_rank: int, cp_rank: int, pp_rank: int, dp_rank: int, tp: int, cp: int, pp: int) -> int:
@@ -173,9 +167,10 @@ class ProcessMesh:
     """First and last pipeline stage at this (dp, cp, tp) position (tied embedding grads)."""
     background_group: Any = None
     """Every rank, always gloo: the checkpoint phases' collectives (DCP's in saves, the commit's outcome, the
-    resume's checks) run here, under their own timeout (CHECKPOINT_TIMEOUT_S), so that one rank's long write
-    never trips the training's collective timeout, and those issued from background threads (async
-    checkpoint writes) never interleave with the training's collectives on the other groups."""
+    resume's checks) run here, under their own timeout (from_env's checkpoint_timeout_s; by default the
+    collective timeout: a longer one kept the survivors of a SIGKILLed rank waiting in gloo for all of it),
+    and those issued from background threads (async checkpoint writes) never interleave with the
+    training's collectives on the other groups."""
     group_ranks: Dict[str, List[int]] = field(default_factory=dict)
     """Global ranks of this rank's group of each kind (for logs and tests)."""
 
@@ -203,7 +198,7 @@ class ProcessMesh:
         """Join the job described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and build every group.
 
         timeout_s bounds every collective, so a dead peer becomes a RuntimeError instead of a hang;
-        checkpoint_timeout_s (default CHECKPOINT_TIMEOUT_S, never below timeout_s) those of background_group.
+        checkpoint_timeout_s (default timeout_s, never below it) those of background_group.
         """
         rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
         _env_int("MASTER_PORT")
@@ -254,7 +249,7 @@ class ProcessMesh:
                         "model_parallel": tp * pp,
                         "embedding": min(pp, 2) if pp_rank_is_end else 1}[kind]
             assert dist.get_world_size(mine[0]) == expected, (kind, mine[1], expected)
-        ckpt_s = max(timeout_s, CHECKPOINT_TIMEOUT_S if checkpoint_timeout_s is None else checkpoint_timeout_s)
+        ckpt_s = max(timeout_s, checkpoint_timeout_s or 0.0)
         mesh.background_group = dist.new_group(list(range(world)), backend="gloo",
                                                timeout=datetime.timedelta(seconds=ckpt_s))
         return mesh

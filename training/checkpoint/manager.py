@@ -208,9 +208,8 @@ class CheckpointManager:
         # keeps them from interleaving with the training's collectives on the default group.
         self._async_group = getattr(mesh, "background_group", None) if (self.async_save and self.distributed) else None
         # Every checkpoint phase's collective (DCP's, the commit's outcome, the resume's checks) runs on the
-        # mesh's gloo background group, under its own timeout (training/mesh.py CHECKPOINT_TIMEOUT_S): with
-        # zero=0, dp rank 0 writes all replicated state while the others wait, longer than the collective
-        # timeout allows for a large model.
+        # mesh's gloo background group, under its own timeout (training/mesh.py from_env checkpoint_timeout_s):
+        # with zero=0, dp rank 0 writes all replicated state while the others wait.
         self._ckpt_group = getattr(mesh, "background_group", None) if self.distributed else None
         # Async saves: host buffers kept from one save to the next (staging.py), and one long-lived thread
         # that copies, writes and commits each save in turn (no thread is started per save). Its thread is
