@@ -82,7 +82,8 @@ WORK=${GPU_CHECK_WORK:-$(mktemp -d)}
 mkdir -p -- "$WORK"
 trap 'rm -rf -- "$WORK"' EXIT
 # The operations checklist's GPU paths (issue 23): preflight checks, Xid events, NVTX/nsys, OOM explained.
-if [ "$DRY" = 0 ]; then
+# GPU_OPS_CHECK=0 leaves it out (bench/gpu_first_run.sh runs it as a step of its own, last, when time is left).
+if [ "$DRY" = 0 ] && [ "${GPU_OPS_CHECK:-1}" != 0 ]; then
   PYTHON="$PYTHON" bash bench/gpu_ops_check.sh "$RUN_DIR/ops" >&2 || echo "gpu_ops_check failed: $RUN_DIR/ops" >&2
 fi
 
@@ -93,12 +94,20 @@ run_dir, dry, work = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
 py = sys.executable
 summary = {"mode": "dry" if dry else "gpu", "python": py, "checks": {}}
 KEEP = ("plan.json", "summary.json", "metrics.jsonl", "events.jsonl", "preflight.json", "config.yaml")
+# GPU_CHECK_BUDGET_S: seconds for all the steps together (a lent GPU's time is counted): each step's limit is
+# cut to what is left, so the summary is still written when the budget runs out.
+DEADLINE = time.time() + float(os.environ.get("GPU_CHECK_BUDGET_S") or 1e9)
+
+
+def limit(timeout):
+    return max(5.0, min(timeout, DEADLINE - time.time() - 10))
 
 
 def meshrun(name, args, timeout):
     """One meshrun command in its own process group; output to RUN_DIR/<name>.log. Past `timeout` the whole
     group (launcher and ranks) is killed: a rank left behind would hold the GPU for the next step."""
     t = time.time()
+    timeout = limit(timeout)
     p = subprocess.Popen([py, "-m", "launcher", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)
     try:
@@ -201,8 +210,11 @@ else:
     want = {k: plan.get("memory_bytes", {}).get(k) for k in ("weights", "grads", "optimizer")}
     check("model_state_bytes", bool(states) and states == want, measured=states, plan=want)
     act_plan = plan.get("memory_bytes", {}).get("activations")
-    probe = subprocess.run([py, "-m", "training.observe.saved_bytes", train_dir], capture_output=True, text=True,
-                           timeout=300)
+    try:
+        probe = subprocess.run([py, "-m", "training.observe.saved_bytes", train_dir], capture_output=True,
+                               text=True, timeout=limit(300))
+    except subprocess.TimeoutExpired:
+        probe = subprocess.CompletedProcess([], 124, "", "gpu_check: the saved-bytes probe ran out of time")
     saved = json.loads(probe.stdout.strip().splitlines()[-1]).get("saved_activation_bytes") if (
         probe.returncode == 0 and probe.stdout.strip()) else None
     within = saved is not None and bool(act_plan) and abs(saved - act_plan) <= 0.1 * act_plan
@@ -216,6 +228,18 @@ else:
         found["allocator_measured"] = act
         within = within and act is not None and abs(act - act_plan) <= 0.1 * act_plan
     check("activations", within, **found)
+    # Reserved, not allocated (launcher/plan/memory.py reserved_check): the caching allocator's peak after the
+    # first step must stay within the plan's total plus its fragmentation share, and fit the device with the
+    # rest of the reserve. --dry: CPU has no caching allocator; its figure is the rank's peak RSS (the
+    # interpreter included), checked against the device memory given to the plan only.
+    from launcher.plan.memory import reserved_check
+
+    reserved = (s.get("peak_reserved_bytes_per_rank") or [None])[0]
+    if reserved is None or not plan:
+        check("memory_reserved", False, reason="no peak_reserved_bytes_per_rank in summary.json or no plan.json")
+    else:
+        r = reserved_check(plan, reserved)
+        check("memory_reserved", r["within_device"] and (dry or r["within_plan"]), **r)
     fp16_dir = os.path.join(work, "fp16")
     p, dt = meshrun("train_fp16", [f"model={chosen}", *common, "train.precision=fp16", "parallel.micro_batch=1",
                                    "parallel.global_batch=1", f"train.steps={fp16_steps}", f"run.dir={fp16_dir}"],
@@ -252,8 +276,12 @@ check("moe", p.returncode == 0 and len(rows) == moe_steps and finite
       exit_code=p.returncode, steps=len(rows), max_load=loads, aux_loss=aux, model_states=states, plan=want,
       seconds=round(dt, 1))
 t = time.time()
-lev = subprocess.run([py, "bench/gpu_memory_levers.py", *(["--dry"] if dry else []),
-                      "--out", os.path.join(run_dir, "memory_levers")], capture_output=True, text=True, timeout=300)
+try:
+    lev = subprocess.run([py, "bench/gpu_memory_levers.py", *(["--dry"] if dry else []),
+                          "--out", os.path.join(run_dir, "memory_levers")], capture_output=True, text=True,
+                         timeout=limit(300))
+except subprocess.TimeoutExpired:
+    lev = subprocess.CompletedProcess([], 124, "", "gpu_check: memory levers ran out of time")
 with open(os.path.join(run_dir, "memory_levers.log"), "w") as f:
     f.write(lev.stdout + "\n--- stderr ---\n" + lev.stderr)
 try:

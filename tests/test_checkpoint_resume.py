@@ -69,12 +69,12 @@ def _train(cfg: Config, run_dir: str, mesh, hook: str = "") -> Dict[str, Any]:
                 return getattr(dcp, name)
 
             @staticmethod
-            def save(state, storage_writer):
+            def save(state, storage_writer, **kwargs):  # kwargs: the checkpoint group (process_group)
                 if trainer.state.step == 10:
                     with open(os.path.join(storage_writer.path, "__1_0.distcp"), "wb") as f:
                         f.write(b"partial")
                     os.kill(os.getpid(), signal.SIGKILL)
-                return real_save(state, storage_writer=storage_writer)
+                return real_save(state, storage_writer=storage_writer, **kwargs)
 
         real_dcp = manager._dcp  # the manager imports DCP on first use, through this function
         manager._dcp = lambda: (_Dcp(), real_dcp()[1])

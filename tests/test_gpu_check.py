@@ -28,7 +28,7 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     assert summary["mode"] == "dry" and summary["model"] == "tiny" and summary["ok"] is True
     checks = summary["checks"]
     assert set(checks) == {"preflight", "train", "mfu", "model_state_bytes", "activations", "fp16_loss_scaling",
-                           "memory_levers", "moe", "engine_features"}
+                           "memory_levers", "moe", "engine_features", "memory_reserved"}
     assert all(c["ok"] for c in checks.values()), checks
     assert checks["train"]["steps"] == 4 and checks["train"]["tokens_per_s"] > 0
     states = checks["model_state_bytes"]
@@ -49,3 +49,5 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     moe = checks["moe"]
     assert moe["steps"] == 3 and all(v >= 1.0 for v in moe["max_load"]) and all(v > 0 for v in moe["aux_loss"])
     assert moe["model_states"] == moe["plan"] and moe["model_states"]["weights"] > 0
+    reserved = checks["memory_reserved"]  # issue 31 (d): computed from summary.json and plan.json
+    assert reserved["reserved"] > 0 and reserved["within_device"] and reserved["device_limit"] == 4 * 2**30

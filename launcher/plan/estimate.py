@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 from launcher.plan.memory import (GRAD_BYTES, PARAM_BYTES, DeviceProfile, device_profile, layer_activation_bytes,
                              model_state_bytes, stage_activation_bytes)
 from launcher.plan.context_memory import gpu_memory_bytes, optimizer_shard_degree
-from launcher.plan.memory import device_reserve_bytes
+from launcher.plan.memory import device_reserve_bytes, param_gather_bytes
 from launcher.plan.model_size import (hardware_flops_per_step, layer_params, model_flops_per_step, padded_vocab,
                                  params_total, stage_params)
 from launcher.plan.cost_model import Rates, cluster_rates, predict
@@ -189,7 +189,8 @@ class Plan:
     """The per-GPU FLOP/s the mfu is relative to."""
     reserve_bytes: int = 0
     """GPU memory kept back from model states and activations (CUDA context, NCCL buffers, allocator
-    fragmentation: launcher/plan/memory.py device_reserve_bytes); 0 on CPU. fits needs total + reserve."""
+    fragmentation: launcher/plan/memory.py device_reserve_bytes; 0 on CPU), plus memory_bytes' param_gather
+    (the zero=1/2 all-gather's in-flight chunks, on any device). fits needs total + reserve."""
     params_active: int = 0
     """Parameters one token runs through (model_size.params_active): params_total for a dense model; a mixture
     of experts counts moe_top_k of its num_experts experts per layer."""
@@ -231,6 +232,9 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
             experts = offload_bytes(cfg, sp_.experts, expert_dp(cfg, dp))
             mem.update({k: dense[k] + experts[k] for k in dense})
         mem["total"] = mem["weights"] + mem["grads"] + mem["optimizer"] + mem["activations"] + mem["zero3_gathered"]
+        # Transient, beside total (the README's and users' model-state + activation figures): kept back in
+        # reserve_bytes with the CUDA reserve, so `fits` and the headroom count it.
+        mem["param_gather"] = param_gather_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp))
         stages.append(StagePlan(stage=st, params=sp_.total, memory_bytes=mem))
     worst = max(stages, key=lambda x: x.memory_bytes["total"])
     memory = dict(worst.memory_bytes)
@@ -259,14 +263,15 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
         params_total=params_total(cfg),
         params_per_gpu=worst.params,
         memory_bytes={k: memory[k] for k in ("weights", "grads", "optimizer", "activations", "activations_per_layer",
-                                             "zero3_gathered", "host_offload", "nvme_offload", "total")},
+                                             "zero3_gathered", "host_offload", "nvme_offload", "param_gather",
+                                             "total")},
         **bub,
         model_flops_per_step=model_flops_per_step(cfg),
         hardware_flops_per_step=hw_flops,
         tokens_per_step=par.global_batch * mc.seq_length,
         gpu_memory_bytes=gpu_bytes,
-        fits=memory["total"] + device_reserve_bytes(cfg, gpu_bytes) <= gpu_bytes,
-        reserve_bytes=device_reserve_bytes(cfg, gpu_bytes),
+        fits=memory["total"] + device_reserve_bytes(cfg, gpu_bytes) + memory["param_gather"] <= gpu_bytes,
+        reserve_bytes=device_reserve_bytes(cfg, gpu_bytes) + memory["param_gather"],
         worst_stage=worst.stage,
         padded_vocab=padded_vocab(mc.vocab_size, par.tp),
         comm_bytes=comm,
@@ -326,7 +331,8 @@ def format_plan(plan: Plan) -> str:
                         " per micro-batch)"),
         *[(label, fmt_bytes(mem[key])) for key, label in (("zero3_gathered", "zero=3 gathered"),
                                                            ("host_offload", "host (offload)"),
-                                                           ("nvme_offload", "nvme (offload)")) if mem.get(key)],
+                                                           ("nvme_offload", "nvme (offload)"),
+                                                           ("param_gather", "zero=1/2 param gather")) if mem.get(key)],
         ("total / GPU", f"{fmt_bytes(mem['total'])} of {fmt_bytes(plan.gpu_memory_bytes)}, headroom "
                         f"{fmt_bytes(plan.headroom_bytes)} -> " + ("fits" if plan.fits else "DOES NOT FIT")),
         ("bubble", f"{plan.bubble_ratio:.3f} of ideal compute, {100 * plan.bubble_idle_fraction:.1f} % of wall clock idle"),

@@ -243,3 +243,32 @@ def device_reserve_bytes(cfg: Config, gpu_bytes: int) -> int:
     comms += 1 if cfg.model.num_experts > 0 and getattr(par, "ep", 1) > 1 else 0  # the ep all-to-all group
     return CUDA_CONTEXT_BYTES + comms * NCCL_COMM_BYTES + int(FRAGMENTATION * gpu_bytes)
 
+
+def param_gather_bytes(cfg: Config, n: int, dp: int) -> int:
+    """Bytes the zero=1/2 all-gather of the updated shards holds at most, for n local parameters sharded over
+    dp ranks (training/optim/param_gather.py): the chunks in flight at once, each a receive buffer of dp
+    pieces and a send copy of one, in the weights' dtype, bounded by PARAM_GATHER_INFLIGHT_BYTES. It lives
+    from the optimizer step into the next forward, beside the activations. 0 without that gather (zero 0
+    or 3, dp 1)."""
+    from training.contract.precision import param_gather_chunk_elems, param_gather_inflight_chunks
+
+    zero, precision = cfg.parallel.zero, cfg.train.precision
+    if zero not in (1, 2) or dp <= 1:
+        return 0
+    width = param_gather_chunk_elems(precision, cfg.parallel.bucket_mb, dp)
+    chunks = -(-(-(-n // dp)) // width)
+    inflight = min(chunks, param_gather_inflight_chunks(precision, cfg.parallel.bucket_mb, dp))
+    return inflight * (dp + 1) * width * PARAM_BYTES[precision]
+
+
+def reserved_check(plan: Dict, reserved: int) -> Dict[str, object]:
+    """A run's peak reserved bytes (the CUDA caching allocator's max_memory_reserved: allocated plus what
+    fragmentation keeps) against its plan.json: within_plan when they stay within the plan's total and
+    param_gather plus its fragmentation share (FRAGMENTATION of the GPU), within_device when, with the rest
+    of the reserve (CUDA context, NCCL buffers), they fit the GPU. `fits` counts allocated bytes; this is what the device gives."""
+    gather = int(plan["memory_bytes"].get("param_gather", 0))  # allocator memory too: in `reserved`
+    gpu, total = int(plan["gpu_memory_bytes"]), int(plan["memory_bytes"]["total"]) + gather
+    fragmentation = int(FRAGMENTATION * gpu)
+    rest = max(0, int(plan.get("reserve_bytes", 0)) - gather - fragmentation)
+    return {"reserved": reserved, "plan_limit": total + fragmentation, "device_limit": gpu - rest,
+            "within_plan": reserved <= total + fragmentation, "within_device": reserved + rest <= gpu}

@@ -448,7 +448,8 @@ def validate(cfg: Config, cluster_checks: Optional[Callable[[Config], List[str]]
         issues.append(Issue(
             "error", "cluster.gpu_memory_gb",
             f"the worst GPU (pipeline stage {plan.worst_stage}) needs {mem['total'] / GIB:.2f} GiB ({breakdown} GiB)"
-            + (f" + {plan.reserve_bytes / GIB:.2f} GiB kept back (CUDA context, NCCL buffers, fragmentation)"
+            + (f" + {plan.reserve_bytes / GIB:.2f} GiB kept back (CUDA context, NCCL buffers, fragmentation, "
+               f"zero=1/2 parameter gather)"
                if plan.reserve_bytes else "")
             + f" but has {plan.gpu_memory_bytes / GIB:.2f} GiB (cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g})",
             "; ".join(fit_fixes(cfg, plan)), "no_fit"))

@@ -224,6 +224,10 @@ class CheckpointManager:
         # The background write runs DCP's collectives from its own thread; the mesh's dedicated gloo group
         # keeps them from interleaving with the training's collectives on the default group.
         self._async_group = mesh.background_group if (self.async_save and self.distributed) else None
+        # Every checkpoint phase's collective (DCP's, the commit's outcome, the resume's checks) runs on the
+        # mesh's gloo background group, under its own timeout (training/parallel/mesh.py from_env checkpoint_timeout_s):
+        # with zero=0, dp rank 0 writes all replicated state while the others wait.
+        self._ckpt_group = mesh.background_group if self.distributed else None
         # Async saves: host buffers kept from one save to the next (staging.py), and one long-lived thread
         # that copies, writes and commits each save in turn (no thread is started per save). Its thread is
         # joined at interpreter exit, so a pending save is committed before the process ends.
@@ -257,7 +261,7 @@ class CheckpointManager:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self._ckpt_group)
         return box[0]
 
     # ----- cadence ---------------------------------------------------------------------------------
@@ -386,7 +390,7 @@ class CheckpointManager:
             self._last_save_time = time.monotonic()
             return stats
         try:
-            dcp.save(state, storage_writer=writer)
+            dcp.save(state, storage_writer=writer, process_group=self._ckpt_group)
             error = None
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
             error = _short(exc)
@@ -578,7 +582,7 @@ class CheckpointManager:
         if not self.distributed:
             return result.problems
         everyone: List[Any] = [None] * self.world
-        dist.all_gather_object(everyone, result.problems)
+        dist.all_gather_object(everyone, result.problems, group=self._ckpt_group)
         return list(dict.fromkeys(p for problems in everyone for p in problems))
 
     def _compatible(self, step: int) -> Optional[str]:
@@ -644,7 +648,7 @@ class CheckpointManager:
             size = metadata.state_dict_metadata[rank_key].size
             state[rank_key] = torch.zeros(size, dtype=torch.uint8)
         try:
-            dcp.load(state, storage_reader=reader)
+            dcp.load(state, storage_reader=reader, process_group=self._ckpt_group)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
             raise CheckpointError(self._unreadable(path, _short(exc))) from exc
         if optimizer is not None:

@@ -59,3 +59,23 @@ def grad_dtype(precision: str):
 OFFLOAD_BLOCK_ELEMS = 1 << 18
 """Elements per block of the offloaded optimizer step (parallel.offload=nvme reads and writes the state in
 blocks of this size; the planner counts one fp32 buffer of it per state tensor as the rank's host bytes)."""
+
+PARAM_GATHER_INFLIGHT_BYTES = 64 << 20
+"""Bound of the zero=1/2 all-gather of the updated shards (training/optim/param_gather.py): the chunks in
+flight at once, their receive buffers and send copies together, stay within this many bytes, instead of a
+second copy of every weight while the next forward waits for them. The planner counts it
+(launcher/plan/memory.py param_gather_bytes). 64 MiB: about one bucket of Megatron-LM's overlapped parameter
+gather (which gathers in place and holds nothing extra); how much of the gather it hides on a GPU is unmeasured."""
+
+
+def param_gather_chunk_elems(precision: str, bucket_mb: float, dp: int) -> int:
+    """Elements of one rank's piece of each chunk of that all-gather: the grad bucket (parallel.bucket_mb of
+    main grads) split over dp, as the optimizer builds it."""
+    return max(1, max(1, int(bucket_mb * 2**20) // DTYPE_BYTES[GRAD_DTYPE[precision]]) // dp)
+
+
+def param_gather_inflight_chunks(precision: str, bucket_mb: float, dp: int) -> int:
+    """Chunks of that all-gather in flight at once: each holds dp + 1 pieces (the gathered chunk and this
+    rank's send copy) of the weights' dtype; at least one."""
+    chunk = (dp + 1) * param_gather_chunk_elems(precision, bucket_mb, dp) * PARAM_BYTES[precision]
+    return max(1, PARAM_GATHER_INFLIGHT_BYTES // chunk)

@@ -34,8 +34,20 @@ from training.optim.flat import FlatLayout
 from training.parallel.collectives import reduce_scatter_single
 
 
+def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the dp reduction sums in: fp32 for fp16 main grads. A dp sum of loss-scaled fp16 grads
+    overflows at 65,504 although their average fits, and rounds at every partial sum; in fp32 it rounds once,
+    when the average is written back. The fp16 buffer (2 B per parameter, ZeRO's accounting) is kept; the
+    fp32 copy lives only while its bucket is reduced (parallel.bucket_mb)."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 class GradBuffer:
     """Main grads of one rank's parameters, accumulated over micro-batches and reduced over dp."""
+
+    MAX_WIDE_INFLIGHT = 4
+    """fp16: buckets whose fp32 copies may be in flight at once (older ones are completed first), so the
+    copies stay a few buckets, not an fp32 copy of every grad, when backward launches them all (overlap)."""
 
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, dp_group: Any, bucket_mb: float,
                  overlap: bool = True):
@@ -69,7 +81,9 @@ class GradBuffer:
         self._counts = [0] * len(layout.params)
         self._expected: Optional[int] = None
         self._pending = [len(m) for m in self._bucket_params]
-        self._launched: List[Optional[Tuple[Any, torch.Tensor, Optional[torch.Tensor]]]] = [None] * len(self._buckets)
+        self._launched: List[Optional[Tuple[Any, ...]]] = [None] * len(self._buckets)
+        self._wide: List[int] = []  # launched buckets holding an fp32 copy, oldest first
+        self._done: set = set()  # buckets reduced this step (completed early to bound the fp32 copies)
         # Hooks only where they have work: moving a grad of another dtype, or counting grads for the overlap.
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(layout.params) if self.overlap or not self.direct[i]]
@@ -150,6 +164,7 @@ class GradBuffer:
     def zero(self) -> None:
         """Start a new step: no accumulated grads (the next grad of each parameter overwrites its view)."""
         self.wait()
+        self._done = set()
         self._counts = [0] * len(self.layout.params)
         self._pending = [len(m) for m in self._bucket_params]
         self._expected = None
@@ -188,28 +203,36 @@ class GradBuffer:
         if self._expected is not None and any(c < self._expected for c in self._counts):
             self.launched_in_backward += 1  # some grads still to come: this bucket overlaps the backward
         lay = self.layout
+        wide = reduce_dtype(self.buffer.dtype)
+        if wide != self.buffer.dtype:
+            self._wide.append(b)
+            while len(self._wide) > self.MAX_WIDE_INFLIGHT:
+                self._complete(self._wide.pop(0))
         if lay.zero == 0:
             lo, hi = self._buckets[b][0]
             bucket = self.buffer[lo:hi]
-            work = dist.all_reduce(bucket, group=self.dp_group, async_op=True)
-            self._launched[b] = (work, bucket, None)
+            summed = bucket.to(wide)  # the bucket itself unless fp16
+            work = dist.all_reduce(summed, group=self.dp_group, async_op=True)
+            self._launched[b] = (work, summed, bucket)
             return
         if self.reduce_to_owner:
             lo, hi = self._buckets[b][0]
             owner = self._owners[b]
             bucket = self.buffer[lo:hi]
-            work = dist.reduce(bucket, dst=dist.get_global_rank(self.dp_group, owner), group=self.dp_group,
+            summed = bucket.to(wide)
+            work = dist.reduce(summed, dst=dist.get_global_rank(self.dp_group, owner), group=self.dp_group,
                                async_op=True)
             # Only the owner's copy is the sum (and only it is read): the others are left as they are.
-            self._launched[b] = (work, bucket if owner == lay.dp_rank else None, None)
+            self._launched[b] = (work, summed, bucket) if owner == lay.dp_rank else (work, None, summed)
             return
         start = self._buckets[b][0][0]
         rows = self.buffer.view(lay.dp, lay.shard_size)
         width = self._width()
-        send = rows[:, start : start + width].contiguous().view(-1)  # kept alive until the wait
+        send = rows[:, start : start + width].to(wide).contiguous().view(-1)  # kept alive until the wait
         out = rows[lay.dp_rank, start : start + width]
-        work = reduce_scatter_single(out, send, group=self.dp_group, async_op=True)
-        self._launched[b] = (work, out, send)
+        summed = out if wide == out.dtype else torch.empty(out.shape, dtype=wide, device=out.device)
+        work = reduce_scatter_single(summed, send, group=self.dp_group, async_op=True)
+        self._launched[b] = (work, summed, out, send)
 
     def reduce_dp(self) -> None:
         """Average over dp: all-reduce (zero=0) or reduce-scatter into this rank's shard (zero=1), bucketed;
@@ -219,20 +242,31 @@ class GradBuffer:
         if self.layout.dp == 1:
             return
         for b in range(len(self._buckets)):
-            if self._launched[b] is None:
+            if self._launched[b] is None and b not in self._done:
                 self._launch(b)
         self.wait()
+        self._done = set()
 
     def wait(self) -> None:
         """Wait for the launched buckets and average them over dp (nothing launched: nothing to do)."""
-        inv = 1.0 / self.layout.dp
-        for b, item in enumerate(self._launched):
-            if item is not None:
-                work, result, _ = item
-                work.wait()
-                if result is not None:
-                    result.mul_(inv)
-                self._launched[b] = None
+        for b in range(len(self._launched)):
+            self._complete(b)
+        self._wide = []
+
+    def _complete(self, b: int) -> None:
+        """Wait for bucket b's collective (if launched and not complete yet) and average it over dp."""
+        item = self._launched[b]
+        if item is None:
+            return
+        # (work, the sum or None, where it goes (the same tensor unless summed in fp32), kept alive...)
+        work, result, dest = item[0], item[1], item[2]
+        work.wait()
+        if result is not None:
+            result.mul_(1.0 / self.layout.dp)
+            if dest is not None and dest.data_ptr() != result.data_ptr():
+                dest.copy_(result)
+        self._launched[b] = None
+        self._done.add(b)
 
     def nbytes(self) -> int:
         """Bytes of the buffer (padding included)."""

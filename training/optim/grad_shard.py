@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from training.optim.flat import FlatLayout
+from training.optim.grad_buffer import reduce_dtype
 
 
 class ShardedGradBuffer:
@@ -85,7 +86,9 @@ class ShardedGradBuffer:
             lo, hi, _ = self._buckets[b]
             a, z = max(lo, start), min(hi, start + g.numel())
             if self._staging[b] is None:
-                self._staging[b] = torch.zeros(hi - lo, dtype=self.dtype, device=self.main.device)
+                # fp16 main grads are summed over dp in fp32 (training/optim/grad_buffer.py REDUCE_DTYPE): the
+                # staging is transient, the shard keeps its dtype.
+                self._staging[b] = torch.zeros(hi - lo, dtype=reduce_dtype(self.dtype), device=self.main.device)
             self._staging[b][a - lo : z - lo].add_(g[a - start : z - start])
             self._delivered[b].add(i)
             if len(self._delivered[b]) == self._members[b]:
@@ -118,6 +121,8 @@ class ShardedGradBuffer:
         work.wait()
         lo, hi, owner = self._buckets[b]
         if owner == self.layout.dp_rank:  # only the owner's copy is the sum
+            if staging.dtype != self.main.dtype:  # fp16: averaged in fp32 before it meets the fp16 shard
+                staging.mul_(1.0 / self.layout.dp)
             self.main[lo - self.layout.shard_lo : hi - self.layout.shard_lo].add_(staging)
 
     def wait(self) -> None:
@@ -156,7 +161,7 @@ class ShardedGradBuffer:
         """Finish the dp reduction and average over dp: `main` then holds this rank's reduced shard."""
         self.settle()
         self.wait()
-        if self.layout.dp > 1:
+        if self.layout.dp > 1 and reduce_dtype(self.main.dtype) == self.main.dtype:  # fp16: averaged per bucket
             self.main.mul_(1.0 / self.layout.dp)
 
     def shard(self) -> torch.Tensor:

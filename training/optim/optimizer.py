@@ -38,7 +38,7 @@ from training.optim.param_gather import ParamGather
 from training.optim.threads import elementwise_threads
 from training.optim.zero3 import Zero3Params
 from training.model.moe import is_expert_param, set_aux_loss_grad_scale
-from training.contract.precision import grad_dtype, check_precision
+from training.contract.precision import grad_dtype, check_precision, param_gather_inflight_chunks
 from training.parallel.collectives import all_gather_single
 
 SCALARS = ("step_count", "loss_scale", "good_steps")
@@ -129,7 +129,9 @@ class DistributedOptimizer:
         # grads; with overlap on it may run into the next forward (set up by watch_modules).
         self.param_gather: Optional[ParamGather] = None
         if self.zero >= 1 and self.dp > 1 and lay.param_buffer is not None:
-            self.param_gather = ParamGather(lay, self.dp_group, max(1, self.grads.bucket_elems // self.dp))
+            self.param_gather = ParamGather(lay, self.dp_group, max(1, self.grads.bucket_elems // self.dp),
+                                            param_gather_inflight_chunks(t.precision, cfg.parallel.bucket_mb,
+                                                                         self.dp))
         self._overlap = getattr(cfg.parallel, "overlap_grad_reduce", True)
 
     def watch_modules(self, chunks: List[torch.nn.Module]) -> None:
@@ -330,6 +332,15 @@ class DistributedOptimizer:
             for k, v in self.experts.memory_report().items():
                 out[k] = out.get(k, 0) + v
         return out
+
+    def transient_report(self) -> Dict[str, int]:
+        """Bytes this rank holds for a while beside memory_report's (plan.json's `param_gather`): the zero=1/2
+        all-gather of the updated shards, at most its in-flight chunks (training/optim/param_gather.py)."""
+        pg = self.param_gather
+        if pg is None:
+            return {"param_gather": 0}
+        inflight = min(pg.max_inflight, len(pg.starts))
+        return {"param_gather": inflight * (self.dp + 1) * pg.width * self.layout.param_buffer.element_size()}
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's optimizer state.

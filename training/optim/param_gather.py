@@ -11,8 +11,13 @@ has started (training/model/gpt.py: the embedding, each layer, the final norm wi
 a layer waits before its forward, also when activation recomputation runs it again in the backward.
 A parameter no unit lists is waited for when its chunk's forward starts (a module without param_units:
 all of them).
-Pieces in this rank's own shard are in place already and never waited for. A process group runs its
-collectives in issue order, so once the first chunks are in, later layers rarely wait. Anything else
+At most `max_inflight` chunks are in flight at once (training/contract/precision.py PARAM_GATHER_INFLIGHT_BYTES): each
+holds a receive buffer of dp pieces and a send copy, so all of them at once would be a second copy of every
+weight beside the next forward's activations. Completing a chunk issues the next one in order. Where a
+chunk is issued must not depend on the rank (a rank blocked on a chunk its peer has not issued yet, while
+the peer waits on it in another collective, would deadlock), so each unit waits for every chunk holding
+any of its parameters, its own rank's pieces included: the same positions on every dp rank. A process
+group runs its collectives in issue order, so once the first chunks are in, later layers rarely wait. Anything else
 that reads the parameters calls `finish` (the optimizer's state_dict and its next step do). Either way
 the same chunks are copied into the same places: the values do not depend on when they are waited for.
 """
@@ -31,8 +36,14 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class ParamGather:
     """The deferred all-gather of one optimizer's updated zero=1 shards."""
 
-    def __init__(self, layout, group, width: int):
+    def __init__(self, layout, group, width: int, max_inflight: int = 0):
         self.layout, self.group, self.width = layout, group, width
+        self.max_inflight = max_inflight if max_inflight > 0 else len(range(0, layout.shard_size, width))
+        """Chunks in flight at once (0: all of them)."""
+        self.peak_bytes = 0
+        """Most bytes of receive buffers and send copies held at once (tests and the memory check read it)."""
+        self._held = 0
+        self._next = 0
         self.starts = list(range(0, layout.shard_size, width))
         self.order = list(range(len(self.starts)))
         """Chunk indices in issue order: the same on every dp rank (computed from the model, not the rank)."""
@@ -74,7 +85,7 @@ class ParamGather:
         self.order = sorted(range(len(self.starts)), key=lambda c: first_use.get(c, len(units)))
         position = {c: k for k, c in enumerate(self.order)}
         for module, params in units:
-            need = self._chunks_of(params, skip_own=True)
+            need = self._chunks_of(params, skip_own=False)  # rank-independent: see the module docstring
             if need:
                 upto = max(position[c] for c in need)
                 module.register_forward_pre_hook(lambda _module, _args, upto=upto: self.wait(upto))
@@ -83,28 +94,39 @@ class ParamGather:
     def start(self) -> None:
         """Launch every chunk's all-gather of the (just updated) shards, in issue order."""
         self.finish()
+        assert self.layout.param_buffer is not None
+        self._completed = self._next = 0
+        self._top_up()
+
+    def _top_up(self) -> None:
+        """Issue chunks, in order, until max_inflight are in flight or none is left."""
         lay = self.layout
         buf = lay.param_buffer
-        assert buf is not None
         rows = buf.view(lay.dp, lay.shard_size)
-        self._completed = 0
-        for c in self.order:
+        while len(self._pending) < self.max_inflight and self._next < len(self.order):
+            c = self.order[self._next]
+            self._next += 1
             s = self.starts[c]
             piece = rows[lay.dp_rank, s : s + self.width].clone()
             out = torch.empty(lay.dp * piece.numel(), dtype=buf.dtype, device=buf.device)
             work = _all_gather(out, piece, group=self.group, async_op=True)
             self._pending.append((c, work, out, piece))  # piece: alive until its collective is done
+            self._held += (out.numel() + piece.numel()) * buf.element_size()
+            self.peak_bytes = max(self.peak_bytes, self._held)
 
     def wait(self, upto: int) -> None:
         """Complete the chunks up to issue position `upto` (and those before it), each copied into place."""
         lay = self.layout
         while self._pending and self._completed <= upto:
-            c, work, out, _ = self._pending.popleft()
+            c, work, out, piece = self._pending.popleft()
             work.wait()
             s, n = self.starts[c], out.numel() // lay.dp
             rows = lay.param_buffer.view(lay.dp, lay.shard_size)
             rows[:, s : s + n].copy_(out.view(lay.dp, n))
             self._completed += 1
+            self._held -= (out.numel() + piece.numel()) * out.element_size()
+            del out, piece
+            self._top_up()
 
     def finish(self) -> None:
         """Every chunk complete: the parameters hold the updated values."""

@@ -23,6 +23,7 @@ import torch.distributed as dist
 GROUP_KINDS = ("tp", "cp", "pp", "dp", "dp_cp", "model_parallel", "embedding", "ep", "edp")
 
 
+
 def rank_of(tp_rank: int, cp_rank: int, pp_rank: int, dp_rank: int, tp: int, cp: int, pp: int) -> int:
     """Global rank of a mesh coordinate (tp fastest, then cp, pp, dp)."""
     return ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
@@ -191,8 +192,11 @@ class ProcessMesh:
     edp_group: Any = None
     """The dp ranks holding the same experts (expert grad reduction, expert optimizer sharding)."""
     background_group: Any = None
-    """Every rank, always gloo: collectives issued from background threads (async checkpoint writes)
-    run here so they never interleave with the training's collectives on the other groups."""
+    """Every rank, always gloo: the checkpoint phases' collectives (DCP's in saves, the commit's outcome, the
+    resume's checks) run here, under their own timeout (from_env's checkpoint_timeout_s; by default the
+    collective timeout: a longer one kept the survivors of a SIGKILLed rank waiting in gloo for all of it),
+    and those issued from background threads (async checkpoint writes) never interleave with the
+    training's collectives on the other groups."""
     group_ranks: Dict[str, List[int]] = field(default_factory=dict)
     """Global ranks of this rank's group of each kind (for logs and tests)."""
 
@@ -214,11 +218,13 @@ class ProcessMesh:
 
     @classmethod
     def from_env(
-        cls, tp: int, pp: int, cp: int, dp: int, backend: str = "gloo", timeout_s: float = 120.0, ep: int = 1
+        cls, tp: int, pp: int, cp: int, dp: int, backend: str = "gloo", timeout_s: float = 120.0, ep: int = 1,
+        checkpoint_timeout_s: Optional[float] = None,
     ) -> "ProcessMesh":
         """Join the job described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and build every group.
 
-        timeout_s bounds every collective, so a dead peer becomes a RuntimeError instead of a hang.
+        timeout_s bounds every collective, so a dead peer becomes a RuntimeError instead of a hang;
+        checkpoint_timeout_s (default timeout_s, never below it) those of background_group.
         """
         rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
         _env_int("MASTER_PORT")
@@ -270,7 +276,9 @@ class ProcessMesh:
                         "model_parallel": tp * pp,
                         "embedding": min(pp, 2) if pp_rank_is_end else 1, "ep": ep, "edp": dp // ep}[kind]
             assert dist.get_world_size(mine[0]) == expected, (kind, mine[1], expected)
-        mesh.background_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+        ckpt_s = max(timeout_s, checkpoint_timeout_s or 0.0)
+        mesh.background_group = dist.new_group(list(range(world)), backend="gloo",
+                                               timeout=datetime.timedelta(seconds=ckpt_s))
         return mesh
 
     def destroy(self) -> None:

@@ -115,6 +115,13 @@ def model_flops_per_step(cfg: Config, run_dir: str) -> float:
     return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
 
 
+def peak_reserved_bytes(device: torch.device) -> int:
+    """Peak bytes the CUDA caching allocator reserved on this rank; on CPU, peak_memory_bytes."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    return peak_memory_bytes(device)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this rank: CUDA allocator peak, or the process's max RSS on CPU."""
     if device.type == "cuda":
@@ -140,6 +147,10 @@ class Summary:
     peak_memory_bytes_per_rank: List[int] = field(default_factory=list)
     skipped_steps: int = 0
     exit_code: int = 0
+    peak_reserved_bytes_per_rank: List[int] = field(default_factory=list)
+    """The CUDA caching allocator's peak reserved bytes per rank after the first step (what the GPU really
+    gave the allocator: allocated plus its fragmentation; bench/gpu_check.sh compares it with the plan); on
+    CPU the same figure as peak_memory_bytes_per_rank."""
 
 
 class Trainer:
@@ -510,15 +521,17 @@ class Trainer:
         return exit_code
 
     def _summarise(self, rates, mfus, skipped, exit_code) -> Summary:
-        peak = torch.tensor([peak_memory_bytes(self.mesh.device)], dtype=torch.int64, device=self.mesh.device)
+        peak = torch.tensor([peak_memory_bytes(self.mesh.device), peak_reserved_bytes(self.mesh.device)],
+                            dtype=torch.int64, device=self.mesh.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             out = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
             dist.all_gather(out, peak)
-            per_rank = [int(x.item()) for x in out]
         else:
-            per_rank = [int(peak.item())]
+            out = [peak]
+        per_rank = [int(x[0].item()) for x in out]
         s = Summary(self.state.step, sum(rates) / len(rates) if rates else 0.0,
-                    sum(mfus) / len(mfus) if mfus else None, per_rank, skipped, exit_code)
+                    sum(mfus) / len(mfus) if mfus else None, per_rank, skipped, exit_code,
+                    [int(x[1].item()) for x in out])
         if self.is_logger:
             mem = self.optimizer.memory_report()
             mfu_txt = f"{100 * s.mfu:.2f}%" if s.mfu is not None else "n/a"
