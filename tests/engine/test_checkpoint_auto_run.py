@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
+from helpers import ROOT
 from launcher.plan.cadence import expected_goodput, young_interval_s
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
     PYTHON = sys.executable

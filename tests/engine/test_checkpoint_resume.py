@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from dist_harness import run_distributed
+from helpers.dist import run_distributed
 from training.checkpoint import storage
 from training.config import Config, config_from_dict, config_to_dict
 from training.events import read_events

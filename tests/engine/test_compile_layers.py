@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from dist_harness import run_distributed
+from helpers.dist import run_distributed
 from training.config import Config
 
 STEPS = 3

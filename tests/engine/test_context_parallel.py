@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from dist_harness import run_distributed
+from helpers.dist import run_distributed
 from training.config import Config, config_from_dict, config_to_dict
 
 STEPS = 3

@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from dist_harness import run_distributed
+from helpers.dist import run_distributed
 from training.config import Config, config_from_dict, config_to_dict
 from training.events import read_events
 from training.exit_codes import EXIT_NODE_BAD, EXIT_STOPPED

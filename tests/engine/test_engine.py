@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import run_distributed
+from helpers.dist import run_distributed
 from training.config import Config, config_from_dict, config_to_dict
 
 STEPS = 20

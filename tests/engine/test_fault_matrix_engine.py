@@ -21,12 +21,12 @@ from typing import Dict, List
 
 import pytest
 
+from helpers import ROOT
 from training.checkpoint import storage
 from training.config import Config, config_to_dict
 from training.events import read_events
 from training.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_STOPPED
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 200  # long enough (about 10 ms a step) for a signal to land mid-run
 
 

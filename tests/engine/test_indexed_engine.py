@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from dist_harness import run_distributed
+from helpers.dist import run_distributed
 from launcher.prepare import prepare
 from training.config import Config, PrepareConfig, config_from_dict, config_to_dict
 

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 import torch
 
-from dist_harness import run_distributed
+from helpers.dist import run_distributed
 from training.config import Config, config_from_dict, config_to_dict
 
 STEPS = 4

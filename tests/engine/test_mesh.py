@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from dist_harness import run_distributed
+from helpers.dist import run_distributed
 from training.mesh import GROUP_KINDS, ProcessMesh, coords_of, rank_groups, rank_of
 
 

@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from dist_harness import run_distributed
-from test_cli import ROOT
+from helpers.dist import run_distributed
+from helpers import ROOT
 from training.config import Config, config_from_dict, config_to_dict
 from training.events import read_events
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dist_harness import run_distributed
+from helpers.dist import run_distributed
 from training.config import Config
 from training.mesh import ProcessMesh
 from training.optim import DistributedOptimizer

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dist_harness import run_distributed
+from helpers.dist import run_distributed
 from training.config import Config
 from training.mesh import ProcessMesh
 from training.optim import DistributedOptimizer

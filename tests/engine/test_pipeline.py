@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import run_distributed
+from helpers.dist import run_distributed
+from helpers import ROOT
 from training.config import Config, config_from_dict, config_to_dict
 from training.pipeline import build_actions, build_comm_plan, check_schedule, peak_in_flight
 
 STEPS = 20
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cfg(pp=1, vpp=1, schedule="1f1b", tp=1, dp=1, sp=False, zero=0, steps=STEPS, global_batch=8) -> Config:

@@ -23,7 +23,7 @@ from typing import Any, Dict, List
 import numpy as np
 import pytest
 
-from dist_harness import run_distributed
+from helpers.dist import run_distributed
 from training.config import Config, config_from_dict, config_to_dict
 
 STEPS = 6

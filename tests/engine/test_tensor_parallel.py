@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_harness import run_distributed
+from helpers.dist import run_distributed
 from training.config import Config
 from training.mesh import ProcessMesh
 from training.model import GPTChunk, build_gpt, chunk_layer_ids, keyed_dropout

@@ -4,7 +4,7 @@ stdout and stderr captured, the exit code taken from its SystemExit (0 when it r
 A subprocess costs ~2 s of Python start-up and imports on two shared cores; this costs the command alone.
 It runs exactly what the console script runs (the same cli(), Hydra's own argument parsing and logging);
 what it cannot show (the installed script, a fresh interpreter) is the subprocess smoke tests' part
-(tests/test_cli.py: test_plan_writes_plan_json, tests/test_packaging.py). Commands that start ranks or
+(tests/launcher/test_cli.py: test_plan_writes_plan_json, tests/launcher/test_packaging.py). Commands that start ranks or
 submit jobs belong in a subprocess, not here.
 
     res = run_cli("action=plan", f"run.dir={d}", cwd=tmp_path)
@@ -20,6 +20,15 @@ import os
 import sys
 from dataclasses import dataclass
 from typing import Optional
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from helpers import ROOT
+from launcher.schema import register
+from training.config import Config
+
+register()
 
 
 @dataclass
@@ -63,3 +72,14 @@ def run_cli(*args: str, cwd: Optional[str] = None) -> CliResult:
         root.handlers[:] = handlers
         root.setLevel(level)
     return CliResult(code, out.getvalue(), err.getvalue())
+
+
+def meshrun(*args: str, cwd: str) -> CliResult:
+    """run_cli with the working directory named (the CLI tests' spelling)."""
+    return run_cli(*args, cwd=cwd)
+
+
+def compose_cfg(*overrides: str) -> Config:
+    """A Config built from the conf/ groups exactly as the CLI builds it."""
+    with initialize_config_dir(version_base=None, config_dir=os.path.join(ROOT, "conf")):
+        return OmegaConf.to_object(compose("config", overrides=list(overrides)))

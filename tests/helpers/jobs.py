@@ -1,5 +1,5 @@
 """The Slurm jobs the running test submitted: noted from the launcher's "submitted Slurm job ID" lines, cancelled
-by tests/conftest.py when that test fails (its own jobs only: the dev cluster is shared with other runs)."""
+by tests/conftest.py when that test fails (tests/helpers/slurm.py's meshrun notes them) (its own jobs only: the dev cluster is shared with other runs)."""
 
 from __future__ import annotations
 

@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import subprocess
 import sys
 
 import pytest
 
+from helpers import ROOT
 from launcher.plan.cadence import (advise, expected_goodput, resolve, simulate_goodput, young_interval_s)
 from launcher.plan.validate import validate
-from test_plan import compose_cfg
+from helpers.cli import compose_cfg
 from training.config import checkpoint_minutes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODE_MTBF_H = 10_000.0
 SAVE_S, RESTART_S = 60.0, 600.0
 

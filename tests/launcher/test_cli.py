@@ -2,7 +2,7 @@
 written (but Hydra's log) on bad input; a `-m` sweep closes with one table and sweep.json.
 
 The installed command in a fresh interpreter once (test_plan_writes_plan_json, a subprocess); every other
-command runs in this process through the same entry point (tests/cli_harness.py), without ~2 s of start-up."""
+command runs in this process through the same entry point (tests/helpers/cli.py), without ~2 s of start-up."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from cli_harness import run_cli
+from helpers import ROOT
+from helpers.cli import meshrun
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
     PYTHON = sys.executable
@@ -25,11 +25,6 @@ def meshrun_subprocess(*args: str, cwd: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run([PYTHON, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
-
-
-def meshrun(*args: str, cwd: str):
-    """The same command in this process (tests/cli_harness.py): returncode, stdout, stderr."""
-    return run_cli(*args, cwd=cwd)
 
 
 def test_plan_writes_plan_json(tmp_path):

@@ -9,7 +9,7 @@ import json
 import typing
 
 from launcher.keys import field_docstrings, iter_keys
-from test_cli import meshrun
+from helpers.cli import meshrun
 from training.config import CHOICE_FIELDS, Action, Config
 
 

@@ -11,6 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from helpers import ROOT
 from launcher.plan.context_memory import MIB, gpu_memory_bytes
 from launcher.plan.estimate import make_plan, with_parallel
 from launcher.plan.validate import validate
@@ -19,7 +20,6 @@ from launcher.schema import register
 from training.config import Config
 
 register()
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def compose_cfg(*overrides: str) -> Config:

@@ -8,7 +8,8 @@ import json
 import os
 import subprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 
 
 def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):

@@ -20,6 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra: pip install -e .[test]")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is a runtime dependency")
 
+from helpers import ROOT
 from training.config import Config  # noqa: E402
 from training.data import SyntheticSource  # noqa: E402
 from training.hf.convert import local_from_hf, to_hf  # noqa: E402
@@ -32,7 +33,6 @@ from training.layout_rules import padded_vocab  # noqa: E402
 from training.mesh import ProcessMesh  # noqa: E402
 from training.model import build_gpt  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
     PYTHON = sys.executable

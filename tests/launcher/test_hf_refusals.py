@@ -1,6 +1,6 @@
 """train.init_from refuses Hugging Face models meshrun's model cannot reproduce (training/hf/hf_config.py), each
 with exit 2, a message naming the key and the fix, and nothing written: config.json written by transformers'
-own save_pretrained (the independent source of the format), the command run in-process (tests/cli_harness.py)."""
+own save_pretrained (the independent source of the format), the command run in-process (tests/helpers/cli.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from cli_harness import run_cli
+from helpers.cli import run_cli
 
 transformers = pytest.importorskip("transformers", reason="the refusals are of configs transformers writes")
 

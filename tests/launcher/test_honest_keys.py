@@ -17,8 +17,8 @@ from launcher.plan.honest_checks import PIPELINE_IDLE_WARN, ignored_on_local, mi
 from launcher.plan.validate import validate
 from launcher.recommend import recommend
 from launcher.unknown_keys import nearest_key, quoting_hint
-from test_cli import meshrun
-from test_plan import compose_cfg
+from helpers.cli import meshrun
+from helpers.cli import compose_cfg
 from training.config import Config, PrepareConfig
 
 

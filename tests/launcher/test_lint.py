@@ -3,11 +3,11 @@ error path, would otherwise only show when it runs), no unused imports or variab
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 
 
 def test_pyflakes_finds_nothing():

@@ -1,7 +1,7 @@
 """Observability and run management (docs/USER_CONTRACTS.md "Observability"): metrics rows with time and attempt and the
 job-wide figures, TensorBoard read back with tensorboard's own EventAccumulator (one loss per step across a stop
 and a resume), W&B off unless asked for, the progress line, `action=status` (progress fields, table),
-`action=logs` and `action=cancel` on local runs. The Slurm side is tests/test_logs_cancel_slurm.py."""
+`action=logs` and `action=cancel` on local runs. The Slurm side is tests/slurm/test_logs_cancel_slurm.py."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import time
 
 import pytest
 
+from helpers import ROOT
 from launcher.status_table import format_table
 from training.observe.metrics import PURGED_FILE, purge_after
 from training.observe.progress import Progress, format_duration
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
     PYTHON = sys.executable

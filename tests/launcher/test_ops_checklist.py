@@ -1,8 +1,8 @@
 """The operations checklist (issue 23, items 9-11) against test doubles of what a CPU machine lacks: the
-InfiniBand sysfs tree (tests/test_preflight_ib.py's writer, extended with the HCA's PCI device: NUMA node and MSI
+InfiniBand sysfs tree (tests/launcher/test_preflight_ib.py's writer, extended with the HCA's PCI device: NUMA node and MSI
 interrupts), /proc and /sys fixtures (modules, IRQ affinity, block queues, cgroups, the mount table), and the
 NVML file double (training/observe/nvml_double.py) extended with Xid events. The run-time paths that need ranks
-(OOM through training.main, slowdown, NVTX, the checkpoint replica) are tests/test_ops_run.py."""
+(OOM through training.main, slowdown, NVTX, the checkpoint replica) are tests/engine/test_ops_run.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import json
 import os
 
 
-from test_plan import compose_cfg
-from test_preflight_ib import write_port
+from helpers.cli import compose_cfg
+from helpers.doubles import write_port
 from training.config import Config
 from training.events import read_events
 from training.observe.health import XID, HealthSampler

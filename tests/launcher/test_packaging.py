@@ -12,7 +12,8 @@ import zipfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 CODE_DIRS = ("launcher", "training", "hydra_plugins")
 # What a build must not read from the checkout: environments, earlier builds (setuptools' build/ keeps
 # modules deleted since), run outputs, caches.

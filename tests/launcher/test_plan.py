@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from fractions import Fraction
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
+from helpers import ROOT
+from helpers.cli import compose_cfg
 from launcher.plan.memory import (
     KORTHIKANTI,
     DeviceProfile,
@@ -30,17 +29,6 @@ from launcher.plan.model_size import (
     stage_params,
 )
 from launcher.plan.estimate import bubble, make_plan, with_parallel
-from launcher.schema import register
-from training.config import Config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-register()
-
-
-def compose_cfg(*overrides: str) -> Config:
-    """A Config built from the conf/ groups exactly as the CLI builds it."""
-    with initialize_config_dir(version_base=None, config_dir=os.path.join(ROOT, "conf")):
-        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
 
 
 # ---- Korthikanti et al. 2022, Table 2 ------------------------------------------------------------

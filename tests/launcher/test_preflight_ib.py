@@ -1,24 +1,10 @@
 """IB sysfs checks on fixture trees written exactly as the kernel writes them."""
 
-import os
-
 import pytest
 
-from training.preflight.ib_sysfs import (ERROR_COUNTERS, check_ib, expected_hcas, parse_enum, parse_rate,
-                                         snapshot)
+from helpers.doubles import write_port
+from training.preflight.ib_sysfs import check_ib, expected_hcas, parse_enum, parse_rate, snapshot
 from training.preflight.report import FAIL, OK, WARN
-
-
-def write_port(root, hca, port=1, state="4: ACTIVE", phys="5: LinkUp", rate="400 Gb/sec (4X NDR)",
-               link_layer="InfiniBand", counters=None):
-    d = os.path.join(root, hca, "ports", str(port))
-    os.makedirs(os.path.join(d, "counters"), exist_ok=True)
-    for name, text in (("state", state), ("phys_state", phys), ("rate", rate), ("link_layer", link_layer)):
-        with open(os.path.join(d, name), "w") as f:
-            f.write(text + "\n")
-    for name in ERROR_COUNTERS:
-        with open(os.path.join(d, "counters", name), "w") as f:
-            f.write(f"{(counters or {}).get(name, 0)}\n")
 
 
 @pytest.fixture

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from test_preflight_ib import write_port  # pytest puts tests/ on sys.path
+from helpers.doubles import write_port
+from helpers import ROOT
 from training.events import read_events
 from training.preflight.collectives import bus_factor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = os.path.join(ROOT, ".venv", "bin", "python")
 
 

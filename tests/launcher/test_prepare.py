@@ -10,13 +10,13 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import ROOT
 import launcher.prepare as lp
-import megatron_format as mf
+import helpers.megatron_format as mf
 from training.config import PrepareConfig
 from training.data import DataError
 from training.tokenizer import TokenizerError, load_tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHRUN = os.path.join(os.path.dirname(sys.executable), "meshrun")
 
 

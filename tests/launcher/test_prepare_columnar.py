@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import launcher.prepare as lp
-import megatron_format as mf
+import helpers.megatron_format as mf
 from training.config import PrepareConfig
 from training.data import DataError
 

@@ -1,7 +1,7 @@
 """`meshrun action=prepare`'s edges (launcher/prepare): a vocabulary of 65,500 or more is written as int32 (ids
 above 65,535 would wrap in uint16), an output that cannot be created is a clear error, and a prepare killed at its
 last step leaves only temporary names, which neither pass for a dataset nor block the next prepare. Files are read
-back with tests/megatron_format.py, written from the format's description, not with meshrun's reader."""
+back with tests/helpers/megatron_format.py, written from the format's description, not with meshrun's reader."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import ROOT
 import launcher.prepare as lp
-import megatron_format as mf
+import helpers.megatron_format as mf
 from training.config import PrepareConfig
 from training.data import DataError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOD = "<|endoftext|>"
 
 

@@ -5,18 +5,17 @@ recommend.json, and the calibration on this machine (predicted against measured 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 
 import pytest
 
+from helpers import ROOT
 from launcher.calibrate import choose, spearman
 from launcher.recommend import PARALLEL_KEYS, recommend
-from test_plan import compose_cfg
+from helpers.cli import compose_cfg
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Korthikanti et al. 2022 Table 3: preset -> DGX A100 nodes (22B: 8 GPUs, 175B: 64, 530B: 280, 1T: 512).
 KORTHIKANTI = {"korthikanti_22b": 1, "korthikanti_175b": 8, "korthikanti_530b": 35, "korthikanti_1t": 64}

@@ -14,10 +14,10 @@ import sys
 
 import pytest
 
+from helpers import ROOT
 from launcher.report import build_report, sweep_points
 from training.events import append_event
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
     PYTHON = sys.executable

@@ -15,13 +15,11 @@ import sys
 
 import pytest
 
+from helpers import ROOT
 from training.secret_env import PLACEHOLDER
 
-import test_slurm_cluster as dev
+import helpers.slurm as dev
 
-cluster = dev.cluster  # the dev cluster fixture (started if needed; a loud skip when it cannot run here)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "hf_sw33p-s3cr3t-4c2e"
 LAUNCHERS = {  # Hydra launchers: points in this process, in joblib workers, in submitit jobs
     "meshrun": [],

@@ -8,13 +8,13 @@ from dataclasses import replace
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from helpers import ROOT
 from launcher.plan.estimate import with_parallel
 from launcher.schema import register
 from launcher.plan.validate import validate
 from launcher.planning import validate_for_launch
 from training.config import Config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 register()
 
 
@@ -121,7 +121,7 @@ def test_warnings_are_not_errors():
 
 def test_no_fit_reports_breakdown_and_working_fixes():
     # math attention: selective recompute drops the stored s x s scores (under flash it saves nothing and is not
-    # offered, tests/test_honest_keys.py).
+    # offered, tests/launcher/test_honest_keys.py).
     cfg = compose_cfg("model=gpt3_175b", "parallel=tp8_pp2", "cluster=dgx_h100", "cluster.nodes=4", "model.attention=math",
                       "train.precision=bf16", "parallel.recompute=none", "parallel.sp=false", "parallel.zero=0")
     r = validate(cfg)

@@ -21,11 +21,9 @@ from launcher.slurm.requeue import decide
 from training.config import Config
 from training.events import read_events
 
-import test_checkpoint_reshard as reshard
-import test_slurm_cluster as dev
-from dist_harness import run_distributed
-
-cluster = dev.cluster  # the dev cluster fixture (started if needed; a loud skip when it cannot run here)
+import helpers.slurm as dev
+from helpers.checkpoint import load_worker, save_worker
+from helpers.dist import run_distributed
 
 
 def _cfg(nodes=3, global_batch=6, min_nodes=2, wait_min=0.0) -> Config:
@@ -132,10 +130,10 @@ def test_layout_keeps_an_explicit_dp_consistent():
 @pytest.mark.slow
 def test_zero1_checkpoint_saved_at_dp3_loads_at_dp2_exactly(tmp_path):
     """training/checkpoint/ reshards the ZeRO-1 optimizer shards (uneven at dp=3) to dp=2: every rank's
-    weights and Adam states equal the slice the new layout expects (tests/test_checkpoint_reshard.py's check)."""
+    weights and Adam states equal the slice the new layout expects (tests/engine/test_checkpoint_reshard.py's check)."""
     run_dir = str(tmp_path)
-    run_distributed(reshard._save_worker, 3, args=(run_dir, 1, 3, 1), timeout_s=180)
-    run_distributed(reshard._load_worker, 2, args=(run_dir, [(1, 2, 1)]), timeout_s=180)
+    run_distributed(save_worker, 3, args=(run_dir, 1, 3, 1), timeout_s=180)
+    run_distributed(load_worker, 2, args=(run_dir, [(1, 2, 1)]), timeout_s=180)
 
 
 # ------------------------------------------------------------------------------- the dev cluster

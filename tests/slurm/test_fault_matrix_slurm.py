@@ -2,7 +2,7 @@
 lost (nothing beyond the last checkpoint), what is written, the exit code and the message.
 
 Pure tests run everywhere; local runs spawn real ranks (marked slow); Slurm scenarios run on the real dev
-cluster (tests/test_slurm_cluster.py's fixtures) and are skipped with the reason when it cannot run here.
+cluster (tests/slurm/test_slurm_cluster.py's fixtures) and are skipped with the reason when it cannot run here.
 """
 
 from __future__ import annotations
@@ -28,11 +28,9 @@ from training.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from training.run_lock import LOCK_FILE, read_holder
 from training.secret_env import PLACEHOLDER
 
-import test_slurm_cluster as dev
-from test_slurm_cluster import COMMON, ROOT, meshrun, metrics, submit, wait_final, wait_step
-from test_slurm_unit import dev_cfg
-
-cluster = dev.cluster  # the dev cluster fixture (started if needed; a loud skip when it cannot run here)
+import helpers.slurm as dev
+from helpers.slurm import COMMON, ROOT, meshrun, metrics, submit, wait_final, wait_step
+from helpers.slurm import dev_cfg
 
 PY = sys.executable
 LOCAL = ["model=tiny", "data=synthetic", "parallel=single", "cluster.gpus_per_node=1", "train.progress=false",

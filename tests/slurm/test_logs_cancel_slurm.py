@@ -1,7 +1,7 @@
 """`meshrun action=logs`, `action=cancel` and a sweep's status on the real dev Slurm cluster
 (slurm/dev-cluster.sh): a cancelled job saves a complete checkpoint, is not requeued, and status says CANCELLED;
 the logs are submitit's files of the run's job; a sweep's status asks Slurm once for all its jobs.
-Skipped, with the reason, when the cluster cannot run here (the fixture of tests/test_slurm_cluster.py)."""
+Skipped, with the reason, when the cluster cannot run here (the fixture of tests/slurm/test_slurm_cluster.py)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,7 @@ from launcher import status as status_mod
 from training.checkpoint.storage import step_dir, verify
 from training.events import read_events
 
-import test_slurm_cluster
-from test_slurm_cluster import ROOT, meshrun
-
-cluster = test_slurm_cluster.cluster  # the dev cluster fixture (started if needed, else a skip with the reason)
+from helpers.slurm import ROOT, meshrun
 
 pytestmark = pytest.mark.slurm
 

@@ -7,120 +7,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-import noted_jobs
+from helpers.slurm import (COMMON, STEPS, hold_env, meshrun, metrics, rank_pid, submit, wait_final,
+                           wait_step)
 from launcher.status import run_status
 from training.events import read_events
 from training.exit_codes import EXIT_SLURM
 
 pytestmark = pytest.mark.slurm
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UNAVAILABLE = 77
-STEPS = 12
-COMMON = ["model=tiny", "data=synthetic", "parallel.tp=2", "parallel.pp=1", f"train.steps={STEPS}",
-          "train.warmup_steps=2", "train.checkpoint_every=2", "train.log_every=1"]
-
-
-def _ping() -> bool:
-    try:
-        return shutil.which("scontrol") is not None and subprocess.run(
-            ["scontrol", "ping"], capture_output=True, text=True, timeout=15).stdout.count("UP") > 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """The dev cluster, started if needed; a loud skip with the reason when it cannot run here."""
-    if not _ping():
-        res = subprocess.run(["bash", os.path.join(ROOT, "slurm", "dev-cluster.sh"), "up"],
-                             capture_output=True, text=True, timeout=600)
-        if res.returncode == UNAVAILABLE:
-            reason_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), "meshrun-slurm-unavailable")
-            reason = open(reason_file).read().strip() if os.path.exists(reason_file) else res.stderr.strip()
-            pytest.skip(f"SLURM TESTS SKIPPED: dev cluster unavailable: {reason}")
-        if res.returncode != 0 or not _ping():
-            pytest.fail(f"slurm/dev-cluster.sh up failed (exit {res.returncode}):\n{res.stderr[-2000:]}")
-    return True
-
-
-def meshrun(*overrides, env=None, timeout=120):
-    """`meshrun` in a subprocess; every Slurm job it says it submitted is noted (tests/noted_jobs.py), so a
-    test that fails leaves none of them queued or running (tests/conftest.py cancels them)."""
-    res = subprocess.run([sys.executable, "-m", "launcher", *overrides], cwd=ROOT, capture_output=True,
-                         text=True, timeout=timeout, env={**os.environ, **(env or {})})
-    noted_jobs.note(res.stdout)
-    return res
-
-
-def submit(run_dir, *overrides):
-    res = meshrun("cluster=slurm_dev", *COMMON, f"run.dir={run_dir}", *overrides)
-    assert res.returncode == 0, res.stderr[-3000:]
-    m = re.search(r"submitted Slurm job (\d+)", res.stdout)
-    assert m, res.stdout
-    return m.group(1)
-
-
-def wait_final(run_dir, timeout=240):
-    """Until events.jsonl ends the run (completed / stopped); returns the status."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        events = read_events(str(run_dir))
-        if events and events[-1]["event"] in ("completed", "stopped"):
-            return run_status(str(run_dir))
-        time.sleep(0.5)
-    raise AssertionError(f"run {run_dir} not finished after {timeout} s; events: {read_events(str(run_dir))}; "
-                         f"status {run_status(str(run_dir))}")
-
-
-def wait_step(run_dir, step, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        losses = metrics(run_dir, last_wins=True)
-        if losses and max(losses) >= step:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} not reached in {timeout} s")
-
-
-def metrics(run_dir, last_wins=False):
-    """step -> loss; with last_wins=False a step logged twice is an error."""
-    out = {}
-    path = os.path.join(str(run_dir), "metrics.jsonl")
-    if not os.path.exists(path):
-        return out
-    for line in open(path):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not last_wins:
-            assert rec["step"] not in out, f"step {rec['step']} was run twice"
-        out[rec["step"]] = rec["loss"]
-    return out
-
-
-def rank_pid(run_dir, rank):
-    """pid of `python -m training.main RUN_DIR` of one rank (all fake nodes live on this machine)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            if b"training.main" not in cmd or str(run_dir).encode() not in cmd:
-                continue
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env:
-            return int(pid)
-    raise AssertionError(f"no process for rank {rank} of {run_dir}")
 
 
 @pytest.fixture(scope="module")
@@ -218,33 +117,6 @@ def test_max_retries_reached_stops(tmp_path, cluster):
 
 # Every rank waits before its 4th step until it got a stop signal or the file named by HOLD_RELEASE exists (at
 # most 120 s): a signal sent after step 3 lands mid-run however fast the steps are.
-HOLD = '''import os, sys
-if "training.main" in getattr(sys, "orig_argv", []):
-    import time
-    import training.loop
-    from training.checkpoint import signals
-    real = training.loop.Trainer.train_step
-
-    def step(self, *args, **kwargs):
-        if self.state.step == 3:
-            deadline = time.monotonic() + 120
-            while (signals.received() is None and not os.path.exists(os.environ["HOLD_RELEASE"])
-                   and time.monotonic() < deadline):
-                time.sleep(0.02)
-        return real(self, *args, **kwargs)
-
-    training.loop.Trainer.train_step = step
-'''
-
-
-def hold_env(tmp_path) -> dict:
-    """The environment that makes every rank wait before step 4 (HOLD); create env["HOLD_RELEASE"] to let go."""
-    inject = tmp_path / "inject_hold"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(HOLD)
-    return {"PYTHONPATH": f"{inject}{os.pathsep}{ROOT}", "HOLD_RELEASE": str(tmp_path / "release")}
-
-
 def test_sweep_submits_valid_points_as_one_job_array_and_skips_invalid(tmp_path, cluster, slurm_jobs):
     """4 points, micro_batch=3 invalid: 3 submitted as one job array; one array task preempted (USR2)
     requeues on its own and resumes without running a step twice; all 3 complete."""
@@ -415,8 +287,7 @@ def test_preflight_gate_keeps_bad_node_out_and_requeues_without_it(tmp_path, ref
     assert all(e["elapsed_s"] < 5 for e in pre + second), pre + second
 
 
-BUG_AT_STEP_0 = '''import sys
-if "training.main" in getattr(sys, "orig_argv", []):  # only the rank processes, not submitit or the driver
+BUG_AT_STEP_0 = '''if "training.main" in getattr(sys, "orig_argv", []):  # only the rank processes, not submitit or the driver
     import training.loop
 
     def broken_step(self, *args, **kwargs):

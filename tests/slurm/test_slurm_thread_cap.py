@@ -11,12 +11,9 @@ import time
 
 import pytest
 
-import test_slurm_cluster as dev
-from test_slurm_cluster import metrics, submit
+from helpers.slurm import metrics, submit
 
 pytestmark = pytest.mark.slurm
-cluster = dev.cluster  # the dev cluster fixture (started if needed; a loud skip when it cannot run here)
-
 
 def _rank_envs(run_dir: str) -> list:
     """The environment of every running engine process (training.main) of this run."""

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from helpers.slurm import dev_cfg
 from launcher.slurm import numa
 from launcher.slurm.requeue import decide, plan_exclusion
 from launcher.slurm.sbatch import (PROJECT_ROOT, SlurmConfigError, array_group_key, array_job_spec, cpus_per_task,
@@ -22,18 +23,7 @@ from training.config import ClusterConfig, Config, ContainerConfig
 from training.events import append_event
 from training import slurm_env
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "slurm_dry_run.txt")
-
-
-def dev_cfg(**cluster) -> Config:
-    cfg = Config()
-    base = dict(name="slurm_dev", kind="slurm", partition="debug", nodes=2, gpus_per_node=2, device="cpu",
-                time_min=10, signal_delay_s=45, max_retries=2, env={"NCCL_DEBUG": "WARN", "NCCL_IB_HCA": "mlx5_0"})
-    base.update(cluster)
-    cfg.cluster = ClusterConfig(**base)
-    cfg.parallel.tp = 2
-    # As submit() leaves it: cpus_per_task=0 resolved from the dev cluster's nodes (8 CPUs, 2 ranks each).
-    return with_cpus_per_task(cfg, node_cpus=8)
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "slurm_dry_run.txt")
 
 
 def dry_run(cfg: Config, run_dir: str) -> str:

@@ -17,36 +17,17 @@ import pickle
 
 import pytest
 
-from test_checkpoint_storage import _fill, _resumed_value, _save_steps, _setup
+from helpers.checkpoint import RunsCommand, fill, reseal, resumed_value, save_steps, setup_run
 from training.checkpoint import CheckpointError, storage
 from training.events import read_events
 
 
-class _RunsCommand:
-    """Unpickles to os.system(cmd): the classic pickle payload."""
-
-    def __init__(self, cmd):
-        self.cmd = cmd
-
-    def __reduce__(self):
-        return (os.system, (self.cmd,))
-
-
-def _reseal(directory: str) -> None:
-    """Rewrite the manifest to match the files as they are now (what an attacker with write access does)."""
-    path = os.path.join(directory, storage.MANIFEST)
-    with open(path) as f:
-        manifest = json.load(f)
-    manifest["files"] = storage.build_manifest(directory)
-    storage.write_json_durable(path, manifest)
-
-
 def _resume_and_save(run_dir, steps, **train):
     """What the loop does: resume (auto), then save; each save continues the line it resumed."""
-    cfg, model, opt, ck = _setup(run_dir, **train)
+    cfg, model, opt, ck = setup_run(run_dir, **train)
     ck.maybe_resume([model], opt, {"consumed_samples": 0})
     for s in steps:
-        _fill(model, opt, float(s))
+        fill(model, opt, float(s))
         ck.save(s, [model], opt, {"consumed_samples": 8 * s})
     ck.wait()
 
@@ -59,14 +40,14 @@ def _abandoned(run):
 def test_crafted_metadata_pickle_is_refused_and_never_runs(tmp_path):
     run = str(tmp_path / "run")
     canary = tmp_path / "canary"
-    _save_steps(run, [1])
+    save_steps(run, [1])
     newest = storage.step_dir(run, 1)
     with open(os.path.join(newest, storage.DCP_METADATA), "wb") as f:
-        pickle.dump(_RunsCommand(f"touch {canary}"), f)
-    _reseal(newest)
+        pickle.dump(RunsCommand(f"touch {canary}"), f)
+    reseal(newest)
     assert storage.verify(newest).ok  # the manifest matches: only the unpickler stands in the way
     with pytest.raises(CheckpointError) as err:
-        _resumed_value(run)
+        resumed_value(run)
     msg = str(err.value)
     assert "posix.system" in msg and "nothing in it ran" in msg and "train.resume" in msg, msg
     assert not canary.exists()
@@ -78,7 +59,7 @@ def test_crafted_metadata_pickle_is_refused_and_never_runs(tmp_path):
 
 def test_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path):
     run = str(tmp_path / "run")
-    _save_steps(run, [1])
+    save_steps(run, [1])
     newest = storage.step_dir(run, 1)
     path = os.path.join(newest, storage.DCP_METADATA)
     with open(path, "rb") as f:
@@ -87,14 +68,14 @@ def test_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path):
         info.relative_path = "../../../etc/passwd"
     with open(path, "wb") as f:
         pickle.dump(metadata, f)
-    _reseal(newest)
+    reseal(newest)
     with pytest.raises(CheckpointError, match="points a tensor at '../../../etc/passwd', outside"):
-        _resumed_value(run)
+        resumed_value(run)
 
 
 def test_manifest_path_outside_and_symlink_inside_are_invalid(tmp_path):
     run = str(tmp_path / "run")
-    _save_steps(run, [1, 2, 3], keep_last=5)
+    save_steps(run, [1, 2, 3], keep_last=5)
     # step_3: the manifest names a file outside the directory.
     s3 = storage.step_dir(run, 3)
     with open(os.path.join(s3, storage.MANIFEST)) as f:
@@ -109,10 +90,10 @@ def test_manifest_path_outside_and_symlink_inside_are_invalid(tmp_path):
     os.symlink(str(tmp_path / "elsewhere"), os.path.join(s2, shard))
     assert "symlinks are not allowed" in storage.verify(s2).problems[0]
     # auto skips both (each reported) and resumes step_1; naming one explicitly is an error.
-    assert _resumed_value(run) == (1, 1.0)
+    assert resumed_value(run) == (1, 1.0)
     assert [e["step"] for e in read_events(run) if e["event"] == "checkpoint_invalid"] == [3, 2]
     with pytest.raises(CheckpointError, match="step_2 is damaged.*symlinks"):
-        _resumed_value(run, resume="2")
+        resumed_value(run, resume="2")
 
 
 def test_every_shard_checksummed_while_writing(tmp_path, monkeypatch):
@@ -120,7 +101,7 @@ def test_every_shard_checksummed_while_writing(tmp_path, monkeypatch):
     real = storage._crc32
     monkeypatch.setattr(storage, "_crc32", lambda p: reads.append(os.path.basename(p)) or real(p))
     run = str(tmp_path / "run")
-    _save_steps(run, [1])
+    save_steps(run, [1])
     assert sorted(reads) == ["config.json", "state.json"]  # rank 0's own small files only: no shard re-read
     with open(os.path.join(storage.step_dir(run, 1), storage.MANIFEST)) as f:
         files = json.load(f)["files"]
@@ -132,13 +113,13 @@ def test_every_shard_checksummed_while_writing(tmp_path, monkeypatch):
 
 def test_rollback_is_kept_by_later_auto_and_newer_ones_are_abandoned_not_deleted(tmp_path):
     run = str(tmp_path / "run")
-    _save_steps(run, [1, 2, 3, 4], keep_last=10)
-    assert _resumed_value(run, resume="2") == (2, 2.0)
+    save_steps(run, [1, 2, 3, 4], keep_last=10)
+    assert resumed_value(run, resume="2") == (2, 2.0)
     assert storage.read_latest(run) == 2
     rollback = [e for e in read_events(run) if e["event"] == "rollback"]
     assert rollback and rollback[-1]["step"] == 2 and rollback[-1]["abandoned_steps"] == [4, 3]
     # A later attempt with auto (a requeue) stays on the new line even before its first save.
-    assert _resumed_value(run) == (2, 2.0)
+    assert resumed_value(run) == (2, 2.0)
     # The new line saves step 3 (the abandoned line's step_3 exists) and step 5.
     _resume_and_save(run, [3, 5], keep_last=10)
     assert storage.list_steps(run) == [5, 3, 2, 1] and storage.history(run) == [5, 3, 2, 1]
@@ -146,7 +127,7 @@ def test_rollback_is_kept_by_later_auto_and_newer_ones_are_abandoned_not_deleted
     assert [n.split("_")[1] for n in moved] == ["3", "4"], moved
     for name in moved:  # kept whole: each still verifies against its own manifest
         assert storage.verify(os.path.join(storage.checkpoints_dir(run), storage.ABANDONED, name)).ok
-    assert _resumed_value(run) == (5, 5.0)
+    assert resumed_value(run) == (5, 5.0)
     # Pruning keeps `latest` and the keep_last - 1 before it on the line, and never touches abandoned/.
     _resume_and_save(run, [6], keep_last=2)
     assert storage.list_steps(run) == [6, 5] and len(_abandoned(run)) == 2
@@ -154,19 +135,19 @@ def test_rollback_is_kept_by_later_auto_and_newer_ones_are_abandoned_not_deleted
 
 def test_fresh_start_is_kept_by_later_auto(tmp_path):
     run = str(tmp_path / "run")
-    _save_steps(run, [1, 2])
-    assert _resumed_value(run, resume="none") is None
-    assert _resumed_value(run) is None  # a requeue before the first save must not resume the old line
+    save_steps(run, [1, 2])
+    assert resumed_value(run, resume="none") is None
+    assert resumed_value(run) is None  # a requeue before the first save must not resume the old line
     assert storage.list_steps(run) == [2, 1]  # nothing moved or deleted yet
-    _save_steps(run, [1], keep_last=3)
+    save_steps(run, [1], keep_last=3)
     assert storage.list_steps(run) == [1] and [n.split("_")[1] for n in _abandoned(run)] == ["1", "2"]
-    assert _resumed_value(run) == (1, 1.0)
+    assert resumed_value(run) == (1, 1.0)
 
 
 def test_history_without_latest_or_previous_falls_back_to_directories(tmp_path):
     """Run dirs of an older meshrun: no `previous` in the manifests; `latest` lost: newest directory first."""
     run = str(tmp_path / "run")
-    _save_steps(run, [1, 2, 3], keep_last=5)
+    save_steps(run, [1, 2, 3], keep_last=5)
     for step in (1, 2, 3):
         path = os.path.join(storage.step_dir(run, step), storage.MANIFEST)
         with open(path) as f:

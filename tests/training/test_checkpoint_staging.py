@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from dist_harness import run_distributed
-from test_checkpoint_reshard import StandInModel, _cfg, _mesh
+from helpers.dist import run_distributed
+from helpers.checkpoint import StandInModel, stand_in_cfg, stand_in_mesh
 from training.checkpoint import CheckpointError, CheckpointManager, storage
 from training.checkpoint import crc_writer
 from training.checkpoint.staging import HostStager
@@ -26,8 +26,8 @@ from training.optim import DistributedOptimizer
 
 
 def _build(run_dir, tp=1, dp=1, zero=0, async_save=True):
-    mesh = _mesh(tp, dp)
-    cfg = _cfg(tp, dp, zero)
+    mesh = stand_in_mesh(tp, dp)
+    cfg = stand_in_cfg(tp, dp, zero)
     cfg.train.async_save = async_save
     model = StandInModel(tp, mesh.tp_rank)
     opt = DistributedOptimizer(model.named_parameters(), cfg, mesh)
@@ -179,8 +179,8 @@ def _two_rank_worker(run_dir, fail_rank):
 
 
 def _resume_worker(run_dir):
-    mesh = _mesh(1, 2)
-    cfg = _cfg(1, 2, 1)
+    mesh = stand_in_mesh(1, 2)
+    cfg = stand_in_cfg(1, 2, 1)
     model = StandInModel(1, 0)
     opt = DistributedOptimizer(model.named_parameters(), cfg, mesh)
     got = CheckpointManager(run_dir, mesh, cfg).maybe_resume([model], opt, {"consumed_samples": 0})

@@ -107,7 +107,7 @@ def test_a_data_error_on_rank_0_reaches_every_rank_at_once(tmp_path):
     leaving them to wait out the collective timeout and fail."""
     import time
 
-    from dist_harness import run_distributed
+    from helpers.dist import run_distributed
     from training.config import Config, config_to_dict
 
     cfg = Config()

@@ -1,8 +1,8 @@
 """GPU health while training (training/observe/health.py) on CPU: the sampler against NVML doubles that speak
-real pynvml (the preflight's, tests/test_preflight_nvml.py, and the file-driven one a run uses,
+real pynvml (the preflight's, tests/launcher/test_preflight_nvml.py, and the file-driven one a run uses,
 training/observe/nvml_double.py), and on the dev Slurm cluster: an ECC count that grows mid-run on one node
 raises a `health` event and, with cluster.health.action=requeue, the job is checkpointed and resubmitted
-without that node. The multi-rank engine path is tests/test_diagnostics.py."""
+without that node. The multi-rank engine path is tests/engine/test_diagnostics.py."""
 
 from __future__ import annotations
 
@@ -12,14 +12,12 @@ import os
 import pynvml
 import pytest
 
-import test_slurm_cluster as dev
-from test_preflight_nvml import fake_nvml, healthy_gpu
+import helpers.slurm as dev
+from helpers.doubles import fake_nvml, healthy_gpu
 from training.config import Config
 from training.events import read_events
 from training.observe.health import ECC, THROTTLE, HealthSampler, ThroughputShare, load_health_nvml
 from training.observe.nvml_double import make_nvml_double
-
-cluster = dev.cluster  # the dev cluster fixture (started if needed; a loud skip when it cannot run here)
 
 
 def _lines(run_dir):

@@ -1,6 +1,6 @@
 """Indexed datasets: Megatron interoperability both ways, exact samples, blending, start-up checks.
 
-The format is checked with tests/megatron_format.py, a reader and writer written from the format's
+The format is checked with tests/helpers/megatron_format.py, a reader and writer written from the format's
 description, not with meshrun's code.
 """
 
@@ -13,7 +13,7 @@ import struct
 import numpy as np
 import pytest
 
-import megatron_format as mf
+import helpers.megatron_format as mf
 from launcher.prepare import prepare
 from training.config import Config, PrepareConfig
 from training.data import BatchSampler, DataError, make_eval_source, make_source

@@ -1,5 +1,5 @@
 """Indexed datasets meshrun must refuse, each with the file and the fix named (training/data/indexed.py), built
-byte by byte with the tests' own writer of the format (tests/megatron_format.py): a bad magic, another
+byte by byte with the tests' own writer of the format (tests/helpers/megatron_format.py): a bad magic, another
 version, a float token dtype, a missing NAME.bin, a foreign NAME.json; and a read-only dataset folder, which
 is used (scanned in memory) with nothing written into it."""
 
@@ -13,7 +13,7 @@ import struct
 import numpy as np
 import pytest
 
-import megatron_format as mf
+import helpers.megatron_format as mf
 from training.data import DataError
 from training.data.indexed import open_dataset
 

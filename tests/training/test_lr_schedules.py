@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from dist_harness import run_distributed
+from helpers.dist import run_distributed
 from training.config import Config, TrainConfig, choices
 from training.schedule_lr import lr_at, lr_curve, schedule_problems
 
@@ -112,7 +112,7 @@ def _stop_resume_runs(base):
 
     mesh = ProcessMesh.from_env(1, 1, 1, 1, timeout_s=60)
     out = {}
-    for kind in ("wsd", "inverse_sqrt"):  # cosine: tests/test_resume_matrix.py
+    for kind in ("wsd", "inverse_sqrt"):  # cosine: tests/engine/test_resume_matrix.py
         ref_dir, run_dir = os.path.join(base, kind, "ref"), os.path.join(base, kind, "run")
         Trainer(_cfg(kind), ref_dir, mesh).run()
         codes = [Trainer(_cfg(kind, exit_interval=3), run_dir, mesh).run() for _ in range(2)]

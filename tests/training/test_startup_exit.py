@@ -4,15 +4,14 @@ output flushed, the exit code kept)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 import time
 
+from helpers import ROOT
 from training.observe import startup
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_process_start_is_read_from_the_kernel_not_from_the_first_python_line():

@@ -17,8 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from test_checkpoint_safety import _reseal, _RunsCommand
-from test_checkpoint_storage import _resumed_value, _save_steps
+from helpers.checkpoint import RunsCommand, reseal, resumed_value, save_steps
 from training.checkpoint import CheckpointError, storage
 
 
@@ -29,7 +28,7 @@ def _plant_bytes_entry(step_path: str, canary: str) -> str:
         metadata = pickle.load(f)  # genuine metadata written by DCP a moment ago
     key = sorted(k for k in metadata.state_dict_metadata if k.startswith("model/"))[0]
     shard = sorted(n for n in os.listdir(step_path) if n.endswith(".distcp"))[0]
-    payload = pickle.dumps(_RunsCommand(f"touch {canary}"))
+    payload = pickle.dumps(RunsCommand(f"touch {canary}"))
     offset = os.path.getsize(os.path.join(step_path, shard))
     with open(os.path.join(step_path, shard), "ab") as f:
         f.write(payload)
@@ -39,19 +38,19 @@ def _plant_bytes_entry(step_path: str, canary: str) -> str:
     metadata.storage_data[MetadataIndex(key)] = _StorageInfo(relative_path=shard, offset=offset, length=len(payload))
     with open(meta_path, "wb") as f:
         pickle.dump(metadata, f)
-    _reseal(step_path)
+    reseal(step_path)
     return key
 
 
 def test_bytes_entry_in_metadata_is_refused_and_its_pickle_never_runs(tmp_path):
     run = str(tmp_path / "run")
     canary = tmp_path / "canary"
-    _save_steps(run, [1])
+    save_steps(run, [1])
     newest = storage.step_dir(run, 1)
     key = _plant_bytes_entry(newest, str(canary))
     assert storage.verify(newest).ok  # the manifest matches: only the reader stands in the way
     with pytest.raises(CheckpointError) as err:
-        _resumed_value(run)
+        resumed_value(run)
     msg = str(err.value)
     assert "BytesStorageMetadata" in msg and "nothing in it ran" in msg and "train.resume" in msg, msg
     assert not canary.exists()
@@ -83,7 +82,7 @@ def test_short_error_keeps_torch_save_full_disk_message():
         torch.save(torch.zeros(100_000), "/dev/full")
     assert "unexpected pos" in _short(err.value), _short(err.value)
     with pytest.raises(pickle.UnpicklingError) as err:
-        torch.load(__import__("io").BytesIO(pickle.dumps(_RunsCommand("true"))), weights_only=True)
+        torch.load(__import__("io").BytesIO(pickle.dumps(RunsCommand("true"))), weights_only=True)
     assert "weights_only=False" not in _short(err.value) and "Weights only load failed" in _short(err.value)
 
 
@@ -105,7 +104,7 @@ def full_disk(tmp_path):
 def test_save_on_full_disk_names_enospc_and_keeps_previous(full_disk):
     run = os.path.join(full_disk, "run")
     with pytest.raises(CheckpointError) as err:
-        _save_steps(run, [1])
+        save_steps(run, [1])
     msg = str(err.value)
     assert ("ENOSPC" in msg or "No space left" in msg) and "free space under run.dir" in msg, msg
     assert not [n for n in os.listdir(storage.checkpoints_dir(run)) if n.startswith(".tmp_step_")]
