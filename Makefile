@@ -1,9 +1,11 @@
 # make run: install, then train the embedded default (tiny GPT, tp=2 sp, dp=2 zero=1, CPU processes).
-# make test: install, start the dev Slurm cluster, run the tests.
+# make test: install, start the dev Slurm cluster, run the tests on TEST_WORKERS pytest-xdist workers (the Slurm
+#   tests in one group on one worker, one after another: tests/conftest.py; the others share the CPUs meanwhile).
 # make check: the fast inner loop: every test that needs no cluster and no multi-process run (tests/conftest.py).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshrun-installed
+TEST_WORKERS ?= 3
 
 .PHONY: install run test check plan bench slurm-up slurm-down browser clean
 
@@ -35,16 +37,16 @@ plan: install
 	$(VENV)/bin/meshrun action=plan
 
 test: install slurm-up browser
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 check: install
-	$(PY) -m pytest -q -m "not slurm and not slow" tests
+	$(PY) -m pytest -q -n 2 -m "not slurm and not slow" tests
 
 # Exit 77: the cluster cannot run here (no root / no apt-get); it said why, and the Slurm tests skip with that reason.
 slurm-up:
 	bash slurm/dev-cluster.sh up || [ $$? -eq 77 ]
 
-# Debian's chromium for tests/test_report.py (report.html in a headless browser); exit 77: it cannot be installed
+# Debian's chromium for tests/launcher/test_report.py (report.html in a headless browser); exit 77: it cannot be installed
 # here (no root / no apt-get), it said why, and that test skips with the reason.
 browser:
 	bash tests/browser.sh >/dev/null || [ $$? -eq 77 ]
