@@ -221,7 +221,7 @@ def test_preflight_checks_only_the_jobs_gpus(tmp_path, monkeypatch):
 def test_throttle_reasons_on_drivers_before_r535():
     """A new nvidia-ml-py on an old driver: the clocks-event call is FUNCTION_NOT_FOUND, the throttle-reasons
     call answers, and a hardware slowdown still fails."""
-    from tests.test_preflight_nvml import fake_nvml, healthy_gpu
+    from helpers.doubles import fake_nvml, healthy_gpu
     from training.config import PreflightConfig
     from training.preflight.gpu_nvml import check_gpus
 
