@@ -71,7 +71,7 @@ def prologue(run_dir: str) -> int:
                  restart_count=int(os.environ.get("SLURM_RESTART_COUNT") or 0), resume_step=step,
                  code=PROJECT_ROOT)
     # MESHRUN_SELF_STOP=0 in the submitter's environment turns the ranks' own clock off, leaving only
-    # Slurm's --signal (tests/test_fault_matrix_slurm.py checks that one alone still stops a run in time).
+    # Slurm's --signal (tests/slurm/test_fault_matrix_slurm.py checks that one alone still stops a run in time).
     own_clock = os.environ.get("MESHRUN_SELF_STOP", "1") != "0"
     stop_at = stop_time(load_config(os.path.join(run_dir, "config.json")).cluster.signal_delay_s) if own_clock \
         else None
