@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 MESHRUN = os.path.join(os.path.dirname(sys.executable), "meshrun")
 
 
@@ -59,6 +61,7 @@ def test_presets_of_ones_own_compose_validate_and_are_listed(tmp_path):
     assert typo.returncode == 2 and "num_layer" in typo.stderr and not (tmp_path / "typo").exists()
 
 
+@pytest.mark.slow  # two local training runs
 def test_latest_links_follow_the_newest_run_and_sweep(tmp_path):
     args = ["model.num_layers=1", "model.hidden_size=16", "model.num_attention_heads=2", "model.seq_length=8",
             "parallel=single", "parallel.global_batch=2", "cluster.gpus_per_node=1", "cluster.peak_tflops=1",

@@ -68,6 +68,7 @@ def _copy(trained, tmp_path, name: str):
     return dest
 
 
+@pytest.mark.slow  # trains (the module's `trained` run)
 def test_config_json_is_never_overwritten_by_a_mistake(trained, tmp_path, capsys):
     """Each case leaves config.json byte for byte and the checkpoint's own config.json intact."""
     runs = {name: _copy(trained, tmp_path, name) for name in
@@ -124,6 +125,7 @@ def test_config_json_is_never_overwritten_by_a_mistake(trained, tmp_path, capsys
     assert again.returncode == 0 and "(no changes)" in again.stderr, again.stderr
 
 
+@pytest.mark.slow  # trains (the module's `trained` run)
 def test_writes_never_follow_symlinks_out_of_run_dir(trained, tmp_path):
     """Launches on a run with planted links exit 2 and leave every target unchanged; the writers themselves
     (events, metrics, logs, summary/plan/config, the lock) refuse a link without the launcher's check."""
@@ -279,6 +281,7 @@ def _status(run, cwd):
     return json.loads(meshrun("action=status", f"run.dir={run}", cwd=cwd).stdout)
 
 
+@pytest.mark.slow  # trains (the module's `trained` run)
 def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
     """SIGINT to a local launcher saves and stops like action=cancel and says how to resume; a rank killed with
     SIGKILL is exit 1 (in the table) with the reason in status; after SIGKILL of the launcher its ranks save and
