@@ -1,6 +1,7 @@
 # make run: install, then train the embedded default (tiny GPT, tp=2 sp, dp=2 zero=1, CPU processes).
-# make test: install, start the dev Slurm cluster, run the tests on TEST_WORKERS pytest-xdist workers (the Slurm
-#   tests in one group on one worker, one after another: tests/conftest.py; the others share the CPUs meanwhile).
+# make test: install, start the dev Slurm cluster, run the tests: the Slurm tests in one pytest process, one after
+#   another (the three dev nodes are theirs alone), and meanwhile every other test on TEST_WORKERS pytest-xdist
+#   workers (the Slurm tests mostly wait on the scheduler).
 # make check: the fast inner loop: every test that needs no cluster and no multi-process run (tests/conftest.py).
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -37,7 +38,10 @@ plan: install
 	$(VENV)/bin/meshrun action=plan
 
 test: install slurm-up browser
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+	$(PY) -m pytest -q -m slurm tests > .slurm-tests.log 2>&1 & slurm=$$!; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slurm" tests; rc=$$?; \
+	wait $$slurm; src=$$?; echo "== the Slurm tests (one process, one after another):"; cat .slurm-tests.log; \
+	rm -f .slurm-tests.log; [ $$rc -eq 0 ] && [ $$src -eq 0 ]
 
 check: install
 	$(PY) -m pytest -q -n 2 -m "not slurm and not slow" tests
