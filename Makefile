@@ -6,7 +6,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshrun-installed
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 
 .PHONY: install run test check plan bench slurm-up slurm-down browser clean
 
