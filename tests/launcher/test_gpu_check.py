@@ -8,10 +8,13 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from helpers import ROOT
 
 
 
+@pytest.mark.slow  # the dry check trains a tiny model (about 2 minutes of make check before)
 def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     run_dir = tmp_path / "gpu check"  # a space: every path in the script is quoted
     # Another interpreter first on PATH (issue 30): the script must still run the project's venv python.

@@ -81,7 +81,8 @@ def test_a_queued_holder_refuses_and_one_that_left_the_queue_is_taken_over(tmp_p
     assert taken["previous_holder"] == f"Slurm job {ended}"
 
 
-@pytest.mark.parametrize("unreachable", ["no_client", "no_configuration"])
+# Without a configuration squeue searches for a controller until its timeout (60 s here): slow.
+@pytest.mark.parametrize("unreachable", ["no_client", pytest.param("no_configuration", marks=pytest.mark.slow)])
 def test_slurm_that_cannot_answer_counts_the_holder_as_alive(tmp_path, monkeypatch, unreachable):
     if unreachable == "no_client":
         monkeypatch.setenv("PATH", str(tmp_path))  # no squeue at all
