@@ -1,10 +1,13 @@
 # make run: install, then train the embedded default (tiny GPT, tp=2 sp, dp=2 zero=1, CPU processes).
-# make test: install, start the dev Slurm cluster, run the tests.
+# make test: install, start the dev Slurm cluster, run the tests: the Slurm tests in one pytest process, one after
+#   another (the three dev nodes are theirs alone), and meanwhile every other test on TEST_WORKERS pytest-xdist
+#   workers (the Slurm tests mostly wait on the scheduler).
 # make check: the fast inner loop: lint, then every test that needs no cluster and no multi-process run (tests/conftest.py).
 # make lint: ruff's lint and mypy (settings in pyproject.toml); `ruff format` is configured there too.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshrun-installed
+TEST_WORKERS ?= 2
 
 .PHONY: install run test check lint plan bench slurm-up slurm-down browser clean
 
@@ -36,10 +39,13 @@ plan: install
 	$(VENV)/bin/meshrun action=plan
 
 test: install lint slurm-up browser
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m slurm tests > .slurm-tests.log 2>&1 & slurm=$$!; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slurm" tests; rc=$$?; \
+	wait $$slurm; src=$$?; echo "== the Slurm tests (one process, one after another):"; cat .slurm-tests.log; \
+	rm -f .slurm-tests.log; [ $$rc -eq 0 ] && [ $$src -eq 0 ]
 
 check: install lint
-	$(PY) -m pytest -q -m "not slurm and not slow" tests
+	$(PY) -m pytest -q -n 2 -m "not slurm and not slow" tests
 
 lint: install
 	$(PY) -m ruff check launcher training hydra_plugins bench tests
@@ -49,7 +55,7 @@ lint: install
 slurm-up:
 	bash slurm/dev-cluster.sh up || [ $$? -eq 77 ]
 
-# Debian's chromium for tests/test_report.py (report.html in a headless browser); exit 77: it cannot be installed
+# Debian's chromium for tests/launcher/test_report.py (report.html in a headless browser); exit 77: it cannot be installed
 # here (no root / no apt-get), it said why, and that test skips with the reason.
 browser:
 	bash tests/browser.sh >/dev/null || [ $$? -eq 77 ]

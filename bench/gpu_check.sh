@@ -2,7 +2,7 @@
 # GPU readiness in one script: on one GPU, in under 8 minutes, through the real CLI.
 #
 #   bash bench/gpu_check.sh [RUN_DIR]        # a GPU machine with the project's .venv (torch with CUDA, nvidia-ml-py)
-#   bash bench/gpu_check.sh --dry [RUN_DIR]  # the same steps on CPU: tiny model, few steps (CI: tests/test_gpu_readiness.py)
+#   bash bench/gpu_check.sh --dry [RUN_DIR]  # the same steps on CPU: tiny model, few steps (CI: tests/launcher/test_gpu_readiness.py)
 #   bash bench/gpu_check.sh --install-wheels DIR [--dry] [RUN_DIR]
 #       a bare GPU machine: CUDA torch preinstalled in BASE_PYTHON (default python3), no package index. Makes
 #       .venv with the system's site packages (so it sees that torch) and installs the small pure-Python

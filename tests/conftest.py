@@ -1,10 +1,20 @@
 """Markers by what a test needs, so test files carry few marks of their own (`make check` leaves both out):
 
-- slurm: the dev Slurm cluster. Tests in a module marked `pytestmark = pytest.mark.slurm`, and tests
-  skipped when the cluster is down (a skipif whose reason names the Slurm cluster).
-- slow: multi-process runs. Tests that spawn ranks through tests/dist_harness.py's run_distributed,
+- slurm: the dev Slurm cluster. Tests in a module marked `pytestmark = pytest.mark.slurm`, tests that
+  take the `cluster` fixture, and tests skipped when the cluster is down (a skipif whose reason names the
+  Slurm cluster).
+- slow: multi-process runs. Tests that spawn ranks through tests/helpers/dist.py's run_distributed,
   directly or through a helper or fixture of their module; tests that start ranks another way (the CLI)
   or build a wheel say `@pytest.mark.slow` themselves.
+
+The Slurm tests must run one after another (the dev cluster's three nodes are theirs, and a test that counts
+idle nodes or its own jobs must not see another test's): make test runs them in a pytest process of their own
+while the other tests run on pytest-xdist workers. Each also carries the xdist group "slurm" for runs that
+use `--dist loadgroup` (with pytest 9.2 and xdist 3.8 here, loadgroup did not keep a group on one worker: do
+not rely on it).
+
+The shared helpers are the package tests/helpers/ (this directory is on sys.path: pytest inserts a rootdir
+conftest's directory); test modules import from it, never from each other.
 """
 from __future__ import annotations
 
@@ -44,10 +54,14 @@ def _needs_slurm_cluster(item: pytest.Item) -> bool:
     return any("slurm cluster" in str(m.kwargs.get("reason", "")).lower() for m in item.iter_markers("skipif"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     for item in items:
-        if _needs_slurm_cluster(item) and not item.get_closest_marker("slurm"):
+        if (_needs_slurm_cluster(item) or "cluster" in getattr(item, "fixturenames", ())) \
+                and not item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.slurm)
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
         path, function = getattr(item, "path", None), getattr(item, "function", None)
         if item.get_closest_marker("slow") or path is None or function is None:
             continue
@@ -57,12 +71,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(scope="module")
+def cluster():
+    """The dev Slurm cluster, started if needed; a loud skip with the reason when it cannot run here."""
+    from helpers.slurm import start_cluster
+
+    return start_cluster()
+
+
 @pytest.fixture
 def slurm_jobs():
     """A list the test appends each Slurm job id it submits to (an array's base id cancels every task);
     they are cancelled when the test ends, passed or failed, so a failed test leaves nothing queued or
     running for the tests after it (cancelling a finished job changes nothing)."""
-    import noted_jobs as noted
+    import helpers.jobs as noted
 
     jobs: list = []
     yield jobs
@@ -72,15 +94,37 @@ def slurm_jobs():
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A test that failed (in setup or in its body) cancels the Slurm jobs noted while it ran
-    (tests/noted_jobs.py: every job tests/test_slurm_cluster.py's meshrun() saw submitted)."""
+    (tests/helpers/jobs.py: every job tests/slurm/test_slurm_cluster.py's meshrun() saw submitted)."""
     outcome = yield
     report = outcome.get_result()
     import sys
 
-    noted = sys.modules.get("noted_jobs")
+    noted = sys.modules.get("helpers.jobs")
     if noted is None:
         return
     if report.failed and report.when in ("setup", "call"):
         noted.cancel(noted.submitted)
     if report.when == "teardown" or report.failed:
         noted.submitted.clear()
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """What the report really draws: every figure's axes (title, lines with their data and style, bar heights,
+    annotations), recorded as matplotlib saves it; read back instead of asking the report's own helpers."""
+    import matplotlib.figure
+
+    figures = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        ax = fig.axes[0]
+        figures[ax.get_title()] = {
+            "lines": [(ln.get_label(), [float(x) for x in ln.get_xdata()], [float(y) for y in ln.get_ydata()],
+                       ln.get_linestyle(), ln.get_color()) for ln in ax.get_lines()],
+            "texts": [(t.get_text(), float(t.xy[0])) for t in ax.texts],
+            "bars": [(p.get_x() + p.get_width() / 2, p.get_height()) for p in ax.patches]}
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    return figures

@@ -78,7 +78,7 @@ def prologue(run_dir: str) -> int:
     append_event(run_dir, "started", attempt=attempt, job_id=job_id(), nodes=nodes,
                  restart_count=restart_count, resume_step=step, code=PROJECT_ROOT, **extra)
     # MESHRUN_SELF_STOP=0 in the submitter's environment turns the ranks' own clock off, leaving only
-    # Slurm's --signal (tests/test_fault_matrix_slurm.py checks that one alone still stops a run in time).
+    # Slurm's --signal (tests/slurm/test_fault_matrix_slurm.py checks that one alone still stops a run in time).
     own_clock = os.environ.get("MESHRUN_SELF_STOP", "1") != "0"
     stop_at = stop_time(cfg.cluster.signal_delay_s) if own_clock else None
     exports = {

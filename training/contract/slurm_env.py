@@ -84,7 +84,7 @@ def _expand_ranges(body: str) -> List[str]:
 
 
 def expand_hostlist(hostlist: str) -> List[str]:
-    """Expand a Slurm hostlist exactly as `scontrol show hostnames` does (tests/test_fault_matrix_slurm.py
+    """Expand a Slurm hostlist exactly as `scontrol show hostnames` does (tests/slurm/test_fault_matrix_slurm.py
     compares them on the dev cluster): every bracket of a name multiplies, the leftmost varying slowest
     ("rack[1-2]-node[01-02]" -> rack1-node01, rack1-node02, rack2-node01, rack2-node02); ValueError for a
     list Slurm also refuses (text after the last bracket, a descending range)."""

@@ -20,7 +20,7 @@ collectives are the same either way. zero=1: a reduce-scatter bucket spans a sli
 first layers as well as the last), so with overlap each bucket is instead a contiguous range of one rank's
 shard, reduced (dist.reduce) to that rank; the same elements are summed, so at dp=2 (a + b = b + a) the
 grads are bit-identical to the reduce-scatter's, and at dp > 2 they may differ in the last bit (the
-backend's summation order). tests/test_perf_paths.py checks both at dp=2.
+backend's summation order). tests/engine/test_perf_paths.py checks both at dp=2.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ send_backward_recv_forward, ... of p2p_communication.py). Every op has tag 0. Wh
   * NCCL ignores tags: the k-th send from rank a to rank b meets b's k-th receive from a. Each rank
     issues its sends in the order it produces messages and its receives in the order it consumes them;
     for the orders above the two sequences agree on every (a -> b) direction, including pp=2 where
-    activations and grads share a direction (tests/test_pipeline.py checks this for many (p, v, m),
+    activations and grads share a direction (tests/engine/test_pipeline.py checks this for many (p, v, m),
     and the gloo runs, with every tag 0, would swap data and fail the equivalence tests otherwise).
   * NCCL runs a pair's P2P traffic on one stream, one exchange after another, and a send may wait for
     its receive: an exchange completes only once the peers reach the exchanges holding the matching

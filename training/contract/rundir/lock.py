@@ -131,13 +131,20 @@ def held(run_dir: str) -> Optional[RunLock]:
     return _HELD.get(os.path.abspath(run_dir))
 
 
-def _stale_reason(holder: Dict[str, Any], job_alive: Optional[JobAlive]) -> Optional[str]:
-    """Why a holder no longer holds the run (None: it still does, or cannot be known not to)."""
+def _job_alive(holder: Dict[str, Any], job_alive: Optional[JobAlive]) -> Optional[bool]:
+    """Slurm's answer for a job holder: True/False, or None when there is no job or Slurm cannot say."""
+    if holder.get("kind") != "slurm" or job_alive is None:
+        return None
+    return job_alive(str(holder.get("job_id")))
+
+
+def _stale_reason(holder: Dict[str, Any], alive: Optional[bool]) -> Optional[str]:
+    """Why a holder no longer holds the run (None: it still does, or cannot be known not to); alive is
+    _job_alive's answer for it."""
     if not holder or holder.get("released"):
         return None if holder else "empty"
     if holder.get("kind") != "slurm":
         return "its process is gone"  # nobody holds the flock (checked before this is asked)
-    alive = job_alive(str(holder.get("job_id"))) if job_alive else None
     if alive is False:
         return "the job has left Slurm's queue"
     return None
@@ -176,10 +183,12 @@ def acquire(run_dir: str, what: str = "meshrun", job_alive: Optional[JobAlive] =
         raise RunLocked(_message(run_dir, holder, _dead_launcher_note(holder))) from None
     previous = read_holder(run_dir)
     if previous and not previous.get("released"):
-        reason = _stale_reason(previous, job_alive)
+        alive = _job_alive(previous, job_alive)
+        reason = _stale_reason(previous, alive)
         if reason is None:
             os.close(fd)
-            extra = "" if job_alive else " (Slurm could not be asked whether it still runs)"
+            # Slurm was not asked (no job_alive) or could not answer: say so, the job may well have ended.
+            extra = " (Slurm could not be asked whether it still runs)" if alive is None else ""
             raise RunLocked(_message(run_dir, previous, extra))
         append_event(run_dir, "lock_taken_over", previous_holder=describe(previous), reason=reason,
                      **(event_fields or {}))
@@ -248,7 +257,8 @@ def claim_for_job(run_dir: str, job_id: str, job_alive: Optional[JobAlive] = Non
             holder = read_holder(run_dir)
             if holder.get("kind") == "slurm" and str(holder.get("job_id")) == str(job_id):
                 return ""
-            reason = _stale_reason(holder, job_alive) if holder and not holder.get("released") else None
+            reason = (_stale_reason(holder, _job_alive(holder, job_alive)) if holder and not holder.get("released")
+                      else None)
             if not holder or holder.get("released") or reason is not None:
                 if holder and reason is not None:
                     append_event(run_dir, "lock_taken_over", previous_holder=describe(holder), reason=reason)

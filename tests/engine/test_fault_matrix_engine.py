@@ -1,0 +1,258 @@
+"""Fault-and-abuse matrix, engine side: one test per scenario, each through the real rank entry point
+(`python -m training.main RUN_DIR`, one process) on a run directory with real checkpoints, asserting
+what is lost (nothing beyond the last good checkpoint), what is written, the exit code and the message.
+
+The launcher and Slurm scenarios (locks, sbatch script, requeue) live in the launcher's and Slurm's tests;
+the validation scenarios here go through `meshrun` itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+import pytest
+
+from helpers import ROOT
+from training.checkpoint import storage
+from training.contract.config import Config, config_to_dict
+from training.contract.rundir.events import read_events
+from training.contract.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_STOPPED
+
+STEPS = 200  # long enough (about 10 ms a step) for a signal to land mid-run
+
+
+def _cfg() -> Config:
+    cfg = Config()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 32, 4, 16
+    p = cfg.parallel
+    p.tp, p.dp, p.sp, p.zero, p.micro_batch, p.global_batch = 1, 1, False, 0, 2, 8
+    cfg.cluster.gpus_per_node, cfg.cluster.peak_tflops = 1, 1.0
+    t = cfg.train
+    t.steps, t.warmup_steps, t.progress, t.checkpoint_every, t.keep_last = STEPS, 3, False, 100, 5
+    cfg.data.kind, cfg.data.max_bytes = "text", 60_000
+    return cfg
+
+
+def _write_config(run_dir: str, **train) -> None:
+    cfg = _cfg()
+    for k, v in train.items():
+        setattr(cfg.train, k, v)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(config_to_dict(cfg), f)
+
+
+def _env() -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MESHRUN_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _launch(run_dir: str, **train) -> subprocess.CompletedProcess:
+    _write_config(run_dir, **train)
+    return subprocess.run([sys.executable, "-m", "training.main", run_dir], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def _losses(run_dir: str) -> Dict[int, float]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def _digest(directory: str) -> Dict[str, str]:
+    out = {}
+    for root, _d, names in os.walk(directory):
+        for n in names:
+            with open(os.path.join(root, n), "rb") as f:
+                out[os.path.relpath(os.path.join(root, n), directory)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The uninterrupted run: its losses are the reference; it leaves checkpoints step_100 and step_200."""
+    run_dir = str(tmp_path_factory.mktemp("base") / "run")
+    p = _launch(run_dir)
+    assert p.returncode == EXIT_OK, p.stderr[-3000:]
+    assert storage.history(run_dir) == [200, 100]
+    losses = _losses(run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return run_dir, losses
+
+
+def _copy(base_dir: str, dst: str) -> str:
+    """A run dir holding only the base run's checkpoints (no metrics: every row read later is new)."""
+    shutil.copytree(storage.checkpoints_dir(base_dir), storage.checkpoints_dir(dst))
+    return dst
+
+
+def _reseal(directory: str) -> None:
+    path = os.path.join(directory, storage.MANIFEST)
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["files"] = storage.build_manifest(directory)
+    storage.write_json_durable(path, manifest)
+
+
+class _RunsCommand:
+    def __init__(self, cmd: str):
+        self.cmd = cmd
+
+    def __reduce__(self):
+        return (os.system, (self.cmd,))
+
+
+@pytest.mark.slow  # base trains (training.main in a subprocess)
+def test_crafted_metadata_pickle_exits_2_and_runs_nothing(base, tmp_path):
+    run = _copy(base[0], str(tmp_path / "run"))
+    canary = tmp_path / "canary"
+    newest = storage.step_dir(run, 200)
+    with open(os.path.join(newest, storage.DCP_METADATA), "wb") as f:
+        pickle.dump(_RunsCommand(f"touch {canary}"), f)
+    _reseal(newest)  # an attacker who can write run.dir can fix the manifest too
+    before = _digest(storage.checkpoints_dir(run))
+    p = _launch(run)
+    assert p.returncode == EXIT_INVALID, p.stderr[-3000:]
+    assert "posix.system" in p.stderr and "refused unread (nothing in it ran)" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    assert not canary.exists()  # the payload never ran
+    assert _digest(storage.checkpoints_dir(run)) == before  # nothing deleted, moved or rewritten
+    assert _losses(run) == {}  # nothing trained on top of a checkpoint that could not be trusted
+
+
+@pytest.mark.slow  # base trains (training.main in a subprocess)
+def test_same_size_shard_damage_resumes_the_previous_checkpoint(base, tmp_path):
+    base_dir, ref = base
+    run = _copy(base_dir, str(tmp_path / "run"))
+    newest = storage.step_dir(run, 200)
+    shard = next(n for n in os.listdir(newest) if n.endswith(".distcp"))
+    with open(os.path.join(newest, shard), "r+b") as f:  # flip bytes in the middle: the size stays
+        f.seek(os.path.getsize(f.name) // 2)
+        f.write(b"\xff" * 64)
+    p = _launch(run)
+    assert p.returncode == EXIT_OK, p.stderr[-3000:]
+    assert f"checkpoint step_200 is incomplete or corrupt, skipped: {shard} checksum mismatch" in p.stderr
+    assert "resumed at step 100" in p.stderr
+    # Lost: only the steps after the last good checkpoint, trained again to the same losses.
+    assert _losses(run) == {s: ref[s] for s in range(101, STEPS + 1)}
+    bad = [e for e in read_events(run) if e["event"] == "checkpoint_invalid"]
+    assert [e["step"] for e in bad] == [200]
+    # The damaged directory is kept for inspection (abandoned/), not deleted; the new step_200 is whole.
+    abandoned = os.listdir(os.path.join(storage.checkpoints_dir(run), storage.ABANDONED))
+    assert [n.split("_")[1] for n in abandoned] == ["200"]
+    assert storage.verify(storage.step_dir(run, 200)).ok and storage.history(run) == [200, 100]
+
+
+@pytest.mark.slow  # base trains (training.main in a subprocess)
+def test_symlink_in_checkpoint_with_explicit_resume_exits_2(base, tmp_path):
+    run = _copy(base[0], str(tmp_path / "run"))
+    newest = storage.step_dir(run, 200)
+    shard = next(n for n in os.listdir(newest) if n.endswith(".distcp"))
+    outside = str(tmp_path / "outside.distcp")
+    os.replace(os.path.join(newest, shard), outside)
+    os.symlink(outside, os.path.join(newest, shard))  # same bytes, but from outside the checkpoint
+    p = _launch(run, resume="200")
+    assert p.returncode == EXIT_INVALID, p.stderr[-3000:]
+    assert "train.resume=200: checkpoint step_200 is damaged (symlinks are not allowed" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and _losses(run) == {}
+    assert os.path.exists(outside) and storage.list_steps(run) == [200, 100]  # nothing followed or deleted
+
+
+@pytest.mark.slow  # base trains (training.main in a subprocess)
+def test_rollback_is_never_undone_by_auto_and_keeps_the_newer_checkpoints(base, tmp_path):
+    base_dir, ref = base
+    run = _copy(base_dir, str(tmp_path / "run"))
+    old_200 = _digest(storage.step_dir(run, 200))
+    first = _launch(run, resume="100", exit_interval=150)
+    assert first.returncode == EXIT_STOPPED, first.stderr[-3000:]
+    assert "rolled back to step_100: checkpoints ['step_200'] are off the line now" in first.stderr
+    assert storage.history(run) == [150, 100] and storage.read_latest(run) == 150
+    # The abandoned line's step_200 is kept whole, under abandoned/, never resumed.
+    base_abandoned = os.path.join(storage.checkpoints_dir(run), storage.ABANDONED)
+    (name,) = os.listdir(base_abandoned)
+    assert name.startswith("step_200_") and _digest(os.path.join(base_abandoned, name)) == old_200
+    second = _launch(run)  # train.resume=auto: a requeue, or the user's next launch
+    assert second.returncode == EXIT_OK, second.stderr[-3000:]
+    assert "resumed at step 150" in second.stderr
+    assert _losses(run) == {s: ref[s] for s in range(101, STEPS + 1)}  # the same run, continued exactly
+    assert [e["step"] for e in read_events(run) if e["event"] == "resumed"] == [100, 150]
+    assert os.listdir(base_abandoned) == [name]
+
+
+# The rank waits before its 4th step until the stop signal has arrived (at most 120 s): the signal lands
+# mid-run however slow or fast the machine is, instead of within a few seconds' window of a 200-step run.
+HOLD_FOR_SIGNAL = '''import sys
+if "training.main" in getattr(sys, "orig_argv", []):
+    import time
+    import training.run.loop
+    from training.run import signals
+    real = training.run.loop.Trainer.train_step
+
+    def step(self, *args, **kwargs):
+        if self.state.step == 3:
+            deadline = time.monotonic() + 120
+            while signals.received() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return real(self, *args, **kwargs)
+
+    training.run.loop.Trainer.train_step = step
+'''
+
+
+@pytest.mark.slow  # base trains (training.main in a subprocess)
+def test_sigterm_stops_at_a_checkpoint_and_resumes_exactly(base, tmp_path):
+    _, ref = base
+    run = str(tmp_path / "run")
+    _write_config(run)
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(HOLD_FOR_SIGNAL)
+    env = _env()
+    env["PYTHONPATH"] = f"{inject}{os.pathsep}{env['PYTHONPATH']}"
+    proc = subprocess.Popen([sys.executable, "-m", "training.main", run], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while len(_losses(run)) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, err[-3000:]
+    trained = max(_losses(run))
+    assert 3 <= trained < STEPS
+    assert f"SIGTERM received: saving step {trained} and stopping (exit {EXIT_STOPPED})" in err
+    # Nothing lost: the checkpoint is the last step trained.
+    assert storage.read_latest(run) == trained and storage.verify(storage.step_dir(run, trained)).ok
+    events = read_events(run)
+    assert any(e["event"] == "signal" and e["name"] == "SIGTERM" and e["step"] == trained for e in events)
+    p = _launch(run)
+    assert p.returncode == EXIT_OK, p.stderr[-3000:]
+    assert _losses(run) == ref  # every step, before and after the stop, exactly as the uninterrupted run
+
+
+@pytest.mark.parametrize("override,key", [("train.lr=nan", "train.lr"), ("train.min_lr=-inf", "train.min_lr"),
+                                          ("cluster.master_port=22", "cluster.master_port")])
+def test_invalid_value_exits_2_before_anything_starts(tmp_path, override, key):
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "launcher", override, f"run.dir={run}"], cwd=str(tmp_path),
+                       env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == EXIT_INVALID, p.stderr[-2000:]
+    assert f"error: {key}:" in p.stderr and "nothing was launched" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    written: List[str] = os.listdir(run) if run.exists() else []
+    assert not [n for n in written if n not in (".hydra",)], written  # no config.json, no checkpoints
+

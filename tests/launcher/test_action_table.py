@@ -1,0 +1,61 @@
+"""The action table (training/contract/actions.py): every entry runs through one dispatch, and a new action is one
+table entry plus one module, shown by adding one in a scratch copy of the tree and running it through `meshrun`."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from training.contract.actions import ACTIONS, CONFIG_KINDS
+from training.contract.config import Action
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<package>/this file
+
+
+def test_every_entry_names_a_function_of_cfg_and_run_dir_and_the_config_offers_exactly_the_table():
+    assert sorted(a.name for a in ACTIONS) == sorted(str(a) for a in Action)
+    assert len({a.name for a in ACTIONS}) == len(ACTIONS)
+    for spec in ACTIONS:
+        assert spec.module.startswith("launcher."), spec
+        assert spec.config in CONFIG_KINDS, spec
+        fn = getattr(importlib.import_module(spec.module), spec.function)
+        params = list(inspect.signature(fn).parameters)
+        assert len(params) >= 2 and params[:2] == ["cfg", "run_dir"], (spec, params)
+    # Only the launches take the run lock and resolve a launch's config (resume, data, init_from).
+    assert {a.name for a in ACTIONS if a.locks} == {"train", "plan"}
+    assert {a.name for a in ACTIONS if a.config == "launch"} == {"train", "plan"}
+
+
+def test_a_new_action_is_one_table_entry_and_one_module(tmp_path):
+    tree = tmp_path / "tree"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for top in ("launcher", "training", "hydra_plugins"):
+        shutil.copytree(os.path.join(ROOT, top), tree / top, ignore=ignore)
+    table = tree / "training" / "contract" / "actions.py"
+    text = table.read_text()
+    assert text.count("\n)\n\nBY_NAME") == 1
+    table.write_text(text.replace("\n)\n\nBY_NAME", '\n    ActionSpec("hello", "launcher.hello", "hello", locks=False, '
+                                                    'config="run_dir"),\n)\n\nBY_NAME'))
+    (tree / "launcher" / "hello.py").write_text(
+        "import json\n\n\n"
+        "def hello(cfg, run_dir):\n"
+        "    print(json.dumps({'action': str(cfg.action), 'run_dir': run_dir, 'cfg_run_dir': cfg.run.dir}))\n"
+        "    return 0\n")
+    run_dir = tmp_path / "runs" / "r1"
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    res = subprocess.run([sys.executable, "-m", "launcher", "action=hello", f"run.dir={run_dir}",
+                          f"hydra.run.dir={tmp_path / 'hydra'}"],
+                         cwd=tree, env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out == {"action": "hello", "run_dir": str(run_dir), "cfg_run_dir": str(run_dir)}
+    # the same action name in the unmodified tree is refused as a bad value (exit 2)
+    res = subprocess.run([sys.executable, "-m", "launcher", "action=hello", f"run.dir={run_dir}",
+                          f"hydra.run.dir={tmp_path / 'hydra2'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 2, res.stdout + res.stderr

@@ -1,0 +1,511 @@
+"""The CUDA / NCCL paths that no GPU has run yet (issue 31), shown on CPU wherever a stand-in can show them: the
+NVML double, a patched torch module, a stand-in device, a small collective timeout. bench/gpu_check.sh --dry
+runs in tests/launcher/test_gpu_check.py; bench/gpu_preflight.sh --dry and the offline install mode run here."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import types
+import zipfile
+
+import pynvml
+import pytest
+import torch
+
+from helpers.dist import run_distributed
+
+from helpers import ROOT
+
+PY = sys.executable
+
+
+# ---------------------------------------------------------------- bench scripts end to end (--dry)
+def test_gpu_preflight_dry_runs_every_check(tmp_path):
+    """Would-fail 1: the script imported a save_config that does not exist. Now its --dry mode runs the real
+    preflight (2 gloo ranks, NVML answered by the double) and every check reports a computed value."""
+    run_dir = tmp_path / "pre flight"
+    p = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_preflight.sh"), "--dry", str(run_dir)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "SIZES_MB": "1"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    checks = json.loads((run_dir / "preflight.json").read_text())["checks"]
+    by = {(c["name"], c["subject"]): c for c in checks}
+    assert all(c["status"] != "fail" for c in checks), [c for c in checks if c["status"] == "fail"]
+    assert by[("gpu.count", "")]["found"] == 2
+    for gpu in ("gpu0", "gpu1"):  # per-GPU NVML checks ran against the double's values
+        assert by[("gpu.temperature", gpu)]["found"] == 40
+        assert by[("gpu.ecc_uncorrected_volatile", gpu)]["found"] == 0
+        assert by[("gpu.mig", gpu)]["found"] == "disabled"
+        assert by[("gpu.foreign_memory", gpu)]["found"] == 0
+    for rank in ("rank0", "rank1"):
+        # A rank measured much slower than its peer is reported as gpu.straggler (a warning) instead of
+        # gpu.matmul: on a loaded 2-core machine either can happen; both carry the measured rate.
+        rate = by.get(("gpu.matmul", rank)) or by[("gpu.straggler", rank)]
+        assert rate["found"] > 0
+    assert by[("coll.all_reduce", "ranks[0-1]")]["found"]["busbw_gbps"] > 0
+    # Only local rank 0 reads NVML: the others' missing driver used to fail version.driver on every node.
+    assert by[("version.driver", "")]["status"] == "ok" and by[("version.driver", "")]["found"] == "550.54.15"
+
+
+def _python_without_torch(tmp_path) -> str:
+    """The interpreter this venv was made from when it has neither torch nor Hydra, else an empty venv's."""
+    base = getattr(sys, "_base_executable", "")
+    if base and subprocess.run([base, "-c", "import torch, hydra"], capture_output=True).returncode != 0:
+        if subprocess.run([base, "-c", "import torch"], capture_output=True).returncode != 0:
+            return base
+    bare = tmp_path / "bare"
+    subprocess.run([base or PY, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    return str(bare / "bin/python")
+
+
+def test_gpu_check_refuses_an_interpreter_without_the_project(tmp_path):
+    """Issue 30: the script ran whatever python came first; a foreign one now stops it with exit 2 and the fix
+    instead of a misleading "none of ['tiny'] fits"."""
+    p = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--dry", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHON": _python_without_torch(tmp_path)})
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "cannot import" in p.stderr and "--install-wheels" in p.stderr
+
+
+def _repack_wheel(dist_name: str, out_dir) -> str:
+    """A wheel of an installed distribution, rebuilt from its RECORD (the test has no package index)."""
+    from importlib.metadata import distribution
+
+    d = distribution(dist_name)
+    files = [f for f in d.files if not str(f).startswith("..") and "__pycache__" not in str(f)]
+    info = next(f for f in d.files if str(f).endswith(".dist-info/METADATA")).parent
+    name, version = d.metadata["Name"].replace("-", "_"), d.version
+    path = os.path.join(out_dir, f"{name}-{version}-py3-none-any.whl")
+    with zipfile.ZipFile(path, "w") as z:
+        for f in files:
+            z.write(f.locate(), str(f))
+        if not any(str(f) == f"{info}/WHEEL" for f in files):
+            z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+    return path
+
+
+def test_install_mode_uses_the_base_torch_and_the_carried_wheels(tmp_path):
+    """Would-fail 4: on a GPU machine with CUDA torch preinstalled and no index, bench/gpu_venv.sh makes a
+    venv that sees the base interpreter's torch and installs the CLI's pure-Python dependencies from a folder
+    of wheels, offline. Stand-ins: this project's venv as the 'CUDA' interpreter, wheels repacked from it."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for dist_name in ("hydra-core", "omegaconf", "antlr4-python3-runtime"):
+        _repack_wheel(dist_name, wheels)
+    venv = tmp_path / "gpu venv"
+    script = os.path.join(ROOT, "bench", "gpu_venv.sh")
+    p = subprocess.run(["bash", script, str(wheels), str(venv)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "BASE_PYTHON": _python_without_torch(tmp_path)})
+    assert p.returncode == 2 and "has no torch" in p.stderr and not venv.exists(), p.stderr
+    p = subprocess.run(["bash", script, str(wheels), str(venv)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "BASE_PYTHON": PY, "PIP_NO_INDEX": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    probe = ("import importlib.util, json; print(json.dumps({m: importlib.util.find_spec(m).origin "
+             "for m in ('hydra', 'omegaconf', 'antlr4', 'torch', 'launcher', 'meshrun_conf')}))")
+    where = json.loads(subprocess.run([str(venv / "bin/python"), "-c", probe], capture_output=True, text=True,
+                                      check=True, cwd=str(tmp_path)).stdout)
+    for mod in ("hydra", "omegaconf", "antlr4"):  # from the carried wheels, inside the new venv
+        assert where[mod].startswith(str(venv)), where
+    assert where["torch"] == torch.__file__  # the base interpreter's own torch, not a download
+    assert os.path.dirname(os.path.dirname(where["launcher"])) == ROOT  # this checkout
+    assert os.path.realpath(where["meshrun_conf"]) == os.path.join(ROOT, "conf", "__init__.py")  # its presets
+
+
+def test_makefile_comment_matches_what_install_does():
+    text = open(os.path.join(ROOT, "Makefile")).read()
+    assert "bench/gpu_check.sh --install-wheels" in text
+
+
+# ---------------------------------------------------------------- MFU peak (would-fail 2)
+def test_mfu_peak_on_cuda_is_the_warmed_up_saturating_probe(monkeypatch):
+    import training.run.loop as loop
+    import training.preflight.matmul as matmul
+
+    calls = []
+    monkeypatch.setattr(matmul, "measure_tflops",
+                        lambda device, n, iters=0, dtype=None: calls.append((device, n, iters, dtype)) or {"tflops": 700.0})
+    peak = loop.measure_peak_flops(torch.device("cuda", 0), torch.bfloat16)
+    assert peak == 700.0e12
+    assert calls and all(c == ("cuda:0", 8192, 0, torch.bfloat16) for c in calls)  # iters 0: ~0.2 s timed each
+
+
+def test_matmul_probe_warms_up_before_timing(monkeypatch):
+    """The first call (kernel selection, first-touch allocation) is never timed."""
+    import training.preflight.matmul as matmul
+
+    stamps = []
+    real_mm, real_clock = torch.mm, time.perf_counter
+    monkeypatch.setattr(torch, "mm", lambda a, b: stamps.append("mm") or real_mm(a, b))
+    monkeypatch.setattr(matmul.time, "perf_counter", lambda: stamps.append("clock") or real_clock())
+    out = matmul.measure_tflops("cpu", 64, iters=3)
+    assert stamps[0] == "mm" and stamps.count("mm") == 4 and out["iters"] == 3
+
+
+# ---------------------------------------------------------------- AdamW scratch (would-fail 3)
+def test_adamw_scratch_is_one_block_on_accelerators(monkeypatch):
+    """Meta tensors stand in for a GPU shard: the scratch is one DEVICE_BLOCK, not the shard's size."""
+    from training.optim.adamw import ShardedAdamW
+
+    assert ShardedAdamW.DEVICE_BLOCK * 4 == 64 * 2**20  # the bound on a GPU: 64 MiB of fp32
+    monkeypatch.setattr(ShardedAdamW, "DEVICE_BLOCK", 4096)  # a small block keeps the meta ops' count small
+    n = 3 * ShardedAdamW.DEVICE_BLOCK + 5
+    layout = types.SimpleNamespace(params=[torch.empty(1, device="meta")], shard_size=n, segments=[])
+    opt = ShardedAdamW(layout, 0.9, 0.95, 1e-8, 0.0)
+    w, g = torch.empty(n, device="meta"), torch.empty(n, device="meta")
+    opt.update(w, g, lr=1e-3, step=1)
+    assert opt.scratch_bytes() == 4096 * 4
+
+
+def test_adamw_blocks_do_not_change_the_update(monkeypatch):
+    from training.optim.adamw import ShardedAdamW
+
+    def run(block):
+        torch.manual_seed(0)
+        n = 1000
+        layout = types.SimpleNamespace(params=[torch.empty(1)], shard_size=n, segments=[])
+        opt = ShardedAdamW(layout, 0.9, 0.95, 1e-8, 0.0)
+        monkeypatch.setattr(opt, "block_elements", lambda device: block)
+        w = torch.randn(n)
+        for step in (1, 2, 3):
+            opt.update(w, torch.randn(n), lr=1e-2, step=step, grad_coef=0.5)
+        return w, opt.scratch_bytes()
+
+    whole, whole_bytes = run(1000)
+    blocked, blocked_bytes = run(97)
+    assert torch.equal(whole, blocked) and blocked_bytes == 97 * 4 < whole_bytes
+
+
+# ---------------------------------------------------------------- preflight details
+def _double(tmp_path, **values):
+    path = tmp_path / "nvml.json"
+    path.write_text(json.dumps({"gpus": 2, "nodes": {"*": values}}))
+    return str(path)
+
+
+def _node_checks(tmp_path, monkeypatch, visible=None, **values):
+    from training.contract.config import Config
+    from training.preflight.runner import node_checks
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    cfg = Config()
+    cfg.cluster.device, cfg.cluster.gpus_per_node = "cuda", 2
+    cfg.cluster.health.nvml_double = _double(tmp_path, **values)
+    checks, facts = node_checks(cfg, "n1")
+    return {(c.name, c.subject): c for c in checks}, facts
+
+
+def test_preflight_double_faults_fail_and_mig_is_refused(tmp_path, monkeypatch):
+    by, _ = _node_checks(tmp_path, monkeypatch, ecc_uncorrected=3, mig=1)
+    assert by[("gpu.ecc_uncorrected_volatile", "gpu1")].status == "fail"
+    assert by[("gpu.mig", "gpu0")].status == "fail" and "MIG" in by[("gpu.mig", "gpu0")].reason
+
+
+def test_preflight_checks_only_the_jobs_gpus(tmp_path, monkeypatch):
+    """NVML lists every GPU of the node; CUDA_VISIBLE_DEVICES (UUIDs or indices) names the job's."""
+    by, facts = _node_checks(tmp_path, monkeypatch, visible="GPU-00000000-0000-0000-0000-000000000001")
+    assert facts["gpu_count"] == 1 and ("gpu.temperature", "gpu1") in by and ("gpu.temperature", "gpu0") not in by
+    by, facts = _node_checks(tmp_path, monkeypatch, visible="0")
+    assert facts["gpu_count"] == 1 and ("gpu.temperature", "gpu0") in by and ("gpu.temperature", "gpu1") not in by
+
+
+def test_throttle_reasons_on_drivers_before_r535():
+    """A new nvidia-ml-py on an old driver: the clocks-event call is FUNCTION_NOT_FOUND, the throttle-reasons
+    call answers, and a hardware slowdown still fails."""
+    from helpers.doubles import fake_nvml, healthy_gpu
+    from training.contract.config import PreflightConfig
+    from training.preflight.gpu_nvml import check_gpus
+
+    gpu = healthy_gpu(0)
+    m = fake_nvml([gpu])
+
+    def not_found(h):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    m.nvmlDeviceGetCurrentClocksEventReasons = not_found
+    m.nvmlDeviceGetCurrentClocksThrottleReasons = lambda h: pynvml.nvmlClocksThrottleReasonHwSlowdown
+    checks, _ = check_gpus(m, PreflightConfig(), 1, "n1", own_pids={1})
+    throttle = [c for c in checks if c.name == "gpu.throttle"]
+    assert throttle[0].status == "fail" and throttle[0].found == ["HW slowdown"]
+
+
+def test_nvml_library_mismatch_is_a_reason_not_a_crash(monkeypatch):
+    from training.preflight import gpu_nvml
+
+    def mismatch():
+        raise pynvml.NVMLLibraryMismatchError("mismatch")
+
+    monkeypatch.setattr(pynvml, "nvmlInit", mismatch)
+    nvml, why = gpu_nvml.load_nvml()
+    assert nvml is None and "NVMLLibraryMismatchError" in why
+
+
+def test_sibling_ranks_are_job_processes_not_foreign(tmp_path):
+    """Likely 5: the job's other ranks (same parent: the launcher or srun's step daemon) hold GPU memory by the
+    time the preflight runs; they are not 'other processes'."""
+    sibling = subprocess.Popen([PY, "-c", "import time; time.sleep(30)"])
+    try:
+        out = subprocess.run([PY, "-c", "import os, json; from training.preflight.runner import _job_pids; "
+                              "print(json.dumps([os.getpid(), sorted(_job_pids())]))"],
+                             capture_output=True, text=True, check=True, cwd=ROOT, timeout=60).stdout
+        me, pids = json.loads(out)
+        assert {me, os.getpid(), sibling.pid} <= set(pids)
+    finally:
+        sibling.kill()
+        sibling.wait()
+
+
+def test_gpu_busbw_sweep_reaches_bus_bandwidth_sizes():
+    from training.preflight.collectives import GPU_BUSBW_MB, sweep_sizes_mb
+
+    assert sweep_sizes_mb([1.0, 8.0], on_gpu=False) == [1.0, 8.0]
+    assert sweep_sizes_mb([1.0, 8.0], on_gpu=True)[-1] == GPU_BUSBW_MB >= 64
+    assert sweep_sizes_mb([8.0, 512.0], on_gpu=True) == [8.0, 512.0]
+
+
+def test_ib_congestion_drops_warn_and_link_errors_fail():
+    from training.preflight.ib_sysfs import Port, _counter_check
+
+    p = Port("mlx5_0", 1)
+    p.counters = {"port_xmit_discards": 50, "symbol_error": 0}
+    assert _counter_check(p, {"port_xmit_discards": 10, "symbol_error": 0}).status == "warn"
+    p.counters["symbol_error"] = 2
+    assert _counter_check(p, {"port_xmit_discards": 10, "symbol_error": 0}).status == "fail"
+
+
+# ---------------------------------------------------------------- devices, threads, NUMA
+def test_cuda_device_is_local_rank_modulo_visible_devices(monkeypatch):
+    from training.parallel.mesh import local_cuda_index
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # --gpus-per-task=1: each task sees one GPU
+    assert [local_cuda_index(r) for r in range(4)] == [0, 0, 0, 0]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert local_cuda_index(3) == 3
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        local_cuda_index(0)
+
+
+def test_async_save_thread_runs_on_the_ranks_device(monkeypatch):
+    """Likely 6: a new thread starts on GPU 0; the save thread sets the rank's device before any work."""
+    from training.checkpoint.manager import writer_thread
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append((threading.get_ident(), torch.device(d))))
+    pool = writer_thread(torch.device("cuda", 3))
+    worker = pool.submit(threading.get_ident).result()
+    pool.shutdown()
+    assert seen == [(worker, torch.device("cuda", 3))] and worker != threading.get_ident()
+    pool = writer_thread(torch.device("cpu"))
+    pool.submit(lambda: None).result()
+    pool.shutdown()
+    assert len(seen) == 1  # CPU ranks touch no CUDA state
+
+
+def test_numa_follows_the_physical_gpu_under_cgroup_renumbering():
+    from launcher.slurm.numa import visible_gpu
+
+    # --gpus-per-task=1 with ConstrainDevices: every task sees "0"; the step owns physical GPUs 4-7.
+    assert [visible_gpu(r, "0", "4,5,6,7") for r in range(4)] == [4, 5, 6, 7]
+    assert visible_gpu(1, "0,1", "2,3") == 3  # renumbered view of the step's two GPUs
+    assert visible_gpu(1, "2,3", "2,3") == 3  # not renumbered
+    assert visible_gpu(1, "0,1", None) == 1 and visible_gpu(0, "1", None) == 1  # no Slurm: as before
+
+
+class _FakeEvent:
+    """torch.cuda.Event stand-in: the 'device' records at a fake clock; elapsed_time in ms like CUDA's."""
+
+    clock = [0.0]
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = self.clock[0]
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+def test_compute_time_uses_events_on_the_compute_stream(monkeypatch):
+    """Likely 8: no device-wide synchronize; each span is a pair of events, read after the last one."""
+    from training.observe.busy_timer import BusyTimer
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute")
+
+    def forbidden(*a, **k):
+        raise AssertionError("device-wide synchronize")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+    timer = BusyTimer(torch.device("cuda", 0))
+    for start, stop in ((1.0, 1.25), (2.0, 2.5)):
+        _FakeEvent.clock[0] = start
+        timer.start()
+        _FakeEvent.clock[0] = stop
+        timer.stop()
+    assert timer.seconds() == pytest.approx(0.75)
+
+
+# ---------------------------------------------------------------- collectives on older torch
+def test_single_collectives_fall_back_on_older_torch(monkeypatch):
+    import torch.distributed as dist
+    import training.parallel.collectives as coll
+
+    monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
+    try:
+        importlib.reload(coll)
+        assert coll._all_gather_base is dist.all_gather_into_tensor
+        assert coll._reduce_scatter_base is dist.reduce_scatter_tensor
+    finally:
+        monkeypatch.undo()
+        importlib.reload(coll)
+
+
+def test_no_module_calls_the_new_collective_names_directly():
+    import ast
+
+    offenders = []
+    for base in ("training", "launcher"):
+        for dirpath, _, names in os.walk(os.path.join(ROOT, base)):
+            for name in names:
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    for node in ast.walk(ast.parse(open(path).read())):
+                        if (isinstance(node, ast.Attribute) and node.attr.endswith("_single")
+                                and isinstance(node.value, ast.Name) and node.value.id == "dist"
+                                and node.attr != "all_to_all_single"):
+                            offenders.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert not offenders, offenders
+
+
+# ---------------------------------------------------------------- planner
+def _cfg(**model):
+    from training.contract.config import Config
+
+    cfg = Config()
+    for k, v in model.items():
+        setattr(cfg.model, k, v)
+    return cfg
+
+
+def test_cuda_activation_profile_matches_what_a_16bit_layer_saves():
+    """Likely 9: measured (saved-tensor hooks) bytes of one bf16 layer with math attention and dropout equal the
+    planner's CUDA profile: masks at the activation dtype, the fp32 softmax output kept."""
+    from launcher.plan.memory import device_profile, layer_activation_bytes
+    from training.parallel.mesh import ProcessMesh
+    from training.model.gpt import build_gpt
+    from training.observe.saved_bytes import SavedBytes
+
+    def saved(layers):
+        cfg = _cfg(num_layers=layers, dropout=0.1, attention="math")
+        torch.manual_seed(0)
+        chunk = build_gpt(cfg, ProcessMesh.single(), torch.bfloat16)[0]
+        chunk.train()
+        tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length))
+        with SavedBytes(chunk.parameters()) as counted:
+            chunk(tokens, tokens)
+        return counted.total
+
+    cfg = _cfg(dropout=0.1, attention="math")
+    cfg.train.precision, cfg.cluster.device, cfg.parallel.micro_batch = "bf16", "cuda", 1
+    cuda = device_profile(cfg)
+    assert cuda.mask_bytes == 2 and cuda.softmax_fp32
+    # The one difference of this layer between the devices: CPU's LayerNorm keeps a bf16 input's mean and
+    # rstd in bf16, CUDA's in fp32 (the profile's 4 B statistics).
+    assert saved(2) - saved(1) == layer_activation_bytes(cfg, dataclasses.replace(cuda, stats_bytes=2))
+
+
+def test_fits_keeps_headroom_for_context_nccl_and_fragmentation():
+    from launcher.plan.estimate import make_plan
+    from launcher.plan.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION
+
+    cfg = _cfg()
+    cfg.cluster.gpus_per_node, cfg.parallel.global_batch = 1, 1
+    cpu = make_plan(cfg)
+    assert cpu.reserve_bytes == 0
+    cfg.cluster.device = "cuda"
+    cfg.cluster.gpu_memory_gb = (cpu.memory_bytes["total"] + CUDA_CONTEXT_BYTES // 2) / 1e9  # fits allocated only
+    gpu = make_plan(cfg)
+    assert gpu.reserve_bytes >= CUDA_CONTEXT_BYTES + FRAGMENTATION * gpu.gpu_memory_bytes - 1
+    assert not gpu.fits and gpu.to_json()["headroom_bytes"] < 0
+
+
+# ---------------------------------------------------------------- multi-process: resume CRC, communicators
+def _ranks_case(root: str, timeout_s: float):
+    import torch.distributed as dist
+
+    from training.checkpoint import manager as mgr
+    from training.checkpoint import storage
+    from training.contract.config import Config
+    from training.parallel.mesh import ProcessMesh
+
+    made = []
+    real_new_group = dist.new_group
+    dist.new_group = lambda *a, **k: made.append((a[0] if a else k.get("ranks"), k.get("backend"))) or \
+        real_new_group(*a, **k)
+    try:
+        mesh = ProcessMesh.from_env(1, 1, 1, 2, timeout_s=timeout_s)
+    finally:
+        dist.new_group = real_new_group
+    # Reading one file's CRC takes 1 s here; rank 0 alone (4 files) would keep rank 1 in a collective for
+    # 4 s, past the 3 s timeout. Split, each rank reads 2.
+    real_crc = storage._crc32
+    storage._crc32 = lambda path: time.sleep(1.0) or real_crc(path)
+    cfg = Config()
+    ck = mgr.CheckpointManager(root, mesh, cfg)
+    t = time.monotonic()
+    problems = ck._verify_shared(storage.step_dir(root, 7))
+    took = time.monotonic() - t
+    mesh.destroy()
+    # The async saves' gloo group is a group of its own by design (another backend); the mesh's are counted.
+    return {"groups": [list(g) for g, backend in made if backend is None], "problems": problems, "took": took}
+
+
+def _fake_checkpoint(root, bad: str):
+    from training.checkpoint import storage
+
+    d = storage.step_dir(str(root), 7)
+    os.makedirs(d)
+    files = {}
+    for name in (storage.DCP_METADATA, "__0_0.distcp", "__1_0.distcp", "extra.json"):
+        data = os.urandom(1000)
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(data)
+        import zlib
+
+        files[name] = {"size": len(data), "crc32": zlib.crc32(data) ^ (1 if name == bad else 0)}
+    with open(os.path.join(d, storage.MANIFEST), "w") as f:
+        json.dump({"files": files}, f)
+    return d
+
+
+def test_resume_verification_is_shared_and_fits_a_small_timeout(tmp_path):
+    """Likely 7: every rank CRC-reads its share of the checkpoint, all ranks get every problem found, and the
+    check stays within a collective timeout that one rank reading everything would exceed. Also: one
+    communicator per distinct rank list (7 group kinds at dp=2 are 3 distinct lists, plus pp's own two)."""
+    from training.checkpoint import storage
+
+    d = _fake_checkpoint(tmp_path, bad="__1_0.distcp")
+    assert storage.verify(d).problems == ["__1_0.distcp checksum mismatch"]
+    parts = [storage.verify(d, (i, 2)).problems for i in range(2)]
+    assert sorted(parts, key=len) == [[], ["__1_0.distcp checksum mismatch"]]
+    results = run_distributed(_ranks_case, world_size=2, args=(str(tmp_path), 3.0), timeout_s=120)
+    for r in results:
+        assert r["problems"] == ["__1_0.distcp checksum mismatch"]
+        assert r["took"] < 3.0
+        assert sorted(r["groups"]) == [[0], [0], [0, 1], [1], [1]]  # pp's own [0], [1]; the rest shared

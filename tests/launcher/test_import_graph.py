@@ -1,0 +1,196 @@
+"""The import graph of launcher/ and training/, read statically (every import statement, those inside functions
+too): no circle between modules; launcher/ never imports torch, training/ never imports Hydra, OmegaConf or launcher/.
+A circle hidden by an import inside a function still ties the modules together: this test sees it."""
+
+from __future__ import annotations
+
+import ast
+import os
+from typing import Dict, List, Set
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<package>/this file
+PACKAGES = ("launcher", "training")
+
+
+def _modules() -> Dict[str, str]:
+    out = {}
+    for top in PACKAGES:
+        for d, dirs, files in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    name = os.path.relpath(os.path.join(d, f), ROOT)[:-3].replace(os.sep, ".")
+                    out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = os.path.join(d, f)
+    return out
+
+
+def _imports(path: str) -> List[str]:
+    """Every module name an import statement of the file names (`from a.b import c`: a.b and a.b.c)."""
+    names = []
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+            names += [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+def _graph(mods: Dict[str, str]) -> Dict[str, Set[str]]:
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        for imported in _imports(path):
+            if imported not in mods or imported == name:
+                continue
+            # `from pkg import sub` imports the submodule: the edge goes to pkg.sub, not to pkg's __init__ as well
+            # (a package's __init__ that imports its own submodules would otherwise count as a circle).
+            deps.add(imported)
+        for d in list(deps):
+            if any(o.startswith(d + ".") for o in deps) and not _imports_names_of(mods[name], d, mods):
+                deps.discard(d)
+        graph[name] = deps
+    return graph
+
+
+def _imports_names_of(path: str, pkg: str, mods: Dict[str, str]) -> bool:
+    """Whether the file takes a name from pkg's __init__ itself (not only submodules of pkg)."""
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        if isinstance(node, ast.ImportFrom) and node.module == pkg and node.level == 0:
+            if any(f"{pkg}.{a.name}" not in mods for a in node.names):
+                return True
+        if isinstance(node, ast.Import) and any(a.name == pkg for a in node.names):
+            return True
+    return False
+
+
+def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on: Set[str] = set()
+    out: List[List[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            advanced = False
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    advanced = True
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_no_import_circle_between_modules():
+    graph = _graph(_modules())
+    circles = _cycles(graph)
+    detail = "\n".join(" <-> ".join(c) + "\n    " + "\n    ".join(f"{m} imports {sorted(graph[m] & set(c))}" for m in c)
+                       for c in circles)
+    assert not circles, "import circles (cut them at the names that tie the modules):\n" + detail
+
+
+def test_the_circle_finder_finds_a_circle_hidden_in_a_function(tmp_path):
+    # The checker itself: two modules that import each other, one of them inside a function.
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from a import x\n")
+    (tmp_path / "c.py").write_text("import a\n")
+    mods = {m: str(tmp_path / f"{m}.py") for m in ("a", "b", "c")}
+    assert _cycles(_graph(mods)) == [["a", "b"]]
+
+
+def test_launcher_never_imports_torch_and_training_never_imports_hydra():
+    # training/ runs on every rank and is handed only the typed config: it never reaches back into the launcher.
+    wrong = []
+    for name, path in _modules().items():
+        banned = ("torch",) if name.startswith("launcher") else ("hydra", "omegaconf", "launcher")
+        for imported in _imports(path):
+            if imported.split(".")[0] in banned:
+                wrong.append(f"{name} imports {imported}")
+    assert not wrong, wrong
+
+
+def _module_level_imports(path: str) -> List[str]:
+    """Imports that run when the module is imported (module level, not inside functions or TYPE_CHECKING)."""
+    names = []
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+            names += [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+            continue
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            todo += [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt)]
+    return names
+
+
+def test_no_launcher_module_loads_torch_on_import():
+    # Transitively: a launcher module imports training modules (and their packages' __init__), which must then
+    # be torch-free at import time. Static, so that it costs no interpreter start.
+    mods = _modules()
+    seen: Set[str] = set()
+    todo = [n for n in mods if n.startswith("launcher")]
+    chain: Dict[str, str] = {}
+    wrong = []
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
+        for imported in _module_level_imports(mods[name]) + [p for p in parents if p in mods]:
+            if imported.split(".")[0] == "torch":
+                path, at = [name], name
+                while at in chain:
+                    at = chain[at]
+                    path.append(at)
+                wrong.append(" <- ".join(path))
+            elif imported in mods and imported not in seen:
+                chain.setdefault(imported, name)
+                todo.append(imported)
+    assert not wrong, "torch imported on import of a launcher module:\n" + "\n".join(wrong)
+
+
+def test_the_planner_imports_nothing_from_slurm_or_the_launch_code():
+    # launcher/plan/ is the model a 64-point sweep runs per point: pure arithmetic on the config (its __init__ says
+    # so); the planning actions that submit or launch live in launcher/planning/.
+    wrong = [f"{name} imports {imported}" for name, path in _modules().items() if name.startswith("launcher.plan.")
+             for imported in _imports(path)
+             if imported.split(".")[:2] in (["launcher", "slurm"], ["launcher", "planning"])
+             or imported.startswith("launcher.launch.local")]
+    assert not wrong, wrong

@@ -1,0 +1,92 @@
+"""Issue 28: what the engine does off the critical paths.
+
+- The checkpoint save path (DCP and the DTensor code behind it) is imported in the background once the first
+  step is done, so a save at a preemption signal does not pay for the import; nothing imports it before.
+- The optimizer's elementwise update runs on one CPU thread (training/optim/threads.py) and restores the
+  caller's thread count; the result is the same bits as at the default count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from training.optim.threads import elementwise_threads
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<package>/this file
+
+SCRIPT = r'''
+import json, sys, tempfile, threading
+from training.contract.config import Config
+from training.run.loop import Trainer
+from training.parallel.mesh import ProcessMesh
+
+cfg = Config()
+m = cfg.model
+m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 32, 4, 16
+cfg.parallel.micro_batch = cfg.parallel.global_batch = 2
+cfg.data.kind, cfg.train.progress = "synthetic", False
+cfg.train.steps, cfg.train.checkpoint_every = 3, 100
+trainer = Trainer(cfg, tempfile.mkdtemp(), ProcessMesh.single("cpu"))
+seen = {"before_run": "torch.distributed.checkpoint" in sys.modules}
+step_fn = trainer.train_step
+
+def train_step(*a, **k):
+    out = step_fn(*a, **k)
+    if trainer.state.step == 2:  # the loop's boundary after step 1 ran; no save yet (checkpoint_every 100)
+        t = trainer.checkpointer._prewarm_thread
+        seen["thread"] = t.name if t is not None else None
+        t.join(120)
+        seen["imported_before_any_save"] = ("torch.distributed.checkpoint" in sys.modules
+                                            and not trainer.checkpointer.history)
+    return out
+
+trainer.train_step = train_step
+seen["exit"] = trainer.run()
+seen["saved"] = [s.reason for s in trainer.checkpointer.history]
+print(json.dumps(seen))
+'''
+
+
+def test_save_path_is_imported_in_the_background_after_the_first_step():
+    p = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    seen = json.loads(p.stdout.strip().splitlines()[-1])
+    assert seen["before_run"] is False, "building the trainer must not import DCP (start-up pays for it)"
+    assert seen["thread"] == "meshrun-checkpoint-import", seen
+    assert seen["imported_before_any_save"] is True, seen
+    assert seen["exit"] == 0 and seen["saved"] == ["final"], seen
+
+
+def test_elementwise_threads_is_one_cpu_thread_and_restores_the_count():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with elementwise_threads(torch.device("cpu")):
+            inside = torch.get_num_threads()
+        assert inside == 1 and torch.get_num_threads() == 2
+        with elementwise_threads(torch.device("meta")):  # not a CPU: left alone
+            assert torch.get_num_threads() == 2
+        # The update's operations give the same bits on one thread as on two (no reduction splits them).
+        g = torch.Generator().manual_seed(0)
+        w, grad, m, v = (torch.randn(600_000, generator=g) for _ in range(4))
+        v = v.abs()
+
+        def update(w, m, v):
+            w, m, v = w.clone(), m.clone(), v.clone()
+            m.lerp_(grad, 0.1)
+            v.mul_(0.95).addcmul_(grad, grad, value=0.05)
+            w.addcdiv_(m, v.sqrt().div_(0.3).add_(1e-8), value=-1e-3)
+            return w, m, v
+
+        two = update(w, m, v)
+        with elementwise_threads(torch.device("cpu")):
+            one = update(w, m, v)
+        assert all(torch.equal(a, b) for a, b in zip(one, two))
+    finally:
+        torch.set_num_threads(before)
