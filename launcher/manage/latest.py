@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
+from training.contract.rundir.files import symlink_atomic
+
 LINK = "latest"
 LINK_FOLDERS = ("runs", "multirun")
 
@@ -36,17 +38,9 @@ def point_latest(run_dir: str) -> bool:
         return False
     if os.path.lexists(link) and not os.path.islink(link):
         return False  # someone's own file or directory: left alone
-    tmp = os.path.join(parent, f".{LINK}.tmp-{os.getpid()}")
     try:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        os.symlink(name, tmp)
-        os.replace(tmp, link)
+        symlink_atomic(name, link)
     except OSError as exc:
         print(f"meshrun: warning: could not point {link} at {name} ({exc.strerror})", file=sys.stderr)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         return False
     return True

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from training.contract.exit_codes import EXIT_INVALID, EXIT_OK
+from training.contract.rundir.files import atomic_path
 from training.contract.rundir.metrics import read_rows
 
 REPORT_DIR = "report"
@@ -195,11 +196,10 @@ def _mark(ax, marks: List[Marker], labelled: bool) -> None:
 
 def _save(plt, fig, out_dir: str, figure: Figure, report: Report) -> None:
     figure.path = os.path.join(out_dir, figure.name + ".png")
-    tmp = figure.path + ".tmp.png"
     fig.tight_layout()
-    fig.savefig(tmp, dpi=90)
+    with atomic_path(figure.path, suffix=".png") as tmp:  # never a half-written image under the final name
+        fig.savefig(tmp, dpi=90)
     plt.close(fig)
-    os.replace(tmp, figure.path)  # never a half-written image under the final name
     report.figures.append(figure)
 
 

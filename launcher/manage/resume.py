@@ -14,7 +14,8 @@ import os
 import sys
 from typing import Any, Dict, List, Sequence, Tuple
 
-from training.contract.config import Config, config_from_dict, config_to_dict, derived_dp
+from training.contract.config import Config, config_from_dict, config_to_dict
+from training.contract.layout_text import format_layout, layout_of
 
 GROUPS = ("model", "parallel", "cluster", "train", "data")
 # Chosen anew by every invocation, never inherited from the saved run.
@@ -47,12 +48,16 @@ def _set_path(data: Dict[str, Any], path: Sequence[str], value: Any, present: bo
 
 
 def layout_text(cfg: Config) -> str:
-    """The layout in the sweep table's form (launcher/sweep/summary.py), plus the ranks it runs on."""
-    from launcher.sweep.summary import layout_label
+    """The layout in its short form (training/contract/layout_text.py), plus the ranks it runs on."""
+    c = cfg.cluster
+    return f"{format_layout(layout_of(cfg), 'short')} on {c.nodes}x{c.gpus_per_node} ranks"
 
-    p, c = cfg.parallel, cfg.cluster
-    dims = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": derived_dp(cfg), "vpp": p.vpp}
-    return f"{layout_label(dims, p.sp)} zero{p.zero} on {c.nodes}x{c.gpus_per_node} ranks"
+
+def _sharding(cfg: Config) -> Tuple[Any, ...]:
+    """What decides how a checkpoint is cut: a change here is a reshard on load (batch sizes and recompute are not)."""
+    lay = layout_of(cfg)
+    return (lay.tp, lay.pp, lay.vpp, lay.cp, lay.dp, lay.ep, lay.zero, lay.sp, cfg.cluster.nodes,
+            cfg.cluster.gpus_per_node)
 
 
 def merge_saved(saved: Dict[str, Any], now: Config, overrides: Sequence[str]) -> Tuple[Config, List[str]]:
@@ -190,7 +195,7 @@ def resume_config(run_dir: str, now: Config, overrides: Sequence[str]) -> Config
     note = f"meshrun: resuming {run_dir} with its saved configuration"
     note += f"; changed now: {', '.join(changed)}" if changed else " (no changes)"
     print(note, file=sys.stderr)
-    if layout_text(old) != layout_text(cfg):
+    if _sharding(old) != _sharding(cfg):
         print(f"meshrun: layout {layout_text(old)} -> {layout_text(cfg)}: the checkpoint is resharded on load",
               file=sys.stderr)
     return cfg

@@ -23,6 +23,7 @@ from launcher.plan.levers import offload_bytes, zero2_dp_bytes, zero3_dp_bytes, 
 from launcher.plan.model_size import params_active, recomputed_layers_per_rank
 from launcher.plan.moe import all_to_all_bytes, expert_dp
 from training.contract.config import Config, derived_dp
+from training.contract.layout_text import Layout, format_layout
 
 
 # --------------------------------------------------------------------------------------------------
@@ -316,8 +317,8 @@ def format_plan(plan: Plan) -> str:
     """The readable table (memory in GiB = 2^30 bytes or MiB = 2^20, FLOPs in TFLOP = 1e12)."""
     mem = plan.memory_bytes
     rows = [
-        ("layout", f"world {plan.world_size} = tp {plan.tp} x pp {plan.pp} x cp {plan.cp} x dp {plan.dp}"
-                   + (f", vpp {plan.vpp}" if plan.vpp > 1 else "") + (f", ep {plan.ep} (inside dp)" if plan.ep > 1 else "")),
+        ("layout", format_layout(Layout(tp=plan.tp, pp=plan.pp, cp=plan.cp, dp=plan.dp, vpp=plan.vpp, ep=plan.ep),
+                                 "world")),
         ("batch", f"global {plan.global_batch} = micro {plan.micro_batch} x dp {plan.dp} x accum {plan.grad_accum}"),
         ("parameters", f"{fmt_count(plan.params_total)} total, "
                        + (f"{fmt_count(plan.params_active)} active per token, " if plan.params_active != plan.params_total

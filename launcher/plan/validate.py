@@ -22,6 +22,7 @@ from launcher.plan.issues import Issue
 from launcher.plan.model_size import chunk_layers
 from training.contract import layout_rules as rules
 from training.contract.config import CHOICE_FIELDS, Config, choices, derived_dp
+from training.contract.layout_text import format_layout, layout_of
 
 # Allowed values of the choice fields: the Enums of training/contract/config.py (Hydra's schema already rejects
 # anything else; this catches configs built in code, e.g. with dataclasses.replace).
@@ -375,12 +376,7 @@ def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[
 
 
 def _describe(c: Config) -> str:
-    p = c.parallel
-    return f"parallel.tp={p.tp} parallel.pp={p.pp} parallel.sp={str(p.sp).lower()} parallel.zero={p.zero} " \
-           f"parallel.recompute={p.recompute} parallel.micro_batch={p.micro_batch}" \
-           + (f" parallel.cp={p.cp}" if p.cp > 1 else "") \
-           + (f" parallel.recompute_num_layers={p.recompute_num_layers}" if p.recompute_num_layers else "") \
-           + (f" parallel.offload={p.offload}" if str(p.offload) != "none" else "")
+    return format_layout(layout_of(c), "overrides")
 
 
 def fit_fixes(cfg: Config, plan: Plan) -> List[str]:

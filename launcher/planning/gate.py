@@ -19,12 +19,11 @@ from launcher.plan.validate import Report, validate
 from training.contract.rundir.config_files import write_config
 from training.contract.config import Config
 from training.contract.exit_codes import EXIT_INVALID
+from training.contract.layout_text import format_layout, layout_of
 
 
 def _point_label(cfg: Config) -> str:
-    p = cfg.parallel
-    return f"model={cfg.model.name} tp={p.tp} pp={p.pp} cp={p.cp} vpp={p.vpp} sp={p.sp} zero={p.zero} " \
-           f"recompute={p.recompute} micro={p.micro_batch} global={p.global_batch}"
+    return f"model={cfg.model.name} {format_layout(layout_of(cfg), 'short')}"
 
 
 def _slurm_checks(cfg: Config) -> List[str]:

@@ -27,6 +27,7 @@ from launcher.plan.validate import validate
 from training.contract import layout_rules as rules
 from training.contract.config import Config, derived_dp
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID
+from training.contract.layout_text import Layout, format_layout, layout_of
 
 PARALLEL_KEYS = ("tp", "pp", "vpp", "dp", "cp", "sp", "zero", "micro_batch", "global_batch", "schedule", "recompute",
                  "recompute_num_layers", "offload")
@@ -61,24 +62,16 @@ class Candidate:
         return {k: (str(v) if k in ("schedule", "recompute", "offload") else v) for k, v in d.items()}
 
     def overrides(self) -> str:
-        lay = self.layout()
-        # Every layout key, cp and dp included: the line is pasted after whatever the user gave (an explicit
-        # parallel.dp or cp left from before would otherwise make the recommended layout invalid).
-        keys = ("tp", "pp", "vpp", "cp", "dp", "sp", "zero", "micro_batch", "schedule", "recompute",
-                "recompute_num_layers", "offload")
-        keys += ("ep",) if "ep" in lay else ()
-        text = " ".join(f"parallel.{k}={str(lay[k]).lower() if isinstance(lay[k], bool) else lay[k]}" for k in keys)
+        # Every layout key, cp and dp included (training/contract/layout_text.py): the line is pasted after
+        # whatever the user gave.
+        text = format_layout(self._layout(), "overrides")
         return text + (" parallel.allow_tp_across_nodes=true" if self.cfg.parallel.allow_tp_across_nodes else "")
 
     def short(self) -> str:
-        lay = self.layout()
-        text = f"tp{lay['tp']} pp{lay['pp']}" + (f" v{lay['vpp']}" if lay["vpp"] > 1 else "")
-        text += (f" cp{lay['cp']}" if lay["cp"] > 1 else "") + f" dp{lay['dp']}"
-        text += f" ep{lay['ep']}" if lay.get("ep", 1) > 1 else ""
-        text += f" mb{lay['micro_batch']}" + (" sp" if lay["sp"] else "") + f" rc={lay['recompute']}"
-        text += f"[{lay['recompute_num_layers']}]" if lay["recompute_num_layers"] else ""
-        text += f" z{lay['zero']}" if lay["zero"] else ""
-        return text + (f" offload={lay['offload']}" if lay["offload"] != "none" else "")
+        return format_layout(self._layout(), "short")
+
+    def _layout(self) -> Layout:
+        return layout_of(self.cfg, dp=self.plan.dp)
 
 
 @dataclass

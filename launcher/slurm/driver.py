@@ -35,6 +35,7 @@ from launcher.slurm.queries import job_alive
 from training.contract.config import load_config
 from training.contract.rundir.events import append_event, read_events
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_RESTART_IN_JOB
+from training.contract.layout_text import format_layout, layout_of
 from training.contract.rundir.lock import claim_for_job, release_job, set_job_holder
 from training.contract.slurm_env import SlurmUnavailable, hostnames, port_from_job, slurm_command, slurm_job_id
 
@@ -249,9 +250,10 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
         fields["note"] = d.note
     append_event(run_dir, "requeued", **fields)
     write_goodput_quietly(run_dir)
+    new_cfg = resize.cfg if resize else cfg
     print(f"meshrun: attempt {attempt} {'failed' if d.action == 'resubmit' else 'stopped'} ({d.reason}); "
-          f"resubmitted as job {new_id} on {(resize.cfg if resize else cfg).cluster.nodes} node(s) "
-          f"excluding {exclude or 'no node'}", file=sys.stderr)
+          f"resubmitted as job {new_id} on {new_cfg.cluster.nodes} node(s) excluding {exclude or 'no node'}"
+          + (f", layout {format_layout(layout_of(new_cfg), 'short')}" if resize else ""), file=sys.stderr)
     return EXIT_FAILED
 
 

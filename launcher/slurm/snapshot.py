@@ -20,6 +20,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from launcher.launch.processes import PROJECT_ROOT
+from training.contract.rundir.files import replace_dir
 
 CODE_DIR = "code"
 PACKAGES = ("launcher", "training", "hydra_plugins")
@@ -74,9 +75,5 @@ def take_snapshot(base: str) -> Dict[str, Any]:
     info = {"created": time.time(), "source": PROJECT_ROOT, "packages": copied, "path": target, **git_info()}
     with open(os.path.join(tmp, "snapshot.json"), "w") as f:
         json.dump(info, f, indent=2, sort_keys=True)
-    old = f"{target}.old{os.getpid()}"
-    if os.path.exists(target):
-        os.replace(target, old)
-    os.replace(tmp, target)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, target)
     return info

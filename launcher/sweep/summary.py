@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher.plan.estimate import fmt_bytes, fmt_seconds
 from launcher.sweep.point import read_points, write_point
 from training.contract.exit_codes import EXIT_FAILED
+from training.contract.layout_text import Layout, format_layout
 
 WIDTH = 120
 """Columns of the summary table."""
@@ -44,8 +45,8 @@ def _reason(record: Dict[str, Any]) -> str:
 
 def layout_label(plan: Dict[str, Any], sp: bool) -> str:
     """The layout in a column's width: tp2·pp2·dp2 vpp1 sp (cp only when > 1)."""
-    cp = f"cp{plan['cp']}·" if plan.get("cp", 1) > 1 else ""
-    return f"tp{plan['tp']}·pp{plan['pp']}·{cp}dp{plan['dp']} vpp{plan['vpp']}" + (" sp" if sp else "")
+    lay = Layout(tp=plan["tp"], pp=plan["pp"], cp=plan.get("cp", 1), dp=plan["dp"], vpp=plan["vpp"], sp=sp)
+    return format_layout(lay, "column")
 
 
 def point_record(config: DictConfig, job_return: JobReturn, sweep_id: str) -> Dict[str, Any]:

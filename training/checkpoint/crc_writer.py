@@ -34,6 +34,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.utils.serialization import config as _torch_save_config
 
+from training.contract.rundir.files import write_atomic
+
 CRC_SIDECAR_PREFIX = "__crc_"
 
 HELPER_MIN_BYTES = 1 << 20
@@ -197,12 +199,7 @@ class CrcFileSystemWriter(dcp.FileSystemWriter):
         with self.fs._lock:
             sums = dict(self.fs.sums)
         path = os.path.join(str(self.path), f"{CRC_SIDECAR_PREFIX}{self._crc_rank}.json")
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(sums, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(sums), fsync=True)
 
 
 def read_sidecars(directory: str) -> Dict[str, List[int]]:

@@ -20,6 +20,7 @@ from typing import List, Optional
 
 from training.checkpoint import storage
 from training.contract.rundir.events import append_event
+from training.contract.rundir.files import replace_dir
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -51,13 +52,7 @@ def _copy_verified(src: str, dst: str, tmp_parent: str) -> Optional[str]:
         for name in os.listdir(tmp):
             storage.fsync_path(os.path.join(tmp, name))
         storage.fsync_path(tmp)
-        if os.path.exists(dst):  # an older copy of the same step (a requeue saved it again): replaced whole
-            old = tmp + ".old"
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
+        replace_dir(tmp, dst)  # an older copy of the same step (a requeue saved it again) is replaced whole
         storage.fsync_path(tmp_parent)
         return None
     except OSError as exc:

@@ -33,7 +33,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from training.contract.rundir.files import write_atomic
+from training.contract.rundir.files import rename_into_place, write_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -139,7 +139,7 @@ def commit(tmp_dir: str, final_dir: str, latest_path: str, info: Dict,
     fsync_path(tmp_dir)
     if os.path.exists(final_dir):
         abandon(run_dir, [int(_STEP_RE.match(os.path.basename(final_dir)).group(1))])
-    os.replace(tmp_dir, final_dir)
+    rename_into_place(tmp_dir, final_dir)  # the whole checkpoint appears at once
     parent = os.path.dirname(final_dir)
     fsync_path(parent)
     _write_latest(latest_path, os.path.basename(final_dir))
@@ -147,12 +147,7 @@ def commit(tmp_dir: str, final_dir: str, latest_path: str, info: Dict,
 
 
 def _write_latest(latest_path: str, text: str) -> None:
-    tmp_latest = f"{latest_path}.tmp{uuid.uuid4().hex[:6]}"
-    with open(tmp_latest, "w") as f:
-        f.write(text + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp_latest, latest_path)
+    write_atomic(latest_path, text + "\n", fsync=True)
 
 
 def set_latest(run_dir: str, step: Optional[int]) -> None:
@@ -174,7 +169,7 @@ def abandon(run_dir: str, steps: List[int]) -> List[str]:
         dest = os.path.join(target, f"step_{step}_{stamp}")
         if os.path.exists(dest):
             dest = f"{dest}_{uuid.uuid4().hex[:6]}"
-        os.replace(step_dir(run_dir, step), dest)
+        rename_into_place(step_dir(run_dir, step), dest)
         moved.append(dest)
     fsync_path(target)
     fsync_path(checkpoints_dir(run_dir))

@@ -33,6 +33,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from training.contract.rundir.files import rename_into_place, write_atomic
 from training.data.sources import DataError
 
 HEADER = b"MMIDIDX\x00\x00"
@@ -242,8 +243,8 @@ class IndexedWriter:
     def commit(self) -> None:
         """Rename the finished files to NAME.bin and NAME.idx."""
         self.close()
-        os.replace(self.tmp_bin, bin_path(self.prefix))
-        os.replace(self.tmp_idx, idx_path(self.prefix))
+        rename_into_place(self.tmp_bin, bin_path(self.prefix))
+        rename_into_place(self.tmp_idx, idx_path(self.prefix))
 
     def abort(self) -> None:
         """Remove every temporary file (after an error)."""
@@ -259,11 +260,8 @@ class IndexedWriter:
 
 # ---- descriptions ------------------------------------------------------------------------------------
 def write_json_atomic(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    # A dataset's directory may be a link (data/ on a scratch file system): outside run.dir, followed.
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n", check_links=False)
 
 
 def read_description(prefix: str) -> Optional[dict]:

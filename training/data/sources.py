@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, List, Optional, Tuple
 import numpy as np
 
 from training.contract.config import Config
+from training.contract.rundir.files import atomic_path
 
 if TYPE_CHECKING:  # annotations only: the module itself stays importable without torch
     import torch
@@ -95,25 +96,23 @@ def build_corpus(cfg: Config, run_dir: str) -> CorpusInfo:
     path = os.path.join(out_dir, f"corpus-{key}.u8")
     if os.path.exists(path) and os.path.getsize(path) > 0:
         return CorpusInfo(path, os.path.getsize(path), len(files))
-    tmp = f"{path}.tmp{os.getpid()}"
     total = 0
-    with open(tmp, "wb") as out:
-        for name in files:
-            if total >= cfg.data.max_bytes:
-                break
-            try:
-                with open(name, "rb") as f:
-                    chunk = f.read(cfg.data.max_bytes - total)
-            except OSError as exc:
-                raise DataError(f"data.paths: cannot read {name!r} ({exc}); fix its permissions or remove it") from exc
-            out.write(chunk)
-            total += len(chunk)
-    if total == 0:
-        os.unlink(tmp)
-        raise DataError(
-            f"data.paths: the text files are empty ({len(files)} files, 0 bytes); point data.paths at non-empty text"
-        )
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:  # a failed copy leaves nothing under the corpus's name
+        with open(tmp, "wb") as out:
+            for name in files:
+                if total >= cfg.data.max_bytes:
+                    break
+                try:
+                    with open(name, "rb") as f:
+                        chunk = f.read(cfg.data.max_bytes - total)
+                except OSError as exc:
+                    raise DataError(f"data.paths: cannot read {name!r} ({exc}); fix its permissions or remove it") from exc
+                out.write(chunk)
+                total += len(chunk)
+        if total == 0:
+            raise DataError(
+                f"data.paths: the text files are empty ({len(files)} files, 0 bytes); point data.paths at non-empty text"
+            )
     return CorpusInfo(path, total, len(files))
 
 

@@ -19,6 +19,7 @@ import sys
 import uuid
 from typing import Any, Dict, List, Tuple
 
+from training.contract.rundir.files import rename_into_place
 from training.hf.cli_result import print_result
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -115,7 +116,7 @@ def export(run_dir: str, output: str, step=None, dtype: str = "auto", max_shard_
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
             json.dump(gen, f, indent=2, sort_keys=True)
         files = write_weights(tensors, tmp, int(max_shard_mb * 2**20))
-        os.rename(tmp, output)  # complete, or not there at all
+        rename_into_place(tmp, output)  # complete, or not there at all
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -19,6 +19,8 @@ from typing import List, Optional
 
 import torch
 
+from training.contract.rundir.files import atomic_path, write_atomic
+
 PROFILE_DIR = "profile"
 
 
@@ -78,9 +80,8 @@ class StepProfiler:
         prof.__exit__(None, None, None)
         os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, f"trace_rank{self.rank}.json")
-        tmp = f"{path}.tmp.json"
-        prof.export_chrome_trace(tmp)
-        os.replace(tmp, path)
+        with atomic_path(path, suffix=".json") as tmp:
+            prof.export_chrome_trace(tmp)
         if self.rank == 0:
             print(f"profile: steps {self.window[0]}-{self.window[1]} traced to {self.dir}/trace_rank<R>.json",
                   file=sys.stderr)
@@ -89,9 +90,7 @@ class StepProfiler:
         os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, f"memory_snapshot_rank{self.rank}.pickle")
         snapshot = torch.cuda.memory._snapshot()
-        with open(path + ".tmp", "wb") as f:
-            pickle.dump(snapshot, f)
-        os.replace(path + ".tmp", path)
+        write_atomic(path, pickle.dumps(snapshot))
         torch.cuda.memory._record_memory_history(enabled=None)
         if self.rank == 0:
             print(f"profile: CUDA memory snapshot after step {self.snapshot_step} in {self.dir}", file=sys.stderr)

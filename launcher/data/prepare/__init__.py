@@ -32,6 +32,7 @@ from training.contract.config import Config, PrepareConfig
 from training.data.indexed import IndexedDataset, IndexedWriter, describe, dtype_for_vocab, write_json_atomic
 from training.data.sources import DataError
 from training.contract.exit_codes import EXIT_INVALID, EXIT_OK
+from training.contract.rundir.files import rename_into_place
 from training.contract.tokenizer import BYTES, Tokenizer, TokenizerError, load_tokenizer, train_bpe
 
 CHUNK_BYTES = 1 << 20
@@ -192,7 +193,7 @@ def prepare(pc: PrepareConfig) -> Dict:
         if has_valid:
             valid.writer.commit()
         if tok_file:
-            os.replace(tok_tmp, tok_final)
+            rename_into_place(tok_tmp, tok_final)
         if valid_desc is not None:
             write_json_atomic(valid.prefix + ".json", valid_desc)
         write_json_atomic(output + ".json", desc)

@@ -14,14 +14,22 @@ whatever the link names, outside run.dir. So every write here refuses to follow 
   link) and are renamed over the target (a rename replaces a link itself, never its target).
 
 Files are created with mode 0666 and the umask decides, as for every other file of the run.
+
+The same helpers are the project's one way to replace a whole file or directory anywhere (checkpoints, their
+`latest` pointer and CRC sidecars, datasets, the code snapshot, replicas, plots, profiler traces, runs/latest):
+`write_atomic` for data in memory, `atomic_path` for a writer that wants a file name, `rename_into_place` for
+a file or directory finished under a temporary name, `replace_dir` for a directory that may already exist, and
+`symlink_atomic` for a link. No other module calls os.replace.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
 import uuid
-from typing import IO, Iterable, Optional
+from contextlib import contextmanager
+from typing import IO, Iterable, Iterator, Optional
 
 # The names meshrun writes at the top of a run directory (and the directories it writes into): checked for
 # links before a launch writes anything (training/contract/rundir/config_files.py), so a planted link is an exit 2, not a rank's
@@ -77,11 +85,14 @@ def open_rw(path: str) -> int:
     return _open_fd(path, os.O_RDWR | os.O_CREAT)
 
 
-def write_atomic(path: str, data: "str | bytes", fsync: bool = False, mode: Optional[int] = None) -> None:
+def write_atomic(path: str, data: "str | bytes", fsync: bool = False, mode: Optional[int] = None,
+                 check_links: bool = True) -> None:
     """Replace `path` with data: a fresh temporary file, then a rename (readers see old or new, never half;
     a link at `path` is replaced, its target untouched). fsync: durable before the rename (checkpoint
-    manifests). mode: the file's permissions exactly (0o600 for secrets), else the umask's default."""
-    _check_parent(path)
+    manifests). mode: the file's permissions exactly (0o600 for secrets), else the umask's default.
+    check_links=False: a file outside run.dir (a dataset's description), whose directory may be a link."""
+    if check_links:
+        _check_parent(path)
     tmp = f"{path}.tmp{uuid.uuid4().hex[:8]}"
     fd = _open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
@@ -100,6 +111,58 @@ def write_atomic(path: str, data: "str | bytes", fsync: bool = False, mode: Opti
 
 def write_lines_atomic(path: str, lines: Iterable[str]) -> None:
     write_atomic(path, "".join(lines))
+
+
+@contextmanager
+def atomic_path(path: str, suffix: str = "", fsync: bool = False) -> Iterator[str]:
+    """A fresh temporary name beside `path` for a writer that wants a file name (a plot, a profiler trace, a
+    streamed corpus); when the block ends without an error the file is renamed over `path` (fsync: made durable
+    first), after an error it is removed. suffix: kept at the end of the name (a writer that picks its format
+    from the extension)."""
+    tmp = f"{path}.tmp{uuid.uuid4().hex[:8]}{suffix}"
+    try:
+        yield tmp
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def rename_into_place(src: str, dst: str) -> None:
+    """The atomic step of a write of a whole file or directory written under a temporary name: one rename (a
+    directory replaces only an absent or empty `dst`; `replace_dir` replaces a full one)."""
+    os.replace(src, dst)
+
+
+def replace_dir(tmp_dir: str, target: str) -> None:
+    """Put the finished directory `tmp_dir` in place of `target`, which may exist: the old one is renamed aside,
+    the new one renamed in, then the old one removed (a reader sees the old or the new directory whole, never a
+    mix of both)."""
+    old = f"{target}.old{uuid.uuid4().hex[:8]}"
+    if os.path.lexists(target):
+        os.replace(target, old)
+    os.replace(tmp_dir, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def symlink_atomic(name: str, link: str) -> None:
+    """Make `link` a symbolic link to `name`: a fresh link under a temporary name, renamed over `link` (a reader
+    finds the old or the new link, never none)."""
+    head, tail = os.path.split(link)
+    tmp = os.path.join(head, f".{tail}.tmp{uuid.uuid4().hex[:8]}")  # hidden: a listing of runs/ never shows it
+    os.symlink(name, tmp)
+    try:
+        os.replace(tmp, link)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def links_in(run_dir: str) -> list:
