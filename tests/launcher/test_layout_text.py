@@ -1,24 +1,11 @@
 """The one layout text (training/contract/layout_text.py): its forms say the same layout, and the overrides
 form composes back to that layout."""
 
-import os
-
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from launcher.cli.schema import register
+from helpers.cli import compose_cfg
 from launcher.plan.estimate import make_plan
-from training.contract.config import Config
 from training.contract.layout_text import FORMS, format_layout, layout_of
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-register()
-
-
-def compose_cfg(*overrides: str) -> Config:
-    with initialize_config_dir(version_base=None, config_dir=os.path.join(ROOT, "conf")):
-        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
 
 
 def test_every_form_names_the_degrees_and_the_overrides_compose_back():

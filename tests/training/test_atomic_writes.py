@@ -10,7 +10,7 @@ import pytest
 
 from training.contract.rundir.files import atomic_path, replace_dir, symlink_atomic
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # tests/training/this file
 OWNER = ROOT / "training" / "contract" / "rundir" / "files.py"
 
 
