@@ -97,7 +97,7 @@ def step_work(weights, tokens: int) -> float:
     """Forward and backward through a stack of linear layers made of `weights` (side x side each), over
     `tokens` rows; seconds taken. Reads the weights, writes only its own activations and gradients."""
     side = weights[0].shape[1]
-    scale = side ** -0.5  # keeps activations and gradients near unit size: no overflow
+    scale = side**-0.5  # keeps activations and gradients near unit size: no overflow
     x = torch.randn(tokens, side)
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -119,7 +119,7 @@ ASYNC_BLOCKED_VS_SYNC = 0.1
 
 
 def drop_caches() -> str:
-    """"" once the page cache is dropped (root only), else why it could not be."""
+    """ "" once the page cache is dropped (root only), else why it could not be."""
     try:
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -134,8 +134,12 @@ def main() -> int:
     ap.add_argument("--mb", type=int, default=64, help="model weights in MiB (the checkpoint is ~3x: m and v)")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--reps", type=int, default=3, help="repetitions (medians are printed)")
-    ap.add_argument("--step-tokens", type=int, default=256,
-                    help="rows of the stand-in forward and backward that runs between save() and wait_staged()")
+    ap.add_argument(
+        "--step-tokens",
+        type=int,
+        default=256,
+        help="rows of the stand-in forward and backward that runs between save() and wait_staged()",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     base = tempfile.mkdtemp(dir=args.dir)
@@ -211,28 +215,49 @@ def main() -> int:
         sync_ratio, block_ratio = size / sync_s / raw, held_s / sync_s
         print(f"medians of {args.reps} repetitions; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         print(f"checkpoint size            {size / mib:8.1f} MiB")
-        print(f"raw sequential write       {raw / mib:8.1f} MiB/s  (a cache-hot 1 MiB buffer, repeated; write-back every 16 MiB; fsync)")
-        print(f"raw write of the state     {state_raw / mib:8.1f} MiB/s  (the tensors' own memory, as is; fsync): "
-              f"sync save {size / sync_s / state_raw:.2f} x this")
-        print(f"sync save                  {size / sync_s / mib:8.1f} MiB/s  ({sync_ratio:.2f} x raw, {sync_s:.3f} s; "
-              f"target >= {SYNC_VS_RAW})")
+        print(
+            f"raw sequential write       {raw / mib:8.1f} MiB/s  (a cache-hot 1 MiB buffer, repeated; write-back every 16 MiB; fsync)"
+        )
+        print(
+            f"raw write of the state     {state_raw / mib:8.1f} MiB/s  (the tensors' own memory, as is; fsync): "
+            f"sync save {size / sync_s / state_raw:.2f} x this"
+        )
+        print(
+            f"sync save                  {size / sync_s / mib:8.1f} MiB/s  ({sync_ratio:.2f} x raw, {sync_s:.3f} s; "
+            f"target >= {SYNC_VS_RAW})"
+        )
         print(f"load, warm page cache      {size / warm / mib:8.1f} MiB/s  ({warm:.3f} s)")
         if cold is not None:
             print(f"load, cold page cache      {size / cold / mib:8.1f} MiB/s  ({cold:.3f} s)")
         else:
             print(f"load, cold page cache      skipped: {why}")
-        print(f"async save blocked         {held_s:8.3f} s  vs sync {sync_s:.3f} s ({block_ratio:.3f} x; target < "
-              f"{ASYNC_BLOCKED_VS_SYNC}); async save() to commit {async_s:.3f} s")
-        print(f"stand-in fwd+bwd           {step_alone:8.3f} s  alone ({args.step_tokens} tokens); "
-              f"{step_sync:.3f} s after a sync save, {step_async:.3f} s beside an async save")
-        print(json.dumps({"bench": "checkpoint", "size_mib": round(size / mib, 1), "raw_mib_s": round(raw / mib, 1),
-                          "state_raw_mib_s": round(state_raw / mib, 1),
-                          "sync_save_vs_state_raw": round(size / sync_s / state_raw, 3),
-                          "sync_save_vs_raw": round(sync_ratio, 3), "async_blocked_vs_sync": round(block_ratio, 4),
-                          "sync_blocked_s": round(sync_s, 4), "async_blocked_s": round(held_s, 4),
-                          "step_alone_s": round(step_alone, 4), "step_beside_async_s": round(step_async, 4),
-                          "load_warm_mib_s": round(size / warm / mib, 1),
-                          "load_cold_mib_s": round(size / cold / mib, 1) if cold else None}))
+        print(
+            f"async save blocked         {held_s:8.3f} s  vs sync {sync_s:.3f} s ({block_ratio:.3f} x; target < "
+            f"{ASYNC_BLOCKED_VS_SYNC}); async save() to commit {async_s:.3f} s"
+        )
+        print(
+            f"stand-in fwd+bwd           {step_alone:8.3f} s  alone ({args.step_tokens} tokens); "
+            f"{step_sync:.3f} s after a sync save, {step_async:.3f} s beside an async save"
+        )
+        print(
+            json.dumps(
+                {
+                    "bench": "checkpoint",
+                    "size_mib": round(size / mib, 1),
+                    "raw_mib_s": round(raw / mib, 1),
+                    "state_raw_mib_s": round(state_raw / mib, 1),
+                    "sync_save_vs_state_raw": round(size / sync_s / state_raw, 3),
+                    "sync_save_vs_raw": round(sync_ratio, 3),
+                    "async_blocked_vs_sync": round(block_ratio, 4),
+                    "sync_blocked_s": round(sync_s, 4),
+                    "async_blocked_s": round(held_s, 4),
+                    "step_alone_s": round(step_alone, 4),
+                    "step_beside_async_s": round(step_async, 4),
+                    "load_warm_mib_s": round(size / warm / mib, 1),
+                    "load_cold_mib_s": round(size / cold / mib, 1) if cold else None,
+                }
+            )
+        )
         return 0 if sync_ratio >= SYNC_VS_RAW and block_ratio < ASYNC_BLOCKED_VS_SYNC else 1
     finally:
         shutil.rmtree(base, ignore_errors=True)

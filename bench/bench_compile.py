@@ -55,8 +55,9 @@ def main() -> int:
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench_compile_")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tmp, "inductor"))
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1"})
+    os.environ.update(
+        {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    )
     from dist_harness import free_port
 
     os.environ["MASTER_PORT"] = str(free_port())
@@ -66,8 +67,10 @@ def main() -> int:
     from training.parallel.mesh import ProcessMesh
 
     mesh = ProcessMesh.from_env(1, 1, 1, 1, timeout_s=600)
-    sides = {name: Trainer(_cfg(args, name == "compiled"), os.path.join(tmp, name), mesh, checkpointing=False)
-             for name in ("eager", "compiled")}
+    sides = {
+        name: Trainer(_cfg(args, name == "compiled"), os.path.join(tmp, name), mesh, checkpointing=False)
+        for name in ("eager", "compiled")
+    }
 
     def step(name: str) -> float:
         t0 = time.perf_counter()
@@ -89,17 +92,25 @@ def main() -> int:
         ratios.append(got["compiled"] / got["eager"])
     mesh.destroy()
     ratio = statistics.median(ratios)
-    figures = {"shape": [args.layers, args.hidden, args.heads, args.seq, args.batch],
-               "threads": torch.get_num_threads(),
-               "compile_s": round(compile_s, 2), "first_step_s": round(first, 2),
-               "eager_step_s": round(statistics.median(times["eager"]), 4),
-               "compiled_step_s": round(statistics.median(times["compiled"]), 4),
-               "ratio_compiled_over_eager": round(ratio, 3), "target": args.target, "rounds": args.rounds}
-    print(f"compile: {sides['compiled'].compiled_layers} layers compiled in {compile_s:.1f} s (first step "
-          f"{first:.1f} s)")
-    print(f"step time, median of {args.rounds} alternated rounds: eager {figures['eager_step_s'] * 1e3:.1f} ms, "
-          f"compiled {figures['compiled_step_s'] * 1e3:.1f} ms; compiled / eager {ratio:.3f} "
-          f"(target <= {args.target}) {'ok' if ratio <= args.target else 'MISSED'}")
+    figures = {
+        "shape": [args.layers, args.hidden, args.heads, args.seq, args.batch],
+        "threads": torch.get_num_threads(),
+        "compile_s": round(compile_s, 2),
+        "first_step_s": round(first, 2),
+        "eager_step_s": round(statistics.median(times["eager"]), 4),
+        "compiled_step_s": round(statistics.median(times["compiled"]), 4),
+        "ratio_compiled_over_eager": round(ratio, 3),
+        "target": args.target,
+        "rounds": args.rounds,
+    }
+    print(
+        f"compile: {sides['compiled'].compiled_layers} layers compiled in {compile_s:.1f} s (first step {first:.1f} s)"
+    )
+    print(
+        f"step time, median of {args.rounds} alternated rounds: eager {figures['eager_step_s'] * 1e3:.1f} ms, "
+        f"compiled {figures['compiled_step_s'] * 1e3:.1f} ms; compiled / eager {ratio:.3f} "
+        f"(target <= {args.target}) {'ok' if ratio <= args.target else 'MISSED'}"
+    )
     print(json.dumps(figures))
     return 0 if ratio <= args.target else 1
 

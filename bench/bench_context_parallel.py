@@ -66,8 +66,9 @@ def _ring_times(seq: int, mesh, rounds: int):
     g = torch.Generator().manual_seed(mesh.cp_rank)
     q = torch.randn(b, heads, s, d, generator=g)
     k, v = torch.randn(b, groups, s, d, generator=g), torch.randn(b, groups, s, d, generator=g)
-    ctx = {ov: CPContext(mesh.cp, mesh.cp_rank, mesh.cp_group, mesh.group_ranks["cp"], "ring", ov)
-           for ov in (True, False)}
+    ctx = {
+        ov: CPContext(mesh.cp, mesh.cp_rank, mesh.cp_group, mesh.group_ranks["cp"], "ring", ov) for ov in (True, False)
+    }
 
     def attention(overlap: bool) -> float:
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
@@ -108,8 +109,9 @@ def _worker(seq: int, rounds: int):
     from training.parallel.mesh import ProcessMesh
 
     mesh = ProcessMesh.from_env(1, 1, 2, 1, timeout_s=600)
-    single = Trainer(_cfg(seq, 1), tempfile.mkdtemp(), ProcessMesh.single(), checkpointing=False) \
-        if mesh.rank == 0 else None
+    single = (
+        Trainer(_cfg(seq, 1), tempfile.mkdtemp(), ProcessMesh.single(), checkpointing=False) if mesh.rank == 0 else None
+    )
     split = Trainer(_cfg(seq, 2), tempfile.mkdtemp(), mesh, checkpointing=False)
 
     def one(trainer):
@@ -128,8 +130,13 @@ def _worker(seq: int, rounds: int):
         cp2.append(one(split))
     ring = _ring_times(seq, mesh, rounds)
     mesh.destroy()
-    return {"cp1": statistics.median(t for t, _ in cp1), "cp2": statistics.median(t for t, _ in cp2),
-            "cp1_cpu": statistics.median(c for _, c in cp1), "cp2_cpu": statistics.median(c for _, c in cp2), **ring}
+    return {
+        "cp1": statistics.median(t for t, _ in cp1),
+        "cp2": statistics.median(t for t, _ in cp2),
+        "cp1_cpu": statistics.median(c for _, c in cp1),
+        "cp2_cpu": statistics.median(c for _, c in cp2),
+        **ring,
+    }
 
 
 def main() -> int:
@@ -146,17 +153,27 @@ def main() -> int:
     hidden = min(1.0, max(0.0, (r["serial"] - r["overlap"]) / r["comm"])) if r["comm"] > 0 else 0.0
     idle = load < cores - 1.5
     measurable = r["comm"] > r["noise"]
-    print(f"seq {args.seq}, gloo, 2 ranks x 1 thread, median of {args.rounds} alternated rounds; "
-          f"load average {load:.1f} on {cores} cores")
-    print(f"  step CPU time   cp=1 {r['cp1_cpu']:.3f} s   cp=2 {r['cp2_cpu']:.3f} s   ratio cp2/cp1 {cpu_ratio:.3f} "
-          f"(target < 0.8)")
-    print(f"  step wall time  cp=1 {r['cp1']:.3f} s   cp=2 {r['cp2']:.3f} s   ratio cp2/cp1 {ratio:.3f} "
-          + ("(target < 0.8)" if idle else "(not judged: fewer than 2 idle cores for the 2 ranks)"))
-    print(f"  ring attention (one layer, fwd+bwd): overlap {r['overlap'] * 1e3:.1f} ms, serial "
-          f"{r['serial'] * 1e3:.1f} ms, communication alone {r['comm'] * 1e3:.1f} ms, "
-          f"timing noise +-{r['noise'] * 1e3:.1f} ms")
-    print(f"  communication hidden behind compute: {100 * hidden:.0f} % "
-          + ("(target >= 50 %)" if measurable else "(not judged: the communication is below the timing noise)"))
+    print(
+        f"seq {args.seq}, gloo, 2 ranks x 1 thread, median of {args.rounds} alternated rounds; "
+        f"load average {load:.1f} on {cores} cores"
+    )
+    print(
+        f"  step CPU time   cp=1 {r['cp1_cpu']:.3f} s   cp=2 {r['cp2_cpu']:.3f} s   ratio cp2/cp1 {cpu_ratio:.3f} "
+        f"(target < 0.8)"
+    )
+    print(
+        f"  step wall time  cp=1 {r['cp1']:.3f} s   cp=2 {r['cp2']:.3f} s   ratio cp2/cp1 {ratio:.3f} "
+        + ("(target < 0.8)" if idle else "(not judged: fewer than 2 idle cores for the 2 ranks)")
+    )
+    print(
+        f"  ring attention (one layer, fwd+bwd): overlap {r['overlap'] * 1e3:.1f} ms, serial "
+        f"{r['serial'] * 1e3:.1f} ms, communication alone {r['comm'] * 1e3:.1f} ms, "
+        f"timing noise +-{r['noise'] * 1e3:.1f} ms"
+    )
+    print(
+        f"  communication hidden behind compute: {100 * hidden:.0f} % "
+        + ("(target >= 50 %)" if measurable else "(not judged: the communication is below the timing noise)")
+    )
     ok = cpu_ratio < 0.8 and (ratio < 0.8 or not idle) and (hidden >= 0.5 or not measurable)
     print("PASS" if ok else "MISS")
     return 0 if ok else 1

@@ -108,10 +108,12 @@ def stdlib_jsonl(path: str, limit: int) -> int:
 def prepare_cmd(inputs: str, output: str, tokenizer: str, workers: int) -> list:
     # Timed inside: prepare() from its call to its return (pool start-up, reading, writing, describing
     # included); the interpreter's own start is not prepare's.
-    code = ("import json, sys, time; from launcher.data.prepare import prepare; from training.contract.config import PrepareConfig; "
-            f"t0 = time.perf_counter(); d = prepare(PrepareConfig(inputs=[{inputs!r}], output={output!r}, "
-            f"tokenizer={tokenizer!r}, workers={workers}, progress=False, valid_fraction=0.01)); "
-            "print(json.dumps({'tokens': d['tokens'] + d['valid_tokens'], 'seconds': time.perf_counter() - t0}))")
+    code = (
+        "import json, sys, time; from launcher.data.prepare import prepare; from training.contract.config import PrepareConfig; "
+        f"t0 = time.perf_counter(); d = prepare(PrepareConfig(inputs=[{inputs!r}], output={output!r}, "
+        f"tokenizer={tokenizer!r}, workers={workers}, progress=False, valid_fraction=0.01)); "
+        "print(json.dumps({'tokens': d['tokens'] + d['valid_tokens'], 'seconds': time.perf_counter() - t0}))"
+    )
     return [PY, "-c", code]
 
 
@@ -125,13 +127,15 @@ def bench_prepare(base: str, text_mb: float, workers: int) -> dict:
     train_bpe(docs[: max(1, len(docs) // 4)], 4096).save(tok_path)
     del docs
     env = dict(os.environ, RAYON_NUM_THREADS=str(workers), TOKENIZERS_PARALLELISM="true")
-    base_code = ("import json, time; from tokenizers import Tokenizer; "
-                 f"tok = Tokenizer.from_file({tok_path!r}); "
-                 f"docs = [json.loads(l)['text'] for l in open({jsonl!r}, encoding='utf-8')]; best = 0.0\n"
-                 "for fn in [tok.encode_batch] + ([tok.encode_batch_fast] if hasattr(tok, 'encode_batch_fast') else []):\n"
-                 "    t0 = time.perf_counter(); n = sum(len(e.ids) for e in fn(docs, add_special_tokens=False))\n"
-                 "    best = max(best, n / (time.perf_counter() - t0))\n"
-                 "print(best)")
+    base_code = (
+        "import json, time; from tokenizers import Tokenizer; "
+        f"tok = Tokenizer.from_file({tok_path!r}); "
+        f"docs = [json.loads(l)['text'] for l in open({jsonl!r}, encoding='utf-8')]; best = 0.0\n"
+        "for fn in [tok.encode_batch] + ([tok.encode_batch_fast] if hasattr(tok, 'encode_batch_fast') else []):\n"
+        "    t0 = time.perf_counter(); n = sum(len(e.ids) for e in fn(docs, add_special_tokens=False))\n"
+        "    best = max(best, n / (time.perf_counter() - t0))\n"
+        "print(best)"
+    )
     # Interleaved, best of two each: the 2-core machine is shared, and load that lands on one side only would
     # skew a single pair.
     baseline, ours, peak = 0.0, 0.0, 0
@@ -141,8 +145,13 @@ def bench_prepare(base: str, text_mb: float, workers: int) -> dict:
         got = json.loads(out.strip().splitlines()[-1])
         ours = max(ours, got["tokens"] / got["seconds"])
         peak = max(peak, rss)
-    return {"text_mb": nbytes / 1e6, "baseline_tok_s": baseline, "prepare_tok_s": ours,
-            "ratio": ours / baseline, "bpe_peak_rss": peak}
+    return {
+        "text_mb": nbytes / 1e6,
+        "baseline_tok_s": baseline,
+        "prepare_tok_s": ours,
+        "ratio": ours / baseline,
+        "bpe_peak_rss": peak,
+    }
 
 
 def make_big_dataset(prefix: str, gb: float) -> int:
@@ -161,20 +170,25 @@ def make_big_dataset(prefix: str, gb: float) -> int:
         w.add_documents(rng.integers(0, 50000, n, dtype=np.uint16), lengths)
         left -= n
     w.commit()
-    desc = describe(prefix, IndexedDataset(prefix), {"tokenizer": {"name": "synthetic", "vocab_size": 50000},
-                                                     "min_vocab_size": 50000, "contiguous": True})
+    desc = describe(
+        prefix,
+        IndexedDataset(prefix),
+        {"tokenizer": {"name": "synthetic", "vocab_size": 50000}, "min_vocab_size": 50000, "contiguous": True},
+    )
     write_json_atomic(prefix + ".json", desc)
     return os.path.getsize(prefix + ".bin") + os.path.getsize(prefix + ".idx")
 
 
 def bench_loader_startup(prefix: str) -> float:
     # torch is imported first: a rank has it loaded before it builds its data, and its import is not the loader's.
-    code = ("import time, torch; t0 = time.perf_counter()\n"
-            "from training.contract.config import Config; from training.data import BatchSampler, make_source\n"
-            "t1 = time.perf_counter(); cfg = Config(); cfg.data.kind = 'indexed'; "
-            f"cfg.data.prefixes = [{prefix!r}]; cfg.model.vocab_size = 50000\n"
-            "s = BatchSampler(make_source(cfg, ''), 16, 4, 1, 0); s.micro_batches(0)\n"
-            "print(time.perf_counter() - t1)")
+    code = (
+        "import time, torch; t0 = time.perf_counter()\n"
+        "from training.contract.config import Config; from training.data import BatchSampler, make_source\n"
+        "t1 = time.perf_counter(); cfg = Config(); cfg.data.kind = 'indexed'; "
+        f"cfg.data.prefixes = [{prefix!r}]; cfg.model.vocab_size = 50000\n"
+        "s = BatchSampler(make_source(cfg, ''), 16, 4, 1, 0); s.micro_batches(0)\n"
+        "print(time.perf_counter() - t1)"
+    )
     # The first open of the files reads their pages from disk: the number reported is a start from a warm
     # page cache of the index only (the token file is 2 GB; only the sampled windows are touched).
     return min(float(_run(code)) for _ in range(3))
@@ -201,9 +215,21 @@ def bench_loader_rate(prefix: str) -> float:
 
 def bench_engine_rate(base: str, prefix: str) -> float:
     run_dir = os.path.join(base, "run")
-    r = subprocess.run([os.path.join(os.path.dirname(PY), "meshrun"), "data=indexed", f"data.prefixes=[{prefix}]",
-                        "train.steps=12", "train.checkpoint_every=0", f"run.dir={run_dir}", "train.progress=false"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            os.path.join(os.path.dirname(PY), "meshrun"),
+            "data=indexed",
+            f"data.prefixes=[{prefix}]",
+            "train.steps=12",
+            "train.checkpoint_every=0",
+            f"run.dir={run_dir}",
+            "train.progress=false",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if r.returncode != 0:
         raise RuntimeError(f"the engine run failed:\n{r.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -240,10 +266,13 @@ def main() -> int:
     results = []
     try:
         p = bench_prepare(base, args.text_mb, workers)
-        print(f"1. prepare (BPE 4096, {p['text_mb']:.1f} MB of stdlib JSON Lines, {workers} workers): "
-              f"{p['prepare_tok_s']:,.0f} tokens/s end to end vs tokenizers' batch encoding {p['baseline_tok_s']:,.0f} "
-              f"tokens/s on {workers} threads = {p['ratio']:.2f}x (target >= 0.7x); peak RSS "
-              f"{p['bpe_peak_rss'] / 2**20:,.0f} MiB", flush=True)
+        print(
+            f"1. prepare (BPE 4096, {p['text_mb']:.1f} MB of stdlib JSON Lines, {workers} workers): "
+            f"{p['prepare_tok_s']:,.0f} tokens/s end to end vs tokenizers' batch encoding {p['baseline_tok_s']:,.0f} "
+            f"tokens/s on {workers} threads = {p['ratio']:.2f}x (target >= 0.7x); peak RSS "
+            f"{p['bpe_peak_rss'] / 2**20:,.0f} MiB",
+            flush=True,
+        )
         results.append(p["ratio"] >= 0.7)
         prefix = os.path.join(base, "big", "ds")
         os.makedirs(os.path.dirname(prefix))
@@ -251,21 +280,30 @@ def main() -> int:
         nbytes = make_big_dataset(prefix, args.big_gb)
         print(f"   (made a {nbytes / 1e9:.2f} GB dataset with numpy in {time.perf_counter() - t0:.1f} s)", flush=True)
         start = bench_loader_startup(prefix)
-        print(f"2. loader start-up on {nbytes / 1e9:.2f} GB: {start * 1e3:.1f} ms to the first batch "
-              f"(target < 1000 ms) = {1.0 / start:,.0f}x under the limit", flush=True)
+        print(
+            f"2. loader start-up on {nbytes / 1e9:.2f} GB: {start * 1e3:.1f} ms to the first batch "
+            f"(target < 1000 ms) = {1.0 / start:,.0f}x under the limit",
+            flush=True,
+        )
         results.append(start < 1.0 and nbytes >= 2e9 * min(1.0, args.big_gb / 2.0))
         loader = bench_loader_rate(prefix)
         engine = bench_engine_rate(base, prefix)
-        print(f"3. loader {loader:,.0f} samples/s vs the engine's {engine:,.1f} samples/s at the default layout "
-              f"= {loader / engine:,.0f}x (target >= 20x)", flush=True)
+        print(
+            f"3. loader {loader:,.0f} samples/s vs the engine's {engine:,.1f} samples/s at the default layout "
+            f"= {loader / engine:,.0f}x (target >= 20x)",
+            flush=True,
+        )
         results.append(loader / engine >= 20)
         shutil.rmtree(os.path.dirname(prefix))
         text = os.path.join(base, "big.jsonl")
         tb = big_text(text, args.big_gb)
         peak, secs, _ = _peak_rss_of(prepare_cmd(text, os.path.join(base, "bytes", "ds"), "bytes", workers))
-        print(f"4. prepare peak memory on {tb / 1e9:.2f} GB of JSON Lines (byte tokenizer, {workers} workers, "
-              f"{tb / secs / 1e6:,.0f} MB/s): {peak / 2**20:,.0f} MiB summed over the processes (target < 1024 MiB) "
-              f"= {GIB / peak:.1f}x under", flush=True)
+        print(
+            f"4. prepare peak memory on {tb / 1e9:.2f} GB of JSON Lines (byte tokenizer, {workers} workers, "
+            f"{tb / secs / 1e6:,.0f} MB/s): {peak / 2**20:,.0f} MiB summed over the processes (target < 1024 MiB) "
+            f"= {GIB / peak:.1f}x under",
+            flush=True,
+        )
         results.append(peak < GIB)
     finally:
         shutil.rmtree(base, ignore_errors=True)

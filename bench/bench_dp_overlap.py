@@ -64,22 +64,27 @@ def _worker(cfg_dict, warmup: int, rounds: int):
     torch.set_num_threads(1)  # two ranks on two cores
     mesh2 = ProcessMesh.from_env(1, 1, 1, 2, backend="gloo", timeout_s=300)
     sides = {}
-    for name, dp, zero, overlap in (("dp1", 1, 0, False), ("z0 off", 2, 0, False), ("z0 on", 2, 0, True),
-                                    ("z1 off", 2, 1, False), ("z1 on", 2, 1, True)):
+    for name, dp, zero, overlap in (
+        ("dp1", 1, 0, False),
+        ("z0 off", 2, 0, False),
+        ("z0 on", 2, 0, True),
+        ("z1 off", 2, 1, False),
+        ("z1 on", 2, 1, True),
+    ):
         cfg = config_from_dict(cfg_dict)
         cfg.parallel.dp, cfg.parallel.zero, cfg.parallel.overlap_grad_reduce = dp, zero, overlap
         cfg.parallel.global_batch = cfg.parallel.micro_batch * dp  # the same per-rank batch everywhere
         mesh = mesh2 if dp == 2 else ProcessMesh.single()
         trainer = Trainer(cfg, tempfile.mkdtemp(), mesh, checkpointing=False)
         micro = trainer.sampler.micro_batches(0)
-        sides[name] = (lambda t=trainer, mb=micro: _turn(t, mb))
+        sides[name] = lambda t=trainer, mb=micro: _turn(t, mb)
     names = list(sides)
     for _ in range(warmup):
         for n in names:
             sides[n]()
     times = {n: [] for n in names}
     for r in range(rounds):
-        for n in (names if r % 2 == 0 else names[::-1]):
+        for n in names if r % 2 == 0 else names[::-1]:
             dist.barrier()
             t0 = time.perf_counter()
             sides[n]()
@@ -105,13 +110,16 @@ def main(argv=None) -> int:
 
     def ratio(n: str) -> float:
         return statistics.median(a / b for a, b in zip(per_round[n], per_round["dp1"]))
+
     m = cfg.model
     from launcher.plan.model_size import params_total
 
     params = params_total(cfg)
-    print(f"dp overlap: GPT L={m.num_layers} h={m.hidden_size} s={m.seq_length}, micro-batch "
-          f"{cfg.parallel.micro_batch} per rank, bucket {args.bucket_mb} MiB, gloo, 2 ranks x 1 thread"
-          f", {params / 1e6:.2f}M params ({4 * params / 2**20:.1f} MiB of fp32 grads)")
+    print(
+        f"dp overlap: GPT L={m.num_layers} h={m.hidden_size} s={m.seq_length}, micro-batch "
+        f"{cfg.parallel.micro_batch} per rank, bucket {args.bucket_mb} MiB, gloo, 2 ranks x 1 thread"
+        f", {params / 1e6:.2f}M params ({4 * params / 2**20:.1f} MiB of fp32 grads)"
+    )
     print(f"dp=1 step {1e3 * t['dp1']:.1f} ms")
     ok = True
     print(f"{'zero':>4} {'dp2 off ms':>11} {'dp2 on ms':>10} {'ratio off':>10} {'ratio on':>9}  on<=off  on<={TARGET}")
@@ -119,8 +127,10 @@ def main(argv=None) -> int:
         off, on = ratio(f"z{z} off"), ratio(f"z{z} on")
         better, under = on <= off, on <= TARGET
         ok &= better and under
-        print(f"{z:>4} {1e3 * t[f'z{z} off']:>11.1f} {1e3 * t[f'z{z} on']:>10.1f} {off:>10.3f} {on:>9.3f}  "
-              f"{'yes' if better else 'NO':<7}  {'yes' if under else 'NO'}")
+        print(
+            f"{z:>4} {1e3 * t[f'z{z} off']:>11.1f} {1e3 * t[f'z{z} on']:>10.1f} {off:>10.3f} {on:>9.3f}  "
+            f"{'yes' if better else 'NO':<7}  {'yes' if under else 'NO'}"
+        )
     print("RESULT:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -49,7 +49,7 @@ from training.contract.config import Config, config_from_dict, config_to_dict
 
 # name -> (layers, hidden, heads, seq, batch); vocab 256 (the byte vocabulary) everywhere.
 SHAPES: Dict[str, Tuple[int, int, int, int, int]] = {
-    "a": (4, 256, 8, 256, 8),   # the shape of the nanoGPT-style comparison (docs/PERFORMANCE.md)
+    "a": (4, 256, 8, 256, 8),  # the shape of the nanoGPT-style comparison (docs/PERFORMANCE.md)
     "b": (4, 512, 8, 512, 4),
     "tiny": (4, 64, 4, 64, 8),  # conf/model/tiny.yaml, global batch 8
 }
@@ -107,8 +107,9 @@ class PlainGPT(nn.Module):
         super().__init__()
         m = cfg.model
         self.wte, self.wpe = nn.Embedding(m.vocab_size, m.hidden_size), nn.Embedding(m.seq_length, m.hidden_size)
-        self.blocks = nn.ModuleList(PlainBlock(m.hidden_size, m.num_attention_heads, fused)
-                                    for _ in range(m.num_layers))
+        self.blocks = nn.ModuleList(
+            PlainBlock(m.hidden_size, m.num_attention_heads, fused) for _ in range(m.num_layers)
+        )
         self.ln_f = nn.LayerNorm(m.hidden_size)
 
     def forward(self, idx, targets):
@@ -123,9 +124,12 @@ def plain_stepper(cfg: Config, model: nn.Module, device, dtype=None, foreach=Non
     """One training step of the plain GPT per call (the batch is made once, before any timer)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     nodecay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.train.weight_decay},
-                             {"params": nodecay, "weight_decay": 0.0}], lr=1e-4, betas=(0.9, 0.95),
-                            foreach=foreach)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": nodecay, "weight_decay": 0.0}],
+        lr=1e-4,
+        betas=(0.9, 0.95),
+        foreach=foreach,
+    )
     b, s, V = cfg.parallel.global_batch, cfg.model.seq_length, cfg.model.vocab_size
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, V, (b, s + 1), generator=g).to(device)
@@ -158,7 +162,9 @@ def engine_stepper(cfg: Config, mesh=None):
     return step, trainer
 
 
-def interleave(sides: List[Callable[[], None]], warmup: int, rounds: int, sync: Callable[[], None]) -> List[List[float]]:
+def interleave(
+    sides: List[Callable[[], None]], warmup: int, rounds: int, sync: Callable[[], None]
+) -> List[List[float]]:
     """Seconds per step of each side: `warmup` untimed steps each, then `rounds` rounds of one step per side,
     the order reversed every other round."""
     for _ in range(warmup):
@@ -178,8 +184,11 @@ def interleave(sides: List[Callable[[], None]], warmup: int, rounds: int, sync: 
 
 def compare(times_engine: List[float], times_other: List[float], tokens: int) -> Dict[str, float]:
     """Median tokens/s of each side and the median of the per-round ratios engine / other."""
-    return {"engine": tokens / statistics.median(times_engine), "other": tokens / statistics.median(times_other),
-            "ratio": statistics.median(o / e for e, o in zip(times_engine, times_other))}
+    return {
+        "engine": tokens / statistics.median(times_engine),
+        "other": tokens / statistics.median(times_other),
+        "ratio": statistics.median(o / e for e, o in zip(times_engine, times_other)),
+    }
 
 
 def _tp_worker(cfg_dict, warmup: int, rounds: int):
@@ -201,9 +210,18 @@ def _tp_worker(cfg_dict, warmup: int, rounds: int):
     model = PlainGPT(cfg, fused=False)
     dmesh = init_device_mesh("cpu", (2,))
     for blk in model.blocks:
-        parallelize_module(blk, dmesh, {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
-                                        "c_proj": RowwiseParallel(), "c_fc": ColwiseParallel(),
-                                        "mlp_proj": RowwiseParallel()})
+        parallelize_module(
+            blk,
+            dmesh,
+            {
+                "q": ColwiseParallel(),
+                "k": ColwiseParallel(),
+                "v": ColwiseParallel(),
+                "c_proj": RowwiseParallel(),
+                "c_fc": ColwiseParallel(),
+                "mlp_proj": RowwiseParallel(),
+            },
+        )
     # foreach kernels and clip_grad_norm_ cannot mix DTensor and plain params (docs/PLATFORM.md):
     # per-tensor AdamW and no clipping, which only favours DTensor.
     dtensor = plain_stepper(cfg, model, torch.device("cpu"), foreach=False, clip=False)
@@ -232,16 +250,24 @@ def side_main(side: str, shape: str, steps: int) -> int:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    print(json.dumps({"side": side, "shape": shape, "threads": torch.get_num_threads(),
-                      "step_s": statistics.median(times)}))
+    print(
+        json.dumps(
+            {"side": side, "shape": shape, "threads": torch.get_num_threads(), "step_s": statistics.median(times)}
+        )
+    )
     return 0
 
 
 def run_side(side: str, shape: str, steps: int) -> Tuple[float, int]:
     """(median step seconds, threads) of one side run in a fresh process with the user's environment."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--side", side, "--shapes", shape,
-                          "--proc-steps", str(steps)], env=env, capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--side", side, "--shapes", shape, "--proc-steps", str(steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{side} run of shape {shape} failed:\n{out.stderr[-2000:]}")
     row = json.loads(out.stdout.strip().splitlines()[-1])
@@ -251,48 +277,71 @@ def run_side(side: str, shape: str, steps: int) -> Tuple[float, int]:
 def separate_processes(shapes: List[str], pairs: int, steps: int, figures: Dict[str, object]) -> bool:
     """Section 4: alternated pairs of separate-process runs at the default thread count; True if all hit."""
     ok = True
-    print(f"\nengine tp=1 vs plain GPT, each side in its own process at the default thread count, {pairs} "
-          f"alternated pairs per shape; median of the pair ratios plain step / engine step")
-    print(f"{'shape':<5} {'threads':>7} {'engine s/step':>13} {'plain s/step':>12} {'pair ratios':<34} "
-          f"{'ratio':>6}  target >= 1.0")
+    print(
+        f"\nengine tp=1 vs plain GPT, each side in its own process at the default thread count, {pairs} "
+        f"alternated pairs per shape; median of the pair ratios plain step / engine step"
+    )
+    print(
+        f"{'shape':<5} {'threads':>7} {'engine s/step':>13} {'plain s/step':>12} {'pair ratios':<34} "
+        f"{'ratio':>6}  target >= 1.0"
+    )
     for name in shapes:
         n = steps or PROC_STEPS[name]
         t_e: List[float] = []
         t_p: List[float] = []
         threads = 0
         for i in range(pairs):
-            for side in (("engine", "plain") if i % 2 == 0 else ("plain", "engine")):
+            for side in ("engine", "plain") if i % 2 == 0 else ("plain", "engine"):
                 t, threads = run_side(side, name, n)
                 (t_e if side == "engine" else t_p).append(t)
         ratios = [p / e for e, p in zip(t_e, t_p)]
         r = statistics.median(ratios)
         hit = r >= 1.0
         ok &= hit
-        figures[f"procs_{name}"] = {"pairs": pairs, "steps": n, "threads": threads,
-                                    "engine_step_s": round(statistics.median(t_e), 4),
-                                    "plain_step_s": round(statistics.median(t_p), 4),
-                                    "pair_ratios": [round(x, 3) for x in ratios], "ratio": round(r, 4),
-                                    "loadavg_1m": round(os.getloadavg()[0], 2)}
-        print(f"{name:<5} {threads:>7} {statistics.median(t_e):>13.3f} {statistics.median(t_p):>12.3f} "
-              f"{' '.join(f'{x:.2f}' for x in ratios):<34} {r:>6.3f}  {'yes' if hit else 'NO'}"
-              f"   (load average {os.getloadavg()[0]:.1f})")
+        figures[f"procs_{name}"] = {
+            "pairs": pairs,
+            "steps": n,
+            "threads": threads,
+            "engine_step_s": round(statistics.median(t_e), 4),
+            "plain_step_s": round(statistics.median(t_p), 4),
+            "pair_ratios": [round(x, 3) for x in ratios],
+            "ratio": round(r, 4),
+            "loadavg_1m": round(os.getloadavg()[0], 2),
+        }
+        print(
+            f"{name:<5} {threads:>7} {statistics.median(t_e):>13.3f} {statistics.median(t_p):>12.3f} "
+            f"{' '.join(f'{x:.2f}' for x in ratios):<34} {r:>6.3f}  {'yes' if hit else 'NO'}"
+            f"   (load average {os.getloadavg()[0]:.1f})"
+        )
     return ok
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=0, help="timed rounds (one step of each side per round); "
-                                                          "default per shape: " + str(ROUNDS))
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="timed rounds (one step of each side per round); default per shape: " + str(ROUNDS),
+    )
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps of each side first")
     ap.add_argument("--shapes", default="a,b,tiny", help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--no-tp", action="store_true", help="skip the tp=2 comparison (2 processes)")
     ap.add_argument("--gpu", action="store_true", help="tp=1 bf16 GPT ~1.3B on one GPU against plain PyTorch")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="CPU threads per process (1: on a shared machine, spinning OpenMP threads that lose their "
-                         "core to another job make timings swing far more than one thread does)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads per process (1: on a shared machine, spinning OpenMP threads that lose their "
+        "core to another job make timings swing far more than one thread does)",
+    )
     ap.add_argument("--pairs", type=int, default=5, help="separate-process pairs per shape (section 4)")
-    ap.add_argument("--proc-steps", type=int, default=0,
-                    help="timed steps per separate-process run; default per shape: " + str(PROC_STEPS))
+    ap.add_argument(
+        "--proc-steps",
+        type=int,
+        default=0,
+        help="timed steps per separate-process run; default per shape: " + str(PROC_STEPS),
+    )
     ap.add_argument("--no-procs", action="store_true", help="skip the separate-process default-thread section")
     ap.add_argument("--no-inproc", action="store_true", help="skip the one-process sections (1. and 2.)")
     ap.add_argument("--side", choices=("engine", "plain"), help=argparse.SUPPRESS)  # a section-4 child run
@@ -305,15 +354,23 @@ def main(argv=None) -> int:
     sync = torch.cuda.synchronize if args.gpu else (lambda: None)
     shapes = ["gpu"] if args.gpu else args.shapes.split(",")
     ok = True
-    figures: Dict[str, object] = {"bench": "engine", "threads": torch.get_num_threads(), "warmup": args.warmup,
-                                  "default_threads": default_threads}
+    figures: Dict[str, object] = {
+        "bench": "engine",
+        "threads": torch.get_num_threads(),
+        "warmup": args.warmup,
+        "default_threads": default_threads,
+    }
     if args.no_inproc:
         shapes = []
     if shapes:
-        print(f"engine tp=1 vs plain nanoGPT-style PyTorch GPT, one process, {torch.get_num_threads()} threads, "
-              f"{args.warmup} warm-up steps each, then interleaved rounds; medians")
-        print(f"{'shape':<5} {'L':>2} {'h':>5} {'a':>3} {'s':>5} {'b':>2} {'rounds':>6} {'engine tok/s':>13} "
-              f"{'plain tok/s':>12} {'ratio':>6}  target >= 1.0   MFU")
+        print(
+            f"engine tp=1 vs plain nanoGPT-style PyTorch GPT, one process, {torch.get_num_threads()} threads, "
+            f"{args.warmup} warm-up steps each, then interleaved rounds; medians"
+        )
+        print(
+            f"{'shape':<5} {'L':>2} {'h':>5} {'a':>3} {'s':>5} {'b':>2} {'rounds':>6} {'engine tok/s':>13} "
+            f"{'plain tok/s':>12} {'ratio':>6}  target >= 1.0   MFU"
+        )
     for name in shapes:
         cfg = bench_cfg(name, args.gpu)
         torch.manual_seed(0)
@@ -325,30 +382,47 @@ def main(argv=None) -> int:
         mfu = trainer.flops_per_step / statistics.median(t_engine) / trainer.peak_flops
         hit = r["ratio"] >= 1.0
         ok &= hit
-        figures[name] = {"rounds": len(t_engine), "engine_tok_s": round(r["engine"], 1),
-                         "plain_tok_s": round(r["other"], 1), "ratio": round(r["ratio"], 4), "mfu": round(mfu, 4)}
-        print(f"{name:<5} {m.num_layers:>2} {m.hidden_size:>5} {m.num_attention_heads:>3} {m.seq_length:>5} "
-              f"{cfg.parallel.global_batch:>2} {len(t_engine):>6} {r['engine']:>13,.0f} {r['other']:>12,.0f} {r['ratio']:>6.3f}  "
-              f"{'yes' if hit else 'NO':<14} {100 * mfu:.1f}%")
+        figures[name] = {
+            "rounds": len(t_engine),
+            "engine_tok_s": round(r["engine"], 1),
+            "plain_tok_s": round(r["other"], 1),
+            "ratio": round(r["ratio"], 4),
+            "mfu": round(mfu, 4),
+        }
+        print(
+            f"{name:<5} {m.num_layers:>2} {m.hidden_size:>5} {m.num_attention_heads:>3} {m.seq_length:>5} "
+            f"{cfg.parallel.global_batch:>2} {len(t_engine):>6} {r['engine']:>13,.0f} {r['other']:>12,.0f} {r['ratio']:>6.3f}  "
+            f"{'yes' if hit else 'NO':<14} {100 * mfu:.1f}%"
+        )
     if not args.gpu and not args.no_tp and not args.no_inproc:
         from dist_harness import run_distributed
 
         cfg = bench_cfg("a")
         rounds = args.rounds or ROUNDS["tp2"]
-        (t_engine, t_dtensor, t_sp), _ = run_distributed(_tp_worker, 2, args=(config_to_dict(cfg), 2, rounds),
-                                                         timeout_s=900)
+        (t_engine, t_dtensor, t_sp), _ = run_distributed(
+            _tp_worker, 2, args=(config_to_dict(cfg), 2, rounds), timeout_s=900
+        )
         tokens = cfg.parallel.global_batch * cfg.model.seq_length
         r, r_sp = compare(t_engine, t_dtensor, tokens), compare(t_sp, t_dtensor, tokens)
         hit = r["ratio"] >= 1.0
         ok &= hit
-        figures["tp2"] = {"rounds": len(t_engine), "engine_tok_s": round(r["engine"], 1),
-                          "dtensor_tok_s": round(r["other"], 1), "ratio": round(r["ratio"], 4),
-                          "engine_sp_tok_s": round(r_sp["engine"], 1), "sp_ratio": round(r_sp["ratio"], 4)}
-        print(f"tp=2 (shape a, 4 local heads of 32 on both, {len(t_engine)} rounds): engine TP {r['engine']:,.0f} "
-              f"tok/s, DTensor TP {r['other']:,.0f} tok/s, ratio {r['ratio']:.3f} (target >= 1.0): "
-              f"{'yes' if hit else 'NO'}")
-        print(f"  engine TP+SP {r_sp['engine']:,.0f} tok/s, ratio to the same DTensor TP steps {r_sp['ratio']:.3f} "
-              f"(no target: SP trades an all-reduce for all-gather + reduce-scatter to split activations)")
+        figures["tp2"] = {
+            "rounds": len(t_engine),
+            "engine_tok_s": round(r["engine"], 1),
+            "dtensor_tok_s": round(r["other"], 1),
+            "ratio": round(r["ratio"], 4),
+            "engine_sp_tok_s": round(r_sp["engine"], 1),
+            "sp_ratio": round(r_sp["ratio"], 4),
+        }
+        print(
+            f"tp=2 (shape a, 4 local heads of 32 on both, {len(t_engine)} rounds): engine TP {r['engine']:,.0f} "
+            f"tok/s, DTensor TP {r['other']:,.0f} tok/s, ratio {r['ratio']:.3f} (target >= 1.0): "
+            f"{'yes' if hit else 'NO'}"
+        )
+        print(
+            f"  engine TP+SP {r_sp['engine']:,.0f} tok/s, ratio to the same DTensor TP steps {r_sp['ratio']:.3f} "
+            f"(no target: SP trades an all-reduce for all-gather + reduce-scatter to split activations)"
+        )
     if not args.gpu and not args.no_procs:
         ok &= separate_processes(args.shapes.split(","), args.pairs, args.proc_steps, figures)
     print("RESULT:", "PASS" if ok else "FAIL")

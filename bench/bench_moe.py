@@ -77,7 +77,7 @@ def _worker(cfg_dict, warmup: int, rounds: int):
             sides[ep]()
     times = {ep: [] for ep in sides}
     for r in range(rounds):
-        for ep in ((1, 2) if r % 2 == 0 else (2, 1)):
+        for ep in (1, 2) if r % 2 == 0 else (2, 1):
             dist.barrier()
             t0 = time.perf_counter()
             sides[ep]()
@@ -101,9 +101,11 @@ def main(argv=None) -> int:
     speed = statistics.median(b / a for a, b in zip(per_round[2], per_round[1]))  # ep2 tokens/s / ep1 tokens/s
     mem = max(r["memory"][2] for r in results) / max(r["memory"][1] for r in results)
     m = cfg.model
-    print(f"MoE: L={m.num_layers} h={m.hidden_size} s={m.seq_length}, {m.num_experts} swiglu experts of "
-          f"{m.moe_ffn_hidden_size}, top-{m.moe_top_k}, micro-batch {cfg.parallel.micro_batch} per rank, dp=2 "
-          f"zero=1, gloo, 2 ranks x 1 thread, {args.rounds} rounds of {STEPS_PER_TURN} steps")
+    print(
+        f"MoE: L={m.num_layers} h={m.hidden_size} s={m.seq_length}, {m.num_experts} swiglu experts of "
+        f"{m.moe_ffn_hidden_size}, top-{m.moe_top_k}, micro-batch {cfg.parallel.micro_batch} per rank, dp=2 "
+        f"zero=1, gloo, 2 ranks x 1 thread, {args.rounds} rounds of {STEPS_PER_TURN} steps"
+    )
     print(f"ep=1 {tok_s[1]:,.0f} tokens/s   ep=2 {tok_s[2]:,.0f} tokens/s")
     ok_speed, ok_mem = speed >= TARGET_SPEED, mem <= TARGET_MEMORY
     print(f"tokens/s ratio ep2/ep1 {speed:.3f} (target >= {TARGET_SPEED}): {'yes' if ok_speed else 'NO'}")

@@ -71,16 +71,37 @@ def _worker(p: int, cases, t_f: float, t_b: float, steps: int, shape):
     mesh = ProcessMesh.from_env(1, p, 1, 1, backend="gloo", timeout_s=120)
     out = []
     for kind, v, m in cases:
-        chunks = [SleepStage(t_f / v, t_b / v, first=c == 0 and mesh.pp_rank == 0,
-                             last=c == v - 1 and mesh.pp_rank == p - 1, shape=shape) for c in range(v)]
-        scheds = {overlap: PipelineSchedule(chunks, kind, p, mesh.pp_rank, mesh.group_ranks["pp"], mesh.pp_group,
-                                            shape, torch.float32, mesh.device, lambda loss, n: loss / n,
-                                            measure_memory=False, overlap_p2p=overlap)
-                  for overlap in (False, True)}
+        chunks = [
+            SleepStage(
+                t_f / v,
+                t_b / v,
+                first=c == 0 and mesh.pp_rank == 0,
+                last=c == v - 1 and mesh.pp_rank == p - 1,
+                shape=shape,
+            )
+            for c in range(v)
+        ]
+        scheds = {
+            overlap: PipelineSchedule(
+                chunks,
+                kind,
+                p,
+                mesh.pp_rank,
+                mesh.group_ranks["pp"],
+                mesh.pp_group,
+                shape,
+                torch.float32,
+                mesh.device,
+                lambda loss, n: loss / n,
+                measure_memory=False,
+                overlap_p2p=overlap,
+            )
+            for overlap in (False, True)
+        }
         micro = [(torch.zeros(shape[1], shape[0], dtype=torch.long), None) for _ in range(m)]
         shares, walls = {False: [], True: []}, {False: [], True: []}
         for step in range(steps + 1):
-            for overlap in ((False, True) if step % 2 == 0 else (True, False)):
+            for overlap in (False, True) if step % 2 == 0 else (True, False):
                 torch.distributed.barrier(group=mesh.pp_group)
                 t0 = time.perf_counter()
                 scheds[overlap].forward_backward(micro)
@@ -89,8 +110,17 @@ def _worker(p: int, cases, t_f: float, t_b: float, steps: int, shape):
                 if step > 0:  # the first step warms up gloo's connections
                     shares[overlap].append(scheds[overlap].stats.idle_share_mean)
                     walls[overlap].append(float(wall.item()))
-        out.append((kind, v, m, statistics.median(shares[True]), statistics.median(walls[False]),
-                    statistics.median(walls[True]), statistics.median(shares[False])))
+        out.append(
+            (
+                kind,
+                v,
+                m,
+                statistics.median(shares[True]),
+                statistics.median(walls[False]),
+                statistics.median(walls[True]),
+                statistics.median(shares[False]),
+            )
+        )
     mesh.destroy()
     return out
 
@@ -120,21 +150,30 @@ def main(argv=None) -> int:
             ok &= within
         for m, d in by_m.items():
             ok &= d["interleaved_1f1b"] < d["1f1b"]
-    print(f"pipeline bubble: uniform stages (forward {args.tf * 1e3:.0f} ms + backward {args.tb * 1e3:.0f} ms "
-          f"per micro-batch per rank, messages {shape} fp32 = {4 * shape[0] * shape[1] * shape[2] / 2**10:.0f} KiB), idle share of wall clock, mean over stages, median of {args.steps} steps")
-    print(f"{'pp':>3} {'m':>3} {'schedule':<17} {'v':>2} {'planned':>8} {'measured':>9} {'rel err':>8}  within 20%"
-          f"  {'idle (wait)':>11} {'step wait s':>11} {'overlap s':>9} {'ratio':>6}")
+    print(
+        f"pipeline bubble: uniform stages (forward {args.tf * 1e3:.0f} ms + backward {args.tb * 1e3:.0f} ms "
+        f"per micro-batch per rank, messages {shape} fp32 = {4 * shape[0] * shape[1] * shape[2] / 2**10:.0f} KiB), idle share of wall clock, mean over stages, median of {args.steps} steps"
+    )
+    print(
+        f"{'pp':>3} {'m':>3} {'schedule':<17} {'v':>2} {'planned':>8} {'measured':>9} {'rel err':>8}  within 20%"
+        f"  {'idle (wait)':>11} {'step wait s':>11} {'overlap s':>9} {'ratio':>6}"
+    )
     for p, m, kind, v, planned, measured, rel, within, measured_wait, wall_wait, wall_overlap in rows:
-        print(f"{p:>3} {m:>3} {kind:<17} {v:>2} {planned:>8.3f} {measured:>9.3f} {100 * rel:>7.1f}%  "
-              f"{'yes' if within else 'NO':<10}  {measured_wait:>11.3f} {wall_wait:>11.3f} {wall_overlap:>9.3f} "
-              f"{wall_overlap / wall_wait:>6.3f}")
+        print(
+            f"{p:>3} {m:>3} {kind:<17} {v:>2} {planned:>8.3f} {measured:>9.3f} {100 * rel:>7.1f}%  "
+            f"{'yes' if within else 'NO':<10}  {measured_wait:>11.3f} {wall_wait:>11.3f} {wall_overlap:>9.3f} "
+            f"{wall_overlap / wall_wait:>6.3f}"
+        )
     total_wait, total_overlap = sum(r[9] for r in rows), sum(r[10] for r in rows)
     falls = total_overlap < total_wait
     ok &= falls
-    print(f"total step time of all cases: waiting exchanges {total_wait:.3f} s, overlapped {total_overlap:.3f} s, "
-          f"ratio {total_overlap / total_wait:.3f} (target < 1): {'yes' if falls else 'NO'}")
-    inter = all(r[5] < next(q[5] for q in rows if q[:2] == r[:2] and q[2] == "1f1b")
-                for r in rows if r[2] == "interleaved_1f1b")
+    print(
+        f"total step time of all cases: waiting exchanges {total_wait:.3f} s, overlapped {total_overlap:.3f} s, "
+        f"ratio {total_overlap / total_wait:.3f} (target < 1): {'yes' if falls else 'NO'}"
+    )
+    inter = all(
+        r[5] < next(q[5] for q in rows if q[:2] == r[:2] and q[2] == "1f1b") for r in rows if r[2] == "interleaved_1f1b"
+    )
     print(f"interleaved lower than 1f1b at every (pp, m): {'yes' if inter else 'NO'}")
     print("RESULT:", "PASS" if ok else "FAIL")
     return 0 if ok else 1

@@ -29,9 +29,16 @@ if not os.path.exists(PYTHON):
     PYTHON = sys.executable
 
 OVERRIDES = [
-    "action=plan", "model=gpt_1p3b", "cluster=dgx_h100", "cluster.nodes=8", "train.precision=bf16",
-    "parallel.sp=false", "parallel.global_batch=512",
-    "parallel.tp=1,2,4,8", "parallel.pp=1,2,4,8", "parallel.micro_batch=1,2,4,8",
+    "action=plan",
+    "model=gpt_1p3b",
+    "cluster=dgx_h100",
+    "cluster.nodes=8",
+    "train.precision=bf16",
+    "parallel.sp=false",
+    "parallel.global_batch=512",
+    "parallel.tp=1,2,4,8",
+    "parallel.pp=1,2,4,8",
+    "parallel.micro_batch=1,2,4,8",
 ]
 
 
@@ -46,8 +53,13 @@ def run_single() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
-        p = subprocess.run([PYTHON, "-m", "launcher", *single, f"run.dir={os.path.join(tmp, 'run')}"],
-                           cwd=tmp, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True)
+        p = subprocess.run(
+            [PYTHON, "-m", "launcher", *single, f"run.dir={os.path.join(tmp, 'run')}"],
+            cwd=tmp,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+            capture_output=True,
+            text=True,
+        )
         wall = time.perf_counter() - t0
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if p.returncode != 0:
@@ -61,8 +73,13 @@ def run_sweep(extra: list) -> dict:
         sweep = os.path.join(tmp, "sweep")
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
-        p = subprocess.run([PYTHON, "-m", "launcher", "-m", *OVERRIDES, *extra, f"hydra.sweep.dir={sweep}"],
-                           cwd=tmp, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True)
+        p = subprocess.run(
+            [PYTHON, "-m", "launcher", "-m", *OVERRIDES, *extra, f"hydra.sweep.dir={sweep}"],
+            cwd=tmp,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+            capture_output=True,
+            text=True,
+        )
         wall = time.perf_counter() - t0
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -88,10 +105,14 @@ def main() -> int:
     base = run_sweep(BASIC)
     new = sweeps[-1]
     n = len(new["data"]["points"])
-    med = {k: {f: statistics.median(r[f] for r in rs) for f in ("wall", "cpu")}
-           for k, rs in (("single", singles), ("sweep", sweeps))}
-    print(f"points {n} (feasible {len(new['data']['feasible'])}, infeasible {len(new['data']['infeasible'])}); "
-          f"medians of {args.reps} alternating runs")
+    med = {
+        k: {f: statistics.median(r[f] for r in rs) for f in ("wall", "cpu")}
+        for k, rs in (("single", singles), ("sweep", sweeps))
+    }
+    print(
+        f"points {n} (feasible {len(new['data']['feasible'])}, infeasible {len(new['data']['infeasible'])}); "
+        f"medians of {args.reps} alternating runs"
+    )
     print(f"{'':28} {'wall s':>8} {'cpu s':>8} {'cpu ms/point':>13}")
     print(f"{'one meshrun action=plan':28} {med['single']['wall']:8.2f} {med['single']['cpu']:8.2f} {'':>13}")
     for name, r in (("hydra basic sweeper", base), ("meshrun sweeper (default)", med["sweep"])):
@@ -99,15 +120,28 @@ def main() -> int:
     ratio = med["sweep"]["wall"] / med["single"]["wall"]
     cpu_ratio = med["sweep"]["cpu"] / med["single"]["cpu"]
     print(f"sweep / single plan: {ratio:.2f}x wall, {cpu_ratio:.2f}x cpu (target <= {TARGET_RATIO}x wall)")
-    print(f"speed-up over the basic sweeper: {base['cpu'] / med['sweep']['cpu']:.1f}x cpu, "
-          f"{base['wall'] / med['sweep']['wall']:.1f}x wall "
-          f"(times include interpreter start; wall >> cpu means other processes share the cores)")
+    print(
+        f"speed-up over the basic sweeper: {base['cpu'] / med['sweep']['cpu']:.1f}x cpu, "
+        f"{base['wall'] / med['sweep']['wall']:.1f}x wall "
+        f"(times include interpreter start; wall >> cpu means other processes share the cores)"
+    )
     print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     same = _rows(new["data"]) == _rows(base["data"])
     print("sweep.json rows identical to the basic sweeper's:", same)
-    print(json.dumps({"bench": "sweep_plan", "points": n, "single_wall_s": round(med["single"]["wall"], 3),
-                      "sweep_wall_s": round(med["sweep"]["wall"], 3), "ratio_wall": round(ratio, 3),
-                      "ratio_cpu": round(cpu_ratio, 3), "target": TARGET_RATIO, "rows_identical": same}))
+    print(
+        json.dumps(
+            {
+                "bench": "sweep_plan",
+                "points": n,
+                "single_wall_s": round(med["single"]["wall"], 3),
+                "sweep_wall_s": round(med["sweep"]["wall"], 3),
+                "ratio_wall": round(ratio, 3),
+                "ratio_cpu": round(cpu_ratio, 3),
+                "target": TARGET_RATIO,
+                "rows_identical": same,
+            }
+        )
+    )
     return 0 if n == 64 and same and ratio <= TARGET_RATIO else 1
 
 

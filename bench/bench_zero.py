@@ -70,7 +70,7 @@ def _timing_worker(cfg_dict, warmup: int, rounds: int):
         turn(1), turn(3)
     times = {1: [], 3: []}
     for r in range(rounds):
-        for zero in ((1, 3) if r % 2 == 0 else (3, 1)):
+        for zero in (1, 3) if r % 2 == 0 else (3, 1):
             times[zero].append(turn(zero))
     mesh.destroy()
     return times
@@ -94,7 +94,11 @@ def _rss_worker(cfg_dict, offload_dir: str):
     micro = trainer.sampler.micro_batches(0)
     for _ in range(STEPS_RSS):
         trainer.train_step(micro)
-    return {"offload": str(cfg.parallel.offload), "growth": _rss() - before, "memory": trainer.optimizer.memory_report()}
+    return {
+        "offload": str(cfg.parallel.offload),
+        "growth": _rss() - before,
+        "memory": trainer.optimizer.memory_report(),
+    }
 
 
 def main() -> int:
@@ -109,17 +113,21 @@ def main() -> int:
     ranks = run_distributed(_timing_worker, 2, args=(cfg, args.warmup, args.rounds), timeout_s=3600)
     t1, t3 = ranks[0][1], ranks[0][3]
     overhead = statistics.median(b / a for a, b in zip(t1, t3))
-    print(f"dp=2 step time: zero=1 {statistics.median(t1) * 1e3:.1f} ms, zero=3 {statistics.median(t3) * 1e3:.1f} ms"
-          f" -> zero=3 overhead x{overhead:.2f} (target <= {ZERO3_TARGET})")
+    print(
+        f"dp=2 step time: zero=1 {statistics.median(t1) * 1e3:.1f} ms, zero=3 {statistics.median(t3) * 1e3:.1f} ms"
+        f" -> zero=3 overhead x{overhead:.2f} (target <= {ZERO3_TARGET})"
+    )
     big = base_cfg(args.hidden * 2)
     with tempfile.TemporaryDirectory() as nvme:
         none, off = run_distributed(_rss_worker, 2, args=(config_to_dict(big), nvme), timeout_s=1800)
     state = none["memory"]["optimizer"]
     fraction = (none["growth"] - off["growth"]) / (state - off["memory"]["host_offload"])
-    print(f"resident memory growth: offload=none {none['growth'] / 2**20:.1f} MiB, offload=nvme "
-          f"{off['growth'] / 2**20:.1f} MiB; optimizer state {state / 2**20:.1f} MiB (nvme files "
-          f"{off['memory']['nvme_offload'] / 2**20:.1f} MiB, block buffers {off['memory']['host_offload'] / 2**20:.1f}"
-          f" MiB) -> {fraction:.2f} of the state out of resident memory (target >= {RSS_TARGET})")
+    print(
+        f"resident memory growth: offload=none {none['growth'] / 2**20:.1f} MiB, offload=nvme "
+        f"{off['growth'] / 2**20:.1f} MiB; optimizer state {state / 2**20:.1f} MiB (nvme files "
+        f"{off['memory']['nvme_offload'] / 2**20:.1f} MiB, block buffers {off['memory']['host_offload'] / 2**20:.1f}"
+        f" MiB) -> {fraction:.2f} of the state out of resident memory (target >= {RSS_TARGET})"
+    )
     ok = overhead <= ZERO3_TARGET and fraction >= RSS_TARGET
     print("OK" if ok else "MISSED")
     return 0 if ok else 1

@@ -122,12 +122,12 @@ def ring_simulated(q, k, v, dout, cp: int):
 
     def local(x, rank):  # this rank's two chunks, in order
         i, j = chunk_ids(cp, rank)
-        return torch.cat([x[..., i * c:(i + 1) * c, :], x[..., j * c:(j + 1) * c, :]], dim=-2)
+        return torch.cat([x[..., i * c : (i + 1) * c, :], x[..., j * c : (j + 1) * c, :]], dim=-2)
 
     def place(dst, x, rank):
         i, j = chunk_ids(cp, rank)
-        dst[..., i * c:(i + 1) * c, :] += x[..., :c, :]
-        dst[..., j * c:(j + 1) * c, :] += x[..., c:, :]
+        dst[..., i * c : (i + 1) * c, :] += x[..., :c, :]
+        dst[..., j * c : (j + 1) * c, :] += x[..., c:, :]
 
     out_full, dq, dk, dv = (torch.zeros_like(t) for t in (q, q, k, v))
     for me in range(cp):
@@ -154,8 +154,16 @@ def ring_simulated(q, k, v, dout, cp: int):
             for qp, kp, causal in ring_blocks(step, src, me):
                 rows = slice(None) if qp == "ab" else (slice(0, c) if qp == "a" else slice(c, 2 * c))
                 cols = slice(None) if kp == "ab" else (slice(0, c) if kp == "a" else slice(c, 2 * c))
-                a, b_, e = _block_backward(qf[..., rows, :], kk[..., cols, :], vv[..., cols, :], out[..., rows, :],
-                                           dof[..., rows, :], lse[..., rows], scale, causal)
+                a, b_, e = _block_backward(
+                    qf[..., rows, :],
+                    kk[..., cols, :],
+                    vv[..., cols, :],
+                    out[..., rows, :],
+                    dof[..., rows, :],
+                    lse[..., rows],
+                    scale,
+                    causal,
+                )
                 g_q[..., rows, :] += a
                 g_k[..., cols, :] += b_
                 g_v[..., cols, :] += e
@@ -193,8 +201,10 @@ def cp_checks(dry: bool) -> Dict[str, dict]:
     ok = True
     for cp in (2, 4):
         got = ring_simulated(q, k, v, dout, cp)
-        errs = {name: float((a.double() - w).abs().max() / w.abs().max())
-                for name, a, w in zip(("out", "dq", "dk", "dv"), got, want)}
+        errs = {
+            name: float((a.double() - w).abs().max() / w.abs().max())
+            for name, a, w in zip(("out", "dq", "dk", "dv"), got, want)
+        }
         found[f"cp{cp}"] = errs
         ok = ok and all(e <= CP_TOLERANCE for e in errs.values())
     return {"cp_ring_numerics": {"ok": ok, "tolerance": CP_TOLERANCE, "seq": s, "relative_max_errors": found}}
@@ -207,8 +217,15 @@ def main() -> int:
     args = ap.parse_args()
     from training.parallel.mesh import ProcessMesh
 
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": os.environ.get("MASTER_PORT", "29533")})
+    os.environ.update(
+        {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": os.environ.get("MASTER_PORT", "29533"),
+        }
+    )
     mesh = ProcessMesh.from_env(1, 1, 1, 1, backend="gloo" if args.dry else "nccl")
     checks = memory_checks(args.dry, args.out, mesh)
     checks.update(cp_checks(args.dry))

@@ -48,8 +48,15 @@ def main() -> int:
     from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
 
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": os.environ.get("MASTER_PORT", "29531")})
+    os.environ.update(
+        {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": os.environ.get("MASTER_PORT", "29531"),
+        }
+    )
     cuda = not args.dry
     mesh = ProcessMesh.from_env(1, 1, 1, 1, backend="nccl" if cuda else "gloo")
     checks = {}

@@ -16,6 +16,7 @@ not rely on it).
 The shared helpers are the package tests/helpers/ (this directory is on sys.path: pytest inserts a rootdir
 conftest's directory); test modules import from it, never from each other.
 """
+
 from __future__ import annotations
 
 import ast
@@ -57,8 +58,9 @@ def _needs_slurm_cluster(item: pytest.Item) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     for item in items:
-        if (_needs_slurm_cluster(item) or "cluster" in getattr(item, "fixturenames", ())) \
-                and not item.get_closest_marker("slurm"):
+        if (
+            _needs_slurm_cluster(item) or "cluster" in getattr(item, "fixturenames", ())
+        ) and not item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.slurm)
         if item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.xdist_group("slurm"))
@@ -120,10 +122,19 @@ def drawn(monkeypatch):
     def spy(fig, *args, **kwargs):
         ax = fig.axes[0]
         figures[ax.get_title()] = {
-            "lines": [(ln.get_label(), [float(x) for x in ln.get_xdata()], [float(y) for y in ln.get_ydata()],
-                       ln.get_linestyle(), ln.get_color()) for ln in ax.get_lines()],
+            "lines": [
+                (
+                    ln.get_label(),
+                    [float(x) for x in ln.get_xdata()],
+                    [float(y) for y in ln.get_ydata()],
+                    ln.get_linestyle(),
+                    ln.get_color(),
+                )
+                for ln in ax.get_lines()
+            ],
             "texts": [(t.get_text(), float(t.xy[0])) for t in ax.texts],
-            "bars": [(p.get_x() + p.get_width() / 2, p.get_height()) for p in ax.patches]}
+            "bars": [(p.get_x() + p.get_width() / 2, p.get_height()) for p in ax.patches],
+        }
         return save(fig, *args, **kwargs)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)

@@ -21,8 +21,12 @@ def _env_from_slurm() -> None:
     from training.contract.slurm_env import apply_slurm_env
 
     apply_slurm_env()  # also MASTER_ADDR (first node) and MASTER_PORT (from the job id)
-    for std, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS"), ("LOCAL_RANK", "SLURM_LOCALID"),
-                       ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")):
+    for std, slurm in (
+        ("RANK", "SLURM_PROCID"),
+        ("WORLD_SIZE", "SLURM_NTASKS"),
+        ("LOCAL_RANK", "SLURM_LOCALID"),
+        ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"),
+    ):
         if std not in os.environ and slurm in os.environ:
             os.environ[std] = os.environ[slurm].split("(")[0]
 
@@ -40,7 +44,7 @@ def _single_process_env() -> None:
 
 
 def _claim_run_dir(run_dir: str) -> str:
-    """"" when run_dir belongs to this rank's job (training/contract/rundir/lock.py), else why not."""
+    """ "" when run_dir belongs to this rank's job (training/contract/rundir/lock.py), else why not."""
     from training.contract.rundir.lock import check_rank
     from training.contract.slurm_env import slurm_job_id
 
@@ -77,8 +81,9 @@ def _prefetch_checkpoint_code(run_dir: str, resume: str) -> None:
     import importlib
     import threading
 
-    threading.Thread(target=importlib.import_module, args=("training.checkpoint.safe_read",), daemon=True,
-                     name="import-dcp").start()
+    threading.Thread(
+        target=importlib.import_module, args=("training.checkpoint.safe_read",), daemon=True, name="import-dcp"
+    ).start()
 
 
 def main(argv=None) -> int:
@@ -110,8 +115,9 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(os.path.join(run_dir, "config.json"))
     except (OSError, KeyError, TypeError, ValueError) as exc:
-        print(f"error: cannot read {run_dir}/config.json: {exc}; run through `meshrun`, which writes it",
-              file=sys.stderr)
+        print(
+            f"error: cannot read {run_dir}/config.json: {exc}; run through `meshrun`, which writes it", file=sys.stderr
+        )
         return EXIT_INVALID
     cfg.run.dir = run_dir
     problem = _claim_run_dir(run_dir)
@@ -139,8 +145,10 @@ def main(argv=None) -> int:
 
         mark("process_group")
         if reapply_affinity():  # a communicator reset the NUMA binding the launcher set
-            print(f"note: rank {os.environ.get('RANK')}: NUMA affinity re-applied after process-group setup",
-                  file=sys.stderr)
+            print(
+                f"note: rank {os.environ.get('RANK')}: NUMA affinity re-applied after process-group setup",
+                file=sys.stderr,
+            )
         from training.preflight.runner import before_training
 
         before_training(cfg, run_dir)  # cluster.preflight.mode gate: a bad node exits 4 before training
@@ -167,10 +175,14 @@ def main(argv=None) -> int:
         from training.observe.oom import explain
         from training.preflight.runner import node_name
 
-        capacity = torch.cuda.get_device_properties(mesh.device).total_memory if mesh is not None and \
-            mesh.device.type == "cuda" else None
-        message = explain(cfg, run_dir, exc, states_bytes, capacity, int(os.environ.get("RANK", 0)), node_name(),
-                          built=built)
+        capacity = (
+            torch.cuda.get_device_properties(mesh.device).total_memory
+            if mesh is not None and mesh.device.type == "cuda"
+            else None
+        )
+        message = explain(
+            cfg, run_dir, exc, states_bytes, capacity, int(os.environ.get("RANK", 0)), node_name(), built=built
+        )
         print(f"error: {message}", file=sys.stderr)
         _record_cause("oom", message)
         return EXIT_FAILED

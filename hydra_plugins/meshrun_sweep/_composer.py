@@ -56,7 +56,8 @@ class CachedComposer:
         # A hydra.searchpath changes which groups exist; only ConfigLoaderImpl exposes its repository.
         # In either case every point is composed the standard way.
         self.enabled = isinstance(config_loader, ConfigLoaderImpl) and not OmegaConf.select(
-            master_config, "hydra.searchpath")
+            master_config, "hydra.searchpath"
+        )
         self._master_groups = self._groups_of_master() if self.enabled else None
 
     def _groups_of_master(self) -> Optional[Tuple[str, ...]]:
@@ -72,8 +73,9 @@ class CachedComposer:
         assert isinstance(choices, dict)
         if any(choice == "???" for choice in choices.values()):
             return None
-        return tuple(f"{o.get_key_element()}={o.get_value_element_as_str()}"
-                     for o in fixed if not self._is_value_override(o))
+        return tuple(
+            f"{o.get_key_element()}={o.get_value_element_as_str()}" for o in fixed if not self._is_value_override(o)
+        )
 
     def _is_value_override(self, o: Override) -> bool:
         """Hydra's own rule (defaults_list.Overrides): a dict value or a key that is no config group."""
@@ -103,7 +105,8 @@ class CachedComposer:
         with read_write(cfg.hydra), open_dict(cfg.hydra):
             cfg.hydra.overrides.task = [o.input_line for o in app]
             cfg.hydra.job.override_dirname = get_overrides_dirname(
-                overrides=app, kv_sep=dirname.kv_sep, item_sep=dirname.item_sep, exclude_keys=dirname.exclude_keys)
+                overrides=app, kv_sep=dirname.kv_sep, item_sep=dirname.item_sep, exclude_keys=dirname.exclude_keys
+            )
         OmegaConf.copy_cache(from_config=self.master, to_config=cfg)
         return cfg
 

@@ -26,8 +26,7 @@ from typing import Any, Optional
 
 from hydra import version
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import (JobReturn, JobRuntime, JobStatus, _flush_loggers, _save_config, configure_log,
-                              env_override)
+from hydra.core.utils import JobReturn, JobRuntime, JobStatus, _flush_loggers, _save_config, configure_log, env_override
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
@@ -73,9 +72,16 @@ def _task_view(config: DictConfig) -> DictConfig:
     return view
 
 
-def run_point_job(task_function: TaskFunction, config: DictConfig, job_dir_key: str, job_subdir_key: str,
-                  hydra_context: HydraContext, configure_logging: bool = True,
-                  task_cfg: Optional[DictConfig] = None, owned: bool = False) -> JobReturn:
+def run_point_job(
+    task_function: TaskFunction,
+    config: DictConfig,
+    job_dir_key: str,
+    job_subdir_key: str,
+    hydra_context: HydraContext,
+    configure_logging: bool = True,
+    task_cfg: Optional[DictConfig] = None,
+    owned: bool = False,
+) -> JobReturn:
     """hydra.core.utils.run_job's contract (callbacks, HydraConfig, working directory, JobReturn).
 
     task_cfg: the config without its hydra node, when the caller has it already; else it is made from
@@ -88,8 +94,7 @@ def run_point_job(task_function: TaskFunction, config: DictConfig, job_dir_key: 
         HydraConfig.instance().cfg = _hydra_view(config)
     else:
         HydraConfig.instance().set_config(config)  # the sweep directory keys may use ${hydra:...}
-    output_dir = os.path.join(str(OmegaConf.select(config, job_dir_key)),
-                              str(OmegaConf.select(config, job_subdir_key)))
+    output_dir = os.path.join(str(OmegaConf.select(config, job_dir_key)), str(OmegaConf.select(config, job_subdir_key)))
     output_dir = os.path.abspath(output_dir)
     hydra_copy = HydraConfig.instance().cfg
     assert isinstance(hydra_copy, DictConfig)

@@ -82,8 +82,13 @@ class MeshrunLauncher(Launcher):
         runs = self._run_points(job_overrides, initial_job_idx)
         # Slurm points only checked and queued themselves (submit(queue=True)): submit them together now.
         # A point that exits (SystemExit, which run_job does not catch) ends the sweep before this line.
-        queued = [ret.return_value for ret in runs if ret.status == JobStatus.COMPLETED
-                  and isinstance(ret.return_value, dict) and ret.return_value.get("status") == "queued"]
+        queued = [
+            ret.return_value
+            for ret in runs
+            if ret.status == JobStatus.COMPLETED
+            and isinstance(ret.return_value, dict)
+            and ret.return_value.get("status") == "queued"
+        ]
         if queued and self.slurm_arrays:
             from launcher.slurm.submit import submit_arrays
 
@@ -104,10 +109,15 @@ class MeshrunLauncher(Launcher):
                 sweep_config.hydra.job.id = idx
                 sweep_config.hydra.job.num = idx
             job_logging = _needs_job_logging(sweep_config)
-            ret = run_point_job(hydra_context=self.hydra_context, task_function=self.task_function,
-                                config=sweep_config, job_dir_key="hydra.sweep.dir",
-                                job_subdir_key="hydra.sweep.subdir", configure_logging=job_logging,
-                                owned=True)
+            ret = run_point_job(
+                hydra_context=self.hydra_context,
+                task_function=self.task_function,
+                config=sweep_config,
+                job_dir_key="hydra.sweep.dir",
+                job_subdir_key="hydra.sweep.subdir",
+                configure_logging=job_logging,
+                owned=True,
+            )
             runs.append(ret)
             if job_logging:
                 configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)

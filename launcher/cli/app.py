@@ -169,10 +169,13 @@ def cli() -> None:
     except SystemExit as exc:
         if exc.code == EXIT_FAILED and not _task_started:
             # Hydra's own hint ("use +key=value to append") is wrong for typed configs: keys are fixed.
-            print("meshrun: invalid configuration; nothing was launched. Check the key's spelling and type "
-                  "(`meshrun action=keys` lists every key with its type and documentation; `meshrun --cfg job` prints "
-                  "the composed config) and that presets exist under conf/<group>/. Only dict fields such as "
-                  "cluster.env take new keys, with a leading '+'.", file=sys.stderr)
+            print(
+                "meshrun: invalid configuration; nothing was launched. Check the key's spelling and type "
+                "(`meshrun action=keys` lists every key with its type and documentation; `meshrun --cfg job` prints "
+                "the composed config) and that presets exist under conf/<group>/. Only dict fields such as "
+                "cluster.env take new keys, with a leading '+'.",
+                file=sys.stderr,
+            )
             from launcher.cli.unknown_keys import argv_keys, message, quoting_hint
 
             hint = quoting_hint(sys.argv[1:])

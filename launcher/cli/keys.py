@@ -28,9 +28,13 @@ def field_docstrings() -> Dict[Tuple[str, str], str]:
             continue
         body = node.body
         for stmt, following in zip(body, body[1:]):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                    and isinstance(following.value.value, str)):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
                 docs[(node.name, stmt.target.id)] = inspect.cleandoc(following.value.value)
     return docs
 
@@ -92,8 +96,9 @@ def iter_keys(cls=Config, prefix: str = "") -> Iterator[Tuple[str, str, str, str
 GROUPS = ("model", "parallel", "cluster", "train", "data", "run")
 
 
-def format_keys(group: str = "", presets: Optional[Callable[[str], List[str]]] = None,
-                effective: Optional[Config] = None) -> str:
+def format_keys(
+    group: str = "", presets: Optional[Callable[[str], List[str]]] = None, effective: Optional[Config] = None
+) -> str:
     """The text `action=keys` prints; `presets(group)` lists a group's presets when given. With `effective` (the
     composed config of this invocation) each key shows the value a launch with these arguments uses, and the
     built-in default of training/contract/config.py, and beside it `(effective: V)` where the presets or the command line
@@ -119,17 +124,23 @@ def format_keys(group: str = "", presets: Optional[Callable[[str], List[str]]] =
     return "\n".join(lines)
 
 
-def print_keys(group: str, presets: Optional[Callable[[str], List[str]]] = None,
-               effective: Optional[Config] = None) -> None:
+def print_keys(
+    group: str, presets: Optional[Callable[[str], List[str]]] = None, effective: Optional[Config] = None
+) -> None:
     # Every section of the config (the groups, and action sections such as export and generate).
     sections = sorted({key.split(".", 1)[0] for key, *_ in iter_keys() if "." in key})
     if group and group not in sections:
-        print(f"meshrun: keys.group={group!r} is not a config group; use one of {', '.join(sections)} "
-              f"(or leave it empty for every key)", file=sys.stderr)
+        print(
+            f"meshrun: keys.group={group!r} is not a config group; use one of {', '.join(sections)} "
+            f"(or leave it empty for every key)",
+            file=sys.stderr,
+        )
         raise SystemExit(EXIT_INVALID)
     if effective is not None:
-        print("== key: type = built-in default (training/contract/config.py)    (effective: the value a launch with these "
-              "arguments uses, after conf/config.yaml's presets and the command line, where it differs)")
+        print(
+            "== key: type = built-in default (training/contract/config.py)    (effective: the value a launch with these "
+            "arguments uses, after conf/config.yaml's presets and the command line, where it differs)"
+        )
     print(format_keys(group, presets, effective))
 
 

@@ -55,7 +55,7 @@ def hide_secret_args(argv: Sequence[str]) -> List[str]:
     parser = None
     for arg in argv:
         prefix, key, text = _split(arg)
-        name = key[len(ENV_PREFIX):] if key.startswith(ENV_PREFIX) else ""
+        name = key[len(ENV_PREFIX) :] if key.startswith(ENV_PREFIX) else ""
         if not name or "~" in prefix or not is_secret(name, patterns) or "${" in text:
             out.append(arg)  # not a secret value (an interpolation names where the value is, not the value)
             continue
@@ -66,11 +66,15 @@ def hide_secret_args(argv: Sequence[str]) -> List[str]:
         try:
             override = parser.parse_overrides([f"{prefix}{key}={text}"])[0]
         except Exception:  # noqa: BLE001 - Hydra's message would quote the value
-            _refuse(f"the value of {key} does not parse as one Hydra value: quote it, "
-                    f"e.g. {prefix}{key}='...' (the value is not shown: {name} is a secret)")
+            _refuse(
+                f"the value of {key} does not parse as one Hydra value: quote it, "
+                f"e.g. {prefix}{key}='...' (the value is not shown: {name} is a secret)"
+            )
         if override.is_sweep_override():
-            _refuse(f"{key} is a secret and cannot be swept (each point would name its value in its overrides "
-                    f"and directory): run one sweep per value")
+            _refuse(
+                f"{key} is a secret and cannot be swept (each point would name its value in its overrides "
+                f"and directory): run one sweep per value"
+            )
         value = override.value()
         given[name] = str(value)
         out.append(f"{prefix}{key}='{PLACEHOLDER}'")

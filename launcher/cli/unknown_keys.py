@@ -75,8 +75,10 @@ def message(keys: List[str]) -> str:
     parts = []
     for key, near in describe(keys):
         parts.append(f"{key!r} is not a config key" + (f" (did you mean {near}?)" if near else ""))
-    return ("; ".join(parts) + ". Typed groups take no new keys, even with a leading '+' (only dict fields such as "
-            "cluster.env do); `meshrun action=keys` lists every key")
+    return (
+        "; ".join(parts) + ". Typed groups take no new keys, even with a leading '+' (only dict fields such as "
+        "cluster.env do); `meshrun action=keys` lists every key"
+    )
 
 
 def argv_keys(argv: Iterable[str]) -> List[str]:
@@ -123,12 +125,17 @@ def quoting_hint(argv: Iterable[str]) -> str:
             continue
         if value[:1] in "'\"" and value[-1:] == value[:1] and len(value) > 1:
             continue  # already quoted for Hydra
-        if (value[:1], value[-1:]) in (("[", "]"), ("{", "}")) or value.startswith("${") or \
-                all(ch.isalnum() or ch in "._-/,+" for ch in value):
+        if (
+            (value[:1], value[-1:]) in (("[", "]"), ("{", "}"))
+            or value.startswith("${")
+            or all(ch.isalnum() or ch in "._-/,+" for ch in value)
+        ):
             continue  # a list, a dict, an interpolation, a sweep's values: meant for the grammar
         inner = value.replace("\\", "\\\\").replace('"', '\\"')
-        text = (f"the value of {key.lstrip('+~')} holds characters Hydra's override grammar reads (spaces, ( ) [ ] "
-                f"{{ }} , : = quotes): quote it for Hydra inside the shell's quotes, e.g. '{key}=\"{inner}\"'")
+        text = (
+            f"the value of {key.lstrip('+~')} holds characters Hydra's override grammar reads (spaces, ( ) [ ] "
+            f"{{ }} , : = quotes): quote it for Hydra inside the shell's quotes, e.g. '{key}=\"{inner}\"'"
+        )
         if key.lstrip("+~") == "generate.prompt":
             text += ", or put the text in a file: generate.prompt_file=prompt.txt"
         return text

@@ -56,9 +56,12 @@ def _record_tokenizer(cfg: Config) -> None:
     elif cfg.data.tokenizer_sha256 != sha:
         from training.contract.exit_codes import EXIT_INVALID
 
-        print(f"meshrun: {cfg.data.prefixes[0]} was prepared again with another tokenizer (sha256 {sha[:12]}...) "
-              f"since this run started with {cfg.data.tokenizer_sha256[:12]}...: its token ids now mean other text. "
-              f"Restore that dataset, or start a new run.dir on the new one; nothing was written.", file=sys.stderr)
+        print(
+            f"meshrun: {cfg.data.prefixes[0]} was prepared again with another tokenizer (sha256 {sha[:12]}...) "
+            f"since this run started with {cfg.data.tokenizer_sha256[:12]}...: its token ids now mean other text. "
+            f"Restore that dataset, or start a new run.dir on the new one; nothing was written.",
+            file=sys.stderr,
+        )
         raise SystemExit(EXIT_INVALID)
 
 
@@ -72,8 +75,10 @@ def resolve_indexed(cfg: Config, overrides: Sequence[str]) -> None:
         return
     vocab = dataset_vocab(d.prefixes, may_scan=cfg.cluster.kind == "local")
     if vocab is not None and vocab != cfg.model.vocab_size:
-        print(f"meshrun: model.vocab_size={vocab} from the dataset's tokenizer (was {cfg.model.vocab_size})",
-              file=sys.stderr)
+        print(
+            f"meshrun: model.vocab_size={vocab} from the dataset's tokenizer (was {cfg.model.vocab_size})",
+            file=sys.stderr,
+        )
         cfg.model.vocab_size = vocab
 
 
@@ -86,20 +91,40 @@ def data_errors(cfg: Config) -> List[tuple]:
     if t.eval_iters < 1:
         out.append(("train.eval_iters", f"must be >= 1, got {t.eval_iters}", "train.eval_iters=2"))
     if t.eval_every > 0 and d.kind == "text":
-        out.append(("train.eval_every", "data=text has no held-out split",
-                    "data=indexed (meshrun action=prepare holds out a validation split) or train.eval_every=0"))
+        out.append(
+            (
+                "train.eval_every",
+                "data=text has no held-out split",
+                "data=indexed (meshrun action=prepare holds out a validation split) or train.eval_every=0",
+            )
+        )
     if d.kind != "indexed":
         return out
     if not d.prefixes:
-        out.append(("data.prefixes", "data=indexed needs at least one dataset prefix",
-                    "data.prefixes=[DIR/NAME] (written by meshrun action=prepare)"))
+        out.append(
+            (
+                "data.prefixes",
+                "data=indexed needs at least one dataset prefix",
+                "data.prefixes=[DIR/NAME] (written by meshrun action=prepare)",
+            )
+        )
         return out
     if d.weights and len(d.weights) != len(d.prefixes):
-        out.append(("data.weights", f"{len(d.weights)} weights for {len(d.prefixes)} prefixes",
-                    "one weight per prefix, or data.weights=[] (weights by token count)"))
+        out.append(
+            (
+                "data.weights",
+                f"{len(d.weights)} weights for {len(d.prefixes)} prefixes",
+                "one weight per prefix, or data.weights=[] (weights by token count)",
+            )
+        )
     elif d.weights and (any(w < 0 for w in d.weights) or sum(d.weights) <= 0):
-        out.append(("data.weights", f"{list(d.weights)}: weights must be >= 0 with a positive sum",
-                    f"data.weights=[{','.join(['1'] * len(d.prefixes))}]"))
+        out.append(
+            (
+                "data.weights",
+                f"{list(d.weights)}: weights must be >= 0 with a positive sum",
+                f"data.weights=[{','.join(['1'] * len(d.prefixes))}]",
+            )
+        )
     if cfg.cluster.kind != "local":
         return out  # the compute nodes may mount paths this host lacks: the ranks check and exit 2 themselves
     descs = []
@@ -112,16 +137,34 @@ def data_errors(cfg: Config) -> List[tuple]:
         descs.append(desc)
         need = int(desc.get("min_vocab_size") or 0)
         if cfg.model.vocab_size < need:
-            out.append(("model.vocab_size", f"{cfg.model.vocab_size} is smaller than {prefix}'s vocabulary ({need})",
-                        f"model.vocab_size={need}, or leave it unset (meshrun then takes the tokenizer's)"))
+            out.append(
+                (
+                    "model.vocab_size",
+                    f"{cfg.model.vocab_size} is smaller than {prefix}'s vocabulary ({need})",
+                    f"model.vocab_size={need}, or leave it unset (meshrun then takes the tokenizer's)",
+                )
+            )
         if (ds.num_tokens - 1) // cfg.model.seq_length < 1:
-            out.append(("model.seq_length", f"{prefix} holds {ds.num_tokens} tokens, fewer than one sample of "
-                        f"{cfg.model.seq_length} + 1", "a shorter model.seq_length or a larger dataset"))
-    names = {(desc.get("tokenizer") or {}).get("sha256") or (desc.get("tokenizer") or {}).get("name")
-             for desc in descs if desc.get("tokenizer")}
+            out.append(
+                (
+                    "model.seq_length",
+                    f"{prefix} holds {ds.num_tokens} tokens, fewer than one sample of {cfg.model.seq_length} + 1",
+                    "a shorter model.seq_length or a larger dataset",
+                )
+            )
+    names = {
+        (desc.get("tokenizer") or {}).get("sha256") or (desc.get("tokenizer") or {}).get("name")
+        for desc in descs
+        if desc.get("tokenizer")
+    }
     if len(names) > 1:
-        out.append(("data.prefixes", "the datasets were prepared with different tokenizers, so the same id means "
-                    "different text in each", "prepare every dataset of a blend with the same prepare.tokenizer"))
+        out.append(
+            (
+                "data.prefixes",
+                "the datasets were prepared with different tokenizers, so the same id means different text in each",
+                "prepare every dataset of a blend with the same prepare.tokenizer",
+            )
+        )
     if t.eval_every > 0:
         if d.valid_prefixes:
             for prefix in d.valid_prefixes:
@@ -132,7 +175,12 @@ def data_errors(cfg: Config) -> List[tuple]:
         else:
             for prefix, desc in zip(d.prefixes, descs):
                 if not desc.get("valid_prefix"):
-                    out.append(("train.eval_every", f"{prefix} has no validation split",
-                                "prepare it with prepare.valid_fraction>0, give data.valid_prefixes=[...], "
-                                "or train.eval_every=0"))
+                    out.append(
+                        (
+                            "train.eval_every",
+                            f"{prefix} has no validation split",
+                            "prepare it with prepare.valid_fraction>0, give data.valid_prefixes=[...], "
+                            "or train.eval_every=0",
+                        )
+                    )
     return out

@@ -23,8 +23,18 @@ def run_export(cfg: Config, run_dir: str) -> Dict[str, Any]:
     if not os.path.isdir(run_dir):
         print(f"meshrun: run.dir={run_dir} does not exist; give the run directory to export", file=sys.stderr)
         raise SystemExit(EXIT_INVALID)
-    cmd = [sys.executable, "-m", "training.hf.export", run_dir, "--output", os.path.abspath(e.output),
-           "--dtype", str(e.dtype), "--max-shard-mb", repr(float(e.max_shard_mb))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "training.hf.export",
+        run_dir,
+        "--output",
+        os.path.abspath(e.output),
+        "--dtype",
+        str(e.dtype),
+        "--max-shard-mb",
+        repr(float(e.max_shard_mb)),
+    ]
     if e.step is not None:
         cmd += ["--step", str(int(e.step))]
     code = subprocess.run(cmd).returncode

@@ -19,21 +19,29 @@ from training.contract.exit_codes import EXIT_INVALID, EXIT_OK
 
 def run_generate(cfg: Config, run_dir: str) -> Dict[str, Any]:
     if not os.path.isdir(run_dir):
-        print(f"meshrun: run.dir={run_dir} does not exist; give the run directory whose checkpoint generates",
-              file=sys.stderr)
+        print(
+            f"meshrun: run.dir={run_dir} does not exist; give the run directory whose checkpoint generates",
+            file=sys.stderr,
+        )
         raise SystemExit(EXIT_INVALID)
     g = cfg.generate
     if g.prompt_file:
         if g.prompt or g.prompt_tokens:
-            print("meshrun: give one of generate.prompt_file, generate.prompt and generate.prompt_tokens; nothing was "
-                  "generated", file=sys.stderr)
+            print(
+                "meshrun: give one of generate.prompt_file, generate.prompt and generate.prompt_tokens; nothing was "
+                "generated",
+                file=sys.stderr,
+            )
             raise SystemExit(EXIT_INVALID)
         try:
             with open(g.prompt_file, encoding="utf-8") as f:
                 g.prompt = f.read()
         except (OSError, UnicodeDecodeError) as exc:
-            print(f"meshrun: generate.prompt_file={g.prompt_file!r} cannot be read as UTF-8 text ({exc}); nothing was "
-                  "generated", file=sys.stderr)
+            print(
+                f"meshrun: generate.prompt_file={g.prompt_file!r} cannot be read as UTF-8 text ({exc}); nothing was "
+                "generated",
+                file=sys.stderr,
+            )
             raise SystemExit(EXIT_INVALID) from None
     options = json.dumps(config_to_dict(cfg)["generate"])
     code = subprocess.run([sys.executable, "-m", "training.hf.generate", run_dir, "--options", options]).returncode

@@ -31,11 +31,11 @@ def model_overrides(cfg: Config, overrides: Sequence[str]) -> Dict[str, Any]:
     for text in overrides:
         key = text.split("=", 1)[0].lstrip("+~").strip()
         if key.startswith("override "):
-            key = key[len("override "):].strip()
+            key = key[len("override ") :].strip()
         if key == "model":
             out.update({n: getattr(cfg.model, n) for n in names if n != "name"})
-        elif key.startswith("model.") and key[len("model."):] in names:
-            out[key[len("model."):]] = getattr(cfg.model, key[len("model."):])
+        elif key.startswith("model.") and key[len("model.") :] in names:
+            out[key[len("model.") :]] = getattr(cfg.model, key[len("model.") :])
     return out
 
 
@@ -48,8 +48,10 @@ def derive_model(cfg: Config, overrides: Sequence[str]) -> Config:
     given = model_overrides(cfg, overrides)
     wrong = conflicts(fields, free, given)
     if wrong:
-        raise HFError(f"train.init_from={directory}: the model comes from {path}, and these overrides disagree with "
-                      f"it: {'; '.join(wrong)}; drop them (or train.init_from)")
+        raise HFError(
+            f"train.init_from={directory}: the model comes from {path}, and these overrides disagree with "
+            f"it: {'; '.join(wrong)}; drop them (or train.init_from)"
+        )
     model = dataclasses.replace(cfg.model)
     for key, value in fields.items():
         if key in free and key in given:

@@ -22,8 +22,10 @@ def claim_run_dir(run_dir: str, multirun: bool = False):
         except RunLocked as exc:
             problem = str(exc)
         except OSError as exc:  # a read-only or foreign file system, a link planted since the check above
-            problem = (f"run.dir={run_dir} cannot be written ({exc.strerror or exc}): make it writable or choose "
-                       f"another run.dir; nothing was written")
+            problem = (
+                f"run.dir={run_dir} cannot be written ({exc.strerror or exc}): make it writable or choose "
+                f"another run.dir; nothing was written"
+            )
     if multirun:
         print(f"[invalid] {problem}", file=sys.stderr)
         return None, {"status": "invalid", "errors": [f"error: {problem}"], "warnings": []}

@@ -81,8 +81,16 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
     attempt = sum(1 for ev in read_events(run_dir) if ev.get("event") == "started")
     binding = [rank_prefix(cfg, r, world) for r in range(world)]  # NUMA, as on Slurm (launcher/launch/local_numa.py)
     # launcher_pid lets `action=status` tell a running job from one whose launcher was killed (no end event).
-    append_event(run_dir, "started", nodes=[socket.gethostname()], world_size=world, threads_per_rank=threads,
-                 launcher_pid=os.getpid(), attempt=attempt, numa_nodes=[node for _, node in binding])
+    append_event(
+        run_dir,
+        "started",
+        nodes=[socket.gethostname()],
+        world_size=world,
+        threads_per_rank=threads,
+        launcher_pid=os.getpid(),
+        attempt=attempt,
+        numa_nodes=[node for _, node in binding],
+    )
     procs: List[subprocess.Popen] = []
     pumps: List[threading.Thread] = []
     logs = []
@@ -104,9 +112,14 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
             # reaches this launcher only, which stops the ranks through their own stop path (a checkpoint
             # first) instead of a KeyboardInterrupt in each.
             argv = binding[r][0] + nsys_prefix(cfg, r, run_dir) + [sys.executable, "-m", "training.main", run_dir]
-            proc = subprocess.Popen(argv, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(lock.fd,),
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                pass_fds=(lock.fd,),
+                start_new_session=True,
+            )
             procs.append(proc)
             # Rank 0 also goes to this terminal (stderr: stdout stays for results).
             pumps.append(start_pump(proc.stdout, [log, sys.stderr.buffer] if r == 0 else [log]))
@@ -132,25 +145,44 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
             if code < 0:  # killed by a signal: Popen's -N, which would leave meshrun as 256 - N (outside the table)
                 why = f"was killed by {_signal_name(-code)}" + (" (out of memory? see dmesg)" if -code == 9 else "")
                 code = EXIT_FAILED
-            append_event(run_dir, "failed", node=socket.gethostname(), rank=rank, exit_code=code,
-                         reason=f"rank {rank} {why.replace('with code', 'with')}; see {run_dir}/logs/rank_{rank}.log",
-                         attempt=attempt)
-            print(f"meshrun: rank {rank} {why}; stopped the other ranks "
-                  f"(log: {run_dir}/logs/rank_{rank}.log)", file=sys.stderr)
+            append_event(
+                run_dir,
+                "failed",
+                node=socket.gethostname(),
+                rank=rank,
+                exit_code=code,
+                reason=f"rank {rank} {why.replace('with code', 'with')}; see {run_dir}/logs/rank_{rank}.log",
+                attempt=attempt,
+            )
+            print(
+                f"meshrun: rank {rank} {why}; stopped the other ranks (log: {run_dir}/logs/rank_{rank}.log)",
+                file=sys.stderr,
+            )
             return code
         codes = [proc.returncode for proc in procs]
         if any(c == EXIT_STOPPED for c in codes):
             # Stopped early on purpose after a checkpoint; nothing requeues a local run, the user does.
-            append_event(run_dir, "stopped", reason="stopped early after a complete checkpoint (signal, "
-                         f"exit_interval or exit_after_min): run again with run.dir={run_dir} to resume",
-                         attempt=attempt)
+            append_event(
+                run_dir,
+                "stopped",
+                reason="stopped early after a complete checkpoint (signal, "
+                f"exit_interval or exit_after_min): run again with run.dir={run_dir} to resume",
+                attempt=attempt,
+            )
             return EXIT_STOPPED
         append_event(run_dir, "completed", world_size=world, attempt=attempt)
         return EXIT_OK
     except KeyboardInterrupt:
         stop_processes(procs)
-        append_event(run_dir, "failed", node=socket.gethostname(), rank=-1, exit_code=EXIT_INTERRUPTED,
-                     reason="interrupted", attempt=attempt)
+        append_event(
+            run_dir,
+            "failed",
+            node=socket.gethostname(),
+            rank=-1,
+            exit_code=EXIT_INTERRUPTED,
+            reason="interrupted",
+            attempt=attempt,
+        )
         return EXIT_INTERRUPTED
     finally:
         for t in pumps:
@@ -188,8 +220,9 @@ class _StopRequest:
         self.count += 1
         if self.name is None:
             self.name, self.since = _signal_name(signum), time.time()
-            print(f"meshrun: {self.name}: stopping the ranks after a checkpoint (again to stop at once)",
-                  file=sys.stderr)
+            print(
+                f"meshrun: {self.name}: stopping the ranks after a checkpoint (again to stop at once)", file=sys.stderr
+            )
 
     @contextlib.contextmanager
     def installed(self):
@@ -228,14 +261,20 @@ def _interrupted(run_dir: str, stop: _StopRequest, procs: List[subprocess.Popen]
 
     stop_processes(procs)  # already ended: reaps them
     saved = all(p.returncode == EXIT_STOPPED for p in procs) and not stop.forced
-    how = ("saved a checkpoint and stopped" if saved else
-           "stopped at once: the last complete checkpoint is kept, the steps after it are lost")
-    event = record_cancelled(run_dir, f"interrupted by {stop.name} to the local launcher: {how}",
-                             forced=not saved, attempt=attempt)
+    how = (
+        "saved a checkpoint and stopped"
+        if saved
+        else "stopped at once: the last complete checkpoint is kept, the steps after it are lost"
+    )
+    event = record_cancelled(
+        run_dir, f"interrupted by {stop.name} to the local launcher: {how}", forced=not saved, attempt=attempt
+    )
     step = event.get("checkpoint_step")
-    print(f"meshrun: interrupted ({stop.name}): {how}"
-          f"{f' (checkpoint step_{step})' if step is not None else ''}. Resume with: meshrun run.dir={run_dir}",
-          file=sys.stderr)
+    print(
+        f"meshrun: interrupted ({stop.name}): {how}"
+        f"{f' (checkpoint step_{step})' if step is not None else ''}. Resume with: meshrun run.dir={run_dir}",
+        file=sys.stderr,
+    )
     return EXIT_INTERRUPTED
 
 

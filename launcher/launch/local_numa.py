@@ -16,27 +16,38 @@ from launcher.slurm.numa import choose_node, numa_nodes, numactl_prefix
 from training.contract.config import Config
 
 
-def local_binding(cfg: Config, local_rank: int, local_world: int,
-                  sysfs_nodes: str = "/sys/devices/system/node") -> Optional[int]:
+def local_binding(
+    cfg: Config, local_rank: int, local_world: int, sysfs_nodes: str = "/sys/devices/system/node"
+) -> Optional[int]:
     """The NUMA node a local rank binds to, or None (numa=off, or auto with nothing to choose between)."""
     c = cfg.cluster
     if c.numa == "off":
         return None
     if c.numa == "auto" and c.device != "cuda" and len(numa_nodes(sysfs_nodes)) < 2:
         return None
-    return choose_node(c.numa, c.numa_map, c.device, local_rank, local_world,
-                       os.environ.get("CUDA_VISIBLE_DEVICES"), sysfs_nodes=sysfs_nodes)
+    return choose_node(
+        c.numa,
+        c.numa_map,
+        c.device,
+        local_rank,
+        local_world,
+        os.environ.get("CUDA_VISIBLE_DEVICES"),
+        sysfs_nodes=sysfs_nodes,
+    )
 
 
-def rank_prefix(cfg: Config, local_rank: int, local_world: int,
-                sysfs_nodes: str = "/sys/devices/system/node") -> Tuple[List[str], Optional[int]]:
+def rank_prefix(
+    cfg: Config, local_rank: int, local_world: int, sysfs_nodes: str = "/sys/devices/system/node"
+) -> Tuple[List[str], Optional[int]]:
     """(command prefix, NUMA node) of one local rank; a warning on stderr when numactl is missing."""
     node = local_binding(cfg, local_rank, local_world, sysfs_nodes)
     if node is None:
         return [], None
     if not shutil.which("numactl"):
         if local_rank == 0:
-            print("warning: numactl not found: local ranks are not NUMA-bound (install numactl or set "
-                  "cluster.numa=off)", file=sys.stderr)
+            print(
+                "warning: numactl not found: local ranks are not NUMA-bound (install numactl or set cluster.numa=off)",
+                file=sys.stderr,
+            )
         return [], None
     return numactl_prefix(node), node

@@ -30,5 +30,13 @@ def nsys_prefix(cfg: Config, rank: int, run_dir: str) -> List[str]:
         print(f"warning: train.nsys=true but nsys is not on PATH here: rank {rank} runs without it", file=sys.stderr)
         return []
     os.makedirs(os.path.join(run_dir, PROFILE_DIR), exist_ok=True)
-    return ["nsys", "profile", "--trace=cuda,nvtx,osrt", "--capture-range=cudaProfilerApi",
-            "--capture-range-end=stop", "--force-overwrite=true", "--output", nsys_report(run_dir, rank)]
+    return [
+        "nsys",
+        "profile",
+        "--trace=cuda,nvtx,osrt",
+        "--capture-range=cudaProfilerApi",
+        "--capture-range-end=stop",
+        "--force-overwrite=true",
+        "--output",
+        nsys_report(run_dir, rank),
+    ]

@@ -33,8 +33,7 @@ def preflight_argv(run_dir: str) -> List[str]:
 
 
 def _local_env(rank: int, world: int, per_node: int, port: int, threads: int, cfg: Config) -> Dict[str, str]:
-    env = rank_process_env(dist_env(rank, world, rank % per_node, per_node, LOOPBACK, port), engine_env(cfg),
-                           threads)
+    env = rank_process_env(dist_env(rank, world, rank % per_node, per_node, LOOPBACK, port), engine_env(cfg), threads)
     if cfg.cluster.nodes > 1:
         # Several simulated nodes on this machine: give each its own name so per-node checks,
         # verdicts and ib_sysfs_root_by_node work as on a real cluster.
@@ -57,8 +56,7 @@ def run_local(cfg: Config, run_dir: str, timeout_s: float = 0.0) -> int:
             log = open(os.path.join(logdir, f"preflight_rank_{r}.log"), "wb")
             logs.append(log)
             env = _local_env(r, world, per_node, port, threads, cfg)
-            procs.append(subprocess.Popen(preflight_argv(run_dir), env=env, stdout=None if r == 0 else log,
-                                          stderr=log))
+            procs.append(subprocess.Popen(preflight_argv(run_dir), env=env, stdout=None if r == 0 else log, stderr=log))
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             codes = [p.poll() for p in procs]
@@ -117,8 +115,11 @@ def submit_slurm(cfg: Config, run_dir: str) -> Dict[str, Any]:
         raise SystemExit(EXIT_INVALID if isinstance(exc, SlurmConfigError) else EXIT_SLURM) from None
     print(f"submitted preflight job {job.job_id}; waiting", file=sys.stderr)
     codes = job.results()
-    return {"job_id": str(job.job_id), "codes": codes,
-            "exit_code": EXIT_NODE_BAD if EXIT_NODE_BAD in codes else max(codes)}
+    return {
+        "job_id": str(job.job_id),
+        "codes": codes,
+        "exit_code": EXIT_NODE_BAD if EXIT_NODE_BAD in codes else max(codes),
+    }
 
 
 def run_preflight(cfg: Config, run_dir: str) -> Dict[str, Any]:

@@ -55,8 +55,9 @@ def engine_env(cfg: Config, run_dir: Optional[str] = None, secrets: bool = True)
     return env
 
 
-def rank_process_env(dist: Mapping[str, str], cluster_env: Mapping[str, str], threads: int = 0,
-                     base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+def rank_process_env(
+    dist: Mapping[str, str], cluster_env: Mapping[str, str], threads: int = 0, base: Optional[Mapping[str, str]] = None
+) -> Dict[str, str]:
     """The environment of one rank process: base (default: this process's), cluster_env (engine_env), the
     torch.distributed variables (training/contract/slurm_env.py: dist_env, torch_env_from_slurm), OpenMP/MKL threads
     (threads, default threads_per_rank of the node's ranks; the cluster's variables win), unbuffered output
@@ -72,8 +73,7 @@ def rank_process_env(dist: Mapping[str, str], cluster_env: Mapping[str, str], th
     return env
 
 
-def pump(src: BinaryIO, sinks: Sequence[BinaryIO], tail: Optional[List[bytes]] = None,
-         tail_bytes: int = 4096) -> None:
+def pump(src: BinaryIO, sinks: Sequence[BinaryIO], tail: Optional[List[bytes]] = None, tail_bytes: int = 4096) -> None:
     """Copy a child's output into every sink as it comes (flushed, so a log is current when the child
     dies); with tail, also keep its last tail_bytes (where the exception line is)."""
     read = src.read1 if hasattr(src, "read1") else src.read

@@ -11,9 +11,29 @@ from __future__ import annotations
 import os
 from typing import Optional, Tuple
 
-SHARED_TYPES = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "fuse.glusterfs",
-                "fuse.sshfs", "cifs", "smb3", "wekafs", "fuse.weka", "panfs", "orangefs", "9p", "virtiofs",
-                "fuse.juicefs", "fuse.ceph", "fuse.lustre")
+SHARED_TYPES = (
+    "nfs",
+    "nfs4",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "cephfs",
+    "ceph",
+    "glusterfs",
+    "fuse.glusterfs",
+    "fuse.sshfs",
+    "cifs",
+    "smb3",
+    "wekafs",
+    "fuse.weka",
+    "panfs",
+    "orangefs",
+    "9p",
+    "virtiofs",
+    "fuse.juicefs",
+    "fuse.ceph",
+    "fuse.lustre",
+)
 MOUNTS = "/proc/self/mounts"
 """The mount table read (tests point it at a fixture)."""
 LOCAL_TYPES = ("ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "vfat", "ramfs")

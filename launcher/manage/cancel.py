@@ -95,14 +95,18 @@ def _cancel_local(run_dir: str, started: Dict[str, Any], timeout_s: float) -> Di
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        return record_cancelled(run_dir, f"the ranks did not stop within cancel.timeout_s={timeout_s:g} s: killed; "
-                                "the last complete checkpoint is kept", forced=True)
+        return record_cancelled(
+            run_dir,
+            f"the ranks did not stop within cancel.timeout_s={timeout_s:g} s: killed; "
+            "the last complete checkpoint is kept",
+            forced=True,
+        )
     return record_cancelled(run_dir, "cancelled by meshrun action=cancel: saved a checkpoint and stopped")
 
 
 # ---- Slurm runs ------------------------------------------------------------------------------------
 def _scancel(args: List[str]) -> str:
-    """"" when scancel accepted, else its complaint."""
+    """ "" when scancel accepted, else its complaint."""
     from training.contract.slurm_env import SlurmUnavailable, slurm_command
 
     try:
@@ -120,8 +124,11 @@ def _signal_slurm(run_dir: str, job: str, state: Optional[str]) -> Optional[Dict
     if state in (None, "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED"):
         problem = _scancel([job])
         release_job(run_dir, job)
-        return record_cancelled(run_dir, "cancelled by meshrun action=cancel before the job started"
-                                + (f" (scancel: {problem})" if problem else ""), job_id=job)
+        return record_cancelled(
+            run_dir,
+            "cancelled by meshrun action=cancel before the job started" + (f" (scancel: {problem})" if problem else ""),
+            job_id=job,
+        )
     problem = _scancel(["--signal=USR2", job])  # the job's steps (the ranks); the batch script keeps running
     if problem:
         print(f"warning: scancel --signal=USR2 {job}: {problem}", file=sys.stderr)
@@ -133,8 +140,13 @@ def _force_slurm(run_dir: str, job: str, timeout_s: float) -> Dict[str, Any]:
 
     _scancel([job])
     release_job(run_dir, job)
-    return record_cancelled(run_dir, f"job {job} did not stop within cancel.timeout_s={timeout_s:g} s: scancel; "
-                            "the last complete checkpoint is kept", job_id=job, forced=True)
+    return record_cancelled(
+        run_dir,
+        f"job {job} did not stop within cancel.timeout_s={timeout_s:g} s: scancel; "
+        "the last complete checkpoint is kept",
+        job_id=job,
+        forced=True,
+    )
 
 
 # ---- the action ------------------------------------------------------------------------------------
@@ -145,11 +157,17 @@ def _targets(run_dir: str) -> List[str]:
     if os.path.exists(os.path.join(run_dir, SWEEP_FILE)):
         with open(os.path.join(run_dir, SWEEP_FILE)) as f:
             sweep = json.load(f)
-        return [row["run_dir"] for row in sweep.get("feasible", [])
-                if row.get("run_dir") and os.path.exists(os.path.join(row["run_dir"], EVENTS_FILE))]
+        return [
+            row["run_dir"]
+            for row in sweep.get("feasible", [])
+            if row.get("run_dir") and os.path.exists(os.path.join(row["run_dir"], EVENTS_FILE))
+        ]
     if not os.path.exists(os.path.join(run_dir, EVENTS_FILE)):
-        print(f"error: run.dir={run_dir} is neither a launched meshrun run (no {EVENTS_FILE}) nor a sweep directory "
-              f"(no {SWEEP_FILE}): give the directory printed at launch or submission", file=sys.stderr)
+        print(
+            f"error: run.dir={run_dir} is neither a launched meshrun run (no {EVENTS_FILE}) nor a sweep directory "
+            f"(no {SWEEP_FILE}): give the directory printed at launch or submission",
+            file=sys.stderr,
+        )
         raise SystemExit(EXIT_INVALID)
     return [run_dir]
 
@@ -160,8 +178,10 @@ def cancel(run_dir: str, timeout_s: float = 300.0) -> Dict[str, Dict[str, Any]]:
     from launcher.manage.status import current_job_id, run_status
 
     if not timeout_s > 0:
-        print(f"error: cancel.timeout_s={timeout_s} must be > 0 (seconds the ranks get to save before they are "
-              "killed)", file=sys.stderr)
+        print(
+            f"error: cancel.timeout_s={timeout_s} must be > 0 (seconds the ranks get to save before they are killed)",
+            file=sys.stderr,
+        )
         raise SystemExit(EXIT_INVALID)
     targets = _targets(run_dir)
     events_of = {d: read_events(d) for d in targets}
@@ -186,8 +206,11 @@ def cancel(run_dir: str, timeout_s: float = 300.0) -> Dict[str, Dict[str, Any]]:
         if isinstance(what, dict):  # local: this process signals the ranks and waits for the launcher
             _cancel_local(d, what, max(0.0, deadline - time.time()))
             continue
-        while time.time() < deadline and cancelled_event(read_events(d)) is None \
-                and run_status(d)["state"] not in FINAL_STATES:
+        while (
+            time.time() < deadline
+            and cancelled_event(read_events(d)) is None
+            and run_status(d)["state"] not in FINAL_STATES
+        ):
             time.sleep(POLL_S)
         if cancelled_event(read_events(d)) is None and run_status(d)["state"] not in FINAL_STATES:
             _force_slurm(d, what, timeout_s)

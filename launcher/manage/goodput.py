@@ -58,8 +58,9 @@ def sacct_records(job_ids: Sequence[str]) -> Dict[str, List[Tuple[float, float]]
     if not jobs:
         return {}
     try:
-        res = slurm_command(["sacct", "-n", "-P", "-X", "--duplicates", "-j", ",".join(jobs), "-o",
-                             "JobID,Submit,Start"])
+        res = slurm_command(
+            ["sacct", "-n", "-P", "-X", "--duplicates", "-j", ",".join(jobs), "-o", "JobID,Submit,Start"]
+        )
     except SlurmUnavailable:
         return {}
     out: Dict[str, List[Tuple[float, float]]] = {}
@@ -93,9 +94,13 @@ class _Line:
         self.t = until
 
 
-def compute(events: Sequence[Dict[str, Any]], kept: Sequence[Dict[str, Any]], purged: Sequence[Dict[str, Any]],
-            allocations: Optional[Dict[str, List[Tuple[float, float]]]] = None,
-            now: Optional[float] = None) -> Optional[Dict[str, Any]]:
+def compute(
+    events: Sequence[Dict[str, Any]],
+    kept: Sequence[Dict[str, Any]],
+    purged: Sequence[Dict[str, Any]],
+    allocations: Optional[Dict[str, List[Tuple[float, float]]]] = None,
+    now: Optional[float] = None,
+) -> Optional[Dict[str, Any]]:
     """The goodput.json object of a run (None before its first attempt). allocations: sacct_records' answer."""
     allocations = allocations or {}
     now = time.time() if now is None else now
@@ -114,7 +119,8 @@ def compute(events: Sequence[Dict[str, Any]], kept: Sequence[Dict[str, Any]], pu
     for ev in events:
         if ev.get("event") == "checkpoint" and "time" in ev:
             saves.setdefault(int(ev.get("attempt", 0) or 0), []).append(
-                (float(ev["time"]), float(ev.get("blocked_s") or 0.0)))
+                (float(ev["time"]), float(ev.get("blocked_s") or 0.0))
+            )
     line = _Line(t0)
     lost_steps = 0
     seen_alloc: set = set()
@@ -134,8 +140,11 @@ def compute(events: Sequence[Dict[str, Any]], kept: Sequence[Dict[str, Any]], pu
                     line.add("queue", q_to, a)
         line.add(gap_cause, s_a, a)
         nxt = float(starts[i + 1]["time"]) if i + 1 < len(starts) else t_end
-        own_end = [float(ev["time"]) for ev in events if ev.get("event") in _ATTEMPT_END
-                   and ev.get("attempt") == a and "time" in ev and float(ev["time"]) >= s_a]
+        own_end = [
+            float(ev["time"])
+            for ev in events
+            if ev.get("event") in _ATTEMPT_END and ev.get("attempt") == a and "time" in ev and float(ev["time"]) >= s_a
+        ]
         e_a = min(max(own_end) if own_end else nxt, nxt, t_end)
         mine = sorted(rows.get(a, []), key=lambda rk: float(rk[0]["time"]))
         mine = [rk for rk in mine if s_a <= float(rk[0]["time"]) <= max(e_a, s_a)]
@@ -187,14 +196,16 @@ def compute(events: Sequence[Dict[str, Any]], kept: Sequence[Dict[str, Any]], pu
     return out
 
 
-def run_goodput(run_dir: str, events: Optional[List[Dict[str, Any]]] = None,
-                allocations: Optional[Dict[str, List[Tuple[float, float]]]] = None) -> Optional[Dict[str, Any]]:
+def run_goodput(
+    run_dir: str,
+    events: Optional[List[Dict[str, Any]]] = None,
+    allocations: Optional[Dict[str, List[Tuple[float, float]]]] = None,
+) -> Optional[Dict[str, Any]]:
     """compute() for a run directory, with Slurm's accounting for its jobs (asked here when not given)."""
     events = read_events(run_dir) if events is None else events
     if allocations is None:
         allocations = sacct_records([ev.get("job_id") for ev in events if ev.get("event") == "started"])
-    return compute(events, _step_rows(read_rows(run_dir)), _step_rows(read_purged_rows(run_dir)),
-                   allocations)
+    return compute(events, _step_rows(read_rows(run_dir)), _step_rows(read_purged_rows(run_dir)), allocations)
 
 
 def write_goodput(run_dir: str) -> Optional[Dict[str, Any]]:

@@ -74,14 +74,23 @@ def _ended(run_dir: str) -> bool:
     return run_status(run_dir)["state"] in FINAL_STATES
 
 
-def show_logs(run_dir: str, rank: int = 0, follow: bool = False, poll_s: float = 1.0,
-              timeout_s: Optional[float] = None, tail: int = 0) -> List[str]:
+def show_logs(
+    run_dir: str,
+    rank: int = 0,
+    follow: bool = False,
+    poll_s: float = 1.0,
+    timeout_s: Optional[float] = None,
+    tail: int = 0,
+) -> List[str]:
     """Print the logs (a `==> FILE <==` line before each file, as tail does); returns the files printed.
     tail > 0: only the last `tail` lines of the files that exist now (files before them are skipped)."""
     events = read_events(run_dir)
     if not events and not os.path.isdir(os.path.join(run_dir, "logs")):
-        print(f"error: run.dir={run_dir} holds no meshrun run (no events.jsonl, no logs/): give the run directory "
-              "printed at launch or submission (a sweep point's is <sweep dir>/<num>)", file=sys.stderr)
+        print(
+            f"error: run.dir={run_dir} holds no meshrun run (no events.jsonl, no logs/): give the run directory "
+            "printed at launch or submission (a sweep point's is <sweep dir>/<num>)",
+            file=sys.stderr,
+        )
         raise SystemExit(EXIT_INVALID)
     offsets: Dict[str, int] = {}
     shown: List[str] = []
@@ -113,8 +122,9 @@ def show_logs(run_dir: str, rank: int = 0, follow: bool = False, poll_s: float =
             break
         time.sleep(poll_s)
     if not shown:
-        print(f"no log of rank {rank} yet in {run_dir} (expected: {', '.join(log_files(run_dir, rank))})",
-              file=sys.stderr)
+        print(
+            f"no log of rank {rank} yet in {run_dir} (expected: {', '.join(log_files(run_dir, rank))})", file=sys.stderr
+        )
     return shown
 
 
@@ -138,8 +148,10 @@ def run_logs(cfg, run_dir: str) -> List[str]:
         raise SystemExit(EXIT_INVALID)
     world = _world_size(run_dir)
     if world and cfg.logs.rank >= world:
-        print(f"error: logs.rank={cfg.logs.rank}: the run in {run_dir} has {world} ranks; give one of 0..{world - 1}",
-              file=sys.stderr)
+        print(
+            f"error: logs.rank={cfg.logs.rank}: the run in {run_dir} has {world} ranks; give one of 0..{world - 1}",
+            file=sys.stderr,
+        )
         raise SystemExit(EXIT_INVALID)
     if cfg.logs.tail < 0:
         print(f"error: logs.tail={cfg.logs.tail} must be >= 0 (the last N lines; 0: the whole log)", file=sys.stderr)

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 
 from training.contract.rundir.metrics import tail_rows
 
+
 def total_steps(run_dir: str) -> Optional[int]:
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
@@ -46,5 +47,11 @@ def progress_fields(run_dir: str, state: str, log: Optional[str]) -> Dict[str, A
     pace = seconds_per_step(rows)
     if state == "RUNNING" and step is not None and total is not None and pace is not None:
         eta = max(0.0, pace * (total - step))
-    return {"step": step, "total_steps": total, "eta_s": eta, "last_loss": last.get("loss"),
-            "tokens_per_s": last.get("tokens_per_s"), "log": log}
+    return {
+        "step": step,
+        "total_steps": total,
+        "eta_s": eta,
+        "last_loss": last.get("loss"),
+        "tokens_per_s": last.get("tokens_per_s"),
+        "log": log,
+    }

@@ -108,14 +108,23 @@ class Marker:
     """attempt | requeue | checkpoint | health | straggler | nan."""
 
 
-_STYLE = {"attempt": ("tab:green", "-"), "requeue": ("tab:red", "--"), "checkpoint": ("tab:gray", ":"),
-          "health": ("tab:orange", "-."), "straggler": ("tab:purple", "-."), "nan": ("black", "-")}
+_STYLE = {
+    "attempt": ("tab:green", "-"),
+    "requeue": ("tab:red", "--"),
+    "checkpoint": ("tab:gray", ":"),
+    "health": ("tab:orange", "-."),
+    "straggler": ("tab:purple", "-."),
+    "nan": ("black", "-"),
+}
 
 
 def _step_at(when: float, rows: List[Dict[str, Any]]) -> Optional[float]:
     """The step the run had reached at Unix time `when`, from the metrics rows' `time` field."""
-    timed = sorted((float(r["time"]), int(r["step"])) for r in rows
-                   if isinstance(r.get("time"), (int, float)) and isinstance(r.get("step"), int))
+    timed = sorted(
+        (float(r["time"]), int(r["step"]))
+        for r in rows
+        if isinstance(r.get("time"), (int, float)) and isinstance(r.get("step"), int)
+    )
     if not timed:
         return None
     i = bisect.bisect_right([t for t, _ in timed], when)
@@ -185,13 +194,24 @@ def _mark(ax, marks: List[Marker], labelled: bool) -> None:
     for m in marks:
         color, style = _STYLE[m.kind]
         # One legend entry per kind; the text of every marker goes into the figure as a small label.
-        ax.axvline(m.step, color=color, linestyle=style, linewidth=1,
-                   label=m.kind if m.kind not in seen else None, alpha=0.7)
+        ax.axvline(
+            m.step, color=color, linestyle=style, linewidth=1, label=m.kind if m.kind not in seen else None, alpha=0.7
+        )
         seen.add(m.kind)
         if labelled and m.kind != "checkpoint":
             k = at_step[m.step] = at_step.get(m.step, -1) + 1  # labels of one step side by side, not on top
-            ax.annotate(m.label, (m.step, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=6,
-                        va="top", ha="right", color=color, xytext=(-7 * k, 0), textcoords="offset points")
+            ax.annotate(
+                m.label,
+                (m.step, 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                fontsize=6,
+                va="top",
+                ha="right",
+                color=color,
+                xytext=(-7 * k, 0),
+                textcoords="offset points",
+            )
 
 
 def _save(plt, fig, out_dir: str, figure: Figure, report: Report) -> None:
@@ -207,8 +227,9 @@ def _step_plot(plt, out_dir, report, name, title, lines, marks, ylabel, logy=Fal
     """lines: [(label, (xs, ys))]; skipped with a note when every series is empty."""
     present = [(label, xy) for label, xy in lines if xy[0]]
     if not present:
-        report.notes.append(f"{title}: not plotted, metrics.jsonl carries no "
-                            + " / ".join(label for label, _ in lines))
+        report.notes.append(
+            f"{title}: not plotted, metrics.jsonl carries no " + " / ".join(label for label, _ in lines)
+        )
         return
     fig, ax = plt.subplots(figsize=(8, 3.2))
     for label, (xs, ys) in present:
@@ -273,10 +294,13 @@ def plot_run(run_dir: str, out_dir: str, plt, report: Report) -> None:
     marks, unplaced = markers(events, raw)
     if unplaced:
         report.notes.append("events without a step or a time the metrics reach (not marked): " + "; ".join(unplaced))
-    report.facts += [("run.dir", run_dir), ("steps logged", str(len(rows))),
-                     ("attempts", str(len({e.get("attempt", 0) for e in events if e.get("event") == "started"}) or 1)),
-                     ("requeues", str(sum(e.get("event") == "requeued" for e in events))),
-                     ("checkpoints", str(sum(e.get("event") == "checkpoint" for e in events)))]
+    report.facts += [
+        ("run.dir", run_dir),
+        ("steps logged", str(len(rows))),
+        ("attempts", str(len({e.get("attempt", 0) for e in events if e.get("event") == "started"}) or 1)),
+        ("requeues", str(sum(e.get("event") == "requeued" for e in events))),
+        ("checkpoints", str(sum(e.get("event") == "checkpoint" for e in events))),
+    ]
     excluded = sorted({n for e in events for n in (e.get("excluded_nodes") or [])})
     if excluded:
         report.facts.append(("excluded nodes", ", ".join(excluded)))
@@ -284,19 +308,37 @@ def plot_run(run_dir: str, out_dir: str, plt, report: Report) -> None:
         report.notes.append(f"{run_dir}/metrics.jsonl holds no steps yet: nothing to plot")
         return
 
-    _step_plot(plt, out_dir, report, "loss", "Loss", [("train loss", series(rows, "loss")),
-                                                      ("eval loss", series(rows, "eval_loss"))], marks, "loss")
+    _step_plot(
+        plt,
+        out_dir,
+        report,
+        "loss",
+        "Loss",
+        [("train loss", series(rows, "loss")), ("eval loss", series(rows, "eval_loss"))],
+        marks,
+        "loss",
+    )
     lr_title, lr_lines = _lr_lines(run_dir, rows)
     _step_plot(plt, out_dir, report, "lr", lr_title, lr_lines, marks, "lr")
-    _step_plot(plt, out_dir, report, "tokens_per_s", "Throughput",
-               [("tokens/s", series(rows, "tokens_per_s"))], marks, "tokens/s")
+    _step_plot(
+        plt,
+        out_dir,
+        report,
+        "tokens_per_s",
+        "Throughput",
+        [("tokens/s", series(rows, "tokens_per_s"))],
+        marks,
+        "tokens/s",
+    )
     mfu = series(rows, "mfu")
     _step_plot(plt, out_dir, report, "mfu", "MFU", [("MFU %", (mfu[0], [100 * v for v in mfu[1]]))], marks, "%")
     rank_lines = [("step time (rank 0)", series(rows, "step_time_s"))]
     rank_lines += [(k, series(rows, k)) for k in _rank_keys(rows)]
     if len(rank_lines) == 1:
-        report.notes.append("Step time per rank: metrics.jsonl carries only rank 0's step_time_s "
-                            "(no step_time_* series of the other ranks)")
+        report.notes.append(
+            "Step time per rank: metrics.jsonl carries only rank 0's step_time_s "
+            "(no step_time_* series of the other ranks)"
+        )
     _step_plot(plt, out_dir, report, "step_times", "Step time per rank", rank_lines, marks, "seconds")
     _memory_plot(plt, out_dir, report, rows, plan, summary, marks)
     _health_plot(plt, out_dir, report, run_dir, marks)
@@ -304,8 +346,15 @@ def plot_run(run_dir: str, out_dir: str, plt, report: Report) -> None:
     _moe_load_plot(plt, out_dir, report, rows, marks)
 
 
-_CAUSE_COLOR = {"queue": "#bbbbbb", "startup": "#f0c05a", "productive": "#4c9a4c", "lost_steps": "#d9534f",
-                "checkpoint_blocking": "#5b7fc7", "eval": "#9b6bc7", "restart_gap": "#333333"}
+_CAUSE_COLOR = {
+    "queue": "#bbbbbb",
+    "startup": "#f0c05a",
+    "productive": "#4c9a4c",
+    "lost_steps": "#d9534f",
+    "checkpoint_blocking": "#5b7fc7",
+    "eval": "#9b6bc7",
+    "restart_gap": "#333333",
+}
 
 
 def _goodput_plot(plt, out_dir, report, run_dir) -> None:
@@ -317,15 +366,25 @@ def _goodput_plot(plt, out_dir, report, run_dir) -> None:
     if not g:
         report.notes.append("Goodput: no attempt has started yet")
         return
-    report.facts.append(("goodput", f"{100 * g['goodput']:.1f} % of {g['wall_s']:.0f} s wall: " + ", ".join(
-        f"{c} {g[c]:.1f} s" for c in CAUSES if g[c] > 0) + f"; {g['lost_step_count']} step(s) lost"))
+    report.facts.append(
+        (
+            "goodput",
+            f"{100 * g['goodput']:.1f} % of {g['wall_s']:.0f} s wall: "
+            + ", ".join(f"{c} {g[c]:.1f} s" for c in CAUSES if g[c] > 0)
+            + f"; {g['lost_step_count']} step(s) lost",
+        )
+    )
     fig, ax = plt.subplots(figsize=(11, 1.0 + 0.45 * (g["attempts"] + 1)))
     seen = set()
     # Time outside every attempt (a run still waiting after its last one) goes on a row of its own, "-".
     rows = (["-"] if any(a is None for *_, a in g["timeline"]) else []) + list(range(g["attempts"]))
     for cause, start, dur, attempt in g["timeline"]:
-        ax.broken_barh([(start, dur)], (rows.index("-" if attempt is None else attempt) - 0.4, 0.8),
-                       color=_CAUSE_COLOR[cause], label=cause if cause not in seen else None)
+        ax.broken_barh(
+            [(start, dur)],
+            (rows.index("-" if attempt is None else attempt) - 0.4, 0.8),
+            color=_CAUSE_COLOR[cause],
+            label=cause if cause not in seen else None,
+        )
         seen.add(cause)
     ax.set_yticks(range(len(rows)), [r if r == "-" else f"attempt {r}" for r in rows], fontsize=7)
     ax.invert_yaxis()
@@ -346,8 +405,16 @@ def _moe_load_plot(plt, out_dir, report, rows, marks) -> None:
     dropped = sum(int(r.get("moe_dropped_tokens") or 0) for r in rows)
     title = "Expert load balance (max tokens per expert / mean)" + (f", {dropped} tokens dropped" if dropped else "")
     ideal = ([load[0][0], load[0][-1]], [1.0, 1.0])
-    _step_plot(plt, out_dir, report, "moe_load", title, [("moe_max_load", load), ("balanced (1.0)", ideal)], marks,
-               "max / mean")
+    _step_plot(
+        plt,
+        out_dir,
+        report,
+        "moe_load",
+        title,
+        [("moe_max_load", load), ("balanced (1.0)", ideal)],
+        marks,
+        "max / mean",
+    )
 
 
 def _memory_plot(plt, out_dir, report, rows, plan, summary, marks) -> None:
@@ -365,8 +432,14 @@ def _memory_plot(plt, out_dir, report, rows, plan, summary, marks) -> None:
     if per_rank:
         # The run's end: each rank's peak (summary.json), drawn at the last step.
         last = rows[-1]["step"]
-        ax.scatter([last] * len(per_rank), [b / GIB for b in per_rank], s=12, color="tab:blue",
-                   label="peak per rank (summary.json)", zorder=3)
+        ax.scatter(
+            [last] * len(per_rank),
+            [b / GIB for b in per_rank],
+            s=12,
+            color="tab:blue",
+            label="peak per rank (summary.json)",
+            zorder=3,
+        )
     if planned:
         ax.axhline(planned / GIB, color="tab:red", linestyle="--", label="plan: memory total")
     else:
@@ -389,8 +462,10 @@ def _health_plot(plt, out_dir, report, run_dir, marks) -> None:
     """health.jsonl (training/observe/health.py): one line per GPU and quantity, against time since the start."""
     rows = read_jsonl(os.path.join(run_dir, "health.jsonl"))
     if not rows:
-        report.notes.append("GPU health: no health.jsonl (no GPU sampler ran: CPU without an NVML double, "
-                            "or cluster.health.enabled=false)")
+        report.notes.append(
+            "GPU health: no health.jsonl (no GPU sampler ran: CPU without an NVML double, "
+            "or cluster.health.enabled=false)"
+        )
         return
     t0 = min(float(r.get("time", 0.0)) for r in rows)
     fig, axes = plt.subplots(1, len(_HEALTH), figsize=(10, 2.8))
@@ -426,11 +501,15 @@ def sweep_points(sweep_dir: str) -> List[Dict[str, Any]]:
         step_s, tokens = plan.get("predicted_step_s"), plan.get("tokens_per_step")
         peaks = summary.get("peak_memory_bytes_per_rank") or []
         planned = pt.get("memory_bytes") or (plan.get("memory_bytes") or {}).get("total")
-        out.append({"label": f"#{pt.get('num')} {pt.get('layout', '')}",
-                    "measured_tokens_per_s": sum(rates) / len(rates) if rates else float("nan"),
-                    "plan_tokens_per_s": tokens / step_s if step_s and tokens else float("nan"),
-                    "measured_memory_gib": max(peaks) / GIB if peaks else float("nan"),
-                    "plan_memory_gib": planned / GIB if planned else float("nan")})
+        out.append(
+            {
+                "label": f"#{pt.get('num')} {pt.get('layout', '')}",
+                "measured_tokens_per_s": sum(rates) / len(rates) if rates else float("nan"),
+                "plan_tokens_per_s": tokens / step_s if step_s and tokens else float("nan"),
+                "measured_memory_gib": max(peaks) / GIB if peaks else float("nan"),
+                "plan_memory_gib": planned / GIB if planned else float("nan"),
+            }
+        )
     return out
 
 
@@ -443,16 +522,20 @@ def plot_sweep(sweep_dir: str, out_dir: str, plt, report: Report) -> None:
     predicted_tps = [p["plan_tokens_per_s"] for p in points]
     measured_mem = [p["measured_memory_gib"] for p in points]
     planned_mem = [p["plan_memory_gib"] for p in points]
-    report.facts += [("sweep", sweep_dir), ("feasible points", str(len(points))),
-                     ("infeasible points", str(len(sweep.get("infeasible") or [])))]
+    report.facts += [
+        ("sweep", sweep_dir),
+        ("feasible points", str(len(points))),
+        ("infeasible points", str(len(sweep.get("infeasible") or []))),
+    ]
     if not points:
         report.notes.append("the sweep has no feasible point: nothing to plot")
         return
     if all(math.isnan(v) for v in measured_tps):
         report.notes.append("no point has metrics yet (an action=plan sweep): measured bars are empty")
     for name, title, measured, predicted, unit in (
-            ("sweep_tokens_per_s", "Tokens/s per point: measured vs plan", measured_tps, predicted_tps, "tokens/s"),
-            ("sweep_memory", "Memory per point: measured peak vs plan", measured_mem, planned_mem, "GiB")):
+        ("sweep_tokens_per_s", "Tokens/s per point: measured vs plan", measured_tps, predicted_tps, "tokens/s"),
+        ("sweep_memory", "Memory per point: measured peak vs plan", measured_mem, planned_mem, "GiB"),
+    ):
         fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels) + 3), 3.4))
         xs = list(range(len(labels)))
         ax.bar([x - 0.2 for x in xs], [0 if math.isnan(v) else v for v in measured], 0.4, label="measured")
@@ -470,20 +553,23 @@ def plot_sweep(sweep_dir: str, out_dir: str, plt, report: Report) -> None:
 
 # ---- the HTML ---------------------------------------------------------------------------------------
 def render_html(report: Report, title: str) -> str:
-    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
-             "<style>body{font-family:sans-serif;margin:2em;max-width:60em}td{padding:0 1em 0 0}"
-             "img{max-width:100%;border:1px solid #ddd}</style></head><body>",
-             f"<h1>{html.escape(title)}</h1><table>"]
+    parts = [
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:60em}td{padding:0 1em 0 0}"
+        "img{max-width:100%;border:1px solid #ddd}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1><table>",
+    ]
     parts += [f"<tr><td><b>{html.escape(k)}</b></td><td>{html.escape(v)}</td></tr>" for k, v in report.facts]
     parts.append("</table>")
     for fig in report.figures:
         with open(fig.path, "rb") as f:
             data = base64.b64encode(f.read()).decode("ascii")
-        parts.append(f"<h2>{html.escape(fig.title)}</h2><img class='plot' alt='{html.escape(fig.name)}' "
-                     f"src='data:image/png;base64,{data}'>")
+        parts.append(
+            f"<h2>{html.escape(fig.title)}</h2><img class='plot' alt='{html.escape(fig.name)}' "
+            f"src='data:image/png;base64,{data}'>"
+        )
     if report.notes:
-        parts.append("<h2>Not plotted</h2><ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in report.notes)
-                     + "</ul>")
+        parts.append("<h2>Not plotted</h2><ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in report.notes) + "</ul>")
     parts.append("</body></html>")
     return "\n".join(parts)
 
@@ -502,8 +588,12 @@ def build_report(directory: str) -> Tuple[str, Report]:
     path = os.path.join(out_dir, "report.html")
     from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
 
-    write_atomic(path, render_html(report, f"meshrun {'sweep' if is_sweep else 'run'} report: "
-                                           f"{os.path.basename(directory.rstrip('/'))}"))
+    write_atomic(
+        path,
+        render_html(
+            report, f"meshrun {'sweep' if is_sweep else 'run'} report: {os.path.basename(directory.rstrip('/'))}"
+        ),
+    )
     return path, report
 
 
@@ -511,8 +601,11 @@ def run_report(run_dir: str) -> int:
     """The action: a run directory (metrics.jsonl / events.jsonl) or a sweep directory (sweep.json)."""
     markers_of_a_run = ("metrics.jsonl", "events.jsonl", "plan.json", "sweep.json")
     if not os.path.isdir(run_dir) or not any(os.path.exists(os.path.join(run_dir, m)) for m in markers_of_a_run):
-        print(f"meshrun: {run_dir} is neither a run directory (metrics.jsonl, events.jsonl) nor a sweep directory "
-              "(sweep.json); pass run.dir=<the run's directory>", file=sys.stderr)
+        print(
+            f"meshrun: {run_dir} is neither a run directory (metrics.jsonl, events.jsonl) nor a sweep directory "
+            "(sweep.json); pass run.dir=<the run's directory>",
+            file=sys.stderr,
+        )
         raise SystemExit(EXIT_INVALID)
     path, report = build_report(run_dir)
     print(json.dumps({"report": path, "images": [f.path for f in report.figures], "notes": report.notes}))

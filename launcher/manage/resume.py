@@ -26,7 +26,7 @@ def _override_key(text: str) -> Tuple[str, bool]:
     """('parallel.tp', False) for 'parallel.tp=2'; ('model', True) for the group choice 'model=tiny'."""
     key = text.split("=", 1)[0].lstrip("+~").strip()
     if key.startswith("override "):
-        key = key[len("override "):].strip()
+        key = key[len("override ") :].strip()
     return key, key in GROUPS
 
 
@@ -56,8 +56,18 @@ def layout_text(cfg: Config) -> str:
 def _sharding(cfg: Config) -> Tuple[Any, ...]:
     """What decides how a checkpoint is cut: a change here is a reshard on load (batch sizes and recompute are not)."""
     lay = layout_of(cfg)
-    return (lay.tp, lay.pp, lay.vpp, lay.cp, lay.dp, lay.ep, lay.zero, lay.sp, cfg.cluster.nodes,
-            cfg.cluster.gpus_per_node)
+    return (
+        lay.tp,
+        lay.pp,
+        lay.vpp,
+        lay.cp,
+        lay.dp,
+        lay.ep,
+        lay.zero,
+        lay.sp,
+        cfg.cluster.nodes,
+        cfg.cluster.gpus_per_node,
+    )
 
 
 def merge_saved(saved: Dict[str, Any], now: Config, overrides: Sequence[str]) -> Tuple[Config, List[str]]:
@@ -134,7 +144,7 @@ def _type_problems(obj: Any, prefix: str = "") -> List[str]:
 
 
 def checkpoint_conflict(run_dir: str, cfg: Config) -> str:
-    """"" when the checkpoint this launch would resume can take cfg's model; else why not, with the fix.
+    """ "" when the checkpoint this launch would resume can take cfg's model; else why not, with the fix.
     Checked before anything is written: a launch that failed on it used to leave its model in config.json."""
     from training.checkpoint import storage
 
@@ -149,12 +159,17 @@ def checkpoint_conflict(run_dir: str, cfg: Config) -> str:
                 saved = json.load(f).get("model", {})
         except (OSError, ValueError, AttributeError):
             continue  # damaged or missing: the engine skips it too (checkpoint_invalid)
-        diff = [f"model.{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
-                for k in storage.SHAPE_FIELDS if saved.get(k) != now.get(k)]
+        diff = [
+            f"model.{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
+            for k in storage.SHAPE_FIELDS
+            if saved.get(k) != now.get(k)
+        ]
         if diff:
-            return (f"the checkpoint step_{step} in {run_dir} was written for another model shape "
-                    f"({'; '.join(diff)}): restore those settings, or start fresh with train.resume=none or a new "
-                    f"run.dir")
+            return (
+                f"the checkpoint step_{step} in {run_dir} was written for another model shape "
+                f"({'; '.join(diff)}): restore those settings, or start fresh with train.resume=none or a new "
+                f"run.dir"
+            )
         return ""
     return ""
 
@@ -168,26 +183,36 @@ def resume_config(run_dir: str, now: Config, overrides: Sequence[str]) -> Config
     try:
         saved = saved_config(run_dir)
     except (OSError, ValueError) as exc:
-        _refuse(f"{path} cannot be read ({exc}): restore it (a copy is in every checkpoint: "
-                f"{run_dir}/checkpoints/step_<N>/config.json) or choose another run.dir")
+        _refuse(
+            f"{path} cannot be read ({exc}): restore it (a copy is in every checkpoint: "
+            f"{run_dir}/checkpoints/step_<N>/config.json) or choose another run.dir"
+        )
     if saved is None:
         if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
             return now
-        _refuse(f"{run_dir} has checkpoints but no config.json: restore it from the newest checkpoint "
-                f"(cp {run_dir}/checkpoints/step_<N>/config.json {path}) or choose another run.dir")
+        _refuse(
+            f"{run_dir} has checkpoints but no config.json: restore it from the newest checkpoint "
+            f"(cp {run_dir}/checkpoints/step_<N>/config.json {path}) or choose another run.dir"
+        )
     if not isinstance(saved, dict):
-        _refuse(f"{path} holds a JSON {type(saved).__name__}, not a configuration: restore it from "
-                f"{run_dir}/checkpoints/step_<N>/config.json or choose another run.dir")
+        _refuse(
+            f"{path} holds a JSON {type(saved).__name__}, not a configuration: restore it from "
+            f"{run_dir}/checkpoints/step_<N>/config.json or choose another run.dir"
+        )
     try:
         old = config_from_dict(saved)
         cfg, changed = merge_saved(saved, now, overrides)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        _refuse(f"{path} does not match this meshrun's configuration ({str(exc).strip(chr(39))}): fix or remove that "
-                f"key in the file (`meshrun action=keys` lists the keys), or choose another run.dir")
+        _refuse(
+            f"{path} does not match this meshrun's configuration ({str(exc).strip(chr(39))}): fix or remove that "
+            f"key in the file (`meshrun action=keys` lists the keys), or choose another run.dir"
+        )
     wrong = _type_problems(old)
     if wrong:
-        _refuse(f"{path} holds values of the wrong type: {'; '.join(wrong[:5])}: fix them in the file (or "
-                f"restore it from {run_dir}/checkpoints/step_<N>/config.json)")
+        _refuse(
+            f"{path} holds values of the wrong type: {'; '.join(wrong[:5])}: fix them in the file (or "
+            f"restore it from {run_dir}/checkpoints/step_<N>/config.json)"
+        )
     if now.action == "train":
         conflict = checkpoint_conflict(run_dir, cfg)
         if conflict:
@@ -196,6 +221,8 @@ def resume_config(run_dir: str, now: Config, overrides: Sequence[str]) -> Config
     note += f"; changed now: {', '.join(changed)}" if changed else " (no changes)"
     print(note, file=sys.stderr)
     if _sharding(old) != _sharding(cfg):
-        print(f"meshrun: layout {layout_text(old)} -> {layout_text(cfg)}: the checkpoint is resharded on load",
-              file=sys.stderr)
+        print(
+            f"meshrun: layout {layout_text(old)} -> {layout_text(cfg)}: the checkpoint is resharded on load",
+            file=sys.stderr,
+        )
     return cfg

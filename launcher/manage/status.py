@@ -96,9 +96,12 @@ def _local_launcher_alive(started: Dict[str, Any]) -> bool:
     return b"launcher" in cmdline or b"meshrun" in cmdline  # the pid may have been reused by another program
 
 
-def run_status(run_dir: str, states: Optional[Dict[str, str]] = None,
-               events: Optional[List[Dict[str, Any]]] = None,
-               allocations: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def run_status(
+    run_dir: str,
+    states: Optional[Dict[str, str]] = None,
+    events: Optional[List[Dict[str, Any]]] = None,
+    allocations: Optional[Dict[str, Any]] = None,
+) -> Dict[str, Any]:
     """The status of one run; states: Slurm's states already asked for (a sweep asks once for all its jobs);
     allocations: Slurm's accounting of its jobs for the goodput (launcher/manage/goodput.py sacct_records), likewise."""
     events = read_events(run_dir) if events is None else events
@@ -128,8 +131,10 @@ def run_status(run_dir: str, states: Optional[Dict[str, str]] = None,
             reason = life[-1].get("reason")  # the launcher's own words: which rank, its code, its log
         if state == "RUNNING" and not _local_launcher_alive(life[-1]):
             state = "FAILED"
-            reason = (f"the local launcher (pid {life[-1]['launcher_pid']}) ended without recording how; "
-                      "run again with the same run.dir to resume from the last checkpoint")
+            reason = (
+                f"the local launcher (pid {life[-1]['launcher_pid']}) ended without recording how; "
+                "run again with the same run.dir to resume from the last checkpoint"
+            )
     out = {
         "state": state or "UNKNOWN",
         "job_id": job if job is not None else (last.get("job_id") if last else None),
@@ -155,14 +160,18 @@ def in_job_fields(events: List[Dict[str, Any]]) -> Dict[str, Any]:
     if not started or "spares" not in started[-1]:
         return {}
     last = started[-1]
-    return {"spares_left": len(last.get("spares") or []), "spare_nodes": last.get("spares") or [],
-            "in_job_restarts_used": int(last.get("in_job_restarts") or 0),
-            "max_in_job_restarts": last.get("max_in_job_restarts"),
-            "in_job_restarts_total": sum(1 for ev in events if ev.get("event") == "restarted_in_job")}
+    return {
+        "spares_left": len(last.get("spares") or []),
+        "spare_nodes": last.get("spares") or [],
+        "in_job_restarts_used": int(last.get("in_job_restarts") or 0),
+        "max_in_job_restarts": last.get("max_in_job_restarts"),
+        "in_job_restarts_total": sum(1 for ev in events if ev.get("event") == "restarted_in_job"),
+    }
 
 
-def goodput_fields(run_dir: str, events: List[Dict[str, Any]],
-                   allocations: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def goodput_fields(
+    run_dir: str, events: List[Dict[str, Any]], allocations: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
     """goodput (productive / wall) and goodput_s (seconds per cause, launcher/manage/goodput.py); {} before the first
     attempt."""
     if not any(ev.get("event") == "started" for ev in events):
@@ -191,8 +200,11 @@ CANCEL_FILE = "cancel.json"
 
 def _launches(events: List[Dict[str, Any]]) -> List[float]:
     """Times of the launches of the run directory (submission, or a local launcher's start)."""
-    return [float(ev.get("time", 0)) for ev in events
-            if ev.get("event") == "submitted" or (ev.get("event") == "started" and "launcher_pid" in ev)]
+    return [
+        float(ev.get("time", 0))
+        for ev in events
+        if ev.get("event") == "submitted" or (ev.get("event") == "started" and "launcher_pid" in ev)
+    ]
 
 
 def cancel_requested(run_dir: str, events: Optional[List[Dict[str, Any]]] = None) -> Optional[Dict[str, Any]]:
@@ -254,12 +266,16 @@ def sweep_status(sweep_dir: str) -> Dict[str, Any]:
     with open(os.path.join(sweep_dir, SWEEP_FILE)) as f:
         sweep = json.load(f)
     # One Slurm query for every job of the sweep (not one per point): a 1,000-point sweep answers as fast as one.
-    events_of = {row["run_dir"]: read_events(row["run_dir"]) for row in sweep.get("feasible", [])
-                 if row.get("run_dir") and os.path.exists(os.path.join(row["run_dir"], EVENTS_FILE))}
+    events_of = {
+        row["run_dir"]: read_events(row["run_dir"])
+        for row in sweep.get("feasible", [])
+        if row.get("run_dir") and os.path.exists(os.path.join(row["run_dir"], EVENTS_FILE))
+    }
     states = slurm_states([j for j in (current_job_id(evs) for evs in events_of.values()) if j is not None])
     # One sacct call for every allocation of the sweep's runs (the goodput's queue wait).
-    allocations = goodput.sacct_records([ev.get("job_id") for evs in events_of.values() for ev in evs
-                                         if ev.get("event") == "started"])
+    allocations = goodput.sacct_records(
+        [ev.get("job_id") for evs in events_of.values() for ev in evs if ev.get("event") == "started"]
+    )
     points = []
     for skipped, rows in ((False, sweep.get("feasible", [])), (True, sweep.get("infeasible", []))):
         for row in rows:
@@ -302,9 +318,12 @@ def print_status(run_dir: str, fmt: str = "json") -> Dict[str, Any]:
         return out
     # Hydra has created run_dir (with its app.log) before this runs: a run is known by what meshrun wrote.
     if not any(os.path.exists(os.path.join(run_dir, name)) for name in (EVENTS_FILE, "config.json")):
-        print(f"error: run.dir={run_dir} is not a meshrun run directory (no {EVENTS_FILE} or config.json): "
-              "give the run directory printed at launch or submission, or a sweep directory (it holds "
-              f"{SWEEP_FILE})", file=sys.stderr)
+        print(
+            f"error: run.dir={run_dir} is not a meshrun run directory (no {EVENTS_FILE} or config.json): "
+            "give the run directory printed at launch or submission, or a sweep directory (it holds "
+            f"{SWEEP_FILE})",
+            file=sys.stderr,
+        )
         raise SystemExit(EXIT_INVALID)
     status = run_status(run_dir)
     _emit(status, fmt)

@@ -20,12 +20,22 @@ def _num(value: Any, fmt: str) -> str:
 
 def _row(st: Dict[str, Any]) -> List[str]:
     step, total = st.get("step"), st.get("total_steps")
-    step_txt = "-" if step is None and st.get("last_step") is None else (
-        f"{step if step is not None else st.get('last_step')}/{total if total is not None else '?'}")
+    step_txt = (
+        "-"
+        if step is None and st.get("last_step") is None
+        else (f"{step if step is not None else st.get('last_step')}/{total if total is not None else '?'}")
+    )
     eta = st.get("eta_s")
-    return [str(st.get("state", "?")), str(st.get("job_id") or "-"), _num(st.get("attempt"), "d"), step_txt,
-            _num(st.get("last_loss"), ".4f"), _num(st.get("tokens_per_s"), ",.0f"),
-            format_duration(eta) if eta is not None else "-", str(st.get("log") or st.get("reason") or "-")]
+    return [
+        str(st.get("state", "?")),
+        str(st.get("job_id") or "-"),
+        _num(st.get("attempt"), "d"),
+        step_txt,
+        _num(st.get("last_loss"), ".4f"),
+        _num(st.get("tokens_per_s"), ",.0f"),
+        format_duration(eta) if eta is not None else "-",
+        str(st.get("log") or st.get("reason") or "-"),
+    ]
 
 
 def _render(head: Sequence[str], rows: List[List[str]]) -> str:
@@ -44,13 +54,17 @@ def format_table(status: Dict[str, Any]) -> str:
     for pt in status["points"]:
         overrides = " ".join(pt.get("overrides", [])) or "-"
         if pt.get("state") == "SKIPPED":
-            rows.append([str(pt.get("num")), overrides, "SKIPPED", "-", "-", "-", "-", "-", "-",
-                         str(pt.get("reason") or "-")])
+            rows.append(
+                [str(pt.get("num")), overrides, "SKIPPED", "-", "-", "-", "-", "-", "-", str(pt.get("reason") or "-")]
+            )
         else:
             rows.append([str(pt.get("num")), overrides] + _row(pt))
     counts = ", ".join(f"{n} {state}" for state, n in sorted(status.get("states", {}).items()))
-    return (f"sweep {status.get('sweep_dir')}: {len(rows)} point(s): {counts}\n"
-            + _render(("#", "overrides") + COLUMNS, rows) + _goodput_line(status))
+    return (
+        f"sweep {status.get('sweep_dir')}: {len(rows)} point(s): {counts}\n"
+        + _render(("#", "overrides") + COLUMNS, rows)
+        + _goodput_line(status)
+    )
 
 
 def _goodput_line(status: Dict[str, Any]) -> str:
@@ -61,6 +75,8 @@ def _goodput_line(status: Dict[str, Any]) -> str:
     parts = ", ".join(f"{c} {g[c]:.0f} s" for c in CAUSES if g.get(c))
     line = f"\ngoodput: {100 * g['goodput']:.1f} % of {g['wall_s']:.0f} s ({parts})"
     if "spares_left" in status:
-        line += (f"\nin-job restarts: {status['in_job_restarts_used']} of {status['max_in_job_restarts']} used in "
-                 f"this allocation, {status['spares_left']} spare node(s) left")
+        line += (
+            f"\nin-job restarts: {status['in_job_restarts_used']} of {status['max_in_job_restarts']} used in "
+            f"this allocation, {status['spares_left']} spare node(s) left"
+        )
     return line

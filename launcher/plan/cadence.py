@@ -72,17 +72,31 @@ def cadence_problems(cfg: Config) -> List[Tuple[str, str, str]]:
     """(key, message, fix) for every cadence setting that cannot work: bad minutes, auto without an MTBF."""
     out = []
     c = cfg.cluster
-    for key, text in (("train.checkpoint_every_min", str(cfg.train.checkpoint_every_min).strip()),
-                      ("cluster.checkpoint_every_min", str(c.checkpoint_every_min).strip())):
+    for key, text in (
+        ("train.checkpoint_every_min", str(cfg.train.checkpoint_every_min).strip()),
+        ("cluster.checkpoint_every_min", str(c.checkpoint_every_min).strip()),
+    ):
         if text and text != "auto" and _minutes(text) is None:
-            out.append((key, f"{text!r} is neither a number of minutes >= 0 nor auto",
-                        f"{key}=60 (minutes), {key}=0 (no time-based saves) or {key}=auto"))
+            out.append(
+                (
+                    key,
+                    f"{text!r} is neither a number of minutes >= 0 nor auto",
+                    f"{key}=60 (minutes), {key}=0 (no time-based saves) or {key}=auto",
+                )
+            )
     if requested(cfg) == "auto" and not c.node_mtbf_h > 0:
-        out.append(("cluster.node_mtbf_h", "train.checkpoint_every_min=auto needs the nodes' mean time between "
-                    f"failures, got {c.node_mtbf_h}",
-                    "cluster.node_mtbf_h=<hours, e.g. 10000> or train.checkpoint_every_min=<minutes>"))
-    for key, value in (("cluster.node_mtbf_h", c.node_mtbf_h), ("cluster.checkpoint_write_gbps", c.checkpoint_write_gbps),
-                       ("cluster.restart_min", c.restart_min)):
+        out.append(
+            (
+                "cluster.node_mtbf_h",
+                f"train.checkpoint_every_min=auto needs the nodes' mean time between failures, got {c.node_mtbf_h}",
+                "cluster.node_mtbf_h=<hours, e.g. 10000> or train.checkpoint_every_min=<minutes>",
+            )
+        )
+    for key, value in (
+        ("cluster.node_mtbf_h", c.node_mtbf_h),
+        ("cluster.checkpoint_write_gbps", c.checkpoint_write_gbps),
+        ("cluster.restart_min", c.restart_min),
+    ):
         if value < 0:
             out.append((key, f"must be >= 0, got {value}", f"{key}=0"))
     return out
@@ -145,20 +159,22 @@ def in_job_share(cfg: Config) -> int:
     return min(c.spare_nodes, c.max_in_job_restarts) if c.max_in_job_restarts > 0 and c.spare_nodes > 0 else 0
 
 
-def blended_restart_s(cfg: Config, run_dir: Optional[str], requeue_s: float, requeue_source: str
-                      ) -> Tuple[float, str]:
+def blended_restart_s(cfg: Config, run_dir: Optional[str], requeue_s: float, requeue_source: str) -> Tuple[float, str]:
     """The mean cost of one failure's restart: with m = in_job_share spares per allocation, m of every m + 1
     node failures restart in the job (no queue wait) and one goes through the queue."""
     m = in_job_share(cfg)
     if m == 0:
         return requeue_s, requeue_source
     inside, n = measured_in_job_restart_s(run_dir)
-    source = f"measured: median of the run's {n} in-job restart(s)" if inside is not None else \
-        "cluster.in_job_restart_min"
+    source = (
+        f"measured: median of the run's {n} in-job restart(s)" if inside is not None else "cluster.in_job_restart_min"
+    )
     inside = 60.0 * cfg.cluster.in_job_restart_min if inside is None else inside
     blended = (m * inside + requeue_s) / (m + 1)
-    return blended, (f"{m} of {m + 1} failures restart in the job ({inside:.3g} s, {source}) on a spare, one "
-                     f"requeues ({requeue_s:.3g} s, {requeue_source})")
+    return blended, (
+        f"{m} of {m + 1} failures restart in the job ({inside:.3g} s, {source}) on a spare, one "
+        f"requeues ({requeue_s:.3g} s, {requeue_source})"
+    )
 
 
 @dataclass
@@ -209,8 +225,9 @@ def advise(cfg: Config, run_dir: Optional[str] = None, step_s: float = 0.0) -> C
     else:
         gbps = c.checkpoint_write_gbps or DEFAULT_WRITE_GBPS_PER_NODE * c.nodes
         save = nbytes / (gbps * 1e9)
-        save_source = (f"estimated: {nbytes / 1e9:.4g} GB at {gbps:g} GB/s"
-                       + ("" if c.checkpoint_write_gbps else f" ({DEFAULT_WRITE_GBPS_PER_NODE:g} GB/s per node assumed)"))
+        save_source = f"estimated: {nbytes / 1e9:.4g} GB at {gbps:g} GB/s" + (
+            "" if c.checkpoint_write_gbps else f" ({DEFAULT_WRITE_GBPS_PER_NODE:g} GB/s per node assumed)"
+        )
     restart, n = measured_restart_s(run_dir)
     if restart is not None:
         restart_source = f"measured: median of the run's {n} restart(s)"
@@ -228,10 +245,21 @@ def advise(cfg: Config, run_dir: Optional[str] = None, step_s: float = 0.0) -> C
         resolved = _minutes(want) or 0.0
     effective = _effective_min(cfg, resolved, step_s)
     return Cadence(
-        requested=want, resolved_min=resolved, nodes=c.nodes, node_mtbf_h=c.node_mtbf_h, job_mtbf_h=job_mtbf_h,
-        checkpoint_bytes=nbytes, save_s=save, save_source=save_source, restart_s=restart,
-        restart_source=restart_source, optimal_min=optimal_s / 60, effective_min=effective,
-        goodput_configured=expected_goodput(60 * effective, save, restart, mtbf_s) if mtbf_s > 0 and effective > 0 else 0.0,
+        requested=want,
+        resolved_min=resolved,
+        nodes=c.nodes,
+        node_mtbf_h=c.node_mtbf_h,
+        job_mtbf_h=job_mtbf_h,
+        checkpoint_bytes=nbytes,
+        save_s=save,
+        save_source=save_source,
+        restart_s=restart,
+        restart_source=restart_source,
+        optimal_min=optimal_s / 60,
+        effective_min=effective,
+        goodput_configured=expected_goodput(60 * effective, save, restart, mtbf_s)
+        if mtbf_s > 0 and effective > 0
+        else 0.0,
         goodput_optimal=expected_goodput(optimal_s, save, restart, mtbf_s) if mtbf_s > 0 else 0.0,
     )
 
@@ -251,11 +279,15 @@ def _duration(seconds: float) -> str:
 
 def format_advice(cad: Cadence) -> str:
     """The plan's checkpoint-cadence lines."""
-    lines = [f"  checkpoint cadence  ({cad.requested} -> every {cad.resolved_min:.4g} min of wall clock"
-             + (")" if cad.resolved_min > 0 else ", none by time)")]
+    lines = [
+        f"  checkpoint cadence  ({cad.requested} -> every {cad.resolved_min:.4g} min of wall clock"
+        + (")" if cad.resolved_min > 0 else ", none by time)")
+    ]
     if cad.job_mtbf_h <= 0:
-        lines.append("    cluster.node_mtbf_h unknown: set it (hours) for the failure-aware interval "
-                     "(train.checkpoint_every_min=auto)")
+        lines.append(
+            "    cluster.node_mtbf_h unknown: set it (hours) for the failure-aware interval "
+            "(train.checkpoint_every_min=auto)"
+        )
         return "\n".join(lines)
     lines += [
         f"    job MTBF {_duration(cad.job_mtbf_h * 3600)} (node MTBF {cad.node_mtbf_h:g} h / {cad.nodes} nodes)",
@@ -264,13 +296,19 @@ def format_advice(cad: Cadence) -> str:
         f"{100 * cad.goodput_optimal:.2f} %",
     ]
     if cad.effective_min > 0:
-        lines.append(f"    configured: a checkpoint every {cad.effective_min:.3g} min: expected goodput "
-                     f"{100 * cad.goodput_configured:.2f} %")
+        lines.append(
+            f"    configured: a checkpoint every {cad.effective_min:.3g} min: expected goodput "
+            f"{100 * cad.goodput_configured:.2f} %"
+        )
     else:
-        lines.append("    configured: no periodic checkpoint: a failure loses everything since the start or the last save")
+        lines.append(
+            "    configured: no periodic checkpoint: a failure loses everything since the start or the last save"
+        )
     if cad.requested != "auto" and cad.effective_min > 0 and cad.goodput_optimal - cad.goodput_configured > 0.001:
-        lines.append(f"    advice: train.checkpoint_every_min=auto (or {cad.optimal_min:.3g}) gains "
-                     f"{100 * (cad.goodput_optimal - cad.goodput_configured):.2f} points of goodput")
+        lines.append(
+            f"    advice: train.checkpoint_every_min=auto (or {cad.optimal_min:.3g}) gains "
+            f"{100 * (cad.goodput_optimal - cad.goodput_configured):.2f} points of goodput"
+        )
     elif cad.requested != "auto" and cad.effective_min <= 0:
         lines.append("    advice: train.checkpoint_every_min=auto")
     return "\n".join(lines)

@@ -86,8 +86,9 @@ def preflight_measured(report: Dict[str, Any]) -> Dict[str, float]:
     return out
 
 
-def cluster_rates(cfg: Config, preflight: Optional[Dict[str, Any]] = None,
-                  probe: Optional[Dict[str, Any]] = None) -> Rates:
+def cluster_rates(
+    cfg: Config, preflight: Optional[Dict[str, Any]] = None, probe: Optional[Dict[str, Any]] = None
+) -> Rates:
     """The rates of cfg's cluster; `preflight` is a preflight.json dict, `probe` training/observe/cost_probe.py's output."""
     c, dev = cfg.cluster, _device(cfg)
     measured = preflight_measured(preflight) if preflight else {}
@@ -101,29 +102,66 @@ def cluster_rates(cfg: Config, preflight: Optional[Dict[str, Any]] = None,
         raise AssertionError("the last option is a default")
 
     probe = probe or {}
-    flops = pick("flops", [(probe.get("flops"), "measured here (training/observe/cost_probe.py)"),
-                           ((measured.get("matmul_tflops") or 0) * 1e12, "preflight.json matmul"),
-                           (c.preflight.matmul_tflops * 1e12, "cluster.preflight.matmul_tflops"),
-                           (c.peak_tflops * 1e12, "cluster.peak_tflops"),
-                           (DEFAULT_PEAK_TFLOPS[dev] * 1e12, f"default for {dev}")])
+    flops = pick(
+        "flops",
+        [
+            (probe.get("flops"), "measured here (training/observe/cost_probe.py)"),
+            ((measured.get("matmul_tflops") or 0) * 1e12, "preflight.json matmul"),
+            (c.preflight.matmul_tflops * 1e12, "cluster.preflight.matmul_tflops"),
+            (c.peak_tflops * 1e12, "cluster.peak_tflops"),
+            (DEFAULT_PEAK_TFLOPS[dev] * 1e12, f"default for {dev}"),
+        ],
+    )
     intra_d, inter_d = DEFAULT_BUSBW_GBPS[dev]
-    intra = pick("intra_bw", [(probe.get("busbw"), "measured here (training/observe/cost_probe.py)"),
-                              ((measured.get("busbw_intra_gbps") or 0) * 1e9, "preflight.json busbw inside a node"),
-                              (c.preflight.busbw_intra_gbps * 1e9, "cluster.preflight.busbw_intra_gbps"),
-                              (intra_d * 1e9, f"default for {dev}")])
-    inter = pick("inter_bw", [((measured.get("busbw_inter_gbps") or 0) * 1e9, "preflight.json busbw across nodes"),
-                              (c.preflight.busbw_inter_gbps * 1e9, "cluster.preflight.busbw_inter_gbps"),
-                              # The dev cluster's "nodes" share this machine: the probe's loopback figure holds.
-                              (probe.get("busbw") if c.device == "cpu" else 0, "measured here (training/observe/cost_probe.py)"),
-                              (inter_d * 1e9, f"default for {dev}")])
-    latency = pick("latency_s", [(probe.get("latency_s"), "measured here (training/observe/cost_probe.py)"),
-                                 (DEFAULT_LATENCY_S[dev], f"default for {dev}")])
-    overhead = pick("overhead_s", [(probe.get("overhead_s"), "measured here (training/observe/cost_probe.py)"),
-                                   (DEFAULT_OVERHEAD_S[dev] or 1e-30, f"default for {dev}")])
-    opt = pick("optimizer_s_per_param", [(probe.get("optimizer_s_per_param"), "measured here (training/observe/cost_probe.py)"),
-                                         (DEFAULT_OPTIMIZER_S_PER_PARAM[dev], f"default for {dev}")])
-    return Rates(flops=flops, intra_bw=intra, inter_bw=inter, latency_s=latency, overhead_s=overhead,
-                 optimizer_s_per_param=opt, sources=src)
+    intra = pick(
+        "intra_bw",
+        [
+            (probe.get("busbw"), "measured here (training/observe/cost_probe.py)"),
+            ((measured.get("busbw_intra_gbps") or 0) * 1e9, "preflight.json busbw inside a node"),
+            (c.preflight.busbw_intra_gbps * 1e9, "cluster.preflight.busbw_intra_gbps"),
+            (intra_d * 1e9, f"default for {dev}"),
+        ],
+    )
+    inter = pick(
+        "inter_bw",
+        [
+            ((measured.get("busbw_inter_gbps") or 0) * 1e9, "preflight.json busbw across nodes"),
+            (c.preflight.busbw_inter_gbps * 1e9, "cluster.preflight.busbw_inter_gbps"),
+            # The dev cluster's "nodes" share this machine: the probe's loopback figure holds.
+            (probe.get("busbw") if c.device == "cpu" else 0, "measured here (training/observe/cost_probe.py)"),
+            (inter_d * 1e9, f"default for {dev}"),
+        ],
+    )
+    latency = pick(
+        "latency_s",
+        [
+            (probe.get("latency_s"), "measured here (training/observe/cost_probe.py)"),
+            (DEFAULT_LATENCY_S[dev], f"default for {dev}"),
+        ],
+    )
+    overhead = pick(
+        "overhead_s",
+        [
+            (probe.get("overhead_s"), "measured here (training/observe/cost_probe.py)"),
+            (DEFAULT_OVERHEAD_S[dev] or 1e-30, f"default for {dev}"),
+        ],
+    )
+    opt = pick(
+        "optimizer_s_per_param",
+        [
+            (probe.get("optimizer_s_per_param"), "measured here (training/observe/cost_probe.py)"),
+            (DEFAULT_OPTIMIZER_S_PER_PARAM[dev], f"default for {dev}"),
+        ],
+    )
+    return Rates(
+        flops=flops,
+        intra_bw=intra,
+        inter_bw=inter,
+        latency_s=latency,
+        overhead_s=overhead,
+        optimizer_s_per_param=opt,
+        sources=src,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,8 +197,7 @@ def _layer_forward_flops(cfg: Config) -> Dict[str, float]:
     if is_moe(cfg):  # the router, and k experts per token (balanced over the ep ranks: k tokens' worth each)
         fe = expert_ffn(m)
         expert = (3 if m.activation == "swiglu" else 2) * fe * h
-        weights = 2 * tokens * (((a + 2 * g) * hd * h + a * hd * h + m.moe_top_k * expert) / par.tp
-                                + router_params(m))
+        weights = 2 * tokens * (((a + 2 * g) * hd * h + a * hd * h + m.moe_top_k * expert) / par.tp + router_params(m))
     # QK^T and AV over the whole s x s, as launcher/plan/model_size.py counts them (a causal fused kernel skips
     # about half: the measured or configured rate absorbs that).
     attention = 4 * tokens * m.seq_length * a * hd / par.tp
@@ -215,11 +252,13 @@ def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) 
     compute = m * (n_layers * per_layer + (logits if par.pp == 1 else 0.0))
     last = m * (n_layers * per_layer + logits)
     compute = max(compute, last) if par.pp > 1 else compute
-    recompute = m * (n_layers if par.recompute != "full" else recomputed_layers_per_rank(cfg)) * \
-        (redo / rates.flops + redo_overhead)
+    recompute = (
+        m
+        * (n_layers if par.recompute != "full" else recomputed_layers_per_rank(cfg))
+        * (redo / rates.flops + redo_overhead)
+    )
     compute += recompute
-    parts = {"compute": compute, "recompute": recompute,
-             "bubble": compute * (par.pp - 1) / (v * m)}
+    parts = {"compute": compute, "recompute": recompute, "bubble": compute * (par.pp - 1) / (v * m)}
     # The dp reduction and the distributed optimizer span dp x cp ranks (the engine's dp_cp group); its reach,
     # which decides the link it runs over, is the dp dimension's when dp > 1, else the cp one's.
     dpc = dp * max(1, par.cp)
@@ -228,8 +267,13 @@ def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) 
     if str(getattr(par, "offload", "none")) != "none":  # the update runs on the host instead
         parts["optimizer"] = offload_seconds(cfg, params_local, dpc)
     counts = collective_counts(cfg, m, dpc, comm.get("dp", 0))
-    strides = {"tp": (1, par.tp), "cp": (par.tp, par.cp), "pp": (par.tp * par.cp, par.pp),
-               "embedding": (par.tp * par.cp, par.pp), "dp": (par.tp * par.cp * par.pp, dp) if dp > 1 else (par.tp, par.cp)}
+    strides = {
+        "tp": (1, par.tp),
+        "cp": (par.tp, par.cp),
+        "pp": (par.tp * par.cp, par.pp),
+        "embedding": (par.tp * par.cp, par.pp),
+        "dp": (par.tp * par.cp * par.pp, dp) if dp > 1 else (par.tp, par.cp),
+    }
     if ep_degree(cfg) > 1:  # the all-to-all among ep consecutive dp ranks
         strides["ep"] = (par.tp * par.cp * par.pp, ep_degree(cfg))
     for kind, (stride, size) in strides.items():

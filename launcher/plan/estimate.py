@@ -12,12 +12,25 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
-from launcher.plan.memory import (GRAD_BYTES, PARAM_BYTES, DeviceProfile, device_profile, layer_activation_bytes,
-                             model_state_bytes, stage_activation_bytes)
+from launcher.plan.memory import (
+    GRAD_BYTES,
+    PARAM_BYTES,
+    DeviceProfile,
+    device_profile,
+    layer_activation_bytes,
+    model_state_bytes,
+    stage_activation_bytes,
+)
 from launcher.plan.context_memory import gpu_memory_bytes, optimizer_shard_degree
 from launcher.plan.memory import device_reserve_bytes, param_gather_bytes
-from launcher.plan.model_size import (hardware_flops_per_step, layer_params, model_flops_per_step, padded_vocab,
-                                 params_total, stage_params)
+from launcher.plan.model_size import (
+    hardware_flops_per_step,
+    layer_params,
+    model_flops_per_step,
+    padded_vocab,
+    params_total,
+    stage_params,
+)
 from launcher.plan.cost_model import Rates, cluster_rates, predict
 from launcher.plan.levers import offload_bytes, zero2_dp_bytes, zero3_dp_bytes, zero3_gathered_bytes
 from launcher.plan.model_size import params_active, recomputed_layers_per_rank
@@ -116,8 +129,10 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int, experts_loca
 # Predicted step time
 # --------------------------------------------------------------------------------------------------
 
-def predict_step_seconds(cfg: Config, comm: Dict[str, int], params_local: int,
-                         rates: Optional[Rates] = None) -> Dict[str, float]:
+
+def predict_step_seconds(
+    cfg: Config, comm: Dict[str, int], params_local: int, rates: Optional[Rates] = None
+) -> Dict[str, float]:
     """Seconds of one optimizer step, by part, and their sum under "total": launcher/plan/cost_model.py's
     prediction at the given rates (default: the cluster config's, cost_model.cluster_rates)."""
     return predict(cfg, comm, params_local, rates or cluster_rates(cfg))
@@ -227,7 +242,9 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
             mem = {k: mem[k] + experts[k] for k in mem}
         mem["activations"] = stage_activation_bytes(cfg, st, m, profile)
         mem["zero3_gathered"] = zero3_gathered_bytes(cfg, st) if par.zero >= 3 else 0
-        mem.update(offload_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp)))  # device optimizer bytes, host / files
+        mem.update(
+            offload_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp))
+        )  # device optimizer bytes, host / files
         if sp_.experts:  # dense and expert states, each sharded over its own group
             dense = offload_bytes(cfg, sp_.total - sp_.experts, optimizer_shard_degree(cfg, dp))
             experts = offload_bytes(cfg, sp_.experts, expert_dp(cfg, dp))
@@ -263,9 +280,21 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
         num_microbatches=m,
         params_total=params_total(cfg),
         params_per_gpu=worst.params,
-        memory_bytes={k: memory[k] for k in ("weights", "grads", "optimizer", "activations", "activations_per_layer",
-                                             "zero3_gathered", "host_offload", "nvme_offload", "param_gather",
-                                             "total")},
+        memory_bytes={
+            k: memory[k]
+            for k in (
+                "weights",
+                "grads",
+                "optimizer",
+                "activations",
+                "activations_per_layer",
+                "zero3_gathered",
+                "host_offload",
+                "nvme_offload",
+                "param_gather",
+                "total",
+            )
+        },
         **bub,
         model_flops_per_step=model_flops_per_step(cfg),
         hardware_flops_per_step=hw_flops,
@@ -317,36 +346,65 @@ def format_plan(plan: Plan) -> str:
     """The readable table (memory in GiB = 2^30 bytes or MiB = 2^20, FLOPs in TFLOP = 1e12)."""
     mem = plan.memory_bytes
     rows = [
-        ("layout", format_layout(Layout(tp=plan.tp, pp=plan.pp, cp=plan.cp, dp=plan.dp, vpp=plan.vpp, ep=plan.ep),
-                                 "world")),
+        (
+            "layout",
+            format_layout(Layout(tp=plan.tp, pp=plan.pp, cp=plan.cp, dp=plan.dp, vpp=plan.vpp, ep=plan.ep), "world"),
+        ),
         ("batch", f"global {plan.global_batch} = micro {plan.micro_batch} x dp {plan.dp} x accum {plan.grad_accum}"),
-        ("parameters", f"{fmt_count(plan.params_total)} total, "
-                       + (f"{fmt_count(plan.params_active)} active per token, " if plan.params_active != plan.params_total
-                          else "")
-                       + f"{fmt_count(plan.params_per_gpu)} on the worst GPU"
-                       f" (stage {plan.worst_stage}); vocab padded to {plan.padded_vocab}"),
+        (
+            "parameters",
+            f"{fmt_count(plan.params_total)} total, "
+            + (f"{fmt_count(plan.params_active)} active per token, " if plan.params_active != plan.params_total else "")
+            + f"{fmt_count(plan.params_per_gpu)} on the worst GPU"
+            f" (stage {plan.worst_stage}); vocab padded to {plan.padded_vocab}",
+        ),
         ("weights", fmt_bytes(mem["weights"])),
         ("grads", fmt_bytes(mem["grads"])),
         ("optimizer", fmt_bytes(mem["optimizer"])),
-        ("activations", f"{fmt_bytes(mem['activations'])} ({fmt_bytes(mem['activations_per_layer'])} per layer"
-                        " per micro-batch)"),
-        *[(label, fmt_bytes(mem[key])) for key, label in (("zero3_gathered", "zero=3 gathered"),
-                                                           ("host_offload", "host (offload)"),
-                                                           ("nvme_offload", "nvme (offload)"),
-                                                           ("param_gather", "zero=1/2 param gather")) if mem.get(key)],
-        ("total / GPU", f"{fmt_bytes(mem['total'])} of {fmt_bytes(plan.gpu_memory_bytes)}, headroom "
-                        f"{fmt_bytes(plan.headroom_bytes)} -> " + ("fits" if plan.fits else "DOES NOT FIT")),
-        ("bubble", f"{plan.bubble_ratio:.3f} of ideal compute, {100 * plan.bubble_idle_fraction:.1f} % of wall clock idle"),
+        (
+            "activations",
+            f"{fmt_bytes(mem['activations'])} ({fmt_bytes(mem['activations_per_layer'])} per layer per micro-batch)",
+        ),
+        *[
+            (label, fmt_bytes(mem[key]))
+            for key, label in (
+                ("zero3_gathered", "zero=3 gathered"),
+                ("host_offload", "host (offload)"),
+                ("nvme_offload", "nvme (offload)"),
+                ("param_gather", "zero=1/2 param gather"),
+            )
+            if mem.get(key)
+        ],
+        (
+            "total / GPU",
+            f"{fmt_bytes(mem['total'])} of {fmt_bytes(plan.gpu_memory_bytes)}, headroom "
+            f"{fmt_bytes(plan.headroom_bytes)} -> " + ("fits" if plan.fits else "DOES NOT FIT"),
+        ),
+        (
+            "bubble",
+            f"{plan.bubble_ratio:.3f} of ideal compute, {100 * plan.bubble_idle_fraction:.1f} % of wall clock idle",
+        ),
         ("tokens / step", f"{plan.tokens_per_step}"),
-        ("FLOPs / step", f"model {plan.model_flops_per_step / 1e12:.4g} TFLOP, hardware "
-                         f"{plan.hardware_flops_per_step / 1e12:.4g} TFLOP (1 TFLOP = 1e12)"),
-        ("comm / GPU / step", ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.comm_bytes.items() if v)
-                              or "none"),
-        ("step (predicted)", f"{fmt_seconds(plan.predicted_step_s)}: " + ", ".join(
-            f"{'of which ' if k == 'recompute' else ''}{k} {fmt_seconds(v)}"
-            for k, v in plan.predicted_step_parts_s.items() if v)),
-        ("throughput", f"{plan.tokens_per_s_per_gpu:.4g} tokens/s per GPU, MFU {100 * plan.mfu:.1f} % "
-                       f"(of {plan.peak_flops / 1e12:.4g} TFLOP/s per GPU)"),
+        (
+            "FLOPs / step",
+            f"model {plan.model_flops_per_step / 1e12:.4g} TFLOP, hardware "
+            f"{plan.hardware_flops_per_step / 1e12:.4g} TFLOP (1 TFLOP = 1e12)",
+        ),
+        ("comm / GPU / step", ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.comm_bytes.items() if v) or "none"),
+        (
+            "step (predicted)",
+            f"{fmt_seconds(plan.predicted_step_s)}: "
+            + ", ".join(
+                f"{'of which ' if k == 'recompute' else ''}{k} {fmt_seconds(v)}"
+                for k, v in plan.predicted_step_parts_s.items()
+                if v
+            ),
+        ),
+        (
+            "throughput",
+            f"{plan.tokens_per_s_per_gpu:.4g} tokens/s per GPU, MFU {100 * plan.mfu:.1f} % "
+            f"(of {plan.peak_flops / 1e12:.4g} TFLOP/s per GPU)",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -23,8 +23,21 @@ SELECTIVE_MIN_SAVING = 0.02
 """recompute=selective that saves less than this share of a GPU's planned memory is warned about (and is not
 offered as a fix for a model that does not fit)."""
 
-SLURM_ONLY = ("partition", "account", "qos", "time_min", "signal_delay_s", "max_retries", "exclude",
-              "cpus_per_task", "exclusive", "mem", "sbatch_extra", "container", "elastic")
+SLURM_ONLY = (
+    "partition",
+    "account",
+    "qos",
+    "time_min",
+    "signal_delay_s",
+    "max_retries",
+    "exclude",
+    "cpus_per_task",
+    "exclusive",
+    "mem",
+    "sbatch_extra",
+    "container",
+    "elastic",
+)
 """cluster.* keys only the Slurm backend reads (sbatch options, requeue, containers, elastic shrink)."""
 
 
@@ -37,8 +50,11 @@ def ignored_on_local(cfg: Config) -> List[str]:
     for name in SLURM_ONLY:
         value, default = getattr(cfg.cluster, name), getattr(base, name)
         if dataclasses.is_dataclass(value):
-            out += [f"cluster.{name}.{f.name}" for f in dataclasses.fields(value)
-                    if getattr(value, f.name) != getattr(default, f.name)]
+            out += [
+                f"cluster.{name}.{f.name}"
+                for f in dataclasses.fields(value)
+                if getattr(value, f.name) != getattr(default, f.name)
+            ]
         elif value != default:
             out.append(f"cluster.{name}")
     return out
@@ -69,30 +85,49 @@ def honest_issues(cfg: Config, plan) -> list:
     out = []
     ignored = ignored_on_local(cfg)
     if ignored:
-        out.append(Issue("note", "cluster", "a local run ignores Slurm-only keys: " + ", ".join(ignored)
-                         + " (they apply with cluster.kind=slurm)", code="slurm_only"))
+        out.append(
+            Issue(
+                "note",
+                "cluster",
+                "a local run ignores Slurm-only keys: " + ", ".join(ignored) + " (they apply with cluster.kind=slurm)",
+                code="slurm_only",
+            )
+        )
     saved = selective_saving_bytes(cfg)
     if saved is not None and plan is not None and saved < SELECTIVE_MIN_SAVING * plan.memory_bytes["total"]:
-        why = ("flash attention never stores the s x s scores selective recompute drops"
-               if str(cfg.model.attention) == "flash" else "the attention scores are a small part of this layout")
-        out.append(Issue("warning", "parallel.recompute",
-                         f"selective saves {saved / 2**20:.1f} MiB of {plan.memory_bytes['total'] / 2**30:.2f} GiB per "
-                         f"GPU ({why}) and re-runs attention in backward",
-                         "parallel.recompute=none (same memory, faster), or full if memory is short",
-                         "selective_no_saving"))
+        why = (
+            "flash attention never stores the s x s scores selective recompute drops"
+            if str(cfg.model.attention) == "flash"
+            else "the attention scores are a small part of this layout"
+        )
+        out.append(
+            Issue(
+                "warning",
+                "parallel.recompute",
+                f"selective saves {saved / 2**20:.1f} MiB of {plan.memory_bytes['total'] / 2**30:.2f} GiB per "
+                f"GPU ({why}) and re-runs attention in backward",
+                "parallel.recompute=none (same memory, faster), or full if memory is short",
+                "selective_no_saving",
+            )
+        )
     par = cfg.parallel
     if plan is not None and par.pp > 1 and plan.bubble_idle_fraction > PIPELINE_IDLE_WARN:
         dp = derived_dp(cfg)
         v = par.vpp if str(par.schedule) == "interleaved_1f1b" else 1
         m = micro_batches_for_idle(par.pp, v)
         gb = m * par.micro_batch * dp
-        out.append(Issue("warning", "parallel.global_batch",
-                         f"pipeline idle {100 * plan.bubble_idle_fraction:.0f} % of the wall clock (pp {par.pp}, "
-                         f"{plan.num_microbatches} micro-batches{f', vpp {v}' if v > 1 else ''}; warned above "
-                         f"{100 * PIPELINE_IDLE_WARN:.0f} %)",
-                         f"parallel.global_batch={gb} ({m} micro-batches: "
-                         f"{100 * (par.pp - 1) / (v * m + par.pp - 1):.0f} % idle), or fewer stages",
-                         "pipeline_idle"))
+        out.append(
+            Issue(
+                "warning",
+                "parallel.global_batch",
+                f"pipeline idle {100 * plan.bubble_idle_fraction:.0f} % of the wall clock (pp {par.pp}, "
+                f"{plan.num_microbatches} micro-batches{f', vpp {v}' if v > 1 else ''}; warned above "
+                f"{100 * PIPELINE_IDLE_WARN:.0f} %)",
+                f"parallel.global_batch={gb} ({m} micro-batches: "
+                f"{100 * (par.pp - 1) / (v * m + par.pp - 1):.0f} % idle), or fewer stages",
+                "pipeline_idle",
+            )
+        )
     out += _operations_issues(cfg)
     return out
 
@@ -110,39 +145,87 @@ def _operations_issues(cfg: Config) -> list:
     world = c.nodes * c.gpus_per_node
     if t.nsys:
         if str(c.device) != "cuda":
-            out.append(Issue("error", "train.nsys", "nsys profiles CUDA work: this is a CPU run",
-                             "cluster.device=cuda, or train.nsys=false (train.nvtx=true counts the ranges on CPU)"))
+            out.append(
+                Issue(
+                    "error",
+                    "train.nsys",
+                    "nsys profiles CUDA work: this is a CPU run",
+                    "cluster.device=cuda, or train.nsys=false (train.nvtx=true counts the ranges on CPU)",
+                )
+            )
         if len(t.profile_steps) != 2:
-            out.append(Issue("error", "train.nsys", "the capture range is train.profile_steps, which is not [first, last]",
-                             "train.profile_steps=[5,7]"))
+            out.append(
+                Issue(
+                    "error",
+                    "train.nsys",
+                    "the capture range is train.profile_steps, which is not [first, last]",
+                    "train.profile_steps=[5,7]",
+                )
+            )
         bad = [r for r in t.nsys_ranks if not 0 <= r < world]
         if bad or not t.nsys_ranks:
-            out.append(Issue("error", "train.nsys_ranks", f"ranks {bad or '[]'} are not ranks of this {world}-rank job",
-                             f"train.nsys_ranks=[0] (ranks 0..{world - 1})"))
+            out.append(
+                Issue(
+                    "error",
+                    "train.nsys_ranks",
+                    f"ranks {bad or '[]'} are not ranks of this {world}-rank job",
+                    f"train.nsys_ranks=[0] (ranks 0..{world - 1})",
+                )
+            )
         if c.kind == "local" and not shutil.which("nsys"):
-            out.append(Issue("error", "train.nsys", "nsys (Nsight Systems) is not on PATH",
-                             "install Nsight Systems or put its bin/ on PATH, or train.nsys=false"))
+            out.append(
+                Issue(
+                    "error",
+                    "train.nsys",
+                    "nsys (Nsight Systems) is not on PATH",
+                    "install Nsight Systems or put its bin/ on PATH, or train.nsys=false",
+                )
+            )
     if t.nvtx and str(c.device) != "cuda":
-        out.append(Issue("note", "train.nvtx", "a CPU build of torch has no NVTX: the ranges are counted into "
-                         "run.dir/profile/nvtx_rank<R>.json instead"))
+        out.append(
+            Issue(
+                "note",
+                "train.nvtx",
+                "a CPU build of torch has no NVTX: the ranges are counted into "
+                "run.dir/profile/nvtx_rank<R>.json instead",
+            )
+        )
     if t.checkpoint_replica_dir:
         run_dir = os.path.abspath(cfg.run.dir)
         rep = t.checkpoint_replica_dir
         rep = rep if os.path.isabs(rep) else os.path.normpath(os.path.join(run_dir, rep))
         primary = os.path.join(run_dir, "checkpoints")
         if rep == primary or rep.startswith(primary + os.sep) or primary.startswith(rep + os.sep):
-            out.append(Issue("error", "train.checkpoint_replica_dir",
-                             f"{rep} overlaps the primary checkpoints {primary}",
-                             "train.checkpoint_replica_dir=<a directory on another disk or file system>"))
+            out.append(
+                Issue(
+                    "error",
+                    "train.checkpoint_replica_dir",
+                    f"{rep} overlaps the primary checkpoints {primary}",
+                    "train.checkpoint_replica_dir=<a directory on another disk or file system>",
+                )
+            )
         elif c.kind == "slurm" and c.nodes > 1 and shared_verdict(rep)[0] is False:
-            out.append(Issue("warning", "train.checkpoint_replica_dir",
-                             f"{rep} is on a node-local file system ({shared_verdict(rep)[1]}): rank 0's node alone "
-                             "holds the replica", "a directory on a shared file system"))
+            out.append(
+                Issue(
+                    "warning",
+                    "train.checkpoint_replica_dir",
+                    f"{rep} is on a node-local file system ({shared_verdict(rep)[1]}): rank 0's node alone "
+                    "holds the replica",
+                    "a directory on a shared file system",
+                )
+            )
     if c.kind == "slurm" and (c.nodes > 1 or c.elastic.min_nodes > 0):
         shared, where = shared_verdict(cfg.run.dir)
         if shared is False:
-            out.append(Issue("warning", "run.dir",
-                             f"a {c.nodes}-node job needs run.dir on a file system every node sees; {cfg.run.dir} is on "
-                             f"{where}, a node-local one (fine only when the nodes share this host, as the dev "
-                             "cluster's do)", "run.dir=<a path on NFS, Lustre, GPFS or BeeGFS>", "run_dir_not_shared"))
+            out.append(
+                Issue(
+                    "warning",
+                    "run.dir",
+                    f"a {c.nodes}-node job needs run.dir on a file system every node sees; {cfg.run.dir} is on "
+                    f"{where}, a node-local one (fine only when the nodes share this host, as the dev "
+                    "cluster's do)",
+                    "run.dir=<a path on NFS, Lustre, GPFS or BeeGFS>",
+                    "run_dir_not_shared",
+                )
+            )
     return out

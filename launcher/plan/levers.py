@@ -27,8 +27,7 @@ def zero_state_bytes(n: int, precision: str, zero: int, dp: int) -> Dict[str, in
         raise ValueError(f"zero={zero}: the engine runs ZeRO stages {ENGINE_ZERO_STAGES}")
     shard = -(-n // dp)
     weights = (shard if zero == 3 else n) * PARAM_BYTES[precision]
-    return {"weights": weights, "grads": shard * GRAD_BYTES[precision],
-            "optimizer": shard * OPTIMIZER_BYTES[precision]}
+    return {"weights": weights, "grads": shard * GRAD_BYTES[precision], "optimizer": shard * OPTIMIZER_BYTES[precision]}
 
 
 def zero3_units(cfg: Config, stage: int) -> List[int]:
@@ -134,8 +133,11 @@ def offload_bytes(cfg: Config, n: int, dp: int) -> Dict[str, int]:
             return {"optimizer": 0, "host_offload": shard * k, "nvme_offload": 0}
         return {"optimizer": 0, "host_offload": shard * (8 + (4 if master else 0)), "nvme_offload": 0}
     states = 3 if master else 2
-    return {"optimizer": 0, "host_offload": states * 4 * min(OFFLOAD_BLOCK_ELEMS, shard),
-            "nvme_offload": states * 4 * shard}
+    return {
+        "optimizer": 0,
+        "host_offload": states * 4 * min(OFFLOAD_BLOCK_ELEMS, shard),
+        "nvme_offload": states * 4 * shard,
+    }
 
 
 HOST_LINK_GBPS = 25.0

@@ -17,6 +17,7 @@ from launcher.plan.levers import zero_bytes_per_param, zero_state_bytes
 from launcher.plan.model_size import padded_vocab
 from launcher.plan.moe import is_moe, moe_activation_elements
 from training.contract.config import Config, derived_dp
+
 # Bytes per parameter: weights, gradients (fp32 main grads for bf16), optimizer (K); the engine allocates
 # from the same table.
 from training.contract.precision import GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
@@ -101,9 +102,7 @@ def effective_attention(cfg: Config, profile: DeviceProfile) -> str:
     return m.attention
 
 
-def layer_activation_bytes(
-    cfg: Config, profile: DeviceProfile = KORTHIKANTI, micro_batch: Optional[int] = None
-) -> int:
+def layer_activation_bytes(cfg: Config, profile: DeviceProfile = KORTHIKANTI, micro_batch: Optional[int] = None) -> int:
     """Bytes one layer saves for backward for one micro-batch on one tp rank.
 
     Saved tensors (elements; t = tp, t_sp = tp under sp else 1; f the FFN width; hd = h/a):
@@ -270,5 +269,10 @@ def reserved_check(plan: Dict, reserved: int) -> Dict[str, object]:
     gpu, total = int(plan["gpu_memory_bytes"]), int(plan["memory_bytes"]["total"]) + gather
     fragmentation = int(FRAGMENTATION * gpu)
     rest = max(0, int(plan.get("reserve_bytes", 0)) - gather - fragmentation)
-    return {"reserved": reserved, "plan_limit": total + fragmentation, "device_limit": gpu - rest,
-            "within_plan": reserved <= total + fragmentation, "within_device": reserved + rest <= gpu}
+    return {
+        "reserved": reserved,
+        "plan_limit": total + fragmentation,
+        "device_limit": gpu - rest,
+        "within_plan": reserved <= total + fragmentation,
+        "within_device": reserved + rest <= gpu,
+    }

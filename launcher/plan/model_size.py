@@ -57,8 +57,9 @@ def layer_params(cfg: Config, tp: Optional[int] = None, all_experts: bool = Fals
     if is_moe(cfg):
         full_sharded = qkv_out * h + h * h + (qkv_out if m.bias else 0)
         replicated = 2 * _norm_params(cfg) + (h if m.bias else 0) + router_params(m)
-        return LayerParams(sharded=full_sharded // t + expert_params_per_layer(cfg, t, all_experts),
-                           replicated=replicated)
+        return LayerParams(
+            sharded=full_sharded // t + expert_params_per_layer(cfg, t, all_experts), replicated=replicated
+        )
     full_sharded = qkv_out * h + h * h + fc1_out * h + h * f
     if m.bias:
         full_sharded += qkv_out + fc1_out
@@ -198,7 +199,6 @@ def hardware_flops_per_step(cfg: Config) -> int:
     tokens = cfg.parallel.global_batch * cfg.model.seq_length
     total = model_flops_per_step(cfg)
     if cfg.parallel.recompute == "full":
-
         total += round(tokens * (fw["layers"] + fw["attention"]) * recomputed_fraction(cfg))
     elif cfg.parallel.recompute == "selective":
         total += 3 * tokens * fw["attention"]

@@ -14,9 +14,22 @@ from typing import List
 
 from training.contract.config import Config
 
-RESERVED_ENV = ("PYTHONPATH", "PYTHONSAFEPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONNOUSERSITE", "PYTHONUSERBASE",
-                "PYTHONEXECUTABLE", "PYTHONINSPECT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                "MASTER_ADDR", "MASTER_PORT")
+RESERVED_ENV = (
+    "PYTHONPATH",
+    "PYTHONSAFEPATH",
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "PYTHONNOUSERSITE",
+    "PYTHONUSERBASE",
+    "PYTHONEXECUTABLE",
+    "PYTHONINSPECT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 RESERVED_ENV_PREFIXES = ("MESHRUN_",)
 
 
@@ -30,13 +43,21 @@ def trust_problems(cfg: Config) -> List[tuple]:
     """(key, message, fix) for each problem."""
     out = []
     for name in reserved_env_names(cfg.cluster.env):
-        out.append((f"cluster.env.{name}", f"{name} is set by meshrun itself (the code snapshot, the run it "
-                    "belongs to, the ranks' rendezvous); overriding it could run other code or another run",
-                    f"remove it: ~cluster.env.{name}"))
+        out.append(
+            (
+                f"cluster.env.{name}",
+                f"{name} is set by meshrun itself (the code snapshot, the run it "
+                "belongs to, the ranks' rendezvous); overriding it could run other code or another run",
+                f"remove it: ~cluster.env.{name}",
+            )
+        )
     steps = list(cfg.train.profile_steps or [])
-    if steps and (len(steps) != 2 or not all(isinstance(s, int) for s in steps) or steps[0] < 1
-                  or steps[1] < steps[0]):
-        out.append(("train.profile_steps", f"{steps} is not a window [first, last] with 1 <= first <= last "
-                    "(steps count from 1)", f"train.profile_steps=[{max(1, min(steps or [1]))},"
-                    f"{max(steps or [1])}]"))
+    if steps and (len(steps) != 2 or not all(isinstance(s, int) for s in steps) or steps[0] < 1 or steps[1] < steps[0]):
+        out.append(
+            (
+                "train.profile_steps",
+                f"{steps} is not a window [first, last] with 1 <= first <= last (steps count from 1)",
+                f"train.profile_steps=[{max(1, min(steps or [1]))},{max(steps or [1])}]",
+            )
+        )
     return out

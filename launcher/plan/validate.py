@@ -30,11 +30,23 @@ CHOICES = {key: choices(key) for key in CHOICE_FIELDS if key not in ("action",)}
 
 # Sizes that must be >= 1 (None means "derive" where the field is Optional).
 POSITIVE = (
-    "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_query_groups",
-    "model.ffn_hidden_size", "model.seq_length", "model.vocab_size",
-    "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.dp",
-    "parallel.micro_batch", "parallel.global_batch",
-    "cluster.nodes", "cluster.gpus_per_node", "train.steps",
+    "model.num_layers",
+    "model.hidden_size",
+    "model.num_attention_heads",
+    "model.num_query_groups",
+    "model.ffn_hidden_size",
+    "model.seq_length",
+    "model.vocab_size",
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.vpp",
+    "parallel.cp",
+    "parallel.dp",
+    "parallel.micro_batch",
+    "parallel.global_batch",
+    "cluster.nodes",
+    "cluster.gpus_per_node",
+    "train.steps",
 )
 
 
@@ -114,30 +126,55 @@ def _check_numa_and_cores(cfg: Config, out: List[Issue]) -> None:
         bad = [n for n in c.numa_map if n < 0 or (nodes is not None and n not in nodes)]
         if bad:
             where = f"this machine's NUMA nodes are {nodes}" if nodes is not None else "NUMA node ids are >= 0"
-            out.append(Issue("error", "cluster.numa_map", f"entries {bad} are not NUMA nodes of the node ({where})",
-                             f"cluster.numa_map=[...] with ids from {nodes if nodes is not None else '[0, ...]'}, "
-                             "or cluster.numa=auto"))
+            out.append(
+                Issue(
+                    "error",
+                    "cluster.numa_map",
+                    f"entries {bad} are not NUMA nodes of the node ({where})",
+                    f"cluster.numa_map=[...] with ids from {nodes if nodes is not None else '[0, ...]'}, "
+                    "or cluster.numa=auto",
+                )
+            )
     cores = os.cpu_count() or 0
     if local and cores and c.gpus_per_node > cores:
-        out.append(Issue("warning", "cluster.gpus_per_node",
-                         f"{c.gpus_per_node} local ranks on {cores} CPU cores: ranks share cores and every "
-                         "collective waits for the slowest, so steps run several times slower",
-                         f"cluster.gpus_per_node=<= {cores}, or accept the slowdown"))
+        out.append(
+            Issue(
+                "warning",
+                "cluster.gpus_per_node",
+                f"{c.gpus_per_node} local ranks on {cores} CPU cores: ranks share cores and every "
+                "collective waits for the slowest, so steps run several times slower",
+                f"cluster.gpus_per_node=<= {cores}, or accept the slowdown",
+            )
+        )
 
 
 def _check_values(cfg: Config, out: List[Issue]) -> bool:
     """Enumerations and sizes; returns False when the sizes are too broken to go on."""
     for key, value in _non_finite(cfg):
-        out.append(Issue("error", key, f"must be a finite number, got {value}",
-                         f"{key}=<a finite number> (NaN and infinity poison every step that uses them)", "finite"))
+        out.append(
+            Issue(
+                "error",
+                key,
+                f"must be a finite number, got {value}",
+                f"{key}=<a finite number> (NaN and infinity poison every step that uses them)",
+                "finite",
+            )
+        )
     from launcher.plan.trust import trust_problems  # reserved cluster.env names, profile window
 
     out += [Issue("error", key, message, fix, "trust") for key, message, fix in trust_problems(cfg)]
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
-            out.append(Issue("error", key, f"{value!r} is not one of {', '.join(allowed)}",
-                             f"{key}=<{'|'.join(allowed)}>", "choice"))
+            out.append(
+                Issue(
+                    "error",
+                    key,
+                    f"{value!r} is not one of {', '.join(allowed)}",
+                    f"{key}=<{'|'.join(allowed)}>",
+                    "choice",
+                )
+            )
     sizes_ok = True
     for key in POSITIVE:
         value = _get(cfg, key)
@@ -148,20 +185,39 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
     if not 0.0 <= m.dropout < 1.0:
         out.append(Issue("error", "model.dropout", f"must be in [0, 1), got {m.dropout}", "model.dropout=0.1"))
     if c.gpu_memory_gb <= 0:
-        out.append(Issue("error", "cluster.gpu_memory_gb", f"must be > 0, got {c.gpu_memory_gb}",
-                         "cluster.gpu_memory_gb=80"))
+        out.append(
+            Issue("error", "cluster.gpu_memory_gb", f"must be > 0, got {c.gpu_memory_gb}", "cluster.gpu_memory_gb=80")
+        )
         sizes_ok = False
     par_ = cfg.parallel
-    levers = _issues(rules.memory_lever_rules(par_.zero, par_.recompute, par_.recompute_num_layers,
-                                              rules.chunk_layer_count(cfg), str(par_.offload), par_.offload_dir))
+    levers = _issues(
+        rules.memory_lever_rules(
+            par_.zero,
+            par_.recompute,
+            par_.recompute_num_layers,
+            rules.chunk_layer_count(cfg),
+            str(par_.offload),
+            par_.offload_dir,
+        )
+    )
     out += levers
     if any(i.code == "zero" and i.level == "error" for i in levers):
         sizes_ok = False  # no ZeRO stage to plan for
     if cfg.parallel.bucket_mb <= 0:
-        out.append(Issue("error", "parallel.bucket_mb", f"must be > 0, got {cfg.parallel.bucket_mb}",
-                         "parallel.bucket_mb=4"))
-    for key in ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "checkpoint_every",
-                "exit_interval", "exit_after_min", "log_every"):
+        out.append(
+            Issue("error", "parallel.bucket_mb", f"must be > 0, got {cfg.parallel.bucket_mb}", "parallel.bucket_mb=4")
+        )
+    for key in (
+        "lr",
+        "min_lr",
+        "warmup_steps",
+        "weight_decay",
+        "grad_clip",
+        "checkpoint_every",
+        "exit_interval",
+        "exit_after_min",
+        "log_every",
+    ):
         if _get(t, key) < 0:
             out.append(Issue("error", f"train.{key}", f"must be >= 0, got {_get(t, key)}", f"train.{key}=0"))
     from training.contract.lr_schedule import schedule_problems  # pure Python: the engine checks the same at start-up
@@ -170,9 +226,14 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
     compilers = (os.environ.get("CXX", ""), "g++", "c++", "clang++")
     if t.compile and c.device == "cpu" and not any(shutil.which(cc) for cc in compilers if cc):
         # Inductor's CPU kernels are C++ built by the host compiler: without one the first step fails.
-        out.append(Issue("warning", "train.compile", "no C++ compiler (CXX, g++, c++, clang++) on this machine's PATH: "
-                         "torch.compile's CPU kernels need one",
-                         "install g++ (apt-get install g++) or train.compile=false"))
+        out.append(
+            Issue(
+                "warning",
+                "train.compile",
+                "no C++ compiler (CXX, g++, c++, clang++) on this machine's PATH: torch.compile's CPU kernels need one",
+                "install g++ (apt-get install g++) or train.compile=false",
+            )
+        )
     # train.checkpoint_every_min is minutes or auto (a string field): launcher/plan/cadence.py parses it.
     out += [Issue("error", key, message, fix, "cadence") for key, message, fix in cadence_problems(cfg)]
     if t.log_every < 1:
@@ -180,20 +241,37 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
     if t.keep_last < 1:
         out.append(Issue("error", "train.keep_last", f"must be >= 1, got {t.keep_last}", "train.keep_last=3"))
     if c.numa == "explicit" and len(c.numa_map) != c.gpus_per_node:
-        out.append(Issue("error", "cluster.numa_map",
-                         f"numa=explicit needs one NUMA node per local rank ({c.gpus_per_node}), got {len(c.numa_map)}",
-                         f"cluster.numa_map=[{','.join(['0'] * max(c.gpus_per_node, 1))}] or cluster.numa=auto"))
+        out.append(
+            Issue(
+                "error",
+                "cluster.numa_map",
+                f"numa=explicit needs one NUMA node per local rank ({c.gpus_per_node}), got {len(c.numa_map)}",
+                f"cluster.numa_map=[{','.join(['0'] * max(c.gpus_per_node, 1))}] or cluster.numa=auto",
+            )
+        )
     if not t.dist_timeout_s > 0:
-        out.append(Issue("error", "train.dist_timeout_s", f"must be > 0 seconds, got {t.dist_timeout_s}",
-                         "train.dist_timeout_s=600"))
+        out.append(
+            Issue(
+                "error",
+                "train.dist_timeout_s",
+                f"must be > 0 seconds, got {t.dist_timeout_s}",
+                "train.dist_timeout_s=600",
+            )
+        )
     if c.master_port != 0 and not 1024 <= c.master_port <= 65535:
-        out.append(Issue("error", "cluster.master_port",
-                         f"must be 0 (pick one) or an unprivileged port 1024-65535, got {c.master_port}",
-                         "cluster.master_port=0"))
+        out.append(
+            Issue(
+                "error",
+                "cluster.master_port",
+                f"must be 0 (pick one) or an unprivileged port 1024-65535, got {c.master_port}",
+                "cluster.master_port=0",
+            )
+        )
     _check_numa_and_cores(cfg, out)
     if str(t.resume) not in ("auto", "none") and not str(t.resume).isdigit():
-        out.append(Issue("error", "train.resume", f"{t.resume!r} is not auto, none or a step number",
-                         "train.resume=auto"))
+        out.append(
+            Issue("error", "train.resume", f"{t.resume!r} is not auto, none or a step number", "train.resume=auto")
+        )
     return sizes_ok
 
 
@@ -201,20 +279,37 @@ def _check_model(cfg: Config, out: List[Issue]) -> None:
     m = cfg.model
     out += _issues(rules.model_rules(m))
     if m.num_experts > 0 and not m.moe_aux_loss_coeff >= 0:  # the rest of the MoE rules: layout_rules.moe_rules
-        out.append(Issue("error", "model.moe_aux_loss_coeff", f"must be >= 0 (0: no balance loss), got "
-                         f"{m.moe_aux_loss_coeff}", "model.moe_aux_loss_coeff=0.01"))
+        out.append(
+            Issue(
+                "error",
+                "model.moe_aux_loss_coeff",
+                f"must be >= 0 (0: no balance loss), got {m.moe_aux_loss_coeff}",
+                "model.moe_aux_loss_coeff=0.01",
+            )
+        )
     if cfg.data.kind == "text" and m.vocab_size < 256:
-        out.append(Issue("error", "model.vocab_size",
-                         f"data.kind=text tokenizes to bytes and needs vocab_size >= 256, got {m.vocab_size}",
-                         "model.vocab_size=256 or data=synthetic"))
+        out.append(
+            Issue(
+                "error",
+                "model.vocab_size",
+                f"data.kind=text tokenizes to bytes and needs vocab_size >= 256, got {m.vocab_size}",
+                "model.vocab_size=256 or data=synthetic",
+            )
+        )
     if cfg.data.kind == "text":
         # Checked here for local runs (the ranks see this filesystem); on Slurm the compute nodes
         # may mount paths this host lacks, so there the ranks check and exit 2 themselves.
         for path in cfg.data.paths:
             if cfg.cluster.kind == "local" and not os.path.exists(path):
-                out.append(Issue("error", "data.paths", f"{path!r} does not exist",
-                                 "give existing text files or directories, or leave data.paths empty for "
-                                 "the Python standard library's sources"))
+                out.append(
+                    Issue(
+                        "error",
+                        "data.paths",
+                        f"{path!r} does not exist",
+                        "give existing text files or directories, or leave data.paths empty for "
+                        "the Python standard library's sources",
+                    )
+                )
 
 
 def _issues(violations: List[rules.Violation]) -> List[Issue]:
@@ -234,13 +329,23 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
     out += _issues(rules.tp_rules(m, t, rules.valid_tp(cfg)))
     pv = rules.padded_vocab(m.vocab_size, t)
     if pv != m.vocab_size:
-        out.append(Issue("note", "model.vocab_size",
-                         f"vocab {m.vocab_size} padded to {pv} (+{pv - m.vocab_size} rows) for tp={t}; padded rows never"
-                         " change the loss"))
+        out.append(
+            Issue(
+                "note",
+                "model.vocab_size",
+                f"vocab {m.vocab_size} padded to {pv} (+{pv - m.vocab_size} rows) for tp={t}; padded rows never"
+                " change the loss",
+            )
+        )
     if t > c.gpus_per_node and not par.allow_tp_across_nodes:
-        out.append(Issue("error", "parallel.tp",
-                         f"tp={t} exceeds the {c.gpus_per_node} GPUs of a node: TP would cross the slow interconnect",
-                         f"parallel.tp=<= {c.gpus_per_node} (use pp across nodes) or parallel.allow_tp_across_nodes=true"))
+        out.append(
+            Issue(
+                "error",
+                "parallel.tp",
+                f"tp={t} exceeds the {c.gpus_per_node} GPUs of a node: TP would cross the slow interconnect",
+                f"parallel.tp=<= {c.gpus_per_node} (use pp across nodes) or parallel.allow_tp_across_nodes=true",
+            )
+        )
     out += _issues(rules.layer_rules(m.num_layers, p, v))
     out += _issues(rules.schedule_rules(par.schedule, p, v))
     out += _issues(rules.sp_rules(par.sp, t, s))
@@ -255,18 +360,29 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
     if par.dp is not None:
         if mp * par.dp != ranks:
             need = mp * par.dp
-            out.append(Issue("error", "parallel.dp",
-                             f"tp x pp x cp x dp = {t} x {p} x {cp} x {par.dp} = {need} but the cluster has "
-                             f"{c.nodes} x {c.gpus_per_node} = {ranks} ranks",
-                             (f"parallel.dp={ranks // mp} or " if ranks % mp == 0 else "")
-                             + f"cluster.nodes x cluster.gpus_per_node = {need}"
-                             + (f" (e.g. cluster.nodes={need // c.gpus_per_node})" if need % c.gpus_per_node == 0 else ""),
-                             "world"))
+            out.append(
+                Issue(
+                    "error",
+                    "parallel.dp",
+                    f"tp x pp x cp x dp = {t} x {p} x {cp} x {par.dp} = {need} but the cluster has "
+                    f"{c.nodes} x {c.gpus_per_node} = {ranks} ranks",
+                    (f"parallel.dp={ranks // mp} or " if ranks % mp == 0 else "")
+                    + f"cluster.nodes x cluster.gpus_per_node = {need}"
+                    + (f" (e.g. cluster.nodes={need // c.gpus_per_node})" if need % c.gpus_per_node == 0 else ""),
+                    "world",
+                )
+            )
             ok = False
     elif ranks % mp:
-        out.append(Issue("error", "parallel.dp",
-                         f"the cluster's {ranks} ranks are not divisible by tp x pp x cp = {mp}",
-                         f"make tp x pp x cp divide {ranks}, or set cluster.nodes / cluster.gpus_per_node", "world"))
+        out.append(
+            Issue(
+                "error",
+                "parallel.dp",
+                f"the cluster's {ranks} ranks are not divisible by tp x pp x cp = {mp}",
+                f"make tp x pp x cp divide {ranks}, or set cluster.nodes / cluster.gpus_per_node",
+                "world",
+            )
+        )
         ok = False
     dp = derived_dp(cfg)
     out += _issues(rules.moe_rules(m, getattr(par, "ep", 1), dp, t, cp, par.zero))  # mixture of experts, parallel.ep
@@ -278,19 +394,35 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
             mb = par.global_batch // unit
             out += _issues(rules.interleaved_batch_rules(par.schedule, p, mb, unit))
             if par.schedule == "1f1b" and p > 1 and mb < p:
-                out.append(Issue("warning", "parallel.global_batch",
-                                 f"1f1b with {mb} micro-batches for {p} stages: bubble "
-                                 f"{(p - 1) / (mb + p - 1):.0%} of the wall clock",
-                                 f"parallel.global_batch={p * unit} or more (>= pp micro-batches)"))
+                out.append(
+                    Issue(
+                        "warning",
+                        "parallel.global_batch",
+                        f"1f1b with {mb} micro-batches for {p} stages: bubble "
+                        f"{(p - 1) / (mb + p - 1):.0%} of the wall clock",
+                        f"parallel.global_batch={p * unit} or more (>= pp micro-batches)",
+                    )
+                )
         if par.zero >= 1 and dp == 1:
-            out.append(Issue("warning", "parallel.zero",
-                             f"zero={par.zero} with dp=1 shards nothing (one data-parallel rank)",
-                             "parallel.zero=0, or a layout with dp > 1"))
+            out.append(
+                Issue(
+                    "warning",
+                    "parallel.zero",
+                    f"zero={par.zero} with dp=1 shards nothing (one data-parallel rank)",
+                    "parallel.zero=0, or a layout with dp > 1",
+                )
+            )
     else:
         ok = False
     if cfg.train.precision == "fp16" and cfg.cluster.device == "cpu":
-        out.append(Issue("warning", "train.precision", "fp16 on CPU is slow and only useful to test loss scaling",
-                         "train.precision=fp32 or bf16"))
+        out.append(
+            Issue(
+                "warning",
+                "train.precision",
+                "fp16 on CPU is slow and only useful to test loss scaling",
+                "train.precision=fp32 or bf16",
+            )
+        )
     return ok and not any(i.code in rules.BLOCKS_PLAN for i in out[start:] if i.level == "error")
 
 
@@ -317,6 +449,7 @@ def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[
             if str(c.parallel.offload) != "none" and (kind == "cpu" or str(c.parallel.offload) == "nvme"):
                 return None
             return with_parallel(c, offload=kind, offload_dir=c.parallel.offload_dir or "<node-local dir>")
+
         return change
 
     def partial_recompute(c: Config):
@@ -370,8 +503,15 @@ def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[
         ("parallel.pp x 2 (dp / 2)", more_pp),
         ("parallel.tp x 2 (dp / 2)", more_tp),
         # Context parallelism for activation-bound layouts at long sequences (launcher/plan/context_memory.py).
-        ("parallel.cp x 2 (dp / 2)", lambda c: None if c.model.num_experts > 0 else  # experts: cp=1 (moe_rules)
-         more_cp(c, derived_dp(c), make_plan(c).memory_bytes)),
+        (
+            "parallel.cp x 2 (dp / 2)",
+            lambda c: (
+                None
+                if c.model.num_experts > 0
+                # experts: cp=1 (moe_rules)
+                else more_cp(c, derived_dp(c), make_plan(c).memory_bytes)
+            ),
+        ),
     ]
 
 
@@ -430,8 +570,11 @@ def validate(cfg: Config, cluster_checks: Optional[Callable[[Config], List[str]]
     issues += [Issue("error", key, message, fix, "data") for key, message, fix in data_errors(cfg)]
     layout_ok = _check_layout(cfg, issues)
     report = Report(issues)
-    if not layout_ok or any(i.key in ("model.hidden_size", "model.num_query_groups") for i in report.errors) \
-            or any(i.code == "choice" for i in report.errors):
+    if (
+        not layout_ok
+        or any(i.key in ("model.hidden_size", "model.num_query_groups") for i in report.errors)
+        or any(i.code == "choice" for i in report.errors)
+    ):
         return report
     plan = make_plan(cfg)
     report.plan = plan
@@ -441,12 +584,20 @@ def validate(cfg: Config, cluster_checks: Optional[Callable[[Config], List[str]]
     if not plan.fits:
         mem = plan.memory_bytes
         breakdown = ", ".join(f"{k} {mem[k] / GIB:.2f}" for k in ("weights", "grads", "optimizer", "activations"))
-        issues.append(Issue(
-            "error", "cluster.gpu_memory_gb",
-            f"the worst GPU (pipeline stage {plan.worst_stage}) needs {mem['total'] / GIB:.2f} GiB ({breakdown} GiB)"
-            + (f" + {plan.reserve_bytes / GIB:.2f} GiB kept back (CUDA context, NCCL buffers, fragmentation, "
-               f"zero=1/2 parameter gather)"
-               if plan.reserve_bytes else "")
-            + f" but has {plan.gpu_memory_bytes / GIB:.2f} GiB (cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g})",
-            "; ".join(fit_fixes(cfg, plan)), "no_fit"))
+        issues.append(
+            Issue(
+                "error",
+                "cluster.gpu_memory_gb",
+                f"the worst GPU (pipeline stage {plan.worst_stage}) needs {mem['total'] / GIB:.2f} GiB ({breakdown} GiB)"
+                + (
+                    f" + {plan.reserve_bytes / GIB:.2f} GiB kept back (CUDA context, NCCL buffers, fragmentation, "
+                    f"zero=1/2 parameter gather)"
+                    if plan.reserve_bytes
+                    else ""
+                )
+                + f" but has {plan.gpu_memory_bytes / GIB:.2f} GiB (cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g})",
+                "; ".join(fit_fixes(cfg, plan)),
+                "no_fit",
+            )
+        )
     return report

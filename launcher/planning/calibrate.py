@@ -69,11 +69,24 @@ def measured_step_s(run_dir: str) -> Optional[float]:
 
 
 def _run_config(cfg: Config, cand_cfg: Config, run_dir: str, steps: int) -> Config:
-    t = replace(cfg.train, steps=steps, warmup_steps=min(cfg.train.warmup_steps, 1), checkpoint_every=0,
-                checkpoint_every_min="0", checkpoint_every_min_resolved=None, exit_interval=0, exit_after_min=0.0,
-                eval_every=0, log_every=1, progress=False, resume="none", init_from="")
-    return replace(cand_cfg, action="train", train=t, data=DataConfig(kind="synthetic"),
-                   run=replace(cfg.run, dir=run_dir))
+    t = replace(
+        cfg.train,
+        steps=steps,
+        warmup_steps=min(cfg.train.warmup_steps, 1),
+        checkpoint_every=0,
+        checkpoint_every_min="0",
+        checkpoint_every_min_resolved=None,
+        exit_interval=0,
+        exit_after_min=0.0,
+        eval_every=0,
+        log_every=1,
+        progress=False,
+        resume="none",
+        init_from="",
+    )
+    return replace(
+        cand_cfg, action="train", train=t, data=DataConfig(kind="synthetic"), run=replace(cfg.run, dir=run_dir)
+    )
 
 
 PASSES = 2
@@ -104,8 +117,10 @@ def calibrate(cfg: Config, run_dir: str, cands: List[Any], rc: RecommendConfig) 
     medians (load only ever slows a run down). Pass k > 0 runs into calibrate/NN_k."""
     chosen = choose(cands, rc.calibrate_count, rc.calibrate_min_gap)
     steps = max(3, -(-rc.calibrate_steps // PASSES))
-    print(f"  calibrating {len(chosen)} candidates ({PASSES} passes of {steps} steps each) under "
-          f"{run_dir}/calibrate/", file=sys.stderr)
+    print(
+        f"  calibrating {len(chosen)} candidates ({PASSES} passes of {steps} steps each) under {run_dir}/calibrate/",
+        file=sys.stderr,
+    )
     found: List[List[float]] = [[] for _ in chosen]
     codes: List[Any] = [None] * len(chosen)
     for k in range(PASSES):
@@ -121,21 +136,39 @@ def calibrate(cfg: Config, run_dir: str, cands: List[Any], rc: RecommendConfig) 
     for i, c in enumerate(chosen):
         code = codes[i]
         c.measured_step_s = min(found[i]) if found[i] and code == EXIT_OK else None
-        runs.append({"rank": c.rank, "layout": c.short(), "overrides": c.overrides(),
-                     "run_dir": os.path.join(run_dir, "calibrate", f"{i:02d}"),
-                     "predicted_step_s": c.step_s, "measured_step_s": c.measured_step_s,
-                     "measured_passes_s": found[i], "exit_code": code})
-        print(f"  [{i + 1}/{len(chosen)}] {c.short()}: predicted {fmt_seconds(c.step_s)}, measured "
-              + (fmt_seconds(c.measured_step_s) if c.measured_step_s is not None else f"nothing (exit {code})"),
-              file=sys.stderr)
+        runs.append(
+            {
+                "rank": c.rank,
+                "layout": c.short(),
+                "overrides": c.overrides(),
+                "run_dir": os.path.join(run_dir, "calibrate", f"{i:02d}"),
+                "predicted_step_s": c.step_s,
+                "measured_step_s": c.measured_step_s,
+                "measured_passes_s": found[i],
+                "exit_code": code,
+            }
+        )
+        print(
+            f"  [{i + 1}/{len(chosen)}] {c.short()}: predicted {fmt_seconds(c.step_s)}, measured "
+            + (fmt_seconds(c.measured_step_s) if c.measured_step_s is not None else f"nothing (exit {code})"),
+            file=sys.stderr,
+        )
     done = [r for r in runs if r["measured_step_s"] is not None]
     rho = spearman([r["predicted_step_s"] for r in done], [r["measured_step_s"] for r in done])
     by_measured = sorted(done, key=lambda r: r["measured_step_s"])
     print("  calibration (fastest measured first):")
     for r in by_measured:
-        print(f"    #{r['rank']:<4} {r['layout']:<40} predicted {fmt_seconds(r['predicted_step_s']):>9}  "
-              f"measured {fmt_seconds(r['measured_step_s']):>9}")
-    print("  Spearman rank correlation, predicted vs measured step time: "
-          + (f"{rho:.3f} over {len(done)} layouts" if rho is not None else "n/a (fewer than 2 runs measured)"))
-    return {"runs": runs, "spearman": rho, "measured_order": [r["rank"] for r in by_measured],
-            "recommended": by_measured[0]["overrides"] if by_measured else None}
+        print(
+            f"    #{r['rank']:<4} {r['layout']:<40} predicted {fmt_seconds(r['predicted_step_s']):>9}  "
+            f"measured {fmt_seconds(r['measured_step_s']):>9}"
+        )
+    print(
+        "  Spearman rank correlation, predicted vs measured step time: "
+        + (f"{rho:.3f} over {len(done)} layouts" if rho is not None else "n/a (fewer than 2 runs measured)")
+    )
+    return {
+        "runs": runs,
+        "spearman": rho,
+        "measured_order": [r["rank"] for r in by_measured],
+        "recommended": by_measured[0]["overrides"] if by_measured else None,
+    }

@@ -62,8 +62,12 @@ def plan_or_reject(cfg: Config, run_dir: str, multirun: bool = False) -> Dict[st
                 print("plan of the rejected layout:\n" + format_plan(report.plan), file=sys.stderr)
             raise SystemExit(EXIT_INVALID)
         print(f"[{status}] {_point_label(cfg)}: {report.errors[0].message}", file=sys.stderr)
-        result: Dict[str, Any] = {"status": status, "errors": errors, "warnings": warnings,
-                                  "issues": [i.to_json() for i in report.issues]}
+        result: Dict[str, Any] = {
+            "status": status,
+            "errors": errors,
+            "warnings": warnings,
+            "issues": [i.to_json() for i in report.issues],
+        }
         if report.plan is not None:
             result["plan"] = report.plan.to_json()
         return result
@@ -85,8 +89,11 @@ def plan_or_reject(cfg: Config, run_dir: str, multirun: bool = False) -> Dict[st
         write_atomic(os.path.join(run_dir, "plan.json"), json.dumps(plan_json, indent=2, sort_keys=False))
         write_config(cfg, run_dir)
     elif not multirun:
-        print(f"meshrun: {run_dir} is an existing run: this plan is shown only (its plan.json and config.json "
-              f"are left as they are; a launch writes them)", file=sys.stderr)
+        print(
+            f"meshrun: {run_dir} is an existing run: this plan is shown only (its plan.json and config.json "
+            f"are left as they are; a launch writes them)",
+            file=sys.stderr,
+        )
     if multirun:
         mem = plan.memory_bytes["total"] / 2**30
         print(f"[ok] {_point_label(cfg)}: {mem:.2f} GiB/GPU, bubble {plan.bubble_ratio:.3f}")

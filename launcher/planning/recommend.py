@@ -29,8 +29,21 @@ from training.contract.config import Config, derived_dp
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID
 from training.contract.layout_text import Layout, format_layout, layout_of
 
-PARALLEL_KEYS = ("tp", "pp", "vpp", "dp", "cp", "sp", "zero", "micro_batch", "global_batch", "schedule", "recompute",
-                 "recompute_num_layers", "offload")
+PARALLEL_KEYS = (
+    "tp",
+    "pp",
+    "vpp",
+    "dp",
+    "cp",
+    "sp",
+    "zero",
+    "micro_batch",
+    "global_batch",
+    "schedule",
+    "recompute",
+    "recompute_num_layers",
+    "offload",
+)
 WITHIN = 0.10
 """The recommended layout is 'as good as' the configured one when its predicted step is within this fraction."""
 
@@ -106,7 +119,7 @@ def layouts(cfg: Config) -> Iterator[Config]:
         for pp in _divisors(L):
             if world % (tp * pp):
                 continue
-            for sp in ([False, True] if tp > 1 and m.seq_length % tp == 0 else [False]):
+            for sp in [False, True] if tp > 1 and m.seq_length % tp == 0 else [False]:
                 for cp in search_cp(cfg, tp, sp, world // (tp * pp)):
                     yield from _layouts_at(cfg, tp, pp, sp, cp, world // (tp * pp * cp))
 
@@ -136,12 +149,26 @@ def _dense_layouts_at(cfg: Config, tp: int, pp: int, sp: bool, cp: int, dp: int)
         micro_batches = B // (dp * mb)
         vpps = [1] + [v for v in _divisors(L // pp) if v > 1 and pp > 1 and micro_batches % pp == 0]
         for vpp in vpps:
-            for zero in ([0, 1] if dp * cp > 1 else [0]):
+            for zero in [0, 1] if dp * cp > 1 else [0]:
                 for recompute in ("none", "selective", "full"):
-                    yield replace(cfg, parallel=replace(
-                        par, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=None, sp=sp, zero=zero, micro_batch=mb,
-                        schedule="interleaved_1f1b" if vpp > 1 else "1f1b", recompute=recompute,
-                        recompute_num_layers=0, allow_tp_across_nodes=tp > c.gpus_per_node))
+                    yield replace(
+                        cfg,
+                        parallel=replace(
+                            par,
+                            tp=tp,
+                            pp=pp,
+                            vpp=vpp,
+                            cp=cp,
+                            dp=None,
+                            sp=sp,
+                            zero=zero,
+                            micro_batch=mb,
+                            schedule="interleaved_1f1b" if vpp > 1 else "1f1b",
+                            recompute=recompute,
+                            recompute_num_layers=0,
+                            allow_tp_across_nodes=tp > c.gpus_per_node,
+                        ),
+                    )
 
 
 def _with(lay: Config, **changes) -> Config:
@@ -150,8 +177,9 @@ def _with(lay: Config, **changes) -> Config:
 
 def _lean(lay: Config) -> Config:
     p = lay.parallel
-    return _with(lay, sp=p.tp > 1 and lay.model.seq_length % p.tp == 0, recompute="full", recompute_num_layers=0,
-                 micro_batch=1)
+    return _with(
+        lay, sp=p.tp > 1 and lay.model.seq_length % p.tp == 0, recompute="full", recompute_num_layers=0, micro_batch=1
+    )
 
 
 def _deeper_zero(lay: Config, rates: Rates) -> Optional[Candidate]:
@@ -246,20 +274,30 @@ def search(cfg: Config, rates: Rates) -> Search:
 def _part_words(cand: Candidate, part: str) -> str:
     p, plan, c = cand.cfg.parallel, cand.plan, cand.cfg.cluster
     if part == "bubble":
-        return f"bubble (pp {plan.pp}, {plan.num_microbatches} micro-batches" + (f", vpp {plan.vpp})" if plan.vpp > 1 else ")")
+        return f"bubble (pp {plan.pp}, {plan.num_microbatches} micro-batches" + (
+            f", vpp {plan.vpp})" if plan.vpp > 1 else ")"
+        )
     if part == "tp":
         return "TP traffic" + (" across nodes" if spans_nodes(1, p.tp, c.gpus_per_node) else "") + f" (tp {p.tp})"
     if part == "dp":
-        return "DP traffic" + (" across nodes" if spans_nodes(p.tp * p.pp, plan.dp, c.gpus_per_node) else "") \
-            + f" (dp {plan.dp}" + (f", ZeRO-{p.zero})" if p.zero else ")")
+        return (
+            "DP traffic"
+            + (" across nodes" if spans_nodes(p.tp * p.pp, plan.dp, c.gpus_per_node) else "")
+            + f" (dp {plan.dp}"
+            + (f", ZeRO-{p.zero})" if p.zero else ")")
+        )
     if part == "ep":
-        return "expert all-to-all" + (" across nodes" if spans_nodes(p.tp * p.cp * p.pp, p.ep, c.gpus_per_node) else "") \
+        return (
+            "expert all-to-all"
+            + (" across nodes" if spans_nodes(p.tp * p.cp * p.pp, p.ep, c.gpus_per_node) else "")
             + f" (ep {p.ep})"
+        )
     if part == "pp":
         return "pipeline sends" + (" across nodes" if spans_nodes(p.tp, p.pp, c.gpus_per_node) else "")
     if part == "recompute":
-        return f"recompute={p.recompute}" + (f" ({p.recompute_num_layers} layers per chunk)"
-                                             if p.recompute == "full" and p.recompute_num_layers else "")
+        return f"recompute={p.recompute}" + (
+            f" ({p.recompute_num_layers} layers per chunk)" if p.recompute == "full" and p.recompute_num_layers else ""
+        )
     if part == "compute":
         return f"compute (micro-batch {p.micro_batch}, tp {p.tp})"
     return part
@@ -291,16 +329,19 @@ def annotate(result: Search) -> None:
     faster = [c for c in result.no_fit if c.step_s < best.step_s]
     if faster:
         f = faster[0]
-        words.append(f"memory: {f.short()} would take {fmt_seconds(f.step_s)} but needs "
-                     f"{f.plan.memory_bytes['total'] / GIB:.1f} GiB of {f.plan.gpu_memory_bytes / GIB:.1f}")
+        words.append(
+            f"memory: {f.short()} would take {fmt_seconds(f.step_s)} but needs "
+            f"{f.plan.memory_bytes['total'] / GIB:.1f} GiB of {f.plan.gpu_memory_bytes / GIB:.1f}"
+        )
     best.reason = "fastest; " + "; ".join(words) if words else "fastest"
     for c in cands[1:]:
         lost = explain(c, best)
         pct = 100 * (c.step_s / best.step_s - 1)
         c.reason = f"+{pct:.1f} %: " + (", ".join(lost) if lost else "same parts, smaller margins")
     for c in result.no_fit:
-        c.reason = (f"does not fit: {c.plan.memory_bytes['total'] / GIB:.1f} GiB of "
-                    f"{c.plan.gpu_memory_bytes / GIB:.1f} GiB")
+        c.reason = (
+            f"does not fit: {c.plan.memory_bytes['total'] / GIB:.1f} GiB of {c.plan.gpu_memory_bytes / GIB:.1f} GiB"
+        )
         if c.plan.fits:
             c.reason += f" with recommend.min_headroom_gb={c.cfg.recommend.min_headroom_gb:g} GiB free"
 
@@ -314,11 +355,20 @@ def _mfu(c: Candidate, peak: float) -> float:
 
 
 def candidate_json(c: Candidate, peak: float) -> Dict[str, Any]:
-    return {**c.layout(), "rank": c.rank, "predicted_step_s": c.step_s, "fits": c.plan.fits,
-            "predicted_parts_s": c.parts, "tokens_per_s_per_gpu": _tokens_per_gpu(c), "mfu": _mfu(c, peak),
-            "memory_bytes": c.plan.memory_bytes["total"], "gpu_memory_bytes": c.plan.gpu_memory_bytes,
-            "reason": c.reason, "overrides": c.overrides(),
-            **({"measured_step_s": c.measured_step_s} if c.measured_step_s is not None else {})}
+    return {
+        **c.layout(),
+        "rank": c.rank,
+        "predicted_step_s": c.step_s,
+        "fits": c.plan.fits,
+        "predicted_parts_s": c.parts,
+        "tokens_per_s_per_gpu": _tokens_per_gpu(c),
+        "mfu": _mfu(c, peak),
+        "memory_bytes": c.plan.memory_bytes["total"],
+        "gpu_memory_bytes": c.plan.gpu_memory_bytes,
+        "reason": c.reason,
+        "overrides": c.overrides(),
+        **({"measured_step_s": c.measured_step_s} if c.measured_step_s is not None else {}),
+    }
 
 
 def versus_baseline(best: Candidate, base: Candidate) -> Dict[str, Any]:
@@ -326,9 +376,14 @@ def versus_baseline(best: Candidate, base: Candidate) -> Dict[str, Any]:
     gain = 1 - best.step_s / base.step_s if base.step_s > 0 else 0.0
     why = explain(base, best, top=3)
     changed = {k: (base.layout()[k], v) for k, v in best.layout().items() if base.layout()[k] != v}
-    return {"baseline_step_s": base.step_s, "recommended_step_s": best.step_s, "gain": gain,
-            "within": gain <= WITHIN, "changed": {k: list(v) for k, v in changed.items()},
-            "why": why if why else ["the same prediction"]}
+    return {
+        "baseline_step_s": base.step_s,
+        "recommended_step_s": best.step_s,
+        "gain": gain,
+        "within": gain <= WITHIN,
+        "changed": {k: list(v) for k, v in changed.items()},
+        "why": why if why else ["the same prediction"],
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -344,10 +399,29 @@ def probe_rates(cfg: Config) -> Optional[Dict[str, Any]]:
     ranks = c.nodes * c.gpus_per_node
     tps = [t for t in (1, 2, 4) if t <= ranks and m.num_attention_heads % t == 0 and m.ffn % t == 0]
     micro = sorted({1, min(4, cfg.parallel.global_batch)})
-    argv = [sys.executable, "-m", "training.observe.cost_probe", "--ranks", str(ranks), "--threads", str(threads_per_rank(ranks)),
-            "--hidden", str(m.hidden_size), "--heads", str(m.num_attention_heads), "--ffn", str(m.ffn),
-            "--seq", str(m.seq_length), "--tp", ",".join(map(str, tps)), "--micro", ",".join(map(str, micro)),
-            "--dtype", str(cfg.train.precision)]
+    argv = [
+        sys.executable,
+        "-m",
+        "training.observe.cost_probe",
+        "--ranks",
+        str(ranks),
+        "--threads",
+        str(threads_per_rank(ranks)),
+        "--hidden",
+        str(m.hidden_size),
+        "--heads",
+        str(m.num_attention_heads),
+        "--ffn",
+        str(m.ffn),
+        "--seq",
+        str(m.seq_length),
+        "--tp",
+        ",".join(map(str, tps)),
+        "--micro",
+        ",".join(map(str, micro)),
+        "--dtype",
+        str(cfg.train.precision),
+    ]
     from launcher.launch.processes import PROJECT_ROOT
 
     env = dict(os.environ, PYTHONPATH=PROJECT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -357,8 +431,10 @@ def probe_rates(cfg: Config) -> Optional[Dict[str, Any]]:
         print("meshrun: the rate probe timed out; ranking with the cluster config's rates", file=sys.stderr)
         return None
     if p.returncode != 0:
-        print(f"meshrun: the rate probe failed ({p.stderr.strip()[-500:]}); ranking with the cluster config's rates",
-              file=sys.stderr)
+        print(
+            f"meshrun: the rate probe failed ({p.stderr.strip()[-500:]}); ranking with the cluster config's rates",
+            file=sys.stderr,
+        )
         return None
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -377,8 +453,17 @@ def rates_for(cfg: Config, run_dir: str) -> Rates:
 def format_table(cands: List[Candidate], peak: float) -> str:
     rows = [("#", "layout", "step", "tok/s/GPU", "MFU", "memory", "why")]
     for c in cands:
-        rows.append((str(c.rank or "-"), c.short(), fmt_seconds(c.step_s), f"{_tokens_per_gpu(c):.4g}",
-                     f"{100 * _mfu(c, peak):.1f}%", f"{c.plan.memory_bytes['total'] / GIB:.2f} GiB", c.reason))
+        rows.append(
+            (
+                str(c.rank or "-"),
+                c.short(),
+                fmt_seconds(c.step_s),
+                f"{_tokens_per_gpu(c):.4g}",
+                f"{100 * _mfu(c, peak):.1f}%",
+                f"{c.plan.memory_bytes['total'] / GIB:.2f} GiB",
+                c.reason,
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     return "\n".join("  " + "  ".join(f"{r[i]:<{widths[i]}}" for i in range(6)) + "  " + r[6] for r in rows)
 
@@ -396,12 +481,19 @@ def recommend(cfg: Config, run_dir: str, rates: Optional[Rates] = None) -> Dict[
     result = search(cfg, rates)
     annotate(result)
     peak = cfg.cluster.peak_tflops * 1e12 if cfg.cluster.peak_tflops > 0 else rates.flops
-    top = result.candidates[:max(1, cfg.recommend.top)]
+    top = result.candidates[: max(1, cfg.recommend.top)]
     data: Dict[str, Any] = {
-        "model": cfg.model.name, "cluster": cfg.cluster.name, "world_size": cfg.cluster.nodes * cfg.cluster.gpus_per_node,
-        "global_batch": cfg.parallel.global_batch, "seq_length": cfg.model.seq_length,
-        "precision": str(cfg.train.precision), "rates": rates.to_json(), "peak_flops": peak,
-        "searched": result.searched, "valid": result.valid, "fitting": len(result.candidates),
+        "model": cfg.model.name,
+        "cluster": cfg.cluster.name,
+        "world_size": cfg.cluster.nodes * cfg.cluster.gpus_per_node,
+        "global_batch": cfg.parallel.global_batch,
+        "seq_length": cfg.model.seq_length,
+        "precision": str(cfg.train.precision),
+        "rates": rates.to_json(),
+        "peak_flops": peak,
+        "searched": result.searched,
+        "valid": result.valid,
+        "fitting": len(result.candidates),
         "candidates": [candidate_json(c, peak) for c in top] + [candidate_json(c, peak) for c in result.no_fit[:3]],
     }
     base = _baseline(cfg, rates, result)
@@ -423,21 +515,29 @@ def _baseline(cfg: Config, rates: Rates, result: Search) -> Optional[Candidate]:
     base.rank = len(faster) + 1 if base.plan.fits else 0
     if result.candidates:
         lost = explain(base, result.candidates[0], top=3)
-        base.reason = ("configured; " + ("does not fit; " if not base.plan.fits else "")
-                       + (", ".join(lost) if lost else "as fast as #1"))
+        base.reason = (
+            "configured; "
+            + ("does not fit; " if not base.plan.fits else "")
+            + (", ".join(lost) if lost else "as fast as #1")
+        )
     return base
 
 
 def run_recommend(cfg: Config, run_dir: str) -> Dict[str, Any]:
     """meshrun action=recommend: print the ranking, write run_dir/recommend.json, calibrate when asked."""
     if cfg.recommend.calibrate and cfg.cluster.kind != "local":
-        print("meshrun: recommend.calibrate=true runs the candidates on this machine: use cluster=local (or a "
-              "CPU preset); on Slurm, launch the printed candidates' overrides as a sweep. Nothing was run.",
-              file=sys.stderr)
+        print(
+            "meshrun: recommend.calibrate=true runs the candidates on this machine: use cluster=local (or a "
+            "CPU preset); on Slurm, launch the printed candidates' overrides as a sweep. Nothing was run.",
+            file=sys.stderr,
+        )
         raise SystemExit(EXIT_INVALID)
     if cfg.recommend.calibrate and cfg.recommend.calibrate_count < 2:
-        print("meshrun: recommend.calibrate_count must be >= 2 for a rank correlation (fix: "
-              "recommend.calibrate_count=4). Nothing was run.", file=sys.stderr)
+        print(
+            "meshrun: recommend.calibrate_count must be >= 2 for a rank correlation (fix: "
+            "recommend.calibrate_count=4). Nothing was run.",
+            file=sys.stderr,
+        )
         raise SystemExit(EXIT_INVALID)
     report = validate(replace(cfg, action="plan"))
     structural = [i for i in report.errors if i.key.startswith("model.") or i.code in ("data", "finite", "choice")]
@@ -450,19 +550,27 @@ def run_recommend(cfg: Config, run_dir: str) -> Dict[str, Any]:
     objs = data.pop("_objects")
     result, base, peak = objs["search"], objs["baseline"], objs["peak"]
     src = ", ".join(f"{k}: {v}" for k, v in data["rates"]["sources"].items())
-    print(f"meshrun recommend ({cfg.model.name}, {cfg.train.precision}, {cfg.cluster.name}: {data['world_size']} ranks, "
-          f"global batch {cfg.parallel.global_batch}) -> {run_dir}")
-    print(f"  searched {result.searched} layouts, {result.valid} valid, {len(result.candidates)} fit, "
-          f"in {data['elapsed_s']:.2f} s; rates: {src}")
+    print(
+        f"meshrun recommend ({cfg.model.name}, {cfg.train.precision}, {cfg.cluster.name}: {data['world_size']} ranks, "
+        f"global batch {cfg.parallel.global_batch}) -> {run_dir}"
+    )
+    print(
+        f"  searched {result.searched} layouts, {result.valid} valid, {len(result.candidates)} fit, "
+        f"in {data['elapsed_s']:.2f} s; rates: {src}"
+    )
     if not result.candidates:
         print("  no layout fits: add nodes, a larger cluster.gpu_memory_gb, or a smaller model / seq_length")
-    shown = result.candidates[:max(1, cfg.recommend.top)] + result.no_fit[:1]
+    shown = result.candidates[: max(1, cfg.recommend.top)] + result.no_fit[:1]
     print(format_table(shown + ([base] if base is not None else []), peak))
     vs = data.get("versus_baseline")
     if vs is not None:
-        print(f"  configured layout: {base.short()}: {fmt_seconds(base.step_s)}; the recommended one is "
-              f"{100 * vs['gain']:.1f} % faster" + (" (within 10 %)" if vs["within"] else "")
-              + "; it loses on " + "; ".join(vs["why"]))
+        print(
+            f"  configured layout: {base.short()}: {fmt_seconds(base.step_s)}; the recommended one is "
+            f"{100 * vs['gain']:.1f} % faster"
+            + (" (within 10 %)" if vs["within"] else "")
+            + "; it loses on "
+            + "; ".join(vs["why"])
+        )
     if result.candidates:
         print(f"  use: {result.candidates[0].overrides()}")
     os.makedirs(run_dir, exist_ok=True)

@@ -34,8 +34,27 @@ from training.contract.config import Config, derived_dp
 from training.contract.rundir.events import append_event
 from training.contract.rundir.files import write_atomic
 
-UNUSABLE = {"down", "drain", "drng", "drained", "draining", "fail", "failg", "failing", "maint", "inval", "futr",
-            "future", "unk", "unknown", "npc", "pow_dn", "powered_down", "powering_down", "reboot"}
+UNUSABLE = {
+    "down",
+    "drain",
+    "drng",
+    "drained",
+    "draining",
+    "fail",
+    "failg",
+    "failing",
+    "maint",
+    "inval",
+    "futr",
+    "future",
+    "unk",
+    "unknown",
+    "npc",
+    "pow_dn",
+    "powered_down",
+    "powering_down",
+    "reboot",
+}
 """sinfo short states (%t) of a node that cannot take a job now, whatever its allocation."""
 FREE = {"idle"}
 """States of a node that can take the whole job now (mixed and allocated nodes run other jobs)."""
@@ -50,10 +69,19 @@ def layout(cfg: Config) -> Dict[str, Any]:
     p, c = cfg.parallel, cfg.cluster
     dp = derived_dp(cfg)
     per_step = p.micro_batch * dp
-    return {"nodes": c.nodes, "ranks_per_node": c.gpus_per_node, "ranks": c.nodes * c.gpus_per_node,
-            "tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": dp, "zero": p.zero, "micro_batch": p.micro_batch,
-            "global_batch": p.global_batch,
-            "grad_accum": p.global_batch // per_step if per_step and p.global_batch % per_step == 0 else None}
+    return {
+        "nodes": c.nodes,
+        "ranks_per_node": c.gpus_per_node,
+        "ranks": c.nodes * c.gpus_per_node,
+        "tp": p.tp,
+        "pp": p.pp,
+        "cp": p.cp,
+        "dp": dp,
+        "zero": p.zero,
+        "micro_batch": p.micro_batch,
+        "global_batch": p.global_batch,
+        "grad_accum": p.global_batch // per_step if per_step and p.global_batch % per_step == 0 else None,
+    }
 
 
 def with_nodes(cfg: Config, nodes: int) -> Config:
@@ -90,18 +118,22 @@ def elastic_checks(cfg: Config) -> List[str]:
     if e.min_nodes <= 0 or out:
         return out
     if e.min_nodes > nodes:
-        return [f"cluster.elastic.min_nodes={e.min_nodes} exceeds cluster.nodes={nodes}: set it to at most "
-                f"{nodes}, or 0 (never shrink)"]
+        return [
+            f"cluster.elastic.min_nodes={e.min_nodes} exceeds cluster.nodes={nodes}: set it to at most "
+            f"{nodes}, or 0 (never shrink)"
+        ]
     if layout_errors(cfg, nodes):
         return out  # the full layout's own errors are reported by the planner; shrunk ones would only repeat them
     for n in range(e.min_nodes, nodes):
         errors = layout_errors(cfg, n)
         if errors:
             valid = [m for m in range(n + 1, nodes + 1) if not layout_errors(cfg, m)]
-            out.append(f"cluster.elastic.min_nodes={e.min_nodes}: the job may shrink to {n} node(s) (dp="
-                       f"{derived_dp(with_nodes(cfg, n))}), which would be refused: {errors[0]}; set "
-                       f"cluster.elastic.min_nodes={valid[0] if valid else nodes} or change parallel.global_batch "
-                       "so every node count in between divides it")
+            out.append(
+                f"cluster.elastic.min_nodes={e.min_nodes}: the job may shrink to {n} node(s) (dp="
+                f"{derived_dp(with_nodes(cfg, n))}), which would be refused: {errors[0]}; set "
+                f"cluster.elastic.min_nodes={valid[0] if valid else nodes} or change parallel.global_batch "
+                "so every node count in between divides it"
+            )
             break  # the fix for the smallest bad count covers the ones below it
     return out
 
@@ -151,15 +183,17 @@ class Pool:
     """Excluded nodes Slurm shows idle again: re-admitted when the run grows."""
 
 
-def pool(states: Dict[str, str], own: Sequence[str], excluded: Sequence[str], keep_excluded: Sequence[str],
-         growing: bool) -> Pool:
+def pool(
+    states: Dict[str, str], own: Sequence[str], excluded: Sequence[str], keep_excluded: Sequence[str], growing: bool
+) -> Pool:
     """The nodes for the next job. own: the ending job's nodes; excluded: the exclusion list for the next job;
     keep_excluded: nodes excluded by this very decision (never re-admitted at once); growing: the run is below
     its full count (only then is an excluded node re-admitted)."""
     readmit = sorted(n for n in excluded if growing and n not in keep_excluded and states.get(n) in FREE)
     barred = set(excluded) - set(readmit)
-    free = [n for n in sorted(states) if n not in barred and (
-        states[n] in FREE or (n in own and states[n] not in UNUSABLE))]
+    free = [
+        n for n in sorted(states) if n not in barred and (states[n] in FREE or (n in own and states[n] not in UNUSABLE))
+    ]
     up = [n for n in sorted(states) if n not in barred and states[n] not in UNUSABLE]
     return Pool(free, up, readmit)
 
@@ -200,10 +234,16 @@ class Resize:
         return "shrunk" if self.new["nodes"] < self.old["nodes"] else "grown"
 
 
-def plan_resize(cfg: Config, events: Sequence[Dict[str, Any]], own: Sequence[str], excluded: Sequence[str],
-                newly_excluded: Sequence[str] = (), job_end: Optional[float] = None,
-                states_fn: Callable[[str], Dict[str, str]] = node_states,
-                sleep: Callable[[float], None] = time.sleep) -> Optional[Resize]:
+def plan_resize(
+    cfg: Config,
+    events: Sequence[Dict[str, Any]],
+    own: Sequence[str],
+    excluded: Sequence[str],
+    newly_excluded: Sequence[str] = (),
+    job_end: Optional[float] = None,
+    states_fn: Callable[[str], Dict[str, str]] = node_states,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Optional[Resize]:
     """The next job's node count and exclusions, or None when nothing changes (or Slurm cannot say).
 
     Shrinks when the full count is not free: at once when too few nodes are up, else after waiting up to
@@ -240,8 +280,10 @@ def plan_resize(cfg: Config, events: Sequence[Dict[str, Any]], own: Sequence[str
     if n == current and exclude == list(excluded):
         return None
     new_cfg = with_nodes(cfg, n)
-    why = (f"{len(p.free)} of the {target} node(s) the run asks for are free ({', '.join(p.free) or 'none'}; "
-           f"excluded: {', '.join(exclude) or 'none'})")
+    why = (
+        f"{len(p.free)} of the {target} node(s) the run asks for are free ({', '.join(p.free) or 'none'}; "
+        f"excluded: {', '.join(exclude) or 'none'})"
+    )
     if waited:
         why += f", after waiting {waited:.0f} s for busy nodes (cluster.elastic.wait_min={e.wait_min:g})"
     return Resize(new_cfg, exclude, layout(cfg), layout(new_cfg), p.readmit, why, waited)
@@ -259,8 +301,17 @@ def apply_resize(run_dir: str, r: Resize, **fields: Any) -> None:
         path = os.path.join(run_dir, "plan.json")
         write_atomic(path, json.dumps(report.plan.to_json(), indent=2))
     if r.event:
-        append_event(run_dir, r.event, old_layout=r.old, new_layout=r.new, readmitted_nodes=r.readmitted,
-                     excluded_nodes=r.exclude, reason=r.reason, waited_s=round(r.waited_s, 1), **fields)
+        append_event(
+            run_dir,
+            r.event,
+            old_layout=r.old,
+            new_layout=r.new,
+            readmitted_nodes=r.readmitted,
+            excluded_nodes=r.exclude,
+            reason=r.reason,
+            waited_s=round(r.waited_s, 1),
+            **fields,
+        )
 
 
 def job_end_time(job: str) -> Optional[float]:

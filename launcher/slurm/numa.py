@@ -61,7 +61,9 @@ def gpu_bus_ids(proc_root: str = "/proc/driver/nvidia/gpus") -> Dict[int, str]:
         return out
     res = subprocess.run(
         ["nvidia-smi", "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     for line in res.stdout.splitlines():
         idx, _, bus = line.partition(",")

@@ -7,8 +7,17 @@ from typing import Dict, List, Optional
 
 from training.contract.slurm_env import SlurmUnavailable, slurm_command
 
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-                "BOOT_FAIL", "DEADLINE"}
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def job_alive(job_id: str) -> Optional[bool]:

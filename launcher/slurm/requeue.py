@@ -49,8 +49,11 @@ class Decision:
 
 
 # Exceptions that point at the machine rather than the program: a rank that raised one implicates its node.
-_HARDWARE = re.compile(r"CUDA error|NCCL error|ECC|uncorrectable|Xid|device-side assert|cudaError|"
-                       r"Input/output error on device|hardware", re.IGNORECASE)
+_HARDWARE = re.compile(
+    r"CUDA error|NCCL error|ECC|uncorrectable|Xid|device-side assert|cudaError|"
+    r"Input/output error on device|hardware",
+    re.IGNORECASE,
+)
 
 
 def _terminated_by_srun(rec: Dict) -> bool:
@@ -69,7 +72,8 @@ def _implicates_node(rec: Dict) -> bool:
     if code == EXIT_FAILED:
         # "oom": CUDA out of memory is the layout's (training/observe/oom.py), not the node's.
         return rec.get("cause") not in ("exception", "save_failed", "invalid", "oom", "") or bool(
-            _HARDWARE.search(rec.get("error") or ""))
+            _HARDWARE.search(rec.get("error") or "")
+        )
     return code not in (EXIT_OK, EXIT_STOPPED, EXIT_INVALID)
 
 
@@ -96,12 +100,18 @@ def decide(
     if any(c == EXIT_INVALID for c in codes.values()):
         ranks = sorted(r for r, c in codes.items() if c == EXIT_INVALID)
         error = by_rank[ranks[0]].get("error") or "see the rank's log"
-        return Decision("stop", f"invalid configuration or data (exit {EXIT_INVALID} on rank(s) {ranks}), "
-                                f"not retried: {error}", [_failure(by_rank[r]) for r in ranks])
+        return Decision(
+            "stop",
+            f"invalid configuration or data (exit {EXIT_INVALID} on rank(s) {ranks}), not retried: {error}",
+            [_failure(by_rank[r]) for r in ranks],
+        )
     if len(by_rank) == world_size and all(c in (EXIT_OK, EXIT_STOPPED) for c in codes.values()):
         if saved:
-            return Decision("requeue", "stopped early after a checkpoint (preemption, time limit or exit_interval)",
-                            cause="stopped_early")
+            return Decision(
+                "requeue",
+                "stopped early after a checkpoint (preemption, time limit or exit_interval)",
+                cause="stopped_early",
+            )
         why = "stopped early without writing a checkpoint newer than the previous attempt's"
         if exhausted:
             return Decision("stop", f"{why}, again: retries exhausted (cluster.max_retries={max_retries})")
@@ -112,10 +122,12 @@ def decide(
         failures = [_failure(save_failed[0])]
         reason = f"saving a checkpoint failed on rank {save_failed[0]['rank']}: {save_failed[0].get('error', '')}"
         if exhausted:
-            return Decision("stop", f"{reason}; retries exhausted (cluster.max_retries={max_retries})", failures,
-                            list(excluded))
-        return Decision("requeue", f"{reason}; requeued from the previous checkpoint", failures, list(excluded),
-                        cause="save_failed")
+            return Decision(
+                "stop", f"{reason}; retries exhausted (cluster.max_retries={max_retries})", failures, list(excluded)
+            )
+        return Decision(
+            "requeue", f"{reason}; requeued from the previous checkpoint", failures, list(excluded), cause="save_failed"
+        )
 
     missing = sorted(set(range(world_size)) - set(by_rank))
     reported_nodes = {rec.get("node") for rec in by_rank.values()}
@@ -135,8 +147,7 @@ def decide(
         first = min(failed, key=lambda rec: rec.get("ended", 0.0))
         failures = [_failure(first)]
     else:
-        failures = [Failure(r, rank_nodes.get(r, "?"), None, "never reported (node or task lost)")
-                    for r in missing]
+        failures = [Failure(r, rank_nodes.get(r, "?"), None, "never reported (node or task lost)") for r in missing]
         if not failures:
             failures = [Failure(-1, "?", None, "step failed without a failing rank")]
 
@@ -145,21 +156,31 @@ def decide(
     # the same exception but before they exited 1: a rank killed by a signal counts when its last
     # error line is that same exception.
     errors = {by_rank[r].get("error", "") for r in by_rank}
-    if (not progressed and len(by_rank) == world_size and any(c == EXIT_FAILED for c in codes.values())
-            and all(c == EXIT_FAILED or (isinstance(c, int) and c < 0) for c in codes.values())
-            and len(errors) == 1 and "" not in errors):
-        return Decision("stop", f"the same error on every rank before any step: {by_rank[0].get('error', '')} "
-                                "(a bug or a config problem: not retried)", failures)
+    if (
+        not progressed
+        and len(by_rank) == world_size
+        and any(c == EXIT_FAILED for c in codes.values())
+        and all(c == EXIT_FAILED or (isinstance(c, int) and c < 0) for c in codes.values())
+        and len(errors) == 1
+        and "" not in errors
+    ):
+        return Decision(
+            "stop",
+            f"the same error on every rank before any step: {by_rank[0].get('error', '')} "
+            "(a bug or a config problem: not retried)",
+            failures,
+        )
     if exhausted:
-        return Decision("stop", f"retries exhausted (cluster.max_retries={max_retries})", failures,
-                        list(excluded))
+        return Decision("stop", f"retries exhausted (cluster.max_retries={max_retries})", failures, list(excluded))
     # Only evidence against a node excludes it: a rank that raised a Python exception (a bug or a
     # configuration problem) leaves its healthy node in the pool.
     blamed = blamed_failures(failures, by_rank)
     exclude, note = plan_exclusion(excluded, [f.node for f in blamed], partition_nodes, nodes_needed)
     if failures and not blamed:
-        note = (note + "; " if note else "") + ("no node excluded: the failing rank raised an exception, "
-                                                 "which is the program's or its input's, not the node's")
+        note = (note + "; " if note else "") + (
+            "no node excluded: the failing rank raised an exception, "
+            "which is the program's or its input's, not the node's"
+        )
     reason = "; ".join(f"rank {f.rank} on {f.node}: exit {f.exit_code} {f.reason}".strip() for f in failures)
     return Decision("resubmit", reason, failures, exclude, note, cause="failure")
 
@@ -167,12 +188,15 @@ def decide(
 def blamed_failures(failures: Sequence[Failure], by_rank: Dict[int, Dict]) -> List[Failure]:
     """The failures that are evidence against their node (a node lost, a signal, a bad node, hardware errors);
     by_rank: rank -> its rank_<R>.json record."""
-    return [f for f in failures if f.node != "?" and (
-        f.exit_code is None or _implicates_node({**by_rank.get(f.rank, {}), "exit_code": f.exit_code}))]
+    return [
+        f
+        for f in failures
+        if f.node != "?"
+        and (f.exit_code is None or _implicates_node({**by_rank.get(f.rank, {}), "exit_code": f.exit_code}))
+    ]
 
 
-def plan_exclusion(excluded: Sequence[str], new: Sequence[str], partition_nodes: Sequence[str],
-                   nodes_needed: int):
+def plan_exclusion(excluded: Sequence[str], new: Sequence[str], partition_nodes: Sequence[str], nodes_needed: int):
     """Exclusions for the next job: old ones plus new failing nodes, never so many that fewer than
     nodes_needed partition nodes remain. Returns (exclude list, note about nodes left usable)."""
     out = list(dict.fromkeys(excluded))
@@ -187,8 +211,10 @@ def plan_exclusion(excluded: Sequence[str], new: Sequence[str], partition_nodes:
         out.append(node)
     note = ""
     if skipped:
-        note = (f"not excluding {', '.join(skipped)}: the partition would keep fewer than the "
-                f"{nodes_needed} nodes the job needs")
+        note = (
+            f"not excluding {', '.join(skipped)}: the partition would keep fewer than the "
+            f"{nodes_needed} nodes the job needs"
+        )
     return out, note
 
 

@@ -23,8 +23,16 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from launcher.slurm.sbatch import (SlurmConfigError, SlurmJobSpec, array_dry_run_text, array_group_key, array_job_spec,
-                                   dry_run_text, job_spec, with_cpus_per_task)
+from launcher.slurm.sbatch import (
+    SlurmConfigError,
+    SlurmJobSpec,
+    array_dry_run_text,
+    array_group_key,
+    array_job_spec,
+    dry_run_text,
+    job_spec,
+    with_cpus_per_task,
+)
 from launcher.slurm import in_job
 from launcher.slurm.rank_task import RankTask
 from training.contract.rundir.config_files import write_config
@@ -42,9 +50,11 @@ def check_controller() -> None:
     res = slurm_command(["scontrol", "ping"])
     if res.returncode != 0 or "UP" not in res.stdout:
         msg = (res.stdout + res.stderr).strip().splitlines()
-        raise SlurmUnavailable("the Slurm controller does not answer (`scontrol ping`: "
-                               f"{msg[-1] if msg else 'no output'}); start it (dev: "
-                               "`bash slurm/dev-cluster.sh up`) or check SLURM_CONF")
+        raise SlurmUnavailable(
+            "the Slurm controller does not answer (`scontrol ping`: "
+            f"{msg[-1] if msg else 'no output'}); start it (dev: "
+            "`bash slurm/dev-cluster.sh up`) or check SLURM_CONF"
+        )
 
 
 def partition_node_cpus(partition: str) -> Dict[str, int]:
@@ -70,19 +80,25 @@ def check_partition(cfg: Config) -> Dict[str, int]:
     nodes = partition_node_cpus(cfg.cluster.partition)
     if not nodes:
         known = slurm_command(["sinfo", "-h", "-o", "%R"]).stdout.split()
-        raise SlurmConfigError(f"cluster.partition={cfg.cluster.partition!r} does not exist on this cluster; "
-                               f"known partitions: {', '.join(sorted(set(known))) or 'none'}")
+        raise SlurmConfigError(
+            f"cluster.partition={cfg.cluster.partition!r} does not exist on this cluster; "
+            f"known partitions: {', '.join(sorted(set(known))) or 'none'}"
+        )
     excluded = set(cfg.cluster.exclude.split(",")) - {""}
     usable = {n: cpus for n, cpus in sorted(nodes.items()) if n not in excluded}
     if len(usable) < cfg.cluster.nodes:
-        raise SlurmConfigError(f"cluster.nodes={cfg.cluster.nodes} but partition {cfg.cluster.partition!r} has "
-                               f"{len(usable)} usable node(s) ({', '.join(usable)}): lower cluster.nodes")
+        raise SlurmConfigError(
+            f"cluster.nodes={cfg.cluster.nodes} but partition {cfg.cluster.partition!r} has "
+            f"{len(usable)} usable node(s) ({', '.join(usable)}): lower cluster.nodes"
+        )
     wanted = in_job.allocation_nodes(cfg.cluster)
     if len(usable) < wanted:
-        raise SlurmConfigError(f"cluster.nodes={cfg.cluster.nodes} + cluster.spare_nodes={cfg.cluster.spare_nodes} "
-                               f"but partition {cfg.cluster.partition!r} has {len(usable)} usable node(s) "
-                               f"({', '.join(usable)}): lower cluster.spare_nodes to "
-                               f"{len(usable) - cfg.cluster.nodes}")
+        raise SlurmConfigError(
+            f"cluster.nodes={cfg.cluster.nodes} + cluster.spare_nodes={cfg.cluster.spare_nodes} "
+            f"but partition {cfg.cluster.partition!r} has {len(usable)} usable node(s) "
+            f"({', '.join(usable)}): lower cluster.spare_nodes to "
+            f"{len(usable) - cfg.cluster.nodes}"
+        )
     return usable
 
 
@@ -97,8 +113,9 @@ def resolve_for_slurm(cfg: Config) -> Config:
     except SlurmUnavailable as exc:
         if not cfg.dry_run:
             raise
-        raise SlurmUnavailable(f"{exc}. A dry run without Slurm: set cluster.cpus_per_task (0 reads the "
-                               "node's CPUs from the partition)") from None
+        raise SlurmUnavailable(
+            f"{exc}. A dry run without Slurm: set cluster.cpus_per_task (0 reads the node's CPUs from the partition)"
+        ) from None
     return with_cpus_per_task(cfg, min((c for c in nodes.values() if c > 0), default=0))
 
 
@@ -143,13 +160,23 @@ def submit_job(cfg: Config, run_dir: str, exclude: str = "") -> str:
     return _submit_spec(job_spec(cfg, run_dir, exclude), [run_dir])[0]
 
 
-def _record_submission(cfg: Config, run_dir: str, job_id: str, log_dir: str,
-                       code: Optional[Dict[str, Any]] = None) -> None:
+def _record_submission(
+    cfg: Config, run_dir: str, job_id: str, log_dir: str, code: Optional[Dict[str, Any]] = None
+) -> None:
     excluded = [n for n in cfg.cluster.exclude.split(",") if n]
     snap = {k: code[k] for k in ("path", "commit", "dirty") if code and k in code}
-    append_event(run_dir, "submitted", job_id=job_id, attempt=0, excluded_nodes=excluded,
-                 partition=cfg.cluster.partition, nodes=cfg.cluster.nodes, ranks_per_node=cfg.cluster.gpus_per_node,
-                 log_dir=log_dir, **{f"code_{k}" if k != "path" else "code": v for k, v in snap.items()})
+    append_event(
+        run_dir,
+        "submitted",
+        job_id=job_id,
+        attempt=0,
+        excluded_nodes=excluded,
+        partition=cfg.cluster.partition,
+        nodes=cfg.cluster.nodes,
+        ranks_per_node=cfg.cluster.gpus_per_node,
+        log_dir=log_dir,
+        **{f"code_{k}" if k != "path" else "code": v for k, v in snap.items()},
+    )
     lock = held(run_dir)
     if lock is not None:
         lock.hand_to_job(job_id)  # from now on the job holds the run directory (training/contract/rundir/lock.py)
@@ -177,8 +204,11 @@ def submit_arrays(run_dirs: Sequence[str], folder: str) -> Dict[str, Dict[str, A
                 continue
         cfg, dirs = group[0][0], [run_dir for _, run_dir in group]
         code_root = code_dir(dirs[0] if len(group) == 1 else folder)
-        spec = (job_spec(cfg, dirs[0], code_root=code_root) if len(group) == 1
-                else array_job_spec(cfg, dirs, folder, code_root=code_root))
+        spec = (
+            job_spec(cfg, dirs[0], code_root=code_root)
+            if len(group) == 1
+            else array_job_spec(cfg, dirs, folder, code_root=code_root)
+        )
         if dry:
             print(dry_run_text(cfg, spec, dirs[0]) if len(group) == 1 else array_dry_run_text(spec, dirs), flush=True)
             updates.update({run_dir: {"status": "dry_run"} for run_dir in dirs})
@@ -230,8 +260,9 @@ def _release(run_dir: str) -> None:
         lock.release()
 
 
-def submit(cfg: Config, run_dir: str, plan_result: Dict[str, Any], multirun: bool = False,
-           queue: bool = False) -> Dict[str, Any]:
+def submit(
+    cfg: Config, run_dir: str, plan_result: Dict[str, Any], multirun: bool = False, queue: bool = False
+) -> Dict[str, Any]:
     """The app's Slurm launcher (action=train, cluster.kind=slurm). queue=True (a sweep point of
     meshrun's launcher): check, then return status "queued"; the launcher submits the batch's queued
     points with submit_arrays (a dry run too: it prints the arrays' scripts)."""
@@ -297,8 +328,9 @@ def wait_all(run_dirs: List[str], poll_s: float = 2.0) -> Dict[str, Dict[str, An
             final = _settled(run_dir, run_status(run_dir), poll_s=0.5)
             if final is not None:
                 finals[run_dir] = final
-                print(f"  {final['state']}: job {final['job_id']}, last step {final['last_step']}, {run_dir}",
-                      flush=True)
+                print(
+                    f"  {final['state']}: job {final['job_id']}, last step {final['last_step']}, {run_dir}", flush=True
+                )
         if len(finals) < len(run_dirs):
             time.sleep(poll_s)
     return finals

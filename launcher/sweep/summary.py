@@ -86,8 +86,11 @@ def summarize(points: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Split point records into feasible (ranked: predicted step time, then most headroom) and infeasible."""
     feasible, infeasible = [], []
     for pt in points:
-        row: Dict[str, Any] = {"num": pt.get("num"), "overrides": pt.get("overrides", []),
-                               "status": pt.get("status", "?")}
+        row: Dict[str, Any] = {
+            "num": pt.get("num"),
+            "overrides": pt.get("overrides", []),
+            "status": pt.get("status", "?"),
+        }
         for key in ("job_id",):
             if key in pt:
                 row[key] = pt[key]
@@ -96,11 +99,17 @@ def summarize(points: List[Dict[str, Any]]) -> Dict[str, Any]:
         plan = _read_plan(pt["run_dir"]) if pt.get("status") in FEASIBLE and pt.get("run_dir") else None
         if plan is not None:
             mem = plan["memory_bytes"]["total"]
-            row.update(layout=layout_label(plan, bool(pt.get("sp"))), world_size=plan["world_size"],
-                       predicted_step_s=plan.get("predicted_step_s", 0.0), memory_bytes=mem,
-                       headroom_bytes=plan["gpu_memory_bytes"] - mem, bubble_ratio=plan["bubble_ratio"],
-                       run_dir=pt["run_dir"], tokens_per_s_per_gpu=plan.get("tokens_per_s_per_gpu", 0.0),
-                       mfu=plan.get("mfu", 0.0))
+            row.update(
+                layout=layout_label(plan, bool(pt.get("sp"))),
+                world_size=plan["world_size"],
+                predicted_step_s=plan.get("predicted_step_s", 0.0),
+                memory_bytes=mem,
+                headroom_bytes=plan["gpu_memory_bytes"] - mem,
+                bubble_ratio=plan["bubble_ratio"],
+                run_dir=pt["run_dir"],
+                tokens_per_s_per_gpu=plan.get("tokens_per_s_per_gpu", 0.0),
+                mfu=plan.get("mfu", 0.0),
+            )
             feasible.append(row)
         else:
             row["reason"] = _reason(pt) if pt.get("status") not in FEASIBLE else "plan.json missing"
@@ -151,32 +160,40 @@ def format_summary(summary: Dict[str, Any], common: List[str], short: Optional[D
         mine = [o.split("=", 1) for o in r["overrides"] if o not in common_set]
         return " ".join(f"{short.get(k, k)}={v}" for k, v in mine) or "-"
 
-    lines = [f"sweep summary: {len(feasible)} feasible, {len(infeasible)} infeasible; ranked by predicted step "
-             f"time (compute, communication, bubble); memory per GPU"]
+    lines = [
+        f"sweep summary: {len(feasible)} feasible, {len(infeasible)} infeasible; ranked by predicted step "
+        f"time (compute, communication, bubble); memory per GPU"
+    ]
     if common:
-        lines += textwrap.wrap("every point: " + " ".join(common), WIDTH, subsequent_indent="  ",
-                               break_on_hyphens=False)
+        lines += textwrap.wrap(
+            "every point: " + " ".join(common), WIDTH, subsequent_indent="  ", break_on_hyphens=False
+        )
     if feasible:
         lay_w = max(len("layout"), *(len(r["layout"]) for r in feasible))
         extras = [" ".join(f"{k}={r[k]}" for k in ("job_id", "state") if k in r) for r in feasible]
-        head = (f"{'rank':>4} {'#':>3} {'layout':<{lay_w}} {'step':>8} {'tok/s/GPU':>9} {'MFU':>5} {'memory':>9} "
-                f"{'headroom':>9} {'bubble':>6} ")
+        head = (
+            f"{'rank':>4} {'#':>3} {'layout':<{lay_w}} {'step':>8} {'tok/s/GPU':>9} {'MFU':>5} {'memory':>9} "
+            f"{'headroom':>9} {'bubble':>6} "
+        )
         extra_w = max(len(e) for e in extras)
         ov_w = max(WIDTH - len(head) - (extra_w + 1 if extra_w else 0), 16)
         lines.append(_fit(head + ("overrides".ljust(ov_w) + " job" if extra_w else "overrides"), WIDTH))
         lines.append("-" * min(WIDTH, len(head) + ov_w + (extra_w + 1 if extra_w else 0)))
         for i, (r, extra) in enumerate(zip(feasible, extras), 1):
-            row = (f"{i:>4} {r['num']!s:>3} {r['layout']:<{lay_w}} {fmt_seconds(r['predicted_step_s']):>8} "
-                   f"{fmt_rate(r.get('tokens_per_s_per_gpu', 0.0)):>9} {100 * r.get('mfu', 0.0):>4.1f}% "
-                   f"{fmt_bytes(r['memory_bytes']):>9} {fmt_bytes(r['headroom_bytes']):>9} {r['bubble_ratio']:6.3f} ")
+            row = (
+                f"{i:>4} {r['num']!s:>3} {r['layout']:<{lay_w}} {fmt_seconds(r['predicted_step_s']):>8} "
+                f"{fmt_rate(r.get('tokens_per_s_per_gpu', 0.0)):>9} {100 * r.get('mfu', 0.0):>4.1f}% "
+                f"{fmt_bytes(r['memory_bytes']):>9} {fmt_bytes(r['headroom_bytes']):>9} {r['bubble_ratio']:6.3f} "
+            )
             tail = _fit(own(r), ov_w)
             lines.append(_fit((row + tail.ljust(ov_w) + " " + extra) if extra else row + tail, WIDTH))
     if infeasible:
         lines.append("infeasible (first reason):")
         ov_w = min(max(len(own(r)) for r in infeasible), 48)
         for r in infeasible:
-            lines.append(_fit(f"{'x':>4} {r['num']!s:>4}  {_fit(own(r), ov_w):<{ov_w}}  {r['status']}: {r['reason']}",
-                              WIDTH))
+            lines.append(
+                _fit(f"{'x':>4} {r['num']!s:>4}  {_fit(own(r), ov_w):<{ov_w}}  {r['status']}: {r['reason']}", WIDTH)
+            )
     return "\n".join(_fit(line, WIDTH) for line in lines)
 
 
@@ -215,6 +232,9 @@ class SweepSummary(Callback):
         print(f"sweep.json: {os.path.abspath(path)}")
         ended_badly = [r for r in summary["feasible"] if r.get("state", "COMPLETED") != "COMPLETED"]
         if ended_badly:  # wait=true: a script waiting on the sweep must see that a point failed
-            print(f"meshrun: {len(ended_badly)} sweep point(s) did not complete: "
-                  + ", ".join(f"#{r['num']} {r['state']}" for r in ended_badly), file=sys.stderr)
+            print(
+                f"meshrun: {len(ended_badly)} sweep point(s) did not complete: "
+                + ", ".join(f"#{r['num']} {r['state']}" for r in ended_badly),
+                file=sys.stderr,
+            )
             raise SystemExit(EXIT_FAILED)

@@ -30,11 +30,31 @@ def test_goodput_of_an_mtbf_far_below_the_restart_time_is_zero_not_an_overflow()
 @pytest.mark.slow  # trains (one CLI launch)
 def test_a_run_with_auto_cadence_saves_by_the_resolved_minutes(tmp_path):
     run = tmp_path / "run"
-    p = subprocess.run([PYTHON, "-m", "launcher", f"run.dir={run}", "data=synthetic", "parallel=single",
-                        "cluster.gpus_per_node=1", "model.num_layers=2", "model.seq_length=32",
-                        "parallel.global_batch=2", "parallel.micro_batch=1", "train.steps=6", "train.warmup_steps=1",
-                        "train.checkpoint_every=0", "train.checkpoint_every_min=auto", "cluster.node_mtbf_h=0.000001"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+    p = subprocess.run(
+        [
+            PYTHON,
+            "-m",
+            "launcher",
+            f"run.dir={run}",
+            "data=synthetic",
+            "parallel=single",
+            "cluster.gpus_per_node=1",
+            "model.num_layers=2",
+            "model.seq_length=32",
+            "parallel.global_batch=2",
+            "parallel.micro_batch=1",
+            "train.steps=6",
+            "train.warmup_steps=1",
+            "train.checkpoint_every=0",
+            "train.checkpoint_every_min=auto",
+            "cluster.node_mtbf_h=0.000001",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Young/Daly optimum" in p.stdout, p.stdout[-2000:]
     cfg = json.loads((run / "config.json").read_text())

@@ -105,9 +105,12 @@ def _spawned(cases: List[Tuple[str, dict, str, str]]) -> Dict[str, Any]:
             meshes[key] = ProcessMesh.from_env(*key, timeout_s=cfg.train.dist_timeout_s)
         res = _train(cfg, run_dir, meshes[key], hook)
         dist.barrier()  # every rank's part of the final checkpoint is on disk before anyone reads it
-        res.update(steps=storage.list_steps(run_dir), latest=storage.read_latest(run_dir),
-                   events=read_events(run_dir),
-                   tmp=[n for n in os.listdir(storage.checkpoints_dir(run_dir)) if n.startswith(".tmp")])
+        res.update(
+            steps=storage.list_steps(run_dir),
+            latest=storage.read_latest(run_dir),
+            events=read_events(run_dir),
+            tmp=[n for n in os.listdir(storage.checkpoints_dir(run_dir)) if n.startswith(".tmp")],
+        )
         out[name] = res
     next(iter(meshes.values())).destroy()
     return out
@@ -140,8 +143,12 @@ def killed(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("killed"))
     with pytest.raises(RuntimeError, match="died|Connection closed|failed") as err:  # whichever rank reports first
         _run([("kill", _cfg(checkpoint_every=5, dist_timeout_s=10), run_dir, "kill_in_save10")], timeout_s=120)
-    return {"dir": run_dir, "error": str(err.value), "latest": storage.read_latest(run_dir),
-            "steps": storage.list_steps(run_dir)}
+    return {
+        "dir": run_dir,
+        "error": str(err.value),
+        "latest": storage.read_latest(run_dir),
+        "steps": storage.list_steps(run_dir),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -150,15 +157,18 @@ def four(tmp_path_factory, killed):
     layout cases), the stops at 10 and their resumes, the pp=2 reference, the resume after the kill."""
     base = tmp_path_factory.mktemp("four")
     d = {name: str(base / name) for name in ("ref", "exit_interval", "signal", "ref_pp2")}
-    return _run([
-        ("ref", _cfg(checkpoint_every=10), d["ref"], ""),
-        ("exit_interval_first", _cfg(exit_interval=10), d["exit_interval"], ""),
-        ("exit_interval_second", _cfg(), d["exit_interval"], ""),
-        ("signal_first", _cfg(), d["signal"], "signal10"),
-        ("signal_second", _cfg(), d["signal"], ""),
-        ("ref_pp2", _pp_cfg(2, checkpoint_every=10), d["ref_pp2"], ""),
-        ("killed_resume", _cfg(exit_interval=10), killed["dir"], ""),
-    ], timeout_s=900) | {"dirs": d}
+    return _run(
+        [
+            ("ref", _cfg(checkpoint_every=10), d["ref"], ""),
+            ("exit_interval_first", _cfg(exit_interval=10), d["exit_interval"], ""),
+            ("exit_interval_second", _cfg(), d["exit_interval"], ""),
+            ("signal_first", _cfg(), d["signal"], "signal10"),
+            ("signal_second", _cfg(), d["signal"], ""),
+            ("ref_pp2", _pp_cfg(2, checkpoint_every=10), d["ref_pp2"], ""),
+            ("killed_resume", _cfg(exit_interval=10), killed["dir"], ""),
+        ],
+        timeout_s=900,
+    ) | {"dirs": d}
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +179,13 @@ def two(tmp_path_factory, four):
     d = {"tp1": str(base / "tp1"), "pp1": str(base / "pp1")}
     _copy_step(four["dirs"]["ref"], 10, d["tp1"])
     _copy_step(four["dirs"]["ref_pp2"], 10, d["pp1"])
-    return _run([("tp1", _cfg(tp=1, dp=2, zero=1, exit_interval=15), d["tp1"], ""),
-                 ("pp1", _pp_cfg(1, exit_interval=15), d["pp1"], "")], timeout_s=400) | {"dirs": d}
+    return _run(
+        [
+            ("tp1", _cfg(tp=1, dp=2, zero=1, exit_interval=15), d["tp1"], ""),
+            ("pp1", _pp_cfg(1, exit_interval=15), d["pp1"], ""),
+        ],
+        timeout_s=400,
+    ) | {"dirs": d}
 
 
 @pytest.fixture(scope="module")
@@ -181,9 +196,14 @@ def again_four(tmp_path_factory, two):
     _copy_step(two["dirs"]["tp1"], 15, d["tp4"])
     _copy_step(two["dirs"]["tp1"], 15, d["dp4"])
     _copy_step(two["dirs"]["pp1"], 15, d["pp2"])
-    return _run([("tp4", _cfg(tp=4, dp=1, zero=0), d["tp4"], ""),
-                 ("dp4", _cfg(tp=1, dp=4, zero=1), d["dp4"], ""),
-                 ("pp2", _pp_cfg(2), d["pp2"], "")], timeout_s=600)
+    return _run(
+        [
+            ("tp4", _cfg(tp=4, dp=1, zero=0), d["tp4"], ""),
+            ("dp4", _cfg(tp=1, dp=4, zero=1), d["dp4"], ""),
+            ("pp2", _pp_cfg(2), d["pp2"], ""),
+        ],
+        timeout_s=600,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -48,16 +48,22 @@ def _run(cfg: Config, run_dir: str, mesh):
     if mesh.rank == 0:
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-    return {"losses": list(trainer.losses), "names": names, "rows": rows,
-            "compiled": getattr(trainer, "compiled_layers", 0)}
+    return {
+        "losses": list(trainer.losses),
+        "names": names,
+        "rows": rows,
+        "compiled": getattr(trainer, "compiled_layers", 0),
+    }
 
 
 def _one(base: str):
     from training.parallel.mesh import ProcessMesh
 
     mesh = ProcessMesh.from_env(1, 1, 1, 1, timeout_s=300)
-    out = {"eager": _run(_cfg(), os.path.join(base, "eager"), mesh),
-           "compiled": _run(_cfg(compile=True), os.path.join(base, "compiled1"), mesh)}
+    out = {
+        "eager": _run(_cfg(), os.path.join(base, "eager"), mesh),
+        "compiled": _run(_cfg(compile=True), os.path.join(base, "compiled1"), mesh),
+    }
     # recompute=full checkpoints each (compiled) layer whole, and recomputes it with the same dropout masks.
     for name, compile in (("full_eager", False), ("full_compiled", True)):
         cfg = _cfg(compile=compile)

@@ -160,8 +160,9 @@ def _cases_2(base: str) -> Dict[str, Any]:
         mesh = _mesh(cfg)
         out[f"{model}/memory"] = _saved_activation_bytes(_memory_cfg(model, 2), mesh)
         out[f"{model}/cp2"] = _run(cfg, os.path.join(base, model, "cp2"), mesh)
-        out[f"{model}/cp2_bf16"] = _run(_bf16(_cfg(model, cp=2)), os.path.join(base, model, "cp2_bf16"), mesh,
-                                        grads=False)
+        out[f"{model}/cp2_bf16"] = _run(
+            _bf16(_cfg(model, cp=2)), os.path.join(base, model, "cp2_bf16"), mesh, grads=False
+        )
         gathered = _cfg(model, cp=2)
         gathered.parallel.cp_comm = "all_gather"
         out[f"{model}/cp2_all_gather"] = _run(gathered, os.path.join(base, model, "cp2_all_gather"), mesh)
@@ -190,8 +191,9 @@ def _cases_2(base: str) -> Dict[str, Any]:
     second = _run(_cfg("llama", cp=2, steps=4), run, mesh, True, False)
     out["resume"] = {"ref": ref, "first": first, "second": second}
     # The cp2 half of the resharding: stop after step 2 with a checkpoint (resumed at cp1 by the test).
-    out["reshard"] = _run(_cfg("llama", cp=2, exit_interval=2, **RESHARD), os.path.join(base, "reshard"), mesh,
-                          True, False)
+    out["reshard"] = _run(
+        _cfg("llama", cp=2, exit_interval=2, **RESHARD), os.path.join(base, "reshard"), mesh, True, False
+    )
     mesh.destroy()
     return out
 
@@ -320,8 +322,10 @@ def test_activation_memory_per_rank_falls_as_one_over_cp(results, model):
         for rank in ranks:
             got = rank[f"{model}/memory"]
             ratio = got["measured"] / one["measured"]
-            print(f"{model} cp{cp}: saved {got['measured']} B vs cp1 {one['measured']} B (x {ratio:.3f}); "
-                  f"plan {got['planned']} B")
+            print(
+                f"{model} cp{cp}: saved {got['measured']} B vs cp1 {one['measured']} B (x {ratio:.3f}); "
+                f"plan {got['planned']} B"
+            )
             assert abs(ratio - 1 / cp) <= 0.02 / cp, (model, cp, ratio)
             assert got["planned"] * cp == pytest.approx(one["planned"], rel=0.01)
             assert abs(got["measured"] - got["planned"]) <= 0.10 * got["planned"], (model, cp, got)

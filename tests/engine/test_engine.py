@@ -85,7 +85,12 @@ def _train(cfg_dict: dict, run_dir: str, with_grads: bool = True):
         for c in trainer.chunks:
             c.micro_step = 0  # the dropout key sequence starts over
     trainer.run()
-    result = {"losses": trainer.losses, "memory": trainer.optimizer.memory_report(), "grads": grads, "activations": activations}
+    result = {
+        "losses": trainer.losses,
+        "memory": trainer.optimizer.memory_report(),
+        "grads": grads,
+        "activations": activations,
+    }
     mesh.destroy()
     return result if mesh.rank == 0 else {"memory": result["memory"], "activations": activations}
 
@@ -145,8 +150,11 @@ def test_layout_reproduces_single_process(layout):
     for rank, res in enumerate(results):
         assert res["memory"] == {k: plan[k] for k in ("weights", "grads", "optimizer")}, rank
         # Activation bytes saved for backward (saved-tensor hooks) within 10 % of the plan.
-        assert abs(res["activations"] - plan["activations"]) <= 0.10 * plan["activations"], \
-            (rank, res["activations"], plan["activations"])
+        assert abs(res["activations"] - plan["activations"]) <= 0.10 * plan["activations"], (
+            rank,
+            res["activations"],
+            plan["activations"],
+        )
     _ACTIVATIONS[layout] = results[0]["activations"]
     if "tp2_sp_dp2_zero1" in _ACTIVATIONS and "tp2_dp2" in _ACTIVATIONS:
         assert _ACTIVATIONS["tp2_sp_dp2_zero1"] < _ACTIVATIONS["tp2_dp2"], "TP+SP must store less than TP alone"

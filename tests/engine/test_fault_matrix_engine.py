@@ -62,8 +62,14 @@ def _env() -> Dict[str, str]:
 
 def _launch(run_dir: str, **train) -> subprocess.CompletedProcess:
     _write_config(run_dir, **train)
-    return subprocess.run([sys.executable, "-m", "training.main", run_dir], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "training.main", run_dir],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _losses(run_dir: str) -> Dict[int, float]:
@@ -196,7 +202,7 @@ def test_rollback_is_never_undone_by_auto_and_keeps_the_newer_checkpoints(base, 
 
 # The rank waits before its 4th step until the stop signal has arrived (at most 120 s): the signal lands
 # mid-run however slow or fast the machine is, instead of within a few seconds' window of a 200-step run.
-HOLD_FOR_SIGNAL = '''import sys
+HOLD_FOR_SIGNAL = """import sys
 if "training.main" in getattr(sys, "orig_argv", []):
     import time
     import training.run.loop
@@ -211,7 +217,7 @@ if "training.main" in getattr(sys, "orig_argv", []):
         return real(self, *args, **kwargs)
 
     training.run.loop.Trainer.train_step = step
-'''
+"""
 
 
 @pytest.mark.slow  # base trains (training.main in a subprocess)
@@ -224,8 +230,14 @@ def test_sigterm_stops_at_a_checkpoint_and_resumes_exactly(base, tmp_path):
     (inject / "sitecustomize.py").write_text(HOLD_FOR_SIGNAL)
     env = _env()
     env["PYTHONPATH"] = f"{inject}{os.pathsep}{env['PYTHONPATH']}"
-    proc = subprocess.Popen([sys.executable, "-m", "training.main", run], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "training.main", run],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 240
     while len(_losses(run)) < 3 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -244,15 +256,26 @@ def test_sigterm_stops_at_a_checkpoint_and_resumes_exactly(base, tmp_path):
     assert _losses(run) == ref  # every step, before and after the stop, exactly as the uninterrupted run
 
 
-@pytest.mark.parametrize("override,key", [("train.lr=nan", "train.lr"), ("train.min_lr=-inf", "train.min_lr"),
-                                          ("cluster.master_port=22", "cluster.master_port")])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("train.lr=nan", "train.lr"),
+        ("train.min_lr=-inf", "train.min_lr"),
+        ("cluster.master_port=22", "cluster.master_port"),
+    ],
+)
 def test_invalid_value_exits_2_before_anything_starts(tmp_path, override, key):
     run = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "launcher", override, f"run.dir={run}"], cwd=str(tmp_path),
-                       env=_env(), capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "launcher", override, f"run.dir={run}"],
+        cwd=str(tmp_path),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == EXIT_INVALID, p.stderr[-2000:]
     assert f"error: {key}:" in p.stderr and "nothing was launched" in p.stderr, p.stderr[-2000:]
     assert "Traceback" not in p.stderr
     written: List[str] = os.listdir(run) if run.exists() else []
     assert not [n for n in written if n not in (".hydra",)], written  # no config.json, no checkpoints
-

@@ -31,8 +31,12 @@ def _fp16_case(mesh):
     probe = torch.full((4,), 40000.0, dtype=torch.float16)
     dist.all_reduce(probe)  # what a reduction in fp16 gives (gloo sums fp16 in fp16)
     out = {"fp16_sum": float(probe[0])}
-    for name, zero, overlap in (("zero0", 0, True), ("zero1_scatter", 1, False), ("zero1_owner", 1, True),
-                                ("zero2", 2, True)):
+    for name, zero, overlap in (
+        ("zero0", 0, True),
+        ("zero1_scatter", 1, False),
+        ("zero1_owner", 1, True),
+        ("zero2", 2, True),
+    ):
         cfg = Config()
         cfg.parallel.zero, cfg.parallel.dp, cfg.parallel.overlap_grad_reduce = zero, 2, overlap
         cfg.parallel.bucket_mb = 64 / 2**20  # several buckets
@@ -44,8 +48,12 @@ def _fp16_case(mesh):
         sum(p.float().sum() for p in model.parameters()).mul(40000.0).backward()  # every grad element 40,000
         shard = opt.reduce_grads()
         counted = torch.cat([shard[lo:hi] for lo, hi in opt._runs])
-        out[name] = {"dtype": str(shard.dtype), "min": float(counted.float().min()),
-                     "max": float(counted.float().max()), "n": counted.numel()}
+        out[name] = {
+            "dtype": str(shard.dtype),
+            "min": float(counted.float().min()),
+            "max": float(counted.float().max()),
+            "n": counted.numel(),
+        }
     return out
 
 
@@ -85,11 +93,17 @@ def _param_gather_case(mesh):
             loss = float(chunks[0](tokens, tokens))
         opt.finish_param_gather()
         pg = opt.param_gather
-        return {"params": torch.cat([p.detach().reshape(-1) for p in opt.params]).numpy(), "loss": loss,
-                "peak": pg.peak_bytes, "inflight": pg.max_inflight, "chunks": len(pg.starts),
-                "deferred": deferred, "report": opt.transient_report()["param_gather"],
-                "plan": make_plan(cfg).memory_bytes["param_gather"],
-                "full_copy": (opt.dp + 1) * opt.shard_size * 4}
+        return {
+            "params": torch.cat([p.detach().reshape(-1) for p in opt.params]).numpy(),
+            "loss": loss,
+            "peak": pg.peak_bytes,
+            "inflight": pg.max_inflight,
+            "chunks": len(pg.starts),
+            "deferred": deferred,
+            "report": opt.transient_report()["param_gather"],
+            "plan": make_plan(cfg).memory_bytes["param_gather"],
+            "full_copy": (opt.dp + 1) * opt.shard_size * 4,
+        }
 
     real = precision.PARAM_GATHER_INFLIGHT_BYTES
     try:
@@ -134,8 +148,13 @@ def _slow_save_case(mesh, run_dir):
     problems = storage.verify(storage.step_dir(run_dir, 3)).problems if error is None else None
     # The same files, read back at once by the resume path (also on the checkpoint group).
     resumed = CheckpointManager(run_dir, mesh, cfg).maybe_resume([model], opt, {}) if error is None else None
-    return {"error": error, "took": took, "bytes": stats.bytes if stats else 0, "problems": problems,
-            "resumed": resumed}
+    return {
+        "error": error,
+        "took": took,
+        "bytes": stats.bytes if stats else 0,
+        "problems": problems,
+        "resumed": resumed,
+    }
 
 
 def _timeout_control(mesh):
@@ -263,8 +282,7 @@ def test_reserved_memory_is_compared_with_the_plan_and_its_fragmentation_share(m
     assert loop.peak_reserved_bytes(cpu) == loop.peak_memory_bytes(cpu) > 0
     gpu = 80 * 2**30
     frag = int(FRAGMENTATION * gpu)
-    plan = {"gpu_memory_bytes": gpu, "memory_bytes": {"total": 6 * 2**30},
-            "reserve_bytes": CUDA_CONTEXT_BYTES + frag}
+    plan = {"gpu_memory_bytes": gpu, "memory_bytes": {"total": 6 * 2**30}, "reserve_bytes": CUDA_CONTEXT_BYTES + frag}
     ok = reserved_check(plan, 6 * 2**30 + frag)
     assert ok["within_plan"] and ok["within_device"] and ok["plan_limit"] == 6 * 2**30 + frag
     over = reserved_check(plan, 6 * 2**30 + frag + 1)  # allocated fits the plan; reserved does not

@@ -30,8 +30,16 @@ def dataset(tmp_path_factory):
             body = "".join(f"    v{j} = v{j - 1} * {i % 7} + {j}\n" for j in range(1, 2 + i % 9))
             f.write(json.dumps({"text": f"def f{i}(v0):\n{body}    return v{1 + i % 9}\n"}) + "\n")
     out = str(root / "ds")
-    prepare(PrepareConfig(inputs=[str(root / "docs.jsonl")], output=out, tokenizer="bytes", workers=1,
-                          valid_fraction=0.2, progress=False))
+    prepare(
+        PrepareConfig(
+            inputs=[str(root / "docs.jsonl")],
+            output=out,
+            tokenizer="bytes",
+            workers=1,
+            valid_fraction=0.2,
+            progress=False,
+        )
+    )
     return out
 
 

@@ -66,8 +66,15 @@ def _mesh_worker(tp, pp, cp, dp):
     except ValueError as e:
         wrong_world = str(e)
     mesh = ProcessMesh.from_env(tp, pp, cp, dp, backend="gloo", timeout_s=60)
-    out = {"wrong_world": wrong_world, "rank": mesh.rank, "coords": (mesh.tp_rank, mesh.cp_rank, mesh.pp_rank, mesh.dp_rank),
-           "first": mesh.is_first_stage, "last": mesh.is_last_stage, "ranks": dict(mesh.group_ranks), "sums": {}}
+    out = {
+        "wrong_world": wrong_world,
+        "rank": mesh.rank,
+        "coords": (mesh.tp_rank, mesh.cp_rank, mesh.pp_rank, mesh.dp_rank),
+        "first": mesh.is_first_stage,
+        "last": mesh.is_last_stage,
+        "ranks": dict(mesh.group_ranks),
+        "sums": {},
+    }
     for kind in GROUP_KINDS:
         group = getattr(mesh, f"{kind}_group")
         x = torch.tensor([float(mesh.rank)])

@@ -34,8 +34,9 @@ STEPS = 3
 TOL = 1e-5
 
 
-def _cfg(tp=1, pp=1, dp=1, ep=1, zero=0, steps=STEPS, precision="fp32", recompute="none", checkpoint_every=0,
-         **model) -> Config:
+def _cfg(
+    tp=1, pp=1, dp=1, ep=1, zero=0, steps=STEPS, precision="fp32", recompute="none", checkpoint_every=0, **model
+) -> Config:
     cfg = Config()
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 32, 4, 16
@@ -73,7 +74,7 @@ def _full_grads(opt, mesh) -> Dict[str, np.ndarray]:
             full = torch.empty(lay.dp * shard.numel())
             all_gather_single(full, shard, group=o.dp_group)
         for name, p, off in zip(lay.names, lay.params, lay.offsets):
-            g = full[off: off + p.numel()].view(p.shape)
+            g = full[off : off + p.numel()].view(p.shape)
             dim = getattr(p, "tp_shard_dim", None)
             if dim is not None and mesh.tp > 1:
                 parts = [torch.empty_like(g) for _ in range(mesh.tp)]
@@ -88,8 +89,9 @@ def _named_state(trainer) -> Dict[str, Dict[str, Any]]:
     out: Dict[str, Dict[str, Any]] = {}
     for shard in trainer.optimizer.state_dict()["params"]:
         entry = out.setdefault(shard.name, {"weight": shard.param.detach().float().numpy().copy(), "pieces": []})
-        entry["pieces"].append((shard.param_start, {k: v.detach().float().numpy().copy()
-                                                    for k, v in shard.tensors.items()}))
+        entry["pieces"].append(
+            (shard.param_start, {k: v.detach().float().numpy().copy() for k, v in shard.tensors.items()})
+        )
     return out
 
 
@@ -123,8 +125,13 @@ def _train(cfg: Config, run_dir: str, mesh, grads: bool = False, capture_resume:
 
         trainer._resume = _resume
     trainer.run()
-    return {"losses": list(trainer.losses), "norms": norms, "grads": per_step, "resumed": resumed,
-            "saved": saved.get("state")}
+    return {
+        "losses": list(trainer.losses),
+        "norms": norms,
+        "grads": per_step,
+        "resumed": resumed,
+        "saved": saved.get("state"),
+    }
 
 
 def _four_ranks(base: str, cases: Dict[str, dict]) -> Dict[str, Any]:
@@ -165,7 +172,7 @@ def _assemble(rank_states: List[Dict[str, Dict[str, Any]]]) -> Dict[str, Dict[st
             for start, tensors in entry["pieces"]:
                 for k, v in tensors.items():
                     arr = full.setdefault(k, np.full(full["weight"].size, np.nan, dtype=np.float32))
-                    arr[start: start + v.size] = v
+                    arr[start : start + v.size] = v
     for name, full in out.items():
         for k, arr in full.items():
             assert not np.isnan(arr).any(), f"{name} {k}: not every element assembled"
@@ -176,8 +183,12 @@ def _reference(precision="fp32", steps=STEPS, **model) -> Dict[str, Any]:
     from training.parallel.mesh import ProcessMesh
 
     torch.set_num_threads(1)
-    return _train(_cfg(precision=precision, steps=steps, **model), tempfile.mkdtemp(), ProcessMesh.single(),
-                  grads=precision == "fp32")
+    return _train(
+        _cfg(precision=precision, steps=steps, **model),
+        tempfile.mkdtemp(),
+        ProcessMesh.single(),
+        grads=precision == "fp32",
+    )
 
 
 def _compare(name: str, got: Dict[str, Any], ref: Dict[str, Any], vocab: int) -> None:
@@ -301,7 +312,7 @@ def test_capacity_drops_are_counted_and_contribute_nothing():
                 dropped += 1
                 continue
             expert = moe.experts[str(e)]
-            expect[t] += gates[t, j] * (expert.partial(tokens[t: t + 1], True, "none")[0] + expert.fc2.bias)
+            expect[t] += gates[t, j] * (expert.partial(tokens[t : t + 1], True, "none")[0] + expert.fc2.bias)
     assert dropped > 0 and moe.stats.dropped == dropped
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)
     assert float(moe.stats.tokens.sum()) == 64
@@ -332,8 +343,10 @@ def test_layout_rules_refuse_what_the_engine_cannot_run():
     from training.contract.layout_rules import LayoutError, layout_violations, raise_errors
 
     def errors(dp, **kw):
-        cfg = _cfg(**{k: v for k, v in kw.items() if k in ("tp", "pp", "ep", "zero")},
-                   **{k: v for k, v in kw.items() if k not in ("tp", "pp", "ep", "zero", "cp")})
+        cfg = _cfg(
+            **{k: v for k, v in kw.items() if k in ("tp", "pp", "ep", "zero")},
+            **{k: v for k, v in kw.items() if k not in ("tp", "pp", "ep", "zero", "cp")},
+        )
         cfg.parallel.cp = kw.get("cp", 1)
         return {v.code for v in layout_violations(cfg, dp) if v.level == "error"}
 

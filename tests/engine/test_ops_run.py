@@ -110,8 +110,17 @@ def test_nvtx_replica_and_slowdown_in_one_spawn(tmp_path):
     for r in (r0, r1):
         counts = r["nvtx"]["counts"]
         assert r["nvtx"]["balanced"]
-        for name in ("step 1", "step 2", "forward", "layer0.forward", "layer1.forward", "layer0.backward",
-                     "layer1.backward", "optimizer", "coll.all_reduce"):
+        for name in (
+            "step 1",
+            "step 2",
+            "forward",
+            "layer0.forward",
+            "layer1.forward",
+            "layer0.backward",
+            "layer1.backward",
+            "optimizer",
+            "coll.all_reduce",
+        ):
             assert counts.get(name, 0) >= 1, (name, counts)
         assert counts["optimizer"] == 2 and counts["layer0.backward"] == counts["layer0.forward"]
     # Replica: the damaged step_4 was restored from the replica and resumed (not step 2).
@@ -144,13 +153,32 @@ def test_local_rank_numa_bound_and_oom_explained(tmp_path):
         "    import training.run.loop as loop\n"
         "    def run(self):\n"
         "        raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 20.00 GiB')\n"
-        "    loop.Trainer.run = run\n")
+        "    loop.Trainer.run = run\n"
+    )
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=f"{hook}{os.pathsep}{ROOT}")
-    p = subprocess.run([sys.executable, "-m", "launcher", "model=tiny", "parallel=single", "cluster.gpus_per_node=1",
-                        "data=synthetic", "train.steps=2", "cluster.numa=explicit", "cluster.numa_map=[0]",
-                        "+cluster.env.OPS_TEST_OOM=1", "cluster.max_retries=0", f"run.dir={run}"],
-                       cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "model=tiny",
+            "parallel=single",
+            "cluster.gpus_per_node=1",
+            "data=synthetic",
+            "train.steps=2",
+            "cluster.numa=explicit",
+            "cluster.numa_map=[0]",
+            "+cluster.env.OPS_TEST_OOM=1",
+            "cluster.max_retries=0",
+            f"run.dir={run}",
+        ],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 1, p.stderr[-3000:]
     assert "a local run ignores Slurm-only keys: cluster.max_retries" in p.stdout
     events = read_events(str(run))

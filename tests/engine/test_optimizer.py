@@ -28,8 +28,9 @@ def _cfg(zero=0, precision="fp32", clip=0.05, dp=1) -> Config:
 def _model(dtype=torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
     # 3 x 5 + 5 ... an odd parameter count so the ZeRO padding is exercised.
-    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.Tanh(),
-                               torch.nn.Linear(13, 3)).to(dtype)
+    return torch.nn.Sequential(
+        torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.Tanh(), torch.nn.Linear(13, 3)
+    ).to(dtype)
 
 
 def _batch(step: int):
@@ -42,8 +43,13 @@ def _reference(lrs, clip):
     model = _model()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     nodecay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": nodecay, "weight_decay": 0.0}],
-                            lr=1.0, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": nodecay, "weight_decay": 0.0}],
+        lr=1.0,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        foreach=False,
+    )
     norms = []
     for step, lr in enumerate(lrs):
         x, y = _batch(step)
@@ -143,8 +149,12 @@ def test_nonfinite_loss_skips_step():
 def _norm_worker(layout):
     """Full tensors W (6x4, split over tp on dim 0), b (4, replicated), E (tied embedding on both stages)."""
     g = torch.Generator().manual_seed(5)
-    gW, gb, gE, gE2 = (torch.randn(6, 4, generator=g), torch.randn(4, generator=g),
-                       torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g))
+    gW, gb, gE, gE2 = (
+        torch.randn(6, 4, generator=g),
+        torch.randn(4, generator=g),
+        torch.randn(5, 4, generator=g),
+        torch.randn(5, 4, generator=g),
+    )
     if layout == "tp2":
         mesh = ProcessMesh.from_env(tp=2, pp=1, cp=1, dp=1, backend="gloo", timeout_s=60)
         rank = mesh.tp_rank

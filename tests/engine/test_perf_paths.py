@@ -27,8 +27,7 @@ def _cfg(zero=0, dp=1, overlap=True, fused=False) -> Config:
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.Tanh(),
-                               torch.nn.Linear(13, 3))
+    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
 
 
 def _batch(step: int):
@@ -57,8 +56,11 @@ def _overlap_worker():
     for zero in (0, 1):
         off, _ = _train(_cfg(zero, 2, overlap=False), mesh, mesh.dp_rank)
         on, opt = _train(_cfg(zero, 2, overlap=True), mesh, mesh.dp_rank)
-        out[zero] = {"equal": all(torch.equal(a, b) for a, b in zip(on, off)),
-                     "early": opt.grads.launched_in_backward, "params": [p.numpy() for p in on]}
+        out[zero] = {
+            "equal": all(torch.equal(a, b) for a, b in zip(on, off)),
+            "early": opt.grads.launched_in_backward,
+            "params": [p.numpy() for p in on],
+        }
     mesh.destroy()
     return out
 
@@ -106,10 +108,11 @@ def _split_by_hand(qkv: torch.Tensor, groups: int, q_per_group: int, d: int, bat
     width = (q_per_group + 2) * d
 
     def head(start):
-        return qkv[:, :, start: start + d]  # [b, s, d]
+        return qkv[:, :, start : start + d]  # [b, s, d]
 
-    q = torch.stack([head((h // q_per_group) * width + (h % q_per_group) * d)
-                     for h in range(groups * q_per_group)], dim=1)
+    q = torch.stack(
+        [head((h // q_per_group) * width + (h % q_per_group) * d) for h in range(groups * q_per_group)], dim=1
+    )
     k = torch.stack([head(g * width + q_per_group * d) for g in range(groups)], dim=1)
     v = torch.stack([head(g * width + (q_per_group + 1) * d) for g in range(groups)], dim=1)
     return q, k, v
@@ -171,13 +174,24 @@ def _deferred_gather_worker():
                 losses.append(loss)
                 pending.append(len(gather._pending))
             trainer.optimizer.finish_param_gather()
-            runs[defer] = {"losses": losses, "params": [p.detach().float().clone() for p in trainer.optimizer.params],
-                           "pending": pending, "by_forward": by_forward, "chunks": len(gather.starts)}
-        out.append({"losses": runs[True]["losses"] == runs[False]["losses"],
-                    "params": all(torch.equal(a, b) for a, b in zip(runs[True]["params"], runs[False]["params"])),
-                    "pending": runs[True]["pending"], "blocking_pending": runs[False]["pending"],
-                    "by_forward": runs[True]["by_forward"], "chunks": runs[True]["chunks"],
-                    "replica": [p.numpy() for p in runs[True]["params"]]})
+            runs[defer] = {
+                "losses": losses,
+                "params": [p.detach().float().clone() for p in trainer.optimizer.params],
+                "pending": pending,
+                "by_forward": by_forward,
+                "chunks": len(gather.starts),
+            }
+        out.append(
+            {
+                "losses": runs[True]["losses"] == runs[False]["losses"],
+                "params": all(torch.equal(a, b) for a, b in zip(runs[True]["params"], runs[False]["params"])),
+                "pending": runs[True]["pending"],
+                "blocking_pending": runs[False]["pending"],
+                "by_forward": runs[True]["by_forward"],
+                "chunks": runs[True]["chunks"],
+                "replica": [p.numpy() for p in runs[True]["params"]],
+            }
+        )
     mesh.destroy()
     return out
 

@@ -56,11 +56,16 @@ def _train(cfg_dict: dict, run_dir: str):
         other = w.clone()
         dist.broadcast(other, src=mesh.group_ranks["embedding"][0], group=mesh.embedding_group)
         tied = float((w - other).abs().max())
-    out = {"losses": trainer.losses, "tied_diff": tied,
-           "stats": None if stats is None else dict(peak_in_flight=stats.peak_in_flight,
-                                                     peak_saved_bytes=stats.peak_saved_bytes,
-                                                     idle=stats.idle_share_mean),
-           "metrics": getattr(trainer.schedule, "metrics", dict)()}
+    out = {
+        "losses": trainer.losses,
+        "tied_diff": tied,
+        "stats": None
+        if stats is None
+        else dict(
+            peak_in_flight=stats.peak_in_flight, peak_saved_bytes=stats.peak_saved_bytes, idle=stats.idle_share_mean
+        ),
+        "metrics": getattr(trainer.schedule, "metrics", dict)(),
+    }
     mesh.destroy()
     return out
 
@@ -85,9 +90,18 @@ def _rel(a: float, b: float) -> float:
 
 
 # ---- pure: the orders and their in-flight bounds ----------------------------------------------------
-@pytest.mark.parametrize("kind,p,v,m", [("gpipe", 4, 1, 8), ("1f1b", 2, 1, 4), ("1f1b", 4, 1, 8),
-                                        ("1f1b", 4, 1, 2), ("interleaved_1f1b", 2, 2, 4),
-                                        ("interleaved_1f1b", 4, 2, 8), ("interleaved_1f1b", 4, 3, 4)])
+@pytest.mark.parametrize(
+    "kind,p,v,m",
+    [
+        ("gpipe", 4, 1, 8),
+        ("1f1b", 2, 1, 4),
+        ("1f1b", 4, 1, 8),
+        ("1f1b", 4, 1, 2),
+        ("interleaved_1f1b", 2, 2, 4),
+        ("interleaved_1f1b", 4, 2, 8),
+        ("interleaved_1f1b", 4, 3, 4),
+    ],
+)
 def test_orders_are_complete_and_bounded_as_planned(kind, p, v, m):
     from launcher.plan.memory import inflight_microbatches
 
@@ -122,8 +136,11 @@ def _simulated_idle_share(kind, p, m, v, t_f=1.0, t_b=2.0) -> float:
             while pos[r] < len(acts[r]):
                 k, c, mb = acts[r][pos[r]]
                 vs = c * p + r
-                dep = (None if vs == 0 else ("F", vs - 1, mb)) if k == "F" else \
-                    (None if vs == last else ("B", vs + 1, mb))
+                dep = (
+                    (None if vs == 0 else ("F", vs - 1, mb))
+                    if k == "F"
+                    else (None if vs == last else ("B", vs + 1, mb))
+                )
                 if dep is not None and dep not in done:
                     break  # blocked on another rank
                 cost = (t_f if k == "F" else t_b) / v
@@ -136,9 +153,17 @@ def _simulated_idle_share(kind, p, m, v, t_f=1.0, t_b=2.0) -> float:
     return 1 - sum(busy) / p / max(clock)
 
 
-@pytest.mark.parametrize("kind,p,v,m", [("gpipe", 4, 1, 4), ("1f1b", 2, 1, 2), ("1f1b", 4, 1, 16),
-                                        ("interleaved_1f1b", 2, 2, 8), ("interleaved_1f1b", 4, 2, 4),
-                                        ("interleaved_1f1b", 4, 4, 8)])
+@pytest.mark.parametrize(
+    "kind,p,v,m",
+    [
+        ("gpipe", 4, 1, 4),
+        ("1f1b", 2, 1, 2),
+        ("1f1b", 4, 1, 16),
+        ("interleaved_1f1b", 2, 2, 8),
+        ("interleaved_1f1b", 4, 2, 4),
+        ("interleaved_1f1b", 4, 4, 8),
+    ],
+)
 def test_orders_reach_the_formula_bubble_with_free_communication(kind, p, v, m):
     from training.schedules.pipeline import planned_idle_share
 
@@ -181,10 +206,17 @@ def _nccl_walk(kind, p, m, v):
     return seqs, pos == [len(numbered[r]) for r in range(p)]
 
 
-@pytest.mark.parametrize("kind,p,v,m", [(k, p, v, m) for k, vs in (("gpipe", (1,)), ("1f1b", (1,)),
-                                                                   ("interleaved_1f1b", (2, 3, 4)))
-                                        for p in (2, 3, 4, 8) for v in vs for m in (1, 2, 3, 4, 8, 16)
-                                        if k != "interleaved_1f1b" or m % p == 0])
+@pytest.mark.parametrize(
+    "kind,p,v,m",
+    [
+        (k, p, v, m)
+        for k, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved_1f1b", (2, 3, 4)))
+        for p in (2, 3, 4, 8)
+        for v in vs
+        for m in (1, 2, 3, 4, 8, 16)
+        if k != "interleaved_1f1b" or m % p == 0
+    ],
+)
 def test_exchanges_match_in_issue_order_and_never_deadlock_on_nccl(kind, p, v, m):
     for r in range(p):
         plan = build_comm_plan(kind, p, r, m, v)
@@ -219,21 +251,50 @@ def test_bad_schedule_shapes_are_clear_errors():
         check_schedule("zigzag", 2, 1, 4)
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["model.num_layers=6", "parallel.pp=4"], "not divisible by pp x vpp"),
-    (["model.num_layers=8", "parallel.pp=2", "parallel.vpp=3", "parallel.schedule=interleaved_1f1b"],
-     "not divisible by pp x vpp"),
-    (["model.num_layers=8", "parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved_1f1b",
-      "parallel.global_batch=6", "parallel.micro_batch=1"], "multiple of pp"),
-    (["model.num_layers=2", "parallel.pp=4"], "larger than num_layers"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["model.num_layers=6", "parallel.pp=4"], "not divisible by pp x vpp"),
+        (
+            ["model.num_layers=8", "parallel.pp=2", "parallel.vpp=3", "parallel.schedule=interleaved_1f1b"],
+            "not divisible by pp x vpp",
+        ),
+        (
+            [
+                "model.num_layers=8",
+                "parallel.pp=4",
+                "parallel.vpp=2",
+                "parallel.schedule=interleaved_1f1b",
+                "parallel.global_batch=6",
+                "parallel.micro_batch=1",
+            ],
+            "multiple of pp",
+        ),
+        (["model.num_layers=2", "parallel.pp=4"], "larger than num_layers"),
+    ],
+)
 def test_bad_pipeline_input_is_rejected_before_any_rank_starts(tmp_path, overrides, key):
     env = dict(os.environ, PYTHONPATH=ROOT)
     run = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "launcher", "action=plan", f"run.dir={run}",
-                        "cluster.gpus_per_node=8", "parallel.tp=1", "parallel.dp=1",
-                        "parallel.zero=0", *overrides],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "action=plan",
+            f"run.dir={run}",
+            "cluster.gpus_per_node=8",
+            "parallel.tp=1",
+            "parallel.dp=1",
+            "parallel.zero=0",
+            *overrides,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 2, (p.stdout, p.stderr)
     assert key in p.stdout + p.stderr
     assert not (run / "plan.json").exists()
@@ -320,15 +381,27 @@ def _oracle_worker(cfg_dict: dict):
         cfg = config_from_dict(cfg_dict)
         cfg.parallel.schedule, cfg.parallel.vpp = kind, vpp
         ours, theirs = build_gpt(cfg, mesh, torch.float32), build_gpt(cfg, mesh, torch.float32)
-        sched = PipelineSchedule(ours, kind, mesh.pp, mesh.pp_rank, mesh.group_ranks["pp"], mesh.pp_group,
-                                 p2p_shape(cfg), torch.float32, mesh.device, lambda loss, n: loss / n)
+        sched = PipelineSchedule(
+            ours,
+            kind,
+            mesh.pp,
+            mesh.pp_rank,
+            mesh.group_ranks["pp"],
+            mesh.pp_group,
+            p2p_shape(cfg),
+            torch.float32,
+            mesh.device,
+            lambda loss, n: loss / n,
+        )
         loss = sched.forward_backward(micro)
 
         def loss_fn(logits, tgt):
             return vocab_parallel_cross_entropy(logits, tgt.t(), None, cfg.model.vocab_size).mean()
 
-        stages = [PipelineStage(c, v * mesh.pp + mesh.pp_rank, mesh.pp * vpp, mesh.device, group=mesh.pp_group)
-                  for v, c in enumerate(theirs)]
+        stages = [
+            PipelineStage(c, v * mesh.pp + mesh.pp_rank, mesh.pp * vpp, mesh.device, group=mesh.pp_group)
+            for v, c in enumerate(theirs)
+        ]
         runner = native[kind](stages if vpp > 1 else stages[0], n_microbatches=m, loss_fn=loss_fn)
         losses = []
         if mesh.is_first_stage:
@@ -394,8 +467,18 @@ def _p2p_record_worker(cfg_dict: dict):
         ids = torch.randint(0, cfg.model.vocab_size, (m * b, s + 1))
         micro = list(zip(ids[:, :-1].contiguous().chunk(m), ids[:, 1:].contiguous().chunk(m)))
         chunks = build_gpt(cfg, mesh, torch.float32)
-        sched = PipelineSchedule(chunks, cfg.parallel.schedule, mesh.pp, mesh.pp_rank, mesh.group_ranks["pp"],
-                                 mesh.pp_group, p2p_shape(cfg), torch.float32, mesh.device, lambda loss, n: loss / n)
+        sched = PipelineSchedule(
+            chunks,
+            cfg.parallel.schedule,
+            mesh.pp,
+            mesh.pp_rank,
+            mesh.group_ranks["pp"],
+            mesh.pp_group,
+            p2p_shape(cfg),
+            torch.float32,
+            mesh.device,
+            lambda loss, n: loss / n,
+        )
         sched.forward_backward(micro)
     finally:
         tdist.isend, tdist.irecv, tdist.batch_isend_irecv, tdist.P2POp = real_isend, real_irecv, real_batch, real_op

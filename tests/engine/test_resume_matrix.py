@@ -61,10 +61,17 @@ def _shards(trainer) -> List[Dict[str, Any]]:
     mesh, out = trainer.mesh, []
     for shard in trainer.optimizer.state_dict()["params"]:
         p = shard.param
-        out.append({"name": shard.name, "tp_rank": mesh.tp_rank, "dim": getattr(p, "tp_shard_dim", None),
-                    "shape": tuple(p.shape), "start": shard.param_start,
-                    "master": shard.tensors["master"].detach().float().numpy().copy(),
-                    "weight": p.detach().float().numpy().copy()})
+        out.append(
+            {
+                "name": shard.name,
+                "tp_rank": mesh.tp_rank,
+                "dim": getattr(p, "tp_shard_dim", None),
+                "shape": tuple(p.shape),
+                "start": shard.param_start,
+                "master": shard.tensors["master"].detach().float().numpy().copy(),
+                "weight": p.detach().float().numpy().copy(),
+            }
+        )
     return out
 
 
@@ -83,8 +90,13 @@ def _train(cfg: Config, run_dir: str, mesh, capture_resume: bool = False):
 
         trainer._resume = _resume
     code = trainer.run()
-    return {"code": code, "losses": list(trainer.losses), "state": _state(trainer), "resumed": captured,
-            "shards": _shards(trainer) if trainer.optimizer.precision != "fp32" else None}
+    return {
+        "code": code,
+        "losses": list(trainer.losses),
+        "state": _state(trainer),
+        "resumed": captured,
+        "shards": _shards(trainer) if trainer.optimizer.precision != "fp32" else None,
+    }
 
 
 def _stop_and_resume(cfg_ref: Config, cfg_stop: Config, base: str, name: str, mesh) -> Dict[str, Any]:
@@ -109,16 +121,22 @@ def _one_process(base: str) -> Dict[str, Any]:
         "bf16": _stop_and_resume(_cfg(precision="bf16"), _cfg(precision="bf16", exit_interval=3), base, "bf16", mesh),
         # A window of 2 doubles the scale after every 2 finite steps (and an overflow halves it): the scale
         # and its good-step counter are mid-window at the stop at step 3.
-        "fp16": _stop_and_resume(_cfg(precision="fp16", loss_scale_window=2, loss_scale_init=2.0**15),
-                                 _cfg(precision="fp16", loss_scale_window=2, loss_scale_init=2.0**15, exit_interval=3),
-                                 base, "fp16", mesh),
+        "fp16": _stop_and_resume(
+            _cfg(precision="fp16", loss_scale_window=2, loss_scale_init=2.0**15),
+            _cfg(precision="fp16", loss_scale_window=2, loss_scale_init=2.0**15, exit_interval=3),
+            base,
+            "fp16",
+            mesh,
+        ),
         # 1e-6 minutes (60 us) has passed by the first step boundary on any machine: a deterministic stop.
         "exit_after_min": _stop_and_resume(_cfg(), _cfg(exit_after_min=1e-6), base, "exit_after_min", mesh),
         # Due at every boundary; no stop: the first run goes to the end with a save after every step.
-        "checkpoint_every_min": _stop_and_resume(_cfg(), _cfg(checkpoint_every_min=1e-7, exit_interval=4),
-                                                 base, "every_min", mesh),
-        "async_save": _stop_and_resume(_cfg(), _cfg(async_save=True, checkpoint_every=2, exit_interval=4),
-                                       base, "async", mesh),
+        "checkpoint_every_min": _stop_and_resume(
+            _cfg(), _cfg(checkpoint_every_min=1e-7, exit_interval=4), base, "every_min", mesh
+        ),
+        "async_save": _stop_and_resume(
+            _cfg(), _cfg(async_save=True, checkpoint_every=2, exit_interval=4), base, "async", mesh
+        ),
     }
     mesh.destroy()
     return out
@@ -131,8 +149,9 @@ def _two_processes(base: str) -> Dict[str, Any]:
     from training.parallel.mesh import ProcessMesh
 
     pp2 = ProcessMesh.from_env(1, 2, 1, 1, timeout_s=60)
-    out: Dict[str, Any] = {"pp2": _stop_and_resume(_cfg(pp=2, dropout=0.1), _cfg(pp=2, dropout=0.1, exit_interval=3),
-                                                   base, "pp2", pp2)}
+    out: Dict[str, Any] = {
+        "pp2": _stop_and_resume(_cfg(pp=2, dropout=0.1), _cfg(pp=2, dropout=0.1, exit_interval=3), base, "pp2", pp2)
+    }
     for precision in ("bf16", "fp16"):
         tp2 = ProcessMesh.from_env(2, 1, 1, 1, timeout_s=60)
         src = os.path.join(base, f"reshard_{precision}", "tp2")
@@ -186,8 +205,10 @@ def test_bit_exact_resume(single, name):
     if name in ("bf16", "fp16"):  # fp32 masters were restored, not refilled from the half-precision weights
         shards = res["second"]["resumed"]["shards"]
         assert "adam/master" in res["second"]["resumed"]["state"]
-        assert any(not np.array_equal(s["master"], s["weight"].ravel()[s["start"]: s["start"] + s["master"].size])
-                   for s in shards)
+        assert any(
+            not np.array_equal(s["master"], s["weight"].ravel()[s["start"] : s["start"] + s["master"].size])
+            for s in shards
+        )
 
 
 def test_exit_after_min_stops_at_a_checkpoint_and_resumes(single):
@@ -227,9 +248,10 @@ def _assemble(shards_per_rank: List[List[Dict[str, Any]]], key: str) -> Dict[str
     for shards in shards_per_rank:
         for s in shards:
             buf = local.setdefault(s["name"], {}).setdefault(
-                s["tp_rank"], np.full(int(np.prod(s["shape"])), np.nan, dtype=np.float32))
-            values = s[key].ravel() if key == "master" else s[key].ravel()[s["start"]: s["start"] + s["master"].size]
-            buf[s["start"]: s["start"] + values.size] = values
+                s["tp_rank"], np.full(int(np.prod(s["shape"])), np.nan, dtype=np.float32)
+            )
+            values = s[key].ravel() if key == "master" else s[key].ravel()[s["start"] : s["start"] + s["master"].size]
+            buf[s["start"] : s["start"] + values.size] = values
             meta[s["name"]] = (s["dim"], s["shape"])
     full = {}
     for name, by_tp in local.items():

@@ -20,10 +20,26 @@ from training.parallel.layers import vocab_parallel_cross_entropy
 V, S, B = 51, 16, 2  # vocab 51 is padded to 52 at tp=2 and tp=4
 
 ARCHS = {
-    "gpt": dict(norm="layernorm", activation="gelu", position="learned", tie_embeddings=True, bias=True,
-                num_attention_heads=4, num_query_groups=None, attention="math"),
-    "llama": dict(norm="rmsnorm", activation="swiglu", position="rope", tie_embeddings=False, bias=False,
-                  num_attention_heads=8, num_query_groups=4, attention="flash"),
+    "gpt": dict(
+        norm="layernorm",
+        activation="gelu",
+        position="learned",
+        tie_embeddings=True,
+        bias=True,
+        num_attention_heads=4,
+        num_query_groups=None,
+        attention="math",
+    ),
+    "llama": dict(
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        tie_embeddings=False,
+        bias=False,
+        num_attention_heads=8,
+        num_query_groups=4,
+        attention="flash",
+    ),
 }
 
 
@@ -109,8 +125,16 @@ def _tp_worker(layouts, memory_tp):
             ref_losses, ref_model = refs[key]
             losses, model = _fwd_bwd(_cfg(arch, sp, recompute, dropout), mesh)
             worst, name = _compare(model, ref_model, mesh)
-            out["cases"].append(dict(case=(tp, arch, sp, recompute, dropout), loss=losses[0],
-                                     ref_loss=ref_losses[0], grad_rel=worst, worst=name, tp_rank=mesh.tp_rank))
+            out["cases"].append(
+                dict(
+                    case=(tp, arch, sp, recompute, dropout),
+                    loss=losses[0],
+                    ref_loss=ref_losses[0],
+                    grad_rel=worst,
+                    worst=name,
+                    tp_rank=mesh.tp_rank,
+                )
+            )
     if memory_tp:
         ids, tgt = _batch()
         figures = {}
@@ -151,6 +175,7 @@ def test_tp2_tp4_match_single_process_sp_on_off_recompute_and_sp_saves_memory():
 
 
 # ---- single-process checks ----------------------------------------------------------------------
+
 
 def test_vocab_cross_entropy_equals_torch_and_ignores_padding():
     logits = torch.randn(5, 3, 8, requires_grad=True)
@@ -202,6 +227,7 @@ def test_pipeline_chunks_keep_global_names():
 
 def _whole(cfg: Config) -> Config:
     import copy
+
     c = copy.deepcopy(cfg)
     c.parallel.pp, c.parallel.vpp = 1, 1
     return c
@@ -235,7 +261,7 @@ def test_half_precision_params_keep_an_fp32_loss(dtype):
 def test_sharded_dropout_mask_is_the_full_mask_sliced():
     x = torch.ones(8, 2, 4)
     full = keyed_dropout(x, 0.5, key=11)
-    shards = [keyed_dropout(x[i * 2:(i + 1) * 2], 0.5, key=11, shard=i, num_shards=4) for i in range(4)]
+    shards = [keyed_dropout(x[i * 2 : (i + 1) * 2], 0.5, key=11, shard=i, num_shards=4) for i in range(4)]
     assert torch.equal(torch.cat(shards), full)
     assert 0 < (full == 0).sum() < full.numel() and torch.equal(full.unique(), torch.tensor([0.0, 2.0]))
     assert not torch.equal(keyed_dropout(x, 0.5, key=12), full)

@@ -32,8 +32,20 @@ from training.contract.config import Config, config_from_dict, config_to_dict
 STEPS = 4
 
 
-def _cfg(tp=1, pp=1, dp=1, zero=0, schedule="1f1b", vpp=1, recompute="none", recompute_num_layers=0,
-         reshard=True, offload="none", offload_dir="", **train) -> Config:
+def _cfg(
+    tp=1,
+    pp=1,
+    dp=1,
+    zero=0,
+    schedule="1f1b",
+    vpp=1,
+    recompute="none",
+    recompute_num_layers=0,
+    reshard=True,
+    offload="none",
+    offload_dir="",
+    **train,
+) -> Config:
     cfg = Config()
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 4, 32, 4, 16
@@ -55,8 +67,9 @@ def _cfg(tp=1, pp=1, dp=1, zero=0, schedule="1f1b", vpp=1, recompute="none", rec
 LAYOUTS = {
     "tp2_sp_dp2_zero2": dict(tp=2, dp=2, zero=2),
     "pp2_dp2_zero2_1f1b_recompute1": dict(pp=2, dp=2, zero=2, recompute="full", recompute_num_layers=1),
-    "pp2_dp2_zero2_interleaved_recompute": dict(pp=2, dp=2, zero=2, schedule="interleaved_1f1b", vpp=2,
-                                                recompute="full"),
+    "pp2_dp2_zero2_interleaved_recompute": dict(
+        pp=2, dp=2, zero=2, schedule="interleaved_1f1b", vpp=2, recompute="full"
+    ),
     "tp2_sp_dp2_zero3": dict(tp=2, dp=2, zero=3, eval_every=2),
     "pp2_dp2_zero3_1f1b_recompute1": dict(pp=2, dp=2, zero=3, recompute="full", recompute_num_layers=1),
     "pp2_dp2_zero3_interleaved_keep": dict(pp=2, dp=2, zero=3, schedule="interleaved_1f1b", vpp=2, reshard=False),
@@ -164,8 +177,9 @@ def _reshard(src_layout: Dict[str, Any], dst_layout: Dict[str, Any], base: str, 
         shutil.copytree(f"{base}/src/checkpoints", f"{base}/dst/checkpoints")
     dist.barrier()
     p = dst_cfg.parallel
-    loaded = _train(dst_cfg, f"{base}/dst", ProcessMesh.from_env(p.tp, p.pp, 1, p.dp, timeout_s=60),
-                    capture_resume=True)
+    loaded = _train(
+        dst_cfg, f"{base}/dst", ProcessMesh.from_env(p.tp, p.pp, 1, p.dp, timeout_s=60), capture_resume=True
+    )
     return {"saved": saved, "loaded": loaded}
 
 
@@ -186,11 +200,18 @@ def _run(cfg: Config, run_dir: str, mesh) -> Dict[str, Any]:
     trainer.run()
     trainer.optimizer.finish_param_gather()
     params = {n: p.detach().float().numpy().copy() for n, p in zip(opt.names, opt.params)}
-    return {"losses": list(trainer.losses), "grads": grads, "grads_left": left, "params": params,
-            "eval": list(trainer.eval_losses),
-            "memory": opt.memory_report(), "in_backward": getattr(opt.grads, "launched_in_backward", 0),
-            "stage": mesh.pp_rank, "gathered": opt.zero3.peak_gathered_bytes if opt.zero3 is not None else 0,
-            "prefetched": opt.zero3.prefetched if opt.zero3 is not None else 0}
+    return {
+        "losses": list(trainer.losses),
+        "grads": grads,
+        "grads_left": left,
+        "params": params,
+        "eval": list(trainer.eval_losses),
+        "memory": opt.memory_report(),
+        "in_backward": getattr(opt.grads, "launched_in_backward", 0),
+        "stage": mesh.pp_rank,
+        "gathered": opt.zero3.peak_gathered_bytes if opt.zero3 is not None else 0,
+        "prefetched": opt.zero3.prefetched if opt.zero3 is not None else 0,
+    }
 
 
 def _four_ranks(base: str) -> Dict[str, Any]:
@@ -210,8 +231,11 @@ def _four_ranks(base: str) -> Dict[str, Any]:
     tp2 = ProcessMesh.from_env(2, 1, 1, 2, timeout_s=60)
     out["resume_zero2"] = _stop_and_resume(LAYOUTS["tp2_sp_dp2_zero2"], f"{base}/resume_zero2", tp2)
     pp2 = ProcessMesh.from_env(1, 2, 1, 2, timeout_s=60)
-    out["resume_zero3_nvme"] = _stop_and_resume(dict(LAYOUTS["pp2_dp2_zero3_1f1b_recompute1"], offload="nvme",
-                                                     offload_dir=f"{base}/nvme"), f"{base}/resume_zero3", pp2)
+    out["resume_zero3_nvme"] = _stop_and_resume(
+        dict(LAYOUTS["pp2_dp2_zero3_1f1b_recompute1"], offload="nvme", offload_dir=f"{base}/nvme"),
+        f"{base}/resume_zero3",
+        pp2,
+    )
     out["reshard_zero1_to_zero3"] = _reshard(dict(tp=2, dp=2, zero=1), dict(dp=4, zero=3), f"{base}/to3")
     out["reshard_zero3_to_zero1"] = _reshard(dict(dp=4, zero=3), dict(tp=2, dp=2, zero=1), f"{base}/to1")
     pp2.destroy()
@@ -265,8 +289,11 @@ def test_zero_layout_reproduces_single_process(reference, four, layout):
         expected = plan.stages[r["stage"]].memory_bytes
         assert r["memory"] == {k: expected[k] for k in ("weights", "grads", "optimizer")}, (rank, r["memory"])
         # zero=3: the units gathered at once stay within the plan's bound, and something was gathered.
-        assert 0 < r["gathered"] <= expected["zero3_gathered"] if "zero3" in layout else r["gathered"] == 0, \
-            (rank, r["gathered"], expected["zero3_gathered"])
+        assert 0 < r["gathered"] <= expected["zero3_gathered"] if "zero3" in layout else r["gathered"] == 0, (
+            rank,
+            r["gathered"],
+            expected["zero3_gathered"],
+        )
         if "zero3" in layout:  # the next unit's gather was issued while the current one computed
             assert r["prefetched"] > 0, rank
 
@@ -340,15 +367,18 @@ def _offload_single(base: str) -> Dict[str, Any]:
     # fp16 with dynamic loss scaling (a window of 2: the scale moves): the fp32 masters are offloaded with the
     # moments. At dp=1 zero=3 gathers its units from the shard without communication and sums each
     # micro-batch's grads in the order autograd does at zero=1: the two runs must agree bit for bit.
-    cfg = _cfg(zero=1 if mode == "none" else 3, precision="fp16", loss_scale_window=2, loss_scale_init=2.0**15,
-               **nvme)
+    cfg = _cfg(zero=1 if mode == "none" else 3, precision="fp16", loss_scale_window=2, loss_scale_init=2.0**15, **nvme)
     trainer = Trainer(cfg, f"{base}/fp16_{mode}", ProcessMesh.single(), checkpointing=False)
     trainer.run()
     trainer.optimizer.finish_param_gather()
-    out = {"losses": list(trainer.losses), "memory": trainer.optimizer.memory_report(),
-           "loss_scale": trainer.optimizer.loss_scale,
-           "params": {n: p.detach().float().numpy().copy() for n, p in zip(trainer.optimizer.names,
-                                                                          trainer.optimizer.params)}}
+    out = {
+        "losses": list(trainer.losses),
+        "memory": trainer.optimizer.memory_report(),
+        "loss_scale": trainer.optimizer.loss_scale,
+        "params": {
+            n: p.detach().float().numpy().copy() for n, p in zip(trainer.optimizer.names, trainer.optimizer.params)
+        },
+    }
     del trainer
     gc.collect()
     # A larger model (3.2 M parameters, 25 MiB of fp32 moments): resident memory after two steps.
@@ -416,6 +446,7 @@ def test_recompute_num_layers_activations_match_the_plan():
 
 # ---- the planner's side (pure Python, no processes) ----------------------------------------------------------
 
+
 def _13b(**parallel) -> Config:
     """The README's example: a 13B GPT in fp16 on 8 x 80 GB, pure data parallelism."""
     cfg = Config()
@@ -471,8 +502,12 @@ def test_validate_and_recommend_reach_the_levers():
 
     report = validate(_13b())
     text = "\n".join(f"{i.key}: {i.message}; {i.fix}" for i in report.issues)
-    for fix in ("parallel.zero=2: 70.76 GiB (fits)", "parallel.zero=3: 51.57 GiB (fits)", "parallel.offload=cpu",
-                "parallel.recompute_num_layers="):
+    for fix in (
+        "parallel.zero=2: 70.76 GiB (fits)",
+        "parallel.zero=3: 51.57 GiB (fits)",
+        "parallel.offload=cpu",
+        "parallel.recompute_num_layers=",
+    ):
         assert fix in text, text
     bad = validate(_13b(zero=4, offload="nvme"))
     text = "\n".join(f"{i.key}: {i.message}" for i in bad.errors)

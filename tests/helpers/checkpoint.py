@@ -91,7 +91,7 @@ def expected_flat(opt, kind, tp, tp_rank):
     """The optimizer's flat shard of state `kind` as the global functions say."""
     flat = torch.cat([local_slice(global_value(n, kind), n, tp, tp_rank).reshape(-1) for n in opt.names])
     flat = torch.cat([flat, torch.zeros(opt.shard_size * (opt.dp if opt.zero else 1) - flat.numel())])
-    return flat[opt.shard_lo: opt.shard_lo + opt.shard_size]
+    return flat[opt.shard_lo : opt.shard_lo + opt.shard_size]
 
 
 def save_worker(run_dir, tp, dp, zero):
@@ -129,7 +129,6 @@ def load_worker(run_dir, layouts):
     mesh.destroy()  # destroys the one process group, and with it every layout's groups
 
 
-
 def setup_run(run_dir, **train):
     cfg = stand_in_cfg(1, 1, 0)
     for k, v in train.items():
@@ -165,7 +164,6 @@ def resumed_value(run_dir, **train):
     value = next(iter(model.parameters())).flatten()[0].item()
     assert opt.exp_avg[0].item() == value + 0.5 and opt.step_count == int(value)
     return got[0], value
-
 
 
 class RunsCommand:

@@ -34,6 +34,7 @@ register()
 @dataclass
 class CliResult:
     """What subprocess.run(..., capture_output=True, text=True) gives, for the same assertions."""
+
     returncode: int
     stdout: str
     stderr: str

@@ -30,12 +30,19 @@ def free_port() -> int:
 
 
 def _worker(fn, rank, world_size, port, args, results, threads) -> None:
-    os.environ.update({
-        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": str(threads),
-    })
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": str(threads),
+        }
+    )
     import torch
+
     torch.set_num_threads(threads)
     try:
         results.put((rank, True, fn(*args)))
@@ -43,14 +50,17 @@ def _worker(fn, rank, world_size, port, args, results, threads) -> None:
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
-                    timeout_s: float = 120.0, threads: int = 1) -> List[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout_s: float = 120.0, threads: int = 1
+) -> List[Any]:
     """fn(*args) on world_size spawned ranks; returns the ranks' results in rank order."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, tuple(args), results, threads),
-                         daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, tuple(args), results, threads), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     out: dict = {}
@@ -60,15 +70,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
         while len(out) + len(errors) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"{world_size}-rank run of {fn.__name__} exceeded {timeout_s} s; "
-                                   f"finished ranks: {sorted(out)}")
+                raise TimeoutError(
+                    f"{world_size}-rank run of {fn.__name__} exceeded {timeout_s} s; finished ranks: {sorted(out)}"
+                )
             try:
                 rank, ok, value = results.get(timeout=min(left, 1.0))
             except queue.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in out]
                 if dead and not errors:
-                    raise RuntimeError(f"rank(s) {dead} died without a result (exit codes "
-                                       f"{[procs[i].exitcode for i in dead]})")
+                    raise RuntimeError(
+                        f"rank(s) {dead} died without a result (exit codes {[procs[i].exitcode for i in dead]})"
+                    )
                 continue
             if ok:
                 out[rank] = value

@@ -20,7 +20,8 @@ def healthy_gpu(i):
         "ecc": {pynvml.NVML_VOLATILE_ECC: 0, pynvml.NVML_AGGREGATE_ECC: 0},
         "remap": (0, 0, 0, 0),
         "retired_pending": pynvml.NVML_FEATURE_DISABLED,
-        "temp": 34, "slowdown": 87,
+        "temp": 34,
+        "slowdown": 87,
         "reasons": pynvml.nvmlClocksEventReasonGpuIdle,
         "pcie": (5, 5, 16, 16),
         "links": [pynvml.NVML_FEATURE_ENABLED] * H100_LINKS,
@@ -42,6 +43,7 @@ def fake_nvml(gpus, driver="550.54.15", cuda=12040):
             if name in h["unsupported"]:
                 err(pynvml.NVML_ERROR_NOT_SUPPORTED)
             return h[name] if not args else h[name][args[-1]]
+
         return call
 
     m.nvmlInit = lambda: None
@@ -87,8 +89,16 @@ def fake_nvml(gpus, driver="550.54.15", cuda=12040):
     return m
 
 
-def write_port(root, hca, port=1, state="4: ACTIVE", phys="5: LinkUp", rate="400 Gb/sec (4X NDR)",
-               link_layer="InfiniBand", counters=None):
+def write_port(
+    root,
+    hca,
+    port=1,
+    state="4: ACTIVE",
+    phys="5: LinkUp",
+    rate="400 Gb/sec (4X NDR)",
+    link_layer="InfiniBand",
+    counters=None,
+):
     d = os.path.join(root, hca, "ports", str(port))
     os.makedirs(os.path.join(d, "counters"), exist_ok=True)
     for name, text in (("state", state), ("phys_state", phys), ("rate", rate), ("link_layer", link_layer)):

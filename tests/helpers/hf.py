@@ -23,10 +23,12 @@ if not os.path.exists(PYTHON):
     PYTHON = sys.executable
 PROMPT = [1, 2, 3, 4, 5]
 
+
 def meshrun(*args: str, cwd: str, timeout: int = 400) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([PYTHON, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [PYTHON, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _cfg_for(directory: str, tp: int = 1) -> Config:
@@ -55,12 +57,15 @@ def _hf_loss(model, tokens: torch.Tensor, targets: torch.Tensor) -> float:
 
 def _hf_greedy(model, n: int = 20):
     out = model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+    return out[0, len(PROMPT) :].tolist()
 
 
 def _batch(cfg: Config, seed: int = 1234, n: int = 8):
-    rows = torch.from_numpy(__import__("numpy").stack(
-        [SyntheticSource(cfg.model.vocab_size, cfg.model.seq_length, seed).sample(i) for i in range(n)]))
+    rows = torch.from_numpy(
+        __import__("numpy").stack(
+            [SyntheticSource(cfg.model.vocab_size, cfg.model.seq_length, seed).sample(i) for i in range(n)]
+        )
+    )
     return rows[:, :-1], rows[:, 1:]
 
 
@@ -89,8 +94,14 @@ def _single_model(directory: str):
 
 def _train(tmp_path, name: str, *overrides: str) -> str:
     run_dir = str(tmp_path / name)
-    r = meshrun("data=synthetic", "train.progress=false", "train.checkpoint_every=0", f"run.dir={run_dir}",
-                *overrides, cwd=str(tmp_path))
+    r = meshrun(
+        "data=synthetic",
+        "train.progress=false",
+        "train.checkpoint_every=0",
+        f"run.dir={run_dir}",
+        *overrides,
+        cwd=str(tmp_path),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return run_dir
 

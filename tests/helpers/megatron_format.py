@@ -48,5 +48,10 @@ def read(prefix: str) -> dict:
     dtype = np.dtype(CODES[code])
     data = open(prefix + ".bin", "rb").read()
     seqs: List[np.ndarray] = [np.frombuffer(data, dtype, int(n), int(o)) for n, o in zip(lengths, offsets)]
-    return {"version": version, "dtype": dtype, "sequences": seqs, "doc_idx": doc_idx,
-            "flat": np.frombuffer(data, dtype)}
+    return {
+        "version": version,
+        "dtype": dtype,
+        "sequences": seqs,
+        "doc_idx": doc_idx,
+        "flat": np.frombuffer(data, dtype),
+    }

@@ -12,5 +12,4 @@ from training.optim.model_parallel import allreduce_flat
 
 def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], group: Any) -> None:
     """Sum over tp the `.grad` of every `sequence_parallel` parameter (for code without the optimizer)."""
-    allreduce_flat([p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None],
-                   group)
+    allreduce_flat([p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None], group)

@@ -30,8 +30,9 @@ def narayanan_params(L: int, h: int, V: int, s: int) -> float:
     return 12 * L * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * L * h))
 
 
-def simulate_goodput(interval_s: float, save_s: float, restart_s: float, mtbf_s: float, work_s: float,
-                     seed: int = 0) -> float:
+def simulate_goodput(
+    interval_s: float, save_s: float, restart_s: float, mtbf_s: float, work_s: float, seed: int = 0
+) -> float:
     """Monte Carlo of the same job: exponential failures (also during saves and restarts), each failure costs the
     restart and the work since the last complete checkpoint; returns work_s / the wall time it took."""
     rng = random.Random(seed)

@@ -23,14 +23,24 @@ from training.contract.rundir.events import read_events
 
 UNAVAILABLE = 77
 STEPS = 12
-COMMON = ["model=tiny", "data=synthetic", "parallel.tp=2", "parallel.pp=1", f"train.steps={STEPS}",
-          "train.warmup_steps=2", "train.checkpoint_every=2", "train.log_every=1"]
+COMMON = [
+    "model=tiny",
+    "data=synthetic",
+    "parallel.tp=2",
+    "parallel.pp=1",
+    f"train.steps={STEPS}",
+    "train.warmup_steps=2",
+    "train.checkpoint_every=2",
+    "train.log_every=1",
+]
 
 
 def ping() -> bool:
     try:
-        return shutil.which("scontrol") is not None and subprocess.run(
-            ["scontrol", "ping"], capture_output=True, text=True, timeout=15).stdout.count("UP") > 0
+        return (
+            shutil.which("scontrol") is not None
+            and subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=15).stdout.count("UP") > 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -39,8 +49,9 @@ def start_cluster() -> bool:
     """The dev cluster, started if needed; a loud skip with the reason when it cannot run here (the `cluster`
     fixture of tests/conftest.py)."""
     if not ping():
-        res = subprocess.run(["bash", os.path.join(ROOT, "slurm", "dev-cluster.sh"), "up"],
-                             capture_output=True, text=True, timeout=600)
+        res = subprocess.run(
+            ["bash", os.path.join(ROOT, "slurm", "dev-cluster.sh"), "up"], capture_output=True, text=True, timeout=600
+        )
         if res.returncode == UNAVAILABLE:
             reason_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), "meshrun-slurm-unavailable")
             reason = open(reason_file).read().strip() if os.path.exists(reason_file) else res.stderr.strip()
@@ -53,8 +64,14 @@ def start_cluster() -> bool:
 def meshrun(*overrides, env=None, timeout=120):
     """`meshrun` in a subprocess; every Slurm job it says it submitted is noted (tests/helpers/jobs.py), so a
     test that fails leaves none of them queued or running (tests/conftest.py cancels them)."""
-    res = subprocess.run([sys.executable, "-m", "launcher", *overrides], cwd=ROOT, capture_output=True,
-                         text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     jobs.note(res.stdout)
     return res
 
@@ -75,8 +92,10 @@ def wait_final(run_dir, timeout=240):
         if events and events[-1]["event"] in ("completed", "stopped"):
             return run_status(str(run_dir))
         time.sleep(0.5)
-    raise AssertionError(f"run {run_dir} not finished after {timeout} s; events: {read_events(str(run_dir))}; "
-                         f"status {run_status(str(run_dir))}")
+    raise AssertionError(
+        f"run {run_dir} not finished after {timeout} s; events: {read_events(str(run_dir))}; "
+        f"status {run_status(str(run_dir))}"
+    )
 
 
 def wait_step(run_dir, step, timeout=120):
@@ -121,7 +140,7 @@ def rank_pid(run_dir, rank):
     raise AssertionError(f"no process for rank {rank} of {run_dir}")
 
 
-HOLD = '''import os, sys
+HOLD = """import os, sys
 if "training.main" in getattr(sys, "orig_argv", []):
     import time
     import training.run.loop
@@ -137,7 +156,7 @@ if "training.main" in getattr(sys, "orig_argv", []):
         return real(self, *args, **kwargs)
 
     training.run.loop.Trainer.train_step = step
-'''
+"""
 
 
 def hold_env(tmp_path) -> dict:
@@ -150,8 +169,18 @@ def hold_env(tmp_path) -> dict:
 
 def dev_cfg(**cluster) -> Config:
     cfg = Config()
-    base = dict(name="slurm_dev", kind="slurm", partition="debug", nodes=2, gpus_per_node=2, device="cpu",
-                time_min=10, signal_delay_s=45, max_retries=2, env={"NCCL_DEBUG": "WARN", "NCCL_IB_HCA": "mlx5_0"})
+    base = dict(
+        name="slurm_dev",
+        kind="slurm",
+        partition="debug",
+        nodes=2,
+        gpus_per_node=2,
+        device="cpu",
+        time_min=10,
+        signal_delay_s=45,
+        max_retries=2,
+        env={"NCCL_DEBUG": "WARN", "NCCL_IB_HCA": "mlx5_0"},
+    )
     base.update(cluster)
     cfg.cluster = ClusterConfig(**base)
     cfg.parallel.tp = 2

@@ -39,23 +39,44 @@ def test_a_new_action_is_one_table_entry_and_one_module(tmp_path):
     table = tree / "training" / "contract" / "actions.py"
     text = table.read_text()
     assert text.count("\n)\n\nBY_NAME") == 1
-    table.write_text(text.replace("\n)\n\nBY_NAME", '\n    ActionSpec("hello", "launcher.hello", "hello", locks=False, '
-                                                    'config="run_dir"),\n)\n\nBY_NAME'))
+    table.write_text(
+        text.replace(
+            "\n)\n\nBY_NAME",
+            '\n    ActionSpec("hello", "launcher.hello", "hello", locks=False, config="run_dir"),\n)\n\nBY_NAME',
+        )
+    )
     (tree / "launcher" / "hello.py").write_text(
         "import json\n\n\n"
         "def hello(cfg, run_dir):\n"
         "    print(json.dumps({'action': str(cfg.action), 'run_dir': run_dir, 'cfg_run_dir': cfg.run.dir}))\n"
-        "    return 0\n")
+        "    return 0\n"
+    )
     run_dir = tmp_path / "runs" / "r1"
     env = dict(os.environ, PYTHONPATH=str(tree))
-    res = subprocess.run([sys.executable, "-m", "launcher", "action=hello", f"run.dir={run_dir}",
-                          f"hydra.run.dir={tmp_path / 'hydra'}"],
-                         cwd=tree, env=env, capture_output=True, text=True, timeout=180)
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher", "action=hello", f"run.dir={run_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out == {"action": "hello", "run_dir": str(run_dir), "cfg_run_dir": str(run_dir)}
     # the same action name in the unmodified tree is refused as a bad value (exit 2)
-    res = subprocess.run([sys.executable, "-m", "launcher", "action=hello", f"run.dir={run_dir}",
-                          f"hydra.run.dir={tmp_path / 'hydra2'}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=180)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "action=hello",
+            f"run.dir={run_dir}",
+            f"hydra.run.dir={tmp_path / 'hydra2'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 2, res.stdout + res.stderr

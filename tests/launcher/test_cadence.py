@@ -64,8 +64,14 @@ def test_young_daly_interval_is_within_5_percent_goodput_of_the_simulated_best(n
 
 def test_gpt3_175b_on_128_and_1024_dgx_nodes():
     for nodes, job_mtbf_h in ((128, 78.125), (1024, 9.765625)):
-        cfg = compose_cfg("model=gpt3_175b", "cluster=dgx_h100", f"cluster.nodes={nodes}", "parallel=korthikanti_175b",
-                          "parallel.dp=null", "parallel.global_batch=1536")
+        cfg = compose_cfg(
+            "model=gpt3_175b",
+            "cluster=dgx_h100",
+            f"cluster.nodes={nodes}",
+            "parallel=korthikanti_175b",
+            "parallel.dp=null",
+            "parallel.global_batch=1536",
+        )
         cad = advise(cfg)
         assert cad.requested == "auto" and cad.job_mtbf_h == pytest.approx(job_mtbf_h)
         # 174.6e9 parameters (vocabulary padded for tp 8) x (2 bf16 weight + 12 fp32 master and Adam) bytes at the preset's 100 GB/s.
@@ -75,11 +81,20 @@ def test_gpt3_175b_on_128_and_1024_dgx_nodes():
 
 
 def test_measured_saves_and_restarts_win_over_the_estimates(tmp_path):
-    cfg = compose_cfg("model=gpt3_175b", "cluster=dgx_h100", "cluster.nodes=128", "parallel=korthikanti_175b",
-                      "parallel.dp=null", "parallel.global_batch=1536")
+    cfg = compose_cfg(
+        "model=gpt3_175b",
+        "cluster=dgx_h100",
+        "cluster.nodes=128",
+        "parallel=korthikanti_175b",
+        "parallel.dp=null",
+        "parallel.global_batch=1536",
+    )
     events = [{"event": "checkpoint", "time": 100.0, "attempt": 0, "total_s": t} for t in (300.0, 200.0, 100.0)]
-    events += [{"event": "failed", "time": 1000.0, "attempt": 0}, {"event": "requeued", "time": 1001.0, "attempt": 0},
-               {"event": "started", "time": 1180.0, "attempt": 1}]
+    events += [
+        {"event": "failed", "time": 1000.0, "attempt": 0},
+        {"event": "requeued", "time": 1001.0, "attempt": 0},
+        {"event": "started", "time": 1180.0, "attempt": 1},
+    ]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     cad = resolve(cfg, str(tmp_path))
     assert cad.save_s == 200.0 and "measured" in cad.save_source
@@ -103,14 +118,30 @@ def test_auto_needs_an_mtbf_and_minutes_must_be_numbers():
 
 def test_plan_prints_the_advice_and_config_json_carries_the_minutes(tmp_path):
     run_dir = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "launcher", "action=plan", "model=gpt3_175b", "cluster=dgx_h100",
-                        "cluster.nodes=1024", "parallel=korthikanti_175b", "parallel.dp=null",
-                        "parallel.global_batch=1536", f"run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "action=plan",
+            "model=gpt3_175b",
+            "cluster=dgx_h100",
+            "cluster.nodes=1024",
+            "parallel=korthikanti_175b",
+            "parallel.dp=null",
+            "parallel.global_batch=1536",
+            f"run.dir={run_dir}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert "job MTBF 9.77 h (node MTBF 10000 h / 1024 nodes)" in p.stdout
     assert "Young/Daly optimum" in p.stdout
     saved = json.loads((run_dir / "config.json").read_text())
     plan = json.loads((run_dir / "plan.json").read_text())
-    assert saved["train"]["checkpoint_every_min_resolved"] == pytest.approx(plan["checkpoint_cadence"]["optimal_min"],
-                                                                           abs=1e-4)
+    assert saved["train"]["checkpoint_every_min_resolved"] == pytest.approx(
+        plan["checkpoint_cadence"]["optimal_min"], abs=1e-4
+    )

@@ -20,10 +20,19 @@ from training.checkpoint import storage
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
     PYTHON = sys.executable
-TINY = ["data=synthetic", "parallel=single", "cluster.gpus_per_node=1", "model.num_layers=2",
-        "model.seq_length=32", "parallel.global_batch=2", "parallel.micro_batch=1", "cluster.peak_tflops=1",
-        "train.checkpoint_every=2", "train.steps=100000"]
-IGNORE_USR2 = '''import signal, sys
+TINY = [
+    "data=synthetic",
+    "parallel=single",
+    "cluster.gpus_per_node=1",
+    "model.num_layers=2",
+    "model.seq_length=32",
+    "parallel.global_batch=2",
+    "parallel.micro_batch=1",
+    "cluster.peak_tflops=1",
+    "train.checkpoint_every=2",
+    "train.steps=100000",
+]
+IGNORE_USR2 = """import signal, sys
 if "training.main" in getattr(sys, "orig_argv", []):
     _real = signal.signal
 
@@ -33,7 +42,7 @@ if "training.main" in getattr(sys, "orig_argv", []):
         return _real(sig, handler)
 
     signal.signal = _signal
-'''
+"""
 
 
 @pytest.mark.slow
@@ -43,8 +52,13 @@ def test_ranks_that_ignore_the_stop_are_killed_after_the_timeout(tmp_path):
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(IGNORE_USR2)
     env = dict(os.environ, PYTHONPATH=f"{inject}{os.pathsep}{ROOT}")
-    launch = subprocess.Popen([PYTHON, "-m", "launcher", f"run.dir={run}", *TINY], cwd=str(tmp_path), env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launch = subprocess.Popen(
+        [PYTHON, "-m", "launcher", f"run.dir={run}", *TINY],
+        cwd=str(tmp_path),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 300
         while storage.read_latest(str(run)) is None:  # a complete checkpoint exists before the cancel

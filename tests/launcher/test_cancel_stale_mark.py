@@ -29,7 +29,7 @@ def run_dir(tmp_path, monkeypatch):
 
 def test_a_mark_older_than_the_latest_launch_is_stale(run_dir, capsys):
     append_event(run_dir, "submitted", job_id="424241")
-    old = write_mark(run_dir)                      # cancels the first launch ...
+    old = write_mark(run_dir)  # cancels the first launch ...
     append_event(run_dir, "submitted", job_id="424242")  # ... a new launch of the directory comes after it
     assert os.path.exists(os.path.join(run_dir, CANCEL_FILE)) and cancel_requested(run_dir) is None
     assert driver.prologue(run_dir) == 0

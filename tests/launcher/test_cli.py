@@ -23,8 +23,9 @@ if not os.path.exists(PYTHON):
 
 def meshrun_subprocess(*args: str, cwd: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([PYTHON, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [PYTHON, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_plan_writes_plan_json(tmp_path):
@@ -34,13 +35,37 @@ def test_plan_writes_plan_json(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "GiB" in p.stdout or "MiB" in p.stdout
     plan = json.loads((run / "plan.json").read_text())
-    for key in ("world_size", "tp", "pp", "dp", "cp", "vpp", "micro_batch", "global_batch", "grad_accum",
-                "num_microbatches", "params_total", "params_per_gpu", "memory_bytes", "bubble_ratio",
-                "bubble_idle_fraction", "model_flops_per_step", "hardware_flops_per_step", "tokens_per_step",
-                "gpu_memory_bytes", "fits"):
+    for key in (
+        "world_size",
+        "tp",
+        "pp",
+        "dp",
+        "cp",
+        "vpp",
+        "micro_batch",
+        "global_batch",
+        "grad_accum",
+        "num_microbatches",
+        "params_total",
+        "params_per_gpu",
+        "memory_bytes",
+        "bubble_ratio",
+        "bubble_idle_fraction",
+        "model_flops_per_step",
+        "hardware_flops_per_step",
+        "tokens_per_step",
+        "gpu_memory_bytes",
+        "fits",
+    ):
         assert key in plan, key
-    assert set(plan["memory_bytes"]) >= {"weights", "grads", "optimizer", "activations", "activations_per_layer",
-                                         "total"}
+    assert set(plan["memory_bytes"]) >= {
+        "weights",
+        "grads",
+        "optimizer",
+        "activations",
+        "activations_per_layer",
+        "total",
+    }
     assert all(isinstance(v, int) for v in plan["memory_bytes"].values())
     assert (plan["tp"], plan["dp"], plan["grad_accum"]) == (2, 2, 2)  # the embedded default: tp2 sp dp2
     cfg = json.loads((run / "config.json").read_text())
@@ -52,8 +77,17 @@ def test_plan_writes_plan_json(tmp_path):
 
 BAD = {
     "typo_key": (["model.hiden_size=10"], "hiden_size"),
-    "tp3_32_heads": (["model=llama3_8b", "parallel.tp=3", "parallel.sp=false", "cluster.gpus_per_node=3",
-                      "parallel.dp=1", "cluster.gpu_memory_gb=1000"], "divisible by tp=3"),
+    "tp3_32_heads": (
+        [
+            "model=llama3_8b",
+            "parallel.tp=3",
+            "parallel.sp=false",
+            "cluster.gpus_per_node=3",
+            "parallel.dp=1",
+            "cluster.gpu_memory_gb=1000",
+        ],
+        "divisible by tp=3",
+    ),
     "global_batch": (["parallel.global_batch=10"], "global_batch 10 is not divisible"),
     "unknown_preset": (["model=gpt5"], "gpt5"),
     "negative_size": (["model.num_layers=-4"], "model.num_layers: must be a positive integer"),
@@ -80,8 +114,15 @@ def test_no_fit_names_the_fixes(tmp_path):
 
 def test_sweep_summary(tmp_path):
     sweep = tmp_path / "sweep"
-    p = meshrun("-m", "action=plan", "parallel.tp=1,2", "parallel.pp=1,2,4", "parallel.sp=false",
-                f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    p = meshrun(
+        "-m",
+        "action=plan",
+        "parallel.tp=1,2",
+        "parallel.pp=1,2,4",
+        "parallel.sp=false",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr
     assert "sweep summary: 5 feasible, 1 infeasible" in p.stdout, p.stdout
     data = json.loads((sweep / "sweep.json").read_text())

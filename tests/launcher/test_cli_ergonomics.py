@@ -69,7 +69,7 @@ def test_help_names_actions_groups_and_where_keys_are_documented(tmp_path):
     # The groups with their presets, as Hydra finds them in the installed config tree.
     assert "model: " in p.stdout and "llama3_8b" in p.stdout and "parallel: " in p.stdout
     cluster_line = next(line for line in p.stdout.splitlines() if line.startswith("cluster: "))
-    assert {"dgx_h100", "local", "slurm_dev"} <= set(cluster_line[len("cluster: "):].split(", "))
+    assert {"dgx_h100", "local", "slurm_dev"} <= set(cluster_line[len("cluster: ") :].split(", "))
     assert "action=keys" in p.stdout and "training/contract/config.py" in p.stdout
     assert list(tmp_path.iterdir()) == []  # --help writes nothing
 
@@ -108,8 +108,14 @@ def test_keys_prints_every_key_with_type_default_and_docstring(tmp_path):
 
 
 def test_choice_fields_are_rejected_by_the_schema(tmp_path):
-    for key in ("model.norm", "parallel.schedule", "parallel.recompute", "train.precision", "cluster.kind",
-                "data.kind"):
+    for key in (
+        "model.norm",
+        "parallel.schedule",
+        "parallel.recompute",
+        "train.precision",
+        "cluster.kind",
+        "data.kind",
+    ):
         assert key in CHOICE_FIELDS
         p = meshrun("action=plan", f"{key}=nonsense", f"run.dir={tmp_path / 'r'}", cwd=tmp_path)
         assert p.returncode == 2, (key, p.stderr)
@@ -119,8 +125,15 @@ def test_choice_fields_are_rejected_by_the_schema(tmp_path):
 
 
 def test_precision_auto_is_bf16_on_gpus_and_fp32_on_cpu(tmp_path):
-    gpu = meshrun("action=plan", "model=llama3_8b", "cluster=dgx_h100", "parallel=tp8", "cluster.nodes=1",
-                  f"run.dir={tmp_path / 'gpu'}", cwd=tmp_path)
+    gpu = meshrun(
+        "action=plan",
+        "model=llama3_8b",
+        "cluster=dgx_h100",
+        "parallel=tp8",
+        "cluster.nodes=1",
+        f"run.dir={tmp_path / 'gpu'}",
+        cwd=tmp_path,
+    )
     assert gpu.returncode == 0, gpu.stderr
     assert json.loads((tmp_path / "gpu" / "config.json").read_text())["train"]["precision"] == "bf16"
     plan = json.loads((tmp_path / "gpu" / "plan.json").read_text())
@@ -129,8 +142,16 @@ def test_precision_auto_is_bf16_on_gpus_and_fp32_on_cpu(tmp_path):
     cpu = meshrun("action=plan", f"run.dir={tmp_path / 'cpu'}", cwd=tmp_path)
     assert cpu.returncode == 0, cpu.stderr
     assert json.loads((tmp_path / "cpu" / "config.json").read_text())["train"]["precision"] == "fp32"
-    explicit = meshrun("action=plan", "model=llama3_8b", "cluster=dgx_h100", "train.precision=fp16", "parallel=tp8", "cluster.nodes=1",
-                       f"run.dir={tmp_path / 'fp16'}", cwd=tmp_path)
+    explicit = meshrun(
+        "action=plan",
+        "model=llama3_8b",
+        "cluster=dgx_h100",
+        "train.precision=fp16",
+        "parallel=tp8",
+        "cluster.nodes=1",
+        f"run.dir={tmp_path / 'fp16'}",
+        cwd=tmp_path,
+    )
     assert explicit.returncode == 0, explicit.stderr
     assert json.loads((tmp_path / "fp16" / "config.json").read_text())["train"]["precision"] == "fp16"
 
@@ -145,8 +166,9 @@ def test_rejected_plan_and_mistyped_status_leave_no_directory(tmp_path):
 
 def test_starting_again_reuses_the_saved_configuration(tmp_path):
     run = tmp_path / "run"
-    first = meshrun("action=plan", f"run.dir={run}", "parallel=tp2", "train.steps=7", "model.num_layers=2",
-                    cwd=tmp_path)
+    first = meshrun(
+        "action=plan", f"run.dir={run}", "parallel=tp2", "train.steps=7", "model.num_layers=2", cwd=tmp_path
+    )
     assert first.returncode == 0, first.stderr
     saved = json.loads((run / "config.json").read_text())
     again = meshrun("action=plan", f"run.dir={run}", cwd=tmp_path)
@@ -154,8 +176,9 @@ def test_starting_again_reuses_the_saved_configuration(tmp_path):
     assert "with its saved configuration (no changes)" in again.stderr
     assert json.loads((run / "config.json").read_text()) == saved
     # An override applies on top of the saved run; a changed layout is reported as a reshard.
-    moved = meshrun("action=plan", f"run.dir={run}", "parallel.tp=1", "parallel.sp=false",
-                    "cluster.gpus_per_node=2", cwd=tmp_path)
+    moved = meshrun(
+        "action=plan", f"run.dir={run}", "parallel.tp=1", "parallel.sp=false", "cluster.gpus_per_node=2", cwd=tmp_path
+    )
     assert moved.returncode == 0, moved.stderr
     assert "changed now: cluster.gpus_per_node, parallel.sp, parallel.tp" in moved.stderr
     assert "the checkpoint is resharded on load" in moved.stderr

@@ -29,13 +29,34 @@ def compose_cfg(*overrides: str) -> Config:
 
 # NVIDIA's published BF16 layouts on DGX H100 (8 x H100 80 GB per node): Llama 3 8B on 8 GPUs at tp1 cp2,
 # Llama 3 70B on 64 GPUs at tp4 pp4 cp2 with 5 virtual stages (sp with tp), the distributed optimizer.
-COMMON = ("cluster=dgx_h100", "train.precision=bf16", "model.seq_length=8192", "parallel.micro_batch=1",
-          "parallel.global_batch=128", "parallel.zero=1", "parallel.recompute=none")
+COMMON = (
+    "cluster=dgx_h100",
+    "train.precision=bf16",
+    "model.seq_length=8192",
+    "parallel.micro_batch=1",
+    "parallel.global_batch=128",
+    "parallel.zero=1",
+    "parallel.recompute=none",
+)
 NVIDIA = {
-    "llama3_8b": ("model=llama3_8b", "cluster.nodes=1", "parallel.tp=1", "parallel.pp=1", "parallel.vpp=1",
-                  "parallel.sp=false", "parallel.schedule=1f1b"),
-    "llama3_70b": ("model=llama3_70b", "cluster.nodes=8", "parallel.tp=4", "parallel.pp=4", "parallel.vpp=5",
-                   "parallel.sp=true", "parallel.schedule=interleaved_1f1b"),
+    "llama3_8b": (
+        "model=llama3_8b",
+        "cluster.nodes=1",
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "parallel.vpp=1",
+        "parallel.sp=false",
+        "parallel.schedule=1f1b",
+    ),
+    "llama3_70b": (
+        "model=llama3_70b",
+        "cluster.nodes=8",
+        "parallel.tp=4",
+        "parallel.pp=4",
+        "parallel.vpp=5",
+        "parallel.sp=true",
+        "parallel.schedule=interleaved_1f1b",
+    ),
 }
 
 

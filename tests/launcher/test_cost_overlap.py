@@ -11,9 +11,18 @@ from launcher.plan.estimate import make_plan
 from helpers.cli import compose_cfg
 
 # A DP-heavy GPU layout: 8 x 8 GPUs, tp 1, so the grads of a 1.3B model cross the nodes in many buckets.
-DP_HEAVY = ("model=gpt_1p3b", "cluster=dgx_h100", "cluster.nodes=8", "parallel.tp=1", "parallel.pp=1",
-            "parallel.dp=null", "parallel.global_batch=512", "parallel.micro_batch=4", "parallel.sp=false",
-            "parallel.recompute=selective")
+DP_HEAVY = (
+    "model=gpt_1p3b",
+    "cluster=dgx_h100",
+    "cluster.nodes=8",
+    "parallel.tp=1",
+    "parallel.pp=1",
+    "parallel.dp=null",
+    "parallel.global_batch=512",
+    "parallel.micro_batch=4",
+    "parallel.sp=false",
+    "parallel.recompute=selective",
+)
 
 
 def _plan(*overrides):
@@ -26,7 +35,10 @@ def _parts(*overrides):
 
 @pytest.mark.parametrize("zero", [0, 1])
 def test_dp_reduce_overlaps_only_when_the_engine_overlaps_it(zero):
-    plan_on, plan_off = _plan(f"parallel.zero={zero}"), _plan(f"parallel.zero={zero}", "parallel.overlap_grad_reduce=false")
+    plan_on, plan_off = (
+        _plan(f"parallel.zero={zero}"),
+        _plan(f"parallel.zero={zero}", "parallel.overlap_grad_reduce=false"),
+    )
     on, off = plan_on.predicted_step_parts_s, plan_off.predicted_step_parts_s
     assert "overlapped" not in off and on["dp"] == off["dp"] > 0
     hidden = -on["overlapped"]
@@ -40,16 +52,38 @@ def test_dp_reduce_overlaps_only_when_the_engine_overlaps_it(zero):
 def test_zero3_prefetch_pipeline_sends_and_cp_ring_are_hidden_up_to_their_windows():
     z3 = _parts("parallel.zero=3")
     assert 0 < -z3["overlapped"] < z3["dp"]
-    pp = make_plan(compose_cfg("model=tiny", "cluster.device=cpu", "cluster.gpus_per_node=4", "parallel.tp=1",
-                               "parallel.pp=2", "parallel.dp=null", "parallel.global_batch=64",
-                               "parallel.micro_batch=1", "parallel.sp=false", "parallel.zero=0",
-                               "parallel.overlap_grad_reduce=false")).predicted_step_parts_s
+    pp = make_plan(
+        compose_cfg(
+            "model=tiny",
+            "cluster.device=cpu",
+            "cluster.gpus_per_node=4",
+            "parallel.tp=1",
+            "parallel.pp=2",
+            "parallel.dp=null",
+            "parallel.global_batch=64",
+            "parallel.micro_batch=1",
+            "parallel.sp=false",
+            "parallel.zero=0",
+            "parallel.overlap_grad_reduce=false",
+        )
+    ).predicted_step_parts_s
     assert 0 < -pp["overlapped"] <= pp["pp"] / 2
-    pp_off = make_plan(compose_cfg("model=tiny", "cluster.device=cpu", "cluster.gpus_per_node=4", "parallel.tp=1",
-                                   "parallel.pp=2", "parallel.dp=null", "parallel.global_batch=64",
-                                   "parallel.micro_batch=1", "parallel.sp=false", "parallel.zero=0",
-                                   "parallel.overlap_grad_reduce=false", "parallel.overlap_p2p=false")
-                       ).predicted_step_parts_s
+    pp_off = make_plan(
+        compose_cfg(
+            "model=tiny",
+            "cluster.device=cpu",
+            "cluster.gpus_per_node=4",
+            "parallel.tp=1",
+            "parallel.pp=2",
+            "parallel.dp=null",
+            "parallel.global_batch=64",
+            "parallel.micro_batch=1",
+            "parallel.sp=false",
+            "parallel.zero=0",
+            "parallel.overlap_grad_reduce=false",
+            "parallel.overlap_p2p=false",
+        )
+    ).predicted_step_parts_s
     assert "overlapped" not in pp_off
 
 
@@ -63,4 +97,5 @@ def test_hidden_is_bounded_by_the_window_and_the_exposed_call():
     assert overlap_hidden_s(cfg, {"compute": 1.0, "dp": 0.01}, m=2, counts={"dp": 1}) == {"dp": 0.0}
     cpu = compose_cfg(*DP_HEAVY, "parallel.zero=0", "cluster.device=cpu")
     assert overlap_hidden_s(cpu, parts, m=2, counts={"dp": 50})["dp"] == pytest.approx(
-        OVERLAP_EFFICIENCY["cpu"] * (1.0 / 2) * 2 / 3)
+        OVERLAP_EFFICIENCY["cpu"] * (1.0 / 2) * 2 / 3
+    )

@@ -17,9 +17,20 @@ from launcher.manage.status import run_status, sweep_status
 
 def test_a_local_run_writes_goodput_that_adds_up_to_its_wall_time(tmp_path):
     run_dir = tmp_path / "run"
-    res = dev.meshrun("cluster=local", "cluster.gpus_per_node=1", "model=tiny", "data=synthetic", "parallel.tp=1",
-                      "train.steps=4", "train.checkpoint_every=2", "train.eval_every=2", "train.progress=false",
-                      "train.tensorboard=false", f"run.dir={run_dir}", timeout=300)
+    res = dev.meshrun(
+        "cluster=local",
+        "cluster.gpus_per_node=1",
+        "model=tiny",
+        "data=synthetic",
+        "parallel.tp=1",
+        "train.steps=4",
+        "train.checkpoint_every=2",
+        "train.eval_every=2",
+        "train.progress=false",
+        "train.tensorboard=false",
+        f"run.dir={run_dir}",
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     with open(run_dir / GOODPUT_FILE) as f:
         g = json.load(f)
@@ -47,16 +58,25 @@ def test_a_local_run_writes_goodput_that_adds_up_to_its_wall_time(tmp_path):
 def _run(run_dir, t0, productive, lost):
     """A finished local run: 1 s of start-up, `productive` kept steps of 1 s, `lost` purged ones."""
     os.makedirs(run_dir)
-    events = [{"event": "started", "attempt": 0, "job_id": "local", "time": t0},
-              {"event": "completed", "attempt": 0, "job_id": "local", "time": t0 + 1 + productive + lost}]
+    events = [
+        {"event": "started", "attempt": 0, "job_id": "local", "time": t0},
+        {"event": "completed", "attempt": 0, "job_id": "local", "time": t0 + 1 + productive + lost},
+    ]
     with open(os.path.join(run_dir, "events.jsonl"), "w") as f:
         f.writelines(json.dumps(e) + "\n" for e in events)
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps({"step": s, "loss": 1.0, "time": t0 + 1 + s, "step_time_s": 1.0, "attempt": 0}) + "\n"
-                     for s in range(1, productive + 1))
+        f.writelines(
+            json.dumps({"step": s, "loss": 1.0, "time": t0 + 1 + s, "step_time_s": 1.0, "attempt": 0}) + "\n"
+            for s in range(1, productive + 1)
+        )
     with open(os.path.join(run_dir, "metrics.purged.jsonl"), "w") as f:
-        f.writelines(json.dumps({"step": productive + s, "loss": 1.0, "time": t0 + 1 + productive + s,
-                                 "step_time_s": 1.0, "attempt": 0}) + "\n" for s in range(1, lost + 1))
+        f.writelines(
+            json.dumps(
+                {"step": productive + s, "loss": 1.0, "time": t0 + 1 + productive + s, "step_time_s": 1.0, "attempt": 0}
+            )
+            + "\n"
+            for s in range(1, lost + 1)
+        )
     return events
 
 
@@ -65,12 +85,17 @@ def test_a_sweep_sums_its_runs(tmp_path):
     _run(a, 1000.0, 6, 0)
     _run(b, 2000.0, 2, 2)
     with open(tmp_path / "sweep.json", "w") as f:
-        json.dump({"feasible": [{"num": 0, "run_dir": a, "status": "ok"}, {"num": 1, "run_dir": b, "status": "ok"}]},
-                  f)
+        json.dump({"feasible": [{"num": 0, "run_dir": a, "status": "ok"}, {"num": 1, "run_dir": b, "status": "ok"}]}, f)
     st = sweep_status(str(tmp_path))
     g = st["goodput_s"]
     assert (g["wall_s"], g["productive"], g["lost_steps"], g["startup"], g["lost_step_count"], g["runs"]) == (
-        12.0, 8.0, 2.0, 2.0, 2, 2)
+        12.0,
+        8.0,
+        2.0,
+        2.0,
+        2,
+        2,
+    )
     assert st["goodput"] == pytest.approx(8 / 12)
     assert [pt["goodput"] for pt in st["points"]] == [pytest.approx(6 / 7), pytest.approx(2 / 5)]
 

@@ -13,7 +13,6 @@ import pytest
 from helpers import ROOT
 
 
-
 @pytest.mark.slow  # the dry check trains a tiny model (about 2 minutes of make check before)
 def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     run_dir = tmp_path / "gpu check"  # a space: every path in the script is quoted
@@ -25,14 +24,29 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
         (other / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
     env["PATH"] = f"{other}{os.pathsep}{env.get('PATH', '')}"
-    p = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--dry", str(run_dir)],
-                       capture_output=True, text=True, timeout=600, env=env)
+    p = subprocess.run(
+        ["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--dry", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     assert summary["mode"] == "dry" and summary["model"] == "tiny" and summary["ok"] is True
     checks = summary["checks"]
-    assert set(checks) == {"preflight", "train", "mfu", "model_state_bytes", "activations", "fp16_loss_scaling",
-                           "memory_levers", "moe", "engine_features", "memory_reserved"}
+    assert set(checks) == {
+        "preflight",
+        "train",
+        "mfu",
+        "model_state_bytes",
+        "activations",
+        "fp16_loss_scaling",
+        "memory_levers",
+        "moe",
+        "engine_features",
+        "memory_reserved",
+    }
     assert all(c["ok"] for c in checks.values()), checks
     assert checks["train"]["steps"] == 4 and checks["train"]["tokens_per_s"] > 0
     states = checks["model_state_bytes"]

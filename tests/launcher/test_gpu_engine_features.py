@@ -18,8 +18,13 @@ import gpu_engine_features as gef  # noqa: E402
 
 
 def test_dry_run_computes_every_check(tmp_path):
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_engine_features.py"), "--dry",
-                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "gpu_engine_features.py"), "--dry", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     checks = summary["checks"]

@@ -31,8 +31,13 @@ def test_gpu_preflight_dry_runs_every_check(tmp_path):
     """Would-fail 1: the script imported a save_config that does not exist. Now its --dry mode runs the real
     preflight (2 gloo ranks, NVML answered by the double) and every check reports a computed value."""
     run_dir = tmp_path / "pre flight"
-    p = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_preflight.sh"), "--dry", str(run_dir)],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, "SIZES_MB": "1"})
+    p = subprocess.run(
+        ["bash", os.path.join(ROOT, "bench", "gpu_preflight.sh"), "--dry", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "SIZES_MB": "1"},
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     checks = json.loads((run_dir / "preflight.json").read_text())["checks"]
     by = {(c["name"], c["subject"]): c for c in checks}
@@ -67,9 +72,13 @@ def _python_without_torch(tmp_path) -> str:
 def test_gpu_check_refuses_an_interpreter_without_the_project(tmp_path):
     """Issue 30: the script ran whatever python came first; a foreign one now stops it with exit 2 and the fix
     instead of a misleading "none of ['tiny'] fits"."""
-    p = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--dry", str(tmp_path / "out")],
-                       capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHON": _python_without_torch(tmp_path)})
+    p = subprocess.run(
+        ["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--dry", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": _python_without_torch(tmp_path)},
+    )
     assert p.returncode == 2, p.stdout + p.stderr
     assert "cannot import" in p.stderr and "--install-wheels" in p.stderr
 
@@ -101,16 +110,31 @@ def test_install_mode_uses_the_base_torch_and_the_carried_wheels(tmp_path):
         _repack_wheel(dist_name, wheels)
     venv = tmp_path / "gpu venv"
     script = os.path.join(ROOT, "bench", "gpu_venv.sh")
-    p = subprocess.run(["bash", script, str(wheels), str(venv)], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "BASE_PYTHON": _python_without_torch(tmp_path)})
+    p = subprocess.run(
+        ["bash", script, str(wheels), str(venv)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "BASE_PYTHON": _python_without_torch(tmp_path)},
+    )
     assert p.returncode == 2 and "has no torch" in p.stderr and not venv.exists(), p.stderr
-    p = subprocess.run(["bash", script, str(wheels), str(venv)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "BASE_PYTHON": PY, "PIP_NO_INDEX": "1"})
+    p = subprocess.run(
+        ["bash", script, str(wheels), str(venv)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "BASE_PYTHON": PY, "PIP_NO_INDEX": "1"},
+    )
     assert p.returncode == 0, p.stdout + p.stderr
-    probe = ("import importlib.util, json; print(json.dumps({m: importlib.util.find_spec(m).origin "
-             "for m in ('hydra', 'omegaconf', 'antlr4', 'torch', 'launcher', 'meshrun_conf')}))")
-    where = json.loads(subprocess.run([str(venv / "bin/python"), "-c", probe], capture_output=True, text=True,
-                                      check=True, cwd=str(tmp_path)).stdout)
+    probe = (
+        "import importlib.util, json; print(json.dumps({m: importlib.util.find_spec(m).origin "
+        "for m in ('hydra', 'omegaconf', 'antlr4', 'torch', 'launcher', 'meshrun_conf')}))"
+    )
+    where = json.loads(
+        subprocess.run(
+            [str(venv / "bin/python"), "-c", probe], capture_output=True, text=True, check=True, cwd=str(tmp_path)
+        ).stdout
+    )
     for mod in ("hydra", "omegaconf", "antlr4"):  # from the carried wheels, inside the new venv
         assert where[mod].startswith(str(venv)), where
     assert where["torch"] == torch.__file__  # the base interpreter's own torch, not a download
@@ -129,8 +153,11 @@ def test_mfu_peak_on_cuda_is_the_warmed_up_saturating_probe(monkeypatch):
     import training.preflight.matmul as matmul
 
     calls = []
-    monkeypatch.setattr(matmul, "measure_tflops",
-                        lambda device, n, iters=0, dtype=None: calls.append((device, n, iters, dtype)) or {"tflops": 700.0})
+    monkeypatch.setattr(
+        matmul,
+        "measure_tflops",
+        lambda device, n, iters=0, dtype=None: calls.append((device, n, iters, dtype)) or {"tflops": 700.0},
+    )
     peak = loop.measure_peak_flops(torch.device("cuda", 0), torch.bfloat16)
     assert peak == 700.0e12
     assert calls and all(c == ("cuda:0", 8192, 0, torch.bfloat16) for c in calls)  # iters 0: ~0.2 s timed each
@@ -254,9 +281,19 @@ def test_sibling_ranks_are_job_processes_not_foreign(tmp_path):
     time the preflight runs; they are not 'other processes'."""
     sibling = subprocess.Popen([PY, "-c", "import time; time.sleep(30)"])
     try:
-        out = subprocess.run([PY, "-c", "import os, json; from training.preflight.runner import _job_pids; "
-                              "print(json.dumps([os.getpid(), sorted(_job_pids())]))"],
-                             capture_output=True, text=True, check=True, cwd=ROOT, timeout=60).stdout
+        out = subprocess.run(
+            [
+                PY,
+                "-c",
+                "import os, json; from training.preflight.runner import _job_pids; "
+                "print(json.dumps([os.getpid(), sorted(_job_pids())]))",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+            timeout=60,
+        ).stdout
         me, pids = json.loads(out)
         assert {me, os.getpid(), sibling.pid} <= set(pids)
     finally:
@@ -386,9 +423,13 @@ def test_no_module_calls_the_new_collective_names_directly():
                 if name.endswith(".py"):
                     path = os.path.join(dirpath, name)
                     for node in ast.walk(ast.parse(open(path).read())):
-                        if (isinstance(node, ast.Attribute) and node.attr.endswith("_single")
-                                and isinstance(node.value, ast.Name) and node.value.id == "dist"
-                                and node.attr != "all_to_all_single"):
+                        if (
+                            isinstance(node, ast.Attribute)
+                            and node.attr.endswith("_single")
+                            and isinstance(node.value, ast.Name)
+                            and node.value.id == "dist"
+                            and node.attr != "all_to_all_single"
+                        ):
                             offenders.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
     assert not offenders, offenders
 
@@ -456,8 +497,9 @@ def _ranks_case(root: str, timeout_s: float):
 
     made = []
     real_new_group = dist.new_group
-    dist.new_group = lambda *a, **k: made.append((a[0] if a else k.get("ranks"), k.get("backend"))) or \
-        real_new_group(*a, **k)
+    dist.new_group = lambda *a, **k: (
+        made.append((a[0] if a else k.get("ranks"), k.get("backend"))) or real_new_group(*a, **k)
+    )
     try:
         mesh = ProcessMesh.from_env(1, 1, 1, 2, timeout_s=timeout_s)
     finally:

@@ -12,23 +12,39 @@ from helpers.cli import run_cli
 
 transformers = pytest.importorskip("transformers", reason="the refusals are of configs transformers writes")
 
-LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=32)
+LLAMA = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=32,
+)
 GPT2 = dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)
 
 # (what, config, the key the message must name)
 CASES = [
-    ("llama rope_scaling linear",
-     lambda: transformers.LlamaConfig(**LLAMA, rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope"),
-    ("llama rope_scaling dynamic",
-     lambda: transformers.LlamaConfig(**LLAMA, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope"),
-    ("gpt2 scale_attn_by_inverse_layer_idx",
-     lambda: transformers.GPT2Config(**GPT2, scale_attn_by_inverse_layer_idx=True),
-     "scale_attn_by_inverse_layer_idx"),
-    ("gpt2 unscaled attention", lambda: transformers.GPT2Config(**GPT2, scale_attn_weights=False),
-     "scale_attn_weights"),
-    ("gpt2 cross attention", lambda: transformers.GPT2Config(**GPT2, add_cross_attention=True),
-     "add_cross_attention"),
+    (
+        "llama rope_scaling linear",
+        lambda: transformers.LlamaConfig(**LLAMA, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+        "rope",
+    ),
+    (
+        "llama rope_scaling dynamic",
+        lambda: transformers.LlamaConfig(**LLAMA, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+        "rope",
+    ),
+    (
+        "gpt2 scale_attn_by_inverse_layer_idx",
+        lambda: transformers.GPT2Config(**GPT2, scale_attn_by_inverse_layer_idx=True),
+        "scale_attn_by_inverse_layer_idx",
+    ),
+    (
+        "gpt2 unscaled attention",
+        lambda: transformers.GPT2Config(**GPT2, scale_attn_weights=False),
+        "scale_attn_weights",
+    ),
+    ("gpt2 cross attention", lambda: transformers.GPT2Config(**GPT2, add_cross_attention=True), "add_cross_attention"),
     ("gpt2 relu", lambda: transformers.GPT2Config(**GPT2, activation_function="relu"), "activation_function"),
     ("llama gelu", lambda: transformers.LlamaConfig(**LLAMA, hidden_act="gelu"), "hidden_act"),
 ]
@@ -55,8 +71,12 @@ def test_unsupported_hf_options_exit_2_naming_the_key(tmp_path, what, make, key)
 
 def test_the_same_configs_without_the_option_are_accepted(tmp_path):
     """The refusal is the option's, not the family's: the plain configs, saved with weights, plan (exit 0)."""
-    for i, (cls, fields) in enumerate(((transformers.LlamaForCausalLM, transformers.LlamaConfig(**LLAMA)),
-                                       (transformers.GPT2LMHeadModel, transformers.GPT2Config(**GPT2)))):
+    for i, (cls, fields) in enumerate(
+        (
+            (transformers.LlamaForCausalLM, transformers.LlamaConfig(**LLAMA)),
+            (transformers.GPT2LMHeadModel, transformers.GPT2Config(**GPT2)),
+        )
+    ):
         src = str(tmp_path / str(i) / "hf")
         cls(fields).save_pretrained(src)  # config.json + model.safetensors
         run_dir = tmp_path / str(i) / "run"

@@ -24,6 +24,7 @@ from training.contract.config import Config, PrepareConfig
 
 # ---- 1. unknown keys, even with '+' -----------------------------------------------------------------------------
 
+
 def test_plus_typo_is_rejected_with_the_nearest_key(tmp_path):
     run = tmp_path / "r"
     p = meshrun("action=plan", "+parallel.tpp=2", f"run.dir={run}", cwd=tmp_path)
@@ -33,14 +34,16 @@ def test_plus_typo_is_rejected_with_the_nearest_key(tmp_path):
     q = meshrun("action=plan", "train.nsteps=3", f"run.dir={run}", cwd=tmp_path)
     assert q.returncode == 2 and "did you mean train.steps?" in q.stderr
     # Dict fields still take new keys.
-    ok = meshrun("action=plan", "+cluster.env.NCCL_DEBUG=INFO", "cluster.gpus_per_node=2", f"run.dir={run}",
-                 cwd=tmp_path)
+    ok = meshrun(
+        "action=plan", "+cluster.env.NCCL_DEBUG=INFO", "cluster.gpus_per_node=2", f"run.dir={run}", cwd=tmp_path
+    )
     assert ok.returncode == 0, ok.stderr
     assert nearest_key("cluster.preflight.ib_hca") == "cluster.preflight.ib_hcas"
     assert nearest_key("cluster.tp") == "parallel.tp"  # a leaf under the wrong group
 
 
 # ---- 2. action=keys: the effective value beside the built-in one -----------------------------------------------
+
 
 def test_keys_show_effective_values_beside_builtin_defaults(tmp_path):
     p = meshrun("action=keys", "keys.group=parallel", "parallel.micro_batch=3", cwd=tmp_path)
@@ -55,6 +58,7 @@ def test_keys_show_effective_values_beside_builtin_defaults(tmp_path):
 
 
 # ---- 3. NUMA on local runs, Slurm-only keys noted ---------------------------------------------------------------
+
 
 def _fake_numa(tmp_path, nodes):
     root = tmp_path / "node"
@@ -80,18 +84,30 @@ def test_local_ranks_are_numa_bound_as_slurm_ranks(tmp_path):
 
 
 def test_slurm_only_keys_on_a_local_run_get_one_note():
-    cfg = compose_cfg("cluster.time_min=5", "cluster.max_retries=0", "+cluster.sbatch_extra.gres=gpu",
-                      "cluster.container.image=img.sqsh", "cluster.elastic.min_nodes=1", "cluster.gpus_per_node=2")
+    cfg = compose_cfg(
+        "cluster.time_min=5",
+        "cluster.max_retries=0",
+        "+cluster.sbatch_extra.gres=gpu",
+        "cluster.container.image=img.sqsh",
+        "cluster.elastic.min_nodes=1",
+        "cluster.gpus_per_node=2",
+    )
     notes = [i for i in validate(cfg).notes if i.code == "slurm_only"]
     assert len(notes) == 1
-    for key in ("cluster.time_min", "cluster.max_retries", "cluster.sbatch_extra", "cluster.container.image",
-                "cluster.elastic.min_nodes"):
+    for key in (
+        "cluster.time_min",
+        "cluster.max_retries",
+        "cluster.sbatch_extra",
+        "cluster.container.image",
+        "cluster.elastic.min_nodes",
+    ):
         assert key in notes[0].message
     assert ignored_on_local(compose_cfg("cluster.gpus_per_node=2")) == []
     assert ignored_on_local(compose_cfg("cluster=slurm_dev")) == []  # Slurm reads them
 
 
 # ---- 4. selective recompute under flash attention -----------------------------------------------------------------
+
 
 def test_selective_recompute_with_flash_is_warned_and_not_offered():
     cfg = compose_cfg("model=llama3_70b", "cluster=dgx_h100", "parallel=tp8_pp2", "cluster.nodes=2")
@@ -105,12 +121,14 @@ def test_selective_recompute_with_flash_is_warned_and_not_offered():
     nofit = next(i for i in validate(with_parallel(cfg, recompute="none")).errors if i.code == "no_fit")
     assert "recompute=selective" not in nofit.fix and "parallel.recompute=full" in nofit.fix
     # With math attention selective drops the stored scores: no warning.
-    math = compose_cfg("model=llama3_70b", "cluster=dgx_h100", "parallel=tp8_pp2", "cluster.nodes=2",
-                       "model.attention=math")
+    math = compose_cfg(
+        "model=llama3_70b", "cluster=dgx_h100", "parallel=tp8_pp2", "cluster.nodes=2", "model.attention=math"
+    )
     assert not [i for i in validate(math).warnings if i.code == "selective_no_saving"]
 
 
 # ---- 5. pipeline idle share; recommend's use: line and headroom ---------------------------------------------------
+
 
 def test_pipeline_idle_share_is_warned_with_the_global_batch_that_fixes_it():
     base = ("parallel=single", "cluster.gpus_per_node=4", "parallel.pp=4", "parallel.micro_batch=1")
@@ -124,7 +142,9 @@ def test_pipeline_idle_share_is_warned_with_the_global_batch_that_fixes_it():
     assert fixed.plan.bubble_idle_fraction <= PIPELINE_IDLE_WARN
     assert not [i for i in fixed.warnings if i.code == "pipeline_idle"]
     # The smallest such batch: one micro-batch fewer is still above the threshold.
-    assert validate(compose_cfg(*base, f"parallel.global_batch={gb - 1}")).plan.bubble_idle_fraction > PIPELINE_IDLE_WARN
+    assert (
+        validate(compose_cfg(*base, f"parallel.global_batch={gb - 1}")).plan.bubble_idle_fraction > PIPELINE_IDLE_WARN
+    )
     assert micro_batches_for_idle(4, 2) % 4 == 0  # interleaved: a multiple of pp
 
 
@@ -143,11 +163,11 @@ def test_recommend_use_line_is_complete_and_headroom_is_kept():
     want = (tightest + 2**30) / 2**30
     kept = recommend(compose_cfg(*over, f"recommend.min_headroom_gb={want}"), "")
     kept.pop("_objects")
-    assert all(c["gpu_memory_bytes"] - c["memory_bytes"] >= want * 2**30
-               for c in kept["candidates"] if c["rank"])
+    assert all(c["gpu_memory_bytes"] - c["memory_bytes"] >= want * 2**30 for c in kept["candidates"] if c["rank"])
 
 
 # ---- 6. dist_timeout_s ------------------------------------------------------------------------------------------
+
 
 def test_dist_timeout_defaults_to_ten_minutes_and_says_why(tmp_path):
     assert Config().train.dist_timeout_s == 600.0
@@ -159,13 +179,15 @@ def test_dist_timeout_defaults_to_ten_minutes_and_says_why(tmp_path):
 
 # ---- 7. tokens/s per GPU and MFU in the plan ----------------------------------------------------------------------
 
+
 def test_plan_shows_tokens_per_gpu_and_mfu():
     cfg = compose_cfg("model=llama3_8b", "cluster=dgx_h100", "parallel=tp8", "cluster.nodes=1")
     plan = make_plan(cfg)
     assert plan.tokens_per_s_per_gpu == pytest.approx(plan.tokens_per_step / plan.predicted_step_s / plan.world_size)
     assert plan.peak_flops == cfg.cluster.peak_tflops * 1e12 > 0
-    assert plan.mfu == pytest.approx(plan.model_flops_per_step / (plan.predicted_step_s * plan.world_size
-                                                                   * plan.peak_flops))
+    assert plan.mfu == pytest.approx(
+        plan.model_flops_per_step / (plan.predicted_step_s * plan.world_size * plan.peak_flops)
+    )
     assert 0 < plan.mfu < 1
     row = next(line for line in format_plan(plan).splitlines() if line.strip().startswith("throughput"))
     assert f"{plan.tokens_per_s_per_gpu:.4g} tokens/s per GPU" in row and f"MFU {100 * plan.mfu:.1f} %" in row
@@ -173,6 +195,7 @@ def test_plan_shows_tokens_per_gpu_and_mfu():
 
 
 # ---- 8. prepare: skipped files, suffixes, empty held-out split; generate: prompt_file, quoting ------------------
+
 
 def test_prepare_lists_skipped_files_reads_given_suffixes_and_warns_on_no_held_out(tmp_path, capsys):
     src = tmp_path / "src"
@@ -186,8 +209,16 @@ def test_prepare_lists_skipped_files_reads_given_suffixes_and_warns_on_no_held_o
     assert "skipped 2 files whose suffix is not read" in err and "b.c" in err and "c.dat" in err
     assert "prepare.suffixes" in err and desc["skipped_suffix_files"] == 2 and desc["documents"] == 1
     assert "no document was held out" in err  # one document at 1 %
-    desc2 = lp.prepare(PrepareConfig(inputs=[str(src)], output=str(tmp_path / "out" / "ds2"), progress=False,
-                                     workers=1, suffixes=["txt", ".c"], valid_fraction=0.0))
+    desc2 = lp.prepare(
+        PrepareConfig(
+            inputs=[str(src)],
+            output=str(tmp_path / "out" / "ds2"),
+            progress=False,
+            workers=1,
+            suffixes=["txt", ".c"],
+            valid_fraction=0.0,
+        )
+    )
     err2 = capsys.readouterr().err
     assert desc2["documents"] == 2 and "c.dat" in err2 and "b.c" not in err2
     assert "held out" not in err2  # valid_fraction=0 asks for none

@@ -115,8 +115,10 @@ def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
 def test_no_import_circle_between_modules():
     graph = _graph(_modules())
     circles = _cycles(graph)
-    detail = "\n".join(" <-> ".join(c) + "\n    " + "\n    ".join(f"{m} imports {sorted(graph[m] & set(c))}" for m in c)
-                       for c in circles)
+    detail = "\n".join(
+        " <-> ".join(c) + "\n    " + "\n    ".join(f"{m} imports {sorted(graph[m] & set(c))}" for m in c)
+        for c in circles
+    )
     assert not circles, "import circles (cut them at the names that tie the modules):\n" + detail
 
 
@@ -189,8 +191,12 @@ def test_no_launcher_module_loads_torch_on_import():
 def test_the_planner_imports_nothing_from_slurm_or_the_launch_code():
     # launcher/plan/ is the model a 64-point sweep runs per point: pure arithmetic on the config (its __init__ says
     # so); the planning actions that submit or launch live in launcher/planning/.
-    wrong = [f"{name} imports {imported}" for name, path in _modules().items() if name.startswith("launcher.plan.")
-             for imported in _imports(path)
-             if imported.split(".")[:2] in (["launcher", "slurm"], ["launcher", "planning"])
-             or imported.startswith("launcher.launch.local")]
+    wrong = [
+        f"{name} imports {imported}"
+        for name, path in _modules().items()
+        if name.startswith("launcher.plan.")
+        for imported in _imports(path)
+        if imported.split(".")[:2] in (["launcher", "slurm"], ["launcher", "planning"])
+        or imported.startswith("launcher.launch.local")
+    ]
     assert not wrong, wrong

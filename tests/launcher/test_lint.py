@@ -12,8 +12,24 @@ from helpers import ROOT
 
 
 def test_ruff_lint_finds_nothing():
-    res = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "launcher", "training", "hydra_plugins",
-                          "bench", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "check",
+            "--no-cache",
+            "launcher",
+            "training",
+            "hydra_plugins",
+            "bench",
+            "tests",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "No module named ruff" not in res.stderr, "pip install -e '.[test]' installs ruff"
     assert res.returncode == 0, res.stdout + res.stderr
 
@@ -22,6 +38,19 @@ def test_ruff_lint_catches_an_undefined_name(tmp_path):
     # The settings in force do catch what the test is for (a typo in a branch that rarely runs).
     bad = tmp_path / "bad.py"
     bad.write_text("def f(x):\n    if x:\n        return undefined_name\n    return x\n")
-    res = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--config",
-                          os.path.join(ROOT, "pyproject.toml"), str(bad)], capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "check",
+            "--no-cache",
+            "--config",
+            os.path.join(ROOT, "pyproject.toml"),
+            str(bad),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 1 and "F821" in res.stdout, res.stdout + res.stderr

@@ -23,12 +23,29 @@ pytest.importorskip("safetensors.torch", reason="safetensors is a runtime depend
 from training.contract.config import GenerateConfig  # noqa: E402
 from training.hf.convert import local_from_hf, to_hf  # noqa: E402
 from training.hf.generate import generate_tokens  # noqa: E402
-from training.hf.hf_config import (HFError, MIXTRAL, family_for_model, hf_config_from_model,  # noqa: E402
-                                   model_fields_from_hf, read_hf_config)
+from training.hf.hf_config import (
+    HFError,
+    MIXTRAL,
+    family_for_model,
+    hf_config_from_model,  # noqa: E402
+    model_fields_from_hf,
+    read_hf_config,
+)
 from training.hf.init_from import SliceReader  # noqa: E402
 from training.hf.safetensors_index import check_tensors  # noqa: E402
-from helpers.hf import (PROMPT, _batch, _cfg_for, _first_loss, _hf_greedy, _hf_loss, _hf_model,  # noqa: E402
-                        _rel, _single_model, _tensors, _train)
+from helpers.hf import (
+    PROMPT,
+    _batch,
+    _cfg_for,
+    _first_loss,
+    _hf_greedy,
+    _hf_loss,
+    _hf_model,  # noqa: E402
+    _rel,
+    _single_model,
+    _tensors,
+    _train,
+)
 
 V, SEQ, E = 97, 32, 4
 
@@ -36,11 +53,26 @@ V, SEQ, E = 97, 32, 4
 @pytest.fixture(scope="module")
 def mixtral_dir(tmp_path_factory):
     torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=V, max_position_embeddings=SEQ, num_local_experts=E, num_experts_per_tok=2,
-        initializer_range=0.5, rope_theta=1e6, rms_norm_eps=1e-5, router_aux_loss_coef=0.02,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    model = transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=V,
+            max_position_embeddings=SEQ,
+            num_local_experts=E,
+            num_experts_per_tok=2,
+            initializer_range=0.5,
+            rope_theta=1e6,
+            rms_norm_eps=1e-5,
+            router_aux_loss_coef=0.02,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
+    )
     path = str(tmp_path_factory.mktemp("hf") / "mixtral")
     model.save_pretrained(path)
     return path
@@ -63,8 +95,10 @@ def test_import_matches_transformers_exports_the_hub_tensors_and_decodes_greedil
     assert _rel(ours, theirs) < 1e-5
     family = family_for_model(m)
     assert family == MIXTRAL
-    full = {n: p.detach()[:V] if n in ("embedding.word.weight", "output.weight") else p.detach()
-            for n, p in chunk.named_parameters()}
+    full = {
+        n: p.detach()[:V] if n in ("embedding.word.weight", "output.weight") else p.detach()
+        for n, p in chunk.named_parameters()
+    }
     exported = to_hf(full, m, family)
     assert sorted(exported) == sorted(saved)
     assert all(torch.equal(exported[k], v) for k, v in saved.items())
@@ -88,21 +122,32 @@ def test_ep_and_tp_slices_assemble_to_the_experts(mixtral_dir):
                 for part in ("fc1", "fc2"):
                     name = f"layers.1.mlp.experts.{e}.{part}.weight"
                     p = params[name]
-                    shards = [local_from_hf(name, p.global_shape, p.tp_shard_dim, 2, r, read, cfg.model, MIXTRAL)
-                              for r in range(2)]
+                    shards = [
+                        local_from_hf(name, p.global_shape, p.tp_shard_dim, 2, r, read, cfg.model, MIXTRAL)
+                        for r in range(2)
+                    ]
                     assert torch.equal(torch.cat(shards, p.tp_shard_dim), p.detach()), name
         router = params["layers.0.mlp.router.weight"]
-        assert torch.equal(local_from_hf("layers.0.mlp.router.weight", router.global_shape, None, 2, 1, read,
-                                         cfg.model, MIXTRAL), router.detach())
+        assert torch.equal(
+            local_from_hf("layers.0.mlp.router.weight", router.global_shape, None, 2, 1, read, cfg.model, MIXTRAL),
+            router.detach(),
+        )
 
 
 def test_moe_models_without_a_mixtral_shape_name_the_field():
     cfg = _cfg_for_fields(num_experts=4, activation="gelu")
     with pytest.raises(HFError, match=r"model.activation=gelu \(MixtralForCausalLM needs swiglu\)"):
         family_for_model(cfg.model)
-    hf = {"architectures": ["MixtralForCausalLM"], "hidden_size": 32, "num_attention_heads": 4,
-          "num_hidden_layers": 2, "intermediate_size": 48, "vocab_size": 97, "max_position_embeddings": 64,
-          "sliding_window": 16}
+    hf = {
+        "architectures": ["MixtralForCausalLM"],
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "intermediate_size": 48,
+        "vocab_size": 97,
+        "max_position_embeddings": 64,
+        "sliding_window": 16,
+    }
     with pytest.raises(HFError, match="sliding_window=16"):
         model_fields_from_hf(hf, "config.json")
 
@@ -123,9 +168,19 @@ def test_mixtral_at_ep2_tp2_loss_generation_and_export_round_trip(mixtral_dir, t
     the checkpoint holds the imported weights: the first loss is transformers' on the same batch; action=generate
     gives transformers' greedy tokens; the export (written from the ep x tp checkpoint) holds exactly the saved
     tensors and loads in transformers with logits within 1e-6 of the original model's."""
-    run = _train(tmp_path, "mixtral", f"train.init_from={mixtral_dir}", "parallel=tp2", "parallel.dp=2",
-                 "parallel.ep=2", "cluster.gpus_per_node=4", "train.steps=1", "train.lr=0", "train.min_lr=0",
-                 "model.seq_length=32")
+    run = _train(
+        tmp_path,
+        "mixtral",
+        f"train.init_from={mixtral_dir}",
+        "parallel=tp2",
+        "parallel.dp=2",
+        "parallel.ep=2",
+        "cluster.gpus_per_node=4",
+        "train.steps=1",
+        "train.lr=0",
+        "train.min_lr=0",
+        "model.seq_length=32",
+    )
     cfg = _cfg_for(mixtral_dir)
     hf = _hf_model(mixtral_dir)
     assert _first_loss(run) == pytest.approx(_hf_loss(hf, *_batch(cfg)), rel=1e-5)

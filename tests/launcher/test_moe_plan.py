@@ -10,8 +10,13 @@ import torch
 
 from launcher.plan.estimate import make_plan, with_parallel
 from launcher.plan.memory import OPTIMIZER_BYTES
-from launcher.plan.model_size import (_forward_flops_per_token, model_flops_per_token, params_active, params_total,
-                                      stage_params)
+from launcher.plan.model_size import (
+    _forward_flops_per_token,
+    model_flops_per_token,
+    params_active,
+    params_total,
+    stage_params,
+)
 from launcher.plan.moe import all_to_all_bytes, expert_dp, expert_params
 from launcher.plan.validate import validate
 from launcher.planning.recommend import search
@@ -45,9 +50,20 @@ def test_mixtral_8x7b_total_active_and_flops_match_the_published_figures():
 
 
 def test_experts_over_ep_memory_and_all_to_all():
-    base = compose_cfg("model=mixtral_8x7b", "cluster=dgx_h100", "cluster.nodes=2", "parallel.tp=2", "parallel.pp=1",
-                       "parallel.sp=true", "parallel.zero=1", "parallel.global_batch=256", "parallel.micro_batch=1",
-                       "train.precision=bf16", "parallel.recompute=full", "parallel.dp=null")
+    base = compose_cfg(
+        "model=mixtral_8x7b",
+        "cluster=dgx_h100",
+        "cluster.nodes=2",
+        "parallel.tp=2",
+        "parallel.pp=1",
+        "parallel.sp=true",
+        "parallel.zero=1",
+        "parallel.global_batch=256",
+        "parallel.micro_batch=1",
+        "train.precision=bf16",
+        "parallel.recompute=full",
+        "parallel.dp=null",
+    )
     plans = {ep: make_plan(with_parallel(base, ep=ep)) for ep in (1, 2, 8)}
     m = base.model
     per_layer_experts = m.num_experts * expert_params(m) // 2  # tp=2
@@ -94,8 +110,15 @@ def test_moe_layout_rules_name_their_fixes():
 
 
 def test_recommend_searches_ep():
-    cfg = compose_cfg("model=mixtral_8x7b", "cluster=dgx_h100", "cluster.nodes=1", "parallel.global_batch=32",
-                      "train.precision=bf16", "model.num_layers=4", "recommend.probe=false")
+    cfg = compose_cfg(
+        "model=mixtral_8x7b",
+        "cluster=dgx_h100",
+        "cluster.nodes=1",
+        "parallel.global_batch=32",
+        "train.precision=bf16",
+        "model.num_layers=4",
+        "recommend.probe=false",
+    )
     result = search(cfg, cluster_rates(cfg))
     eps = {c.cfg.parallel.ep for c in result.candidates}
     assert {1, 2, 4, 8} <= eps | {c.cfg.parallel.ep for c in result.no_fit}
@@ -122,5 +145,8 @@ def test_the_engine_holds_the_planned_parameters():
     names = {n.split(".")[4] for n, _ in chunk.named_parameters() if ".experts." in n}
     assert names == {"2", "3"}
     assert sum(p.numel() for p in chunk.parameters()) == stage_params(half, 0).total
-    assert sum(p.numel() for n, p in chunk.named_parameters() if ".experts." in n) == stage_params(half, 0).experts \
+    assert (
+        sum(p.numel() for n, p in chunk.named_parameters() if ".experts." in n)
+        == stage_params(half, 0).experts
         == experts // 2
+    )

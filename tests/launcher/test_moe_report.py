@@ -23,8 +23,10 @@ def _write_rows(run_dir, rows):
 def test_the_report_plots_the_expert_load_per_step(tmp_path, drawn):
     base = {"loss": 5.0, "lr": 1e-3, "tokens_per_s": 100.0, "step_time_s": 0.1}
     loads = [2.5, 1.9, 1.4, 1.2]
-    _write_rows(str(tmp_path / "moe"), [dict(base, step=i + 1, moe_max_load=v, moe_aux_loss=0.01,
-                                             moe_dropped_tokens=3) for i, v in enumerate(loads)])
+    _write_rows(
+        str(tmp_path / "moe"),
+        [dict(base, step=i + 1, moe_max_load=v, moe_aux_loss=0.01, moe_dropped_tokens=3) for i, v in enumerate(loads)],
+    )
     _, report = build_report(str(tmp_path / "moe"))
     assert "moe_load" in {f.name for f in report.figures}
     (fig,) = [f for title, f in drawn.items() if title.startswith(TITLE)]

@@ -24,14 +24,23 @@ PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
     PYTHON = sys.executable
 # One rank, a tiny model, random tokens: the launches below are about the files, not the numbers.
-TINY = ["data=synthetic", "parallel=single", "cluster.gpus_per_node=1", "model.num_layers=2",
-        "model.seq_length=32", "parallel.global_batch=2", "parallel.micro_batch=1", "cluster.peak_tflops=1"]
+TINY = [
+    "data=synthetic",
+    "parallel=single",
+    "cluster.gpus_per_node=1",
+    "model.num_layers=2",
+    "model.seq_length=32",
+    "parallel.global_batch=2",
+    "parallel.micro_batch=1",
+    "cluster.peak_tflops=1",
+]
 
 
 def meshrun(*args: str, cwd: str, **kw) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([PYTHON, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600, **kw)
+    return subprocess.run(
+        [PYTHON, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, **kw
+    )
 
 
 def rows(path: str):
@@ -86,20 +95,48 @@ def test_purge_moves_rows_after_the_checkpoint_and_loses_nothing(tmp_path):
 
 
 def test_status_table_shows_a_sweep_as_one_table():
-    status = {"sweep_dir": "multirun/x", "states": {"RUNNING": 1, "SKIPPED": 1}, "points": [
-        {"num": 0, "overrides": ["parallel.tp=1"], "state": "RUNNING", "job_id": "12_0", "attempt": 1, "step": 40,
-         "total_steps": 100, "last_loss": 2.5, "tokens_per_s": 12345.6, "eta_s": 90.0, "log": "/s/12_0_0_log.out"},
-        {"num": 1, "overrides": ["parallel.tp=8"], "state": "SKIPPED", "reason": "tp=8 > heads"}]}
+    status = {
+        "sweep_dir": "multirun/x",
+        "states": {"RUNNING": 1, "SKIPPED": 1},
+        "points": [
+            {
+                "num": 0,
+                "overrides": ["parallel.tp=1"],
+                "state": "RUNNING",
+                "job_id": "12_0",
+                "attempt": 1,
+                "step": 40,
+                "total_steps": 100,
+                "last_loss": 2.5,
+                "tokens_per_s": 12345.6,
+                "eta_s": 90.0,
+                "log": "/s/12_0_0_log.out",
+            },
+            {"num": 1, "overrides": ["parallel.tp=8"], "state": "SKIPPED", "reason": "tp=8 > heads"},
+        ],
+    }
     lines = format_table(status).splitlines()
     assert lines[0] == "sweep multirun/x: 2 point(s): 1 RUNNING, 1 SKIPPED"
     assert lines[1].split() == ["#", "OVERRIDES", "STATE", "JOB", "ATTEMPT", "STEP", "LOSS", "TOKENS/S", "ETA", "LOG"]
-    assert lines[2].split() == ["0", "parallel.tp=1", "RUNNING", "12_0", "1", "40/100", "2.5000", "12,346", "1:30",
-                                "/s/12_0_0_log.out"]
+    assert lines[2].split() == [
+        "0",
+        "parallel.tp=1",
+        "RUNNING",
+        "12_0",
+        "1",
+        "40/100",
+        "2.5000",
+        "12,346",
+        "1:30",
+        "/s/12_0_0_log.out",
+    ]
     assert lines[3].split()[:3] == ["1", "parallel.tp=8", "SKIPPED"] and lines[3].endswith("tp=8 > heads")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here: the message "
-                    "for a missing wandb cannot be shown")
+@pytest.mark.skipif(
+    importlib.util.find_spec("wandb") is not None,
+    reason="wandb is installed here: the message for a missing wandb cannot be shown",
+)
 def test_wandb_asked_for_but_not_installed_is_exit_2_with_the_fix(tmp_path):
     res = meshrun("train.wandb=true", f"run.dir={tmp_path / 'run'}", *TINY, cwd=str(tmp_path))
     assert res.returncode == 2, res.stderr
@@ -125,8 +162,15 @@ def test_tensorboard_has_one_loss_per_step_across_a_stop_and_a_resume(tmp_path):
     loss = acc.Scalars("train/loss")
     assert [e.step for e in loss] == [1, 2, 3, 4, 5, 6]
     tags = set(acc.Tags()["scalars"])
-    assert {"train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu", "memory/peak_bytes_max_over_ranks",
-            "perf/step_time_slowest_rank_s", "perf/step_time_fastest_rank_s"} <= tags
+    assert {
+        "train/lr",
+        "train/grad_norm",
+        "perf/tokens_per_s",
+        "perf/mfu",
+        "memory/peak_bytes_max_over_ranks",
+        "perf/step_time_slowest_rank_s",
+        "perf/step_time_fastest_rank_s",
+    } <= tags
     assert len(os.listdir(run / "tensorboard")) == 2  # one event file per attempt
 
     kept, purged = rows(str(run / "metrics.jsonl")), rows(str(run / PURGED_FILE))
@@ -154,8 +198,17 @@ def test_tensorboard_has_one_loss_per_step_across_a_stop_and_a_resume(tmp_path):
 
     startups = [e for e in read_events(str(run)) if e["event"] == "startup"]
     assert [(e["attempt"], e["step"]) for e in startups] == [(0, 1), (1, 3)]
-    order = ["process_start", "imported", "process_group", "preflight", "built", "resumed", "observers",
-             "first_batch", "first_step"]
+    order = [
+        "process_start",
+        "imported",
+        "process_group",
+        "preflight",
+        "built",
+        "resumed",
+        "observers",
+        "first_batch",
+        "first_step",
+    ]
     for e in startups:
         assert set(e["marks"]) == set(order)  # no Slurm task wrapper here: no task_start
         stamps = [e["marks"][k] for k in order]
@@ -168,17 +221,27 @@ def test_tensorboard_has_one_loss_per_step_across_a_stop_and_a_resume(tmp_path):
 def test_cancel_a_local_run_saves_stops_and_status_says_cancelled(tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=ROOT)
-    launch = subprocess.Popen([PYTHON, "-m", "launcher", f"run.dir={run}", "train.steps=100000", *TINY],
-                              cwd=str(tmp_path), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launch = subprocess.Popen(
+        [PYTHON, "-m", "launcher", f"run.dir={run}", "train.steps=100000", *TINY],
+        cwd=str(tmp_path),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     follow = None
     try:
         deadline = time.time() + 300
         while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
             assert time.time() < deadline and launch.poll() is None, "the run never logged a step"
             time.sleep(0.5)
-        follow = subprocess.Popen([PYTHON, "-m", "launcher", "action=logs", f"run.dir={run}", "logs.follow=true"],
-                                  cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
+        follow = subprocess.Popen(
+            [PYTHON, "-m", "launcher", "action=logs", f"run.dir={run}", "logs.follow=true"],
+            cwd=str(tmp_path),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         running = json.loads(meshrun("action=status", f"run.dir={run}", cwd=str(tmp_path)).stdout)
         assert running["state"] == "RUNNING" and running["total_steps"] == 100000 and running["eta_s"] > 0
         table = meshrun("action=status", f"run.dir={run}", "status.format=table", cwd=str(tmp_path)).stdout

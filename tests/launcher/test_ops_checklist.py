@@ -28,6 +28,7 @@ def _by(checks, name):
 
 # ---- 9. NCCL: transport, IB settings, versions ------------------------------------------------------------------
 
+
 def test_nccl_socket_fallback_is_warned_with_its_cause(tmp_path):
     root = str(tmp_path / "ib")
     write_port(root, "mlx5_0")
@@ -36,8 +37,12 @@ def test_nccl_socket_fallback_is_warned_with_its_cause(tmp_path):
     assert _by(good, "nccl.transport")[0].status == OK
     settings = _by(good, "nccl.ib_settings")[0]
     assert settings.found["NCCL_IB_TIMEOUT"] == "22" and "NCCL_IB_RETRY_CNT=unset" in settings.reason
-    for env, cause in (({"NCCL_IB_DISABLE": "1"}, "NCCL_IB_DISABLE=1"), ({"NCCL_NET": "Socket"}, "NCCL_NET=Socket"),
-                       ({"NCCL_IB_HCA": "=mlx5_9"}, "selects none"), ({"NCCL_IB_HCA": "^mlx5"}, "selects none")):
+    for env, cause in (
+        ({"NCCL_IB_DISABLE": "1"}, "NCCL_IB_DISABLE=1"),
+        ({"NCCL_NET": "Socket"}, "NCCL_NET=Socket"),
+        ({"NCCL_IB_HCA": "=mlx5_9"}, "selects none"),
+        ({"NCCL_IB_HCA": "^mlx5"}, "selects none"),
+    ):
         (c,) = _by(nccl_checks.transport_checks(env, root, "n1"), "nccl.transport")
         assert c.status == WARN and cause in c.reason and "sockets" in c.reason, (env, c.reason)
     down = str(tmp_path / "down")
@@ -49,8 +54,14 @@ def test_nccl_socket_fallback_is_warned_with_its_cause(tmp_path):
 
 
 def _rank(r, node="n1", **v):
-    base = {"torch": "2.4", "cuda": "12.4", "nccl": "2.21.5", "driver": "550.54", "cudnn": "90100",
-            "cuda_driver": "12.4"}
+    base = {
+        "torch": "2.4",
+        "cuda": "12.4",
+        "nccl": "2.21.5",
+        "driver": "550.54",
+        "cudnn": "90100",
+        "cuda_driver": "12.4",
+    }
     return {"rank": r, "node": node, "versions": {**base, **v}}
 
 
@@ -58,7 +69,10 @@ def test_nccl_minimum_cudnn_agreement_and_cuda_runtime_against_driver():
     assert nccl_checks.parse_version("2.18.3") == (2, 18, 3)
     fine = nccl_checks.version_checks([_rank(0), _rank(1, nccl="2.18.1")])  # a minimum, not an exact match
     assert all(c.status == OK for c in fine) and {c.name for c in fine} == {
-        "version.nccl_min", "version.cudnn", "version.cuda_runtime"}
+        "version.nccl_min",
+        "version.cudnn",
+        "version.cuda_runtime",
+    }
     old = nccl_checks.version_checks([_rank(0), _rank(1, "n2", nccl="2.17.1")])
     (c,) = [c for c in old if c.status == FAIL]
     assert c.name == "version.nccl_min" and c.node == "n2" and c.found == "2.17.1"
@@ -74,6 +88,7 @@ def test_nccl_minimum_cudnn_agreement_and_cuda_runtime_against_driver():
 
 
 # ---- 10. node: RDMA modules, IRQ affinity, read-ahead, cgroup memory, shared file system -----------------------
+
 
 def _hca_device(root, hca, numa, irqs):
     dev = os.path.join(root, hca, "device")
@@ -125,8 +140,9 @@ def test_read_ahead_of_the_checkpoint_and_data_devices(tmp_path):
     (disk / "vdz1").mkdir()  # a partition: its queue is the disk's
     os.makedirs(sys_root / "dev" / "block")
     os.symlink(disk / "vdz1", sys_root / "dev" / "block" / f"{os.major(dev)}:{os.minor(dev)}")
-    checks = node_ops.check_read_ahead({"checkpoints": str(tmp_path / "run" / "checkpoints"), "data": str(data)},
-                                       1024, "n1", str(sys_root))
+    checks = node_ops.check_read_ahead(
+        {"checkpoints": str(tmp_path / "run" / "checkpoints"), "data": str(data)}, 1024, "n1", str(sys_root)
+    )
     assert len(checks) == 1 and checks[0].status == WARN and checks[0].found == 128  # one device, said once
     _write(str(disk / "queue" / "read_ahead_kb"), "4096\n")
     assert node_ops.check_read_ahead({"data": str(data)}, 1024, "n1", str(sys_root))[0].status == OK
@@ -178,6 +194,7 @@ def test_multi_node_run_dir_must_be_on_a_shared_file_system(tmp_path, monkeypatc
 
 # ---- 11. in the run: Xid events, low utilisation, slowdown, OOM --------------------------------------------------
 
+
 def test_xid_events_and_low_utilisation_on_the_nvml_double(tmp_path):
     spec = tmp_path / "gpus.json"
     spec.write_text(json.dumps({"gpus": 2, "nodes": {"*": {"utilization": 50}, "n2": {"xid": [[0, 13]]}}}))
@@ -208,7 +225,8 @@ def test_xid_events_and_low_utilisation_on_the_nvml_double(tmp_path):
 def test_job_slowdown_against_its_own_baseline_and_the_plan():
     j = JobSlowdown(0.5, baseline_steps=3, persist=2, planned=1000.0, judge_plan=True)
     assert [j.update(s, r) for s, r in enumerate([400, 420, 410], 2)][-1] == [
-        {"kind": "plan", "step": 4, "tokens_per_s": 410, "planned_tokens_per_s": 1000.0, "ratio": 0.41}]
+        {"kind": "plan", "step": 4, "tokens_per_s": 410, "planned_tokens_per_s": 1000.0, "ratio": 0.41}
+    ]
     assert j.update(5, 300) == []  # above half the baseline
     assert j.update(6, 150) == []  # one slow step is not a slowdown
     (ev,) = j.update(7, 100)
@@ -221,8 +239,19 @@ def test_job_slowdown_against_its_own_baseline_and_the_plan():
 def test_oom_says_states_or_activations_and_the_levers_that_fit(tmp_path):
     cfg = compose_cfg("parallel.tp=2", "parallel.sp=false", "parallel.zero=0", "parallel.micro_batch=4")
     gib = 2**30
-    (tmp_path / "plan.json").write_text(json.dumps({"gpu_memory_bytes": 80 * gib, "memory_bytes": {
-        "weights": 10 * gib, "grads": 10 * gib, "optimizer": 20 * gib, "activations": 30 * gib}}))
+    (tmp_path / "plan.json").write_text(
+        json.dumps(
+            {
+                "gpu_memory_bytes": 80 * gib,
+                "memory_bytes": {
+                    "weights": 10 * gib,
+                    "grads": 10 * gib,
+                    "optimizer": 20 * gib,
+                    "activations": 30 * gib,
+                },
+            }
+        )
+    )
     exc = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
     msg = explain(cfg, str(tmp_path), exc, states_bytes=41 * gib, capacity=80 * gib, rank=3, node="n2")
     assert "the activations overflowed" in msg and "planned 40.00" in msg and "parallel.sp=true" in msg
@@ -234,12 +263,14 @@ def test_oom_says_states_or_activations_and_the_levers_that_fit(tmp_path):
     assert "the states overflowed" in full and "parallel.zero=1" in full and "parallel.tp=4" in full
     assert "the states overflowed" in explain(cfg, str(tmp_path), exc, states_bytes=None, capacity=80 * gib)
     zero1 = compose_cfg("parallel.zero=1", "parallel.sp=true", "parallel.recompute=full", "parallel.micro_batch=1")
-    assert levers(zero1, "states")[0].startswith("parallel.tp=") and levers(zero1, "activations") == ["parallel.cp=2 "
-                                                                                                       "(the sequence split over more GPUs)"]
+    assert levers(zero1, "states")[0].startswith("parallel.tp=") and levers(zero1, "activations") == [
+        "parallel.cp=2 (the sequence split over more GPUs)"
+    ]
     assert isinstance(Config().cluster.health.min_utilization_pct, float)
 
 
 # ---- 12. nsys wrapping and its validation ------------------------------------------------------------------------
+
 
 def test_nsys_wraps_the_chosen_ranks_with_the_profile_steps_capture_range(tmp_path, monkeypatch):
     from launcher.launch.nsys import nsys_prefix

@@ -1,5 +1,6 @@
 """meshrun as an installed tool: the wheel carries the code, the config tree (conf/ as the package
 meshrun_conf) and the Hydra sweeper plugin, and runs from any directory in a fresh virtual environment."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,9 @@ from helpers import ROOT
 CODE_DIRS = ("launcher", "training", "hydra_plugins")
 # What a build must not read from the checkout: environments, earlier builds (setuptools' build/ keeps
 # modules deleted since), run outputs, caches.
-_NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "runs", "multirun",
-                                     "outputs", "__pycache__", ".pytest_cache")
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv", "build", "dist", "*.egg-info", "runs", "multirun", "outputs", "__pycache__", ".pytest_cache"
+)
 
 
 def _setuptools_config() -> dict:
@@ -53,13 +55,21 @@ def _run(cmd, cwd, timeout=300, env=None) -> subprocess.CompletedProcess:
 def test_wheel_installs_into_a_fresh_venv_and_runs_outside_the_checkout(tmp_path):
     src, dist, venv, elsewhere = (tmp_path / n for n in ("src", "dist", "venv", "elsewhere"))
     shutil.copytree(ROOT, src, ignore=_NOT_SOURCE)
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
-          str(src)], cwd=tmp_path)
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist), str(src)],
+        cwd=tmp_path,
+    )
     (wheel,) = dist.glob("meshrun-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for must in ("meshrun_conf/__init__.py", "meshrun_conf/config.yaml", "meshrun_conf/model/tiny.yaml",
-                 "meshrun_conf/parallel/tp2.yaml", "hydra_plugins/meshrun_sweep/__init__.py",
-                 "launcher/cli/app.py", "training/run/loop.py"):
+    for must in (
+        "meshrun_conf/__init__.py",
+        "meshrun_conf/config.yaml",
+        "meshrun_conf/model/tiny.yaml",
+        "meshrun_conf/parallel/tp2.yaml",
+        "hydra_plugins/meshrun_sweep/__init__.py",
+        "launcher/cli/app.py",
+        "training/run/loop.py",
+    ):
         assert must in names, must
     assert "hydra_plugins/__init__.py" not in names  # a namespace other Hydra plugins share
 
@@ -86,14 +96,18 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_outside_the_checkout(tmp_path
         f.write(f"{deps}\n")
     pip = [sys.executable, "-m", "pip", "--python", vpy, "install", "-q"]
     _run(pip + [str(wheel)], cwd=tmp_path)
-    listed = _run([sys.executable, "-m", "pip", "--python", vpy, "list", "--format=json", "--path", site.strip()],
-                  cwd=tmp_path).stdout
+    listed = _run(
+        [sys.executable, "-m", "pip", "--python", vpy, "list", "--format=json", "--path", site.strip()], cwd=tmp_path
+    ).stdout
     assert [d["name"] for d in json.loads(listed)] == ["meshrun"], listed  # installed the wheel, nothing else
 
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    where = _run([vpy, "-c", "import launcher, meshrun_conf; print(launcher.__file__, meshrun_conf.__file__)"],
-                 cwd=elsewhere, env=env).stdout
+    where = _run(
+        [vpy, "-c", "import launcher, meshrun_conf; print(launcher.__file__, meshrun_conf.__file__)"],
+        cwd=elsewhere,
+        env=env,
+    ).stdout
     assert str(venv) in where and ROOT not in where, where  # the installed copy, not the checkout
 
     meshrun = str(venv / "bin" / "meshrun")
@@ -103,8 +117,12 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_outside_the_checkout(tmp_path
     assert json.loads((plan_dir / "plan.json").read_text())["world_size"] == 4
 
     run_dir = elsewhere / "run"
-    _run([meshrun, "train.steps=5", "cluster.gpus_per_node=2", "parallel=tp2", f"run.dir={run_dir}"],
-         cwd=elsewhere, env=env, timeout=240)
+    _run(
+        [meshrun, "train.steps=5", "cluster.gpus_per_node=2", "parallel=tp2", f"run.dir={run_dir}"],
+        cwd=elsewhere,
+        env=env,
+        timeout=240,
+    )
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]
     assert (run_dir / "plan.json").is_file()

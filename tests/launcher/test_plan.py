@@ -62,8 +62,9 @@ def test_general_ffn_width_and_flash():
     sbh = s * h
     # sbh (18 + 4 f/h) + 5 a s^2 b at 16 bits with 1-byte masks.
     assert layer_activation_bytes(cfg, KORTHIKANTI) == sbh * (18 + 4 * f // h) + 5 * a * s * s
-    flash = compose_cfg("model=korthikanti_22b", "parallel=single", "model.ffn_hidden_size=9216",
-                        "model.attention=flash")
+    flash = compose_cfg(
+        "model=korthikanti_22b", "parallel=single", "model.ffn_hidden_size=9216", "model.attention=flash"
+    )
     assert layer_activation_bytes(flash, KORTHIKANTI) == sbh * (18 + 4 * f // h)
 
 
@@ -73,9 +74,17 @@ CPU_FP32 = DeviceProfile(act_bytes=4, mask_bytes=4, flash_with_dropout=False)
 
 
 def _cpu_layer(**par):
-    cfg = compose_cfg("model=tiny", "parallel=single", "model.num_layers=1", "model.hidden_size=64",
-                      "model.num_attention_heads=4", "model.seq_length=32", "parallel.micro_batch=2",
-                      "model.dropout=0.0", f"model.attention={par.pop('attention', 'math')}")
+    cfg = compose_cfg(
+        "model=tiny",
+        "parallel=single",
+        "model.num_layers=1",
+        "model.hidden_size=64",
+        "model.num_attention_heads=4",
+        "model.seq_length=32",
+        "parallel.micro_batch=2",
+        "model.dropout=0.0",
+        f"model.attention={par.pop('attention', 'math')}",
+    )
     return layer_activation_bytes(with_parallel(cfg, **par), CPU_FP32)
 
 
@@ -129,23 +138,43 @@ def test_zero_paper_worked_example_and_a_7b_model():
 # ---- Narayanan et al. 2021, Table 1 ---------------------------------------------------------------
 
 NARAYANAN = [  # billions, heads, hidden, layers
-    (1.7, 24, 2304, 24), (3.6, 32, 3072, 30), (7.5, 32, 4096, 36), (18.4, 48, 6144, 40),
-    (39.1, 64, 8192, 48), (76.1, 80, 10240, 60), (145.6, 96, 12288, 80), (310.1, 128, 16384, 96),
-    (529.6, 128, 20480, 105), (1008.0, 160, 25600, 128),
+    (1.7, 24, 2304, 24),
+    (3.6, 32, 3072, 30),
+    (7.5, 32, 4096, 36),
+    (18.4, 48, 6144, 40),
+    (39.1, 64, 8192, 48),
+    (76.1, 80, 10240, 60),
+    (145.6, 96, 12288, 80),
+    (310.1, 128, 16384, 96),
+    (529.6, 128, 20480, 105),
+    (1008.0, 160, 25600, 128),
 ]
 
 
 def _layer_forward_flops(B: int, s: int, h: int) -> int:
     """One GPT layer's forward matmuls (4h MLP): QKV, scores QK^T, scores x V, output projection, fc1, fc2."""
     tokens = B * s
-    return (2 * tokens * h * 3 * h + 2 * B * s * s * h + 2 * B * s * s * h + 2 * tokens * h * h
-            + 2 * tokens * h * 4 * h + 2 * tokens * 4 * h * h)
+    return (
+        2 * tokens * h * 3 * h
+        + 2 * B * s * s * h
+        + 2 * B * s * s * h
+        + 2 * tokens * h * h
+        + 2 * tokens * h * 4 * h
+        + 2 * tokens * 4 * h * h
+    )
 
 
 def _narayanan_cfg(heads, hidden, layers, **par):
-    cfg = compose_cfg("model=korthikanti_22b", "parallel=single", f"model.num_attention_heads={heads}",
-                      f"model.hidden_size={hidden}", f"model.num_layers={layers}", "model.vocab_size=51200",
-                      "model.seq_length=2048", "parallel.global_batch=512")
+    cfg = compose_cfg(
+        "model=korthikanti_22b",
+        "parallel=single",
+        f"model.num_attention_heads={heads}",
+        f"model.hidden_size={hidden}",
+        f"model.num_layers={layers}",
+        "model.vocab_size=51200",
+        "model.seq_length=2048",
+        "parallel.global_batch=512",
+    )
     return with_parallel(cfg, **par)
 
 
@@ -179,8 +208,9 @@ def test_bubble_worked_example():
 
 
 def test_32_gpu_layout_worked_example():
-    cfg = compose_cfg("model=gpt_1p3b", "parallel=tp8_pp2", "cluster=dgx_h100", "cluster.nodes=4",
-                      "train.precision=bf16")
+    cfg = compose_cfg(
+        "model=gpt_1p3b", "parallel=tp8_pp2", "cluster=dgx_h100", "cluster.nodes=4", "train.precision=bf16"
+    )
     plan = make_plan(cfg)
     assert (plan.world_size, plan.tp, plan.pp, plan.dp) == (32, 8, 2, 2)
     assert (plan.global_batch, plan.micro_batch, plan.grad_accum) == (32, 1, 16)
@@ -225,8 +255,15 @@ def test_pipeline_inflight_first_stage():
 
 
 def test_logits_on_last_stage_and_plan_memory_contract():
-    cfg = compose_cfg("model=gpt2_125m", "parallel=single", "parallel.pp=2", "parallel.global_batch=8",
-                      "parallel.micro_batch=1", "cluster.gpus_per_node=2", "train.precision=bf16")
+    cfg = compose_cfg(
+        "model=gpt2_125m",
+        "parallel=single",
+        "parallel.pp=2",
+        "parallel.global_batch=8",
+        "parallel.micro_batch=1",
+        "cluster.gpus_per_node=2",
+        "train.precision=bf16",
+    )
     plan = make_plan(cfg)
     s, V = cfg.model.seq_length, 50257
     last = plan.stages[1].memory_bytes["activations"]
@@ -242,8 +279,14 @@ def test_logits_on_last_stage_and_plan_memory_contract():
 
 
 def test_comm_volumes():
-    cfg = compose_cfg("model=gpt2_125m", "parallel=tp2", "cluster.gpus_per_node=4", "train.precision=bf16",
-                      "parallel.micro_batch=1", "parallel.global_batch=4")
+    cfg = compose_cfg(
+        "model=gpt2_125m",
+        "parallel=tp2",
+        "cluster.gpus_per_node=4",
+        "train.precision=bf16",
+        "parallel.micro_batch=1",
+        "parallel.global_batch=4",
+    )
     plan = make_plan(cfg)  # tp 2, dp 2, m = 2
     m, s, h, L = 2, 1024, 768, 12
     act = s * h * 2
@@ -257,6 +300,8 @@ def test_comm_volumes():
 
 
 def test_launcher_imports_no_torch():
-    code = ("import sys; import launcher.plan.estimate, launcher.plan.validate, launcher.planning.gate, launcher.sweep.summary, launcher.cli.app; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; import launcher.plan.estimate, launcher.plan.validate, launcher.planning.gate, launcher.sweep.summary, launcher.cli.app; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

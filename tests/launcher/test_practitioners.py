@@ -27,11 +27,13 @@ def _team_presets(root):
     (root / "cluster").mkdir()
     (root / "model" / "team_small.yaml").write_text(
         "# our smallest model\nname: team_small\nnum_layers: 2\nhidden_size: 32\nnum_attention_heads: 2\n"
-        "seq_length: 16\nvocab_size: 256\nnorm: rmsnorm\n")
+        "seq_length: 16\nvocab_size: 256\nnorm: rmsnorm\n"
+    )
     (root / "parallel" / "team_single.yaml").write_text("tp: 1\npp: 1\nsp: false\nzero: 0\nglobal_batch: 2\n")
     (root / "parallel" / "team_tp4.yaml").write_text("tp: 4\nsp: true\n")  # 2 heads: refused by validation
     (root / "cluster" / "team_box.yaml").write_text(
-        "name: team_box\nkind: local\nnodes: 1\ngpus_per_node: 1\ndevice: cpu\npeak_tflops: 1.0\n")
+        "name: team_box\nkind: local\nnodes: 1\ngpus_per_node: 1\ndevice: cpu\npeak_tflops: 1.0\n"
+    )
     (root / "model" / "team_typo.yaml").write_text("name: typo\nnum_layer: 2\n")  # a misspelt key
 
 
@@ -46,26 +48,51 @@ def test_presets_of_ones_own_compose_validate_and_are_listed(tmp_path):
     # Composed and validated like a packaged preset: the plan carries the preset's values.
     for how in (["--config-dir", str(team)], [f"hydra.searchpath=[file://{team}]"]):
         run = tmp_path / f"plan{len(how)}"
-        r = _meshrun(tmp_path, *how, "action=plan", "model=team_small", "parallel=team_single", "cluster=team_box",
-                     f"run.dir={run}")
+        r = _meshrun(
+            tmp_path,
+            *how,
+            "action=plan",
+            "model=team_small",
+            "parallel=team_single",
+            "cluster=team_box",
+            f"run.dir={run}",
+        )
         assert r.returncode == 0, r.stderr
         cfg = json.load(open(run / "config.json"))
         assert cfg["model"]["name"] == "team_small" and cfg["model"]["norm"] == "rmsnorm"
         assert cfg["cluster"]["name"] == "team_box" and cfg["parallel"]["global_batch"] == 2
     # The same rules as for packaged presets: a layout that breaks them, a misspelt key -> exit 2, nothing written.
-    bad = _meshrun(tmp_path, "--config-dir", str(team), "action=plan", "model=team_small", "parallel=team_tp4",
-                   f"run.dir={tmp_path / 'bad'}")
+    bad = _meshrun(
+        tmp_path,
+        "--config-dir",
+        str(team),
+        "action=plan",
+        "model=team_small",
+        "parallel=team_tp4",
+        f"run.dir={tmp_path / 'bad'}",
+    )
     assert bad.returncode == 2 and "divisible" in bad.stderr and not (tmp_path / "bad").exists()
-    typo = _meshrun(tmp_path, "--config-dir", str(team), "action=plan", "model=team_typo",
-                    f"run.dir={tmp_path / 'typo'}")
+    typo = _meshrun(
+        tmp_path, "--config-dir", str(team), "action=plan", "model=team_typo", f"run.dir={tmp_path / 'typo'}"
+    )
     assert typo.returncode == 2 and "num_layer" in typo.stderr and not (tmp_path / "typo").exists()
 
 
 @pytest.mark.slow  # two local training runs
 def test_latest_links_follow_the_newest_run_and_sweep(tmp_path):
-    args = ["model.num_layers=1", "model.hidden_size=16", "model.num_attention_heads=2", "model.seq_length=8",
-            "parallel=single", "parallel.global_batch=2", "cluster.gpus_per_node=1", "cluster.peak_tflops=1",
-            "data=synthetic", "train.steps=3", "train.tensorboard=false"]
+    args = [
+        "model.num_layers=1",
+        "model.hidden_size=16",
+        "model.num_attention_heads=2",
+        "model.seq_length=8",
+        "parallel=single",
+        "parallel.global_batch=2",
+        "cluster.gpus_per_node=1",
+        "cluster.peak_tflops=1",
+        "data=synthetic",
+        "train.steps=3",
+        "train.tensorboard=false",
+    ]
     first = _meshrun(tmp_path, *args)
     assert first.returncode == 0, first.stderr
     runs = tmp_path / "runs"
@@ -111,5 +138,5 @@ def test_logs_tail_counts_lines_across_attempts(tmp_path):
     b.write_text("b1\nb2")  # the last line without its newline
     for n, want in ((1, "b2"), (2, "b1\nb2"), (3, "a3\nb1\nb2"), (9, "a1\na2\na3\nb1\nb2")):
         off = _tail_offsets([str(a), str(b)], n)
-        text = a.read_bytes()[off[str(a)]:] + b.read_bytes()[off[str(b)]:]
+        text = a.read_bytes()[off[str(a)] :] + b.read_bytes()[off[str(b)] :]
         assert text.decode().rstrip("\n") == want, n

@@ -2,8 +2,7 @@
 
 import pytest
 
-from training.preflight.collectives import (bandwidths, bus_factor, check_bandwidth, check_versions,
-                                            group_levels)
+from training.preflight.collectives import bandwidths, bus_factor, check_bandwidth, check_versions, group_levels
 from training.preflight.report import FAIL, OK, WARN
 
 
@@ -29,14 +28,26 @@ def test_group_levels():
 
 
 def _res(op, first, n, busbw, nbytes=2**23):
-    return {"op": op, "n": n, "ranks": [first, first + n - 1], "bytes": nbytes, "time_s": 1e-3,
-            "algbw_gbps": busbw / bus_factor(op, n), "busbw_gbps": busbw}
+    return {
+        "op": op,
+        "n": n,
+        "ranks": [first, first + n - 1],
+        "bytes": nbytes,
+        "time_s": 1e-3,
+        "algbw_gbps": busbw / bus_factor(op, n),
+        "busbw_gbps": busbw,
+    }
 
 
 def test_bandwidth_verdicts_attribute_blocks_to_nodes():
     nodes = ["a"] * 4 + ["b"] * 4
-    results = [_res("all_reduce", 0, 4, 350), _res("all_reduce", 4, 4, 90), _res("all_reduce", 0, 8, 40),
-               _res("all_reduce", 0, 4, 1, nbytes=2**20), _res("all_gather", 4, 4, 10)]
+    results = [
+        _res("all_reduce", 0, 4, 350),
+        _res("all_reduce", 4, 4, 90),
+        _res("all_reduce", 0, 8, 40),
+        _res("all_reduce", 0, 4, 1, nbytes=2**20),
+        _res("all_gather", 4, 4, 10),
+    ]
     checks = check_bandwidth(results, nodes, intra_gbps=360, inter_gbps=45, min_fraction=0.8)
     got = {(c.name, c.subject): c for c in checks}
     assert got[("coll.all_reduce", "ranks[0-3]")].status == OK
@@ -49,9 +60,14 @@ def test_bandwidth_verdicts_attribute_blocks_to_nodes():
 
 
 def test_version_disagreement_marks_the_odd_node():
-    ranks = [{"rank": r, "node": "a" if r < 2 else "b",
-              "versions": {"torch": "2.5.1", "cuda": "12.4", "nccl": "2.21.5", "driver": "550.54.15"}}
-             for r in range(4)]
+    ranks = [
+        {
+            "rank": r,
+            "node": "a" if r < 2 else "b",
+            "versions": {"torch": "2.5.1", "cuda": "12.4", "nccl": "2.21.5", "driver": "550.54.15"},
+        }
+        for r in range(4)
+    ]
     assert not [c for c in check_versions(ranks, "") if c.status != OK]
     ranks[3]["versions"] = dict(ranks[3]["versions"], nccl="2.18.1")
     bad = [c for c in check_versions(ranks, "") if c.status == FAIL]

@@ -17,8 +17,13 @@ PY = os.path.join(ROOT, ".venv", "bin", "python")
 
 
 def meshrun(*overrides, timeout=120):
-    return subprocess.run([PY if os.path.exists(PY) else sys.executable, "-m", "launcher", *overrides],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [PY if os.path.exists(PY) else sys.executable, "-m", "launcher", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.slow  # CPU ranks started by the CLI
@@ -61,11 +66,19 @@ def test_fault_injected_on_one_node_fails_that_node_with_exit_4(tmp_path):
     write_port(bad, "mlx5_0", state="1: DOWN", phys="2: Polling")
     host = socket.gethostname().split(".")[0]
     run_dir = str(tmp_path / "run")
-    p = meshrun("action=preflight", "cluster=local", "cluster.nodes=2", "cluster.gpus_per_node=1",
-                f"run.dir={run_dir}", "cluster.preflight.ib_hcas=[mlx5_0]", "cluster.preflight.ib_rate_gbps=400",
-                f"cluster.preflight.ib_sysfs_root={good}", "cluster.preflight.collective_sizes_mb=[1]",
-                # Dict keys are added with '+' (Hydra struct mode), as a user would on the command line.
-                f"+cluster.preflight.ib_sysfs_root_by_node.{host}-1={bad}")
+    p = meshrun(
+        "action=preflight",
+        "cluster=local",
+        "cluster.nodes=2",
+        "cluster.gpus_per_node=1",
+        f"run.dir={run_dir}",
+        "cluster.preflight.ib_hcas=[mlx5_0]",
+        "cluster.preflight.ib_rate_gbps=400",
+        f"cluster.preflight.ib_sysfs_root={good}",
+        "cluster.preflight.collective_sizes_mb=[1]",
+        # Dict keys are added with '+' (Hydra struct mode), as a user would on the command line.
+        f"+cluster.preflight.ib_sysfs_root_by_node.{host}-1={bad}",
+    )
     assert p.returncode == 4, p.stderr[-3000:]
     data = json.load(open(os.path.join(run_dir, "preflight.json")))
     assert data["bad_nodes"] == [f"{host}-1"]
@@ -106,11 +119,14 @@ def test_before_training_gate_and_warn_in_process(tmp_path, monkeypatch):
 
 
 def test_launcher_side_never_imports_torch():
-    code = ("import sys, launcher.launch.preflight, training.preflight.runner, training.preflight.report; "
-            "assert 'torch' not in sys.modules, 'torch imported'; "
-            "print(launcher.launch.preflight.preflight_argv('/r')[1:])")
-    p = subprocess.run([PY if os.path.exists(PY) else sys.executable, "-c", code], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys, launcher.launch.preflight, training.preflight.runner, training.preflight.report; "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "print(launcher.launch.preflight.preflight_argv('/r')[1:])"
+    )
+    p = subprocess.run(
+        [PY if os.path.exists(PY) else sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "['-m', 'training.preflight', '/r']"
 
@@ -128,10 +144,20 @@ def test_slurm_preflight_job_finds_the_injected_bad_node(tmp_path):
     write_port(good, "mlx5_0")
     write_port(bad, "mlx5_0", rate="100 Gb/sec (4X EDR)")
     run_dir = str(tmp_path / "run")
-    p = meshrun("action=preflight", "cluster=slurm_dev", "cluster.nodes=2", "cluster.gpus_per_node=1",
-                f"run.dir={run_dir}", "cluster.preflight.ib_hcas=[mlx5_0]", "cluster.preflight.ib_rate_gbps=400",
-                f"cluster.preflight.ib_sysfs_root={good}", "cluster.preflight.collective_sizes_mb=[1]",
-                f"+cluster.preflight.ib_sysfs_root_by_node.n2={bad}", "cluster.exclude=n3", timeout=240)
+    p = meshrun(
+        "action=preflight",
+        "cluster=slurm_dev",
+        "cluster.nodes=2",
+        "cluster.gpus_per_node=1",
+        f"run.dir={run_dir}",
+        "cluster.preflight.ib_hcas=[mlx5_0]",
+        "cluster.preflight.ib_rate_gbps=400",
+        f"cluster.preflight.ib_sysfs_root={good}",
+        "cluster.preflight.collective_sizes_mb=[1]",
+        f"+cluster.preflight.ib_sysfs_root_by_node.n2={bad}",
+        "cluster.exclude=n3",
+        timeout=240,
+    )
     assert p.returncode == 4, p.stderr[-3000:]
     data = json.load(open(os.path.join(run_dir, "preflight.json")))
     assert data["bad_nodes"] == ["n2"] and data["nodes"]["n1"] != "fail"

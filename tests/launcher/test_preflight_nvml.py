@@ -10,6 +10,7 @@ from training.contract.config import PreflightConfig
 from training.preflight.gpu_nvml import check_gpus, cuda_version_text, pci_bus_to_sysfs
 from training.preflight.report import FAIL, WARN
 
+
 def run(gpus, pf=None, per_node=None, **kw):
     pf = pf or PreflightConfig(nvlinks_per_gpu=H100_LINKS)
     checks, facts = check_gpus(fake_nvml(gpus, **kw), pf, per_node or len(gpus), "node1", own_pids={1000})
@@ -37,22 +38,31 @@ def test_not_supported_queries_are_skipped_not_failed():
     assert failing(checks) == set()
 
 
-@pytest.mark.parametrize("mutate, check", [
-    (lambda g: g["ecc"].__setitem__(pynvml.NVML_VOLATILE_ECC, 2), "gpu.ecc_uncorrected_volatile"),
-    (lambda g: g["ecc"].__setitem__(pynvml.NVML_AGGREGATE_ECC, 5), "gpu.ecc_uncorrected_aggregate"),
-    (lambda g: g.__setitem__("remap", (0, 1, 1, 0)), "gpu.row_remap"),
-    (lambda g: g.__setitem__("remap", (0, 3, 0, 1)), "gpu.row_remap"),
-    (lambda g: g.__setitem__("retired_pending", pynvml.NVML_FEATURE_ENABLED), "gpu.retired_pages"),
-    (lambda g: g.__setitem__("temp", 90), "gpu.temperature"),
-    (lambda g: g.__setitem__("reasons", pynvml.nvmlClocksEventReasonHwSlowdown), "gpu.throttle"),
-    (lambda g: g.__setitem__("reasons", pynvml.nvmlClocksEventReasonHwThermalSlowdown
-                             | pynvml.nvmlClocksEventReasonGpuIdle), "gpu.throttle"),
-    (lambda g: g.__setitem__("reasons", pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown), "gpu.throttle"),
-    (lambda g: g.__setitem__("pcie", (5, 5, 8, 16)), "gpu.pcie"),
-    (lambda g: g["links"].__setitem__(7, pynvml.NVML_FEATURE_DISABLED), "gpu.nvlink"),
-    (lambda g: g.__setitem__("procs", [types.SimpleNamespace(pid=4242, usedGpuMemory=30 * 2**30)]),
-     "gpu.foreign_memory"),
-])
+@pytest.mark.parametrize(
+    "mutate, check",
+    [
+        (lambda g: g["ecc"].__setitem__(pynvml.NVML_VOLATILE_ECC, 2), "gpu.ecc_uncorrected_volatile"),
+        (lambda g: g["ecc"].__setitem__(pynvml.NVML_AGGREGATE_ECC, 5), "gpu.ecc_uncorrected_aggregate"),
+        (lambda g: g.__setitem__("remap", (0, 1, 1, 0)), "gpu.row_remap"),
+        (lambda g: g.__setitem__("remap", (0, 3, 0, 1)), "gpu.row_remap"),
+        (lambda g: g.__setitem__("retired_pending", pynvml.NVML_FEATURE_ENABLED), "gpu.retired_pages"),
+        (lambda g: g.__setitem__("temp", 90), "gpu.temperature"),
+        (lambda g: g.__setitem__("reasons", pynvml.nvmlClocksEventReasonHwSlowdown), "gpu.throttle"),
+        (
+            lambda g: g.__setitem__(
+                "reasons", pynvml.nvmlClocksEventReasonHwThermalSlowdown | pynvml.nvmlClocksEventReasonGpuIdle
+            ),
+            "gpu.throttle",
+        ),
+        (lambda g: g.__setitem__("reasons", pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown), "gpu.throttle"),
+        (lambda g: g.__setitem__("pcie", (5, 5, 8, 16)), "gpu.pcie"),
+        (lambda g: g["links"].__setitem__(7, pynvml.NVML_FEATURE_DISABLED), "gpu.nvlink"),
+        (
+            lambda g: g.__setitem__("procs", [types.SimpleNamespace(pid=4242, usedGpuMemory=30 * 2**30)]),
+            "gpu.foreign_memory",
+        ),
+    ],
+)
 def test_each_failure_kind_fails_only_its_gpu(mutate, check):
     gpus = [healthy_gpu(i) for i in range(4)]
     mutate(gpus[2])
@@ -68,8 +78,10 @@ def test_power_cap_and_idle_reasons_are_normal():
 
 def test_own_processes_do_not_count_as_foreign():
     g = healthy_gpu(0)
-    g["procs"] = [types.SimpleNamespace(pid=1000, usedGpuMemory=60 * 2**30),
-                  types.SimpleNamespace(pid=7, usedGpuMemory=2**20)]  # 1 MiB: below the limit
+    g["procs"] = [
+        types.SimpleNamespace(pid=1000, usedGpuMemory=60 * 2**30),
+        types.SimpleNamespace(pid=7, usedGpuMemory=2**20),
+    ]  # 1 MiB: below the limit
     assert failing(run([g])[0]) == set()
 
 

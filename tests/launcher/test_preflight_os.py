@@ -17,8 +17,11 @@ def put(root, rel, text):
 def tree(tmp_path, **over):
     proc, sys_ = str(tmp_path / "proc_sys"), str(tmp_path / "sys")
     values = {
-        "vm/swappiness": "1", "vm/overcommit_memory": "0", "vm/nr_hugepages": "0",
-        "net/core/rmem_max": "134217728", "net/core/wmem_max": "134217728",
+        "vm/swappiness": "1",
+        "vm/overcommit_memory": "0",
+        "vm/nr_hugepages": "0",
+        "net/core/rmem_max": "134217728",
+        "net/core/wmem_max": "134217728",
         "net/ipv4/tcp_congestion_control": "cubic",
     }
     values.update({k.replace("__", "/"): v for k, v in over.items()})
@@ -39,8 +42,9 @@ def tree(tmp_path, **over):
 
 def run(tmp_path, pf=None, **over):
     proc, sys_ = tree(tmp_path, **over)
-    return check_os(pf or PreflightConfig(), "n1", proc_sys=proc, sys_root=sys_,
-                    gpu_bus_ids=["0000:18:00.0", "0000:9a:00.0"])
+    return check_os(
+        pf or PreflightConfig(), "n1", proc_sys=proc, sys_root=sys_, gpu_bus_ids=["0000:18:00.0", "0000:9a:00.0"]
+    )
 
 
 def by_name(checks):
@@ -67,8 +71,13 @@ def test_good_node_reports_found_and_recommended(tmp_path):
 
 
 def test_bad_values_warn_never_fail(tmp_path):
-    checks = run(tmp_path, vm__swappiness="60", vm__overcommit_memory="2", net__core__rmem_max="212992",
-                 net__ipv4__tcp_congestion_control="reno")
+    checks = run(
+        tmp_path,
+        vm__swappiness="60",
+        vm__overcommit_memory="2",
+        net__core__rmem_max="212992",
+        net__ipv4__tcp_congestion_control="reno",
+    )
     warned = {c.name for c in checks if c.status == WARN}
     assert warned == {"os.swappiness", "os.overcommit", "os.rmem_max", "os.tcp_congestion"}
     assert not [c for c in checks if c.status == FAIL]
@@ -85,8 +94,15 @@ def test_bfq_on_ssd_warns_and_thresholds_come_from_config(tmp_path):
 
 def test_numa_map_mismatch_warns(tmp_path):
     proc, sys_ = tree(tmp_path)
-    checks = check_os(PreflightConfig(), "n1", proc_sys=proc, sys_root=sys_,
-                      gpu_bus_ids=["0000:18:00.0", "0000:9a:00.0"], numa="explicit", numa_map=[1, 0])
+    checks = check_os(
+        PreflightConfig(),
+        "n1",
+        proc_sys=proc,
+        sys_root=sys_,
+        gpu_bus_ids=["0000:18:00.0", "0000:9a:00.0"],
+        numa="explicit",
+        numa_map=[1, 0],
+    )
     assert {c.name for c in checks if c.status == WARN} == {"os.gpu_numa"}
 
 

@@ -36,24 +36,61 @@ def test_cli_prepares_then_plans_with_the_tokenizers_vocabulary(tmp_path):
     for i in range(30):
         (src / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (5 + i))
     out = tmp_path / "data" / "code"
-    r = subprocess.run([MESHRUN, "action=prepare", f"prepare.inputs=[{src}]", f"prepare.output={out}",
-                        "prepare.tokenizer=bpe", "prepare.vocab_size=320", "prepare.valid_fraction=0.2",
-                        "prepare.workers=2"], capture_output=True, text=True, cwd=ROOT, timeout=240)
+    r = subprocess.run(
+        [
+            MESHRUN,
+            "action=prepare",
+            f"prepare.inputs=[{src}]",
+            f"prepare.output={out}",
+            "prepare.tokenizer=bpe",
+            "prepare.vocab_size=320",
+            "prepare.valid_fraction=0.2",
+            "prepare.workers=2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr
     assert "tokens/s" in r.stderr and "ETA" in r.stderr  # the progress line
     names = sorted(os.listdir(out.parent))
-    assert names == ["code.bin", "code.idx", "code.json", "code.tokenizer.json", "code.valid.bin", "code.valid.idx",
-                     "code.valid.json"]
+    assert names == [
+        "code.bin",
+        "code.idx",
+        "code.json",
+        "code.tokenizer.json",
+        "code.valid.bin",
+        "code.valid.idx",
+        "code.valid.json",
+    ]
     run_dir = tmp_path / "run"
-    r = subprocess.run([MESHRUN, "action=plan", "data=indexed", f"data.prefixes=[{out}]", f"run.dir={run_dir}",
-                        "train.eval_every=5"], capture_output=True, text=True, cwd=ROOT, timeout=240)
+    r = subprocess.run(
+        [MESHRUN, "action=plan", "data=indexed", f"data.prefixes=[{out}]", f"run.dir={run_dir}", "train.eval_every=5"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr
     cfg = json.load(open(run_dir / "config.json"))
     assert cfg["model"]["vocab_size"] == 320 and cfg["data"]["prefixes"] == [str(out)]
     # A model vocabulary smaller than the tokenizer's, and weights that do not match: exit 2, nothing launched.
-    r = subprocess.run([MESHRUN, "action=plan", "data=indexed", f"data.prefixes=[{out}]", "model.vocab_size=256",
-                        "data.weights=[1,2]", f"run.dir={tmp_path / 'run2'}"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=240)
+    r = subprocess.run(
+        [
+            MESHRUN,
+            "action=plan",
+            "data=indexed",
+            f"data.prefixes=[{out}]",
+            "model.vocab_size=256",
+            "data.weights=[1,2]",
+            f"run.dir={tmp_path / 'run2'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=240,
+    )
     assert r.returncode == 2
     assert "model.vocab_size: 256 is smaller" in r.stderr and "model.vocab_size=320" in r.stderr
     assert "data.weights: 2 weights for 1 prefixes" in r.stderr
@@ -62,8 +99,13 @@ def test_cli_prepares_then_plans_with_the_tokenizers_vocabulary(tmp_path):
 def test_cli_bad_input_exits_2_naming_the_file(tmp_path):
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\xe9\n".encode("latin-1"))
-    r = subprocess.run([MESHRUN, "action=prepare", f"prepare.inputs=[{bad}]", f"prepare.output={tmp_path}/o/x"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=240)
+    r = subprocess.run(
+        [MESHRUN, "action=prepare", f"prepare.inputs=[{bad}]", f"prepare.output={tmp_path}/o/x"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=240,
+    )
     assert r.returncode == 2
     assert "latin1.txt: invalid UTF-8 at byte 3" in r.stderr and "convert the file to UTF-8" in r.stderr
     assert os.listdir(tmp_path / "o") == []
@@ -109,13 +151,16 @@ def test_max_bytes_stops_at_a_document_boundary(tmp_path):
     assert 9 <= desc["documents"] <= 10 and desc["tokens"] == desc["documents"] * 101
 
 
-@pytest.mark.parametrize("case,match", [
-    ("missing", r"nope\.txt.*does not exist"),
-    ("empty", r"empty\.txt.*is empty"),
-    ("no_field", r"d\.jsonl:2: no field 'text'.*prepare.text_key"),
-    ("bad_json", r"d\.jsonl:1: not valid JSON"),
-    ("empty_dir", r"holds no non-empty text"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("missing", r"nope\.txt.*does not exist"),
+        ("empty", r"empty\.txt.*is empty"),
+        ("no_field", r"d\.jsonl:2: no field 'text'.*prepare.text_key"),
+        ("bad_json", r"d\.jsonl:1: not valid JSON"),
+        ("empty_dir", r"holds no non-empty text"),
+    ],
+)
 def test_bad_inputs_are_clear_errors_and_leave_nothing(tmp_path, case, match):
     path = tmp_path / {"missing": "nope.txt", "empty": "empty.txt", "empty_dir": "dir"}.get(case, "d.jsonl")
     if case == "empty":
@@ -135,7 +180,7 @@ def test_bad_inputs_are_clear_errors_and_leave_nothing(tmp_path, case, match):
 def test_a_tokenizer_file_that_does_not_load_is_a_clear_error(tmp_path):
     (tmp_path / "t.txt").write_text("text\n")
     bad = tmp_path / "tokenizer.json"
-    bad.write_text("{\"not\": \"a tokenizer\"}")
+    bad.write_text('{"not": "a tokenizer"}')
     with pytest.raises(TokenizerError, match=r"tokenizer\.json: not a loadable Hugging Face tokenizer"):
         lp.prepare(_pc(tmp_path, [tmp_path / "t.txt"], tokenizer=str(bad)))
     assert _leftovers(tmp_path) == []
@@ -154,6 +199,8 @@ def test_a_given_tokenizer_json_is_used_and_copied(tmp_path):
 
 
 def test_prepare_and_data_modules_import_no_torch():
-    code = ("import sys; import launcher.data.prepare, launcher.data.prepare.worker, launcher.data.datasets, training.data.blend, "
-            "training.contract.tokenizer; assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; import launcher.data.prepare, launcher.data.prepare.worker, launcher.data.datasets, training.data.blend, "
+        "training.contract.tokenizer; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

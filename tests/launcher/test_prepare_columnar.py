@@ -18,15 +18,18 @@ from training.contract.config import PrepareConfig
 from training.data import DataError
 
 # Multilingual, multi-line, empty-ish and long documents: what must survive every container unchanged.
-DOCS = [f"doc {i}: {'é' * (i % 5)}ünïcode {i * 7919 % 1000}\n" + "    body line\n" * (i % 9) + ("x" * (i * 37 % 700))
-        for i in range(300)] + ["", " ", "last\n"]
+DOCS = [
+    f"doc {i}: {'é' * (i % 5)}ünïcode {i * 7919 % 1000}\n" + "    body line\n" * (i % 9) + ("x" * (i * 37 % 700))
+    for i in range(300)
+] + ["", " ", "last\n"]
 
 
 def _pc(tmp_path, inputs, name, **kw) -> PrepareConfig:
     kw.setdefault("workers", 1)
     kw.setdefault("valid_fraction", 0.2)
-    return PrepareConfig(inputs=[str(i) for i in inputs], output=str(tmp_path / "out" / name), progress=False,
-                         text_key="content", **kw)
+    return PrepareConfig(
+        inputs=[str(i) for i in inputs], output=str(tmp_path / "out" / name), progress=False, text_key="content", **kw
+    )
 
 
 def _table(docs):
@@ -41,16 +44,33 @@ def _save_to_disk_layout(path, docs, shards=2):
     files = []
     for k in range(shards):
         name = f"data-{k:05d}-of-{shards:05d}.arrow"
-        table = _table(docs[k * per:(k + 1) * per])
+        table = _table(docs[k * per : (k + 1) * per])
         with pa.OSFile(os.path.join(path, name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
             w.write_table(table, max_chunksize=40)
         files.append({"filename": name})
     with open(os.path.join(path, "state.json"), "w") as f:
-        json.dump({"_data_files": files, "_fingerprint": "0", "_format_columns": None, "_format_kwargs": {},
-                   "_format_type": None, "_output_all_columns": False, "_split": None}, f)
+        json.dump(
+            {
+                "_data_files": files,
+                "_fingerprint": "0",
+                "_format_columns": None,
+                "_format_kwargs": {},
+                "_format_type": None,
+                "_output_all_columns": False,
+                "_split": None,
+            },
+            f,
+        )
     with open(os.path.join(path, "dataset_info.json"), "w") as f:
-        json.dump({"features": {"id": {"dtype": "int64", "_type": "Value"},
-                                "content": {"dtype": "string", "_type": "Value"}}}, f)
+        json.dump(
+            {
+                "features": {
+                    "id": {"dtype": "int64", "_type": "Value"},
+                    "content": {"dtype": "string", "_type": "Value"},
+                }
+            },
+            f,
+        )
 
 
 def _dataset(tmp_path, name):
@@ -83,15 +103,22 @@ def test_parquet_arrow_and_save_to_disk_give_the_jsonl_tokens(tmp_path, monkeypa
     pq.write_table(_table(DOCS[:150]), mixed / "a.parquet")
     (mixed / "b.jsonl").write_text("".join(json.dumps({"content": d}) + "\n" for d in DOCS[150:]))
 
-    inputs = {"jsonl": [jsonl], "parquet": [parquet], "arrow": [arrow_file], "saved": [saved], "dict": [dd],
-              "mixed": [mixed]}
+    inputs = {
+        "jsonl": [jsonl],
+        "parquet": [parquet],
+        "arrow": [arrow_file],
+        "saved": [saved],
+        "dict": [dd],
+        "mixed": [mixed],
+    }
     workers = {"parquet": 2}  # the pool with several items in flight, results written in input order
     try:
         import datasets  # noqa: F401 - only to check the layout above against the real writer when installed
 
         real = tmp_path / "real"
         datasets.Dataset.from_dict({"content": DOCS, "id": list(range(len(DOCS)))}).save_to_disk(
-            str(real), num_shards=2)
+            str(real), num_shards=2
+        )
         inputs["real_save_to_disk"] = [real]
     except ImportError:
         pass
@@ -112,6 +139,7 @@ def test_parquet_arrow_and_save_to_disk_give_the_jsonl_tokens(tmp_path, monkeypa
     src = descs["saved"]["sources"]
     assert [os.path.basename(s["path"]) for s in src] == ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow"]
     assert sum(s["documents"] for s in src) == len(DOCS)
+
     # The BPE trainer reads the same documents from either container (the same tokenizer follows).
     def bpe_docs(path):
         pc = _pc(tmp_path, [path], "unused")
@@ -124,13 +152,16 @@ def test_parquet_arrow_and_save_to_disk_give_the_jsonl_tokens(tmp_path, monkeypa
     assert small["tokens"] - small["documents"] >= 2000
 
 
-@pytest.mark.parametrize("case,match", [
-    ("no_column", r"no column 'content'.*prepare.text_key.*columns here: id, text"),
-    ("not_text", r"column 'content' is int64, not text"),
-    ("null", r"row 1 of column 'content' is null"),
-    ("damaged", r"not a readable Parquet file"),
-    ("bad_state", r"save_to_disk directory .* lacks"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("no_column", r"no column 'content'.*prepare.text_key.*columns here: id, text"),
+        ("not_text", r"column 'content' is int64, not text"),
+        ("null", r"row 1 of column 'content' is null"),
+        ("damaged", r"not a readable Parquet file"),
+        ("bad_state", r"save_to_disk directory .* lacks"),
+    ],
+)
 def test_bad_columnar_inputs_are_clear_errors_and_leave_nothing(tmp_path, case, match):
     path = tmp_path / "in.parquet"
     if case == "no_column":

@@ -14,7 +14,7 @@ from helpers import ROOT
 from training.contract.config import PrepareConfig
 from training.data import DataError
 
-DIE_ON_MARKER = '''import sys
+DIE_ON_MARKER = """import sys
 if "--multiprocessing-fork" in sys.argv:
     import os
     import launcher.data.prepare.worker as worker
@@ -27,7 +27,7 @@ if "--multiprocessing-fork" in sys.argv:
         return _real(item)
 
     worker.process = process
-'''
+"""
 
 
 def test_a_dead_worker_is_a_clear_error_and_leaves_nothing(tmp_path, monkeypatch):

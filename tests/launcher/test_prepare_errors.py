@@ -40,8 +40,15 @@ def test_vocabulary_from_65500_is_written_as_int32(tmp_path, size, dtype):
     vocab = _word_tokenizer(tmp_path / "tok.json", size)
     words = [f"w{size - 1}", "w2", f"w{size // 2}", f"w{size - 7}", "w65535" if size > 65_536 else "w3"]
     (tmp_path / "t.txt").write_text(" ".join(words) + "\n")
-    desc = lp.prepare(PrepareConfig(inputs=[str(tmp_path / "t.txt")], output=str(tmp_path / "out" / "ds"),
-                                    tokenizer=str(tmp_path / "tok.json"), progress=False, workers=1))
+    desc = lp.prepare(
+        PrepareConfig(
+            inputs=[str(tmp_path / "t.txt")],
+            output=str(tmp_path / "out" / "ds"),
+            tokenizer=str(tmp_path / "tok.json"),
+            progress=False,
+            workers=1,
+        )
+    )
     data = mf.read(str(tmp_path / "out" / "ds"))
     assert data["dtype"] == dtype and desc["dtype"] == np.dtype(dtype).name, (data["dtype"], desc)
     (seq,) = data["sequences"]
@@ -52,8 +59,14 @@ def test_an_output_that_cannot_be_created_is_a_clear_error(tmp_path):
     (tmp_path / "t.txt").write_text("text\n")
     (tmp_path / "afile").write_text("not a folder")
     with pytest.raises(DataError, match=r"prepare\.output: cannot create .*afile.*choose a writable folder"):
-        lp.prepare(PrepareConfig(inputs=[str(tmp_path / "t.txt")], output=str(tmp_path / "afile" / "sub" / "ds"),
-                                 progress=False, workers=1))
+        lp.prepare(
+            PrepareConfig(
+                inputs=[str(tmp_path / "t.txt")],
+                output=str(tmp_path / "afile" / "sub" / "ds"),
+                progress=False,
+                workers=1,
+            )
+        )
     assert sorted(os.listdir(tmp_path)) == ["afile", "t.txt"]
 
 
@@ -72,14 +85,21 @@ def test_leftovers_of_a_killed_prepare_are_no_dataset_and_block_nothing(tmp_path
     src = tmp_path / "t.txt"
     src.write_text("hello world\n" * 20)
     out = tmp_path / "out" / "ds"
-    p = subprocess.run([sys.executable, "-c", _KILLED, str(src), str(out)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    p = subprocess.run(
+        [sys.executable, "-c", _KILLED, str(src), str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert p.returncode == -9, p.stderr[-2000:]
     left = sorted(os.listdir(out.parent))
     assert left and all(".tmp-" in n for n in left), left  # nothing under a final name
     with pytest.raises(Exception):
         mf.read(str(out))
-    desc = lp.prepare(PrepareConfig(inputs=[str(src)], output=str(out), progress=False, workers=1,
-                                    valid_fraction=0.0))  # not refused as "already holds a dataset"
+    desc = lp.prepare(
+        PrepareConfig(inputs=[str(src)], output=str(out), progress=False, workers=1, valid_fraction=0.0)
+    )  # not refused as "already holds a dataset"
     (seq,) = mf.read(str(out))["sequences"]
     assert bytes(seq[:-1].astype(np.uint8)).decode() == "hello world\n" * 20 and desc["documents"] == 1

@@ -20,11 +20,18 @@ from helpers.cli import compose_cfg
 # Korthikanti et al. 2022 Table 3: preset -> DGX A100 nodes (22B: 8 GPUs, 175B: 64, 530B: 280, 1T: 512).
 KORTHIKANTI = {"korthikanti_22b": 1, "korthikanti_175b": 8, "korthikanti_530b": 35, "korthikanti_1t": 64}
 # Narayanan et al. 2021 Table 1: billions, heads, hidden, layers, tp, pp, GPUs, global batch.
-NARAYANAN = [(1.7, 24, 2304, 24, 1, 1, 32, 512), (3.6, 32, 3072, 30, 2, 1, 64, 512), (7.5, 32, 4096, 36, 4, 1, 128, 512),
-             (18.4, 48, 6144, 40, 8, 1, 256, 1024), (39.1, 64, 8192, 48, 8, 2, 512, 1536),
-             (76.1, 80, 10240, 60, 8, 4, 1024, 1792), (145.6, 96, 12288, 80, 8, 8, 1536, 2304),
-             (310.1, 128, 16384, 96, 8, 16, 1920, 2160), (529.6, 128, 20480, 105, 8, 35, 2520, 2520),
-             (1008.0, 160, 25600, 128, 8, 64, 3072, 3072)]
+NARAYANAN = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072),
+]
 
 # Rows whose published tp x pp the cost model puts more than 10 % behind its best, with the part it blames.
 DIFFERS = {18.4: "TP traffic (tp 8)"}
@@ -37,8 +44,13 @@ def _recommend(*overrides):
 
 @pytest.mark.parametrize("preset", sorted(KORTHIKANTI))
 def test_korthikanti_layouts_are_within_10_percent_of_the_recommended(preset):
-    data, objs = _recommend(f"model={preset}", f"parallel={preset}", "cluster=dgx_a100",
-                            f"cluster.nodes={KORTHIKANTI[preset]}", "parallel.dp=null")
+    data, objs = _recommend(
+        f"model={preset}",
+        f"parallel={preset}",
+        "cluster=dgx_a100",
+        f"cluster.nodes={KORTHIKANTI[preset]}",
+        "parallel.dp=null",
+    )
     vs = data["versus_baseline"]
     assert data["baseline"]["fits"] and vs["within"], vs
     assert 0 <= vs["gain"] <= 0.10 and vs["recommended_step_s"] == data["candidates"][0]["predicted_step_s"]
@@ -50,11 +62,27 @@ def test_narayanan_layouts(row):
     zero) are within 10 % of the recommended layout; with full recompute and no ZeRO, as in 2021, the tool says
     that recomputation is what the newer layouts save."""
     _, heads, hidden, layers, tp, pp, gpus, batch = row
-    model = ["model=korthikanti_22b", f"model.num_attention_heads={heads}", f"model.hidden_size={hidden}",
-             f"model.num_layers={layers}", "model.vocab_size=51200", "model.seq_length=2048", "model.dropout=0.0",
-             "cluster=dgx_a100", f"cluster.nodes={gpus // 8}", f"parallel.global_batch={batch}"]
-    data, objs = _recommend(*model, f"parallel.tp={tp}", f"parallel.pp={pp}", "parallel.dp=null",
-                            "parallel.micro_batch=1", "parallel.recompute=full", "parallel.zero=0")
+    model = [
+        "model=korthikanti_22b",
+        f"model.num_attention_heads={heads}",
+        f"model.hidden_size={hidden}",
+        f"model.num_layers={layers}",
+        "model.vocab_size=51200",
+        "model.seq_length=2048",
+        "model.dropout=0.0",
+        "cluster=dgx_a100",
+        f"cluster.nodes={gpus // 8}",
+        f"parallel.global_batch={batch}",
+    ]
+    data, objs = _recommend(
+        *model,
+        f"parallel.tp={tp}",
+        f"parallel.pp={pp}",
+        "parallel.dp=null",
+        "parallel.micro_batch=1",
+        "parallel.recompute=full",
+        "parallel.zero=0",
+    )
     cands = objs["search"].candidates
     published = [c for c in cands if (c.cfg.parallel.tp, c.cfg.parallel.pp) == (tp, pp)]
     assert published, "the published tp x pp must fit"
@@ -70,15 +98,34 @@ def test_narayanan_layouts(row):
 
 def test_search_is_fast_and_recommend_json_has_the_contract(tmp_path):
     t = time.time()
-    data, objs = _recommend("model=gpt3_175b", "cluster=dgx_h100", "cluster.nodes=128", "parallel=korthikanti_175b",
-                            "parallel.dp=null", "parallel.global_batch=1536")
+    data, objs = _recommend(
+        "model=gpt3_175b",
+        "cluster=dgx_h100",
+        "cluster.nodes=128",
+        "parallel=korthikanti_175b",
+        "parallel.dp=null",
+        "parallel.global_batch=1536",
+    )
     assert data["searched"] > 5000 and time.time() - t < 20
     best = objs["search"].candidates[0]
     assert best.reason.startswith("fastest") and all(c.plan.fits for c in objs["search"].candidates)
     run_dir = tmp_path / "rec"
-    p = subprocess.run([sys.executable, "-m", "launcher", "action=recommend", "model=tiny", "cluster.gpus_per_node=2",
-                        "recommend.probe=false", f"run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "action=recommend",
+            "model=tiny",
+            "cluster.gpus_per_node=2",
+            "recommend.probe=false",
+            f"run.dir={run_dir}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads((run_dir / "recommend.json").read_text())
     assert out["candidates"] and "tok/s/GPU" in p.stdout and "use: parallel.tp=" in p.stdout
@@ -106,11 +153,29 @@ def test_calibration_on_this_machine_agrees_with_the_prediction(tmp_path):
     """Acceptance: at least 4 CPU layouts of a small model, run for a few steps, come out in the predicted order
     (Spearman >= 0.8, computed and reported by the tool)."""
     run_dir = tmp_path / "cal"
-    p = subprocess.run([sys.executable, "-m", "launcher", "action=recommend", "data=synthetic", "model.num_layers=4",
-                        "model.hidden_size=128", "model.seq_length=128", "cluster.gpus_per_node=2",
-                        "parallel.global_batch=16", "recommend.calibrate=true", "recommend.calibrate_count=4",
-                        "recommend.calibrate_min_gap=0.3", "recommend.calibrate_steps=8", f"run.dir={run_dir}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "action=recommend",
+            "data=synthetic",
+            "model.num_layers=4",
+            "model.hidden_size=128",
+            "model.seq_length=128",
+            "cluster.gpus_per_node=2",
+            "parallel.global_batch=16",
+            "recommend.calibrate=true",
+            "recommend.calibrate_count=4",
+            "recommend.calibrate_min_gap=0.3",
+            "recommend.calibrate_steps=8",
+            f"run.dir={run_dir}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     cal = json.loads((run_dir / "recommend.json").read_text())["calibration"]
     measured = [r for r in cal["runs"] if r["measured_step_s"] is not None]

@@ -21,10 +21,28 @@ from training.contract.rundir.events import append_event
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
     PYTHON = sys.executable
-TINY = ["data=synthetic", "parallel=single", "cluster.gpus_per_node=1", "model.num_layers=2",
-        "model.seq_length=32", "parallel.global_batch=2", "parallel.micro_batch=1", "train.steps=12",
-        "train.checkpoint_every=4", "train.eval_every=4", "train.warmup_steps=2"]
-RUN_PLOTS = {"loss", "lr", "tokens_per_s", "mfu", "step_times", "memory", "goodput"}  # goodput: launcher/manage/goodput.py
+TINY = [
+    "data=synthetic",
+    "parallel=single",
+    "cluster.gpus_per_node=1",
+    "model.num_layers=2",
+    "model.seq_length=32",
+    "parallel.global_batch=2",
+    "parallel.micro_batch=1",
+    "train.steps=12",
+    "train.checkpoint_every=4",
+    "train.eval_every=4",
+    "train.warmup_steps=2",
+]
+RUN_PLOTS = {
+    "loss",
+    "lr",
+    "tokens_per_s",
+    "mfu",
+    "step_times",
+    "memory",
+    "goodput",
+}  # goodput: launcher/manage/goodput.py
 
 
 def rows_of(path: str) -> list:
@@ -44,8 +62,9 @@ def last_per_step(rows: list) -> dict:
 
 def meshrun(*args: str, cwd) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([PYTHON, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [PYTHON, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +77,7 @@ def run_dir(tmp_path_factory):
     assert first.returncode == 3, first.stderr[-3000:]
     second = meshrun(f"run.dir={run}", "train.exit_interval=0", cwd=tmp)
     assert second.returncode == 0, second.stderr[-3000:]
-    append_event(run, "requeued", cause="failure", reason="rank 1 on n2: exit 4", excluded_nodes=["n2"],
-                 last_step=12)
+    append_event(run, "requeued", cause="failure", reason="rank 1 on n2: exit 4", excluded_nodes=["n2"], last_step=12)
     return run
 
 
@@ -86,10 +104,10 @@ def test_report_of_a_run(run_dir, drawn):
     events = rows_of(os.path.join(run_dir, "events.jsonl"))
     build_report(run_dir)
     loss = drawn["Loss"]
-    (xs, ys), = [(x, y) for label, x, y, _, _ in loss["lines"] if label == "train loss"]
+    ((xs, ys),) = [(x, y) for label, x, y, _, _ in loss["lines"] if label == "train loss"]
     assert xs == list(range(1, 13)) and ys == pytest.approx([metrics[s]["loss"] for s in range(1, 13)])
     (lr_fig,) = [fig for title, fig in drawn.items() if title.startswith("Learning rate")]
-    (_, lr), = [(x, y) for label, x, y, _, _ in lr_fig["lines"] if label == "lr"]
+    ((_, lr),) = [(x, y) for label, x, y, _, _ in lr_fig["lines"] if label == "lr"]
     assert lr == pytest.approx([metrics[s]["lr"] for s in range(1, 13)])
     vertical = [(x[0], style, color) for _, x, _, style, color in loss["lines"] if len(x) == 2 and x[0] == x[1]]
     ckpt_steps = sorted({e["step"] for e in events if e.get("event") == "checkpoint"})
@@ -108,8 +126,16 @@ def test_report_of_a_run(run_dir, drawn):
 @pytest.mark.slow  # run_dir trains
 def test_report_of_a_sweep(run_dir, tmp_path, drawn):
     sweep = tmp_path / "sweep"
-    p = meshrun("-m", "action=plan", *TINY, "cluster.gpus_per_node=2", "parallel.dp=null", "parallel.tp=1,2",
-                f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    p = meshrun(
+        "-m",
+        "action=plan",
+        *TINY,
+        "cluster.gpus_per_node=2",
+        "parallel.dp=null",
+        "parallel.tp=1,2",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     with open(sweep / "sweep.json") as f:
         feasible = json.load(f)["feasible"]
@@ -128,15 +154,17 @@ def test_report_of_a_sweep(run_dir, tmp_path, drawn):
     assert points[0]["measured_memory_gib"] > 0 and math.isnan(points[1]["measured_tokens_per_s"])
     p = meshrun("action=report", f"run.dir={sweep}", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert {os.path.basename(x) for x in json.loads(p.stdout)["images"]} == {"sweep_tokens_per_s.png",
-                                                                              "sweep_memory.png"}
+    assert {os.path.basename(x) for x in json.loads(p.stdout)["images"]} == {
+        "sweep_tokens_per_s.png",
+        "sweep_memory.png",
+    }
     # The bars drawn (in-process): point 0's measured bar is that mean, its plan bar tokens_per_step over
     # predicted_step_s; point 1 has no measured bar (height 0).
     build_report(str(sweep))
     bars = sorted(drawn["Tokens/s per point: measured vs plan"]["bars"])  # measured at x-0.2, plan at x+0.2
-    assert [h for _, h in bars] == pytest.approx([sum(rates) / len(rates),
-                                                  plan["tokens_per_step"] / plan["predicted_step_s"], 0,
-                                                  bars[3][1]]) and bars[3][1] > 0
+    assert [h for _, h in bars] == pytest.approx(
+        [sum(rates) / len(rates), plan["tokens_per_step"] / plan["predicted_step_s"], 0, bars[3][1]]
+    ) and bars[3][1] > 0
 
 
 def test_report_of_a_directory_that_is_no_run(tmp_path):
@@ -150,8 +178,7 @@ def chromium() -> str:
     for name in ("chromium", "chromium-browser"):
         if shutil.which(name):
             return shutil.which(name)
-    p = subprocess.run(["bash", os.path.join(ROOT, "tests", "browser.sh")], capture_output=True, text=True,
-                       timeout=900)
+    p = subprocess.run(["bash", os.path.join(ROOT, "tests", "browser.sh")], capture_output=True, text=True, timeout=900)
     if p.returncode == 0 and p.stdout.strip():
         return p.stdout.strip().splitlines()[-1]
     pytest.skip("headless browser unavailable: " + (p.stderr.strip().splitlines() or ["tests/browser.sh failed"])[-1])
@@ -173,9 +200,22 @@ def test_report_renders_every_image_in_a_headless_browser(run_dir, tmp_path):
         page = f.read()
     probed = tmp_path / "probed.html"  # the same page plus the probe, outside the run directory
     probed.write_text(page.replace("</body>", _PROBE + "</body>"))
-    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                          f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=10000", "--dump-dom",
-                          probed.as_uri()], capture_output=True, text=True, timeout=300)
+    dom = subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--virtual-time-budget=10000",
+            "--dump-dom",
+            probed.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert dom.returncode == 0, dom.stderr[-2000:]
     imgs = re.findall(r"<img [^>]*>", dom.stdout)
     assert len(imgs) == len(RUN_PLOTS) and f'data-probed="{len(RUN_PLOTS)}"' in dom.stdout, dom.stdout[:2000]

@@ -24,8 +24,9 @@ BASIC = ["hydra/sweeper=basic", "hydra/launcher=basic"]
 
 def meshrun(*args: str, cwd) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([PYTHON, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [PYTHON, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def _summary_line(stdout: str) -> str:
@@ -124,8 +125,10 @@ def test_every_hydra_launcher_gives_the_same_summary(tmp_path):
         assert p.returncode == 0, (name, p.stdout[-2000:], p.stderr[-3000:])
         out[name] = (_table(p.stdout), json.loads((sweep / "sweep.json").read_text()), sweep)
     table, data, sweep = out["meshrun"]
-    assert table[0] == "sweep summary: 1 feasible, 3 infeasible; ranked by predicted step time (compute, " \
-                       "communication, bubble); memory per GPU", table
+    assert (
+        table[0] == "sweep summary: 1 feasible, 3 infeasible; ranked by predicted step time (compute, "
+        "communication, bubble); memory per GPU"
+    ), table
     for name, (other_table, other, other_sweep) in out.items():
         assert _rows(other) == _rows(data), name
         assert other_table == table, name
@@ -133,8 +136,15 @@ def test_every_hydra_launcher_gives_the_same_summary(tmp_path):
         for r in other["feasible"]:
             assert r["run_dir"] == str(other_sweep / str(r["num"])), name
     # A sweep directory used again: only this sweep's points count, not the older ones still there.
-    p = meshrun("-m", "action=plan", "model=tiny", "parallel.pp=1,3", "parallel.sp=false",
-                f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    p = meshrun(
+        "-m",
+        "action=plan",
+        "model=tiny",
+        "parallel.pp=1,3",
+        "parallel.sp=false",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr
     again = json.loads((sweep / "sweep.json").read_text())
     assert [pt["num"] for pt in again["points"]] == [0, 1]
@@ -147,9 +157,19 @@ def test_summary_fits_120_columns_and_ranks_by_predicted_step_time(tmp_path):
     from launcher.sweep.summary import fmt_rate
 
     sweep = tmp_path / "sweep"
-    p = meshrun("-m", "action=plan", "model=tiny,gpt2_125m", "parallel.tp=1,2,4", "parallel.pp=1,2",
-                "parallel.micro_batch=1,2", "parallel.sp=true", "train.precision=fp32",
-                "cluster.gpu_memory_gb=4", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    p = meshrun(
+        "-m",
+        "action=plan",
+        "model=tiny,gpt2_125m",
+        "parallel.tp=1,2,4",
+        "parallel.pp=1,2",
+        "parallel.micro_batch=1,2",
+        "parallel.sp=true",
+        "train.precision=fp32",
+        "cluster.gpu_memory_gb=4",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr
     table = _table(p.stdout)
     assert max(len(line) for line in table) <= 120, "\n".join(line for line in table if len(line) > 120)
@@ -157,15 +177,16 @@ def test_summary_fits_120_columns_and_ranks_by_predicted_step_time(tmp_path):
     common = "every point: action=plan parallel.sp=True train.precision=fp32 cluster.gpu_memory_gb=4"
     assert table[1] == common, table[:3]
     data = json.loads((sweep / "sweep.json").read_text())
-    assert data["common_overrides"] == common[len("every point: "):].split()
+    assert data["common_overrides"] == common[len("every point: ") :].split()
     feasible, infeasible = data["feasible"], data["infeasible"]
     assert feasible and infeasible
     steps = [r["predicted_step_s"] for r in feasible]
     assert steps == sorted(steps) and all(s > 0 for s in steps)
     header = next(i for i, line in enumerate(table) if line.lstrip().startswith("rank"))
-    assert table[header].split()[2:9] == ["layout", "step", "tok/s/GPU", "MFU", "memory", "headroom", "bubble"], \
-        table[header]
-    for rank, (line, r) in enumerate(zip(table[header + 2:], feasible), 1):
+    assert table[header].split()[2:9] == ["layout", "step", "tok/s/GPU", "MFU", "memory", "headroom", "bubble"], table[
+        header
+    ]
+    for rank, (line, r) in enumerate(zip(table[header + 2 :], feasible), 1):
         plan = json.loads(open(os.path.join(r["run_dir"], "plan.json")).read())
         point = dict(o.split("=", 1) for o in r["overrides"])
         assert plan["predicted_step_s"] == r["predicted_step_s"]
@@ -177,7 +198,7 @@ def test_summary_fits_120_columns_and_ranks_by_predicted_step_time(tmp_path):
         assert "action=plan" not in line and fmt_bytes(r["headroom_bytes"]) in line
         assert f" {fmt_rate(plan['tokens_per_s_per_gpu'])} " in line and f"{100 * plan['mfu']:.1f}%" in line
         assert f"micro_batch={point['parallel.micro_batch']}" in line  # own overrides, short keys
-    below = table[table.index("infeasible (first reason):") + 1:]
+    below = table[table.index("infeasible (first reason):") + 1 :]
     assert len(below) == len(infeasible)
     for line, r in zip(below, infeasible):
         assert line.split()[:2] == ["x", str(r["num"])]
@@ -188,11 +209,24 @@ def test_slurm_sweep_dry_run_prints_the_job_arrays_and_submits_nothing(tmp_path)
     """No cluster needed: dry_run=true checks every point, groups the valid ones into the job arrays
     that would be submitted (here: one per time limit) and prints each array's batch script."""
     sweep = tmp_path / "sweep"
-    p = meshrun("-m", "cluster=slurm_dev", "dry_run=true", "cluster.nodes=1", "cluster.gpus_per_node=1",
-                "model=tiny", "data=synthetic", "parallel.tp=1", "parallel.zero=0", "parallel.global_batch=8",
-                # Given, not read from the partition (0 would ask sinfo): a dry run needs no Slurm.
-                "cluster.cpus_per_task=1",
-                "parallel.micro_batch=1,2,3", "cluster.time_min=10,11", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    p = meshrun(
+        "-m",
+        "cluster=slurm_dev",
+        "dry_run=true",
+        "cluster.nodes=1",
+        "cluster.gpus_per_node=1",
+        "model=tiny",
+        "data=synthetic",
+        "parallel.tp=1",
+        "parallel.zero=0",
+        "parallel.global_batch=8",
+        # Given, not read from the partition (0 would ask sinfo): a dry run needs no Slurm.
+        "cluster.cpus_per_task=1",
+        "parallel.micro_batch=1,2,3",
+        "cluster.time_min=10,11",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "submitted Slurm job" not in p.stdout
     scripts = p.stdout.split("# job array of ")[1:]

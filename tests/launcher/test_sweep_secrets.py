@@ -30,8 +30,14 @@ LAUNCHERS = {  # Hydra launchers: points in this process, in joblib workers, in 
 
 
 def meshrun(*args, cwd=ROOT, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "launcher", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+    )
 
 
 def files_holding(root, value: str) -> list:
@@ -59,12 +65,25 @@ def assert_only_in_secrets_files(root, run_dirs):
 
 
 # Launchers that start worker processes are in the slow set (`make check` keeps the in-process ones).
-@pytest.mark.parametrize("launcher", [pytest.param(name, marks=[pytest.mark.slow] if name in ("joblib", "submitit_local")
-                                                   else []) for name in LAUNCHERS])
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        pytest.param(name, marks=[pytest.mark.slow] if name in ("joblib", "submitit_local") else [])
+        for name in LAUNCHERS
+    ],
+)
 def test_sweep_keeps_a_secret_out_of_its_files_and_output(tmp_path, launcher):
     sweep = tmp_path / "sweep"
-    p = meshrun("-m", "action=plan", f"+cluster.env.HF_TOKEN={SECRET}", "+cluster.env.NCCL_DEBUG=WARN",
-                "parallel.tp=1,2", *LAUNCHERS[launcher], f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    p = meshrun(
+        "-m",
+        "action=plan",
+        f"+cluster.env.HF_TOKEN={SECRET}",
+        "+cluster.env.NCCL_DEBUG=WARN",
+        "parallel.tp=1,2",
+        *LAUNCHERS[launcher],
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert SECRET not in p.stdout + p.stderr
     assert "sweep summary: 2 feasible" in p.stdout
@@ -98,8 +117,9 @@ def test_single_run_resume_keeps_the_secret_given_before(tmp_path):
 
 def test_a_swept_secret_is_refused(tmp_path):
     """Sweeping over secret values would name each value in the point's directory and overrides: exit 2."""
-    p = meshrun("-m", "action=plan", "+cluster.env.HF_TOKEN=aaa-1,bbb-2", f"hydra.sweep.dir={tmp_path / 's'}",
-                cwd=tmp_path)
+    p = meshrun(
+        "-m", "action=plan", "+cluster.env.HF_TOKEN=aaa-1,bbb-2", f"hydra.sweep.dir={tmp_path / 's'}", cwd=tmp_path
+    )
     assert p.returncode == 2, p.stderr[-3000:]
     assert "cluster.env.HF_TOKEN" in p.stderr and "aaa-1" not in p.stdout + p.stderr
     assert not (tmp_path / "s").exists()
@@ -109,10 +129,24 @@ def test_slurm_sweep_dry_run_keeps_the_secret_out_of_the_job_arrays(tmp_path):
     """No cluster needed: the job arrays' batch scripts, printed, hold neither value nor placeholder; each
     point's secrets.json holds the value its array task's ranks will read."""
     sweep = tmp_path / "sweep"
-    p = meshrun("-m", "cluster=slurm_dev", "dry_run=true", "cluster.nodes=1", "cluster.gpus_per_node=1",
-                "cluster.cpus_per_task=1", "model=tiny", "data=synthetic", "parallel.tp=1", "parallel.zero=0",
-                "parallel.global_batch=8", f"+cluster.env.WANDB_API_KEY={SECRET}", "parallel.micro_batch=1,2",
-                "cluster.time_min=10,11", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    p = meshrun(
+        "-m",
+        "cluster=slurm_dev",
+        "dry_run=true",
+        "cluster.nodes=1",
+        "cluster.gpus_per_node=1",
+        "cluster.cpus_per_task=1",
+        "model=tiny",
+        "data=synthetic",
+        "parallel.tp=1",
+        "parallel.zero=0",
+        "parallel.global_batch=8",
+        f"+cluster.env.WANDB_API_KEY={SECRET}",
+        "parallel.micro_batch=1,2",
+        "cluster.time_min=10,11",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.count("# job array of ") == 2
     assert SECRET not in p.stdout + p.stderr
@@ -128,11 +162,11 @@ def test_slurm_sweep_dry_run_keeps_the_secret_out_of_the_job_arrays(tmp_path):
 
 # A rank reports whether it got the value, from a sitecustomize the ranks import (all fake nodes are this
 # machine, and Slurm passes PYTHONPATH on with the submitter's environment).
-PROBE = '''import os, sys
+PROBE = """import os, sys
 if "training.main" in getattr(sys, "orig_argv", []) and os.environ.get("RANK") == "0":
     with open(os.path.join(os.environ["PROBE_DIR"], "probe-" + os.environ.get("SLURM_JOB_ID", "x")), "w") as f:
         f.write(repr(os.environ.get("HF_TOKEN")))
-'''
+"""
 
 
 @pytest.mark.slurm
@@ -149,16 +183,38 @@ def test_slurm_array_rank_reads_the_secret_and_a_relaunch_resolves_it(tmp_path, 
     env = {"PYTHONPATH": f"{inject}{os.pathsep}{ROOT}", "PROBE_DIR": str(probes)}
     env_without = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
     sweep = tmp_path / "sweep"
-    common = ["cluster=slurm_dev", "cluster.nodes=1", "cluster.gpus_per_node=1", "model=tiny", "data=synthetic",
-              "parallel.tp=1", "parallel.sp=false", "parallel.zero=0", "parallel.global_batch=8",
-              "train.checkpoint_every=2", "train.log_every=1"]
+    common = [
+        "cluster=slurm_dev",
+        "cluster.nodes=1",
+        "cluster.gpus_per_node=1",
+        "model=tiny",
+        "data=synthetic",
+        "parallel.tp=1",
+        "parallel.sp=false",
+        "parallel.zero=0",
+        "parallel.global_batch=8",
+        "train.checkpoint_every=2",
+        "train.log_every=1",
+    ]
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=300, env={**env_without, **env})
+        return subprocess.run(
+            [sys.executable, "-m", "launcher", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**env_without, **env},
+        )
 
-    p = run("-m", *common, "train.steps=2", f"+cluster.env.HF_TOKEN={SECRET}", "parallel.micro_batch=1,2",
-            f"hydra.sweep.dir={sweep}")
+    p = run(
+        "-m",
+        *common,
+        "train.steps=2",
+        f"+cluster.env.HF_TOKEN={SECRET}",
+        "parallel.micro_batch=1,2",
+        f"hydra.sweep.dir={sweep}",
+    )
     jobs = re.findall(r"submitted Slurm job (\d+)_\d+; run dir (\S+)", p.stdout)
     slurm_jobs.extend(sorted({job for job, _ in jobs}))
     assert p.returncode == 0, p.stderr[-3000:]

@@ -22,9 +22,18 @@ from helpers import ROOT
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
     PYTHON = sys.executable
-TINY = ["data=synthetic", "parallel=single", "cluster=local", "cluster.gpus_per_node=1", "model.num_layers=2",
-        "model.seq_length=32", "parallel.global_batch=2", "parallel.micro_batch=1", "cluster.peak_tflops=1",
-        "train.tensorboard=false"]
+TINY = [
+    "data=synthetic",
+    "parallel=single",
+    "cluster=local",
+    "cluster.gpus_per_node=1",
+    "model.num_layers=2",
+    "model.seq_length=32",
+    "parallel.global_batch=2",
+    "parallel.micro_batch=1",
+    "cluster.peak_tflops=1",
+    "train.tensorboard=false",
+]
 
 
 def _env():
@@ -32,14 +41,24 @@ def _env():
 
 
 def meshrun(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "launcher", *args], cwd=str(cwd), env=_env(), capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [PYTHON, "-m", "launcher", *args], cwd=str(cwd), env=_env(), capture_output=True, text=True, timeout=600
+    )
 
 
 def meshrun_many(cases, cwd):
     """Start every launch at once (each exits 2 before any rank starts), then collect them in order."""
-    procs = [subprocess.Popen([PYTHON, "-m", "launcher", *args], cwd=str(cwd), env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for args in cases]
+    procs = [
+        subprocess.Popen(
+            [PYTHON, "-m", "launcher", *args],
+            cwd=str(cwd),
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in cases
+    ]
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=600)
@@ -71,8 +90,9 @@ def _copy(trained, tmp_path, name: str):
 @pytest.mark.slow  # trains (the module's `trained` run)
 def test_config_json_is_never_overwritten_by_a_mistake(trained, tmp_path, capsys):
     """Each case leaves config.json byte for byte and the checkpoint's own config.json intact."""
-    runs = {name: _copy(trained, tmp_path, name) for name in
-            ("model", "plan", "typo", "truncated", "nonnumber", "list")}
+    runs = {
+        name: _copy(trained, tmp_path, name) for name in ("model", "plan", "typo", "truncated", "nonnumber", "list")
+    }
     with open(runs["typo"] / "config.json") as f:
         cfg = json.load(f)
     cfg["train"]["stepz"] = 5  # a hand-added misspelt key
@@ -89,11 +109,14 @@ def test_config_json_is_never_overwritten_by_a_mistake(trained, tmp_path, capsys
     before = {name: _sha(run / "config.json") for name, run in runs.items()}
     ckpt_cfg = {name: _sha(run / "checkpoints" / "step_2" / "config.json") for name, run in runs.items()}
     plan_before = _sha(runs["plan"] / "plan.json")
-    model, plan, foreign_run = meshrun_many([
-        [f"run.dir={runs['model']}", "model.num_layers=3"],
-        [f"run.dir={runs['plan']}", "action=plan", "model.num_layers=3"],
-        [f"run.dir={foreign}", *TINY],
-    ], cwd=tmp_path)
+    model, plan, foreign_run = meshrun_many(
+        [
+            [f"run.dir={runs['model']}", "model.num_layers=3"],
+            [f"run.dir={runs['plan']}", "action=plan", "model.num_layers=3"],
+            [f"run.dir={foreign}", *TINY],
+        ],
+        cwd=tmp_path,
+    )
     assert model.returncode == 2 and "model.num_layers: checkpoint 2, now 3" in model.stderr, model.stderr
     assert "train.resume=none" in model.stderr
     assert plan.returncode == 0 and "is an existing run: this plan is shown only" in plan.stderr, plan.stderr
@@ -102,8 +125,12 @@ def test_config_json_is_never_overwritten_by_a_mistake(trained, tmp_path, capsys
     from launcher.manage.resume import resume_config
     from training.contract.config import Config
 
-    for name, what in (("typo", "stepz"), ("truncated", "cannot be read"),
-                       ("nonnumber", "model.hidden_size='sixty-four'"), ("list", "holds a JSON list")):
+    for name, what in (
+        ("typo", "stepz"),
+        ("truncated", "cannot be read"),
+        ("nonnumber", "model.hidden_size='sixty-four'"),
+        ("list", "holds a JSON list"),
+    ):
         now = Config()
         now.action = "train"
         with pytest.raises(SystemExit) as stop:
@@ -170,10 +197,22 @@ def test_writes_never_follow_symlinks_out_of_run_dir(trained, tmp_path):
 def test_reserved_env_names_and_sbatch_prefixes_are_refused(tmp_path):
     runs = [tmp_path / f"r{i}" for i in range(3)]
     cases = [
-        ["action=plan", f"run.dir={runs[0]}", "+cluster.env.PYTHONPATH=/tmp/x", "+cluster.env.MESHRUN_RUN_DIR=/tmp/y",
-         "+cluster.env.PYTHONSAFEPATH=0", "+cluster.env.MY_FLAG=1"],
-        ["action=plan", f"run.dir={runs[1]}", "cluster=slurm_dev", "+cluster.sbatch_extra.arr=0-3",
-         "+cluster.sbatch_extra.err=/tmp/e", "+cluster.sbatch_extra.constraint=fast"],
+        [
+            "action=plan",
+            f"run.dir={runs[0]}",
+            "+cluster.env.PYTHONPATH=/tmp/x",
+            "+cluster.env.MESHRUN_RUN_DIR=/tmp/y",
+            "+cluster.env.PYTHONSAFEPATH=0",
+            "+cluster.env.MY_FLAG=1",
+        ],
+        [
+            "action=plan",
+            f"run.dir={runs[1]}",
+            "cluster=slurm_dev",
+            "+cluster.sbatch_extra.arr=0-3",
+            "+cluster.sbatch_extra.err=/tmp/e",
+            "+cluster.sbatch_extra.constraint=fast",
+        ],
         ["action=plan", f"run.dir={runs[2]}", "train.profile_steps=[5,2]"],
     ]
     env, sbatch, profile = meshrun_many(cases, tmp_path)
@@ -189,8 +228,15 @@ def test_reserved_env_names_and_sbatch_prefixes_are_refused(tmp_path):
     assert not any((run / "config.json").exists() for run in runs)
     from launcher.slurm.sbatch import reserved_option
 
-    assert [reserved_option(k) for k in ("arr", "err", "ti", "nod", "constraint", "mem-per-gpu", "gres")] == \
-        ["array", "error", "time", "nodes", "", "", ""]
+    assert [reserved_option(k) for k in ("arr", "err", "ti", "nod", "constraint", "mem-per-gpu", "gres")] == [
+        "array",
+        "error",
+        "time",
+        "nodes",
+        "",
+        "",
+        "",
+    ]
 
 
 def test_prepare_refuses_an_existing_dataset_and_the_tokenizer_sha_is_checked(tmp_path):
@@ -291,8 +337,14 @@ def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
     run = _copy(trained, tmp_path, "signals")
 
     def launch():
-        return subprocess.Popen([PYTHON, "-m", "launcher", f"run.dir={run}", "train.steps=500"], cwd=str(tmp_path),
-                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [PYTHON, "-m", "launcher", f"run.dir={run}", "train.steps=500"],
+            cwd=str(tmp_path),
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     # 1. Ctrl-C: a checkpoint of the step just trained, `cancelled`, the resume command, no traceback.
     first = launch()
@@ -321,8 +373,11 @@ def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
     before = (run / "checkpoints" / "latest").read_text()
     third.kill()
     third.communicate(timeout=60)
-    plan = _wait_for(lambda: (lambda p: p if p.returncode == 0 else None)(
-        meshrun("action=plan", f"run.dir={run}", cwd=tmp_path)), 120, "the relaunch to take the run over")
+    plan = _wait_for(
+        lambda: (lambda p: p if p.returncode == 0 else None)(meshrun("action=plan", f"run.dir={run}", cwd=tmp_path)),
+        120,
+        "the relaunch to take the run over",
+    )
     assert "is an existing run" in plan.stderr
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert any(ev["event"] == "lock_taken_over" and "its process is gone" in ev["reason"] for ev in events)

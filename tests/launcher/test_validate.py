@@ -47,8 +47,9 @@ def test_all_errors_at_once_each_with_fix():
 
 
 def test_tp_heads_and_query_groups():
-    cfg = compose_cfg("model=llama3_8b", "parallel=single", "parallel.tp=16", "cluster.gpus_per_node=16",
-                      "cluster.gpu_memory_gb=1000")
+    cfg = compose_cfg(
+        "model=llama3_8b", "parallel=single", "parallel.tp=16", "cluster.gpus_per_node=16", "cluster.gpu_memory_gb=1000"
+    )
     msgs = [i.message for i in validate(cfg).errors]
     assert any("num_query_groups 8 must be divisible by tp=16" in m for m in msgs), msgs
 
@@ -58,7 +59,9 @@ def test_hidden_heads_vocab_and_sizes():
     assert any(i.key == "model.hidden_size" for i in r.errors)
     r = validate(compose_cfg("model.vocab_size=100", "data=text"))
     assert any(i.key == "model.vocab_size" and "byte" in i.message for i in r.errors)
-    assert not any(i.key == "model.vocab_size" for i in validate(compose_cfg("model.vocab_size=100", "data=synthetic")).errors)
+    assert not any(
+        i.key == "model.vocab_size" for i in validate(compose_cfg("model.vocab_size=100", "data=synthetic")).errors
+    )
     r = validate(compose_cfg("model.num_layers=-2", "parallel.micro_batch=0"))
     assert {"model.num_layers", "parallel.micro_batch"} <= set(_keys(r.errors))
     assert r.plan is None
@@ -112,8 +115,14 @@ def test_tp_across_nodes():
 
 
 def test_warnings_are_not_errors():
-    cfg = compose_cfg("parallel=single", "cluster.gpus_per_node=2", "parallel.pp=2", "parallel.zero=1",
-                      "parallel.micro_batch=1", "parallel.global_batch=1")
+    cfg = compose_cfg(
+        "parallel=single",
+        "cluster.gpus_per_node=2",
+        "parallel.pp=2",
+        "parallel.zero=1",
+        "parallel.micro_batch=1",
+        "parallel.global_batch=1",
+    )
     r = validate(cfg)
     assert r.errors == []
     assert {"parallel.zero", "parallel.global_batch"} <= set(_keys(r.warnings))
@@ -122,8 +131,17 @@ def test_warnings_are_not_errors():
 def test_no_fit_reports_breakdown_and_working_fixes():
     # math attention: selective recompute drops the stored s x s scores (under flash it saves nothing and is not
     # offered, tests/launcher/test_honest_keys.py).
-    cfg = compose_cfg("model=gpt3_175b", "parallel=tp8_pp2", "cluster=dgx_h100", "cluster.nodes=4", "model.attention=math",
-                      "train.precision=bf16", "parallel.recompute=none", "parallel.sp=false", "parallel.zero=0")
+    cfg = compose_cfg(
+        "model=gpt3_175b",
+        "parallel=tp8_pp2",
+        "cluster=dgx_h100",
+        "cluster.nodes=4",
+        "model.attention=math",
+        "train.precision=bf16",
+        "parallel.recompute=none",
+        "parallel.sp=false",
+        "parallel.zero=0",
+    )
     r = validate(cfg)
     nofit = [i for i in r.errors if i.code == "no_fit"]
     assert len(nofit) == 1 and r.no_fit
@@ -131,9 +149,17 @@ def test_no_fit_reports_breakdown_and_working_fixes():
     assert "parallel.recompute=selective" in nofit[0].fix and "parallel.sp=true" in nofit[0].fix
     # 3.2 GiB: after the CUDA reserve (context, one NCCL communicator per parallel dimension, fragmentation)
     # the model states and activations get about 1.35 GiB, which some fixes reach and the layout as given does not.
-    small = compose_cfg("model=gpt_1p3b", "parallel=tp8_pp2", "cluster=dgx_h100", "cluster.nodes=4",
-                        "cluster.gpu_memory_gb=3.2", "parallel.recompute=none", "parallel.sp=false",
-                        "parallel.micro_batch=1", "train.precision=bf16")
+    small = compose_cfg(
+        "model=gpt_1p3b",
+        "parallel=tp8_pp2",
+        "cluster=dgx_h100",
+        "cluster.nodes=4",
+        "cluster.gpu_memory_gb=3.2",
+        "parallel.recompute=none",
+        "parallel.sp=false",
+        "parallel.micro_batch=1",
+        "train.precision=bf16",
+    )
     fix = next(i for i in validate(small).errors if i.code == "no_fit").fix
     assert "(fits)" in fix
     # The fix it names really fits.
@@ -152,12 +178,14 @@ def test_context_parallel_is_planned_and_trained():
     assert planned.errors == [] and "parallel.cp" not in _keys(planned.warnings)
     trained = validate(compose_cfg("action=train", "parallel.cp=2", "parallel.tp=1", "parallel.sp=false"))
     assert "parallel.cp" not in _keys(trained.errors)
-    odd = validate(compose_cfg("action=train", "parallel.cp=2", "parallel.tp=1", "parallel.sp=false",
-                               "model.seq_length=18"))
+    odd = validate(
+        compose_cfg("action=train", "parallel.cp=2", "parallel.tp=1", "parallel.sp=false", "model.seq_length=18")
+    )
     err = next(i for i in odd.errors if i.key == "parallel.cp")
     assert "2 x cp" in err.message and "model.seq_length=20" in err.fix
-    dropped = validate(compose_cfg("action=train", "parallel.cp=2", "parallel.tp=1", "parallel.sp=false",
-                                   "model.dropout=0.1"))
+    dropped = validate(
+        compose_cfg("action=train", "parallel.cp=2", "parallel.tp=1", "parallel.sp=false", "model.dropout=0.1")
+    )
     assert "model.dropout" in _keys(dropped.errors)
     bad = validate(compose_cfg("action=plan", "parallel.cp_comm=tree"))
     assert "parallel.cp_comm" in _keys(bad.errors)
@@ -194,8 +222,14 @@ def test_nan_and_infinity_rejected_for_every_float_key():
                 setattr(obj, f.name, float("nan") if len(keys) % 2 else float("-inf"))
 
     walk(cfg, "")
-    assert {"train.lr", "train.min_lr", "model.dropout", "cluster.gpu_memory_gb", "train.dist_timeout_s",
-            "cluster.preflight.busbw_intra_gbps"} <= set(keys), keys
+    assert {
+        "train.lr",
+        "train.min_lr",
+        "model.dropout",
+        "cluster.gpu_memory_gb",
+        "train.dist_timeout_s",
+        "cluster.preflight.busbw_intra_gbps",
+    } <= set(keys), keys
     finite = {i.key for i in validate(cfg).errors if i.code == "finite"}
     assert finite == set(keys)
     assert len(keys) >= 20  # every float key of the tree, counted by this walk, not by the validator
@@ -204,8 +238,15 @@ def test_nan_and_infinity_rejected_for_every_float_key():
 def test_timeout_port_numa_and_cores(monkeypatch):
     from launcher.plan import validate as v
 
-    bad = compose_cfg("train.dist_timeout_s=0", "cluster.master_port=80", "cluster.numa=explicit",
-                      "cluster.gpus_per_node=2", "parallel=single", "parallel.dp=2", "cluster.numa_map=[0,7]")
+    bad = compose_cfg(
+        "train.dist_timeout_s=0",
+        "cluster.master_port=80",
+        "cluster.numa=explicit",
+        "cluster.gpus_per_node=2",
+        "parallel=single",
+        "parallel.dp=2",
+        "cluster.numa_map=[0,7]",
+    )
     errors = {i.key: i for i in validate(bad).errors}
     assert {"train.dist_timeout_s", "cluster.master_port", "cluster.numa_map"} <= set(errors)
     assert "[7]" in errors["cluster.numa_map"].message and "cluster.numa=auto" in errors["cluster.numa_map"].fix
@@ -229,4 +270,3 @@ def test_online_numa_nodes_parses_sysfs_ranges(tmp_path):
     path.write_text("0-2,5\n")
     assert online_numa_nodes(str(path)) == [0, 1, 2, 5]
     assert online_numa_nodes(str(tmp_path / "absent")) is None
-

@@ -18,14 +18,25 @@ from training.contract.rundir.lock import read_holder
 
 pytestmark = pytest.mark.slurm
 
-PENDING = ["cluster=slurm_dev", "cluster.nodes=1", "cluster.gpus_per_node=1", "model=tiny", "data=synthetic",
-           "parallel.tp=1", "parallel.sp=false", "parallel.zero=0", "parallel.global_batch=4", "train.steps=4",
-           "+cluster.sbatch_extra.begin=now+3600"]
+PENDING = [
+    "cluster=slurm_dev",
+    "cluster.nodes=1",
+    "cluster.gpus_per_node=1",
+    "model=tiny",
+    "data=synthetic",
+    "parallel.tp=1",
+    "parallel.sp=false",
+    "parallel.zero=0",
+    "parallel.global_batch=4",
+    "train.steps=4",
+    "+cluster.sbatch_extra.begin=now+3600",
+]
 
 
 def _state(job: str) -> str:
-    return subprocess.run(["squeue", "-h", "-r", "-j", job, "-o", "%T"], capture_output=True, text=True,
-                          timeout=60).stdout.split()
+    return subprocess.run(
+        ["squeue", "-h", "-r", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=60
+    ).stdout.split()
 
 
 def _assert_cancelled_before_start(run_dir, job: str) -> None:

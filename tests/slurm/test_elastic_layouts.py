@@ -37,30 +37,64 @@ def test_tp2_pp2_skips_a_node_count_whose_ranks_do_not_divide_tp_x_pp():
     cfg = _cfg()
     assert layout(cfg)["dp"] == 2 and layout(cfg)["grad_accum"] == 4
     assert layout_errors(cfg, 3) and not layout_errors(cfg, 2)  # 6 ranks: no multiple of 4
-    r = plan_resize(cfg, SUBMITTED, ["n1", "n2", "n3", "n4"], ["n2"], ["n2"],
-                    states_fn=_states(n1="alloc", n2="drng", n3="alloc", n4="alloc"), sleep=pytest.fail)
+    r = plan_resize(
+        cfg,
+        SUBMITTED,
+        ["n1", "n2", "n3", "n4"],
+        ["n2"],
+        ["n2"],
+        states_fn=_states(n1="alloc", n2="drng", n3="alloc", n4="alloc"),
+        sleep=pytest.fail,
+    )
     assert r.event == "shrunk" and r.exclude == ["n2"]
-    assert {k: r.new[k] for k in ("nodes", "ranks", "tp", "pp", "dp", "global_batch", "grad_accum")} == \
-        {"nodes": 2, "ranks": 4, "tp": 2, "pp": 2, "dp": 1, "global_batch": 8, "grad_accum": 8}
+    assert {k: r.new[k] for k in ("nodes", "ranks", "tp", "pp", "dp", "global_batch", "grad_accum")} == {
+        "nodes": 2,
+        "ranks": 4,
+        "tp": 2,
+        "pp": 2,
+        "dp": 1,
+        "global_batch": 8,
+        "grad_accum": 8,
+    }
     assert "3 of the 4 node(s)" in r.reason  # three were free; the layout took two of them
     assert r.cfg.cluster.nodes == 2 and (r.cfg.parallel.tp, r.cfg.parallel.pp) == (2, 2)
 
 
 def test_tp2_shrinks_by_one_node_keeping_tp():
     cfg = _cfg(nodes=3, tp=2, pp=1, global_batch=6)
-    r = plan_resize(cfg, [{"event": "submitted", "nodes": 3}], ["n1", "n2", "n3"], ["n3"], ["n3"],
-                    states_fn=_states(n1="alloc", n2="alloc", n3="down"), sleep=pytest.fail)
+    r = plan_resize(
+        cfg,
+        [{"event": "submitted", "nodes": 3}],
+        ["n1", "n2", "n3"],
+        ["n3"],
+        ["n3"],
+        states_fn=_states(n1="alloc", n2="alloc", n3="down"),
+        sleep=pytest.fail,
+    )
     assert (r.old["dp"], r.old["grad_accum"]) == (3, 2)
-    assert {k: r.new[k] for k in ("nodes", "tp", "pp", "dp", "global_batch", "grad_accum")} == \
-        {"nodes": 2, "tp": 2, "pp": 1, "dp": 2, "global_batch": 6, "grad_accum": 3}
+    assert {k: r.new[k] for k in ("nodes", "tp", "pp", "dp", "global_batch", "grad_accum")} == {
+        "nodes": 2,
+        "tp": 2,
+        "pp": 1,
+        "dp": 2,
+        "global_batch": 6,
+        "grad_accum": 3,
+    }
 
 
 @pytest.mark.parametrize("min_nodes", [2, 4])
 def test_fewer_free_nodes_than_min_nodes_asks_for_min_nodes_never_fewer(min_nodes):
     cfg = _cfg(min_nodes=min_nodes)
     lost = ["n2", "n3", "n4"]
-    r = plan_resize(cfg, SUBMITTED, ["n1", "n2", "n3", "n4"], lost, lost,
-                    states_fn=_states(n1="alloc", n2="drng", n3="down", n4="down"), sleep=pytest.fail)
+    r = plan_resize(
+        cfg,
+        SUBMITTED,
+        ["n1", "n2", "n3", "n4"],
+        lost,
+        lost,
+        states_fn=_states(n1="alloc", n2="drng", n3="down", n4="down"),
+        sleep=pytest.fail,
+    )
     if min_nodes == 4:  # the full count is the minimum: nothing to resize, the job waits for its 4 nodes
         assert r is None
     else:

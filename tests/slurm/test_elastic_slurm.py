@@ -70,9 +70,11 @@ SUBMITTED = [{"event": "submitted", "nodes": 3}]
 
 
 def test_a_lost_node_is_excluded_down_to_min_nodes():
-    recs = [{"rank": 0, "node": "n1", "exit_code": -9, "ended": 2.0},
-            {"rank": 1, "node": "n2", "exit_code": -9, "ended": 1.0},
-            {"rank": 2, "node": "n3", "exit_code": -9, "ended": 2.0}]
+    recs = [
+        {"rank": 0, "node": "n1", "exit_code": -9, "ended": 2.0},
+        {"rank": 1, "node": "n2", "exit_code": -9, "ended": 1.0},
+        {"rank": 2, "node": "n3", "exit_code": -9, "ended": 2.0},
+    ]
     layout_ = {0: "n1", 1: "n2", 2: "n3"}
     full = decide(recs, 3, layout_, True, 0, 2, [], ["n1", "n2", "n3"], 3)
     assert full.action == "resubmit" and full.exclude == [] and "not excluding n2" in full.note  # today's rule
@@ -82,8 +84,15 @@ def test_a_lost_node_is_excluded_down_to_min_nodes():
 
 def test_shrinks_at_once_when_too_few_nodes_are_up():
     cfg = _cfg(wait_min=30.0)
-    r = plan_resize(cfg, SUBMITTED, ["n1", "n2", "n3"], ["n2"], ["n2"],
-                    states_fn=_states(n1="alloc", n2="drng", n3="alloc"), sleep=pytest.fail)  # no wait: none to come
+    r = plan_resize(
+        cfg,
+        SUBMITTED,
+        ["n1", "n2", "n3"],
+        ["n2"],
+        ["n2"],
+        states_fn=_states(n1="alloc", n2="drng", n3="alloc"),
+        sleep=pytest.fail,
+    )  # no wait: none to come
     assert r.event == "shrunk" and r.exclude == ["n2"] and r.readmitted == []
     assert (r.old["nodes"], r.old["dp"], r.old["grad_accum"]) == (3, 3, 2)
     assert (r.new["nodes"], r.new["dp"], r.new["grad_accum"]) == (2, 2, 3)
@@ -98,22 +107,40 @@ def test_waits_for_busy_nodes_up_to_wait_min_then_shrinks():
         calls.append(1)  # n4 runs another job, then frees up on the third look
         return dict(n1="alloc", n2="alloc", n3="alloc", n4="idle" if len(calls) >= 3 else "alloc")
 
-    r = plan_resize(_cfg(wait_min=5.0), SUBMITTED, ["n1", "n2", "n3"], ["n2"], ["n2"], states_fn=states,
-                    sleep=lambda s: None)
+    r = plan_resize(
+        _cfg(wait_min=5.0), SUBMITTED, ["n1", "n2", "n3"], ["n2"], ["n2"], states_fn=states, sleep=lambda s: None
+    )
     assert r is None or r.event is None  # same node count on n1, n3, n4: nothing to resize
     assert len(calls) == 3
-    r = plan_resize(_cfg(wait_min=0.0), SUBMITTED, ["n1", "n2", "n3"], ["n2"], ["n2"],
-                    states_fn=_states(n1="alloc", n2="alloc", n3="alloc", n4="alloc"), sleep=pytest.fail)
+    r = plan_resize(
+        _cfg(wait_min=0.0),
+        SUBMITTED,
+        ["n1", "n2", "n3"],
+        ["n2"],
+        ["n2"],
+        states_fn=_states(n1="alloc", n2="alloc", n3="alloc", n4="alloc"),
+        sleep=pytest.fail,
+    )
     assert r.event == "shrunk" and r.new["nodes"] == 2  # wait_min=0: shrink at once
-    r = plan_resize(_cfg(wait_min=5.0), SUBMITTED, ["n1", "n2", "n3"], ["n2"], ["n2"], job_end=time.time(),
-                    states_fn=_states(n1="alloc", n2="alloc", n3="alloc", n4="alloc"), sleep=pytest.fail)
+    r = plan_resize(
+        _cfg(wait_min=5.0),
+        SUBMITTED,
+        ["n1", "n2", "n3"],
+        ["n2"],
+        ["n2"],
+        job_end=time.time(),
+        states_fn=_states(n1="alloc", n2="alloc", n3="alloc", n4="alloc"),
+        sleep=pytest.fail,
+    )
     assert r.new["nodes"] == 2  # never waits past the job's own time limit
 
 
 def test_grows_back_when_the_excluded_node_returns_and_not_before():
     shrunk = with_nodes(_cfg(), 2)
-    assert plan_resize(shrunk, SUBMITTED, ["n1", "n3"], ["n2"], states_fn=_states(n1="alloc", n2="drain",
-                                                                                    n3="alloc")) is None
+    assert (
+        plan_resize(shrunk, SUBMITTED, ["n1", "n3"], ["n2"], states_fn=_states(n1="alloc", n2="drain", n3="alloc"))
+        is None
+    )
     r = plan_resize(shrunk, SUBMITTED, ["n1", "n3"], ["n2"], states_fn=_states(n1="alloc", n2="idle", n3="alloc"))
     assert r.event == "grown" and r.readmitted == ["n2"] and r.exclude == [] and r.new["dp"] == 3
     # A node excluded by this very decision is never re-admitted by it, whatever Slurm shows.
@@ -137,7 +164,7 @@ def test_zero1_checkpoint_saved_at_dp3_loads_at_dp2_exactly(tmp_path):
 
 
 # ------------------------------------------------------------------------------- the dev cluster
-KILL_RANK_1_AT_STEP_5 = '''import os, signal, sys
+KILL_RANK_1_AT_STEP_5 = """import os, signal, sys
 if "training.main" in getattr(sys, "orig_argv", []) and os.environ.get("MESHRUN_ATTEMPT") == "0" \\
         and os.environ.get("RANK") == "1":
     import training.run.loop
@@ -168,11 +195,23 @@ if "training.main" in getattr(sys, "orig_argv", []) and os.environ.get("MESHRUN_
         return out
 
     training.run.loop.Trainer.train_step = hold_train_step
-'''
+"""
 STEPS = 12
-RUN = ["model=tiny", "data=synthetic", "parallel.tp=1", "parallel.pp=1", "parallel.sp=false",
-       "parallel.micro_batch=1", "parallel.global_batch=6", f"train.steps={STEPS}", "train.warmup_steps=2",
-       "train.checkpoint_every=2", "train.log_every=1", "train.progress=false", "cluster.gpus_per_node=1"]
+RUN = [
+    "model=tiny",
+    "data=synthetic",
+    "parallel.tp=1",
+    "parallel.pp=1",
+    "parallel.sp=false",
+    "parallel.micro_batch=1",
+    "parallel.global_batch=6",
+    f"train.steps={STEPS}",
+    "train.warmup_steps=2",
+    "train.checkpoint_every=2",
+    "train.log_every=1",
+    "train.progress=false",
+    "cluster.gpus_per_node=1",
+]
 
 
 def _wait_event(run_dir, kind, timeout):
@@ -208,16 +247,25 @@ def test_lost_node_shrinks_to_two_nodes_then_grows_back_with_the_same_losses(tmp
     jobs = []
     try:
         # exit_interval=8: the shrunk job stops after its step-8 checkpoint, a requeue that may grow the run.
-        res = dev.meshrun("cluster=slurm_dev", *RUN, "parallel.zero=1", "cluster.nodes=3", "cluster.elastic.min_nodes=2",
-                          "cluster.elastic.wait_min=0", "train.exit_interval=8", f"run.dir={run_dir}",
-                          env={"PYTHONPATH": str(inject), "MESHRUN_TEST_NODE_BACK": str(node_back)})
+        res = dev.meshrun(
+            "cluster=slurm_dev",
+            *RUN,
+            "parallel.zero=1",
+            "cluster.nodes=3",
+            "cluster.elastic.min_nodes=2",
+            "cluster.elastic.wait_min=0",
+            "train.exit_interval=8",
+            f"run.dir={run_dir}",
+            env={"PYTHONPATH": str(inject), "MESHRUN_TEST_NODE_BACK": str(node_back)},
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         jobs.append(re.search(r"submitted Slurm job (\d+)", res.stdout).group(1))
         first = _wait_event(run_dir, "started", 240)
         assert len(first["nodes"]) == 3, first
         drained = first["nodes"][1]  # rank 1's node (block distribution, one rank per node)
-        subprocess.run(["scontrol", "update", f"nodename={drained}", "state=drain", "reason=meshrun elastic test"],
-                       check=True)
+        subprocess.run(
+            ["scontrol", "update", f"nodename={drained}", "state=drain", "reason=meshrun elastic test"], check=True
+        )
         shrunk = _wait_event(run_dir, "shrunk", 240)
         jobs.append(shrunk["new_job_id"])
         # The node returns while the shrunk job runs: its step-8 stop grows the run back.

@@ -33,8 +33,15 @@ from helpers.slurm import COMMON, ROOT, meshrun, metrics, submit, wait_final, wa
 from helpers.slurm import dev_cfg
 
 PY = sys.executable
-LOCAL = ["model=tiny", "data=synthetic", "parallel=single", "cluster.gpus_per_node=1", "train.progress=false",
-         "train.warmup_steps=1", "train.log_every=1"]
+LOCAL = [
+    "model=tiny",
+    "data=synthetic",
+    "parallel=single",
+    "cluster.gpus_per_node=1",
+    "train.progress=false",
+    "train.warmup_steps=1",
+    "train.log_every=1",
+]
 
 
 def local(run_dir, *overrides, env=None, timeout=180):
@@ -54,16 +61,26 @@ def all_bytes(root) -> bytes:
 
 
 # ------------------------------------------------------------------------------- 10: node lists
-HOSTLISTS = ["rack[1-2]-node[01-02]", "n[1-3]", "a[01-02,05],b7", "n[9-11]", "n[001-2]", "n1[0-1]",
-             "gpu-[1-2]-[3-4]", "a,b,c", "n[1-2],"]
+HOSTLISTS = [
+    "rack[1-2]-node[01-02]",
+    "n[1-3]",
+    "a[01-02,05],b7",
+    "n[9-11]",
+    "n[001-2]",
+    "n1[0-1]",
+    "gpu-[1-2]-[3-4]",
+    "a,b,c",
+    "n[1-2],",
+]
 
 
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs Slurm's scontrol to compare against")
 @pytest.mark.parametrize("hostlist", HOSTLISTS)
 def test_node_lists_expand_exactly_as_slurm_does(hostlist):
     """`scontrol show hostnames` parses locally (no controller needed): the parser must agree with it."""
-    want = subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True,
-                          timeout=20).stdout.split()
+    want = subprocess.run(
+        ["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True, timeout=20
+    ).stdout.split()
     assert slurm_env.expand_hostlist(hostlist) == want
     assert slurm_env.first_host(hostlist) == want[0]
 
@@ -77,26 +94,43 @@ def test_node_lists_slurm_refuses_are_errors_not_guesses():
 # ------------------------------------------------------------------------------- 4: the sbatch script
 def _payloads(canary):
     # With and without blanks (${IFS} stands in for one: paths with blanks are refused on Slurm).
-    return [f"x\ntouch {canary}", f"x\n#SBATCH --wrap=touch {canary}", f"$(touch {canary})", f"`touch {canary}`",
-            f"x'; touch {canary}; '", f'x"; touch {canary}; "', f"x\r\ntouch {canary}",
-            f"$(touch${{IFS}}{canary})", f"`touch${{IFS}}{canary}`", f"x';touch${{IFS}}{canary};'",
-            f'x";touch${{IFS}}{canary};"', f"x\ntouch${{IFS}}{canary}"]
+    return [
+        f"x\ntouch {canary}",
+        f"x\n#SBATCH --wrap=touch {canary}",
+        f"$(touch {canary})",
+        f"`touch {canary}`",
+        f"x'; touch {canary}; '",
+        f'x"; touch {canary}; "',
+        f"x\r\ntouch {canary}",
+        f"$(touch${{IFS}}{canary})",
+        f"`touch${{IFS}}{canary}`",
+        f"x';touch${{IFS}}{canary};'",
+        f'x";touch${{IFS}}{canary};"',
+        f"x\ntouch${{IFS}}{canary}",
+    ]
 
 
 def _fields():
     """Every config value that reaches the batch script, with how to set it on a Config."""
+
     def cl(name):
         return lambda cfg, v: setattr(cfg.cluster, name, v)
+
     return {
-        "partition": cl("partition"), "account": cl("account"), "qos": cl("qos"), "exclude": cl("exclude"),
+        "partition": cl("partition"),
+        "account": cl("account"),
+        "qos": cl("qos"),
+        "exclude": cl("exclude"),
         "mem": cl("mem"),
         "sbatch_extra.value": lambda cfg, v: cfg.cluster.sbatch_extra.update(constraint=v),
         "sbatch_extra.key": lambda cfg, v: cfg.cluster.sbatch_extra.update({v: "1"}),
         "env.value": lambda cfg, v: cfg.cluster.env.update(MESHRUN_PROBE=v),
         "env.name": lambda cfg, v: cfg.cluster.env.update({v: "1"}),
         "container.image": lambda cfg, v: setattr(cfg.cluster.container, "image", v),
-        "container.mounts": lambda cfg, v: (setattr(cfg.cluster.container, "image", "img.sqsh"),
-                                            setattr(cfg.cluster.container, "mounts", [v])),
+        "container.mounts": lambda cfg, v: (
+            setattr(cfg.cluster.container, "image", "img.sqsh"),
+            setattr(cfg.cluster.container, "mounts", [v]),
+        ),
         "run.dir": lambda cfg, v: setattr(cfg.run, "dir", v),
     }
 
@@ -107,8 +141,10 @@ def _stubs(tmp_path):
     bin_dir.mkdir(exist_ok=True)
     for name in ("srun", "sbatch", "squeue", "scontrol", "sacct", "sinfo"):
         path = bin_dir / name
-        path.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > "{tmp_path}/{name}.args"\n'
-                        f'printf %s "$MESHRUN_PROBE" > "{tmp_path}/{name}.probe"\nexit 0\n')
+        path.write_text(
+            f'#!/bin/bash\nprintf "%s\\n" "$@" > "{tmp_path}/{name}.args"\n'
+            f'printf %s "$MESHRUN_PROBE" > "{tmp_path}/{name}.probe"\nexit 0\n'
+        )
         path.chmod(0o755)
     return str(bin_dir)
 
@@ -126,8 +162,7 @@ def _run_script_up_to_srun(cfg, run_dir, tmp_path):
     path.write_text(script)
     env = {**os.environ, "PATH": _stubs(tmp_path) + os.pathsep + os.environ["PATH"]}
     env.pop("SLURM_JOB_ID", None)
-    return subprocess.run(["bash", str(path)], capture_output=True, text=True, env=env, cwd=str(tmp_path),
-                          timeout=120)
+    return subprocess.run(["bash", str(path)], capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=120)
 
 
 @pytest.mark.parametrize("field", sorted(_fields()))
@@ -172,8 +207,13 @@ def test_newline_at_the_end_of_a_value_is_rejected():
 def test_run_and_sweep_dirs_with_control_characters_exit_2(tmp_path):
     for key, value in (("run.dir", f"'{tmp_path}/a\tb'"), ("hydra.sweep.dir", f"'{tmp_path}/s\x1bx'")):
         args = ["-m", "action=plan", "parallel.tp=1,2"] if key.startswith("hydra") else ["action=plan"]
-        res = subprocess.run([os.path.join(os.path.dirname(PY), "meshrun"), *args, f"{key}={value}"],
-                             capture_output=True, text=True, cwd=str(tmp_path), timeout=120)
+        res = subprocess.run(
+            [os.path.join(os.path.dirname(PY), "meshrun"), *args, f"{key}={value}"],
+            capture_output=True,
+            text=True,
+            cwd=str(tmp_path),
+            timeout=120,
+        )
         assert res.returncode == EXIT_INVALID and "control character" in res.stderr, res.stderr
     assert os.listdir(tmp_path) == []  # nothing created
 
@@ -185,8 +225,9 @@ def test_array_of_hostile_run_dirs_selects_each_verbatim(tmp_path):
     path = tmp_path / "s.sh"
     path.write_text(setup + '\nprintf %s "$MESHRUN_RUN_DIR" > "$0.$SLURM_ARRAY_TASK_ID"')
     for task in range(3):
-        subprocess.run(["bash", str(path)], check=True, cwd=str(tmp_path),
-                       env={**os.environ, "SLURM_ARRAY_TASK_ID": str(task)})
+        subprocess.run(
+            ["bash", str(path)], check=True, cwd=str(tmp_path), env={**os.environ, "SLURM_ARRAY_TASK_ID": str(task)}
+        )
         assert (tmp_path / f"s.sh.{task}").read_text() == dirs[task]
     assert not (tmp_path / "pwned").exists()
 
@@ -201,8 +242,13 @@ def test_failing_prologue_stops_the_job_before_srun_with_a_message(tmp_path):
     script = sbatch_text(job_spec(cfg, run_dir)).split("\n# teardown")[0]
     path = tmp_path / "job.sh"
     path.write_text(script)
-    res = subprocess.run(["bash", str(path)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PATH": _stubs(tmp_path) + os.pathsep + os.environ["PATH"]})
+    res = subprocess.run(
+        ["bash", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PATH": _stubs(tmp_path) + os.pathsep + os.environ["PATH"]},
+    )
     assert res.returncode == EXIT_FAILED
     assert "the prologue failed" in res.stderr and "config.json" in res.stderr
     assert not (tmp_path / "srun.args").exists()
@@ -231,8 +277,16 @@ def test_slurm_commands_time_out(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------- 8, 11, 1: requeue decisions
 LAYOUT = {0: "n1", 1: "n1", 2: "n2", 3: "n2"}
-ARGS = dict(world_size=4, rank_nodes=LAYOUT, progressed=True, retries_used=0, max_retries=2, excluded=[],
-            partition_nodes=["n1", "n2", "n3"], nodes_needed=2)
+ARGS = dict(
+    world_size=4,
+    rank_nodes=LAYOUT,
+    progressed=True,
+    retries_used=0,
+    max_retries=2,
+    excluded=[],
+    partition_nodes=["n1", "n2", "n3"],
+    nodes_needed=2,
+)
 
 
 def rec(rank, code, error="", cause="", ended=0.0):
@@ -242,8 +296,10 @@ def rec(rank, code, error="", cause="", ended=0.0):
 def test_lost_node_is_excluded_not_the_first_survivor_to_report():
     """n2 vanished (no record from either of its ranks); n1's ranks then failed in a collective. Before,
     the first survivor's node (n1) was excluded."""
-    survivors = [rec(0, 1, "RuntimeError: Connection closed by peer", "exception", 3.0),
-                 rec(1, 1, "RuntimeError: Connection closed by peer", "exception", 4.0)]
+    survivors = [
+        rec(0, 1, "RuntimeError: Connection closed by peer", "exception", 3.0),
+        rec(1, 1, "RuntimeError: Connection closed by peer", "exception", 4.0),
+    ]
     d = decide(survivors, **ARGS)
     assert d.action == "resubmit" and d.exclude == ["n2"] and {f.rank for f in d.failures} == {2, 3}
     assert all(f.node == "n2" and f.exit_code is None for f in d.failures)
@@ -261,18 +317,23 @@ def test_lost_node_is_excluded_when_srun_killed_the_survivors():
 def test_exception_on_one_rank_excludes_no_healthy_node():
     """A rank that raised (exit 1: a configuration problem, a bug) says nothing against its node."""
     # srun (--kill-on-bad-exit) then killed the others: they ended later.
-    d = decide([rec(2, 1, "ValueError: bad value in config", "exception", 1.0)]
-               + [rec(r, -15, "", "", 2.0) for r in (0, 1, 3)], **ARGS)
+    d = decide(
+        [rec(2, 1, "ValueError: bad value in config", "exception", 1.0)]
+        + [rec(r, -15, "", "", 2.0) for r in (0, 1, 3)],
+        **ARGS,
+    )
     assert d.action == "resubmit" and d.exclude == [] and "no node excluded" in d.note
-    d = decide([rec(2, 1, "RuntimeError: CUDA error: uncorrectable ECC error encountered", "exception", 1.0)],
-               **ARGS)
+    d = decide([rec(2, 1, "RuntimeError: CUDA error: uncorrectable ECC error encountered", "exception", 1.0)], **ARGS)
     assert d.exclude == ["n2"]  # hardware named: the node goes
 
 
 def test_failed_save_requeues_from_the_previous_checkpoint_with_its_whole_message():
-    msg = ("saving checkpoint step_4 in /x/checkpoints failed: OSError: [Errno 28] No space left on device " + "p" * 600
-           + " (no space left: free space under run.dir or point run.dir at a larger filesystem); the previous "
-             "checkpoint (step_2) is untouched")
+    msg = (
+        "saving checkpoint step_4 in /x/checkpoints failed: OSError: [Errno 28] No space left on device "
+        + "p" * 600
+        + " (no space left: free space under run.dir or point run.dir at a larger filesystem); the previous "
+        "checkpoint (step_2) is untouched"
+    )
     records = [rec(r, 1, msg, "save_failed") for r in range(4)]
     d = decide(records, **ARGS)
     assert d.action == "requeue" and d.cause == "save_failed" and d.exclude == []
@@ -298,9 +359,14 @@ def test_second_launch_on_a_running_run_dir_exits_2_and_a_dead_holder_is_taken_o
     run_dir = tmp_path / "run"
     # Its rank waits before step 4 (never released: it is killed), so it is still running however fast steps are.
     hold = dev.hold_env(tmp_path)
-    first = subprocess.Popen([PY, "-m", "launcher", *LOCAL, f"run.dir={run_dir}", "train.steps=400",
-                              "train.checkpoint_every=0"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True, env={**os.environ, **hold})
+    first = subprocess.Popen(
+        [PY, "-m", "launcher", *LOCAL, f"run.dir={run_dir}", "train.steps=400", "train.checkpoint_every=0"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, **hold},
+    )
     try:
         deadline = time.time() + 120
         while not metrics(run_dir, last_wins=True):
@@ -360,8 +426,17 @@ def test_default_run_dirs_differ_for_launches_in_the_same_second(tmp_path):
     (inject / "sitecustomize.py").write_text(FROZEN_CLOCK)
     env = {**os.environ, "PYTHONPATH": str(inject)}
     meshrun_bin = os.path.join(os.path.dirname(PY), "meshrun")
-    procs = [subprocess.Popen([meshrun_bin, "action=plan"], cwd=str(tmp_path), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [meshrun_bin, "action=plan"],
+            cwd=str(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     dirs = sorted(d for d in os.listdir(tmp_path / "runs") if d != "latest")  # runs/latest: launcher/manage/latest.py
@@ -369,17 +444,18 @@ def test_default_run_dirs_differ_for_launches_in_the_same_second(tmp_path):
     assert os.readlink(tmp_path / "runs" / "latest") in dirs
     for d in dirs:
         assert os.path.exists(tmp_path / "runs" / d / "plan.json")
-        assert not os.path.exists(tmp_path / "runs" / d / LOCK_FILE) or read_holder(str(tmp_path / "runs" / d))[
-            "released"]
+        assert (
+            not os.path.exists(tmp_path / "runs" / d / LOCK_FILE) or read_holder(str(tmp_path / "runs" / d))["released"]
+        )
 
 
 # ------------------------------------------------------------------------------- 9: secrets
 SECRET = "s3cr3t-value-7f1d"
-PROBE = '''import os, sys
+PROBE = """import os, sys
 if "training.main" in getattr(sys, "orig_argv", []) and os.environ.get("RANK") == "0":
     with open(os.path.join(os.environ["PROBE_DIR"], "probe"), "w") as f:
         f.write(str(os.environ.get("HF_TOKEN") == os.environ["PROBE_EXPECT"]))
-'''
+"""
 
 
 @pytest.mark.slow
@@ -389,10 +465,28 @@ def test_secret_env_values_never_reach_files_or_output(tmp_path):
     (inject / "sitecustomize.py").write_text(PROBE)
     run_dir = tmp_path / "run"
     env = {"PYTHONPATH": str(inject), "PROBE_DIR": str(tmp_path), "PROBE_EXPECT": SECRET}
-    res = subprocess.run(["bash", "-c", 'umask 002; exec "$@"', "x", PY, "-m", "launcher", *LOCAL,
-                          f"run.dir={run_dir}", "train.steps=2", "train.checkpoint_every=1",
-                          f"+cluster.env.HF_TOKEN={SECRET}", "+cluster.env.NCCL_DEBUG=WARN"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=180, env={**os.environ, **env})
+    res = subprocess.run(
+        [
+            "bash",
+            "-c",
+            'umask 002; exec "$@"',
+            "x",
+            PY,
+            "-m",
+            "launcher",
+            *LOCAL,
+            f"run.dir={run_dir}",
+            "train.steps=2",
+            "train.checkpoint_every=1",
+            f"+cluster.env.HF_TOKEN={SECRET}",
+            "+cluster.env.NCCL_DEBUG=WARN",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **env},
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert (tmp_path / "probe").read_text() == "True"  # the rank got the value
     assert SECRET not in res.stdout + res.stderr
@@ -403,14 +497,20 @@ def test_secret_env_values_never_reach_files_or_output(tmp_path):
     assert SECRET.encode() not in all_bytes(run_dir)  # config.json/yaml, checkpoints, logs, events
     assert json.load(open(run_dir / "config.json"))["cluster"]["env"]["HF_TOKEN"] == PLACEHOLDER
     assert stat.S_IMODE(os.stat(run_dir / "events.jsonl").st_mode) == 0o664  # the user's umask (002)
-    dry = meshrun("cluster=slurm_dev", "dry_run=true", "cluster.cpus_per_task=4", *COMMON,
-                  f"run.dir={tmp_path / 'dry'}", f"+cluster.env.WANDB_API_KEY={SECRET}")
+    dry = meshrun(
+        "cluster=slurm_dev",
+        "dry_run=true",
+        "cluster.cpus_per_task=4",
+        *COMMON,
+        f"run.dir={tmp_path / 'dry'}",
+        f"+cluster.env.WANDB_API_KEY={SECRET}",
+    )
     assert dry.returncode == 0 and "#SBATCH" in dry.stdout, dry.stderr[-2000:]
     assert SECRET not in dry.stdout + dry.stderr and SECRET.encode() not in all_bytes(tmp_path / "dry/config.json")
 
 
 # ------------------------------------------------------------------------------- 13: local failure path
-FAIL_RANK_1 = '''import os, sys
+FAIL_RANK_1 = """import os, sys
 if "training.main" in getattr(sys, "orig_argv", []) and os.environ.get("RANK") == "1":
     import training.run.loop
     real = training.run.loop.Trainer.train_step
@@ -421,7 +521,7 @@ if "training.main" in getattr(sys, "orig_argv", []) and os.environ.get("RANK") =
         return real(self, *args, **kwargs)
 
     training.run.loop.Trainer.train_step = step
-'''
+"""
 
 
 @pytest.mark.slow
@@ -431,9 +531,21 @@ def test_local_rank_failure_stops_the_others_with_its_code_and_events(tmp_path):
     (inject / "sitecustomize.py").write_text(FAIL_RANK_1)
     run_dir = tmp_path / "run"
     t0 = time.time()
-    res = meshrun("model=tiny", "data=synthetic", "parallel.tp=1", "parallel.sp=false", "parallel.zero=0",
-                  "cluster.gpus_per_node=2", "train.steps=8", "train.checkpoint_every=2", "train.progress=false",
-                  "train.log_every=1", f"run.dir={run_dir}", env={"PYTHONPATH": str(inject)}, timeout=180)
+    res = meshrun(
+        "model=tiny",
+        "data=synthetic",
+        "parallel.tp=1",
+        "parallel.sp=false",
+        "parallel.zero=0",
+        "cluster.gpus_per_node=2",
+        "train.steps=8",
+        "train.checkpoint_every=2",
+        "train.progress=false",
+        "train.log_every=1",
+        f"run.dir={run_dir}",
+        env={"PYTHONPATH": str(inject)},
+        timeout=180,
+    )
     assert res.returncode == EXIT_FAILED, res.stderr[-2000:]
     assert "rank 1 exited with code 1; stopped the other ranks" in res.stderr
     assert time.time() - t0 < 120
@@ -453,13 +565,21 @@ def test_local_rank_failure_stops_the_others_with_its_code_and_events(tmp_path):
 # ------------------------------------------------------------------------------- Slurm scenarios
 def _copy_checkout(dst):
     for name in ("launcher", "training", "hydra_plugins"):
-        shutil.copytree(os.path.join(ROOT, name), os.path.join(dst, name),
-                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(os.path.join(ROOT, name), os.path.join(dst, name), ignore=shutil.ignore_patterns("__pycache__"))
 
 
-ONE_RANK = ["model=tiny", "data=synthetic", "cluster.gpus_per_node=1", "parallel.tp=1", "parallel.sp=false",
-            "parallel.zero=0", "parallel.global_batch=8", "train.log_every=1", "train.checkpoint_every=2",
-            "train.progress=false"]
+ONE_RANK = [
+    "model=tiny",
+    "data=synthetic",
+    "cluster.gpus_per_node=1",
+    "parallel.tp=1",
+    "parallel.sp=false",
+    "parallel.zero=0",
+    "parallel.global_batch=8",
+    "train.log_every=1",
+    "train.checkpoint_every=2",
+    "train.progress=false",
+]
 SLURM1 = ["cluster=slurm_dev", "cluster.nodes=1", *ONE_RANK]
 
 
@@ -471,12 +591,32 @@ def resume_none_job(tmp_path_factory, cluster):
     src, run_dir = base / "src", base / "run"
     _copy_checkout(src)
     env = {"PYTHONPATH": str(src)}
-    first = subprocess.run([PY, "-m", "launcher", *ONE_RANK, f"run.dir={run_dir}", "train.steps=2"], cwd=str(src), capture_output=True, text=True, timeout=180,
-                           env={**os.environ, **env})
+    first = subprocess.run(
+        [PY, "-m", "launcher", *ONE_RANK, f"run.dir={run_dir}", "train.steps=2"],
+        cwd=str(src),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **env},
+    )
     assert first.returncode == 0, first.stderr[-2000:]
-    res = subprocess.run([PY, "-m", "launcher", *SLURM1, f"run.dir={run_dir}", "train.steps=3", "train.resume=none",
-                          "train.exit_interval=2"], cwd=str(src), capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **env})
+    res = subprocess.run(
+        [
+            PY,
+            "-m",
+            "launcher",
+            *SLURM1,
+            f"run.dir={run_dir}",
+            "train.steps=3",
+            "train.resume=none",
+            "train.exit_interval=2",
+        ],
+        cwd=str(src),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     job = re.search(r"submitted Slurm job (\d+)", res.stdout).group(1)
     # Break the checkout the job was submitted from: attempts must not import it.
@@ -532,7 +672,7 @@ def test_second_submission_on_a_held_run_dir_exits_2_naming_the_job(resume_none_
     assert read_holder(str(run_dir)).get("released")  # the completed job let go
 
 
-SAVE_FAILS_ONCE = '''import errno, os, sys
+SAVE_FAILS_ONCE = """import errno, os, sys
 if "training.main" in getattr(sys, "orig_argv", []):
     import training.checkpoint.storage as storage
     real = storage.commit
@@ -545,7 +685,7 @@ if "training.main" in getattr(sys, "orig_argv", []):
         return real(tmp, final, *args, **kwargs)
 
     storage.commit = commit
-'''
+"""
 
 
 @pytest.mark.slurm
@@ -554,8 +694,9 @@ def test_transient_save_failure_requeues_from_the_previous_checkpoint(tmp_path, 
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(SAVE_FAILS_ONCE)
     run_dir = tmp_path / "run"
-    res = meshrun(*SLURM1, f"run.dir={run_dir}", "train.steps=6",
-                  env={"PYTHONPATH": str(inject), "INJECT_DIR": str(inject)})
+    res = meshrun(
+        *SLURM1, f"run.dir={run_dir}", "train.steps=6", env={"PYTHONPATH": str(inject), "INJECT_DIR": str(inject)}
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     status = wait_final(run_dir, timeout=300)
     events = read_events(str(run_dir))
@@ -576,9 +717,18 @@ def test_slurm_signal_alone_stops_a_run_at_a_short_time_limit(tmp_path, cluster)
     before the limit ends the job, so a loaded machine's late or missed check no longer does; the test waits
     for the `resumed` event, not for a time.)"""
     run_dir = tmp_path / "run"
-    res = meshrun("cluster=slurm_dev", *COMMON, f"run.dir={run_dir}", "cluster.nodes=1", "cluster.time_min=2",
-                  "cluster.signal_delay_s=110", "train.steps=100000", "train.checkpoint_every=0",
-                  "train.progress=false", env={"MESHRUN_SELF_STOP": "0"})
+    res = meshrun(
+        "cluster=slurm_dev",
+        *COMMON,
+        f"run.dir={run_dir}",
+        "cluster.nodes=1",
+        "cluster.time_min=2",
+        "cluster.signal_delay_s=110",
+        "train.steps=100000",
+        "train.checkpoint_every=0",
+        "train.progress=false",
+        env={"MESHRUN_SELF_STOP": "0"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     job = re.search(r"submitted Slurm job (\d+)", res.stdout).group(1)
     try:
@@ -610,8 +760,11 @@ def _node_pids(run_dir, node):
             cmd = open(f"/proc/{pid}/cmdline", "rb").read()
         except OSError:
             continue
-        if f"SLURMD_NODENAME={node}".encode() in env and f"MESHRUN_RUN_DIR={run_dir}".encode() in env and (
-                b"submitit" in cmd or b"training.main" in cmd):
+        if (
+            f"SLURMD_NODENAME={node}".encode() in env
+            and f"MESHRUN_RUN_DIR={run_dir}".encode() in env
+            and (b"submitit" in cmd or b"training.main" in cmd)
+        ):
             pids.append(int(pid))
     return pids
 

@@ -30,7 +30,7 @@ from training.contract.rundir.events import read_events
 
 
 # Faults by attempt, at the entry of a training step (state.step = steps completed): rows 1..K are logged.
-INJECT = r'''import os, signal, subprocess, sys
+INJECT = r"""import os, signal, subprocess, sys
 if "training.main" in getattr(sys, "orig_argv", []):
     import training.run.loop
 
@@ -52,25 +52,45 @@ if "training.main" in getattr(sys, "orig_argv", []):
         return _real(self, *args, **kwargs)
 
     training.run.loop.Trainer.train_step = train_step
-'''
+"""
 
 
 @pytest.mark.slurm
 def test_spare_replaces_a_lost_node_in_job_then_falls_back_and_goodput_adds_up(tmp_path, cluster):
     ref_dir = tmp_path / "reference"
     # The uninterrupted reference (4 local CPU ranks, the same layout), run while the Slurm job runs.
-    ref = subprocess.Popen([sys.executable, "-m", "launcher", "cluster=local", "cluster.gpus_per_node=4",
-                            *dev.COMMON, f"run.dir={ref_dir}"], cwd=dev.ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    ref = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "cluster=local",
+            "cluster.gpus_per_node=4",
+            *dev.COMMON,
+            f"run.dir={ref_dir}",
+        ],
+        cwd=dev.ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(INJECT)
     run_dir = tmp_path / "run"
     try:
         # Five attempts: start-up kept short (no preflight, TensorBoard or progress bar: not what is tested here).
-        res = dev.meshrun("cluster=slurm_dev", *dev.COMMON, f"run.dir={run_dir}", "cluster.spare_nodes=1",
-                          "cluster.max_in_job_restarts=3", "cluster.preflight.mode=off", "train.tensorboard=false",
-                          "train.progress=false", env={"PYTHONPATH": str(inject)})
+        res = dev.meshrun(
+            "cluster=slurm_dev",
+            *dev.COMMON,
+            f"run.dir={run_dir}",
+            "cluster.spare_nodes=1",
+            "cluster.max_in_job_restarts=3",
+            "cluster.preflight.mode=off",
+            "train.tensorboard=false",
+            "train.progress=false",
+            env={"PYTHONPATH": str(inject)},
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         job = noted_jobs.submitted[-1]
         status = _wait_final_noting(run_dir, timeout=420)
@@ -88,7 +108,9 @@ def test_spare_replaces_a_lost_node_in_job_then_falls_back_and_goodput_adds_up(t
     assert starts[0]["spares"] == spare and len(spare) == 1
     restarts = [e for e in events if e["event"] == "restarted_in_job"]
     assert [(e["attempt"], e["cause"], e["replaced_node"], e["spare"]) for e in restarts] == [
-        (0, "node_lost", lost1, spare[0]), (1, "rank_failed", None, None)], restarts
+        (0, "node_lost", lost1, spare[0]),
+        (1, "rank_failed", None, None),
+    ], restarts
     # The spare takes the lost node's place; rank 0's node keeps its ranks; the in-place restart keeps the nodes.
     assert starts[1]["nodes"] == [first[0], spare[0]] and starts[2]["nodes"] == starts[1]["nodes"]
     assert (starts[1]["spares"], starts[1]["in_job_restarts"]) == ([], 1)
@@ -168,21 +190,26 @@ def test_plan_replaces_the_blamed_node_keeps_places_and_falls_back():
 def test_config_errors_name_the_fix():
     assert in_job.config_errors(ClusterConfig(spare_nodes=1)) == [
         "cluster.spare_nodes=1 with cluster.max_in_job_restarts=0: the spares would only wait idle; set "
-        "cluster.max_in_job_restarts >= 1 or cluster.spare_nodes=0"]
+        "cluster.max_in_job_restarts >= 1 or cluster.spare_nodes=0"
+    ]
     assert "negative" in in_job.config_errors(ClusterConfig(spare_nodes=-1, max_in_job_restarts=1))[0]
 
 
 def test_goodput_segments_add_up_and_count_recomputed_steps():
     t = 1000.0
-    ev = [{"event": "submitted", "time": t, "job_id": "7"},
-          {"event": "started", "attempt": 0, "job_id": "7", "restart_count": 0, "time": t + 10},
-          {"event": "checkpoint", "attempt": 0, "time": t + 22.5, "blocked_s": 0.5},
-          {"event": "restarted_in_job", "attempt": 0, "time": t + 30},
-          {"event": "started", "attempt": 1, "job_id": "7", "restart_count": 0, "time": t + 32},
-          {"event": "completed", "attempt": 1, "time": t + 50}]
-    kept = [{"step": 1, "time": t + 21, "step_time_s": 1.0, "attempt": 0},
-            {"step": 2, "time": t + 23, "step_time_s": 1.0, "attempt": 0},
-            {"step": 3, "time": t + 40, "step_time_s": 1.0, "attempt": 1, "eval_s": 0.25}]
+    ev = [
+        {"event": "submitted", "time": t, "job_id": "7"},
+        {"event": "started", "attempt": 0, "job_id": "7", "restart_count": 0, "time": t + 10},
+        {"event": "checkpoint", "attempt": 0, "time": t + 22.5, "blocked_s": 0.5},
+        {"event": "restarted_in_job", "attempt": 0, "time": t + 30},
+        {"event": "started", "attempt": 1, "job_id": "7", "restart_count": 0, "time": t + 32},
+        {"event": "completed", "attempt": 1, "time": t + 50},
+    ]
+    kept = [
+        {"step": 1, "time": t + 21, "step_time_s": 1.0, "attempt": 0},
+        {"step": 2, "time": t + 23, "step_time_s": 1.0, "attempt": 0},
+        {"step": 3, "time": t + 40, "step_time_s": 1.0, "attempt": 1, "eval_s": 0.25},
+    ]
     purged = [{"step": 3, "time": t + 24, "step_time_s": 1.0, "attempt": 0}]
     g = compute(ev, kept, purged, {"7": [(t, t + 4)]}, now=t + 99)
     assert g["wall_s"] == 50 and sum(g[c] for c in CAUSES) == pytest.approx(50)
@@ -203,16 +230,21 @@ def test_batch_script_loops_over_steps_in_one_allocation(tmp_path):
     script = sbatch_text(job_spec(dev_cfg(spare_nodes=1, max_in_job_restarts=2), str(tmp_path)))
     assert "#SBATCH --nodes=3" in script and "#SBATCH --no-kill" in script
     lines = script.splitlines()
-    loop, srun, done = lines.index("while :; do"), next(i for i, x in enumerate(lines) if x.startswith("srun ")), \
-        lines.index("done")
+    loop, srun, done = (
+        lines.index("while :; do"),
+        next(i for i, x in enumerate(lines) if x.startswith("srun ")),
+        lines.index("done"),
+    )
     assert loop < srun < done and "prologue" in lines[loop + 1]
     assert f'if [ "$MESHRUN_EPILOGUE_RC" -eq {EXIT_RESTART_IN_JOB} ]; then continue; fi' in lines[srun:done]
     path = tmp_path / "job.sh"
     path.write_text(script)
     res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    assert in_job.step_args_line(["n1", "n3"], 2) == \
-        "MESHRUN_STEP_ARGS=(--nodes=2 --ntasks=4 --ntasks-per-node=2 --nodelist=n1,n3)"
+    assert (
+        in_job.step_args_line(["n1", "n3"], 2)
+        == "MESHRUN_STEP_ARGS=(--nodes=2 --ntasks=4 --ntasks-per-node=2 --nodelist=n1,n3)"
+    )
     plain = sbatch_text(job_spec(dev_cfg(), str(tmp_path)))
     assert "while :; do" not in plain and "--no-kill" not in plain and "#SBATCH --nodes=2" in plain
     pre = sbatch_text(preflight_job_spec(dev_cfg(spare_nodes=1, max_in_job_restarts=2), str(tmp_path)))
@@ -232,8 +264,9 @@ def test_cadence_counts_the_cheaper_in_job_restart_when_spares_exist():
     spares = advise(cfg)
     assert plain.restart_s == 1800 and spares.restart_s == pytest.approx((2 * 90 + 1800) / 3)
     assert "2 of 3 failures restart in the job" in spares.restart_source
-    assert spares.goodput_optimal == pytest.approx(expected_goodput(spares.optimal_min * 60, spares.save_s,
-                                                                    spares.restart_s, 3600.0))
+    assert spares.goodput_optimal == pytest.approx(
+        expected_goodput(spares.optimal_min * 60, spares.save_s, spares.restart_s, 3600.0)
+    )
     assert spares.goodput_optimal > plain.goodput_optimal + 0.1
     cfg.cluster.max_in_job_restarts = 1  # one in-job restart per allocation: 1 of 2
     assert advise(cfg).restart_s == pytest.approx((90 + 1800) / 2)

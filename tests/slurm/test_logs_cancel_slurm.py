@@ -23,9 +23,21 @@ from helpers.slurm import ROOT, meshrun
 
 pytestmark = pytest.mark.slurm
 
-ONE_NODE = ["cluster=slurm_dev", "cluster.nodes=1", "cluster.gpus_per_node=2", "parallel.tp=2", "parallel.pp=1",
-            "data=synthetic", "model.num_layers=2", "model.seq_length=32", "parallel.global_batch=2",
-            "parallel.micro_batch=1", "train.steps=100000", "train.progress_every_s=1", "cluster.preflight.mode=off"]
+ONE_NODE = [
+    "cluster=slurm_dev",
+    "cluster.nodes=1",
+    "cluster.gpus_per_node=2",
+    "parallel.tp=2",
+    "parallel.pp=1",
+    "data=synthetic",
+    "model.num_layers=2",
+    "model.seq_length=32",
+    "parallel.global_batch=2",
+    "parallel.micro_batch=1",
+    "train.steps=100000",
+    "train.progress_every_s=1",
+    "cluster.preflight.mode=off",
+]
 
 
 def _wait(predicate, timeout, what):
@@ -41,8 +53,9 @@ def _wait(predicate, timeout, what):
 def _ended_records(job: str):
     """The states of every accounting record of the job (requeued instances included), once the last one
     has ended; None while it has not."""
-    res = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job], capture_output=True,
-                         text=True, timeout=30)
+    res = subprocess.run(
+        ["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job], capture_output=True, text=True, timeout=30
+    )
     states = [line.split()[0] for line in res.stdout.splitlines() if line.strip()]
     ended = states and states[-1] not in ("PENDING", "RUNNING", "REQUEUED", "SUSPENDED", "COMPLETING")
     return states if ended else None
@@ -71,9 +84,13 @@ def test_logs_then_cancel_saves_a_complete_checkpoint_and_never_requeues(tmp_pat
         assert "/100000 " in logs.stdout and "left]" in logs.stdout  # the timed progress lines of rank 0
         rank1 = meshrun("action=logs", f"run.dir={run}", "logs.rank=1")
         assert rank1.stdout.startswith(f"==> {os.path.join(str(run), 'submitit', f'{job}_1_log.out')} <==")
-        follow = subprocess.Popen([sys.executable, "-m", "launcher", "action=logs", f"run.dir={run}",
-                                   "logs.follow=true"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
+        follow = subprocess.Popen(
+            [sys.executable, "-m", "launcher", "action=logs", f"run.dir={run}", "logs.follow=true"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
         cancel = meshrun("action=cancel", f"run.dir={run}", timeout=400)
         assert cancel.returncode == 0, cancel.stderr[-3000:]
@@ -94,21 +111,23 @@ def test_logs_then_cancel_saves_a_complete_checkpoint_and_never_requeues(tmp_pat
     _wait(lambda: slurm_queries.job_alive(job) is False, 120, "the job to leave the queue")
     records = _wait(lambda: _ended_records(job), 120, "Slurm's accounting to record the job's end")
     assert len(records) == 1 and records[0] != "REQUEUED", records
-    assert not any(e["event"] in ("requeued", "started") for e in read_events(str(run))[len(events):])
+    assert not any(e["event"] in ("requeued", "started") for e in read_events(str(run))[len(events) :])
     final = json.loads(meshrun("action=status", f"run.dir={run}").stdout)
     assert final["state"] == "CANCELLED" and final["eta_s"] is None
     assert "SIGUSR2 received" in followed
     # Slurm's accounting agrees that nothing failed (it said FAILED 3:0 beside meshrun's CANCELLED).
-    acct = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State,ExitCode"], capture_output=True,
-                          text=True, timeout=60).stdout.split()
+    acct = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-j", job, "-o", "State,ExitCode"], capture_output=True, text=True, timeout=60
+    ).stdout.split()
     assert acct and acct[0] == "COMPLETED|0:0", acct
 
 
 def test_a_sweeps_status_asks_slurm_once_for_all_its_points(tmp_path, cluster):
     """200 points, each a run of a real job of this cluster: at most two Slurm calls (squeue, then sacct for the
     jobs that have left the queue), and every point's state is the one Slurm gives for its job alone."""
-    res = subprocess.run(["sacct", "-n", "-X", "-P", "-S", "now-7days", "-o", "JobID"], capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-S", "now-7days", "-o", "JobID"], capture_output=True, text=True, timeout=60
+    )
     jobs = [j for j in res.stdout.split() if j][-10:]
     if not jobs:
         pytest.skip("the dev Slurm cluster has run no job yet: nothing to ask sacct about")

@@ -24,8 +24,21 @@ from training.contract.rundir.events import read_events
 
 
 def _sbatch(*args: str) -> str:
-    res = subprocess.run(["sbatch", "--parsable", "--partition=debug", "--nodes=1", "--ntasks=1", "--time=2",
-                          "--output=/dev/null", *args], capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--partition=debug",
+            "--nodes=1",
+            "--ntasks=1",
+            "--time=2",
+            "--output=/dev/null",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     return res.stdout.strip().split(";")[0]
 

@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from helpers.slurm import (COMMON, STEPS, hold_env, meshrun, metrics, rank_pid, submit, wait_final,
-                           wait_step)
+from helpers.slurm import COMMON, STEPS, hold_env, meshrun, metrics, rank_pid, submit, wait_final, wait_step
 from launcher.manage.status import run_status
 from training.contract.rundir.events import read_events
 from training.contract.exit_codes import EXIT_SLURM
@@ -123,11 +122,25 @@ def test_sweep_submits_valid_points_as_one_job_array_and_skips_invalid(tmp_path,
     sweep_dir = tmp_path / "sweep"
     steps = 16
     env = hold_env(tmp_path)  # the preempted point is still running when USR2 lands: it waits for it
-    res = meshrun("-m", "cluster=slurm_dev", "cluster.nodes=1", "cluster.gpus_per_node=1", "model=tiny",
-                  "data=synthetic", "parallel.tp=1", "parallel.sp=false", "parallel.zero=0",
-                  "parallel.global_batch=8", "parallel.micro_batch=1,2,4,3", f"train.steps={steps}",
-                  "train.checkpoint_every=2", "train.log_every=1", f"hydra.sweep.dir={sweep_dir}", timeout=300,
-                  env=env)
+    res = meshrun(
+        "-m",
+        "cluster=slurm_dev",
+        "cluster.nodes=1",
+        "cluster.gpus_per_node=1",
+        "model=tiny",
+        "data=synthetic",
+        "parallel.tp=1",
+        "parallel.sp=false",
+        "parallel.zero=0",
+        "parallel.global_batch=8",
+        "parallel.micro_batch=1,2,4,3",
+        f"train.steps={steps}",
+        "train.checkpoint_every=2",
+        "train.log_every=1",
+        f"hydra.sweep.dir={sweep_dir}",
+        timeout=300,
+        env=env,
+    )
     jobs = re.findall(r"submitted Slurm job (\d+_\d+); run dir (\S+)", res.stdout)
     slurm_jobs.extend(sorted({job.split("_")[0] for job, _ in jobs}))
     assert res.returncode == 0, res.stderr[-3000:]
@@ -158,10 +171,23 @@ def test_sweep_with_wait_ends_with_every_points_final_state(tmp_path, cluster):
     carry each final state, and a point that failed (text data from a path the ranks cannot find,
     exit 2, not retried) makes the sweep exit 1."""
     sweep_dir = tmp_path / "sweep"
-    res = meshrun("-m", "cluster=slurm_dev", "cluster.nodes=1", "cluster.gpus_per_node=1", "model=tiny",
-                  "parallel.tp=1", "parallel.sp=false", "parallel.zero=0", "parallel.global_batch=8",
-                  "train.steps=2", "data.kind=synthetic,text", f"data.paths=[{tmp_path / 'missing'}]",
-                  "wait=true", f"hydra.sweep.dir={sweep_dir}", timeout=300)
+    res = meshrun(
+        "-m",
+        "cluster=slurm_dev",
+        "cluster.nodes=1",
+        "cluster.gpus_per_node=1",
+        "model=tiny",
+        "parallel.tp=1",
+        "parallel.sp=false",
+        "parallel.zero=0",
+        "parallel.global_batch=8",
+        "train.steps=2",
+        "data.kind=synthetic,text",
+        f"data.paths=[{tmp_path / 'missing'}]",
+        "wait=true",
+        f"hydra.sweep.dir={sweep_dir}",
+        timeout=300,
+    )
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     jobs = re.findall(r"submitted Slurm job (\d+_\d+); run dir (\S+)", res.stdout)
     assert len(jobs) == 2 and "waiting for 2 sweep point(s)" in res.stdout, res.stdout
@@ -181,8 +207,9 @@ def test_bad_input_submits_nothing(tmp_path, cluster):
     res = meshrun("cluster=slurm_dev", *COMMON, f"run.dir={tmp_path / 'a'}", "cluster.partition=nope")
     assert res.returncode == 2 and "cluster.partition='nope' does not exist" in res.stderr
     marker = tmp_path / "pwned"
-    res = meshrun("cluster=slurm_dev", *COMMON, f"run.dir={tmp_path / 'b'}",
-                  f"cluster.partition='debug;touch {marker}'")
+    res = meshrun(
+        "cluster=slurm_dev", *COMMON, f"run.dir={tmp_path / 'b'}", f"cluster.partition='debug;touch {marker}'"
+    )
     assert res.returncode == 2 and "cluster.partition" in res.stderr and not marker.exists()
     conf = tmp_path / "slurm.conf"
     real = open("/etc/slurm/slurm.conf").read()
@@ -198,9 +225,15 @@ def test_bad_input_submits_nothing(tmp_path, cluster):
 def test_cpus_per_task_default_comes_from_the_partitions_nodes(tmp_path, cluster):
     """cluster.cpus_per_task=0: the dev nodes' 8 CPUs (sinfo) shared by the ranks per node, never 1."""
     for ranks, cpus in ((2, 4), (1, 8)):
-        res = meshrun("cluster=slurm_dev", *COMMON, "dry_run=true", f"cluster.gpus_per_node={ranks}", "parallel.tp=1",
-                      "cluster.cpus_per_task=0",  # the preset's 1 (its nodes share this machine's cores) set back
-                      f"run.dir={tmp_path / str(ranks)}")
+        res = meshrun(
+            "cluster=slurm_dev",
+            *COMMON,
+            "dry_run=true",
+            f"cluster.gpus_per_node={ranks}",
+            "parallel.tp=1",
+            "cluster.cpus_per_task=0",  # the preset's 1 (its nodes share this machine's cores) set back
+            f"run.dir={tmp_path / str(ranks)}",
+        )
         assert res.returncode == 0, res.stderr[-2000:]
         assert f"#SBATCH --cpus-per-task={cpus}" in res.stdout.splitlines(), res.stdout
 
@@ -211,8 +244,15 @@ def test_time_limit_signal_requeues_and_resumes(tmp_path, cluster):
     after the start, as with 1 minute and 20 s; the longer limit leaves a loaded machine's slow start and save
     100 s more before Slurm ends the job.)"""
     run_dir = tmp_path / "run"
-    job = submit(run_dir, "cluster.nodes=1", "cluster.time_min=2", "cluster.signal_delay_s=80",
-                 "train.steps=100000", "train.checkpoint_every=0", "train.progress=false")
+    job = submit(
+        run_dir,
+        "cluster.nodes=1",
+        "cluster.time_min=2",
+        "cluster.signal_delay_s=80",
+        "train.steps=100000",
+        "train.checkpoint_every=0",
+        "train.progress=false",
+    )
     try:
         deadline = time.time() + 180
         while True:
@@ -245,8 +285,13 @@ def write_ib_port(root, state, phys_state, hca="mlx5_0"):
     """One HCA port as the kernel writes it under /sys/class/infiniband."""
     port = os.path.join(str(root), hca, "ports", "1")
     os.makedirs(os.path.join(port, "counters"), exist_ok=True)
-    for name, text in (("state", state), ("phys_state", phys_state), ("rate", "400 Gb/sec (4X NDR)"),
-                       ("link_layer", "InfiniBand"), ("counters/symbol_error", "0")):
+    for name, text in (
+        ("state", state),
+        ("phys_state", phys_state),
+        ("rate", "400 Gb/sec (4X NDR)"),
+        ("link_layer", "InfiniBand"),
+        ("counters/symbol_error", "0"),
+    ):
         with open(os.path.join(port, name), "w") as f:
             f.write(text + "\n")
     return str(root)
@@ -258,9 +303,14 @@ def test_preflight_gate_keeps_bad_node_out_and_requeues_without_it(tmp_path, ref
     healthy = write_ib_port(tmp_path / "ib_ok", "4: ACTIVE", "5: LinkUp")
     down = write_ib_port(tmp_path / "ib_down", "1: DOWN", "3: Disabled")
     run_dir = tmp_path / "run"
-    submit(run_dir, "cluster.preflight.mode=gate", "cluster.preflight.ib_hcas=[mlx5_0]",
-           "cluster.preflight.ib_rate_gbps=400", f"cluster.preflight.ib_sysfs_root={healthy}",
-           f"+cluster.preflight.ib_sysfs_root_by_node.n2={down}")
+    submit(
+        run_dir,
+        "cluster.preflight.mode=gate",
+        "cluster.preflight.ib_hcas=[mlx5_0]",
+        "cluster.preflight.ib_rate_gbps=400",
+        f"cluster.preflight.ib_sysfs_root={healthy}",
+        f"+cluster.preflight.ib_sysfs_root_by_node.n2={down}",
+    )
     status = wait_final(run_dir)
     events = read_events(str(run_dir))
     starts = [e for e in events if e["event"] == "started"]
@@ -287,7 +337,7 @@ def test_preflight_gate_keeps_bad_node_out_and_requeues_without_it(tmp_path, ref
     assert all(e["elapsed_s"] < 5 for e in pre + second), pre + second
 
 
-BUG_AT_STEP_0 = '''import sys
+BUG_AT_STEP_0 = """import sys
 if "training.main" in getattr(sys, "orig_argv", []):  # only the rank processes, not submitit or the driver
     import training.run.loop
 
@@ -295,7 +345,7 @@ if "training.main" in getattr(sys, "orig_argv", []):  # only the rank processes,
         raise RuntimeError("injected bug: train_step fails at step 0")
 
     training.run.loop.Trainer.train_step = broken_step
-'''
+"""
 
 
 def test_exception_on_every_rank_at_step_0_is_a_bug_not_retried(tmp_path, cluster):

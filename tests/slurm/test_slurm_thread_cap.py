@@ -15,6 +15,7 @@ from helpers.slurm import metrics, submit
 
 pytestmark = pytest.mark.slurm
 
+
 def _rank_envs(run_dir: str) -> list:
     """The environment of every running engine process (training.main) of this run."""
     out = []
@@ -34,8 +35,16 @@ def test_a_slurm_rank_gets_its_tasks_cpus_as_threads_not_the_machines(tmp_path, 
     if cores < 2:
         pytest.skip(f"this machine has {cores} usable core: capped and uncapped thread counts would both be 1")
     run_dir = tmp_path / "run"
-    job = submit(run_dir, "cluster.nodes=1", "cluster.gpus_per_node=1", "parallel.tp=1", "cluster.cpus_per_task=1",
-                 "train.steps=100000", "train.checkpoint_every=0", "train.progress=false")
+    job = submit(
+        run_dir,
+        "cluster.nodes=1",
+        "cluster.gpus_per_node=1",
+        "parallel.tp=1",
+        "cluster.cpus_per_task=1",
+        "train.steps=100000",
+        "train.checkpoint_every=0",
+        "train.progress=false",
+    )
     slurm_jobs.append(job)
     deadline = time.time() + 180
     envs: list = []

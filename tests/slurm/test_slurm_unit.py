@@ -14,10 +14,22 @@ import pytest
 from helpers.slurm import dev_cfg
 from launcher.slurm import numa
 from launcher.slurm.requeue import decide, plan_exclusion
-from launcher.slurm.sbatch import (PROJECT_ROOT, SlurmConfigError, array_group_key, array_job_spec, cpus_per_task,
-                                   dry_run_text, job_spec, preflight_job_spec, prologue_line, sbatch_text,
-                                   setup_lines,
-                                   srun_line, validate_for_slurm, with_cpus_per_task)
+from launcher.slurm.sbatch import (
+    PROJECT_ROOT,
+    SlurmConfigError,
+    array_group_key,
+    array_job_spec,
+    cpus_per_task,
+    dry_run_text,
+    job_spec,
+    preflight_job_spec,
+    prologue_line,
+    sbatch_text,
+    setup_lines,
+    srun_line,
+    validate_for_slurm,
+    with_cpus_per_task,
+)
 from launcher.manage.status import run_status
 from training.contract.config import ClusterConfig, Config, ContainerConfig
 from training.contract.rundir.events import append_event
@@ -31,8 +43,12 @@ def dry_run(cfg: Config, run_dir: str) -> str:
 
 
 def normalise(text: str, run_dir: str) -> str:
-    return (text.replace(shlex.quote(sys.executable), "<PYTHON>").replace(sys.executable, "<PYTHON>")
-            .replace(run_dir, "<RUN_DIR>").replace(PROJECT_ROOT, "<ROOT>"))
+    return (
+        text.replace(shlex.quote(sys.executable), "<PYTHON>")
+        .replace(sys.executable, "<PYTHON>")
+        .replace(run_dir, "<RUN_DIR>")
+        .replace(PROJECT_ROOT, "<ROOT>")
+    )
 
 
 def test_dry_run_matches_golden(tmp_path):
@@ -87,8 +103,9 @@ def test_array_task_selects_its_own_run_dir(tmp_path):
     assert spec.folder == str(tmp_path / "submitit")
     # Apart from the run dir lines, the array's script is the plain job's.
     single = job_spec(cfg, dirs[0]).parameters
-    assert {k: v for k, v in spec.parameters.items() if k != "setup"} == {k: v for k, v in single.items()
-                                                                           if k != "setup"}
+    assert {k: v for k, v in spec.parameters.items() if k != "setup"} == {
+        k: v for k, v in single.items() if k != "setup"
+    }
     assert spec.parameters["setup"][2:] == single["setup"][1:]
     assert "#SBATCH --requeue" in sbatch_text(spec)
 
@@ -111,8 +128,10 @@ def test_array_task_job_id_is_submitits():
     assert slurm_env.slurm_job_id({}) is None
 
 
-@pytest.mark.parametrize("field,value", [("partition", "debug;touch /tmp/x"), ("account", "a b"),
-                                         ("qos", "$(id)"), ("exclude", "n1\n#SBATCH --x")])
+@pytest.mark.parametrize(
+    "field,value",
+    [("partition", "debug;touch /tmp/x"), ("account", "a b"), ("qos", "$(id)"), ("exclude", "n1\n#SBATCH --x")],
+)
 def test_metacharacters_in_sbatch_fields_are_rejected(field, value, tmp_path):
     cfg = dev_cfg(**{field: value})
     errors = validate_for_slurm(cfg)
@@ -160,9 +179,11 @@ IMAGE = "nvcr.io#nvidia/pytorch:24.05-py3"
 def test_container_is_rendered_as_quoted_srun_options(tmp_path):
     run_dir = str(tmp_path / "run")
     cfg = dev_cfg(container=ContainerConfig(image=IMAGE, mounts=["/data:/data:ro", "/scratch/r un:/scratch/r un"]))
-    assert validate_for_slurm(cfg) == ["cluster.container.mounts entry '/scratch/r un:/scratch/r un': use "
-                                       "SRC:DST[:FLAGS] with absolute paths and no commas, colons or spaces "
-                                       "inside them (e.g. /data:/data:ro)"]
+    assert validate_for_slurm(cfg) == [
+        "cluster.container.mounts entry '/scratch/r un:/scratch/r un': use "
+        "SRC:DST[:FLAGS] with absolute paths and no commas, colons or spaces "
+        "inside them (e.g. /data:/data:ro)"
+    ]
     cfg = dev_cfg(container=ContainerConfig(image=IMAGE, mounts=["/data:/data:ro", f"{tmp_path}:{tmp_path}"]))
     assert validate_for_slurm(cfg) == []
     line = srun_line(sbatch_text(job_spec(cfg, run_dir)))
@@ -189,28 +210,60 @@ def test_preflight_job_keeps_resources_and_container_but_no_requeue_machinery(tm
     assert "export NCCL_IB_HCA=mlx5_0" in text
 
 
-@pytest.mark.parametrize("override,message", [
-    ("cluster.mem=64GB", "cluster.mem='64GB' is not a Slurm size"),
-    ("cluster.cpus_per_task=-2", "cluster.cpus_per_task=-2"),
-    ("cluster.container.image='nvcr.io#nvidia/pytorch:24.05 ;id'", "is not an image reference"),
-    ("cluster.container.mounts=[/data:/data]", "cluster.container.image is empty"),
-    ("+cluster.sbatch_extra.exclusive=true", "cluster.sbatch_extra.exclusive is set by meshrun itself"),
-    ("cluster.exclusive=maybe", "invalid configuration"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("cluster.mem=64GB", "cluster.mem='64GB' is not a Slurm size"),
+        ("cluster.cpus_per_task=-2", "cluster.cpus_per_task=-2"),
+        ("cluster.container.image='nvcr.io#nvidia/pytorch:24.05 ;id'", "is not an image reference"),
+        ("cluster.container.mounts=[/data:/data]", "cluster.container.image is empty"),
+        ("+cluster.sbatch_extra.exclusive=true", "cluster.sbatch_extra.exclusive is set by meshrun itself"),
+        ("cluster.exclusive=maybe", "invalid configuration"),
+    ],
+)
 def test_bad_resource_values_exit_2_through_meshrun(override, message, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "launcher", "cluster=slurm_dev", "dry_run=true", "model=tiny",
-                          "cluster.cpus_per_task=4", f"run.dir={tmp_path / 'run'}", override],
-                         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "cluster=slurm_dev",
+            "dry_run=true",
+            "model=tiny",
+            "cluster.cpus_per_task=4",
+            f"run.dir={tmp_path / 'run'}",
+            override,
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
     assert message in res.stderr and "#SBATCH" not in res.stdout
 
 
 def test_dry_run_through_meshrun_renders_every_option(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "launcher", "cluster=slurm_dev", "dry_run=true", "model=tiny",
-                          f"run.dir={tmp_path / 'run'}", "cluster.cpus_per_task=3", "cluster.exclusive=true",
-                          "cluster.mem=500000M", f"cluster.container.image='{IMAGE}'",
-                          "cluster.container.mounts=[/data:/data:ro]"],
-                         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher",
+            "cluster=slurm_dev",
+            "dry_run=true",
+            "model=tiny",
+            f"run.dir={tmp_path / 'run'}",
+            "cluster.cpus_per_task=3",
+            "cluster.exclusive=true",
+            "cluster.mem=500000M",
+            f"cluster.container.image='{IMAGE}'",
+            "cluster.container.mounts=[/data:/data:ro]",
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.splitlines()
     for line in ("#SBATCH --cpus-per-task=3", "#SBATCH --exclusive", "#SBATCH --mem=500000M"):
@@ -268,8 +321,14 @@ def test_affinity_check(tmp_path):
 # ------------------------------------------------------------------------------------ Slurm env
 def test_hostlist_and_rendezvous():
     assert slurm_env.expand_hostlist("n[1-3],gpu[08-10],x") == ["n1", "n2", "n3", "gpu08", "gpu09", "gpu10", "x"]
-    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_NUM_NODES": "2",
-           "SLURM_JOB_NODELIST": "n[2-3]", "SLURM_JOB_ID": "1234"}
+    env = {
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_JOB_NODELIST": "n[2-3]",
+        "SLURM_JOB_ID": "1234",
+    }
     out = slurm_env.torch_env_from_slurm(env)
     assert out["RANK"] == "3" and out["WORLD_SIZE"] == "4" and out["LOCAL_RANK"] == "1"
     assert out["LOCAL_WORLD_SIZE"] == "2" and out["MASTER_ADDR"] == "n2"
@@ -285,8 +344,16 @@ def rec(rank, node, code, error="", ended=0.0):
 
 
 LAYOUT = {0: "n1", 1: "n1", 2: "n2", 3: "n2"}
-ARGS = dict(world_size=4, rank_nodes=LAYOUT, progressed=True, retries_used=0, max_retries=2, excluded=[],
-            partition_nodes=["n1", "n2", "n3"], nodes_needed=2)
+ARGS = dict(
+    world_size=4,
+    rank_nodes=LAYOUT,
+    progressed=True,
+    retries_used=0,
+    max_retries=2,
+    excluded=[],
+    partition_nodes=["n1", "n2", "n3"],
+    nodes_needed=2,
+)
 
 
 def test_decisions():
@@ -329,7 +396,9 @@ def test_status_from_events(tmp_path):
     append_event(run, "started", job_id="78", attempt=1, nodes=["n1", "n3"])
     append_event(run, "completed", job_id="78", attempt=1)
     st = run_status(run)
-    goodput = {k: st.pop(k) for k in ("goodput", "goodput_s")}  # launcher/manage/goodput.py (tests/test_in_job_restart.py)
+    goodput = {
+        k: st.pop(k) for k in ("goodput", "goodput_s")
+    }  # launcher/manage/goodput.py (tests/test_in_job_restart.py)
     assert st == {"state": "COMPLETED", "job_id": "78", "attempt": 1, "last_step": 5, "excluded_nodes": ["n2"]}
     assert goodput["goodput_s"]["wall_s"] >= 0 and 0 <= goodput["goodput"] <= 1
 
@@ -342,17 +411,29 @@ def test_status_of_a_sweep_lists_every_point(tmp_path):
     append_event(done, "completed", job_id="5_0", attempt=0)
     append_event(failed, "submitted", job_id="5_1", attempt=0, excluded_nodes=[])
     append_event(failed, "stopped", job_id="5_1", attempt=0, reason="invalid configuration or data")
-    sweep = {"feasible": [{"num": 1, "overrides": ["b=2"], "status": "submitted", "job_id": "5_1", "run_dir": failed},
-                          {"num": 0, "overrides": ["b=1"], "status": "submitted", "job_id": "5_0", "run_dir": done}],
-             "infeasible": [{"num": 2, "overrides": ["b=3"], "status": "invalid", "reason": "not divisible"}]}
+    sweep = {
+        "feasible": [
+            {"num": 1, "overrides": ["b=2"], "status": "submitted", "job_id": "5_1", "run_dir": failed},
+            {"num": 0, "overrides": ["b=1"], "status": "submitted", "job_id": "5_0", "run_dir": done},
+        ],
+        "infeasible": [{"num": 2, "overrides": ["b=3"], "status": "invalid", "reason": "not divisible"}],
+    }
     (tmp_path / "sweep.json").write_text(json.dumps(sweep))
-    res = subprocess.run([sys.executable, "-m", "launcher", "action=status", f"run.dir={tmp_path}"],
-                         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher", "action=status", f"run.dir={tmp_path}"],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)  # exactly one JSON object
     assert [p["num"] for p in out["points"]] == [0, 1, 2]
     assert [(p["state"], p.get("job_id")) for p in out["points"]] == [
-        ("COMPLETED", "5_0"), ("FAILED", "5_1"), ("SKIPPED", None)]
+        ("COMPLETED", "5_0"),
+        ("FAILED", "5_1"),
+        ("SKIPPED", None),
+    ]
     assert out["points"][1]["reason"] == "invalid configuration or data"
     assert out["points"][2]["reason"] == "not divisible"
     assert out["states"] == {"COMPLETED": 1, "FAILED": 1, "SKIPPED": 1}
@@ -392,13 +473,15 @@ def test_status_of_a_local_run_whose_launcher_was_killed(tmp_path):
 
 
 def test_slurm_launcher_never_imports_torch():
-    code = ("import sys, launcher.slurm.submit, launcher.slurm.driver, launcher.slurm.rank_task, launcher.manage.status, "
-            "launcher.slurm.requeue, launcher.slurm.numa, launcher.slurm.sbatch, training.contract.slurm_env; "
-            "sys.exit('torch' in sys.modules)")
+    code = (
+        "import sys, launcher.slurm.submit, launcher.slurm.driver, launcher.slurm.rank_task, launcher.manage.status, "
+        "launcher.slurm.requeue, launcher.slurm.numa, launcher.slurm.sbatch, training.contract.slurm_env; "
+        "sys.exit('torch' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT).returncode == 0
 
 
-_LATE_SIGNAL_CHILD = r'''
+_LATE_SIGNAL_CHILD = r"""
 import sys, time
 from training.run import signals
 signals.install()  # what the checkpoint manager does when a rank starts training
@@ -406,7 +489,7 @@ if sys.argv[1] == "finished":
     signals.ignore()  # what Trainer.run does after its final checkpoint
 print("ready", flush=True)
 time.sleep(0.3)
-'''
+"""
 
 
 def _exit_under_signal_storm(stage: str) -> int:
@@ -414,8 +497,9 @@ def _exit_under_signal_storm(stage: str) -> int:
     import signal
     import time
 
-    p = subprocess.Popen([sys.executable, "-c", _LATE_SIGNAL_CHILD, stage], stdout=subprocess.PIPE, text=True,
-                         cwd=PROJECT_ROOT)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _LATE_SIGNAL_CHILD, stage], stdout=subprocess.PIPE, text=True, cwd=PROJECT_ROOT
+    )
     assert p.stdout.readline().strip() == "ready"
     sigs = (signal.SIGUSR2, signal.SIGTERM)
     i = 0

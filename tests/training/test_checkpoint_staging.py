@@ -146,8 +146,9 @@ def test_a_failed_host_copy_fails_the_save_at_wait_not_at_the_barrier(tmp_path, 
     ck.save(2, [model], opt, {"consumed_samples": 16})
     ck.wait_staged()  # returns: the failure belongs to the save, not to the training step
     _mutate(model, opt)
-    with pytest.raises(CheckpointError, match="step_2.*copying the state to host memory failed.*MemoryError.*"
-                                              "step_1\\) is untouched"):
+    with pytest.raises(
+        CheckpointError, match="step_2.*copying the state to host memory failed.*MemoryError.*step_1\\) is untouched"
+    ):
         ck.wait()
     assert storage.list_steps(run) == [1] and storage.read_latest(run) == 1
     assert not [n for n in os.listdir(storage.checkpoints_dir(run)) if n.startswith(".tmp")]

@@ -84,7 +84,6 @@ def test_global_batch_must_split_over_dp():
         BatchSampler(None, global_batch=6, micro_batch=2, dp=2, dp_rank=0)
 
 
-
 def _trainer_data_error(cfg_dict: dict, run_dir: str) -> str:
     from training.contract.config import config_from_dict
     from training.data import DataError

@@ -31,8 +31,9 @@ def _cfg(**model) -> Config:
 
 
 def _chunk(cfg: Config, layer_ids=(0, 1), has_embedding=True, has_head=True) -> GPTChunk:
-    return GPTChunk(cfg.model, cfg.parallel, ProcessMesh.single(), list(layer_ids), has_embedding, has_head,
-                    torch.float32, seed=0)
+    return GPTChunk(
+        cfg.model, cfg.parallel, ProcessMesh.single(), list(layer_ids), has_embedding, has_head, torch.float32, seed=0
+    )
 
 
 def _batch(cfg: Config, b: int = 3):
@@ -63,8 +64,15 @@ def _sequence_first_loss(chunk: GPTChunk, tokens, targets) -> torch.Tensor:
 
 ARCHS = {
     "gpt": dict(),
-    "llama": dict(norm="rmsnorm", activation="swiglu", position="rope", tie_embeddings=False, bias=False,
-                  num_attention_heads=8, num_query_groups=4),
+    "llama": dict(
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        tie_embeddings=False,
+        bias=False,
+        num_attention_heads=8,
+        num_query_groups=4,
+    ),
     "gpt_math": dict(attention="math"),
 }
 

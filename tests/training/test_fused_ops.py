@@ -52,14 +52,23 @@ def _composite_rotary(qkv, cos, sin, seq_dim):
 def _cases():
     cos, sin = _tables()
     return {
-        "rmsnorm": (lambda x, w: rms_norm(x, w, 1e-5), lambda x, w: F.rms_norm(x, (H,), w, eps=1e-5),
-                    [torch.randn(B, S, H), torch.rand(H) + 0.5]),
+        "rmsnorm": (
+            lambda x, w: rms_norm(x, w, 1e-5),
+            lambda x, w: F.rms_norm(x, (H,), w, eps=1e-5),
+            [torch.randn(B, S, H), torch.rand(H) + 0.5],
+        ),
         "swiglu": (swiglu, _composite_swiglu, [torch.randn(B, S, 2 * F_)]),
         # batch-first [b, s, ...] and sequence-first [s, b, ...] (sequence parallelism) packed QKV tensors
-        "rope_batch_first": (lambda t: rotary_qkv(t, cos, sin, 1), lambda t: _composite_rotary(t, cos, sin, 1),
-                             [torch.randn(B, S, GROUPS, QPG + 2, D)]),
-        "rope_sequence_first": (lambda t: rotary_qkv(t, cos, sin, 0), lambda t: _composite_rotary(t, cos, sin, 0),
-                                [torch.randn(S, B, GROUPS, QPG + 2, D)]),
+        "rope_batch_first": (
+            lambda t: rotary_qkv(t, cos, sin, 1),
+            lambda t: _composite_rotary(t, cos, sin, 1),
+            [torch.randn(B, S, GROUPS, QPG + 2, D)],
+        ),
+        "rope_sequence_first": (
+            lambda t: rotary_qkv(t, cos, sin, 0),
+            lambda t: _composite_rotary(t, cos, sin, 0),
+            [torch.randn(S, B, GROUPS, QPG + 2, D)],
+        ),
     }
 
 
@@ -137,8 +146,10 @@ def test_torch_compile_traces_through_the_fused_ops():
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
     results = []
     for fn in (block, compiled):
-        args = [t.clone().requires_grad_() for t in (torch.randn(B, S, H, generator=torch.Generator().manual_seed(1)),
-                                                      w_norm, w_qkv, w_fc1)]
+        args = [
+            t.clone().requires_grad_()
+            for t in (torch.randn(B, S, H, generator=torch.Generator().manual_seed(1)), w_norm, w_qkv, w_fc1)
+        ]
         out = fn(*args)
         out.backward()
         results.append((out.detach(), [a.grad for a in args]))

@@ -104,8 +104,14 @@ def test_growing_ecc_on_slurm_requeues_without_that_node(tmp_path, cluster):
     # As many GPUs as the slurm_dev preset's gpus_per_node: the preflight reads the same double and checks the count.
     double.write_text(json.dumps({"gpus": 2, "nodes": {}}))
     run_dir = tmp_path / "run"
-    dev.submit(run_dir, "train.steps=80", "train.checkpoint_every=40", f"cluster.health.nvml_double={double}",
-           "cluster.health.interval_s=0.2", "cluster.health.action=requeue")
+    dev.submit(
+        run_dir,
+        "train.steps=80",
+        "train.checkpoint_every=40",
+        f"cluster.health.nvml_double={double}",
+        "cluster.health.interval_s=0.2",
+        "cluster.health.action=requeue",
+    )
     dev.wait_step(run_dir, 3, timeout=300)
     nodes = [e for e in read_events(str(run_dir)) if e["event"] == "started"][0]["nodes"]
     bad = nodes[1]
@@ -129,4 +135,3 @@ def test_growing_ecc_on_slurm_requeues_without_that_node(tmp_path, cluster):
     assert starts[1]["resume_step"] == saved[0]["step"]
     assert status["state"] == "COMPLETED" and status["excluded_nodes"] == [bad]
     assert sorted(dev.metrics(run_dir)) == list(range(1, 81))  # asserts no step ran twice
-

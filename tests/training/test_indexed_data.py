@@ -21,8 +21,14 @@ from training.data.blend import BlendedSource, Permutation
 from training.data.indexed import open_dataset
 from training.contract.tokenizer import load_tokenizer
 
-DOCS = ["def f(x):\n    return x + 1\n", "héllo wörld — ünïcode ✓\n" * 3, "print('a')\n" * 40,
-        "class A:\n    pass\n", "x = [i * i for i in range(10)]\n" * 5, "# a comment\n"]
+DOCS = [
+    "def f(x):\n    return x + 1\n",
+    "héllo wörld — ünïcode ✓\n" * 3,
+    "print('a')\n" * 40,
+    "class A:\n    pass\n",
+    "x = [i * i for i in range(10)]\n" * 5,
+    "# a comment\n",
+]
 
 
 def _corpus(tmp_path):
@@ -38,8 +44,15 @@ def _corpus(tmp_path):
 
 def _prepare(tmp_path, tokenizer="bytes", **kw) -> str:
     out = str(tmp_path / "out" / "ds")
-    pc = PrepareConfig(inputs=_corpus(tmp_path), output=out, tokenizer=tokenizer, workers=2, progress=False,
-                       valid_fraction=kw.pop("valid_fraction", 0.0), **kw)
+    pc = PrepareConfig(
+        inputs=_corpus(tmp_path),
+        output=out,
+        tokenizer=tokenizer,
+        workers=2,
+        progress=False,
+        valid_fraction=kw.pop("valid_fraction", 0.0),
+        **kw,
+    )
     prepare(pc)
     return out
 
@@ -103,8 +116,8 @@ def test_foreign_megatron_files_give_the_exact_windows(tmp_path, dtype):
             for row_t, row_y in zip(tokens.numpy(), targets.numpy()):
                 start = int(np.searchsorted(flat, row_t[0]))  # ids are increasing: the position is the id's
                 assert start % seq == 0
-                assert np.array_equal(row_t, flat[start:start + seq])
-                assert np.array_equal(row_y, flat[start + 1:start + seq + 1])
+                assert np.array_equal(row_t, flat[start : start + seq])
+                assert np.array_equal(row_y, flat[start + 1 : start + seq + 1])
                 starts.append(start)
     assert len(set(starts)) == len(starts)  # within an epoch no window comes twice
     # The one-time scan was cached beside the dataset and describes it; opening again checks, not rescans.

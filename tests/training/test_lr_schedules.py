@@ -75,12 +75,20 @@ def test_wsd_decay_fraction_edges_and_decay_steps():
 def test_bad_schedule_keys_are_refused_before_anything_is_written(tmp_path):
     assert [k for k, _, _ in schedule_problems(_train("wsd", decay_fraction=1.5))] == ["train.decay_fraction"]
     assert [k for k, _, _ in schedule_problems(_train("cosine", decay_steps=0))] == ["train.decay_steps"]
-    proc = subprocess.run([MESHRUN, "action=plan", "train.lr_schedule=wsd", "train.decay_fraction=-0.1",
-                           f"run.dir={tmp_path / 'r'}"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [MESHRUN, "action=plan", "train.lr_schedule=wsd", "train.decay_fraction=-0.1", f"run.dir={tmp_path / 'r'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "train.decay_fraction" in proc.stderr and "train.decay_fraction=0.2" in proc.stderr
     assert not (tmp_path / "r").exists()
-    proc = subprocess.run([MESHRUN, "action=plan", "train.lr_schedule=step", f"run.dir={tmp_path / 'r'}"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [MESHRUN, "action=plan", "train.lr_schedule=step", f"run.dir={tmp_path / 'r'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
 
 

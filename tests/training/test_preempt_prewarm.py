@@ -19,7 +19,7 @@ from training.optim.threads import elementwise_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<package>/this file
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, sys, tempfile, threading
 from training.contract.config import Config
 from training.run.loop import Trainer
@@ -49,12 +49,18 @@ trainer.train_step = train_step
 seen["exit"] = trainer.run()
 seen["saved"] = [s.reason for s in trainer.checkpointer.history]
 print(json.dumps(seen))
-'''
+"""
 
 
 def test_save_path_is_imported_in_the_background_after_the_first_step():
-    p = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     seen = json.loads(p.stdout.strip().splitlines()[-1])
     assert seen["before_run"] is False, "building the trainer must not import DCP (start-up pays for it)"

@@ -13,12 +13,20 @@ from helpers import ROOT
 from training.observe import startup
 
 
-
 def test_process_start_is_read_from_the_kernel_not_from_the_first_python_line():
     before = time.time()
-    out = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3); from training.observe import startup; "
-                          "print(startup.process_start_time(), time.time())"],
-                         capture_output=True, text=True, cwd=ROOT, check=True).stdout.split()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time; time.sleep(0.3); from training.observe import startup; "
+            "print(startup.process_start_time(), time.time())",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    ).stdout.split()
     started, now = float(out[0]), float(out[1])
     # Started after we asked for it (within /proc's 10 ms ticks) and at least the sleep before the Python line.
     assert before - 0.05 <= started <= now - 0.3

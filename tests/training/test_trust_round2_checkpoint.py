@@ -62,8 +62,14 @@ def test_bytes_entry_in_metadata_is_refused_and_its_pickle_never_runs(tmp_path):
         reader.storage_data = pickle.load(f).storage_data
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-    item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key), dest_offsets=torch.Size([0]),
-                    storage_index=MetadataIndex(key), storage_offsets=torch.Size([0]), lengths=torch.Size([0]))
+    item = ReadItem(
+        type=LoadItemType.BYTE_IO,
+        dest_index=MetadataIndex(key),
+        dest_offsets=torch.Size([0]),
+        storage_index=MetadataIndex(key),
+        storage_offsets=torch.Size([0]),
+        lengths=torch.Size([0]),
+    )
     with pytest.raises(CheckpointError, match="non-tensor .bytes. entries"):
         reader.read_data(LoadPlan([item]), planner=None)
     assert not canary.exists()
@@ -131,8 +137,13 @@ def test_malformed_overlapping_and_unknown_dtype_safetensors_are_hferrors(tmp_pa
     save_file({"a": torch.zeros(2, 3), "b": torch.ones(4)}, str(good))
     assert set(read_header(str(good))) == {"a", "b"}  # a real file passes
     cases = {
-        "overlap": ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-                     "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, "overlap"),
+        "overlap": (
+            {
+                "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+            },
+            "overlap",
+        ),
         "dtype": ({"a": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}, "does not define"),
         "malformed": ({"a": {"dtype": "F32", "shape": "four", "data_offsets": [0, 16]}}, "malformed"),
         "offsets": ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0]}}, "malformed"),

@@ -13,7 +13,7 @@ import pytest
 from training.contract.config import Config
 from training.observe.metrics import MetricsLog
 
-STAND_IN = '''
+STAND_IN = """
 import json, os
 CALLS = os.environ["WANDB_STAND_IN_CALLS"]
 def _record(**call):
@@ -29,7 +29,7 @@ def init(**kwargs):
         raise RuntimeError("no network")
     _record(call="init", **{k: v for k, v in kwargs.items() if k != "config"}, has_config=bool(kwargs.get("config")))
     return Run()
-'''
+"""
 
 
 @pytest.fixture
@@ -64,8 +64,14 @@ def test_rows_reach_wandb_at_their_steps_and_attempts_share_one_run(tmp_path, st
     calls = stand_in()
     inits = [c for c in calls if c["call"] == "init"]
     run_id = json.loads((run_dir / "wandb.json").read_text())["id"]
-    assert len(inits) == 2 and all(c["id"] == run_id and c["resume"] == "allow" and c["project"] == "proj-x"
-                                   and c["dir"] == str(run_dir) and c["has_config"] for c in inits), inits
+    assert len(inits) == 2 and all(
+        c["id"] == run_id
+        and c["resume"] == "allow"
+        and c["project"] == "proj-x"
+        and c["dir"] == str(run_dir)
+        and c["has_config"]
+        for c in inits
+    ), inits
     logs = [(c["step"], c["values"]) for c in calls if c["call"] == "log"]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s for s, _ in logs] == [r["step"] for r in rows] == [1, 2, 3]

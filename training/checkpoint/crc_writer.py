@@ -212,4 +212,3 @@ def read_sidecars(directory: str) -> Dict[str, List[int]]:
                 sums.update(json.load(f))
             os.remove(full)
     return sums
-

@@ -116,7 +116,7 @@ def pieces_for(key: str, info: ParamInfo, flat: torch.Tensor, local_start: int) 
         numel = 1
         for s in sizes:
             numel *= s
-        view = flat[flat_start - local_start: flat_start - local_start + numel].view(sizes)
+        view = flat[flat_start - local_start : flat_start - local_start + numel].view(sizes)
         glob = list(offs)
         if info.tp_shard_dim is not None:
             glob[info.tp_shard_dim] += info.tp_rank * info.local_shape[info.tp_shard_dim]
@@ -142,8 +142,7 @@ def exact_storage(t: torch.Tensor) -> torch.Tensor:
     (~0.9 s of a 3.3 s save of 192 MiB, bench/bench_checkpoint.py). A GPU tensor is copied to the host
     compactly anyway. The byte view goes through NumPy (torch.from_numpy wraps exactly the array's bytes),
     as uint8 so that any dtype, bf16 included, takes this path."""
-    if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.nbytes \
-            or t.numel() == 0:
+    if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.nbytes or t.numel() == 0:
         return t
     raw = t.detach().reshape(-1).view(torch.uint8).numpy()
     return torch.from_numpy(raw).view(t.dtype).view(t.shape)
@@ -161,8 +160,10 @@ def to_state_dict(pieces: Iterable[Piece], group=None) -> Dict[str, "ShardedTens
 
     pieces = list(pieces)
     rank = dist.get_rank()
-    mine = [(p.key, p.offsets, tuple(p.tensor.shape), p.global_shape, str(p.tensor.dtype), str(p.tensor.device))
-            for p in pieces]
+    mine = [
+        (p.key, p.offsets, tuple(p.tensor.shape), p.global_shape, str(p.tensor.dtype), str(p.tensor.device))
+        for p in pieces
+    ]
     gathered: List = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (rank, mine), group=group)
     by_key: Dict[str, List[ShardMetadata]] = {}
@@ -212,10 +213,19 @@ def to_load_state_dict(pieces: Iterable[Piece]) -> Dict[str, torch.Tensor]:
             continue
         device = "cpu" if first.tensor.device.type == "cpu" else str(first.tensor.device)
         spec = ChunkShardingSpec(dim=0, placements=[f"rank:{rank}/{device}"])
-        st = ShardedTensorBase.__new__(ShardedTensor, spec, *first.global_shape, dtype=first.tensor.dtype,
-                                       layout=torch.strided, pin_memory=False, requires_grad=False)
-        st._local_shards = [Shard(p.tensor, ShardMetadata(list(p.offsets), list(p.tensor.shape), f"rank:{rank}/{device}"))
-                            for p in plist]
+        st = ShardedTensorBase.__new__(
+            ShardedTensor,
+            spec,
+            *first.global_shape,
+            dtype=first.tensor.dtype,
+            layout=torch.strided,
+            pin_memory=False,
+            requires_grad=False,
+        )
+        st._local_shards = [
+            Shard(p.tensor, ShardMetadata(list(p.offsets), list(p.tensor.shape), f"rank:{rank}/{device}"))
+            for p in plist
+        ]
         st._prepare_init(process_group=None, init_rrefs=False)  # what the public constructors set up
         out[key] = st
     return out

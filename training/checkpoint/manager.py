@@ -41,8 +41,7 @@ import torch.distributed as dist
 
 from training.checkpoint import storage
 from training.run import signals
-from training.checkpoint.layout import (Piece, exact_storage, param_info, pieces_for, to_load_state_dict,
-                                        to_state_dict)
+from training.checkpoint.layout import Piece, exact_storage, param_info, pieces_for, to_load_state_dict, to_state_dict
 from training.checkpoint.staging import HostStager
 from training.checkpoint.storage import CheckpointError
 from training.contract.config import Config, ModelConfig, checkpoint_minutes, config_to_dict
@@ -183,7 +182,7 @@ _FULL_BYTES = 1 << 20
 
 
 def _disk_full_note(path: str, error: str) -> str:
-    """" [ENOSPC: ...]" when a save failed on a (nearly) full filesystem and its message does not say so."""
+    """ " [ENOSPC: ...]" when a save failed on a (nearly) full filesystem and its message does not say so."""
     if "No space left" in error or "ENOSPC" in error:
         return ""
     try:
@@ -198,7 +197,6 @@ def _json_tensor(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).clone()
 
 
-
 def _use_device(device: torch.device) -> None:
     """A new thread's CUDA device is GPU 0 whatever the training thread set: the save thread's first CUDA
     call (the staging copy) would open a context on GPU 0, on every local rank of the node."""
@@ -208,8 +206,10 @@ def _use_device(device: torch.device) -> None:
 
 def writer_thread(device: torch.device) -> ThreadPoolExecutor:
     """The async save's one long-lived thread, on this rank's device."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-save", initializer=_use_device,
-                              initargs=(torch.device(device),))
+    return ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="checkpoint-save", initializer=_use_device, initargs=(torch.device(device),)
+    )
+
 
 class CheckpointManager:
     """Saves and restores the whole training state of this rank as one part of a sharded DCP checkpoint."""
@@ -340,12 +340,13 @@ class CheckpointManager:
         first step, so the start-up before that step does not share its CPU with the import."""
         if self._prewarm_thread is not None:
             return
-        self._prewarm_thread = threading.Thread(target=import_save_path, name="meshrun-checkpoint-import",
-                                                daemon=True)
+        self._prewarm_thread = threading.Thread(target=import_save_path, name="meshrun-checkpoint-import", daemon=True)
         self._prewarm_thread.start()
 
     # ----- save ------------------------------------------------------------------------------------
-    def save(self, step: int, model_chunks, optimizer, extra_state: Dict[str, Any], reason: str = "interval") -> SaveStats:
+    def save(
+        self, step: int, model_chunks, optimizer, extra_state: Dict[str, Any], reason: str = "interval"
+    ) -> SaveStats:
         """Write a complete checkpoint of `step` (collective).
 
         Async: returns once the state is copied to host memory, or, for a caller that has the staging barrier
@@ -365,8 +366,12 @@ class CheckpointManager:
         state = to_state_dict(pieces) if self.distributed else self._plain(pieces)
         state[f"rank_state/{self.rank}"] = _json_tensor({"rng": _rng_state(), "layout": self._layout()})
         info = {
-            "step": step, "reason": reason, "time": time.time(), "layout": self._layout(),
-            "consumed_samples": int(extra_state.get("consumed_samples", 0)), "extra_state": extra_state,
+            "step": step,
+            "reason": reason,
+            "time": time.time(),
+            "layout": self._layout(),
+            "consumed_samples": int(extra_state.get("consumed_samples", 0)),
+            "extra_state": extra_state,
             "optimizer": self._optimizer_scalars(opt_state),
             # The checkpoint this one continues (resumed from or saved last): the history `auto` follows.
             "previous": self.last_saved_step,
@@ -474,9 +479,13 @@ class CheckpointManager:
                     storage.write_json_durable(os.path.join(tmp, storage.STATE), info)
                     with open(os.path.join(tmp, storage.CONFIG), "w") as f:
                         json.dump(config_to_dict(self.cfg), f, indent=2, sort_keys=True)
-                    storage.commit(tmp, storage.step_dir(self.run_dir, stats.step),
-                                   os.path.join(storage.checkpoints_dir(self.run_dir), storage.LATEST),
-                                   {"step": stats.step, "previous": info["previous"]}, sums)
+                    storage.commit(
+                        tmp,
+                        storage.step_dir(self.run_dir, stats.step),
+                        os.path.join(storage.checkpoints_dir(self.run_dir), storage.LATEST),
+                        {"step": stats.step, "previous": info["previous"]},
+                        sums,
+                    )
                     stats.bytes = storage.dir_size(storage.step_dir(self.run_dir, stats.step))
                     storage.prune(self.run_dir, self.keep_last, protect=stats.step)
                     storage.remove_stale_tmp(self.run_dir)
@@ -495,21 +504,34 @@ class CheckpointManager:
         if error is not None:
             self.last_saved_step = None
             prev = storage.read_latest(self.run_dir)
-            hint = " (no space left: free space under run.dir or point run.dir at a larger filesystem)" \
-                if "No space left" in error or "ENOSPC" in error else ""
+            hint = (
+                " (no space left: free space under run.dir or point run.dir at a larger filesystem)"
+                if "No space left" in error or "ENOSPC" in error
+                else ""
+            )
             failure = CheckpointError(
                 f"saving checkpoint step_{stats.step} in {storage.checkpoints_dir(self.run_dir)} failed: {error}{hint}; "
-                f"the previous checkpoint ({'step_%d' % prev if prev is not None else 'none'}) is untouched")
+                f"the previous checkpoint ({'step_%d' % prev if prev is not None else 'none'}) is untouched"
+            )
             failure.during_save = True  # training/main.py: a failed save requeues from the previous checkpoint
             raise failure
         self.history.append(stats)
         self.last_saved_step = stats.step
         self._last_save_time = time.monotonic()
         if self.rank == 0:
-            append_event(self.run_dir, "checkpoint", step=stats.step, reason=stats.reason,
-                         blocked_s=round(stats.blocked_s, 4), total_s=round(stats.total_s, 4), bytes=stats.bytes)
-            self.log(f"saved step_{stats.step} ({stats.reason}): {stats.bytes / 2**20:.1f} MiB, "
-                     f"blocked {stats.blocked_s:.3f}s, total {stats.total_s:.3f}s")
+            append_event(
+                self.run_dir,
+                "checkpoint",
+                step=stats.step,
+                reason=stats.reason,
+                blocked_s=round(stats.blocked_s, 4),
+                total_s=round(stats.total_s, 4),
+                bytes=stats.bytes,
+            )
+            self.log(
+                f"saved step_{stats.step} ({stats.reason}): {stats.bytes / 2**20:.1f} MiB, "
+                f"blocked {stats.blocked_s:.3f}s, total {stats.total_s:.3f}s"
+            )
 
     # ----- resume ----------------------------------------------------------------------------------
     def _choose(self) -> Tuple[Optional[int], Optional[str]]:
@@ -561,8 +583,10 @@ class CheckpointManager:
                 return [], f"train.resume={self.cfg.train.resume!r}: use auto, none or a step number"
             if step not in storage.list_steps(self.run_dir):
                 have = storage.list_steps(self.run_dir)
-                return [], (f"train.resume={step}: no checkpoint step_{step} in {storage.checkpoints_dir(self.run_dir)} "
-                            f"(available: {have or 'none'}); use train.resume=auto or one of those steps")
+                return [], (
+                    f"train.resume={step}: no checkpoint step_{step} in {storage.checkpoints_dir(self.run_dir)} "
+                    f"(available: {have or 'none'}); use train.resume=auto or one of those steps"
+                )
             wanted = [step]
         replica = self.cfg.train.checkpoint_replica_dir
         if replica and mode == "auto":
@@ -589,15 +613,23 @@ class CheckpointManager:
         with open(os.path.join(storage.step_dir(self.run_dir, step), storage.CONFIG)) as f:
             saved = json.load(f).get("model", {})
         now = asdict(self.cfg.model)
-        diff = [f"model.{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
-                for k in SHAPE_FIELDS if saved.get(k) != now.get(k)]
+        diff = [
+            f"model.{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
+            for k in SHAPE_FIELDS
+            if saved.get(k) != now.get(k)
+        ]
         # Expert count and width (training/model/moe.py); a checkpoint from before they existed was dense.
         dense = asdict(ModelConfig())
-        diff += [f"model.{k}: checkpoint {saved.get(k, dense[k])!r}, now {now.get(k)!r}"
-                 for k in MOE_SHAPE_FIELDS if saved.get(k, dense[k]) != now.get(k)]
+        diff += [
+            f"model.{k}: checkpoint {saved.get(k, dense[k])!r}, now {now.get(k)!r}"
+            for k in MOE_SHAPE_FIELDS
+            if saved.get(k, dense[k]) != now.get(k)
+        ]
         if diff:
-            return (f"checkpoint step_{step} in {self.run_dir} was written for another model shape ({'; '.join(diff)}); "
-                    "restore those settings, or start fresh with train.resume=none or a new run.dir")
+            return (
+                f"checkpoint step_{step} in {self.run_dir} was written for another model shape ({'; '.join(diff)}); "
+                "restore those settings, or start fresh with train.resume=none or a new run.dir"
+            )
         return None
 
     def maybe_resume(self, model_chunks, optimizer, extra_state: Dict[str, Any]) -> Optional[Tuple[int, int]]:
@@ -639,8 +671,10 @@ class CheckpointManager:
         pieces = [p for p in pieces if not (p.key.startswith("optim/master/") and p.key not in saved_keys)]
         absent = sorted({p.key for p in pieces if p.key not in saved_keys})
         if absent:
-            raise CheckpointError(f"checkpoint {path} lacks {len(absent)} tensors this run needs "
-                                  f"(first: {absent[:3]}); it was written by an incompatible version or model")
+            raise CheckpointError(
+                f"checkpoint {path} lacks {len(absent)} tensors this run needs "
+                f"(first: {absent[:3]}); it was written by an incompatible version or model"
+            )
         state = to_load_state_dict(pieces)
         same_layout = info["layout"] == self._layout()
         rank_key = f"rank_state/{self.rank}"
@@ -668,8 +702,10 @@ class CheckpointManager:
         if self.rank == 0:
             how = "same layout" if same_layout else f"resharded from {info['layout']} to {self._layout()}"
             append_event(self.run_dir, "resumed", step=step, layout_changed=not same_layout)
-            self.log(f"resumed from {path} (step {step}, consumed_samples {info['consumed_samples']}, {how}) "
-                     f"in {time.monotonic() - t0:.3f}s")
+            self.log(
+                f"resumed from {path} (step {step}, consumed_samples {info['consumed_samples']}, {how}) "
+                f"in {time.monotonic() - t0:.3f}s"
+            )
         return step, int(info["consumed_samples"])
 
     # ----- rollback ---------------------------------------------------------------------------------
@@ -685,15 +721,19 @@ class CheckpointManager:
         append_event(self.run_dir, "rollback", step=step, abandoned_steps=left)
         where = f"step_{step}" if step is not None else "a fresh start (train.resume=none)"
         if left:
-            self.log(f"rolled back to {where}: checkpoints {['step_%d' % s for s in left]} are off the line now; "
-                     f"they move to {os.path.join(storage.checkpoints_dir(self.run_dir), storage.ABANDONED)}/ at "
-                     "the next save and are never resumed")
+            self.log(
+                f"rolled back to {where}: checkpoints {['step_%d' % s for s in left]} are off the line now; "
+                f"they move to {os.path.join(storage.checkpoints_dir(self.run_dir), storage.ABANDONED)}/ at "
+                "the next save and are never resumed"
+            )
 
     # ----- helpers ---------------------------------------------------------------------------------
     @staticmethod
     def _unreadable(path: str, why: str) -> str:
-        return (f"checkpoint {path} passed its manifest check but could not be loaded ({why}); resume from an "
-                f"older checkpoint (train.resume=<step>), or start fresh with train.resume=none or a new run.dir")
+        return (
+            f"checkpoint {path} passed its manifest check but could not be loaded ({why}); resume from an "
+            f"older checkpoint (train.resume=<step>), or start fresh with train.resume=none or a new run.dir"
+        )
 
     def _layout(self) -> Dict[str, int]:
         m = self.mesh

@@ -81,13 +81,22 @@ class Replicator:
         problem = _copy_verified(src, os.path.join(self.root, f"step_{step}"), self.root)
         if problem is not None:
             append_event(self.run_dir, "checkpoint_replica_failed", step=step, replica_dir=self.root, error=problem)
-            print(f"warning: copying checkpoint step_{step} to the replica {self.root} failed: {problem}; the "
-                  "primary is complete", file=sys.stderr)
+            print(
+                f"warning: copying checkpoint step_{step} to the replica {self.root} failed: {problem}; the "
+                "primary is complete",
+                file=sys.stderr,
+            )
             return problem
-        for old in replica_steps(self.root)[self.keep_last:]:
+        for old in replica_steps(self.root)[self.keep_last :]:
             shutil.rmtree(os.path.join(self.root, f"step_{old}"), ignore_errors=True)
-        append_event(self.run_dir, "checkpoint_replica", step=step, replica_dir=self.root,
-                     seconds=round(time.monotonic() - t0, 3), bytes=storage.dir_size(os.path.join(self.root, f"step_{step}")))
+        append_event(
+            self.run_dir,
+            "checkpoint_replica",
+            step=step,
+            replica_dir=self.root,
+            seconds=round(time.monotonic() - t0, 3),
+            bytes=storage.dir_size(os.path.join(self.root, f"step_{step}")),
+        )
         return None
 
     def wait(self) -> None:

@@ -33,13 +33,18 @@ from training.checkpoint.storage import CheckpointError
 # registered with copyreg for torch.layout), the checkpoint id (a path) and plain containers.
 _METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED: Set[Tuple[str, str]] = {
-    (_METADATA, "Metadata"), (_METADATA, "TensorStorageMetadata"),
-    (_METADATA, "TensorProperties"), (_METADATA, "ChunkStorageMetadata"), (_METADATA, "MetadataIndex"),
-    (_METADATA, "StorageMeta"), (_METADATA, "_MEM_FORMAT_ENCODING"),
+    (_METADATA, "Metadata"),
+    (_METADATA, "TensorStorageMetadata"),
+    (_METADATA, "TensorProperties"),
+    (_METADATA, "ChunkStorageMetadata"),
+    (_METADATA, "MetadataIndex"),
+    (_METADATA, "StorageMeta"),
+    (_METADATA, "_MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
     ("collections", "OrderedDict"),
 }
 
@@ -68,14 +73,19 @@ def load_metadata(path: str) -> Metadata:
             f"{path} references {exc}, which a checkpoint's metadata never contains: the file was not written by "
             "meshrun and was refused unread (nothing in it ran). Someone who can write to run.dir changed it: "
             "check who can, delete this checkpoint directory, and resume from another (train.resume=<step>) "
-            "or start fresh (train.resume=none)") from None
+            "or start fresh (train.resume=none)"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - truncated or garbage bytes: a damaged file, not an attack
-        raise CheckpointError(f"{path} is not a readable checkpoint metadata file ({type(exc).__name__}: {exc}); "
-                              "resume from another checkpoint (train.resume=<step>) or start fresh "
-                              "(train.resume=none)") from None
+        raise CheckpointError(
+            f"{path} is not a readable checkpoint metadata file ({type(exc).__name__}: {exc}); "
+            "resume from another checkpoint (train.resume=<step>) or start fresh "
+            "(train.resume=none)"
+        ) from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not checkpoint metadata; delete the "
-                              "checkpoint directory and resume from another")
+        raise CheckpointError(
+            f"{path} holds a {type(metadata).__name__}, not checkpoint metadata; delete the "
+            "checkpoint directory and resume from another"
+        )
     _check_storage_paths(path, metadata)
     return metadata
 
@@ -86,8 +96,10 @@ def _check_storage_paths(path: str, metadata: Metadata) -> None:
     for info in storage.values():
         rel = str(getattr(info, "relative_path", ""))
         if not rel or os.path.basename(rel) != rel or rel in (".", "..") or os.path.isabs(rel):
-            raise CheckpointError(f"{path} points a tensor at {rel!r}, outside its checkpoint directory; refused. "
-                                  "Delete this checkpoint directory and resume from another (train.resume=<step>)")
+            raise CheckpointError(
+                f"{path} points a tensor at {rel!r}, outside its checkpoint directory; refused. "
+                "Delete this checkpoint directory and resume from another (train.resume=<step>)"
+            )
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
@@ -112,5 +124,6 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                 f"{self.path} declares {len(byte_items)} non-tensor (bytes) entries, first "
                 f"{byte_items[0].dest_index.fqn!r}; meshrun's checkpoints hold tensors only and DCP would unpickle "
                 "them with code allowed, so the checkpoint was refused unread. Delete this checkpoint directory and "
-                "resume from another (train.resume=<step>) or start fresh (train.resume=none)")
+                "resume from another (train.resume=<step>) or start fresh (train.resume=none)"
+            )
         return super().read_data(plan, planner)

@@ -99,8 +99,9 @@ class HostStager:
         """Re-raise a failed copy; the checkpoint writer calls this before it writes anything, inside DCP's
         write step, which reports a failure on every rank (no rank is left waiting in a collective)."""
         if self._error is not None:
-            raise RuntimeError(f"copying the state to host memory failed: "
-                               f"{type(self._error).__name__}: {self._error}") from self._error
+            raise RuntimeError(
+                f"copying the state to host memory failed: {type(self._error).__name__}: {self._error}"
+            ) from self._error
 
     def close(self) -> None:
         """Release the buffers."""

@@ -46,8 +46,20 @@ FRESH = "none"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 # The model keys a checkpoint's tensors depend on: a resume with any of them changed cannot load it (the
 # engine checks them, training/checkpoint/manager.py, and so does the launcher before it writes anything).
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "seq_length", "vocab_size", "norm", "activation", "position", "tie_embeddings", "bias")
+SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "seq_length",
+    "vocab_size",
+    "norm",
+    "activation",
+    "position",
+    "tie_embeddings",
+    "bias",
+)
 _TMP_PREFIX = ".tmp_step_"
 
 
@@ -125,8 +137,9 @@ def build_manifest(directory: str, sums: Optional[Dict[str, List[int]]] = None) 
     return files
 
 
-def commit(tmp_dir: str, final_dir: str, latest_path: str, info: Dict,
-           sums: Optional[Dict[str, List[int]]] = None) -> None:
+def commit(
+    tmp_dir: str, final_dir: str, latest_path: str, info: Dict, sums: Optional[Dict[str, List[int]]] = None
+) -> None:
     """Seal a fully written temporary checkpoint: manifest, fsync, rename, then point `latest` at it.
 
     Called on one rank (rank 0) after all ranks finished writing. The manifest records `previous` (the step
@@ -185,8 +198,13 @@ def _symlinks(directory: str) -> List[str]:
 
 def _outside(directory: str, rel: str) -> bool:
     """True for a manifest path that is absolute, climbs out (..), or is not in normal form."""
-    return (not isinstance(rel, str) or not rel or os.path.isabs(rel) or os.path.normpath(rel) != rel
-            or rel.split(os.sep)[0] == os.pardir)
+    return (
+        not isinstance(rel, str)
+        or not rel
+        or os.path.isabs(rel)
+        or os.path.normpath(rel) != rel
+        or rel.split(os.sep)[0] == os.pardir
+    )
 
 
 def verify(directory: str, part: Tuple[int, int] = (0, 1)) -> Verification:
@@ -305,7 +323,7 @@ def prune(run_dir: str, keep_last: int, protect: Optional[int] = None) -> List[i
     abandoned/. Temporary dirs are `remove_stale_tmp`'s job. Returns the deleted steps."""
     removed = []
     chain = history(run_dir)
-    keep = set(chain[:max(1, keep_last)])
+    keep = set(chain[: max(1, keep_last)])
     if protect is not None:
         keep.add(protect)
     if read_latest(run_dir) is not None or _read_latest_text(run_dir) == FRESH:

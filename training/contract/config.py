@@ -57,11 +57,23 @@ LrSchedule = _choice("LrSchedule", "cosine linear constant wsd inverse_sqrt")
 
 # Every choice field, by its command-line key: validation and `meshrun action=keys` read it.
 CHOICE_FIELDS: Dict[str, type] = {
-    "model.norm": Norm, "model.activation": Activation, "model.attention": Attention,
-    "model.position": Position, "parallel.schedule": Schedule, "parallel.recompute": Recompute,
-    "train.precision": Precision, "train.optimizer": Optimizer, "cluster.kind": ClusterKind,
-    "cluster.device": Device, "cluster.health.action": HealthAction, "cluster.numa": NumaMode, "cluster.preflight.mode": PreflightMode,
-    "data.kind": DataKind, "action": Action, "status.format": StatusFormat, "export.dtype": ExportDtype,
+    "model.norm": Norm,
+    "model.activation": Activation,
+    "model.attention": Attention,
+    "model.position": Position,
+    "parallel.schedule": Schedule,
+    "parallel.recompute": Recompute,
+    "train.precision": Precision,
+    "train.optimizer": Optimizer,
+    "cluster.kind": ClusterKind,
+    "cluster.device": Device,
+    "cluster.health.action": HealthAction,
+    "cluster.numa": NumaMode,
+    "cluster.preflight.mode": PreflightMode,
+    "data.kind": DataKind,
+    "action": Action,
+    "status.format": StatusFormat,
+    "export.dtype": ExportDtype,
     "train.lr_schedule": LrSchedule,
 }
 CHOICE_FIELDS["parallel.offload"] = Offload
@@ -788,8 +800,10 @@ def checkpoint_minutes(cfg: Config) -> float:
         return float(t.checkpoint_every_min_resolved)
     value = str(t.checkpoint_every_min).strip() or str(cfg.cluster.checkpoint_every_min).strip() or "0"
     if value == "auto":
-        raise ValueError("train.checkpoint_every_min=auto was not resolved: launch through meshrun, which writes "
-                         "train.checkpoint_every_min_resolved into config.json (launcher/plan/cadence.py)")
+        raise ValueError(
+            "train.checkpoint_every_min=auto was not resolved: launch through meshrun, which writes "
+            "train.checkpoint_every_min_resolved into config.json (launcher/plan/cadence.py)"
+        )
     return float(value)
 
 

@@ -75,14 +75,29 @@ def model_rules(m: ModelConfig) -> List[Violation]:
     out = []
     h, a, g = m.hidden_size, m.num_attention_heads, m.query_groups
     if h % a:
-        out.append(_error("model.hidden_size", f"hidden_size {h} is not divisible by num_attention_heads {a}",
-                          f"model.num_attention_heads={_closest([d for d in divisors(h, h) if d > 1] or [1], a)}"))
+        out.append(
+            _error(
+                "model.hidden_size",
+                f"hidden_size {h} is not divisible by num_attention_heads {a}",
+                f"model.num_attention_heads={_closest([d for d in divisors(h, h) if d > 1] or [1], a)}",
+            )
+        )
     if a % g:
-        out.append(_error("model.num_query_groups", f"num_attention_heads {a} is not divisible by num_query_groups {g}",
-                          f"model.num_query_groups=<one of {divisors(a, a)}>"))
+        out.append(
+            _error(
+                "model.num_query_groups",
+                f"num_attention_heads {a} is not divisible by num_query_groups {g}",
+                f"model.num_query_groups=<one of {divisors(a, a)}>",
+            )
+        )
     elif m.position == "rope" and (h // a) % 2:
-        out.append(_error("model.position", f"rope needs an even head dimension (hidden_size / heads = {h // a})",
-                          "model.position=learned, or hidden_size and num_attention_heads with an even ratio"))
+        out.append(
+            _error(
+                "model.position",
+                f"rope needs an even head dimension (hidden_size / heads = {h // a})",
+                "model.position=learned, or hidden_size and num_attention_heads with an even ratio",
+            )
+        )
     return out
 
 
@@ -112,11 +127,24 @@ def sp_rules(sp: bool, tp: int, seq_length: int) -> List[Violation]:
     if not sp:
         return []
     if tp == 1:
-        return [Violation("warning", "parallel.sp", "sequence parallelism needs tp > 1: with tp=1 it is off",
-                          "parallel.sp=false (or parallel.tp=2 to use it)", "sp_off")]
+        return [
+            Violation(
+                "warning",
+                "parallel.sp",
+                "sequence parallelism needs tp > 1: with tp=1 it is off",
+                "parallel.sp=false (or parallel.tp=2 to use it)",
+                "sp_off",
+            )
+        ]
     if seq_length % tp:
-        return [_error("parallel.sp", f"seq_length {seq_length} is not divisible by tp={tp} (sp shards the sequence)",
-                       f"model.seq_length={(seq_length // tp + 1) * tp} or parallel.sp=false", "sp_seq")]
+        return [
+            _error(
+                "parallel.sp",
+                f"seq_length {seq_length} is not divisible by tp={tp} (sp shards the sequence)",
+                f"model.seq_length={(seq_length // tp + 1) * tp} or parallel.sp=false",
+                "sp_seq",
+            )
+        ]
     return []
 
 
@@ -125,14 +153,25 @@ def layer_rules(num_layers: int, pp: int, vpp: int) -> List[Violation]:
     """Every model chunk gets the same number of layers: pp x vpp divides num_layers."""
     L = num_layers
     if pp > L:
-        return [_error("parallel.pp", f"pp={pp} is larger than num_layers={L}",
-                       f"parallel.pp=<one of {divisors(L, L)}>", "layers")]
+        return [
+            _error(
+                "parallel.pp",
+                f"pp={pp} is larger than num_layers={L}",
+                f"parallel.pp=<one of {divisors(L, L)}>",
+                "layers",
+            )
+        ]
     if L % (pp * vpp):
         fixes = [d for d in divisors(L, L) if d % pp == 0] if L % pp == 0 else []
-        return [_error("parallel.pp", f"num_layers={L} is not divisible by pp x vpp = {pp} x {vpp} = {pp * vpp}",
-                       f"parallel.pp=<one of {divisors(L, L)}>"
-                       + (f" or parallel.vpp=<one of {[d // pp for d in fixes]}>" if fixes and vpp > 1 else ""),
-                       "layers")]
+        return [
+            _error(
+                "parallel.pp",
+                f"num_layers={L} is not divisible by pp x vpp = {pp} x {vpp} = {pp * vpp}",
+                f"parallel.pp=<one of {divisors(L, L)}>"
+                + (f" or parallel.vpp=<one of {[d // pp for d in fixes]}>" if fixes and vpp > 1 else ""),
+                "layers",
+            )
+        ]
     return []
 
 
@@ -141,14 +180,32 @@ def schedule_rules(schedule: str, pp: int, vpp: int) -> List[Violation]:
     out = []
     if schedule == "interleaved_1f1b":
         if vpp < 2:
-            out.append(_error("parallel.vpp", "schedule=interleaved_1f1b needs vpp > 1",
-                              "parallel.vpp=2 or parallel.schedule=1f1b", "schedule"))
+            out.append(
+                _error(
+                    "parallel.vpp",
+                    "schedule=interleaved_1f1b needs vpp > 1",
+                    "parallel.vpp=2 or parallel.schedule=1f1b",
+                    "schedule",
+                )
+            )
         if pp < 2:
-            out.append(_error("parallel.pp", "schedule=interleaved_1f1b needs pp > 1",
-                              "parallel.pp=2 or parallel.schedule=1f1b", "schedule"))
+            out.append(
+                _error(
+                    "parallel.pp",
+                    "schedule=interleaved_1f1b needs pp > 1",
+                    "parallel.pp=2 or parallel.schedule=1f1b",
+                    "schedule",
+                )
+            )
     elif vpp > 1:
-        out.append(_error("parallel.vpp", f"vpp={vpp} needs schedule=interleaved_1f1b (got {schedule})",
-                          "parallel.schedule=interleaved_1f1b or parallel.vpp=1", "schedule"))
+        out.append(
+            _error(
+                "parallel.vpp",
+                f"vpp={vpp} needs schedule=interleaved_1f1b (got {schedule})",
+                "parallel.schedule=interleaved_1f1b or parallel.vpp=1",
+                "schedule",
+            )
+        )
     return out
 
 
@@ -156,10 +213,19 @@ def interleaved_batch_rules(schedule: str, pp: int, micro_batches: int, unit: Op
     """The interleaved schedule sends micro-batches through the chunks in groups of pp."""
     if schedule != "interleaved_1f1b" or pp < 2 or micro_batches % pp == 0:
         return []
-    fix = (f"parallel.global_batch={-(-micro_batches // pp) * pp * unit}" if unit else
-           "parallel.global_batch = micro_batch x dp x a multiple of pp")
-    return [_error("parallel.global_batch", f"interleaved_1f1b needs the micro-batches per step ({micro_batches}) "
-                   f"to be a multiple of pp={pp}", fix, "interleaved_batch")]
+    fix = (
+        f"parallel.global_batch={-(-micro_batches // pp) * pp * unit}"
+        if unit
+        else "parallel.global_batch = micro_batch x dp x a multiple of pp"
+    )
+    return [
+        _error(
+            "parallel.global_batch",
+            f"interleaved_1f1b needs the micro-batches per step ({micro_batches}) to be a multiple of pp={pp}",
+            fix,
+            "interleaved_batch",
+        )
+    ]
 
 
 # ---- data parallelism -----------------------------------------------------------------------------
@@ -169,10 +235,15 @@ def batch_rules(global_batch: int, micro_batch: int, dp: int) -> List[Violation]
     if global_batch % unit == 0:
         return []
     lo = max(unit, global_batch // unit * unit)
-    return [_error("parallel.global_batch",
-                   f"global_batch {global_batch} is not divisible by micro_batch x dp = {micro_batch} x {dp} = {unit}",
-                   f"parallel.global_batch={lo} or {lo + unit if lo < global_batch else lo * 2}"
-                   " (accumulation = global / (micro x dp))", "batch")]
+    return [
+        _error(
+            "parallel.global_batch",
+            f"global_batch {global_batch} is not divisible by micro_batch x dp = {micro_batch} x {dp} = {unit}",
+            f"parallel.global_batch={lo} or {lo + unit if lo < global_batch else lo * 2}"
+            " (accumulation = global / (micro x dp))",
+            "batch",
+        )
+    ]
 
 
 # ---- context parallelism -------------------------------------------------------------------------
@@ -184,19 +255,42 @@ def cp_rules(cp: int, seq_length: int, tp: int, sp: bool, dropout: float, cp_com
     the cp attention has no dropout on the probabilities; cp_comm is ring or all_gather."""
     out = []
     if cp_comm not in CP_COMMS:
-        out.append(_error("parallel.cp_comm", f"cp_comm={cp_comm!r} is not one of {list(CP_COMMS)}",
-                          "parallel.cp_comm=ring", "cp_comm"))
+        out.append(
+            _error(
+                "parallel.cp_comm",
+                f"cp_comm={cp_comm!r} is not one of {list(CP_COMMS)}",
+                "parallel.cp_comm=ring",
+                "cp_comm",
+            )
+        )
     if cp <= 1:
         return out
     unit = 2 * cp * (tp if sequence_parallel_on(sp, tp) else 1)
     if seq_length % unit:
-        what = f"2 x cp = {2 * cp}" if unit == 2 * cp else f"2 x cp x tp = {unit} (sp splits each cp rank's tokens over tp)"
-        out.append(_error("parallel.cp", f"seq_length {seq_length} is not divisible by {what}: each sample is cut "
-                          f"into 2 x cp chunks", f"model.seq_length={(seq_length // unit + 1) * unit} or "
-                          f"parallel.cp=<one with seq_length divisible by 2 x cp>", "cp_seq"))
+        what = (
+            f"2 x cp = {2 * cp}"
+            if unit == 2 * cp
+            else f"2 x cp x tp = {unit} (sp splits each cp rank's tokens over tp)"
+        )
+        out.append(
+            _error(
+                "parallel.cp",
+                f"seq_length {seq_length} is not divisible by {what}: each sample is cut into 2 x cp chunks",
+                f"model.seq_length={(seq_length // unit + 1) * unit} or "
+                f"parallel.cp=<one with seq_length divisible by 2 x cp>",
+                "cp_seq",
+            )
+        )
     if dropout > 0.0:
-        out.append(_error("model.dropout", f"dropout {dropout} with cp={cp}: context-parallel attention has no "
-                          "dropout on the attention probabilities", "model.dropout=0 or parallel.cp=1", "cp_dropout"))
+        out.append(
+            _error(
+                "model.dropout",
+                f"dropout {dropout} with cp={cp}: context-parallel attention has no "
+                "dropout on the attention probabilities",
+                "model.dropout=0 or parallel.cp=1",
+                "cp_dropout",
+            )
+        )
     return out
 
 
@@ -206,30 +300,66 @@ ZERO_STAGES = (0, 1, 2, 3)
 """The ZeRO stages the engine runs."""
 
 
-def memory_lever_rules(zero: int, recompute: str, recompute_num_layers: int, chunk_layers: int,
-                       offload: str = "none", offload_dir: str = "") -> List[Violation]:
+def memory_lever_rules(
+    zero: int,
+    recompute: str,
+    recompute_num_layers: int,
+    chunk_layers: int,
+    offload: str = "none",
+    offload_dir: str = "",
+) -> List[Violation]:
     """zero is a stage the engine runs; recompute_num_layers is >= 0 and only means something under
     recompute=full (a warning otherwise, and when it covers the whole chunk anyway); offload=nvme names its
     directory."""
     out = []
     if str(offload) == "nvme" and not offload_dir:
-        out.append(_error("parallel.offload_dir", "offload=nvme needs a node-local directory for the state files",
-                          "parallel.offload_dir=/local/nvme/meshrun (or parallel.offload=cpu)", "offload"))
+        out.append(
+            _error(
+                "parallel.offload_dir",
+                "offload=nvme needs a node-local directory for the state files",
+                "parallel.offload_dir=/local/nvme/meshrun (or parallel.offload=cpu)",
+                "offload",
+            )
+        )
     if zero not in ZERO_STAGES:
-        out.append(_error("parallel.zero", f"must be one of {list(ZERO_STAGES)}, got {zero}",
-                          "parallel.zero=1 (optimizer sharded), 2 (grads too), 3 (parameters too) or 0", "zero"))
+        out.append(
+            _error(
+                "parallel.zero",
+                f"must be one of {list(ZERO_STAGES)}, got {zero}",
+                "parallel.zero=1 (optimizer sharded), 2 (grads too), 3 (parameters too) or 0",
+                "zero",
+            )
+        )
     n = recompute_num_layers
     if n < 0:
-        out.append(_error("parallel.recompute_num_layers", f"must be >= 0 (0 = every layer), got {n}",
-                          "parallel.recompute_num_layers=0", "recompute_num_layers"))
+        out.append(
+            _error(
+                "parallel.recompute_num_layers",
+                f"must be >= 0 (0 = every layer), got {n}",
+                "parallel.recompute_num_layers=0",
+                "recompute_num_layers",
+            )
+        )
     elif n > 0 and str(recompute) != "full":
-        out.append(Violation("warning", "parallel.recompute_num_layers",
-                             f"recompute_num_layers={n} only applies to recompute=full (got {recompute}): ignored",
-                             "parallel.recompute=full, or parallel.recompute_num_layers=0", "recompute_num_layers"))
+        out.append(
+            Violation(
+                "warning",
+                "parallel.recompute_num_layers",
+                f"recompute_num_layers={n} only applies to recompute=full (got {recompute}): ignored",
+                "parallel.recompute=full, or parallel.recompute_num_layers=0",
+                "recompute_num_layers",
+            )
+        )
     elif n >= chunk_layers > 0 and n > 0:
-        out.append(Violation("warning", "parallel.recompute_num_layers",
-                             f"recompute_num_layers={n} covers every one of the chunk's {chunk_layers} layers",
-                             "parallel.recompute_num_layers=0 (all) or fewer", "recompute_num_layers"))
+        out.append(
+            Violation(
+                "warning",
+                "parallel.recompute_num_layers",
+                f"recompute_num_layers={n} covers every one of the chunk's {chunk_layers} layers",
+                "parallel.recompute_num_layers=0 (all) or fewer",
+                "recompute_num_layers",
+            )
+        )
     return out
 
 
@@ -249,35 +379,82 @@ def moe_rules(m: ModelConfig, ep: int, dp: int, tp: int, cp: int, zero: int) -> 
         return [_error("model.num_experts", f"num_experts={E} is negative", "model.num_experts=0 (dense) or > 0")]
     if E == 0:
         if ep > 1:
-            out.append(_error("parallel.ep", f"ep={ep} but the model has no experts (model.num_experts=0)",
-                              "parallel.ep=1, or set model.num_experts", "ep_dense"))
+            out.append(
+                _error(
+                    "parallel.ep",
+                    f"ep={ep} but the model has no experts (model.num_experts=0)",
+                    "parallel.ep=1, or set model.num_experts",
+                    "ep_dense",
+                )
+            )
         return out
     if not 1 <= m.moe_top_k <= E:
-        out.append(_error("model.moe_top_k", f"moe_top_k={m.moe_top_k} is outside 1..num_experts={E}",
-                          f"model.moe_top_k={min(max(1, m.moe_top_k), E)}", "moe_top_k"))
+        out.append(
+            _error(
+                "model.moe_top_k",
+                f"moe_top_k={m.moe_top_k} is outside 1..num_experts={E}",
+                f"model.moe_top_k={min(max(1, m.moe_top_k), E)}",
+                "moe_top_k",
+            )
+        )
     if m.moe_capacity_factor < 0:
-        out.append(_error("model.moe_capacity_factor", f"moe_capacity_factor={m.moe_capacity_factor} is negative",
-                          "model.moe_capacity_factor=0 (dropless) or a positive factor such as 1.25", "moe_capacity"))
+        out.append(
+            _error(
+                "model.moe_capacity_factor",
+                f"moe_capacity_factor={m.moe_capacity_factor} is negative",
+                "model.moe_capacity_factor=0 (dropless) or a positive factor such as 1.25",
+                "moe_capacity",
+            )
+        )
     good = [d for d in divisors(E, E) if dp < 1 or dp % d == 0]
     if ep < 1 or E % ep:
-        out.append(_error("parallel.ep", f"num_experts={E} is not divisible by ep={ep}",
-                          f"parallel.ep={_closest(good, ep)}", "ep_experts"))
+        out.append(
+            _error(
+                "parallel.ep",
+                f"num_experts={E} is not divisible by ep={ep}",
+                f"parallel.ep={_closest(good, ep)}",
+                "ep_experts",
+            )
+        )
     elif dp >= 1 and dp % ep:
-        out.append(_error("parallel.ep", f"ep={ep} does not divide the data-parallel ranks dp={dp} (expert-parallel "
-                          "groups are carved out of dp)", f"parallel.ep={_closest(good, ep)}, or a dp that ep divides",
-                          "ep_dp"))
+        out.append(
+            _error(
+                "parallel.ep",
+                f"ep={ep} does not divide the data-parallel ranks dp={dp} (expert-parallel "
+                "groups are carved out of dp)",
+                f"parallel.ep={_closest(good, ep)}, or a dp that ep divides",
+                "ep_dp",
+            )
+        )
     f = m.moe_ffn_hidden_size or m.ffn
     if tp > 1 and f % tp:
-        out.append(_error("model.moe_ffn_hidden_size", f"expert hidden size {f} is not divisible by tp={tp}",
-                          f"parallel.tp={max(divisors(f, tp))}, or an expert width tp divides", "tp_moe_ffn"))
+        out.append(
+            _error(
+                "model.moe_ffn_hidden_size",
+                f"expert hidden size {f} is not divisible by tp={tp}",
+                f"parallel.tp={max(divisors(f, tp))}, or an expert width tp divides",
+                "tp_moe_ffn",
+            )
+        )
     if cp > 1:
-        out.append(_error("parallel.cp", f"cp={cp} with experts: the engine routes whole sequences (the balance loss "
-                          "and capacity are per micro-batch) and does not split them over cp yet",
-                          "parallel.cp=1 with model.num_experts > 0", "moe_cp"))
+        out.append(
+            _error(
+                "parallel.cp",
+                f"cp={cp} with experts: the engine routes whole sequences (the balance loss "
+                "and capacity are per micro-batch) and does not split them over cp yet",
+                "parallel.cp=1 with model.num_experts > 0",
+                "moe_cp",
+            )
+        )
     if zero >= 3:
-        out.append(_error("parallel.zero", "zero=3 with experts: expert weights are not gathered per unit yet",
-                          "parallel.zero=2 (grads and optimizer state sharded; expert state over the expert-dp "
-                          "group)", "moe_zero3"))
+        out.append(
+            _error(
+                "parallel.zero",
+                "zero=3 with experts: expert weights are not gathered per unit yet",
+                "parallel.zero=2 (grads and optimizer state sharded; expert state over the expert-dp group)",
+                "moe_zero3",
+            )
+        )
     return out
 
 
@@ -288,8 +465,14 @@ def layout_violations(cfg: Config, dp: int) -> List[Violation]:
     out += schedule_rules(par.schedule, par.pp, par.vpp)
     out += sp_rules(par.sp, par.tp, m.seq_length)
     out += cp_rules(par.cp, m.seq_length, par.tp, par.sp, m.dropout, getattr(par, "cp_comm", "ring"))
-    out += memory_lever_rules(par.zero, par.recompute, getattr(par, "recompute_num_layers", 0), chunk_layer_count(cfg),
-                              str(getattr(par, "offload", "none")), getattr(par, "offload_dir", ""))
+    out += memory_lever_rules(
+        par.zero,
+        par.recompute,
+        getattr(par, "recompute_num_layers", 0),
+        chunk_layer_count(cfg),
+        str(getattr(par, "offload", "none")),
+        getattr(par, "offload_dir", ""),
+    )
     out += moe_rules(m, getattr(par, "ep", 1), dp, par.tp, par.cp, par.zero)
     if dp >= 1:
         out += batch_rules(par.global_batch, par.micro_batch, dp)
@@ -303,6 +486,9 @@ def raise_errors(violations: List[Violation]) -> List[Violation]:
     """Raise LayoutError listing every error (one per line); return the warnings."""
     errors = [v for v in violations if v.level == "error"]
     if errors:
-        raise LayoutError(str(errors[0]) if len(errors) == 1 else
-                          "\n".join(["the parallel layout breaks these rules:"] + [f"  {v}" for v in errors]))
+        raise LayoutError(
+            str(errors[0])
+            if len(errors) == 1
+            else "\n".join(["the parallel layout breaks these rules:"] + [f"  {v}" for v in errors])
+        )
     return [v for v in violations if v.level != "error"]

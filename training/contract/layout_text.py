@@ -65,10 +65,22 @@ class Layout:
 def layout_of(cfg: Config, dp: Optional[int] = None) -> Layout:
     """The layout of a config; dp as given (a plan's), else the config's own or derived one."""
     p = cfg.parallel
-    return Layout(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, dp=derived_dp(cfg) if dp is None else dp,
-                  ep=p.ep if cfg.model.num_experts > 0 else None, zero=p.zero, sp=bool(p.sp),
-                  micro_batch=p.micro_batch, global_batch=p.global_batch, schedule=str(p.schedule),
-                  recompute=str(p.recompute), recompute_num_layers=p.recompute_num_layers, offload=str(p.offload))
+    return Layout(
+        tp=p.tp,
+        pp=p.pp,
+        vpp=p.vpp,
+        cp=p.cp,
+        dp=derived_dp(cfg) if dp is None else dp,
+        ep=p.ep if cfg.model.num_experts > 0 else None,
+        zero=p.zero,
+        sp=bool(p.sp),
+        micro_batch=p.micro_batch,
+        global_batch=p.global_batch,
+        schedule=str(p.schedule),
+        recompute=str(p.recompute),
+        recompute_num_layers=p.recompute_num_layers,
+        offload=str(p.offload),
+    )
 
 
 def _override(value: object) -> str:
@@ -87,15 +99,29 @@ def format_layout(lay: Layout, form: str = "short") -> str:
         text += f" z{lay.zero}" if lay.zero else ""
         return text + (f" offload={lay.offload}" if lay.offload != "none" else "")
     if form == "overrides":
-        keys = ["tp", "pp", "vpp", "cp", "dp", "sp", "zero", "micro_batch", "schedule", "recompute",
-                "recompute_num_layers", "offload"]
+        keys = [
+            "tp",
+            "pp",
+            "vpp",
+            "cp",
+            "dp",
+            "sp",
+            "zero",
+            "micro_batch",
+            "schedule",
+            "recompute",
+            "recompute_num_layers",
+            "offload",
+        ]
         keys += ["ep"] if lay.ep is not None else []
         return " ".join(f"parallel.{k}={_override(getattr(lay, k))}" for k in keys)
     if form == "column":
         cp = f"cp{lay.cp}·" if lay.cp > 1 else ""
         return f"tp{lay.tp}·pp{lay.pp}·{cp}dp{lay.dp} vpp{lay.vpp}" + (" sp" if lay.sp else "")
     if form == "world":
-        return (f"world {lay.world} = tp {lay.tp} x pp {lay.pp} x cp {lay.cp} x dp {lay.dp}"
-                + (f", vpp {lay.vpp}" if lay.vpp > 1 else "")
-                + (f", ep {lay.ep} (inside dp)" if lay.ep is not None and lay.ep > 1 else ""))
+        return (
+            f"world {lay.world} = tp {lay.tp} x pp {lay.pp} x cp {lay.cp} x dp {lay.dp}"
+            + (f", vpp {lay.vpp}" if lay.vpp > 1 else "")
+            + (f", ep {lay.ep} (inside dp)" if lay.ep is not None and lay.ep > 1 else "")
+        )
     raise ValueError(f"unknown layout form {form!r}: one of {', '.join(FORMS)}")

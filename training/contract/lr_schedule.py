@@ -62,14 +62,30 @@ def schedule_problems(train: TrainConfig) -> List[Tuple[str, str, str]]:
     """(key, what is wrong, fix) for each bad schedule key: the launcher and the engine both check these."""
     out = []
     if not 0.0 <= train.decay_fraction <= 1.0:
-        out.append(("train.decay_fraction", f"must be in [0, 1] (the share of the decay horizon spent decaying under "
-                    f"lr_schedule=wsd), got {train.decay_fraction}", "train.decay_fraction=0.2"))
+        out.append(
+            (
+                "train.decay_fraction",
+                f"must be in [0, 1] (the share of the decay horizon spent decaying under "
+                f"lr_schedule=wsd), got {train.decay_fraction}",
+                "train.decay_fraction=0.2",
+            )
+        )
     if train.decay_steps is not None and train.decay_steps < 1:
-        out.append(("train.decay_steps", f"must be >= 1, got {train.decay_steps}",
-                    "train.decay_steps=null (decay until train.steps)"))
+        out.append(
+            (
+                "train.decay_steps",
+                f"must be >= 1, got {train.decay_steps}",
+                "train.decay_steps=null (decay until train.steps)",
+            )
+        )
     if str(train.lr_schedule) not in SCHEDULES:
-        out.append(("train.lr_schedule", f"unknown schedule {str(train.lr_schedule)!r}",
-                    f"train.lr_schedule=one of {'|'.join(SCHEDULES)}"))
+        out.append(
+            (
+                "train.lr_schedule",
+                f"unknown schedule {str(train.lr_schedule)!r}",
+                f"train.lr_schedule=one of {'|'.join(SCHEDULES)}",
+            )
+        )
     return out
 
 

@@ -56,6 +56,7 @@ def grad_dtype(precision: str):
     check_precision(precision)
     return torch_dtype(GRAD_DTYPE[precision])
 
+
 OFFLOAD_BLOCK_ELEMS = 1 << 18
 """Elements per block of the offloaded optimizer step (parallel.offload=nvme reads and writes the state in
 blocks of this size; the planner counts one fp32 buffer of it per state tensor as the rank's host bytes)."""

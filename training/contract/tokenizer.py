@@ -81,7 +81,8 @@ class HFTokenizer(Tokenizer):
         except Exception as exc:  # tokenizers raises its own Exception types for bad JSON / unknown models
             raise TokenizerError(
                 f"{path}: not a loadable Hugging Face tokenizer.json ({str(exc).splitlines()[0][:200]}); "
-                f"give a tokenizer.json saved by `tokenizers` or `transformers`, or prepare.tokenizer=bytes|bpe") from exc
+                f"give a tokenizer.json saved by `tokenizers` or `transformers`, or prepare.tokenizer=bytes|bpe"
+            ) from exc
         self.name = os.path.abspath(path)
         self.vocab_size = int(self.hf.get_vocab_size(with_added_tokens=True))
         self.eod_id = self._find_eod(path, eod_token)
@@ -94,10 +95,13 @@ class HFTokenizer(Tokenizer):
             if token_id is not None:
                 return int(token_id)
         if eod_token:
-            raise TokenizerError(f"{path}: has no token {eod_token!r}; set prepare.eod_token to one of its "
-                                 f"special tokens")
-        raise TokenizerError(f"{path}: has none of the end-of-document tokens {', '.join(EOD_CANDIDATES)}; "
-                             f"name its end-of-document token with prepare.eod_token=TOKEN")
+            raise TokenizerError(
+                f"{path}: has no token {eod_token!r}; set prepare.eod_token to one of its special tokens"
+            )
+        raise TokenizerError(
+            f"{path}: has none of the end-of-document tokens {', '.join(EOD_CANDIDATES)}; "
+            f"name its end-of-document token with prepare.eod_token=TOKEN"
+        )
 
     def encode(self, text: str) -> List[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
@@ -128,8 +132,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int, eod_token: str = "<|endofte
     tok = _HF(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eod_token], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eod_token],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     return tok
 
@@ -172,20 +180,28 @@ def load_tokenizer(path_or_name: str, eod_token: str = "", _via: Optional[str] =
         return HFTokenizer(spec, eod_token)
     if os.path.isfile(description_path(spec)):
         if _via is not None:  # a description naming a dataset (itself, or another one) as its tokenizer
-            raise TokenizerError(f"{description_path(_via)} names {spec!r} as its tokenizer, which is a dataset, not "
-                                 f"a tokenizer file; prepare the dataset again (action=prepare) or restore its "
-                                 f"tokenizer.json")
+            raise TokenizerError(
+                f"{description_path(_via)} names {spec!r} as its tokenizer, which is a dataset, not "
+                f"a tokenizer file; prepare the dataset again (action=prepare) or restore its "
+                f"tokenizer.json"
+            )
         inner = dataset_tokenizer_spec(spec)
         if inner is None:
-            raise TokenizerError(f"{description_path(spec)}: names no tokenizer (a dataset meshrun did not prepare); "
-                                 f"give the tokenizer file itself")
+            raise TokenizerError(
+                f"{description_path(spec)}: names no tokenizer (a dataset meshrun did not prepare); "
+                f"give the tokenizer file itself"
+            )
         tok = load_tokenizer(inner[0], eod_token or inner[1], _via=spec)
         recorded = _recorded_sha256(spec)
         actual = tok.describe().get("sha256")
         if recorded and actual and recorded != actual:
-            raise TokenizerError(f"{inner[0]} is not the tokenizer {description_path(spec)} was prepared with "
-                                 f"(sha256 {actual[:12]}..., recorded {recorded[:12]}...): its token ids would "
-                                 f"decode to other text. Restore that tokenizer file, or prepare the dataset again")
+            raise TokenizerError(
+                f"{inner[0]} is not the tokenizer {description_path(spec)} was prepared with "
+                f"(sha256 {actual[:12]}..., recorded {recorded[:12]}...): its token ids would "
+                f"decode to other text. Restore that tokenizer file, or prepare the dataset again"
+            )
         return tok
-    raise TokenizerError(f"{spec!r}: no such tokenizer file, directory with tokenizer.json, or dataset prefix "
-                         f"(nothing is downloaded); give `bytes`, a path to a tokenizer.json, or a prepared dataset")
+    raise TokenizerError(
+        f"{spec!r}: no such tokenizer file, directory with tokenizer.json, or dataset prefix "
+        f"(nothing is downloaded); give `bytes`, a path to a tokenizer.json, or a prepared dataset"
+    )

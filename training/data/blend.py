@@ -79,8 +79,10 @@ class IndexedSource(SampleSource):
         self.ds, self.seq, self.key = ds, seq, key
         self.windows = (ds.num_tokens - 1) // seq
         if self.windows < 1:
-            raise DataError(f"{ds.prefix}: {ds.num_tokens} tokens cannot fill one sample of model.seq_length={seq} "
-                            f"+ 1 tokens; use a shorter model.seq_length or a larger dataset")
+            raise DataError(
+                f"{ds.prefix}: {ds.num_tokens} tokens cannot fill one sample of model.seq_length={seq} "
+                f"+ 1 tokens; use a shorter model.seq_length or a larger dataset"
+            )
         self.num_samples = 1 << 62
         self._perms: dict = {}
 
@@ -96,7 +98,7 @@ class IndexedSource(SampleSource):
 
     def sample(self, index: int) -> np.ndarray:
         start = self.window(index) * self.seq
-        return np.asarray(self.ds.tokens[start:start + self.seq + 1], dtype=np.int64)
+        return np.asarray(self.ds.tokens[start : start + self.seq + 1], dtype=np.int64)
 
 
 def block_counts(weights: Sequence[float], block: int = BLOCK) -> List[int]:
@@ -105,7 +107,7 @@ def block_counts(weights: Sequence[float], block: int = BLOCK) -> List[int]:
     exact = [w / total * block for w in weights]
     counts = [int(np.floor(x)) for x in exact]
     order = sorted(range(len(weights)), key=lambda d: (-(exact[d] - counts[d]), d))
-    for d in order[:block - sum(counts)]:
+    for d in order[: block - sum(counts)]:
         counts[d] += 1
     return counts
 
@@ -147,9 +149,11 @@ def valid_prefixes(cfg, descriptions: Sequence[dict]) -> List[str]:
     for prefix, desc in zip(cfg.data.prefixes, descriptions):
         name = (desc or {}).get("valid_prefix")
         if not name:
-            raise DataError(f"train.eval_every={cfg.train.eval_every} needs held-out data but {prefix} has no "
-                            f"validation split; prepare it with prepare.valid_fraction>0, or give "
-                            f"data.valid_prefixes=[...] (or train.eval_every=0)")
+            raise DataError(
+                f"train.eval_every={cfg.train.eval_every} needs held-out data but {prefix} has no "
+                f"validation split; prepare it with prepare.valid_fraction>0, or give "
+                f"data.valid_prefixes=[...] (or train.eval_every=0)"
+            )
         out.append(os.path.join(os.path.dirname(prefix), name))
     return out
 
@@ -162,17 +166,21 @@ def check_vocab(cfg, prefixes: Sequence[str], descriptions: Sequence[dict]) -> N
     for prefix, desc in zip(prefixes, descriptions):
         need = int(desc.get("min_vocab_size") or 0)
         if cfg.model.vocab_size < need:
-            raise DataError(f"model.vocab_size={cfg.model.vocab_size} is smaller than {prefix}'s vocabulary "
-                            f"({need} tokens, {desc.get('tokenizer', {}) and 'its tokenizer' or 'its largest id + 1'}); "
-                            f"set model.vocab_size={need} or leave it unset (meshrun takes the tokenizer's)")
+            raise DataError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller than {prefix}'s vocabulary "
+                f"({need} tokens, {desc.get('tokenizer', {}) and 'its tokenizer' or 'its largest id + 1'}); "
+                f"set model.vocab_size={need} or leave it unset (meshrun takes the tokenizer's)"
+            )
 
 
 def blend_weights(cfg, datasets: Sequence[IndexedDataset], weights: Optional[Sequence[float]]) -> List[float]:
     """data.weights, or each dataset's share of the tokens when none are given."""
     if weights:
         if len(weights) != len(datasets):
-            raise DataError(f"data.weights has {len(weights)} entries for {len(datasets)} data.prefixes; "
-                            f"give one weight per prefix (or none: weights by token count)")
+            raise DataError(
+                f"data.weights has {len(weights)} entries for {len(datasets)} data.prefixes; "
+                f"give one weight per prefix (or none: weights by token count)"
+            )
         if any(w < 0 for w in weights) or sum(weights) <= 0:
             raise DataError(f"data.weights={list(weights)}: weights must be >= 0 with a positive sum")
         return [float(w) for w in weights]
@@ -182,8 +190,10 @@ def blend_weights(cfg, datasets: Sequence[IndexedDataset], weights: Optional[Seq
 def make_indexed_source(cfg, split: str = "train", may_describe: bool = True) -> BlendedSource:
     """The blended sample source of the training prefixes or (split="valid") of their held-out data."""
     if not cfg.data.prefixes:
-        raise DataError("data=indexed needs data.prefixes=[DIR/NAME,...] (datasets written by "
-                        "`meshrun action=prepare` or Megatron-LM)")
+        raise DataError(
+            "data=indexed needs data.prefixes=[DIR/NAME,...] (datasets written by "
+            "`meshrun action=prepare` or Megatron-LM)"
+        )
     opened = open_all(cfg.data.prefixes, may_describe)
     check_vocab(cfg, cfg.data.prefixes, [d for _, d in opened])
     weights = cfg.data.weights
@@ -198,6 +208,8 @@ def make_indexed_source(cfg, split: str = "train", may_describe: bool = True) ->
     datasets = [ds for ds, _ in opened]
     w = blend_weights(cfg, datasets, weights)
     seq = cfg.model.seq_length
-    sources = [IndexedSource(ds, seq, stable_key(cfg.train.seed, split, d), prefix)
-               for d, (ds, prefix) in enumerate(zip(datasets, prefixes))]
+    sources = [
+        IndexedSource(ds, seq, stable_key(cfg.train.seed, split, d), prefix)
+        for d, (ds, prefix) in enumerate(zip(datasets, prefixes))
+    ]
     return BlendedSource(sources, w)

@@ -7,11 +7,19 @@ from typing import Optional
 
 from training.contract.config import Config
 from training.data.blend import make_indexed_source
-from training.data.sources import CorpusInfo, SampleSource, SyntheticSource, TextSource, build_corpus, validate_data_config
+from training.data.sources import (
+    CorpusInfo,
+    SampleSource,
+    SyntheticSource,
+    TextSource,
+    build_corpus,
+    validate_data_config,
+)
 
 
-def make_source(cfg: Config, run_dir: str, corpus: Optional[CorpusInfo] = None,
-                may_describe: bool = True) -> SampleSource:
+def make_source(
+    cfg: Config, run_dir: str, corpus: Optional[CorpusInfo] = None, may_describe: bool = True
+) -> SampleSource:
     """The sample source of this run (builds the text corpus unless given; opens indexed datasets)."""
     validate_data_config(cfg)
     if cfg.data.kind == "synthetic":

@@ -39,8 +39,16 @@ from training.data.sources import DataError
 HEADER = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = len(HEADER) + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count
-DTYPE_CODES: Dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
-                                6: np.float64, 7: np.float32, 8: np.uint16}
+DTYPE_CODES: Dict[int, type] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 CODE_OF = {np.dtype(v).name: k for k, v in DTYPE_CODES.items()}
 TOKEN_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "uint16")  # float codes hold no token ids
 FINGERPRINT_SPAN = 1 << 20
@@ -78,8 +86,10 @@ def fingerprint(path: str) -> str:
 
 def file_facts(prefix: str) -> dict:
     """Sizes and fingerprints of NAME.bin and NAME.idx, as the description records them."""
-    return {ext: {"bytes": os.path.getsize(p), "fingerprint": fingerprint(p)}
-            for ext, p in (("bin", bin_path(prefix)), ("idx", idx_path(prefix)))}
+    return {
+        ext: {"bytes": os.path.getsize(p), "fingerprint": fingerprint(p)}
+        for ext, p in (("bin", bin_path(prefix)), ("idx", idx_path(prefix)))
+    }
 
 
 # ---- reading ---------------------------------------------------------------------------------------
@@ -102,19 +112,23 @@ def read_header(prefix: str) -> IndexHeader:
         with open(path, "rb") as f:
             head = f.read(HEADER_BYTES)
     except OSError as exc:
-        raise DataError(f"{path}: cannot read the index ({exc.strerror}); check data.prefixes "
-                        f"(each prefix names NAME for NAME.bin and NAME.idx)") from exc
-    if len(head) < HEADER_BYTES or head[:len(HEADER)] != HEADER:
+        raise DataError(
+            f"{path}: cannot read the index ({exc.strerror}); check data.prefixes "
+            f"(each prefix names NAME for NAME.bin and NAME.idx)"
+        ) from exc
+    if len(head) < HEADER_BYTES or head[: len(HEADER)] != HEADER:
         raise DataError(f"{path}: not a Megatron MMIDIDX index (bad header); {fix}")
-    version, code, sequences, doc_len = struct.unpack("<QBQQ", head[len(HEADER):])
+    version, code, sequences, doc_len = struct.unpack("<QBQQ", head[len(HEADER) :])
     if version != VERSION:
         raise DataError(f"{path}: index version {version}, meshrun reads version {VERSION}; {fix}")
     if code not in DTYPE_CODES or np.dtype(DTYPE_CODES[code]).name not in TOKEN_DTYPES:
         raise DataError(f"{path}: token dtype code {code} is not an integer dtype; {fix}")
     want = HEADER_BYTES + sequences * (4 + 8) + doc_len * 8
     if size != want:
-        raise DataError(f"{path}: {size} bytes, but its header ({sequences} sequences, {doc_len - 1} documents) "
-                        f"needs {want}: the index is truncated or damaged; {fix}")
+        raise DataError(
+            f"{path}: {size} bytes, but its header ({sequences} sequences, {doc_len - 1} documents) "
+            f"needs {want}: the index is truncated or damaged; {fix}"
+        )
     return IndexHeader(np.dtype(DTYPE_CODES[code]), int(sequences), int(doc_len))
 
 
@@ -133,14 +147,17 @@ class IndexedDataset:
         try:
             nbytes = os.path.getsize(bpath)
         except OSError as exc:
-            raise DataError(f"{bpath}: missing ({exc.strerror}); NAME.bin and NAME.idx belong together: "
-                            f"prepare the dataset again") from exc
+            raise DataError(
+                f"{bpath}: missing ({exc.strerror}); NAME.bin and NAME.idx belong together: prepare the dataset again"
+            ) from exc
         item = self.dtype.itemsize
         end = int(self.pointers[-1]) + int(self.sizes[-1]) * item if head.sequences else 0
         if nbytes != end:
-            raise DataError(f"{bpath}: {nbytes} bytes, but {path} places its last token at byte {end} "
-                            f"({self.dtype.name}): the token file is truncated or was written with another dtype; "
-                            f"prepare the dataset again")
+            raise DataError(
+                f"{bpath}: {nbytes} bytes, but {path} places its last token at byte {end} "
+                f"({self.dtype.name}): the token file is truncated or was written with another dtype; "
+                f"prepare the dataset again"
+            )
         self.num_tokens = nbytes // item
         self.tokens = np.memmap(bpath, self.dtype, "r") if nbytes else np.zeros(0, self.dtype)
 
@@ -154,7 +171,7 @@ class IndexedDataset:
 
     def sequence(self, i: int) -> np.ndarray:
         start = int(self.pointers[i]) // self.dtype.itemsize
-        return self.tokens[start:start + int(self.sizes[i])]
+        return self.tokens[start : start + int(self.sizes[i])]
 
     def document(self, j: int) -> np.ndarray:
         """The tokens of document j (its sequences, concatenated)."""
@@ -196,8 +213,10 @@ class IndexedWriter:
         """Ends documents of these lengths (in tokens, counted from the previous end)."""
         arr = np.asarray(lengths, dtype=np.int64)
         if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
-            raise DataError(f"{self.prefix}: a document of {int(arr.max())} tokens does not fit the index's int32 "
-                            f"lengths; split it into smaller documents")
+            raise DataError(
+                f"{self.prefix}: a document of {int(arr.max())} tokens does not fit the index's int32 "
+                f"lengths; split it into smaller documents"
+            )
         self._sizes.write(arr.astype(np.int32).tobytes())
         self.documents += int(arr.size)
 
@@ -227,10 +246,10 @@ class IndexedWriter:
             out.write(struct.pack("<Q", n + 1))
             sizes = np.memmap(self.tmp_sizes, np.int32, "r") if n else np.zeros(0, np.int32)
             for a in range(0, n, self.CHUNK):
-                out.write(np.asarray(sizes[a:a + self.CHUNK]).tobytes())
+                out.write(np.asarray(sizes[a : a + self.CHUNK]).tobytes())
             offset = 0
             for a in range(0, n, self.CHUNK):
-                part = np.asarray(sizes[a:a + self.CHUNK], dtype=np.int64) * item
+                part = np.asarray(sizes[a : a + self.CHUNK], dtype=np.int64) * item
                 pointers = np.cumsum(part) - part + offset
                 out.write(pointers.astype(np.int64).tobytes())
                 offset += int(part.sum())
@@ -273,11 +292,15 @@ def read_description(prefix: str) -> Optional[dict]:
         with open(path) as f:
             desc = json.load(f)
     except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: unreadable description ({exc}); delete it (meshrun rescans the dataset) "
-                        f"or prepare the dataset again") from exc
+        raise DataError(
+            f"{path}: unreadable description ({exc}); delete it (meshrun rescans the dataset) "
+            f"or prepare the dataset again"
+        ) from exc
     if not isinstance(desc, dict) or desc.get("format") != DESCRIPTION_FORMAT:
-        raise DataError(f"{path}: not a meshrun dataset description (format {desc.get('format')!r}); "
-                        f"move it away or prepare the dataset again")
+        raise DataError(
+            f"{path}: not a meshrun dataset description (format {desc.get('format')!r}); "
+            f"move it away or prepare the dataset again"
+        )
     return desc
 
 
@@ -287,14 +310,14 @@ def scan(ds: IndexedDataset) -> dict:
     contiguous, top, offset = True, -1, 0
     step = 1 << 22
     for a in range(0, ds.num_sequences, step):
-        sizes = np.asarray(ds.sizes[a:a + step], dtype=np.int64) * item
+        sizes = np.asarray(ds.sizes[a : a + step], dtype=np.int64) * item
         want = np.cumsum(sizes) - sizes + offset
-        if not np.array_equal(want, np.asarray(ds.pointers[a:a + step])):
+        if not np.array_equal(want, np.asarray(ds.pointers[a : a + step])):
             contiguous = False
             break
         offset += int(sizes.sum())
     for a in range(0, ds.num_tokens, 1 << 26):
-        part = ds.tokens[a:a + (1 << 26)]
+        part = ds.tokens[a : a + (1 << 26)]
         if part.size:
             top = max(top, int(part.max()))
     return {"contiguous": contiguous, "max_token": top}
@@ -302,9 +325,15 @@ def scan(ds: IndexedDataset) -> dict:
 
 def describe(prefix: str, ds: IndexedDataset, extra: Optional[dict] = None) -> dict:
     """The description of a dataset: counts, dtype, file facts, plus `extra` (tokenizer, sources, split)."""
-    desc = {"format": DESCRIPTION_FORMAT, "megatron_format": "MMIDIDX version 1", "dtype": ds.dtype.name,
-            "documents": ds.num_documents, "sequences": ds.num_sequences, "tokens": ds.num_tokens,
-            "files": file_facts(prefix)}
+    desc = {
+        "format": DESCRIPTION_FORMAT,
+        "megatron_format": "MMIDIDX version 1",
+        "dtype": ds.dtype.name,
+        "documents": ds.num_documents,
+        "sequences": ds.num_sequences,
+        "tokens": ds.num_tokens,
+        "files": file_facts(prefix),
+    }
     desc.update(extra or {})
     return desc
 
@@ -312,22 +341,30 @@ def describe(prefix: str, ds: IndexedDataset, extra: Optional[dict] = None) -> d
 def check_against_description(prefix: str, ds: IndexedDataset, desc: dict) -> None:
     """Constant time: the files are still the ones NAME.json describes."""
     path = description_path(prefix)
-    fix = ("prepare the dataset again with `meshrun action=prepare` (or, for files meshrun did not write, "
-           f"delete {os.path.basename(path)} and meshrun rescans them)")
+    fix = (
+        "prepare the dataset again with `meshrun action=prepare` (or, for files meshrun did not write, "
+        f"delete {os.path.basename(path)} and meshrun rescans them)"
+    )
     if desc.get("dtype") != ds.dtype.name:
-        raise DataError(f"{idx_path(prefix)}: tokens are {ds.dtype.name} but {path} describes {desc.get('dtype')}: "
-                        f"the index was written with another dtype; {fix}")
+        raise DataError(
+            f"{idx_path(prefix)}: tokens are {ds.dtype.name} but {path} describes {desc.get('dtype')}: "
+            f"the index was written with another dtype; {fix}"
+        )
     for key, have in (("documents", ds.num_documents), ("sequences", ds.num_sequences), ("tokens", ds.num_tokens)):
         if desc.get(key) != have:
-            raise DataError(f"{prefix}: holds {have} {key}, {path} describes {desc.get(key)}: the files changed "
-                            f"after they were described; {fix}")
+            raise DataError(
+                f"{prefix}: holds {have} {key}, {path} describes {desc.get(key)}: the files changed "
+                f"after they were described; {fix}"
+            )
     facts = file_facts(prefix)
     for ext, fact in facts.items():
         want = (desc.get("files") or {}).get(ext) or {}
         if fact != want:
-            raise DataError(f"{prefix}.{ext}: {fact['bytes']} bytes (fingerprint {fact['fingerprint'][:12]}) but "
-                            f"{path} describes {want.get('bytes')} bytes (fingerprint "
-                            f"{str(want.get('fingerprint'))[:12]}): the file changed after it was described; {fix}")
+            raise DataError(
+                f"{prefix}.{ext}: {fact['bytes']} bytes (fingerprint {fact['fingerprint'][:12]}) but "
+                f"{path} describes {want.get('bytes')} bytes (fingerprint "
+                f"{str(want.get('fingerprint'))[:12]}): the file changed after it was described; {fix}"
+            )
 
 
 def open_dataset(prefix: str, may_describe: bool = True) -> "tuple[IndexedDataset, dict]":
@@ -340,8 +377,16 @@ def open_dataset(prefix: str, may_describe: bool = True) -> "tuple[IndexedDatase
     desc = read_description(prefix)
     if desc is None:
         found = scan(ds)
-        desc = describe(prefix, ds, {"scanned": True, "contiguous": found["contiguous"],
-                                     "min_vocab_size": found["max_token"] + 1, "tokenizer": None})
+        desc = describe(
+            prefix,
+            ds,
+            {
+                "scanned": True,
+                "contiguous": found["contiguous"],
+                "min_vocab_size": found["max_token"] + 1,
+                "tokenizer": None,
+            },
+        )
         if may_describe:
             try:
                 write_json_atomic(description_path(prefix), desc)
@@ -350,7 +395,9 @@ def open_dataset(prefix: str, may_describe: bool = True) -> "tuple[IndexedDatase
     else:
         check_against_description(prefix, ds, desc)
     if not desc.get("contiguous", True):
-        raise DataError(f"{prefix}: its sequences are not stored back to back in {bin_path(prefix)}; meshrun reads "
-                        f"datasets laid out as Megatron-LM's builder writes them: rewrite it with "
-                        f"`meshrun action=prepare` or Megatron-LM's preprocess_data.py")
+        raise DataError(
+            f"{prefix}: its sequences are not stored back to back in {bin_path(prefix)}; meshrun reads "
+            f"datasets laid out as Megatron-LM's builder writes them: rewrite it with "
+            f"`meshrun action=prepare` or Megatron-LM's preprocess_data.py"
+        )
     return ds, desc

@@ -106,7 +106,9 @@ def build_corpus(cfg: Config, run_dir: str) -> CorpusInfo:
                     with open(name, "rb") as f:
                         chunk = f.read(cfg.data.max_bytes - total)
                 except OSError as exc:
-                    raise DataError(f"data.paths: cannot read {name!r} ({exc}); fix its permissions or remove it") from exc
+                    raise DataError(
+                        f"data.paths: cannot read {name!r} ({exc}); fix its permissions or remove it"
+                    ) from exc
                 out.write(chunk)
                 total += len(chunk)
         if total == 0:
@@ -178,14 +180,20 @@ def validate_data_config(cfg: Config) -> None:
             f"raise data.max_bytes"
         )
     if cfg.data.kind == "indexed" and not cfg.data.prefixes:
-        raise DataError("data=indexed needs data.prefixes=[DIR/NAME,...]: datasets written by "
-                        "`meshrun action=prepare` (or Megatron-LM's preprocess_data.py)")
+        raise DataError(
+            "data=indexed needs data.prefixes=[DIR/NAME,...]: datasets written by "
+            "`meshrun action=prepare` (or Megatron-LM's preprocess_data.py)"
+        )
     if cfg.data.kind == "indexed" and cfg.data.weights and len(cfg.data.weights) != len(cfg.data.prefixes):
-        raise DataError(f"data.weights has {len(cfg.data.weights)} entries for {len(cfg.data.prefixes)} "
-                        f"data.prefixes; give one weight per prefix, or none (weights by token count)")
+        raise DataError(
+            f"data.weights has {len(cfg.data.weights)} entries for {len(cfg.data.prefixes)} "
+            f"data.prefixes; give one weight per prefix, or none (weights by token count)"
+        )
     if cfg.train.eval_every > 0 and cfg.data.kind == "text":
-        raise DataError("train.eval_every needs held-out data, which data=text has not; use data=indexed "
-                        "(`meshrun action=prepare` holds out a validation split) or train.eval_every=0")
+        raise DataError(
+            "train.eval_every needs held-out data, which data=text has not; use data=indexed "
+            "(`meshrun action=prepare` holds out a validation split) or train.eval_every=0"
+        )
 
 
 class BatchSampler:
@@ -206,8 +214,7 @@ class BatchSampler:
         """Stream positions of this rank's micro-batches for the step starting at `consumed_samples`."""
         first = consumed_samples + self.dp_rank * self.per_rank
         return [
-            list(range(first + k * self.micro_batch, first + (k + 1) * self.micro_batch))
-            for k in range(self.num_micro)
+            list(range(first + k * self.micro_batch, first + (k + 1) * self.micro_batch)) for k in range(self.num_micro)
         ]
 
     def micro_batches(self, consumed_samples: int) -> List[Tuple["torch.Tensor", "torch.Tensor"]]:

@@ -52,8 +52,9 @@ def to_hf(full: Dict[str, torch.Tensor], mc, family: str) -> Dict[str, torch.Ten
             b = f"{p}h.{i}."
             out[b + "ln_1.weight"], out[b + "ln_1.bias"] = m("attn_norm.weight"), m("attn_norm.bias")
             out[b + "attn.c_attn.weight"] = torch.cat([q, k, v], 0).t()
-            out[b + "attn.c_attn.bias"] = torch.cat([qkv_b[:, 0].reshape(-1), qkv_b[:, 1].reshape(-1),
-                                                     qkv_b[:, 2].reshape(-1)])
+            out[b + "attn.c_attn.bias"] = torch.cat(
+                [qkv_b[:, 0].reshape(-1), qkv_b[:, 1].reshape(-1), qkv_b[:, 2].reshape(-1)]
+            )
             out[b + "attn.c_proj.weight"], out[b + "attn.c_proj.bias"] = m("attn.proj.weight").t(), m("attn.proj.bias")
             out[b + "ln_2.weight"], out[b + "ln_2.bias"] = m("mlp_norm.weight"), m("mlp_norm.bias")
             out[b + "mlp.c_fc.weight"], out[b + "mlp.c_fc.bias"] = m("mlp.fc1.weight").t(), m("mlp.fc1.bias")
@@ -101,8 +102,9 @@ def _mixtral_experts_to_hf(full: Dict[str, torch.Tensor], mc, i: int, b: str) ->
 
 
 # ---- import: this rank's slice of each meshrun parameter from the Hugging Face tensors ----------------
-def local_from_hf(name: str, global_shape, tp_shard_dim: Optional[int], tp: int, tp_rank: int, read: Reader,
-                  mc, family: str) -> torch.Tensor:
+def local_from_hf(
+    name: str, global_shape, tp_shard_dim: Optional[int], tp: int, tp_rank: int, read: Reader, mc, family: str
+) -> torch.Tensor:
     """This rank's shard of meshrun parameter `name` (global_shape includes vocabulary padding)."""
     a, g, d, qpg = _dims(mc)
     h, V = mc.hidden_size, mc.vocab_size
@@ -131,21 +133,31 @@ def local_from_hf(name: str, global_shape, tp_shard_dim: Optional[int], tp: int,
     if rest.startswith(("attn_norm.", "mlp_norm.")):
         if gpt2:
             return read(b + ("ln_1." if rest.startswith("attn_norm") else "ln_2.") + kind, None, None)
-        return read(b + ("input_layernorm" if rest.startswith("attn_norm") else "post_attention_layernorm")
-                    + ".weight", None, None)
+        return read(
+            b + ("input_layernorm" if rest.startswith("attn_norm") else "post_attention_layernorm") + ".weight",
+            None,
+            None,
+        )
     if rest.startswith("attn.qkv."):
         gs = (qpg + 2) * d
         j0, j1 = lo // gs, (hi if hi is not None else global_shape[0]) // gs
         n = j1 - j0
         if gpt2:  # Conv1D [h, 3h]: q | k | v along columns; one group per head
+
             def part(off: int) -> torch.Tensor:
                 cols = slice(off + j0 * d, off + j1 * d)
-                return read(b + "attn.c_attn.bias", cols, None) if kind == "bias" else \
-                    read(b + "attn.c_attn.weight", None, cols).t()
+                return (
+                    read(b + "attn.c_attn.bias", cols, None)
+                    if kind == "bias"
+                    else read(b + "attn.c_attn.weight", None, cols).t()
+                )
+
             q, k, v = part(0), part(h), part(2 * h)
         else:
+
             def proj(which: str, lo_: int, hi_: int) -> torch.Tensor:
                 return read(f"{b}self_attn.{which}_proj.{kind}", slice(lo_, hi_), None)
+
             q = proj("q", j0 * qpg * d, j1 * qpg * d)
             k, v = proj("k", j0 * d, j1 * d), proj("v", j0 * d, j1 * d)
         tail = (h,) if kind == "weight" else ()
@@ -153,14 +165,20 @@ def local_from_hf(name: str, global_shape, tp_shard_dim: Optional[int], tp: int,
         return torch.cat(parts, 1).reshape(n * gs, *tail)
     if rest.startswith("attn.proj."):  # row-parallel: columns of the output projection; bias replicated
         if gpt2:
-            return read(b + "attn.c_proj.bias", None, None) if kind == "bias" else \
-                read(b + "attn.c_proj.weight", rows, None).t()
-        return read(b + "self_attn.o_proj.bias", None, None) if kind == "bias" else \
-            read(b + "self_attn.o_proj.weight", None, rows)
+            return (
+                read(b + "attn.c_proj.bias", None, None)
+                if kind == "bias"
+                else read(b + "attn.c_proj.weight", rows, None).t()
+            )
+        return (
+            read(b + "self_attn.o_proj.bias", None, None)
+            if kind == "bias"
+            else read(b + "self_attn.o_proj.weight", None, rows)
+        )
     if rest.startswith("mlp.router."):  # replicated over tp
         return read(b + "block_sparse_moe.gate.weight", None, None)
     if rest.startswith("mlp.experts."):  # Mixtral: mlp.experts.{e}.fc1 / fc2 of global expert e
-        e, part = rest[len("mlp.experts."):].split(".", 1)
+        e, part = rest[len("mlp.experts.") :].split(".", 1)
         x = f"{b}block_sparse_moe.experts.{e}."
         if part.startswith("fc1."):
             hi_ = hi if hi is not None else global_shape[0]
@@ -170,16 +188,23 @@ def local_from_hf(name: str, global_shape, tp_shard_dim: Optional[int], tp: int,
         return read(x + "w2.weight", None, rows)  # fc2: row-parallel, columns of w2
     if rest.startswith("mlp.fc1."):
         if gpt2:
-            return read(b + "mlp.c_fc.bias", rows, None) if kind == "bias" else \
-                read(b + "mlp.c_fc.weight", None, rows).t()
+            return (
+                read(b + "mlp.c_fc.bias", rows, None) if kind == "bias" else read(b + "mlp.c_fc.weight", None, rows).t()
+            )
         hi_ = hi if hi is not None else global_shape[0]
         half = slice(lo // 2, hi_ // 2)  # interleaved gate / up rows: shard [lo, hi) holds pairs lo/2 .. hi/2
         gate, up = read(f"{b}mlp.gate_proj.{kind}", half, None), read(f"{b}mlp.up_proj.{kind}", half, None)
         return torch.stack([gate, up], 1).reshape(hi_ - lo, *gate.shape[1:])
     if rest.startswith("mlp.fc2."):
         if gpt2:
-            return read(b + "mlp.c_proj.bias", None, None) if kind == "bias" else \
-                read(b + "mlp.c_proj.weight", rows, None).t()
-        return read(b + "mlp.down_proj.bias", None, None) if kind == "bias" else \
-            read(b + "mlp.down_proj.weight", None, rows)
+            return (
+                read(b + "mlp.c_proj.bias", None, None)
+                if kind == "bias"
+                else read(b + "mlp.c_proj.weight", rows, None).t()
+            )
+        return (
+            read(b + "mlp.down_proj.bias", None, None)
+            if kind == "bias"
+            else read(b + "mlp.down_proj.weight", None, rows)
+        )
     raise KeyError(f"no Hugging Face tensor for meshrun parameter {name}")

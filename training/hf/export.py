@@ -87,12 +87,16 @@ def export(run_dir: str, output: str, step=None, dtype: str = "auto", max_shard_
     output = os.path.abspath(output)
     for path in (output, os.path.dirname(output)):
         if os.path.islink(path) and (path == output or not os.path.exists(path)):
-            raise HFError(f"export.output={output}: {path} is a symbolic link"
-                          f"{'' if os.path.exists(path) else ' to nothing'}; meshrun writes an export only to a new "
-                          f"directory: choose a new export.output (or remove the link)")
+            raise HFError(
+                f"export.output={output}: {path} is a symbolic link"
+                f"{'' if os.path.exists(path) else ' to nothing'}; meshrun writes an export only to a new "
+                f"directory: choose a new export.output (or remove the link)"
+            )
     if os.path.exists(output):
-        raise HFError(f"export.output={output} already exists: meshrun never writes over a directory; choose a new "
-                      f"export.output (or remove that one)")
+        raise HFError(
+            f"export.output={output} already exists: meshrun never writes over a directory; choose a new "
+            f"export.output (or remove that one)"
+        )
     if max_shard_mb <= 0:
         raise HFError(f"export.max_shard_mb={max_shard_mb}: use a positive size in MiB")
     cfg, step, full = read_checkpoint(run_dir, step, "export.step", masters=dtype == "fp32")
@@ -120,9 +124,17 @@ def export(run_dir: str, output: str, step=None, dtype: str = "auto", max_shard_
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"output": output, "run_dir": run_dir, "step": step, "architecture": CLASS_OF[family],
-            "dtype": dtype_name, "tensors": len(tensors), "files": sorted(os.listdir(output)),
-            "weight_files": files, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+    return {
+        "output": output,
+        "run_dir": run_dir,
+        "step": step,
+        "architecture": CLASS_OF[family],
+        "dtype": dtype_name,
+        "tensors": len(tensors),
+        "files": sorted(os.listdir(output)),
+        "weight_files": files,
+        "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+    }
 
 
 def main(argv=None) -> int:
@@ -134,8 +146,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-shard-mb", type=float, default=5000.0)
     args = ap.parse_args(argv)
 
-    return print_result(lambda: export(os.path.abspath(args.run_dir), args.output, args.step, args.dtype,
-                                       args.max_shard_mb))
+    return print_result(
+        lambda: export(os.path.abspath(args.run_dir), args.output, args.step, args.dtype, args.max_shard_mb)
+    )
 
 
 if __name__ == "__main__":

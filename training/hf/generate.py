@@ -29,14 +29,14 @@ from training.hf.hf_config import HFError
 Cache = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
 
 
-def single_process_model(cfg, full: Dict[str, torch.Tensor], device: str = "cpu",
-                         dtype: torch.dtype = torch.float32):
+def single_process_model(cfg, full: Dict[str, torch.Tensor], device: str = "cpu", dtype: torch.dtype = torch.float32):
     """meshrun's model (one chunk: tp = pp = 1) holding the full parameters `full` (vocabulary rows unpadded)."""
     from training.parallel.mesh import ProcessMesh
     from training.model.gpt import build_gpt
 
-    par = dataclasses.replace(cfg.parallel, tp=1, pp=1, vpp=1, cp=1, dp=1, ep=1, sp=False, recompute="none",
-                              schedule="1f1b")  # ep=1: every expert of a mixture on this one process
+    par = dataclasses.replace(
+        cfg.parallel, tp=1, pp=1, vpp=1, cp=1, dp=1, ep=1, sp=False, recompute="none", schedule="1f1b"
+    )  # ep=1: every expert of a mixture on this one process
     one = dataclasses.replace(cfg, parallel=par)
     (chunk,) = build_gpt(one, ProcessMesh.single(device), dtype)
     with torch.no_grad():
@@ -56,7 +56,7 @@ def forward_cached(chunk, ids: torch.Tensor, cache: Cache, pos: int) -> torch.Te
     n = ids.shape[1]
     x = F.embedding(ids, emb.word.weight).transpose(0, 1)  # [n, b, h], sequence-first like the model
     if emb.position is not None:
-        x = x + emb.position.weight[pos:pos + n].unsqueeze(1)
+        x = x + emb.position.weight[pos : pos + n].unsqueeze(1)
     for lid, layer in chunk.layers.items():
         at = layer.attn
         q, k, v = at.split_qkv(at.qkv(layer.attn_norm(x)))  # [b, heads or groups, n, d]
@@ -122,12 +122,16 @@ def check_request(g: GenerateConfig, prompt: List[int], vocab: int, seq: int) ->
     if g.max_new_tokens < 0:
         raise HFError(f"generate.max_new_tokens={g.max_new_tokens}: use 0 or more")
     if len(prompt) + g.max_new_tokens > seq:
-        raise HFError(f"generate.max_new_tokens={g.max_new_tokens}: the prompt ({len(prompt)} tokens) plus the new "
-                      f"tokens exceed model.seq_length={seq}, the longest context the model has; ask for at most "
-                      f"{max(0, seq - len(prompt))} new tokens or shorten the prompt")
+        raise HFError(
+            f"generate.max_new_tokens={g.max_new_tokens}: the prompt ({len(prompt)} tokens) plus the new "
+            f"tokens exceed model.seq_length={seq}, the longest context the model has; ask for at most "
+            f"{max(0, seq - len(prompt))} new tokens or shorten the prompt"
+        )
     if not g.greedy and (g.temperature <= 0 or not 0 < g.top_p <= 1 or g.top_k < 0):
-        raise HFError(f"sampling needs generate.temperature > 0 (is {g.temperature}), 0 < generate.top_p <= 1 "
-                      f"(is {g.top_p}) and generate.top_k >= 0 (is {g.top_k})")
+        raise HFError(
+            f"sampling needs generate.temperature > 0 (is {g.temperature}), 0 < generate.top_p <= 1 "
+            f"(is {g.top_p}) and generate.top_k >= 0 (is {g.top_k})"
+        )
 
 
 def run(run_dir: str, g: GenerateConfig) -> Dict:
@@ -142,8 +146,10 @@ def run(run_dir: str, g: GenerateConfig) -> Dict:
             raise HFError("give generate.prompt or generate.prompt_tokens, not both")
         tok = run_tokenizer(cfg)
         if tok is None:
-            raise HFError(f"generate.prompt needs the run's tokenizer, and {run_dir} trained on data.kind="
-                          f"{cfg.data.kind} without one; give generate.prompt_tokens=[...] instead")
+            raise HFError(
+                f"generate.prompt needs the run's tokenizer, and {run_dir} trained on data.kind="
+                f"{cfg.data.kind} without one; give generate.prompt_tokens=[...] instead"
+            )
         prompt = [int(t) for t in tok.encode(g.prompt)]
     else:
         prompt = [int(t) for t in g.prompt_tokens]
@@ -156,8 +162,15 @@ def run(run_dir: str, g: GenerateConfig) -> Dict:
     t0 = time.perf_counter()
     new = generate_tokens(chunk, prompt, g)
     seconds = time.perf_counter() - t0
-    result = {"tokens": new, "prompt_tokens": prompt, "step": step, "run_dir": run_dir, "greedy": bool(g.greedy),
-              "seconds": round(seconds, 4), "tokens_per_s": round(len(new) / seconds, 2) if seconds > 0 else None}
+    result = {
+        "tokens": new,
+        "prompt_tokens": prompt,
+        "step": step,
+        "run_dir": run_dir,
+        "greedy": bool(g.greedy),
+        "seconds": round(seconds, 4),
+        "tokens_per_s": round(len(new) / seconds, 2) if seconds > 0 else None,
+    }
     if tok is None and not g.prompt:
         from training.hf.tokenizer_files import tokenizer_or_none
 

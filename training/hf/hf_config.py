@@ -36,12 +36,16 @@ class HFError(ValueError):
 def read_hf_config(directory: str, key: str = "train.init_from") -> Dict[str, Any]:
     """config.json of a Hugging Face model directory, with errors that name the file and the fix."""
     if not os.path.isdir(directory):
-        raise HFError(f"{key}={directory}: no such directory; point {key} at a Hugging Face model directory "
-                      f"(the one save_pretrained wrote: config.json and *.safetensors)")
+        raise HFError(
+            f"{key}={directory}: no such directory; point {key} at a Hugging Face model directory "
+            f"(the one save_pretrained wrote: config.json and *.safetensors)"
+        )
     path = os.path.join(directory, CONFIG)
     if not os.path.isfile(path):
-        raise HFError(f"{path} does not exist: {key} needs a Hugging Face model directory with config.json next to "
-                      f"its *.safetensors (save the model with save_pretrained, or download config.json too)")
+        raise HFError(
+            f"{path} does not exist: {key} needs a Hugging Face model directory with config.json next to "
+            f"its *.safetensors (save the model with save_pretrained, or download config.json too)"
+        )
     try:
         with open(path) as f:
             data = json.load(f)
@@ -65,9 +69,11 @@ def family_of(hf: Dict[str, Any], path: str) -> str:
         if mt in (GPT2, LLAMA, MIXTRAL):
             return mt
         what = f"model_type={mt!r}"
-    raise HFError(f"{path}: {what} is not supported; meshrun imports and exports only GPT2LMHeadModel "
-                  f"(model_type gpt2), LlamaForCausalLM (model_type llama) and MixtralForCausalLM (model_type "
-                  f"mixtral): use a model of one of those classes")
+    raise HFError(
+        f"{path}: {what} is not supported; meshrun imports and exports only GPT2LMHeadModel "
+        f"(model_type gpt2), LlamaForCausalLM (model_type llama) and MixtralForCausalLM (model_type "
+        f"mixtral): use a model of one of those classes"
+    )
 
 
 def _rope_theta(hf: Dict[str, Any], path: str) -> float:
@@ -76,9 +82,11 @@ def _rope_theta(hf: Dict[str, Any], path: str) -> float:
     scaling = hf.get("rope_scaling")
     kind = (params.get("rope_type") or params.get("type") or "default") if isinstance(params, dict) else "default"
     if scaling or kind != "default":
-        raise HFError(f"{path}: rope scaling ({'rope_scaling' if scaling else 'rope_parameters.rope_type'}="
-                      f"{scaling or kind!r}) is not supported: meshrun's rotary embedding has only a base (theta); "
-                      f"use a model without rope scaling")
+        raise HFError(
+            f"{path}: rope scaling ({'rope_scaling' if scaling else 'rope_parameters.rope_type'}="
+            f"{scaling or kind!r}) is not supported: meshrun's rotary embedding has only a base (theta); "
+            f"use a model without rope scaling"
+        )
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     return float(theta if theta is not None else hf.get("rope_theta", 10000.0))
 
@@ -97,37 +105,63 @@ def model_fields_from_hf(hf: Dict[str, Any], path: str) -> Tuple[str, Dict[str, 
 
     if family == GPT2:
         need("scale_attn_weights", hf.get("scale_attn_weights", True) is True, "meshrun scales scores by 1/sqrt(d)")
-        need("scale_attn_by_inverse_layer_idx", not hf.get("scale_attn_by_inverse_layer_idx", False),
-             "meshrun does not scale attention by the layer index")
+        need(
+            "scale_attn_by_inverse_layer_idx",
+            not hf.get("scale_attn_by_inverse_layer_idx", False),
+            "meshrun does not scale attention by the layer index",
+        )
         need("add_cross_attention", not hf.get("add_cross_attention", False), "meshrun is a decoder only")
         act = hf.get("activation_function", "gelu_new")
-        need("activation_function", act in _GELU_EXACT + _GELU_TANH,
-             f"use one of {', '.join(_GELU_EXACT + _GELU_TANH)}")
+        need(
+            "activation_function", act in _GELU_EXACT + _GELU_TANH, f"use one of {', '.join(_GELU_EXACT + _GELU_TANH)}"
+        )
         h, heads = int(hf["n_embd"]), int(hf["n_head"])
         fields = {
-            "num_layers": int(hf["n_layer"]), "hidden_size": h, "num_attention_heads": heads,
-            "num_query_groups": None, "ffn_hidden_size": int(hf.get("n_inner") or 4 * h),
-            "seq_length": int(hf["n_positions"]), "vocab_size": int(hf["vocab_size"]), "norm": "layernorm",
-            "activation": "gelu", "gelu_tanh": act in _GELU_TANH, "position": "learned",
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", True)), "bias": True,
+            "num_layers": int(hf["n_layer"]),
+            "hidden_size": h,
+            "num_attention_heads": heads,
+            "num_query_groups": None,
+            "ffn_hidden_size": int(hf.get("n_inner") or 4 * h),
+            "seq_length": int(hf["n_positions"]),
+            "vocab_size": int(hf["vocab_size"]),
+            "norm": "layernorm",
+            "activation": "gelu",
+            "gelu_tanh": act in _GELU_TANH,
+            "position": "learned",
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+            "bias": True,
             "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
         }
         return family, fields, ()
     need("hidden_act", hf.get("hidden_act", "silu") == "silu", "meshrun's swiglu gates with SiLU")
     if family == MIXTRAL:
         return family, *_mixtral_fields(hf, path, need)
-    need("mlp_bias", bool(hf.get("mlp_bias", False)) == bool(hf.get("attention_bias", False)),
-         "meshrun has biases in every linear layer or in none: attention_bias and mlp_bias must agree")
+    need(
+        "mlp_bias",
+        bool(hf.get("mlp_bias", False)) == bool(hf.get("attention_bias", False)),
+        "meshrun has biases in every linear layer or in none: attention_bias and mlp_bias must agree",
+    )
     h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    need("head_dim", hf.get("head_dim") in (None, h // heads) and h % heads == 0,
-         f"meshrun's head size is hidden_size / num_attention_heads = {h}/{heads}")
+    need(
+        "head_dim",
+        hf.get("head_dim") in (None, h // heads) and h % heads == 0,
+        f"meshrun's head size is hidden_size / num_attention_heads = {h}/{heads}",
+    )
     fields = {
-        "num_layers": int(hf["num_hidden_layers"]), "hidden_size": h, "num_attention_heads": heads,
+        "num_layers": int(hf["num_hidden_layers"]),
+        "hidden_size": h,
+        "num_attention_heads": heads,
         "num_query_groups": int(hf.get("num_key_value_heads") or heads),
-        "ffn_hidden_size": int(hf["intermediate_size"]), "seq_length": int(hf.get("max_position_embeddings", 2048)),
-        "vocab_size": int(hf["vocab_size"]), "norm": "rmsnorm", "activation": "swiglu", "position": "rope",
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "bias": bool(hf.get("attention_bias", False)),
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "rope_base": _rope_theta(hf, path),
+        "ffn_hidden_size": int(hf["intermediate_size"]),
+        "seq_length": int(hf.get("max_position_embeddings", 2048)),
+        "vocab_size": int(hf["vocab_size"]),
+        "norm": "rmsnorm",
+        "activation": "swiglu",
+        "position": "rope",
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "bias": bool(hf.get("attention_bias", False)),
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "rope_base": _rope_theta(hf, path),
     }
     return family, fields, ("seq_length",)
 
@@ -137,20 +171,37 @@ def _mixtral_fields(hf: Dict[str, Any], path: str, need) -> Tuple[Dict[str, Any]
     weight and the capacity factor change no weight and stay overridable."""
     h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     seq = int(hf.get("max_position_embeddings", 4096))
-    need("head_dim", hf.get("head_dim") in (None, h // heads) and h % heads == 0,
-         f"meshrun's head size is hidden_size / num_attention_heads = {h}/{heads}")
+    need(
+        "head_dim",
+        hf.get("head_dim") in (None, h // heads) and h % heads == 0,
+        f"meshrun's head size is hidden_size / num_attention_heads = {h}/{heads}",
+    )
     window = hf.get("sliding_window")
-    need("sliding_window", window is None or int(window) >= seq,
-         "meshrun's attention is full causal attention: use a model without a sliding window (sliding_window null)")
+    need(
+        "sliding_window",
+        window is None or int(window) >= seq,
+        "meshrun's attention is full causal attention: use a model without a sliding window (sliding_window null)",
+    )
     ffn = int(hf["intermediate_size"])
     fields = {
-        "num_layers": int(hf["num_hidden_layers"]), "hidden_size": h, "num_attention_heads": heads,
-        "num_query_groups": int(hf.get("num_key_value_heads") or heads), "ffn_hidden_size": ffn,
-        "seq_length": seq, "vocab_size": int(hf["vocab_size"]), "norm": "rmsnorm", "activation": "swiglu",
-        "position": "rope", "tie_embeddings": bool(hf.get("tie_word_embeddings", False)), "bias": False,
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-5)), "rope_base": _rope_theta(hf, path),
-        "num_experts": int(hf.get("num_local_experts", 8)), "moe_top_k": int(hf.get("num_experts_per_tok", 2)),
-        "moe_ffn_hidden_size": ffn, "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)),
+        "num_layers": int(hf["num_hidden_layers"]),
+        "hidden_size": h,
+        "num_attention_heads": heads,
+        "num_query_groups": int(hf.get("num_key_value_heads") or heads),
+        "ffn_hidden_size": ffn,
+        "seq_length": seq,
+        "vocab_size": int(hf["vocab_size"]),
+        "norm": "rmsnorm",
+        "activation": "swiglu",
+        "position": "rope",
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "bias": False,
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
+        "rope_base": _rope_theta(hf, path),
+        "num_experts": int(hf.get("num_local_experts", 8)),
+        "moe_top_k": int(hf.get("num_experts_per_tok", 2)),
+        "moe_ffn_hidden_size": ffn,
+        "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)),
         "moe_capacity_factor": 0.0,
     }
     return fields, ("seq_length", "moe_aux_loss_coeff", "moe_capacity_factor")
@@ -175,28 +226,50 @@ def family_for_model(mc) -> str:
     pos, norm, act, bias = str(mc.position), str(mc.norm), str(mc.activation), bool(mc.bias)
     groups = mc.num_query_groups or mc.num_attention_heads
     if getattr(mc, "num_experts", 0) > 0:  # a mixture of experts: Mixtral's shape or nothing
-        wrong = [f"model.{k}={v} (MixtralForCausalLM needs {need})" for k, v, need, ok in (
-            ("position", pos, "rope", pos == "rope"), ("norm", norm, "rmsnorm", norm == "rmsnorm"),
-            ("activation", act, "swiglu", act == "swiglu"), ("bias", bias, "false", not bias)) if not ok]
+        wrong = [
+            f"model.{k}={v} (MixtralForCausalLM needs {need})"
+            for k, v, need, ok in (
+                ("position", pos, "rope", pos == "rope"),
+                ("norm", norm, "rmsnorm", norm == "rmsnorm"),
+                ("activation", act, "swiglu", act == "swiglu"),
+                ("bias", bias, "false", not bias),
+            )
+            if not ok
+        ]
         if wrong:
-            raise HFError(f"this mixture of experts has no Hugging Face class meshrun exports to: {'; '.join(wrong)}. "
-                          "MixtralForCausalLM: rope, rmsnorm, swiglu experts, no biases")
+            raise HFError(
+                f"this mixture of experts has no Hugging Face class meshrun exports to: {'; '.join(wrong)}. "
+                "MixtralForCausalLM: rope, rmsnorm, swiglu experts, no biases"
+            )
         return MIXTRAL
     if pos == "learned":
-        wrong = [f"model.{k}={v} (GPT2LMHeadModel needs {need})" for k, v, need, ok in (
-            ("norm", norm, "layernorm", norm == "layernorm"), ("activation", act, "gelu", act == "gelu"),
-            ("bias", bias, "true", bias), ("num_query_groups", groups, "one group per head",
-                                           groups == mc.num_attention_heads)) if not ok]
+        wrong = [
+            f"model.{k}={v} (GPT2LMHeadModel needs {need})"
+            for k, v, need, ok in (
+                ("norm", norm, "layernorm", norm == "layernorm"),
+                ("activation", act, "gelu", act == "gelu"),
+                ("bias", bias, "true", bias),
+                ("num_query_groups", groups, "one group per head", groups == mc.num_attention_heads),
+            )
+            if not ok
+        ]
         family = GPT2
     else:
-        wrong = [f"model.{k}={v} (LlamaForCausalLM needs {need})" for k, v, need, ok in (
-            ("norm", norm, "rmsnorm", norm == "rmsnorm"), ("activation", act, "swiglu", act == "swiglu"))
-            if not ok]
+        wrong = [
+            f"model.{k}={v} (LlamaForCausalLM needs {need})"
+            for k, v, need, ok in (
+                ("norm", norm, "rmsnorm", norm == "rmsnorm"),
+                ("activation", act, "swiglu", act == "swiglu"),
+            )
+            if not ok
+        ]
         family = LLAMA
     if wrong:
-        raise HFError(f"this model (model.position={pos}) has no Hugging Face class meshrun exports to: "
-                      f"{'; '.join(wrong)}. GPT-2 style: learned positions, layernorm, gelu, biases; Llama style: "
-                      f"rope, rmsnorm, swiglu")
+        raise HFError(
+            f"this model (model.position={pos}) has no Hugging Face class meshrun exports to: "
+            f"{'; '.join(wrong)}. GPT-2 style: learned positions, layernorm, gelu, biases; Llama style: "
+            f"rope, rmsnorm, swiglu"
+        )
     return family
 
 
@@ -207,33 +280,63 @@ def hf_config_from_model(mc, family: str, dtype: str, token_ids: Dict[str, Any] 
     ids.update(token_ids or {})
     if family == GPT2:
         cfg = {
-            "architectures": [CLASS_OF[GPT2]], "model_type": GPT2, "n_layer": mc.num_layers, "n_embd": h,
-            "n_head": heads, "n_inner": mc.ffn, "n_positions": mc.seq_length, "vocab_size": mc.vocab_size,
-            "activation_function": "gelu_new" if mc.gelu_tanh else "gelu", "layer_norm_epsilon": mc.norm_eps,
-            "resid_pdrop": mc.dropout, "embd_pdrop": 0.0, "attn_pdrop": mc.dropout,
-            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-            "add_cross_attention": False, "tie_word_embeddings": bool(mc.tie_embeddings),
+            "architectures": [CLASS_OF[GPT2]],
+            "model_type": GPT2,
+            "n_layer": mc.num_layers,
+            "n_embd": h,
+            "n_head": heads,
+            "n_inner": mc.ffn,
+            "n_positions": mc.seq_length,
+            "vocab_size": mc.vocab_size,
+            "activation_function": "gelu_new" if mc.gelu_tanh else "gelu",
+            "layer_norm_epsilon": mc.norm_eps,
+            "resid_pdrop": mc.dropout,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": mc.dropout,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+            "add_cross_attention": False,
+            "tie_word_embeddings": bool(mc.tie_embeddings),
         }
     else:
         cfg = {
-            "architectures": [CLASS_OF[LLAMA]], "model_type": LLAMA, "num_hidden_layers": mc.num_layers,
-            "hidden_size": h, "num_attention_heads": heads,
-            "num_key_value_heads": mc.num_query_groups or heads, "head_dim": h // heads,
-            "intermediate_size": mc.ffn, "max_position_embeddings": mc.seq_length, "vocab_size": mc.vocab_size,
-            "hidden_act": "silu", "rms_norm_eps": mc.norm_eps, "attention_bias": bool(mc.bias),
-            "mlp_bias": bool(mc.bias), "attention_dropout": mc.dropout, "tie_word_embeddings": bool(mc.tie_embeddings),
+            "architectures": [CLASS_OF[LLAMA]],
+            "model_type": LLAMA,
+            "num_hidden_layers": mc.num_layers,
+            "hidden_size": h,
+            "num_attention_heads": heads,
+            "num_key_value_heads": mc.num_query_groups or heads,
+            "head_dim": h // heads,
+            "intermediate_size": mc.ffn,
+            "max_position_embeddings": mc.seq_length,
+            "vocab_size": mc.vocab_size,
+            "hidden_act": "silu",
+            "rms_norm_eps": mc.norm_eps,
+            "attention_bias": bool(mc.bias),
+            "mlp_bias": bool(mc.bias),
+            "attention_dropout": mc.dropout,
+            "tie_word_embeddings": bool(mc.tie_embeddings),
             # Both spellings: transformers 5 reads rope_parameters, earlier versions rope_theta.
-            "rope_theta": mc.rope_base, "rope_parameters": {"rope_type": "default", "rope_theta": mc.rope_base},
+            "rope_theta": mc.rope_base,
+            "rope_parameters": {"rope_type": "default", "rope_theta": mc.rope_base},
         }
     if family == MIXTRAL:  # Llama's keys less the biases, with the experts
         for key in ("attention_bias", "mlp_bias"):
             cfg.pop(key)
-        cfg.update({
-            "architectures": [CLASS_OF[MIXTRAL]], "model_type": MIXTRAL, "intermediate_size": mc.moe_ffn_hidden_size
-            or mc.ffn, "num_local_experts": mc.num_experts, "num_experts_per_tok": mc.moe_top_k,
-            "router_aux_loss_coef": mc.moe_aux_loss_coeff, "output_router_logits": False,
-            "router_jitter_noise": 0.0, "sliding_window": None,
-        })
+        cfg.update(
+            {
+                "architectures": [CLASS_OF[MIXTRAL]],
+                "model_type": MIXTRAL,
+                "intermediate_size": mc.moe_ffn_hidden_size or mc.ffn,
+                "num_local_experts": mc.num_experts,
+                "num_experts_per_tok": mc.moe_top_k,
+                "router_aux_loss_coef": mc.moe_aux_loss_coeff,
+                "output_router_logits": False,
+                "router_jitter_noise": 0.0,
+                "sliding_window": None,
+            }
+        )
     cfg.update(ids)
     cfg.update({"initializer_range": mc.init_std, "use_cache": True, "dtype": dtype, "torch_dtype": dtype})
     return cfg

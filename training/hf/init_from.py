@@ -47,11 +47,16 @@ def check_model_matches(cfg, directory: str) -> str:
     hf = read_hf_config(directory)
     family, fields, free = model_fields_from_hf(hf, f"{directory}/config.json")
     now = {k: getattr(cfg.model, k) for k in fields}
-    wrong = [f"model.{k}: config.json {effective(k, fields)!r}, run {effective(k, now)!r}"
-             for k in fields if k not in free and effective(k, fields) != effective(k, now)]
+    wrong = [
+        f"model.{k}: config.json {effective(k, fields)!r}, run {effective(k, now)!r}"
+        for k in fields
+        if k not in free and effective(k, fields) != effective(k, now)
+    ]
     if wrong:
-        raise HFError(f"train.init_from={directory}: the run's model differs from its config.json "
-                      f"({'; '.join(wrong)}); start through meshrun, which takes the model from config.json")
+        raise HFError(
+            f"train.init_from={directory}: the run's model differs from its config.json "
+            f"({'; '.join(wrong)}); start through meshrun, which takes the model from config.json"
+        )
     return family
 
 
@@ -66,11 +71,14 @@ def load_init_from(cfg, mesh, chunks: List[torch.nn.Module]) -> int:
         read = SliceReader(entries, stack)
         for chunk in chunks:
             for name, p in chunk.named_parameters():
-                local = local_from_hf(name, p.global_shape, p.tp_shard_dim, mesh.tp, mesh.tp_rank, read,
-                                      cfg.model, family)
+                local = local_from_hf(
+                    name, p.global_shape, p.tp_shard_dim, mesh.tp, mesh.tp_rank, read, cfg.model, family
+                )
                 if tuple(local.shape) != tuple(p.shape):
-                    raise HFError(f"train.init_from={directory}: {name} came out as {list(local.shape)}, this rank "
-                                  f"holds {list(p.shape)}; the weights do not match config.json")
+                    raise HFError(
+                        f"train.init_from={directory}: {name} came out as {list(local.shape)}, this rank "
+                        f"holds {list(p.shape)}; the weights do not match config.json"
+                    )
                 p.copy_(local.to(p.dtype))
                 total += local.numel()
     return total
@@ -83,8 +91,11 @@ def maybe_init_from(cfg, run_dir: str, mesh, chunks: List[torch.nn.Module]) -> b
     # With a checkpoint to resume, its weights replace these right after; still load them while the directory
     # exists, so that a run whose every checkpoint turns out damaged starts from the pretrained weights, not
     # from random ones. Once the run has checkpoints, the directory may be gone.
-    if str(cfg.train.resume).strip().lower() != "none" and storage.candidates(run_dir) \
-            and not os.path.isdir(str(cfg.train.init_from)):
+    if (
+        str(cfg.train.resume).strip().lower() != "none"
+        and storage.candidates(run_dir)
+        and not os.path.isdir(str(cfg.train.init_from))
+    ):
         return False
     n = load_init_from(cfg, mesh, chunks)
     if mesh.rank == 0:

@@ -32,14 +32,22 @@ def expected_shapes(mc, family: str) -> Dict[str, Tuple[int, ...]]:
         out[p + "wpe.weight"] = (mc.seq_length, h)
         for i in range(L):
             b = f"{p}h.{i}."
-            out.update({
-                b + "ln_1.weight": (h,), b + "ln_1.bias": (h,),
-                b + "attn.c_attn.weight": (h, 3 * h), b + "attn.c_attn.bias": (3 * h,),
-                b + "attn.c_proj.weight": (h, h), b + "attn.c_proj.bias": (h,),
-                b + "ln_2.weight": (h,), b + "ln_2.bias": (h,),
-                b + "mlp.c_fc.weight": (h, f), b + "mlp.c_fc.bias": (f,),
-                b + "mlp.c_proj.weight": (f, h), b + "mlp.c_proj.bias": (h,),
-            })
+            out.update(
+                {
+                    b + "ln_1.weight": (h,),
+                    b + "ln_1.bias": (h,),
+                    b + "attn.c_attn.weight": (h, 3 * h),
+                    b + "attn.c_attn.bias": (3 * h,),
+                    b + "attn.c_proj.weight": (h, h),
+                    b + "attn.c_proj.bias": (h,),
+                    b + "ln_2.weight": (h,),
+                    b + "ln_2.bias": (h,),
+                    b + "mlp.c_fc.weight": (h, f),
+                    b + "mlp.c_fc.bias": (f,),
+                    b + "mlp.c_proj.weight": (f, h),
+                    b + "mlp.c_proj.bias": (h,),
+                }
+            )
         out[p + "ln_f.weight"] = (h,)
         out[p + "ln_f.bias"] = (h,)
     else:
@@ -47,24 +55,38 @@ def expected_shapes(mc, family: str) -> Dict[str, Tuple[int, ...]]:
         out[p + "embed_tokens.weight"] = (V, h)
         for i in range(L):
             b = f"{p}layers.{i}."
-            out.update({
-                b + "input_layernorm.weight": (h,), b + "post_attention_layernorm.weight": (h,),
-                b + "self_attn.q_proj.weight": (a * d, h), b + "self_attn.k_proj.weight": (g * d, h),
-                b + "self_attn.v_proj.weight": (g * d, h), b + "self_attn.o_proj.weight": (h, a * d),
-            })
+            out.update(
+                {
+                    b + "input_layernorm.weight": (h,),
+                    b + "post_attention_layernorm.weight": (h,),
+                    b + "self_attn.q_proj.weight": (a * d, h),
+                    b + "self_attn.k_proj.weight": (g * d, h),
+                    b + "self_attn.v_proj.weight": (g * d, h),
+                    b + "self_attn.o_proj.weight": (h, a * d),
+                }
+            )
             if family == MIXTRAL:
                 out.update(_mixtral_moe_shapes(mc, b))
                 continue
-            out.update({
-                b + "mlp.gate_proj.weight": (f, h), b + "mlp.up_proj.weight": (f, h),
-                b + "mlp.down_proj.weight": (h, f),
-            })
+            out.update(
+                {
+                    b + "mlp.gate_proj.weight": (f, h),
+                    b + "mlp.up_proj.weight": (f, h),
+                    b + "mlp.down_proj.weight": (h, f),
+                }
+            )
             if mc.bias:
-                out.update({
-                    b + "self_attn.q_proj.bias": (a * d,), b + "self_attn.k_proj.bias": (g * d,),
-                    b + "self_attn.v_proj.bias": (g * d,), b + "self_attn.o_proj.bias": (h,),
-                    b + "mlp.gate_proj.bias": (f,), b + "mlp.up_proj.bias": (f,), b + "mlp.down_proj.bias": (h,),
-                })
+                out.update(
+                    {
+                        b + "self_attn.q_proj.bias": (a * d,),
+                        b + "self_attn.k_proj.bias": (g * d,),
+                        b + "self_attn.v_proj.bias": (g * d,),
+                        b + "self_attn.o_proj.bias": (h,),
+                        b + "mlp.gate_proj.bias": (f,),
+                        b + "mlp.up_proj.bias": (f,),
+                        b + "mlp.down_proj.bias": (h,),
+                    }
+                )
         out[p + "norm.weight"] = (h,)
     if not mc.tie_embeddings:
         out["lm_head.weight"] = (V, h)
@@ -89,6 +111,6 @@ def hf_name(name: str, family: str, available: Iterable[str]) -> Optional[str]:
     if name in have:
         return name
     p = PREFIX[family]
-    if name.startswith(p) and name[len(p):] in have:
-        return name[len(p):]
+    if name.startswith(p) and name[len(p) :] in have:
+        return name[len(p) :]
     return None

@@ -37,8 +37,23 @@ class TensorEntry:
 
 
 # Bytes per element of the safetensors dtypes (its format's list); weights are read only from the float ones.
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-               "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
+DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+}
 WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
@@ -53,23 +68,30 @@ def _check_entries(path: str, header: Dict[str, dict]) -> None:
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in [*shape, begin, end]):
                 raise ValueError("negative or non-integer sizes")
         except (KeyError, TypeError, ValueError) as exc:
-            raise HFError(f"{path}: the header entry of {key!r} is malformed ({exc}); the file is damaged or not "
-                          f"safetensors: download it again") from None
+            raise HFError(
+                f"{path}: the header entry of {key!r} is malformed ({exc}); the file is damaged or not "
+                f"safetensors: download it again"
+            ) from None
         if dtype not in DTYPE_BYTES:
-            raise HFError(f"{path}: {key!r} has dtype {dtype!r}, which safetensors does not define; download the "
-                          f"file again")
+            raise HFError(
+                f"{path}: {key!r} has dtype {dtype!r}, which safetensors does not define; download the file again"
+            )
         count = 1
         for dim in shape:
             count *= dim
         if end - begin != count * DTYPE_BYTES[dtype]:
-            raise HFError(f"{path}: {key!r} claims bytes {begin}..{end} for {count} {dtype} values "
-                          f"({count * DTYPE_BYTES[dtype]} bytes); the header is damaged: download the file again")
+            raise HFError(
+                f"{path}: {key!r} claims bytes {begin}..{end} for {count} {dtype} values "
+                f"({count * DTYPE_BYTES[dtype]} bytes); the header is damaged: download the file again"
+            )
         ranges.append((begin, end, key))
     ranges.sort()
     for (b0, e0, k0), (b1, e1, k1) in zip(ranges, ranges[1:]):
         if b1 < e0:
-            raise HFError(f"{path}: {k0!r} and {k1!r} overlap (bytes {b0}..{e0} and {b1}..{e1}); the header is "
-                          f"damaged or crafted: download the file again")
+            raise HFError(
+                f"{path}: {k0!r} and {k1!r} overlap (bytes {b0}..{e0} and {b1}..{e1}); the header is "
+                f"damaged or crafted: download the file again"
+            )
 
 
 def read_header(path: str) -> Dict[str, dict]:
@@ -111,23 +133,31 @@ def index_tensors(directory: str) -> Dict[str, TensorEntry]:
         weight_map, files = None, [SINGLE]
     else:
         other = sorted(n for n in os.listdir(directory) if n.endswith((".bin", ".pt", ".pth", ".h5", ".msgpack")))
-        hint = (f" (it holds {', '.join(other[:3])}: load it with transformers and save it again with "
-                f"save_pretrained, which writes safetensors)" if other else "")
+        hint = (
+            f" (it holds {', '.join(other[:3])}: load it with transformers and save it again with "
+            f"save_pretrained, which writes safetensors)"
+            if other
+            else ""
+        )
         raise HFError(f"{directory} has neither {SINGLE} nor {INDEX}: meshrun reads safetensors weights{hint}")
     out: Dict[str, TensorEntry] = {}
     for name in files:
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
-            raise HFError(f"{path} is missing: {INDEX} names it as a shard of the model; download every file "
-                          f"the index names into {directory}")
+            raise HFError(
+                f"{path} is missing: {INDEX} names it as a shard of the model; download every file "
+                f"the index names into {directory}"
+            )
         for key, meta in read_header(path).items():
             if weight_map is None or weight_map.get(key) == name:
                 out[key] = TensorEntry(path, tuple(int(v) for v in meta["shape"]), str(meta["dtype"]), key)
     if weight_map is not None:
         lost = sorted(k for k in weight_map if k not in out)
         if lost:
-            raise HFError(f"{os.path.join(directory, weight_map[lost[0]])} lacks {len(lost)} tensor(s) {INDEX} "
-                          f"puts there (first: {lost[0]}); download that shard again")
+            raise HFError(
+                f"{os.path.join(directory, weight_map[lost[0]])} lacks {len(lost)} tensor(s) {INDEX} "
+                f"puts there (first: {lost[0]}); download that shard again"
+            )
     return out
 
 
@@ -144,14 +174,20 @@ def check_tensors(directory: str, mc, family: str) -> Dict[str, TensorEntry]:
             continue
         entry = tensors[key]
         if entry.dtype not in WEIGHT_DTYPES:
-            problems.append(f"{os.path.basename(entry.file)}: {key} is {entry.dtype}, not a floating-point weight "
-                            f"({', '.join(WEIGHT_DTYPES)})")
+            problems.append(
+                f"{os.path.basename(entry.file)}: {key} is {entry.dtype}, not a floating-point weight "
+                f"({', '.join(WEIGHT_DTYPES)})"
+            )
         if entry.shape != tuple(shape):
-            problems.append(f"{os.path.basename(entry.file)}: {key} has shape {list(entry.shape)}, "
-                            f"config.json implies {list(shape)}")
+            problems.append(
+                f"{os.path.basename(entry.file)}: {key} has shape {list(entry.shape)}, "
+                f"config.json implies {list(shape)}"
+            )
         found[name] = entry
     if problems:
         more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-        raise HFError(f"the weights in {directory} do not match its config.json: {'; '.join(problems[:8])}{more}; "
-                      f"use the config.json that was saved with these weights (or download the model again)")
+        raise HFError(
+            f"the weights in {directory} do not match its config.json: {'; '.join(problems[:8])}{more}; "
+            f"use the config.json that was saved with these weights (or download the model again)"
+        )
     return found

@@ -27,9 +27,11 @@ def run_tokenizer(cfg):
         if recorded and actual and actual != recorded:
             from training.contract.tokenizer import TokenizerError
 
-            raise TokenizerError(f"{prefixes[0]} was prepared again with another tokenizer (sha256 {actual[:12]}...) "
-                                 f"after this run trained with {recorded[:12]}...: its ids would decode to other text. "
-                                 f"Restore the dataset the run trained on (its tokenizer.json)")
+            raise TokenizerError(
+                f"{prefixes[0]} was prepared again with another tokenizer (sha256 {actual[:12]}...) "
+                f"after this run trained with {recorded[:12]}...: its ids would decode to other text. "
+                f"Restore the dataset the run trained on (its tokenizer.json)"
+            )
         return tok
     return None
 
@@ -41,8 +43,11 @@ def write_tokenizer_files(cfg, directory: str) -> Dict[str, Any]:
     if tok is None:
         return {}
     # data=text trains on raw bytes without an end-of-document token: name one only when the model has it.
-    ids = ({"eos_token_id": int(tok.eod_id), "bos_token_id": int(tok.eod_id)}
-           if str(cfg.data.kind) == "indexed" and int(tok.eod_id) < cfg.model.vocab_size else {})
+    ids = (
+        {"eos_token_id": int(tok.eod_id), "bos_token_id": int(tok.eod_id)}
+        if str(cfg.data.kind) == "indexed" and int(tok.eod_id) < cfg.model.vocab_size
+        else {}
+    )
     path = getattr(tok, "name", "")
     if not (isinstance(path, str) and os.path.isfile(path)):
         return ids  # the byte tokenizer: no file to ship (token ids are the UTF-8 bytes)

@@ -115,8 +115,8 @@ class _RotaryQKV(torch.autograd.Function):
         cos, sin = _table(cos, seq_dim), _table(sin, seq_dim)
         ctx.save_for_backward(cos, sin)
         n0, n1, groups, heads, d = qkv.shape
-        q = _rotate(qkv[:, :, :, :heads - 2], cos, sin).reshape(n0, n1, groups * (heads - 2), d)
-        kv = torch.cat([_rotate(qkv[:, :, :, heads - 2:heads - 1], cos, sin), qkv[:, :, :, heads - 1:]], dim=3)
+        q = _rotate(qkv[:, :, :, : heads - 2], cos, sin).reshape(n0, n1, groups * (heads - 2), d)
+        kv = torch.cat([_rotate(qkv[:, :, :, heads - 2 : heads - 1], cos, sin), qkv[:, :, :, heads - 1 :]], dim=3)
         return q, kv
 
     @staticmethod
@@ -127,8 +127,9 @@ class _RotaryQKV(torch.autograd.Function):
         # The rotation by angle t is orthogonal (the tables repeat over the halves): its transpose is the
         # rotation by -t.
         neg = -sin
-        grad = torch.cat([_rotate(grad_q, cos, neg), _rotate(grad_kv[:, :, :, :1], cos, neg), grad_kv[:, :, :, 1:]],
-                         dim=3)
+        grad = torch.cat(
+            [_rotate(grad_q, cos, neg), _rotate(grad_kv[:, :, :, :1], cos, neg), grad_kv[:, :, :, 1:]], dim=3
+        )
         return grad, None, None, None
 
 

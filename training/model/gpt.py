@@ -41,14 +41,24 @@ from training.contract.config import Config, ModelConfig, ParallelConfig
 from training.model.fused_ops import rms_norm, rotary_qkv, swiglu
 from training.model.init import init_parameters, stable_seed
 from training.contract.layout_rules import (
-    layer_rules, model_rules, padded_vocab, raise_errors, sequence_parallel_on, sp_rules, tp_rules,
+    layer_rules,
+    model_rules,
+    padded_vocab,
+    raise_errors,
+    sequence_parallel_on,
+    sp_rules,
+    tp_rules,
 )
 from training.parallel.mesh import ProcessMesh
 from training.model.moe import MoEMLP
 from training.parallel.collectives import group_rank, group_size, reduce_from_tp, reduce_scatter_to_sp
 from training.parallel.context import CPContext, context_parallel_attention, split_sequence
 from training.parallel.layers import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_linear, set_tp_meta,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel_linear,
+    set_tp_meta,
     vocab_parallel_cross_entropy,
 )
 
@@ -105,12 +115,14 @@ class Norm(nn.Module):
     def __init__(self, h: int, kind: str, bias: bool, sequence_parallel: bool, dtype, device, eps: float = 1e-5):
         super().__init__()
         self.kind, self.eps = kind, eps
-        self.weight = set_tp_meta(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None, (h,),
-                                  sequence_parallel)
+        self.weight = set_tp_meta(
+            nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None, (h,), sequence_parallel
+        )
         self.bias = None
         if bias and kind == "layernorm":
-            self.bias = set_tp_meta(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None, (h,),
-                                    sequence_parallel)
+            self.bias = set_tp_meta(
+                nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None, (h,), sequence_parallel
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "rmsnorm":
@@ -141,7 +153,7 @@ class Rotary(nn.Module):
         xf = x.float()
         x1, x2 = xf.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)
-        cos, sin = self.cos[offset:offset + s], self.sin[offset:offset + s]
+        cos, sin = self.cos[offset : offset + s], self.sin[offset : offset + s]
         return (xf * cos + rotated * sin).to(x.dtype)
 
 
@@ -222,8 +234,12 @@ class Attention(nn.Module):
         n0, n1 = qkv.shape[:2]
         if self.rotary is not None:  # rotated into new q and k+v tensors: the linear's output is freed (fused_ops)
             s = n1 if self.batch_first else n0
-            q, kv = rotary_qkv(qkv.view(n0, n1, self.local_groups, self.q_per_group + 2, self.d),
-                               self.rotary.cos[:s], self.rotary.sin[:s], 1 if self.batch_first else 0)
+            q, kv = rotary_qkv(
+                qkv.view(n0, n1, self.local_groups, self.q_per_group + 2, self.d),
+                self.rotary.cos[:s],
+                self.rotary.sin[:s],
+                1 if self.batch_first else 0,
+            )
             order = (0, 2, 1, 3) if self.batch_first else (1, 2, 0, 3)
             q, k, v = q.permute(*order), kv[:, :, :, 0].permute(*order), kv[:, :, :, 1].permute(*order)
         else:
@@ -260,8 +276,9 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(self, mc: ModelConfig, mesh: ProcessMesh, sp: bool, layer_id: int, dtype, device,
-                 cp: Optional[CPContext] = None):
+    def __init__(
+        self, mc: ModelConfig, mesh: ProcessMesh, sp: bool, layer_id: int, dtype, device, cp: Optional[CPContext] = None
+    ):
         super().__init__()
         self.layer_id = layer_id
         self.dropout = mc.dropout
@@ -271,8 +288,9 @@ class TransformerLayer(nn.Module):
         self.attn = Attention(mc, mesh.tp_group, sp, dtype, device, cp)
         self.mlp_norm = Norm(mc.hidden_size, mc.norm, mc.bias, sp, dtype, device, mc.norm_eps)
         # model.num_experts > 0: the mixture-of-experts MLP (training/model/moe.py), experts over parallel.ep.
-        self.mlp = (MoEMLP(mc, mesh, sp, dtype, device) if mc.num_experts > 0
-                    else MLP(mc, mesh.tp_group, sp, dtype, device))
+        self.mlp = (
+            MoEMLP(mc, mesh, sp, dtype, device) if mc.num_experts > 0 else MLP(mc, mesh.tp_group, sp, dtype, device)
+        )
 
     def _drop(self, x: torch.Tensor, key: int, site: str) -> torch.Tensor:
         if not self.training or self.dropout <= 0.0:
@@ -295,23 +313,32 @@ class PositionEmbedding(nn.Module):
 
     def __init__(self, s: int, h: int, sequence_parallel: bool, dtype, device):
         super().__init__()
-        self.weight = set_tp_meta(nn.Parameter(torch.empty(s, h, dtype=dtype, device=device)), None, (s, h),
-                                  sequence_parallel)
+        self.weight = set_tp_meta(
+            nn.Parameter(torch.empty(s, h, dtype=dtype, device=device)), None, (s, h), sequence_parallel
+        )
 
 
 class Embedding(nn.Module):
     """Word (vocab-parallel) plus optional learned position embedding; output [b, s, h] ([s/tp, b, h] under SP)."""
 
-    def __init__(self, mc: ModelConfig, mesh: ProcessMesh, sp: bool, padded_vocab: int, with_position: bool,
-                 dtype, device, cp: Optional[CPContext] = None):
+    def __init__(
+        self,
+        mc: ModelConfig,
+        mesh: ProcessMesh,
+        sp: bool,
+        padded_vocab: int,
+        with_position: bool,
+        dtype,
+        device,
+        cp: Optional[CPContext] = None,
+    ):
         super().__init__()
         self.group, self.sp, self.tp_rank = mesh.tp_group, sp, mesh.tp_rank
         # cp > 1: the rows of this rank's tokens' true positions (parallel/context.py); else the first s rows.
         self.positions = cp.positions(mc.seq_length, device) if cp is not None else None
         self.word = VocabParallelEmbedding(padded_vocab, mc.hidden_size, mesh.tp_group, dtype, device)
         # Under SP the position table is added to sequence shards, so its grad is a partial sum.
-        self.position = (PositionEmbedding(mc.seq_length, mc.hidden_size, sp, dtype, device)
-                         if with_position else None)
+        self.position = PositionEmbedding(mc.seq_length, mc.hidden_size, sp, dtype, device) if with_position else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.sp:
@@ -325,7 +352,11 @@ class Embedding(nn.Module):
         x = reduce_scatter_to_sp(self.word(ids.t(), reduce=False), self.group)  # this rank's [s/tp, b, h]
         if self.position is not None:
             lo, hi = self.tp_rank * x.shape[0], (self.tp_rank + 1) * x.shape[0]
-            rows = self.position.weight[self.positions[lo:hi]] if self.positions is not None else self.position.weight[lo:hi]
+            rows = (
+                self.position.weight[self.positions[lo:hi]]
+                if self.positions is not None
+                else self.position.weight[lo:hi]
+            )
             x = x + rows.unsqueeze(1)
         return x
 
@@ -341,8 +372,17 @@ class GPTChunk(nn.Module):
     the pipeline keeps the copies equal by all-reducing their grads over mesh.embedding_group.
     """
 
-    def __init__(self, model_cfg: ModelConfig, parallel_cfg: ParallelConfig, mesh: ProcessMesh,
-                 layer_ids: List[int], has_embedding: bool, has_head: bool, dtype: torch.dtype, seed: int):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        parallel_cfg: ParallelConfig,
+        mesh: ProcessMesh,
+        layer_ids: List[int],
+        has_embedding: bool,
+        has_head: bool,
+        dtype: torch.dtype,
+        seed: int,
+    ):
         super().__init__()
         mc = model_cfg
         self.sp = sequence_parallel_on(parallel_cfg.sp, mesh.tp)  # off at tp = 1 (the engine warns once)
@@ -364,22 +404,33 @@ class GPTChunk(nn.Module):
         self.micro_step = 0  # counts training forwards: the dropout key of each micro-batch
         dev = mesh.device
         # Context parallelism: this rank runs its two chunks of every sample (parallel/context.py).
-        self.cp = (CPContext(mesh.cp, mesh.cp_rank, mesh.cp_group, list(mesh.group_ranks.get("cp", [])),
-                             getattr(parallel_cfg, "cp_comm", "ring")) if mesh.cp > 1 else None)
+        self.cp = (
+            CPContext(
+                mesh.cp,
+                mesh.cp_rank,
+                mesh.cp_group,
+                list(mesh.group_ranks.get("cp", [])),
+                getattr(parallel_cfg, "cp_comm", "ring"),
+            )
+            if mesh.cp > 1
+            else None
+        )
         self.embedding = None
         if has_embedding or (has_head and mc.tie_embeddings):
-            self.embedding = Embedding(mc, mesh, self.sp, self.padded_vocab,
-                                       has_embedding and mc.position == "learned", dtype, dev, self.cp)
+            self.embedding = Embedding(
+                mc, mesh, self.sp, self.padded_vocab, has_embedding and mc.position == "learned", dtype, dev, self.cp
+            )
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(mc, mesh, self.sp, i, dtype, dev, self.cp) for i in self.layer_ids})
+            {str(i): TransformerLayer(mc, mesh, self.sp, i, dtype, dev, self.cp) for i in self.layer_ids}
+        )
         for layer in self.layers.values():
             layer.attn.recompute_core = self.recompute == "selective"
-        self.final_norm = (Norm(mc.hidden_size, mc.norm, mc.bias, self.sp, dtype, dev, mc.norm_eps)
-                           if has_head else None)
+        self.final_norm = Norm(mc.hidden_size, mc.norm, mc.bias, self.sp, dtype, dev, mc.norm_eps) if has_head else None
         self.output = None
         if has_head and not mc.tie_embeddings:
-            self.output = ColumnParallelLinear(mc.hidden_size, self.padded_vocab, False, mesh.tp_group,
-                                               self.sp, dtype, dev)
+            self.output = ColumnParallelLinear(
+                mc.hidden_size, self.padded_vocab, False, mesh.tp_group, self.sp, dtype, dev
+            )
         init_parameters(self, seed, mc.init_std, mc.num_layers, mc.vocab_size, mesh.tp, mesh.tp_rank)
 
     def param_units(self) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
@@ -396,8 +447,11 @@ class GPTChunk(nn.Module):
         return units
 
     def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        key = (stable_seed(self.seed, "dropout", self.mesh.dp_rank, self.mesh.cp_rank, self.micro_step)
-               if self.mc.dropout > 0.0 else 0)
+        key = (
+            stable_seed(self.seed, "dropout", self.mesh.dp_rank, self.mesh.cp_rank, self.micro_step)
+            if self.mc.dropout > 0.0
+            else 0
+        )
         if self.training:
             self.micro_step += 1
         batch_first = self.batch_first
@@ -444,6 +498,16 @@ def build_gpt(cfg: Config, mesh: ProcessMesh, dtype: torch.dtype) -> List[GPTChu
     last = pc.pp * vpp - 1
     for v, ids in enumerate(chunk_layer_ids(cfg.model.num_layers, pc.pp, vpp, mesh.pp_rank)):
         index = v * pc.pp + mesh.pp_rank
-        chunks.append(GPTChunk(cfg.model, pc, mesh, ids, has_embedding=index == 0, has_head=index == last,
-                               dtype=dtype, seed=cfg.train.seed))
+        chunks.append(
+            GPTChunk(
+                cfg.model,
+                pc,
+                mesh,
+                ids,
+                has_embedding=index == 0,
+                has_head=index == last,
+                dtype=dtype,
+                seed=cfg.train.seed,
+            )
+        )
     return chunks

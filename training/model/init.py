@@ -20,8 +20,7 @@ def stable_seed(*parts) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def full_init(name: str, global_shape, seed: int, init_std: float, num_layers: int,
-              vocab_size: int) -> torch.Tensor:
+def full_init(name: str, global_shape, seed: int, init_std: float, num_layers: int, vocab_size: int) -> torch.Tensor:
     """The full fp32 tensor of parameter `name` (contract names, e.g. layers.3.attn.qkv.weight).
 
     Biases 0, norm weights 1; weights N(0, init_std), output projections of a residual branch
@@ -33,8 +32,11 @@ def full_init(name: str, global_shape, seed: int, init_std: float, num_layers: i
     if "norm" in name.split(".")[-2]:
         return torch.ones(shape)
     std = init_std
-    if name.endswith("attn.proj.weight") or name.endswith("mlp.fc2.weight") or (
-            ".mlp.experts." in name and name.endswith(".fc2.weight")):  # an MoE expert's output projection
+    if (
+        name.endswith("attn.proj.weight")
+        or name.endswith("mlp.fc2.weight")
+        or (".mlp.experts." in name and name.endswith(".fc2.weight"))
+    ):  # an MoE expert's output projection
         std = init_std / math.sqrt(2.0 * num_layers)
     g = torch.Generator().manual_seed(stable_seed(seed, name))
     full = torch.empty(shape).normal_(0.0, std, generator=g)
@@ -51,8 +53,9 @@ def shard(full: torch.Tensor, tp_shard_dim, tp: int, tp_rank: int) -> torch.Tens
 
 
 @torch.no_grad()
-def init_parameters(module: nn.Module, seed: int, init_std: float, num_layers: int, vocab_size: int,
-                    tp: int, tp_rank: int) -> None:
+def init_parameters(
+    module: nn.Module, seed: int, init_std: float, num_layers: int, vocab_size: int, tp: int, tp_rank: int
+) -> None:
     """Initialise every parameter of `module` from its contract name (see module doc)."""
     for name, p in module.named_parameters():
         full = full_init(name, p.global_shape, seed, init_std, num_layers, vocab_size)

@@ -141,15 +141,23 @@ class Expert(nn.Module):
             raise ValueError(f"model.moe_ffn_hidden_size={f} is not divisible by tp={tp}; choose a tp that divides it")
         out1 = 2 * f if mc.activation == "swiglu" else f
         self.fc1 = nn.Module()
-        self.fc1.weight = _expert_param(set_tp_meta(nn.Parameter(torch.empty(out1 // tp, h, dtype=dtype, device=device)),
-                                                    0, (out1, h)))
-        self.fc1.bias = (_expert_param(set_tp_meta(nn.Parameter(torch.empty(out1 // tp, dtype=dtype, device=device)),
-                                                   0, (out1,))) if mc.bias else None)
+        self.fc1.weight = _expert_param(
+            set_tp_meta(nn.Parameter(torch.empty(out1 // tp, h, dtype=dtype, device=device)), 0, (out1, h))
+        )
+        self.fc1.bias = (
+            _expert_param(set_tp_meta(nn.Parameter(torch.empty(out1 // tp, dtype=dtype, device=device)), 0, (out1,)))
+            if mc.bias
+            else None
+        )
         self.fc2 = nn.Module()
-        self.fc2.weight = _expert_param(set_tp_meta(nn.Parameter(torch.empty(h, f // tp, dtype=dtype, device=device)),
-                                                    1, (h, f)))
-        self.fc2.bias = (_expert_param(set_tp_meta(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None, (h,)))
-                         if mc.bias else None)
+        self.fc2.weight = _expert_param(
+            set_tp_meta(nn.Parameter(torch.empty(h, f // tp, dtype=dtype, device=device)), 1, (h, f))
+        )
+        self.fc2.bias = (
+            _expert_param(set_tp_meta(nn.Parameter(torch.empty(h, dtype=dtype, device=device)), None, (h,)))
+            if mc.bias
+            else None
+        )
 
     def partial(self, x: torch.Tensor, swiglu: bool, gelu_approximate: str) -> torch.Tensor:
         """This tp rank's partial sum of the expert's output (no fc2 bias): [n, h]."""
@@ -192,7 +200,9 @@ class MoEMLP(nn.Module):
         E, k = mc.num_experts, mc.moe_top_k
         ep = mesh.ep
         if E % ep:
-            raise ValueError(f"model.num_experts={E} is not divisible by parallel.ep={ep}; choose an ep that divides it")
+            raise ValueError(
+                f"model.num_experts={E} is not divisible by parallel.ep={ep}; choose an ep that divides it"
+            )
         if not 1 <= k <= E:
             raise ValueError(f"model.moe_top_k={k} must be between 1 and model.num_experts={E}")
         self.num_experts, self.top_k, self.ep = E, k, ep
@@ -205,10 +215,15 @@ class MoEMLP(nn.Module):
         self.coeff = float(mc.moe_aux_loss_coeff)
         self.capacity_factor = float(mc.moe_capacity_factor)
         self.router = nn.Module()
-        self.router.weight = set_tp_meta(nn.Parameter(torch.empty(E, mc.hidden_size, dtype=dtype, device=device)),
-                                         None, (E, mc.hidden_size))
-        self.experts = nn.ModuleDict({str(e): Expert(mc, mesh.tp, dtype, device)
-                                      for e in range(self.first_expert, self.first_expert + self.local_experts)})
+        self.router.weight = set_tp_meta(
+            nn.Parameter(torch.empty(E, mc.hidden_size, dtype=dtype, device=device)), None, (E, mc.hidden_size)
+        )
+        self.experts = nn.ModuleDict(
+            {
+                str(e): Expert(mc, mesh.tp, dtype, device)
+                for e in range(self.first_expert, self.first_expert + self.local_experts)
+            }
+        )
         self.stats = MoEStats(E)
 
     # ----- routing -------------------------------------------------------------------------------------
@@ -245,8 +260,9 @@ class MoEMLP(nn.Module):
         experts = list(self.experts.values())
         if experts[0].fc2.bias is not None:
             bias = torch.stack([e.fc2.bias for e in experts])
-            ids = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
-                                          torch.tensor(counts, device=x.device))
+            ids = torch.repeat_interleave(
+                torch.arange(len(counts), device=x.device), torch.tensor(counts, device=x.device)
+            )
             y = y + bias[ids]
         return y
 
@@ -262,8 +278,9 @@ class MoEMLP(nn.Module):
         recv_splits = recv_table.sum(dim=1).tolist()
         recv = _AllToAll.apply(send, recv_splits, send_splits, self.ep_group)
         # Received rows are grouped by source rank, then expert: regroup by expert (stable: source order kept).
-        expert_of_row = torch.repeat_interleave(torch.arange(E_loc, device=send.device).repeat(self.ep),
-                                                recv_table.reshape(-1))
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(E_loc, device=send.device).repeat(self.ep), recv_table.reshape(-1)
+        )
         order = torch.argsort(expert_of_row, stable=True)
         y = self._run_experts(recv[order], recv_table.sum(dim=0).tolist())
         back = torch.empty_like(order)

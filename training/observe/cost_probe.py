@@ -54,8 +54,12 @@ def time_layer(micro: int, tp: int, hidden: int, heads: int, ffn: int, seq: int,
     import torch.nn.functional as F
 
     h, a = hidden, heads // tp
-    w = [torch.randn(h, 3 * h // tp, dtype=dtype) * 0.02, torch.randn(h // tp, h, dtype=dtype) * 0.02,
-         torch.randn(h, ffn // tp, dtype=dtype) * 0.02, torch.randn(ffn // tp, h, dtype=dtype) * 0.02]
+    w = [
+        torch.randn(h, 3 * h // tp, dtype=dtype) * 0.02,
+        torch.randn(h // tp, h, dtype=dtype) * 0.02,
+        torch.randn(h, ffn // tp, dtype=dtype) * 0.02,
+        torch.randn(ffn // tp, h, dtype=dtype) * 0.02,
+    ]
     for t in w:
         t.requires_grad_(True)
     x = torch.randn(micro, seq, h, dtype=dtype, requires_grad=True)
@@ -133,8 +137,14 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
             shapes[f"micro{micro}_tp{tp}"] = dt
             points.append((layer_flops(micro, tp, args.hidden, args.heads, args.ffn, args.seq), dt))
     overhead, seconds_per_flop = _fit(points)
-    out = {"flops": 1.0 / seconds_per_flop, "overhead_s": overhead, "layer_s": shapes, "ranks": args.ranks,
-           "threads": args.threads, "optimizer_s_per_param": time_optimizer()}
+    out = {
+        "flops": 1.0 / seconds_per_flop,
+        "overhead_s": overhead,
+        "layer_s": shapes,
+        "ranks": args.ranks,
+        "threads": args.threads,
+        "optimizer_s_per_param": time_optimizer(),
+    }
     if args.ranks > 1:
         ar = time_all_reduce(args.ranks)
         factor = 2.0 * (args.ranks - 1) / args.ranks

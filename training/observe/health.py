@@ -83,13 +83,17 @@ def read_gpu(nvml, h) -> Dict[str, Any]:
     power, _ = _try(nvml, "nvmlDeviceGetPowerUsage", h)
     if power is not None:
         out["power_w"] = power / 1000.0
-    fn = ("nvmlDeviceGetCurrentClocksEventReasons" if hasattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons")
-          else "nvmlDeviceGetCurrentClocksThrottleReasons")
+    fn = (
+        "nvmlDeviceGetCurrentClocksEventReasons"
+        if hasattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons")
+        else "nvmlDeviceGetCurrentClocksThrottleReasons"
+    )
     mask, _ = _try(nvml, fn, h)
     if mask is not None:
         out["throttle"] = [label for const, label in _BAD_THROTTLE if mask & getattr(nvml, const)]
-    ecc, _ = _try(nvml, "nvmlDeviceGetTotalEccErrors", h, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                  nvml.NVML_VOLATILE_ECC)
+    ecc, _ = _try(
+        nvml, "nvmlDeviceGetTotalEccErrors", h, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+    )
     if ecc is not None:
         out["ecc_uncorrected"] = int(ecc)
     rows, _ = _try(nvml, "nvmlDeviceGetRemappedRows", h)
@@ -107,8 +111,9 @@ _COUNTERS = ("ecc_uncorrected", "remapped_uncorrectable", "retired_pages")
 class HealthSampler:
     """The node's sampler: a daemon thread that samples every interval_s; the loop reads `flag` and `summary`."""
 
-    def __init__(self, nvml, node: str, run_dir: str, interval_s: float, throttle_samples: int,
-                 min_utilization_pct: float = 0.0):
+    def __init__(
+        self, nvml, node: str, run_dir: str, interval_s: float, throttle_samples: int, min_utilization_pct: float = 0.0
+    ):
         self.nvml, self.node, self.run_dir = nvml, node, run_dir
         self.min_utilization_pct, self.low_util = min_utilization_pct, -1  # -1: the pre-training sample is skipped
         from training.observe.xid import XidWatcher
@@ -138,8 +143,10 @@ class HealthSampler:
             try:
                 self.sample()
             except Exception as exc:  # NVML gone mid-run is worth one line, not a dead training run
-                print(f"warning: health sampler on {self.node}: {type(exc).__name__}: {exc}; sampling stops",
-                      file=sys.stderr)
+                print(
+                    f"warning: health sampler on {self.node}: {type(exc).__name__}: {exc}; sampling stops",
+                    file=sys.stderr,
+                )
                 return
 
     def sample(self) -> int:
@@ -169,11 +176,16 @@ class HealthSampler:
                 os.close(fd)
             self.samples += 1
             self.last_time = time.monotonic()
-            self.summary = {k: v for k, v in (
-                ("gpu_temperature_max_c", max(temps, default=None)),
-                ("gpu_utilization_mean_pct", sum(utils) / len(utils) if utils else None),
-                ("gpu_power_w", sum(powers) if powers else None),
-                ("gpu_mem_used_max_gib", max(used) / 2**30 if used else None)) if v is not None}
+            self.summary = {
+                k: v
+                for k, v in (
+                    ("gpu_temperature_max_c", max(temps, default=None)),
+                    ("gpu_utilization_mean_pct", sum(utils) / len(utils) if utils else None),
+                    ("gpu_power_w", sum(powers) if powers else None),
+                    ("gpu_mem_used_max_gib", max(used) / 2**30 if used else None),
+                )
+                if v is not None
+            }
             new = 0
             for bit, why in found:
                 new |= bit & ~self.flag
@@ -181,10 +193,16 @@ class HealthSampler:
                     self.reasons.append(why)
             if new:
                 self.flag |= new
-                append_event(self.run_dir, "health", node=self.node, kind=",".join(kinds(new)),
-                             reasons=[why for bit, why in found if bit & new])
-                print(f"health: node {self.node}: " + "; ".join(why for bit, why in found if bit & new),
-                      file=sys.stderr)
+                append_event(
+                    self.run_dir,
+                    "health",
+                    node=self.node,
+                    kind=",".join(kinds(new)),
+                    reasons=[why for bit, why in found if bit & new],
+                )
+                print(
+                    f"health: node {self.node}: " + "; ".join(why for bit, why in found if bit & new), file=sys.stderr
+                )
             return self.flag
 
     def _xids(self, now: float, lines: List[str]) -> List:
@@ -194,8 +212,12 @@ class HealthSampler:
         out = []
         for gpu, xid in self.xid.poll():
             critical = xid in CRITICAL_XIDS
-            lines.append(json.dumps({"time": now, "node": self.node, "gpu": gpu, "xid": xid, "critical": critical}) + "\n")
-            append_event(self.run_dir, "xid", node=self.node, gpu=gpu, xid=xid, critical=critical, meaning=describe(xid))
+            lines.append(
+                json.dumps({"time": now, "node": self.node, "gpu": gpu, "xid": xid, "critical": critical}) + "\n"
+            )
+            append_event(
+                self.run_dir, "xid", node=self.node, gpu=gpu, xid=xid, critical=critical, meaning=describe(xid)
+            )
             if critical:
                 out.append((XID, f"gpu{gpu}: Xid {xid} ({describe(xid)})"))
             else:
@@ -217,12 +239,20 @@ class HealthSampler:
             return
         self.low_util += 1
         if self.low_util == self.throttle_samples:
-            append_event(self.run_dir, "low_utilization", node=self.node, utilization_mean_pct=round(mean, 1),
-                         target_pct=self.min_utilization_pct, samples=self.low_util)
-            print(f"warning: node {self.node}: mean GPU utilisation {mean:.0f} % below the "
-                  f"{self.min_utilization_pct:g} % target for {self.low_util} samples (input pipeline, communication "
-                  "or small kernels leave the GPUs waiting; a torch.profiler or nsys trace shows which)",
-                  file=sys.stderr)
+            append_event(
+                self.run_dir,
+                "low_utilization",
+                node=self.node,
+                utilization_mean_pct=round(mean, 1),
+                target_pct=self.min_utilization_pct,
+                samples=self.low_util,
+            )
+            print(
+                f"warning: node {self.node}: mean GPU utilisation {mean:.0f} % below the "
+                f"{self.min_utilization_pct:g} % target for {self.low_util} samples (input pipeline, communication "
+                "or small kernels leave the GPUs waiting; a torch.profiler or nsys trace shows which)",
+                file=sys.stderr,
+            )
 
     def _judge(self, i: int, gpu: Dict[str, Any]) -> List:
         out = []
@@ -235,8 +265,12 @@ class HealthSampler:
         if gpu.get("throttle"):
             self.throttled[i] = self.throttled.get(i, 0) + 1
             if self.throttled[i] >= self.throttle_samples:
-                out.append((THROTTLE, f"gpu{i}: clocks held down by {', '.join(gpu['throttle'])} for "
-                                      f"{self.throttled[i]} samples"))
+                out.append(
+                    (
+                        THROTTLE,
+                        f"gpu{i}: clocks held down by {', '.join(gpu['throttle'])} for {self.throttled[i]} samples",
+                    )
+                )
         else:
             self.throttled[i] = 0
         return out
@@ -286,8 +320,10 @@ class ThroughputShare:
             if share < self.fraction * base:
                 self.low[node] = self.low.get(node, 0) + 1
                 if self.low[node] == self.persist:
-                    out[node] = (f"tokens/s share {share:.3f} below {self.fraction:g} x its baseline {base:.3f} "
-                                 f"for {self.persist} log intervals")
+                    out[node] = (
+                        f"tokens/s share {share:.3f} below {self.fraction:g} x its baseline {base:.3f} "
+                        f"for {self.persist} log intervals"
+                    )
             else:
                 self.low[node] = 0
         return out

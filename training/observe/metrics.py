@@ -73,8 +73,13 @@ def rank_figures(step_time_s: float, device: torch.device) -> Dict[str, Any]:
     times = [r[0] for r in rows]
     slowest = max(range(len(times)), key=times.__getitem__)
     fastest = min(range(len(times)), key=times.__getitem__)
-    return {"step_time_max_s": times[slowest], "slowest_rank": slowest, "step_time_min_s": times[fastest],
-            "fastest_rank": fastest, "peak_memory_bytes": int(max(r[1] for r in rows))}
+    return {
+        "step_time_max_s": times[slowest],
+        "slowest_rank": slowest,
+        "step_time_min_s": times[fastest],
+        "fastest_rank": fastest,
+        "peak_memory_bytes": int(max(r[1] for r in rows)),
+    }
 
 
 class MetricsLog:
@@ -100,7 +105,9 @@ class MetricsLog:
         if not self.enabled:
             return row
         row = {**row, "time": time.time(), "attempt": self.attempt}
-        from training.contract.rundir.files import append_bytes  # never through a link (training/contract/rundir/files.py)
+        from training.contract.rundir.files import (
+            append_bytes,
+        )  # never through a link (training/contract/rundir/files.py)
 
         append_bytes(self.path, (json.dumps(row) + "\n").encode())
         for sink in self.sinks:
@@ -129,6 +136,5 @@ def _wandb(cfg, run_dir: str) -> List[Any]:
     try:
         return [WandbSink(run_dir, cfg.train.wandb_project, config_to_dict(cfg))]
     except Exception as exc:  # no login, no network: the run matters more than the dashboard
-        print(f"warning: W&B did not start ({type(exc).__name__}: {exc}); training goes on without it",
-              file=sys.stderr)
+        print(f"warning: W&B did not start ({type(exc).__name__}: {exc}); training goes on without it", file=sys.stderr)
         return []

@@ -44,8 +44,16 @@ def find_first_nonfinite(chunks: List[torch.nn.Module], replay) -> Optional[Dict
         def hook(module, inputs, output):
             counter[0] += 1
             if not first and _non_finite(output):
-                first.append({"chunk": chunk_index, "layer": name or type(module).__name__, "order": counter[0],
-                              "module": type(module).__name__, "input_finite": not _non_finite(inputs)})
+                first.append(
+                    {
+                        "chunk": chunk_index,
+                        "layer": name or type(module).__name__,
+                        "order": counter[0],
+                        "module": type(module).__name__,
+                        "input_finite": not _non_finite(inputs),
+                    }
+                )
+
         return hook
 
     for c, chunk in enumerate(chunks):
@@ -94,20 +102,36 @@ def probe_nonfinite(trainer, micro, micro_steps_before: List[int], loss: float) 
     found = [f for f in every if f]
     step = trainer.state.step + 1  # the step being taken (the loop counts it after the optimizer)
     if mine is not None:
-        print(f"nonfinite: step {step}: rank {mesh.rank} on {node}: layer {mine['layer']} ({mine['module']}) "
-              f"produced the first non-finite value on this rank"
-              + ("" if mine["input_finite"] else " (its input was already non-finite)"), file=sys.stderr)
+        print(
+            f"nonfinite: step {step}: rank {mesh.rank} on {node}: layer {mine['layer']} ({mine['module']}) "
+            f"produced the first non-finite value on this rank"
+            + ("" if mine["input_finite"] else " (its input was already non-finite)"),
+            file=sys.stderr,
+        )
     if not found:
         if mesh.rank == 0:
-            print(f"nonfinite: step {step}: loss {loss}; replaying the step's forward found no non-finite layer "
-                  "output (the backward or the loss reduction produced it)", file=sys.stderr)
-            append_event(trainer.run_dir, "nonfinite", step=step, loss=str(loss), rank=None, layer=None,
-                         findings=[])
+            print(
+                f"nonfinite: step {step}: loss {loss}; replaying the step's forward found no non-finite layer "
+                "output (the backward or the loss reduction produced it)",
+                file=sys.stderr,
+            )
+            append_event(trainer.run_dir, "nonfinite", step=step, loss=str(loss), rank=None, layer=None, findings=[])
         return None
     first = min(found, key=lambda f: (f["stage"], f["order"], f["rank"]))
     if mesh.rank == 0:
-        print(f"nonfinite: step {step}: loss {loss}; first non-finite value from rank {first['rank']} on "
-              f"{first['node']}, layer {first['layer']}", file=sys.stderr)
-        append_event(trainer.run_dir, "nonfinite", step=step, loss=str(loss), rank=first["rank"], node=first["node"],
-                     layer=first["layer"], findings=found)
+        print(
+            f"nonfinite: step {step}: loss {loss}; first non-finite value from rank {first['rank']} on "
+            f"{first['node']}, layer {first['layer']}",
+            file=sys.stderr,
+        )
+        append_event(
+            trainer.run_dir,
+            "nonfinite",
+            step=step,
+            loss=str(loss),
+            rank=first["rank"],
+            node=first["node"],
+            layer=first["layer"],
+            findings=found,
+        )
     return first

@@ -25,10 +25,24 @@ import types
 from typing import Any, Dict
 
 DEFAULTS: Dict[str, Any] = {
-    "utilization": 90, "memory_used": 40 * 2**30, "memory_total": 80 * 2**30, "temperature": 45, "power_w": 400.0,
-    "throttle": 0, "ecc_uncorrected": 0, "remapped_uncorrectable": 0, "remap_pending": 0, "retired_pages": 0,
-    "driver": "550.54.15", "cuda_driver": 12040, "name": "NVML double", "slowdown_c": 87, "pcie": [5, 5, 16, 16],
-    "nvlinks": 0, "processes": [], "mig": 0,
+    "utilization": 90,
+    "memory_used": 40 * 2**30,
+    "memory_total": 80 * 2**30,
+    "temperature": 45,
+    "power_w": 400.0,
+    "throttle": 0,
+    "ecc_uncorrected": 0,
+    "remapped_uncorrectable": 0,
+    "remap_pending": 0,
+    "retired_pages": 0,
+    "driver": "550.54.15",
+    "cuda_driver": 12040,
+    "name": "NVML double",
+    "slowdown_c": 87,
+    "pcie": [5, 5, 16, 16],
+    "nvlinks": 0,
+    "processes": [],
+    "mig": 0,
 }
 
 
@@ -87,8 +101,10 @@ def make_nvml_double(path: str, node: str):
     m.nvmlDeviceGetHandleByIndex = handle
     m.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=values()["utilization"], memory=0)
     m.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
-        used=values()["memory_used"], total=values()["memory_total"],
-        free=values()["memory_total"] - values()["memory_used"])
+        used=values()["memory_used"],
+        total=values()["memory_total"],
+        free=values()["memory_total"] - values()["memory_used"],
+    )
 
     def temperature(h, sensor):
         assert sensor == pynvml.NVML_TEMPERATURE_GPU
@@ -120,8 +136,9 @@ def make_nvml_double(path: str, node: str):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
         gpu, xid = events[delivered[0]]
         delivered[0] += 1
-        return types.SimpleNamespace(device=int(gpu), eventType=pynvml.nvmlEventTypeXidCriticalError,
-                                     eventData=int(xid))
+        return types.SimpleNamespace(
+            device=int(gpu), eventType=pynvml.nvmlEventTypeXidCriticalError, eventData=int(xid)
+        )
 
     m.nvmlEventSetWait_v2 = event_wait
     m.nvmlEventSetWait = event_wait
@@ -146,16 +163,18 @@ def _add_preflight_queries(m, pynvml, values) -> None:
         return values()["ecc_uncorrected"]
 
     m.nvmlDeviceGetTotalEccErrors = ecc
-    m.nvmlDeviceGetRetiredPagesPendingStatus = lambda h: (pynvml.NVML_FEATURE_ENABLED if values()["retired_pages"]
-                                                          else pynvml.NVML_FEATURE_DISABLED)
+    m.nvmlDeviceGetRetiredPagesPendingStatus = lambda h: (
+        pynvml.NVML_FEATURE_ENABLED if values()["retired_pages"] else pynvml.NVML_FEATURE_DISABLED
+    )
     m.nvmlDeviceGetTemperatureThreshold = lambda h, kind: values()["slowdown_c"]
     m.nvmlDeviceGetCurrPcieLinkGeneration = lambda h: values()["pcie"][0]
     m.nvmlDeviceGetMaxPcieLinkGeneration = lambda h: values()["pcie"][1]
     m.nvmlDeviceGetCurrPcieLinkWidth = lambda h: values()["pcie"][2]
     m.nvmlDeviceGetMaxPcieLinkWidth = lambda h: values()["pcie"][3]
-    m.nvmlDeviceGetNvLinkState = lambda h, link: (pynvml.NVML_FEATURE_ENABLED if link < int(values()["nvlinks"])
-                                                  else err(pynvml.NVML_ERROR_NOT_SUPPORTED))
-    m.nvmlDeviceGetComputeRunningProcesses = lambda h: [types.SimpleNamespace(pid=int(p["pid"]),
-                                                                              usedGpuMemory=int(p["used"]))
-                                                        for p in values()["processes"]]
+    m.nvmlDeviceGetNvLinkState = lambda h, link: (
+        pynvml.NVML_FEATURE_ENABLED if link < int(values()["nvlinks"]) else err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    )
+    m.nvmlDeviceGetComputeRunningProcesses = lambda h: [
+        types.SimpleNamespace(pid=int(p["pid"]), usedGpuMemory=int(p["used"])) for p in values()["processes"]
+    ]
     m.nvmlDeviceGetMigMode = lambda h: [int(values()["mig"]), int(values()["mig"])]

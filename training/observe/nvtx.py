@@ -22,8 +22,20 @@ import torch
 
 from training.contract.rundir.files import write_atomic
 
-COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "broadcast",
-               "all_to_all_single", "batch_isend_irecv", "send", "recv", "isend", "irecv", "barrier")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_gather",
+    "broadcast",
+    "all_to_all_single",
+    "batch_isend_irecv",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "barrier",
+)
 """torch.distributed functions the engine calls that get a range."""
 
 
@@ -155,6 +167,12 @@ class NvtxRanges:
         out = os.path.join(self.run_dir, "profile")
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, f"nvtx_rank{self.rank}.json")
-        write_atomic(path, json.dumps({"counts": self.ranges.counts, "balanced": not self.ranges.stack(),
-                                       "max_depth": self.ranges.max_depth}, indent=1, sort_keys=True))
+        write_atomic(
+            path,
+            json.dumps(
+                {"counts": self.ranges.counts, "balanced": not self.ranges.stack(), "max_depth": self.ranges.max_depth},
+                indent=1,
+                sort_keys=True,
+            ),
+        )
         return path

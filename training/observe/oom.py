@@ -48,8 +48,16 @@ def levers(cfg, part: str) -> List[str]:
     return out
 
 
-def explain(cfg, run_dir: str, exc: BaseException, states_bytes: Optional[int], capacity: Optional[int],
-            rank: int = 0, node: str = "", built: Optional[bool] = None) -> str:
+def explain(
+    cfg,
+    run_dir: str,
+    exc: BaseException,
+    states_bytes: Optional[int],
+    capacity: Optional[int],
+    rank: int = 0,
+    node: str = "",
+    built: Optional[bool] = None,
+) -> str:
     """The `oom` event and the message: the overflowing part, planned against measured, and its levers.
     states_bytes: GPU memory allocated once the engine was built (None: not built, or not measurable); built:
     whether the engine was built (default: states_bytes is not None)."""
@@ -64,21 +72,39 @@ def explain(cfg, run_dir: str, exc: BaseException, states_bytes: Optional[int], 
         why = "while the model and optimizer were being built"
     elif states_bytes is None:  # built, not measured: the plan decides
         part = "states" if capacity and planned_states >= STATES_FULL * capacity else "activations"
-        why = (f"planned: states {planned_states / 2**30:.2f} GiB, activations {planned_acts / 2**30:.2f} GiB "
-               "(nothing measured)")
+        why = (
+            f"planned: states {planned_states / 2**30:.2f} GiB, activations {planned_acts / 2**30:.2f} GiB "
+            "(nothing measured)"
+        )
     elif capacity and states_bytes >= STATES_FULL * capacity:
         part = "states"
-        why = f"the model states took {states_bytes / 2**30:.2f} GiB of {capacity / 2**30:.2f} GiB before the first step"
+        why = (
+            f"the model states took {states_bytes / 2**30:.2f} GiB of {capacity / 2**30:.2f} GiB before the first step"
+        )
     else:
         part = "activations"
-        why = (f"the model states took {states_bytes / 2**30:.2f} GiB (planned {planned_states / 2**30:.2f}); the "
-               f"activations (planned {planned_acts / 2**30:.2f} GiB) did not fit in the rest")
+        why = (
+            f"the model states took {states_bytes / 2**30:.2f} GiB (planned {planned_states / 2**30:.2f}); the "
+            f"activations (planned {planned_acts / 2**30:.2f} GiB) did not fit in the rest"
+        )
     fix = levers(cfg, part)
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    append_event(run_dir, "oom", rank=rank, node=node, part=part, states_bytes=states_bytes,
-                 planned_states_bytes=planned_states, planned_activations_bytes=planned_acts,
-                 gpu_memory_bytes=capacity, levers=fix, error=first[:500])
-    return (f"CUDA out of memory on rank {rank}{f' ({node})' if node else ''}: the {part} overflowed ({why}); "
-            f"fix: {'; or '.join(fix)}. Planned per GPU: states {planned_states / 2**30:.2f} GiB, activations "
-            f"{planned_acts / 2**30:.2f} GiB (run.dir/plan.json); `meshrun action=plan` with the fix shows the new "
-            f"total. torch: {first[:300]}")
+    append_event(
+        run_dir,
+        "oom",
+        rank=rank,
+        node=node,
+        part=part,
+        states_bytes=states_bytes,
+        planned_states_bytes=planned_states,
+        planned_activations_bytes=planned_acts,
+        gpu_memory_bytes=capacity,
+        levers=fix,
+        error=first[:500],
+    )
+    return (
+        f"CUDA out of memory on rank {rank}{f' ({node})' if node else ''}: the {part} overflowed ({why}); "
+        f"fix: {'; or '.join(fix)}. Planned per GPU: states {planned_states / 2**30:.2f} GiB, activations "
+        f"{planned_acts / 2**30:.2f} GiB (run.dir/plan.json); `meshrun action=plan` with the fix shows the new "
+        f"total. torch: {first[:300]}"
+    )

@@ -32,8 +32,9 @@ def profile_window(steps: List[int]) -> Optional[tuple]:
     if len(steps) != 2 or steps[0] < 1 or steps[1] < steps[0]:
         from training.contract.layout_rules import LayoutError
 
-        raise LayoutError(f"train.profile_steps={list(steps)}: give [first, last] with 1 <= first <= last "
-                         "(steps count from 1)")
+        raise LayoutError(
+            f"train.profile_steps={list(steps)}: give [first, last] with 1 <= first <= last (steps count from 1)"
+        )
     return int(steps[0]), int(steps[1])
 
 
@@ -51,9 +52,11 @@ class StepProfiler:
                 # History from now on: the snapshot then says where each live block was allocated.
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
             elif self.rank == 0:
-                print(f"note: train.memory_snapshot_step={self.snapshot_step}: a CPU run has no CUDA memory "
-                      "allocator to snapshot; no snapshot is written (peak memory per rank is in summary.json)",
-                      file=sys.stderr)
+                print(
+                    f"note: train.memory_snapshot_step={self.snapshot_step}: a CPU run has no CUDA memory "
+                    "allocator to snapshot; no snapshot is written (peak memory per rank is in summary.json)",
+                    file=sys.stderr,
+                )
                 self.snapshot_step = 0
 
     def before(self, step: int) -> None:
@@ -83,8 +86,10 @@ class StepProfiler:
         with atomic_path(path, suffix=".json") as tmp:
             prof.export_chrome_trace(tmp)
         if self.rank == 0:
-            print(f"profile: steps {self.window[0]}-{self.window[1]} traced to {self.dir}/trace_rank<R>.json",
-                  file=sys.stderr)
+            print(
+                f"profile: steps {self.window[0]}-{self.window[1]} traced to {self.dir}/trace_rank<R>.json",
+                file=sys.stderr,
+            )
 
     def _write_snapshot(self) -> None:
         os.makedirs(self.dir, exist_ok=True)

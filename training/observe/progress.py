@@ -28,8 +28,15 @@ class Progress:
 
     WIDTH = 24
 
-    def __init__(self, total: int, enabled: bool, every_s: float = 30.0, start_step: int = 0,
-                 stream: Optional[IO[str]] = None, clock=time.monotonic):
+    def __init__(
+        self,
+        total: int,
+        enabled: bool,
+        every_s: float = 30.0,
+        start_step: int = 0,
+        stream: Optional[IO[str]] = None,
+        clock=time.monotonic,
+    ):
         self.total, self.enabled, self.every_s = total, enabled, max(0.0, float(every_s))
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
@@ -48,8 +55,10 @@ class Progress:
     def line(self, step: int, text: str) -> str:
         done = int(self.WIDTH * step / max(1, self.total))
         elapsed = self.clock() - self.t0
-        return (f"[{'#' * done}{'.' * (self.WIDTH - done)}] {step}/{self.total} {text} "
-                f"[{format_duration(elapsed)} elapsed, {format_duration(self.eta_s(step))} left]")
+        return (
+            f"[{'#' * done}{'.' * (self.WIDTH - done)}] {step}/{self.total} {text} "
+            f"[{format_duration(elapsed)} elapsed, {format_duration(self.eta_s(step))} left]"
+        )
 
     def update(self, step: int, text: str) -> None:
         if not self.enabled:
@@ -58,7 +67,7 @@ class Progress:
         last = step >= self.total
         if self.tty:
             self.stream.write("\r" + self.line(step, text) + ("\n" if last else ""))
-        elif (self.last_line is None or last or now - self.last_line >= self.every_s):
+        elif self.last_line is None or last or now - self.last_line >= self.every_s:
             self.stream.write(self.line(step, text) + "\n")
             self.last_line = now
         else:

@@ -83,8 +83,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         device = "cuda" if str(cfg.cluster.device) == "cuda" else "cpu"
         trainer = Trainer(cfg, tmp, ProcessMesh.single(device), checkpointing=False)
         n = saved_activation_bytes(trainer)
-    print(json.dumps({"saved_activation_bytes": n, "micro_batch": cfg.parallel.micro_batch,
-                      "precision": str(cfg.train.precision), "device": str(cfg.cluster.device)}))
+    print(
+        json.dumps(
+            {
+                "saved_activation_bytes": n,
+                "micro_batch": cfg.parallel.micro_batch,
+                "precision": str(cfg.train.precision),
+                "device": str(cfg.cluster.device),
+            }
+        )
+    )
     return 0
 
 

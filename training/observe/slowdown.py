@@ -28,8 +28,14 @@ def planned_tokens_per_s(run_dir: str) -> Optional[float]:
 
 
 class JobSlowdown:
-    def __init__(self, fraction: float, baseline_steps: int, persist: int, planned: Optional[float] = None,
-                 judge_plan: bool = False):
+    def __init__(
+        self,
+        fraction: float,
+        baseline_steps: int,
+        persist: int,
+        planned: Optional[float] = None,
+        judge_plan: bool = False,
+    ):
         self.fraction, self.n, self.persist = fraction, max(1, baseline_steps), max(1, persist)
         self.planned, self.judge_plan = planned, judge_plan
         self.rates: List[float] = []
@@ -47,16 +53,30 @@ class JobSlowdown:
             if len(self.rates) >= self.n:
                 self.baseline = sorted(self.rates)[len(self.rates) // 2]
                 if self.judge_plan and self.planned and self.baseline < self.fraction * self.planned:
-                    out.append({"kind": "plan", "step": step, "tokens_per_s": self.baseline,
-                                "planned_tokens_per_s": self.planned, "ratio": self.baseline / self.planned})
+                    out.append(
+                        {
+                            "kind": "plan",
+                            "step": step,
+                            "tokens_per_s": self.baseline,
+                            "planned_tokens_per_s": self.planned,
+                            "ratio": self.baseline / self.planned,
+                        }
+                    )
             return out
         if tokens_per_s < self.fraction * self.baseline:
             self.low += 1
             if self.low == self.persist:
-                out.append({"kind": "baseline", "step": step, "tokens_per_s": tokens_per_s,
-                            "baseline_tokens_per_s": self.baseline, "ratio": tokens_per_s / self.baseline,
-                            "planned_tokens_per_s": self.planned,
-                            "vs_plan": tokens_per_s / self.planned if self.planned else None})
+                out.append(
+                    {
+                        "kind": "baseline",
+                        "step": step,
+                        "tokens_per_s": tokens_per_s,
+                        "baseline_tokens_per_s": self.baseline,
+                        "ratio": tokens_per_s / self.baseline,
+                        "planned_tokens_per_s": self.planned,
+                        "vs_plan": tokens_per_s / self.planned if self.planned else None,
+                    }
+                )
         else:
             self.low = 0
         return out
@@ -69,8 +89,13 @@ class SlowdownWatch:
         h = cfg.cluster.health
         self.run_dir, self.active = run_dir, is_logger and h.min_throughput_fraction > 0
         self.first = True
-        self.judge = JobSlowdown(h.min_throughput_fraction, h.baseline_intervals, h.throttle_samples,
-                                 planned_tokens_per_s(run_dir), judge_plan=cfg.cluster.device == "cuda")
+        self.judge = JobSlowdown(
+            h.min_throughput_fraction,
+            h.baseline_intervals,
+            h.throttle_samples,
+            planned_tokens_per_s(run_dir),
+            judge_plan=cfg.cluster.device == "cuda",
+        )
 
     def step(self, step: int, tokens_per_s: float, logged: bool) -> None:
         if not self.active or not logged:
@@ -81,11 +106,16 @@ class SlowdownWatch:
         for ev in self.judge.update(step, tokens_per_s):
             append_event(self.run_dir, "slowdown", **ev)
             if ev["kind"] == "baseline":
-                print(f"\nwarning: step {step}: the job runs at {ev['tokens_per_s']:,.0f} tokens/s, "
-                      f"{100 * ev['ratio']:.0f} % of its own baseline ({ev['baseline_tokens_per_s']:,.0f})"
-                      + (f" and {100 * ev['vs_plan']:.0f} % of the plan" if ev.get("vs_plan") else "")
-                      + ": a slow node, throttling or storage; `meshrun action=status` and health.jsonl say more",
-                      file=sys.stderr)
+                print(
+                    f"\nwarning: step {step}: the job runs at {ev['tokens_per_s']:,.0f} tokens/s, "
+                    f"{100 * ev['ratio']:.0f} % of its own baseline ({ev['baseline_tokens_per_s']:,.0f})"
+                    + (f" and {100 * ev['vs_plan']:.0f} % of the plan" if ev.get("vs_plan") else "")
+                    + ": a slow node, throttling or storage; `meshrun action=status` and health.jsonl say more",
+                    file=sys.stderr,
+                )
             else:
-                print(f"\nwarning: the job's baseline {ev['tokens_per_s']:,.0f} tokens/s is {100 * ev['ratio']:.0f} % "
-                      f"of the plan's {ev['planned_tokens_per_s']:,.0f}", file=sys.stderr)
+                print(
+                    f"\nwarning: the job's baseline {ev['tokens_per_s']:,.0f} tokens/s is {100 * ev['ratio']:.0f} % "
+                    f"of the plan's {ev['planned_tokens_per_s']:,.0f}",
+                    file=sys.stderr,
+                )

@@ -94,8 +94,9 @@ class IntervalWatch:
         self.compute.append(compute_s)
         if not (self.enabled and logged):
             return {}
-        if self.sampler is not None and (step >= self.last_step or time.monotonic() - self.sampler.last_time
-                                         > 2 * self.sampler.interval_s):
+        if self.sampler is not None and (
+            step >= self.last_step or time.monotonic() - self.sampler.last_time > 2 * self.sampler.interval_s
+        ):
             # The last step, or a thread starved by a busy machine: sample here, so a fault is not missed.
             self.sampler.sample()
         mean = sum(self.compute) / len(self.compute)
@@ -112,8 +113,13 @@ class IntervalWatch:
         for i, key in enumerate(_SUMMARY):
             values = [r[2 + i] for r in rows if not math.isnan(r[2 + i])]
             if values:
-                out[key] = (sum(values) if key == "gpu_power_w" else
-                            sum(values) / len(values) if key == "gpu_utilization_mean_pct" else max(values))
+                out[key] = (
+                    sum(values)
+                    if key == "gpu_power_w"
+                    else sum(values) / len(values)
+                    if key == "gpu_utilization_mean_pct"
+                    else max(values)
+                )
         return out
 
     def _gather(self, mine: List[float]) -> List[List[float]]:
@@ -127,11 +133,21 @@ class IntervalWatch:
     def _stragglers(self, step: int, times: List[float]) -> None:
         median = median_of(times)
         for rank in self.stragglers.update(times):
-            msg = (f"rank {rank} on {self.nodes[rank]} is a straggler: compute {times[rank]:.4f} s per step vs the "
-                   f"median {median:.4f} s for {self.stragglers.intervals} log intervals")
+            msg = (
+                f"rank {rank} on {self.nodes[rank]} is a straggler: compute {times[rank]:.4f} s per step vs the "
+                f"median {median:.4f} s for {self.stragglers.intervals} log intervals"
+            )
             if self.mesh.rank == 0:
-                append_event(self.run_dir, "straggler", rank=rank, node=self.nodes[rank], step=step,
-                             compute_time_s=times[rank], median_s=median, intervals=self.stragglers.intervals)
+                append_event(
+                    self.run_dir,
+                    "straggler",
+                    rank=rank,
+                    node=self.nodes[rank],
+                    step=step,
+                    compute_time_s=times[rank],
+                    median_s=median,
+                    intervals=self.stragglers.intervals,
+                )
                 print(f"\nstraggler: {msg}", file=sys.stderr)
 
     def _health(self, step: int, rows: List[List[float]]) -> None:
@@ -170,8 +186,9 @@ class IntervalWatch:
             if self.sampler is not None and self.sampler.reasons:
                 why += ": " + "; ".join(self.sampler.reasons[:3])
             record_cause(why)
-            print(f"{why}; checkpoint written, this node's ranks exit {EXIT_NODE_BAD} so it is excluded",
-                  file=sys.stderr)
+            print(
+                f"{why}; checkpoint written, this node's ranks exit {EXIT_NODE_BAD} so it is excluded", file=sys.stderr
+            )
             return EXIT_NODE_BAD
         return EXIT_STOPPED
 
@@ -181,4 +198,3 @@ class IntervalWatch:
 
 
 _SUMMARY = ("gpu_temperature_max_c", "gpu_utilization_mean_pct", "gpu_power_w", "gpu_mem_used_max_gib")
-

@@ -15,10 +15,17 @@ from typing import Any, Dict, Optional
 TB_DIR = "tensorboard"
 
 TAGS = {
-    "loss": "train/loss", "eval_loss": "eval/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-    "loss_scale": "train/loss_scale", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
-    "step_time_s": "perf/step_time_s", "step_time_max_s": "perf/step_time_slowest_rank_s",
-    "step_time_min_s": "perf/step_time_fastest_rank_s", "peak_memory_bytes": "memory/peak_bytes_max_over_ranks",
+    "loss": "train/loss",
+    "eval_loss": "eval/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "loss_scale": "train/loss_scale",
+    "tokens_per_s": "perf/tokens_per_s",
+    "mfu": "perf/mfu",
+    "step_time_s": "perf/step_time_s",
+    "step_time_max_s": "perf/step_time_slowest_rank_s",
+    "step_time_min_s": "perf/step_time_fastest_rank_s",
+    "peak_memory_bytes": "memory/peak_bytes_max_over_ranks",
 }
 """metrics.jsonl key -> TensorBoard tag; any other number in a row goes to `metrics/<key>`."""
 

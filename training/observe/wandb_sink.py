@@ -21,12 +21,14 @@ ID_FILE = "wandb.json"
 
 
 def wandb_problem() -> str:
-    """"" when `import wandb` would work here, else what to do about it."""
+    """ "" when `import wandb` would work here, else what to do about it."""
     if importlib.util.find_spec("wandb") is not None:
         return ""
-    return ("train.wandb=true but the `wandb` package is not installed in this environment: `pip install wandb` "
-            "(and `wandb login`, or WANDB_MODE=offline), or leave train.wandb=false (TensorBoard files are always "
-            "written to run.dir/tensorboard/)")
+    return (
+        "train.wandb=true but the `wandb` package is not installed in this environment: `pip install wandb` "
+        "(and `wandb login`, or WANDB_MODE=offline), or leave train.wandb=false (TensorBoard files are always "
+        "written to run.dir/tensorboard/)"
+    )
 
 
 def run_id(run_dir: str) -> str:
@@ -48,12 +50,19 @@ class WandbSink:
     def __init__(self, run_dir: str, project: str, config: Dict[str, Any]):
         import wandb
 
-        self.run = wandb.init(project=project, id=run_id(run_dir), resume="allow", dir=run_dir,
-                              name=os.path.basename(os.path.normpath(run_dir)), config=config)
+        self.run = wandb.init(
+            project=project,
+            id=run_id(run_dir),
+            resume="allow",
+            dir=run_dir,
+            name=os.path.basename(os.path.normpath(run_dir)),
+            config=config,
+        )
 
     def write(self, row: Dict[str, Any]) -> None:
-        values = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-                  and k != "step"}
+        values = {
+            k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
+        }
         self.run.log(values, step=int(row["step"]))
 
     def close(self) -> None:

@@ -33,8 +33,18 @@ class ShardedAdamW:
     element of the shard, e.g. 4.9 GiB for gpt_1p3b at dp=1, that no memory report or plan counted), while each
     block's passes stay long enough that the per-op launch cost does not show."""
 
-    def __init__(self, layout: FlatLayout, beta1: float, beta2: float, eps: float, weight_decay: float,
-                 fused: bool = False, offload: str = "none", offload_dir: str = "", rank: int = 0):
+    def __init__(
+        self,
+        layout: FlatLayout,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        fused: bool = False,
+        offload: str = "none",
+        offload_dir: str = "",
+        rank: int = 0,
+    ):
         self.layout = layout
         self.fused = fused
         self.offload = offload
@@ -134,12 +144,24 @@ class ShardedAdamW:
                 g.mul_(grad_coef)
             self._decay(w, lr, 0, w.numel())
             self._step_t.fill_(step)  # the kernel reads the step count (torch increments it before the call)
-            torch._fused_adamw_([w], [g], [self.exp_avg], [self.exp_avg_sq], [], [self._step_t], lr=lr,
-                                beta1=self.beta1, beta2=self.beta2, weight_decay=0.0, eps=self.eps,
-                                amsgrad=False, maximize=False)
+            torch._fused_adamw_(
+                [w],
+                [g],
+                [self.exp_avg],
+                [self.exp_avg_sq],
+                [],
+                [self._step_t],
+                lr=lr,
+                beta1=self.beta1,
+                beta2=self.beta2,
+                weight_decay=0.0,
+                eps=self.eps,
+                amsgrad=False,
+                maximize=False,
+            )
             return
-        bc1 = 1 - self.beta1 ** step
-        bc2 = 1 - self.beta2 ** step
+        bc1 = 1 - self.beta1**step
+        bc2 = 1 - self.beta2**step
         # In blocks that stay in cache, with one reused scratch: seven whole-shard passes stream the state
         # through memory seven times and allocate a shard-sized temporary each step (measured on CPU: slower
         # than torch's per-parameter loop). The clipping and the weight decay join each block's passes instead
@@ -158,7 +180,7 @@ class ShardedAdamW:
             m.lerp_(gg, 1 - self.beta1)
             v.mul_(self.beta2).addcmul_(gg, gg, value=1 - self.beta2)
             denom = torch.sqrt(v, out=self._scratch[: hi - lo])
-            denom.div_(bc2 ** 0.5).add_(self.eps)
+            denom.div_(bc2**0.5).add_(self.eps)
             w[lo:hi].addcdiv_(m, denom, value=-lr / bc1)
 
     def block_elements(self, device: torch.device) -> int:
@@ -173,8 +195,8 @@ class ShardedAdamW:
         """`update` with the state in the store, block by block: each block's grads go to the state, the same
         operations in the same order as `update` (so the result is the same, bit for bit), the state block is
         written back and the new weights go to `dest` (this rank's shard of the parameter values)."""
-        bc1 = 1 - self.beta1 ** step
-        bc2 = 1 - self.beta2 ** step
+        bc1 = 1 - self.beta1**step
+        bc2 = 1 - self.beta2**step
         store, n = self.store, g.numel()
         has_master = self._store_master
         block = getattr(store, "block_elems", self.BLOCK)
@@ -189,7 +211,7 @@ class ShardedAdamW:
             m.lerp_(gg, 1 - self.beta1)
             v.mul_(self.beta2).addcmul_(gg, gg, value=1 - self.beta2)
             denom = torch.sqrt(v)
-            denom.div_(bc2 ** 0.5).add_(self.eps)
+            denom.div_(bc2**0.5).add_(self.eps)
             w.addcdiv_(m, denom, value=-lr / bc1)
             store.commit("exp_avg", lo, hi)
             store.commit("exp_avg_sq", lo, hi)

@@ -42,8 +42,7 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
 class FlatLayout:
     """This rank's trainable parameters in flat order, and its shard of that order."""
 
-    def __init__(self, named_params: Iterable[Tuple[str, torch.nn.Parameter]], zero: int, dp: int, dp_rank: int,
-                 mesh):
+    def __init__(self, named_params: Iterable[Tuple[str, torch.nn.Parameter]], zero: int, dp: int, dp_rank: int, mesh):
         seen = set()
         self.names: List[str] = []
         self.params: List[torch.nn.Parameter] = []
@@ -103,8 +102,16 @@ class FlatLayout:
             start, end = self.offsets[i], self.offsets[i] + p.numel()
             lo, hi = max(start, self.shard_lo), min(end, self.shard_hi)
             if lo < hi:
-                segs.append(Segment(i, lo - self.shard_lo, hi - self.shard_lo, lo - start,
-                                    counts_in_norm(name, p, mesh), not no_weight_decay(name, p)))
+                segs.append(
+                    Segment(
+                        i,
+                        lo - self.shard_lo,
+                        hi - self.shard_lo,
+                        lo - start,
+                        counts_in_norm(name, p, mesh),
+                        not no_weight_decay(name, p),
+                    )
+                )
         return segs
 
     def read_shard(self) -> torch.Tensor:

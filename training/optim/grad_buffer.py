@@ -49,14 +49,14 @@ class GradBuffer:
     """fp16: buckets whose fp32 copies may be in flight at once (older ones are completed first), so the
     copies stay a few buckets, not an fp32 copy of every grad, when backward launches them all (overlap)."""
 
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, dp_group: Any, bucket_mb: float,
-                 overlap: bool = True):
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, dp_group: Any, bucket_mb: float, overlap: bool = True):
         self.layout = layout
         self.dp_group = dp_group
         # Zero once: the padding (zero=1) is never written; parameter ranges are overwritten every step.
         self.buffer = torch.zeros(layout.total, dtype=dtype, device=layout.params[0].device)
         self.views: List[torch.Tensor] = [
-            self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(layout.offsets, layout.params)]
+            self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(layout.offsets, layout.params)
+        ]
         self.bucket_elems = max(1, int(bucket_mb * 2**20) // self.buffer.element_size())
         # Autograd accumulates straight into the view where the dtypes agree.
         self.direct = [p.dtype == dtype for p in layout.params]
@@ -85,8 +85,11 @@ class GradBuffer:
         self._wide: List[int] = []  # launched buckets holding an fp32 copy, oldest first
         self._done: set = set()  # buckets reduced this step (completed early to bound the fp32 copies)
         # Hooks only where they have work: moving a grad of another dtype, or counting grads for the overlap.
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
-                       for i, p in enumerate(layout.params) if self.overlap or not self.direct[i]]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, p in enumerate(layout.params)
+            if self.overlap or not self.direct[i]
+        ]
         self._attach()
 
     def _attach(self) -> None:
@@ -109,12 +112,16 @@ class GradBuffer:
             out = []
             for q in range(lay.dp):
                 for s in range(0, lay.shard_size, self.bucket_elems):
-                    out.append([(q * lay.shard_size + s, q * lay.shard_size + min(s + self.bucket_elems, lay.shard_size))])
+                    out.append(
+                        [(q * lay.shard_size + s, q * lay.shard_size + min(s + self.bucket_elems, lay.shard_size))]
+                    )
                     self._owners.append(q)
             return out
         width = self._width()
-        return [[(q * lay.shard_size + s, q * lay.shard_size + min(s + width, lay.shard_size)) for q in range(lay.dp)]
-                for s in range(0, lay.shard_size, width)]
+        return [
+            [(q * lay.shard_size + s, q * lay.shard_size + min(s + width, lay.shard_size)) for q in range(lay.dp)]
+            for s in range(0, lay.shard_size, width)
+        ]
 
     def _width(self) -> int:
         return max(1, self.bucket_elems // self.layout.dp)
@@ -141,8 +148,10 @@ class GradBuffer:
             if self._expected is not None and self._counts[i] == self._expected:
                 self._param_final(i)
             elif self._expected is not None and self._counts[i] > self._expected:
-                raise RuntimeError(f"parameter {self.layout.names[i]} got more grads than the {self._expected} "
-                                   f"micro-batches announced for this step (optimizer.zero_grad / scale_loss)")
+                raise RuntimeError(
+                    f"parameter {self.layout.names[i]} got more grads than the {self._expected} "
+                    f"micro-batches announced for this step (optimizer.zero_grad / scale_loss)"
+                )
 
         return hook
 
@@ -220,8 +229,9 @@ class GradBuffer:
             owner = self._owners[b]
             bucket = self.buffer[lo:hi]
             summed = bucket.to(wide)
-            work = dist.reduce(summed, dst=dist.get_global_rank(self.dp_group, owner), group=self.dp_group,
-                               async_op=True)
+            work = dist.reduce(
+                summed, dst=dist.get_global_rank(self.dp_group, owner), group=self.dp_group, async_op=True
+            )
             # Only the owner's copy is the sum (and only it is read): the others are left as they are.
             self._launched[b] = (work, summed, bucket) if owner == lay.dp_rank else (work, None, summed)
             return

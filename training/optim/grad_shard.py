@@ -38,8 +38,7 @@ class ShardedGradBuffer:
     MAX_INFLIGHT = 4
     """Bucket reductions in flight before the oldest is awaited (bounds the staging memory)."""
 
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, dp_group: Any, bucket_mb: float,
-                 overlap: bool = True):
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, dp_group: Any, bucket_mb: float, overlap: bool = True):
         self.layout, self.dp_group, self.dtype = layout, dp_group, dtype
         device = layout.params[0].device
         self.main = torch.zeros(layout.shard_size, dtype=dtype, device=device)
@@ -110,8 +109,7 @@ class ShardedGradBuffer:
             return
         if self._in_backward:
             self.launched_in_backward += 1
-        work = dist.reduce(staging, dst=dist.get_global_rank(self.dp_group, owner), group=self.dp_group,
-                           async_op=True)
+        work = dist.reduce(staging, dst=dist.get_global_rank(self.dp_group, owner), group=self.dp_group, async_op=True)
         self._inflight.append((b, work, staging))
         while len(self._inflight) > self.MAX_INFLIGHT:
             self._complete_oldest()
@@ -192,9 +190,13 @@ class ShardedGradBuffer:
         if i is not None and (mesh.is_first_stage or mesh.is_last_stage):
             full = torch.zeros(lay.params[i].numel(), dtype=self.dtype, device=self.main.device)
             for s in segs.get(i, []):
-                full[s.param_start : s.param_start + s.shard_end - s.shard_start] = self.main[s.shard_start : s.shard_end]
+                full[s.param_start : s.param_start + s.shard_end - s.shard_start] = self.main[
+                    s.shard_start : s.shard_end
+                ]
             if lay.dp > 1:
                 dist.all_reduce(full, group=self.dp_group)  # disjoint segments: the sum assembles them
             dist.all_reduce(full, group=mesh.embedding_group)
             for s in segs.get(i, []):
-                self.main[s.shard_start : s.shard_end] = full[s.param_start : s.param_start + s.shard_end - s.shard_start]
+                self.main[s.shard_start : s.shard_end] = full[
+                    s.param_start : s.param_start + s.shard_end - s.shard_start
+                ]

@@ -76,8 +76,9 @@ class ParamShard:
 class DistributedOptimizer:
     """AdamW over this rank's parameters, with the dp reduction and precision handling of the engine."""
 
-    def __init__(self, named_params: Iterable[Tuple[str, torch.nn.Parameter]], cfg: Config, mesh,
-                 _expert_part: bool = False):
+    def __init__(
+        self, named_params: Iterable[Tuple[str, torch.nn.Parameter]], cfg: Config, mesh, _expert_part: bool = False
+    ):
         t = cfg.train
         # Mixture of experts (training/model/moe.py): the expert parameters get an optimizer of their own over the
         # expert-data-parallel group (grads reduced and state sharded over the dp ranks holding the same experts);
@@ -107,21 +108,34 @@ class DistributedOptimizer:
         # a storage of its own, gathered per unit (zero3.py), and the rank holds only its shard of the values.
         self.zero3: Optional[Zero3Params] = None
         if lay.zero >= 3:
-            self.zero3 = Zero3Params(lay, self.dp_group,
-                                     getattr(cfg.parallel, "zero3_reshard_after_forward", True))
+            self.zero3 = Zero3Params(lay, self.dp_group, getattr(cfg.parallel, "zero3_reshard_after_forward", True))
             lay.shard_values = self.zero3.shard
         else:
             lay.flatten_params()
         grads_cls = ShardedGradBuffer if lay.zero >= 2 else GradBuffer  # zero=2: only the shard of main grads
-        self.grads = grads_cls(lay, grad_dtype(t.precision), self.dp_group, cfg.parallel.bucket_mb,
-                               overlap=getattr(cfg.parallel, "overlap_grad_reduce", True))
+        self.grads = grads_cls(
+            lay,
+            grad_dtype(t.precision),
+            self.dp_group,
+            cfg.parallel.bucket_mb,
+            overlap=getattr(cfg.parallel, "overlap_grad_reduce", True),
+        )
         self.finalize_grads = ModelParallelGradSync(lay.names, lay.params, cfg, mesh)
         self.grads.defer(self.finalize_grads.param_indices())
         offload = str(getattr(cfg.parallel, "offload", "none"))
         if offload != "none" and lay.param_buffer is None and lay.shard_values is None:
             raise ValueError("parallel.offload needs parameters of one dtype and device (one flat buffer)")
-        self.adamw = ShardedAdamW(lay, t.beta1, t.beta2, t.eps, t.weight_decay, getattr(t, "fused_adamw", False),
-                                  offload, getattr(cfg.parallel, "offload_dir", ""), mesh.rank)
+        self.adamw = ShardedAdamW(
+            lay,
+            t.beta1,
+            t.beta2,
+            t.eps,
+            t.weight_decay,
+            getattr(t, "fused_adamw", False),
+            offload,
+            getattr(cfg.parallel, "offload_dir", ""),
+            mesh.rank,
+        )
         self.scaler = LossScaler(t.precision == "fp16", t.loss_scale_init, t.min_loss_scale, t.loss_scale_window)
         self.step_count = 0
         self._runs = self._counted_runs()
@@ -129,9 +143,12 @@ class DistributedOptimizer:
         # grads; with overlap on it may run into the next forward (set up by watch_modules).
         self.param_gather: Optional[ParamGather] = None
         if self.zero >= 1 and self.dp > 1 and lay.param_buffer is not None:
-            self.param_gather = ParamGather(lay, self.dp_group, max(1, self.grads.bucket_elems // self.dp),
-                                            param_gather_inflight_chunks(t.precision, cfg.parallel.bucket_mb,
-                                                                         self.dp))
+            self.param_gather = ParamGather(
+                lay,
+                self.dp_group,
+                max(1, self.grads.bucket_elems // self.dp),
+                param_gather_inflight_chunks(t.precision, cfg.parallel.bucket_mb, self.dp),
+            )
         self._overlap = getattr(cfg.parallel, "overlap_grad_reduce", True)
 
     def watch_modules(self, chunks: List[torch.nn.Module]) -> None:
@@ -194,8 +211,10 @@ class DistributedOptimizer:
         (state_dict and the next step call it)."""
         if self.zero3 is not None:
             if not self.zero3.watching:
-                raise RuntimeError("parallel.zero=3: call optimizer.watch_modules(model_chunks) before training "
-                                   "(the units gather their parameters through its hooks)")
+                raise RuntimeError(
+                    "parallel.zero=3: call optimizer.watch_modules(model_chunks) before training "
+                    "(the units gather their parameters through its hooks)"
+                )
             self.zero3.release_all()  # backward is over: only the shards stay
         else:
             self.finish_param_gather()
@@ -323,8 +342,9 @@ class DistributedOptimizer:
     # ----- accounting and checkpoints ----------------------------------------------------------------
     def memory_report(self) -> Dict[str, int]:
         """Bytes this rank really holds for weights, main grads and optimizer state (docs/CONTRACTS.md)."""
-        weights = (self.zero3.nbytes() if self.zero3 is not None
-                   else sum(p.numel() * p.element_size() for p in self.params))
+        weights = (
+            self.zero3.nbytes() if self.zero3 is not None else sum(p.numel() * p.element_size() for p in self.params)
+        )
         out = {"weights": weights, "grads": self.grads.nbytes(), "optimizer": self.adamw.nbytes()}
         if self.adamw.offload != "none":
             out.update(host_offload=self.adamw.host_bytes(), nvme_offload=self.adamw.file_bytes())
@@ -356,13 +376,24 @@ class DistributedOptimizer:
         params = self._shards(self.adamw.tensors())
         if self.experts is not None:  # expert entries: replicated over the expert-dp group at zero=0
             params += self.experts._shards(self.experts.adamw.tensors())
-        return {"step_count": self.step_count, **self.scaler.state_dict(),
-                "replicated_over_dp": self.zero == 0, "params": params}
+        return {
+            "step_count": self.step_count,
+            **self.scaler.state_dict(),
+            "replicated_over_dp": self.zero == 0,
+            "params": params,
+        }
 
     def _shards(self, states: Dict[str, torch.Tensor]) -> List[ParamShard]:
         lay = self.layout
-        return [ParamShard(lay.names[s.param_index], lay.params[s.param_index], s.param_start,
-                           {k: t[s.shard_start : s.shard_end] for k, t in states.items()}) for s in self.segments]
+        return [
+            ParamShard(
+                lay.names[s.param_index],
+                lay.params[s.param_index],
+                s.param_start,
+                {k: t[s.shard_start : s.shard_end] for k, t in states.items()},
+            )
+            for s in self.segments
+        ]
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore from a state_dict() of this optimizer's layout (resharding is the checkpoint's job).
@@ -372,7 +403,9 @@ class DistributedOptimizer:
         """
         if self.experts is not None:
             mine = set(self.names)
-            self.experts.load_state_dict({**state, "params": [e for e in state.get("params", []) if e.name not in mine]})
+            self.experts.load_state_dict(
+                {**state, "params": [e for e in state.get("params", []) if e.name not in mine]}
+            )
             state = {**state, "params": [e for e in state.get("params", []) if e.name in mine]}
         self.step_count = int(state["step_count"])
         self.scaler.load_state_dict(state)

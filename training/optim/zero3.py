@@ -61,7 +61,9 @@ class Zero3Params:
         self.shard = torch.zeros(layout.shard_size, dtype=first.dtype, device=first.device)
         for s in layout.segments:
             p = layout.params[s.param_index].detach().reshape(-1)
-            self.shard[s.shard_start : s.shard_end].copy_(p[s.param_start : s.param_start + s.shard_end - s.shard_start])
+            self.shard[s.shard_start : s.shard_end].copy_(
+                p[s.param_start : s.param_start + s.shard_end - s.shard_start]
+            )
         self.refs = [0] * len(layout.params)
         self.units: List[_Unit] = []
         self.peak_gathered_bytes = 0
@@ -243,4 +245,6 @@ class Zero3Params:
         lay = self.layout
         for s in lay.segments:
             p = lay.params[s.param_index].detach().reshape(-1)
-            self.shard[s.shard_start : s.shard_end].copy_(p[s.param_start : s.param_start + s.shard_end - s.shard_start])
+            self.shard[s.shard_start : s.shard_end].copy_(
+                p[s.param_start : s.param_start + s.shard_end - s.shard_start]
+            )

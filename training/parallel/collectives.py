@@ -48,6 +48,7 @@ def group_rank(group: Any) -> int:
 
 # ---- plain (non-autograd) collectives ---------------------------------------------------------
 
+
 def all_reduce(x: torch.Tensor, group: Any, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce; identity for a None or size-1 group."""
     if group_size(group) > 1:
@@ -80,6 +81,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 # ---- autograd regions -------------------------------------------------------------------------
+
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod

@@ -99,8 +99,11 @@ def _heads(q, k, v):
     """[b, g, r, s, d] queries and [b, g, 1, s, d] keys/values as [b, g r, s, d] each (keys repeated per query)."""
     b, g, r, sq, d = q.shape
     sk = k.shape[-2]
-    return (q.reshape(b, g * r, sq, d).contiguous(), k.expand(b, g, r, sk, d).reshape(b, g * r, sk, d).contiguous(),
-            v.expand(b, g, r, sk, d).reshape(b, g * r, sk, d).contiguous())
+    return (
+        q.reshape(b, g * r, sq, d).contiguous(),
+        k.expand(b, g, r, sk, d).reshape(b, g * r, sk, d).contiguous(),
+        v.expand(b, g, r, sk, d).reshape(b, g * r, sk, d).contiguous(),
+    )
 
 
 def _block_forward(q, k, v, scale: float, causal: bool):
@@ -122,11 +125,20 @@ def _block_backward(q, k, v, out, dout, lse, scale: float, causal: bool):
     b, g, r, sq, d = q.shape
     if _fused(q):
         sk = k.shape[-2]
-        dq, dk, dv = _CPU_FLASH_BWD(dout.reshape(b, g * r, sq, d).contiguous(), *_heads(q, k, v),
-                                    out.reshape(b, g * r, sq, d).contiguous(), lse.reshape(b, g * r, sq).contiguous(),
-                                    0.0, causal, scale=scale)
-        return (dq.reshape(b, g, r, sq, d), dk.reshape(b, g, r, sk, d).sum(2, keepdim=True),
-                dv.reshape(b, g, r, sk, d).sum(2, keepdim=True))
+        dq, dk, dv = _CPU_FLASH_BWD(
+            dout.reshape(b, g * r, sq, d).contiguous(),
+            *_heads(q, k, v),
+            out.reshape(b, g * r, sq, d).contiguous(),
+            lse.reshape(b, g * r, sq).contiguous(),
+            0.0,
+            causal,
+            scale=scale,
+        )
+        return (
+            dq.reshape(b, g, r, sq, d),
+            dk.reshape(b, g, r, sk, d).sum(2, keepdim=True),
+            dv.reshape(b, g, r, sk, d).sum(2, keepdim=True),
+        )
     delta = (dout * out).sum(-1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
@@ -176,8 +188,10 @@ class _Ring:
 
     def start(self, send: torch.Tensor, tag: int):
         recv = torch.empty_like(send)
-        works = [dist.isend(send, self.next, group=self.group, tag=tag),
-                 dist.irecv(recv, self.prev, group=self.group, tag=tag)]
+        works = [
+            dist.isend(send, self.next, group=self.group, tag=tag),
+            dist.irecv(recv, self.prev, group=self.group, tag=tag),
+        ]
         return recv, works
 
     @staticmethod
@@ -247,8 +261,16 @@ class RingAttention(torch.autograd.Function):
             for qp, kp, causal in ring_blocks(step, src, me):
                 rows = slice(None) if qp == "ab" else (slice(0, c) if qp == "a" else slice(c, 2 * c))
                 cols = slice(None) if kp == "ab" else (slice(0, c) if kp == "a" else slice(c, 2 * c))
-                g_q, g_k, g_v = _block_backward(qf[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
-                                                outf[..., rows, :], dout[..., rows, :], lse[..., rows], scale, causal)
+                g_q, g_k, g_v = _block_backward(
+                    qf[..., rows, :],
+                    kv[0][..., cols, :],
+                    kv[1][..., cols, :],
+                    outf[..., rows, :],
+                    dout[..., rows, :],
+                    lse[..., rows],
+                    scale,
+                    causal,
+                )
                 dq[..., rows, :] += g_q
                 mine[0][..., cols, :] += g_k
                 mine[1][..., cols, :] += g_v

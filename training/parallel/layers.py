@@ -16,13 +16,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from training.parallel.collectives import (
-    all_gather_dim0, all_reduce, copy_to_tp, group_rank, group_size, reduce_from_tp,
-    reduce_scatter_dim0, reduce_scatter_to_sp,
+    all_gather_dim0,
+    all_reduce,
+    copy_to_tp,
+    group_rank,
+    group_size,
+    reduce_from_tp,
+    reduce_scatter_dim0,
+    reduce_scatter_to_sp,
 )
 
 
-def set_tp_meta(p: nn.Parameter, tp_shard_dim: Optional[int], global_shape: Sequence[int],
-                sequence_parallel: bool = False) -> nn.Parameter:
+def set_tp_meta(
+    p: nn.Parameter, tp_shard_dim: Optional[int], global_shape: Sequence[int], sequence_parallel: bool = False
+) -> nn.Parameter:
     """Attach the contract's metadata to a parameter."""
     p.tp_shard_dim = tp_shard_dim
     p.global_shape = tuple(int(v) for v in global_shape)
@@ -67,8 +74,9 @@ class _LinearWithSPGather(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                           group: Any, sequence_parallel: bool) -> torch.Tensor:
+def column_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: Any, sequence_parallel: bool
+) -> torch.Tensor:
     """y_local = x @ W_local^T (+ b_local); x replicated, or a sequence shard under SP (gathered here)."""
     if sequence_parallel and group_size(group) > 1:
         return _LinearWithSPGather.apply(x, weight, bias, group)
@@ -82,14 +90,22 @@ class ColumnParallelLinear(nn.Module):
     output: [s, b, out/tp], left split (feeds a RowParallelLinear or the loss).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: Any,
-                 sequence_parallel: bool, dtype: torch.dtype, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        group: Any,
+        sequence_parallel: bool,
+        dtype: torch.dtype,
+        device=None,
+    ):
         super().__init__()
         tp = group_size(group)
         self.group, self.sequence_parallel = group, sequence_parallel and tp > 1
         local = _divide(out_features, tp, "output features of a column-parallel linear")
         self.weight = set_tp_meta(_param((local, in_features), dtype, device), 0, (out_features, in_features))
-        self.bias = (set_tp_meta(_param((local,), dtype, device), 0, (out_features,)) if bias else None)
+        self.bias = set_tp_meta(_param((local,), dtype, device), 0, (out_features,)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
@@ -103,15 +119,26 @@ class RowParallelLinear(nn.Module):
     reduction (under SP on shards, hence `sequence_parallel`).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: Any,
-                 sequence_parallel: bool, dtype: torch.dtype, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        group: Any,
+        sequence_parallel: bool,
+        dtype: torch.dtype,
+        device=None,
+    ):
         super().__init__()
         tp = group_size(group)
         self.group, self.sequence_parallel = group, sequence_parallel and tp > 1
         local = _divide(in_features, tp, "input features of a row-parallel linear")
         self.weight = set_tp_meta(_param((out_features, local), dtype, device), 1, (out_features, in_features))
-        self.bias = (set_tp_meta(_param((out_features,), dtype, device), None, (out_features,),
-                                 self.sequence_parallel) if bias else None)
+        self.bias = (
+            set_tp_meta(_param((out_features,), dtype, device), None, (out_features,), self.sequence_parallel)
+            if bias
+            else None
+        )
         self.single = tp == 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -187,8 +214,9 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_local: torch.Tensor, targets: torch.Tensor, group: Any,
-                                 vocab_size: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits_local: torch.Tensor, targets: torch.Tensor, group: Any, vocab_size: int
+) -> torch.Tensor:
     """Per-token cross-entropy (fp32, shape of targets) from vocab-split logits, never gathering them.
 
     logits_local: [..., Vp/tp], this rank's contiguous vocabulary slice; columns at or beyond the

@@ -23,7 +23,6 @@ import torch.distributed as dist
 GROUP_KINDS = ("tp", "cp", "pp", "dp", "dp_cp", "model_parallel", "embedding", "ep", "edp")
 
 
-
 def rank_of(tp_rank: int, cp_rank: int, pp_rank: int, dp_rank: int, tp: int, cp: int, pp: int) -> int:
     """Global rank of a mesh coordinate (tp fastest, then cp, pp, dp)."""
     return ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
@@ -58,7 +57,9 @@ def rank_groups(tp: int, pp: int, cp: int, dp: int, ep: int = 1) -> Dict[str, Li
         if v < 1:
             raise ValueError(f"parallel degree {name}={v} must be >= 1")
     if dp % ep:
-        raise ValueError(f"parallel.ep={ep} does not divide the data-parallel degree dp={dp}: choose an ep that divides it")
+        raise ValueError(
+            f"parallel.ep={ep} does not divide the data-parallel degree dp={dp}: choose an ep that divides it"
+        )
     R = lambda t, c, p, d: rank_of(t, c, p, d, tp, cp, pp)  # noqa: E731
     g: Dict[str, List[List[int]]] = {k: [] for k in GROUP_KINDS}
     for d in range(dp):
@@ -218,7 +219,14 @@ class ProcessMesh:
 
     @classmethod
     def from_env(
-        cls, tp: int, pp: int, cp: int, dp: int, backend: str = "gloo", timeout_s: float = 120.0, ep: int = 1,
+        cls,
+        tp: int,
+        pp: int,
+        cp: int,
+        dp: int,
+        backend: str = "gloo",
+        timeout_s: float = 120.0,
+        ep: int = 1,
         checkpoint_timeout_s: Optional[float] = None,
     ) -> "ProcessMesh":
         """Join the job described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and build every group.
@@ -247,10 +255,22 @@ class ProcessMesh:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         c = coords_of(rank, tp, pp, cp, dp)
         mesh = cls(
-            rank=rank, world_size=world, tp=tp, pp=pp, cp=cp, dp=dp,
-            tp_rank=c["tp"], pp_rank=c["pp"], cp_rank=c["cp"], dp_rank=c["dp"],
-            ep=ep, ep_rank=c["dp"] % ep, edp=dp // ep, edp_rank=c["dp"] // ep,
-            device=device, backend=backend,
+            rank=rank,
+            world_size=world,
+            tp=tp,
+            pp=pp,
+            cp=cp,
+            dp=dp,
+            tp_rank=c["tp"],
+            pp_rank=c["pp"],
+            cp_rank=c["cp"],
+            dp_rank=c["dp"],
+            ep=ep,
+            ep_rank=c["dp"] % ep,
+            edp=dp // ep,
+            edp_rank=c["dp"] // ep,
+            device=device,
+            backend=backend,
         )
         pp_rank_is_end = c["pp"] in (0, pp - 1)
         # One group per distinct rank list: on NCCL each group is a communicator with its own buffers on every
@@ -272,13 +292,22 @@ class ProcessMesh:
             assert mine is not None, f"rank {rank} in no {kind} group"
             setattr(mesh, f"{kind}_group", mine[0])
             mesh.group_ranks[kind] = list(mine[1])
-            expected = {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "dp_cp": dp * cp,
-                        "model_parallel": tp * pp,
-                        "embedding": min(pp, 2) if pp_rank_is_end else 1, "ep": ep, "edp": dp // ep}[kind]
+            expected = {
+                "tp": tp,
+                "cp": cp,
+                "pp": pp,
+                "dp": dp,
+                "dp_cp": dp * cp,
+                "model_parallel": tp * pp,
+                "embedding": min(pp, 2) if pp_rank_is_end else 1,
+                "ep": ep,
+                "edp": dp // ep,
+            }[kind]
             assert dist.get_world_size(mine[0]) == expected, (kind, mine[1], expected)
         ckpt_s = max(timeout_s, checkpoint_timeout_s or 0.0)
-        mesh.background_group = dist.new_group(list(range(world)), backend="gloo",
-                                               timeout=datetime.timedelta(seconds=ckpt_s))
+        mesh.background_group = dist.new_group(
+            list(range(world)), backend="gloo", timeout=datetime.timedelta(seconds=ckpt_s)
+        )
         return mesh
 
     def destroy(self) -> None:

@@ -58,8 +58,15 @@ def _elements(nbytes: int, n: int, elem: int) -> int:
     return max(n, (nbytes // elem) // n * n)
 
 
-def run_sweep(rank: int, world: int, per_node: int, sizes_mb: List[float], iters: int,
-              device: str, timeout_s: Optional[float] = None) -> List[Dict[str, Any]]:
+def run_sweep(
+    rank: int,
+    world: int,
+    per_node: int,
+    sizes_mb: List[float],
+    iters: int,
+    device: str,
+    timeout_s: Optional[float] = None,
+) -> List[Dict[str, Any]]:
     """Every rank calls this; returns this rank's timings of the blocks it leads (lowest rank of a block).
     timeout_s bounds the block groups' collectives (a dead peer is an error, not a hang)."""
     import torch
@@ -101,8 +108,16 @@ def run_sweep(rank: int, world: int, per_node: int, sizes_mb: List[float], iters
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
                 if rank == first:
                     nbytes = count * 4
-                    results.append({"op": op, "n": n, "ranks": [first, first + n - 1], "bytes": nbytes,
-                                    "time_s": elapsed.item(), **bandwidths(op, nbytes, n, elapsed.item())})
+                    results.append(
+                        {
+                            "op": op,
+                            "n": n,
+                            "ranks": [first, first + n - 1],
+                            "bytes": nbytes,
+                            "time_s": elapsed.item(),
+                            **bandwidths(op, nbytes, n, elapsed.item()),
+                        }
+                    )
         if group is not None:
             dist.barrier()
     return results
@@ -123,8 +138,9 @@ def sweep_sizes_mb(sizes_mb: List[float], on_gpu: bool) -> List[float]:
     return sizes
 
 
-def check_bandwidth(results: List[Dict[str, Any]], node_of_rank: List[str],
-                    intra_gbps: float, inter_gbps: float, min_fraction: float) -> List[Check]:
+def check_bandwidth(
+    results: List[Dict[str, Any]], node_of_rank: List[str], intra_gbps: float, inter_gbps: float, min_fraction: float
+) -> List[Check]:
     """One check per (block, op) at its largest size; all-reduce busbw against the expected rate."""
     checks = []
     largest: Dict[tuple, Dict] = {}
@@ -134,17 +150,27 @@ def check_bandwidth(results: List[Dict[str, Any]], node_of_rank: List[str],
             largest[key] = r
     for (n, first, op), r in sorted(largest.items()):
         last = r["ranks"][1]
-        nodes = sorted(set(node_of_rank[first:last + 1]))
+        nodes = sorted(set(node_of_rank[first : last + 1]))
         within = len(nodes) == 1
         expected = intra_gbps if within else inter_gbps
-        found = {"busbw_gbps": round(r["busbw_gbps"], 3), "algbw_gbps": round(r["algbw_gbps"], 3),
-                 "bytes": r["bytes"], "time_ms": round(r["time_s"] * 1e3, 3)}
+        found = {
+            "busbw_gbps": round(r["busbw_gbps"], 3),
+            "algbw_gbps": round(r["algbw_gbps"], 3),
+            "bytes": r["bytes"],
+            "time_ms": round(r["time_s"] * 1e3, 3),
+        }
         kw = dict(subject=f"ranks[{first}-{last}]", node=nodes[0] if within else "", found=found)
         name = f"coll.{op}"
         if op == "all_reduce" and expected and r["busbw_gbps"] < min_fraction * expected:
-            checks.append(warn(name, f"busbw {r['busbw_gbps']:.1f} GB/s below {min_fraction:g} x expected "
-                               f"({'NVLink/intra-node' if within else 'inter-node'})",
-                               expected=expected, **kw))
+            checks.append(
+                warn(
+                    name,
+                    f"busbw {r['busbw_gbps']:.1f} GB/s below {min_fraction:g} x expected "
+                    f"({'NVLink/intra-node' if within else 'inter-node'})",
+                    expected=expected,
+                    **kw,
+                )
+            )
         else:
             checks.append(ok(name, f"n={n}", expected=expected if op == "all_reduce" and expected else None, **kw))
     return checks
@@ -175,16 +201,30 @@ def check_versions(per_rank: List[Dict[str, Any]], expected_nccl: str) -> List[C
         majority, _ = Counter(values).most_common(1)[0]
         odd = [r for r in ranks if r["versions"].get(key) != majority]
         for r in odd:
-            checks.append(fail(f"version.{key}", f"rank {r['rank']} differs from the other ranks",
-                               subject=f"rank{r['rank']}", node=r["node"], found=r["versions"].get(key),
-                               expected=majority))
+            checks.append(
+                fail(
+                    f"version.{key}",
+                    f"rank {r['rank']} differs from the other ranks",
+                    subject=f"rank{r['rank']}",
+                    node=r["node"],
+                    found=r["versions"].get(key),
+                    expected=majority,
+                )
+            )
         if not odd:
             checks.append(ok(f"version.{key}", f"same on all {len(ranks)} ranks", found=majority))
     if expected_nccl:
         for r in per_rank:
             v = r["versions"].get("nccl") or ""
             if not (v == expected_nccl or v.startswith(expected_nccl + ".")):
-                checks.append(fail("version.nccl", "NCCL differs from cluster.preflight.nccl_version",
-                                   subject=f"rank{r['rank']}", node=r["node"], found=v or None,
-                                   expected=expected_nccl))
+                checks.append(
+                    fail(
+                        "version.nccl",
+                        "NCCL differs from cluster.preflight.nccl_version",
+                        subject=f"rank{r['rank']}",
+                        node=r["node"],
+                        found=v or None,
+                        expected=expected_nccl,
+                    )
+                )
     return checks

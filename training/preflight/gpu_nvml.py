@@ -88,8 +88,9 @@ def pci_bus_to_sysfs(bus_id: str) -> str:
     return f"{int(domain, 16):04x}:{rest}"
 
 
-def check_gpus(nvml, pf, gpus_per_node: int, node: str, own_pids: Optional[set] = None
-               ) -> Tuple[List[Check], Dict[str, Any]]:
+def check_gpus(
+    nvml, pf, gpus_per_node: int, node: str, own_pids: Optional[set] = None
+) -> Tuple[List[Check], Dict[str, Any]]:
     """All NVML checks of this node. Returns the checks and facts (driver, gpu bus ids) for others."""
     own_pids = own_pids or {os.getpid()}
     checks: List[Check] = []
@@ -104,8 +105,14 @@ def check_gpus(nvml, pf, gpus_per_node: int, node: str, own_pids: Optional[set] 
     count = len(indices)
     facts["gpu_count"] = count
     if count != gpus_per_node:
-        add(fail("gpu.count", "device count differs from cluster.gpus_per_node (a GPU fell off the bus?)",
-                 found=count, expected=gpus_per_node))
+        add(
+            fail(
+                "gpu.count",
+                "device count differs from cluster.gpus_per_node (a GPU fell off the bus?)",
+                found=count,
+                expected=gpus_per_node,
+            )
+        )
     else:
         add(ok("gpu.count", found=count, expected=gpus_per_node))
 
@@ -114,15 +121,27 @@ def check_gpus(nvml, pf, gpus_per_node: int, node: str, own_pids: Optional[set] 
     if _version_matches(driver, pf.driver_version):
         add(ok("gpu.driver", found=driver, expected=pf.driver_version or None))
     else:
-        add(fail("gpu.driver", "driver version differs from cluster.preflight.driver_version",
-                 found=driver, expected=pf.driver_version))
+        add(
+            fail(
+                "gpu.driver",
+                "driver version differs from cluster.preflight.driver_version",
+                found=driver,
+                expected=pf.driver_version,
+            )
+        )
     cuda = cuda_version_text(nvml.nvmlSystemGetCudaDriverVersion())
     facts["cuda_driver"] = cuda
     if _version_matches(cuda, pf.cuda_driver_version):
         add(ok("gpu.cuda_driver", found=cuda, expected=pf.cuda_driver_version or None))
     else:
-        add(fail("gpu.cuda_driver", "CUDA driver version differs from cluster.preflight.cuda_driver_version",
-                 found=cuda, expected=pf.cuda_driver_version))
+        add(
+            fail(
+                "gpu.cuda_driver",
+                "CUDA driver version differs from cluster.preflight.cuda_driver_version",
+                found=cuda,
+                expected=pf.cuda_driver_version,
+            )
+        )
 
     for i in indices:
         gpu = f"gpu{i}"
@@ -149,8 +168,11 @@ def _check_one(nvml, pf, h, own_pids) -> List[Check]:
         if why:
             out.append(ok(name, f"ECC {why}"))
         elif n:
-            out.append(fail(name, f"{n} uncorrectable ECC errors ({label}); drain the node, reset the GPU",
-                            found=n, expected=0))
+            out.append(
+                fail(
+                    name, f"{n} uncorrectable ECC errors ({label}); drain the node, reset the GPU", found=n, expected=0
+                )
+            )
         else:
             out.append(ok(name, found=0, expected=0))
 
@@ -171,8 +193,14 @@ def _check_one(nvml, pf, h, own_pids) -> List[Check]:
     if why:
         out.append(ok("gpu.retired_pages", f"page retirement {why} (row remapping replaces it since Ampere)"))
     elif pending == nvml.NVML_FEATURE_ENABLED:
-        out.append(fail("gpu.retired_pages", "retired pages pending: reset the GPU before use",
-                        found="pending", expected="none pending"))
+        out.append(
+            fail(
+                "gpu.retired_pages",
+                "retired pages pending: reset the GPU before use",
+                found="pending",
+                expected="none pending",
+            )
+        )
     else:
         out.append(ok("gpu.retired_pages", found="none pending"))
 
@@ -181,8 +209,14 @@ def _check_one(nvml, pf, h, own_pids) -> List[Check]:
     if not limit:
         limit, why = _try(nvml, "nvmlDeviceGetTemperatureThreshold", h, nvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN)
     if limit and temp >= limit:
-        out.append(fail("gpu.temperature", "at or above the slowdown threshold before any work: check cooling",
-                        found=temp, expected=f"< {limit}"))
+        out.append(
+            fail(
+                "gpu.temperature",
+                "at or above the slowdown threshold before any work: check cooling",
+                found=temp,
+                expected=f"< {limit}",
+            )
+        )
     else:
         out.append(ok("gpu.temperature", found=temp, expected=f"< {limit}" if limit else None))
 
@@ -209,12 +243,24 @@ def _check_one(nvml, pf, h, own_pids) -> List[Check]:
     max_width, _ = _try(nvml, "nvmlDeviceGetMaxPcieLinkWidth", h)
     found, expected = f"gen{gen} x{width}", f"gen{max_gen} x{max_width}"
     if width is not None and max_width and width < max_width:
-        out.append(fail("gpu.pcie", "PCIe link trained narrower than the slot: reseat the GPU / riser",
-                        found=found, expected=expected))
+        out.append(
+            fail(
+                "gpu.pcie",
+                "PCIe link trained narrower than the slot: reseat the GPU / riser",
+                found=found,
+                expected=expected,
+            )
+        )
     elif gen is not None and max_gen and gen < max_gen:
         # GPUs drop the link generation while idle to save power, so this alone is not a fault.
-        out.append(warn("gpu.pcie", "PCIe generation below maximum (normal when idle; recheck under load)",
-                        found=found, expected=expected))
+        out.append(
+            warn(
+                "gpu.pcie",
+                "PCIe generation below maximum (normal when idle; recheck under load)",
+                found=found,
+                expected=expected,
+            )
+        )
     else:
         out.append(ok("gpu.pcie", found=found, expected=expected))
 
@@ -224,9 +270,15 @@ def _check_one(nvml, pf, h, own_pids) -> List[Check]:
     foreign = [p for p in (procs or []) if p.pid not in own_pids]
     used_mb = sum((p.usedGpuMemory or 0) for p in foreign) / 2**20
     if foreign and used_mb > pf.max_used_gpu_memory_mb:
-        out.append(fail("gpu.foreign_memory", f"{len(foreign)} other process(es) hold {used_mb:.0f} MiB "
-                        f"(pids {','.join(str(p.pid) for p in foreign)}): a leftover job?",
-                        found=round(used_mb), expected=f"<= {pf.max_used_gpu_memory_mb:g} MiB"))
+        out.append(
+            fail(
+                "gpu.foreign_memory",
+                f"{len(foreign)} other process(es) hold {used_mb:.0f} MiB "
+                f"(pids {','.join(str(p.pid) for p in foreign)}): a leftover job?",
+                found=round(used_mb),
+                expected=f"<= {pf.max_used_gpu_memory_mb:g} MiB",
+            )
+        )
     else:
         out.append(ok("gpu.foreign_memory", found=round(used_mb), expected=f"<= {pf.max_used_gpu_memory_mb:g} MiB"))
     return out
@@ -241,8 +293,12 @@ def _mig_check(nvml, h) -> Optional[Check]:
         return ok("gpu.mig", f"MIG {why or 'not reported'}")
     current = mode[0] if isinstance(mode, (list, tuple)) else mode
     if current == getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1):
-        return fail("gpu.mig", "MIG mode is on: meshrun needs whole GPUs (nvidia-smi -mig 0, then a GPU reset)",
-                    found="enabled", expected="disabled")
+        return fail(
+            "gpu.mig",
+            "MIG mode is on: meshrun needs whole GPUs (nvidia-smi -mig 0, then a GPU reset)",
+            found="enabled",
+            expected="disabled",
+        )
     return ok("gpu.mig", found="disabled")
 
 
@@ -263,10 +319,15 @@ def _check_nvlink(nvml, pf, h) -> Check:
     found = {"active": active, "inactive": down}
     if pf.nvlinks_per_gpu:
         if active < pf.nvlinks_per_gpu:
-            return fail("gpu.nvlink", f"{active} NVLink links active, {pf.nvlinks_per_gpu} expected",
-                        found=found, expected=pf.nvlinks_per_gpu)
+            return fail(
+                "gpu.nvlink",
+                f"{active} NVLink links active, {pf.nvlinks_per_gpu} expected",
+                found=found,
+                expected=pf.nvlinks_per_gpu,
+            )
         return ok("gpu.nvlink", found=found, expected=pf.nvlinks_per_gpu)
     if active and down:
-        return warn("gpu.nvlink", "some NVLink links are down (set cluster.preflight.nvlinks_per_gpu to gate)",
-                    found=found)
+        return warn(
+            "gpu.nvlink", "some NVLink links are down (set cluster.preflight.nvlinks_per_gpu to gate)", found=found
+        )
     return ok("gpu.nvlink", "" if active else "no NVLink", found=found)

@@ -19,10 +19,18 @@ from training.preflight.report import Check, fail, ok, warn
 
 # Counters that only grow when the link or its cable misbehaves.
 ERROR_COUNTERS = (
-    "symbol_error", "link_error_recovery", "link_downed", "port_rcv_errors",
-    "port_rcv_remote_physical_errors", "port_rcv_switch_relay_errors", "port_xmit_discards",
-    "port_xmit_constraint_errors", "port_rcv_constraint_errors", "local_link_integrity_errors",
-    "excessive_buffer_overrun_errors", "VL15_dropped",
+    "symbol_error",
+    "link_error_recovery",
+    "link_downed",
+    "port_rcv_errors",
+    "port_rcv_remote_physical_errors",
+    "port_rcv_switch_relay_errors",
+    "port_xmit_discards",
+    "port_xmit_constraint_errors",
+    "port_rcv_constraint_errors",
+    "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors",
+    "VL15_dropped",
 )
 CONGESTION_COUNTERS = ("port_xmit_discards",)
 """Counters that also rise on a healthy link under congestion (packets dropped at a full output queue, e.g.
@@ -128,8 +136,13 @@ def expected_hcas(ib_hcas: List[str], env: Dict[str, str]) -> List[Tuple[str, Op
     return out
 
 
-def check_ib(root: str, expected: List[Tuple[str, Optional[int]]], rate_gbps: float, node: str,
-             before: Optional[Dict[str, Dict[str, int]]] = None) -> List[Check]:
+def check_ib(
+    root: str,
+    expected: List[Tuple[str, Optional[int]]],
+    rate_gbps: float,
+    node: str,
+    before: Optional[Dict[str, Dict[str, int]]] = None,
+) -> List[Check]:
     """Every expected HCA present, ACTIVE, LinkUp, at the rate; error counters nonzero (warn) or rising (fail)."""
     present = list_ports(root)
     checks: List[Check] = []
@@ -144,8 +157,7 @@ def check_ib(root: str, expected: List[Tuple[str, Optional[int]]], rate_gbps: fl
         add(ok("ib.hcas", reason, found=sorted(present), expected=[]))
     for hca, want_port in expected:
         if hca not in present:
-            add(fail("ib.present", f"HCA {hca} missing under {root}", subject=hca,
-                     found=sorted(present), expected=hca))
+            add(fail("ib.present", f"HCA {hca} missing under {root}", subject=hca, found=sorted(present), expected=hca))
             continue
         ports = [want_port] if want_port else present[hca]
         for n in ports:
@@ -159,19 +171,47 @@ def check_ib(root: str, expected: List[Tuple[str, Optional[int]]], rate_gbps: fl
                 add(fail("ib.read", f"cannot read port: {exc}", subject=subject))
                 continue
             add(ok("ib.present", subject=subject, found=p.link_layer))
-            add(ok("ib.state", subject=subject, found=p.state, expected="ACTIVE") if p.state == "ACTIVE" else
-                fail("ib.state", "port not ACTIVE (subnet manager / cable?)", subject=subject,
-                     found=p.state, expected="ACTIVE"))
-            add(ok("ib.phys_state", subject=subject, found=p.phys_state, expected="LinkUp")
-                if p.phys_state == "LinkUp" else
-                fail("ib.phys_state", "physical link not up (Polling: no peer; Disabled: port off)",
-                     subject=subject, found=p.phys_state, expected="LinkUp"))
+            add(
+                ok("ib.state", subject=subject, found=p.state, expected="ACTIVE")
+                if p.state == "ACTIVE"
+                else fail(
+                    "ib.state",
+                    "port not ACTIVE (subnet manager / cable?)",
+                    subject=subject,
+                    found=p.state,
+                    expected="ACTIVE",
+                )
+            )
+            add(
+                ok("ib.phys_state", subject=subject, found=p.phys_state, expected="LinkUp")
+                if p.phys_state == "LinkUp"
+                else fail(
+                    "ib.phys_state",
+                    "physical link not up (Polling: no peer; Disabled: port off)",
+                    subject=subject,
+                    found=p.phys_state,
+                    expected="LinkUp",
+                )
+            )
             if rate_gbps and p.rate_gbps < rate_gbps:
-                add(fail("ib.rate", "link trained below the expected rate (cable or switch port)",
-                         subject=subject, found=p.rate_text, expected=f"{rate_gbps:g} Gb/sec"))
+                add(
+                    fail(
+                        "ib.rate",
+                        "link trained below the expected rate (cable or switch port)",
+                        subject=subject,
+                        found=p.rate_text,
+                        expected=f"{rate_gbps:g} Gb/sec",
+                    )
+                )
             else:
-                add(ok("ib.rate", subject=subject, found=p.rate_text,
-                       expected=f"{rate_gbps:g} Gb/sec" if rate_gbps else None))
+                add(
+                    ok(
+                        "ib.rate",
+                        subject=subject,
+                        found=p.rate_text,
+                        expected=f"{rate_gbps:g} Gb/sec" if rate_gbps else None,
+                    )
+                )
             add(_counter_check(p, (before or {}).get(subject)))
     return checks
 
@@ -183,15 +223,29 @@ def _counter_check(p: Port, before: Optional[Dict[str, int]]) -> Check:
         congestion = {k: d for k, d in rising.items() if k in CONGESTION_COUNTERS}
         rising = {k: d for k, d in rising.items() if k not in CONGESTION_COUNTERS}
         if congestion and not rising:
-            return warn("ib.errors", "congestion drops during preflight (not a link fault): " +
-                        ", ".join(f"{k} +{d}" for k, d in sorted(congestion.items())),
-                        subject=subject, found=congestion, expected={})
+            return warn(
+                "ib.errors",
+                "congestion drops during preflight (not a link fault): "
+                + ", ".join(f"{k} +{d}" for k, d in sorted(congestion.items())),
+                subject=subject,
+                found=congestion,
+                expected={},
+            )
         if rising:
-            return fail("ib.errors", "error counters rising during preflight: " +
-                        ", ".join(f"{k} +{d}" for k, d in sorted(rising.items())),
-                        subject=subject, found=rising, expected={})
+            return fail(
+                "ib.errors",
+                "error counters rising during preflight: " + ", ".join(f"{k} +{d}" for k, d in sorted(rising.items())),
+                subject=subject,
+                found=rising,
+                expected={},
+            )
     nonzero = {k: v for k, v in p.counters.items() if v}
     if nonzero:
-        return warn("ib.errors", "error counters nonzero since boot (not rising now)",
-                    subject=subject, found=nonzero, expected={})
+        return warn(
+            "ib.errors",
+            "error counters nonzero since boot (not rising now)",
+            subject=subject,
+            found=nonzero,
+            expected={},
+        )
     return ok("ib.errors", subject=subject, found={}, expected={})

@@ -35,8 +35,9 @@ def measure_tflops(device: str, n: int, iters: int = 0, dtype=None) -> Dict[str,
     return {"tflops": 2.0 * n**3 * iters / dt / 1e12, "n": n, "iters": iters, "dtype": str(dtype).split(".")[-1]}
 
 
-def check_matmul(per_rank: List[Dict], expected_tflops: float, min_fraction: float,
-                 straggler_ratio: float, on_gpu: bool) -> List[Check]:
+def check_matmul(
+    per_rank: List[Dict], expected_tflops: float, min_fraction: float, straggler_ratio: float, on_gpu: bool
+) -> List[Check]:
     """per_rank: [{rank, node, tflops, ...}] from every rank. Below expected or far below peers: bad rank."""
     checks: List[Check] = []
     med = statistics.median(r["tflops"] for r in per_rank)
@@ -44,15 +45,39 @@ def check_matmul(per_rank: List[Dict], expected_tflops: float, min_fraction: flo
         t, subj, node = r["tflops"], f"rank{r['rank']}", r["node"]
         found = round(t, 4)
         if expected_tflops and t < min_fraction * expected_tflops:
-            checks.append(fail("gpu.matmul", f"{t:.1f} TFLOP/s is below {min_fraction:g} x expected",
-                               subject=subj, node=node, found=found, expected=expected_tflops))
+            checks.append(
+                fail(
+                    "gpu.matmul",
+                    f"{t:.1f} TFLOP/s is below {min_fraction:g} x expected",
+                    subject=subj,
+                    node=node,
+                    found=found,
+                    expected=expected_tflops,
+                )
+            )
         elif len(per_rank) > 1 and t < straggler_ratio * med:
             # CPU ranks share cores with each other (and with anything else running), so a slow one
             # there says nothing about the node; on GPUs each rank owns its device.
             make = fail if on_gpu else warn
-            checks.append(make("gpu.straggler", f"{t / med:.2f} x the ranks' median ({med:.3g} TFLOP/s)",
-                               subject=subj, node=node, found=found, expected=f">= {straggler_ratio:g} x median"))
+            checks.append(
+                make(
+                    "gpu.straggler",
+                    f"{t / med:.2f} x the ranks' median ({med:.3g} TFLOP/s)",
+                    subject=subj,
+                    node=node,
+                    found=found,
+                    expected=f">= {straggler_ratio:g} x median",
+                )
+            )
         else:
-            checks.append(ok("gpu.matmul", f"TFLOP/s, {r['dtype']} n={r['n']}", subject=subj, node=node, found=found,
-                             expected=expected_tflops or None))
+            checks.append(
+                ok(
+                    "gpu.matmul",
+                    f"TFLOP/s, {r['dtype']} n={r['n']}",
+                    subject=subj,
+                    node=node,
+                    found=found,
+                    expected=expected_tflops or None,
+                )
+            )
     return checks

@@ -52,14 +52,37 @@ def transport_checks(env: Mapping[str, str], ib_root: str, node: str) -> List[Ch
     """Would NCCL use InfiniBand on this node? And the IB timeout/retry settings."""
     checks: List[Check] = []
     ports = ib_sysfs.list_ports(ib_root)
-    settings = {k: env.get(k) for k in ("NCCL_IB_TIMEOUT", "NCCL_IB_RETRY_CNT", "NCCL_IB_DISABLE", "NCCL_NET",
-                                        "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME")}
-    checks.append(ok("nccl.ib_settings", "NCCL_IB_TIMEOUT=" + (settings["NCCL_IB_TIMEOUT"] or "unset (NCCL's default)")
-                     + ", NCCL_IB_RETRY_CNT=" + (settings["NCCL_IB_RETRY_CNT"] or "unset (NCCL's default)"),
-                     node=node, found={k: v for k, v in settings.items() if v is not None}))
+    settings = {
+        k: env.get(k)
+        for k in (
+            "NCCL_IB_TIMEOUT",
+            "NCCL_IB_RETRY_CNT",
+            "NCCL_IB_DISABLE",
+            "NCCL_NET",
+            "NCCL_IB_HCA",
+            "NCCL_SOCKET_IFNAME",
+        )
+    }
+    checks.append(
+        ok(
+            "nccl.ib_settings",
+            "NCCL_IB_TIMEOUT="
+            + (settings["NCCL_IB_TIMEOUT"] or "unset (NCCL's default)")
+            + ", NCCL_IB_RETRY_CNT="
+            + (settings["NCCL_IB_RETRY_CNT"] or "unset (NCCL's default)"),
+            node=node,
+            found={k: v for k, v in settings.items() if v is not None},
+        )
+    )
     if not ports:
-        checks.append(ok("nccl.transport", "no InfiniBand HCA on this node: NCCL uses NVLink/PCIe inside it and "
-                         "sockets (or another network plugin) between nodes", node=node))
+        checks.append(
+            ok(
+                "nccl.transport",
+                "no InfiniBand HCA on this node: NCCL uses NVLink/PCIe inside it and "
+                "sockets (or another network plugin) between nodes",
+                node=node,
+            )
+        )
         return checks
     hcas = sorted(ports)
     active = []
@@ -84,12 +107,20 @@ def transport_checks(env: Mapping[str, str], ib_root: str, node: str) -> List[Ch
     elif spec and not any(_hca_selected(spec, h) for h in active):
         causes.append(f"NCCL_IB_HCA={spec} selects no ACTIVE HCA ({', '.join(sorted(set(active)))})")
     if causes:
-        checks.append(warn("nccl.transport", "NCCL would fall back to TCP sockets although this node has InfiniBand "
-                           f"({', '.join(hcas)}): " + "; ".join(causes), node=node, found=causes,
-                           expected="InfiniBand (unset NCCL_IB_DISABLE / NCCL_NET, an NCCL_IB_HCA naming the HCAs)"))
+        checks.append(
+            warn(
+                "nccl.transport",
+                "NCCL would fall back to TCP sockets although this node has InfiniBand "
+                f"({', '.join(hcas)}): " + "; ".join(causes),
+                node=node,
+                found=causes,
+                expected="InfiniBand (unset NCCL_IB_DISABLE / NCCL_NET, an NCCL_IB_HCA naming the HCAs)",
+            )
+        )
     else:
-        checks.append(ok("nccl.transport", f"InfiniBand available to NCCL ({', '.join(sorted(set(active)))})",
-                         node=node))
+        checks.append(
+            ok("nccl.transport", f"InfiniBand available to NCCL ({', '.join(sorted(set(active)))})", node=node)
+        )
     return checks
 
 
@@ -112,11 +143,18 @@ def version_checks(per_rank: List[Dict[str, Any]], minimum: Tuple[int, ...] = MI
     low = []
     for r in per_rank:
         v = parse_version(r["versions"].get("nccl"))
-        if v is not None and v[:len(minimum)] < minimum:
+        if v is not None and v[: len(minimum)] < minimum:
             low.append(r)
-            checks.append(fail("version.nccl_min", f"NCCL {r['versions'].get('nccl')} is older than "
-                               f"{'.'.join(map(str, minimum))}", subject=f"rank{r['rank']}", node=r["node"],
-                               found=r["versions"].get("nccl"), expected=">= " + ".".join(map(str, minimum))))
+            checks.append(
+                fail(
+                    "version.nccl_min",
+                    f"NCCL {r['versions'].get('nccl')} is older than {'.'.join(map(str, minimum))}",
+                    subject=f"rank{r['rank']}",
+                    node=r["node"],
+                    found=r["versions"].get("nccl"),
+                    expected=">= " + ".".join(map(str, minimum)),
+                )
+            )
     if not low and any(r["versions"].get("nccl") for r in per_rank):
         checks.append(ok("version.nccl_min", f"NCCL >= {'.'.join(map(str, minimum))} on every rank"))
     values = [r["versions"].get("cudnn") for r in per_rank]
@@ -124,8 +162,16 @@ def version_checks(per_rank: List[Dict[str, Any]], minimum: Tuple[int, ...] = MI
         majority, _ = Counter(values).most_common(1)[0]
         odd = [r for r in per_rank if r["versions"].get("cudnn") != majority]
         for r in odd:
-            checks.append(fail("version.cudnn", "cuDNN differs from the other ranks", subject=f"rank{r['rank']}",
-                               node=r["node"], found=r["versions"].get("cudnn"), expected=majority))
+            checks.append(
+                fail(
+                    "version.cudnn",
+                    "cuDNN differs from the other ranks",
+                    subject=f"rank{r['rank']}",
+                    node=r["node"],
+                    found=r["versions"].get("cudnn"),
+                    expected=majority,
+                )
+            )
         if not odd:
             checks.append(ok("version.cudnn", f"same on all {len(per_rank)} ranks", found=majority))
     for r in per_rank:
@@ -133,11 +179,20 @@ def version_checks(per_rank: List[Dict[str, Any]], minimum: Tuple[int, ...] = MI
         if runtime is None or driver is None:
             continue
         if runtime[:2] > driver[:2]:
-            checks.append(fail("version.cuda_runtime", f"torch's CUDA runtime {r['versions'].get('cuda')} is newer "
-                               f"than the driver supports ({r['versions'].get('cuda_driver')}): update the driver or "
-                               "use a torch built for an older CUDA", subject=f"rank{r['rank']}", node=r["node"],
-                               found=r["versions"].get("cuda"), expected=f"<= {r['versions'].get('cuda_driver')}"))
-    if any(parse_version(r["versions"].get("cuda_driver")) for r in per_rank) and \
-            not any(c.name == "version.cuda_runtime" for c in checks):
+            checks.append(
+                fail(
+                    "version.cuda_runtime",
+                    f"torch's CUDA runtime {r['versions'].get('cuda')} is newer "
+                    f"than the driver supports ({r['versions'].get('cuda_driver')}): update the driver or "
+                    "use a torch built for an older CUDA",
+                    subject=f"rank{r['rank']}",
+                    node=r["node"],
+                    found=r["versions"].get("cuda"),
+                    expected=f"<= {r['versions'].get('cuda_driver')}",
+                )
+            )
+    if any(parse_version(r["versions"].get("cuda_driver")) for r in per_rank) and not any(
+        c.name == "version.cuda_runtime" for c in checks
+    ):
         checks.append(ok("version.cuda_runtime", "torch's CUDA runtime is supported by the driver on every rank"))
     return checks

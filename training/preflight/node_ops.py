@@ -37,8 +37,9 @@ def loaded_modules(proc_modules: str = "/proc/modules") -> Optional[set]:
     return None if text is None else {line.split()[0] for line in text.splitlines() if line.strip()}
 
 
-def check_rdma_modules(ib_root: str, node: str, expected: bool, proc_modules: str = "/proc/modules",
-                       builtin: str = "") -> List[Check]:
+def check_rdma_modules(
+    ib_root: str, node: str, expected: bool, proc_modules: str = "/proc/modules", builtin: str = ""
+) -> List[Check]:
     hcas = sorted(ib_sysfs.list_ports(ib_root))
     if not hcas and not expected:
         return [ok("node.rdma_modules", "no InfiniBand HCA present or expected", node=node)]
@@ -50,9 +51,16 @@ def check_rdma_modules(ib_root: str, node: str, expected: bool, proc_modules: st
     missing = [m for m in want if m not in mods and not (builtin and os.path.isdir(os.path.join(builtin, m)))]
     if missing:
         bad = fail if expected else warn
-        return [bad("node.rdma_modules", f"RDMA kernel modules not loaded: {', '.join(missing)} (modprobe them, or "
-                    "install the OFED / rdma-core drivers)", node=node, found=sorted(set(want) - set(missing)),
-                    expected=want)]
+        return [
+            bad(
+                "node.rdma_modules",
+                f"RDMA kernel modules not loaded: {', '.join(missing)} (modprobe them, or "
+                "install the OFED / rdma-core drivers)",
+                node=node,
+                found=sorted(set(want) - set(missing)),
+                expected=want,
+            )
+        ]
     return [ok("node.rdma_modules", f"loaded: {', '.join(want)}", node=node)]
 
 
@@ -62,18 +70,21 @@ def check_irq_affinity(ib_root: str, node: str, sys_root: str = "/sys", proc_irq
         dev = os.path.join(ib_root, hca, "device")
         numa = _read(os.path.join(dev, "numa_node"))
         if numa is None or int(numa) < 0:
-            checks.append(ok("node.irq_affinity", "the platform reports no NUMA node for the HCA", subject=hca,
-                             node=node))
+            checks.append(
+                ok("node.irq_affinity", "the platform reports no NUMA node for the HCA", subject=hca, node=node)
+            )
             continue
-        node_cpus = set(_cpulist(_read(os.path.join(sys_root, "devices", "system", "node", f"node{numa}",
-                                                    "cpulist")) or ""))
+        node_cpus = set(
+            _cpulist(_read(os.path.join(sys_root, "devices", "system", "node", f"node{numa}", "cpulist")) or "")
+        )
         try:
             irqs = sorted(int(i) for i in os.listdir(os.path.join(dev, "msi_irqs")) if i.isdigit())
         except OSError:
             irqs = []
         if not irqs or not node_cpus:
-            checks.append(ok("node.irq_affinity", "no MSI interrupts or NUMA CPU list to compare", subject=hca,
-                             node=node))
+            checks.append(
+                ok("node.irq_affinity", "no MSI interrupts or NUMA CPU list to compare", subject=hca, node=node)
+            )
             continue
         off = []
         for irq in irqs:
@@ -81,13 +92,22 @@ def check_irq_affinity(ib_root: str, node: str, sys_root: str = "/sys", proc_irq
             if allowed and not allowed <= node_cpus:
                 off.append(irq)
         if off:
-            checks.append(warn("node.irq_affinity", f"{len(off)} of {len(irqs)} interrupts of {hca} may run on CPUs "
-                               f"outside its NUMA node {numa}: pin them there (irqbalance --banirq, or set_irq_affinity "
-                               "from the NIC's driver tools)", subject=hca, node=node, found=off[:16],
-                               expected=f"CPUs of node {numa}"))
+            checks.append(
+                warn(
+                    "node.irq_affinity",
+                    f"{len(off)} of {len(irqs)} interrupts of {hca} may run on CPUs "
+                    f"outside its NUMA node {numa}: pin them there (irqbalance --banirq, or set_irq_affinity "
+                    "from the NIC's driver tools)",
+                    subject=hca,
+                    node=node,
+                    found=off[:16],
+                    expected=f"CPUs of node {numa}",
+                )
+            )
         else:
-            checks.append(ok("node.irq_affinity", f"all {len(irqs)} interrupts on NUMA node {numa}", subject=hca,
-                             node=node))
+            checks.append(
+                ok("node.irq_affinity", f"all {len(irqs)} interrupts on NUMA node {numa}", subject=hca, node=node)
+            )
     return checks
 
 
@@ -114,8 +134,14 @@ def check_read_ahead(paths: Dict[str, str], min_kb: int, node: str, sys_root: st
     for label, path in paths.items():
         queue = block_queue(path, sys_root)
         if queue is None:
-            checks.append(ok("node.read_ahead", f"{label}: {path} is on no block device here (a network or virtual "
-                             "file system)", subject=label, node=node))
+            checks.append(
+                ok(
+                    "node.read_ahead",
+                    f"{label}: {path} is on no block device here (a network or virtual file system)",
+                    subject=label,
+                    node=node,
+                )
+            )
             continue
         if queue in seen:
             continue
@@ -123,17 +149,28 @@ def check_read_ahead(paths: Dict[str, str], min_kb: int, node: str, sys_root: st
         kb = int(_read(os.path.join(queue, "read_ahead_kb")) or 0)
         device = os.path.basename(os.path.dirname(queue))
         if min_kb and kb < min_kb:
-            checks.append(warn("node.read_ahead", f"{label}: read_ahead_kb of {device} is {kb}: sequential reads of "
-                               f"checkpoints and data shards go in small requests (blockdev --setra or "
-                               f"/sys/block/{device}/queue/read_ahead_kb)", subject=label, node=node, found=kb,
-                               expected=f">= {min_kb}"))
+            checks.append(
+                warn(
+                    "node.read_ahead",
+                    f"{label}: read_ahead_kb of {device} is {kb}: sequential reads of "
+                    f"checkpoints and data shards go in small requests (blockdev --setra or "
+                    f"/sys/block/{device}/queue/read_ahead_kb)",
+                    subject=label,
+                    node=node,
+                    found=kb,
+                    expected=f">= {min_kb}",
+                )
+            )
         else:
-            checks.append(ok("node.read_ahead", f"{label}: {device} read_ahead_kb {kb}", subject=label, node=node,
-                             found=kb))
+            checks.append(
+                ok("node.read_ahead", f"{label}: {device} read_ahead_kb {kb}", subject=label, node=node, found=kb)
+            )
     return checks
 
 
-def cgroup_memory_limit(proc_self_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
+def cgroup_memory_limit(
+    proc_self_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup"
+) -> Optional[int]:
     """The tightest memory limit of this process's cgroup and its parents (v2 memory.max, v1
     memory.limit_in_bytes); None when unlimited or unknown."""
     text = _read(proc_self_cgroup) or ""
@@ -151,8 +188,9 @@ def cgroup_memory_limit(proc_self_cgroup: str = "/proc/self/cgroup", cgroup_root
                 if value and value != "max":
                     limits.append(int(value))
         elif "memory" in controllers.split(","):
-            value = _read(os.path.join(cgroup_root, "memory", rel.strip("/"), "memory.limit_in_bytes")) or \
-                _read(os.path.join(cgroup_root, "memory", "memory.limit_in_bytes"))
+            value = _read(os.path.join(cgroup_root, "memory", rel.strip("/"), "memory.limit_in_bytes")) or _read(
+                os.path.join(cgroup_root, "memory", "memory.limit_in_bytes")
+            )
             if value and int(value) < 2**60:  # v1 writes a huge number for "no limit"
                 limits.append(int(value))
     return min(limits) if limits else None
@@ -171,8 +209,14 @@ def host_memory_needed(cfg, ranks_on_node: int, plan: Optional[dict]) -> Dict[st
     return parts
 
 
-def check_cgroup_memory(cfg, node: str, ranks_on_node: int, run_dir: str, proc_self_cgroup: str = "/proc/self/cgroup",
-                        cgroup_root: str = "/sys/fs/cgroup") -> List[Check]:
+def check_cgroup_memory(
+    cfg,
+    node: str,
+    ranks_on_node: int,
+    run_dir: str,
+    proc_self_cgroup: str = "/proc/self/cgroup",
+    cgroup_root: str = "/sys/fs/cgroup",
+) -> List[Check]:
     plan = None
     try:
         with open(os.path.join(run_dir, "plan.json")) as f:
@@ -184,15 +228,36 @@ def check_cgroup_memory(cfg, node: str, ranks_on_node: int, run_dir: str, proc_s
     limit = cgroup_memory_limit(proc_self_cgroup, cgroup_root)
     detail = ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in need.items())
     if limit is None:
-        return [ok("node.cgroup_memory", f"no cgroup memory limit; this node's ranks need about {total / GIB:.1f} GiB "
-                   f"({detail})", node=node, found=None, expected=total)]
+        return [
+            ok(
+                "node.cgroup_memory",
+                f"no cgroup memory limit; this node's ranks need about {total / GIB:.1f} GiB ({detail})",
+                node=node,
+                found=None,
+                expected=total,
+            )
+        ]
     if limit < total:
-        return [warn("node.cgroup_memory", f"the job's cgroup allows {limit / GIB:.1f} GiB of host memory, its "
-                     f"{ranks_on_node} ranks here need about {total / GIB:.1f} GiB ({detail}): the kernel's OOM killer "
-                     "would end them (sbatch --mem, cluster.mem=0 for the whole node)", node=node, found=limit,
-                     expected=total)]
-    return [ok("node.cgroup_memory", f"cgroup limit {limit / GIB:.1f} GiB >= about {total / GIB:.1f} GiB needed "
-               f"({detail})", node=node, found=limit, expected=total)]
+        return [
+            warn(
+                "node.cgroup_memory",
+                f"the job's cgroup allows {limit / GIB:.1f} GiB of host memory, its "
+                f"{ranks_on_node} ranks here need about {total / GIB:.1f} GiB ({detail}): the kernel's OOM killer "
+                "would end them (sbatch --mem, cluster.mem=0 for the whole node)",
+                node=node,
+                found=limit,
+                expected=total,
+            )
+        ]
+    return [
+        ok(
+            "node.cgroup_memory",
+            f"cgroup limit {limit / GIB:.1f} GiB >= about {total / GIB:.1f} GiB needed ({detail})",
+            node=node,
+            found=limit,
+            expected=total,
+        )
+    ]
 
 
 def check_node_ops(cfg, node: str, ib_root: str, env: Dict[str, str], ranks_on_node: int) -> List[Check]:
@@ -209,5 +274,3 @@ def check_node_ops(cfg, node: str, ib_root: str, env: Dict[str, str], ranks_on_n
     checks += check_read_ahead(paths, pf.min_read_ahead_kb, node)
     checks += check_cgroup_memory(cfg, node, ranks_on_node, run_dir)
     return checks
-
-

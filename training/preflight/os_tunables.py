@@ -69,9 +69,15 @@ def gpu_numa_map(sys_root: str, bus_ids: List[str]) -> List[int]:
     return out
 
 
-def check_os(pf, node: str, proc_sys: str = "/proc/sys", sys_root: str = "/sys",
-             gpu_bus_ids: Optional[List[str]] = None, numa: str = "auto",
-             numa_map: Optional[List[int]] = None) -> List[Check]:
+def check_os(
+    pf,
+    node: str,
+    proc_sys: str = "/proc/sys",
+    sys_root: str = "/sys",
+    gpu_bus_ids: Optional[List[str]] = None,
+    numa: str = "auto",
+    numa_map: Optional[List[int]] = None,
+) -> List[Check]:
     checks: List[Check] = []
 
     def add(c: Check) -> None:
@@ -86,8 +92,14 @@ def check_os(pf, node: str, proc_sys: str = "/proc/sys", sys_root: str = "/sys",
     found = f"thp={bracketed(thp) if thp else '-'} nr_hugepages={hp if hp is not None else '-'}"
     expected = "thp=madvise|always nr_hugepages=0 unless hugetlbfs is used"
     if thp and bracketed(thp) == "never":
-        add(warn("os.hugepages", "THP disabled: large host buffers (pinned memory, data loaders) use 4 KiB pages",
-                 found=found, expected=expected))
+        add(
+            warn(
+                "os.hugepages",
+                "THP disabled: large host buffers (pinned memory, data loaders) use 4 KiB pages",
+                found=found,
+                expected=expected,
+            )
+        )
     else:
         add(ok("os.hugepages", found=found, expected=expected))
 
@@ -95,8 +107,14 @@ def check_os(pf, node: str, proc_sys: str = "/proc/sys", sys_root: str = "/sys",
     if v is None:
         missing("os.swappiness", "vm.swappiness")
     elif int(v) > pf.max_swappiness:
-        add(warn("os.swappiness", "the kernel may swap out rank memory under page-cache pressure "
-                 "(sysctl -w vm.swappiness=1)", found=int(v), expected=f"<= {pf.max_swappiness}"))
+        add(
+            warn(
+                "os.swappiness",
+                "the kernel may swap out rank memory under page-cache pressure (sysctl -w vm.swappiness=1)",
+                found=int(v),
+                expected=f"<= {pf.max_swappiness}",
+            )
+        )
     else:
         add(ok("os.swappiness", found=int(v), expected=f"<= {pf.max_swappiness}"))
 
@@ -104,8 +122,15 @@ def check_os(pf, node: str, proc_sys: str = "/proc/sys", sys_root: str = "/sys",
     if v is None:
         missing("os.overcommit", "vm.overcommit_memory")
     elif int(v) == 2:
-        add(warn("os.overcommit", "strict overcommit: CUDA's large virtual reservations and fork() of big "
-                 "processes fail (sysctl -w vm.overcommit_memory=0)", found=2, expected="0 or 1"))
+        add(
+            warn(
+                "os.overcommit",
+                "strict overcommit: CUDA's large virtual reservations and fork() of big "
+                "processes fail (sysctl -w vm.overcommit_memory=0)",
+                found=2,
+                expected="0 or 1",
+            )
+        )
     else:
         add(ok("os.overcommit", found=int(v), expected="0 or 1"))
 
@@ -120,8 +145,15 @@ def check_os(pf, node: str, proc_sys: str = "/proc/sys", sys_root: str = "/sys",
         rotational = _read(os.path.join(block, dev, "queue", "rotational")) == "1"
         exp = "any (rotational)" if rotational else "none|mq-deadline"
         if not rotational and cur not in _GOOD_SCHEDULERS:
-            add(warn("os.io_scheduler", f"{cur} adds latency on SSD/NVMe (checkpoint writes)",
-                     subject=dev, found=cur, expected=exp))
+            add(
+                warn(
+                    "os.io_scheduler",
+                    f"{cur} adds latency on SSD/NVMe (checkpoint writes)",
+                    subject=dev,
+                    found=cur,
+                    expected=exp,
+                )
+            )
         else:
             add(ok("os.io_scheduler", subject=dev, found=cur, expected=exp))
 
@@ -131,9 +163,15 @@ def check_os(pf, node: str, proc_sys: str = "/proc/sys", sys_root: str = "/sys",
         if v is None:
             missing(name, key)
         elif int(v) < pf.min_socket_buffer_bytes:
-            add(warn(name, f"socket buffers cap TCP bootstrap/socket transport throughput "
-                     f"(sysctl -w {key}={pf.min_socket_buffer_bytes})",
-                     found=int(v), expected=f">= {pf.min_socket_buffer_bytes}"))
+            add(
+                warn(
+                    name,
+                    f"socket buffers cap TCP bootstrap/socket transport throughput "
+                    f"(sysctl -w {key}={pf.min_socket_buffer_bytes})",
+                    found=int(v),
+                    expected=f">= {pf.min_socket_buffer_bytes}",
+                )
+            )
         else:
             add(ok(name, found=int(v), expected=f">= {pf.min_socket_buffer_bytes}"))
 
@@ -141,20 +179,35 @@ def check_os(pf, node: str, proc_sys: str = "/proc/sys", sys_root: str = "/sys",
     if v is None:
         missing("os.tcp_congestion", "net.ipv4.tcp_congestion_control")
     elif v not in _GOOD_CONGESTION:
-        add(warn("os.tcp_congestion", f"{v} recovers slowly from loss on fast links",
-                 found=v, expected="|".join(_GOOD_CONGESTION)))
+        add(
+            warn(
+                "os.tcp_congestion",
+                f"{v} recovers slowly from loss on fast links",
+                found=v,
+                expected="|".join(_GOOD_CONGESTION),
+            )
+        )
     else:
         add(ok("os.tcp_congestion", found=v, expected="|".join(_GOOD_CONGESTION)))
 
     topo = numa_topology(sys_root)
-    add(ok("os.numa", f"{len(topo)} NUMA node(s)" if topo else "no NUMA information",
-           found={str(n): {"cpus": _compact(t["cpus"]), "distance": t["distance"]} for n, t in topo.items()}))
+    add(
+        ok(
+            "os.numa",
+            f"{len(topo)} NUMA node(s)" if topo else "no NUMA information",
+            found={str(n): {"cpus": _compact(t["cpus"]), "distance": t["distance"]} for n, t in topo.items()},
+        )
+    )
     gmap = gpu_numa_map(sys_root, gpu_bus_ids or [])
     if gpu_bus_ids:
         c = ok("os.gpu_numa", "NUMA node of each GPU (cluster.numa=auto binds rank i there)", found=gmap)
         if numa == "explicit" and numa_map and list(numa_map[: len(gmap)]) != gmap:
-            c = warn("os.gpu_numa", "cluster.numa_map binds ranks away from their GPU's NUMA node",
-                     found=gmap, expected=list(numa_map))
+            c = warn(
+                "os.gpu_numa",
+                "cluster.numa_map binds ranks away from their GPU's NUMA node",
+                found=gmap,
+                expected=list(numa_map),
+            )
         add(c)
     else:
         add(ok("os.gpu_numa", "no GPU on this node", found=[]))

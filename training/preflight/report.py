@@ -122,8 +122,17 @@ def format_table(data: Dict[str, Any], show_ok: bool = True) -> str:
     for c in data["checks"]:
         if c["status"] == OK and not show_ok:
             continue
-        rows.append((c["status"].upper(), c["node"] or "(job)", c["name"], c["subject"],
-                     _short(c["found"]), _short(c["expected"]), c["reason"]))
+        rows.append(
+            (
+                c["status"].upper(),
+                c["node"] or "(job)",
+                c["name"],
+                c["subject"],
+                _short(c["found"]),
+                _short(c["expected"]),
+                c["reason"],
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     lines = ["  ".join(r[i].ljust(widths[i]) for i in range(6)) + "  " + r[6] for r in rows]
     lines.append("")

@@ -156,8 +156,14 @@ class Summary:
 class Trainer:
     """Builds model, optimizer and data for this rank and runs the steps."""
 
-    def __init__(self, cfg: Config, run_dir: str, mesh, chunks: Optional[List[torch.nn.Module]] = None,
-                 checkpointing: bool = True):
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: str,
+        mesh,
+        chunks: Optional[List[torch.nn.Module]] = None,
+        checkpointing: bool = True,
+    ):
         self.cfg, self.run_dir, self.mesh = cfg, run_dir, mesh
         self.is_logger = mesh.rank == 0
         self._check_layout()
@@ -185,13 +191,19 @@ class Trainer:
         # defer_param_gather; optim/param_gather.py).
         self.optimizer.watch_modules(chunks)
         self.schedule = make_schedule(cfg, mesh, chunks, self.optimizer)
-        self.sampler = BatchSampler(self._source(), cfg.parallel.global_batch, cfg.parallel.micro_batch,
-                                    mesh.dp, mesh.dp_rank)
+        self.sampler = BatchSampler(
+            self._source(), cfg.parallel.global_batch, cfg.parallel.micro_batch, mesh.dp, mesh.dp_rank
+        )
         # Held-out data (train.eval_every): the same global batches at every evaluation, split over dp like training's.
         self.eval_sampler = None
         if cfg.train.eval_every > 0:
-            self.eval_sampler = BatchSampler(self._rank0_first(make_eval_source, "the held-out data"),
-                                             cfg.parallel.global_batch, cfg.parallel.micro_batch, mesh.dp, mesh.dp_rank)
+            self.eval_sampler = BatchSampler(
+                self._rank0_first(make_eval_source, "the held-out data"),
+                cfg.parallel.global_batch,
+                cfg.parallel.micro_batch,
+                mesh.dp,
+                mesh.dp_rank,
+            )
         self.eval_losses: List[Tuple[int, float]] = []
         self.state = TrainState()
         self.checkpointer = make_checkpointer(cfg, run_dir, mesh) if checkpointing else None
@@ -203,8 +215,10 @@ class Trainer:
         """The launcher's layout rules (training/contract/layout_rules.py) on the layout this rank really runs:
         LayoutError on a broken one; warnings (e.g. sp with tp = 1: sequence parallelism off) said once."""
         par = self.cfg.parallel
-        cfg = dataclasses.replace(self.cfg, parallel=dataclasses.replace(par, tp=self.mesh.tp, pp=self.mesh.pp,
-                                                                          cp=self.mesh.cp, ep=self.mesh.ep))
+        cfg = dataclasses.replace(
+            self.cfg,
+            parallel=dataclasses.replace(par, tp=self.mesh.tp, pp=self.mesh.pp, cp=self.mesh.cp, ep=self.mesh.ep),
+        )
         for warning in raise_errors(layout_violations(cfg, self.mesh.dp)):
             if self.is_logger:
                 print(f"warning: {warning}", file=sys.stderr)
@@ -230,8 +244,9 @@ class Trainer:
             if corpus is None:
                 corpus = build_corpus(self.cfg, self.run_dir)  # finds rank 0's file
         if self.cfg.data.kind == "indexed":
-            return self._rank0_first(lambda cfg, may_describe: make_source(cfg, self.run_dir, None, may_describe),
-                                     "the indexed datasets")
+            return self._rank0_first(
+                lambda cfg, may_describe: make_source(cfg, self.run_dir, None, may_describe), "the indexed datasets"
+            )
         return make_source(self.cfg, self.run_dir, corpus)
 
     def _rank0_first(self, make, what: str):
@@ -282,8 +297,10 @@ class Trainer:
     # -- checkpoint call sites --
     def _extra_state(self) -> Dict[str, Any]:
         # micro_step keys each chunk's dropout masks: restoring it keeps dropout bit-exact across a resume.
-        return {"consumed_samples": self.state.consumed_samples,
-                "micro_steps": [int(getattr(c, "micro_step", 0)) for c in self.chunks]}
+        return {
+            "consumed_samples": self.state.consumed_samples,
+            "micro_steps": [int(getattr(c, "micro_step", 0)) for c in self.chunks],
+        }
 
     def _resume(self) -> None:
         ck = self.checkpointer
@@ -314,8 +331,13 @@ class Trainer:
             return ""
         due, reason = ck.decide(step)
         if due or reason or last:
-            ck.save(step, self.chunks, self.optimizer, self._extra_state(),
-                    reason=reason or ("final" if last else "interval"))
+            ck.save(
+                step,
+                self.chunks,
+                self.optimizer,
+                self._extra_state(),
+                reason=reason or ("final" if last else "interval"),
+            )
         if reason or last:
             ck.wait()
         return reason or ""
@@ -328,8 +350,9 @@ class Trainer:
         return watch.stop_code(nodes)
 
     # -- the loop --
-    def train_step(self, micro: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None,
-                   defer_param_gather: bool = False) -> Tuple[float, StepResult, float]:
+    def train_step(
+        self, micro: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None, defer_param_gather: bool = False
+    ) -> Tuple[float, StepResult, float]:
         """One optimizer step over the global batch (`micro`: this step's micro-batches when the caller
         assembled them ahead, as `run` does outside its step timer); returns (global loss, step result, lr).
         defer_param_gather (zero=1): the updated shards' all-gather may still run when this returns, and
@@ -399,8 +422,12 @@ class Trainer:
         from training.observe.metrics import MetricsLog, rank_figures
         from training.observe.progress import Progress
 
-        progress = Progress(cfg.train.steps, self.is_logger and cfg.train.progress, cfg.train.progress_every_s,
-                            start_step=self.state.step)
+        progress = Progress(
+            cfg.train.steps,
+            self.is_logger and cfg.train.progress,
+            cfg.train.progress_every_s,
+            start_step=self.state.step,
+        )
         # After the resume: rows and TensorBoard steps after the resumed checkpoint are purged (observe/metrics.py).
         metrics = MetricsLog(cfg, self.run_dir, self.state.step, self.is_logger)
         from training.observe.profile import StepProfiler
@@ -439,8 +466,9 @@ class Trainer:
             nvtx.after(self.state.step)
             if not rates and not losses and self.is_logger:  # this attempt's first step: its start-up timeline
                 startup.mark("first_step")
-                append_event(self.run_dir, "startup", step=self.state.step, marks=startup.timeline(),
-                             cpu_s=startup.cpu_seconds())
+                append_event(
+                    self.run_dir, "startup", step=self.state.step, marks=startup.timeline(), cpu_s=startup.cpu_seconds()
+                )
             if not rates and not losses and self.checkpointer is not None:
                 # Training runs: the save path's imports now, in the background, not at a preemption signal.
                 self.checkpointer.prewarm()
@@ -459,8 +487,12 @@ class Trainer:
             eval_clock = time.perf_counter()
             eval_loss = self._maybe_evaluate()
             eval_s = time.perf_counter() - eval_clock if eval_loss is not None else None
-            logged = (self.state.step % max(1, cfg.train.log_every) == 0 or res.skipped or eval_loss is not None
-                      or compile_s is not None)
+            logged = (
+                self.state.step % max(1, cfg.train.log_every) == 0
+                or res.skipped
+                or eval_loss is not None
+                or compile_s is not None
+            )
             slowdown.step(self.state.step, tok_s, logged)
             # A collective (every rank, the same steps: `logged` depends only on agreed values).
             spread = rank_figures(dt, self.mesh.device) if logged else {}
@@ -469,13 +501,23 @@ class Trainer:
                 load = moe_metrics(self.chunks, self.mesh, cfg.model.num_layers, cfg.model.num_experts)
                 spread.update({k: load[k] for k in ("moe_aux_loss", "moe_max_load", "moe_dropped_tokens")})
                 if self.is_logger:
-                    append_event(self.run_dir, "moe_load", step=self.state.step,
-                                 tokens_per_expert=load["tokens_per_expert"], max_load=load["max_load"])
+                    append_event(
+                        self.run_dir,
+                        "moe_load",
+                        step=self.state.step,
+                        tokens_per_expert=load["tokens_per_expert"],
+                        max_load=load["max_load"],
+                    )
             if self.is_logger:
                 if logged:
                     rec: Dict[str, Any] = {
-                        "step": self.state.step, "loss": loss, "grad_norm": res.grad_norm, "lr": lr,
-                        "step_time_s": dt, "tokens_per_s": tok_s, "consumed_samples": self.state.consumed_samples,
+                        "step": self.state.step,
+                        "loss": loss,
+                        "grad_norm": res.grad_norm,
+                        "lr": lr,
+                        "step_time_s": dt,
+                        "tokens_per_s": tok_s,
+                        "consumed_samples": self.state.consumed_samples,
                     }
                     if mfu is not None:
                         rec["mfu"] = mfu
@@ -493,14 +535,18 @@ class Trainer:
                     rec.update(spread)
                     metrics.write(rec)
                 if res.skipped:
-                    print(f"\nstep {self.state.step}: {res.reason} (loss {loss}, grad norm {res.grad_norm}); "
-                          f"update skipped" + (f", loss scale -> {res.loss_scale:g}" if res.loss_scale else ""),
-                          file=sys.stderr)
+                    print(
+                        f"\nstep {self.state.step}: {res.reason} (loss {loss}, grad norm {res.grad_norm}); "
+                        f"update skipped" + (f", loss scale -> {res.loss_scale:g}" if res.loss_scale else ""),
+                        file=sys.stderr,
+                    )
                 shown_eval = f" eval {self.eval_losses[-1][1]:.4f}" if self.eval_losses else ""
-                shown_compile = (f" (compiled {self.compiled_layers} layers in {compile_s:.1f} s)"
-                                 if compile_s is not None else "")
-                progress.update(self.state.step,
-                                f"loss {loss:.4f}{shown_eval} lr {lr:.2e} {tok_s:,.0f} tok/s{shown_compile}")
+                shown_compile = (
+                    f" (compiled {self.compiled_layers} layers in {compile_s:.1f} s)" if compile_s is not None else ""
+                )
+                progress.update(
+                    self.state.step, f"loss {loss:.4f}{shown_eval} lr {lr:.2e} {tok_s:,.0f} tok/s{shown_compile}"
+                )
             unhealthy = watch.requeue_nodes if self.state.step < cfg.train.steps else []
             if unhealthy:  # cluster.health.action=requeue: checkpoint, then leave so the node is excluded
                 exit_code = self._stop_for_health(watch, unhealthy)
@@ -521,30 +567,49 @@ class Trainer:
         return exit_code
 
     def _summarise(self, rates, mfus, skipped, exit_code) -> Summary:
-        peak = torch.tensor([peak_memory_bytes(self.mesh.device), peak_reserved_bytes(self.mesh.device)],
-                            dtype=torch.int64, device=self.mesh.device)
+        peak = torch.tensor(
+            [peak_memory_bytes(self.mesh.device), peak_reserved_bytes(self.mesh.device)],
+            dtype=torch.int64,
+            device=self.mesh.device,
+        )
         if dist.is_initialized() and dist.get_world_size() > 1:
             out = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
             dist.all_gather(out, peak)
         else:
             out = [peak]
         per_rank = [int(x[0].item()) for x in out]
-        s = Summary(self.state.step, sum(rates) / len(rates) if rates else 0.0,
-                    sum(mfus) / len(mfus) if mfus else None, per_rank, skipped, exit_code,
-                    [int(x[1].item()) for x in out])
+        s = Summary(
+            self.state.step,
+            sum(rates) / len(rates) if rates else 0.0,
+            sum(mfus) / len(mfus) if mfus else None,
+            per_rank,
+            skipped,
+            exit_code,
+            [int(x[1].item()) for x in out],
+        )
         if self.is_logger:
             mem = self.optimizer.memory_report()
             mfu_txt = f"{100 * s.mfu:.2f}%" if s.mfu is not None else "n/a"
-            print(f"summary: {s.steps} steps, {s.tokens_per_s:,.0f} tokens/s, MFU {mfu_txt} "
-                  f"(peak {self.peak_flops / 1e12:.3f} TFLOP/s over {self.mesh.world_size} ranks), "
-                  f"skipped {skipped}", file=sys.stderr)
+            print(
+                f"summary: {s.steps} steps, {s.tokens_per_s:,.0f} tokens/s, MFU {mfu_txt} "
+                f"(peak {self.peak_flops / 1e12:.3f} TFLOP/s over {self.mesh.world_size} ranks), "
+                f"skipped {skipped}",
+                file=sys.stderr,
+            )
             print("peak memory per rank (MiB): " + ", ".join(f"{b / 2**20:.0f}" for b in per_rank), file=sys.stderr)
-            print(f"rank 0 model states (bytes): weights {mem['weights']}, grads {mem['grads']}, "
-                  f"optimizer {mem['optimizer']}", file=sys.stderr)
+            print(
+                f"rank 0 model states (bytes): weights {mem['weights']}, grads {mem['grads']}, "
+                f"optimizer {mem['optimizer']}",
+                file=sys.stderr,
+            )
             if "host_offload" in mem:  # parallel.offload: where the optimizer state went
-                print(f"rank 0 offloaded optimizer state (bytes): host {mem['host_offload']}, "
-                      f"nvme {mem['nvme_offload']}", file=sys.stderr)
-            from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
+                print(
+                    f"rank 0 offloaded optimizer state (bytes): host {mem['host_offload']}, nvme {mem['nvme_offload']}",
+                    file=sys.stderr,
+                )
+            from training.contract.rundir.files import (
+                write_atomic,
+            )  # never through a link (training/contract/rundir/files.py)
 
             write_atomic(os.path.join(self.run_dir, "summary.json"), json.dumps(asdict(s), indent=2))
         return s

@@ -117,7 +117,7 @@ def build_units(kind: str, p: int, rank: int, m: int, v: int = 1) -> List[List[A
     bwd = [("B",) + _interleaved_chunk(k, p, v, False) for k in range(total)]
     out = [[a] for a in fwd[:warm]]
     out += [[fwd[warm + i], bwd[i]] for i in range(total - warm)]
-    return out + [[a] for a in bwd[total - warm:]]
+    return out + [[a] for a in bwd[total - warm :]]
 
 
 def build_actions(kind: str, p: int, rank: int, m: int, v: int = 1) -> List[Action]:
@@ -230,10 +230,21 @@ class _SavedBytes:
 class PipelineSchedule:
     """Runs one rank's share of a pipeline step over its model chunks (virtual-stage order)."""
 
-    def __init__(self, chunks: List[torch.nn.Module], kind: str, pp: int, pp_rank: int, pp_ranks: List[int],
-                 pp_group, p2p_shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 scale_loss: Callable[[torch.Tensor, int], torch.Tensor], measure_memory: bool = True,
-                 overlap_p2p: bool = False):
+    def __init__(
+        self,
+        chunks: List[torch.nn.Module],
+        kind: str,
+        pp: int,
+        pp_rank: int,
+        pp_ranks: List[int],
+        pp_group,
+        p2p_shape: Tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        scale_loss: Callable[[torch.Tensor, int], torch.Tensor],
+        measure_memory: bool = True,
+        overlap_p2p: bool = False,
+    ):
         """pp_ranks: global rank of each pipeline rank of this pipeline; scale_loss(loss, m) -> the
         tensor to backpropagate on the last stage (the optimizer's mean and loss scale); overlap_p2p:
         sends in the background and (not on NCCL) receives posted one exchange early (module docstring)."""
@@ -267,7 +278,7 @@ class PipelineSchedule:
         last_v = self.num_virtual - 1
         held: Dict[Tuple[int, int], Tuple[Optional[torch.Tensor], torch.Tensor, int]] = {}
         outbox: Dict[Message, torch.Tensor] = {}  # produced, sent at the next exchange
-        inbox: Dict[Message, torch.Tensor] = {}   # received, consumed by the next unit
+        inbox: Dict[Message, torch.Tensor] = {}  # received, consumed by the next unit
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         st = StepStats()
         live_bytes = 0
@@ -379,8 +390,10 @@ class PipelineSchedule:
 
     def metrics(self) -> Dict[str, float]:
         """Fields for the metrics line: measured idle share (mean over stages) next to the plan's."""
-        return {"bubble_measured": round(self.stats.idle_share_mean, 4),
-                "bubble_planned": round(planned_idle_share(self.p, getattr(self, "last_m", 1), self.v), 4)}
+        return {
+            "bubble_measured": round(self.stats.idle_share_mean, 4),
+            "bubble_planned": round(planned_idle_share(self.p, getattr(self, "last_m", 1), self.v), 4),
+        }
 
 
 class _Exchanger:
@@ -465,6 +478,16 @@ def make_pipeline_schedule(cfg, mesh, chunks, optimizer) -> PipelineSchedule:
     kind = pc.schedule
     check_schedule(kind, mesh.pp, len(chunks), m)  # len(chunks): the vpp this rank really built
     ranks = mesh.group_ranks.get("pp") or list(range(mesh.pp))
-    return PipelineSchedule(chunks, kind, mesh.pp, mesh.pp_rank, ranks, mesh.pp_group, p2p_shape(cfg),
-                            param_dtype(cfg.train.precision), mesh.device, optimizer.scale_loss,
-                            overlap_p2p=getattr(pc, "overlap_p2p", True))
+    return PipelineSchedule(
+        chunks,
+        kind,
+        mesh.pp,
+        mesh.pp_rank,
+        ranks,
+        mesh.pp_group,
+        p2p_shape(cfg),
+        param_dtype(cfg.train.precision),
+        mesh.device,
+        optimizer.scale_loss,
+        overlap_p2p=getattr(pc, "overlap_p2p", True),
+    )

@@ -76,17 +76,23 @@ def _tokenizer(pc: PrepareConfig, inputs: Inputs, tmp_json: str) -> Tokenizer:
         return load_tokenizer(BYTES)
     if spec == "bpe":
         if pc.vocab_size < 257 + 1:
-            raise DataError(f"prepare.vocab_size={pc.vocab_size}: a byte-level BPE needs more than its 256 byte "
-                            f"tokens and the end-of-document token; use prepare.vocab_size>=512")
+            raise DataError(
+                f"prepare.vocab_size={pc.vocab_size}: a byte-level BPE needs more than its 256 byte "
+                f"tokens and the end-of-document token; use prepare.vocab_size>=512"
+            )
         t0 = time.perf_counter()
         hf = train_bpe(_bpe_texts(inputs, pc), pc.vocab_size)
         hf.save(tmp_json)
-        print(f"prepare: trained a byte-level BPE of {hf.get_vocab_size()} tokens in "
-              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        print(
+            f"prepare: trained a byte-level BPE of {hf.get_vocab_size()} tokens in {time.perf_counter() - t0:.1f} s",
+            file=sys.stderr,
+        )
         return load_tokenizer(tmp_json)
     if not os.path.exists(spec):
-        raise DataError(f"prepare.tokenizer={spec!r}: no such file; give bytes, bpe, or the path of a Hugging "
-                        f"Face tokenizer.json (nothing is downloaded)")
+        raise DataError(
+            f"prepare.tokenizer={spec!r}: no such file; give bytes, bpe, or the path of a Hugging "
+            f"Face tokenizer.json (nothing is downloaded)"
+        )
     tok = load_tokenizer(spec, pc.eod_token)
     shutil.copyfile(tok.name, tmp_json)
     return tok
@@ -95,12 +101,17 @@ def _tokenizer(pc: PrepareConfig, inputs: Inputs, tmp_json: str) -> Tokenizer:
 def _check(pc: PrepareConfig) -> None:
     if not pc.output:
         raise DataError("prepare.output is empty; give the dataset prefix, e.g. prepare.output=data/corpus")
-    existing = [pc.output + s for s in (".json", ".bin", ".idx", ".tokenizer.json", ".valid.json")
-                if os.path.lexists(pc.output + s)]
+    existing = [
+        pc.output + s
+        for s in (".json", ".bin", ".idx", ".tokenizer.json", ".valid.json")
+        if os.path.lexists(pc.output + s)
+    ]
     if existing and not pc.overwrite:
-        raise DataError(f"prepare.output={pc.output} already holds a dataset ({', '.join(existing)}): runs that "
-                        f"trained on it would generate and export with the new tokenizer. Choose another "
-                        f"prepare.output, or replace it with prepare.overwrite=true")
+        raise DataError(
+            f"prepare.output={pc.output} already holds a dataset ({', '.join(existing)}): runs that "
+            f"trained on it would generate and export with the new tokenizer. Choose another "
+            f"prepare.output, or replace it with prepare.overwrite=true"
+        )
     if not 0.0 <= pc.valid_fraction < 1.0:
         raise DataError(f"prepare.valid_fraction={pc.valid_fraction} must be in [0, 1); e.g. 0.01")
     if pc.workers < 0:
@@ -126,10 +137,14 @@ def report_skipped(inputs: Inputs) -> None:
         suffix = os.path.splitext(f)[1] or "(none)"
         by_suffix[suffix] = by_suffix.get(suffix, 0) + 1
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(by_suffix.items(), key=lambda kv: -kv[1]))
-    names = ", ".join(skipped[:SKIPPED_SHOWN]) + (f", ... ({len(skipped) - SKIPPED_SHOWN} more)"
-                                                   if len(skipped) > SKIPPED_SHOWN else "")
-    print(f"prepare: skipped {len(skipped)} files whose suffix is not read ({kinds}): {names}; "
-          f"prepare.suffixes=[...] lists the suffixes to read", file=sys.stderr)
+    names = ", ".join(skipped[:SKIPPED_SHOWN]) + (
+        f", ... ({len(skipped) - SKIPPED_SHOWN} more)" if len(skipped) > SKIPPED_SHOWN else ""
+    )
+    print(
+        f"prepare: skipped {len(skipped)} files whose suffix is not read ({kinds}): {names}; "
+        f"prepare.suffixes=[...] lists the suffixes to read",
+        file=sys.stderr,
+    )
 
 
 def prepare(pc: PrepareConfig) -> Dict:
@@ -159,8 +174,11 @@ def prepare(pc: PrepareConfig) -> Dict:
         train, valid = splits
         if train.writer.documents == 0:
             # Every document hashed into the held-out split (a tiny input): train on them, hold out none.
-            print(f"prepare: warning: all {documents} documents fell into the validation split; they are the "
-                  f"training data instead and no validation split is written", file=sys.stderr)
+            print(
+                f"prepare: warning: all {documents} documents fell into the validation split; they are the "
+                f"training data instead and no validation split is written",
+                file=sys.stderr,
+            )
             valid.writer.prefix, train.writer.prefix = output, output + ".valid"
             splits = [valid, train]
             train, valid = splits
@@ -173,22 +191,42 @@ def prepare(pc: PrepareConfig) -> Dict:
         tok_desc = dict(tok.describe(), file=tok_file, kind=kind)
         if tok_file:
             tok_desc["name"] = tok_file
-        common = {"tokenizer": tok_desc, "min_vocab_size": tok.vocab_size, "contiguous": True,
-                  "created_by": "meshrun action=prepare", "valid_fraction": pc.valid_fraction,
-                  "text_key": pc.text_key}
+        common = {
+            "tokenizer": tok_desc,
+            "min_vocab_size": tok.vocab_size,
+            "contiguous": True,
+            "created_by": "meshrun action=prepare",
+            "valid_fraction": pc.valid_fraction,
+            "text_key": pc.text_key,
+        }
         has_valid = valid.writer.documents > 0
         valid_desc = None
         if has_valid:
-            valid_desc = describe(valid.writer.tmp_prefix, IndexedDataset(valid.writer.tmp_prefix),
-                                  dict(common, split="valid", train_prefix=name))
+            valid_desc = describe(
+                valid.writer.tmp_prefix,
+                IndexedDataset(valid.writer.tmp_prefix),
+                dict(common, split="valid", train_prefix=name),
+            )
         else:
             valid.writer.abort()
-        sources = [{"path": os.path.abspath(s.path), "bytes": s.bytes, "sha256": s.sha256, "documents": s.documents}
-                   for s in reader.sources]
-        desc = describe(train.writer.tmp_prefix, IndexedDataset(train.writer.tmp_prefix), dict(
-            common, split="train", valid_prefix=name + ".valid" if has_valid else None,
-            valid_documents=valid.writer.documents, valid_tokens=valid.writer.tokens, sources=sources,
-            skipped_empty_files=inputs.skipped_empty, skipped_suffix_files=len(inputs.skipped_suffix)))
+        sources = [
+            {"path": os.path.abspath(s.path), "bytes": s.bytes, "sha256": s.sha256, "documents": s.documents}
+            for s in reader.sources
+        ]
+        desc = describe(
+            train.writer.tmp_prefix,
+            IndexedDataset(train.writer.tmp_prefix),
+            dict(
+                common,
+                split="train",
+                valid_prefix=name + ".valid" if has_valid else None,
+                valid_documents=valid.writer.documents,
+                valid_tokens=valid.writer.tokens,
+                sources=sources,
+                skipped_empty_files=inputs.skipped_empty,
+                skipped_suffix_files=len(inputs.skipped_suffix),
+            ),
+        )
         train.writer.commit()
         if has_valid:
             valid.writer.commit()
@@ -205,27 +243,38 @@ def prepare(pc: PrepareConfig) -> Dict:
         raise
     elapsed = time.perf_counter() - started
     if pc.valid_fraction > 0 and valid.writer.documents == 0:
-        print(f"prepare: warning: no document was held out (prepare.valid_fraction={pc.valid_fraction:g} of "
-              f"{desc['documents']} documents, chosen by hash): train.eval_every has no held-out split of this "
-              f"dataset; raise prepare.valid_fraction, add documents, or give data.valid_prefixes", file=sys.stderr)
+        print(
+            f"prepare: warning: no document was held out (prepare.valid_fraction={pc.valid_fraction:g} of "
+            f"{desc['documents']} documents, chosen by hash): train.eval_every has no held-out split of this "
+            f"dataset; raise prepare.valid_fraction, add documents, or give data.valid_prefixes",
+            file=sys.stderr,
+        )
     total_tokens = desc["tokens"] + valid.writer.tokens
-    print(f"prepare: {desc['documents']} + {valid.writer.documents} held-out documents, {total_tokens:,} tokens "
-          f"({tok.name if tok.name == BYTES else os.path.basename(tok_final)}, vocabulary {tok.vocab_size}, "
-          f"{desc['dtype']}) from {len(reader.sources)} files in {elapsed:.1f} s "
-          f"({total_tokens / max(elapsed, 1e-9):,.0f} tokens/s) -> {output}.bin/.idx/.json", file=sys.stderr)
+    print(
+        f"prepare: {desc['documents']} + {valid.writer.documents} held-out documents, {total_tokens:,} tokens "
+        f"({tok.name if tok.name == BYTES else os.path.basename(tok_final)}, vocabulary {tok.vocab_size}, "
+        f"{desc['dtype']}) from {len(reader.sources)} files in {elapsed:.1f} s "
+        f"({total_tokens / max(elapsed, 1e-9):,.0f} tokens/s) -> {output}.bin/.idx/.json",
+        file=sys.stderr,
+    )
     return desc
 
 
-def _run_pool(reader: Reader, splits: List[_Split], tok: Tokenizer, dtype: np.dtype, workers: int,
-              bar: Progress, eod_token: str) -> int:
+def _run_pool(
+    reader: Reader, splits: List[_Split], tok: Tokenizer, dtype: np.dtype, workers: int, bar: Progress, eod_token: str
+) -> int:
     """Tokenize the reader's items on `workers` processes, at most 2 per worker in flight, in input order."""
     from launcher.data.prepare import worker
 
     spec = tok.name
     # A process pool that notices a dead worker (BrokenProcessPool) instead of waiting forever for its result,
     # as multiprocessing.Pool does; fresh interpreters (spawn): no inherited tokenizer thread pools.
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=worker.init, initargs=(spec, eod_token, dtype.name))
+    pool = ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=worker.init,
+        initargs=(spec, eod_token, dtype.name),
+    )
     inflight: "collections.deque" = collections.deque()
     documents = 0
     try:
@@ -243,8 +292,10 @@ def _run_pool(reader: Reader, splits: List[_Split], tok: Tokenizer, dtype: np.dt
             try:
                 result = inflight.popleft().result()
             except BrokenProcessPool as exc:
-                raise DataError(f"a prepare worker process died ({exc}); nothing was written. Run again; if it "
-                                f"recurs, lower prepare.workers or check the machine's memory (dmesg)") from None
+                raise DataError(
+                    f"a prepare worker process died ({exc}); nothing was written. Run again; if it "
+                    f"recurs, lower prepare.workers or check the machine's memory (dmesg)"
+                ) from None
             for s, key in zip(splits, ("train", "valid")):
                 s.add(*result[key])
             documents += result["documents"]

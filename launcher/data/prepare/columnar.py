@@ -36,15 +36,18 @@ def _pyarrow():
         import pyarrow.ipc  # noqa: F401
         import pyarrow.parquet  # noqa: F401
     except ImportError:
-        raise DataError("prepare.inputs holds Parquet or Arrow data, which needs pyarrow: pip install pyarrow "
-                        "(a dependency of meshrun; reinstall it)") from None
+        raise DataError(
+            "prepare.inputs holds Parquet or Arrow data, which needs pyarrow: pip install pyarrow "
+            "(a dependency of meshrun; reinstall it)"
+        ) from None
     return pyarrow
 
 
 def is_saved_dataset(path: str) -> bool:
     """A directory written by `datasets`' save_to_disk (a Dataset or a DatasetDict)."""
-    return os.path.isdir(path) and (os.path.isfile(os.path.join(path, "state.json"))
-                                    or os.path.isfile(os.path.join(path, "dataset_dict.json")))
+    return os.path.isdir(path) and (
+        os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json"))
+    )
 
 
 def saved_dataset_files(path: str) -> List[str]:
@@ -60,14 +63,18 @@ def saved_dataset_files(path: str) -> List[str]:
             state = json.load(f)
         files = [os.path.join(path, entry["filename"]) for entry in state.get("_data_files") or []]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise DataError(f"prepare.inputs: {path!r} looks like a Hugging Face save_to_disk directory but its "
-                        f"state.json / dataset_dict.json cannot be read ({exc}); save it again with "
-                        f"Dataset.save_to_disk or point prepare.inputs at its *.arrow files") from None
+        raise DataError(
+            f"prepare.inputs: {path!r} looks like a Hugging Face save_to_disk directory but its "
+            f"state.json / dataset_dict.json cannot be read ({exc}); save it again with "
+            f"Dataset.save_to_disk or point prepare.inputs at its *.arrow files"
+        ) from None
     missing = [p for p in files if not os.path.isfile(p)]
     if missing or not files:
-        raise DataError(f"prepare.inputs: the save_to_disk directory {path!r} "
-                        + (f"lacks {missing[0]!r}" if missing else "lists no data files")
-                        + "; save it again or point prepare.inputs at its *.arrow files")
+        raise DataError(
+            f"prepare.inputs: the save_to_disk directory {path!r} "
+            + (f"lacks {missing[0]!r}" if missing else "lists no data files")
+            + "; save it again or point prepare.inputs at its *.arrow files"
+        )
     return files
 
 
@@ -80,8 +87,9 @@ def _batches(path: str):
     source = pa.memory_map(path)
     try:
         reader = pa.ipc.open_file(source)
-        return reader.schema, (lambda columns: (reader.get_batch(i).select(columns)
-                                                for i in range(reader.num_record_batches)))
+        return reader.schema, (
+            lambda columns: (reader.get_batch(i).select(columns) for i in range(reader.num_record_batches))
+        )
     except pa.ArrowInvalid:
         source.seek(0)
         stream = pa.ipc.open_stream(source)
@@ -102,8 +110,10 @@ def row_count(path: str) -> int:
             source.seek(0)
             return sum(b.num_rows for b in pa.ipc.open_stream(source))
     except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"{path}: not a readable {'Parquet' if path.endswith(PARQUET_SUFFIXES) else 'Arrow'} "
-                        f"file ({exc}); remove it from prepare.inputs or write it again") from None
+        raise DataError(
+            f"{path}: not a readable {'Parquet' if path.endswith(PARQUET_SUFFIXES) else 'Arrow'} "
+            f"file ({exc}); remove it from prepare.inputs or write it again"
+        ) from None
 
 
 def texts(path: str, key: str) -> Iterator[List[str]]:
@@ -112,27 +122,39 @@ def texts(path: str, key: str) -> Iterator[List[str]]:
     try:
         schema, batches = _batches(path)
     except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"{path}: not a readable {'Parquet' if path.endswith(PARQUET_SUFFIXES) else 'Arrow'} "
-                        f"file ({exc}); remove it from prepare.inputs or write it again") from None
+        raise DataError(
+            f"{path}: not a readable {'Parquet' if path.endswith(PARQUET_SUFFIXES) else 'Arrow'} "
+            f"file ({exc}); remove it from prepare.inputs or write it again"
+        ) from None
     if key not in schema.names:
-        raise DataError(f"{path}: no column {key!r}; set prepare.text_key to the column that holds the text "
-                        f"(columns here: {', '.join(schema.names[:8])})")
+        raise DataError(
+            f"{path}: no column {key!r}; set prepare.text_key to the column that holds the text "
+            f"(columns here: {', '.join(schema.names[:8])})"
+        )
     kind = schema.field(key).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
-            or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
-        raise DataError(f"{path}: column {key!r} is {kind}, not text; set prepare.text_key to the column that "
-                        f"holds the text")
+    if not (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or getattr(pa.types, "is_string_view", lambda _: False)(kind)
+    ):
+        raise DataError(
+            f"{path}: column {key!r} is {kind}, not text; set prepare.text_key to the column that holds the text"
+        )
     row = 0
     try:
         for batch in batches([key]):
             column = batch.column(0)
             if column.null_count:
                 first = row + next(i for i, v in enumerate(column.is_null().to_pylist()) if v)
-                raise DataError(f"{path}: row {first} of column {key!r} is null; drop the empty rows or choose "
-                                f"another prepare.text_key")
+                raise DataError(
+                    f"{path}: row {first} of column {key!r} is null; drop the empty rows or choose "
+                    f"another prepare.text_key"
+                )
             values = column.to_pylist()
             row += len(values)
             yield values
     except pa.ArrowException as exc:
-        raise DataError(f"{path}: reading failed at row {row} ({exc}); the file is damaged: write it again or "
-                        f"remove it from prepare.inputs") from None
+        raise DataError(
+            f"{path}: reading failed at row {row} ({exc}); the file is damaged: write it again or "
+            f"remove it from prepare.inputs"
+        ) from None

@@ -34,8 +34,10 @@ class Progress:
         eta = (self.total - self.done) / rate if rate > 0 else 0.0
         width = 24
         bar = "#" * int(width * frac) + "." * (width - int(width * frac))
-        return (f"prepare [{bar}] {100 * frac:5.1f}% {self.done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB "
-                f"{self.tokens:,} tokens {self.tokens / elapsed:,.0f} tokens/s ETA {_clock(eta)}")
+        return (
+            f"prepare [{bar}] {100 * frac:5.1f}% {self.done / 1e6:,.1f}/{self.total / 1e6:,.1f} MB "
+            f"{self.tokens:,} tokens {self.tokens / elapsed:,.0f} tokens/s ETA {_clock(eta)}"
+        )
 
     def update(self, nbytes: int, tokens: int) -> None:
         self.done += nbytes

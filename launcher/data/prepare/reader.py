@@ -69,9 +69,11 @@ def list_inputs(paths: List[str], suffixes: Optional[List[str]] = None) -> Input
     out = Inputs()
     for root in roots:
         if not os.path.exists(root):
-            raise DataError(f"prepare.inputs: {root!r} does not exist; give existing text or JSON Lines files or "
-                            f"directories (prepare.inputs=[dir1,file2.jsonl]), or none for the Python standard "
-                            f"library's sources")
+            raise DataError(
+                f"prepare.inputs: {root!r} does not exist; give existing text or JSON Lines files or "
+                f"directories (prepare.inputs=[dir1,file2.jsonl]), or none for the Python standard "
+                f"library's sources"
+            )
         if columnar.is_saved_dataset(root):  # a Hugging Face save_to_disk directory: its Arrow files in order
             out.files += columnar.saved_dataset_files(root)
         elif os.path.isdir(root):
@@ -83,9 +85,11 @@ def list_inputs(paths: List[str], suffixes: Optional[List[str]] = None) -> Input
             usable = [f for f in found if os.path.getsize(f) > 0]
             out.skipped_empty += len(found) - len(usable)
             if not usable:
-                raise DataError(f"prepare.inputs: directory {root!r} holds no non-empty text or JSON Lines files "
-                                f"(suffixes read: {', '.join(known)}); point prepare.inputs at files, or list the suffixes to read "
-                                f"(prepare.suffixes=[.txt,.c])")
+                raise DataError(
+                    f"prepare.inputs: directory {root!r} holds no non-empty text or JSON Lines files "
+                    f"(suffixes read: {', '.join(known)}); point prepare.inputs at files, or list the suffixes to read "
+                    f"(prepare.suffixes=[.txt,.c])"
+                )
             out.files += usable
         else:
             if os.path.getsize(root) == 0:
@@ -101,7 +105,7 @@ def _safe_cut(data: bytes) -> int:
         pos = data.rfind(b"\n", 0, pos)
         if pos < 0 or pos + 1 >= len(data):
             return 0
-        if data[pos + 1:pos + 2] not in (b" ", b"\t", b"\r", b"\n", b"\x0b", b"\x0c"):
+        if data[pos + 1 : pos + 2] not in (b" ", b"\t", b"\r", b"\n", b"\x0b", b"\x0c"):
             return pos + 1
 
 
@@ -170,8 +174,16 @@ class Reader:
                 last = not block and not carry
                 if piece or last:
                     h.update(piece)
-                    yield self._item(kind="piece", path=path, data=piece, offset=offset, first=first, last=last,
-                                     valid=valid, nbytes=len(piece))
+                    yield self._item(
+                        kind="piece",
+                        path=path,
+                        data=piece,
+                        offset=offset,
+                        first=first,
+                        last=last,
+                        valid=valid,
+                        nbytes=len(piece),
+                    )
                     offset += len(piece)
                     first = False
                 if last:

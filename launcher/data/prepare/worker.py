@@ -30,7 +30,7 @@ def held_out(head: bytes, fraction: float) -> bool:
     if fraction <= 0:
         return False
     h = int.from_bytes(hashlib.blake2b(head[:HEAD_BYTES], digest_size=8).digest(), "little")
-    return h < fraction * 2.0 ** 64
+    return h < fraction * 2.0**64
 
 
 def init(tokenizer_spec: str, eod_token: str, dtype: str) -> None:
@@ -49,8 +49,10 @@ def decode_utf8(data: bytes, path: str, offset: int) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: invalid UTF-8 at byte {offset + exc.start}; convert the file to UTF-8 "
-                        f"(e.g. iconv -f latin1 -t utf-8) or remove it from prepare.inputs") from None
+        raise DataError(
+            f"{path}: invalid UTF-8 at byte {offset + exc.start}; convert the file to UTF-8 "
+            f"(e.g. iconv -f latin1 -t utf-8) or remove it from prepare.inputs"
+        ) from None
 
 
 def jsonl_texts(data: bytes, path: str, offset: int, line: int, key: str) -> List[str]:
@@ -63,14 +65,20 @@ def jsonl_texts(data: bytes, path: str, offset: int, line: int, key: str) -> Lis
             try:
                 obj = json.loads(text)
             except ValueError as exc:
-                raise DataError(f"{path}:{line + n}: not valid JSON ({exc}); fix the line or remove the file from "
-                                f"prepare.inputs (JSON Lines: one object per line)") from None
+                raise DataError(
+                    f"{path}:{line + n}: not valid JSON ({exc}); fix the line or remove the file from "
+                    f"prepare.inputs (JSON Lines: one object per line)"
+                ) from None
             if not isinstance(obj, dict) or key not in obj:
-                raise DataError(f"{path}:{line + n}: no field {key!r}; set prepare.text_key to the field that holds "
-                                f"the text (fields here: {', '.join(list(obj)[:8]) if isinstance(obj, dict) else '-'})")
+                raise DataError(
+                    f"{path}:{line + n}: no field {key!r}; set prepare.text_key to the field that holds "
+                    f"the text (fields here: {', '.join(list(obj)[:8]) if isinstance(obj, dict) else '-'})"
+                )
             if not isinstance(obj[key], str):
-                raise DataError(f"{path}:{line + n}: field {key!r} is {type(obj[key]).__name__}, not text; set "
-                                f"prepare.text_key to the field that holds the text")
+                raise DataError(
+                    f"{path}:{line + n}: field {key!r} is {type(obj[key]).__name__}, not text; set "
+                    f"prepare.text_key to the field that holds the text"
+                )
             out.append(obj[key])
         pos += len(raw) + 1
     return out

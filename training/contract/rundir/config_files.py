@@ -64,11 +64,13 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def path_problem(path: str, key: str = "run.dir") -> str:
-    """"" for a usable run or sweep directory; else why not: a control character (a newline, a tab, ...) in
+    """ "" for a usable run or sweep directory; else why not: a control character (a newline, a tab, ...) in
     a path breaks every log line and shell line that names it, and is never intended."""
     if _CONTROL.search(str(path)):
-        return (f"{key}={str(path)!r} contains a control character (newline, tab, escape, ...): choose a "
-                f"directory name without them (for a sweep: hydra.sweep.dir and hydra.sweep.subdir)")
+        return (
+            f"{key}={str(path)!r} contains a control character (newline, tab, escape, ...): choose a "
+            f"directory name without them (for a sweep: hydra.sweep.dir and hydra.sweep.subdir)"
+        )
     return ""
 
 
@@ -77,14 +79,16 @@ _RUN_MARKERS = (".meshrun.lock", "events.jsonl", "plan.json", "checkpoints")
 
 
 def foreign_problem(run_dir: str) -> str:
-    """"" for a new, empty or meshrun run directory; else why a launch must not write there: a directory
+    """ "" for a new, empty or meshrun run directory; else why a launch must not write there: a directory
     meshrun did not create (a model download, a project folder) would lose its own config.json, and a
     symbolic link among the files meshrun writes would send a write outside run.dir (training/contract/rundir/files.py)."""
     from training.contract.rundir.files import links_in
 
     if os.path.islink(run_dir):
-        return (f"run.dir={run_dir} is a symbolic link: meshrun writes a run only into a real directory. Give the "
-                f"link's target (realpath) as run.dir, or choose another run.dir")
+        return (
+            f"run.dir={run_dir} is a symbolic link: meshrun writes a run only into a real directory. Give the "
+            f"link's target (realpath) as run.dir, or choose another run.dir"
+        )
     if not os.path.isdir(run_dir):
         return "" if not os.path.exists(run_dir) else f"run.dir={run_dir} exists and is not a directory; choose another"
     try:
@@ -93,15 +97,21 @@ def foreign_problem(run_dir: str) -> str:
         return f"run.dir={run_dir} cannot be listed ({exc.strerror}); fix its permissions or choose another run.dir"
     if names and not any(m in names for m in _RUN_MARKERS):
         shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-        return (f"run.dir={run_dir} is an existing directory meshrun did not create (it holds {shown} and none of "
-                f"{', '.join(_RUN_MARKERS)}): a launch there would overwrite its files (config.json, plan.json). "
-                f"Choose a new or empty run.dir; nothing was written")
+        return (
+            f"run.dir={run_dir} is an existing directory meshrun did not create (it holds {shown} and none of "
+            f"{', '.join(_RUN_MARKERS)}): a launch there would overwrite its files (config.json, plan.json). "
+            f"Choose a new or empty run.dir; nothing was written"
+        )
     links = links_in(run_dir)
     if links:
-        return (f"run.dir={run_dir} holds symbolic links where meshrun writes ({', '.join(links[:5])}): a write "
-                f"would land outside run.dir. Remove them (and check who could create them), or choose another run.dir; "
-                f"nothing was written")
+        return (
+            f"run.dir={run_dir} holds symbolic links where meshrun writes ({', '.join(links[:5])}): a write "
+            f"would land outside run.dir. Remove them (and check who could create them), or choose another run.dir; "
+            f"nothing was written"
+        )
     if not os.access(run_dir, os.W_OK):
-        return (f"run.dir={run_dir} is not writable by you: make it writable (chmod u+w {run_dir}) or choose "
-                f"another run.dir; nothing was written")
+        return (
+            f"run.dir={run_dir} is not writable by you: make it writable (chmod u+w {run_dir}) or choose "
+            f"another run.dir; nothing was written"
+        )
     return ""

@@ -34,9 +34,23 @@ from typing import IO, Iterable, Iterator, Optional
 # The names meshrun writes at the top of a run directory (and the directories it writes into): checked for
 # links before a launch writes anything (training/contract/rundir/config_files.py), so a planted link is an exit 2, not a rank's
 # traceback halfway through a run.
-RUN_FILES = ("config.json", "config.yaml", "plan.json", "summary.json", "events.jsonl", "metrics.jsonl",
-             "metrics.purged.jsonl", "secrets.json", "resume_request.json", ".meshrun.lock", "logs", "checkpoints",
-             "recommend.json", "code", "attempts")
+RUN_FILES = (
+    "config.json",
+    "config.yaml",
+    "plan.json",
+    "summary.json",
+    "events.jsonl",
+    "metrics.jsonl",
+    "metrics.purged.jsonl",
+    "secrets.json",
+    "resume_request.json",
+    ".meshrun.lock",
+    "logs",
+    "checkpoints",
+    "recommend.json",
+    "code",
+    "attempts",
+)
 
 
 class LinkRefused(OSError):
@@ -44,9 +58,12 @@ class LinkRefused(OSError):
 
 
 def _refusal(path: str) -> LinkRefused:
-    return LinkRefused(errno.ELOOP, f"{path} is a symbolic link (or lies under one): meshrun never writes through "
-                                    "a link inside run.dir, which could point anywhere. Remove the link (and check "
-                                    "who could create it), or choose another run.dir")
+    return LinkRefused(
+        errno.ELOOP,
+        f"{path} is a symbolic link (or lies under one): meshrun never writes through "
+        "a link inside run.dir, which could point anywhere. Remove the link (and check "
+        "who could create it), or choose another run.dir",
+    )
 
 
 def _check_parent(path: str) -> None:
@@ -85,8 +102,9 @@ def open_rw(path: str) -> int:
     return _open_fd(path, os.O_RDWR | os.O_CREAT)
 
 
-def write_atomic(path: str, data: "str | bytes", fsync: bool = False, mode: Optional[int] = None,
-                 check_links: bool = True) -> None:
+def write_atomic(
+    path: str, data: "str | bytes", fsync: bool = False, mode: Optional[int] = None, check_links: bool = True
+) -> None:
     """Replace `path` with data: a fresh temporary file, then a rename (readers see old or new, never half;
     a link at `path` is replaced, its target untouched). fsync: durable before the rename (checkpoint
     manifests). mode: the file's permissions exactly (0o600 for secrets), else the umask's default.

@@ -76,11 +76,16 @@ def _write(fd: int, holder: Dict[str, Any]) -> None:
 
 
 def _message(run_dir: str, holder: Dict[str, Any], extra: str = "") -> str:
-    fix = (f"wait for it to end or cancel it (scancel {holder.get('job_id')})" if holder.get("kind") == "slurm"
-           else "wait for it to end or stop it")
-    return (f"run.dir={run_dir} is in use by {describe(holder)}{extra}: two runs on one directory would mix their "
-            f"metrics and checkpoints. {fix}, or choose another run.dir. Nothing was written. (The lock is "
-            f"{lock_path(run_dir)}; remove it only when you are sure that run has ended.)")
+    fix = (
+        f"wait for it to end or cancel it (scancel {holder.get('job_id')})"
+        if holder.get("kind") == "slurm"
+        else "wait for it to end or stop it"
+    )
+    return (
+        f"run.dir={run_dir} is in use by {describe(holder)}{extra}: two runs on one directory would mix their "
+        f"metrics and checkpoints. {fix}, or choose another run.dir. Nothing was written. (The lock is "
+        f"{lock_path(run_dir)}; remove it only when you are sure that run has ended.)"
+    )
 
 
 @dataclass
@@ -95,8 +100,14 @@ class RunLock:
 
     def hand_to_job(self, job_id: str) -> None:
         """After sbatch: the Slurm job holds the run from now on (this process lets go of the flock)."""
-        self.holder = {"kind": "slurm", "job_id": str(job_id), "token": self.token, "since": time.time(),
-                       "host": socket.gethostname(), "submitted_by_pid": os.getpid()}
+        self.holder = {
+            "kind": "slurm",
+            "job_id": str(job_id),
+            "token": self.token,
+            "since": time.time(),
+            "host": socket.gethostname(),
+            "submitted_by_pid": os.getpid(),
+        }
         _write(self.fd, self.holder)
         self._close()
 
@@ -159,14 +170,20 @@ def _dead_launcher_note(holder: Dict[str, Any]) -> str:
         os.kill(pid, 0)
         return ""
     except ProcessLookupError:
-        return (" (that launcher has died; its ranks still hold the run while they save a checkpoint and stop "
-                "on their own: run again in a moment)")
+        return (
+            " (that launcher has died; its ranks still hold the run while they save a checkpoint and stop "
+            "on their own: run again in a moment)"
+        )
     except OSError:
         return ""
 
 
-def acquire(run_dir: str, what: str = "meshrun", job_alive: Optional[JobAlive] = None,
-            event_fields: Optional[Dict[str, Any]] = None) -> RunLock:
+def acquire(
+    run_dir: str,
+    what: str = "meshrun",
+    job_alive: Optional[JobAlive] = None,
+    event_fields: Optional[Dict[str, Any]] = None,
+) -> RunLock:
     """Take the run directory for this process (creating it); RunLocked naming the holder when it is taken.
 
     job_alive answers for a Slurm holder; without it (or when Slurm cannot answer) a lock that names a job
@@ -190,10 +207,17 @@ def acquire(run_dir: str, what: str = "meshrun", job_alive: Optional[JobAlive] =
             # Slurm was not asked (no job_alive) or could not answer: say so, the job may well have ended.
             extra = " (Slurm could not be asked whether it still runs)" if alive is None else ""
             raise RunLocked(_message(run_dir, previous, extra))
-        append_event(run_dir, "lock_taken_over", previous_holder=describe(previous), reason=reason,
-                     **(event_fields or {}))
-    holder = {"kind": "local", "pid": os.getpid(), "host": socket.gethostname(), "what": what,
-              "token": uuid.uuid4().hex, "since": time.time()}
+        append_event(
+            run_dir, "lock_taken_over", previous_holder=describe(previous), reason=reason, **(event_fields or {})
+        )
+    holder = {
+        "kind": "local",
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "what": what,
+        "token": uuid.uuid4().hex,
+        "since": time.time(),
+    }
     _write(fd, holder)
     lock = RunLock(run_dir, fd, holder["token"], created, holder)
     _HELD[run_dir] = lock
@@ -257,13 +281,21 @@ def claim_for_job(run_dir: str, job_id: str, job_alive: Optional[JobAlive] = Non
             holder = read_holder(run_dir)
             if holder.get("kind") == "slurm" and str(holder.get("job_id")) == str(job_id):
                 return ""
-            reason = (_stale_reason(holder, _job_alive(holder, job_alive)) if holder and not holder.get("released")
-                      else None)
+            reason = (
+                _stale_reason(holder, _job_alive(holder, job_alive)) if holder and not holder.get("released") else None
+            )
             if not holder or holder.get("released") or reason is not None:
                 if holder and reason is not None:
                     append_event(run_dir, "lock_taken_over", previous_holder=describe(holder), reason=reason)
-                _write(fd, {"kind": "slurm", "job_id": str(job_id), "since": time.time(),
-                            "token": holder.get("token", uuid.uuid4().hex)})
+                _write(
+                    fd,
+                    {
+                        "kind": "slurm",
+                        "job_id": str(job_id),
+                        "since": time.time(),
+                        "token": holder.get("token", uuid.uuid4().hex),
+                    },
+                )
                 return ""
         finally:
             os.close(fd)
@@ -279,8 +311,16 @@ def set_job_holder(run_dir: str, job_id: str, **fields: Any) -> None:
         return
     try:
         holder = read_holder(run_dir)
-        _write(fd, {"kind": "slurm", "job_id": str(job_id), "since": time.time(),
-                    "token": holder.get("token", uuid.uuid4().hex), **fields})
+        _write(
+            fd,
+            {
+                "kind": "slurm",
+                "job_id": str(job_id),
+                "since": time.time(),
+                "token": holder.get("token", uuid.uuid4().hex),
+                **fields,
+            },
+        )
     finally:
         os.close(fd)
 

@@ -58,8 +58,13 @@ def split_given(env: Mapping[str, str], patterns: Iterable[str]) -> Tuple[Dict[s
     """split_env, plus the command line's values (given_secrets) of the names env holds as a placeholder."""
     public, secret = split_env(env, patterns)
     given = given_secrets()
-    secret.update({name: given[name] for name, value in public.items()
-                   if str(value) == PLACEHOLDER and name in given and name not in secret})
+    secret.update(
+        {
+            name: given[name]
+            for name, value in public.items()
+            if str(value) == PLACEHOLDER and name in given and name not in secret
+        }
+    )
     return public, secret
 
 
@@ -83,8 +88,9 @@ def write_secrets(run_dir: str, values: Mapping[str, str]) -> None:
     write_atomic(path, json.dumps(merged, sort_keys=True), mode=0o600)
 
 
-def resolve(env: Mapping[str, str], run_dir: Optional[str], job_env: Optional[Mapping[str, str]] = None
-            ) -> Dict[str, str]:
+def resolve(
+    env: Mapping[str, str], run_dir: Optional[str], job_env: Optional[Mapping[str, str]] = None
+) -> Dict[str, str]:
     """env with each PLACEHOLDER replaced by the value from run_dir/secrets.json, else the command line's
     (given_secrets), else job_env's (default: this process's environment); a placeholder with none of them is
     dropped (never passed on as a value)."""
