@@ -36,7 +36,7 @@ from training.contract.config import load_config
 from training.contract.rundir.events import append_event, read_events
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_RESTART_IN_JOB
 from training.contract.rundir.lock import claim_for_job, release_job, set_job_holder
-from training.contract.slurm_env import SlurmUnavailable, hostnames, port_from_job, slurm_command, slurm_job_id
+from training.contract.slurm_env import PREFLIGHT_PASSED_ENV, SlurmUnavailable, hostnames, port_from_job, slurm_command, slurm_job_id
 
 REQUEUE_WAIT_S = 120
 
@@ -92,6 +92,7 @@ def prologue(run_dir: str) -> int:
         print(f"export {k}={shlex.quote(v)}")
     if in_job.enabled(cfg.cluster):
         print(in_job.step_args_line(nodes, cfg.cluster.gpus_per_node))
+        print(f"export {PREFLIGHT_PASSED_ENV}={shlex.quote(','.join(extra.get('preflight_passed') or []))}")
     return EXIT_OK
 
 
@@ -110,7 +111,8 @@ def _step_nodes(cfg, events, allocation: List[str], restart_count: int):
     if step is None:  # the epilogue checked there were enough; Slurm's view changed since: try the allocation's
         step = [n for n in allocation if n not in bad][:cfg.cluster.nodes] or allocation[:cfg.cluster.nodes]
     spare = in_job.spares(allocation, bad + unusable, step)
-    return step, {"allocation": allocation, "spares": spare, "bad_nodes": bad, "in_job_restarts": len(done),
+    passed = [n for n in in_job.preflight_passed(events, job_id(), restart_count) if n in step]
+    return step, {"preflight_passed": passed, "allocation": allocation, "spares": spare, "bad_nodes": bad, "in_job_restarts": len(done),
                   "max_in_job_restarts": cfg.cluster.max_in_job_restarts}
 
 

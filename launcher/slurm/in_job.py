@@ -99,6 +99,23 @@ def bad_nodes(events: Sequence[Dict[str, Any]], job_id: str, restart_count: int)
     return out
 
 
+def preflight_passed(events: Sequence[Dict[str, Any]], job_id: str, restart_count: int) -> List[str]:
+    """Nodes that passed the preflight (no failing check) in an earlier attempt of this allocation. An
+    in-job restart does not check them again (training/preflight/runner.py PASSED_ENV): they were checked
+    minutes ago in the same allocation, and a node blamed for a failure since is left out of the step."""
+    ours = {ev.get("attempt") for ev in events if ev.get("event") == "started" and _same_allocation(ev, job_id,
+                                                                                                restart_count)}
+    out: List[str] = []
+    for ev in events:
+        if ev.get("event") != "preflight" or ev.get("attempt") not in ours:
+            continue
+        bad = set(ev.get("bad_nodes") or [])
+        for node, status in (ev.get("nodes") or {}).items():
+            if status != "fail" and node not in bad and node not in out:
+                out.append(node)
+    return out
+
+
 def choose_step(allocation: Sequence[str], bad: Sequence[str], previous: Sequence[str], nodes: int,
                 unusable: Sequence[str] = ()) -> Optional[List[str]]:
     """The next step's nodes: the previous step's healthy nodes first (their ranks keep their places), then

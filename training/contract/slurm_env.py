@@ -26,6 +26,12 @@ class SlurmUnavailable(RuntimeError):
     """A Slurm client command is missing or its controller does not answer."""
 
 
+
+PREFLIGHT_PASSED_ENV = "MESHRUN_PREFLIGHT_PASSED"
+"""Set by the batch script's prologue on an in-job restart (launcher/slurm/in_job.py preflight_passed): the
+step's nodes, comma-separated, that passed the preflight earlier in this allocation; the preflight
+(training/preflight/runner.py) does not check them again."""
+
 def slurm_command(cmd: Sequence[str], timeout: float = SLURM_TIMEOUT_S) -> subprocess.CompletedProcess:
     """Run a Slurm client command (text output captured); its exit status is the caller's to read.
     SlurmUnavailable when the command is not installed or does not answer within timeout."""

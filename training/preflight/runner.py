@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from training.contract.config import Config, load_config
 from training.contract.rundir.events import append_event
+from training.contract.slurm_env import PREFLIGHT_PASSED_ENV, hostnames
 from training.preflight import collectives, gpu_nvml, ib_sysfs, matmul, os_tunables
 from training.contract.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK
 from training.preflight.report import (FAIL, NODE_DIR, Check, Report, checks_from_dicts, fail,
@@ -90,6 +91,19 @@ def _job_pids(proc: str = "/proc") -> set:
     return pids
 
 
+def passed_earlier(environ=os.environ) -> List[str]:
+    """Nodes of this step that passed the preflight earlier in this allocation (an in-job restart)."""
+    return [n for n in environ.get(PREFLIGHT_PASSED_ENV, "").split(",") if n]
+
+
+def step_nodes(environ=os.environ) -> List[str]:
+    """This srun step's nodes (every rank reads the same list)."""
+    try:
+        return hostnames(environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or "")
+    except Exception:  # noqa: BLE001 - no list: nothing is skipped
+        return []
+
+
 def run(cfg: Config, run_dir: str) -> Report:
     """The whole preflight on this rank; every rank returns the same job Report."""
     import torch
@@ -103,11 +117,16 @@ def run(cfg: Config, run_dir: str) -> Report:
     node = node_name()
     leader = local_rank == 0
     ib_root = pf.ib_sysfs_root_by_node.get(node, pf.ib_sysfs_root)
-    before_ib = ib_sysfs.snapshot(ib_root) if leader else None
+    # An in-job restart: a node that passed earlier in this allocation is not checked again (node checks,
+    # matmul); the collectives still run over every rank, so the new node's links are measured.
+    reused = node in passed_earlier()
+    before_ib = ib_sysfs.snapshot(ib_root) if leader and not reused else None
 
     own: List[Check] = []
     facts: Dict[str, Any] = {"driver": None}
-    if leader:
+    if leader and reused:
+        own = [ok("preflight.reused", "passed the preflight earlier in this allocation (in-job restart)", node=node)]
+    elif leader:
         own, facts = node_checks(cfg, node)
         # Written before any collective: if a rendezvous hangs on a bad node, its verdict survives.
         os.makedirs(os.path.join(run_dir, NODE_DIR), exist_ok=True)
@@ -129,22 +148,22 @@ def run(cfg: Config, run_dir: str) -> Report:
         n = pf.matmul_size or (8192 if on_gpu else 384)
         mm = None
         if on_gpu:
-            mm = matmul.measure_tflops(device, n)
+            mm = None if reused else matmul.measure_tflops(device, n)
         else:
             # CPU ranks share the cores: measure one rank at a time so each gets the whole machine.
             for r in range(world):
-                if r == rank:
+                if r == rank and not reused:
                     mm = matmul.measure_tflops(device, n)
                 dist.barrier()
         sizes_mb = collectives.sweep_sizes_mb(pf.collective_sizes_mb, on_gpu)
         sweep = collectives.run_sweep(rank, world, per_node, sizes_mb, pf.collective_iters, device,
                                       timeout_s=pf.timeout_s)
-        if leader:  # counters read again after the traffic: rising ones fail
+        if leader and not reused:  # counters read again after the traffic: rising ones fail
             own = [c for c in own if not c.name.startswith("ib.")]
             own += ib_sysfs.check_ib(ib_root, ib_sysfs.expected_hcas(pf.ib_hcas, cl.env), pf.ib_rate_gbps,
                                      node, before=before_ib)
         mine = {"rank": rank, "node": node, "checks": [c.to_dict() for c in own], "matmul": {**mm, "rank": rank,
-                "node": node}, "sweep": sweep, "versions": collectives.local_versions(facts.get("driver"))}
+                "node": node} if mm else None, "sweep": sweep, "versions": collectives.local_versions(facts.get("driver"))}
         from training.preflight.nccl_checks import extra_versions
 
         mine["versions"].update(extra_versions(facts))  # cuDNN, the driver's CUDA (nccl_checks.version_checks)
@@ -161,7 +180,8 @@ def run(cfg: Config, run_dir: str) -> Report:
     checks: List[Check] = []
     for r in everyone:
         checks += checks_from_dicts(r["checks"])
-    checks += matmul.check_matmul([r["matmul"] for r in everyone], pf.matmul_tflops, pf.min_rate_fraction,
+    measured = [r["matmul"] for r in everyone if r["matmul"]]
+    checks += [] if not measured else matmul.check_matmul(measured, pf.matmul_tflops, pf.min_rate_fraction,
                                   pf.straggler_ratio, on_gpu)
     checks += collectives.check_bandwidth([s for r in everyone for s in r["sweep"]], node_of_rank,
                                           pf.busbw_intra_gbps, pf.busbw_inter_gbps, pf.min_rate_fraction)
@@ -171,6 +191,7 @@ def run(cfg: Config, run_dir: str) -> Report:
     checks += version_checks(everyone)  # NCCL >= 2.18, cuDNN agreement, CUDA runtime <= driver
     nodes = list(dict.fromkeys(node_of_rank))
     report = Report(checks, nodes, {"mode": pf.mode, "world_size": world, "device": cl.device,
+                                    "reused_nodes": [n for n in nodes if n in passed_earlier()],
                                     "elapsed_s": round(time.time() - t0, 2), "versions": everyone[0]["versions"]})
     return report
 
@@ -200,6 +221,9 @@ def before_training(cfg: Config, run_dir: str) -> None:
     mode = cfg.cluster.preflight.mode
     if mode == "off":
         return
+    step = step_nodes()
+    if step and set(step) <= set(passed_earlier()):
+        return  # an in-job restart on nodes that all passed earlier in this allocation: nothing new to check
     rank = int(os.environ.get("RANK", 0))
     report = run(cfg, run_dir)
     status = finish(report, run_dir, rank)
