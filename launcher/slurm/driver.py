@@ -140,7 +140,9 @@ def rank_layout(nodes: List[str], ranks_per_node: int) -> Dict[int, str]:
     return {n * ranks_per_node + i: node for n, node in enumerate(nodes) for i in range(ranks_per_node)}
 
 
-def epilogue(run_dir: str, srun_rc: int) -> int:
+def epilogue(run_dir: str, srun_rc: int, then_prologue: bool = False) -> int:
+    """then_prologue (the in-job batch loop): on an in-job restart, also run the next attempt's prologue here
+    and print its exports (the batch script evaluates them), one Python start less on the restart's path."""
     attempt = int(os.environ.get("MESHRUN_ATTEMPT", "0"))
     cfg = load_config(os.path.join(run_dir, "config.json"))
     adir = attempt_dir(run_dir, attempt)
@@ -188,8 +190,15 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
     if in_job.enabled(cfg.cluster) and _failure_like(d):
         restart = _in_job_restart(run_dir, cfg, d, records, pro, events, step_now, ev)
         if restart.ok:
-            write_goodput_quietly(run_dir)
-            return EXIT_RESTART_IN_JOB  # the batch script's loop starts the next step in this allocation
+            if not then_prologue:
+                write_goodput_quietly(run_dir)
+                return EXIT_RESTART_IN_JOB  # the batch script's loop starts the next step in this allocation
+            _goodput_aside(run_dir)
+            if prologue(run_dir) != EXIT_OK:
+                print("meshrun: the prologue failed; the attempt stops before srun: see the lines above",
+                      file=sys.stderr)
+                return EXIT_FAILED
+            return EXIT_RESTART_IN_JOB
         # Fall back to the resubmission (or requeue): this allocation's bad nodes are excluded too.
         if d.action == "resubmit":
             from launcher.slurm.requeue import plan_exclusion
@@ -255,6 +264,23 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
           f"resubmitted as job {new_id} on {(resize.cfg if resize else cfg).cluster.nodes} node(s) "
           f"excluding {exclude or 'no node'}", file=sys.stderr)
     return EXIT_FAILED
+
+
+def _goodput_aside(run_dir: str) -> None:
+    """goodput.json written by a forked copy of this process while the next step starts (its standard output,
+    the next prologue's exports for the batch script, goes to /dev/null there)."""
+    sys.stdout.flush()
+    try:
+        pid = os.fork()
+    except OSError:
+        write_goodput_quietly(run_dir)
+        return
+    if pid == 0:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            write_goodput_quietly(run_dir)
+        finally:
+            os._exit(0)
 
 
 def _failure_like(d) -> bool:
@@ -324,11 +350,13 @@ def _plan_resize(cfg, events, own, exclude, newly_excluded):
 
 def main(argv: List[str]) -> int:
     if len(argv) < 2 or argv[0] not in ("prologue", "epilogue"):
-        print("usage: python -m launcher.slurm.driver prologue|epilogue RUN_DIR [SRUN_RC]", file=sys.stderr)
+        print("usage: python -m launcher.slurm.driver prologue|epilogue RUN_DIR [SRUN_RC] [--then-prologue]",
+              file=sys.stderr)
         return EXIT_INVALID
     if argv[0] == "prologue":
         return prologue(argv[1])
-    return epilogue(argv[1], int(argv[2]) if len(argv) > 2 and argv[2].lstrip("-").isdigit() else -1)
+    return epilogue(argv[1], int(argv[2]) if len(argv) > 2 and argv[2].lstrip("-").isdigit() else -1,
+                    then_prologue="--then-prologue" in argv[2:])
 
 
 if __name__ == "__main__":

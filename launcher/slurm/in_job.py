@@ -62,12 +62,21 @@ def batch_loop_head() -> List[str]:
             "while :; do"]
 
 
+def loop_prologue_line(prologue: str) -> str:
+    """The loop's prologue: an epilogue that restarts in this allocation has already run the next attempt's
+    prologue in its own process (one Python start less on the restart's path) and printed its exports."""
+    return ('if [ -n "${MESHRUN_NEXT_PROLOGUE:-}" ]; then MESHRUN_PROLOGUE="$MESHRUN_NEXT_PROLOGUE"; '
+            f'MESHRUN_NEXT_PROLOGUE=; eval "$MESHRUN_PROLOGUE"; else {prologue}; fi')
+
+
 def batch_loop_tail(epilogue: str) -> List[str]:
-    """Teardown lines: the epilogue's EXIT_RESTART_IN_JOB starts the next attempt in this allocation."""
+    """Teardown lines: the epilogue's EXIT_RESTART_IN_JOB starts the next attempt in this allocation (its
+    standard output: the next prologue's exports; anything else it printed goes to the job's log)."""
     return ["MESHRUN_SRUN_RC=$?",
-            epilogue,
+            f'MESHRUN_NEXT_PROLOGUE="$({epilogue} --then-prologue)"',
             "MESHRUN_EPILOGUE_RC=$?",
             f'if [ "$MESHRUN_EPILOGUE_RC" -eq {EXIT_RESTART_IN_JOB} ]; then continue; fi',
+            '[ -z "$MESHRUN_NEXT_PROLOGUE" ] || printf \'%s\\n\' "$MESHRUN_NEXT_PROLOGUE"',
             'exit "$MESHRUN_EPILOGUE_RC"',
             "done"]
 

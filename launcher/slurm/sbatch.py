@@ -194,7 +194,9 @@ def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> Li
     lines += [f"export {name}={shlex.quote(value)}" for name, value in engine_env(cfg, secrets=False).items()]
     if in_job.enabled(cfg.cluster):
         lines += in_job.batch_loop_head()  # prologue, srun, epilogue repeat inside this allocation
-    lines.append(prologue_line())
+        lines.append(in_job.loop_prologue_line(prologue_line()))
+    else:
+        lines.append(prologue_line())
     return lines
 
 
@@ -311,7 +313,7 @@ def preflight_job_spec(cfg: Config, run_dir: str) -> SlurmJobSpec:
         "job_name": f"{JOB_NAME}-preflight",
         "srun_args": srun_args(cfg, kill_on_bad_exit=False),
         "setup": [line for line in setup_lines(cfg, [run_dir]) if line != prologue_line()
-                  and line not in in_job.batch_loop_head()],
+                  and line != in_job.loop_prologue_line(prologue_line()) and line not in in_job.batch_loop_head()],
         "additional_parameters": {str(k): str(v) for k, v in sorted(cfg.cluster.sbatch_extra.items())},
     })
     return SlurmJobSpec(folder=os.path.join(run_dir, "submitit_preflight"), parameters=params,
