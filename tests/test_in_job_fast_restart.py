@@ -10,10 +10,14 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from launcher.slurm import in_job
 from launcher.slurm.rank_task import STEP_END_GRACE_S, _StepEnder, peers_gone
 from training.contract.slurm_env import PREFLIGHT_PASSED_ENV
 from training.preflight.runner import passed_earlier, step_nodes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _record(adir, rank, **kw):
@@ -79,3 +83,42 @@ def test_preflight_is_reused_only_within_the_allocation():
     env = {PREFLIGHT_PASSED_ENV: "n1,n3", "SLURM_STEP_NODELIST": "n[1,3]"}
     assert passed_earlier(env) == ["n1", "n3"] and step_nodes(env) == ["n1", "n3"]
     assert passed_earlier({}) == []
+
+
+def test_preflight_not_run_when_every_node_of_the_step_passed(tmp_path, monkeypatch):
+    """A restart in place: before_training returns before any process group or check (no rank env here:
+    running the preflight would fail)."""
+    from training.contract.config import Config
+    from training.preflight.runner import before_training
+
+    cfg = Config()
+    cfg.cluster.preflight.mode = "gate"
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "n[1,3]")
+    monkeypatch.setenv(PREFLIGHT_PASSED_ENV, "n3,n1")
+    before_training(cfg, str(tmp_path))
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.slow  # 4 CPU ranks started by the CLI
+def test_preflight_checks_only_the_new_node_and_every_rank_s_links(tmp_path):
+    """A restart onto a spare: the node that passed earlier gets no node checks or matmul; the new node does,
+    and the collectives run over every rank (the spare's links)."""
+    import socket
+
+    run_dir = str(tmp_path / "run")
+    old = f"{socket.gethostname().split('.')[0]}-0"  # launcher/launch/preflight.py's fake node names
+    env = {**os.environ, PREFLIGHT_PASSED_ENV: old}
+    p = subprocess.run([sys.executable, "-m", "launcher", "action=preflight", "cluster=local", "cluster.nodes=2",
+                        "cluster.gpus_per_node=2", f"run.dir={run_dir}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.load(open(os.path.join(run_dir, "preflight.json")))
+    assert data["meta"]["reused_nodes"] == [old] and data["bad_nodes"] == []
+    by = {}
+    for c in data["checks"]:
+        by.setdefault(c["name"], []).append(c)
+    assert [c["node"] for c in by["preflight.reused"]] == [old]
+    assert {c["node"] for c in by["gpu.nvml"]} == {f"{old[:-2]}-1"}  # node checks on the new node only
+    mm = by["gpu.matmul"] + by.get("gpu.straggler", [])
+    assert sorted(c["subject"] for c in mm) == ["rank2", "rank3"]
+    assert sorted(c["subject"] for c in by["coll.all_reduce"]) == ["ranks[0-1]", "ranks[0-3]", "ranks[2-3]"]
