@@ -3,7 +3,7 @@
 #   another (the three dev nodes are theirs alone), and meanwhile every other test on TEST_WORKERS pytest-xdist
 #   workers (the Slurm tests mostly wait on the scheduler).
 # make check: the fast inner loop: lint, then every test that needs no cluster and no multi-process run (tests/conftest.py).
-# make lint: ruff's lint and mypy (settings in pyproject.toml); `ruff format` is configured there too.
+# make lint: ruff's lint, ruff's format check and mypy (settings in pyproject.toml); `ruff format` fixes the format.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshrun-installed
@@ -49,6 +49,7 @@ check: install lint
 
 lint: install
 	$(PY) -m ruff check launcher training hydra_plugins bench tests
+	$(PY) -m ruff format --check launcher training hydra_plugins bench tests
 	$(PY) -m mypy
 
 # Exit 77: the cluster cannot run here (no root / no apt-get); it said why, and the Slurm tests skip with that reason.

@@ -37,7 +37,14 @@ from training.contract.rundir.events import append_event, read_events
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_RESTART_IN_JOB
 from training.contract.layout_text import format_layout, layout_of
 from training.contract.rundir.lock import claim_for_job, release_job, set_job_holder
-from training.contract.slurm_env import SlurmUnavailable, hostnames, port_from_job, slurm_command, slurm_job_id
+from training.contract.slurm_env import (
+    PREFLIGHT_PASSED_ENV,
+    SlurmUnavailable,
+    hostnames,
+    port_from_job,
+    slurm_command,
+    slurm_job_id,
+)
 
 REQUEUE_WAIT_S = 120
 
@@ -60,8 +67,10 @@ def prologue(run_dir: str) -> int:
         # `meshrun action=cancel` came while this attempt was queued (launcher/manage/cancel.py): do not start it.
         record_cancelled(run_dir, "cancelled by meshrun action=cancel before this attempt started", job_id=job_id())
         release_job(run_dir, job_id())
-        print("meshrun prologue: the run was cancelled (meshrun action=cancel); this attempt does not start",
-              file=sys.stderr)
+        print(
+            "meshrun prologue: the run was cancelled (meshrun action=cancel); this attempt does not start",
+            file=sys.stderr,
+        )
         print("exit 0")  # evaluated by the batch script: ends before srun, and Slurm's accounting says COMPLETED
         return EXIT_OK
     allocation = hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))
@@ -74,10 +83,21 @@ def prologue(run_dir: str) -> int:
     os.makedirs(attempt_dir(run_dir, attempt), exist_ok=True)
     from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
 
-    write_atomic(os.path.join(attempt_dir(run_dir, attempt), "prologue.json"),
-                 json.dumps({"last_step": step, "nodes": nodes, "job_id": job_id(), "allocation": allocation}))
-    append_event(run_dir, "started", attempt=attempt, job_id=job_id(), nodes=nodes,
-                 restart_count=restart_count, resume_step=step, code=PROJECT_ROOT, **extra)
+    write_atomic(
+        os.path.join(attempt_dir(run_dir, attempt), "prologue.json"),
+        json.dumps({"last_step": step, "nodes": nodes, "job_id": job_id(), "allocation": allocation}),
+    )
+    append_event(
+        run_dir,
+        "started",
+        attempt=attempt,
+        job_id=job_id(),
+        nodes=nodes,
+        restart_count=restart_count,
+        resume_step=step,
+        code=PROJECT_ROOT,
+        **extra,
+    )
     # MESHRUN_SELF_STOP=0 in the submitter's environment turns the ranks' own clock off, leaving only
     # Slurm's --signal (tests/slurm/test_fault_matrix_slurm.py checks that one alone still stops a run in time).
     own_clock = os.environ.get("MESHRUN_SELF_STOP", "1") != "0"
@@ -93,6 +113,7 @@ def prologue(run_dir: str) -> int:
         print(f"export {k}={shlex.quote(v)}")
     if in_job.enabled(cfg.cluster):
         print(in_job.step_args_line(nodes, cfg.cluster.gpus_per_node))
+        print(f"export {PREFLIGHT_PASSED_ENV}={shlex.quote(','.join(extra.get('preflight_passed') or []))}")
     return EXIT_OK
 
 
@@ -109,10 +130,17 @@ def _step_nodes(cfg, events, allocation: List[str], restart_count: int):
     unusable = [n for n in allocation if states.get(n) in UNUSABLE]
     step = in_job.choose_step(allocation, bad, previous, cfg.cluster.nodes, unusable)
     if step is None:  # the epilogue checked there were enough; Slurm's view changed since: try the allocation's
-        step = [n for n in allocation if n not in bad][:cfg.cluster.nodes] or allocation[:cfg.cluster.nodes]
+        step = [n for n in allocation if n not in bad][: cfg.cluster.nodes] or allocation[: cfg.cluster.nodes]
     spare = in_job.spares(allocation, bad + unusable, step)
-    return step, {"allocation": allocation, "spares": spare, "bad_nodes": bad, "in_job_restarts": len(done),
-                  "max_in_job_restarts": cfg.cluster.max_in_job_restarts}
+    passed = [n for n in in_job.preflight_passed(events, job_id(), restart_count) if n in step]
+    return step, {
+        "preflight_passed": passed,
+        "allocation": allocation,
+        "spares": spare,
+        "bad_nodes": bad,
+        "in_job_restarts": len(done),
+        "max_in_job_restarts": cfg.cluster.max_in_job_restarts,
+    }
 
 
 SIGNAL_SWEEP_S = 30
@@ -139,7 +167,9 @@ def rank_layout(nodes: List[str], ranks_per_node: int) -> Dict[int, str]:
     return {n * ranks_per_node + i: node for n, node in enumerate(nodes) for i in range(ranks_per_node)}
 
 
-def epilogue(run_dir: str, srun_rc: int) -> int:
+def epilogue(run_dir: str, srun_rc: int, then_prologue: bool = False) -> int:
+    """then_prologue (the in-job batch loop): on an in-job restart, also run the next attempt's prologue here
+    and print its exports (the batch script evaluates them), one Python start less on the restart's path."""
     attempt = int(os.environ.get("MESHRUN_ATTEMPT", "0"))
     cfg = load_config(os.path.join(run_dir, "config.json"))
     adir = attempt_dir(run_dir, attempt)
@@ -161,9 +191,18 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     elastic = cfg.cluster.elastic.min_nodes > 0
     # An elastic run may exclude failing nodes down to min_nodes: the next job then shrinks (launcher/slurm/elastic.py).
-    d = decide(records, world, rank_layout(pro["nodes"], cfg.cluster.gpus_per_node), progressed,
-               retries_used(events), cfg.cluster.max_retries, excluded, partition_nodes(cfg.cluster.partition),
-               cfg.cluster.elastic.min_nodes if elastic else cfg.cluster.nodes, saved=saved)
+    d = decide(
+        records,
+        world,
+        rank_layout(pro["nodes"], cfg.cluster.gpus_per_node),
+        progressed,
+        retries_used(events),
+        cfg.cluster.max_retries,
+        excluded,
+        partition_nodes(cfg.cluster.partition),
+        cfg.cluster.elastic.min_nodes if elastic else cfg.cluster.nodes,
+        saved=saved,
+    )
     resize = None
     ev = dict(attempt=attempt, job_id=job_id())
     if d.action == "completed":
@@ -174,28 +213,57 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
     if cancel_requested(run_dir, events) is not None:
         # `meshrun action=cancel` (launcher/manage/cancel.py): the ranks saved on its SIGUSR2; never requeue or resubmit.
         for f in d.failures:
-            append_event(run_dir, "failed", node=f.node, rank=f.rank, exit_code=f.exit_code, reason=f.reason,
-                         srun_exit_code=srun_rc, **ev)
-        record_cancelled(run_dir, "cancelled by meshrun action=cancel: saved a checkpoint and stopped",
-                         last_step=step_now, **ev)
+            append_event(
+                run_dir,
+                "failed",
+                node=f.node,
+                rank=f.rank,
+                exit_code=f.exit_code,
+                reason=f.reason,
+                srun_exit_code=srun_rc,
+                **ev,
+            )
+        record_cancelled(
+            run_dir, "cancelled by meshrun action=cancel: saved a checkpoint and stopped", last_step=step_now, **ev
+        )
         release_job(run_dir, job_id())
         # The run ended as asked: Slurm's accounting says COMPLETED 0:0, not FAILED 3:0 beside meshrun's CANCELLED.
         return EXIT_OK
     for f in d.failures:
-        append_event(run_dir, "failed", node=f.node, rank=f.rank, exit_code=f.exit_code, reason=f.reason,
-                     srun_exit_code=srun_rc, **ev)
+        append_event(
+            run_dir,
+            "failed",
+            node=f.node,
+            rank=f.rank,
+            exit_code=f.exit_code,
+            reason=f.reason,
+            srun_exit_code=srun_rc,
+            **ev,
+        )
     if in_job.enabled(cfg.cluster) and _failure_like(d):
         restart = _in_job_restart(run_dir, cfg, d, records, pro, events, step_now, ev)
         if restart.ok:
-            write_goodput_quietly(run_dir)
-            return EXIT_RESTART_IN_JOB  # the batch script's loop starts the next step in this allocation
+            if not then_prologue:
+                write_goodput_quietly(run_dir)
+                return EXIT_RESTART_IN_JOB  # the batch script's loop starts the next step in this allocation
+            _goodput_aside(run_dir)
+            if prologue(run_dir) != EXIT_OK:
+                print(
+                    "meshrun: the prologue failed; the attempt stops before srun: see the lines above", file=sys.stderr
+                )
+                return EXIT_FAILED
+            return EXIT_RESTART_IN_JOB
         # Fall back to the resubmission (or requeue): this allocation's bad nodes are excluded too.
         if d.action == "resubmit":
             from launcher.slurm.requeue import plan_exclusion
             from launcher.slurm.submit import partition_nodes as _partition_nodes
 
-            d.exclude, note = plan_exclusion(d.exclude, restart.bad, _partition_nodes(cfg.cluster.partition),
-                                             cfg.cluster.elastic.min_nodes if elastic else cfg.cluster.nodes)
+            d.exclude, note = plan_exclusion(
+                d.exclude,
+                restart.bad,
+                _partition_nodes(cfg.cluster.partition),
+                cfg.cluster.elastic.min_nodes if elastic else cfg.cluster.nodes,
+            )
             d.note = "; ".join(x for x in (d.note, note, f"no in-job restart: {restart.why}") if x)
     if d.action == "requeue" and elastic:
         # A requeue keeps the job's node count: a run that must shrink (its node drained) or can grow back
@@ -251,10 +319,30 @@ def epilogue(run_dir: str, srun_rc: int) -> int:
     append_event(run_dir, "requeued", **fields)
     write_goodput_quietly(run_dir)
     new_cfg = resize.cfg if resize else cfg
-    print(f"meshrun: attempt {attempt} {'failed' if d.action == 'resubmit' else 'stopped'} ({d.reason}); "
-          f"resubmitted as job {new_id} on {new_cfg.cluster.nodes} node(s) excluding {exclude or 'no node'}"
-          + (f", layout {format_layout(layout_of(new_cfg), 'short')}" if resize else ""), file=sys.stderr)
+    print(
+        f"meshrun: attempt {attempt} {'failed' if d.action == 'resubmit' else 'stopped'} ({d.reason}); "
+        f"resubmitted as job {new_id} on {new_cfg.cluster.nodes} node(s) excluding {exclude or 'no node'}"
+        + (f", layout {format_layout(layout_of(new_cfg), 'short')}" if resize else ""),
+        file=sys.stderr,
+    )
     return EXIT_FAILED
+
+
+def _goodput_aside(run_dir: str) -> None:
+    """goodput.json written by a forked copy of this process while the next step starts (its standard output,
+    the next prologue's exports for the batch script, goes to /dev/null there)."""
+    sys.stdout.flush()
+    try:
+        pid = os.fork()
+    except OSError:
+        write_goodput_quietly(run_dir)
+        return
+    if pid == 0:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            write_goodput_quietly(run_dir)
+        finally:
+            os._exit(0)
 
 
 def _failure_like(d) -> bool:
@@ -278,19 +366,42 @@ def _in_job_restart(run_dir, cfg, d, records, pro, events, step_now, ev) -> "in_
     states = node_states(cfg.cluster.partition)
     unusable = [n for n in allocation if states.get(n) in UNUSABLE]
     done = in_job.restarts(events, job_id(), restart_count)
-    r = in_job.plan(cfg.cluster, allocation, pro["nodes"], blamed, in_job.bad_nodes(events, job_id(), restart_count),
-                    len(done), unusable)
+    r = in_job.plan(
+        cfg.cluster,
+        allocation,
+        pro["nodes"],
+        blamed,
+        in_job.bad_nodes(events, job_id(), restart_count),
+        len(done),
+        unusable,
+    )
     if r.ok:
         left = in_job.spares(allocation, r.bad + unusable, r.step)
-        append_event(run_dir, in_job.EVENT, cause=in_job.cause_of(d.failures, by_rank), reason=d.reason,
-                     replaced_node=r.replaced[0] if r.replaced else None,
-                     spare=r.spares_used[0] if r.spares_used else None, replaced_nodes=r.replaced,
-                     spares_used=r.spares_used, nodes=r.step, bad_nodes=r.bad, spares_left=len(left),
-                     restart=len(done) + 1, max_in_job_restarts=cfg.cluster.max_in_job_restarts,
-                     restart_count=restart_count, last_step=step_now, resume_step=read_latest(run_dir), **ev)
-        print(f"meshrun: attempt {ev['attempt']} failed ({d.reason}); restarting in job {job_id()} on "
-              f"{', '.join(r.step)}" + (f" ({', '.join(r.spares_used)} replacing {', '.join(r.replaced)})"
-                                        if r.spares_used else ""), file=sys.stderr)
+        append_event(
+            run_dir,
+            in_job.EVENT,
+            cause=in_job.cause_of(d.failures, by_rank),
+            reason=d.reason,
+            replaced_node=r.replaced[0] if r.replaced else None,
+            spare=r.spares_used[0] if r.spares_used else None,
+            replaced_nodes=r.replaced,
+            spares_used=r.spares_used,
+            nodes=r.step,
+            bad_nodes=r.bad,
+            spares_left=len(left),
+            restart=len(done) + 1,
+            max_in_job_restarts=cfg.cluster.max_in_job_restarts,
+            restart_count=restart_count,
+            last_step=step_now,
+            resume_step=read_latest(run_dir),
+            **ev,
+        )
+        print(
+            f"meshrun: attempt {ev['attempt']} failed ({d.reason}); restarting in job {job_id()} on "
+            f"{', '.join(r.step)}"
+            + (f" ({', '.join(r.spares_used)} replacing {', '.join(r.replaced)})" if r.spares_used else ""),
+            file=sys.stderr,
+        )
     return r
 
 
@@ -303,8 +414,7 @@ def _fit_spares(cfg, exclude):
     from launcher.slurm.submit import partition_nodes
 
     usable = [n for n in partition_nodes(cfg.cluster.partition) if n not in exclude]
-    spare = max(0, min(cfg.cluster.spare_nodes, len(usable) - cfg.cluster.nodes)) if usable else \
-        cfg.cluster.spare_nodes
+    spare = max(0, min(cfg.cluster.spare_nodes, len(usable) - cfg.cluster.nodes)) if usable else cfg.cluster.spare_nodes
     if spare == cfg.cluster.spare_nodes:
         return cfg
     return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, spare_nodes=spare))
@@ -324,11 +434,18 @@ def _plan_resize(cfg, events, own, exclude, newly_excluded):
 
 def main(argv: List[str]) -> int:
     if len(argv) < 2 or argv[0] not in ("prologue", "epilogue"):
-        print("usage: python -m launcher.slurm.driver prologue|epilogue RUN_DIR [SRUN_RC]", file=sys.stderr)
+        print(
+            "usage: python -m launcher.slurm.driver prologue|epilogue RUN_DIR [SRUN_RC] [--then-prologue]",
+            file=sys.stderr,
+        )
         return EXIT_INVALID
     if argv[0] == "prologue":
         return prologue(argv[1])
-    return epilogue(argv[1], int(argv[2]) if len(argv) > 2 and argv[2].lstrip("-").isdigit() else -1)
+    return epilogue(
+        argv[1],
+        int(argv[2]) if len(argv) > 2 and argv[2].lstrip("-").isdigit() else -1,
+        then_prologue="--then-prologue" in argv[2:],
+    )
 
 
 if __name__ == "__main__":

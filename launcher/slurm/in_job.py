@@ -38,11 +38,15 @@ def config_errors(c: ClusterConfig) -> List[str]:
     if c.spare_nodes < 0:
         out.append(f"cluster.spare_nodes={c.spare_nodes} is negative: set 0 (no spares) or a node count")
     if c.max_in_job_restarts < 0:
-        out.append(f"cluster.max_in_job_restarts={c.max_in_job_restarts} is negative: set 0 (every failure "
-                   "resubmits) or a count")
+        out.append(
+            f"cluster.max_in_job_restarts={c.max_in_job_restarts} is negative: set 0 (every failure "
+            "resubmits) or a count"
+        )
     if c.spare_nodes > 0 and c.max_in_job_restarts == 0:
-        out.append(f"cluster.spare_nodes={c.spare_nodes} with cluster.max_in_job_restarts=0: the spares would "
-                   "only wait idle; set cluster.max_in_job_restarts >= 1 or cluster.spare_nodes=0")
+        out.append(
+            f"cluster.spare_nodes={c.spare_nodes} with cluster.max_in_job_restarts=0: the spares would "
+            "only wait idle; set cluster.max_in_job_restarts >= 1 or cluster.spare_nodes=0"
+        )
     if not c.in_job_restart_min >= 0:
         out.append(f"cluster.in_job_restart_min={c.in_job_restart_min} must be >= 0 minutes")
     return out
@@ -58,24 +62,40 @@ def batch_loop_head() -> List[str]:
     """Setup lines before the prologue: srun runs on the step's nodes (the prologue sets MESHRUN_STEP_ARGS),
     and the loop over attempts of this allocation opens. submitit writes the srun line itself; a shell
     function of the same name adds the step's options in front of its arguments."""
-    return ['srun() { command srun "${MESHRUN_STEP_ARGS[@]}" "$@"; }',
-            "while :; do"]
+    return ['srun() { command srun "${MESHRUN_STEP_ARGS[@]}" "$@"; }', "while :; do"]
+
+
+def loop_prologue_line(prologue: str) -> str:
+    """The loop's prologue: an epilogue that restarts in this allocation has already run the next attempt's
+    prologue in its own process (one Python start less on the restart's path) and printed its exports."""
+    return (
+        'if [ -n "${MESHRUN_NEXT_PROLOGUE:-}" ]; then MESHRUN_PROLOGUE="$MESHRUN_NEXT_PROLOGUE"; '
+        f'MESHRUN_NEXT_PROLOGUE=; eval "$MESHRUN_PROLOGUE"; else {prologue}; fi'
+    )
 
 
 def batch_loop_tail(epilogue: str) -> List[str]:
-    """Teardown lines: the epilogue's EXIT_RESTART_IN_JOB starts the next attempt in this allocation."""
-    return ["MESHRUN_SRUN_RC=$?",
-            epilogue,
-            "MESHRUN_EPILOGUE_RC=$?",
-            f'if [ "$MESHRUN_EPILOGUE_RC" -eq {EXIT_RESTART_IN_JOB} ]; then continue; fi',
-            'exit "$MESHRUN_EPILOGUE_RC"',
-            "done"]
+    """Teardown lines: the epilogue's EXIT_RESTART_IN_JOB starts the next attempt in this allocation (its
+    standard output: the next prologue's exports; anything else it printed goes to the job's log)."""
+    return [
+        "MESHRUN_SRUN_RC=$?",
+        f'MESHRUN_NEXT_PROLOGUE="$({epilogue} --then-prologue)"',
+        "MESHRUN_EPILOGUE_RC=$?",
+        f'if [ "$MESHRUN_EPILOGUE_RC" -eq {EXIT_RESTART_IN_JOB} ]; then continue; fi',
+        '[ -z "$MESHRUN_NEXT_PROLOGUE" ] || printf \'%s\\n\' "$MESHRUN_NEXT_PROLOGUE"',
+        'exit "$MESHRUN_EPILOGUE_RC"',
+        "done",
+    ]
 
 
 def step_args_line(step: Sequence[str], ranks_per_node: int) -> str:
     """The prologue's export of the step's srun options (a bash array, evaluated by the batch script)."""
-    args = [f"--nodes={len(step)}", f"--ntasks={len(step) * ranks_per_node}",
-            f"--ntasks-per-node={ranks_per_node}", "--nodelist=" + ",".join(step)]
+    args = [
+        f"--nodes={len(step)}",
+        f"--ntasks={len(step) * ranks_per_node}",
+        f"--ntasks-per-node={ranks_per_node}",
+        "--nodelist=" + ",".join(step),
+    ]
     return "MESHRUN_STEP_ARGS=(" + " ".join(shlex.quote(a) for a in args) + ")"
 
 
@@ -99,8 +119,29 @@ def bad_nodes(events: Sequence[Dict[str, Any]], job_id: str, restart_count: int)
     return out
 
 
-def choose_step(allocation: Sequence[str], bad: Sequence[str], previous: Sequence[str], nodes: int,
-                unusable: Sequence[str] = ()) -> Optional[List[str]]:
+def preflight_passed(events: Sequence[Dict[str, Any]], job_id: str, restart_count: int) -> List[str]:
+    """Nodes that passed the preflight (no failing check) in an earlier attempt of this allocation. An
+    in-job restart does not check them again (training/preflight/runner.py PASSED_ENV): they were checked
+    minutes ago in the same allocation, and a node blamed for a failure since is left out of the step."""
+    ours = {
+        ev.get("attempt")
+        for ev in events
+        if ev.get("event") == "started" and _same_allocation(ev, job_id, restart_count)
+    }
+    out: List[str] = []
+    for ev in events:
+        if ev.get("event") != "preflight" or ev.get("attempt") not in ours:
+            continue
+        bad = set(ev.get("bad_nodes") or [])
+        for node, status in (ev.get("nodes") or {}).items():
+            if status != "fail" and node not in bad and node not in out:
+                out.append(node)
+    return out
+
+
+def choose_step(
+    allocation: Sequence[str], bad: Sequence[str], previous: Sequence[str], nodes: int, unusable: Sequence[str] = ()
+) -> Optional[List[str]]:
     """The next step's nodes: the previous step's healthy nodes first (their ranks keep their places), then
     spares in allocation order; None when fewer than `nodes` healthy nodes are left."""
     barred = set(bad) | set(unusable)
@@ -150,8 +191,15 @@ class Restart:
     """Every node of this allocation blamed so far (the exclusion a fallback adds)."""
 
 
-def plan(c: ClusterConfig, allocation: Sequence[str], step: Sequence[str], blamed: Sequence[str],
-         bad_before: Sequence[str], used: int, unusable: Sequence[str] = ()) -> Restart:
+def plan(
+    c: ClusterConfig,
+    allocation: Sequence[str],
+    step: Sequence[str],
+    blamed: Sequence[str],
+    bad_before: Sequence[str],
+    used: int,
+    unusable: Sequence[str] = (),
+) -> Restart:
     """allocation: the job's nodes; step: the failed step's nodes; blamed: nodes blamed for this failure;
     bad_before: nodes blamed earlier in this allocation; used: in-job restarts so far in it; unusable: nodes
     Slurm shows down or drained now (blamed too when they ran the step)."""
@@ -159,12 +207,17 @@ def plan(c: ClusterConfig, allocation: Sequence[str], step: Sequence[str], blame
     newly = list(dict.fromkeys(newly))
     bad = list(dict.fromkeys(list(bad_before) + newly))
     if used >= c.max_in_job_restarts:
-        return Restart(False, f"in-job restarts exhausted (cluster.max_in_job_restarts={c.max_in_job_restarts})",
-                       bad=bad)
+        return Restart(
+            False, f"in-job restarts exhausted (cluster.max_in_job_restarts={c.max_in_job_restarts})", bad=bad
+        )
     nxt = choose_step(allocation, bad, step, c.nodes, unusable)
     if nxt is None:
         healthy = [n for n in allocation if n not in bad and n not in unusable]
-        return Restart(False, f"no spare left: {len(healthy)} healthy node(s) in the allocation "
-                              f"({', '.join(healthy) or 'none'}), {c.nodes} needed", bad=bad)
+        return Restart(
+            False,
+            f"no spare left: {len(healthy)} healthy node(s) in the allocation "
+            f"({', '.join(healthy) or 'none'}), {c.nodes} needed",
+            bad=bad,
+        )
     used_spares = [n for n in nxt if n not in step]
     return Restart(True, "", nxt, newly, used_spares, bad)

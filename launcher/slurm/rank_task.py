@@ -19,9 +19,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 from launcher.launch.processes import engine_env, rank_process_env, start_pump, threads_per_rank
+from launcher.slurm import in_job
 from launcher.slurm.numa import choose_node, numactl_prefix
 from training.contract.config import load_config
 from training.contract.rundir.events import append_event
@@ -129,6 +130,59 @@ class _Forwarder:
             self.done.wait(FORWARD_POLL_S)
 
 
+STEP_END_GRACE_S = 2.0
+"""In-job restarts only: how long a rank wrapper that got SIGTERM waits for every rank of its step to have
+written a record before it concludes that a peer is gone (docs/PERFORMANCE.md: the in-job restart)."""
+
+_ENDED_OK = (EXIT_OK, EXIT_STOPPED, -int(signal.SIGTERM))
+
+
+def peers_gone(adir: str, world: int) -> List[int]:
+    """Ranks of this step that never wrote a record (their node or wrapper is gone) or whose final record
+    says they failed."""
+    gone = []
+    for rank in range(world):
+        rec = _read_cause(os.path.join(adir, f"rank_{rank}.json"))
+        if not rec or (not rec.get("provisional") and rec.get("exit_code") not in _ENDED_OK):
+            gone.append(rank)
+    return gone
+
+
+class _StepEnder:
+    """With in-job restarts: after srun's end of a failed step (--kill-on-bad-exit: SIGTERM to the survivors,
+    SIGKILL after Slurm's KillWait) a rank blocked in a collective with a peer that is gone can neither save
+    nor exit. The restart resumes from the latest complete checkpoint anyway, so this wrapper SIGKILLs its
+    rank STEP_END_GRACE_S after the SIGTERM when a peer never wrote a record or failed, instead of waiting
+    for KillWait; its record stays the SIGTERM's (what Slurm's SIGKILL would have left). A SIGTERM to the
+    whole job (preemption, scancel, the time limit) reaches every rank's wrapper and each writes its
+    provisional record at once: then nothing changes and the ranks save as they do without in-job restarts."""
+
+    def __init__(self, adir: str, world: int, pid: int) -> None:
+        self.adir, self.world, self.pid = adir, world, pid
+        self.gone: List[int] = []
+        self.done = threading.Event()  # set once the rank has exited (its pid may be reused)
+        self.thread: Optional[threading.Thread] = None
+
+    def on_sigterm(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        deadline = time.time() + STEP_END_GRACE_S
+        while not self.done.wait(0.1):
+            gone = peers_gone(self.adir, self.world)
+            if not gone:
+                return  # every rank reported the SIGTERM: the whole job is stopping
+            if time.time() >= deadline:
+                self.gone = gone
+                try:
+                    os.kill(self.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                return
+
+
 def _read_cause(path: str) -> dict:
     try:
         with open(path) as f:
@@ -157,6 +211,7 @@ class RankTask:
         # torch is not fatal, and the forwarded copy reaches the engine once its handler is installed.
         forwarder = _Forwarder()
         provisional: dict = {}  # filled once this rank's record path is known
+        ender: "_StepEnder | None" = None  # with in-job restarts (set once the child runs)
 
         def on_signal(signum, frame) -> None:
             forwarder.on_signal(signum, frame)
@@ -164,9 +219,18 @@ class RankTask:
                 # srun (--kill-on-bad-exit) ends the step with TERM, then KILL after Slurm's KillWait: a rank
                 # stuck in a collective with a lost peer may not exit in time, and a rank that never reported
                 # would be blamed with the lost node. Recorded now; the rank's own end overwrites it.
-                _write_record(provisional["path"], {**provisional["record"], "exit_code": -int(signal.SIGTERM),
-                              "signal": int(signal.SIGTERM), "ended": time.time(),
-                              "error": "terminated (SIGTERM) while its rank still ran"})
+                _write_record(
+                    provisional["path"],
+                    {
+                        **provisional["record"],
+                        "exit_code": -int(signal.SIGTERM),
+                        "signal": int(signal.SIGTERM),
+                        "ended": time.time(),
+                        "error": "terminated (SIGTERM) while its rank still ran",
+                    },
+                )
+                if ender is not None:
+                    ender.on_sigterm()
 
         for sig in (signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, on_signal)
@@ -180,16 +244,25 @@ class RankTask:
         attempt = int(env.get("MESHRUN_ATTEMPT", "0"))
         node = env.get("SLURMD_NODENAME") or socket.gethostname()
         prefix: List[str] = []
-        numa_node = choose_node(cfg.cluster.numa, cfg.cluster.numa_map, cfg.cluster.device, local_rank,
-                                int(env.get("LOCAL_WORLD_SIZE", "1")), env.get("CUDA_VISIBLE_DEVICES"),
-                                step_gpus=env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS"))
+        numa_node = choose_node(
+            cfg.cluster.numa,
+            cfg.cluster.numa_map,
+            cfg.cluster.device,
+            local_rank,
+            int(env.get("LOCAL_WORLD_SIZE", "1")),
+            env.get("CUDA_VISIBLE_DEVICES"),
+            step_gpus=env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS"),
+        )
         if numa_node is not None:
             if shutil.which("numactl"):
                 prefix = numactl_prefix(numa_node)
                 env["MESHRUN_NUMA_NODE"] = str(numa_node)
             else:
-                print(f"warning: numactl not found on {node}: rank {rank} is not NUMA-bound "
-                      f"(install numactl or set cluster.numa=off)", file=sys.stderr)
+                print(
+                    f"warning: numactl not found on {node}: rank {rank} is not NUMA-bound "
+                    f"(install numactl or set cluster.numa=off)",
+                    file=sys.stderr,
+                )
         started = time.time()
         out = attempt_dir(self.run_dir, attempt)
         os.makedirs(out, exist_ok=True)
@@ -200,36 +273,69 @@ class RankTask:
         from launcher.launch.nsys import nsys_prefix
 
         prefix = prefix + nsys_prefix(cfg, rank, self.run_dir)  # train.nsys: the chosen ranks under nsys profile
-        child = subprocess.Popen(prefix + [sys.executable, "-m", "training.main", self.run_dir],
-                                 env=env, stderr=subprocess.PIPE, preexec_fn=_ignore_stop_signals)
+        child = subprocess.Popen(
+            prefix + [sys.executable, "-m", "training.main", self.run_dir],
+            env=env,
+            stderr=subprocess.PIPE,
+            preexec_fn=_ignore_stop_signals,
+        )
         forwarder.attach(child.pid)
-        provisional.update(path=os.path.join(out, f"rank_{rank}.json"), record={
-            "rank": rank, "local_rank": local_rank, "node": node, "numa_node": numa_node, "cause": "",
-            "started": started, "provisional": True})
+        if in_job.enabled(cfg.cluster):
+            ender = _StepEnder(out, int(env.get("WORLD_SIZE", "1")), child.pid)
+        provisional.update(
+            path=os.path.join(out, f"rank_{rank}.json"),
+            record={
+                "rank": rank,
+                "local_rank": local_rank,
+                "node": node,
+                "numa_node": numa_node,
+                "cause": "",
+                "started": started,
+                "provisional": True,
+            },
+        )
         stop_at = float(env.get("MESHRUN_STOP_AT") or 0)
         if stop_at:
             # The time-limit stop, on our own clock (Slurm's USR2 is the backup).
-            timer = threading.Timer(max(0.0, stop_at - time.time()), self._clock_stop,
-                                    (forwarder, rank, stop_at))
+            timer = threading.Timer(max(0.0, stop_at - time.time()), self._clock_stop, (forwarder, rank, stop_at))
             timer.daemon = True
             timer.start()
         tail: List[bytes] = []  # the child's last output: its exception line goes into the rank's record
         pump = start_pump(child.stderr, [sys.stderr.buffer], tail)
         code = child.wait()
         forwarder.done.set()
+        if ender is not None:
+            ender.done.set()
         for sig in (signal.SIGUSR2, signal.SIGTERM):
             # Nothing left to stop; Python's own handler would turn back into "terminate" at exit.
             signal.signal(sig, signal.SIG_IGN)
         pump.join(timeout=5)
         cause = _read_cause(cause_file) if code not in (EXIT_OK, EXIT_STOPPED) else {}
+        if ender is not None and ender.gone and code == -int(signal.SIGKILL):
+            # Ended here, after srun's SIGTERM: recorded as that SIGTERM (requeue.py blames no node for it).
+            code = -int(signal.SIGTERM)
+            cause = {
+                "error": "terminated (SIGTERM) while its rank still ran; ended at once because rank(s) "
+                + ", ".join(map(str, ender.gone))
+                + " of the step had failed or were gone (no save "
+                "possible; the in-job restart resumes from the latest complete checkpoint)"
+            }
         record = {
-            "rank": rank, "local_rank": local_rank, "node": node, "exit_code": code,
-            "signal": -code if code < 0 else None, "numa_node": numa_node,
+            "rank": rank,
+            "local_rank": local_rank,
+            "node": node,
+            "exit_code": code,
+            "signal": -code if code < 0 else None,
+            "numa_node": numa_node,
             # The engine's own account, uncut, when it wrote one; else the log's last error line.
-            "error": ("" if code in (EXIT_OK, EXIT_STOPPED)
-                      else cause.get("error") or last_error_line(b"".join(tail).decode("utf-8", "replace"))),
+            "error": (
+                ""
+                if code in (EXIT_OK, EXIT_STOPPED)
+                else cause.get("error") or last_error_line(b"".join(tail).decode("utf-8", "replace"))
+            ),
             "cause": cause.get("cause", ""),
-            "started": started, "ended": time.time(),
+            "started": started,
+            "ended": time.time(),
         }
         provisional.clear()
         _write_record(os.path.join(out, f"rank_{rank}.json"), record)
@@ -239,6 +345,11 @@ class RankTask:
 
     def _clock_stop(self, forwarder: "_Forwarder", rank: int, stop_at: float) -> None:
         if rank == 0:
-            append_event(self.run_dir, "stop_requested", source="clock", stop_at=stop_at,
-                         reason="the job's time limit minus cluster.signal_delay_s minus Slurm's 30 s sweep")
+            append_event(
+                self.run_dir,
+                "stop_requested",
+                source="clock",
+                stop_at=stop_at,
+                reason="the job's time limit minus cluster.signal_delay_s minus Slurm's 30 s sweep",
+            )
         forwarder.on_clock(signal.SIGUSR2)

@@ -44,9 +44,29 @@ _CONTAINER_IMAGE = re.compile(r"^[A-Za-z0-9_./][A-Za-z0-9_.:/#@+\-]*$")
 # enroot mounts SRC:DST[:FLAGS], joined by commas in one srun option: no commas, colons or spaces inside.
 _CONTAINER_MOUNT = re.compile(r"^/[^\s,:]*:/[^\s,:]*(:[A-Za-z0-9_=+.\-]+)?$")
 # sbatch options meshrun sets itself: overriding them through sbatch_extra would break the job.
-_RESERVED = {"nodes", "ntasks-per-node", "signal", "requeue", "no-requeue", "output", "error", "open-mode",
-             "job-name", "partition", "account", "qos", "time", "exclude", "array", "cpus-per-task",
-             "exclusive", "mem", "container-image", "container-mounts", "no-kill"}
+_RESERVED = {
+    "nodes",
+    "ntasks-per-node",
+    "signal",
+    "requeue",
+    "no-requeue",
+    "output",
+    "error",
+    "open-mode",
+    "job-name",
+    "partition",
+    "account",
+    "qos",
+    "time",
+    "exclude",
+    "array",
+    "cpus-per-task",
+    "exclusive",
+    "mem",
+    "container-image",
+    "container-mounts",
+    "no-kill",
+}
 
 
 def reserved_option(key: str) -> str:
@@ -70,22 +90,29 @@ def validate_for_slurm(cfg: Config) -> List[str]:
     for name in ("partition", "account", "qos", "exclude"):
         value = getattr(c, name)
         if not _SBATCH_VALUE.fullmatch(value):
-            errors.append(f"cluster.{name}={value!r} contains characters Slurm names never have "
-                          f"(spaces, quotes, ;, $, `, newlines): use the plain name")
+            errors.append(
+                f"cluster.{name}={value!r} contains characters Slurm names never have "
+                f"(spaces, quotes, ;, $, `, newlines): use the plain name"
+            )
     if not c.partition:
         errors.append("cluster.partition is empty: set the Slurm partition (sinfo lists them)")
     for key, value in c.sbatch_extra.items():
         if not _SBATCH_KEY.fullmatch(str(key)):
-            errors.append(f"cluster.sbatch_extra key {key!r}: use the long sbatch option without dashes "
-                          f"(e.g. constraint, mem)")
+            errors.append(
+                f"cluster.sbatch_extra key {key!r}: use the long sbatch option without dashes (e.g. constraint, mem)"
+            )
         elif str(key) in _RESERVED:
             errors.append(f"cluster.sbatch_extra.{key} is set by meshrun itself: use the cluster.* key instead")
         elif reserved_option(str(key)):
-            errors.append(f"cluster.sbatch_extra.{key} abbreviates --{reserved_option(str(key))} (sbatch takes any "
-                          f"unique prefix of an option), which is set by meshrun itself: use the cluster.* key instead")
+            errors.append(
+                f"cluster.sbatch_extra.{key} abbreviates --{reserved_option(str(key))} (sbatch takes any "
+                f"unique prefix of an option), which is set by meshrun itself: use the cluster.* key instead"
+            )
         if not _SBATCH_VALUE.fullmatch(str(value)):
-            errors.append(f"cluster.sbatch_extra.{key}={value!r} contains shell or space characters: "
-                          f"sbatch option values must be plain words")
+            errors.append(
+                f"cluster.sbatch_extra.{key}={value!r} contains shell or space characters: "
+                f"sbatch option values must be plain words"
+            )
     for name in c.env:
         if not _ENV_NAME.fullmatch(str(name)):
             errors.append(f"cluster.env key {name!r} is not an environment variable name")
@@ -95,8 +122,9 @@ def validate_for_slurm(cfg: Config) -> List[str]:
     if c.time_min <= 0:
         errors.append(f"cluster.time_min={c.time_min}: give the time limit of one attempt in minutes (> 0)")
     if c.signal_delay_s < 0 or c.signal_delay_s >= c.time_min * 60:
-        errors.append(f"cluster.signal_delay_s={c.signal_delay_s} must be >= 0 and below the time limit "
-                      f"({c.time_min * 60} s)")
+        errors.append(
+            f"cluster.signal_delay_s={c.signal_delay_s} must be >= 0 and below the time limit ({c.time_min * 60} s)"
+        )
     if c.nodes < 1 or c.gpus_per_node < 1:
         errors.append("cluster.nodes and cluster.gpus_per_node must be >= 1")
     if c.max_retries < 0:
@@ -119,8 +147,10 @@ def run_dir_errors(run_dir: str) -> List[str]:
     if problem:
         return [problem]
     if _SLURM_PATH_BAD.search(run_dir):
-        return [f"run.dir={run_dir!r} contains a space or '%': Slurm's #SBATCH --output takes the path up to the "
-                f"first blank and expands %-patterns in it; choose a directory without them"]
+        return [
+            f"run.dir={run_dir!r} contains a space or '%': Slurm's #SBATCH --output takes the path up to the "
+            f"first blank and expands %-patterns in it; choose a directory without them"
+        ]
     return []
 
 
@@ -128,23 +158,32 @@ def _resource_errors(c: ClusterConfig) -> List[str]:
     """cpus_per_task, mem and the container: what a real cluster's job asks for beyond nodes and time."""
     errors = []
     if c.cpus_per_task < 0:
-        errors.append(f"cluster.cpus_per_task={c.cpus_per_task}: give the CPUs of one rank, or 0 for the node's "
-                      f"CPUs divided by its ranks")
+        errors.append(
+            f"cluster.cpus_per_task={c.cpus_per_task}: give the CPUs of one rank, or 0 for the node's "
+            f"CPUs divided by its ranks"
+        )
     if c.mem and not _SLURM_SIZE.fullmatch(c.mem):
-        errors.append(f"cluster.mem={c.mem!r} is not a Slurm size: use a number with an optional unit K, M, G "
-                      f"or T (64G, 512000M; 0 = all of the node's memory), or leave it empty")
+        errors.append(
+            f"cluster.mem={c.mem!r} is not a Slurm size: use a number with an optional unit K, M, G "
+            f"or T (64G, 512000M; 0 = all of the node's memory), or leave it empty"
+        )
     image, mounts = c.container.image, list(c.container.mounts)
     if image and not _CONTAINER_IMAGE.fullmatch(image):
-        errors.append(f"cluster.container.image={image!r} is not an image reference: use REGISTRY#IMAGE:TAG "
-                      f"(e.g. nvcr.io#nvidia/pytorch:24.05-py3) or a .sqsh path, without spaces, quotes or "
-                      f"shell characters")
+        errors.append(
+            f"cluster.container.image={image!r} is not an image reference: use REGISTRY#IMAGE:TAG "
+            f"(e.g. nvcr.io#nvidia/pytorch:24.05-py3) or a .sqsh path, without spaces, quotes or "
+            f"shell characters"
+        )
     if mounts and not image:
-        errors.append("cluster.container.mounts is set but cluster.container.image is empty: set the image, "
-                      "or drop the mounts")
+        errors.append(
+            "cluster.container.mounts is set but cluster.container.image is empty: set the image, or drop the mounts"
+        )
     for mount in mounts:
         if not _CONTAINER_MOUNT.fullmatch(str(mount)):
-            errors.append(f"cluster.container.mounts entry {mount!r}: use SRC:DST[:FLAGS] with absolute paths "
-                          f"and no commas, colons or spaces inside them (e.g. /data:/data:ro)")
+            errors.append(
+                f"cluster.container.mounts entry {mount!r}: use SRC:DST[:FLAGS] with absolute paths "
+                f"and no commas, colons or spaces inside them (e.g. /data:/data:ro)"
+            )
     return errors
 
 
@@ -155,8 +194,10 @@ def cpus_per_task(c: ClusterConfig, node_cpus: int = 0) -> int:
         return c.cpus_per_task
     if node_cpus > 0:
         return max(1, node_cpus // max(c.gpus_per_node, 1))
-    raise SlurmConfigError("cluster.cpus_per_task=0 takes the node's CPUs from the partition (sinfo), which "
-                           "were not read: set cluster.cpus_per_task to the CPUs of one rank")
+    raise SlurmConfigError(
+        "cluster.cpus_per_task=0 takes the node's CPUs from the partition (sinfo), which "
+        "were not read: set cluster.cpus_per_task to the CPUs of one rank"
+    )
 
 
 def container_args(c: ClusterConfig) -> List[str]:
@@ -177,8 +218,10 @@ def run_dir_lines(run_dirs: Sequence[str]) -> List[str]:
     """Set MESHRUN_RUN_DIR: the run's directory, or in a job array (a sweep) the one of this array task."""
     if len(run_dirs) == 1:
         return [f"export MESHRUN_RUN_DIR={shlex.quote(run_dirs[0])}"]
-    return [f"MESHRUN_RUN_DIRS=({' '.join(shlex.quote(d) for d in run_dirs)})",
-            'export MESHRUN_RUN_DIR="${MESHRUN_RUN_DIRS[$SLURM_ARRAY_TASK_ID]}"']
+    return [
+        f"MESHRUN_RUN_DIRS=({' '.join(shlex.quote(d) for d in run_dirs)})",
+        'export MESHRUN_RUN_DIR="${MESHRUN_RUN_DIRS[$SLURM_ARRAY_TASK_ID]}"',
+    ]
 
 
 def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> List[str]:
@@ -194,16 +237,20 @@ def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> Li
     lines += [f"export {name}={shlex.quote(value)}" for name, value in engine_env(cfg, secrets=False).items()]
     if in_job.enabled(cfg.cluster):
         lines += in_job.batch_loop_head()  # prologue, srun, epilogue repeat inside this allocation
-    lines.append(prologue_line())
+        lines.append(in_job.loop_prologue_line(prologue_line()))
+    else:
+        lines.append(prologue_line())
     return lines
 
 
 def prologue_line() -> str:
     """The prologue prints exports for eval; when it fails the attempt ends before srun, saying so. The
     assignment's status is the prologue's (`eval "$(...)" || exit` would see eval's, 0 even when it failed)."""
-    return (f'MESHRUN_PROLOGUE="$({python_cmd()} -m launcher.slurm.driver prologue "$MESHRUN_RUN_DIR")" || '
-            f'{{ echo "meshrun: the prologue failed (exit $?); the attempt stops before srun: see the lines above" '
-            f'>&2; exit {EXIT_FAILED}; }}; eval "$MESHRUN_PROLOGUE"')
+    return (
+        f'MESHRUN_PROLOGUE="$({python_cmd()} -m launcher.slurm.driver prologue "$MESHRUN_RUN_DIR")" || '
+        f'{{ echo "meshrun: the prologue failed (exit $?); the attempt stops before srun: see the lines above" '
+        f'>&2; exit {EXIT_FAILED}; }}; eval "$MESHRUN_PROLOGUE"'
+    )
 
 
 def teardown_lines(cfg: Optional[Config] = None) -> List[str]:
@@ -211,7 +258,8 @@ def teardown_lines(cfg: Optional[Config] = None) -> List[str]:
     restarts, a new step in this allocation: launcher/slurm/in_job.py)."""
     if cfg is not None and in_job.enabled(cfg.cluster):
         return in_job.batch_loop_tail(
-            f'{python_cmd()} -m launcher.slurm.driver epilogue "$MESHRUN_RUN_DIR" "$MESHRUN_SRUN_RC"')
+            f'{python_cmd()} -m launcher.slurm.driver epilogue "$MESHRUN_RUN_DIR" "$MESHRUN_SRUN_RC"'
+        )
     return [
         "MESHRUN_SRUN_RC=$?",
         f'{python_cmd()} -m launcher.slurm.driver epilogue "$MESHRUN_RUN_DIR" "$MESHRUN_SRUN_RC"',
@@ -239,7 +287,7 @@ class SlurmJobSpec:
 
 def task_python() -> str:
     # `trap ''` sets SIG_IGN, which survives exec; "$0" is the interpreter, "$@" submitit's arguments.
-    return "bash -c " + shlex.quote("trap '' USR2 TERM; exec \"$0\" \"$@\"") + " " + python_cmd()
+    return "bash -c " + shlex.quote('trap \'\' USR2 TERM; exec "$0" "$@"') + " " + python_cmd()
 
 
 def with_cpus_per_task(cfg: Config, node_cpus: int) -> Config:
@@ -284,15 +332,20 @@ def job_spec(cfg: Config, run_dir: str, exclude: str = "", code_root: str = "") 
     """submitit parameters of the training job; exclude overrides cluster.exclude (resubmissions); code_root:
     see setup_lines. cluster.cpus_per_task must be resolved (with_cpus_per_task) when it is 0."""
     params = _resources(cfg, exclude)
-    params.update({
-        "job_name": JOB_NAME,
-        "srun_args": srun_args(cfg),
-        "setup": setup_lines(cfg, [run_dir], code_root),
-        "teardown": teardown_lines(cfg),
-        # --requeue: the epilogue's `scontrol requeue` is refused without it.
-        "additional_parameters": {"requeue": True, **_no_kill(cfg),
-                                  **{str(k): str(v) for k, v in sorted(cfg.cluster.sbatch_extra.items())}},
-    })
+    params.update(
+        {
+            "job_name": JOB_NAME,
+            "srun_args": srun_args(cfg),
+            "setup": setup_lines(cfg, [run_dir], code_root),
+            "teardown": teardown_lines(cfg),
+            # --requeue: the epilogue's `scontrol requeue` is refused without it.
+            "additional_parameters": {
+                "requeue": True,
+                **_no_kill(cfg),
+                **{str(k): str(v) for k, v in sorted(cfg.cluster.sbatch_extra.items())},
+            },
+        }
+    )
     return SlurmJobSpec(folder=os.path.join(run_dir, "submitit"), parameters=params, python=task_python())
 
 
@@ -307,15 +360,21 @@ def preflight_job_spec(cfg: Config, run_dir: str) -> SlurmJobSpec:
     without prologue, epilogue, --requeue and --kill-on-bad-exit (a bad node's rank must not make srun kill
     the healthy ranks before they have reported)."""
     params = _resources(cfg, "")
-    params.update({
-        "job_name": f"{JOB_NAME}-preflight",
-        "srun_args": srun_args(cfg, kill_on_bad_exit=False),
-        "setup": [line for line in setup_lines(cfg, [run_dir]) if line != prologue_line()
-                  and line not in in_job.batch_loop_head()],
-        "additional_parameters": {str(k): str(v) for k, v in sorted(cfg.cluster.sbatch_extra.items())},
-    })
-    return SlurmJobSpec(folder=os.path.join(run_dir, "submitit_preflight"), parameters=params,
-                        python=python_cmd())
+    params.update(
+        {
+            "job_name": f"{JOB_NAME}-preflight",
+            "srun_args": srun_args(cfg, kill_on_bad_exit=False),
+            "setup": [
+                line
+                for line in setup_lines(cfg, [run_dir])
+                if line != prologue_line()
+                and line != in_job.loop_prologue_line(prologue_line())
+                and line not in in_job.batch_loop_head()
+            ],
+            "additional_parameters": {str(k): str(v) for k, v in sorted(cfg.cluster.sbatch_extra.items())},
+        }
+    )
+    return SlurmJobSpec(folder=os.path.join(run_dir, "submitit_preflight"), parameters=params, python=python_cmd())
 
 
 def array_group_key(cfg: Config) -> str:
@@ -350,26 +409,31 @@ def srun_line(sbatch: str) -> str:
 def dry_run_text(cfg: Config, spec: SlurmJobSpec, run_dir: str) -> str:
     """What `dry_run=true` prints: the batch script of spec, its srun line, and each rank's command."""
     script = sbatch_text(spec)
-    return "\n".join([
-        "# sbatch script (submitted by submitit; nothing was submitted: dry_run=true)",
-        script.rstrip("\n"),
-        "",
-        "# srun line",
-        srun_line(script),
-        "",
-        "# each task (launcher/slurm/rank_task.py) then runs its rank as",
-        rank_command_text(cfg, run_dir),
-        "",
-    ])
+    return "\n".join(
+        [
+            "# sbatch script (submitted by submitit; nothing was submitted: dry_run=true)",
+            script.rstrip("\n"),
+            "",
+            "# srun line",
+            srun_line(script),
+            "",
+            "# each task (launcher/slurm/rank_task.py) then runs its rank as",
+            rank_command_text(cfg, run_dir),
+            "",
+        ]
+    )
 
 
 def array_dry_run_text(spec: SlurmJobSpec, run_dirs: Sequence[str]) -> str:
     """A sweep's job array under dry_run=true: which task runs which point, and the batch script."""
     return "\n".join(
-        [f"# job array of {len(run_dirs)} sweep points (submitted by submitit; nothing was submitted: dry_run=true)",
-         "# task -> run dir:"]
+        [
+            f"# job array of {len(run_dirs)} sweep points (submitted by submitit; nothing was submitted: dry_run=true)",
+            "# task -> run dir:",
+        ]
         + [f"#   {task}: {run_dir}" for task, run_dir in enumerate(run_dirs)]
-        + [sbatch_text(spec, array_size=len(run_dirs)).rstrip("\n"), ""])
+        + [sbatch_text(spec, array_size=len(run_dirs)).rstrip("\n"), ""]
+    )
 
 
 def rank_command_text(cfg: Config, run_dir: str) -> str:
@@ -379,7 +443,6 @@ def rank_command_text(cfg: Config, run_dir: str) -> str:
     if c.numa == "off":
         return cmd + "    # cluster.numa=off: no binding"
     if c.numa == "explicit":
-        return (f"numactl --cpunodebind=N --membind=N {cmd}    # N = cluster.numa_map[local rank] = "
-                f"{list(c.numa_map)}")
+        return f"numactl --cpunodebind=N --membind=N {cmd}    # N = cluster.numa_map[local rank] = {list(c.numa_map)}"
     where = "its GPU's NUMA node (sysfs)" if c.device == "cuda" else "local ranks spread over the NUMA nodes"
     return f"numactl --cpunodebind=N --membind=N {cmd}    # N = {where}"

@@ -54,3 +54,27 @@ def test_ruff_lint_catches_an_undefined_name(tmp_path):
         timeout=60,
     )
     assert res.returncode == 1 and "F821" in res.stdout, res.stdout + res.stderr
+
+
+def test_ruff_format_leaves_the_tree_as_it_is():
+    # The tree is kept in ruff's format (pyproject.toml [tool.ruff.format]); `ruff format` fixes a failure here.
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "format",
+            "--check",
+            "--no-cache",
+            "launcher",
+            "training",
+            "hydra_plugins",
+            "bench",
+            "tests",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr

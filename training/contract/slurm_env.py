@@ -26,24 +26,39 @@ class SlurmUnavailable(RuntimeError):
     """A Slurm client command is missing or its controller does not answer."""
 
 
+PREFLIGHT_PASSED_ENV = "MESHRUN_PREFLIGHT_PASSED"
+"""Set by the batch script's prologue on an in-job restart (launcher/slurm/in_job.py preflight_passed): the
+step's nodes, comma-separated, that passed the preflight earlier in this allocation; the preflight
+(training/preflight/runner.py) does not check them again."""
+
+
 def slurm_command(cmd: Sequence[str], timeout: float = SLURM_TIMEOUT_S) -> subprocess.CompletedProcess:
     """Run a Slurm client command (text output captured); its exit status is the caller's to read.
     SlurmUnavailable when the command is not installed or does not answer within timeout."""
     try:
         return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
-        raise SlurmUnavailable(f"`{cmd[0]}` not found: this machine has no Slurm client "
-                               "(install slurm-client, or use cluster=local)") from None
+        raise SlurmUnavailable(
+            f"`{cmd[0]}` not found: this machine has no Slurm client (install slurm-client, or use cluster=local)"
+        ) from None
     except subprocess.TimeoutExpired:
-        raise SlurmUnavailable(f"`{' '.join(cmd)}` did not answer in {timeout:.0f} s: "
-                               "is the Slurm controller reachable?") from None
+        raise SlurmUnavailable(
+            f"`{' '.join(cmd)}` did not answer in {timeout:.0f} s: is the Slurm controller reachable?"
+        ) from None
 
 
-def dist_env(rank: int, world: int, local_rank: int, local_world: int, master_addr: str,
-             master_port: int) -> Dict[str, str]:
+def dist_env(
+    rank: int, world: int, local_rank: int, local_world: int, master_addr: str, master_port: int
+) -> Dict[str, str]:
     """The standard torch.distributed variables of one rank (docs/CONTRACTS.md, "Launch")."""
-    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
-            "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
 
 
 def _split_top_level(hostlist: str) -> List[str]:
@@ -67,7 +82,7 @@ def _split_top_level(hostlist: str) -> List[str]:
 
 
 def _expand_ranges(body: str) -> List[str]:
-    """"01-02,05" -> ["01", "02", "05"]: a range keeps the width of its lower bound (Slurm: n[9-11] ->
+    """ "01-02,05" -> ["01", "02", "05"]: a range keeps the width of its lower bound (Slurm: n[9-11] ->
     n9 n10 n11, n[001-2] -> n001 n002)."""
     out: List[str] = []
     for r in body.split(","):
@@ -152,12 +167,15 @@ def torch_env_from_slurm(env: Mapping[str, str]) -> Dict[str, str]:
     ntasks = int(env["SLURM_NTASKS"])
     # The step's nodes first: an in-job restart's step runs on a subset of the allocation (spares idle).
     nnodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
-    addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-                                                or "localhost")
-    port = env.get("MASTER_PORT") or port_from_job(env.get("SLURM_JOB_ID", "0"),
-                                                   int(env.get("SLURM_RESTART_COUNT") or 0))
-    return dist_env(int(env["SLURM_PROCID"]), ntasks, int(env.get("SLURM_LOCALID", "0")),
-                    ntasks // max(nnodes, 1), addr, int(port))
+    addr = env.get("MASTER_ADDR") or first_host(
+        env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "localhost"
+    )
+    port = env.get("MASTER_PORT") or port_from_job(
+        env.get("SLURM_JOB_ID", "0"), int(env.get("SLURM_RESTART_COUNT") or 0)
+    )
+    return dist_env(
+        int(env["SLURM_PROCID"]), ntasks, int(env.get("SLURM_LOCALID", "0")), ntasks // max(nnodes, 1), addr, int(port)
+    )
 
 
 def apply_slurm_env(env: Optional[MutableMapping[str, str]] = None) -> bool:
@@ -172,7 +190,7 @@ def apply_slurm_env(env: Optional[MutableMapping[str, str]] = None) -> bool:
 
 # ---------------------------------------------------------------- NUMA affinity, checked inside the rank
 def parse_cpulist(text: str) -> Set[int]:
-    """"0-3,8,10-11" -> {0,1,2,3,8,10,11} (the sysfs cpulist format)."""
+    """ "0-3,8,10-11" -> {0,1,2,3,8,10,11} (the sysfs cpulist format)."""
     cpus: Set[int] = set()
     for part in text.strip().split(","):
         if not part:

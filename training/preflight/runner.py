@@ -20,10 +20,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from training.contract.config import Config, load_config
 from training.contract.rundir.events import append_event
+from training.contract.slurm_env import PREFLIGHT_PASSED_ENV, hostnames
 from training.preflight import collectives, gpu_nvml, ib_sysfs, matmul, os_tunables
 from training.contract.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK
-from training.preflight.report import (FAIL, NODE_DIR, Check, Report, checks_from_dicts, fail,
-                                       format_table, ok)
+from training.preflight.report import FAIL, NODE_DIR, Check, Report, checks_from_dicts, fail, format_table, ok
 
 
 def node_name() -> str:
@@ -53,16 +53,19 @@ def node_checks(cfg: Config, node: str, before_ib: Optional[Dict] = None) -> Tup
             checks += gchecks
         finally:
             nvml.nvmlShutdown()
-    checks += os_tunables.check_os(pf, node, gpu_bus_ids=[g["bus_id"] for g in facts["gpus"]],
-                                   numa=cl.numa, numa_map=cl.numa_map)
+    checks += os_tunables.check_os(
+        pf, node, gpu_bus_ids=[g["bus_id"] for g in facts["gpus"]], numa=cl.numa, numa_map=cl.numa_map
+    )
     root = pf.ib_sysfs_root_by_node.get(node, pf.ib_sysfs_root)
-    checks += ib_sysfs.check_ib(root, ib_sysfs.expected_hcas(pf.ib_hcas, cl.env), pf.ib_rate_gbps, node,
-                                before=before_ib)
+    checks += ib_sysfs.check_ib(
+        root, ib_sysfs.expected_hcas(pf.ib_hcas, cl.env), pf.ib_rate_gbps, node, before=before_ib
+    )
     from training.preflight import nccl_checks, node_ops  # the operations checklist (issue 23)
 
     checks += nccl_checks.transport_checks(os.environ, root, node)
-    checks += node_ops.check_node_ops(cfg, node, root, dict(os.environ),
-                                      int(os.environ.get("LOCAL_WORLD_SIZE", cl.gpus_per_node)))
+    checks += node_ops.check_node_ops(
+        cfg, node, root, dict(os.environ), int(os.environ.get("LOCAL_WORLD_SIZE", cl.gpus_per_node))
+    )
     return checks, facts
 
 
@@ -84,10 +87,23 @@ def _job_pids(proc: str = "/proc") -> set:
         except OSError:
             continue
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ')'.
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         if len(fields) > 1 and fields[1].isdigit() and int(fields[1]) == parent:
             pids.add(int(name))
     return pids
+
+
+def passed_earlier(environ=os.environ) -> List[str]:
+    """Nodes of this step that passed the preflight earlier in this allocation (an in-job restart)."""
+    return [n for n in environ.get(PREFLIGHT_PASSED_ENV, "").split(",") if n]
+
+
+def step_nodes(environ=os.environ) -> List[str]:
+    """This srun step's nodes (every rank reads the same list)."""
+    try:
+        return hostnames(environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or "")
+    except Exception:  # noqa: BLE001 - no list: nothing is skipped
+        return []
 
 
 def run(cfg: Config, run_dir: str) -> Report:
@@ -103,11 +119,16 @@ def run(cfg: Config, run_dir: str) -> Report:
     node = node_name()
     leader = local_rank == 0
     ib_root = pf.ib_sysfs_root_by_node.get(node, pf.ib_sysfs_root)
-    before_ib = ib_sysfs.snapshot(ib_root) if leader else None
+    # An in-job restart: a node that passed earlier in this allocation is not checked again (node checks,
+    # matmul); the collectives still run over every rank, so the new node's links are measured.
+    reused = node in passed_earlier()
+    before_ib = ib_sysfs.snapshot(ib_root) if leader and not reused else None
 
     own: List[Check] = []
     facts: Dict[str, Any] = {"driver": None}
-    if leader:
+    if leader and reused:
+        own = [ok("preflight.reused", "passed the preflight earlier in this allocation (in-job restart)", node=node)]
+    elif leader:
         own, facts = node_checks(cfg, node)
         # Written before any collective: if a rendezvous hangs on a bad node, its verdict survives.
         os.makedirs(os.path.join(run_dir, NODE_DIR), exist_ok=True)
@@ -122,29 +143,38 @@ def run(cfg: Config, run_dir: str) -> Report:
     if not dist.is_initialized():
         if on_gpu:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=pf.timeout_s))
+        dist.init_process_group(
+            "nccl" if on_gpu else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pf.timeout_s)
+        )
         created = True
     try:
         n = pf.matmul_size or (8192 if on_gpu else 384)
         mm = None
         if on_gpu:
-            mm = matmul.measure_tflops(device, n)
+            mm = None if reused else matmul.measure_tflops(device, n)
         else:
             # CPU ranks share the cores: measure one rank at a time so each gets the whole machine.
             for r in range(world):
-                if r == rank:
+                if r == rank and not reused:
                     mm = matmul.measure_tflops(device, n)
                 dist.barrier()
         sizes_mb = collectives.sweep_sizes_mb(pf.collective_sizes_mb, on_gpu)
-        sweep = collectives.run_sweep(rank, world, per_node, sizes_mb, pf.collective_iters, device,
-                                      timeout_s=pf.timeout_s)
-        if leader:  # counters read again after the traffic: rising ones fail
+        sweep = collectives.run_sweep(
+            rank, world, per_node, sizes_mb, pf.collective_iters, device, timeout_s=pf.timeout_s
+        )
+        if leader and not reused:  # counters read again after the traffic: rising ones fail
             own = [c for c in own if not c.name.startswith("ib.")]
-            own += ib_sysfs.check_ib(ib_root, ib_sysfs.expected_hcas(pf.ib_hcas, cl.env), pf.ib_rate_gbps,
-                                     node, before=before_ib)
-        mine = {"rank": rank, "node": node, "checks": [c.to_dict() for c in own], "matmul": {**mm, "rank": rank,
-                "node": node}, "sweep": sweep, "versions": collectives.local_versions(facts.get("driver"))}
+            own += ib_sysfs.check_ib(
+                ib_root, ib_sysfs.expected_hcas(pf.ib_hcas, cl.env), pf.ib_rate_gbps, node, before=before_ib
+            )
+        mine = {
+            "rank": rank,
+            "node": node,
+            "checks": [c.to_dict() for c in own],
+            "matmul": {**mm, "rank": rank, "node": node} if mm else None,
+            "sweep": sweep,
+            "versions": collectives.local_versions(facts.get("driver")),
+        }
         from training.preflight.nccl_checks import extra_versions
 
         mine["versions"].update(extra_versions(facts))  # cuDNN, the driver's CUDA (nccl_checks.version_checks)
@@ -161,17 +191,36 @@ def run(cfg: Config, run_dir: str) -> Report:
     checks: List[Check] = []
     for r in everyone:
         checks += checks_from_dicts(r["checks"])
-    checks += matmul.check_matmul([r["matmul"] for r in everyone], pf.matmul_tflops, pf.min_rate_fraction,
-                                  pf.straggler_ratio, on_gpu)
-    checks += collectives.check_bandwidth([s for r in everyone for s in r["sweep"]], node_of_rank,
-                                          pf.busbw_intra_gbps, pf.busbw_inter_gbps, pf.min_rate_fraction)
+    measured = [r["matmul"] for r in everyone if r["matmul"]]
+    checks += (
+        []
+        if not measured
+        else matmul.check_matmul(measured, pf.matmul_tflops, pf.min_rate_fraction, pf.straggler_ratio, on_gpu)
+    )
+    checks += collectives.check_bandwidth(
+        [s for r in everyone for s in r["sweep"]],
+        node_of_rank,
+        pf.busbw_intra_gbps,
+        pf.busbw_inter_gbps,
+        pf.min_rate_fraction,
+    )
     checks += collectives.check_versions(everyone, pf.nccl_version)
     from training.preflight.nccl_checks import version_checks
 
     checks += version_checks(everyone)  # NCCL >= 2.18, cuDNN agreement, CUDA runtime <= driver
     nodes = list(dict.fromkeys(node_of_rank))
-    report = Report(checks, nodes, {"mode": pf.mode, "world_size": world, "device": cl.device,
-                                    "elapsed_s": round(time.time() - t0, 2), "versions": everyone[0]["versions"]})
+    report = Report(
+        checks,
+        nodes,
+        {
+            "mode": pf.mode,
+            "world_size": world,
+            "device": cl.device,
+            "reused_nodes": [n for n in nodes if n in passed_earlier()],
+            "elapsed_s": round(time.time() - t0, 2),
+            "versions": everyone[0]["versions"],
+        },
+    )
     return report
 
 
@@ -184,9 +233,15 @@ def finish(report: Report, run_dir: str, rank: int) -> int:
     if rank == 0:
         report.write(run_dir)
         print(format_table(report.to_dict()), flush=True)
-        append_event(run_dir, "preflight", status=report.status, bad_nodes=report.bad_nodes,
-                     nodes=report.node_status(), mode=report.meta.get("mode"),
-                     elapsed_s=report.meta.get("elapsed_s"))
+        append_event(
+            run_dir,
+            "preflight",
+            status=report.status,
+            bad_nodes=report.bad_nodes,
+            nodes=report.node_status(),
+            mode=report.meta.get("mode"),
+            elapsed_s=report.meta.get("elapsed_s"),
+        )
     return EXIT_NODE_BAD if node_name() in report.bad_nodes else EXIT_OK
 
 
@@ -200,18 +255,27 @@ def before_training(cfg: Config, run_dir: str) -> None:
     mode = cfg.cluster.preflight.mode
     if mode == "off":
         return
+    step = step_nodes()
+    if step and set(step) <= set(passed_earlier()):
+        return  # an in-job restart on nodes that all passed earlier in this allocation: nothing new to check
     rank = int(os.environ.get("RANK", 0))
     report = run(cfg, run_dir)
     status = finish(report, run_dir, rank)
     if mode == "gate" and report.bad_nodes:
         if rank == 0:
-            print(f"preflight gate: bad node(s) {', '.join(report.bad_nodes)}; not training in this attempt",
-                  file=sys.stderr, flush=True)
+            print(
+                f"preflight gate: bad node(s) {', '.join(report.bad_nodes)}; not training in this attempt",
+                file=sys.stderr,
+                flush=True,
+            )
         if status == EXIT_NODE_BAD:
             # The launcher records a failing rank's last error line: make it say why the node is bad.
             node = node_name()
-            why = "; ".join(f"{c.name} {c.subject} {c.reason}".replace("  ", " ")
-                            for c in report.checks if c.node == node and c.status == FAIL)
+            why = "; ".join(
+                f"{c.name} {c.subject} {c.reason}".replace("  ", " ")
+                for c in report.checks
+                if c.node == node and c.status == FAIL
+            )
             print(f"error: preflight found node {node} bad: {why}", file=sys.stderr, flush=True)
         import torch.distributed as dist
 
