@@ -711,19 +711,20 @@ def test_transient_save_failure_requeues_from_the_previous_checkpoint(tmp_path, 
 
 @pytest.mark.slurm
 def test_slurm_signal_alone_stops_a_run_at_a_short_time_limit(tmp_path, cluster):
-    """The ranks' own clock off (MESHRUN_SELF_STOP=0): Slurm's --signal=USR2@110 at a 2-minute limit must
-    reach the engine, which saves and stops; the job requeues and resumes with no step lost. (Slurm sends
-    it from a check that runs about every 30 s: due 10 s after the start, it has 110 s, three more checks,
-    before the limit ends the job, so a loaded machine's late or missed check no longer does; the test waits
-    for the `resumed` event, not for a time.)"""
+    """The ranks' own clock off (MESHRUN_SELF_STOP=0): Slurm's --signal=USR2@100 at a 3-minute limit must
+    reach the engine, which saves and stops; the job requeues and resumes with no step lost. (Slurm sends the
+    warning once, from a check that runs about every 30 s and fires up to one period early: with 110 s of
+    warning at a 2-minute limit it went out in the job's first seconds, while the rank wrapper still started
+    with USR2 ignored, and was lost. Due 80 s after the start, it reaches ranks that have long installed
+    their handler; the test waits for the `resumed` event, not for a time.)"""
     run_dir = tmp_path / "run"
     res = meshrun(
         "cluster=slurm_dev",
         *COMMON,
         f"run.dir={run_dir}",
         "cluster.nodes=1",
-        "cluster.time_min=2",
-        "cluster.signal_delay_s=110",
+        "cluster.time_min=3",
+        "cluster.signal_delay_s=100",
         "train.steps=100000",
         "train.checkpoint_every=0",
         "train.progress=false",
