@@ -159,11 +159,14 @@ if "training.main" in getattr(sys, "orig_argv", []):
 """
 
 
-def hold_env(tmp_path) -> dict:
-    """The environment that makes every rank wait before step 4 (HOLD); create env["HOLD_RELEASE"] to let go."""
+def hold_env(tmp_path, through_signals: bool = False) -> dict:
+    """The environment that makes every rank wait before step 4 (HOLD); create env["HOLD_RELEASE"] to let go.
+    through_signals: a stop signal does not end the wait either (the ranks stay until released or killed)."""
     inject = tmp_path / "inject_hold"
     inject.mkdir()
-    (inject / "sitecustomize.py").write_text(HOLD)
+    text = HOLD.replace("signals.received() is None and ", "") if through_signals else HOLD
+    assert text != HOLD or not through_signals
+    (inject / "sitecustomize.py").write_text(text)
     return {"PYTHONPATH": f"{inject}{os.pathsep}{ROOT}", "HOLD_RELEASE": str(tmp_path / "release")}
 
 

@@ -96,6 +96,7 @@ def test_narayanan_layouts(row):
     assert not vs["within"] and any("recompute=full" in w for w in vs["why"]), vs
 
 
+@pytest.mark.alone  # a 20 s bound on the search: run by make test after the others, not beside them
 def test_search_is_fast_and_recommend_json_has_the_contract(tmp_path):
     t = time.time()
     data, objs = _recommend(
@@ -149,6 +150,7 @@ def test_spearman_and_choice_of_calibration_candidates():
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # measured step times: run by make test after the others, not beside them
 def test_calibration_on_this_machine_agrees_with_the_prediction(tmp_path):
     """Acceptance: at least 4 CPU layouts of a small model, run for a few steps, come out in the predicted order
     (Spearman >= 0.8, computed and reported by the tool)."""

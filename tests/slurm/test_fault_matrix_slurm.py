@@ -357,8 +357,9 @@ def test_stop_without_a_new_checkpoint_costs_a_retry():
 @pytest.mark.slow
 def test_second_launch_on_a_running_run_dir_exits_2_and_a_dead_holder_is_taken_over(tmp_path):
     run_dir = tmp_path / "run"
-    # Its rank waits before step 4 (never released: it is killed), so it is still running however fast steps are.
-    hold = dev.hold_env(tmp_path)
+    # Its rank waits before step 4 (never released: it is killed), so it is still running however fast steps are;
+    # the wait outlasts the stop signal the launcher's death sends its ranks, so they hold the lock until killed.
+    hold = dev.hold_env(tmp_path, through_signals=True)
     first = subprocess.Popen(
         [PY, "-m", "launcher", *LOCAL, f"run.dir={run_dir}", "train.steps=400", "train.checkpoint_every=0"],
         cwd=ROOT,
