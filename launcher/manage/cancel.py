@@ -73,12 +73,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _cancel_local(run_dir: str, started: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
+def _cancel_local(run_dir: str, started: Dict[str, Any], timeout_s: float, deadline: float) -> Dict[str, Any]:
+    """Signal a local run's ranks and wait for its launcher until deadline (the whole cancel's clock, which
+    started at timeout_s before it): the reason names timeout_s as the user wrote it."""
     from launcher.slurm.rank_task import catches
 
     launcher = int(started["launcher_pid"])
     signalled: set = set()
-    deadline = time.time() + timeout_s
     while _alive(launcher) and time.time() < deadline:
         for pid in _children(launcher):
             # Before the rank installs its handler SIGUSR2 would kill it: wait until it catches the signal.
@@ -204,7 +205,7 @@ def cancel(run_dir: str, timeout_s: float = 300.0) -> Dict[str, Dict[str, Any]]:
     deadline = time.time() + timeout_s
     for d, what in waiting.items():
         if isinstance(what, dict):  # local: this process signals the ranks and waits for the launcher
-            _cancel_local(d, what, max(0.0, deadline - time.time()))
+            _cancel_local(d, what, timeout_s, deadline)
             continue
         while (
             time.time() < deadline

@@ -149,7 +149,7 @@ if "training.main" in getattr(sys, "orig_argv", []):
 
     def step(self, *args, **kwargs):
         if self.state.step == 3:
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + float(os.environ.get("HOLD_MAX_S", "120"))
             while (signals.received() is None and not os.path.exists(os.environ["HOLD_RELEASE"])
                    and time.monotonic() < deadline):
                 time.sleep(0.02)
@@ -161,13 +161,17 @@ if "training.main" in getattr(sys, "orig_argv", []):
 
 def hold_env(tmp_path, through_signals: bool = False) -> dict:
     """The environment that makes every rank wait before step 4 (HOLD); create env["HOLD_RELEASE"] to let go.
-    through_signals: a stop signal does not end the wait either (the ranks stay until released or killed)."""
+    through_signals: a stop signal does not end the wait either (the ranks stay until released or killed, up to
+    15 min: on a loaded machine the caller's own launches can outlast the 120 s a plain hold waits)."""
     inject = tmp_path / "inject_hold"
     inject.mkdir()
     text = HOLD.replace("signals.received() is None and ", "") if through_signals else HOLD
     assert text != HOLD or not through_signals
     (inject / "sitecustomize.py").write_text(text)
-    return {"PYTHONPATH": f"{inject}{os.pathsep}{ROOT}", "HOLD_RELEASE": str(tmp_path / "release")}
+    env = {"PYTHONPATH": f"{inject}{os.pathsep}{ROOT}", "HOLD_RELEASE": str(tmp_path / "release")}
+    if through_signals:
+        env["HOLD_MAX_S"] = "900"
+    return env
 
 
 def dev_cfg(**cluster) -> Config:
