@@ -229,6 +229,9 @@ class Agent:
             traceback.print_exc()
             os._exit(1)
         try:
+            for hook in ("sitecustomize", "usercustomize"):  # run at every interpreter start: once per rank
+                if hook in sys.modules:
+                    importlib.reload(sys.modules[hook])
             runpy.run_module("training.main", run_name="__main__", alter_sys=True)
         except SystemExit:
             raise
@@ -252,6 +255,7 @@ class Agent:
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
             os.close(fd)
+        fds.clear()  # closed here: the agent's own cleanup of them (in _accept) must not close the rank's files
         sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
         sys.stdout = sys.__stdout__ = _stream(1, "strict")
         sys.stderr = sys.__stderr__ = _stream(2, "backslashreplace")
@@ -276,9 +280,6 @@ class Agent:
         from training.observe import startup
 
         startup._MARKS.clear()
-        for hook in ("sitecustomize", "usercustomize"):  # run per interpreter start: once per rank
-            if hook in sys.modules:
-                importlib.reload(sys.modules[hook])
 
 
 def main(argv: List[str]) -> int:
