@@ -90,7 +90,15 @@ class _Forwarder:
     def attach(self, pid: int) -> None:
         self.pid = pid
         if self.signum:
-            self._start()
+            if self.relay:  # a signal that came while the warm agent forked the rank
+                self._relay(self.signum)
+            else:
+                self._start()
+
+    def _relay(self, signum: int) -> None:
+        if signum not in self.relayed:
+            self.relayed[signum] = threading.Thread(target=self._deliver, args=(signum,), daemon=True)
+            self.relayed[signum].start()
 
     def on_signal(self, signum, frame) -> None:
         if self.relay:
@@ -98,9 +106,7 @@ class _Forwarder:
             # rank) reaches only this wrapper, so each stop signal is delivered once the rank catches it. A
             # signal sent to the whole job also reaches the rank directly; the engine's handler only sets a flag,
             # so the second copy changes nothing.
-            if signum not in self.relayed:
-                self.relayed[signum] = threading.Thread(target=self._deliver, args=(signum,), daemon=True)
-                self.relayed[signum].start()
+            self._relay(signum)
             return
         if self.signum:
             return
