@@ -78,12 +78,12 @@ class WarmChild:
 
 def start(env: dict, run_dir: str, numa_node: Optional[int]) -> Tuple[Optional[WarmChild], str]:
     """Ask this node's agent to fork the rank; (None, why) when it cannot (the caller starts it cold)."""
-    job, node = env.get("SLURM_JOB_ID", ""), env.get("SLURMD_NODENAME") or socket.gethostname()
+    node = env.get("SLURMD_NODENAME") or socket.gethostname()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     deadline = time.time() + CONNECT_WAIT_S
     while True:
         try:
-            sock.connect(socket_name(job, node))
+            sock.connect(socket_name(env, node))
             break
         except OSError as exc:
             if time.time() >= deadline:

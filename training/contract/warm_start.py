@@ -31,9 +31,11 @@ MAX_MESSAGE = 16 << 20
 FDS = 3
 
 
-def socket_name(job_id: str, node: str) -> str:
-    """The agent's address: abstract (leading NUL), so nothing lands on a shared file system."""
-    return f"\0meshrun-warm-agent/{job_id}/{node}"
+def socket_name(env: Dict[str, str], node: str) -> str:
+    """The agent's address: abstract (leading NUL), so nothing lands on a shared file system; the job's id and
+    Slurm's restart count (a requeued job is a new allocation with new agents) and the node."""
+    job, restart = env.get("SLURM_JOB_ID", ""), env.get("SLURM_RESTART_COUNT") or "0"
+    return f"\0meshrun-warm-agent/{job}.{restart}/{node}"
 
 
 def send(sock: socket.socket, obj: Dict[str, Any], fds: Sequence[int] = ()) -> None:

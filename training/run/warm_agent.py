@@ -289,14 +289,13 @@ def main(argv: List[str]) -> int:
     run_dir = os.path.abspath(argv[0])
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the job's stop signal is the ranks' (they get it themselves)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    job = os.environ.get("SLURM_JOB_ID", "0")
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     # numpy's OpenBLAS starts its thread pool when it is loaded (torch imports numpy): one thread keeps the agent
     # fork-safe; the engine's own threads are torch's, set per rank (training/main.py).
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     t0 = time.time()
     try:
-        agent = Agent(run_dir, socket_name(job, node))
+        agent = Agent(run_dir, socket_name(dict(os.environ), node))
     except OSError as exc:
         append_event(run_dir, "warm_agent", node=node, pid=os.getpid(), ready=False, reason=f"cannot listen: {exc}")
         return 0
