@@ -338,9 +338,14 @@ def lost_node_run(work: str, per_node: int, in_job: bool) -> Dict[str, object]:
             t1,
             points,
         )
+        missed = events_of(run_dir, "warm_start_missed", 1)
+        if in_job:
+            # The ranks of the restart came from the nodes' warm agents unless one said otherwise.
+            print(f"  ranks started cold in the restart: {len(missed)} {[e.get('reason') for e in missed]}")
         return {
             "lost_to_resumed_s": round(first_step - t1 - queue, 2),
             "queue_s": round(queue, 2),
+            "cold_ranks": len(missed),
             "phases": phases,
             "jobs": jobs,
         }
