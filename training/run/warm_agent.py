@@ -305,7 +305,10 @@ def main(argv: List[str]) -> int:
         stop["agent"].stopping = True  # the allocation ends: no new rank; leave once the running ones are reaped
 
     signal.signal(signal.SIGTERM, on_term)
-    problem = warm_up()
+    try:
+        problem = warm_up()
+    except Exception as exc:  # noqa: BLE001 - said in the event; the ranks start cold and show the real error
+        problem = f"importing the engine failed: {type(exc).__name__}: {exc}"
     import_s = round(time.time() - t0, 3)
     append_event(
         run_dir, "warm_agent", node=node, pid=os.getpid(), ready=not problem, reason=problem, import_s=import_s
