@@ -45,10 +45,13 @@ def batch_lines(cfg: Config, python: str) -> List[str]:
     if not enabled(cfg):
         return []
     boot = "bash -c " + shlex.quote('trap \'\' USR2; exec "$0" "$@"') + " " + python
+    # The ranks it forks live in this step: where Slurm confines devices to a step's cgroup, it must hold the
+    # node's GPUs of the job (shared with the training steps through --overlap).
+    gpus = f"--gpus-per-node={cfg.cluster.gpus_per_node} " if cfg.cluster.device == "cuda" else ""
     return [
         f"export {WARM_ENV}=1",
         'command srun --overlap --no-kill --kill-on-bad-exit=0 --job-name=meshrun-warm --nodes="$SLURM_JOB_NUM_NODES" '
-        '--ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=1 '
+        f'--ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=1 {gpus}'
         f'{boot} -u -m training.run.warm_agent "$MESHRUN_RUN_DIR" &',
     ]
 

@@ -143,3 +143,26 @@ def test_no_agent_means_a_cold_start_with_the_reason(monkeypatch):
     monkeypatch.setattr(warm_client, "CONNECT_WAIT_S", 0.2)
     child, why = warm_client.start({"SLURM_JOB_ID": "none", "SLURMD_NODENAME": "nowhere"}, "/tmp", None)
     assert child is None and why.startswith("no warm agent answers on nowhere")
+
+
+def test_the_batch_script_starts_one_agent_per_node_only_with_in_job_restarts(tmp_path):
+    from helpers.slurm import dev_cfg
+    from launcher.slurm.sbatch import job_spec, preflight_job_spec, sbatch_text
+
+    warm = sbatch_text(job_spec(dev_cfg(spare_nodes=1, max_in_job_restarts=2), str(tmp_path))).splitlines()
+    agent = [i for i, line in enumerate(warm) if "training.run.warm_agent" in line]
+    assert len(agent) == 1 and agent[0] < warm.index("while :; do")  # before the loop: one step for every attempt
+    line = warm[agent[0]]
+    assert line.startswith("command srun --overlap --no-kill") and line.endswith("&") and "--gpus" not in line
+    cuda = dev_cfg(spare_nodes=1, max_in_job_restarts=2, device="cuda", gpus_per_node=8)
+    assert "--gpus-per-node=8 " in warm_client.batch_lines(cuda, "python")[1]
+    for cfg in (
+        dev_cfg(),  # no in-job restarts
+        dev_cfg(spare_nodes=1, max_in_job_restarts=2, warm_start=False),
+    ):
+        assert warm_client.batch_lines(cfg, "python") == []
+    boxed = dev_cfg(spare_nodes=1, max_in_job_restarts=2)
+    boxed.cluster.container.image = "nvcr.io#nvidia/pytorch:24.05-py3"
+    assert warm_client.batch_lines(boxed, "python") == []
+    pre = sbatch_text(preflight_job_spec(dev_cfg(spare_nodes=1, max_in_job_restarts=2), str(tmp_path)))
+    assert "warm_agent" not in pre
