@@ -242,7 +242,8 @@ queue wait aside (launcher/slurm/in_job.py)."""
 
 
 def _node_pids(run_dir: str, node: str) -> List[int]:
-    """Every process of this run on a fake node: the rank wrappers (submitit) and their ranks."""
+    """Every process of this run on a fake node: the rank wrappers (submitit), their ranks and the node's warm
+    agent (its forked ranks show the agent's command line)."""
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -255,7 +256,7 @@ def _node_pids(run_dir: str, node: str) -> List[int]:
         if (
             f"SLURMD_NODENAME={node}".encode() in env
             and f"MESHRUN_RUN_DIR={run_dir}".encode() in env
-            and (b"submitit" in cmd or b"training.main" in cmd)
+            and (b"submitit" in cmd or b"training.main" in cmd or b"training.run.warm_agent" in cmd)
         ):
             pids.append(int(pid))
     return pids
@@ -337,9 +338,14 @@ def lost_node_run(work: str, per_node: int, in_job: bool) -> Dict[str, object]:
             t1,
             points,
         )
+        missed = events_of(run_dir, "warm_start_missed", 1)
+        if in_job:
+            # The ranks of the restart came from the nodes' warm agents unless one said otherwise.
+            print(f"  ranks started cold in the restart: {len(missed)} {[e.get('reason') for e in missed]}")
         return {
             "lost_to_resumed_s": round(first_step - t1 - queue, 2),
             "queue_s": round(queue, 2),
+            "cold_ranks": len(missed),
             "phases": phases,
             "jobs": jobs,
         }

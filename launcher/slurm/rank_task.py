@@ -19,10 +19,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from launcher.launch.processes import engine_env, rank_process_env, start_pump, threads_per_rank
-from launcher.slurm import in_job
+from launcher.slurm import in_job, warm_client
 from launcher.slurm.numa import choose_node, numactl_prefix
 from training.contract.config import load_config
 from training.contract.rundir.events import append_event
@@ -30,6 +30,7 @@ from training.contract.exit_codes import EXIT_OK, EXIT_STOPPED
 from training.observe.startup import TASK_START_ENV, process_start_time
 from training.contract.slurm_env import torch_env_from_slurm
 from training.contract.rundir.files import write_atomic
+from training.contract.warm_start import WARM_ENV, WRAPPER_PID_ENV
 
 
 class RankFailed(RuntimeError):
@@ -83,13 +84,30 @@ class _Forwarder:
         self.done = threading.Event()
         self.thread = None
         self.clock = None
+        self.relay = False  # a warm rank (launcher/slurm/warm_client.py): only this wrapper delivers srun's signals
+        self.relayed: Dict[int, threading.Thread] = {}
 
     def attach(self, pid: int) -> None:
         self.pid = pid
         if self.signum:
-            self._start()
+            if self.relay:  # a signal that came while the warm agent forked the rank
+                self._relay(self.signum)
+            else:
+                self._start()
+
+    def _relay(self, signum: int) -> None:
+        if signum not in self.relayed:
+            self.relayed[signum] = threading.Thread(target=self._deliver, args=(signum,), daemon=True)
+            self.relayed[signum].start()
 
     def on_signal(self, signum, frame) -> None:
+        if self.relay:
+            # A warm rank is not one of the step's processes: a signal srun sends the step (its end on a failed
+            # rank) reaches only this wrapper, so each stop signal is delivered once the rank catches it. A
+            # signal sent to the whole job also reaches the rank directly; the engine's handler only sets a flag,
+            # so the second copy changes nothing.
+            self._relay(signum)
+            return
         if self.signum:
             return
         self.signum = signum
@@ -272,13 +290,18 @@ class RankTask:
         env[TASK_START_ENV] = f"{process_start_time() or started:.3f}"
         from launcher.launch.nsys import nsys_prefix
 
-        prefix = prefix + nsys_prefix(cfg, rank, self.run_dir)  # train.nsys: the chosen ranks under nsys profile
-        child = subprocess.Popen(
-            prefix + [sys.executable, "-m", "training.main", self.run_dir],
-            env=env,
-            stderr=subprocess.PIPE,
-            preexec_fn=_ignore_stop_signals,
-        )
+        profile = nsys_prefix(cfg, rank, self.run_dir)  # train.nsys: the chosen ranks under nsys profile
+        env[WRAPPER_PID_ENV] = str(os.getpid())
+        child, start = self._start_warm(env, rank, node, numa_node if prefix else None, profile), "warm"
+        if child is None:
+            start = "cold"
+            child = subprocess.Popen(
+                prefix + profile + [sys.executable, "-m", "training.main", self.run_dir],
+                env=env,
+                stderr=subprocess.PIPE,
+                preexec_fn=_ignore_stop_signals,
+            )
+        forwarder.relay = start == "warm"
         forwarder.attach(child.pid)
         if in_job.enabled(cfg.cluster):
             ender = _StepEnder(out, int(env.get("WORLD_SIZE", "1")), child.pid)
@@ -292,6 +315,9 @@ class RankTask:
                 "cause": "",
                 "started": started,
                 "provisional": True,
+                "start": start,
+                "pid": child.pid,
+                "agent_pid": getattr(child, "agent_pid", None),
             },
         )
         stop_at = float(env.get("MESHRUN_STOP_AT") or 0)
@@ -311,6 +337,8 @@ class RankTask:
             signal.signal(sig, signal.SIG_IGN)
         pump.join(timeout=5)
         cause = _read_cause(cause_file) if code not in (EXIT_OK, EXIT_STOPPED) else {}
+        if getattr(child, "lost", "") and not cause:
+            cause = {"error": child.lost}
         if ender is not None and ender.gone and code == -int(signal.SIGKILL):
             # Ended here, after srun's SIGTERM: recorded as that SIGTERM (requeue.py blames no node for it).
             code = -int(signal.SIGTERM)
@@ -336,12 +364,27 @@ class RankTask:
             "cause": cause.get("cause", ""),
             "started": started,
             "ended": time.time(),
+            "start": start,  # warm: forked by the node's warm agent (launcher/slurm/warm_client.py); cold: started here
+            "pid": child.pid,
+            "agent_pid": getattr(child, "agent_pid", None),
         }
         provisional.clear()
         _write_record(os.path.join(out, f"rank_{rank}.json"), record)
         if code in (EXIT_OK, EXIT_STOPPED):
             return code
         raise RankFailed(f"rank {rank} on {node} exited with {code}: {record['error']}")
+
+    def _start_warm(self, env: dict, rank: int, node: str, numa_node: Optional[int], profile: List[str]):
+        """The rank forked by this node's warm agent, or None (start it cold): no agents in this job, a rank
+        profiled under nsys (it must run under nsys's command), or the agent cannot (the reason is logged and
+        recorded as `warm_start_missed`)."""
+        if os.environ.get(WARM_ENV) != "1" or profile:
+            return None
+        child, why = warm_client.start(env, self.run_dir, numa_node)
+        if child is None:
+            print(f"meshrun: rank {rank} on {node} starts cold: {why}", file=sys.stderr)
+            append_event(self.run_dir, "warm_start_missed", rank=rank, node=node, reason=why)
+        return child
 
     def _clock_stop(self, forwarder: "_Forwarder", rank: int, stop_at: float) -> None:
         if rank == 0:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from launcher.launch.processes import PROJECT_ROOT, engine_env
-from launcher.slurm import in_job
+from launcher.slurm import in_job, warm_client
 from training.contract.config import ClusterConfig, Config
 from training.contract.exit_codes import EXIT_FAILED
 
@@ -236,6 +236,7 @@ def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> Li
     ]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in engine_env(cfg, secrets=False).items()]
     if in_job.enabled(cfg.cluster):
+        lines += warm_client.batch_lines(cfg, python_cmd())  # the warm agents, one per node, for every step
         lines += in_job.batch_loop_head()  # prologue, srun, epilogue repeat inside this allocation
         lines.append(in_job.loop_prologue_line(prologue_line()))
     else:
@@ -370,6 +371,7 @@ def preflight_job_spec(cfg: Config, run_dir: str) -> SlurmJobSpec:
                 if line != prologue_line()
                 and line != in_job.loop_prologue_line(prologue_line())
                 and line not in in_job.batch_loop_head()
+                and line not in warm_client.batch_lines(cfg, python_cmd())
             ],
             "additional_parameters": {str(k): str(v) for k, v in sorted(cfg.cluster.sbatch_extra.items())},
         }

@@ -30,7 +30,7 @@ from training.contract.rundir.events import read_events
 
 
 # Faults by attempt, at the entry of a training step (state.step = steps completed): rows 1..K are logged.
-INJECT = r"""import os, signal, subprocess, sys
+INJECT = r"""import json, os, signal, subprocess, sys
 if "training.main" in getattr(sys, "orig_argv", []):
     import training.run.loop
 
@@ -38,11 +38,17 @@ if "training.main" in getattr(sys, "orig_argv", []):
     _node = os.environ.get("SLURM_NODEID")
     _rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
     _real = training.run.loop.Trainer.train_step
+    # Who started this rank: its wrapper (cold) or the node's warm agent (launcher/slurm/warm_client.py).
+    with open(os.path.join(os.path.dirname(__file__), f"proc_{_attempt}_{_rank}.json"), "w") as _f:
+        json.dump({"pid": os.getpid(), "ppid": os.getppid(), "node": os.environ.get("SLURMD_NODENAME")}, _f)
 
     def train_step(self, *args, **kwargs):
         done = self.state.step
         if _attempt in ("0", "2") and done == {0: 5, 2: 9}[int(_attempt)] and _node == "1":
-            os.kill(os.getppid(), signal.SIGKILL)  # the node is lost: its rank wrapper and rank vanish at once
+            # The node is lost: its rank wrapper, its warm agent (when the rank came from one) and the rank vanish.
+            for _pid in (os.environ.get("MESHRUN_WRAPPER_PID"), os.environ.get("MESHRUN_WARM_AGENT_PID")):
+                if _pid:
+                    os.kill(int(_pid), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         if _attempt == "1" and done == 7 and _rank == "0":
             raise RuntimeError("injected: a bug-like failure on rank 0, no node to blame")
@@ -126,6 +132,18 @@ def test_spare_replaces_a_lost_node_in_job_then_falls_back_and_goodput_adds_up(t
     # Resumed from the checkpoints before each failure: steps 4, 6, 8 and the preemption's save.
     resumed = [e["step"] for e in events if e["event"] == "resumed"]
     assert resumed[:3] == [4, 6, 8] and resumed[3] >= 10, resumed
+    # Every rank of the in-job restarts was forked by its node's warm agent (its parent), started with the
+    # allocation: on the spare it had imported everything before the node was lost.
+    agents = {e["node"]: e for e in events if e["event"] == "warm_agent" and e["job_id"] == job}
+    assert all(a["ready"] for a in agents.values()) and sorted(agents) == starts[0]["allocation"], agents
+    assert agents[spare[0]]["time"] < restarts[0]["time"]
+    for attempt in (1, 2):
+        for rank in range(4):
+            proc = json.loads((inject / f"proc_{attempt}_{rank}.json").read_text())
+            assert proc["ppid"] == agents[proc["node"]]["pid"], (attempt, rank, proc, agents)
+            if attempt == 1:  # (attempt 2's lost node left no record)
+                record = json.loads((run_dir / "slurm" / "attempt_1" / f"rank_{rank}.json").read_text())
+                assert (record["start"], record["pid"]) == ("warm", proc["pid"]), record
     # The losses of an uninterrupted run, every step once in metrics.jsonl.
     reference, losses = dev.metrics(ref_dir), dev.metrics(run_dir)
     assert sorted(losses) == list(range(1, dev.STEPS + 1)) == sorted(reference)

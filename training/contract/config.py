@@ -406,6 +406,11 @@ class ClusterConfig:
     """Minutes from a failure until training runs again after an in-job restart (no queue wait), for the
     checkpoint cadence (checkpoint_every_min=auto) while spares remain; a run that has restarted in its job
     before measures its own."""
+    warm_start: bool = True
+    """Slurm, with max_in_job_restarts >= 1 and no container image: one warm agent per node of the allocation
+    (spares included) imports torch and the engine once, and every rank of every step is forked from it instead
+    of starting a Python and importing torch again (launcher/slurm/warm_client.py, training/run/warm_agent.py);
+    false: every rank starts cold."""
 
 
 @dataclass

@@ -1,0 +1,75 @@
+"""The warm rank start's wire protocol (pure Python, no torch): how a Slurm rank wrapper
+(launcher/slurm/warm_client.py) asks its node's warm agent (training/run/warm_agent.py) to fork a rank.
+
+One connection per rank over a Unix socket in Linux's abstract namespace, named by the job and the node (the
+dev cluster runs several fake nodes on one host; a job array's tasks have their own SLURM_JOB_ID). The agent
+serves only connections of its own user (SO_PEERCRED). Messages are length-prefixed JSON:
+  wrapper -> agent: {"env", "cwd", "umask", "affinity", "numa_node"} with the rank's stdin, stdout and stderr
+                    passed as file descriptors (SCM_RIGHTS);
+  agent -> wrapper: {"pid": P, "agent_pid": A} once the rank is forked, later {"exit": code} (Popen's
+                    convention: negative = killed by that signal); {"error": why} when it cannot fork.
+The rank holds the agent's end of the connection: when its wrapper is gone (the connection closes) it kills
+itself, as a rank started by its wrapper dies with the srun step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from typing import Any, Dict, List, Sequence, Tuple
+
+WARM_ENV = "MESHRUN_WARM_START"
+"""Set to 1 in the batch script when it started the warm agents: the rank wrappers then ask them first."""
+WRAPPER_PID_ENV = "MESHRUN_WRAPPER_PID"
+"""In every Slurm rank: the pid of its rank wrapper (its parent when started cold; a warm rank's parent is
+the agent)."""
+AGENT_PID_ENV = "MESHRUN_WARM_AGENT_PID"
+"""In a rank forked by the warm agent: the agent's pid (a rank started cold has none)."""
+MAX_MESSAGE = 16 << 20
+FDS = 3
+
+
+def socket_name(env: Dict[str, str], node: str) -> str:
+    """The agent's address: abstract (leading NUL), so nothing lands on a shared file system; the job's id and
+    Slurm's restart count (a requeued job is a new allocation with new agents) and the node."""
+    job, restart = env.get("SLURM_JOB_ID", ""), env.get("SLURM_RESTART_COUNT") or "0"
+    return f"\0meshrun-warm-agent/{job}.{restart}/{node}"
+
+
+def send(sock: socket.socket, obj: Dict[str, Any], fds: Sequence[int] = ()) -> None:
+    data = json.dumps(obj).encode()
+    head = struct.pack("!I", len(data))
+    if fds:
+        socket.send_fds(sock, [head + data], list(fds))
+    else:
+        sock.sendall(head + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise EOFError("the connection closed")
+        out += chunk
+    return out
+
+
+def recv(sock: socket.socket, with_fds: bool = False) -> Tuple[Dict[str, Any], List[int]]:
+    """One message (and the descriptors passed with it). EOFError when the peer closed the connection."""
+    fds: List[int] = []
+    if with_fds:
+        head, fds, _flags, _addr = socket.recv_fds(sock, 4, FDS)
+        if not head:
+            raise EOFError("the connection closed")
+        head += _recv_exact(sock, 4 - len(head))
+    else:
+        head = _recv_exact(sock, 4)
+    (size,) = struct.unpack("!I", head)
+    if size > MAX_MESSAGE:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"message of {size} bytes")
+    return json.loads(_recv_exact(sock, size)), fds
