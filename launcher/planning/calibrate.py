@@ -74,6 +74,7 @@ def _run_config(cfg: Config, cand_cfg: Config, run_dir: str, steps: int) -> Conf
         steps=steps,
         warmup_steps=min(cfg.train.warmup_steps, 1),
         checkpoint_every=0,
+        checkpointing=False,  # no save, and no background import of the save path inside the measured steps
         checkpoint_every_min="0",
         checkpoint_every_min_resolved=None,
         exit_interval=0,
