@@ -304,15 +304,17 @@ def shared_cores_s(parts: Dict[str, float], mean_compute: float, world: int, cor
     The rates were measured with every rank computing at once; a rank that computes while its peers wait (a
     pipeline bubble, the other side of a transfer) runs world/cores times faster. Work-conserving CPUs give a
     step of at least the critical path at that faster speed and at least the mean rank's work at the shared
-    speed (all ranks' work on `cores` cores): max(critical, work), returned as the difference from the
-    dedicated-core total. mean_compute: the mean stage's compute (the last stage alone also runs the output
+    speed (all ranks' work on `cores` cores; its communication included): max(critical, work), returned as the
+    difference from the dedicated-core total, so at most what the bubble and the last stage's extra work cost. mean_compute: the mean stage's compute (the last stage alone also runs the output
     layer). 0 when every rank has a core of its own (cores 0 or >= world)."""
     if not 0 < cores < world:
         return 0.0
     busy = parts["compute"] + parts["bubble"] + parts["optimizer"]  # the busy parts at the shared speed
     total = sum(v for k, v in parts.items() if k != "recompute")
     critical = total - busy * (1 - cores / world)
-    work = mean_compute + parts["optimizer"]
+    # The mean rank's work: its compute and optimizer, and its exposed communication (gloo moves the bytes on
+    # the same cores; every rank of a collective waits for the slowest).
+    work = total - parts["compute"] - parts["bubble"] + mean_compute
     return max(critical, work) - total
 
 

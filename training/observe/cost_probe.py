@@ -9,7 +9,7 @@ N processes (gloo on loopback), each with T threads, run at the same time, as th
   the shapes by least squares (rate: "flops", overhead: "overhead_s" per layer pass);
 - all-reduce over the N ranks at three sizes, fitted as latency + bytes x 2(N-1)/N / busbw;
 - an AdamW step on a 1M-parameter tensor: seconds per parameter;
-- the same layer pass on rank 0 alone and on every rank at once, alternated three times (best of each): "cores",
+- the same layer pass on rank 0 alone and on every rank at once, in five back-to-back pairs: "cores",
   how many ranks compute at full speed at once (N x alone / together, between 1 and N). Fewer than N when the
   ranks outnumber the cores, or when other work on the machine holds them (Linux shares the cores between
   sessions first, so a job's N ranks may together get one core's worth); then a rank that computes while the
@@ -122,20 +122,25 @@ def time_optimizer(n: int = 1 << 20) -> float:
     return (time.perf_counter() - t0) / 3 / n
 
 
-def time_cores(rank: int, world: int, micro: int, args: argparse.Namespace, dtype, rounds: int = 3) -> float:
-    """Ranks that compute at full speed at once: world x (rank 0's layer pass alone) / (every rank's at once),
-    the best of `rounds` alternated measurements of each, clamped to [1, world] (rank 0's figure)."""
+def time_cores(rank: int, world: int, micro: int, args: argparse.Namespace, dtype, rounds: int = 5) -> float:
+    """Ranks that compute at full speed at once: world / the median over `rounds` of (every rank's layer pass at
+    once) / (rank 0's alone, measured just before), clamped to [1, world] (rank 0's figure). Each pair is measured
+    back to back, so outside load that comes and goes meets both halves of a pair alike; the median is the
+    typical sharing, not the quietest moment's."""
+    import statistics
+
     import torch.distributed as dist
 
-    alone, together = float("inf"), float("inf")
+    ratios = []
     shape = (micro, 1, args.hidden, args.heads, args.ffn, args.seq, dtype)
     for _ in range(rounds):
         dist.barrier()
-        if rank == 0:  # the others wait at the next barrier, off the cores
-            alone = min(alone, time_layer(*shape, reps=2))
+        alone = time_layer(*shape, reps=2) if rank == 0 else 0.0  # the others wait at the barrier, off the cores
         dist.barrier()
-        together = min(together, time_layer(*shape, reps=2))
-    return max(1.0, min(float(world), world * alone / together))
+        together = time_layer(*shape, reps=2)
+        if rank == 0:
+            ratios.append(together / alone)
+    return max(1.0, min(float(world), world / statistics.median(ratios))) if rank == 0 else 0.0
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
