@@ -244,7 +244,9 @@ def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) 
     cross entropy on the last stage) at rates.flops plus rates.overhead_s per layer pass; recompute: the part
     of that spent recomputing (full: the layers' forward again; selective: the attention core's forward);
     bubble: (p - 1)/(v m) of the stage's compute; each communication part: bytes / the group's bandwidth
-    (group_bandwidth) + calls x latency; optimizer: the update of the rank's (ZeRO-1: 1/dp of its) parameters."""
+    (group_bandwidth) + calls x latency; optimizer: the update of the rank's (ZeRO-1: 1/dp of its) parameters;
+    overlapped (overlap_hidden_s) and shared_cores (shared_cores_s, CPU ranks with fewer cores): negative, when
+    not zero."""
     mc, par, c = cfg.model, cfg.parallel, cfg.cluster
     dp = derived_dp(cfg)
     m = max(1, par.global_batch // max(1, par.micro_batch * dp))
@@ -305,8 +307,9 @@ def shared_cores_s(parts: Dict[str, float], mean_compute: float, world: int, cor
     pipeline bubble, the other side of a transfer) runs world/cores times faster. Work-conserving CPUs give a
     step of at least the critical path at that faster speed and at least the mean rank's work at the shared
     speed (all ranks' work on `cores` cores; its communication included): max(critical, work), returned as the
-    difference from the dedicated-core total, so at most what the bubble and the last stage's extra work cost. mean_compute: the mean stage's compute (the last stage alone also runs the output
-    layer). 0 when every rank has a core of its own (cores 0 or >= world)."""
+    difference from the dedicated-core total (never positive: at most the bubble and the last stage's extra
+    work). mean_compute: the mean stage's compute (the last stage alone also runs the output layer). 0 when
+    every rank has a core of its own (cores 0 or >= world)."""
     if not 0 < cores < world:
         return 0.0
     busy = parts["compute"] + parts["bubble"] + parts["optimizer"]  # the busy parts at the shared speed
