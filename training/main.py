@@ -153,7 +153,7 @@ def main(argv=None) -> int:
 
         before_training(cfg, run_dir)  # cluster.preflight.mode gate: a bad node exits 4 before training
         mark("preflight")
-        trainer = Trainer(cfg, run_dir, mesh)
+        trainer = Trainer(cfg, run_dir, mesh, checkpointing=cfg.train.checkpointing)
         mark("built")  # model, optimizer, data
         built = True
         if mesh.device.type == "cuda":

@@ -59,6 +59,10 @@ class Rates:
     """Fixed seconds per layer forward + backward per micro-batch."""
     optimizer_s_per_param: float
     """Seconds of the optimizer update per parameter this rank updates."""
+    cores: float = 0.0
+    """How many of the job's ranks compute at full speed at once (the probe's measurement on CPU, where ranks can
+    outnumber the cores or share them with other work); 0: every rank (a GPU each). flops, overhead_s and
+    optimizer_s_per_param are rates with every rank computing at once (shared_cores_s)."""
     sources: Dict[str, str] = field(default_factory=dict)
     """Where each rate came from."""
 
@@ -153,7 +157,11 @@ def cluster_rates(
             (DEFAULT_OPTIMIZER_S_PER_PARAM[dev], f"default for {dev}"),
         ],
     )
+    cores = float(probe.get("cores") or 0.0)
+    if cores > 0:
+        src["cores"] = "measured here (training/observe/cost_probe.py)"
     return Rates(
+        cores=cores,
         flops=flops,
         intra_bw=intra,
         inter_bw=inter,
@@ -236,7 +244,9 @@ def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) 
     cross entropy on the last stage) at rates.flops plus rates.overhead_s per layer pass; recompute: the part
     of that spent recomputing (full: the layers' forward again; selective: the attention core's forward);
     bubble: (p - 1)/(v m) of the stage's compute; each communication part: bytes / the group's bandwidth
-    (group_bandwidth) + calls x latency; optimizer: the update of the rank's (ZeRO-1: 1/dp of its) parameters."""
+    (group_bandwidth) + calls x latency; optimizer: the update of the rank's (ZeRO-1: 1/dp of its) parameters;
+    overlapped (overlap_hidden_s) and shared_cores (shared_cores_s, CPU ranks with fewer cores): negative, when
+    not zero."""
     mc, par, c = cfg.model, cfg.parallel, cfg.cluster
     dp = derived_dp(cfg)
     m = max(1, par.global_batch // max(1, par.micro_batch * dp))
@@ -282,8 +292,33 @@ def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) 
     hidden = overlap_hidden_s(cfg, parts, m, counts)
     if sum(hidden.values()) > 0:
         parts["overlapped"] = -sum(hidden.values())
+    mean_compute = compute - (m * logits * (par.pp - 1) / par.pp if par.pp > 1 else 0.0)
+    shared = shared_cores_s(parts, mean_compute, par.tp * par.pp * dpc, rates.cores)
+    if shared:
+        parts["shared_cores"] = shared
     parts["total"] = sum(v_ for k, v_ in parts.items() if k != "recompute")  # recompute is inside compute
     return parts
+
+
+def shared_cores_s(parts: Dict[str, float], mean_compute: float, world: int, cores: float) -> float:
+    """The correction when the job's `world` ranks get only `cores` (< world) ranks' worth of CPU at once.
+
+    The rates were measured with every rank computing at once; a rank that computes while its peers wait (a
+    pipeline bubble, the other side of a transfer) runs world/cores times faster. Work-conserving CPUs give a
+    step of at least the critical path at that faster speed and at least the mean rank's work at the shared
+    speed (all ranks' work on `cores` cores; its communication included): max(critical, work), returned as the
+    difference from the dedicated-core total (never positive: at most the bubble and the last stage's extra
+    work). mean_compute: the mean stage's compute (the last stage alone also runs the output layer). 0 when
+    every rank has a core of its own (cores 0 or >= world)."""
+    if not 0 < cores < world:
+        return 0.0
+    busy = parts["compute"] + parts["bubble"] + parts["optimizer"]  # the busy parts at the shared speed
+    total = sum(v for k, v in parts.items() if k != "recompute")
+    critical = total - busy * (1 - cores / world)
+    # The mean rank's work: its compute and optimizer, and its exposed communication (gloo moves the bytes on
+    # the same cores; every rank of a collective waits for the slowest).
+    work = total - parts["compute"] - parts["bubble"] + mean_compute
+    return max(critical, work) - total
 
 
 def overlap_hidden_s(cfg: Config, parts: Dict[str, float], m: int, counts: Dict[str, int]) -> Dict[str, float]:

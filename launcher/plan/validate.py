@@ -234,6 +234,21 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
                 "install g++ (apt-get install g++) or train.compile=false",
             )
         )
+    if not t.checkpointing:  # a run that writes no checkpoint cannot also save by step, stop-and-save, or resume
+        for key, bad in (
+            ("checkpoint_every", t.checkpoint_every > 0),
+            ("exit_interval", t.exit_interval > 0),
+            ("exit_after_min", t.exit_after_min > 0),
+        ):
+            if bad:
+                out.append(
+                    Issue(
+                        "error",
+                        f"train.{key}",
+                        "saves a checkpoint, but train.checkpointing=false writes none",
+                        f"train.{key}=0 or train.checkpointing=true",
+                    )
+                )
     # train.checkpoint_every_min is minutes or auto (a string field): launcher/plan/cadence.py parses it.
     out += [Issue("error", key, message, fix, "cadence") for key, message, fix in cadence_problems(cfg)]
     if t.log_every < 1:

@@ -74,6 +74,7 @@ def _run_config(cfg: Config, cand_cfg: Config, run_dir: str, steps: int) -> Conf
         steps=steps,
         warmup_steps=min(cfg.train.warmup_steps, 1),
         checkpoint_every=0,
+        checkpointing=False,  # no save, and no background import of the save path inside the measured steps
         checkpoint_every_min="0",
         checkpoint_every_min_resolved=None,
         exit_interval=0,
@@ -89,8 +90,9 @@ def _run_config(cfg: Config, cand_cfg: Config, run_dir: str, steps: int) -> Conf
     )
 
 
-PASSES = 2
-"""Calibration passes over the chosen candidates, the second in reverse order; each runs half the steps."""
+PASSES = 3
+"""Calibration passes over the chosen candidates, every other one in reverse order; each runs a third of the
+steps. Three windows apart in time: outside load that holds a whole pass misses at least one of them."""
 
 
 def _run_once(cfg: Config, c: Any, sub: str, steps: int):
@@ -112,8 +114,8 @@ def calibrate(cfg: Config, run_dir: str, cands: List[Any], rc: RecommendConfig) 
     """Run the chosen candidates; set each one's measured_step_s; print and return the comparison.
 
     Outside load on a shared machine arrives in bursts that can slow one whole run: each candidate runs in
-    PASSES passes (half of calibrate_steps each, at least 3), the order reversed in the second pass so that a
-    burst does not hit the same end of the list twice, and its measured step time is the lower of its passes'
+    PASSES passes (calibrate_steps / PASSES steps each, at least 3), the order reversed in every other pass so
+    that a burst does not hit the same end of the list twice, and its measured step time is the lower of its passes'
     medians (load only ever slows a run down). Pass k > 0 runs into calibrate/NN_k."""
     chosen = choose(cands, rc.calibrate_count, rc.calibrate_min_gap)
     steps = max(3, -(-rc.calibrate_steps // PASSES))

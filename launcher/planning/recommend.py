@@ -300,6 +300,8 @@ def _part_words(cand: Candidate, part: str) -> str:
         )
     if part == "compute":
         return f"compute (micro-batch {p.micro_batch}, tp {p.tp})"
+    if part == "shared_cores":
+        return f"{plan.world_size} ranks on fewer cores"
     return part
 
 

@@ -470,6 +470,11 @@ class TrainConfig:
     for this launch (auto: the optimum then); the engine saves by this. None: checkpoint_every_min as a number."""
     keep_last: int = 3
     """Complete checkpoints kept."""
+    checkpointing: bool = True
+    """false: the run writes no checkpoint at all (none by step or time, none at the end or at a stop signal, so a
+    stopped run cannot resume) and never imports the save path; for throwaway measurement runs, such as
+    recommend.calibrate's, whose step times must not include that import's background CPU. Needs
+    checkpoint_every=0, exit_interval=0 and exit_after_min=0."""
     async_save: bool = False
     """Write checkpoints in the background after a copy to host memory."""
     checkpoint_replica_dir: str = ""

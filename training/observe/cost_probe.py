@@ -8,7 +8,12 @@ N processes (gloo on loopback), each with T threads, run at the same time, as th
   shape, its weights sharded as tensor parallelism shards them; seconds = overhead + FLOPs / rate, fitted over
   the shapes by least squares (rate: "flops", overhead: "overhead_s" per layer pass);
 - all-reduce over the N ranks at three sizes, fitted as latency + bytes x 2(N-1)/N / busbw;
-- an AdamW step on a 1M-parameter tensor: seconds per parameter.
+- an AdamW step on a 1M-parameter tensor: seconds per parameter;
+- the same layer pass on rank 0 alone and on every rank at once, in five back-to-back pairs: "cores",
+  how many ranks compute at full speed at once (N x alone / together, between 1 and N). Fewer than N when the
+  ranks outnumber the cores, or when other work on the machine holds them (Linux shares the cores between
+  sessions first, so a job's N ranks may together get one core's worth); then a rank that computes while the
+  others wait (a pipeline bubble) runs faster than one whose peers compute too (launcher/plan/cost_model.py).
 Prints one JSON object on stdout (rank 0).
 """
 
@@ -117,6 +122,27 @@ def time_optimizer(n: int = 1 << 20) -> float:
     return (time.perf_counter() - t0) / 3 / n
 
 
+def time_cores(rank: int, world: int, micro: int, args: argparse.Namespace, dtype, rounds: int = 5) -> float:
+    """Ranks that compute at full speed at once: world / the median over `rounds` of (every rank's layer pass at
+    once) / (rank 0's alone, measured just before), clamped to [1, world] (rank 0's figure). Each pair is measured
+    back to back, so outside load that comes and goes meets both halves of a pair alike; the median is the
+    typical sharing, not the quietest moment's."""
+    import statistics
+
+    import torch.distributed as dist
+
+    ratios = []
+    shape = (micro, 1, args.hidden, args.heads, args.ffn, args.seq, dtype)
+    for _ in range(rounds):
+        dist.barrier()
+        alone = time_layer(*shape, reps=2) if rank == 0 else 0.0  # the others wait at the barrier, off the cores
+        dist.barrier()
+        together = time_layer(*shape, reps=2)
+        if rank == 0:
+            ratios.append(together / alone)
+    return max(1.0, min(float(world), world / statistics.median(ratios))) if rank == 0 else 0.0
+
+
 def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
     import torch
     import torch.distributed as dist
@@ -150,6 +176,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
         factor = 2.0 * (args.ranks - 1) / args.ranks
         latency, seconds_per_byte = _fit([(b * factor, t) for b, t in ar])
         out.update(latency_s=latency, busbw=1.0 / seconds_per_byte, all_reduce_s={str(b): t for b, t in ar})
+        out["cores"] = time_cores(rank, args.ranks, max(args.micro), args, dtype)
         dist.destroy_process_group()
     if rank == 0:
         results.put(out)
