@@ -1,7 +1,7 @@
 # make run: install, then train the embedded default (tiny GPT, tp=2 sp, dp=2 zero=1, CPU processes).
 # make test: install, start the dev Slurm cluster, run the tests: the Slurm tests in one pytest process, one after
 #   another (the three dev nodes are theirs alone), and meanwhile every other test on TEST_WORKERS pytest-xdist
-#   workers (the Slurm tests mostly wait on the scheduler); then the tests marked `alone` (they measure timings).
+#   workers (the Slurm tests mostly wait on the scheduler). Timing goals are benchmarks (make bench), not tests.
 # make check: the fast inner loop: lint, then every test that needs no cluster and no multi-process run (tests/conftest.py).
 # make lint: ruff's lint, ruff's format check and mypy (settings in pyproject.toml); `ruff format` fixes the format.
 VENV ?= .venv
@@ -40,11 +40,9 @@ plan: install
 
 test: install lint slurm-up browser
 	$(PY) -m pytest -q -m slurm tests > .slurm-tests.log 2>&1 & slurm=$$!; \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slurm and not alone" tests; rc=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slurm" tests; rc=$$?; \
 	wait $$slurm; src=$$?; echo "== the Slurm tests (one process, one after another):"; cat .slurm-tests.log; \
-	rm -f .slurm-tests.log; echo "== the tests that measure timings, alone on the machine:"; \
-	$(PY) -m pytest -q -m "alone and not slurm" tests; arc=$$?; \
-	[ $$rc -eq 0 ] && [ $$src -eq 0 ] && [ $$arc -eq 0 ]
+	rm -f .slurm-tests.log; [ $$rc -eq 0 ] && [ $$src -eq 0 ]
 
 check: install lint
 	$(PY) -m pytest -q -n 2 -m "not slurm and not slow" tests
