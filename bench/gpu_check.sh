@@ -34,6 +34,8 @@
 #     memory_report after steps against the plan (GPU: no optimizer state left on the device), and the
 #     context-parallel ring kernels (cp 2 and 4 simulated on the one device) against float64 attention;
 #     --dry: the same on CPU without the allocator figures.
+# --dry runs the one-process steps (4's saved-activations probe, 5 and 7) in one process with torch imported
+# once (bench/gpu_dry_steps.py), each judged on its own exit status and output as on a GPU.
 # Runs write their checkpoints under a scratch folder (GPU_CHECK_WORK, default a mktemp -d) that is removed
 # at the end; RUN_DIR gets only the logs, plans, metrics and summaries. Each command has a time limit; one that
 # runs past it is killed with its whole process group (its ranks too), so nothing stays on the GPU.
@@ -147,6 +149,36 @@ def tail(p):
     return (p.stderr_text.strip().splitlines() or [""])[-1][-300:]
 
 
+DRY_STEPS = {}
+
+
+def bench_step(name, cmd, timeout):
+    """One single-process step (saved_bytes, memory_levers, engine_features) as a CompletedProcess. On a GPU
+    each runs in a fresh process (the allocator figures count from an empty device); --dry runs all three in
+    one process (bench/gpu_dry_steps.py: torch imported once), each with its own arguments, exit status and
+    output, started at the first of them."""
+    if not dry:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=limit(timeout))
+        except subprocess.TimeoutExpired:
+            return subprocess.CompletedProcess(cmd, 124, "", f"gpu_check: {name} ran out of time")
+    if not DRY_STEPS:
+        args = [os.path.join(work, "bf16"), os.path.join(run_dir, "memory_levers"),
+                os.path.join(work, "engine_features")]
+        try:
+            p = subprocess.run([py, "bench/gpu_dry_steps.py", *args], capture_output=True, text=True,
+                               timeout=limit(600))
+            DRY_STEPS.update(json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {})
+            why = (p.stderr.strip().splitlines() or [""])[-1][-300:]
+        except subprocess.TimeoutExpired:
+            why = "gpu_check: the dry steps ran out of time"
+        except (ValueError, IndexError):
+            why = "gpu_check: bench/gpu_dry_steps.py printed no JSON"
+        DRY_STEPS.setdefault("error", why)
+    r = DRY_STEPS.get(name) or {"rc": 1, "stdout": "", "stderr": DRY_STEPS["error"]}
+    return subprocess.CompletedProcess(cmd, r["rc"], r["stdout"], r["stderr"])
+
+
 if dry:
     device = ["cluster.device=cpu", "cluster.gpus_per_node=1", "cluster.gpu_memory_gb=4"]
     models, steps, fp16_steps, precision = ["tiny"], 4, 3, "fp32"
@@ -210,11 +242,7 @@ else:
     want = {k: plan.get("memory_bytes", {}).get(k) for k in ("weights", "grads", "optimizer")}
     check("model_state_bytes", bool(states) and states == want, measured=states, plan=want)
     act_plan = plan.get("memory_bytes", {}).get("activations")
-    try:
-        probe = subprocess.run([py, "-m", "training.observe.saved_bytes", train_dir], capture_output=True,
-                               text=True, timeout=limit(300))
-    except subprocess.TimeoutExpired:
-        probe = subprocess.CompletedProcess([], 124, "", "gpu_check: the saved-bytes probe ran out of time")
+    probe = bench_step("saved_bytes", [py, "-m", "training.observe.saved_bytes", train_dir], 300)
     saved = json.loads(probe.stdout.strip().splitlines()[-1]).get("saved_activation_bytes") if (
         probe.returncode == 0 and probe.stdout.strip()) else None
     within = saved is not None and bool(act_plan) and abs(saved - act_plan) <= 0.1 * act_plan
@@ -276,12 +304,8 @@ check("moe", p.returncode == 0 and len(rows) == moe_steps and finite
       exit_code=p.returncode, steps=len(rows), max_load=loads, aux_loss=aux, model_states=states, plan=want,
       seconds=round(dt, 1))
 t = time.time()
-try:
-    lev = subprocess.run([py, "bench/gpu_memory_levers.py", *(["--dry"] if dry else []),
-                          "--out", os.path.join(run_dir, "memory_levers")], capture_output=True, text=True,
-                         timeout=limit(300))
-except subprocess.TimeoutExpired:
-    lev = subprocess.CompletedProcess([], 124, "", "gpu_check: memory levers ran out of time")
+lev = bench_step("memory_levers", [py, "bench/gpu_memory_levers.py", *(["--dry"] if dry else []),
+                                   "--out", os.path.join(run_dir, "memory_levers")], 300)
 with open(os.path.join(run_dir, "memory_levers.log"), "w") as f:
     f.write(lev.stdout + "\n--- stderr ---\n" + lev.stderr)
 try:
@@ -291,8 +315,8 @@ except (ValueError, IndexError):
 check("memory_levers", lev.returncode == 0 and levers.get("ok"), exit_code=lev.returncode,
       failed=[k for k, c in levers.get("checks", {}).items() if not c.get("ok")], seconds=round(time.time() - t, 1))
 t = time.time()
-feat = subprocess.run([py, "bench/gpu_engine_features.py", *(["--dry"] if dry else []),
-                       "--out", os.path.join(work, "engine_features")], capture_output=True, text=True, timeout=300)
+feat = bench_step("engine_features", [py, "bench/gpu_engine_features.py", *(["--dry"] if dry else []),
+                                     "--out", os.path.join(work, "engine_features")], 300)
 with open(os.path.join(run_dir, "engine_features.log"), "w") as f:
     f.write(feat.stdout + "\n--- stderr ---\n" + feat.stderr)
 try:
