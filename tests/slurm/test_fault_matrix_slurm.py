@@ -225,13 +225,7 @@ def test_newline_at_the_end_of_a_value_is_rejected():
 def test_run_and_sweep_dirs_with_control_characters_exit_2(tmp_path):
     for key, value in (("run.dir", f"'{tmp_path}/a\tb'"), ("hydra.sweep.dir", f"'{tmp_path}/s\x1bx'")):
         args = ["-m", "action=plan", "parallel.tp=1,2"] if key.startswith("hydra") else ["action=plan"]
-        res = subprocess.run(
-            [os.path.join(os.path.dirname(PY), "meshrun"), *args, f"{key}={value}"],
-            capture_output=True,
-            text=True,
-            cwd=str(tmp_path),
-            timeout=120,
-        )
+        res = run_cli(*args, f"{key}={value}", cwd=str(tmp_path))  # in this process: the same cli()
         assert res.returncode == EXIT_INVALID and "control character" in res.stderr, res.stderr
     assert os.listdir(tmp_path) == []  # nothing created
 
