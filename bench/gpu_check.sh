@@ -17,7 +17,8 @@
 #     bf16, 30 steps (--dry: fp32 on CPU, 4 steps), one rank: an NCCL process group (--dry: gloo).
 #     MFU is training/run/loop.py's: model FLOPs / step time / this device's matmul rate (measured with warm-up at
 #     a saturating size). Goal: 0.5 <= MFU <= 1 on GPU; --dry: 0 < MFU <= 1 (above 1 means a wrong peak).
-#  3. the same model in fp16 with dynamic loss scaling, a few steps: metrics carry loss_scale.
+#  3. the same model in fp16 with dynamic loss scaling, a few steps: metrics carry loss_scale (--dry: step 6's
+#     tiny_moe run is in fp16 and is this run too, one launch fewer).
 #  4. memory: rank 0's model-state bytes (weights, grads, optimizer; training/optim/optimizer.py memory_report)
 #     must equal plan.json's; activations saved for backward (training/observe/saved_bytes.py) within 10 % of
 #     plan.json's; on GPU also the allocator's peak (after the first step) minus model states.
@@ -26,7 +27,7 @@
 #     while building the Trainer equals the device part of it (within the allocator's rounding);
 #     --dry: the accounting against the plan only, on CPU.
 #  6. mixture of experts, one rank: a Mixtral-shaped MoE (8 SwiGLU experts, top-2, 4 layers of width 2048; --dry:
-#     model=tiny_moe in fp32) trains a few steps forward and backward through router, experts and balance loss:
+#     model=tiny_moe in fp16) trains a few steps forward and backward through router, experts and balance loss:
 #     finite losses, metrics rows carrying moe_max_load (>= 1) and moe_aux_loss (> 0), and rank 0's model-state
 #     bytes (every expert's) equal to plan.json's.
 #  7. engine features (bench/gpu_engine_features.py, one rank): zero=3's gathered parameter bytes during steps
@@ -34,6 +35,8 @@
 #     memory_report after steps against the plan (GPU: no optimizer state left on the device), and the
 #     context-parallel ring kernels (cp 2 and 4 simulated on the one device) against float64 attention;
 #     --dry: the same on CPU without the allocator figures.
+# --dry runs the one-process steps (4's saved-activations probe, 5 and 7) in one process with torch imported
+# once (bench/gpu_dry_steps.py), each judged on its own exit status and output as on a GPU.
 # Runs write their checkpoints under a scratch folder (GPU_CHECK_WORK, default a mktemp -d) that is removed
 # at the end; RUN_DIR gets only the logs, plans, metrics and summaries. Each command has a time limit; one that
 # runs past it is killed with its whole process group (its ranks too), so nothing stays on the GPU.
@@ -147,6 +150,46 @@ def tail(p):
     return (p.stderr_text.strip().splitlines() or [""])[-1][-300:]
 
 
+def fp16_check(p, dt, fp16_dir, model):
+    """Step 3: an fp16 run's metrics rows all carry the dynamic loss scale."""
+    rows = []
+    if os.path.exists(os.path.join(fp16_dir, "metrics.jsonl")):
+        rows = [json.loads(line) for line in open(os.path.join(fp16_dir, "metrics.jsonl")) if line.strip()]
+    scales = [r.get("loss_scale") for r in rows if "loss_scale" in r]
+    check("fp16_loss_scaling", p.returncode == 0 and len(scales) == len(rows) > 0, exit_code=p.returncode,
+          loss_scales=scales, model=model, seconds=round(dt, 1))
+
+
+DRY_STEPS = {}
+
+
+def bench_step(name, cmd, timeout):
+    """One single-process step (saved_bytes, memory_levers, engine_features) as a CompletedProcess. On a GPU
+    each runs in a fresh process (the allocator figures count from an empty device); --dry runs all three in
+    one process (bench/gpu_dry_steps.py: torch imported once), each with its own arguments, exit status and
+    output, started at the first of them."""
+    if not dry:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=limit(timeout))
+        except subprocess.TimeoutExpired:
+            return subprocess.CompletedProcess(cmd, 124, "", f"gpu_check: {name} ran out of time")
+    if not DRY_STEPS:
+        args = [os.path.join(work, "bf16"), os.path.join(run_dir, "memory_levers"),
+                os.path.join(work, "engine_features")]
+        try:
+            p = subprocess.run([py, "bench/gpu_dry_steps.py", *args], capture_output=True, text=True,
+                               timeout=limit(600))
+            DRY_STEPS.update(json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {})
+            why = (p.stderr.strip().splitlines() or [""])[-1][-300:]
+        except subprocess.TimeoutExpired:
+            why = "gpu_check: the dry steps ran out of time"
+        except (ValueError, IndexError):
+            why = "gpu_check: bench/gpu_dry_steps.py printed no JSON"
+        DRY_STEPS.setdefault("error", why)
+    r = DRY_STEPS.get(name) or {"rc": 1, "stdout": "", "stderr": DRY_STEPS["error"]}
+    return subprocess.CompletedProcess(cmd, r["rc"], r["stdout"], r["stderr"])
+
+
 if dry:
     device = ["cluster.device=cpu", "cluster.gpus_per_node=1", "cluster.gpu_memory_gb=4"]
     models, steps, fp16_steps, precision = ["tiny"], 4, 3, "fp32"
@@ -210,11 +253,7 @@ else:
     want = {k: plan.get("memory_bytes", {}).get(k) for k in ("weights", "grads", "optimizer")}
     check("model_state_bytes", bool(states) and states == want, measured=states, plan=want)
     act_plan = plan.get("memory_bytes", {}).get("activations")
-    try:
-        probe = subprocess.run([py, "-m", "training.observe.saved_bytes", train_dir], capture_output=True,
-                               text=True, timeout=limit(300))
-    except subprocess.TimeoutExpired:
-        probe = subprocess.CompletedProcess([], 124, "", "gpu_check: the saved-bytes probe ran out of time")
+    probe = bench_step("saved_bytes", [py, "-m", "training.observe.saved_bytes", train_dir], 300)
     saved = json.loads(probe.stdout.strip().splitlines()[-1]).get("saved_activation_bytes") if (
         probe.returncode == 0 and probe.stdout.strip()) else None
     within = saved is not None and bool(act_plan) and abs(saved - act_plan) <= 0.1 * act_plan
@@ -240,24 +279,21 @@ else:
     else:
         r = reserved_check(plan, reserved)
         check("memory_reserved", r["within_device"] and (dry or r["within_plan"]), **r)
-    fp16_dir = os.path.join(work, "fp16")
-    p, dt = meshrun("train_fp16", [f"model={chosen}", *common, "train.precision=fp16", "parallel.micro_batch=1",
-                                   "parallel.global_batch=1", f"train.steps={fp16_steps}", f"run.dir={fp16_dir}"],
-                    300)
-    keep(fp16_dir, "fp16")
-    rows = []
-    if os.path.exists(os.path.join(fp16_dir, "metrics.jsonl")):
-        rows = [json.loads(line) for line in open(os.path.join(fp16_dir, "metrics.jsonl")) if line.strip()]
-    scales = [r.get("loss_scale") for r in rows if "loss_scale" in r]
-    check("fp16_loss_scaling", p.returncode == 0 and len(scales) == len(rows) > 0, exit_code=p.returncode,
-          loss_scales=scales, seconds=round(dt, 1))
+    if not dry:  # --dry: the MoE run below is the fp16 run too (one launch fewer)
+        fp16_dir = os.path.join(work, "fp16")
+        p, dt = meshrun("train_fp16", [f"model={chosen}", *common, "train.precision=fp16", "parallel.micro_batch=1",
+                                       "parallel.global_batch=1", f"train.steps={fp16_steps}",
+                                       f"run.dir={fp16_dir}"], 300)
+        keep(fp16_dir, "fp16")
+        fp16_check(p, dt, fp16_dir, chosen)
 moe_dir = os.path.join(work, "moe")
 moe_model = ["model=tiny_moe"] if dry else [
     "model=tiny_moe", "model.hidden_size=2048", "model.num_attention_heads=16", "model.num_query_groups=4",
     "model.num_layers=4", "model.ffn_hidden_size=5632", "model.moe_ffn_hidden_size=5632", "model.num_experts=8",
     "model.seq_length=1024", "model.vocab_size=32000"]
 moe_steps = 3 if dry else 10
-p, dt = meshrun("train_moe", [*moe_model, *common, f"train.precision={precision}", "parallel.micro_batch=1",
+moe_precision = "fp16" if dry else precision  # --dry: also step 3's fp16 run (dynamic loss scaling)
+p, dt = meshrun("train_moe", [*moe_model, *common, f"train.precision={moe_precision}", "parallel.micro_batch=1",
                               "parallel.global_batch=1", f"train.steps={moe_steps}", f"run.dir={moe_dir}"], 300)
 keep(moe_dir, "moe")
 rows = []
@@ -275,13 +311,11 @@ check("moe", p.returncode == 0 and len(rows) == moe_steps and finite
       and all(isinstance(v, (int, float)) and v > 0 for v in aux) and bool(states) and states == want,
       exit_code=p.returncode, steps=len(rows), max_load=loads, aux_loss=aux, model_states=states, plan=want,
       seconds=round(dt, 1))
+if dry:
+    fp16_check(p, dt, moe_dir, "tiny_moe")
 t = time.time()
-try:
-    lev = subprocess.run([py, "bench/gpu_memory_levers.py", *(["--dry"] if dry else []),
-                          "--out", os.path.join(run_dir, "memory_levers")], capture_output=True, text=True,
-                         timeout=limit(300))
-except subprocess.TimeoutExpired:
-    lev = subprocess.CompletedProcess([], 124, "", "gpu_check: memory levers ran out of time")
+lev = bench_step("memory_levers", [py, "bench/gpu_memory_levers.py", *(["--dry"] if dry else []),
+                                   "--out", os.path.join(run_dir, "memory_levers")], 300)
 with open(os.path.join(run_dir, "memory_levers.log"), "w") as f:
     f.write(lev.stdout + "\n--- stderr ---\n" + lev.stderr)
 try:
@@ -291,8 +325,8 @@ except (ValueError, IndexError):
 check("memory_levers", lev.returncode == 0 and levers.get("ok"), exit_code=lev.returncode,
       failed=[k for k, c in levers.get("checks", {}).items() if not c.get("ok")], seconds=round(time.time() - t, 1))
 t = time.time()
-feat = subprocess.run([py, "bench/gpu_engine_features.py", *(["--dry"] if dry else []),
-                       "--out", os.path.join(work, "engine_features")], capture_output=True, text=True, timeout=300)
+feat = bench_step("engine_features", [py, "bench/gpu_engine_features.py", *(["--dry"] if dry else []),
+                                     "--out", os.path.join(work, "engine_features")], 300)
 with open(os.path.join(run_dir, "engine_features.log"), "w") as f:
     f.write(feat.stdout + "\n--- stderr ---\n" + feat.stderr)
 try:

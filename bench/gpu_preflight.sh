@@ -20,22 +20,19 @@ PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo pyt
 RUN_DIR=${1:-${OUT:-/tmp}/gpu_preflight}
 mkdir -p -- "$RUN_DIR"
 
-"$PYTHON" - "$DRY" <<'PY'
-import sys
+# One interpreter for the prerequisites and the checks (torch imported once).
+"$PYTHON" - "$RUN_DIR" "$DRY" <<'PY'
+import json, os, sys, time
 try:
     import torch
 except ImportError:
     sys.exit("torch is not installed for this interpreter (set PYTHON=...)")
-if sys.argv[1] != "1" and not torch.cuda.is_available():
+if sys.argv[2] != "1" and not torch.cuda.is_available():
     sys.exit(f"torch {torch.__version__} sees no CUDA device: nothing to check here (--dry runs it on CPU)")
 try:
     import pynvml  # noqa: F401
 except ImportError:
     sys.exit("nvidia-ml-py is missing: pip install nvidia-ml-py")
-PY
-
-"$PYTHON" - "$RUN_DIR" "$DRY" <<'PY'
-import json, os, sys, time
 sys.path.insert(0, os.getcwd())
 from training.contract.config import Config
 from launcher.launch.preflight import run_local
@@ -57,8 +54,6 @@ if dry:
     cl.health.nvml_double = os.path.abspath(double)
     pf.matmul_size = 256
 else:
-    import torch
-
     cl.device = "cuda"
     cl.gpus_per_node = torch.cuda.device_count()
     cl.gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30  # GiB

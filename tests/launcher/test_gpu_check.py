@@ -7,10 +7,22 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
 from helpers import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import gpu_dry_steps  # noqa: E402
+import gpu_engine_features as gef  # noqa: E402
+
+
+def _last_json(log_path):
+    """The JSON object a step printed last (its stdout comes before the log's stderr part)."""
+    stdout = log_path.read_text().split("\n--- stderr ---\n")[0]
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow  # the dry check trains a tiny model (about 2 minutes of make check before)
@@ -69,3 +81,46 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     assert moe["model_states"] == moe["plan"] and moe["model_states"]["weights"] > 0
     reserved = checks["memory_reserved"]  # issue 31 (d): computed from summary.json and plan.json
     assert reserved["reserved"] > 0 and reserved["within_device"] and reserved["device_limit"] == 4 * 2**30
+    # bench/gpu_engine_features.py --dry (step 7; moved here from tests/launcher/test_gpu_engine_features.py so
+    # it runs once): every check computed, none hard-wired.
+    features = _last_json(run_dir / "engine_features.log")
+    fchecks = features["checks"]
+    assert features["mode"] == "dry" and features["ok"]
+    assert set(fchecks) == {"zero3", "offload_cpu", "cp_ring_numerics"}
+    assert checks["engine_features"]["checks"] == sorted(fchecks)
+    z3 = fchecks["zero3"]
+    assert 0 < z3["peak_gathered_bytes"] <= z3["plan_zero3_gathered"]
+    off = fchecks["offload_cpu"]
+    assert off["measured"] == off["plan"] and off["measured"]["host_offload"] > 0
+    errs = fchecks["cp_ring_numerics"]["relative_max_errors"]
+    assert set(errs) == {"cp2", "cp4"}
+    assert all(0 < e <= gef.CP_TOLERANCE for case in errs.values() for e in case.values()), errs
+    # bench/gpu_memory_levers.py --dry (step 5): every lever's accounting equals the plan's, computed.
+    levers = _last_json(run_dir / "memory_levers.log")
+    assert levers["mode"] == "dry" and levers["ok"] and len(levers["checks"]) == 7
+    for name, c in levers["checks"].items():
+        assert c["measured"] == c["plan"] and c["measured"]["weights"] > 0, name
+
+
+def test_dry_steps_keep_each_steps_failure_its_own():
+    """The shared --dry process must not turn one step's failure into a pass or into the others' failure: an
+    exception or a non-zero exit is that step's exit status, its output stays apart, and a passing step that
+    follows still passes."""
+
+    def raises():
+        print("half a line")
+        raise RuntimeError("boom in the step")
+
+    def exits():
+        sys.exit(3)
+
+    def passes():
+        print('{"ok": true}')
+        return 0
+
+    failed, exited, ok = (gpu_dry_steps._step(f, ["x"]) for f in (raises, exits, passes))
+    assert failed["rc"] == 1 and "RuntimeError: boom in the step" in failed["stderr"]
+    assert failed["stdout"] == "half a line\n"
+    assert exited["rc"] == 3
+    assert ok == {"rc": 0, "stdout": '{"ok": true}\n', "stderr": ""}
+    assert sys.argv[0] != "x"  # the caller's argv is restored

@@ -31,6 +31,7 @@ from training.contract.rundir.secret_env import PLACEHOLDER
 import helpers.slurm as dev
 from helpers.slurm import COMMON, ROOT, meshrun, metrics, submit, wait_final, wait_step
 from helpers.slurm import dev_cfg
+from helpers.cli import run_cli
 
 PY = sys.executable
 LOCAL = [
@@ -46,6 +47,11 @@ LOCAL = [
 
 def local(run_dir, *overrides, env=None, timeout=180):
     return meshrun(*LOCAL, f"run.dir={run_dir}", *overrides, env=env, timeout=timeout)
+
+
+def local_cli(run_dir, *overrides):
+    """`local` inside this process (tests/helpers/cli.py run_cli), for commands that start no ranks."""
+    return run_cli(*LOCAL, f"run.dir={run_dir}", *overrides, cwd=ROOT)
 
 
 def all_bytes(root) -> bytes:
@@ -143,7 +149,9 @@ def _stubs(tmp_path):
         path = bin_dir / name
         path.write_text(
             f'#!/bin/bash\nprintf "%s\\n" "$@" > "{tmp_path}/{name}.args"\n'
-            f'printf %s "$MESHRUN_PROBE" > "{tmp_path}/{name}.probe"\nexit 0\n'
+            f'printf %s "$MESHRUN_PROBE" > "{tmp_path}/{name}.probe"\n'
+            f'for v in ${{!MESHRUN_PROBE_@}}; do printf %s "${{!v}}" > "{tmp_path}/{name}.probe_${{v#MESHRUN_PROBE_}}"; done\n'
+            "exit 0\n"
         )
         path.chmod(0o755)
     return str(bin_dir)
@@ -171,7 +179,7 @@ def test_hostile_values_in_the_batch_script_run_no_command(field, tmp_path):
     rejected by the checks (exit 2 through meshrun) or carried verbatim; the executed script never runs
     the canary, whichever it is."""
     set_value = _fields()[field]
-    accepted = 0
+    accepted = []
     for i, payload in enumerate(_payloads(tmp_path / "pwned")):
         cfg = dev_cfg()
         cfg.run.dir = str(tmp_path / f"run{i}")
@@ -180,19 +188,29 @@ def test_hostile_values_in_the_batch_script_run_no_command(field, tmp_path):
             with pytest.raises(SlurmConfigError):
                 job_spec(cfg, cfg.run.dir)
             continue
-        accepted += 1
+        accepted.append(payload)
+        if field == "env.value":
+            continue  # every accepted value goes into one script below (one prologue run, not one per value)
         res = _run_script_up_to_srun(cfg, cfg.run.dir, tmp_path)
         assert res.returncode == 0, res.stderr[-2000:]
         assert (tmp_path / "srun.args").exists(), "the script did not reach srun"
-        if field == "env.value":
-            assert (tmp_path / "srun.probe").read_text() == payload  # arrived verbatim
         if field == "run.dir":
             assert f"--output\n{cfg.run.dir}/submitit/%j_%t_log.out" in (tmp_path / "srun.args").read_text()
         (tmp_path / "srun.args").unlink()
         assert not (tmp_path / "pwned").exists(), (field, payload)
+    if field == "env.value" and accepted:  # each accepted value in a variable of its own, one script for all
+        cfg = dev_cfg()
+        cfg.run.dir = str(tmp_path / "run_env")
+        cfg.cluster.env.update({f"MESHRUN_PROBE_{i}": v for i, v in enumerate(accepted)})
+        assert not validate_for_slurm(cfg)
+        res = _run_script_up_to_srun(cfg, cfg.run.dir, tmp_path)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert (tmp_path / "srun.args").exists(), "the script did not reach srun"
+        for i, payload in enumerate(accepted):
+            assert (tmp_path / f"srun.probe_{i}").read_text() == payload  # arrived verbatim
     assert not (tmp_path / "pwned").exists()
     # Slurm names never carry these characters: refused. Env values and paths are quoted and carried instead.
-    assert (accepted > 0) == (field in ("env.value", "run.dir")), accepted
+    assert (len(accepted) > 0) == (field in ("env.value", "run.dir")), accepted
 
 
 def test_newline_at_the_end_of_a_value_is_rejected():
@@ -207,13 +225,7 @@ def test_newline_at_the_end_of_a_value_is_rejected():
 def test_run_and_sweep_dirs_with_control_characters_exit_2(tmp_path):
     for key, value in (("run.dir", f"'{tmp_path}/a\tb'"), ("hydra.sweep.dir", f"'{tmp_path}/s\x1bx'")):
         args = ["-m", "action=plan", "parallel.tp=1,2"] if key.startswith("hydra") else ["action=plan"]
-        res = subprocess.run(
-            [os.path.join(os.path.dirname(PY), "meshrun"), *args, f"{key}={value}"],
-            capture_output=True,
-            text=True,
-            cwd=str(tmp_path),
-            timeout=120,
-        )
+        res = run_cli(*args, f"{key}={value}", cwd=str(tmp_path))  # in this process: the same cli()
         assert res.returncode == EXIT_INVALID and "control character" in res.stderr, res.stderr
     assert os.listdir(tmp_path) == []  # nothing created
 
@@ -375,7 +387,9 @@ def test_second_launch_on_a_running_run_dir_exits_2_and_a_dead_holder_is_taken_o
             time.sleep(0.2)
         before = {n: os.path.getmtime(run_dir / n) for n in ("config.json", "plan.json")}
         events_before = (run_dir / "events.jsonl").read_bytes()
-        res = local(run_dir, "train.steps=8", "train.lr=0.5")
+        # The later launches run in this process (tests/helpers/cli.py: the same cli()); the holder is the
+        # other process, so the lock's cross-process refusal is what they meet.
+        res = local_cli(run_dir, "train.steps=8", "train.lr=0.5")
         assert res.returncode == EXIT_INVALID, res.stderr[-2000:]
         assert f"is in use by pid {first.pid}" in res.stderr and "Nothing was written" in res.stderr
         assert {n: os.path.getmtime(run_dir / n) for n in before} == before  # nothing rewritten
@@ -384,7 +398,7 @@ def test_second_launch_on_a_running_run_dir_exits_2_and_a_dead_holder_is_taken_o
         # The launcher dies without a word (kill -9); its ranks still hold the lock until they are gone.
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
-        res = local(run_dir, "action=plan")
+        res = local_cli(run_dir, "action=plan")
         assert res.returncode == EXIT_INVALID and "in use" in res.stderr
     finally:
         try:
@@ -393,10 +407,10 @@ def test_second_launch_on_a_running_run_dir_exits_2_and_a_dead_holder_is_taken_o
             pass
     deadline = time.time() + 30
     while True:  # the ranks' exit releases the kernel lock
-        res = local(run_dir, "action=plan")
+        res = local_cli(run_dir, "action=plan")
         if res.returncode == EXIT_OK or time.time() > deadline:
             break
-        time.sleep(1)
+        time.sleep(0.5)
     assert res.returncode == EXIT_OK, res.stderr[-2000:]
     taken = [e for e in read_events(str(run_dir)) if e["event"] == "lock_taken_over"]
     assert len(taken) == 1 and f"pid {first.pid}" in taken[0]["previous_holder"]
@@ -498,13 +512,14 @@ def test_secret_env_values_never_reach_files_or_output(tmp_path):
     assert SECRET.encode() not in all_bytes(run_dir)  # config.json/yaml, checkpoints, logs, events
     assert json.load(open(run_dir / "config.json"))["cluster"]["env"]["HF_TOKEN"] == PLACEHOLDER
     assert stat.S_IMODE(os.stat(run_dir / "events.jsonl").st_mode) == 0o664  # the user's umask (002)
-    dry = meshrun(
+    dry = run_cli(  # in this process: a dry run starts nothing
         "cluster=slurm_dev",
         "dry_run=true",
         "cluster.cpus_per_task=4",
         *COMMON,
         f"run.dir={tmp_path / 'dry'}",
         f"+cluster.env.WANDB_API_KEY={SECRET}",
+        cwd=ROOT,
     )
     assert dry.returncode == 0 and "#SBATCH" in dry.stdout, dry.stderr[-2000:]
     assert SECRET not in dry.stdout + dry.stderr and SECRET.encode() not in all_bytes(tmp_path / "dry/config.json")

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from launcher.slurm import queries
 from launcher.slurm.queries import job_alive
 from training.contract.rundir import lock as run_lock
 from training.contract.rundir.events import read_events
@@ -94,13 +95,26 @@ def test_a_queued_holder_refuses_and_one_that_left_the_queue_is_taken_over(tmp_p
     assert taken["previous_holder"] == f"Slurm job {ended}"
 
 
-# Without a configuration squeue searches for a controller until its timeout (60 s here): slow.
-@pytest.mark.parametrize("unreachable", ["no_client", pytest.param("no_configuration", marks=pytest.mark.slow)])
+# Without a configuration the real squeue searches for a controller for about a minute, so it never answers
+# within slurm_command's timeout: that timeout is cut to QUERY_TIMEOUT_S here (three queries of 20 s each cost
+# a minute before), the same path (SlurmUnavailable -> "could not be asked").
+QUERY_TIMEOUT_S = 2.0
+
+
+@pytest.mark.parametrize("unreachable", ["no_client", "no_configuration"])
 def test_slurm_that_cannot_answer_counts_the_holder_as_alive(tmp_path, monkeypatch, unreachable):
     if unreachable == "no_client":
         monkeypatch.setenv("PATH", str(tmp_path))  # no squeue at all
     else:
         monkeypatch.setenv("SLURM_CONF", str(tmp_path / "missing" / "slurm.conf"))
+        real = queries.slurm_command
+        calls = []
+
+        def short(cmd, timeout=QUERY_TIMEOUT_S):
+            calls.append(cmd[0])
+            return real(cmd, timeout=min(timeout, QUERY_TIMEOUT_S))
+
+        monkeypatch.setattr(queries, "slurm_command", short)
     assert job_alive("12345") is None
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
@@ -112,6 +126,8 @@ def test_slurm_that_cannot_answer_counts_the_holder_as_alive(tmp_path, monkeypat
     assert run_lock.read_holder(run_dir)["job_id"] == "12345" and not read_events(run_dir)
     # An attempt of another job is refused too (a lock it cannot prove free stays with its holder).
     assert "Slurm job 12345" in run_lock.claim_for_job(run_dir, "777", job_alive=job_alive, wait_s=0)
+    if unreachable == "no_configuration":
+        assert calls and set(calls) == {"squeue"}  # the real client was asked each time
 
 
 def test_a_rank_with_a_foreign_token_or_of_another_job_is_refused(tmp_path):

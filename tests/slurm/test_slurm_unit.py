@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from helpers.cli import run_cli
 from helpers.slurm import dev_cfg
 from launcher.slurm import numa
 from launcher.slurm.requeue import decide, plan_exclusion
@@ -222,22 +223,16 @@ def test_preflight_job_keeps_resources_and_container_but_no_requeue_machinery(tm
     ],
 )
 def test_bad_resource_values_exit_2_through_meshrun(override, message, tmp_path):
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            "cluster=slurm_dev",
-            "dry_run=true",
-            "model=tiny",
-            "cluster.cpus_per_task=4",
-            f"run.dir={tmp_path / 'run'}",
-            override,
-        ],
+    # In this process (tests/helpers/cli.py: the console script's cli()); the subprocess smoke test of the same
+    # dry run is test_dry_run_through_meshrun_renders_every_option.
+    res = run_cli(
+        "cluster=slurm_dev",
+        "dry_run=true",
+        "model=tiny",
+        "cluster.cpus_per_task=4",
+        f"run.dir={tmp_path / 'run'}",
+        override,
         cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
     )
     assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
     assert message in res.stderr and "#SBATCH" not in res.stdout
@@ -419,13 +414,7 @@ def test_status_of_a_sweep_lists_every_point(tmp_path):
         "infeasible": [{"num": 2, "overrides": ["b=3"], "status": "invalid", "reason": "not divisible"}],
     }
     (tmp_path / "sweep.json").write_text(json.dumps(sweep))
-    res = subprocess.run(
-        [sys.executable, "-m", "launcher", "action=status", f"run.dir={tmp_path}"],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    res = run_cli("action=status", f"run.dir={tmp_path}", cwd=PROJECT_ROOT)  # in this process: the same cli()
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)  # exactly one JSON object
     assert [p["num"] for p in out["points"]] == [0, 1, 2]
