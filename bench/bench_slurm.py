@@ -397,13 +397,13 @@ PREEMPTION_CASES = ((1, 2), (2, 1))
 """(nodes, ranks per node) of --preemption-cases: 1 node x 2 ranks and 2 nodes x 1 rank."""
 
 
-def preemption_cases(reps: int) -> int:
-    """--preemption-cases: USR2 -> resumed step against the bare requeue, per case of PREEMPTION_CASES, each
+def preemption_cases(reps: int, cases: Tuple[Tuple[int, int], ...] = PREEMPTION_CASES) -> int:
+    """--preemption-cases: USR2 -> resumed step against the bare requeue, per case of `cases` (--cases), each
     case's meshrun and bare runs alternated (bare first every other rep); prints each case's ratio of the
     medians and exits 1 when one is above REQUEUE_VS_BARE."""
     figures: Dict[str, object] = {"bench": "slurm_preemption"}
     ok = True
-    for nodes, per_node in PREEMPTION_CASES:
+    for nodes, per_node in cases:
         runs, bares = [], []
         for rep in range(reps):
             work = tempfile.mkdtemp(prefix="bench_slurm_preempt_")
@@ -449,6 +449,11 @@ def main() -> int:
         action="store_true",
         help="only USR2 -> resumed step vs the bare requeue at 1 node x 2 ranks and 2 nodes x 1 rank",
     )
+    ap.add_argument(
+        "--cases",
+        default=",".join(f"{n}x{r}" for n, r in PREEMPTION_CASES),
+        help="with --preemption-cases: NODESxRANKS cases to run, comma-separated (default: both)",
+    )
     args = ap.parse_args()
     try:
         up = "UP" in slurm_command(["scontrol", "ping"]).stdout
@@ -460,7 +465,8 @@ def main() -> int:
     if args.in_job:
         return in_job_main(args.reps, args.ranks_per_node)
     if args.preemption_cases:
-        return preemption_cases(args.reps)
+        cases = tuple(tuple(int(x) for x in case.split("x")) for case in args.cases.split(","))
+        return preemption_cases(args.reps, cases)  # type: ignore[arg-type]
     runs, bares = [], []
     for rep in range(args.reps):
         work = tempfile.mkdtemp(prefix="bench_slurm_")

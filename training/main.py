@@ -70,22 +70,6 @@ def _record_cause(cause: str, message: str) -> None:
         pass
 
 
-def _prefetch_checkpoint_code(run_dir: str, resume: str) -> None:
-    """When this attempt will load a checkpoint, import DCP (~1.1 s of CPU with the DTensor code it pulls in)
-    in a background thread now, while the main thread waits on its peers in the rendezvous and the
-    preflight's collectives; a fresh start leaves it to its first save (training/checkpoint/manager.py)."""
-    from training.checkpoint import storage
-
-    if resume == "none" or not storage.list_steps(run_dir):
-        return
-    import importlib
-    import threading
-
-    threading.Thread(
-        target=importlib.import_module, args=("training.checkpoint.safe_read",), daemon=True, name="import-dcp"
-    ).start()
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -130,7 +114,8 @@ def main(argv=None) -> int:
     # Read before the process group exists (its rendezvous waits for every rank), so that rank 0 marks the
     # request consumed only after every rank has read it (training/contract/rundir/resume_request.py).
     cfg.train.resume = effective_resume(run_dir, cfg.train.resume)
-    _prefetch_checkpoint_code(run_dir, cfg.train.resume)
+    # No checkpoint code is imported ahead here: a resume reads the checkpoint without DCP
+    # (training/checkpoint/lean_read.py), and the save path is imported once the first step is done.
 
     from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh

@@ -22,7 +22,7 @@ import os
 import shlex
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 from launcher.manage.cancel import record_cancelled
 from launcher.manage.goodput import write_goodput_quietly
@@ -79,6 +79,13 @@ def prologue(run_dir: str) -> int:
     nodes, extra = allocation, {}
     if in_job.enabled(cfg.cluster):
         nodes, extra = _step_nodes(cfg, events, allocation, restart_count)
+    elif cfg.cluster.preflight.mode != "off" and cfg.cluster.preflight.requeue_reuse_min > 0:
+        from launcher.slurm.preflight_reuse import requeue_passed
+
+        # A requeue after a stop with a checkpoint: nodes that passed the preflight minutes ago are not checked again.
+        passed = requeue_passed(events, attempt, nodes, 60 * cfg.cluster.preflight.requeue_reuse_min, time.time())
+        if passed:
+            extra = {"preflight_passed": passed}
     step = last_step(run_dir)
     os.makedirs(attempt_dir(run_dir, attempt), exist_ok=True)
     from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
@@ -113,6 +120,7 @@ def prologue(run_dir: str) -> int:
         print(f"export {k}={shlex.quote(v)}")
     if in_job.enabled(cfg.cluster):
         print(in_job.step_args_line(nodes, cfg.cluster.gpus_per_node))
+    if in_job.enabled(cfg.cluster) or extra.get("preflight_passed"):
         print(f"export {PREFLIGHT_PASSED_ENV}={shlex.quote(','.join(extra.get('preflight_passed') or []))}")
     return EXIT_OK
 
@@ -186,8 +194,6 @@ def epilogue(run_dir: str, srun_rc: int, then_prologue: bool = False) -> int:
     # attempt's steps are lower than the previous attempt's and still new work.
     saved = any(ev.get("event") == "checkpoint" and ev.get("attempt") == attempt for ev in events)
     excluded = excluded_nodes(events)
-    from launcher.slurm.submit import partition_nodes
-
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     elastic = cfg.cluster.elastic.min_nodes > 0
     # An elastic run may exclude failing nodes down to min_nodes: the next job then shrinks (launcher/slurm/elastic.py).
@@ -199,7 +205,7 @@ def epilogue(run_dir: str, srun_rc: int, then_prologue: bool = False) -> int:
         retries_used(events),
         cfg.cluster.max_retries,
         excluded,
-        partition_nodes(cfg.cluster.partition),
+        _PartitionNodes(cfg.cluster.partition),
         cfg.cluster.elastic.min_nodes if elastic else cfg.cluster.nodes,
         saved=saved,
     )
@@ -326,6 +332,28 @@ def epilogue(run_dir: str, srun_rc: int, then_prologue: bool = False) -> int:
         file=sys.stderr,
     )
     return EXIT_FAILED
+
+
+class _PartitionNodes(Sequence[str]):
+    """The partition's node names, asked of Slurm (sinfo) on first use: only a resubmission's exclusion plan
+    reads them, so the requeue after a preemption (on the way to the next attempt) does not wait for sinfo."""
+
+    def __init__(self, partition: str) -> None:
+        self.partition = partition
+        self._nodes: Optional[List[str]] = None
+
+    def _get(self) -> List[str]:
+        if self._nodes is None:
+            from launcher.slurm.submit import partition_nodes
+
+            self._nodes = partition_nodes(self.partition)
+        return self._nodes
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._get()[i]
+
+    def __len__(self) -> int:
+        return len(self._get())
 
 
 def _goodput_aside(run_dir: str) -> None:

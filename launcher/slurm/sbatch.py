@@ -129,6 +129,11 @@ def validate_for_slurm(cfg: Config) -> List[str]:
         errors.append("cluster.nodes and cluster.gpus_per_node must be >= 1")
     if c.max_retries < 0:
         errors.append("cluster.max_retries must be >= 0")
+    if c.preflight.requeue_reuse_min < 0:
+        errors.append(
+            f"cluster.preflight.requeue_reuse_min={c.preflight.requeue_reuse_min}: give minutes >= 0 "
+            "(0 checks every node on every attempt)"
+        )
     errors += run_dir_errors(cfg.run.dir)
     errors += in_job.config_errors(c)
     return errors + _resource_errors(c)

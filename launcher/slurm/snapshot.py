@@ -55,6 +55,18 @@ def git_info() -> Dict[str, Any]:
     return {"commit": commit, "dirty": bool(status)}
 
 
+def _compile(tmp: str, target: str) -> None:
+    """Write the copied modules' bytecode (__pycache__) now, at submission: every process of every attempt (the
+    prologue, each rank's wrapper and rank, the epilogue) then imports them without compiling, also where the
+    environment forbids writing bytecode (PYTHONDONTWRITEBYTECODE, common in container images), which otherwise
+    made each of them compile the modules it imports, on the way from a requeue back to training
+    (docs/PERFORMANCE.md, "Preemption path"). Paths in the bytecode name the snapshot's final place (target).
+    A module that does not compile is left to fail at import, as it would without this."""
+    import compileall
+
+    compileall.compile_dir(tmp, ddir=target, quiet=2, workers=1)
+
+
 def take_snapshot(base: str) -> Dict[str, Any]:
     """Copy the packages into base/code (replacing an older snapshot: the run lock guarantees that no job of
     this run is alive) and return what snapshot.json records."""
@@ -72,6 +84,7 @@ def take_snapshot(base: str) -> Dict[str, Any]:
     if conf:
         shutil.copytree(conf, os.path.join(tmp, CONF_PACKAGE), ignore=_IGNORE)
         copied.append(CONF_PACKAGE)
+    _compile(tmp, target)
     info = {"created": time.time(), "source": PROJECT_ROOT, "packages": copied, "path": target, **git_info()}
     with open(os.path.join(tmp, "snapshot.json"), "w") as f:
         json.dump(info, f, indent=2, sort_keys=True)

@@ -94,7 +94,7 @@ def expected_flat(opt, kind, tp, tp_rank):
     return flat[opt.shard_lo : opt.shard_lo + opt.shard_size]
 
 
-def save_worker(run_dir, tp, dp, zero):
+def save_worker(run_dir, tp, dp, zero, destroy=True):
     mesh, cfg, model, opt = build(tp, dp, zero)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -104,7 +104,8 @@ def save_worker(run_dir, tp, dp, zero):
     opt.step_count = 7
     ckpt = CheckpointManager(run_dir, mesh, cfg)
     ckpt.save(5, [model], opt, {"consumed_samples": 40, "note": "x"}, reason="test")
-    mesh.destroy()
+    if destroy:  # else the spawned world keeps its process group for more layouts
+        mesh.destroy()
 
 
 def load_check(run_dir, tp, dp, zero) -> ProcessMesh:

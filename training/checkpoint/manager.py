@@ -654,16 +654,10 @@ class CheckpointManager:
         path = storage.step_dir(self.run_dir, step)
         with open(os.path.join(path, storage.STATE)) as f:
             info = json.load(f)
-        from training.checkpoint.safe_read import SafeFileSystemReader
+        from training.checkpoint import lean_read
 
-        dcp, CheckpointException = _dcp()
-        reader = SafeFileSystemReader(path)
-        try:
-            metadata = reader.read_metadata()
-        except CheckpointError:
-            raise  # refused (a crafted or damaged .metadata): the message says why and what to do
-        except Exception as exc:  # noqa: BLE001 - a damaged .metadata that still matched its manifest
-            raise CheckpointError(self._unreadable(path, _short(exc))) from exc
+        # Read without DCP's classes (lean_read.py): a resume that lean_read can load never imports DCP.
+        metadata = lean_read.read_metadata(os.path.join(path, storage.DCP_METADATA))
         saved_keys = set(metadata.state_dict_metadata)
         opt_state = optimizer.state_dict() if optimizer is not None else None
         pieces = self._pieces(model_chunks, opt_state, for_save=False)
@@ -675,16 +669,19 @@ class CheckpointManager:
                 f"checkpoint {path} lacks {len(absent)} tensors this run needs "
                 f"(first: {absent[:3]}); it was written by an incompatible version or model"
             )
-        state = to_load_state_dict(pieces)
         same_layout = info["layout"] == self._layout()
         rank_key = f"rank_state/{self.rank}"
+        rank_state = None
         if same_layout and rank_key in saved_keys:
-            size = metadata.state_dict_metadata[rank_key].size
-            state[rank_key] = torch.zeros(size, dtype=torch.uint8)
-        try:
-            dcp.load(state, storage_reader=reader, process_group=self._ckpt_group)
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
-            raise CheckpointError(self._unreadable(path, _short(exc))) from exc
+            rank_state = torch.zeros(tuple(metadata.state_dict_metadata[rank_key].size), dtype=torch.uint8)
+        destinations = [(p.key, p.tensor, p.offsets) for p in pieces]
+        if rank_state is not None:
+            destinations.append((rank_key, rank_state, (0,)))
+        # The same answer on every rank (it depends on the metadata only), so all take the same path.
+        if lean_read.supported(metadata, sorted({key for key, _, _ in destinations})):
+            self._load_lean(path, metadata, destinations)
+        else:
+            self._load_dcp(path, pieces, rank_key, rank_state)
         if optimizer is not None:
             # The tensors were loaded in place into the state_dict's views; the optimizer takes the scalars,
             # and fills the master copies a checkpoint without them (written in fp32) lacks from the params.
@@ -693,8 +690,8 @@ class CheckpointManager:
                 if f"optim/master/{shard.name}" in missing_master:
                     del shard.tensors["master"]
             optimizer.load_state_dict(opt_state)
-        if rank_key in state:
-            _set_rng_state(json.loads(bytes(state[rank_key].tolist()).decode())["rng"])
+        if rank_state is not None:
+            _set_rng_state(json.loads(bytes(rank_state.tolist()).decode())["rng"])
         extra_state.update(info["extra_state"])
         self.last_saved_step = step
         if self.rank == 0 and self._mode() != "auto" and storage.read_latest(self.run_dir) != step:
@@ -707,6 +704,39 @@ class CheckpointManager:
                 f"in {time.monotonic() - t0:.3f}s"
             )
         return step, int(info["consumed_samples"])
+
+    def _load_lean(self, path: str, metadata: Any, destinations: List[Tuple[str, torch.Tensor, Any]]) -> None:
+        """lean_read.load on every rank, then one collective so that every rank raises the same error when any
+        rank's read failed (as dcp.load reports a failure on every rank)."""
+        from training.checkpoint import lean_read
+
+        error = None
+        try:
+            lean_read.load(path, metadata, destinations)
+        except CheckpointError as exc:
+            error = self._unreadable(path, str(exc))
+        except Exception as exc:  # noqa: BLE001 - a damaged record that still matched its manifest
+            error = self._unreadable(path, _short(exc))
+        if self.distributed:
+            everyone: List[Any] = [None] * self.world
+            dist.all_gather_object(everyone, error, group=self._ckpt_group)
+            error = next((e for e in everyone if e), None)
+        if error:
+            raise CheckpointError(error)
+
+    def _load_dcp(self, path: str, pieces: List[Piece], rank_key: str, rank_state: Optional[torch.Tensor]) -> None:
+        """dcp.load of the pieces (and this rank's rng state): for checkpoints lean_read does not handle."""
+        from training.checkpoint.safe_read import SafeFileSystemReader
+
+        dcp, CheckpointException = _dcp()
+        reader = SafeFileSystemReader(path)
+        state = to_load_state_dict(pieces)
+        if rank_state is not None:
+            state[rank_key] = rank_state
+        try:
+            dcp.load(state, storage_reader=reader, process_group=self._ckpt_group)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
+            raise CheckpointError(self._unreadable(path, _short(exc))) from exc
 
     # ----- rollback ---------------------------------------------------------------------------------
     def _mode(self) -> str:

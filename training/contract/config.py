@@ -263,6 +263,10 @@ class PreflightConfig:
     host_memory_per_rank_gb: float = 4.0
     """Host memory (GiB) one rank needs besides checkpoint staging and offload (its process, CUDA context, pinned
     buffers, data loader): compared, times the node's ranks, with the job's cgroup memory limit."""
+    requeue_reuse_min: float = 0.0
+    """A Slurm attempt requeued after a stop with a checkpoint (preemption, time limit, exit_interval) does not
+    check again the nodes whose last preflight passed at most this many minutes ago and that no failure has named
+    since (launcher/slurm/preflight_reuse.py); 0 (default): every attempt checks every node."""
 
 
 @dataclass
