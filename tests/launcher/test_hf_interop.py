@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is in th
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is a runtime dependency")
 
 from helpers import ROOT  # noqa: E402
+from helpers.cli import run_cli  # noqa: E402
 from helpers.hf import (
     PROMPT,
     PYTHON,
@@ -242,9 +243,9 @@ def _with_init(directory) -> Config:
     return cfg
 
 
-@pytest.mark.slow
 def test_cli_conflicting_override_exits_2_and_init_from_sets_the_model(hf_dirs, tmp_path):
-    r = meshrun(
+    """The CLI in this process (tests/helpers/cli.py): a plan starts no rank."""
+    r = run_cli(
         "action=plan",
         f"train.init_from={hf_dirs['llama']}",
         "model=gpt2_125m",
@@ -254,7 +255,7 @@ def test_cli_conflicting_override_exits_2_and_init_from_sets_the_model(hf_dirs, 
     assert r.returncode == 2, r.stderr
     assert "these overrides disagree with it" in r.stderr and "model.num_layers=12 (config.json: 2)" in r.stderr
     assert not os.path.exists(tmp_path / "a")
-    r = meshrun(
+    r = run_cli(
         "action=plan",
         f"train.init_from={hf_dirs['llama']}",
         "parallel=tp2",

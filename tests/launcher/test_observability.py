@@ -1,7 +1,10 @@
 """Observability and run management (docs/USER_CONTRACTS.md "Observability"): metrics rows with time and attempt and the
 job-wide figures, TensorBoard read back with tensorboard's own EventAccumulator (one loss per step across a stop
 and a resume), W&B off unless asked for, the progress line, `action=status` (progress fields, table),
-`action=logs` and `action=cancel` on local runs. The Slurm side is tests/slurm/test_logs_cancel_slurm.py."""
+`action=logs` and `action=cancel` on local runs. The Slurm side is tests/slurm/test_logs_cancel_slurm.py.
+
+Training runs and `action=logs logs.follow=true` (which must outlive the command that cancels) are real processes;
+status, logs, cancel and the W&B refusal run the same CLI in this process (tests/helpers/cli.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import time
 import pytest
 
 from helpers import ROOT
+from helpers.cli import run_cli
 from launcher.manage.status_table import format_table
 from training.observe.metrics import PURGED_FILE, purge_after
 from training.observe.progress import Progress, format_duration
@@ -138,7 +142,7 @@ def test_status_table_shows_a_sweep_as_one_table():
     reason="wandb is installed here: the message for a missing wandb cannot be shown",
 )
 def test_wandb_asked_for_but_not_installed_is_exit_2_with_the_fix(tmp_path):
-    res = meshrun("train.wandb=true", f"run.dir={tmp_path / 'run'}", *TINY, cwd=str(tmp_path))
+    res = run_cli("train.wandb=true", f"run.dir={tmp_path / 'run'}", *TINY, cwd=str(tmp_path))
     assert res.returncode == 2, res.stderr
     assert "pip install wandb" in res.stderr and "train.wandb=false" in res.stderr
     assert not (tmp_path / "run" / "events.jsonl").exists()
@@ -184,11 +188,11 @@ def test_tensorboard_has_one_loss_per_step_across_a_stop_and_a_resume(tmp_path):
     assert [r["loss"] for r in kept[2:4]] == pytest.approx([r["loss"] for r in purged], rel=1e-5)
     assert not (run / "wandb.json").exists()  # W&B is off unless asked for
 
-    status = json.loads(meshrun("action=status", f"run.dir={run}", cwd=str(tmp_path)).stdout)
+    status = json.loads(run_cli("action=status", f"run.dir={run}", cwd=str(tmp_path)).stdout)
     assert status["state"] == "COMPLETED" and status["step"] == 6 and status["total_steps"] == 6
     assert status["last_loss"] == pytest.approx(kept[-1]["loss"]) and status["eta_s"] is None
     assert status["log"] == str(run / "logs" / "rank_0.log")
-    logs = meshrun("action=logs", f"run.dir={run}", cwd=str(tmp_path))
+    logs = run_cli("action=logs", f"run.dir={run}", cwd=str(tmp_path))
     assert logs.returncode == 0
     assert "===== meshrun attempt 0" in logs.stdout and "===== meshrun attempt 1" in logs.stdout
     assert logs.stdout.index("attempt 0") < logs.stdout.index("attempt 1")  # every attempt, newest last
@@ -242,12 +246,12 @@ def test_cancel_a_local_run_saves_stops_and_status_says_cancelled(tmp_path):
             stderr=subprocess.PIPE,
             text=True,
         )
-        running = json.loads(meshrun("action=status", f"run.dir={run}", cwd=str(tmp_path)).stdout)
+        running = json.loads(run_cli("action=status", f"run.dir={run}", cwd=str(tmp_path)).stdout)
         assert running["state"] == "RUNNING" and running["total_steps"] == 100000 and running["eta_s"] > 0
-        table = meshrun("action=status", f"run.dir={run}", "status.format=table", cwd=str(tmp_path)).stdout
+        table = run_cli("action=status", f"run.dir={run}", "status.format=table", cwd=str(tmp_path)).stdout
         assert table.splitlines()[1].startswith("RUNNING  local")
 
-        res = meshrun("action=cancel", f"run.dir={run}", cwd=str(tmp_path))
+        res = run_cli("action=cancel", f"run.dir={run}", cwd=str(tmp_path))
         assert res.returncode == 0, res.stderr
         assert json.loads(res.stdout) == {str(run): "CANCELLED"}
         assert launch.wait(timeout=120) == 3  # stopped after a complete checkpoint
@@ -256,7 +260,7 @@ def test_cancel_a_local_run_saves_stops_and_status_says_cancelled(tmp_path):
         for proc in (launch, follow):
             if proc is not None and proc.poll() is None:
                 proc.kill()
-    status = json.loads(meshrun("action=status", f"run.dir={run}", cwd=str(tmp_path)).stdout)
+    status = json.loads(run_cli("action=status", f"run.dir={run}", cwd=str(tmp_path)).stdout)
     assert status["state"] == "CANCELLED"
     events = rows(str(run / "events.jsonl"))
     cancelled = [e for e in events if e["event"] == "cancelled"]
@@ -265,5 +269,5 @@ def test_cancel_a_local_run_saves_stops_and_status_says_cancelled(tmp_path):
     assert step >= 1 and (run / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
     assert any(e["event"] == "checkpoint" and e["step"] == step and e["reason"] == "SIGUSR2" for e in events)
     assert "SIGUSR2 received" in out and "summary:" in out
-    again = meshrun("action=cancel", f"run.dir={run}", cwd=str(tmp_path))
+    again = run_cli("action=cancel", f"run.dir={run}", cwd=str(tmp_path))
     assert again.returncode == 0 and "already CANCELLED" in again.stderr

@@ -1,6 +1,10 @@
 """`meshrun action=report`: PNG plots and a self-contained report.html of a real run (stopped and resumed, so
 it has two attempts and checkpoints) and of a sweep, rendered in a real headless browser (Debian's chromium,
-installed by tests/browser.sh, which `make test` runs): every image must decode (naturalWidth > 0)."""
+installed by tests/browser.sh, which `make test` runs): every image must decode (naturalWidth > 0).
+
+The run trains once for the module (two CLI launches) and its report is made once by a real `meshrun` process
+(the smoke test of the command's boundary: its JSON on stdout, the page on disk); the tests read that output.
+The sweep and the refusal run the same command in this process (tests/helpers/cli.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import sys
 import pytest
 
 from helpers import ROOT
+from helpers.cli import run_cli
 from launcher.manage.report import build_report, sweep_points
 from training.contract.rundir.events import append_event
 
@@ -81,11 +86,20 @@ def run_dir(tmp_path_factory):
     return run
 
 
-@pytest.mark.slow  # run_dir trains (two CLI launches)
-def test_report_of_a_run(run_dir, drawn):
+@pytest.fixture(scope="module")
+def run_report(run_dir):
+    """`meshrun action=report` of the run, once, in a process of its own: (its stdout's JSON, report.html's text
+    as it wrote it)."""
     p = meshrun("action=report", f"run.dir={run_dir}", cwd=os.path.dirname(run_dir))
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)
+    with open(os.path.join(run_dir, "report", "report.html")) as f:
+        return out, f.read()
+
+
+@pytest.mark.slow  # run_dir trains (two CLI launches)
+def test_report_of_a_run(run_dir, run_report, drawn):
+    out, page = run_report
     assert out["report"] == os.path.join(run_dir, "report", "report.html")
     names = {os.path.basename(x)[:-4] for x in out["images"]}
     assert names == RUN_PLOTS, out  # no GPU sampler ran: the health plot is left out with a note
@@ -93,8 +107,6 @@ def test_report_of_a_run(run_dir, drawn):
     for path in out["images"]:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    with open(out["report"]) as f:
-        page = f.read()
     assert len(re.findall(r"<img [^>]*src='data:image/png;base64,", page)) == len(RUN_PLOTS)
     assert "src='http" not in page and "src='file" not in page  # self-contained
     # One row per step across the stop and the resume; the markers the plots carry. The reference is the run's
@@ -126,7 +138,7 @@ def test_report_of_a_run(run_dir, drawn):
 @pytest.mark.slow  # run_dir trains
 def test_report_of_a_sweep(run_dir, tmp_path, drawn):
     sweep = tmp_path / "sweep"
-    p = meshrun(
+    p = run_cli(
         "-m",
         "action=plan",
         *TINY,
@@ -134,7 +146,7 @@ def test_report_of_a_sweep(run_dir, tmp_path, drawn):
         "parallel.dp=null",
         "parallel.tp=1,2",
         f"hydra.sweep.dir={sweep}",
-        cwd=tmp_path,
+        cwd=str(tmp_path),
     )
     assert p.returncode == 0, p.stderr[-3000:]
     with open(sweep / "sweep.json") as f:
@@ -152,15 +164,14 @@ def test_report_of_a_sweep(run_dir, tmp_path, drawn):
     assert points[0]["plan_tokens_per_s"] == pytest.approx(plan["tokens_per_step"] / plan["predicted_step_s"])
     assert points[0]["plan_memory_gib"] == pytest.approx(plan["memory_bytes"]["total"] / 2**30)
     assert points[0]["measured_memory_gib"] > 0 and math.isnan(points[1]["measured_tokens_per_s"])
-    p = meshrun("action=report", f"run.dir={sweep}", cwd=tmp_path)
+    p = run_cli("action=report", f"run.dir={sweep}", cwd=str(tmp_path))
     assert p.returncode == 0, p.stderr[-3000:]
     assert {os.path.basename(x) for x in json.loads(p.stdout)["images"]} == {
         "sweep_tokens_per_s.png",
         "sweep_memory.png",
     }
-    # The bars drawn (in-process): point 0's measured bar is that mean, its plan bar tokens_per_step over
+    # The bars that command drew: point 0's measured bar is that mean, its plan bar tokens_per_step over
     # predicted_step_s; point 1 has no measured bar (height 0).
-    build_report(str(sweep))
     bars = sorted(drawn["Tokens/s per point: measured vs plan"]["bars"])  # measured at x-0.2, plan at x+0.2
     assert [h for _, h in bars] == pytest.approx(
         [sum(rates) / len(rates), plan["tokens_per_step"] / plan["predicted_step_s"], 0, bars[3][1]]
@@ -168,7 +179,7 @@ def test_report_of_a_sweep(run_dir, tmp_path, drawn):
 
 
 def test_report_of_a_directory_that_is_no_run(tmp_path):
-    p = meshrun("action=report", f"run.dir={tmp_path}", cwd=tmp_path)
+    p = run_cli("action=report", f"run.dir={tmp_path}", cwd=str(tmp_path))
     assert p.returncode == 2 and "neither a run directory" in p.stderr and not (tmp_path / "report").exists()
 
 
@@ -192,12 +203,9 @@ _PROBE = """<script>window.addEventListener('load', () => {
 
 
 @pytest.mark.slow  # run_dir trains
-def test_report_renders_every_image_in_a_headless_browser(run_dir, tmp_path):
+def test_report_renders_every_image_in_a_headless_browser(run_report, tmp_path):
     browser = chromium()
-    p = meshrun("action=report", f"run.dir={run_dir}", cwd=tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    with open(os.path.join(run_dir, "report", "report.html")) as f:
-        page = f.read()
+    _, page = run_report  # the page the meshrun process wrote
     probed = tmp_path / "probed.html"  # the same page plus the probe, outside the run directory
     probed.write_text(page.replace("</body>", _PROBE + "</body>"))
     dom = subprocess.run(
