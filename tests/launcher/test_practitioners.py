@@ -1,7 +1,8 @@
 """What a practitioner reaches for on the first day: presets kept in a directory of one's own (Hydra's
 --config-dir and hydra.searchpath), listed by `meshrun --help`, composed and validated like the packaged ones;
 `runs/latest` and `multirun/latest` naming the newest run and sweep, so status and logs need no timestamp;
-`logs.tail=N`. Real `meshrun` processes in a scratch working directory."""
+`logs.tail=N`. In a scratch working directory: the one training run is a real `meshrun` process (it starts
+ranks); every other command runs in this process through the same entry point (tests/helpers/cli.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,19 @@ import sys
 
 import pytest
 
+from helpers.cli import run_cli
+
 MESHRUN = os.path.join(os.path.dirname(sys.executable), "meshrun")
 
 
 def _meshrun(cwd, *args, timeout=300):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run([MESHRUN, *args], capture_output=True, text=True, cwd=str(cwd), timeout=timeout, env=env)
+
+
+def _cli(cwd, *args):
+    """The same command as _meshrun, in this process (no ranks are started)."""
+    return run_cli(*args, cwd=str(cwd))
 
 
 def _team_presets(root):
@@ -40,7 +48,7 @@ def _team_presets(root):
 def test_presets_of_ones_own_compose_validate_and_are_listed(tmp_path):
     team = tmp_path / "team_conf"
     _team_presets(team)
-    listed = _meshrun(tmp_path, "--config-dir", str(team), "--help")
+    listed = _cli(tmp_path, "--config-dir", str(team), "--help")
     assert listed.returncode == 0, listed.stderr
     groups = {line.split(":")[0]: line for line in listed.stdout.splitlines() if ": " in line}
     assert "team_small" in groups["model"] and "tiny" in groups["model"]  # beside the packaged presets
@@ -48,7 +56,7 @@ def test_presets_of_ones_own_compose_validate_and_are_listed(tmp_path):
     # Composed and validated like a packaged preset: the plan carries the preset's values.
     for how in (["--config-dir", str(team)], [f"hydra.searchpath=[file://{team}]"]):
         run = tmp_path / f"plan{len(how)}"
-        r = _meshrun(
+        r = _cli(
             tmp_path,
             *how,
             "action=plan",
@@ -62,7 +70,7 @@ def test_presets_of_ones_own_compose_validate_and_are_listed(tmp_path):
         assert cfg["model"]["name"] == "team_small" and cfg["model"]["norm"] == "rmsnorm"
         assert cfg["cluster"]["name"] == "team_box" and cfg["parallel"]["global_batch"] == 2
     # The same rules as for packaged presets: a layout that breaks them, a misspelt key -> exit 2, nothing written.
-    bad = _meshrun(
+    bad = _cli(
         tmp_path,
         "--config-dir",
         str(team),
@@ -72,13 +80,11 @@ def test_presets_of_ones_own_compose_validate_and_are_listed(tmp_path):
         f"run.dir={tmp_path / 'bad'}",
     )
     assert bad.returncode == 2 and "divisible" in bad.stderr and not (tmp_path / "bad").exists()
-    typo = _meshrun(
-        tmp_path, "--config-dir", str(team), "action=plan", "model=team_typo", f"run.dir={tmp_path / 'typo'}"
-    )
+    typo = _cli(tmp_path, "--config-dir", str(team), "action=plan", "model=team_typo", f"run.dir={tmp_path / 'typo'}")
     assert typo.returncode == 2 and "num_layer" in typo.stderr and not (tmp_path / "typo").exists()
 
 
-@pytest.mark.slow  # two local training runs
+@pytest.mark.slow  # a local training run
 def test_latest_links_follow_the_newest_run_and_sweep(tmp_path):
     args = [
         "model.num_layers=1",
@@ -93,7 +99,9 @@ def test_latest_links_follow_the_newest_run_and_sweep(tmp_path):
         "train.steps=3",
         "train.tensorboard=false",
     ]
-    first = _meshrun(tmp_path, *args)
+    # The link is pointed once the plan passes, before any launch (launcher/cli/app.py: start), the same for
+    # action=plan and a training run: the first, older run is a plan, the newest one trains.
+    first = _cli(tmp_path, *args, "action=plan")
     assert first.returncode == 0, first.stderr
     runs = tmp_path / "runs"
     (one,) = [d for d in os.listdir(runs) if d != "latest"]
@@ -102,31 +110,31 @@ def test_latest_links_follow_the_newest_run_and_sweep(tmp_path):
     assert second.returncode == 0, second.stderr
     two = [d for d in os.listdir(runs) if d not in ("latest", one)]
     assert len(two) == 1 and os.readlink(runs / "latest") == two[0]
-    status = _meshrun(tmp_path, "action=status", "run.dir=runs/latest")
+    status = _cli(tmp_path, "action=status", "run.dir=runs/latest")
     assert status.returncode == 0, status.stderr
     got = json.loads(status.stdout)
     assert got["state"] == "COMPLETED" and got["last_step"] == 4
     whole = (runs / two[0] / "logs" / "rank_0.log").read_text().splitlines()
-    tail = _meshrun(tmp_path, "action=logs", "run.dir=runs/latest", "logs.tail=3")
+    tail = _cli(tmp_path, "action=logs", "run.dir=runs/latest", "logs.tail=3")
     assert tail.returncode == 0, tail.stderr
     header, *lines = tail.stdout.splitlines()
     assert header == f"==> {runs / two[0] / 'logs' / 'rank_0.log'} <==" and lines == whole[-3:]
     # Resuming through the link runs in the real directory and leaves the link where it was.
-    again = _meshrun(tmp_path, "action=plan", "train.steps=5", "run.dir=runs/latest")
+    again = _cli(tmp_path, "action=plan", "train.steps=5", "run.dir=runs/latest")
     assert again.returncode == 0, again.stderr
     assert os.readlink(runs / "latest") == two[0] and not (runs / "latest" / "latest").exists()
     assert json.load(open(runs / two[0] / "config.json"))["run"]["dir"] == str(runs / two[0])
     # A sweep: multirun/latest names its directory, and status of it is the sweep's.
-    sweep = _meshrun(tmp_path, "-m", "action=plan", "parallel.tp=1,2", "parallel.sp=false")
+    sweep = _cli(tmp_path, "-m", "action=plan", "parallel.tp=1,2", "parallel.sp=false")
     assert sweep.returncode == 0, sweep.stderr
     (sweep_dir,) = [d for d in os.listdir(tmp_path / "multirun") if d != "latest"]
     assert os.readlink(tmp_path / "multirun" / "latest") == sweep_dir
-    points = json.loads(_meshrun(tmp_path, "action=status", "run.dir=multirun/latest").stdout)
+    points = json.loads(_cli(tmp_path, "action=status", "run.dir=multirun/latest").stdout)
     assert len(points["points"]) == 2
     # A real directory called latest is the user's: never replaced.
     own = tmp_path / "elsewhere" / "runs"
     (own / "latest").mkdir(parents=True)
-    r = _meshrun(tmp_path, "action=plan", f"run.dir={own / 'x'}")
+    r = _cli(tmp_path, "action=plan", f"run.dir={own / 'x'}")
     assert r.returncode == 0 and (own / "latest").is_dir() and not (own / "latest").is_symlink()
 
 

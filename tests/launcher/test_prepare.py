@@ -1,4 +1,7 @@
-"""`meshrun action=prepare`: the command, streaming large files, deterministic split, bad input."""
+"""`meshrun action=prepare`: the command, streaming large files, deterministic split, bad input.
+
+The prepare with worker processes is a real `meshrun` process; the plans and the refused prepare run in this
+process through the console entry point (tests/helpers/cli.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT
+from helpers.cli import run_cli
 import launcher.data.prepare as lp
 import helpers.megatron_format as mf
 from training.contract.config import PrepareConfig
@@ -65,31 +69,21 @@ def test_cli_prepares_then_plans_with_the_tokenizers_vocabulary(tmp_path):
         "code.valid.json",
     ]
     run_dir = tmp_path / "run"
-    r = subprocess.run(
-        [MESHRUN, "action=plan", "data=indexed", f"data.prefixes=[{out}]", f"run.dir={run_dir}", "train.eval_every=5"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=240,
+    r = run_cli(
+        "action=plan", "data=indexed", f"data.prefixes=[{out}]", f"run.dir={run_dir}", "train.eval_every=5", cwd=ROOT
     )
     assert r.returncode == 0, r.stderr
     cfg = json.load(open(run_dir / "config.json"))
     assert cfg["model"]["vocab_size"] == 320 and cfg["data"]["prefixes"] == [str(out)]
     # A model vocabulary smaller than the tokenizer's, and weights that do not match: exit 2, nothing launched.
-    r = subprocess.run(
-        [
-            MESHRUN,
-            "action=plan",
-            "data=indexed",
-            f"data.prefixes=[{out}]",
-            "model.vocab_size=256",
-            "data.weights=[1,2]",
-            f"run.dir={tmp_path / 'run2'}",
-        ],
-        capture_output=True,
-        text=True,
+    r = run_cli(
+        "action=plan",
+        "data=indexed",
+        f"data.prefixes=[{out}]",
+        "model.vocab_size=256",
+        "data.weights=[1,2]",
+        f"run.dir={tmp_path / 'run2'}",
         cwd=ROOT,
-        timeout=240,
     )
     assert r.returncode == 2
     assert "model.vocab_size: 256 is smaller" in r.stderr and "model.vocab_size=320" in r.stderr
@@ -99,13 +93,7 @@ def test_cli_prepares_then_plans_with_the_tokenizers_vocabulary(tmp_path):
 def test_cli_bad_input_exits_2_naming_the_file(tmp_path):
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\xe9\n".encode("latin-1"))
-    r = subprocess.run(
-        [MESHRUN, "action=prepare", f"prepare.inputs=[{bad}]", f"prepare.output={tmp_path}/o/x"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=240,
-    )
+    r = run_cli("action=prepare", f"prepare.inputs=[{bad}]", f"prepare.output={tmp_path}/o/x", cwd=ROOT)
     assert r.returncode == 2
     assert "latin1.txt: invalid UTF-8 at byte 3" in r.stderr and "convert the file to UTF-8" in r.stderr
     assert os.listdir(tmp_path / "o") == []

@@ -1,7 +1,11 @@
 """hydra_plugins/meshrun_sweep: a `meshrun -m` sweep gives what Hydra's basic sweeper+launcher give
 (summary, sweep.json, per-point files, exit codes), composing once per set of config-group choices.
 The summary (launcher/sweep/summary.py) is built from the points' files, so every Hydra launcher gives the same
-one; it fits 120 columns; a Slurm sweep under dry_run=true prints its job arrays and submits nothing."""
+one; it fits 120 columns; a Slurm sweep under dry_run=true prints its job arrays and submits nothing.
+
+Sweeps of plans start no ranks: they run in this process through the console entry point (tests/helpers/cli.py),
+except under the joblib and submitit launchers, whose workers and jobs are processes of their own: those run
+as `python -m launcher`. One sweep per launcher (module fixtures) serves every test that reads it."""
 
 from __future__ import annotations
 
@@ -11,10 +15,13 @@ import re
 import subprocess
 import sys
 
+import shutil
+
 import pytest
 from omegaconf import OmegaConf
 
 from helpers import ROOT
+from helpers.cli import run_cli
 
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
@@ -22,7 +29,12 @@ if not os.path.exists(PYTHON):
 BASIC = ["hydra/sweeper=basic", "hydra/launcher=basic"]
 
 
-def meshrun(*args: str, cwd) -> subprocess.CompletedProcess:
+def meshrun(*args: str, cwd):
+    """A sweep of plans in this process (no rank starts)."""
+    return run_cli(*args, cwd=str(cwd))
+
+
+def meshrun_subprocess(*args: str, cwd) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run(
         [PYTHON, "-m", "launcher", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
@@ -45,17 +57,34 @@ def _table(stdout: str) -> list:
     return lines[start:end]
 
 
-def test_same_sweep_as_basic_incl_invalid_point(tmp_path):
-    # Two group choices (model) x two values (pp); pp=4 on the 4-layer tiny model is fine, on gpt2_125m
-    # (12 layers) too, so pp=3 supplies the invalid points (4 layers not divisible by 3).
-    sweep_args = ["-m", "action=plan", "model=tiny,gpt2_125m", "parallel.pp=1,3", "parallel.sp=false"]
+# Two group choices (model) x two values (pp); pp=4 on the 4-layer tiny model is fine, on gpt2_125m
+# (12 layers) too, so pp=3 supplies the invalid points (4 layers not divisible by 3).
+SMALL_SWEEP = ["-m", "action=plan", "model=tiny,gpt2_125m", "parallel.pp=1,3", "parallel.sp=false"]
+IN_PROCESS = {"meshrun": [], "basic": BASIC}  # launchers that run the points in the calling process
+OWN_PROCESSES = {  # joblib workers, submitit jobs: processes of their own, started by a real `meshrun`
+    "joblib": ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"],
+    "submitit_local": ["hydra/launcher=submitit_local"],
+}
+
+
+def _small_sweeps(base, launchers, run):
     out = {}
-    for name, extra in (("meshrun", []), ("basic", BASIC)):
-        sweep = tmp_path / name
-        p = meshrun(*sweep_args, *extra, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
-        assert p.returncode == 0, p.stderr
+    for name, extra in launchers.items():
+        sweep = base / name
+        p = run(*SMALL_SWEEP, *extra, f"hydra.sweep.dir={sweep}", cwd=base)
+        assert p.returncode == 0, (name, p.stdout[-2000:], p.stderr[-3000:])
         out[name] = (p, json.loads((sweep / "sweep.json").read_text()), sweep)
-    (p_new, new, sweep_new), (p_base, base, _) = out["meshrun"], out["basic"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_sweeps(tmp_path_factory):
+    """SMALL_SWEEP under meshrun's launcher and Hydra's basic one: (result, sweep.json, sweep dir) by name."""
+    return _small_sweeps(tmp_path_factory.mktemp("small_sweeps"), IN_PROCESS, meshrun)
+
+
+def test_same_sweep_as_basic_incl_invalid_point(small_sweeps):
+    (p_new, new, sweep_new), (p_base, base, _) = small_sweeps["meshrun"], small_sweeps["basic"]
     assert _summary_line(p_new.stdout) == _summary_line(p_base.stdout)
     assert new["infeasible"] and new["feasible"], _summary_line(p_new.stdout)
     assert _rows(new) == _rows(base)
@@ -105,25 +134,12 @@ def test_composer_matches_hydra_and_composes_once_per_group_set():
     assert composer.compositions == 2  # model=tiny, model=gpt2_125m
 
 
-SMALL_SWEEP = ["-m", "action=plan", "model=tiny,gpt2_125m", "parallel.pp=1,3", "parallel.sp=false"]
-LAUNCHERS = {  # Hydra launchers that run points in this process, in joblib workers, in submitit jobs
-    "meshrun": [],
-    "basic": BASIC,
-    "joblib": ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"],
-    "submitit_local": ["hydra/launcher=submitit_local"],
-}
-
-
 @pytest.mark.slow  # joblib workers and submitit jobs: processes of their own
-def test_every_hydra_launcher_gives_the_same_summary(tmp_path):
+def test_every_hydra_launcher_gives_the_same_summary(small_sweeps, tmp_path):
     """The summary and sweep.json come from what each point wrote in its own directory, read in the
     parent process: identical with meshrun's launcher, basic, joblib and submitit's local launcher."""
-    out = {}
-    for name, extra in LAUNCHERS.items():
-        sweep = tmp_path / name
-        p = meshrun(*SMALL_SWEEP, *extra, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
-        assert p.returncode == 0, (name, p.stdout[-2000:], p.stderr[-3000:])
-        out[name] = (_table(p.stdout), json.loads((sweep / "sweep.json").read_text()), sweep)
+    out = {**small_sweeps, **_small_sweeps(tmp_path, OWN_PROCESSES, meshrun_subprocess)}
+    out = {name: (_table(p.stdout), data, sweep) for name, (p, data, sweep) in out.items()}
     table, data, sweep = out["meshrun"]
     assert (
         table[0] == "sweep summary: 1 feasible, 3 infeasible; ranked by predicted step time (compute, "
@@ -135,7 +151,10 @@ def test_every_hydra_launcher_gives_the_same_summary(tmp_path):
         assert [pt["overrides"] for pt in other["points"]] == [pt["overrides"] for pt in data["points"]], name
         for r in other["feasible"]:
             assert r["run_dir"] == str(other_sweep / str(r["num"])), name
-    # A sweep directory used again: only this sweep's points count, not the older ones still there.
+    # A sweep directory used again (a copy of meshrun's, the fixture's stays as it was): only this sweep's
+    # points count, not the older ones still there.
+    sweep = shutil.copytree(sweep, tmp_path / "again", symlinks=True)
+    assert sorted(int(d) for d in os.listdir(sweep) if d.isdigit()) == [0, 1, 2, 3]
     p = meshrun(
         "-m",
         "action=plan",

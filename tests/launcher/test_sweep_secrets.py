@@ -2,7 +2,11 @@
 or the terminal: not sweep.json, multirun.yaml, point.json, config.json/yaml, submitit's pickles, nor the point
 lines and the summary, with every Hydra launcher. Each point's run directory keeps the value in secrets.json
 (0600), where its ranks read it, on Slurm too, and a later relaunch of the point resolves the placeholder
-from there with no secret on its command line or in its environment."""
+from there with no secret on its command line or in its environment.
+
+Plans start no ranks: they run in this process through the console entry point (tests/helpers/cli.py), except
+the sweeps under the joblib and submitit launchers (workers and jobs of their own: a real `python -m launcher`)
+and the Slurm test's submissions."""
 
 from __future__ import annotations
 
@@ -16,11 +20,13 @@ import sys
 import pytest
 
 from helpers import ROOT
+from helpers.cli import run_cli
 from training.contract.rundir.secret_env import PLACEHOLDER
 
 import helpers.slurm as dev
 
 SECRET = "hf_sw33p-s3cr3t-4c2e"
+OWN_PROCESSES = ("joblib", "submitit_local")  # launchers whose points run in processes they start
 LAUNCHERS = {  # Hydra launchers: points in this process, in joblib workers, in submitit jobs
     "meshrun": [],
     "basic": ["hydra/sweeper=basic", "hydra/launcher=basic"],
@@ -29,7 +35,12 @@ LAUNCHERS = {  # Hydra launchers: points in this process, in joblib workers, in 
 }
 
 
-def meshrun(*args, cwd=ROOT, env=None, timeout=300):
+def meshrun(*args, cwd):
+    """A command that starts no rank, in this process."""
+    return run_cli(*args, cwd=str(cwd))
+
+
+def meshrun_subprocess(*args, cwd=ROOT, env=None, timeout=300):
     return subprocess.run(
         [sys.executable, "-m", "launcher", *args],
         cwd=cwd,
@@ -67,14 +78,11 @@ def assert_only_in_secrets_files(root, run_dirs):
 # Launchers that start worker processes are in the slow set (`make check` keeps the in-process ones).
 @pytest.mark.parametrize(
     "launcher",
-    [
-        pytest.param(name, marks=[pytest.mark.slow] if name in ("joblib", "submitit_local") else [])
-        for name in LAUNCHERS
-    ],
+    [pytest.param(name, marks=[pytest.mark.slow] if name in OWN_PROCESSES else []) for name in LAUNCHERS],
 )
 def test_sweep_keeps_a_secret_out_of_its_files_and_output(tmp_path, launcher):
     sweep = tmp_path / "sweep"
-    p = meshrun(
+    p = (meshrun_subprocess if launcher in OWN_PROCESSES else meshrun)(
         "-m",
         "action=plan",
         f"+cluster.env.HF_TOKEN={SECRET}",

@@ -3,7 +3,9 @@ inside run.dir follows a symbolic link, cluster.env cannot set meshrun's own var
 reserved by prefix as sbatch reads them, and action=prepare never replaces a dataset silently.
 
 One tiny local training run (module fixture) gives a real run directory with a checkpoint; every case works
-on a copy of it. The launches that must be refused exit 2 before any rank starts, so they run side by side.
+on a copy of it. The launches that must be refused exit 2 before any rank starts, and plan, status and logs
+start none: they run in this process through the console entry point (tests/helpers/cli.py). Launches that
+train, and the signals sent to them, are real `python -m launcher` processes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import pytest
 
 from helpers import ROOT
+from helpers.cli import run_cli
 
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
@@ -47,23 +50,8 @@ def meshrun(*args: str, cwd) -> subprocess.CompletedProcess:
 
 
 def meshrun_many(cases, cwd):
-    """Start every launch at once (each exits 2 before any rank starts), then collect them in order."""
-    procs = [
-        subprocess.Popen(
-            [PYTHON, "-m", "launcher", *args],
-            cwd=str(cwd),
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for args in cases
-    ]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=600)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return out
+    """Commands that exit before any rank starts (refusals, plans), one after another in this process."""
+    return [run_cli(*args, cwd=str(cwd)) for args in cases]
 
 
 def _sha(path) -> str:
@@ -148,7 +136,7 @@ def test_config_json_is_never_overwritten_by_a_mistake(trained, tmp_path, capsys
     for name in ("typo", "truncated", "nonnumber", "list"):
         assert _sha(runs[name] / "config.json") == before[name], name  # the damaged file is left for the user
     # The run itself was not harmed: a plain relaunch afterwards still says "no changes".
-    again = meshrun(f"run.dir={runs['model']}", "action=plan", cwd=tmp_path)
+    again = run_cli(f"run.dir={runs['model']}", "action=plan", cwd=str(tmp_path))
     assert again.returncode == 0 and "(no changes)" in again.stderr, again.stderr
 
 
@@ -324,7 +312,7 @@ def _training_rank(launcher: subprocess.Popen):
 
 
 def _status(run, cwd):
-    return json.loads(meshrun("action=status", f"run.dir={run}", cwd=cwd).stdout)
+    return json.loads(run_cli("action=status", f"run.dir={run}", cwd=str(cwd)).stdout)
 
 
 @pytest.mark.slow  # trains (the module's `trained` run)
@@ -374,7 +362,9 @@ def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
     third.kill()
     third.communicate(timeout=60)
     plan = _wait_for(
-        lambda: (lambda p: p if p.returncode == 0 else None)(meshrun("action=plan", f"run.dir={run}", cwd=tmp_path)),
+        lambda: (lambda p: p if p.returncode == 0 else None)(
+            run_cli("action=plan", f"run.dir={run}", cwd=str(tmp_path))
+        ),
         120,
         "the relaunch to take the run over",
     )
@@ -384,7 +374,7 @@ def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
     assert events[-2]["event"] == "checkpoint" and events[-2]["reason"] == "SIGTERM"
     assert (run / "checkpoints" / "latest").read_text() != before
 
-    logs = meshrun("action=logs", f"run.dir={run}", "logs.rank=1", cwd=tmp_path)
+    logs = run_cli("action=logs", f"run.dir={run}", "logs.rank=1", cwd=str(tmp_path))
     assert logs.returncode == 2 and "has 1 ranks" in logs.stderr, logs.stderr
 
 
