@@ -80,7 +80,9 @@ def run_distributed(
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, tuple(args), results, threads, dict(os.environ)), daemon=True)
+        ctx.Process(
+            target=_worker, args=(fn, r, world_size, port, tuple(args), results, threads, dict(os.environ)), daemon=True
+        )
         for r in range(world_size)
     ]
     for p in procs:
