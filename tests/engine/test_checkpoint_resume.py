@@ -37,7 +37,7 @@ def _cfg(tp=2, dp=2, sp=True, zero=1, steps=STEPS, pp=1, layers=2, **train) -> C
     cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp, cfg.parallel.zero = tp, dp, sp and tp > 1, zero
     cfg.parallel.pp = pp
     cfg.parallel.micro_batch, cfg.parallel.global_batch = 2, 8
-    cfg.cluster.gpus_per_node = tp * pp * dp
+    cfg.cluster.gpus_per_node, cfg.cluster.peak_tflops = tp * pp * dp, 1.0  # a fixed peak: no matmul timing
     cfg.train.steps, cfg.train.warmup_steps, cfg.train.progress = steps, 3, False
     cfg.train.dist_timeout_s = 30
     for k, v in train.items():

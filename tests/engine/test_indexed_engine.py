@@ -51,7 +51,7 @@ def _cfg(prefix: str, tp=1, pp=1, dp=1, sp=False, zero=0, **train) -> Config:
     p = cfg.parallel
     p.tp, p.pp, p.dp, p.sp, p.zero = tp, pp, dp, sp, zero
     p.micro_batch, p.global_batch = 2, 8
-    cfg.cluster.gpus_per_node = tp * pp * dp
+    cfg.cluster.gpus_per_node, cfg.cluster.peak_tflops = tp * pp * dp, 1.0  # a fixed peak: no matmul timing
     cfg.train.steps, cfg.train.warmup_steps, cfg.train.progress = STEPS, 2, False
     cfg.train.eval_every, cfg.train.eval_iters, cfg.train.dist_timeout_s = EVERY, 2, 60
     for k, v in train.items():

@@ -28,6 +28,7 @@ def _first_steps() -> dict:
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 32, 4, 16
     cfg.parallel.micro_batch = cfg.parallel.global_batch = 2
     cfg.data.kind, cfg.train.progress = "synthetic", False
+    cfg.cluster.peak_tflops = 1.0  # a fixed peak: no matmul timing
     cfg.train.steps, cfg.train.checkpoint_every = 3, 100
     seen = {"before_build": "torch.distributed.checkpoint" in sys.modules}
     trainer = Trainer(cfg, tempfile.mkdtemp(), ProcessMesh.single("cpu"))
