@@ -1,6 +1,10 @@
 """Fault-and-abuse matrix, engine side: one test per scenario, each through the real rank entry point
-(`python -m training.main RUN_DIR`, one process) on a run directory with real checkpoints, asserting
+(training/main.py's main(RUN_DIR), one process) on a run directory with real checkpoints, asserting
 what is lost (nothing beyond the last good checkpoint), what is written, the exit code and the message.
+
+The entry point runs in a rank forked from tests/helpers/dist.py's forkserver (torch and the engine already
+imported; its stderr file descriptor captured), not in a fresh interpreter each time: the SIGTERM test keeps
+`python -m training.main RUN_DIR` in a subprocess, where the signal and the exit code cross the process boundary.
 
 The launcher and Slurm scenarios (locks, sbatch script, requeue) live in the launcher's and Slurm's tests;
 the validation scenarios here go through `meshrun` itself.
@@ -17,11 +21,13 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Dict, List
 
 import pytest
 
 from helpers import ROOT
+from helpers.dist import run_distributed
 from training.checkpoint import storage
 from training.contract.config import Config, config_to_dict
 from training.contract.rundir.events import read_events
@@ -62,16 +68,39 @@ def _env() -> Dict[str, str]:
     return env
 
 
-def _launch(run_dir: str, **train) -> subprocess.CompletedProcess:
+@dataclass
+class _Exit:
+    """What a launch of the entry point gives the assertions (subprocess.CompletedProcess's names)."""
+
+    returncode: int
+    stderr: str
+
+
+def _main_in_rank(run_dir: str, stderr_path: str) -> int:
+    """training.main's main() in this rank as `python -m training.main RUN_DIR` runs it, with the environment
+    _env() gives a subprocess and everything written to file descriptor 2 kept in stderr_path."""
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "MESHRUN_"))]:
+        del os.environ[key]
+    from training.main import main
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(stderr_path, "w") as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            return int(main([run_dir]) or 0)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _launch(run_dir: str, **train) -> _Exit:
     _write_config(run_dir, **train)
-    return subprocess.run(
-        [sys.executable, "-m", "training.main", run_dir],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    stderr_path = run_dir.rstrip(os.sep) + ".stderr"
+    (code,) = run_distributed(_main_in_rank, 1, args=(run_dir, stderr_path), timeout_s=300)
+    with open(stderr_path) as f:
+        return _Exit(code, f.read())
 
 
 def _losses(run_dir: str) -> Dict[int, float]:
@@ -125,7 +154,7 @@ class _RunsCommand:
         return (os.system, (self.cmd,))
 
 
-@pytest.mark.slow  # base trains (training.main in a subprocess)
+@pytest.mark.slow  # base trains (training.main in a rank)
 def test_crafted_metadata_pickle_exits_2_and_runs_nothing(base, tmp_path):
     run = _copy(base[0], str(tmp_path / "run"))
     canary = tmp_path / "canary"
@@ -143,7 +172,7 @@ def test_crafted_metadata_pickle_exits_2_and_runs_nothing(base, tmp_path):
     assert _losses(run) == {}  # nothing trained on top of a checkpoint that could not be trusted
 
 
-@pytest.mark.slow  # base trains (training.main in a subprocess)
+@pytest.mark.slow  # base trains (training.main in a rank)
 def test_same_size_shard_damage_resumes_the_previous_checkpoint(base, tmp_path):
     base_dir, ref = base
     run = _copy(base_dir, str(tmp_path / "run"))
@@ -166,7 +195,7 @@ def test_same_size_shard_damage_resumes_the_previous_checkpoint(base, tmp_path):
     assert storage.verify(storage.step_dir(run, STEPS)).ok and storage.history(run) == [STEPS, EVERY]
 
 
-@pytest.mark.slow  # base trains (training.main in a subprocess)
+@pytest.mark.slow  # base trains (training.main in a rank)
 def test_symlink_in_checkpoint_with_explicit_resume_exits_2(base, tmp_path):
     run = _copy(base[0], str(tmp_path / "run"))
     newest = storage.step_dir(run, STEPS)
@@ -183,7 +212,7 @@ def test_symlink_in_checkpoint_with_explicit_resume_exits_2(base, tmp_path):
     assert os.path.exists(outside) and storage.list_steps(run) == [STEPS, EVERY]  # nothing followed or deleted
 
 
-@pytest.mark.slow  # base trains (training.main in a subprocess)
+@pytest.mark.slow  # base trains (training.main in a rank)
 def test_rollback_is_never_undone_by_auto_and_keeps_the_newer_checkpoints(base, tmp_path):
     base_dir, ref = base
     run = _copy(base_dir, str(tmp_path / "run"))
@@ -225,7 +254,7 @@ if "training.main" in getattr(sys, "orig_argv", []):
 """
 
 
-@pytest.mark.slow  # base trains (training.main in a subprocess)
+@pytest.mark.slow  # base trains (training.main in a rank)
 def test_sigterm_stops_at_a_checkpoint_and_resumes_exactly(base, tmp_path):
     _, ref = base
     run = str(tmp_path / "run")
