@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from helpers.dist import run_distributed
@@ -51,7 +50,8 @@ def _train(cfg: Config, mesh, dp_rank=0, steps=3, micro=2):
     return [p.detach().clone() for p in model.parameters()], opt
 
 
-def _overlap_cases(mesh):
+def _overlap_worker():
+    mesh = ProcessMesh.from_env(tp=1, pp=1, cp=1, dp=2, backend="gloo", timeout_s=60)
     out = {}
     for zero in (0, 1):
         off, _ = _train(_cfg(zero, 2, overlap=False), mesh, mesh.dp_rank)
@@ -61,25 +61,12 @@ def _overlap_cases(mesh):
             "early": opt.grads.launched_in_backward,
             "params": [p.numpy() for p in on],
         }
-    return out
-
-
-def _two_ranks():
-    """Both dp=2 cases (the overlapped reduction, the deferred gather) in the same two ranks, on one mesh: a
-    launch is the expensive part."""
-    mesh = ProcessMesh.from_env(tp=1, pp=1, cp=1, dp=2, backend="gloo", timeout_s=60)
-    out = {"overlap": _overlap_cases(mesh), "deferred": _deferred_gather_cases(mesh)}
     mesh.destroy()
     return out
 
 
-@pytest.fixture(scope="module")
-def two_ranks():
-    return run_distributed(_two_ranks, 2, timeout_s=360)
-
-
-def test_dp_overlap_is_bit_identical_and_starts_buckets_during_backward(two_ranks):
-    results = [r["overlap"] for r in two_ranks]
+def test_dp_overlap_is_bit_identical_and_starts_buckets_during_backward():
+    results = run_distributed(_overlap_worker, 2, timeout_s=180)
     for zero in (0, 1):
         for res in results:
             assert res[zero]["equal"], f"zero={zero}: overlap changed the parameters"
@@ -153,7 +140,7 @@ def test_qkv_split_values_and_gradients_match_the_layout_by_hand():
         assert torch.equal(grad_mine, grad_hand)
 
 
-def _deferred_gather_cases(mesh):
+def _deferred_gather_worker():
     """The GPT trainer at dp=2 zero=1: steps with the updated shards' all-gather deferred into the next
     forward against steps that gather before returning, tied head + fp32 and untied head + bf16 + full
     recomputation (the layers run again in the backward)."""
@@ -161,6 +148,7 @@ def _deferred_gather_cases(mesh):
 
     from training.run.loop import Trainer
 
+    mesh = ProcessMesh.from_env(tp=1, pp=1, cp=1, dp=2, backend="gloo", timeout_s=60)
     out = []
     for tie, recompute, precision in ((True, "none", "fp32"), (False, "full", "bf16")):
         runs = {}
@@ -205,11 +193,12 @@ def _deferred_gather_cases(mesh):
                 "replica": [p.numpy() for p in runs[True]["params"]],
             }
         )
+    mesh.destroy()
     return out
 
 
-def test_zero1_param_gather_deferred_into_the_next_forward_is_bit_identical(two_ranks):
-    results = [r["deferred"] for r in two_ranks]
+def test_zero1_param_gather_deferred_into_the_next_forward_is_bit_identical():
+    results = run_distributed(_deferred_gather_worker, 2, timeout_s=300)
     for case in range(2):
         for res in results:
             r = res[case]
