@@ -1,7 +1,7 @@
 """End-to-end checkpoint acceptance with the real engine (gloo, fp32, tiny model).
 
-- bit-exact resume at tp=2 sp dp=2 zero=1: stopped after step 10 by exit_interval and by a real SIGUSR2
-  that reaches one rank only, resumed to 20: exactly the losses of the uninterrupted run;
+- bit-exact resume at tp=2 sp dp=2 zero=1: stopped after step 5 by exit_interval and by a real SIGUSR2
+  that reaches one rank only, resumed to 10: exactly the losses of the uninterrupted run;
 - resume across layouts (tp 2->1, 1->4, dp 2->4, zero 1->0) within 1e-5 relative;
 - resume across pipeline layouts (pp 2->1 and back 1->2, 4-layer model, tp=1 dp=2 zero=1) within 1e-5 relative;
 - SIGKILL of a rank in the middle of a save: the previous checkpoint stays the chosen one.
@@ -24,7 +24,10 @@ from training.checkpoint import storage
 from training.contract.config import Config, config_from_dict, config_to_dict
 from training.contract.rundir.events import read_events
 
-STEPS = 20
+# Checkpoints every HALF steps; the layout cases go HALF -> LATER -> STEPS; the kill hits the save of KILL.
+STEPS, HALF, LATER = 10, 5, 8
+KILL_EVERY = 2
+KILL = 2 * KILL_EVERY
 
 
 def _cfg(tp=2, dp=2, sp=True, zero=1, steps=STEPS, pp=1, layers=2, **train) -> Config:
@@ -34,7 +37,7 @@ def _cfg(tp=2, dp=2, sp=True, zero=1, steps=STEPS, pp=1, layers=2, **train) -> C
     cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp, cfg.parallel.zero = tp, dp, sp and tp > 1, zero
     cfg.parallel.pp = pp
     cfg.parallel.micro_batch, cfg.parallel.global_batch = 2, 8
-    cfg.cluster.gpus_per_node = tp * pp * dp
+    cfg.cluster.gpus_per_node, cfg.cluster.peak_tflops = tp * pp * dp, 1.0  # a fixed peak: no matmul timing
     cfg.train.steps, cfg.train.warmup_steps, cfg.train.progress = steps, 3, False
     cfg.train.dist_timeout_s = 30
     for k, v in train.items():
@@ -51,17 +54,17 @@ def _train(cfg: Config, run_dir: str, mesh, hook: str = "") -> Dict[str, Any]:
     from training.run.loop import Trainer
 
     trainer = Trainer(cfg, run_dir, mesh)
-    if hook == "signal10" and mesh.rank == 1:
+    if hook == "signal" and mesh.rank == 1:
         step_fn = trainer.train_step
 
         def train_step(*args, **kwargs):
             out = step_fn(*args, **kwargs)
-            if trainer.state.step == 10:
+            if trainer.state.step == HALF:
                 os.kill(os.getpid(), signal.SIGUSR2)  # only this rank gets it: the ranks must agree anyway
             return out
 
         trainer.train_step = train_step
-    if hook == "kill_in_save10" and mesh.rank == 1:
+    if hook == "kill_in_save" and mesh.rank == 1:
         real_save = dcp.save
 
         class _Dcp:
@@ -70,7 +73,7 @@ def _train(cfg: Config, run_dir: str, mesh, hook: str = "") -> Dict[str, Any]:
 
             @staticmethod
             def save(state, storage_writer, **kwargs):  # kwargs: the checkpoint group (process_group)
-                if trainer.state.step == 10:
+                if trainer.state.step == KILL:
                     with open(os.path.join(storage_writer.path, "__1_0.distcp"), "wb") as f:
                         f.write(b"partial")
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -79,7 +82,7 @@ def _train(cfg: Config, run_dir: str, mesh, hook: str = "") -> Dict[str, Any]:
         real_dcp = manager._dcp  # the manager imports DCP on first use, through this function
         manager._dcp = lambda: (_Dcp(), real_dcp()[1])
     code = trainer.run()
-    if hook == "signal10":
+    if hook == "signal":
         # The stop flag is per process; the next Trainer of this spawn stands for a new process (a relaunch).
         from training.run import signals
 
@@ -139,10 +142,10 @@ def _copy_step(src_run: str, step: int, dst_run: str) -> None:
 # checkpoint, then the 2-rank resumes, then the 4-rank resumes of those.
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
-    """SIGKILL of rank 1 in the middle of the step-10 save (its own spawn: a rank dies)."""
+    """SIGKILL of rank 1 in the middle of the step-KILL save (its own spawn: a rank dies)."""
     run_dir = str(tmp_path_factory.mktemp("killed"))
     with pytest.raises(RuntimeError, match="died|Connection closed|failed") as err:  # whichever rank reports first
-        _run([("kill", _cfg(checkpoint_every=5, dist_timeout_s=10), run_dir, "kill_in_save10")], timeout_s=120)
+        _run([("kill", _cfg(checkpoint_every=KILL_EVERY, dist_timeout_s=10), run_dir, "kill_in_save")], timeout_s=120)
     return {
         "dir": run_dir,
         "error": str(err.value),
@@ -153,19 +156,19 @@ def killed(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory, killed):
-    """The 4-rank cases: the uninterrupted 20-step reference (leaves step_10 and step_20 checkpoints for the
-    layout cases), the stops at 10 and their resumes, the pp=2 reference, the resume after the kill."""
+    """The 4-rank cases: the uninterrupted STEPS-step reference (leaves step_HALF and step_STEPS checkpoints for
+    the layout cases), the stops at HALF and their resumes, the pp=2 reference, the resume after the kill."""
     base = tmp_path_factory.mktemp("four")
     d = {name: str(base / name) for name in ("ref", "exit_interval", "signal", "ref_pp2")}
     return _run(
         [
-            ("ref", _cfg(checkpoint_every=10), d["ref"], ""),
-            ("exit_interval_first", _cfg(exit_interval=10), d["exit_interval"], ""),
+            ("ref", _cfg(checkpoint_every=HALF), d["ref"], ""),
+            ("exit_interval_first", _cfg(exit_interval=HALF), d["exit_interval"], ""),
             ("exit_interval_second", _cfg(), d["exit_interval"], ""),
-            ("signal_first", _cfg(), d["signal"], "signal10"),
+            ("signal_first", _cfg(), d["signal"], "signal"),
             ("signal_second", _cfg(), d["signal"], ""),
-            ("ref_pp2", _pp_cfg(2, checkpoint_every=10), d["ref_pp2"], ""),
-            ("killed_resume", _cfg(exit_interval=10), killed["dir"], ""),
+            ("ref_pp2", _pp_cfg(2, checkpoint_every=HALF), d["ref_pp2"], ""),
+            ("killed_resume", _cfg(exit_interval=KILL), killed["dir"], ""),
         ],
         timeout_s=900,
     ) | {"dirs": d}
@@ -173,16 +176,17 @@ def four(tmp_path_factory, killed):
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, four):
-    """tp 2 -> 1 (and sp off) from the reference's step 10; pp 2 -> 1 from the pp=2 reference's step 10; both
-    on to step 15 (train.steps stays 20 everywhere: it shapes the LR schedule; exit_interval stops early)."""
+    """tp 2 -> 1 (and sp off) from the reference's step HALF; pp 2 -> 1 from the pp=2 reference's step HALF;
+    both on to step LATER (train.steps stays STEPS everywhere: it shapes the LR schedule; exit_interval stops
+    early)."""
     base = tmp_path_factory.mktemp("two")
     d = {"tp1": str(base / "tp1"), "pp1": str(base / "pp1")}
-    _copy_step(four["dirs"]["ref"], 10, d["tp1"])
-    _copy_step(four["dirs"]["ref_pp2"], 10, d["pp1"])
+    _copy_step(four["dirs"]["ref"], HALF, d["tp1"])
+    _copy_step(four["dirs"]["ref_pp2"], HALF, d["pp1"])
     return _run(
         [
-            ("tp1", _cfg(tp=1, dp=2, zero=1, exit_interval=15), d["tp1"], ""),
-            ("pp1", _pp_cfg(1, exit_interval=15), d["pp1"], ""),
+            ("tp1", _cfg(tp=1, dp=2, zero=1, exit_interval=LATER), d["tp1"], ""),
+            ("pp1", _pp_cfg(1, exit_interval=LATER), d["pp1"], ""),
         ],
         timeout_s=400,
     ) | {"dirs": d}
@@ -190,12 +194,12 @@ def two(tmp_path_factory, four):
 
 @pytest.fixture(scope="module")
 def again_four(tmp_path_factory, two):
-    """From the 2-rank checkpoints of step 15, on to 20: tp 1 -> 4 with zero 1 -> 0, dp 2 -> 4, pp 1 -> 2."""
+    """From the 2-rank checkpoints of step LATER, on to STEPS: tp 1 -> 4 with zero 1 -> 0, dp 2 -> 4, pp 1 -> 2."""
     base = tmp_path_factory.mktemp("again")
     d = {name: str(base / name) for name in ("tp4", "dp4", "pp2")}
-    _copy_step(two["dirs"]["tp1"], 15, d["tp4"])
-    _copy_step(two["dirs"]["tp1"], 15, d["dp4"])
-    _copy_step(two["dirs"]["pp1"], 15, d["pp2"])
+    _copy_step(two["dirs"]["tp1"], LATER, d["tp4"])
+    _copy_step(two["dirs"]["tp1"], LATER, d["dp4"])
+    _copy_step(two["dirs"]["pp1"], LATER, d["pp2"])
     return _run(
         [
             ("tp4", _cfg(tp=4, dp=1, zero=0), d["tp4"], ""),
@@ -210,24 +214,24 @@ def again_four(tmp_path_factory, two):
 def reference(four):
     out = four["ref"]
     assert out["code"] == 0 and len(out["losses"]) == STEPS
-    assert out["steps"] == [20, 10] and out["latest"] == 20
+    assert out["steps"] == [STEPS, HALF] and out["latest"] == STEPS
     return four["dirs"]["ref"], out["losses"]
 
 
 @pytest.mark.parametrize("how", ["exit_interval", "signal"])
-def test_stop_at_10_and_resume_is_bit_exact(reference, four, how):
+def test_stop_midway_and_resume_is_bit_exact(reference, four, how):
     _, ref = reference
     first, second = four[f"{how}_first"], four[f"{how}_second"]
     assert first["code"] == 3, first
-    assert first["losses"] == ref[:10]
-    assert first["latest"] == 10
+    assert first["losses"] == ref[:HALF]
+    assert first["latest"] == HALF
     events = first["events"]
-    assert any(e["event"] == "checkpoint" and e["step"] == 10 for e in events)
+    assert any(e["event"] == "checkpoint" and e["step"] == HALF for e in events)
     if how == "signal":
-        assert any(e["event"] == "signal" and e["name"] == "SIGUSR2" and e["step"] == 10 for e in events)
+        assert any(e["event"] == "signal" and e["name"] == "SIGUSR2" and e["step"] == HALF for e in events)
     assert second["code"] == 0
-    assert second["losses"] == ref[10:], (second["losses"], ref[10:])  # exact, not approximately
-    assert any(e["event"] == "resumed" and e["step"] == 10 for e in second["events"])
+    assert second["losses"] == ref[HALF:], (second["losses"], ref[HALF:])  # exact, not approximately
+    assert any(e["event"] == "resumed" and e["step"] == HALF for e in second["events"])
 
 
 def _close(got, want, tol=1e-5) -> float:
@@ -246,14 +250,14 @@ def _resumed_with_new_layout(events: List[Dict[str, Any]], step: int) -> bool:
 
 def test_resume_across_layouts(reference, two, again_four):
     _, ref = reference
-    # tp 2 -> 1 (and sp off), from the tp=2 sp dp=2 zero=1 checkpoint of step 10, on to step 15.
+    # tp 2 -> 1 (and sp off), from the tp=2 sp dp=2 zero=1 checkpoint of step HALF, on to step LATER.
     out = two["tp1"]
     assert out["code"] == 3
-    _close(out["losses"], ref[10:15])
-    # tp 1 -> 4 together with zero 1 -> 0, from that tp=1 checkpoint of step 15.
-    _close(again_four["tp4"]["losses"], ref[15:20])
+    _close(out["losses"], ref[HALF:LATER])
+    # tp 1 -> 4 together with zero 1 -> 0, from that tp=1 checkpoint of step LATER.
+    _close(again_four["tp4"]["losses"], ref[LATER:STEPS])
     # dp 2 -> 4 from the same tp=1 dp=2 checkpoint.
-    _close(again_four["dp4"]["losses"], ref[15:20])
+    _close(again_four["dp4"]["losses"], ref[LATER:STEPS])
 
 
 def test_resume_across_pp_layouts(four, two, again_four):
@@ -265,23 +269,23 @@ def test_resume_across_pp_layouts(four, two, again_four):
     """
     ref = four["ref_pp2"]
     assert ref["code"] == 0 and len(ref["losses"]) == STEPS
-    assert ref["steps"] == [20, 10]
+    assert ref["steps"] == [STEPS, HALF]
     ref = ref["losses"]
-    # pp 2 -> 1 from step 10, on to step 15.
+    # pp 2 -> 1 from step HALF, on to step LATER.
     out = two["pp1"]
-    assert out["code"] == 3 and _resumed_with_new_layout(out["events"], 10)
-    _close(out["losses"], ref[10:15])
-    # pp 1 -> 2 from that pp=1 checkpoint of step 15, on to step 20.
+    assert out["code"] == 3 and _resumed_with_new_layout(out["events"], HALF)
+    _close(out["losses"], ref[HALF:LATER])
+    # pp 1 -> 2 from that pp=1 checkpoint of step LATER, on to step STEPS.
     out = again_four["pp2"]
-    assert out["code"] == 0 and _resumed_with_new_layout(out["events"], 15)
-    _close(out["losses"], ref[15:20])
+    assert out["code"] == 0 and _resumed_with_new_layout(out["events"], LATER)
+    _close(out["losses"], ref[LATER:STEPS])
 
 
 def test_sigkill_during_save_keeps_previous_checkpoint(reference, killed, four):
     _, ref = reference
-    assert killed["latest"] == 5 and killed["steps"] == [5]
-    # The partial step 10 is either left as .tmp_step_10_* (never read) or already removed by rank 0's cleanup.
+    assert killed["latest"] == KILL_EVERY and killed["steps"] == [KILL_EVERY]
+    # The partial step KILL is either left as .tmp_step_10_* (never read) or already removed by rank 0's cleanup.
     out = four["killed_resume"]
-    assert out["losses"] == ref[5:10]
-    assert out["steps"] == [10, 5]
+    assert out["losses"] == ref[KILL_EVERY:KILL]
+    assert out["steps"] == [KILL, KILL_EVERY]
     assert not out["tmp"]

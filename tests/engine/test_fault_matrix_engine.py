@@ -1,6 +1,10 @@
 """Fault-and-abuse matrix, engine side: one test per scenario, each through the real rank entry point
-(`python -m training.main RUN_DIR`, one process) on a run directory with real checkpoints, asserting
+(training/main.py's main(RUN_DIR), one process) on a run directory with real checkpoints, asserting
 what is lost (nothing beyond the last good checkpoint), what is written, the exit code and the message.
+
+The entry point runs in a rank forked from tests/helpers/dist.py's forkserver (torch and the engine already
+imported; its stderr file descriptor captured), not in a fresh interpreter each time: the SIGTERM test keeps
+`python -m training.main RUN_DIR` in a subprocess, where the signal and the exit code cross the process boundary.
 
 The launcher and Slurm scenarios (locks, sbatch script, requeue) live in the launcher's and Slurm's tests;
 the validation scenarios here go through `meshrun` itself.
@@ -17,17 +21,21 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Dict, List
 
 import pytest
 
 from helpers import ROOT
+from helpers.dist import run_distributed
 from training.checkpoint import storage
 from training.contract.config import Config, config_to_dict
 from training.contract.rundir.events import read_events
 from training.contract.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_STOPPED
 
-STEPS = 200  # long enough (about 10 ms a step) for a signal to land mid-run
+# Checkpoints at steps 10 and 20. The SIGTERM test holds the rank before its 4th step until the signal has
+# arrived, so the run need not be long for the signal to land mid-run.
+STEPS, EVERY = 20, 10
 
 
 def _cfg() -> Config:
@@ -38,7 +46,7 @@ def _cfg() -> Config:
     p.tp, p.dp, p.sp, p.zero, p.micro_batch, p.global_batch = 1, 1, False, 0, 2, 8
     cfg.cluster.gpus_per_node, cfg.cluster.peak_tflops = 1, 1.0
     t = cfg.train
-    t.steps, t.warmup_steps, t.progress, t.checkpoint_every, t.keep_last = STEPS, 3, False, 100, 5
+    t.steps, t.warmup_steps, t.progress, t.checkpoint_every, t.keep_last = STEPS, 3, False, EVERY, 5
     cfg.data.kind, cfg.data.max_bytes = "text", 60_000
     return cfg
 
@@ -60,16 +68,39 @@ def _env() -> Dict[str, str]:
     return env
 
 
-def _launch(run_dir: str, **train) -> subprocess.CompletedProcess:
+@dataclass
+class _Exit:
+    """What a launch of the entry point gives the assertions (subprocess.CompletedProcess's names)."""
+
+    returncode: int
+    stderr: str
+
+
+def _main_in_rank(run_dir: str, stderr_path: str) -> int:
+    """training.main's main() in this rank as `python -m training.main RUN_DIR` runs it, with the environment
+    _env() gives a subprocess and everything written to file descriptor 2 kept in stderr_path."""
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "MESHRUN_"))]:
+        del os.environ[key]
+    from training.main import main
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(stderr_path, "w") as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            return int(main([run_dir]) or 0)
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _launch(run_dir: str, **train) -> _Exit:
     _write_config(run_dir, **train)
-    return subprocess.run(
-        [sys.executable, "-m", "training.main", run_dir],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    stderr_path = run_dir.rstrip(os.sep) + ".stderr"
+    (code,) = run_distributed(_main_in_rank, 1, args=(run_dir, stderr_path), timeout_s=300)
+    with open(stderr_path) as f:
+        return _Exit(code, f.read())
 
 
 def _losses(run_dir: str) -> Dict[int, float]:
@@ -91,11 +122,11 @@ def _digest(directory: str) -> Dict[str, str]:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """The uninterrupted run: its losses are the reference; it leaves checkpoints step_100 and step_200."""
+    """The uninterrupted run: its losses are the reference; it leaves checkpoints step_10 and step_20."""
     run_dir = str(tmp_path_factory.mktemp("base") / "run")
     p = _launch(run_dir)
     assert p.returncode == EXIT_OK, p.stderr[-3000:]
-    assert storage.history(run_dir) == [200, 100]
+    assert storage.history(run_dir) == [STEPS, EVERY]
     losses = _losses(run_dir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return run_dir, losses
@@ -123,11 +154,11 @@ class _RunsCommand:
         return (os.system, (self.cmd,))
 
 
-@pytest.mark.slow  # base trains (training.main in a subprocess)
+@pytest.mark.slow  # base trains (training.main in a rank)
 def test_crafted_metadata_pickle_exits_2_and_runs_nothing(base, tmp_path):
     run = _copy(base[0], str(tmp_path / "run"))
     canary = tmp_path / "canary"
-    newest = storage.step_dir(run, 200)
+    newest = storage.step_dir(run, STEPS)
     with open(os.path.join(newest, storage.DCP_METADATA), "wb") as f:
         pickle.dump(_RunsCommand(f"touch {canary}"), f)
     _reseal(newest)  # an attacker who can write run.dir can fix the manifest too
@@ -141,67 +172,70 @@ def test_crafted_metadata_pickle_exits_2_and_runs_nothing(base, tmp_path):
     assert _losses(run) == {}  # nothing trained on top of a checkpoint that could not be trusted
 
 
-@pytest.mark.slow  # base trains (training.main in a subprocess)
+@pytest.mark.slow  # base trains (training.main in a rank)
 def test_same_size_shard_damage_resumes_the_previous_checkpoint(base, tmp_path):
     base_dir, ref = base
     run = _copy(base_dir, str(tmp_path / "run"))
-    newest = storage.step_dir(run, 200)
+    newest = storage.step_dir(run, STEPS)
     shard = next(n for n in os.listdir(newest) if n.endswith(".distcp"))
     with open(os.path.join(newest, shard), "r+b") as f:  # flip bytes in the middle: the size stays
         f.seek(os.path.getsize(f.name) // 2)
         f.write(b"\xff" * 64)
     p = _launch(run)
     assert p.returncode == EXIT_OK, p.stderr[-3000:]
-    assert f"checkpoint step_200 is incomplete or corrupt, skipped: {shard} checksum mismatch" in p.stderr
-    assert "resumed at step 100" in p.stderr
+    assert f"checkpoint step_{STEPS} is incomplete or corrupt, skipped: {shard} checksum mismatch" in p.stderr
+    assert f"resumed at step {EVERY}" in p.stderr
     # Lost: only the steps after the last good checkpoint, trained again to the same losses.
-    assert _losses(run) == {s: ref[s] for s in range(101, STEPS + 1)}
+    assert _losses(run) == {s: ref[s] for s in range(EVERY + 1, STEPS + 1)}
     bad = [e for e in read_events(run) if e["event"] == "checkpoint_invalid"]
-    assert [e["step"] for e in bad] == [200]
-    # The damaged directory is kept for inspection (abandoned/), not deleted; the new step_200 is whole.
+    assert [e["step"] for e in bad] == [STEPS]
+    # The damaged directory is kept for inspection (abandoned/), not deleted; the new last checkpoint is whole.
     abandoned = os.listdir(os.path.join(storage.checkpoints_dir(run), storage.ABANDONED))
-    assert [n.split("_")[1] for n in abandoned] == ["200"]
-    assert storage.verify(storage.step_dir(run, 200)).ok and storage.history(run) == [200, 100]
+    assert [n.split("_")[1] for n in abandoned] == [str(STEPS)]
+    assert storage.verify(storage.step_dir(run, STEPS)).ok and storage.history(run) == [STEPS, EVERY]
 
 
-@pytest.mark.slow  # base trains (training.main in a subprocess)
+@pytest.mark.slow  # base trains (training.main in a rank)
 def test_symlink_in_checkpoint_with_explicit_resume_exits_2(base, tmp_path):
     run = _copy(base[0], str(tmp_path / "run"))
-    newest = storage.step_dir(run, 200)
+    newest = storage.step_dir(run, STEPS)
     shard = next(n for n in os.listdir(newest) if n.endswith(".distcp"))
     outside = str(tmp_path / "outside.distcp")
     os.replace(os.path.join(newest, shard), outside)
     os.symlink(outside, os.path.join(newest, shard))  # same bytes, but from outside the checkpoint
-    p = _launch(run, resume="200")
+    p = _launch(run, resume=str(STEPS))
     assert p.returncode == EXIT_INVALID, p.stderr[-3000:]
-    assert "train.resume=200: checkpoint step_200 is damaged (symlinks are not allowed" in p.stderr, p.stderr[-2000:]
+    assert f"train.resume={STEPS}: checkpoint step_{STEPS} is damaged (symlinks are not allowed" in p.stderr, p.stderr[
+        -2000:
+    ]
     assert "Traceback" not in p.stderr and _losses(run) == {}
-    assert os.path.exists(outside) and storage.list_steps(run) == [200, 100]  # nothing followed or deleted
+    assert os.path.exists(outside) and storage.list_steps(run) == [STEPS, EVERY]  # nothing followed or deleted
 
 
-@pytest.mark.slow  # base trains (training.main in a subprocess)
+@pytest.mark.slow  # base trains (training.main in a rank)
 def test_rollback_is_never_undone_by_auto_and_keeps_the_newer_checkpoints(base, tmp_path):
     base_dir, ref = base
     run = _copy(base_dir, str(tmp_path / "run"))
-    old_200 = _digest(storage.step_dir(run, 200))
-    first = _launch(run, resume="100", exit_interval=150)
+    old_last = _digest(storage.step_dir(run, STEPS))
+    stop = (EVERY + STEPS) // 2
+    first = _launch(run, resume=str(EVERY), exit_interval=stop)
     assert first.returncode == EXIT_STOPPED, first.stderr[-3000:]
-    assert "rolled back to step_100: checkpoints ['step_200'] are off the line now" in first.stderr
-    assert storage.history(run) == [150, 100] and storage.read_latest(run) == 150
-    # The abandoned line's step_200 is kept whole, under abandoned/, never resumed.
+    assert f"rolled back to step_{EVERY}: checkpoints ['step_{STEPS}'] are off the line now" in first.stderr
+    assert storage.history(run) == [stop, EVERY] and storage.read_latest(run) == stop
+    # The abandoned line's last checkpoint is kept whole, under abandoned/, never resumed.
     base_abandoned = os.path.join(storage.checkpoints_dir(run), storage.ABANDONED)
     (name,) = os.listdir(base_abandoned)
-    assert name.startswith("step_200_") and _digest(os.path.join(base_abandoned, name)) == old_200
+    assert name.startswith(f"step_{STEPS}_") and _digest(os.path.join(base_abandoned, name)) == old_last
     second = _launch(run)  # train.resume=auto: a requeue, or the user's next launch
     assert second.returncode == EXIT_OK, second.stderr[-3000:]
-    assert "resumed at step 150" in second.stderr
-    assert _losses(run) == {s: ref[s] for s in range(101, STEPS + 1)}  # the same run, continued exactly
-    assert [e["step"] for e in read_events(run) if e["event"] == "resumed"] == [100, 150]
+    assert f"resumed at step {stop}" in second.stderr
+    assert _losses(run) == {s: ref[s] for s in range(EVERY + 1, STEPS + 1)}  # the same run, continued exactly
+    assert [e["step"] for e in read_events(run) if e["event"] == "resumed"] == [EVERY, stop]
     assert os.listdir(base_abandoned) == [name]
 
 
 # The rank waits before its 4th step until the stop signal has arrived (at most 120 s): the signal lands
-# mid-run however slow or fast the machine is, instead of within a few seconds' window of a 200-step run.
+# mid-run however slow or fast the machine is, instead of within a few seconds' window of a short run.
 HOLD_FOR_SIGNAL = """import sys
 if "training.main" in getattr(sys, "orig_argv", []):
     import time
@@ -220,7 +254,7 @@ if "training.main" in getattr(sys, "orig_argv", []):
 """
 
 
-@pytest.mark.slow  # base trains (training.main in a subprocess)
+@pytest.mark.slow  # base trains (training.main in a rank)
 def test_sigterm_stops_at_a_checkpoint_and_resumes_exactly(base, tmp_path):
     _, ref = base
     run = str(tmp_path / "run")
@@ -256,6 +290,16 @@ def test_sigterm_stops_at_a_checkpoint_and_resumes_exactly(base, tmp_path):
     assert _losses(run) == ref  # every step, before and after the stop, exactly as the uninterrupted run
 
 
+def _assert_refused_before_anything_starts(p, run, key) -> None:
+    assert p.returncode == EXIT_INVALID, p.stderr[-2000:]
+    assert f"error: {key}:" in p.stderr and "nothing was launched" in p.stderr, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    written: List[str] = os.listdir(run) if run.exists() else []
+    assert not [n for n in written if n not in (".hydra",)], written  # no config.json, no checkpoints
+
+
+# The message checks run the console entry point in this process (tests/helpers/cli.py); one case also goes
+# through `python -m launcher` in a subprocess, where the exit code crosses the process boundary.
 @pytest.mark.parametrize(
     "override,key",
     [
@@ -264,18 +308,24 @@ def test_sigterm_stops_at_a_checkpoint_and_resumes_exactly(base, tmp_path):
         ("cluster.master_port=22", "cluster.master_port"),
     ],
 )
-def test_invalid_value_exits_2_before_anything_starts(tmp_path, override, key):
+def test_invalid_value_exits_2_before_anything_starts(tmp_path, monkeypatch, override, key):
+    from helpers.cli import run_cli
+
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "MESHRUN_")) or name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            monkeypatch.delenv(name)
+    run = tmp_path / "run"
+    _assert_refused_before_anything_starts(run_cli(override, f"run.dir={run}", cwd=str(tmp_path)), run, key)
+
+
+def test_invalid_value_exits_2_from_a_subprocess(tmp_path):
     run = tmp_path / "run"
     p = subprocess.run(
-        [sys.executable, "-m", "launcher", override, f"run.dir={run}"],
+        [sys.executable, "-m", "launcher", "train.lr=nan", f"run.dir={run}"],
         cwd=str(tmp_path),
         env=_env(),
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert p.returncode == EXIT_INVALID, p.stderr[-2000:]
-    assert f"error: {key}:" in p.stderr and "nothing was launched" in p.stderr, p.stderr[-2000:]
-    assert "Traceback" not in p.stderr
-    written: List[str] = os.listdir(run) if run.exists() else []
-    assert not [n for n in written if n not in (".hydra",)], written  # no config.json, no checkpoints
+    _assert_refused_before_anything_starts(p, run, "train.lr")

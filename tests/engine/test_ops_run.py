@@ -31,7 +31,7 @@ def _cfg(steps: int, **train) -> Config:
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 32, 4, 16
     cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp, cfg.parallel.zero = 2, 1, True, 0
     cfg.parallel.micro_batch, cfg.parallel.global_batch = 2, 4
-    cfg.cluster.gpus_per_node = 2
+    cfg.cluster.gpus_per_node, cfg.cluster.peak_tflops = 2, 1.0  # a fixed peak: no matmul timing
     cfg.train.steps, cfg.train.warmup_steps, cfg.train.progress, cfg.train.dist_timeout_s = steps, 1, False, 60
     cfg.train.decay_steps = 10  # the same learning rates whatever train.steps is: runs of 4 and 6 steps compare
     for k, v in train.items():

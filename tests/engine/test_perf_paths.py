@@ -161,6 +161,7 @@ def _deferred_gather_worker():
             cfg.parallel.micro_batch, cfg.parallel.global_batch = 2, 8  # 2 micro-batches per rank
             cfg.parallel.bucket_mb = 2048 / 2**20  # 512 fp32 elements: many chunks
             cfg.train.precision, cfg.data.kind, cfg.train.progress = precision, "synthetic", False
+            cfg.cluster.peak_tflops = 1.0  # a fixed peak: no matmul timing
             trainer = Trainer(cfg, tempfile.mkdtemp(), mesh, checkpointing=False)
             gather = trainer.optimizer.param_gather
             by_forward = []  # chunks the layers' pre-hooks completed before the next step's finish

@@ -155,7 +155,7 @@ def test_a_failed_host_copy_fails_the_save_at_wait_not_at_the_barrier(tmp_path, 
     _assert_resumes_to(run, 1, expected)
 
 
-def _two_rank_worker(run_dir, fail_rank):
+def _two_rank_save(run_dir, fail_rank):
     """dp=2 zero=1 (each rank saves its own optimizer shard) over the mesh's background gloo group."""
     mesh, cfg, model, opt, ck = _build(run_dir, dp=2, zero=1)
     ck.wait_staged()
@@ -175,28 +175,39 @@ def _two_rank_worker(run_dir, fail_rank):
         error = None
     except CheckpointError as exc:
         error = str(exc)
-    mesh.destroy()
     return [t.numpy() for t in expected], error  # plain arrays: tensors cannot outlive the spawned rank
 
 
-def _resume_worker(run_dir):
-    mesh = stand_in_mesh(1, 2)
+def _resume(run_dir):
+    mesh = stand_in_mesh(1, 2)  # new groups in the same world: a fresh manager, optimizer and model
     cfg = stand_in_cfg(1, 2, 1)
     model = StandInModel(1, 0)
     opt = DistributedOptimizer(model.named_parameters(), cfg, mesh)
     got = CheckpointManager(run_dir, mesh, cfg).maybe_resume([model], opt, {"consumed_samples": 0})
     out = (got, [t.numpy() for t in _snapshot(model, opt)], [(s.shard_start, s.shard_end) for s in opt.segments])
-    mesh.destroy()
-    return out
+    return out, mesh
+
+
+def _save_then_resume(run_dir, fail_rank):
+    """Both halves in one spawn (a launch is the expensive part); every rank has returned from the failed save
+    before any rank starts to resume."""
+    import torch.distributed as dist
+
+    saved = _two_rank_save(run_dir, fail_rank)
+    dist.barrier()
+    resumed, mesh = _resume(run_dir)
+    mesh.destroy()  # the one process group, and with it every mesh's groups
+    return saved, resumed
 
 
 def test_two_ranks_snapshot_and_a_failed_copy_on_one_rank(tmp_path):
     run = str(tmp_path)
-    results = run_distributed(_two_rank_worker, 2, args=(run, 1), timeout_s=180)
+    both = run_distributed(_save_then_resume, 2, args=(run, 1), timeout_s=240)
+    results = [saved for saved, _ in both]
     for _, error in results:  # both ranks learn of rank 1's failure; nobody hangs in a collective
         assert error and "copying the state to host memory failed" in error and "step_1) is untouched" in error
     assert storage.list_steps(run) == [1]
-    resumed = run_distributed(_resume_worker, 2, args=(run,), timeout_s=180)
+    resumed = [r for _, r in both]
     for rank, (got, loaded, real) in enumerate(resumed):
         assert got == (1, 8)
         expected = results[rank][0]

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -17,7 +15,6 @@ from training.contract.config import Config, TrainConfig, choices
 from training.contract.lr_schedule import lr_at, lr_curve, schedule_problems
 
 LR, MIN = 1e-3, 1e-4
-MESHRUN = os.path.join(os.path.dirname(sys.executable), "meshrun")
 
 
 def _train(kind, steps=40, warmup=5, **kw) -> TrainConfig:
@@ -75,20 +72,14 @@ def test_wsd_decay_fraction_edges_and_decay_steps():
 def test_bad_schedule_keys_are_refused_before_anything_is_written(tmp_path):
     assert [k for k, _, _ in schedule_problems(_train("wsd", decay_fraction=1.5))] == ["train.decay_fraction"]
     assert [k for k, _, _ in schedule_problems(_train("cosine", decay_steps=0))] == ["train.decay_steps"]
-    proc = subprocess.run(
-        [MESHRUN, "action=plan", "train.lr_schedule=wsd", "train.decay_fraction=-0.1", f"run.dir={tmp_path / 'r'}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    from helpers.cli import run_cli  # the console entry point in this process: the message, not the process
+
+    proc = run_cli(
+        "action=plan", "train.lr_schedule=wsd", "train.decay_fraction=-0.1", f"run.dir={tmp_path / 'r'}", cwd=tmp_path
     )
     assert proc.returncode == 2 and "train.decay_fraction" in proc.stderr and "train.decay_fraction=0.2" in proc.stderr
     assert not (tmp_path / "r").exists()
-    proc = subprocess.run(
-        [MESHRUN, "action=plan", "train.lr_schedule=step", f"run.dir={tmp_path / 'r'}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_cli("action=plan", "train.lr_schedule=step", f"run.dir={tmp_path / 'r'}", cwd=tmp_path)
     assert proc.returncode == 2
 
 

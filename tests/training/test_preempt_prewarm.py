@@ -8,61 +8,55 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import torch
 
 from training.optim.threads import elementwise_threads
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<package>/this file
 
-SCRIPT = r"""
-import json, sys, tempfile, threading
-from training.contract.config import Config
-from training.run.loop import Trainer
-from training.parallel.mesh import ProcessMesh
+def _first_steps() -> dict:
+    """Three steps of a tiny model in a fresh rank (forked from tests/helpers/dist.py's forkserver, which has
+    imported torch and the engine but not the save path): what was imported when."""
+    import sys
+    import tempfile
 
-cfg = Config()
-m = cfg.model
-m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 32, 4, 16
-cfg.parallel.micro_batch = cfg.parallel.global_batch = 2
-cfg.data.kind, cfg.train.progress = "synthetic", False
-cfg.train.steps, cfg.train.checkpoint_every = 3, 100
-trainer = Trainer(cfg, tempfile.mkdtemp(), ProcessMesh.single("cpu"))
-seen = {"before_run": "torch.distributed.checkpoint" in sys.modules}
-step_fn = trainer.train_step
+    from training.contract.config import Config
+    from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
-def train_step(*a, **k):
-    out = step_fn(*a, **k)
-    if trainer.state.step == 2:  # the loop's boundary after step 1 ran; no save yet (checkpoint_every 100)
-        t = trainer.checkpointer._prewarm_thread
-        seen["thread"] = t.name if t is not None else None
-        t.join(120)
-        seen["imported_before_any_save"] = ("torch.distributed.checkpoint" in sys.modules
-                                            and not trainer.checkpointer.history)
-    return out
+    cfg = Config()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 32, 4, 16
+    cfg.parallel.micro_batch = cfg.parallel.global_batch = 2
+    cfg.data.kind, cfg.train.progress = "synthetic", False
+    cfg.cluster.peak_tflops = 1.0  # a fixed peak: no matmul timing
+    cfg.train.steps, cfg.train.checkpoint_every = 3, 100
+    seen = {"before_build": "torch.distributed.checkpoint" in sys.modules}
+    trainer = Trainer(cfg, tempfile.mkdtemp(), ProcessMesh.single("cpu"))
+    seen["before_run"] = "torch.distributed.checkpoint" in sys.modules
+    step_fn = trainer.train_step
 
-trainer.train_step = train_step
-seen["exit"] = trainer.run()
-seen["saved"] = [s.reason for s in trainer.checkpointer.history]
-print(json.dumps(seen))
-"""
+    def train_step(*a, **k):
+        out = step_fn(*a, **k)
+        if trainer.state.step == 2:  # the loop's boundary after step 1 ran; no save yet (checkpoint_every 100)
+            t = trainer.checkpointer._prewarm_thread
+            seen["thread"] = t.name if t is not None else None
+            t.join(120)
+            seen["imported_before_any_save"] = (
+                "torch.distributed.checkpoint" in sys.modules and not trainer.checkpointer.history
+            )
+        return out
+
+    trainer.train_step = train_step
+    seen["exit"] = trainer.run()
+    seen["saved"] = [s.reason for s in trainer.checkpointer.history]
+    return seen
 
 
 def test_save_path_is_imported_in_the_background_after_the_first_step():
-    p = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    seen = json.loads(p.stdout.strip().splitlines()[-1])
+    from helpers.dist import run_distributed
+
+    (seen,) = run_distributed(_first_steps, 1, timeout_s=300)
+    assert seen["before_build"] is False, "the rank started with DCP imported: the check below would prove nothing"
     assert seen["before_run"] is False, "building the trainer must not import DCP (start-up pays for it)"
     assert seen["thread"] == "meshrun-checkpoint-import", seen
     assert seen["imported_before_any_save"] is True, seen
