@@ -1,8 +1,8 @@
 """train.compile=true: every transformer layer's forward compiled with torch.compile (inductor on CPU), the
 layers still modules of their own. Losses of compiled runs at tp=2 sp x dp=2 zero=1 and at pp=2 x dp=2 (1f1b)
 match the eager single-process run within COMPILE_RTOL (docs/PERFORMANCE.md), as does recompute=full with
-dropout (each compiled layer checkpointed whole) in one process; parameter names are unchanged,
-and the compile time is reported once (metrics `compile_s` on the first step only).
+dropout (each compiled layer checkpointed whole; 2 steps of one micro-batch) in one process; parameter names are
+unchanged, and the compile time is reported once (metrics `compile_s` on the first step only).
 
 Compiling is slow on shared CPU cores: a tiny model, 3 steps, and one cache directory inside the test's tmp dir
 that the single-process run fills first (inductor's one-time C++ probes), which the 4 ranks then share; both
@@ -38,6 +38,16 @@ def _cfg(tp=1, pp=1, dp=1, compile=False) -> Config:
     return cfg
 
 
+FULL_STEPS = 2
+
+
+def _full_cfg(compile: bool, dropout: float) -> Config:
+    cfg = _cfg(compile=compile)
+    cfg.parallel.recompute, cfg.model.dropout = "full", dropout
+    cfg.parallel.micro_batch, cfg.train.steps = cfg.parallel.global_batch, FULL_STEPS
+    return cfg
+
+
 def _run(cfg: Config, run_dir: str, mesh):
     from training.run.loop import Trainer
 
@@ -65,10 +75,15 @@ def _one(base: str):
         "compiled": _run(_cfg(compile=True), os.path.join(base, "compiled1"), mesh),
     }
     # recompute=full checkpoints each (compiled) layer whole, and recomputes it with the same dropout masks.
-    for name, compile in (("full_eager", False), ("full_compiled", True)):
-        cfg = _cfg(compile=compile)
-        cfg.parallel.recompute, cfg.model.dropout = "full", 0.1
-        out[name] = _run(cfg, os.path.join(base, name), mesh)
+    # Every micro-batch draws a new dropout key, which dynamo compiles anew: FULL_STEPS steps of one micro-batch
+    # each (the second step's loss already depends on the first step's recomputed backward); "full_no_dropout"
+    # is the same shape without dropout, to show that dropout changed the losses.
+    for name, compile, dropout in (
+        ("full_no_dropout", False, 0.0),
+        ("full_eager", False, 0.1),
+        ("full_compiled", True, 0.1),
+    ):
+        out[name] = _run(_full_cfg(compile, dropout), os.path.join(base, name), mesh)
     mesh.destroy()
     return out
 
@@ -95,7 +110,8 @@ def test_compiled_layers_match_eager_at_tp2_sp_dp2_and_pp2(tmp_path, monkeypatch
     assert single["eager"]["compiled"] == 0 and all("compile_s" not in r for r in single["eager"]["rows"])
     runs = {"single": single["compiled"]}
     full = single["full_eager"]["losses"]
-    assert full != eager and single["full_compiled"]["losses"] == pytest.approx(full, rel=COMPILE_RTOL)
+    assert len(full) == FULL_STEPS and full != single["full_no_dropout"]["losses"]  # dropout is on
+    assert single["full_compiled"]["losses"] == pytest.approx(full, rel=COMPILE_RTOL)
     ranks = run_distributed(_four, 4, args=(str(tmp_path),), timeout_s=900)
     runs.update(ranks[0])
     for name, got in runs.items():

@@ -66,14 +66,12 @@ def saved_activation_bytes(trainer) -> int:
     return total
 
 
-def _train(cfg_dict: dict, run_dir: str, with_grads: bool = True):
+def _train(cfg_dict: dict, run_dir: str, mesh, with_grads: bool = True):
     """One layout: grads of step 1 (before any update), then the whole run from scratch."""
     from training.run.loop import Trainer
-    from training.parallel.mesh import ProcessMesh
 
     cfg = config_from_dict(cfg_dict)
     p = cfg.parallel
-    mesh = ProcessMesh.from_env(p.tp, p.pp, p.cp, p.dp) if "RANK" in os.environ else ProcessMesh.single()
     trainer = Trainer(cfg, run_dir, mesh, checkpointing=False)
     grads = None
     activations = saved_activation_bytes(trainer)
@@ -91,26 +89,22 @@ def _train(cfg_dict: dict, run_dir: str, with_grads: bool = True):
         "grads": grads,
         "activations": activations,
     }
-    mesh.destroy()
     return result if mesh.rank == 0 else {"memory": result["memory"], "activations": activations}
 
 
 _REFERENCE = {}
 
 
-def _reference(precision="fp32", recompute="none", steps=STEPS, with_grads=True):
-    key = (precision, recompute, steps, with_grads)
+def _reference(precision="fp32", recompute="none", steps=STEPS, with_grads=True, micro_batch=2):
+    """The same Trainer in this (pytest's) process, once per configuration and module."""
+    from training.parallel.mesh import ProcessMesh
+
+    key = (precision, recompute, steps, with_grads, micro_batch)
     if key not in _REFERENCE:
         torch.set_num_threads(1)
-        cfg = _cfg(precision=precision, recompute=recompute, steps=steps)
-        _REFERENCE[key] = _train(config_to_dict(cfg), tempfile.mkdtemp(), with_grads)
+        cfg = _cfg(precision=precision, recompute=recompute, steps=steps, micro_batch=micro_batch)
+        _REFERENCE[key] = _train(config_to_dict(cfg), tempfile.mkdtemp(), ProcessMesh.single(), with_grads)
     return _REFERENCE[key]
-
-
-def _run_layout(cfg: Config, steps_timeout=240):
-    run_dir = tempfile.mkdtemp()
-    world = cfg.parallel.tp * cfg.parallel.dp
-    return run_distributed(_train, world, args=(config_to_dict(cfg), run_dir), timeout_s=steps_timeout)
 
 
 def _rel(a: float, b: float) -> float:
@@ -123,17 +117,39 @@ LAYOUTS = {
     "tp2_dp2": dict(tp=2, dp=2),
     "tp4": dict(tp=4, micro_batch=4),
 }
-_ACTIVATIONS = {}
+# The bf16 case: tp2 sp dp2 zero1, 10 steps in micro-batches of 4.
+BF16 = dict(tp=2, dp=2, sp=True, zero=1, precision="bf16", steps=10, micro_batch=4)
+
+
+def _four_ranks(base: str) -> dict:
+    """Every 4-rank case in one spawn: each mesh's groups are built beside the previous one's (the default group
+    stays, nothing is torn down between them)."""
+    from training.parallel.mesh import ProcessMesh
+
+    cases = {name: (_cfg(**kw), True) for name, kw in LAYOUTS.items()}
+    cases["bf16"] = (_cfg(**BF16), False)
+    out, mesh = {}, None
+    for name, (cfg, with_grads) in cases.items():
+        p = cfg.parallel
+        mesh = ProcessMesh.from_env(p.tp, p.pp, p.cp, p.dp)
+        out[name] = _train(config_to_dict(cfg), os.path.join(base, name), mesh, with_grads)
+    mesh.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return run_distributed(_four_ranks, 4, args=(str(tmp_path_factory.mktemp("engine")),), timeout_s=900)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_reproduces_single_process(layout):
+def test_layout_reproduces_single_process(four, layout):
     from launcher.plan.estimate import make_plan
 
     ref = _reference()
     cfg = _cfg(**LAYOUTS[layout])
-    results = _run_layout(cfg)
+    results = [r[layout] for r in four]
     got = results[0]
     assert len(got["losses"]) == STEPS
     assert ref["losses"][-1] < ref["losses"][0] - 0.5, "the reference must actually train"
@@ -155,13 +171,17 @@ def test_layout_reproduces_single_process(layout):
             res["activations"],
             plan["activations"],
         )
-    _ACTIVATIONS[layout] = results[0]["activations"]
-    if "tp2_sp_dp2_zero1" in _ACTIVATIONS and "tp2_dp2" in _ACTIVATIONS:
-        assert _ACTIVATIONS["tp2_sp_dp2_zero1"] < _ACTIVATIONS["tp2_dp2"], "TP+SP must store less than TP alone"
 
 
 @pytest.mark.slow
-def test_bf16_layout_matches_bf16_single_process_and_tracks_fp32():
+def test_sp_stores_less_activation_than_tp_alone(four):
+    assert four[0]["tp2_sp_dp2_zero1"]["activations"] < four[0]["tp2_dp2"]["activations"], (
+        "TP+SP must store less than TP alone"
+    )
+
+
+@pytest.mark.slow
+def test_bf16_layout_matches_bf16_single_process_and_tracks_fp32(four):
     """bf16 makes two claims, with two tolerances.
 
     1. The layout only changes where bf16 partial sums are rounded (TP all-reduces of partial outputs,
@@ -174,9 +194,8 @@ def test_bf16_layout_matches_bf16_single_process_and_tracks_fp32():
        in the weights themselves; the loss must still fall.
     """
     ref = _reference()
-    cfg = _cfg(tp=2, dp=2, sp=True, zero=1, precision="bf16", steps=10, micro_batch=4)
-    got = _run_layout(cfg)[0]["losses"]
-    single = _run_layout(_cfg(precision="bf16", steps=10, micro_batch=4))[0]["losses"]
+    got = four[0]["bf16"]["losses"]
+    single = _reference(precision="bf16", steps=10, with_grads=False, micro_batch=4)["losses"]
     assert max(_rel(a, b) for a, b in zip(got, single)) < 1e-3, (got, single)
     assert max(_rel(a, b) for a, b in zip(got[:5], ref["losses"][:5])) < 2e-3, (got, ref["losses"])
     assert max(_rel(a, b) for a, b in zip(got, ref["losses"])) < 6e-2, (got, ref["losses"])

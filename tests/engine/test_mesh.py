@@ -1,6 +1,7 @@
 """Process mesh: rank order and group membership (pure), and real gloo groups on 4 processes."""
 
 import itertools
+import os
 
 import pytest
 
@@ -102,7 +103,7 @@ def test_real_groups_on_4_processes():
             assert res["sums"][kind] == float(sum(mine)), kind
 
 
-def _dead_peer_worker(timeout_s):
+def _dead_peer_worker(timeout_s, done_file):
     import time
 
     import torch
@@ -110,7 +111,11 @@ def _dead_peer_worker(timeout_s):
 
     mesh = ProcessMesh.from_env(2, 1, 1, 1, backend="gloo", timeout_s=timeout_s)
     if mesh.rank == 1:
-        time.sleep(4 * timeout_s)  # a peer that never joins the collective (hung or dead)
+        # A peer that never joins the collective (hung or dead): it stays away until rank 0 has given up (a file
+        # rank 0 writes then, not a clock), bounded in case rank 0 never does.
+        deadline = time.monotonic() + 20 * timeout_s
+        while not os.path.exists(done_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return None
     t0 = time.monotonic()
     try:
@@ -118,12 +123,14 @@ def _dead_peer_worker(timeout_s):
         error = None
     except RuntimeError as e:
         error = str(e)
+    finally:
+        open(done_file, "w").close()
     return {"error": error, "waited_s": time.monotonic() - t0}
 
 
-def test_subgroup_collective_with_a_dead_peer_times_out_after_timeout_s():
+def test_subgroup_collective_with_a_dead_peer_times_out_after_timeout_s(tmp_path):
     # new_group does not inherit init_process_group's timeout: without passing it, a TP collective
     # would wait torch's 30-minute default instead of train.dist_timeout_s.
-    res = run_distributed(_dead_peer_worker, 2, args=(3.0,), timeout_s=60)[0]
+    res = run_distributed(_dead_peer_worker, 2, args=(3.0, str(tmp_path / "gave_up")), timeout_s=60)[0]
     assert res["error"] is not None
     assert 2.0 <= res["waited_s"] < 10.0, res

@@ -83,20 +83,28 @@ def _engine(zero, dp, dp_rank, mesh, lrs, clip, micro=2):
 LRS = [1e-2, 3e-2, 2e-2]
 
 
-def _dp_worker(world, zero):
-    mesh = ProcessMesh.from_env(tp=1, pp=1, cp=1, dp=world, backend="gloo", timeout_s=60)
-    ref, ref_norms = _reference(LRS, clip=0.05)
-    got, norms, opt = _engine(zero, world, mesh.dp_rank, mesh, LRS, clip=0.05)
-    assert any(n > 0.05 for n in ref_norms), "clipping must be active in this test"
-    for a, b in zip(got, ref):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (a - b).abs().max()
-    for a, b in zip(norms, ref_norms):
-        assert math.isclose(a, b, rel_tol=1e-5)
-    n = sum(p.numel() for p in _model().parameters())
-    mem = opt.memory_report()
-    shard = -(-n // world) if zero == 1 else n
-    assert mem == {"weights": 4 * n, "grads": 4 * (shard * world if zero == 1 else n), "optimizer": 8 * shard}
+def _dp_case(mesh, zero):
+    """dp=2 at this zero stage: weights, grad norms and memory report of this rank (numpy for the result queue)."""
+    got, norms, opt = _engine(zero, mesh.dp, mesh.dp_rank, mesh, LRS, clip=0.05)
+    return {"weights": [p.numpy() for p in got], "norms": norms, "memory": opt.memory_report()}
+
+
+def _two_ranks():
+    """Every 2-rank case in one spawn: dp=2 at zero 0 and 1, then the grad-norm layouts tp2 and pp2 (each mesh's
+    groups built beside the previous one's on the same default group)."""
+    out = {}
+    for zero in (0, 1):
+        mesh = ProcessMesh.from_env(tp=1, pp=1, cp=1, dp=2, backend="gloo", timeout_s=60)
+        out[f"dp2_zero{zero}"] = _dp_case(mesh, zero)
+    for layout in ("tp2", "pp2"):
+        mesh = _norm_case(layout, out)
     mesh.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(_two_ranks, 2, timeout_s=240)
 
 
 def test_single_process_matches_torch_adamw():
@@ -107,8 +115,24 @@ def test_single_process_matches_torch_adamw():
 
 
 @pytest.mark.parametrize("zero", [0, 1])
-def test_dp2_matches_single_process_reference(zero):
-    run_distributed(_dp_worker, 2, args=(2, zero), timeout_s=120)
+def test_dp2_matches_single_process_reference(two_ranks, zero):
+    world = 2
+    ref, ref_norms = _reference(LRS, clip=0.05)
+    assert any(n > 0.05 for n in ref_norms), "clipping must be active in this test"
+    n = sum(p.numel() for p in _model().parameters())
+    shard = -(-n // world) if zero == 1 else n
+    for rank in range(world):
+        res = two_ranks[rank][f"dp2_zero{zero}"]
+        for a, b in zip(res["weights"], ref):
+            a = torch.from_numpy(a)
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (rank, (a - b).abs().max())
+        for a, b in zip(res["norms"], ref_norms):
+            assert math.isclose(a, b, rel_tol=1e-5), (rank, a, b)
+        assert res["memory"] == {
+            "weights": 4 * n,
+            "grads": 4 * (shard * world if zero == 1 else n),
+            "optimizer": 8 * shard,
+        }, rank
 
 
 def test_fp16_overflow_skips_step_halves_scale_and_training_continues():
@@ -146,7 +170,7 @@ def test_nonfinite_loss_skips_step():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def _norm_worker(layout):
+def _norm_case(layout, out):
     """Full tensors W (6x4, split over tp on dim 0), b (4, replicated), E (tied embedding on both stages)."""
     g = torch.Generator().manual_seed(5)
     gW, gb, gE, gE2 = (
@@ -180,11 +204,12 @@ def _norm_worker(layout):
     opt = DistributedOptimizer(params, cfg, mesh)
     for view, grad in zip(opt.grads.views, grads):
         view.copy_(grad)
-    res = opt.step(0.0)
-    assert math.isclose(res.grad_norm, float(expect), rel_tol=1e-6), (res.grad_norm, float(expect))
-    mesh.destroy()
+    out[f"norm_{layout}"] = (opt.step(0.0).grad_norm, float(expect))
+    return mesh
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_grad_norm_counts_every_param_once(layout):
-    run_distributed(_norm_worker, 2, args=(layout,), timeout_s=120)
+def test_grad_norm_counts_every_param_once(two_ranks, layout):
+    for rank, res in enumerate(two_ranks):
+        got, expect = res[f"norm_{layout}"]
+        assert math.isclose(got, expect, rel_tol=1e-6), (rank, got, expect)

@@ -8,8 +8,6 @@ oracle for the gradients of our own schedules; the order of actions is checked a
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -17,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from helpers.dist import run_distributed
-from helpers import ROOT
 from training.contract.config import Config, config_from_dict, config_to_dict
 from training.schedules.pipeline import build_actions, build_comm_plan, check_schedule, peak_in_flight
 
@@ -38,14 +35,11 @@ def _cfg(pp=1, vpp=1, schedule="1f1b", tp=1, dp=1, sp=False, zero=0, steps=STEPS
     return cfg
 
 
-def _train(cfg_dict: dict, run_dir: str):
+def _train(cfg_dict: dict, run_dir: str, mesh):
     """The whole run from scratch; rank 0 (first stage) returns losses and its pipeline statistics."""
     from training.run.loop import Trainer
-    from training.parallel.mesh import ProcessMesh
 
     cfg = config_from_dict(cfg_dict)
-    p = cfg.parallel
-    mesh = ProcessMesh.from_env(p.tp, p.pp, p.cp, p.dp) if "RANK" in os.environ else ProcessMesh.single()
     trainer = Trainer(cfg, run_dir, mesh, checkpointing=False)
     trainer.run()
     stats = getattr(trainer.schedule, "stats", None)
@@ -66,7 +60,6 @@ def _train(cfg_dict: dict, run_dir: str):
         ),
         "metrics": getattr(trainer.schedule, "metrics", dict)(),
     }
-    mesh.destroy()
     return out
 
 
@@ -74,15 +67,12 @@ _REFERENCE = {}
 
 
 def _reference():
+    from training.parallel.mesh import ProcessMesh
+
     if "ref" not in _REFERENCE:
         torch.set_num_threads(1)
-        _REFERENCE["ref"] = _train(config_to_dict(_cfg()), tempfile.mkdtemp())
+        _REFERENCE["ref"] = _train(config_to_dict(_cfg()), tempfile.mkdtemp(), ProcessMesh.single())
     return _REFERENCE["ref"]
-
-
-def _run(cfg: Config, timeout=420):
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
-    return run_distributed(_train, world, args=(config_to_dict(cfg), tempfile.mkdtemp()), timeout_s=timeout)
 
 
 def _rel(a: float, b: float) -> float:
@@ -274,26 +264,20 @@ def test_bad_schedule_shapes_are_clear_errors():
     ],
 )
 def test_bad_pipeline_input_is_rejected_before_any_rank_starts(tmp_path, overrides, key):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    # In-process (the console entry point itself): the message and the missing plan.json are what is checked here;
+    # the process boundary has its own smoke tests (tests/launcher/test_cli.py).
+    from helpers.cli import run_cli
+
     run = tmp_path / "run"
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launcher",
-            "action=plan",
-            f"run.dir={run}",
-            "cluster.gpus_per_node=8",
-            "parallel.tp=1",
-            "parallel.dp=1",
-            "parallel.zero=0",
-            *overrides,
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    p = run_cli(
+        "action=plan",
+        f"run.dir={run}",
+        "cluster.gpus_per_node=8",
+        "parallel.tp=1",
+        "parallel.dp=1",
+        "parallel.zero=0",
+        *overrides,
+        cwd=str(tmp_path),
     )
     assert p.returncode == 2, (p.stdout, p.stderr)
     assert key in p.stdout + p.stderr
@@ -308,20 +292,54 @@ LAYOUTS = {
     "pp2_vpp2_interleaved": dict(pp=2, vpp=2, schedule="interleaved_1f1b"),
     "tp2_sp_pp2_dp2_zero1": dict(tp=2, sp=True, pp=2, dp=2, zero=1),
 }
-_RESULTS = {}
+# One spawn per world size runs every case of that size (2: the pp2 layouts, torch's native schedules and the
+# message recording; 4: pp4; 8: tp2 sp pp2 dp2): each case's mesh groups are built beside the previous one's.
+WORLDS = {2: ["pp2_1f1b", "pp2_gpipe", "pp2_vpp2_interleaved"], 4: ["pp4_1f1b"], 8: ["tp2_sp_pp2_dp2_zero1"]}
 
 
-def _layout(name):
-    if name not in _RESULTS:
-        _RESULTS[name] = _run(_cfg(**LAYOUTS[name]))
-    return _RESULTS[name]
+def _cases(world: int, base: str) -> dict:
+    from training.parallel.mesh import ProcessMesh
+
+    out, mesh = {}, None
+    for name in WORLDS[world]:
+        cfg = _cfg(**LAYOUTS[name])
+        p = cfg.parallel
+        mesh = ProcessMesh.from_env(p.tp, p.pp, p.cp, p.dp)
+        out[name] = _train(config_to_dict(cfg), os.path.join(base, name), mesh)
+    if world == 2:
+        mesh = ProcessMesh.from_env(1, 2, 1, 1)
+        out["oracle"] = _oracle_case(config_to_dict(_cfg(pp=2)), mesh)
+        out["p2p"] = _p2p_record_case(config_to_dict(_cfg(pp=2, vpp=2, schedule="interleaved_1f1b")), mesh)
+    mesh.destroy()
+    return out
+
+
+_RESULTS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def spawns(tmp_path_factory):
+    """world size -> that spawn's per-rank results, each spawn started the first time a test needs it."""
+
+    def get(world: int):
+        if world not in _RESULTS:
+            base = str(tmp_path_factory.mktemp(f"pp_world{world}"))
+            _RESULTS[world] = run_distributed(_cases, world, args=(world, base), timeout_s=900)
+        return _RESULTS[world]
+
+    return get
+
+
+def _layout(spawns, name):
+    world = next(w for w, names in WORLDS.items() if name in names)
+    return [r[name] for r in spawns(world)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_reproduces_single_process(layout):
+def test_layout_reproduces_single_process(spawns, layout):
     ref = _reference()["losses"]
-    results = _layout(layout)
+    results = _layout(spawns, layout)
     got = results[0]["losses"]
     assert len(got) == STEPS
     assert ref[-1] < ref[0] - 0.3, "the reference must actually train"
@@ -335,8 +353,8 @@ def test_layout_reproduces_single_process(layout):
 
 
 @pytest.mark.slow
-def test_gpipe_and_1f1b_give_identical_losses():
-    gpipe, one_f_one_b = _layout("pp2_gpipe")[0], _layout("pp2_1f1b")[0]
+def test_gpipe_and_1f1b_give_identical_losses(spawns):
+    gpipe, one_f_one_b = _layout(spawns, "pp2_gpipe")[0], _layout(spawns, "pp2_1f1b")[0]
     assert gpipe["losses"] == one_f_one_b["losses"]
     # m = 4 micro-batches, p = 2: 1f1b holds p on the first stage where gpipe holds m.
     assert (one_f_one_b["stats"]["peak_in_flight"], gpipe["stats"]["peak_in_flight"]) == (2, 4)
@@ -344,12 +362,12 @@ def test_gpipe_and_1f1b_give_identical_losses():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["pp2_1f1b", "pp2_gpipe", "pp4_1f1b", "pp2_vpp2_interleaved"])
-def test_first_stage_activations_match_the_plan(layout):
+def test_first_stage_activations_match_the_plan(spawns, layout):
     from launcher.plan.memory import device_profile, stage_activation_bytes
 
     cfg = _cfg(**LAYOUTS[layout])
     p, m = cfg.parallel.pp, cfg.parallel.global_batch // cfg.parallel.micro_batch
-    stats = _layout(layout)[0]["stats"]
+    stats = _layout(spawns, layout)[0]["stats"]
     planned = stage_activation_bytes(cfg, 0, m, device_profile(cfg))
     assert abs(stats["peak_saved_bytes"] - planned) <= 0.1 * planned, (stats, planned)
     if cfg.parallel.schedule == "gpipe":
@@ -359,17 +377,15 @@ def test_first_stage_activations_match_the_plan(layout):
 
 
 # ---- oracle: torch.distributed.pipelining's native schedules ----------------------------------------
-def _oracle_worker(cfg_dict: dict):
+def _oracle_case(cfg_dict: dict, mesh):
     """Grads of one step from our schedules and from torch's native ones on identical chunks."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    from training.parallel.mesh import ProcessMesh
     from training.model.gpt import build_gpt
     from training.parallel.layers import vocab_parallel_cross_entropy
     from training.schedules.pipeline import PipelineSchedule, p2p_shape
 
     base = config_from_dict(cfg_dict)
-    mesh = ProcessMesh.from_env(1, base.parallel.pp, 1, 1)
     torch.manual_seed(0)
     m, b, s = 4, base.parallel.micro_batch, base.model.seq_length
     ids = torch.randint(0, base.model.vocab_size, (m * b, s + 1))  # any tokens: one step's grads
@@ -418,30 +434,28 @@ def _oracle_worker(cfg_dict: dict):
         if mesh.is_last_stage:
             err = max(err, _rel(float(loss), float(torch.stack(losses).mean())))
         worst[kind] = err
-    mesh.destroy()
     return worst
 
 
 @pytest.mark.slow
-def test_our_schedules_match_torch_native_pipelining():
-    results = run_distributed(_oracle_worker, 2, args=(config_to_dict(_cfg(pp=2)),), timeout_s=300)
+def test_our_schedules_match_torch_native_pipelining(spawns):
+    results = [r["oracle"] for r in spawns(2)]
+    assert len(results) == 2 and all(set(w) == {"gpipe", "1f1b", "interleaved_1f1b"} for w in results)
     for rank, worst in enumerate(results):
         for kind, err in worst.items():
             assert err < 1e-5, f"rank {rank} {kind}: grads differ from torch's native schedule by {err:.2e}"
 
 
 # ---- every message goes through batch_isend_irecv with tag 0 -----------------------------------------
-def _p2p_record_worker(cfg_dict: dict):
+def _p2p_record_case(cfg_dict: dict, mesh):
     """One interleaved step (pp=2: activations and grads share each direction) with torch.distributed's
     P2P entry points wrapped: direct isend / irecv calls are counted, batched ops recorded."""
     import torch.distributed as tdist
 
-    from training.parallel.mesh import ProcessMesh
     from training.model.gpt import build_gpt
     from training.schedules.pipeline import PipelineSchedule, p2p_shape
 
     cfg = config_from_dict(cfg_dict)
-    mesh = ProcessMesh.from_env(1, cfg.parallel.pp, 1, 1)
     real_isend, real_irecv, real_batch, real_op = tdist.isend, tdist.irecv, tdist.batch_isend_irecv, tdist.P2POp
     direct, batches = [], []
 
@@ -482,15 +496,13 @@ def _p2p_record_worker(cfg_dict: dict):
         sched.forward_backward(micro)
     finally:
         tdist.isend, tdist.irecv, tdist.batch_isend_irecv, tdist.P2POp = real_isend, real_irecv, real_batch, real_op
-    rank = mesh.pp_rank
-    mesh.destroy()
-    return {"direct": direct, "batches": batches, "rank": rank}
+    return {"direct": direct, "batches": batches, "rank": mesh.pp_rank}
 
 
 @pytest.mark.slow
-def test_every_message_is_batched_with_tag_0():
-    cfg = _cfg(pp=2, vpp=2, schedule="interleaved_1f1b")
-    results = run_distributed(_p2p_record_worker, 2, args=(config_to_dict(cfg),), timeout_s=300)
+def test_every_message_is_batched_with_tag_0(spawns):
+    results = [r["p2p"] for r in spawns(2)]
+    assert [res["rank"] for res in results] == [0, 1]
     for res in results:
         assert res["direct"] == [], "a message bypassed batch_isend_irecv"
         plan = [s for s in build_comm_plan("interleaved_1f1b", 2, res["rank"], 4, 2) if isinstance(s[0], tuple)]
