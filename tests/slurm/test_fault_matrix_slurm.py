@@ -382,8 +382,10 @@ def test_second_launch_on_a_running_run_dir_exits_2_and_a_dead_holder_is_taken_o
     )
     try:
         deadline = time.time() + 120
-        while not metrics(run_dir, last_wins=True):
-            assert time.time() < deadline and first.poll() is None, "the first run did not start"
+        # Step 3 logged: the ranks are in the hold (before step 4), where the launcher's death finds them; a kill
+        # at step 1 or 2 would let them stop at the next step on its signal and free the lock.
+        while 3 not in metrics(run_dir, last_wins=True):
+            assert time.time() < deadline and first.poll() is None, "the first run did not reach its hold"
             time.sleep(0.2)
         before = {n: os.path.getmtime(run_dir / n) for n in ("config.json", "plan.json")}
         events_before = (run_dir / "events.jsonl").read_bytes()
@@ -402,9 +404,12 @@ def test_second_launch_on_a_running_run_dir_exits_2_and_a_dead_holder_is_taken_o
         assert res.returncode == EXIT_INVALID and "in use" in res.stderr
     finally:
         try:
-            os.killpg(first.pid, signal.SIGKILL)  # its ranks (same session)
+            os.killpg(first.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        # The ranks run in sessions of their own (launcher/launch/local.py) and wait in the hold through signals:
+        # kill them too, found by the run directory on their command line.
+        _kill_ranks_of(run_dir)
     deadline = time.time() + 30
     while True:  # the ranks' exit releases the kernel lock
         res = local_cli(run_dir, "action=plan")
@@ -415,6 +420,21 @@ def test_second_launch_on_a_running_run_dir_exits_2_and_a_dead_holder_is_taken_o
     taken = [e for e in read_events(str(run_dir)) if e["event"] == "lock_taken_over"]
     assert len(taken) == 1 and f"pid {first.pid}" in taken[0]["previous_holder"]
     assert read_holder(str(run_dir)).get("released")
+
+
+def _kill_ranks_of(run_dir) -> None:
+    """SIGKILL every `training.main RUN_DIR` process of this run directory."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"training.main" in argv and str(run_dir).encode() in argv:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 FROZEN_CLOCK = '''import datetime
