@@ -15,6 +15,7 @@ its lost steps are the steps computed twice (metrics.purged.jsonl).
 from __future__ import annotations
 
 import json
+import time
 import subprocess
 import sys
 
@@ -151,8 +152,14 @@ def test_spare_replaces_a_lost_node_in_job_then_falls_back_and_goodput_adds_up(t
         assert losses[step] == pytest.approx(loss, rel=0, abs=1e-6), (step, losses[step], loss)
 
     # Goodput: written by the last epilogue, the same as status computes; the causes add up to the wall time.
-    with open(run_dir / GOODPUT_FILE) as f:
-        g = json.load(f)
+    # The last epilogue writes it after its `completed` event (with an sacct query): wait for that write.
+    deadline = time.time() + 60
+    while True:
+        with open(run_dir / GOODPUT_FILE) as f:
+            g = json.load(f)
+        if g["finished"] or time.time() > deadline:
+            break
+        time.sleep(0.5)
     assert g["finished"] and g["attempts"] == 5
     assert abs(sum(g[c] for c in CAUSES) - g["wall_s"]) <= 0.01 * g["wall_s"], g
     assert g["wall_s"] == pytest.approx(events[-1]["time"] - events[0]["time"], abs=0.01)
