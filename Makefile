@@ -2,7 +2,8 @@
 # make test: install, start the dev Slurm cluster, run the tests: the Slurm tests in one pytest process, one after
 #   another (the three dev nodes are theirs alone), and meanwhile every other test on TEST_WORKERS pytest-xdist
 #   workers (the Slurm tests mostly wait on the scheduler), a test file's tests on one worker (--dist loadfile: a
-#   module's shared run happens once). Timing goals are benchmarks (make bench), not tests.
+#   module's shared run happens once), files in collection order (--no-loadscope-reorder: tests/conftest.py
+#   collects the longest first). Timing goals are benchmarks (make bench), not tests.
 # make check: the fast inner loop: lint, then every test that needs no cluster and no multi-process run (tests/conftest.py).
 # make lint: ruff's lint, ruff's format check and mypy (settings in pyproject.toml); `ruff format` fixes the format.
 VENV ?= .venv
@@ -41,12 +42,12 @@ plan: install
 
 test: install lint slurm-up browser
 	$(PY) -m pytest -q -m slurm tests > .slurm-tests.log 2>&1 & slurm=$$!; \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slurm" tests; rc=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slurm" tests; rc=$$?; \
 	wait $$slurm; src=$$?; echo "== the Slurm tests (one process, one after another):"; cat .slurm-tests.log; \
 	rm -f .slurm-tests.log; [ $$rc -eq 0 ] && [ $$src -eq 0 ]
 
 check: install lint
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slurm and not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slurm and not slow" tests
 
 lint: install
 	$(PY) -m ruff check launcher training hydra_plugins bench tests

@@ -26,6 +26,27 @@ import pytest
 
 SPAWNERS = frozenset({"run_distributed"})
 
+LONGEST_FIRST = (
+    "tests/engine/test_compile_layers.py",
+    "tests/launcher/test_hf_interop.py",
+    "tests/slurm/test_fault_matrix_slurm.py",
+    "tests/launcher/test_sweep_plugin.py",
+    "tests/launcher/test_observability.py",
+    "tests/engine/test_context_parallel.py",
+    "tests/launcher/test_trust_round2_rundir.py",
+    "tests/engine/test_pipeline.py",
+    "tests/launcher/test_recommend.py",
+    "tests/engine/test_checkpoint_resume.py",
+    "tests/launcher/test_gpu_check.py",
+    "tests/launcher/test_preflight_local.py",
+    "tests/launcher/test_report.py",
+    "tests/engine/test_zero_levers.py",
+)
+"""The files that took longest in make test's parallel part (most to least), collected first: with
+`--dist loadfile --no-loadscope-reorder` (the Makefile) xdist hands files to its workers in collection order, so
+the long ones start at once and the workers end together on short files, instead of one long file (xdist's own
+order puts files with few tests last) running alone at the end."""
+
 
 @functools.lru_cache(maxsize=None)
 def _spawning_functions(path: str) -> frozenset:
@@ -71,6 +92,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
         spawning = _spawning_functions(str(path))
         if function.__name__ in spawning or spawning.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    first = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    root = str(config.rootpath)
+
+    def rank(item: pytest.Item) -> int:
+        path = str(getattr(item, "path", ""))
+        rel = path[len(root) + 1 :] if path.startswith(root + "/") else path
+        return first.get(rel, len(first))
+
+    items[:] = sorted(items, key=rank)  # stable: a file's tests, and the other files, keep their order
 
 
 @pytest.fixture(scope="module")

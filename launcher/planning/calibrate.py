@@ -90,11 +90,6 @@ def _run_config(cfg: Config, cand_cfg: Config, run_dir: str, steps: int) -> Conf
     )
 
 
-PASSES = 3
-"""Calibration passes over the chosen candidates, every other one in reverse order; each runs a third of the
-steps. Three windows apart in time: outside load that holds a whole pass misses at least one of them."""
-
-
 def _run_once(cfg: Config, c: Any, sub: str, steps: int):
     """(exit code or None when the plan refused it, median step seconds or None) of one calibration run."""
     from launcher.launch.local import run_ranks
@@ -114,18 +109,19 @@ def calibrate(cfg: Config, run_dir: str, cands: List[Any], rc: RecommendConfig) 
     """Run the chosen candidates; set each one's measured_step_s; print and return the comparison.
 
     Outside load on a shared machine arrives in bursts that can slow one whole run: each candidate runs in
-    PASSES passes (calibrate_steps / PASSES steps each, at least 3), the order reversed in every other pass so
+    recommend.calibrate_passes passes (calibrate_steps / passes steps each, at least 3), the order reversed in every other pass so
     that a burst does not hit the same end of the list twice, and its measured step time is the lower of its passes'
     medians (load only ever slows a run down). Pass k > 0 runs into calibrate/NN_k."""
     chosen = choose(cands, rc.calibrate_count, rc.calibrate_min_gap)
-    steps = max(3, -(-rc.calibrate_steps // PASSES))
+    passes = rc.calibrate_passes
+    steps = max(3, -(-rc.calibrate_steps // passes))
     print(
-        f"  calibrating {len(chosen)} candidates ({PASSES} passes of {steps} steps each) under {run_dir}/calibrate/",
+        f"  calibrating {len(chosen)} candidates ({passes} pass{'es' if passes > 1 else ''} of {steps} steps each) under {run_dir}/calibrate/",
         file=sys.stderr,
     )
     found: List[List[float]] = [[] for _ in chosen]
     codes: List[Any] = [None] * len(chosen)
-    for k in range(PASSES):
+    for k in range(passes):
         order = list(range(len(chosen))) if k % 2 == 0 else list(reversed(range(len(chosen))))
         for i in order:
             if k > 0 and codes[i] != EXIT_OK:

@@ -541,6 +541,13 @@ def run_recommend(cfg: Config, run_dir: str) -> Dict[str, Any]:
             file=sys.stderr,
         )
         raise SystemExit(EXIT_INVALID)
+    if cfg.recommend.calibrate and cfg.recommend.calibrate_passes < 1:
+        print(
+            f"meshrun: recommend.calibrate_passes={cfg.recommend.calibrate_passes} must be >= 1 (fix: "
+            "recommend.calibrate_passes=3). Nothing was run.",
+            file=sys.stderr,
+        )
+        raise SystemExit(EXIT_INVALID)
     report = validate(replace(cfg, action="plan"))
     structural = [i for i in report.errors if i.key.startswith("model.") or i.code in ("data", "finite", "choice")]
     if structural:

@@ -240,8 +240,8 @@ def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> Li
         "export PYTHONSAFEPATH=1",
     ]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in engine_env(cfg, secrets=False).items()]
+    lines += warm_client.batch_lines(cfg, python_cmd())  # the warm agents, one per node, for every step
     if in_job.enabled(cfg.cluster):
-        lines += warm_client.batch_lines(cfg, python_cmd())  # the warm agents, one per node, for every step
         lines += in_job.batch_loop_head()  # prologue, srun, epilogue repeat inside this allocation
         lines.append(in_job.loop_prologue_line(prologue_line()))
     else:
@@ -426,8 +426,16 @@ def dry_run_text(cfg: Config, spec: SlurmJobSpec, run_dir: str) -> str:
             "",
             "# each task (launcher/slurm/rank_task.py) then runs its rank as",
             rank_command_text(cfg, run_dir),
-            "",
         ]
+        + (
+            [
+                "# forked by its node's warm agent when it answers (cluster.warm_start: the same module, environment",
+                "# and binding, torch already imported); started as above when it does not",
+            ]
+            if warm_client.enabled(cfg)
+            else []
+        )
+        + [""]
     )
 
 

@@ -31,27 +31,31 @@ WARM_REPLY_S = 300.0
 
 
 def enabled(cfg: Config) -> bool:
-    """Warm agents run with in-job restarts and cluster.warm_start, not inside a container (the ranks must run
-    in the training step's container image)."""
+    """Warm agents run with cluster.warm_start, not inside a container (the ranks must run in the training step's
+    container image). Every job: a node's ranks then pay one torch import between them instead of one each, on
+    the first step as on every in-job restart."""
     c = cfg.cluster
-    return c.max_in_job_restarts > 0 and c.warm_start and not c.container.image
+    return c.warm_start and not c.container.image
 
 
 def batch_lines(cfg: Config, python: str) -> List[str]:
-    """The batch script's lines that start the agents (before the loop over attempts): one task per node in a
-    step of its own, --overlap so it takes none of the training steps' CPUs, memory or GPUs, --no-kill and
-    --kill-on-bad-exit=0 so a lost node's agent ends nothing else. USR2 ignored from the start (the job's stop
-    signal reaches every step)."""
+    """The batch script's lines that start the agents (before the prologue, and before the loop over attempts with
+    in-job restarts): one task per node in a step of its own, --overlap so it takes none of the training steps'
+    CPUs, memory or GPUs, --no-kill and --kill-on-bad-exit=0 so a lost node's agent ends nothing else. USR2 ignored
+    from the start (the job's stop signal reaches every step)."""
     if not enabled(cfg):
         return []
     boot = "bash -c " + shlex.quote('trap \'\' USR2; exec "$0" "$@"') + " " + python
     # The ranks it forks live in this step: where Slurm confines devices to a step's cgroup, it must hold the
     # node's GPUs of the job (shared with the training steps through --overlap).
     gpus = f"--gpus-per-node={cfg.cluster.gpus_per_node} " if cfg.cluster.device == "cuda" else ""
+    # Likewise its CPUs: where Slurm confines a step to its CPUs (task/cgroup), a forked rank can run only on the
+    # agent step's, so the step holds the CPUs of the node's training tasks (shared, --overlap).
+    cpus = cfg.cluster.gpus_per_node * max(cfg.cluster.cpus_per_task, 1)
     return [
         f"export {WARM_ENV}=1",
         'command srun --overlap --no-kill --kill-on-bad-exit=0 --job-name=meshrun-warm --nodes="$SLURM_JOB_NUM_NODES" '
-        f'--ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=1 {gpus}'
+        f'--ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task={cpus} {gpus}'
         f'{boot} -u -m training.run.warm_agent "$MESHRUN_RUN_DIR" &',
     ]
 

@@ -170,6 +170,7 @@ def test_calibration_runs_the_chosen_layouts_and_reports_their_rank_correlation(
             "recommend.calibrate_count=2",
             "recommend.calibrate_min_gap=0.1",
             "recommend.calibrate_steps=3",
+            "recommend.calibrate_passes=1",  # the passes' alternation is bench/bench_calibration.py's
             f"run.dir={run_dir}",
         ],
         cwd=ROOT,

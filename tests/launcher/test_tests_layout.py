@@ -37,3 +37,23 @@ def test_test_file_base_names_are_unique():
     for path in _test_files():
         seen.setdefault(os.path.basename(path), []).append(os.path.relpath(path, ROOT))
     assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def test_the_longest_first_order_names_existing_files_and_comes_first(request):
+    """tests/conftest.py's LONGEST_FIRST: every file it names exists (a renamed file would silently fall back to
+    xdist's order), and a collection puts their tests before every other file's, in that order."""
+    with open(os.path.join(ROOT, "tests", "conftest.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    (names,) = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "LONGEST_FIRST" for t in node.targets)
+    ]
+    assert names and all(os.path.isfile(os.path.join(ROOT, n)) for n in names), names
+    collected = []
+    for item in request.session.items:
+        rel = os.path.relpath(str(item.path), ROOT)
+        if not collected or collected[-1] != rel:
+            collected.append(rel)
+    listed = [n for n in names if n in collected]  # a selection (-k, one file) may leave some out
+    assert collected[: len(listed)] == listed, collected[:20]

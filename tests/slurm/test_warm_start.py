@@ -145,22 +145,29 @@ def test_no_agent_means_a_cold_start_with_the_reason(monkeypatch):
     assert child is None and why.startswith("no warm agent answers on nowhere")
 
 
-def test_the_batch_script_starts_one_agent_per_node_only_with_in_job_restarts(tmp_path):
+def test_the_batch_script_starts_one_agent_per_node_in_every_job_before_its_prologue(tmp_path):
     from helpers.slurm import dev_cfg
     from launcher.slurm.sbatch import job_spec, preflight_job_spec, sbatch_text
 
-    warm = sbatch_text(job_spec(dev_cfg(spare_nodes=1, max_in_job_restarts=2), str(tmp_path))).splitlines()
+    in_job = dev_cfg(spare_nodes=1, max_in_job_restarts=2)
+    warm = sbatch_text(job_spec(in_job, str(tmp_path))).splitlines()
     agent = [i for i, line in enumerate(warm) if "training.run.warm_agent" in line]
     assert len(agent) == 1 and agent[0] < warm.index("while :; do")  # before the loop: one step for every attempt
     line = warm[agent[0]]
     assert line.startswith("command srun --overlap --no-kill") and line.endswith("&") and "--gpus" not in line
-    cuda = dev_cfg(spare_nodes=1, max_in_job_restarts=2, device="cuda", gpus_per_node=8)
+    # The step holds the CPUs of the node's training tasks (2 ranks x 4 CPUs here): a step confined to
+    # its CPUs (task/cgroup) must leave its forked ranks the CPUs they would have had.
+    assert in_job.cluster.cpus_per_task == 4 and " --ntasks-per-node=1 --cpus-per-task=8 " in line
+    cuda = dev_cfg(spare_nodes=1, max_in_job_restarts=2, device="cuda", gpus_per_node=8, cpus_per_task=12)
     assert "--gpus-per-node=8 " in warm_client.batch_lines(cuda, "python")[1]
-    for cfg in (
-        dev_cfg(),  # no in-job restarts
-        dev_cfg(spare_nodes=1, max_in_job_restarts=2, warm_start=False),
-    ):
-        assert warm_client.batch_lines(cfg, "python") == []
+    assert "--cpus-per-task=96 " in warm_client.batch_lines(cuda, "python")[1]
+    # Without in-job restarts too: one agent step, then the prologue of the one attempt.
+    plain = sbatch_text(job_spec(dev_cfg(), str(tmp_path / "plain"))).splitlines()
+    agent = [i for i, line in enumerate(plain) if "training.run.warm_agent" in line]
+    prologue = [i for i, line in enumerate(plain) if "launcher.slurm.driver prologue" in line]
+    assert len(agent) == 1 and len(prologue) == 1 and agent[0] < prologue[0] and "while :; do" not in plain
+    assert warm_client.batch_lines(dev_cfg(spare_nodes=1, max_in_job_restarts=2, warm_start=False), "python") == []
+    assert warm_client.batch_lines(dev_cfg(warm_start=False), "python") == []
     boxed = dev_cfg(spare_nodes=1, max_in_job_restarts=2)
     boxed.cluster.container.image = "nvcr.io#nvidia/pytorch:24.05-py3"
     assert warm_client.batch_lines(boxed, "python") == []

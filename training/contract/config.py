@@ -411,10 +411,10 @@ class ClusterConfig:
     checkpoint cadence (checkpoint_every_min=auto) while spares remain; a run that has restarted in its job
     before measures its own."""
     warm_start: bool = True
-    """Slurm, with max_in_job_restarts >= 1 and no container image: one warm agent per node of the allocation
-    (spares included) imports torch and the engine once, and every rank of every step is forked from it instead
-    of starting a Python and importing torch again (launcher/slurm/warm_client.py, training/run/warm_agent.py);
-    false: every rank starts cold."""
+    """Slurm, without a container image: one warm agent per node of the allocation (spares included) imports torch
+    and the engine once, and every rank of every step (the first, and each in-job restart's) is forked from it
+    instead of starting a Python and importing torch again (launcher/slurm/warm_client.py,
+    training/run/warm_agent.py); false: every rank starts cold."""
 
 
 @dataclass
@@ -711,6 +711,11 @@ class RecommendConfig:
     """Candidates the calibration runs (at least 2 for a rank correlation)."""
     calibrate_steps: int = 8
     """Steps of each calibration run; the first is left out of the measurement (warm-up)."""
+    calibrate_passes: int = 3
+    """Passes over the chosen candidates, every other one in reverse order, each running
+    calibrate_steps / calibrate_passes steps (at least 3) of every candidate; a candidate's measured step time is
+    the lowest of its passes' medians. Several windows apart in time: outside load that holds a whole pass misses
+    at least one of them; 1: one run per candidate (quicker, for an idle machine)."""
     calibrate_min_gap: float = 0.1
     """Calibrate candidates whose predicted step times differ by at least this fraction from the next faster
     one chosen: layouts predicted within a few percent cannot be told apart by a short run on a shared machine."""
