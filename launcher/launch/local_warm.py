@@ -28,7 +28,7 @@ from typing import IO, BinaryIO, Optional, cast
 
 from launcher.launch.warm import WarmChild, fork_rank
 from training.contract.rundir.events import append_event, read_events
-from training.contract.warm_start import local_socket_name
+from training.contract.warm_start import PAD_ENV, local_socket_name
 
 CONNECT_WAIT_S = 60.0
 """How long the launcher waits for its agent to listen (a Python start; the agent binds before its imports)."""
@@ -52,6 +52,8 @@ class LocalAgent:
         self.name = local_socket_name(os.getpid(), secrets.token_hex(8))
         self.broken = ""
         self.proc: Optional[subprocess.Popen] = None
+        # Room in the agent's initial environment block for each rank's own (shown in /proc/PID/environ).
+        env = dict(env, **{PAD_ENV: " " * (sum(len(k) + len(v) + 2 for k, v in env.items()) + 16384)})
         argv = [sys.executable, "-m", "training.run.warm_agent", "--local", self.name[1:], str(os.getpid()), run_dir]
         try:
             self.proc = subprocess.Popen(

@@ -32,6 +32,9 @@ WRAPPER_PID_ENV = "MESHRUN_WRAPPER_PID"
 the agent)."""
 AGENT_PID_ENV = "MESHRUN_WARM_AGENT_PID"
 """In a rank forked by the warm agent: the agent's pid (a rank started cold has none)."""
+PAD_ENV = "MESHRUN_WARM_AGENT_PAD"
+"""A local agent's room (spaces) in its initial environment block: each rank it forks writes its own environment
+there, so that /proc/PID/environ shows the rank's (training/run/warm_agent.py)."""
 MAX_MESSAGE = 16 << 20
 FDS = 3
 """stdin, stdout, stderr: always passed."""

@@ -40,7 +40,7 @@ import traceback
 from typing import Any, Dict, List, Optional
 
 from training.contract.rundir.events import append_event
-from training.contract.warm_start import AGENT_PID_ENV, FDS, MAX_FDS, recv, send, socket_name
+from training.contract.warm_start import AGENT_PID_ENV, FDS, MAX_FDS, PAD_ENV, recv, send, socket_name
 
 WARM_MODULES = (
     "torch",
@@ -134,6 +134,27 @@ def _watch_wrapper(conn: socket.socket, signum: int = signal.SIGKILL) -> None:
     except OSError:
         pass
     os.kill(os.getpid(), signum)
+
+
+def _rewrite_proc_block(which: str, strings: List[str]) -> bool:
+    """Write strings over this process's command line (which="arg") or initial environment ("env") as the
+    kernel shows them in /proc/PID/cmdline and /proc/PID/environ, NUL-padded; False (left as it is) when they
+    do not fit. A forked rank otherwise shows its agent's, and `ps`, `pgrep -f training.main` and the tools that
+    find a run's ranks by their command line and environment would not see it as the rank it is."""
+    first = {"arg": 45, "env": 47}[which]  # arg_start/arg_end, env_start/env_end: fields 48-51 of proc(5)'s stat
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[first]), int(fields[first + 1])
+        data = b"".join(s.encode("utf-8", "surrogateescape") + b"\0" for s in strings)
+        if start <= 0 or len(data) > end - start:
+            return False
+        with open("/proc/self/mem", "r+b", buffering=0) as mem:
+            mem.seek(start)
+            mem.write(data.ljust(end - start, b"\0"))
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def _set_parent_death_signal(signum: int) -> bool:
@@ -305,6 +326,9 @@ class Agent:
         # Run as __main__ from its source, as `python -m` does (its imports are the agent's, already loaded).
         del sys.modules["training.main"]
         sys.orig_argv = [sys.executable, "-m", "training.main", run_dir]
+        if self.local:  # as the kernel shows a cold rank (the launcher and its tests find ranks so)
+            _rewrite_proc_block("arg", sys.orig_argv)
+            _rewrite_proc_block("env", [f"{k}={v}" for k, v in os.environ.items()])
         from training.observe import startup
 
         startup._MARKS.clear()
@@ -336,6 +360,7 @@ def main(argv: List[str]) -> int:
             return 0  # the launcher is already gone (or cannot be followed): its ranks start cold
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    os.environ.pop(PAD_ENV, None)  # its room stays in the process's initial environment block, not in its ranks'
     # numpy's OpenBLAS starts its thread pool when it is loaded (torch imports numpy): one thread keeps the agent
     # fork-safe; the engine's own threads are torch's, set per rank (training/main.py).
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
