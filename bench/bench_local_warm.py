@@ -3,9 +3,9 @@ time of a whole local `meshrun` run with a warm agent forking the ranks against 
 started cold (cluster.warm_start=false), alternated.
 
 Each side is the real launcher (`python -m launcher`) on the default config with --ranks local ranks
-(cluster.gpus_per_node, parallel.dp) and train.steps=--steps, in a fresh run directory each time. CPU seconds:
-the launcher and every process under it (ranks, agent), from this process's children's resource usage. `--rounds`
-rounds, each runs both sides, the order alternating from round to round. Reported: each side's runs, the medians
+(cluster.gpus_per_node; the default layout: tp=2, dp derived) and train.steps=--steps, in a fresh run directory
+each time. CPU seconds: the launcher and every process under it (ranks, agent), from this process's children's
+resource usage. `--rounds` rounds, each runs both sides, the order alternating from round to round. Reported: each side's runs, the medians
 and the median of the per-round ratios warm / cold for CPU and wall. Target: CPU ratio <= --target (default
 0.8: the ranks no longer pay a Python start and torch's import each). Exits 1 on a miss; the last line is the
 figures as one JSON object.
@@ -34,7 +34,6 @@ def _run(run_dir: str, ranks: int, steps: int, warm: bool) -> dict:
         "launcher",
         "cluster=local",
         f"cluster.gpus_per_node={ranks}",
-        f"parallel.dp={ranks}",
         f"train.steps={steps}",
         "train.progress=false",
         "train.tensorboard=false",
