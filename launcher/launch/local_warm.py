@@ -43,6 +43,14 @@ def wanted(warm_start: bool, world: int) -> bool:
     return warm_start and world >= 2
 
 
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
 class LocalAgent:
     """The launch's warm agent (a child of this launcher, in a session of its own: Ctrl-C reaches the launcher
     only)."""
@@ -83,12 +91,13 @@ class LocalAgent:
         caller starts it cold) after recording why."""
         if not self.broken:
             read_end, write_end = os.pipe()
+            stdin = 0 if _is_open(0) else os.open(os.devnull, os.O_RDONLY)  # a launcher started with stdin closed
             try:
                 child, why = fork_rank(
                     self.name,
                     env,
                     self.run_dir,
-                    [0, write_end, write_end],
+                    [stdin, write_end, write_end],
                     keep=[keep_fd],
                     connect_s=CONNECT_WAIT_S,
                     reply_s=AGENT_REPLY_S,
@@ -96,6 +105,8 @@ class LocalAgent:
                 )
             finally:
                 os.close(write_end)
+                if stdin != 0:
+                    os.close(stdin)
             if child is not None:
                 child.stdout = cast(IO[bytes], os.fdopen(read_end, "rb", buffering=0))
                 return child

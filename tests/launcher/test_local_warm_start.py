@@ -131,6 +131,24 @@ def _warm_ranks(run, launcher: subprocess.Popen, attempt: int):
     return agent, _wait_for(ready, 240, "both ranks to train")
 
 
+def _another_python_is_refused(agent: int) -> None:
+    """The agent serves only its own interpreter's ranks (another one would run other code): a request naming
+    another python gets an error and no fork."""
+    import socket
+
+    from training.contract.warm_start import recv, send
+
+    with open(f"/proc/{agent}/cmdline", "rb") as f:
+        name = f.read().split(b"\0")[4].decode()  # --local NAME LAUNCHER_PID RUN_DIR
+    request = {"env": {}, "run_dir": "/nonexistent", "cwd": "/", "umask": 0o22, "python": "/other/bin/python"}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect("\0" + name)
+        send(sock, request, [0, 1, 2])
+        sock.settimeout(30)
+        reply, _ = recv(sock)
+    assert "pid" not in reply and "is not the agent's" in reply.get("error", ""), reply
+
+
 @pytest.fixture(scope="module")
 def cold_losses(tmp_path_factory):
     """A cold launch (cluster.warm_start=false): no agent, the reference losses."""
@@ -148,9 +166,11 @@ def cold_losses(tmp_path_factory):
 def test_warm_ranks_are_the_agents_children_hold_the_lock_and_stop_as_cold_ones(cold_losses, tmp_path):
     """The agent (the launcher's child) forks both ranks: their parent is the agent, their command line and
     environment are the ranks', their output is in the rank logs, they keep the run's lock, their losses are the
-    cold launch's bit for bit; action=cancel saves and stops them; on the same run directory, a launcher killed
+    cold launch's bit for bit, the agent refuses another python; action=cancel saves and stops them; on the same run directory, a launcher killed
     with SIGKILL leaves its ranks to stop through SIGTERM (a checkpoint) while they alone hold the lock, then
     the agent leaves and the lock is free."""
+    from launcher.manage.cancel import _children
+
     run = tmp_path / "run"
     first = _launch(run, "train.steps=400")
     agent, ranks = _warm_ranks(run, first, 0)
@@ -168,6 +188,8 @@ def test_warm_ranks_are_the_agents_children_hold_the_lock_and_stop_as_cold_ones(
         fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
         assert str(run / ".meshrun.lock") in fds  # the launcher's locked file, kept open
     assert sorted(envs) == [0, 1] and not _lock_free(run)
+    _another_python_is_refused(agent)
+    assert sorted(_children(agent)) == sorted(ranks)
     assert {s: _losses(run)[s] for s in cold_losses} == cold_losses
 
     cancel = run_cli("action=cancel", f"run.dir={run}", cwd=str(tmp_path))
