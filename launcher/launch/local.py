@@ -10,6 +10,8 @@ launcher exits with that rank's code (1 for a rank killed by a signal); events s
 stopped go to events.jsonl. SIGINT, SIGTERM or SIGHUP to the launcher stops the ranks as action=cancel does
 (a checkpoint first, `cancelled`, exit 130); a launcher that dies takes its ranks with it
 (training/run/launcher_watch.py).
+With cluster.warm_start and two ranks or more, one warm agent per launch forks the ranks instead (torch imported
+once; launcher/launch/local_warm.py): the same ranks, as far as this launcher and the ranks can tell.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from launcher.manage.goodput import write_goodput_quietly
+from launcher.launch.local_warm import LocalAgent, wanted
 from launcher.launch.local_numa import rank_prefix
 from launcher.launch.nsys import nsys_prefix
 from launcher.launch.processes import POLL_S, engine_env, rank_process_env, start_pump, stop_processes, threads_per_rank
@@ -91,10 +94,20 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
         attempt=attempt,
         numa_nodes=[node for _, node in binding],
     )
-    procs: List[subprocess.Popen] = []
+    procs: List[Any] = []  # subprocess.Popen, or a warm rank's WarmChild (launcher/launch/warm.py)
     pumps: List[threading.Thread] = []
     logs = []
+    agent: Optional[LocalAgent] = None
+    warm_ranks: List[int] = []
     try:
+        prefixes = [binding[r][0] + nsys_prefix(cfg, r, run_dir) for r in range(world)]
+        if wanted(cfg.cluster.warm_start, world) and not all(prefixes):
+            # A rank under numactl or nsys must run their command: it starts cold.
+            agent_log = open_append(os.path.join(run_dir, "logs", "warm_agent.log"), binary=True)
+            logs.append(agent_log)
+            agent_log.write(attempt_header(attempt).encode())
+            agent_log.flush()
+            agent = LocalAgent(run_dir, rank_process_env({}, engine_env(cfg, run_dir), threads), agent_log)
         for r in range(world):
             # Appended: every attempt of the run stays in the log, each under its own header (action=logs).
             log = open_append(os.path.join(run_dir, "logs", f"rank_{r}.log"), binary=True)  # never via a link
@@ -111,18 +124,25 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
             # if this launcher is killed (training/contract/rundir/lock.py). A session of its own: Ctrl-C at the terminal
             # reaches this launcher only, which stops the ranks through their own stop path (a checkpoint
             # first) instead of a KeyboardInterrupt in each.
-            argv = binding[r][0] + nsys_prefix(cfg, r, run_dir) + [sys.executable, "-m", "training.main", run_dir]
-            proc = subprocess.Popen(
-                argv,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                pass_fds=(lock.fd,),
-                start_new_session=True,
-            )
+            argv = prefixes[r] + [sys.executable, "-m", "training.main", run_dir]
+            proc: Any = agent.start_rank(r, env, lock.fd) if agent is not None and not prefixes[r] else None
+            if proc is not None:
+                warm_ranks.append(r)
+            else:
+                proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=(lock.fd,),
+                    start_new_session=True,
+                )
             procs.append(proc)
             # Rank 0 also goes to this terminal (stderr: stdout stays for results).
             pumps.append(start_pump(proc.stdout, [log, sys.stderr.buffer] if r == 0 else [log]))
+        if agent is not None:
+            # Which ranks the agent forked (the others started cold, each with its `warm_start_missed`).
+            append_event(run_dir, "ranks_started", warm_ranks=warm_ranks, agent_pid=agent.pid, attempt=attempt)
         failed: Optional[tuple] = None
         stop = _StopRequest(procs, cfg.cancel.timeout_s)
         with stop.installed():
@@ -185,6 +205,8 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
         )
         return EXIT_INTERRUPTED
     finally:
+        if agent is not None:
+            agent.stop()  # its ranks have ended: it leaves (SIGTERM), as it does when this launcher dies
         for t in pumps:
             t.join(timeout=2)
         for log in logs:

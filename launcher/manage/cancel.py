@@ -65,6 +65,20 @@ def _children(pid: int) -> List[int]:
     return out
 
 
+def _rank_pids(launcher: int) -> List[int]:
+    """A local launcher's rank processes: its children, where its warm agent (launcher/launch/local_warm.py)
+    stands for the ranks it forked (its children); the agent itself stops with the launch."""
+    out = []
+    for pid in _children(launcher):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                warm_agent = b"training.run.warm_agent" in f.read()
+        except OSError:
+            continue
+        out += _children(pid) if warm_agent else [pid]
+    return out
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -81,7 +95,7 @@ def _cancel_local(run_dir: str, started: Dict[str, Any], timeout_s: float, deadl
     launcher = int(started["launcher_pid"])
     signalled: set = set()
     while _alive(launcher) and time.time() < deadline:
-        for pid in _children(launcher):
+        for pid in _rank_pids(launcher):
             # Before the rank installs its handler SIGUSR2 would kill it: wait until it catches the signal.
             if pid not in signalled and catches(pid, signal.SIGUSR2):
                 try:
@@ -91,7 +105,7 @@ def _cancel_local(run_dir: str, started: Dict[str, Any], timeout_s: float, deadl
                     pass
         time.sleep(POLL_S / 4)
     if _alive(launcher):
-        for pid in _children(launcher):
+        for pid in _rank_pids(launcher):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:

@@ -4,8 +4,8 @@ wrapper's request to its node's agent (pure Python, no torch).
 The batch script starts one warm agent per node of the allocation, spares included, in an srun step of its own
 that lives through the allocation (training/run/warm_agent.py: torch and the engine imported once, nothing
 initialised). The rank wrapper (launcher/slurm/rank_task.py) asks its node's agent to fork the rank with the
-environment it would have started it with, and gets a Popen-like handle (`WarmChild`): the rank's pid, its
-standard error through a pipe, its exit code. The rank does not belong to the training step's processes but to
+environment it would have started it with, and gets a Popen-like handle (`WarmChild`, launcher/launch/warm.py):
+the rank's pid, its standard error through a pipe, its exit code. The rank does not belong to the training step's processes but to
 the agent's step, so the wrapper relays every stop signal to it (training/run/signals.py's handler only sets a
 flag: a copy that also reached it directly changes nothing), and the rank kills itself when its wrapper is gone.
 When the agent is missing, dead, not ready within WARM_REPLY_S or refused to serve, the wrapper starts the rank
@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import socket
-import time
 from typing import IO, List, Optional, Tuple, cast
 
+from launcher.launch.warm import WarmChild, fork_rank
 from training.contract.config import Config
-from training.contract.warm_start import WARM_ENV, recv, send, socket_name
+from training.contract.warm_start import PAD_ENV, WARM_ENV, socket_name
+
+__all__ = ["WarmChild", "batch_lines", "enabled", "start"]
 
 CONNECT_WAIT_S = 5.0
 """How long a wrapper retries to reach its agent: the agent's step may start a moment after the training step's."""
@@ -38,6 +39,10 @@ def enabled(cfg: Config) -> bool:
     return c.warm_start and not c.container.image
 
 
+PAD_BYTES = 65536
+"""Spaces the batch script gives each Slurm agent's environment (a rank's env is its task's: some kB of SLURM_*)."""
+
+
 def batch_lines(cfg: Config, python: str) -> List[str]:
     """The batch script's lines that start the agents (before the prologue, and before the loop over attempts with
     in-job restarts): one task per node in a step of its own, --overlap so it takes none of the training steps'
@@ -45,7 +50,10 @@ def batch_lines(cfg: Config, python: str) -> List[str]:
     from the start (the job's stop signal reaches every step)."""
     if not enabled(cfg):
         return []
-    boot = "bash -c " + shlex.quote('trap \'\' USR2; exec "$0" "$@"') + " " + python
+    # The padding: room in the agent's initial environment for each forked rank's own, which it writes there so that
+    # /proc/PID/environ shows the rank's (training/run/warm_agent.py).
+    pad = f'export {PAD_ENV}="$(printf "%{PAD_BYTES}s" "")"; '
+    boot = "bash -c " + shlex.quote("trap '' USR2; " + pad + 'exec "$0" "$@"') + " " + python
     # The ranks it forks live in this step: where Slurm confines devices to a step's cgroup, it must hold the
     # node's GPUs of the job (shared with the training steps through --overlap).
     gpus = f"--gpus-per-node={cfg.cluster.gpus_per_node} " if cfg.cluster.device == "cuda" else ""
@@ -60,68 +68,25 @@ def batch_lines(cfg: Config, python: str) -> List[str]:
     ]
 
 
-class WarmChild:
-    """A rank forked by the warm agent, as much of subprocess.Popen as the rank wrapper uses."""
-
-    def __init__(self, sock: socket.socket, pid: int, agent_pid: int, stderr: IO[bytes]) -> None:
-        self.sock, self.pid, self.agent_pid, self.stderr = sock, pid, agent_pid, stderr
-        self.returncode: Optional[int] = None
-        self.lost = ""
-
-    def wait(self) -> int:
-        if self.returncode is not None:
-            return self.returncode
-        try:
-            msg, _ = recv(self.sock)
-            code = int(msg["exit"])
-        except (EOFError, OSError, KeyError, ValueError, TypeError) as exc:
-            # The agent died before the rank ended (the node is going down): the rank's own end is unknown.
-            self.lost = f"the warm agent's connection ended without the rank's exit code ({exc})"
-            code = -int(signal.SIGKILL)
-        self.sock.close()
-        self.returncode = code
-        return code
-
-
 def start(env: dict, run_dir: str, numa_node: Optional[int]) -> Tuple[Optional[WarmChild], str]:
     """Ask this node's agent to fork the rank; (None, why) when it cannot (the caller starts it cold)."""
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    deadline = time.time() + CONNECT_WAIT_S
-    while True:
-        try:
-            sock.connect(socket_name(env, node))
-            break
-        except OSError as exc:
-            if time.time() >= deadline:
-                sock.close()
-                return None, f"no warm agent answers on {node} ({exc})"
-            time.sleep(0.1)
     read_end, write_end = os.pipe()
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        request = {
-            "env": env,
-            "run_dir": run_dir,
-            "cwd": os.getcwd(),
-            "umask": umask,
-            "affinity": sorted(os.sched_getaffinity(0)),
-            "numa_node": numa_node,
-        }
-        send(sock, request, [0, 1, write_end])
+        child, why = fork_rank(
+            socket_name(env, node),
+            env,
+            run_dir,
+            [0, 1, write_end],
+            numa_node=numa_node,
+            connect_s=CONNECT_WAIT_S,
+            reply_s=WARM_REPLY_S,
+            where=f" on {node}",
+        )
+    finally:
         os.close(write_end)
-        write_end = -1
-        sock.settimeout(WARM_REPLY_S)
-        reply, _ = recv(sock)
-        sock.settimeout(None)
-        if "pid" not in reply:
-            raise ValueError(reply.get("error") or f"unexpected reply {reply}")
-    except (OSError, EOFError, ValueError) as exc:
-        sock.close()
+    if child is None:
         os.close(read_end)
-        if write_end >= 0:
-            os.close(write_end)
-        return None, f"the warm agent on {node} did not fork the rank ({exc or type(exc).__name__})"
-    stderr = cast(IO[bytes], os.fdopen(read_end, "rb", buffering=0))
-    return WarmChild(sock, int(reply["pid"]), int(reply["agent_pid"]), stderr), ""
+        return None, why
+    child.stderr = cast(IO[bytes], os.fdopen(read_end, "rb", buffering=0))
+    return child, ""

@@ -414,7 +414,8 @@ class ClusterConfig:
     """Slurm, without a container image: one warm agent per node of the allocation (spares included) imports torch
     and the engine once, and every rank of every step (the first, and each in-job restart's) is forked from it
     instead of starting a Python and importing torch again (launcher/slurm/warm_client.py,
-    training/run/warm_agent.py); false: every rank starts cold."""
+    training/run/warm_agent.py). Also local launches of two ranks or more: one warm agent per launch forks the
+    ranks (ranks under numactl or nsys start cold; launcher/launch/local_warm.py). false: every rank starts cold."""
 
 
 @dataclass

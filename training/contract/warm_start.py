@@ -1,15 +1,20 @@
 """The warm rank start's wire protocol (pure Python, no torch): how a Slurm rank wrapper
-(launcher/slurm/warm_client.py) asks its node's warm agent (training/run/warm_agent.py) to fork a rank.
+(launcher/slurm/warm_client.py) or a local launcher (launcher/launch/local_warm.py), both through
+launcher/launch/warm.py, asks a warm agent (training/run/warm_agent.py) to fork a rank.
 
-One connection per rank over a Unix socket in Linux's abstract namespace, named by the job and the node (the
-dev cluster runs several fake nodes on one host; a job array's tasks have their own SLURM_JOB_ID). The agent
-serves only connections of its own user (SO_PEERCRED). Messages are length-prefixed JSON:
-  wrapper -> agent: {"env", "cwd", "umask", "affinity", "numa_node"} with the rank's stdin, stdout and stderr
-                    passed as file descriptors (SCM_RIGHTS);
-  agent -> wrapper: {"pid": P, "agent_pid": A} once the rank is forked, later {"exit": code} (Popen's
-                    convention: negative = killed by that signal); {"error": why} when it cannot fork.
-The rank holds the agent's end of the connection: when its wrapper is gone (the connection closes) it kills
-itself, as a rank started by its wrapper dies with the srun step.
+One connection per rank over a Unix socket in Linux's abstract namespace, named by the job and the node on Slurm
+(the dev cluster runs several fake nodes on one host; a job array's tasks have their own SLURM_JOB_ID), by the
+launcher's pid and a random token locally (one agent per launch). The agent serves only connections of its own
+user (SO_PEERCRED). Messages are length-prefixed JSON:
+  client -> agent: {"env", "run_dir", "cwd", "umask", "affinity", "numa_node", "python"} with the rank's stdin,
+                   stdout and stderr passed as file descriptors (SCM_RIGHTS), and optionally a 4th one the rank
+                   keeps open (a local launch's run-directory lock, which every rank must hold);
+  agent -> client: {"pid": P, "agent_pid": A} once the rank is forked, later {"exit": code} (Popen's
+                   convention: negative = killed by that signal); {"error": why} when it cannot fork (a
+                   "python" other than the agent's own interpreter is refused: the rank would run other code).
+The rank holds the agent's end of the connection: when its client is gone (the connection closes) it ends, as a
+rank started by its wrapper dies with the srun step (SIGKILL) or a local rank stops when its launcher dies
+(SIGTERM: its own stop path, training/run/launcher_watch.py).
 """
 
 from __future__ import annotations
@@ -27,8 +32,14 @@ WRAPPER_PID_ENV = "MESHRUN_WRAPPER_PID"
 the agent)."""
 AGENT_PID_ENV = "MESHRUN_WARM_AGENT_PID"
 """In a rank forked by the warm agent: the agent's pid (a rank started cold has none)."""
+PAD_ENV = "MESHRUN_WARM_AGENT_PAD"
+"""An agent's room (spaces) in its initial environment block: each rank it forks writes its own environment
+there, so that /proc/PID/environ shows the rank's (training/run/warm_agent.py)."""
 MAX_MESSAGE = 16 << 20
 FDS = 3
+"""stdin, stdout, stderr: always passed."""
+MAX_FDS = FDS + 1
+"""...and one more the rank keeps open (optional)."""
 
 
 def socket_name(env: Dict[str, str], node: str) -> str:
@@ -36,6 +47,11 @@ def socket_name(env: Dict[str, str], node: str) -> str:
     Slurm's restart count (a requeued job is a new allocation with new agents) and the node."""
     job, restart = env.get("SLURM_JOB_ID", ""), env.get("SLURM_RESTART_COUNT") or "0"
     return f"\0meshrun-warm-agent/{job}.{restart}/{node}"
+
+
+def local_socket_name(launcher_pid: int, token: str) -> str:
+    """A local launch's agent: one per launch (its launcher's pid and a random token), abstract as on Slurm."""
+    return f"\0meshrun-warm-agent/local/{launcher_pid}.{token}"
 
 
 def send(sock: socket.socket, obj: Dict[str, Any], fds: Sequence[int] = ()) -> None:
@@ -61,7 +77,7 @@ def recv(sock: socket.socket, with_fds: bool = False) -> Tuple[Dict[str, Any], L
     """One message (and the descriptors passed with it). EOFError when the peer closed the connection."""
     fds: List[int] = []
     if with_fds:
-        head, fds, _flags, _addr = socket.recv_fds(sock, 4, FDS)
+        head, fds, _flags, _addr = socket.recv_fds(sock, 4, MAX_FDS)
         if not head:
             raise EOFError("the connection closed")
         head += _recv_exact(sock, 4 - len(head))

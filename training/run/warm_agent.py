@@ -1,5 +1,9 @@
 """The warm agent: `python -m training.run.warm_agent RUN_DIR`, one per node of a Slurm allocation with in-job
-restarts (cluster.warm_start; the batch script starts them in their own srun step, launcher/slurm/warm_client.py).
+restarts (cluster.warm_start; the batch script starts them in their own srun step, launcher/slurm/warm_client.py),
+and `python -m training.run.warm_agent --local NAME LAUNCHER_PID RUN_DIR`, one per local launch of world >= 2
+(launcher/launch/local_warm.py): it lives as long as that launcher (SIGTERM when the launcher dies) and forks the
+launch's ranks as the launcher would have started them (their own session, the run-directory lock kept open,
+default stop signals, SIGTERM when the launcher's connection closes).
 
 It imports torch, torch.distributed and the engine's modules once, then forks every rank of every training
 step of the allocation on its node (the first step's, each in-job restart's, a spare's when it takes a lost
@@ -36,7 +40,7 @@ import traceback
 from typing import Any, Dict, List, Optional
 
 from training.contract.rundir.events import append_event
-from training.contract.warm_start import AGENT_PID_ENV, recv, send, socket_name
+from training.contract.warm_start import AGENT_PID_ENV, FDS, MAX_FDS, PAD_ENV, recv, send, socket_name
 
 WARM_MODULES = (
     "torch",
@@ -120,20 +124,52 @@ def _bind_numa(node: int) -> Optional[str]:
     return None
 
 
-def _watch_wrapper(conn: socket.socket) -> None:
+def _watch_wrapper(conn: socket.socket, signum: int = signal.SIGKILL) -> None:
     """In the rank: its wrapper closed the connection (it died, or srun's step ended it): the rank goes too, as
-    a rank started by its wrapper goes with the srun step."""
+    a rank started by its wrapper goes with the srun step (SIGKILL). A local launcher's rank gets SIGTERM, its
+    own stop path, as a cold one does when its launcher dies (training/run/launcher_watch.py)."""
     try:
         while conn.recv(4096):
             pass
     except OSError:
         pass
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signum)
+
+
+def _rewrite_proc_block(which: str, strings: List[str]) -> bool:
+    """Write strings over this process's command line (which="arg") or initial environment ("env") as the
+    kernel shows them in /proc/PID/cmdline and /proc/PID/environ, NUL-padded; False (left as it is) when they
+    do not fit. A forked rank otherwise shows its agent's, and `ps`, `pgrep -f training.main` and the tools that
+    find a run's ranks by their command line and environment would not see it as the rank it is."""
+    first = {"arg": 45, "env": 47}[which]  # arg_start/arg_end, env_start/env_end: fields 48-51 of proc(5)'s stat
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[first]), int(fields[first + 1])
+        data = b"".join(s.encode("utf-8", "surrogateescape") + b"\0" for s in strings)
+        if start <= 0 or len(data) > end - start:
+            return False
+        with open("/proc/self/mem", "r+b", buffering=0) as mem:
+            mem.seek(start)
+            mem.write(data.ljust(end - start, b"\0"))
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def _set_parent_death_signal(signum: int) -> bool:
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(1, int(signum), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
 
 
 class Agent:
-    def __init__(self, run_dir: str, name: str) -> None:
+    def __init__(self, run_dir: str, name: str, local: bool = False) -> None:
         self.run_dir = run_dir
+        self.local = local
         self.pid = os.getpid()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(name)  # before the imports: a rank that asks now waits for them instead of starting cold
@@ -183,9 +219,15 @@ class Agent:
             conn.close()
             return
         try:
-            if len(fds) != 3 or _closed_by_peer(conn):
-                if len(fds) != 3:
-                    send(conn, {"error": f"{len(fds)} file descriptors sent, 3 needed"})
+            why = ""
+            if len(fds) not in (FDS, MAX_FDS):
+                why = f"{len(fds)} file descriptors sent, {FDS} or {MAX_FDS} needed"
+            elif req.get("python", sys.executable) != sys.executable:
+                # Another interpreter (another virtual environment) would import other code than this one's.
+                why = f"the rank's python {req.get('python')} is not the agent's {sys.executable}"
+            if why or _closed_by_peer(conn):
+                if why:
+                    send(conn, {"error": why})
                 conn.close()
                 return
             self._fork(conn, req, fds)
@@ -245,17 +287,23 @@ class Agent:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for sig in (signal.SIGUSR2, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)  # until the engine installs its handler (as a cold rank starts)
+            # As a cold rank starts: a Slurm rank wrapper's ignores them until the engine installs its handler,
+            # a local launcher's has the defaults (the launcher signals only a rank that has its handler).
+            signal.signal(sig, signal.SIG_DFL if self.local else signal.SIG_IGN)
         self.sel.close()
         self.listener.close()
         os.close(self.wake_r)
         os.close(self.wake_w)
         for other in self.children.values():
             other.close()
-        for i, fd in enumerate(fds):
+        for i, fd in enumerate(fds[:FDS]):
             os.dup2(fd, i)
             os.close(fd)
+        for fd in fds[FDS:]:
+            os.set_inheritable(fd, True)  # kept open (a local launch's run-directory lock), as Popen's pass_fds
         fds.clear()  # closed here: the agent's own cleanup of them (in _accept) must not close the rank's files
+        if self.local:
+            os.setsid()  # a session of its own, as the local launcher starts a cold rank (Ctrl-C reaches it only)
         sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
         sys.stdout = sys.__stdout__ = _stream(1, "strict")
         sys.stderr = sys.__stderr__ = _stream(2, "backslashreplace")
@@ -271,40 +319,61 @@ class Agent:
             problem = _bind_numa(int(req["numa_node"]))
             if problem:
                 print(f"warning: rank {os.environ.get('RANK')}: {problem}", file=sys.stderr)
-        threading.Thread(target=_watch_wrapper, args=(conn,), daemon=True, name="wrapper-watch").start()
+        lost = signal.SIGTERM if self.local else signal.SIGKILL
+        threading.Thread(target=_watch_wrapper, args=(conn, lost), daemon=True, name="wrapper-watch").start()
         run_dir = req["run_dir"]
         sys.argv = [sys.modules["training.main"].__file__ or "training/main.py", run_dir]
         # Run as __main__ from its source, as `python -m` does (its imports are the agent's, already loaded).
         del sys.modules["training.main"]
         sys.orig_argv = [sys.executable, "-m", "training.main", run_dir]
+        # As the kernel shows a cold rank: `ps`, `pgrep -f training.main`, action=cancel and the tests find ranks so.
+        _rewrite_proc_block("arg", sys.orig_argv)
+        _rewrite_proc_block("env", [f"{k}={v}" for k, v in os.environ.items()])
         from training.observe import startup
 
         startup._MARKS.clear()
 
 
 def main(argv: List[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m training.run.warm_agent RUN_DIR", file=sys.stderr)
+    local = bool(argv) and argv[0] == "--local"
+    if len(argv) != (4 if local else 1) or (local and not argv[2].isdigit()):
+        print(
+            "usage: python -m training.run.warm_agent RUN_DIR\n"
+            "       python -m training.run.warm_agent --local SOCKET_NAME LAUNCHER_PID RUN_DIR",
+            file=sys.stderr,
+        )
         return 2
-    run_dir = os.path.abspath(argv[0])
+    run_dir = os.path.abspath(argv[-1])
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the job's stop signal is the ranks' (they get it themselves)
+    stop: Dict[str, Any] = {"agent": None, "early": False}
+
+    def on_term(signum, frame) -> None:
+        # The allocation (or the local launch) ends: no new rank; leave once the running ones are reaped.
+        stop["early"] = True
+        if stop["agent"] is not None:
+            stop["agent"].stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    if local:
+        # Lives as long as its launcher: SIGTERM (on_term) when it dies, however it dies.
+        if not _set_parent_death_signal(signal.SIGTERM) or os.getppid() != int(argv[2]):
+            return 0  # the launcher is already gone (or cannot be followed): its ranks start cold
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    os.environ.pop(PAD_ENV, None)  # its room stays in the process's initial environment block, not in its ranks'
     # numpy's OpenBLAS starts its thread pool when it is loaded (torch imports numpy): one thread keeps the agent
     # fork-safe; the engine's own threads are torch's, set per rank (training/main.py).
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     t0 = time.time()
     try:
-        agent = Agent(run_dir, socket_name(dict(os.environ), node))
+        name = "\0" + argv[1] if local else socket_name(dict(os.environ), node)  # argv holds no NUL
+        agent = Agent(run_dir, name, local)
     except OSError as exc:
         append_event(run_dir, "warm_agent", node=node, pid=os.getpid(), ready=False, reason=f"cannot listen: {exc}")
         return 0
-    stop = {"agent": agent}
-
-    def on_term(signum, frame) -> None:
-        stop["agent"].stopping = True  # the allocation ends: no new rank; leave once the running ones are reaped
-
-    signal.signal(signal.SIGTERM, on_term)
+    stop["agent"] = agent
+    if stop["early"]:
+        return 0  # stopped before it served: the ranks (if any asked) start cold
     try:
         problem = warm_up()
     except Exception as exc:  # noqa: BLE001 - said in the event; the ranks start cold and show the real error
