@@ -10,7 +10,7 @@ are ints; GiB appear only in display code.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from launcher.plan.memory import (
     GRAD_BYTES,
@@ -20,6 +20,7 @@ from launcher.plan.memory import (
     layer_activation_bytes,
     model_state_bytes,
     stage_activation_bytes,
+    stage_layers_activation_bytes,
 )
 from launcher.plan.context_memory import gpu_memory_bytes, optimizer_shard_degree
 from launcher.plan.memory import device_reserve_bytes, param_gather_bytes
@@ -223,6 +224,25 @@ class Plan:
         return d
 
 
+def _stage_states(cfg: Config, st: int, dp: int) -> Tuple[Any, Dict[str, int]]:
+    """(stage_params, the model-state bytes of one rank of stage st: weights, grads, optimizer, zero3_gathered,
+    the offload figures and param_gather), everything of a stage's memory but its activations."""
+    par = cfg.parallel
+    sp_ = stage_params(cfg, st)
+    mem = model_state_bytes(sp_.total - sp_.experts, cfg.train.precision, par.zero, optimizer_shard_degree(cfg, dp))
+    if sp_.experts:  # the experts' states shard over their own (expert-data-parallel) group
+        experts = model_state_bytes(sp_.experts, cfg.train.precision, par.zero, expert_dp(cfg, dp))
+        mem = {k: mem[k] + experts[k] for k in mem}
+    mem["zero3_gathered"] = zero3_gathered_bytes(cfg, st) if par.zero >= 3 else 0
+    mem.update(offload_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp)))  # device optimizer bytes, host / files
+    if sp_.experts:  # dense and expert states, each sharded over its own group
+        dense = offload_bytes(cfg, sp_.total - sp_.experts, optimizer_shard_degree(cfg, dp))
+        experts = offload_bytes(cfg, sp_.experts, expert_dp(cfg, dp))
+        mem.update({k: dense[k] + experts[k] for k in dense})
+    mem["param_gather"] = param_gather_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp))
+    return sp_, mem
+
+
 def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optional[Rates] = None) -> Plan:
     """Plan a config that passed the structural checks (sizes positive, divisibility holds); rates: the
     cost model's (default: the cluster config's)."""
@@ -233,26 +253,24 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
     m = par.global_batch // (par.micro_batch * dp)
     v = par.vpp if par.schedule == "interleaved_1f1b" else 1
     per_layer = layer_activation_bytes(cfg, profile)
+    layers_per_mb = stage_layers_activation_bytes(cfg, profile)
     stages = []
+    # A stage's parameters, model states and gathers depend only on whether it holds the embedding (first) and the
+    # head (last); the middle stages share them (computed once: the recommender plans thousands of layouts with
+    # pp up to 64 and more). Only the micro-batches in flight, hence the activations, differ from stage to stage.
+    by_kind: Dict[Tuple[bool, bool], Tuple[Any, Dict[str, int]]] = {}
     for st in range(par.pp):
-        sp_ = stage_params(cfg, st)
-        mem = model_state_bytes(sp_.total - sp_.experts, cfg.train.precision, par.zero, optimizer_shard_degree(cfg, dp))
-        if sp_.experts:  # the experts' states shard over their own (expert-data-parallel) group
-            experts = model_state_bytes(sp_.experts, cfg.train.precision, par.zero, expert_dp(cfg, dp))
-            mem = {k: mem[k] + experts[k] for k in mem}
-        mem["activations"] = stage_activation_bytes(cfg, st, m, profile)
-        mem["zero3_gathered"] = zero3_gathered_bytes(cfg, st) if par.zero >= 3 else 0
-        mem.update(
-            offload_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp))
-        )  # device optimizer bytes, host / files
-        if sp_.experts:  # dense and expert states, each sharded over its own group
-            dense = offload_bytes(cfg, sp_.total - sp_.experts, optimizer_shard_degree(cfg, dp))
-            experts = offload_bytes(cfg, sp_.experts, expert_dp(cfg, dp))
-            mem.update({k: dense[k] + experts[k] for k in dense})
+        kind = (st == 0, st == par.pp - 1)
+        if kind not in by_kind:
+            by_kind[kind] = _stage_states(cfg, st, dp)
+        sp_, states = by_kind[kind]
+        mem = {k: states[k] for k in ("weights", "grads", "optimizer")}
+        mem["activations"] = stage_activation_bytes(cfg, st, m, profile, layers_per_mb)
+        mem.update({k: v for k, v in states.items() if k not in mem and k != "param_gather"})
         mem["total"] = mem["weights"] + mem["grads"] + mem["optimizer"] + mem["activations"] + mem["zero3_gathered"]
         # Transient, beside total (the README's and users' model-state + activation figures): kept back in
         # reserve_bytes with the CUDA reserve, so `fits` and the headroom count it.
-        mem["param_gather"] = param_gather_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp))
+        mem["param_gather"] = states["param_gather"]
         stages.append(StagePlan(stage=st, params=sp_.total, memory_bytes=mem))
     worst = max(stages, key=lambda x: x.memory_bytes["total"])
     memory = dict(worst.memory_bytes)

@@ -196,8 +196,11 @@ def stage_layers_activation_bytes(cfg: Config, profile: DeviceProfile) -> int:
     return redo * layer_activation_bytes(cfg, profile) + (n_layers - redo) * layer_activation_bytes(kept, profile)
 
 
-def stage_activation_bytes(cfg: Config, stage: int, m: int, profile: DeviceProfile) -> int:
-    """Activation bytes of one rank of pipeline stage `stage` at its peak (layers + embedding + logits)."""
+def stage_activation_bytes(
+    cfg: Config, stage: int, m: int, profile: DeviceProfile, layers_per_mb: Optional[int] = None
+) -> int:
+    """Activation bytes of one rank of pipeline stage `stage` at its peak (layers + embedding + logits);
+    layers_per_mb: stage_layers_activation_bytes(cfg, profile) when the caller has it (the same for every stage)."""
     mc, par = cfg.model, cfg.parallel
     s = mc.seq_length // par.cp
     sb = s * par.micro_batch
@@ -205,7 +208,7 @@ def stage_activation_bytes(cfg: Config, stage: int, m: int, profile: DeviceProfi
     t = par.tp
     t_sp = t if par.sp else 1
     inflight = inflight_microbatches(cfg, stage, m)
-    per_mb = stage_layers_activation_bytes(cfg, profile)
+    per_mb = stage_layers_activation_bytes(cfg, profile) if layers_per_mb is None else layers_per_mb
     if stage == 0 and mc.dropout > 0:
         per_mb += sb * h // t_sp * profile.mask_bytes  # embedding dropout mask
     total = per_mb * inflight

@@ -142,13 +142,15 @@ def _fields():
 
 
 def _stubs(tmp_path):
-    """srun/sbatch/squeue/scontrol/sacct on PATH that only record their arguments (a canary of their own)."""
+    """srun/sbatch/squeue/scontrol/sacct on PATH that only record their arguments (a canary of their own); the
+    warm agents' srun step (started in the background before the prologue) records into srun.warm.args."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name in ("srun", "sbatch", "squeue", "scontrol", "sacct", "sinfo"):
         path = bin_dir / name
         path.write_text(
-            f'#!/bin/bash\nprintf "%s\\n" "$@" > "{tmp_path}/{name}.args"\n'
+            f'#!/bin/bash\nout="{tmp_path}/{name}.args"; case " $* " in *" --job-name=meshrun-warm "*) '
+            f'out="{tmp_path}/{name}.warm.args";; esac\nprintf "%s\\n" "$@" > "$out"\n'
             f'printf %s "$MESHRUN_PROBE" > "{tmp_path}/{name}.probe"\n'
             f'for v in ${{!MESHRUN_PROBE_@}}; do printf %s "${{!v}}" > "{tmp_path}/{name}.probe_${{v#MESHRUN_PROBE_}}"; done\n'
             "exit 0\n"

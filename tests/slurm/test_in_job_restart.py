@@ -271,7 +271,7 @@ def test_batch_script_loops_over_steps_in_one_allocation(tmp_path):
         == "MESHRUN_STEP_ARGS=(--nodes=2 --ntasks=4 --ntasks-per-node=2 --nodelist=n1,n3)"
     )
     plain = sbatch_text(job_spec(dev_cfg(), str(tmp_path)))
-    assert "while :; do" not in plain and "--no-kill" not in plain and "#SBATCH --nodes=2" in plain
+    assert "while :; do" not in plain and "#SBATCH --no-kill" not in plain and "#SBATCH --nodes=2" in plain
     pre = sbatch_text(preflight_job_spec(dev_cfg(spare_nodes=1, max_in_job_restarts=2), str(tmp_path)))
     assert "while :; do" not in pre and "srun()" not in pre
 
