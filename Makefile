@@ -40,9 +40,13 @@ run: install $(DATA).json
 plan: install
 	$(VENV)/bin/meshrun action=plan
 
+# One intra-op thread in the test processes themselves: the workers, the Slurm tests' ranks and the spawned ranks
+# share the cores already (the launchers set each rank's own count); a second OpenMP thread per process only
+# waits at barriers for a core another process holds. --durations: where the time went, in every run's log.
+test: export OMP_NUM_THREADS = 1
 test: install lint slurm-up browser
-	$(PY) -m pytest -q -m slurm tests > .slurm-tests.log 2>&1 & slurm=$$!; \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slurm" tests; rc=$$?; \
+	$(PY) -m pytest -q -m slurm --durations=15 tests > .slurm-tests.log 2>&1 & slurm=$$!; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 -m "not slurm" tests; rc=$$?; \
 	wait $$slurm; src=$$?; echo "== the Slurm tests (one process, one after another):"; cat .slurm-tests.log; \
 	rm -f .slurm-tests.log; [ $$rc -eq 0 ] && [ $$src -eq 0 ]
 
