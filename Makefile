@@ -50,6 +50,7 @@ test: install lint slurm-up browser
 	wait $$slurm; src=$$?; echo "== the Slurm tests (one process, one after another):"; cat .slurm-tests.log; \
 	rm -f .slurm-tests.log; [ $$rc -eq 0 ] && [ $$src -eq 0 ]
 
+check: export OMP_NUM_THREADS = 1
 check: install lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slurm and not slow" tests
 

@@ -1,4 +1,4 @@
-"""Warm rank starts (cluster.warm_start, with in-job restarts): the batch script's warm agents and the rank
+"""Warm rank starts on Slurm (cluster.warm_start): the batch script's warm agents and the rank
 wrapper's request to its node's agent (pure Python, no torch).
 
 The batch script starts one warm agent per node of the allocation, spares included, in an srun step of its own

@@ -15,6 +15,7 @@ from launcher.manage.report import build_report
 from launcher.manage.status import run_status, sweep_status
 
 
+@pytest.mark.slow  # CPU ranks started by the CLI
 def test_a_local_run_writes_goodput_that_adds_up_to_its_wall_time(tmp_path):
     run_dir = tmp_path / "run"
     res = dev.meshrun(

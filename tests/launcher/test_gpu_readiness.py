@@ -27,6 +27,7 @@ PY = sys.executable
 
 
 # ---------------------------------------------------------------- bench scripts end to end (--dry)
+@pytest.mark.slow  # the preflight's CPU ranks
 def test_gpu_preflight_dry_runs_every_check(tmp_path):
     """Would-fail 1: the script imported a save_config that does not exist. Now its --dry mode runs the real
     preflight (2 gloo ranks, NVML answered by the double) and every check reports a computed value."""

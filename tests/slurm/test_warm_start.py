@@ -78,6 +78,7 @@ def _info(base, mode):
     raise AssertionError(f"{path} never written")
 
 
+@pytest.mark.slow  # an agent that imports torch, and the rank it forks
 def test_a_forked_rank_runs_as_its_wrapper_asked_and_its_end_comes_back(agent, tmp_path):
     proc, env, base = agent
     # Exit code, standard error through the wrapper's pipe, environment, working directory, argv, parent.

@@ -1,5 +1,5 @@
-"""The warm agent: `python -m training.run.warm_agent RUN_DIR`, one per node of a Slurm allocation with in-job
-restarts (cluster.warm_start; the batch script starts them in their own srun step, launcher/slurm/warm_client.py),
+"""The warm agent: `python -m training.run.warm_agent RUN_DIR`, one per node of a Slurm allocation
+(cluster.warm_start; the batch script starts them in their own srun step, launcher/slurm/warm_client.py),
 and `python -m training.run.warm_agent --local NAME LAUNCHER_PID RUN_DIR`, one per local launch of world >= 2
 (launcher/launch/local_warm.py): it lives as long as that launcher (SIGTERM when the launcher dies) and forks the
 launch's ranks as the launcher would have started them (their own session, the run-directory lock kept open,
