@@ -217,6 +217,7 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
         "exit_interval",
         "exit_after_min",
         "log_every",
+        "min_step_s",
     ):
         if _get(t, key) < 0:
             out.append(Issue("error", f"train.{key}", f"must be >= 0, got {_get(t, key)}", f"train.{key}=0"))

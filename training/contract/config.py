@@ -533,6 +533,12 @@ class TrainConfig:
     nan_probe: bool = True
     """When the loss goes non-finite, replay the failing step's micro-batches with forward hooks and name the
     first layer and rank that produced a non-finite value (event `nonfinite`, and on stderr)."""
+    min_step_s: float = 0.0
+    """Shortest wall time of a step: a step that ends sooner waits out the rest before its checkpoint boundary
+    (0: never waits). For runs that only have to stay alive until something happens to them (a signal, a
+    cancel, a lost node) on a machine they share: a tiny model would otherwise spin every core it has. The wait
+    is outside the step timer (step_time_s, tokens/s and MFU are the step's own) and a stop or signal that
+    arrives during it is acted on at the boundary right after."""
     progress_every_s: float = 30.0
     """Without a terminal (Slurm logs, a pipe): one progress line every this many seconds (and the first and last
     step); on a terminal the bar is redrawn in place every step."""

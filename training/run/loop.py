@@ -551,6 +551,9 @@ class Trainer:
             if unhealthy:  # cluster.health.action=requeue: checkpoint, then leave so the node is excluded
                 exit_code = self._stop_for_health(watch, unhealthy)
                 break
+            pace = cfg.train.min_step_s - (time.perf_counter() - t0)
+            if pace > 0:  # train.min_step_s: the same wait on every rank, before the boundary reads the stop flags
+                time.sleep(pace)
             if self._boundary():
                 exit_code = EXIT_STOPPED  # a complete checkpoint was written: the launcher may requeue
                 break
