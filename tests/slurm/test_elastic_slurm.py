@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import time
 
 import pytest
@@ -214,12 +215,15 @@ def _node_state(node):
 
 @pytest.mark.slurm
 def test_lost_node_shrinks_to_two_nodes_then_grows_back_with_the_same_losses(tmp_path, cluster):
-    # The uninterrupted reference: one local process, the same global batch.
+    # The uninterrupted reference: one local process, the same global batch, run beside the Slurm job.
     ref_dir = tmp_path / "reference"
-    res = dev.meshrun("cluster=local", *RUN, "parallel.zero=0", f"run.dir={ref_dir}", timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    reference = dev.metrics(ref_dir)
-    assert sorted(reference) == list(range(1, STEPS + 1))
+    ref = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "cluster=local", *RUN, "parallel.zero=0", f"run.dir={ref_dir}"],
+        cwd=dev.ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
     inject = tmp_path / "inject"
     inject.mkdir()
@@ -256,11 +260,18 @@ def test_lost_node_shrinks_to_two_nodes_then_grows_back_with_the_same_losses(tmp
         grown = _wait_event(run_dir, "grown", 300)
         jobs.append(grown["new_job_id"])
         status = dev.wait_final(run_dir, timeout=300)
+    except BaseException:
+        ref.kill()
+        raise
     finally:
         if drained:  # other tests need all 3 nodes
             subprocess.run(["scontrol", "update", f"nodename={drained}", "state=resume"])
         for job in jobs:
             subprocess.run(["scancel", job])
+    _, err = ref.communicate(timeout=300)
+    assert ref.returncode == 0, err[-3000:]
+    reference = dev.metrics(ref_dir)
+    assert sorted(reference) == list(range(1, STEPS + 1))
     events = read_events(str(run_dir))
     assert status["state"] == "COMPLETED", events
     assert [len(e["nodes"]) for e in events if e["event"] == "started"] == [3, 2, 3], events

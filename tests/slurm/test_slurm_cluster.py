@@ -9,11 +9,12 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
-from helpers.slurm import COMMON, STEPS, hold_env, meshrun, metrics, rank_pid, submit, wait_final, wait_step
+from helpers.slurm import COMMON, ROOT, STEPS, hold_env, meshrun, metrics, rank_pid, submit, wait_final, wait_step
 from launcher.manage.status import run_status
 from training.contract.rundir.events import read_events
 from training.contract.exit_codes import EXIT_SLURM
@@ -21,12 +22,30 @@ from training.contract.exit_codes import EXIT_SLURM
 pytestmark = pytest.mark.slurm
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, cluster):
-    """The same config run locally (4 CPU processes): the loss trajectory every Slurm run must match."""
+@pytest.fixture(scope="module", autouse=True)
+def _reference_run(tmp_path_factory, cluster):
+    """The local reference starts with the module's first test and runs beside its Slurm job (these tests run one
+    after another: waiting for its 4 CPU ranks first would be a wait of its own)."""
     run_dir = tmp_path_factory.mktemp("local") / "run"
-    res = meshrun("cluster=local", "cluster.gpus_per_node=4", *COMMON, f"run.dir={run_dir}", timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launcher", "cluster=local", "cluster.gpus_per_node=4", *COMMON, f"run.dir={run_dir}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    yield run_dir, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def reference(_reference_run):
+    """The same config run locally (4 CPU processes): the loss trajectory every Slurm run must match."""
+    run_dir, proc = _reference_run
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
     losses = metrics(run_dir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses
