@@ -1,17 +1,20 @@
 """train.min_step_s: a step that ends sooner waits out the rest before its boundary, outside the step timer, with
-the same losses as an unpaced run; 0 never waits; a negative value is refused with the fix."""
+the same losses as an unpaced run; a stop signal ends the wait; 0 never waits; a negative value is refused with
+the fix."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
 
 from helpers.dist import run_distributed
 from training.contract.config import Config
 
 STEPS = 3
-PACE_S = 30.0  # far above a tiny step's time: every step waits (a stand-in clock records the waits instead)
+PACE_S = 30.0  # far above a tiny step's time: every step waits (on a stand-in clock that sleeps by moving on)
 
 
 def _cfg(min_step_s: float) -> Config:
@@ -30,21 +33,24 @@ def _cfg(min_step_s: float) -> Config:
 def _runs(base: str):
     import training.run.loop as loop
     from training.parallel.mesh import ProcessMesh
+    from training.run import signals
 
     waits: list = []
+    skipped = [0.0]  # the stand-in clock's lead over the real one: what its sleeps skipped
 
-    class RecordingClock:
-        """time as the loop sees it, with sleep recorded instead of slept."""
+    class SteppedClock:
+        """time as the loop sees it: sleep is recorded and moves the clock on instead of waiting."""
 
-        perf_counter = staticmethod(time.perf_counter)
+        @staticmethod
+        def perf_counter() -> float:
+            return time.perf_counter() + skipped[0]
 
         @staticmethod
         def sleep(seconds: float) -> None:
             waits.append(seconds)
+            skipped[0] += seconds
 
-    mesh = ProcessMesh.from_env(1, 1, 1, 1, timeout_s=120)
-    out = {}
-    for name, pace, clock in (("plain", 0.0, RecordingClock), ("paced", PACE_S, RecordingClock), ("real", 0.3, time)):
+    def run(name: str, pace: float, clock) -> dict:
         loop.time = clock
         try:
             run_dir = os.path.join(base, name)
@@ -53,32 +59,51 @@ def _runs(base: str):
             trainer.run()
             with open(os.path.join(run_dir, "metrics.jsonl")) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
-            out[name] = {
+            out = {
                 "losses": list(trainer.losses),
                 "step_s": [r["step_time_s"] for r in rows],
                 "waits": list(waits),
                 "wall_s": time.perf_counter() - t0,
             }
             waits.clear()
+            return out
         finally:
             loop.time = time
+
+    mesh = ProcessMesh.from_env(1, 1, 1, 1, timeout_s=120)
+    out = {"plain": run("plain", 0.0, SteppedClock), "paced": run("paced", PACE_S, SteppedClock)}
+    # The real clock, each step paced to PACE_S, and a stop signal after the first step (checkpointing is off
+    # here, so the run goes on): the signal ends the wait it arrives in, and no later step waits.
+    signals.install()
+    sender = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR2))
+    sender.start()
+    try:
+        out["signalled"] = run("signalled", PACE_S, time)
+        out["signal"] = signals.received()
+    finally:
+        sender.cancel()
+        signals.ignore()
     mesh.destroy()
     return out
 
 
-def test_min_step_s_waits_out_each_step_outside_the_timer_with_the_same_losses(tmp_path):
+def test_min_step_s_waits_out_each_step_outside_the_timer_and_a_signal_ends_the_wait(tmp_path):
+    from training.run.loop import PACE_SLICE_S
+
     (out,) = run_distributed(_runs, 1, args=(str(tmp_path),), timeout_s=300)
     plain, paced = out["plain"], out["paced"]
     assert plain["waits"] == []  # 0: never waits
     assert len(paced["losses"]) == STEPS and paced["losses"] == plain["losses"]  # pacing changes no number
-    assert len(paced["waits"]) == STEPS and len(paced["step_s"]) == STEPS
-    for wait, step_s in zip(paced["waits"], paced["step_s"]):
-        # The wait is the rest of the step's PACE_S: what the step timer measured is not part of it, and the
-        # little left between (the step's logging) is far under a second.
-        assert 0 < wait < PACE_S and step_s < PACE_S
-        assert PACE_S - 1.0 < wait + step_s <= PACE_S
-    real = out["real"]
-    assert real["losses"] == plain["losses"] and real["wall_s"] >= STEPS * 0.3  # the real clock did wait
+    assert len(paced["step_s"]) == STEPS and all(0 < s < PACE_S for s in paced["step_s"])
+    assert all(0 < w <= PACE_SLICE_S for w in paced["waits"])  # short slices: a signal is seen within one
+    # Each step waited the rest of its PACE_S: what the step timer measured is not part of the wait, and the
+    # little left between (the step's logging) is far under a second per step.
+    owed = sum(PACE_S - s for s in paced["step_s"])
+    assert owed - STEPS * 1.0 < sum(paced["waits"]) <= owed
+    signalled = out["signalled"]
+    assert out["signal"] == "SIGUSR2" and signalled["losses"] == plain["losses"]
+    # Unpaced, three paced steps take 3 x PACE_S; the signal after about 1 s ended the first wait and the others.
+    assert signalled["wall_s"] < PACE_S
 
 
 def test_a_negative_min_step_s_is_refused_with_the_fix():

@@ -326,7 +326,7 @@ def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
 
     def launch():
         return subprocess.Popen(
-            [PYTHON, "-m", "launcher", f"run.dir={run}", "train.steps=500", "train.min_step_s=0.25"],
+            [PYTHON, "-m", "launcher", f"run.dir={run}", "train.steps=500", "train.min_step_s=2"],
             cwd=str(tmp_path),
             env=_env(),
             stdout=subprocess.PIPE,

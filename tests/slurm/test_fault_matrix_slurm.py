@@ -764,7 +764,7 @@ def test_slurm_signal_alone_stops_a_run_at_a_short_time_limit(tmp_path, cluster)
         "cluster.time_min=3",
         "cluster.signal_delay_s=100",
         "train.steps=100000",
-        "train.min_step_s=0.25",  # waits about 80 s for Slurm's signal: idles instead of spinning
+        "train.min_step_s=2",  # waits about 80 s for Slurm's signal: idles instead of spinning
         "train.checkpoint_every=0",
         "train.progress=false",
         env={"MESHRUN_SELF_STOP": "0"},

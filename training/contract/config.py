@@ -537,8 +537,8 @@ class TrainConfig:
     """Shortest wall time of a step: a step that ends sooner waits out the rest before its checkpoint boundary
     (0: never waits). For runs that only have to stay alive until something happens to them (a signal, a
     cancel, a lost node) on a machine they share: a tiny model would otherwise spin every core it has. The wait
-    is outside the step timer (step_time_s, tokens/s and MFU are the step's own) and a stop or signal that
-    arrives during it is acted on at the boundary right after."""
+    is outside the step timer (step_time_s, tokens/s and MFU are the step's own); a stop signal that arrives
+    during it ends it, and the boundary right after saves and stops as it would without the wait."""
     progress_every_s: float = 30.0
     """Without a terminal (Slurm logs, a pipe): one progress line every this many seconds (and the first and last
     step); on a terminal the bar is redrawn in place every step."""

@@ -38,6 +38,9 @@ from training.schedules.pipeline import make_pipeline_schedule
 from training.contract.precision import param_dtype
 from training.contract.lr_schedule import lr_at, schedule_problems
 
+PACE_SLICE_S = 0.1
+"""train.min_step_s waits in slices of this length: how late a stop signal that arrives during the wait is seen."""
+
 
 @dataclass
 class TrainState:
@@ -342,6 +345,16 @@ class Trainer:
             ck.wait()
         return reason or ""
 
+    def _pace(self, step_start: float) -> None:
+        """train.min_step_s: wait out the rest of the step before its boundary, in short slices, so that a stop
+        signal ends the wait (the boundary right after saves and stops as it would without the wait)."""
+        until = step_start + self.cfg.train.min_step_s
+        while signals.received() is None:
+            left = until - time.perf_counter()
+            if left <= 0:
+                return
+            time.sleep(min(left, PACE_SLICE_S))
+
     def _stop_for_health(self, watch, nodes: List[str]) -> int:
         """A complete checkpoint, then the exit code that excludes the unhealthy nodes (observe/straggler.py)."""
         if self.checkpointer is not None:
@@ -551,9 +564,7 @@ class Trainer:
             if unhealthy:  # cluster.health.action=requeue: checkpoint, then leave so the node is excluded
                 exit_code = self._stop_for_health(watch, unhealthy)
                 break
-            pace = cfg.train.min_step_s - (time.perf_counter() - t0)
-            if pace > 0:  # train.min_step_s: the same wait on every rank, before the boundary reads the stop flags
-                time.sleep(pace)
+            self._pace(t0)
             if self._boundary():
                 exit_code = EXIT_STOPPED  # a complete checkpoint was written: the launcher may requeue
                 break
