@@ -54,7 +54,7 @@ def test_resume_reads_without_dcp_and_matches_dcp_at_every_layout(tmp_path):
     one_process_run, tp2_run = str(tmp_path / "one"), str(tmp_path / "tp2")
     os.makedirs(tp2_run)
     save_worker(one_process_run, 1, 1, 0)
-    results = run_distributed(_worker, 2, args=(one_process_run, tp2_run), timeout_s=240)
+    results = run_distributed(_worker, 2, args=(one_process_run, tp2_run), timeout_s=240, fresh=True)
     for r in results:
         assert r["dcp_imported_by_lean_resume"] is False
         assert r["paths"] == ["_load_lean"] * (1 + len(LAYOUTS)) + ["_load_dcp"] * len(LAYOUTS), r["paths"]

@@ -75,9 +75,9 @@ PRELOAD = [
 ]
 
 
-def _context():
-    """The multiprocessing context ranks start from: MESHRUN_TEST_START=spawn gives fresh interpreters."""
-    if os.environ.get("MESHRUN_TEST_START", "forkserver") == "spawn":
+def _context(fresh: bool = False):
+    """The multiprocessing context ranks start from: MESHRUN_TEST_START=spawn (or fresh) gives fresh interpreters."""
+    if fresh or os.environ.get("MESHRUN_TEST_START", "forkserver") == "spawn":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
@@ -85,10 +85,16 @@ def _context():
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout_s: float = 120.0, threads: int = 1
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    timeout_s: float = 120.0,
+    threads: int = 1,
+    fresh: bool = False,
 ) -> List[Any]:
-    """fn(*args) on world_size spawned ranks; returns the ranks' results in rank order."""
-    ctx = _context()
+    """fn(*args) on world_size spawned ranks; returns the ranks' results in rank order. fresh: ranks in new
+    interpreters that have imported nothing yet (a test of what the engine itself imports, and when)."""
+    ctx = _context(fresh)
     results = ctx.Queue()
     port = free_port()
     procs = [

@@ -55,7 +55,7 @@ def _first_steps() -> dict:
 def test_save_path_is_imported_in_the_background_after_the_first_step():
     from helpers.dist import run_distributed
 
-    (seen,) = run_distributed(_first_steps, 1, timeout_s=300)
+    (seen,) = run_distributed(_first_steps, 1, timeout_s=300, fresh=True)
     assert seen["before_build"] is False, "the rank started with DCP imported: the check below would prove nothing"
     assert seen["before_run"] is False, "building the trainer must not import DCP (start-up pays for it)"
     assert seen["thread"] == "meshrun-checkpoint-import", seen
