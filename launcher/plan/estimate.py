@@ -10,7 +10,7 @@ are ints; GiB appear only in display code.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from launcher.plan.memory import (
     GRAD_BYTES,
@@ -18,24 +18,22 @@ from launcher.plan.memory import (
     DeviceProfile,
     device_profile,
     layer_activation_bytes,
-    model_state_bytes,
-    stage_activation_bytes,
+    profile_dict,
     stage_layers_activation_bytes,
+    stages_activation_bytes,
 )
 from launcher.plan.context_memory import gpu_memory_bytes, optimizer_shard_degree
-from launcher.plan.memory import device_reserve_bytes, param_gather_bytes
+from launcher.plan.memory import device_reserve_bytes
 from launcher.plan.model_size import (
-    hardware_flops_per_step,
     layer_params,
-    model_flops_per_step,
     padded_vocab,
-    params_total,
-    stage_params,
 )
 from launcher.plan.cost_model import Rates, cluster_rates, predict
-from launcher.plan.levers import offload_bytes, zero2_dp_bytes, zero3_dp_bytes, zero3_gathered_bytes
-from launcher.plan.model_size import params_active, recomputed_layers_per_rank
+from launcher.plan.levers import zero2_dp_bytes, zero3_dp_bytes
+from launcher.plan.model_size import recomputed_layers_per_rank
 from launcher.plan.moe import all_to_all_bytes, expert_dp
+from launcher.plan.plan_cache import PlanCache, model_figures
+from launcher.plan.stage_states import stage_kinds
 from training.contract.config import Config, derived_dp
 from training.contract.layout_text import Layout, format_layout
 
@@ -94,9 +92,11 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int, experts_loca
         repl = layer_params(cfg).replicated * n_layers
         tp += _ring(t, repl * g, "all_reduce")
     t_sp = t if par.sp else 1
+    # The busiest rank's sends per micro-batch: v each way, less one forward on the last stage and one backward
+    # on the first. An interior rank (p > 2) sends 2v; with p = 2 each rank sends 2v - 1.
     sends = 0
     if p > 1:
-        sends = max((v - (1 if r == p - 1 else 0)) + (v - (1 if r == 0 else 0)) for r in range(p))
+        sends = 2 * v - (1 if p == 2 else 0)
     pp = m * sends * sb * h // t_sp * ab
     kv = sb * 2 * mc.query_groups * (h // mc.num_attention_heads) // t * ab
     cpb = m * n_layers * 3 * (cp - 1) * kv if cp > 1 else 0
@@ -224,28 +224,14 @@ class Plan:
         return d
 
 
-def _stage_states(cfg: Config, st: int, dp: int) -> Tuple[Any, Dict[str, int]]:
-    """(stage_params, the model-state bytes of one rank of stage st: weights, grads, optimizer, zero3_gathered,
-    the offload figures and param_gather), everything of a stage's memory but its activations."""
-    par = cfg.parallel
-    sp_ = stage_params(cfg, st)
-    mem = model_state_bytes(sp_.total - sp_.experts, cfg.train.precision, par.zero, optimizer_shard_degree(cfg, dp))
-    if sp_.experts:  # the experts' states shard over their own (expert-data-parallel) group
-        experts = model_state_bytes(sp_.experts, cfg.train.precision, par.zero, expert_dp(cfg, dp))
-        mem = {k: mem[k] + experts[k] for k in mem}
-    mem["zero3_gathered"] = zero3_gathered_bytes(cfg, st) if par.zero >= 3 else 0
-    mem.update(offload_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp)))  # device optimizer bytes, host / files
-    if sp_.experts:  # dense and expert states, each sharded over its own group
-        dense = offload_bytes(cfg, sp_.total - sp_.experts, optimizer_shard_degree(cfg, dp))
-        experts = offload_bytes(cfg, sp_.experts, expert_dp(cfg, dp))
-        mem.update({k: dense[k] + experts[k] for k in dense})
-    mem["param_gather"] = param_gather_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp))
-    return sp_, mem
-
-
-def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optional[Rates] = None) -> Plan:
+def make_plan(
+    cfg: Config,
+    profile: Optional[DeviceProfile] = None,
+    rates: Optional[Rates] = None,
+    cache: Optional[PlanCache] = None,
+) -> Plan:
     """Plan a config that passed the structural checks (sizes positive, divisibility holds); rates: the
-    cost model's (default: the cluster config's)."""
+    cost model's (default: the cluster config's); cache: the search's PlanCache (launcher/plan/plan_cache.py)."""
     mc, par = cfg.model, cfg.parallel
     profile = profile or device_profile(cfg)
     dp = derived_dp(cfg)
@@ -253,38 +239,34 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
     m = par.global_batch // (par.micro_batch * dp)
     v = par.vpp if par.schedule == "interleaved_1f1b" else 1
     per_layer = layer_activation_bytes(cfg, profile)
-    layers_per_mb = stage_layers_activation_bytes(cfg, profile)
-    stages = []
-    # A stage's parameters, model states and gathers depend only on whether it holds the embedding (first) and the
-    # head (last); the middle stages share them (computed once: the recommender plans thousands of layouts with
-    # pp up to 64 and more). Only the micro-batches in flight, hence the activations, differ from stage to stage.
-    by_kind: Dict[Tuple[bool, bool], Tuple[Any, Dict[str, int]]] = {}
-    for st in range(par.pp):
-        kind = (st == 0, st == par.pp - 1)
-        if kind not in by_kind:
-            by_kind[kind] = _stage_states(cfg, st, dp)
-        sp_, states = by_kind[kind]
-        mem = {k: states[k] for k in ("weights", "grads", "optimizer")}
-        mem["activations"] = stage_activation_bytes(cfg, st, m, profile, layers_per_mb)
-        mem.update({k: v for k, v in states.items() if k not in mem and k != "param_gather"})
-        mem["total"] = mem["weights"] + mem["grads"] + mem["optimizer"] + mem["activations"] + mem["zero3_gathered"]
-        # Transient, beside total (the README's and users' model-state + activation figures): kept back in
-        # reserve_bytes with the CUDA reserve, so `fits` and the headroom count it.
-        mem["param_gather"] = states["param_gather"]
-        stages.append(StagePlan(stage=st, params=sp_.total, memory_bytes=mem))
-    worst = max(stages, key=lambda x: x.memory_bytes["total"])
+    activations = stages_activation_bytes(cfg, m, profile, stage_layers_activation_bytes(cfg, profile, per_layer))
+    # Each stage's memory is its kind's (launcher/plan/stage_states.py: the recommender plans thousands of layouts
+    # with pp up to 64 and more) with its activations (the micro-batches in flight differ) and total filled in.
+    kinds = stage_kinds(cfg, dp) if cache is None else cache.stage_kinds(cfg, dp)
+    stages, totals = [], []
+    last = par.pp - 1
+    for st, act in enumerate(activations):
+        kind = kinds[(st == 0, st == last)]
+        mem = kind.memory.copy()
+        mem["activations"] = act
+        mem["total"] = total = kind.model_states + act + mem["zero3_gathered"]
+        stages.append(StagePlan(st, kind.params.total, mem))
+        totals.append(total)
+    worst = stages[totals.index(max(totals))]  # the first of the largest, as max(stages, key=total)
     memory = dict(worst.memory_bytes)
     memory["activations_per_layer"] = per_layer
     gpu_bytes = gpu_memory_bytes(cfg)
     bub = bubble(par.pp, m, v)
-    hw_flops = hardware_flops_per_step(cfg)
-    comm = comm_bytes_per_step(cfg, m, dp, worst.params, stage_params(cfg, worst.stage).experts)
+    figures = model_figures(cfg) if cache is None else cache.model_figures(cfg)
+    worst_experts = kinds[(worst.stage == 0, worst.stage == last)].params.experts
+    comm = comm_bytes_per_step(cfg, m, dp, worst.params, worst_experts)
     rates = rates or cluster_rates(cfg)
     step = predict_step_seconds(cfg, comm, worst.params, rates)
     peak = cfg.cluster.peak_tflops * 1e12 if cfg.cluster.peak_tflops > 0 else rates.flops
     tokens = par.global_batch * mc.seq_length
     per_gpu = tokens / step["total"] / world if step["total"] > 0 and world else 0.0
-    mfu = model_flops_per_step(cfg) / (step["total"] * world * peak) if step["total"] > 0 and world and peak else 0.0
+    mfu = figures.model_flops_per_step / (step["total"] * world * peak) if step["total"] > 0 and world and peak else 0.0
+    reserve = device_reserve_bytes(cfg, gpu_bytes)
     return Plan(
         world_size=world,
         tp=par.tp,
@@ -296,7 +278,7 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
         global_batch=par.global_batch,
         grad_accum=m,
         num_microbatches=m,
-        params_total=params_total(cfg),
+        params_total=figures.params_total,
         params_per_gpu=worst.params,
         memory_bytes={
             k: memory[k]
@@ -314,24 +296,24 @@ def make_plan(cfg: Config, profile: Optional[DeviceProfile] = None, rates: Optio
             )
         },
         **bub,
-        model_flops_per_step=model_flops_per_step(cfg),
-        hardware_flops_per_step=hw_flops,
-        tokens_per_step=par.global_batch * mc.seq_length,
+        model_flops_per_step=figures.model_flops_per_step,
+        hardware_flops_per_step=figures.hardware_flops_per_step,
+        tokens_per_step=tokens,
         gpu_memory_bytes=gpu_bytes,
-        fits=memory["total"] + device_reserve_bytes(cfg, gpu_bytes) + memory["param_gather"] <= gpu_bytes,
-        reserve_bytes=device_reserve_bytes(cfg, gpu_bytes) + memory["param_gather"],
+        fits=memory["total"] + reserve + memory["param_gather"] <= gpu_bytes,
+        reserve_bytes=reserve + memory["param_gather"],
         worst_stage=worst.stage,
         padded_vocab=padded_vocab(mc.vocab_size, par.tp),
         comm_bytes=comm,
         stages=stages,
         precision=cfg.train.precision,
-        activation_profile=asdict(profile),
+        activation_profile=profile_dict(profile),
         predicted_step_s=step["total"],
         predicted_step_parts_s={k: v for k, v in step.items() if k != "total"},
         tokens_per_s_per_gpu=per_gpu,
         mfu=mfu,
         peak_flops=peak,
-        params_active=params_active(cfg),
+        params_active=figures.params_active,
         ep=getattr(par, "ep", 1) if mc.num_experts > 0 else 1,
     )
 

@@ -9,8 +9,9 @@ micro-batches; with the KORTHIKANTI profile they are Korthikanti et al. 2022 Tab
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Dict, Optional
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from launcher.plan.model_size import recomputed_layers_per_rank
 from launcher.plan.levers import zero_bytes_per_param, zero_state_bytes
@@ -80,14 +81,29 @@ class DeviceProfile:
     cast copy the next matmul (or the dropout) takes is saved besides it."""
 
 
+@lru_cache(maxsize=16)
+def _profile_items(profile: DeviceProfile) -> Tuple[Tuple[str, object], ...]:
+    return tuple(asdict(profile).items())
+
+
+def profile_dict(profile: DeviceProfile) -> Dict[str, object]:
+    """asdict(profile), a new dict each call (plan.json's activation_profile). The profile is frozen and its
+    fields are plain numbers and flags, so one asdict per profile serves every plan of a search."""
+    return dict(_profile_items(profile))
+
+
 # Korthikanti et al. 2022's accounting: 16-bit activations, 1-byte masks, nothing else.
 KORTHIKANTI = DeviceProfile(act_bytes=2, mask_bytes=1, flash_saves_lse=False, norm_stats=False)
 
 
 def device_profile(cfg: Config) -> DeviceProfile:
     """The profile the planner uses for this run's device and precision (measured: docs/PLATFORM.md)."""
-    act = PARAM_BYTES[cfg.train.precision]
-    if cfg.cluster.device == "cpu":
+    return _device_profile(PARAM_BYTES[cfg.train.precision], cfg.cluster.device == "cpu")
+
+
+@lru_cache(maxsize=16)  # one frozen profile per (bytes, device), shared by every plan of a search
+def _device_profile(act: int, cpu: bool) -> DeviceProfile:
+    if cpu:
         return DeviceProfile(act_bytes=act, mask_bytes=act, flash_with_dropout=False, softmax_fp32=True)
     # The model's dropout (keyed_dropout) multiplies by its mask in the activation dtype on every device:
     # the mask saved for backward has act bytes per element, not a 1-byte bool (Korthikanti's accounting).
@@ -102,7 +118,12 @@ def effective_attention(cfg: Config, profile: DeviceProfile) -> str:
     return m.attention
 
 
-def layer_activation_bytes(cfg: Config, profile: DeviceProfile = KORTHIKANTI, micro_batch: Optional[int] = None) -> int:
+def layer_activation_bytes(
+    cfg: Config,
+    profile: DeviceProfile = KORTHIKANTI,
+    micro_batch: Optional[int] = None,
+    recompute: Optional[str] = None,
+) -> int:
     """Bytes one layer saves for backward for one micro-batch on one tp rank.
 
     Saved tensors (elements; t = tp, t_sp = tp under sp else 1; f the FFN width; hd = h/a):
@@ -115,18 +136,20 @@ def layer_activation_bytes(cfg: Config, profile: DeviceProfile = KORTHIKANTI, mi
     With the KORTHIKANTI profile and a GPT layer (gelu, f = 4h, math, dropout) this is exactly Table 2:
     sbh(34 + 5as/h) etc.; the general dense count is sbh(18 + 4f/h) + 5as^2b.
     Recompute: selective drops the core-attention internals (s^2 terms, logsumexp); full keeps only the
-    layer input, 2sbh/t_sp at 16 bits.
+    layer input, 2sbh/t_sp at 16 bits. recompute: in place of parallel.recompute (a layer that keeps its
+    activations under partial recompute) without copying the config.
     """
     m, par = cfg.model, cfg.parallel
     s = m.seq_length // par.cp
     b = micro_batch if micro_batch is not None else par.micro_batch
+    recompute = par.recompute if recompute is None else recompute
     h, a, g, f = m.hidden_size, m.num_attention_heads, m.query_groups, m.ffn
     t = par.tp
     t_sp = t if par.sp else 1
     hd = h // a
     sb = s * b
     ab, mb, stb = profile.act_bytes, profile.mask_bytes, profile.stats_bytes
-    if par.recompute == "full":
+    if recompute == "full":
         return sb * h * ab // t_sp
     attention = effective_attention(cfg, profile)
     dropout = m.dropout > 0
@@ -147,7 +170,7 @@ def layer_activation_bytes(cfg: Config, profile: DeviceProfile = KORTHIKANTI, mi
     if profile.norm_stats:
         stats_per_norm = 1 if m.norm == "rmsnorm" else 2
         total += 2 * stats_per_norm * (sb // t_sp) * stb
-    if par.recompute == "none":
+    if recompute == "none":
         if attention == "math":
             scores = a * s * s * b // t
             if profile.softmax_fp32:
@@ -172,28 +195,31 @@ def inflight_microbatches(cfg: Config, stage: int, m: int) -> float:
     when m < p). interleaved: Megatron's warm-up of (p - stage - 1)*2 + (v - 1)*p chunk micro-batches
     plus one, each of L/(p v) layers, capped at the m v there are; the first stage's factor is
     p (1 + (p - 1)/(p v))."""
+    return stages_inflight_microbatches(cfg, [stage], m)[0]
+
+
+def stages_inflight_microbatches(cfg: Config, stages: Iterable[int], m: int) -> List[float]:
+    """inflight_microbatches of each of `stages` (make_plan takes every stage's)."""
     par = cfg.parallel
     p, v = par.pp, par.vpp
     if par.schedule == "gpipe":
-        return float(m)
+        return [float(m) for _ in stages]
     if par.schedule == "interleaved_1f1b" and v > 1:
-        chunks = min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
-        return chunks / v
-    return float(min(m, p - stage))
+        return [min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1) / v for stage in stages]
+    return [float(min(m, p - stage)) for stage in stages]
 
 
-def stage_layers_activation_bytes(cfg: Config, profile: DeviceProfile) -> int:
+def stage_layers_activation_bytes(cfg: Config, profile: DeviceProfile, per_layer: Optional[int] = None) -> int:
     """Bytes the L/pp layers of one rank save for one micro-batch: with recompute=full and
     recompute_num_layers = N > 0, the first N layers of each chunk keep only their input and the others
-    everything (launcher/plan/levers.py counts them)."""
+    everything (launcher/plan/levers.py counts them). per_layer: layer_activation_bytes(cfg, profile) when the
+    caller has it."""
     n_layers = cfg.model.num_layers // cfg.parallel.pp
     redo = recomputed_layers_per_rank(cfg)
+    per_layer = layer_activation_bytes(cfg, profile) if per_layer is None else per_layer
     if str(cfg.parallel.recompute) != "full" or redo == n_layers:
-        return n_layers * layer_activation_bytes(cfg, profile)
-    from dataclasses import replace
-
-    kept = replace(cfg, parallel=replace(cfg.parallel, recompute="none"))
-    return redo * layer_activation_bytes(cfg, profile) + (n_layers - redo) * layer_activation_bytes(kept, profile)
+        return n_layers * per_layer
+    return redo * per_layer + (n_layers - redo) * layer_activation_bytes(cfg, profile, recompute="none")
 
 
 def stage_activation_bytes(
@@ -201,26 +227,44 @@ def stage_activation_bytes(
 ) -> int:
     """Activation bytes of one rank of pipeline stage `stage` at its peak (layers + embedding + logits);
     layers_per_mb: stage_layers_activation_bytes(cfg, profile) when the caller has it (the same for every stage)."""
+    return stages_activation_bytes(cfg, m, profile, layers_per_mb, [stage])[0]
+
+
+def stages_activation_bytes(
+    cfg: Config,
+    m: int,
+    profile: DeviceProfile,
+    layers_per_mb: Optional[int] = None,
+    stages: Optional[Sequence[int]] = None,
+) -> List[int]:
+    """stage_activation_bytes of each of `stages` (default: every pipeline stage). What does not depend on the
+    stage is worked out once: a plan needs every stage's figure, and the recommender plans thousands of layouts
+    with up to 64 and more stages."""
     mc, par = cfg.model, cfg.parallel
     s = mc.seq_length // par.cp
     sb = s * par.micro_batch
     h = mc.hidden_size
     t = par.tp
     t_sp = t if par.sp else 1
-    inflight = inflight_microbatches(cfg, stage, m)
-    per_mb = stage_layers_activation_bytes(cfg, profile) if layers_per_mb is None else layers_per_mb
-    if stage == 0 and mc.dropout > 0:
-        per_mb += sb * h // t_sp * profile.mask_bytes  # embedding dropout mask
-    total = per_mb * inflight
-    if stage == par.pp - 1:
-        # Final norm input (+ stats), output-layer input, fp32 logits for the cross entropy. The last
-        # stage finishes each micro-batch's backward right after its forward, except under gpipe.
-        last = 2 * (sb * h // t_sp) * profile.act_bytes
-        if profile.norm_stats:
-            last += (1 if mc.norm == "rmsnorm" else 2) * (sb // t_sp) * profile.stats_bytes
-        last += sb * padded_vocab(mc.vocab_size, t) // t * profile.logits_bytes
-        total += last * (m if par.schedule == "gpipe" else 1)
-    return int(math.ceil(total))
+    layers = stage_layers_activation_bytes(cfg, profile) if layers_per_mb is None else layers_per_mb
+    first = layers
+    if mc.dropout > 0:
+        first += sb * h // t_sp * profile.mask_bytes  # embedding dropout mask
+    # Final norm input (+ stats), output-layer input, fp32 logits for the cross entropy. The last
+    # stage finishes each micro-batch's backward right after its forward, except under gpipe.
+    last = 2 * (sb * h // t_sp) * profile.act_bytes
+    if profile.norm_stats:
+        last += (1 if mc.norm == "rmsnorm" else 2) * (sb // t_sp) * profile.stats_bytes
+    last += sb * padded_vocab(mc.vocab_size, t) // t * profile.logits_bytes
+    last *= m if par.schedule == "gpipe" else 1
+    stages = range(par.pp) if stages is None else stages
+    out = []
+    for stage, inflight in zip(stages, stages_inflight_microbatches(cfg, stages, m)):
+        total = (first if stage == 0 else layers) * inflight
+        if stage == par.pp - 1:
+            total += last
+        out.append(int(math.ceil(total)))
+    return out
 
 
 # What a CUDA rank holds besides the allocator's tensors, and what the caching allocator reserves above what

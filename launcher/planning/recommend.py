@@ -23,6 +23,7 @@ from launcher.plan.cost_model import Rates, cluster_rates, spans_nodes
 from launcher.plan.estimate import GIB, Plan, fmt_seconds, make_plan
 from launcher.plan.model_size import chunk_layers
 from launcher.plan.levers import search_recompute, search_zero_stages
+from launcher.plan.plan_cache import PlanCache
 from launcher.plan.validate import validate
 from training.contract import layout_rules as rules
 from training.contract.config import Config, derived_dp
@@ -135,7 +136,7 @@ def _layouts_at(cfg: Config, tp: int, pp: int, sp: bool, cp: int, dp: int) -> It
     """The batch, virtual-stage, zero, recompute and (mixture of experts) ep variants of one tp x pp x cp x dp
     (x sp) layout."""
     for ep in search_ep(cfg, dp):
-        lay = replace(cfg, parallel=replace(cfg.parallel, ep=ep)) if cfg.model.num_experts > 0 else cfg
+        lay = _with(cfg, ep=ep) if cfg.model.num_experts > 0 else cfg
         yield from _dense_layouts_at(lay, tp, pp, sp, cp, dp)
 
 
@@ -151,28 +152,29 @@ def _dense_layouts_at(cfg: Config, tp: int, pp: int, sp: bool, cp: int, dp: int)
         for vpp in vpps:
             for zero in [0, 1] if dp * cp > 1 else [0]:
                 for recompute in ("none", "selective", "full"):
-                    yield replace(
+                    yield _with(
                         cfg,
-                        parallel=replace(
-                            par,
-                            tp=tp,
-                            pp=pp,
-                            vpp=vpp,
-                            cp=cp,
-                            dp=None,
-                            sp=sp,
-                            zero=zero,
-                            micro_batch=mb,
-                            schedule="interleaved_1f1b" if vpp > 1 else "1f1b",
-                            recompute=recompute,
-                            recompute_num_layers=0,
-                            allow_tp_across_nodes=tp > c.gpus_per_node,
-                        ),
+                        tp=tp,
+                        pp=pp,
+                        vpp=vpp,
+                        cp=cp,
+                        dp=None,
+                        sp=sp,
+                        zero=zero,
+                        micro_batch=mb,
+                        schedule="interleaved_1f1b" if vpp > 1 else "1f1b",
+                        recompute=recompute,
+                        recompute_num_layers=0,
+                        allow_tp_across_nodes=tp > c.gpus_per_node,
                     )
 
 
 def _with(lay: Config, **changes) -> Config:
-    return replace(lay, parallel=replace(lay.parallel, **changes))
+    """lay with some parallel fields changed: dataclasses.replace's result, without its walk over the fields on
+    every call (the search builds thousands of layouts). Every field of both classes is an __init__ argument, so
+    the instance's fields are the constructor's arguments (__post_init__ runs as under replace)."""
+    par = type(lay.parallel)(**{**vars(lay.parallel), **changes})
+    return type(lay)(**{**vars(lay), "parallel": par})
 
 
 def _lean(lay: Config) -> Config:
@@ -182,7 +184,7 @@ def _lean(lay: Config) -> Config:
     )
 
 
-def _deeper_zero(lay: Config, rates: Rates) -> Optional[Candidate]:
+def _deeper_zero(lay: Config, rates: Rates, cache: Optional[PlanCache] = None) -> Optional[Candidate]:
     """The first higher ZeRO stage (2, then 3), then offload (cpu, nvme) at which a zero=1 (or dp=1) layout that
     does not fit fits: never faster in the cost model (more traffic, a host-side update), so only tried where
     the layout runs out of memory."""
@@ -195,20 +197,21 @@ def _deeper_zero(lay: Config, rates: Rates) -> Optional[Candidate]:
             continue  # a stage the engine does not run for this model (zero=3 with experts)
         if changes.get("offload") == "nvme" and not new.parallel.offload_dir:
             new = _with(new, offload_dir="/local/nvme")  # a placeholder the user replaces (printed with it)
-        plan = make_plan(new, rates=rates)
+        plan = make_plan(new, rates=rates, cache=cache)
         if fits_with_headroom(plan, lay):
             return Candidate(new, plan)
     return None
 
 
-def _partial_recompute(lay: Config, rates: Rates) -> List[Candidate]:
+def _partial_recompute(lay: Config, rates: Rates, cache: Optional[PlanCache] = None) -> List[Candidate]:
     """Under recompute=full, the fastest variant recomputing only the first N layers of each chunk that still
     fits (fewest N first: less recomputation, more activation memory)."""
     for recompute, n in search_recompute(chunk_layers(lay)):
         if recompute == "full" and n > 0:
-            plan = make_plan(_with(lay, recompute_num_layers=n), rates=rates)
+            new = _with(lay, recompute_num_layers=n)
+            plan = make_plan(new, rates=rates, cache=cache)
             if fits_with_headroom(plan, lay):
-                return [Candidate(_with(lay, recompute_num_layers=n), plan)]
+                return [Candidate(new, plan)]
     return []
 
 
@@ -230,6 +233,7 @@ def search(cfg: Config, rates: Rates) -> Search:
     skipped as a group. A zero=1 layout that does not fit is tried at zero=2 and 3, and one that fits under
     recompute=full also with recompute_num_layers (launcher/plan/levers.py's choices)."""
     out = Search()
+    cache = PlanCache(cfg)  # every layout below shares cfg's model, train and cluster
     lean_fits: Dict[tuple, bool] = {}
     none_fits: Dict[tuple, bool] = {}  # recompute=none fits at these other settings: partial recompute is slower
     for lay in layouts(cfg):
@@ -240,16 +244,16 @@ def search(cfg: Config, rates: Rates) -> Search:
         out.valid += 1
         group = (p.tp, p.pp, p.vpp, p.zero, p.cp, getattr(p, "ep", 1))
         if group not in lean_fits:
-            lean_fits[group] = make_plan(_lean(lay), rates=rates).fits
+            lean_fits[group] = make_plan(_lean(lay), rates=rates, cache=cache).fits
             if not lean_fits[group] and (p.zero == 1 or derived_dp(lay) == 1):
-                lean_fits[group] = _deeper_zero(_lean(lay), rates) is not None
+                lean_fits[group] = _deeper_zero(_lean(lay), rates, cache) is not None
             if not lean_fits[group]:
-                out.no_fit.append(Candidate(lay, make_plan(lay, rates=rates)))
+                out.no_fit.append(Candidate(lay, make_plan(lay, rates=rates, cache=cache)))
         if not lean_fits[group]:
             continue
-        plan = make_plan(lay, rates=rates)
+        plan = make_plan(lay, rates=rates, cache=cache)
         if not fits_with_headroom(plan, cfg) and (p.zero == 1 or derived_dp(lay) == 1) and _states_could_fit(plan):
-            deeper = _deeper_zero(lay, rates)
+            deeper = _deeper_zero(lay, rates, cache)
             if deeper is not None:
                 lay, plan = deeper.cfg, deeper.plan
         fits = fits_with_headroom(plan, cfg)
@@ -258,7 +262,7 @@ def search(cfg: Config, rates: Rates) -> Search:
         if p.recompute == "none":
             none_fits[others] = fits
         if fits and lay.parallel.recompute == "full" and not none_fits.get(others, False):
-            out.candidates += _partial_recompute(lay, rates)
+            out.candidates += _partial_recompute(lay, rates, cache)
     out.candidates.sort(key=lambda c: (c.step_s, c.plan.memory_bytes["total"]))
     out.no_fit.sort(key=lambda c: c.step_s)
     for i, cand in enumerate(out.candidates, 1):

@@ -461,7 +461,10 @@ def moe_rules(m: ModelConfig, ep: int, dp: int, tp: int, cp: int, zero: int) -> 
 def layout_violations(cfg: Config, dp: int) -> List[Violation]:
     """Every rule above for cfg's layout with `dp` data-parallel ranks (launcher and engine alike)."""
     m, par = cfg.model, cfg.parallel
-    out = model_rules(m) + tp_rules(m, par.tp, valid_tp(cfg)) + layer_rules(m.num_layers, par.pp, par.vpp)
+    tp = tp_rules(m, par.tp)
+    if tp:  # the fix lists the valid tp values: worked out only then (action=recommend checks thousands of layouts)
+        tp = tp_rules(m, par.tp, valid_tp(cfg))
+    out = model_rules(m) + tp + layer_rules(m.num_layers, par.pp, par.vpp)
     out += schedule_rules(par.schedule, par.pp, par.vpp)
     out += sp_rules(par.sp, par.tp, m.seq_length)
     out += cp_rules(par.cp, m.seq_length, par.tp, par.sp, m.dropout, getattr(par, "cp_comm", "ring"))
