@@ -60,8 +60,8 @@ def _worker(fn, rank, world_size, port, args, results, threads, env) -> None:
 # Modules every rank imports: a forkserver that has imported them once per pytest process forks each rank with
 # them loaded, so a spawn no longer pays an interpreter start and torch's import per rank (most of a small
 # test's time). The checkpoint's save and load path (distributed checkpoint, the DTensor and sharded-tensor code
-# it pulls in, the CRC writer: about 1.8 CPU s) is the warm agent's list too (training/run/warm_agent.py): a
-# rank that saves or resumes would otherwise import it again. The forkserver itself has started no thread and no
+# it pulls in, the CRC writer) is the warm agent's list too (training/run/warm_agent.py): a rank that saves or
+# resumes would otherwise import it again. The forkserver itself has started no thread and no
 # process group, so forking it is safe.
 PRELOAD = [
     "torch",

@@ -216,14 +216,14 @@ def _node_state(node):
 @pytest.mark.slurm
 def test_lost_node_shrinks_to_two_nodes_then_grows_back_with_the_same_losses(tmp_path, cluster):
     # The uninterrupted reference: one local process, the same global batch, run beside the Slurm job.
-    ref_dir = tmp_path / "reference"
-    ref = subprocess.Popen(
-        [sys.executable, "-m", "launcher", "cluster=local", *RUN, "parallel.zero=0", f"run.dir={ref_dir}"],
-        cwd=dev.ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    ref_dir, ref_out = tmp_path / "reference", tmp_path / "reference.out"
+    with open(ref_out, "wb") as sink:  # a file, not a pipe: nobody reads its output while it runs
+        ref = subprocess.Popen(
+            [sys.executable, "-m", "launcher", "cluster=local", *RUN, "parallel.zero=0", f"run.dir={ref_dir}"],
+            cwd=dev.ROOT,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
 
     inject = tmp_path / "inject"
     inject.mkdir()
@@ -268,8 +268,7 @@ def test_lost_node_shrinks_to_two_nodes_then_grows_back_with_the_same_losses(tmp
             subprocess.run(["scontrol", "update", f"nodename={drained}", "state=resume"])
         for job in jobs:
             subprocess.run(["scancel", job])
-    _, err = ref.communicate(timeout=300)
-    assert ref.returncode == 0, err[-3000:]
+    assert ref.wait(timeout=300) == 0, ref_out.read_text()[-3000:]
     reference = dev.metrics(ref_dir)
     assert sorted(reference) == list(range(1, STEPS + 1))
     events = read_events(str(run_dir))
