@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshrun-installed
 TEST_WORKERS ?= 2
 
-.PHONY: install run test check lint plan bench slurm-up slurm-down browser clean
+.PHONY: install bytecode run test check lint plan bench slurm-up slurm-down browser clean
 
 install: $(STAMP)
 
@@ -26,6 +26,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# The project's own sources byte-compiled once (pip does the same for the packages it installs): a shell that sets
+# PYTHONDONTWRITEBYTECODE (as some CI images do) otherwise makes every launcher, agent and rank process compile
+# launcher/ and training/ from source again (docs/PERFORMANCE.md, "Test suite"). Only changed files are redone.
+bytecode: install
+	$(PY) -m compileall -q launcher training hydra_plugins bench tests >/dev/null
+
 # The default corpus, prepared once into data/ (meshrun action=prepare): 8 MB of the Python standard library's
 # sources, a byte-level BPE of 2048 tokens trained on them, 5 % of the files held out for the validation loss.
 DATA ?= data/stdlib
@@ -34,7 +40,7 @@ $(DATA).json: | $(STAMP)
 	$(VENV)/bin/meshrun action=prepare prepare.output=$(DATA) prepare.tokenizer=bpe prepare.vocab_size=2048 \
 		prepare.max_bytes=8000000 prepare.valid_fraction=0.05
 
-run: install $(DATA).json
+run: install bytecode $(DATA).json
 	$(VENV)/bin/meshrun data=indexed data.prefixes=[$(DATA)] train.eval_every=20
 
 plan: install
@@ -44,14 +50,14 @@ plan: install
 # share the cores already (the launchers set each rank's own count); a second OpenMP thread per process only
 # waits at barriers for a core another process holds. --durations: where the time went, in every run's log.
 test: export OMP_NUM_THREADS = 1
-test: install lint slurm-up browser
+test: install bytecode lint slurm-up browser
 	$(PY) -m pytest -q -m slurm --durations=15 tests > .slurm-tests.log 2>&1 & slurm=$$!; \
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 -m "not slurm" tests; rc=$$?; \
 	wait $$slurm; src=$$?; echo "== the Slurm tests (one process, one after another):"; cat .slurm-tests.log; \
 	rm -f .slurm-tests.log; [ $$rc -eq 0 ] && [ $$src -eq 0 ]
 
 check: export OMP_NUM_THREADS = 1
-check: install lint
+check: install bytecode lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slurm and not slow" tests
 
 lint: install

@@ -15,8 +15,9 @@ import sys
 from typing import List, Optional, Sequence
 
 from training.contract.config import Config
-from training.data.indexed import open_dataset, read_description
-from training.data.sources import DataError
+
+# training.data.indexed (and numpy with it) is imported only where data=indexed is read: every other launch,
+# plan and sweep point validates without it.
 
 
 def _given(overrides: Sequence[str], key: str) -> bool:
@@ -25,6 +26,9 @@ def _given(overrides: Sequence[str], key: str) -> bool:
 
 def dataset_vocab(prefixes: Sequence[str], may_scan: bool) -> Optional[int]:
     """The largest vocabulary the datasets need, or None when a description cannot be had (validation says why)."""
+    from training.data.indexed import open_dataset, read_description
+    from training.data.sources import DataError
+
     need = 0
     for prefix in prefixes:
         try:
@@ -44,6 +48,9 @@ def _record_tokenizer(cfg: Config) -> None:
     launch whose dataset was prepared again with another tokenizer exits 2 (its ids would mean other text)."""
     if not cfg.data.prefixes:
         return
+    from training.data.indexed import read_description
+    from training.data.sources import DataError
+
     try:
         desc = read_description(cfg.data.prefixes[0]) or {}
     except (DataError, OSError):
@@ -100,6 +107,9 @@ def data_errors(cfg: Config) -> List[tuple]:
         )
     if d.kind != "indexed":
         return out
+    from training.data.indexed import open_dataset
+    from training.data.sources import DataError
+
     if not d.prefixes:
         out.append(
             (

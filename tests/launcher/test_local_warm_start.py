@@ -172,7 +172,9 @@ def test_warm_ranks_are_the_agents_children_hold_the_lock_and_stop_as_cold_ones(
     from launcher.manage.cancel import _children
 
     run = tmp_path / "run"
-    first = _launch(run, "train.steps=400")
+    # Paced steps (train.min_step_s): the ranks idle between steps while the test looks at them, instead of
+    # training on the cores the other tests share.
+    first = _launch(run, "train.steps=400", "train.min_step_s=0.5")
     agent, ranks = _warm_ranks(run, first, 0)
     assert int(_status_field(agent, "PPid")) == first.pid
     envs = {}
@@ -204,7 +206,7 @@ def test_warm_ranks_are_the_agents_children_hold_the_lock_and_stop_as_cold_ones(
     assert log.startswith("===== meshrun attempt 0") and "summary: " in log and "SIGUSR2" in log, log[-2000:]
     assert "summary: " in err  # rank 0's output also on the launcher's stderr
 
-    second = _launch(run, "train.steps=400")
+    second = _launch(run, "train.steps=400", "train.min_step_s=0.5")
     agent, ranks = _warm_ranks(run, second, 1)
     before = len(_events(run, "checkpoint"))
     second.kill()

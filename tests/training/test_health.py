@@ -98,6 +98,9 @@ def test_node_throughput_share_against_its_own_baseline():
 
 
 # ---- the dev Slurm cluster -------------------------------------------------------------------------
+ECC_STEPS = 24
+
+
 @pytest.mark.slurm
 def test_growing_ecc_on_slurm_requeues_without_that_node(tmp_path, cluster):
     double = tmp_path / "gpus.json"
@@ -106,7 +109,10 @@ def test_growing_ecc_on_slurm_requeues_without_that_node(tmp_path, cluster):
     run_dir = tmp_path / "run"
     dev.submit(
         run_dir,
-        "train.steps=80",
+        # Paced steps (train.min_step_s): the run outlasts the time the monitor takes to see the count grow by
+        # about 10 s while its ranks idle instead of training 80 steps; after the requeue it ends the same way.
+        f"train.steps={ECC_STEPS}",
+        "train.min_step_s=0.5",
         "train.checkpoint_every=40",
         f"cluster.health.nvml_double={double}",
         "cluster.health.interval_s=0.2",
@@ -134,4 +140,4 @@ def test_growing_ecc_on_slurm_requeues_without_that_node(tmp_path, cluster):
     assert len(starts) == 2 and bad not in starts[1]["nodes"]
     assert starts[1]["resume_step"] == saved[0]["step"]
     assert status["state"] == "COMPLETED" and status["excluded_nodes"] == [bad]
-    assert sorted(dev.metrics(run_dir)) == list(range(1, 81))  # asserts no step ran twice
+    assert sorted(dev.metrics(run_dir)) == list(range(1, ECC_STEPS + 1))  # asserts no step ran twice
