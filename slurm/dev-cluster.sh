@@ -129,6 +129,8 @@ write_configs() {
     mkdir -p "$STATE/ctld" "$RUN" "$LOG" /etc/slurm
     for n in "${NODES[@]}"; do mkdir -p "$STATE/d/$n"; done
 
+    local before=""
+    [[ -f "$STATE/slurm.conf" ]] && before="$(cat "$STATE/slurm.conf")"
     cat >"$STATE/slurm.conf" <<EOF
 # Written by slurm/dev-cluster.sh; edits are overwritten by the next 'up'.
 ClusterName=$CLUSTER
@@ -155,11 +157,18 @@ SchedulerParameters=bf_interval=1,sched_interval=2
 JobRequeue=1
 ReturnToService=2
 KillWait=5
+# The three nodes share this machine's cores with everything else on it: under a heavy load a step's processes
+# have been seen to take over 60 s (Slurm's default) to be gone after their SIGKILL, and Slurm then drains the
+# node ("Kill task failed"), which leaves the next two-node job pending.
+UnkillableStepTimeout=180
 MinJobAge=120
 MailProg=/bin/true
 NodeName=$nodelist NodeHostname=$host NodeAddr=127.0.0.1 Port=[$FIRST_PORT-$last_port] CPUs=8 State=UNKNOWN
 PartitionName=debug Nodes=$nodelist Default=YES MaxTime=INFINITE State=UP
 EOF
+    # A controller already running reads a changed slurm.conf only when told to (cmd_up).
+    CONF_CHANGED=0
+    [[ "$before" == "$(cat "$STATE/slurm.conf")" ]] || CONF_CHANGED=1
     cat >"$STATE/slurmdbd.conf" <<EOF
 # Written by slurm/dev-cluster.sh.
 AuthType=auth/munge
@@ -285,6 +294,10 @@ cmd_up() {
     start_slurmdbd
     local cold=0
     start_slurmctld && cold=1
+    if ((!cold && CONF_CHANGED)); then
+        say "slurm.conf changed: scontrol reconfigure"
+        scontrol reconfigure || die "scontrol reconfigure failed (see $LOG/slurmctld.log)"
+    fi
     local n
     for n in "${NODES[@]}"; do start_slurmd "$n"; done
     ((cold)) && cancel_leftovers

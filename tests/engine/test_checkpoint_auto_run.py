@@ -10,16 +10,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 
 from helpers import ROOT
+from helpers.local_run import PYTHON, TINY_RUN
 from launcher.plan.cadence import expected_goodput, young_interval_s
-
-PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
-if not os.path.exists(PYTHON):
-    PYTHON = sys.executable
 
 
 def test_goodput_of_an_mtbf_far_below_the_restart_time_is_zero_not_an_overflow():
@@ -36,13 +32,7 @@ def test_a_run_with_auto_cadence_saves_by_the_resolved_minutes(tmp_path):
             "-m",
             "launcher",
             f"run.dir={run}",
-            "data=synthetic",
-            "parallel=single",
-            "cluster.gpus_per_node=1",
-            "model.num_layers=2",
-            "model.seq_length=32",
-            "parallel.global_batch=2",
-            "parallel.micro_batch=1",
+            *TINY_RUN,
             "train.steps=6",
             "train.warmup_steps=1",
             "train.checkpoint_every=0",

@@ -8,26 +8,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 
 from helpers import ROOT
 from helpers.cli import meshrun
+from helpers.local_run import PYTHON, TINY_RUN
 from training.checkpoint import storage
 
-PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
-if not os.path.exists(PYTHON):
-    PYTHON = sys.executable
 TINY = [
-    "data=synthetic",
-    "parallel=single",
-    "cluster.gpus_per_node=1",
-    "model.num_layers=2",
-    "model.seq_length=32",
-    "parallel.global_batch=2",
-    "parallel.micro_batch=1",
+    *TINY_RUN,
     "cluster.peak_tflops=1",
     "train.checkpoint_every=2",
     "train.steps=100000",

@@ -14,17 +14,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from helpers import ROOT
 from helpers.cli import run_cli
+from helpers.local_run import PYTHON, wait_for
 
-PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
-if not os.path.exists(PYTHON):
-    PYTHON = sys.executable
 TINY = [
     "data=synthetic",
     "parallel=single",
@@ -71,16 +68,6 @@ def _losses(run):
     return {row["step"]: row["loss"] for row in rows if "loss" in row}
 
 
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _status_field(pid: int, field: str) -> str:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -114,7 +101,7 @@ def _warm_ranks(run, launcher: subprocess.Popen, attempt: int):
     from launcher.manage.cancel import _children
     from launcher.slurm.rank_task import catches
 
-    started = _wait_for(
+    started = wait_for(
         lambda: [ev for ev in _events(run, "ranks_started") if ev["attempt"] == attempt] or launcher.poll() is not None,
         240,
         "the ranks to be forked",
@@ -128,7 +115,7 @@ def _warm_ranks(run, launcher: subprocess.Popen, attempt: int):
         logged = max([s for s, _ in _losses(run).items()], default=0) >= STEPS * (attempt + 1)
         return kids if len(kids) == 2 and logged else None
 
-    return agent, _wait_for(ready, 240, "both ranks to train")
+    return agent, wait_for(ready, 240, "both ranks to train")
 
 
 def _another_python_is_refused(agent: int) -> None:
@@ -222,7 +209,7 @@ def test_warm_ranks_are_the_agents_children_hold_the_lock_and_stop_as_cold_ones(
     assert held_by_ranks_alone and not any(_alive(p) for p in ranks)
     saved = _events(run, "checkpoint")[before:]
     assert saved and saved[-1]["reason"] == "SIGTERM", saved
-    _wait_for(lambda: not _alive(agent), 30, "the agent to leave after its launcher's death")
+    wait_for(lambda: not _alive(agent), 30, "the agent to leave after its launcher's death")
     assert _lock_free(run)
 
 

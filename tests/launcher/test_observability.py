@@ -13,31 +13,19 @@ import io
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 
 from helpers import ROOT
 from helpers.cli import run_cli
+from helpers.local_run import PYTHON, TINY_RUN
 from launcher.manage.status_table import format_table
 from training.observe.metrics import PURGED_FILE, purge_after
 from training.observe.progress import Progress, format_duration
 
-PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
-if not os.path.exists(PYTHON):
-    PYTHON = sys.executable
 # One rank, a tiny model, random tokens: the launches below are about the files, not the numbers.
-TINY = [
-    "data=synthetic",
-    "parallel=single",
-    "cluster.gpus_per_node=1",
-    "model.num_layers=2",
-    "model.seq_length=32",
-    "parallel.global_batch=2",
-    "parallel.micro_batch=1",
-    "cluster.peak_tflops=1",
-]
+TINY = [*TINY_RUN, "cluster.peak_tflops=1"]
 
 
 def meshrun(*args: str, cwd: str, **kw) -> subprocess.CompletedProcess:

@@ -14,26 +14,17 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from helpers import ROOT
 from helpers.cli import run_cli
+from helpers.local_run import PYTHON, TINY_RUN
 from launcher.manage.report import build_report, sweep_points
 from training.contract.rundir.events import append_event
 
-PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
-if not os.path.exists(PYTHON):
-    PYTHON = sys.executable
 TINY = [
-    "data=synthetic",
-    "parallel=single",
-    "cluster.gpus_per_node=1",
-    "model.num_layers=2",
-    "model.seq_length=32",
-    "parallel.global_batch=2",
-    "parallel.micro_batch=1",
+    *TINY_RUN,
     "train.steps=12",
     "train.checkpoint_every=4",
     "train.eval_every=4",

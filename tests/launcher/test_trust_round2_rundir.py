@@ -15,25 +15,16 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from helpers import ROOT
 from helpers.cli import run_cli
+from helpers.local_run import PYTHON, TINY_RUN, wait_for
 
-PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
-if not os.path.exists(PYTHON):
-    PYTHON = sys.executable
 TINY = [
-    "data=synthetic",
-    "parallel=single",
+    *TINY_RUN,
     "cluster=local",
-    "cluster.gpus_per_node=1",
-    "model.num_layers=2",
-    "model.seq_length=32",
-    "parallel.global_batch=2",
-    "parallel.micro_batch=1",
     "cluster.peak_tflops=1",
     "train.tensorboard=false",
 ]
@@ -276,18 +267,6 @@ def test_prepare_refuses_an_existing_dataset_and_the_tokenizer_sha_is_checked(tm
         load_tokenizer(out)
 
 
-def _wait_for(predicate, timeout_s: float, what: str):
-    import time
-
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _last_step(run) -> int:
     try:
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -308,7 +287,7 @@ def _training_rank(launcher: subprocess.Popen):
         kids = [pid for pid in _children(launcher.pid) if catches(pid, sig.SIGUSR2) and catches(pid, sig.SIGTERM)]
         return kids[0] if kids else None
 
-    return _wait_for(ready, 240, "the rank to install its stop handlers")
+    return wait_for(ready, 240, "the rank to install its stop handlers")
 
 
 def _status(run, cwd):
@@ -361,7 +340,7 @@ def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
     before = (run / "checkpoints" / "latest").read_text()
     third.kill()
     third.communicate(timeout=60)
-    plan = _wait_for(
+    plan = wait_for(
         lambda: (lambda p: p if p.returncode == 0 else None)(
             run_cli("action=plan", f"run.dir={run}", cwd=str(tmp_path))
         ),
