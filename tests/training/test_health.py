@@ -98,7 +98,7 @@ def test_node_throughput_share_against_its_own_baseline():
 
 
 # ---- the dev Slurm cluster -------------------------------------------------------------------------
-ECC_STEPS = 24
+ECC_STEPS = 32
 
 
 @pytest.mark.slurm
@@ -110,7 +110,7 @@ def test_growing_ecc_on_slurm_requeues_without_that_node(tmp_path, cluster):
     dev.submit(
         run_dir,
         # Paced steps (train.min_step_s): the run outlasts the time the monitor takes to see the count grow by
-        # about 10 s while its ranks idle instead of training 80 steps; after the requeue it ends the same way.
+        # about 14 s while its ranks idle instead of training 80 steps; after the requeue it ends the same way.
         f"train.steps={ECC_STEPS}",
         "train.min_step_s=0.5",
         "train.checkpoint_every=40",
