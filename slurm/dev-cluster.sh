@@ -158,8 +158,8 @@ JobRequeue=1
 ReturnToService=2
 KillWait=5
 # The three nodes share this machine's cores with everything else on it: under a heavy load a step's processes
-# have been seen to take over 60 s (Slurm's default) to be gone after their SIGKILL, and Slurm then drains the
-# node ("Kill task failed"), which leaves the next two-node job pending.
+# can outlast Slurm's default wait after their SIGKILL, and Slurm then drains the node ("Kill task failed"),
+# which leaves the next two-node job pending (docs/PLATFORM.md).
 UnkillableStepTimeout=180
 MinJobAge=120
 MailProg=/bin/true
