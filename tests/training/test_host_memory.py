@@ -14,7 +14,7 @@ import sys
 import pytest
 
 SIDE = r"""
-import hashlib, json, os, sys, tempfile
+import ctypes, hashlib, json, os, sys, tempfile
 import torch
 from training.contract.config import Config
 from training.parallel.mesh import ProcessMesh
@@ -22,9 +22,27 @@ from training.run import host_memory
 from training.run.loop import Trainer
 
 
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+
+
+def mmapped_mib(nbytes):
+    # MiB of a tensor of nbytes that glibc served with its own mmap (unmapped again when it is freed).
+    before = libc.mallinfo2().hblkhd
+    t = torch.ones(nbytes // 4)
+    grown = (libc.mallinfo2().hblkhd - before) / 2**20
+    del t
+    return grown
+
+
 def step_like_returned_mib():
     # What a step does to the heap: 128 MiB of activations written, then all freed. The resident memory that
-    # the free handed back to the system, in the last of three rounds (the first may grow the heap either way).
+    # the free handed back to the system, in the last of three rounds.
     page = os.sysconf("SC_PAGE_SIZE")
     rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page
     for _ in range(3):
@@ -42,13 +60,14 @@ m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 32, 4, 16
 cfg.parallel.micro_batch, cfg.parallel.global_batch = 2, 4
 cfg.data.kind, cfg.train.progress, cfg.train.tensorboard = "synthetic", False, False
 cfg.train.host_memory_keep = sys.argv[1] == "1"
-fresh = step_like_returned_mib()
+fresh = mmapped_mib(30 << 20)  # glibc's default: the first block this large gets its own mmap
 trainer = Trainer(cfg, tempfile.mkdtemp(), ProcessMesh.single("cpu"), checkpointing=False)
-built = step_like_returned_mib()
 losses = [trainer.train_step()[0] for _ in range(3)]
 params = b"".join(p.detach().numpy().tobytes() for c in trainer.chunks for p in c.parameters())
-trained = step_like_returned_mib()
-print(json.dumps({"applied": host_memory._applied, "returned_mib": [fresh, built, trained], "losses": losses,
+# Larger than any block freed so far: adaptive glibc maps it again; with the setting it comes from the heap.
+trained = mmapped_mib(31 << 20)
+print(json.dumps({"applied": host_memory._applied, "mmapped_mib": [fresh, trained],
+                  "returned_mib": step_like_returned_mib(), "losses": losses,
                   "params": hashlib.sha256(params).hexdigest()}))
 """
 
@@ -61,16 +80,15 @@ def _side(keep: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's (Linux)")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt and mallinfo2 are glibc's (Linux)")
 def test_freed_heap_memory_stays_mapped_and_results_are_the_same_bits():
     off, on = _side(False), _side(True)
     assert off["applied"] is False and on["applied"] is True
-    # Without the setting glibc hands the 128 MiB freed back to the system (to be faulted in again, page by
-    # page) whenever they lie at the top of its heap: in these runs at least once of the three rounds (where
-    # they lie depends on what the process allocated before). With it, the memory stays mapped once the
-    # trainer exists, before and after training.
-    _, built_on, trained_on = on["returned_mib"]
-    assert max(off["returned_mib"]) > 100, off
-    assert built_on < 8 and trained_on < 8, on
+    # A fresh process maps its first 30 MiB block, and, without the setting, maps again a block larger than any
+    # it freed before; with it (applied when the trainer is built), 31 MiB come from the heap, and 128 MiB of
+    # freed blocks stay mapped for the next step instead of going back to the system.
+    assert off["mmapped_mib"][0] > 29 and on["mmapped_mib"][0] > 29, (off, on)
+    assert off["mmapped_mib"][1] > 30, off
+    assert on["mmapped_mib"][1] == 0 and on["returned_mib"] < 8, on
     assert on["losses"] == off["losses"]
     assert on["params"] == off["params"]
