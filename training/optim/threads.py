@@ -39,15 +39,16 @@ def elementwise_threads(device: torch.device) -> Iterator[None]:
 
 
 _pool: Optional[ThreadPoolExecutor] = None
+_pool_size = 0
 _pool_lock = threading.Lock()
 
 
 def _workers(n: int) -> ThreadPoolExecutor:
     """The process's pool of block workers (grown to n; idle between updates)."""
-    global _pool
+    global _pool, _pool_size
     with _pool_lock:
-        if _pool is None or _pool._max_workers < n:
-            old, _pool = _pool, ThreadPoolExecutor(n, thread_name_prefix="meshrun-update")
+        if _pool is None or _pool_size < n:
+            old, _pool, _pool_size = _pool, ThreadPoolExecutor(n, thread_name_prefix="meshrun-update"), n
             if old is not None:
                 old.shutdown(wait=False)
         return _pool
