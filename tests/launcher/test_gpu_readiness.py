@@ -207,7 +207,8 @@ def test_adamw_blocks_do_not_change_the_update(monkeypatch):
 
     whole, whole_bytes = run(1000)
     blocked, blocked_bytes = run(97)
-    assert torch.equal(whole, blocked) and blocked_bytes == 97 * 4 < whole_bytes
+    workers = min(torch.get_num_threads(), -(-1000 // 97))  # one scratch block per worker thread of the update
+    assert torch.equal(whole, blocked) and blocked_bytes == 97 * 4 * workers < whole_bytes
 
 
 # ---------------------------------------------------------------- preflight details

@@ -555,6 +555,10 @@ class TrainConfig:
     pipeline stages, recompute and the tensor-parallel layers keep their module boundaries. The first step
     carries the compile time (metrics `compile_s`, once); losses match eager within docs/PERFORMANCE.md's
     tolerance."""
+    host_memory_keep: bool = True
+    """CPU runs (glibc): the C allocator keeps the memory a step frees mapped for the next step, instead of
+    handing it back to the system and faulting it in again, page by page, every step (training/run/host_memory.py,
+    docs/PERFORMANCE.md). Changes no result; the process holds its peak heap between steps."""
 
 
 @dataclass

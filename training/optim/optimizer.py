@@ -250,9 +250,9 @@ class DistributedOptimizer:
         else:
             weights = self.adamw.weights()
             # The clipping (coef < 1) is applied to the grads block by block inside the update: one pass less.
-            # Elementwise only, on one CPU thread (training/optim/threads.py): the same bits, no barriers.
-            with elementwise_threads(grads.device):
-                self.adamw.update(weights, grads, lr, self.step_count, grad_coef=coef)
+            # Elementwise only, its blocks spread over threads on a CPU (training/optim/threads.py): the same bits,
+            # no barrier per operation.
+            self.adamw.update(weights, grads, lr, self.step_count, grad_coef=coef)
             self._write_back(weights, defer_param_gather)
 
     def reduce_grads(self) -> torch.Tensor:

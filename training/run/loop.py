@@ -170,6 +170,10 @@ class Trainer:
         self.cfg, self.run_dir, self.mesh = cfg, run_dir, mesh
         self.is_logger = mesh.rank == 0
         self._check_layout()
+        if cfg.train.host_memory_keep:  # before the model's and the optimizer's allocations
+            from training.run.host_memory import keep_freed_host_memory
+
+            keep_freed_host_memory(torch.device(mesh.device))
         validate_data_config(cfg)
         torch.manual_seed(cfg.train.seed)
         if chunks is None:
