@@ -1,7 +1,8 @@
 """Issue 28: what the engine does off the critical paths.
 
 - The checkpoint save path (DCP and the DTensor code behind it) is imported in the background once the first
-  step is done, so a save at a preemption signal does not pay for the import; nothing imports it before.
+  step is done, so a save at a preemption signal does not pay for the import; nothing imports it before, the
+  warm agent's imports (what a requeued job's first fork waits for) included.
 - The optimizer's elementwise update runs on one CPU thread (training/optim/threads.py) and restores the
   caller's thread count; the result is the same bits as at the default count.
 """
@@ -61,6 +62,26 @@ def test_save_path_is_imported_in_the_background_after_the_first_step():
     assert seen["thread"] == "meshrun-checkpoint-import", seen
     assert seen["imported_before_any_save"] is True, seen
     assert seen["exit"] == 0 and seen["saved"] == ["final"], seen
+
+
+def test_warm_agent_imports_leave_the_save_path_out():
+    """The warm agent's import list (training/run/warm_agent.py), in a fresh interpreter: every module a rank
+    needs before its first step, and not DCP or DTensor (about a third of that import's CPU)."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    script = (
+        "import importlib, sys\n"
+        "from training.run.warm_agent import WARM_MODULES\n"
+        "for name in WARM_MODULES: importlib.import_module(name)\n"
+        "print(sorted(m for m in ('torch.distributed.checkpoint', 'torch.distributed.tensor', 'training.run.loop',"
+        " 'training.checkpoint.lean_read') if m in sys.modules))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "['training.checkpoint.lean_read', 'training.run.loop']", res.stdout
 
 
 def test_elementwise_threads_is_one_cpu_thread_and_restores_the_count():

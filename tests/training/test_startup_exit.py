@@ -48,7 +48,7 @@ def test_timeline_keeps_the_first_mark_and_orders_by_time(monkeypatch):
 def test_exit_without_finalising_joins_threads_runs_atexit_flushes_and_keeps_the_code(tmp_path):
     script = textwrap.dedent(f"""
         import atexit, sys, threading, time
-        from training.main import exit_without_finalising
+        from training.run.quick_exit import exit_without_finalising
         def late_write():
             time.sleep(0.5)
             open({str(tmp_path / "thread")!r}, "w").write("done")

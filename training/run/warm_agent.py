@@ -49,10 +49,13 @@ WARM_MODULES = (
     "training.run.loop",
     "training.parallel.mesh",
     "training.preflight.runner",
-    "training.checkpoint.safe_read",
+    "training.checkpoint.lean_read",
     "training.observe.oom",
 )
-"""What a rank imports before its first step (training/main.py and the Trainer), imported once per node."""
+"""What a rank imports before its first step (training/main.py and the Trainer), imported once per node. Not the
+distributed-checkpoint package (DCP, with the DTensor code it pulls in: about 1.2 s of CPU, a third of this
+list's import): a resume reads through lean_read without it, and a rank imports the save path in the background
+after its first step (CheckpointManager.prewarm), so on a requeue's path it would only delay the first fork."""
 
 REQUEST_TIMEOUT_S = 10.0
 """A connected wrapper sends its request at once; one that does not is dropped instead of stalling the agent."""
@@ -391,4 +394,10 @@ def main(argv: List[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    # The agent's end is on a requeue's path: Slurm requeues the job once every process of it has ended, and
+    # the interpreter's finalisation with torch loaded took about a second (training/run/quick_exit.py). A rank
+    # forked from here never gets this far: it ends in training.main's own exit (or a SystemExit raised
+    # through main(), which exits the usual way).
+    from training.run.quick_exit import exit_without_finalising
+
+    exit_without_finalising(main(sys.argv[1:]))
