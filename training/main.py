@@ -83,14 +83,17 @@ def main(argv=None) -> int:
     _env_from_slurm()
     _single_process_env()
 
-    import torch
+    from training.run.import_gc import imports_without_gc
 
-    from training.contract.config import derived_dp, load_config
-    from training.checkpoint.storage import CheckpointError
-    from training.data import DataError
-    from training.contract.layout_rules import LayoutError
-    from training.hf.hf_config import HFError
-    from training.observe.startup import mark
+    with imports_without_gc():  # a rank forked by a warm agent has these already (imported the same way)
+        import torch
+
+        from training.contract.config import derived_dp, load_config
+        from training.checkpoint.storage import CheckpointError
+        from training.data import DataError
+        from training.contract.layout_rules import LayoutError
+        from training.hf.hf_config import HFError
+        from training.observe.startup import mark
 
     mark("imported")  # torch and the engine's modules
 

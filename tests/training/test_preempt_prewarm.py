@@ -2,7 +2,8 @@
 
 - The checkpoint save path (DCP and the DTensor code behind it) is imported in the background once the first
   step is done, so a save at a preemption signal does not pay for the import; nothing imports it before, the
-  warm agent's imports (what a requeued job's first fork waits for) included.
+  warm agent's imports (what a requeued job's first fork waits for) included; those imports run with the
+  cyclic garbage collector off and freeze what they made (training/run/import_gc.py).
 - The optimizer's elementwise update runs on one CPU thread (training/optim/threads.py) and restores the
   caller's thread count; the result is the same bits as at the default count.
 """
@@ -64,24 +65,56 @@ def test_save_path_is_imported_in_the_background_after_the_first_step():
     assert seen["exit"] == 0 and seen["saved"] == ["final"], seen
 
 
-def test_warm_agent_imports_leave_the_save_path_out():
-    """The warm agent's import list (training/run/warm_agent.py), in a fresh interpreter: every module a rank
-    needs before its first step, and not DCP or DTensor (about a third of that import's CPU)."""
+def test_warm_agent_imports_leave_the_save_path_out_and_freeze_what_they_made():
+    """The warm agent's imports (training/run/warm_agent.py warm_up), in a fresh interpreter: every module a rank
+    needs before its first step, and not DCP or DTensor (about a third of that import's CPU); made with the
+    collector off (training/run/import_gc.py), which is on again afterwards, the imported objects frozen."""
+    import os
     import subprocess
     import sys
 
     from helpers import ROOT
 
     script = (
-        "import importlib, sys\n"
-        "from training.run.warm_agent import WARM_MODULES\n"
-        "for name in WARM_MODULES: importlib.import_module(name)\n"
+        "import gc, sys\n"
+        "from training.run.warm_agent import warm_up\n"
+        "assert gc.isenabled() and gc.get_freeze_count() == 0\n"
+        "print(repr(warm_up()), gc.isenabled(), gc.get_freeze_count() > 100000)\n"
         "print(sorted(m for m in ('torch.distributed.checkpoint', 'torch.distributed.tensor', 'training.run.loop',"
         " 'training.checkpoint.lean_read') if m in sys.modules))\n"
     )
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")  # as the agent's main() sets it: numpy's pool is one thread
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.strip() == "['training.checkpoint.lean_read', 'training.run.loop']", res.stdout
+    assert res.stdout.splitlines() == ["'' True True", "['training.checkpoint.lean_read', 'training.run.loop']"], (
+        res.stdout
+    )
+
+
+def test_imports_without_gc_restores_the_collector_after_an_error():
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    script = (
+        "import gc\n"
+        "from training.run.import_gc import imports_without_gc\n"
+        "try:\n"
+        "    with imports_without_gc():\n"
+        "        inside = gc.isenabled()\n"
+        "        import no_such_module_here\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "print(inside, gc.isenabled(), gc.get_freeze_count() > 0)\n"
+        "gc.disable()\n"
+        "with imports_without_gc():\n"
+        "    pass\n"
+        "print(gc.isenabled())\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["False", "True", "True", "False"], res.stdout
 
 
 def test_elementwise_threads_is_one_cpu_thread_and_restores_the_count():

@@ -70,8 +70,11 @@ def native_threads() -> int:
 
 def warm_up() -> str:
     """Import the rank's modules; "" when the process is still fork-safe, else why not."""
-    for name in WARM_MODULES:
-        importlib.import_module(name)
+    from training.run.import_gc import imports_without_gc
+
+    with imports_without_gc():
+        for name in WARM_MODULES:
+            importlib.import_module(name)
     import torch
 
     if torch.cuda.is_initialized():
