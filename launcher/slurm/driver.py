@@ -20,6 +20,7 @@ import glob
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 from typing import Dict, List, Optional, Sequence
@@ -280,8 +281,7 @@ def epilogue(run_dir: str, srun_rc: int, then_prologue: bool = False) -> int:
         if d.cause != "stopped_early":
             fields.update(retry=retries_used(events) + 1, max_retries=cfg.cluster.max_retries)
         append_event(run_dir, "requeued", **fields)
-        write_goodput_quietly(run_dir)
-        sys.stdout.flush()
+        writer = _goodput_beside_requeue(run_dir)
         try:
             res = slurm_command(["scontrol", "requeue", job_id()])
             refused = res.stderr.strip() if res.returncode != 0 else ""
@@ -290,6 +290,8 @@ def epilogue(run_dir: str, srun_rc: int, then_prologue: bool = False) -> int:
         if refused:
             append_event(run_dir, "stopped", reason=f"scontrol requeue failed: {refused}", **ev)
             release_job(run_dir, job_id())
+            _wait_quietly(writer)
+            write_goodput_quietly(run_dir)  # with the stop
             return EXIT_FAILED
         time.sleep(REQUEUE_WAIT_S)  # Slurm kills this script as part of the requeue
         return EXIT_FAILED
@@ -354,6 +356,35 @@ class _PartitionNodes(Sequence[str]):
 
     def __len__(self) -> int:
         return len(self._get())
+
+
+def _goodput_beside_requeue(run_dir: str) -> Optional[int]:
+    """goodput.json written by a forked copy of this process while Slurm requeues the job: its sacct query
+    (about 0.1 s) is then not on the way from the preemption signal to the requeue. The copy ignores the
+    SIGTERM with which the requeue ends the batch script, and the job is requeued once it is done (Slurm
+    waits for every process of the job). Its pid, or None when it was written here (fork failed)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        pid = os.fork()
+    except OSError:
+        write_goodput_quietly(run_dir)
+        return None
+    if pid == 0:
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            write_goodput_quietly(run_dir)
+        finally:
+            os._exit(0)
+    return pid
+
+
+def _wait_quietly(pid: Optional[int]) -> None:
+    if pid is not None:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
 
 
 def _goodput_aside(run_dir: str) -> None:
