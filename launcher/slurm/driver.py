@@ -494,17 +494,28 @@ def _plan_resize(cfg, events, own, exclude, newly_excluded):
 def main(argv: List[str]) -> int:
     if len(argv) < 2 or argv[0] not in ("prologue", "epilogue"):
         print(
-            "usage: python -m launcher.slurm.driver prologue|epilogue RUN_DIR [SRUN_RC] [--then-prologue]",
+            "usage: python -m launcher.slurm.driver prologue|epilogue RUN_DIR [SRUN_RC | --srun-rc-on-stdin] "
+            "[--then-prologue]",
             file=sys.stderr,
         )
         return EXIT_INVALID
     if argv[0] == "prologue":
         return prologue(argv[1])
-    return epilogue(
-        argv[1],
-        int(argv[2]) if len(argv) > 2 and argv[2].lstrip("-").isdigit() else -1,
-        then_prologue="--then-prologue" in argv[2:],
-    )
+    srun_rc = int(argv[2]) if len(argv) > 2 and argv[2].lstrip("-").isdigit() else -1
+    if "--srun-rc-on-stdin" in argv[2:]:
+        # The early epilogue (launcher/slurm/sbatch.py early_epilogue_lines): imported already, it waits for the
+        # batch script to hand over srun's exit status. A job-wide SIGUSR2 is the ranks' signal, not its own.
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        line = sys.stdin.readline().strip()
+        if not line.lstrip("-").isdigit():
+            return EXIT_OK  # the batch script ended without handing over: it did not get past srun
+        srun_rc = int(line)
+        # The batch script's cue that this process decides the attempt (before anything is decided), then the
+        # job's log as standard output, as for an epilogue started after srun.
+        os.write(1, b"ok\n")
+        if "--log-fd" in argv:
+            os.dup2(int(argv[argv.index("--log-fd") + 1]), 1)
+    return epilogue(argv[1], srun_rc, then_prologue="--then-prologue" in argv[2:])
 
 
 if __name__ == "__main__":

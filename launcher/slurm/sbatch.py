@@ -246,7 +246,25 @@ def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> Li
         lines.append(in_job.loop_prologue_line(prologue_line()))
     else:
         lines.append(prologue_line())
+        lines += early_epilogue_lines()
     return lines
+
+
+def early_epilogue_lines() -> List[str]:
+    """The epilogue started before srun, as a coprocess that waits for srun's exit status on its standard
+    input (teardown_lines hands it over): its Python start and imports, about 0.15 s, are then not on the way
+    from a preemption signal to the requeue (docs/PERFORMANCE.md, *Preemption path*). Started after the
+    prologue's exports, which it reads (MESHRUN_ATTEMPT). Its pid and its two pipes are kept in variables and
+    descriptors of the batch script's own: bash unsets a coprocess's and closes its pipes once it has ended,
+    which may be before the hand-over is complete. After the hand-over the epilogue writes to MESHRUN_LOG_FD,
+    the job's log."""
+    return [
+        "exec {MESHRUN_LOG_FD}>&1",
+        f"coproc MESHRUN_EPILOGUE {{ exec {python_cmd()} -m launcher.slurm.driver epilogue "
+        '"$MESHRUN_RUN_DIR" --srun-rc-on-stdin --log-fd "$MESHRUN_LOG_FD"; }',
+        'MESHRUN_EPILOGUE_JOB="$MESHRUN_EPILOGUE_PID"; '
+        'exec {MESHRUN_EPILOGUE_IN}>&"${MESHRUN_EPILOGUE[1]}" {MESHRUN_EPILOGUE_OUT}<&"${MESHRUN_EPILOGUE[0]}"',
+    ]
 
 
 def prologue_line() -> str:
@@ -266,9 +284,19 @@ def teardown_lines(cfg: Optional[Config] = None) -> List[str]:
         return in_job.batch_loop_tail(
             f'{python_cmd()} -m launcher.slurm.driver epilogue "$MESHRUN_RUN_DIR" "$MESHRUN_SRUN_RC"'
         )
+    # srun's status to the early epilogue (early_epilogue_lines), which answers "ok" before it does anything
+    # else. Without that answer (it never started, died, or did not answer within 60 s: it is killed first)
+    # the epilogue runs here as before, so that no attempt ends undecided and none is decided twice. SIGPIPE is
+    # ignored: writing to a coprocess that has just died must fail, not end the batch script.
     return [
         "MESHRUN_SRUN_RC=$?",
-        f'{python_cmd()} -m launcher.slurm.driver epilogue "$MESHRUN_RUN_DIR" "$MESHRUN_SRUN_RC"',
+        "trap '' PIPE",
+        'if [ -n "${MESHRUN_EPILOGUE_IN:-}" ] && [ -n "${MESHRUN_EPILOGUE_OUT:-}" ] '
+        '&& printf \'%s\\n\' "$MESHRUN_SRUN_RC" 2>/dev/null >&"$MESHRUN_EPILOGUE_IN" '
+        '&& read -r -t 60 MESHRUN_ACK <&"$MESHRUN_EPILOGUE_OUT" && [ "$MESHRUN_ACK" = ok ]; '
+        'then wait "$MESHRUN_EPILOGUE_JOB"; '
+        'else { kill -KILL "$MESHRUN_EPILOGUE_JOB"; wait "$MESHRUN_EPILOGUE_JOB"; } 2>/dev/null; '
+        f'{python_cmd()} -m launcher.slurm.driver epilogue "$MESHRUN_RUN_DIR" "$MESHRUN_SRUN_RC"; fi',
         "exit $?",
     ]
 
@@ -377,6 +405,7 @@ def preflight_job_spec(cfg: Config, run_dir: str) -> SlurmJobSpec:
                 and line != in_job.loop_prologue_line(prologue_line())
                 and line not in in_job.batch_loop_head()
                 and line not in warm_client.batch_lines(cfg, python_cmd())
+                and line not in early_epilogue_lines()
             ],
             "additional_parameters": {str(k): str(v) for k, v in sorted(cfg.cluster.sbatch_extra.items())},
         }

@@ -521,3 +521,41 @@ def test_rank_threads_never_exceed_the_tasks_cpus(monkeypatch):
     assert procs.threads_per_rank(2, allotted=1) == 1 and procs.threads_per_rank(1, allotted=3) == 3
     assert procs.threads_per_rank(4, allotted=16) == 2  # an allotment above the cores' share changes nothing
     assert procs.threads_per_rank(16, allotted=0) == 1
+
+
+FAKE_PYTHON = """#!/bin/bash
+# Stands in for the interpreter of the batch script's epilogue lines: records each epilogue it runs.
+if [[ " $* " == *" --srun-rc-on-stdin "* ]]; then
+    [ "$MODE" = die ] && exit 3
+    read -r rc || exit 0
+    printf 'ok\\n'
+    echo "early $rc" >> "$LOG"
+    exit 40
+fi
+echo "after srun ${@: -1}" >> "$LOG"
+exit 41
+"""
+
+
+@pytest.mark.parametrize("mode, code, ran", [("ok", 40, ["early 2"]), ("die", 41, ["after srun 2"])])
+def test_early_epilogue_gets_the_srun_status_once_or_the_epilogue_runs_after_srun(
+    tmp_path, monkeypatch, mode, code, ran
+):
+    """The batch script's own lines (early_epilogue_lines before srun, teardown_lines after it) in bash: the
+    early epilogue is handed srun's status and decides the attempt; when it died before the hand-over, the
+    epilogue runs after srun as before. Either way exactly one epilogue decides, and the script exits with its
+    status."""
+    from launcher.slurm import sbatch
+
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    monkeypatch.setattr(sbatch, "python_cmd", lambda: shlex.quote(str(fake)))
+    lines = sbatch.early_epilogue_lines() + ["sleep 0.3", "(exit 2)  # srun's status"] + sbatch.teardown_lines()
+    script = tmp_path / "batch.sh"
+    script.write_text("\n".join(["#!/bin/bash", f"export MESHRUN_RUN_DIR={shlex.quote(str(tmp_path))}"] + lines))
+    log = tmp_path / "epilogues.log"
+    env = dict(os.environ, MODE=mode, LOG=str(log))
+    res = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == code, res.stderr
+    assert log.read_text().split("\n")[:-1] == ran
