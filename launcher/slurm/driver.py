@@ -359,8 +359,8 @@ class _PartitionNodes(Sequence[str]):
 
 
 def _goodput_beside_requeue(run_dir: str) -> Optional[int]:
-    """goodput.json written by a forked copy of this process while Slurm requeues the job: its sacct query
-    (about 0.1 s) is then not on the way from the preemption signal to the requeue. The copy ignores the
+    """goodput.json written by a forked copy of this process while Slurm requeues the job: its sacct query is
+    then not on the way from the preemption signal to the requeue. The copy ignores the
     SIGTERM with which the requeue ends the batch script, and the job is requeued once it is done (Slurm
     waits for every process of the job). Its pid, or None when it was written here (fork failed)."""
     sys.stdout.flush()

@@ -252,8 +252,8 @@ def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> Li
 
 def early_epilogue_lines() -> List[str]:
     """The epilogue started before srun, as a coprocess that waits for srun's exit status on its standard
-    input (teardown_lines hands it over): its Python start and imports, about 0.15 s, are then not on the way
-    from a preemption signal to the requeue (docs/PERFORMANCE.md, *Preemption path*). Started after the
+    input (teardown_lines hands it over): its Python start and imports are then not on the way from a
+    preemption signal to the requeue (docs/PERFORMANCE.md, *Preemption path*). Started after the
     prologue's exports, which it reads (MESHRUN_ATTEMPT). Its pid and its two pipes are kept in variables and
     descriptors of the batch script's own: bash unsets a coprocess's and closes its pipes once it has ended,
     which may be before the hand-over is complete. After the hand-over the epilogue writes to MESHRUN_LOG_FD,

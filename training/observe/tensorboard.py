@@ -46,8 +46,8 @@ def has_events(log_dir: str) -> bool:
 class TensorBoardSink:
     """Scalars of each metrics row at its step (wall time: the row's `time`).
 
-    The writer is made with the first row, after the first step: importing TensorBoard costs about 0.15 s of
-    CPU, which a (re)started rank would otherwise pay before its first step."""
+    The writer is made with the first row, after the first step: a (re)started rank would otherwise import
+    TensorBoard before its first step (docs/PERFORMANCE.md, "Preemption path")."""
 
     def __init__(self, run_dir: str, resumed_step: int):
         self.log_dir = os.path.join(run_dir, TB_DIR)

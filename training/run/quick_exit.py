@@ -11,11 +11,11 @@ def exit_without_finalising(code: int) -> None:
     """End the process as Python would, minus the interpreter's finalisation (after a completed run or a stop).
 
     With torch loaded, tearing the interpreter down (every module's objects, libtorch's static destructors)
-    takes ~1-2.5 s per process on a loaded machine, after its work is done; a requeued job waits for the
-    slowest process of the allocation (each rank, each node's warm agent) to end before it can restart.
-    Everything that finalisation could still do for us is done here first, in Python's own order: non-daemon threads are joined (a checkpoint
-    writer), atexit handlers run (a W&B run is finished), and stdout/stderr are flushed. What is skipped frees memory the
-    kernel reclaims anyway."""
+    takes a second or more per process after its work is done (docs/PERFORMANCE.md, "Slurm turnaround"), and a
+    requeued job waits for the slowest process of the allocation (each rank, each node's warm agent) to end
+    before it can restart. Everything that finalisation could still do for us is done here first, in Python's
+    own order: non-daemon threads are joined (a checkpoint writer), atexit handlers run (a W&B run is
+    finished), and stdout/stderr are flushed. What is skipped frees memory the kernel reclaims anyway."""
     import atexit
     import threading
 

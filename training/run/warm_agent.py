@@ -53,9 +53,10 @@ WARM_MODULES = (
     "training.observe.oom",
 )
 """What a rank imports before its first step (training/main.py and the Trainer), imported once per node. Not the
-distributed-checkpoint package (DCP, with the DTensor code it pulls in: about 1.2 s of CPU, a third of this
-list's import): a resume reads through lean_read without it, and a rank imports the save path in the background
-after its first step (CheckpointManager.prewarm), so on a requeue's path it would only delay the first fork."""
+distributed-checkpoint package (DCP, with the DTensor code it pulls in: about a third of this list's import
+while it was on it, docs/PERFORMANCE.md): a resume reads through lean_read without it, and a rank imports the save path in the
+background after its first step (CheckpointManager.prewarm), so on a requeue's path it would only delay the
+first fork."""
 
 REQUEST_TIMEOUT_S = 10.0
 """A connected wrapper sends its request at once; one that does not is dropped instead of stalling the agent."""
