@@ -138,6 +138,12 @@ def sweep_sizes_mb(sizes_mb: List[float], on_gpu: bool) -> List[float]:
     return sizes
 
 
+def _significant(x: float, digits: int = 4) -> float:
+    """x to `digits` significant figures: a fixed number of decimals would drop most of a slow link's figure
+    (gloo on shared CPU cores reports about 0.01 GB/s)."""
+    return float(f"{x:.{digits}g}")
+
+
 def check_bandwidth(
     results: List[Dict[str, Any]], node_of_rank: List[str], intra_gbps: float, inter_gbps: float, min_fraction: float
 ) -> List[Check]:
@@ -154,10 +160,10 @@ def check_bandwidth(
         within = len(nodes) == 1
         expected = intra_gbps if within else inter_gbps
         found = {
-            "busbw_gbps": round(r["busbw_gbps"], 3),
-            "algbw_gbps": round(r["algbw_gbps"], 3),
+            "busbw_gbps": _significant(r["busbw_gbps"]),
+            "algbw_gbps": _significant(r["algbw_gbps"]),
             "bytes": r["bytes"],
-            "time_ms": round(r["time_s"] * 1e3, 3),
+            "time_ms": _significant(r["time_s"] * 1e3),
         }
         kw = dict(subject=f"ranks[{first}-{last}]", node=nodes[0] if within else "", found=found)
         name = f"coll.{op}"
