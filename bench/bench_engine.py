@@ -16,13 +16,17 @@
    and is printed against the same DTensor steps, without a target (its gain is memory).
 3. MFU of the engine against this machine's measured matmul rate (printed, no target).
 4. The tp=1 comparison as users run it: each side in its own process at the machine's default thread count
-   (torch's default, no set_num_threads), `--pairs` pairs of runs per shape, the order of the two runs
-   alternating from pair to pair; each run times `--proc-steps` steps after 2 warm-up steps and reports its
-   median step time. Reported: the median of the per-pair ratios plain step / engine step. Target >= 1.0
-   at every shape. (The one-thread in-process figure of 1. stays as the second figure.)
+   (torch's default, no set_num_threads). Both processes are started and warmed up (2 steps each), then
+   stepped in lock-step over their stdin: `--proc-rounds` rounds of one step of each side, the order
+   alternating from round to round, with only one side computing at a time. The two steps of a round are
+   adjacent in time, so a swing in the machine's load hits both (whole runs one after another did not: on
+   a shared machine the steps of one run spread over 0.4-1.1 s). `--pairs` fresh pairs of processes per
+   shape, since allocation luck differs from process to process. Reported: the median of all rounds'
+   ratios plain step / engine step, with each pair's median beside it. Target >= 1.0 at every shape.
+   (The one-thread in-process figure of 1. stays as the second figure.)
 Exits 1 when a target is missed. The last line is the figures as one JSON object.
 Usage: python bench/bench_engine.py [--rounds N] [--warmup N] [--shapes a,b,tiny] [--no-tp] [--gpu]
-                                   [--pairs N] [--proc-steps N] [--no-procs] [--no-inproc]
+                                   [--pairs N] [--proc-rounds N] [--no-procs] [--no-inproc]
 """
 
 from __future__ import annotations
@@ -231,86 +235,133 @@ def _tp_worker(cfg_dict, warmup: int, rounds: int):
     return times
 
 
-PROC_STEPS = {"a": 4, "b": 2, "tiny": 20}
-"""Default timed steps per separate-process run (after 2 warm-up steps)."""
+PROC_ROUNDS = {"a": 8, "b": 4, "tiny": 30}
+"""Default lock-step rounds per pair of processes (each round: one step of each side)."""
+
+PROC_WARMUP = 2
+"""Untimed steps each side runs before it reports ready."""
 
 
-def side_main(side: str, shape: str, steps: int) -> int:
-    """One side alone in this process at the default thread count: prints its median step time as JSON."""
+def side_main(side: str, shape: str) -> int:
+    """A section-4 child: one side alone in this process at the default thread count. Builds its model,
+    runs PROC_WARMUP steps, prints "ready", then for each "step" line on stdin runs one step and prints
+    its seconds; ends at end of input."""
     cfg = bench_cfg(shape)
     torch.manual_seed(0)
     if side == "plain":
         step = plain_stepper(cfg, PlainGPT(cfg), torch.device("cpu"))
     else:
         step, _ = engine_stepper(cfg)
-    for _ in range(2):
+    for _ in range(PROC_WARMUP):
         step()
-    times = []
-    for _ in range(steps):
+    print(json.dumps({"ready": side, "threads": torch.get_num_threads()}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            continue
         t0 = time.perf_counter()
         step()
-        times.append(time.perf_counter() - t0)
-    print(
-        json.dumps(
-            {"side": side, "shape": shape, "threads": torch.get_num_threads(), "step_s": statistics.median(times)}
-        )
-    )
+        print(time.perf_counter() - t0, flush=True)
     return 0
 
 
-def run_side(side: str, shape: str, steps: int) -> Tuple[float, int]:
-    """(median step seconds, threads) of one side run in a fresh process with the user's environment."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--side", side, "--shapes", shape, "--proc-steps", str(steps)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"{side} run of shape {shape} failed:\n{out.stderr[-2000:]}")
-    row = json.loads(out.stdout.strip().splitlines()[-1])
-    return row["step_s"], row["threads"]
+class SideProcess:
+    """A section-4 child process, stepped one step at a time over its stdin and stdout."""
+
+    def __init__(self, side: str, shape: str):
+        # The user's environment, without thread pins: torch picks its default thread count as users get it.
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        self.side = side
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--side", side, "--shapes", shape],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def _line(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read() if self.proc.poll() is not None else ""
+            raise RuntimeError(f"the {self.side} side ended early:\n{err[-2000:]}")
+        return line
+
+    def ready(self) -> int:
+        """Waits for the child's warm-up; returns its thread count."""
+        return int(json.loads(self._line())["threads"])
+
+    def step(self) -> float:
+        self.proc.stdin.write("step\n")
+        self.proc.stdin.flush()
+        return float(self._line())
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
 
 
-def separate_processes(shapes: List[str], pairs: int, steps: int, figures: Dict[str, object]) -> bool:
-    """Section 4: alternated pairs of separate-process runs at the default thread count; True if all hit."""
+def lockstep_pair(shape: str, rounds: int) -> Tuple[List[float], List[float], int]:
+    """(engine step seconds, plain step seconds, threads): a fresh process per side, both warmed up, then
+    `rounds` rounds of one step each, the order reversed every other round. Only one side computes at a
+    time, and the two steps of a round are adjacent in time, so a change in the machine's load hits both."""
+    sides = {"engine": SideProcess("engine", shape), "plain": SideProcess("plain", shape)}
+    try:
+        threads = {name: p.ready() for name, p in sides.items()}
+        times: Dict[str, List[float]] = {"engine": [], "plain": []}
+        for r in range(rounds):
+            for name in ("engine", "plain") if r % 2 == 0 else ("plain", "engine"):
+                times[name].append(sides[name].step())
+    finally:
+        for p in sides.values():
+            p.close()
+    return times["engine"], times["plain"], threads["engine"]
+
+
+def separate_processes(shapes: List[str], pairs: int, rounds: int, figures: Dict[str, object]) -> bool:
+    """Section 4: each side in its own process at the default thread count, stepped in lock-step rounds,
+    `pairs` fresh pairs of processes per shape; True if every shape meets the target."""
     ok = True
     print(
-        f"\nengine tp=1 vs plain GPT, each side in its own process at the default thread count, {pairs} "
-        f"alternated pairs per shape; median of the pair ratios plain step / engine step"
+        f"\nengine tp=1 vs plain GPT, each side in its own process at the default thread count, {pairs} pairs of "
+        f"processes per shape, stepped in alternated lock-step rounds; median of the per-round ratios plain step / "
+        f"engine step"
     )
     print(
-        f"{'shape':<5} {'threads':>7} {'engine s/step':>13} {'plain s/step':>12} {'pair ratios':<34} "
-        f"{'ratio':>6}  target >= 1.0"
+        f"{'shape':<5} {'threads':>7} {'rounds':>6} {'engine s/step':>13} {'plain s/step':>12} "
+        f"{'per pair':<24} {'ratio':>6}  target >= 1.0"
     )
     for name in shapes:
-        n = steps or PROC_STEPS[name]
+        n = rounds or PROC_ROUNDS[name]
         t_e: List[float] = []
         t_p: List[float] = []
+        per_pair: List[float] = []
         threads = 0
-        for i in range(pairs):
-            for side in ("engine", "plain") if i % 2 == 0 else ("plain", "engine"):
-                t, threads = run_side(side, name, n)
-                (t_e if side == "engine" else t_p).append(t)
-        ratios = [p / e for e, p in zip(t_e, t_p)]
-        r = statistics.median(ratios)
+        for _ in range(pairs):
+            e, p, threads = lockstep_pair(name, n)
+            t_e += e
+            t_p += p
+            per_pair.append(statistics.median(b / a for a, b in zip(e, p)))
+        r = statistics.median(p / e for e, p in zip(t_e, t_p))
         hit = r >= 1.0
         ok &= hit
         figures[f"procs_{name}"] = {
             "pairs": pairs,
-            "steps": n,
+            "rounds_per_pair": n,
             "threads": threads,
             "engine_step_s": round(statistics.median(t_e), 4),
             "plain_step_s": round(statistics.median(t_p), 4),
-            "pair_ratios": [round(x, 3) for x in ratios],
+            "pair_ratios": [round(x, 3) for x in per_pair],
             "ratio": round(r, 4),
             "loadavg_1m": round(os.getloadavg()[0], 2),
         }
         print(
-            f"{name:<5} {threads:>7} {statistics.median(t_e):>13.3f} {statistics.median(t_p):>12.3f} "
-            f"{' '.join(f'{x:.2f}' for x in ratios):<34} {r:>6.3f}  {'yes' if hit else 'NO'}"
+            f"{name:<5} {threads:>7} {len(t_e):>6} {statistics.median(t_e):>13.3f} {statistics.median(t_p):>12.3f} "
+            f"{' '.join(f'{x:.3f}' for x in per_pair):<24} {r:>6.3f}  {'yes' if hit else 'NO'}"
             f"   (load average {os.getloadavg()[0]:.1f})"
         )
     return ok
@@ -335,19 +386,19 @@ def main(argv=None) -> int:
         help="CPU threads per process (1: on a shared machine, spinning OpenMP threads that lose their "
         "core to another job make timings swing far more than one thread does)",
     )
-    ap.add_argument("--pairs", type=int, default=5, help="separate-process pairs per shape (section 4)")
+    ap.add_argument("--pairs", type=int, default=3, help="fresh pairs of processes per shape (section 4)")
     ap.add_argument(
-        "--proc-steps",
+        "--proc-rounds",
         type=int,
         default=0,
-        help="timed steps per separate-process run; default per shape: " + str(PROC_STEPS),
+        help="lock-step rounds per pair of processes; default per shape: " + str(PROC_ROUNDS),
     )
     ap.add_argument("--no-procs", action="store_true", help="skip the separate-process default-thread section")
     ap.add_argument("--no-inproc", action="store_true", help="skip the one-process sections (1. and 2.)")
     ap.add_argument("--side", choices=("engine", "plain"), help=argparse.SUPPRESS)  # a section-4 child run
     args = ap.parse_args(argv)
     if args.side:
-        return side_main(args.side, args.shapes, args.proc_steps or PROC_STEPS[args.shapes])
+        return side_main(args.side, args.shapes)
     default_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.gpu else "cpu")
@@ -424,7 +475,7 @@ def main(argv=None) -> int:
             f"(no target: SP trades an all-reduce for all-gather + reduce-scatter to split activations)"
         )
     if not args.gpu and not args.no_procs:
-        ok &= separate_processes(args.shapes.split(","), args.pairs, args.proc_steps, figures)
+        ok &= separate_processes(args.shapes.split(","), args.pairs, args.proc_rounds, figures)
     print("RESULT:", "PASS" if ok else "FAIL")
     figures["pass"] = ok
     print(json.dumps(figures))
