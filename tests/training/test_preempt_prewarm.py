@@ -4,15 +4,9 @@
   step is done, so a save at a preemption signal does not pay for the import; nothing imports it before, the
   warm agent's imports (what a requeued job's first fork waits for) included; those imports run with the
   cyclic garbage collector off and freeze what they made (training/run/import_gc.py).
-- The optimizer's elementwise update runs on one CPU thread (training/optim/threads.py) and restores the
-  caller's thread count; the result is the same bits as at the default count.
 """
 
 from __future__ import annotations
-
-import torch
-
-from training.optim.threads import elementwise_threads
 
 
 def _first_steps() -> dict:
@@ -115,32 +109,3 @@ def test_imports_without_gc_restores_the_collector_after_an_error():
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == ["False", "True", "True", "False"], res.stdout
-
-
-def test_elementwise_threads_is_one_cpu_thread_and_restores_the_count():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with elementwise_threads(torch.device("cpu")):
-            inside = torch.get_num_threads()
-        assert inside == 1 and torch.get_num_threads() == 2
-        with elementwise_threads(torch.device("meta")):  # not a CPU: left alone
-            assert torch.get_num_threads() == 2
-        # The update's operations give the same bits on one thread as on two (no reduction splits them).
-        g = torch.Generator().manual_seed(0)
-        w, grad, m, v = (torch.randn(600_000, generator=g) for _ in range(4))
-        v = v.abs()
-
-        def update(w, m, v):
-            w, m, v = w.clone(), m.clone(), v.clone()
-            m.lerp_(grad, 0.1)
-            v.mul_(0.95).addcmul_(grad, grad, value=0.05)
-            w.addcdiv_(m, v.sqrt().div_(0.3).add_(1e-8), value=-1e-3)
-            return w, m, v
-
-        two = update(w, m, v)
-        with elementwise_threads(torch.device("cpu")):
-            one = update(w, m, v)
-        assert all(torch.equal(a, b) for a, b in zip(one, two))
-    finally:
-        torch.set_num_threads(before)

@@ -16,7 +16,6 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from training.optim.flat import FlatLayout
-from training.optim.threads import elementwise_threads, run_blocks
 
 
 class ShardedAdamW:
@@ -50,7 +49,7 @@ class ShardedAdamW:
         self.fused = fused
         self.offload = offload
         self._step_t = torch.zeros((), dtype=torch.float32, device=layout.params[0].device)
-        self._scratch: List[torch.Tensor] = []  # one block each, per worker of the update (threads.py)
+        self._scratch: Optional[torch.Tensor] = None  # one block of the update's fp32 square roots
         self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
         device = layout.params[0].device
         self.master: Optional[torch.Tensor] = None
@@ -141,8 +140,7 @@ class ShardedAdamW:
         """One AdamW step number `step` (1-based) of the shard `w` with grads `g` times `grad_coef` (the clipping
         coefficient; g is scaled in place, as a separate g.mul_(grad_coef) would), in place."""
         if self.fused:
-            with elementwise_threads(w.device):  # one intra-op thread: no barrier (training/optim/threads.py)
-                self._fused_update(w, g, lr, step, grad_coef)
+            self._fused_update(w, g, lr, step, grad_coef)
             return
         bc1 = 1 - self.beta1**step
         bc2 = 1 - self.beta2**step
@@ -151,12 +149,13 @@ class ShardedAdamW:
         # than torch's per-parameter loop). The clipping and the weight decay join each block's passes instead
         # of streaming the shard once more each. Elementwise, so every element gets exactly the same operations
         # in the same order as torch.optim.AdamW (clip, decay, then the moments and the update).
-        # The blocks are independent: on a CPU they are spread over threads (training/optim/threads.py), each
-        # worker with its own scratch.
+        # The blocks run in order at the caller's intra-op thread count, as torch.optim.AdamW's passes do:
+        # spreading them over Python threads at one intra-op thread each cost the whole step about 6 % on CPU
+        # (docs/PERFORMANCE.md, "The update's threads, reverted").
         n = w.numel()
         block = self.block_elements(w.device)
 
-        def one_block(b: int, worker: int) -> None:
+        def one_block(b: int) -> None:
             lo = b * block
             hi = min(lo + block, n)
             m, v, gg = self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], g[lo:hi]
@@ -165,16 +164,14 @@ class ShardedAdamW:
             self._decay(w, lr, lo, hi)
             m.lerp_(gg, 1 - self.beta1)
             v.mul_(self.beta2).addcmul_(gg, gg, value=1 - self.beta2)
-            denom = torch.sqrt(v, out=self._scratch[worker][: hi - lo])
+            denom = torch.sqrt(v, out=self._scratch[: hi - lo])
             denom.div_(bc2**0.5).add_(self.eps)
             w[lo:hi].addcdiv_(m, denom, value=-lr / bc1)
 
-        count = -(-n // block)
-        workers = min(count, torch.get_num_threads()) if w.device.type == "cpu" else 1
-        if len(self._scratch) < workers or self._scratch[0].numel() < min(block, n):
-            size, k = min(block, n), max(workers, len(self._scratch))
-            self._scratch = [torch.empty(size, dtype=torch.float32, device=w.device) for _ in range(k)]
-        run_blocks(w.device, count, one_block)
+        if self._scratch is None or self._scratch.numel() < min(block, n):
+            self._scratch = torch.empty(min(block, n), dtype=torch.float32, device=w.device)
+        for b in range(-(-n // block)):
+            one_block(b)
 
     def _fused_update(self, w: torch.Tensor, g: torch.Tensor, lr: float, step: int, grad_coef: float) -> None:
         """train.fused_adamw: torch's fused kernel on the whole shard, after the clipping and the decay."""
@@ -203,9 +200,8 @@ class ShardedAdamW:
         return self.BLOCK if device.type == "cpu" else self.DEVICE_BLOCK
 
     def scratch_bytes(self) -> int:
-        """Bytes of the non-fused update's fp32 scratch (one block per worker thread of the update; none before the
-        first step)."""
-        return sum(s.numel() * s.element_size() for s in self._scratch)
+        """Bytes of the non-fused update's fp32 scratch (one block; none before the first step)."""
+        return 0 if self._scratch is None else self._scratch.numel() * self._scratch.element_size()
 
     def update_offloaded(self, g: torch.Tensor, lr: float, step: int, grad_coef: float, dest: torch.Tensor) -> None:
         """`update` with the state in the store, block by block: each block's grads go to the state, the same

@@ -35,7 +35,6 @@ from training.optim.grad_shard import ShardedGradBuffer
 from training.optim.loss_scaler import LossScaler
 from training.optim.model_parallel import ModelParallelGradSync
 from training.optim.param_gather import ParamGather
-from training.optim.threads import elementwise_threads
 from training.optim.zero3 import Zero3Params
 from training.model.moe import is_expert_param, set_aux_loss_grad_scale
 from training.contract.precision import grad_dtype, check_precision, param_gather_inflight_chunks
@@ -189,8 +188,7 @@ class DistributedOptimizer:
         """Start a step. Given its number of micro-batches (the loop does), each bucket's dp reduction starts
         during backward as soon as its grads are final; without it, everything is reduced in `step`, and the
         main grads (optimizer.grads.views) hold this rank's own sums until then."""
-        with elementwise_threads(self.layout.params[0].device):  # a zero-fill: see training/optim/threads.py
-            self.grads.zero()
+        self.grads.zero()
         if num_micro_batches is not None:
             self.grads.expect(num_micro_batches)
             if not self._expert_part:  # the parent's loss scale is the one the loss gets
@@ -250,8 +248,7 @@ class DistributedOptimizer:
         else:
             weights = self.adamw.weights()
             # The clipping (coef < 1) is applied to the grads block by block inside the update: one pass less.
-            # Elementwise only, its blocks spread over threads on a CPU (training/optim/threads.py): the same bits,
-            # no barrier per operation.
+            # Elementwise only: the same bits at any intra-op thread count.
             self.adamw.update(weights, grads, lr, self.step_count, grad_coef=coef)
             self._write_back(weights, defer_param_gather)
 
