@@ -58,7 +58,7 @@ def main() -> int:
     os.environ.update(
         {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     )
-    from dist_harness import free_port
+    from helpers.dist import free_port
 
     os.environ["MASTER_PORT"] = str(free_port())
     import torch

@@ -144,7 +144,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    from dist_harness import run_distributed
+    from helpers.dist import run_distributed
 
     cores = os.cpu_count() or 1
     load = os.getloadavg()[0]  # before the ranks start: other jobs only

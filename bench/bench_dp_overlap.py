@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=4.0)
     args = ap.parse_args(argv)
-    from dist_harness import run_distributed
+    from helpers.dist import run_distributed
 
     cfg = base_cfg(args.bucket_mb)
     results = run_distributed(_worker, 2, args=(config_to_dict(cfg), args.warmup, args.rounds), timeout_s=900)

@@ -446,7 +446,7 @@ def main(argv=None) -> int:
             f"{'yes' if hit else 'NO':<14} {100 * mfu:.1f}%"
         )
     if not args.gpu and not args.no_tp and not args.no_inproc:
-        from dist_harness import run_distributed
+        from helpers.dist import run_distributed
 
         cfg = bench_cfg("a")
         rounds = args.rounds or ROUNDS["tp2"]

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args(argv)
-    from dist_harness import run_distributed
+    from helpers.dist import run_distributed
 
     cfg = base_cfg()
     results = run_distributed(_worker, 2, args=(config_to_dict(cfg), args.warmup, args.rounds), timeout_s=1200)

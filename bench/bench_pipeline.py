@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=SHAPE[2], help="h of the [s, b, h] fp32 messages")
     args = ap.parse_args(argv)
     shape = (SHAPE[0], SHAPE[1], args.hidden)
-    from dist_harness import run_distributed
+    from helpers.dist import run_distributed
     from training.schedules.pipeline import planned_idle_share
 
     rows, ok = [], True

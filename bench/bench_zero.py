@@ -107,7 +107,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)
     args = ap.parse_args()
-    from dist_harness import run_distributed
+    from helpers.dist import run_distributed
 
     cfg = config_to_dict(base_cfg(args.hidden))
     ranks = run_distributed(_timing_worker, 2, args=(cfg, args.warmup, args.rounds), timeout_s=3600)

@@ -1,0 +1,56 @@
+"""Every import in bench/ resolves: the benchmarks are not run by the test suite, so a module that moved (the test
+harness did, to tests/helpers/) would otherwise only show when someone runs `make bench`."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+from typing import Iterator, List, Tuple
+
+from helpers import ROOT
+
+SEARCH = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "bench")]
+"""Where the benchmarks look for modules: the repository root, and the tests/ and bench/ folders they put on
+sys.path."""
+
+
+def _imports(path: str) -> Iterator[Tuple[int, str]]:
+    """(line, module) of every absolute import in the file, those inside functions included."""
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module
+
+
+def _local(module: str) -> bool:
+    """True if the module's file or package is in one of the SEARCH folders."""
+    parts = module.split(".")
+    for base in SEARCH:
+        stem = os.path.join(base, *parts)
+        if os.path.isfile(stem + ".py") or os.path.isfile(os.path.join(stem, "__init__.py")):
+            return True
+    return False
+
+
+def _top_is_local(module: str) -> bool:
+    top = module.split(".")[0]
+    return any(os.path.isfile(os.path.join(b, top + ".py")) or os.path.isdir(os.path.join(b, top)) for b in SEARCH)
+
+
+def test_every_bench_import_resolves():
+    bench = os.path.join(ROOT, "bench")
+    missing: List[str] = []
+    files = sorted(f for f in os.listdir(bench) if f.endswith(".py"))
+    assert files, "no benchmarks found"
+    for name in files:
+        for line, module in _imports(os.path.join(bench, name)):
+            if _top_is_local(module):
+                ok = _local(module)
+            else:  # an installed package: finding its top level imports nothing
+                ok = importlib.util.find_spec(module.split(".")[0]) is not None
+            if not ok:
+                missing.append(f"bench/{name}:{line}: {module}")
+    assert not missing, "imports that do not resolve:\n" + "\n".join(missing)
