@@ -235,7 +235,7 @@ def _tp_worker(cfg_dict, warmup: int, rounds: int):
     return times
 
 
-PROC_ROUNDS = {"a": 8, "b": 4, "tiny": 30}
+PROC_ROUNDS = {"a": 8, "b": 8, "tiny": 30}
 """Default lock-step rounds per pair of processes (each round: one step of each side)."""
 
 PROC_WARMUP = 2
