@@ -238,6 +238,10 @@ def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> Li
         f"export PYTHONPATH={shlex.quote(code_root or PROJECT_ROOT)}${{PYTHONPATH:+:$PYTHONPATH}}",
         # `python -m` would otherwise put the working directory (often the checkout) ahead of PYTHONPATH.
         "export PYTHONSAFEPATH=1",
+        # numpy's OpenBLAS starts a thread per core as soon as numpy is imported (every task's submitit wrapper
+        # imports it, and torch does): the job's math runs in torch's threads, so one, as in the warm agents and
+        # the ranks they fork (training/run/warm_agent.py), unless the user set a count.
+        'export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"',
     ]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in engine_env(cfg, secrets=False).items()]
     lines += warm_client.batch_lines(cfg, python_cmd())  # the warm agents, one per node, for every step

@@ -90,6 +90,31 @@ def test_env_values_with_metacharacters_arrive_verbatim(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.parametrize(
+    "shell, cluster_env, expected",
+    [
+        ({}, {}, "1"),
+        ({"OPENBLAS_NUM_THREADS": "6"}, {}, "6"),
+        ({"OPENBLAS_NUM_THREADS": "6"}, {"OPENBLAS_NUM_THREADS": "3"}, "3"),
+    ],
+)
+def test_openblas_threads_default_to_one_in_the_job(tmp_path, shell, cluster_env, expected):
+    """The job's processes (each task's submitit wrapper imports numpy) get one OpenBLAS thread unless the
+    submitting shell (sbatch passes its environment on) or cluster.env says otherwise; and numpy, imported under
+    the script's exports, really starts that many."""
+    lines = [ln for ln in setup_lines(dev_cfg(env=cluster_env), [str(tmp_path / "r")]) if ln.startswith("export ")]
+    probe = "import numpy, os; print(len(os.listdir('/proc/self/task')))"  # OpenBLAS's pool: one per core at most
+    path = tmp_path / "s.sh"
+    path.write_text(
+        "\n".join(lines)
+        + f'\nprintf %s "$OPENBLAS_NUM_THREADS" > "$0.env"\n{shlex.quote(sys.executable)} -c {shlex.quote(probe)} > "$0.pool"'
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    subprocess.run(["bash", str(path)], check=True, env={**env, **shell})
+    assert (tmp_path / "s.sh.env").read_text() == expected
+    assert int((tmp_path / "s.sh.pool").read_text()) == min(int(expected), len(os.sched_getaffinity(0)))
+
+
 def test_array_task_selects_its_own_run_dir(tmp_path):
     """A sweep's job array: one batch script, task i exports run_dirs[i] (quoted, spaces and $ intact)."""
     dirs = [str(tmp_path / name) for name in ("p 0", "p$(id)1", "p'2")]
