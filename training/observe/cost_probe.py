@@ -150,6 +150,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
     torch.set_num_threads(max(1, args.threads))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.ranks > 1:
+        from training.parallel.rendezvous import wait_for_store
+
+        wait_for_store(120.0, "127.0.0.1", port, rank)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
     shapes: Dict[str, float] = {}
     points = []

@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from training.parallel.rendezvous import wait_for_store
+
 # The group kinds ProcessMesh holds, in creation order.
 GROUP_KINDS = ("tp", "cp", "pp", "dp", "dp_cp", "model_parallel", "embedding", "ep", "edp")
 
@@ -252,6 +254,7 @@ class ProcessMesh:
         # default), so every group gets it explicitly.
         timeout = datetime.timedelta(seconds=timeout_s)
         if not dist.is_initialized():
+            wait_for_store(timeout_s)
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         c = coords_of(rank, tp, pp, cp, dp)
         mesh = cls(

@@ -24,6 +24,7 @@ from training.contract.slurm_env import PREFLIGHT_PASSED_ENV, hostnames
 from training.preflight import collectives, gpu_nvml, ib_sysfs, matmul, os_tunables
 from training.contract.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK
 from training.preflight.report import FAIL, NODE_DIR, Check, Report, checks_from_dicts, fail, format_table, ok
+from training.parallel.rendezvous import wait_for_store
 
 
 def node_name() -> str:
@@ -143,6 +144,7 @@ def run(cfg: Config, run_dir: str) -> Report:
     if not dist.is_initialized():
         if on_gpu:
             torch.cuda.set_device(device)
+        wait_for_store(pf.timeout_s)
         dist.init_process_group(
             "nccl" if on_gpu else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pf.timeout_s)
         )
