@@ -30,10 +30,12 @@ Exit 1 when a goal is missed, 77 when the dev cluster does not answer. The last 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -65,6 +67,26 @@ ENGINE_PHASES = [
     ("first_batch", "first batch assembled"),
     ("first_step", "first step"),
 ]
+
+
+KEEP_RUNS = False
+"""--keep: leave each repetition's runs (run directories, job outputs) in their temporary folder."""
+
+
+@contextlib.contextmanager
+def work_dir(prefix: str):
+    """A temporary folder for one repetition's runs: removed afterwards (about 14 MB a repetition), kept with
+    --keep or when the repetition failed, its path printed either way."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield path
+    except BaseException:
+        print(f"bench_slurm: this repetition's runs are kept in {path}", file=sys.stderr)
+        raise
+    if KEEP_RUNS:
+        print(f"bench_slurm: runs kept in {path}")
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def wait(pred: Callable, timeout: float = 300, poll: float = 0.05):
@@ -373,9 +395,9 @@ def in_job_main(reps: int, per_node: int) -> int:
     """--in-job: the two recovery paths measured alternately, medians and their ratio."""
     inside, requeue = [], []
     for rep in range(reps):
-        work = tempfile.mkdtemp(prefix="bench_slurm_in_job_")
-        for side in (True, False) if rep % 2 == 0 else (False, True):
-            (inside if side else requeue).append(lost_node_run(work, per_node, side)["lost_to_resumed_s"])
+        with work_dir("bench_slurm_in_job_") as work:
+            for side in (True, False) if rep % 2 == 0 else (False, True):
+                (inside if side else requeue).append(lost_node_run(work, per_node, side)["lost_to_resumed_s"])
     a, b = statistics.median(inside), statistics.median(requeue)
     ratio = a / b
     # Each pair ran back to back: its own ratio is less exposed to the machine's load bursts than the medians.
@@ -426,16 +448,16 @@ def preemption_cases(reps: int, cases: Tuple[Tuple[int, int], ...] = PREEMPTION_
     for nodes, per_node in cases:
         runs, bares = [], []
         for rep in range(reps):
-            work = tempfile.mkdtemp(prefix="bench_slurm_preempt_")
-            for side in ("bare", "meshrun") if rep % 2 == 0 else ("meshrun", "bare"):
-                if side == "bare":
-                    bares.append(bare_run(work, per_node, nodes))
-                    print(
-                        f"\nbare job {nodes} node(s) x {per_node}: signal -> requeued tasks running "
-                        f"{bares[-1]['requeue_s']:.2f} s"
-                    )
-                else:
-                    runs.append(meshrun_run(work, per_node, nodes, tp=tp))
+            with work_dir("bench_slurm_preempt_") as work:
+                for side in ("bare", "meshrun") if rep % 2 == 0 else ("meshrun", "bare"):
+                    if side == "bare":
+                        bares.append(bare_run(work, per_node, nodes))
+                        print(
+                            f"\nbare job {nodes} node(s) x {per_node}: signal -> requeued tasks running "
+                            f"{bares[-1]['requeue_s']:.2f} s"
+                        )
+                    else:
+                        runs.append(meshrun_run(work, per_node, nodes, tp=tp))
         requeue = statistics.median(r["signal_to_resumed_step_s"] for r in runs)
         step_s = statistics.median(r["step_s"] for r in runs)
         bare = statistics.median(b["requeue_s"] for b in bares)
@@ -467,6 +489,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=1, help="alternated meshrun / bare pairs (medians printed)")
     ap.add_argument("--ranks-per-node", type=int, default=2, help="CPU ranks (and bare tasks) on each of the 2 nodes")
+    ap.add_argument("--keep", action="store_true", help="keep each repetition's run directories (printed)")
     ap.add_argument("--in-job", action="store_true", help="a lost node: in-job restart against the resubmission")
     ap.add_argument(
         "--preemption-cases",
@@ -482,6 +505,8 @@ def main() -> int:
         "--tp", type=int, default=1, help="with --preemption-cases: the runs' tensor-parallel degree (dp: the rest)"
     )
     args = ap.parse_args()
+    global KEEP_RUNS
+    KEEP_RUNS = args.keep
     try:
         up = "UP" in slurm_command(["scontrol", "ping"]).stdout
     except SlurmUnavailable:
@@ -496,18 +521,18 @@ def main() -> int:
         return preemption_cases(args.reps, cases, args.tp)  # type: ignore[arg-type]
     runs, bares = [], []
     for rep in range(args.reps):
-        work = tempfile.mkdtemp(prefix="bench_slurm_")
-        # Alternated, bare first every other time: the machine's load drifts between runs.
-        order = ("bare", "meshrun") if rep % 2 == 0 else ("meshrun", "bare")
-        for side in order:
-            if side == "bare":
-                bares.append(bare_run(work, args.ranks_per_node))
-                print(
-                    f"\nbare job (no Python): submit -> tasks running {bares[-1]['submit_to_tasks_s']:.2f} s, "
-                    f"signal -> requeued tasks running {bares[-1]['requeue_s']:.2f} s"
-                )
-            else:
-                runs.append(meshrun_run(work, args.ranks_per_node))
+        with work_dir("bench_slurm_") as work:
+            # Alternated, bare first every other time: the machine's load drifts between runs.
+            order = ("bare", "meshrun") if rep % 2 == 0 else ("meshrun", "bare")
+            for side in order:
+                if side == "bare":
+                    bares.append(bare_run(work, args.ranks_per_node))
+                    print(
+                        f"\nbare job (no Python): submit -> tasks running {bares[-1]['submit_to_tasks_s']:.2f} s, "
+                        f"signal -> requeued tasks running {bares[-1]['requeue_s']:.2f} s"
+                    )
+                else:
+                    runs.append(meshrun_run(work, args.ranks_per_node))
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     submit, requeue = med(runs, "submit_to_first_step_s"), med(runs, "signal_to_resumed_step_s")
     bare_submit, bare_requeue = med(bares, "submit_to_tasks_s"), med(bares, "requeue_s")
