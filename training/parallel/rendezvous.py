@@ -1,9 +1,9 @@
 """Wait for rank 0's rendezvous store before torch's own client connects to it.
 
 `init_process_group` with the env:// method makes rank 0 the TCPStore server at MASTER_ADDR:MASTER_PORT and every
-other rank its client. A client that finds nothing listening yet backs off before it tries again, and measured on
-this project's CPU machines it went on waiting 0.1-0.6 s after the server was up (docs/PERFORMANCE.md, "The
-rendezvous"): whenever a rank other than 0 starts first, the whole job pays that. A rank started by a warm agent
+other rank its client. A client that finds nothing listening yet backs off before it tries again, and goes on
+waiting for a good part of a second after the server is up (measured in docs/PERFORMANCE.md, "The rendezvous"):
+whenever a rank other than 0 starts first, the whole job pays that. A rank started by a warm agent
 is up within milliseconds, so which rank is first is luck, on every start and every restart. Polling the port
 with a plain TCP connect every few milliseconds, and letting torch connect only once it answers, makes the
 process group come up as soon as rank 0 is there. The probe connects and closes without a word: the store
