@@ -24,7 +24,6 @@ from training.contract.slurm_env import PREFLIGHT_PASSED_ENV, hostnames
 from training.preflight import collectives, gpu_nvml, ib_sysfs, matmul, os_tunables
 from training.contract.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK
 from training.preflight.report import FAIL, NODE_DIR, Check, Report, checks_from_dicts, fail, format_table, ok
-from training.parallel.rendezvous import wait_for_store
 
 
 def node_name() -> str:
@@ -111,6 +110,8 @@ def run(cfg: Config, run_dir: str) -> Report:
     """The whole preflight on this rank; every rank returns the same job Report."""
     import torch
     import torch.distributed as dist
+
+    from training.parallel.rendezvous import wait_for_store
 
     t0 = time.time()
     pf, cl = cfg.cluster.preflight, cfg.cluster
