@@ -106,3 +106,17 @@ def test_a_running_run_counts_up_to_now_and_nothing_before_it_starts():
     ev = [{"event": "submitted", "time": 100.0}, {"event": "started", "attempt": 0, "job_id": "9", "time": 103.0}]
     g = compute(ev, [], [], {"9": [(100.0, 102.0)]}, now=110.0)
     assert not g["finished"] and g["wall_s"] == 10 and g["queue"] == 2 and g["startup"] == 1 + 7
+
+
+def test_goodput_is_the_quotient_of_the_figures_the_file_shows():
+    # Times whose sub-millisecond parts the file rounds away: productive 10.0004 s of a 60.0004 s wall.
+    ev = [
+        {"event": "submitted", "time": 0.0},
+        {"event": "started", "attempt": 0, "job_id": "9", "time": 0.0},
+        {"event": "completed", "attempt": 0, "job_id": "9", "time": 60.0004},
+    ]
+    rows = [{"attempt": 0, "step": 1, "time": 10.0004, "step_time_s": 10.0004}]
+    g = compute(ev, rows, [], now=70.0)
+    assert g["finished"] and (g["wall_s"], g["productive"]) == (60.0, 10.0)
+    # What a reader computes from goodput.json is what it says (10.0004 / 60.0004 would give 0.166673).
+    assert g["goodput"] == round(g["productive"] / g["wall_s"], 6) == 0.166667
