@@ -54,12 +54,17 @@ def _cases(cfgs: dict, base: str):
         t = Trainer(cfg, run_dir, mesh)
         if slow_after is not None:
             step_fn = t.train_step
+            baseline: list = []
 
             def slow(*a, **k):
                 t0 = time.perf_counter()
                 res = step_fn(*a, **k)
-                if t.state.step > slow_after:  # every rank: the step (and its collectives) take 4x longer
-                    time.sleep(3 * (time.perf_counter() - t0) + 0.05)
+                if 1 < t.state.step <= slow_after:
+                    baseline.append(time.perf_counter() - t0)
+                elif t.state.step > slow_after:
+                    # Every rank: the step (and its collectives) take over 4x the slowest baseline step, so the
+                    # slowdown stays below half the baseline rate however the machine's load moved those steps.
+                    time.sleep(4 * max(baseline) + 0.05)
                 return res
 
             t.train_step = slow
