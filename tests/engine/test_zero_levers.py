@@ -351,6 +351,14 @@ def test_checkpoint_reshards_across_zero_stages(four, reference, name):
 
 
 def _resident_bytes() -> int:
+    """This process's resident bytes once the C allocator has handed back the memory it holds free: the engine
+    keeps freed heap memory mapped on CPU (training/run/host_memory.py), so without the trim how much of an
+    earlier run's freed memory a later run reuses would decide its measured growth."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "malloc_trim"):  # glibc
+        libc.malloc_trim(0)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -364,24 +372,9 @@ def _offload_single(base: str) -> Dict[str, Any]:
 
     mode = "none" if os.environ["RANK"] == "0" else "nvme"
     nvme = dict(offload=mode, offload_dir=f"{base}/nvme{os.environ['RANK']}")
-    # fp16 with dynamic loss scaling (a window of 2: the scale moves): the fp32 masters are offloaded with the
-    # moments. At dp=1 zero=3 gathers its units from the shard without communication and sums each
-    # micro-batch's grads in the order autograd does at zero=1: the two runs must agree bit for bit.
-    cfg = _cfg(zero=1 if mode == "none" else 3, precision="fp16", loss_scale_window=2, loss_scale_init=2.0**15, **nvme)
-    trainer = Trainer(cfg, f"{base}/fp16_{mode}", ProcessMesh.single(), checkpointing=False)
-    trainer.run()
-    trainer.optimizer.finish_param_gather()
-    out = {
-        "losses": list(trainer.losses),
-        "memory": trainer.optimizer.memory_report(),
-        "loss_scale": trainer.optimizer.loss_scale,
-        "params": {
-            n: p.detach().float().numpy().copy() for n, p in zip(trainer.optimizer.names, trainer.optimizer.params)
-        },
-    }
-    del trainer
-    gc.collect()
-    # A larger model (3.2 M parameters, 25 MiB of fp32 moments): resident memory after two steps.
+    # A larger model (3.2 M parameters, 25 MiB of fp32 moments): resident memory after two steps. First, while
+    # both processes' heaps are the forkserver's (an earlier run's freed memory, kept by the engine on CPU, would be
+    # reused by this one by chance).
     big = _cfg(**nvme)
     big.model.hidden_size, big.model.num_layers, big.model.num_attention_heads = 256, 4, 4
     big.parallel.global_batch = big.parallel.micro_batch = 1
@@ -389,8 +382,29 @@ def _offload_single(base: str) -> Dict[str, Any]:
     before = _resident_bytes()
     trainer = Trainer(big, f"{base}/big_{mode}", ProcessMesh.single(), checkpointing=False)
     trainer.run()
-    out["resident_growth"] = _resident_bytes() - before
-    out["big_memory"] = trainer.optimizer.memory_report()
+    out: Dict[str, Any] = {
+        "resident_growth": _resident_bytes() - before,
+        "big_memory": trainer.optimizer.memory_report(),
+    }
+    del trainer
+    gc.collect()
+    # fp16 with dynamic loss scaling (a window of 2: the scale moves): the fp32 masters are offloaded with the
+    # moments. At dp=1 zero=3 gathers its units from the shard without communication and sums each
+    # micro-batch's grads in the order autograd does at zero=1: the two runs must agree bit for bit.
+    cfg = _cfg(zero=1 if mode == "none" else 3, precision="fp16", loss_scale_window=2, loss_scale_init=2.0**15, **nvme)
+    trainer = Trainer(cfg, f"{base}/fp16_{mode}", ProcessMesh.single(), checkpointing=False)
+    trainer.run()
+    trainer.optimizer.finish_param_gather()
+    out.update(
+        {
+            "losses": list(trainer.losses),
+            "memory": trainer.optimizer.memory_report(),
+            "loss_scale": trainer.optimizer.loss_scale,
+            "params": {
+                n: p.detach().float().numpy().copy() for n, p in zip(trainer.optimizer.names, trainer.optimizer.params)
+            },
+        }
+    )
     return out
 
 
