@@ -75,8 +75,8 @@ KEEP_RUNS = False
 
 @contextlib.contextmanager
 def work_dir(prefix: str):
-    """A temporary folder for one repetition's runs: removed afterwards (about 14 MB a repetition), kept with
-    --keep or when the repetition failed, its path printed either way."""
+    """A temporary folder for one repetition's runs: removed afterwards (about 14 MB a repetition); kept, and its
+    path printed, with --keep or when the repetition failed."""
     path = tempfile.mkdtemp(prefix=prefix)
     try:
         yield path
