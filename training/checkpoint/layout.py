@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
+from training.parallel import collectives as comm
 
 # torch.distributed._shard (ShardedTensor) is imported where it is used: it pulls in DCP and DTensor, about
 # 1.1 s of CPU per rank, which a fresh start does not need before its first save (training/observe/startup.py).
@@ -159,13 +159,13 @@ def to_state_dict(pieces: Iterable[Piece], group=None) -> Dict[str, "ShardedTens
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
     pieces = list(pieces)
-    rank = dist.get_rank()
+    rank = comm.rank()
     mine = [
         (p.key, p.offsets, tuple(p.tensor.shape), p.global_shape, str(p.tensor.dtype), str(p.tensor.device))
         for p in pieces
     ]
-    gathered: List = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (rank, mine), group=group)
+    gathered: List = [None] * comm.world_size(group)
+    comm.all_gather_object(gathered, (rank, mine), group=group)
     by_key: Dict[str, List[ShardMetadata]] = {}
     local_keys = {p.key for p in pieces}
     for r, entries in gathered:
@@ -201,7 +201,7 @@ def to_load_state_dict(pieces: Iterable[Piece]) -> Dict[str, torch.Tensor]:
     from torch.distributed._shard.sharded_tensor.api import ShardedTensorBase
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = comm.rank() if comm.is_initialized() else 0
     grouped: Dict[str, List[Piece]] = {}
     for p in pieces:
         grouped.setdefault(p.key, []).append(p)

@@ -37,8 +37,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from training.parallel import collectives as comm
 from training.checkpoint import storage
 from training.run import signals
 from training.checkpoint.layout import Piece, exact_storage, param_info, pieces_for, to_load_state_dict, to_state_dict
@@ -117,7 +117,7 @@ def import_save_path() -> Tuple[Any, ...]:
 
 
 def _rank0_print(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if not comm.is_initialized() or comm.rank() == 0:
         print(f"[checkpoint] {msg}", file=sys.stderr, flush=True)
 
 
@@ -216,9 +216,9 @@ class CheckpointManager:
 
     def __init__(self, run_dir: str, mesh: ProcessMesh, cfg: Config, log=_rank0_print):
         self.run_dir, self.mesh, self.cfg, self.log = run_dir, mesh, cfg, log
-        self.distributed = dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world = dist.get_world_size() if self.distributed else 1
+        self.distributed = comm.is_initialized()
+        self.rank = comm.rank() if self.distributed else 0
+        self.world = comm.world_size() if self.distributed else 1
         self.keep_last = max(1, cfg.train.keep_last)
         self.async_save = bool(cfg.train.async_save)
         # The background write runs DCP's collectives from its own thread; the mesh's dedicated gloo group
@@ -261,7 +261,7 @@ class CheckpointManager:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._ckpt_group)
+        comm.broadcast_object_list(box, src=0, group=self._ckpt_group)
         return box[0]
 
     # ----- cadence ---------------------------------------------------------------------------------
@@ -288,7 +288,7 @@ class CheckpointManager:
         if self.distributed:
             # On the mesh's device: NCCL reduces only CUDA tensors.
             flags = torch.tensor([int(time_due), stop], dtype=torch.int64, device=self.mesh.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            comm.all_reduce_op(flags, op=comm.ReduceOp.MAX)
             time_due, stop = bool(flags[0]), int(flags[1])
         reason = _STOP_CODES[stop]
         step_due = t.checkpoint_every > 0 and step > 0 and step % t.checkpoint_every == 0
@@ -606,7 +606,7 @@ class CheckpointManager:
         if not self.distributed:
             return result.problems
         everyone: List[Any] = [None] * self.world
-        dist.all_gather_object(everyone, result.problems, group=self._ckpt_group)
+        comm.all_gather_object(everyone, result.problems, group=self._ckpt_group)
         return list(dict.fromkeys(p for problems in everyone for p in problems))
 
     def _compatible(self, step: int) -> Optional[str]:
@@ -719,7 +719,7 @@ class CheckpointManager:
             error = self._unreadable(path, _short(exc))
         if self.distributed:
             everyone: List[Any] = [None] * self.world
-            dist.all_gather_object(everyone, error, group=self._ckpt_group)
+            comm.all_gather_object(everyone, error, group=self._ckpt_group)
             error = next((e for e in everyone if e), None)
         if error:
             raise CheckpointError(error)

@@ -37,7 +37,7 @@ import math
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
+from training.parallel import collectives as comm
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -85,7 +85,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         x = x.contiguous()
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        comm.all_to_all_single(out, x, out_splits, in_splits, group=group)
         return out
 
     @staticmethod
@@ -93,7 +93,7 @@ class _AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         g = g.contiguous()
         back = g.new_empty((sum(in_splits),) + tuple(g.shape[1:]))
-        dist.all_to_all_single(back, g, in_splits, out_splits, group=ctx.group)
+        comm.all_to_all_single(back, g, in_splits, out_splits, group=ctx.group)
         return back, None, None, None
 
 
@@ -272,7 +272,7 @@ class MoEMLP(nn.Module):
         if self.ep == 1:
             return self._run_experts(send, counts.tolist())
         recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts.contiguous(), group=self.ep_group)  # [ep, E_loc] from each source
+        comm.all_to_all_single(recv_counts, counts.contiguous(), group=self.ep_group)  # [ep, E_loc] from each source
         send_splits = counts.view(self.ep, E_loc).sum(dim=1).tolist()
         recv_table = recv_counts.view(self.ep, E_loc)
         recv_splits = recv_table.sum(dim=1).tolist()
@@ -344,9 +344,14 @@ def moe_metrics(chunks, mesh, num_layers: int, num_experts: int) -> Dict[str, An
         table[i, :num_experts] = st.tokens
         table[i, num_experts] = st.aux / max(1, st.micro_batches)
         table[i, num_experts + 1] = st.dropped
+    # Reduced on the run's device: an NCCL group has no CPU backend ("No backend type associated with device
+    # type cpu"); gloo's took the CPU table, which is why only a GPU run would have failed here.
+    on_device = table.to(mesh.device)
     for group, size in ((mesh.dp_group, mesh.dp), (mesh.pp_group, mesh.pp)):
         if group is not None and size > 1:
-            dist.all_reduce(table, group=group)
+            comm.all_reduce_op(on_device, group=group)
+    if on_device.device.type != "meta":  # a rehearsal moves no data: its table stays this rank's own
+        table = on_device.cpu()
     tokens = table[:, :num_experts]
     load = tokens.max(dim=1).values / tokens.mean(dim=1).clamp_min(1e-12)
     return {

@@ -90,20 +90,20 @@ def time_layer(micro: int, tp: int, hidden: int, heads: int, ffn: int, seq: int,
 def time_all_reduce(world: int) -> List[Tuple[int, float]]:
     """(bytes, seconds) of an all-reduce over every rank at each size; the slowest rank's time."""
     import torch
-    import torch.distributed as dist
+    from training.parallel import collectives as comm
 
     out = []
     for nbytes in SIZES_BYTES:
         x = torch.ones(nbytes // 4)
         for _ in range(2):
-            dist.all_reduce(x)
+            comm.all_reduce_op(x)
         reps = 10 if nbytes < 2**20 else 4
-        dist.barrier()
+        comm.barrier()
         t0 = time.perf_counter()
         for _ in range(reps):
-            dist.all_reduce(x)
+            comm.all_reduce_op(x)
         dt = torch.tensor([(time.perf_counter() - t0) / reps], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        comm.all_reduce_op(dt, op=comm.ReduceOp.MAX)
         out.append((nbytes, dt.item()))
     return out
 
@@ -129,14 +129,14 @@ def time_cores(rank: int, world: int, micro: int, args: argparse.Namespace, dtyp
     typical sharing, not the quietest moment's."""
     import statistics
 
-    import torch.distributed as dist
+    from training.parallel import collectives as comm
 
     ratios = []
     shape = (micro, 1, args.hidden, args.heads, args.ffn, args.seq, dtype)
     for _ in range(rounds):
-        dist.barrier()
+        comm.barrier()
         alone = time_layer(*shape, reps=2) if rank == 0 else 0.0  # the others wait at the barrier, off the cores
-        dist.barrier()
+        comm.barrier()
         together = time_layer(*shape, reps=2)
         if rank == 0:
             ratios.append(together / alone)
@@ -145,7 +145,7 @@ def time_cores(rank: int, world: int, micro: int, args: argparse.Namespace, dtyp
 
 def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
     import torch
-    import torch.distributed as dist
+    from training.parallel import collectives as comm
 
     torch.set_num_threads(max(1, args.threads))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -153,7 +153,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
         from training.parallel.rendezvous import wait_for_store
 
         wait_for_store(120.0, "127.0.0.1", port, rank)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
+        comm.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
     shapes: Dict[str, float] = {}
     points = []
     for tp in args.tp:
@@ -161,7 +161,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
             if args.heads % tp or args.ffn % tp:
                 continue
             if args.ranks > 1:
-                dist.barrier()  # every rank computes at once: the contention of a real job
+                comm.barrier()  # every rank computes at once: the contention of a real job
             dt = time_layer(micro, tp, args.hidden, args.heads, args.ffn, args.seq, dtype)
             shapes[f"micro{micro}_tp{tp}"] = dt
             points.append((layer_flops(micro, tp, args.hidden, args.heads, args.ffn, args.seq), dt))
@@ -180,7 +180,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
         latency, seconds_per_byte = _fit([(b * factor, t) for b, t in ar])
         out.update(latency_s=latency, busbw=1.0 / seconds_per_byte, all_reduce_s={str(b): t for b, t in ar})
         out["cores"] = time_cores(rank, args.ranks, max(args.micro), args, dtype)
-        dist.destroy_process_group()
+        comm.destroy_process_group()
     if rank == 0:
         results.put(out)
 

@@ -16,8 +16,8 @@ import time
 from typing import Any, Dict, List
 
 import torch
-import torch.distributed as dist
 
+from training.parallel import collectives as comm
 from training.contract.rundir.events import current_attempt
 from training.contract.rundir.metrics import METRICS_FILE, PURGED_FILE
 
@@ -64,9 +64,9 @@ def peak_memory_bytes(device: torch.device) -> int:
 def rank_figures(step_time_s: float, device: torch.device) -> Dict[str, Any]:
     """Job-wide step time spread and peak memory: a collective, so every rank calls it at the same steps."""
     mine = torch.tensor([step_time_s, float(peak_memory_bytes(device))], dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
+    if comm.is_initialized() and comm.world_size() > 1:
+        every = [torch.zeros_like(mine) for _ in range(comm.world_size())]
+        comm.all_gather(every, mine)
         rows = [t.tolist() for t in every]
     else:
         rows = [mine.tolist()]

@@ -18,8 +18,8 @@ import sys
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
+from training.parallel import collectives as comm
 from training.contract.rundir.events import append_event
 
 
@@ -96,9 +96,9 @@ def probe_nonfinite(trainer, micro, micro_steps_before: List[int], loss: float) 
         # Virtual stage of chunk c on pipeline rank p (interleaved schedules): c * pp + p.
         mine.update(rank=mesh.rank, node=node, stage=mine["chunk"] * mesh.pp + mesh.pp_rank)
     every: List[Any] = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
+    if comm.is_initialized() and comm.world_size() > 1:
+        every = [None] * comm.world_size()
+        comm.all_gather_object(every, mine)
     found = [f for f in every if f]
     step = trainer.state.step + 1  # the step being taken (the loop counts it after the optimizer)
     if mine is not None:

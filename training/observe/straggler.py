@@ -20,8 +20,8 @@ import time
 from typing import Any, Dict, List
 
 import torch
-import torch.distributed as dist
 
+from training.parallel import collectives as comm
 from training.contract.rundir.events import append_event
 from training.observe.health import THROUGHPUT, ThroughputShare, kinds, record_cause, start_sampler
 
@@ -35,10 +35,10 @@ def node_name() -> str:
 def gather_nodes(device) -> List[str]:
     """Every rank's node name, in rank order (one collective at start-up)."""
     mine = node_name()
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not (comm.is_initialized() and comm.world_size() > 1):
         return [mine]
-    out: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
+    out: List[Any] = [None] * comm.world_size()
+    comm.all_gather_object(out, mine)
     return [str(n) for n in out]
 
 
@@ -124,10 +124,10 @@ class IntervalWatch:
 
     def _gather(self, mine: List[float]) -> List[List[float]]:
         t = torch.tensor(mine, dtype=torch.float64, device=self.mesh.device)
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if not (comm.is_initialized() and comm.world_size() > 1):
             return [t.tolist()]
-        every = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, t)
+        every = [torch.zeros_like(t) for _ in range(comm.world_size())]
+        comm.all_gather(every, t)
         return [x.tolist() for x in every]
 
     def _stragglers(self, step: int, times: List[float]) -> None:

@@ -28,8 +28,8 @@ from __future__ import annotations
 from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
+from training.parallel import collectives as comm
 from training.optim.flat import FlatLayout
 from training.parallel.collectives import reduce_scatter_single
 
@@ -221,7 +221,7 @@ class GradBuffer:
             lo, hi = self._buckets[b][0]
             bucket = self.buffer[lo:hi]
             summed = bucket.to(wide)  # the bucket itself unless fp16
-            work = dist.all_reduce(summed, group=self.dp_group, async_op=True)
+            work = comm.all_reduce_op(summed, group=self.dp_group, async_op=True)
             self._launched[b] = (work, summed, bucket)
             return
         if self.reduce_to_owner:
@@ -229,9 +229,7 @@ class GradBuffer:
             owner = self._owners[b]
             bucket = self.buffer[lo:hi]
             summed = bucket.to(wide)
-            work = dist.reduce(
-                summed, dst=dist.get_global_rank(self.dp_group, owner), group=self.dp_group, async_op=True
-            )
+            work = comm.reduce(summed, dst=comm.global_rank(self.dp_group, owner), group=self.dp_group, async_op=True)
             # Only the owner's copy is the sum (and only it is read): the others are left as they are.
             self._launched[b] = (work, summed, bucket) if owner == lay.dp_rank else (work, None, summed)
             return

@@ -26,8 +26,8 @@ import collections
 from typing import Any, Deque, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
-import torch.distributed as dist
 
+from training.parallel import collectives as comm
 from training.optim.flat import FlatLayout
 from training.optim.grad_buffer import reduce_dtype
 
@@ -109,7 +109,7 @@ class ShardedGradBuffer:
             return
         if self._in_backward:
             self.launched_in_backward += 1
-        work = dist.reduce(staging, dst=dist.get_global_rank(self.dp_group, owner), group=self.dp_group, async_op=True)
+        work = comm.reduce(staging, dst=comm.global_rank(self.dp_group, owner), group=self.dp_group, async_op=True)
         self._inflight.append((b, work, staging))
         while len(self._inflight) > self.MAX_INFLIGHT:
             self._complete_oldest()
@@ -180,7 +180,7 @@ class ShardedGradBuffer:
             parts = [self.main[s.shard_start : s.shard_end] for i in sync.sp_params for s in segs.get(i, [])]
             if parts:
                 flat = torch.cat(parts)
-                dist.all_reduce(flat, group=mesh.tp_group)
+                comm.all_reduce_op(flat, group=mesh.tp_group)
                 pos = 0
                 for t in parts:
                     t.copy_(flat[pos : pos + t.numel()])
@@ -194,8 +194,8 @@ class ShardedGradBuffer:
                     s.shard_start : s.shard_end
                 ]
             if lay.dp > 1:
-                dist.all_reduce(full, group=self.dp_group)  # disjoint segments: the sum assembles them
-            dist.all_reduce(full, group=mesh.embedding_group)
+                comm.all_reduce_op(full, group=self.dp_group)  # disjoint segments: the sum assembles them
+            comm.all_reduce_op(full, group=mesh.embedding_group)
             for s in segs.get(i, []):
                 self.main[s.shard_start : s.shard_end] = full[
                     s.param_start : s.param_start + s.shard_end - s.shard_start

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 import torch
-import torch.distributed as dist
 
+from training.parallel import collectives as comm
 from training.contract.layout_rules import sequence_parallel_on
 
 TIED_EMBEDDING = "embedding.word.weight"
@@ -32,14 +32,14 @@ def counts_in_norm(name: str, param: torch.Tensor, mesh) -> bool:
 
 def allreduce_flat(tensors: List[torch.Tensor], group: Any) -> None:
     """Sum `tensors` in place over `group` with one all-reduce per dtype (identity for None / size 1)."""
-    if group is None or dist.get_world_size(group) == 1 or not tensors:
+    if group is None or comm.world_size(group) == 1 or not tensors:
         return
     by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in same])
-        dist.all_reduce(flat, group=group)
+        comm.all_reduce_op(flat, group=group)
         pos = 0
         for t in same:
             t.copy_(flat[pos : pos + t.numel()].view_as(t))
@@ -66,4 +66,4 @@ class ModelParallelGradSync:
         if self.sp_params:
             allreduce_flat([grads[i] for i in self.sp_params], self.mesh.tp_group)
         if self.tied_index is not None and (self.mesh.is_first_stage or self.mesh.is_last_stage):
-            dist.all_reduce(grads[self.tied_index], group=self.mesh.embedding_group)
+            comm.all_reduce_op(grads[self.tied_index], group=self.mesh.embedding_group)

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
+from training.parallel import collectives as comm
 from training.contract.config import Config
 from training.optim.adamw import ShardedAdamW
 from training.optim.flat import FlatLayout, Segment
@@ -297,11 +297,11 @@ class DistributedOptimizer:
         for lo, hi in self._runs:
             sq += torch.linalg.vector_norm(grads[lo:hi]).double() ** 2
         if self.zero >= 1 and self.dp > 1:
-            dist.all_reduce(sq, group=self.dp_group)
+            comm.all_reduce_op(sq, group=self.dp_group)
         if self.mesh.tp * self.mesh.pp > 1:
-            dist.all_reduce(sq, group=self.mesh.model_parallel_group)
+            comm.all_reduce_op(sq, group=self.mesh.model_parallel_group)
         if self._norm_ep_group is not None:
-            dist.all_reduce(sq, group=self._norm_ep_group)
+            comm.all_reduce_op(sq, group=self._norm_ep_group)
         return sq
 
     def _write_back(self, values: torch.Tensor, defer: bool = False) -> None:

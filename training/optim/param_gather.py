@@ -28,9 +28,7 @@ import collections
 from typing import Deque, Dict, Iterable, List, Set, Tuple
 
 import torch
-import torch.distributed as dist
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from training.parallel import collectives as comm
 
 
 class ParamGather:
@@ -109,7 +107,7 @@ class ParamGather:
             s = self.starts[c]
             piece = rows[lay.dp_rank, s : s + self.width].clone()
             out = torch.empty(lay.dp * piece.numel(), dtype=buf.dtype, device=buf.device)
-            work = _all_gather(out, piece, group=self.group, async_op=True)
+            work = comm.all_gather_single(out, piece, group=self.group, async_op=True)
             self._pending.append((c, work, out, piece))  # piece: alive until its collective is done
             self._held += (out.numel() + piece.numel()) * buf.element_size()
             self.peak_bytes = max(self.peak_bytes, self._held)

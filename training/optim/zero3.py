@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Tuple
 
 import torch
-import torch.distributed as dist
+from training.parallel import collectives as comm
 
 
 def _in_backward() -> bool:
@@ -183,7 +183,7 @@ class Zero3Params:
                     pos += hi - lo
             work = None
             if lay.dp > 1:
-                work = dist.broadcast(buf, src=dist.get_global_rank(self.group, q), group=self.group, async_op=True)
+                work = comm.broadcast(buf, src=comm.global_rank(self.group, q), group=self.group, async_op=True)
             unit.works.append((work, buf, mine))
         unit.state = "pending"
 

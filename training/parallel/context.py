@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
+from training.parallel import collectives as comm
 
 
 def chunk_ids(cp: int, cp_rank: int) -> Tuple[int, int]:
@@ -179,20 +179,27 @@ def _part(x: torch.Tensor, part: str, c: int) -> torch.Tensor:
 
 
 class _Ring:
-    """Asynchronous exchange with the ring neighbours: send to cp rank i+1, receive from i-1."""
+    """Asynchronous exchange with the ring neighbours: send to cp rank i+1, receive from i-1.
 
-    def __init__(self, ctx: CPContext):
+    Each exchange is ONE batch_isend_irecv of its send and its receive, on the cp group's communicator, which a
+    collective creates first (comm.create_communicator). Two separate isend/irecv deadlock on NCCL: un-batched
+    ops run on a communicator per rank pair, created lazily and in issue order, so at cp = 2 each rank's send
+    waits for a receive queued behind the peer's own send once a block outgrows NCCL's buffering, and at cp >= 3
+    every rank blocks creating its pair with the next rank while that one creates its own with the one after.
+    """
+
+    def __init__(self, ctx: CPContext, device: torch.device):
         self.next = ctx.ranks[(ctx.cp_rank + 1) % ctx.cp]
         self.prev = ctx.ranks[(ctx.cp_rank - 1) % ctx.cp]
         self.group = ctx.group
+        comm.create_communicator(self.group, device)
 
     def start(self, send: torch.Tensor, tag: int):
         recv = torch.empty_like(send)
-        works = [
-            dist.isend(send, self.next, group=self.group, tag=tag),
-            dist.irecv(recv, self.prev, group=self.group, tag=tag),
-        ]
-        return recv, works
+        works = comm.batch_isend_irecv(
+            [comm.send_op(send, self.next, self.group, tag), comm.recv_op(recv, self.prev, self.group, tag)]
+        )
+        return recv, list(works)
 
     @staticmethod
     def finish(works: list) -> None:
@@ -214,7 +221,7 @@ class RingAttention(torch.autograd.Function):
         qf, kv = q.float(), torch.stack([k.float(), v.float()]).contiguous()
         c = q.shape[-2] // 2
         me, n = cpc.cp_rank, cpc.cp
-        ring = _Ring(cpc)
+        ring = _Ring(cpc, q.device)
         acc = {"a": None, "b": None}
         for step in range(n):
             src = (me - step) % n
@@ -250,7 +257,7 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k.float(), v.float()]).contiguous()
         dq = torch.zeros_like(qf)
         dkv = torch.zeros_like(kv)  # the grads of the K/V this rank holds now (they travel with them)
-        ring = _Ring(cpc)
+        ring = _Ring(cpc, q.device)
         dkv_pending = None
         for step in range(n):
             src = (me - step) % n
@@ -296,13 +303,13 @@ class _GatherKV(torch.autograd.Function):
     def forward(ctx, kv, cpc: CPContext):
         ctx.cpc = cpc
         parts = [torch.empty_like(kv) for _ in range(cpc.cp)]
-        dist.all_gather(parts, kv.contiguous(), group=cpc.group)
+        comm.all_gather(parts, kv.contiguous(), group=cpc.group)
         return torch.stack(parts)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.cpc.group)
+        comm.all_reduce_op(grad, group=ctx.cpc.group)
         return grad[ctx.cpc.cp_rank], None
 
 

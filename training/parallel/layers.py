@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from training.parallel.collectives import (
+    ReduceOp,
     all_gather_dim0,
     all_reduce,
     copy_to_tp,
@@ -183,7 +184,7 @@ class _VocabParallelCE(torch.autograd.Function):
             pad = torch.arange(vocab_start, vocab_start + n_local, device=logits.device) >= vocab_size
             logits = logits.masked_fill(pad, float("-inf"))
         lmax = logits.max(dim=-1).values
-        all_reduce(lmax, group, op=torch.distributed.ReduceOp.MAX)
+        all_reduce(lmax, group, op=ReduceOp.MAX)
         if logits.data_ptr() == logits_in.data_ptr():
             # Out of place: the caller's logits stay untouched without a defensive clone (one pass, not two).
             logits = logits - lmax.unsqueeze(-1)

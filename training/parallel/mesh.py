@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
+from training.parallel import collectives as comm
 from training.parallel.rendezvous import wait_for_store
 
 # The group kinds ProcessMesh holds, in creation order.
@@ -111,7 +111,7 @@ def consecutive_block_group(size: int, timeout_s: Optional[float] = None) -> Any
     place that creates process groups. timeout_s bounds its collectives (None: torch's default).
     """
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
-    group, _ = dist.new_subgroups(group_size=size, timeout=timeout)
+    group, _ = comm.new_subgroups(size, timeout=timeout)
     return group
 
 
@@ -253,9 +253,9 @@ class ProcessMesh:
         # new_group does not inherit init_process_group's timeout (it falls back to torch's 10/30 min
         # default), so every group gets it explicitly.
         timeout = datetime.timedelta(seconds=timeout_s)
-        if not dist.is_initialized():
+        if not comm.is_initialized():
             wait_for_store(timeout_s)
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+            comm.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         c = coords_of(rank, tp, pp, cp, dp)
         mesh = cls(
             rank=rank,
@@ -288,7 +288,7 @@ class ProcessMesh:
                 key = (kind == "pp", tuple(ranks))
                 group = made.get(key)
                 if group is None:
-                    group = made[key] = dist.new_group(ranks, timeout=timeout)
+                    group = made[key] = comm.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     assert mine is None, f"rank {rank} in two {kind} groups"
                     mine = (group, ranks)
@@ -306,15 +306,15 @@ class ProcessMesh:
                 "ep": ep,
                 "edp": dp // ep,
             }[kind]
-            assert dist.get_world_size(mine[0]) == expected, (kind, mine[1], expected)
+            assert comm.world_size(mine[0]) == expected, (kind, mine[1], expected)
         ckpt_s = max(timeout_s, checkpoint_timeout_s or 0.0)
-        mesh.background_group = dist.new_group(
+        mesh.background_group = comm.new_group(
             list(range(world)), backend="gloo", timeout=datetime.timedelta(seconds=ckpt_s)
         )
         return mesh
 
     def destroy(self) -> None:
         """Barrier, then destroy the process group (the barrier avoids a known gloo crash at exit)."""
-        if self.backend is not None and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        if self.backend is not None and comm.is_initialized():
+            comm.barrier()
+            comm.destroy_process_group()

@@ -70,7 +70,7 @@ def run_sweep(
     """Every rank calls this; returns this rank's timings of the blocks it leads (lowest rank of a block).
     timeout_s bounds the block groups' collectives (a dead peer is an error, not a hang)."""
     import torch
-    import torch.distributed as dist
+    from training.parallel import collectives as comm
 
     from training.parallel.mesh import consecutive_block_group
 
@@ -90,14 +90,14 @@ def run_sweep(
 
                 def once():
                     if op == "all_reduce":
-                        dist.all_reduce(full, group=group)
+                        comm.all_reduce_op(full, group=group)
                     elif op == "all_gather":
-                        dist.all_gather_into_tensor(full, chunk, group=group)
+                        comm.all_gather_single(full, chunk, group=group)
                     else:
-                        dist.reduce_scatter_tensor(chunk, full, group=group)
+                        comm.reduce_scatter_single(chunk, full, group=group)
 
                 once()  # warm-up: connection setup, NCCL channel init
-                dist.barrier(group=group)
+                comm.barrier(group=group)
                 sync()
                 t = time.perf_counter()
                 for _ in range(iters):
@@ -105,7 +105,7 @@ def run_sweep(
                 sync()
                 elapsed = torch.tensor([(time.perf_counter() - t) / iters], dtype=torch.float64, device=device)
                 # The slowest member defines the collective's time, as in nccl-tests.
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+                comm.all_reduce_op(elapsed, op=comm.ReduceOp.MAX, group=group)
                 if rank == first:
                     nbytes = count * 4
                     results.append(
@@ -119,7 +119,7 @@ def run_sweep(
                         }
                     )
         if group is not None:
-            dist.barrier()
+            comm.barrier()
     return results
 
 

@@ -109,7 +109,7 @@ def step_nodes(environ=os.environ) -> List[str]:
 def run(cfg: Config, run_dir: str) -> Report:
     """The whole preflight on this rank; every rank returns the same job Report."""
     import torch
-    import torch.distributed as dist
+    from training.parallel import collectives as comm
 
     from training.parallel.rendezvous import wait_for_store
 
@@ -142,11 +142,11 @@ def run(cfg: Config, run_dir: str) -> Report:
 
     device = f"cuda:{local_cuda_index(local_rank)}" if on_gpu else "cpu"
     created = False
-    if not dist.is_initialized():
+    if not comm.is_initialized():
         if on_gpu:
             torch.cuda.set_device(device)
         wait_for_store(pf.timeout_s)
-        dist.init_process_group(
+        comm.init_process_group(
             "nccl" if on_gpu else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pf.timeout_s)
         )
         created = True
@@ -160,7 +160,7 @@ def run(cfg: Config, run_dir: str) -> Report:
             for r in range(world):
                 if r == rank and not reused:
                     mm = matmul.measure_tflops(device, n)
-                dist.barrier()
+                comm.barrier()
         sizes_mb = collectives.sweep_sizes_mb(pf.collective_sizes_mb, on_gpu)
         sweep = collectives.run_sweep(
             rank, world, per_node, sizes_mb, pf.collective_iters, device, timeout_s=pf.timeout_s
@@ -182,12 +182,12 @@ def run(cfg: Config, run_dir: str) -> Report:
 
         mine["versions"].update(extra_versions(facts))  # cuDNN, the driver's CUDA (nccl_checks.version_checks)
         everyone: List[Dict[str, Any]] = [None] * world
-        dist.all_gather_object(everyone, mine)
+        comm.all_gather_object(everyone, mine)
         if created:
-            dist.barrier()
+            comm.barrier()
     finally:
         if created:
-            dist.destroy_process_group()
+            comm.destroy_process_group()
 
     everyone.sort(key=lambda r: r["rank"])
     node_of_rank = [r["node"] for r in everyone]
@@ -280,12 +280,12 @@ def before_training(cfg: Config, run_dir: str) -> None:
                 if c.node == node and c.status == FAIL
             )
             print(f"error: preflight found node {node} bad: {why}", file=sys.stderr, flush=True)
-        import torch.distributed as dist
+        from training.parallel import collectives as comm
 
-        if dist.is_initialized():
+        if comm.is_initialized():
             # A bad rank's exit makes srun kill the whole step: wait until rank 0 has written
             # preflight.json and the `preflight` event.
-            dist.barrier()
+            comm.barrier()
         raise SystemExit(status)
 
 

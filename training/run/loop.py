@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
+from training.parallel import collectives as comm
 from training.checkpoint import CheckpointManager
 from training.run import signals
 from training.contract.config import Config
@@ -271,10 +271,10 @@ class Trainer:
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any (a barrier that also carries one bit)."""
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if not (comm.is_initialized() and comm.world_size() > 1):
             return flag
         t = torch.tensor([int(flag)], dtype=torch.int64, device=self.mesh.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        comm.all_reduce_op(t, op=comm.ReduceOp.MAX)
         return bool(t.item())
 
     def _peak_flops(self) -> float:
@@ -292,13 +292,13 @@ class Trainer:
         if not self.mesh.is_last_stage:
             value.zero_()
         if self.mesh.dp > 1:
-            dist.all_reduce(value, group=self.mesh.dp_group)
+            comm.all_reduce_op(value, group=self.mesh.dp_group)
             value /= self.mesh.dp
         if self.mesh.cp > 1:  # every cp rank holds as many tokens: the mean of their means
-            dist.all_reduce(value, group=self.mesh.cp_group)
+            comm.all_reduce_op(value, group=self.mesh.cp_group)
             value /= self.mesh.cp
         if self.mesh.pp > 1:
-            dist.all_reduce(value, group=self.mesh.pp_group)
+            comm.all_reduce_op(value, group=self.mesh.pp_group)
         return float(value.item())
 
     # -- checkpoint call sites --
@@ -590,9 +590,9 @@ class Trainer:
             dtype=torch.int64,
             device=self.mesh.device,
         )
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            out = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
-            dist.all_gather(out, peak)
+        if comm.is_initialized() and comm.world_size() > 1:
+            out = [torch.zeros_like(peak) for _ in range(comm.world_size())]
+            comm.all_gather(out, peak)
         else:
             out = [peak]
         per_rank = [int(x[0].item()) for x in out]

@@ -58,8 +58,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
 
+from training.parallel import collectives as comm
 from training.observe.busy_timer import BusyTimer
 from training.contract.layout_rules import interleaved_batch_rules, raise_errors, schedule_rules, sequence_parallel_on
 from training.contract.precision import param_dtype
@@ -249,7 +249,7 @@ class PipelineSchedule:
         tensor to backpropagate on the last stage (the optimizer's mean and loss scale); overlap_p2p:
         sends in the background and (not on NCCL) receives posted one exchange early (module docstring)."""
         self.overlap_p2p = overlap_p2p
-        self.early_recv = overlap_p2p and dist.is_initialized() and dist.get_backend(pp_group) != "nccl"
+        self.early_recv = overlap_p2p and comm.is_initialized() and comm.backend(pp_group) != "nccl"
         self.chunks, self.kind, self.p, self.rank = chunks, kind, pp, pp_rank
         self.v = len(chunks)
         self.pp_ranks, self.group = list(pp_ranks), pp_group
@@ -285,15 +285,15 @@ class PipelineSchedule:
         if self.p > 1 and not self._group_ready:
             # A NCCL communicator's first batch_isend_irecv must involve all of its ranks; a collective
             # creates it (and is harmless on gloo).
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+            comm.all_reduce_op(torch.zeros(1, device=self.device), group=self.group)
             self._group_ready = True
         self._sync()
         t_start = time.perf_counter()
         busy = BusyTimer(self.device)  # CUDA: events on the compute stream, no device-wide sync per unit
-        comm = _Exchanger(self, plan)
+        exchanger = _Exchanger(self, plan)
         for step in plan:
             if isinstance(step[0], tuple):
-                comm.exchange(outbox, inbox)
+                exchanger.exchange(outbox, inbox)
                 continue
             kind, c, mb = step
             vs = self._vstage(c)
@@ -334,7 +334,7 @@ class PipelineSchedule:
                 if vs > 0:
                     outbox[("grad", vs - 1, mb)] = inp.grad.contiguous()
                 del inp, out, grad_out
-        comm.finish()
+        exchanger.finish()
         assert not outbox and not inbox, "every message of the plan is sent and consumed"
         self._sync()  # once per step: the wall clock ends when this rank's queued work has
         st.wall_s = time.perf_counter() - t_start
@@ -345,8 +345,8 @@ class PipelineSchedule:
         busy = torch.tensor([st.busy_s], dtype=torch.float64, device=self.device)
         wall = torch.tensor([st.wall_s], dtype=torch.float64, device=self.device)
         if self.p > 1:
-            dist.all_reduce(busy, group=self.group)
-            dist.all_reduce(wall, group=self.group, op=dist.ReduceOp.MAX)
+            comm.all_reduce_op(busy, group=self.group)
+            comm.all_reduce_op(wall, group=self.group, op=comm.ReduceOp.MAX)
         st.idle_share_mean = max(0.0, 1.0 - float(busy.item()) / self.p / float(wall.item()))
         self.stats = st
         self.last_m = m
@@ -362,13 +362,13 @@ class PipelineSchedule:
         inbox: Dict[Message, torch.Tensor] = {}
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.p > 1 and not self._group_ready:
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)  # see forward_backward
+            comm.all_reduce_op(torch.zeros(1, device=self.device), group=self.group)  # see forward_backward
             self._group_ready = True
         plan = build_forward_plan(self.p, self.rank, m, self.v)
-        comm = _Exchanger(self, plan)
+        exchanger = _Exchanger(self, plan)
         for step in plan:
             if isinstance(step[0], tuple):
-                comm.exchange(outbox, inbox)
+                exchanger.exchange(outbox, inbox)
                 continue
             _, c, mb = step
             vs = self._vstage(c)
@@ -379,7 +379,7 @@ class PipelineSchedule:
                 total += out.float()
             else:
                 outbox[("act", vs + 1, mb)] = out.contiguous()
-        comm.finish()
+        exchanger.finish()
         assert not outbox and not inbox, "every message of the plan is sent and consumed"
         return total / m
 
@@ -408,11 +408,11 @@ class _Exchanger:
         self.posted: Dict[Message, object] = {}  # receives posted early: message -> work
         self.sends: List[Tuple[object, torch.Tensor]] = []  # (work, tensor) not yet waited for
 
-    def _recv_op(self, msg: Message, peer: int, inbox: Dict) -> "dist.P2POp":
+    def _recv_op(self, msg: Message, peer: int, inbox: Dict) -> "comm.P2POp":
         s = self.s
         buf = torch.empty(s.shape, dtype=s.dtype, device=s.device)
         inbox[msg] = buf
-        return dist.P2POp(dist.irecv, buf, s.pp_ranks[peer], s.group)
+        return comm.recv_op(buf, s.pp_ranks[peer], s.group)
 
     def exchange(self, outbox: Dict, inbox: Dict) -> None:
         s, ops = self.s, self.exchanges[self.k]
@@ -421,7 +421,7 @@ class _Exchanger:
         for direction, msg, peer in ops:
             if direction == "send":
                 t = outbox.pop(msg)
-                batch.append(dist.P2POp(dist.isend, t, s.pp_ranks[peer], s.group))
+                batch.append(comm.send_op(t, s.pp_ranks[peer], s.group))
                 kinds.append(("send", t))
             elif msg not in self.posted:
                 batch.append(self._recv_op(msg, peer, inbox))
@@ -431,7 +431,7 @@ class _Exchanger:
                 if direction == "recv":
                     batch.append(self._recv_op(msg, peer, inbox))
                     kinds.append(("early", msg))
-        works = dist.batch_isend_irecv(batch) if batch else []
+        works = comm.batch_isend_irecv(batch) if batch else []
         if not s.overlap_p2p or len(works) != len(batch):
             for work in works:  # the plain path (or a backend that returns one work for the batch)
                 work.wait()
