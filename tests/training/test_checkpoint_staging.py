@@ -241,3 +241,52 @@ def test_zip_record_crc_is_off_only_while_writing_and_restored():
             assert not config.save.compute_crc32
         assert not config.save.compute_crc32
     assert config.save.compute_crc32
+
+
+
+def _pinned_staging_save_and_resume(run_dir):
+    """One gloo rank (a process group makes the manager build ShardedTensors, as every engine run does, world
+    size 1 included). A CPU-only torch cannot pin memory (that needs the CUDA driver), so the staging buffers
+    say they are pinned: the property ShardedTensor checks against the declared tensor properties."""
+    import training.checkpoint.staging as staging
+    from training.parallel.mesh import ProcessMesh
+
+    pinned = set()
+    real_empty, real_is_pinned = torch.empty, torch.Tensor.is_pinned
+
+    def empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        pinned.add(t.data_ptr())
+        return t
+
+    torch.Tensor.is_pinned = lambda t, *a: t.data_ptr() in pinned or real_is_pinned(t, *a)
+    staging.torch.empty = empty
+    mesh = ProcessMesh.from_env(tp=1, pp=1, cp=1, dp=1, backend="gloo", timeout_s=120)
+    cfg = stand_in_cfg(1, 1, 0)
+    cfg.train.async_save = True
+    model = StandInModel(1, 0)
+    opt = DistributedOptimizer(model.named_parameters(), cfg, mesh)
+    ck = CheckpointManager(run_dir, mesh, cfg)
+    _randomise(model, opt, seed=11)
+    expected = _snapshot(model, opt)
+    ck.save(1, [model], opt, {"consumed_samples": 8})
+    ck.wait_staged()
+    all_pinned = bool(ck._stager._buffers) and all(b.is_pinned() for b in ck._stager._buffers.values())
+    _mutate(model, opt)
+    ck.wait()
+    staging.torch.empty = real_empty
+    model2 = StandInModel(1, 0)
+    opt2 = DistributedOptimizer(model2.named_parameters(), cfg, mesh)
+    got = CheckpointManager(run_dir, mesh, cfg).maybe_resume([model2], opt2, {"consumed_samples": 0})
+    loaded = [t.numpy() for t in _snapshot(model2, opt2)]
+    mesh.destroy()
+    return all_pinned, got, loaded, [t.numpy() for t in expected]
+
+
+def test_async_save_over_pinned_staging_buffers_resumes_bit_exact(tmp_path):
+    """On a GPU the staging buffers are pinned (HostStager.prepare), and every async save raised in
+    ShardedTensor while layout.to_state_dict declared them unpinned."""
+    all_pinned, got, loaded, expected = run_distributed(_pinned_staging_save_and_resume, 1, args=(str(tmp_path),))[0]
+    assert all_pinned and got == (1, 8)
+    for a, b in zip(loaded, expected):
+        assert np.array_equal(a, b)

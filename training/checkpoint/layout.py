@@ -183,7 +183,9 @@ def to_state_dict(pieces: Iterable[Piece], group=None) -> Dict[str, "ShardedTens
         for p in plist:
             md = next(m for m in shards_md if m.placement.rank() == rank and tuple(m.shard_offsets) == p.offsets)
             local.append(Shard(p.tensor, md))
-        props = TensorProperties(dtype=plist[0].tensor.dtype)
+        # ShardedTensor checks every local shard against these properties: an async save's staging buffers
+        # are pinned for a GPU source (training/checkpoint/staging.py), so say what the buffers are.
+        props = TensorProperties(dtype=plist[0].tensor.dtype, pin_memory=plist[0].tensor.is_pinned())
         meta = ShardedTensorMetadata(shards_md, torch.Size(plist[0].global_shape), props)
         out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(local, meta, process_group=group)
     return out
