@@ -118,19 +118,17 @@ def offload_bytes(cfg: Config, n: int, dp: int) -> Dict[str, int]:
 
     The state is K bytes per element of this rank's shard (S = ceil(n/dp) at zero >= 1, else n); offloaded,
     the update runs where the state lives, so a master copy goes with it even for fp32 weights unless they
-    are in host memory already (a CPU rank). cpu: all of it in host memory; nvme: all of it in files, and
+    are in host memory already (a CPU rank). cpu: all of it in one host arena (pinned on a GPU rank; a CPU
+    rank keeps an arena of its own, the same path); nvme: all of it in files, and
     host memory holds one block buffer of min(OFFLOAD_BLOCK_ELEMS, S) fp32 elements per state tensor."""
     par, precision = cfg.parallel, cfg.train.precision
     shard = -(-n // dp) if par.zero >= 1 else n
-    k = OPTIMIZER_BYTES[precision]
     offload = str(getattr(par, "offload", "none"))
     if offload == "none":
-        return {"optimizer": shard * k, "host_offload": 0, "nvme_offload": 0}
+        return {"optimizer": shard * OPTIMIZER_BYTES[precision], "host_offload": 0, "nvme_offload": 0}
     on_host = cfg.cluster.device == "cpu"
     master = precision != "fp32" or not on_host
-    if offload == "cpu":
-        if on_host:  # the state is in host memory already: nothing moves, it is counted as host memory
-            return {"optimizer": 0, "host_offload": shard * k, "nvme_offload": 0}
+    if offload == "cpu":  # the host arena (on a CPU rank too: it stands for the pinned memory)
         return {"optimizer": 0, "host_offload": shard * (8 + (4 if master else 0)), "nvme_offload": 0}
     states = 3 if master else 2
     return {

@@ -109,7 +109,8 @@ def _full_state(trainer) -> Dict[str, np.ndarray]:
     import torch.distributed as dist
 
     opt, mesh = trainer.optimizer, trainer.mesh
-    state = opt.state_dict()  # gathers the parameters (zero=3)
+    opt.finish_param_gather()  # a reader of the whole model: zero=3 gathers the parameters
+    state = opt.state_dict()
     lay = opt.layout
     out = {}
     for i, (name, p) in enumerate(zip(opt.names, opt.params)):

@@ -243,7 +243,6 @@ def test_zip_record_crc_is_off_only_while_writing_and_restored():
     assert config.save.compute_crc32
 
 
-
 def _pinned_staging_save_and_resume(run_dir):
     """One gloo rank (a process group makes the manager build ShardedTensors, as every engine run does, world
     size 1 included). A CPU-only torch cannot pin memory (that needs the CUDA driver), so the staging buffers

@@ -321,11 +321,18 @@ class CheckpointManager:
             return not (name == TIED_EMBEDDING and not first_stage)
 
         pieces: List[Piece] = []
-        params = _named_params(model_chunks)
-        for name, p in params:
-            if owner(name, p, True):
+        # zero=3: the model is saved and loaded from each rank's own flat shard of the values (distinct over
+        # dp, as optimizer state is), never from gathered parameters: no rank ever holds the whole model.
+        model_shards = (opt_state or {}).get("model_shards") or []
+        sharded = set((opt_state or {}).get("sharded_params") or [])
+        for name, p in _named_params(model_chunks):
+            if name not in sharded and owner(name, p, True):
                 info = param_info(name, p, tp_rank, V)
                 pieces += pieces_for(f"model/{name}", info, p.detach().view(-1), 0)
+        for shard in model_shards:
+            if owner(shard.name, shard.param, False):
+                info = param_info(shard.name, shard.param, tp_rank, V)
+                pieces += pieces_for(f"model/{shard.name}", info, shard.tensors["model"], shard.param_start)
         if opt_state is not None:
             for shard in opt_state["params"]:
                 if not owner(shard.name, shard.param, opt_state["replicated_over_dp"]):

@@ -53,14 +53,17 @@ class ShardedAdamW:
         self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
         device = layout.params[0].device
         self.master: Optional[torch.Tensor] = None
-        if any(p.dtype != torch.float32 for p in layout.params):
-            self.master = layout.read_shard()
+        sixteen_bit = any(p.dtype != torch.float32 for p in layout.params)
         self.store = None
-        """offload=cpu on a GPU, or nvme: where the state lives (training/optim/offload.py); None: on the device."""
-        if offload == "nvme" or (offload == "cpu" and device.type != "cpu"):
-            self._init_store(offload, offload_dir, rank, device)
+        """offload=cpu|nvme: where the state lives (training/optim/offload.py), on CPU ranks too (their own host
+        arena standing for pinned memory: the GPU's path, the same copies); None: on the device."""
+        self._store_master = False
+        if offload in ("cpu", "nvme"):
+            self._init_store(offload, offload_dir, rank, device, sixteen_bit)
             self.exp_avg = self.exp_avg_sq = None
-        else:  # offload=cpu on a CPU rank: the state is in host memory already, nothing moves
+        else:
+            if sixteen_bit:
+                self.master = layout.read_shard()
             self.exp_avg = torch.zeros(layout.shard_size, dtype=torch.float32, device=device)
             self.exp_avg_sq = torch.zeros(layout.shard_size, dtype=torch.float32, device=device)
         # The shard ranges that take weight decay, adjacent segments merged.
@@ -74,19 +77,17 @@ class ShardedAdamW:
                 self._decay_runs.append((seg.shard_start, seg.shard_end))
         self._decay_ends = [b for _, b in self._decay_runs]
 
-    def _init_store(self, offload: str, offload_dir: str, rank: int, device: torch.device) -> None:
+    def _init_store(self, offload: str, offload_dir: str, rank: int, device: torch.device, sixteen_bit: bool) -> None:
         from training.optim.offload import FileStore, HostStore
 
         names = ["exp_avg", "exp_avg_sq"]
         # The update runs where the state is: a master copy there unless the weights are fp32 in host memory.
-        initial = {}
-        if self.master is not None or device.type != "cpu":
+        self._store_master = sixteen_bit or device.type != "cpu"
+        if self._store_master:
             names.append("master")
-            initial["master"] = self.layout.read_shard().cpu()
-        self.master = None
-        self._store_master = "master" in names
+        size = self.layout.shard_size
         if offload == "cpu":
-            self.store = HostStore(names, self.layout.shard_size, initial, pin=device.type == "cuda")
+            self.store = HostStore(names, size, pin=device.type == "cuda")
         else:
             import atexit
             import shutil
@@ -97,7 +98,20 @@ class ShardedAdamW:
             os.makedirs(offload_dir, exist_ok=True)
             where = tempfile.mkdtemp(prefix=f"meshrun-optimizer-rank{rank}-", dir=offload_dir)
             atexit.register(shutil.rmtree, where, True)
-            self.store = FileStore(names, self.layout.shard_size, initial, where)
+            self.store = FileStore(names, size, where)
+        if self._store_master:
+            self._fill_master()
+
+    def _fill_master(self) -> None:
+        """The store's master copy from the parameters, segment by segment in blocks: the device never holds
+        an fp32 copy of the shard (two such copies at once were 8 B/param above the plan while building)."""
+        lay, block = self.layout, getattr(self.store, "block_elems", self.BLOCK)
+        for s in lay.segments:
+            p = lay.params[s.param_index].detach().reshape(-1)
+            for lo in range(s.shard_start, s.shard_end, block):
+                hi = min(lo + block, s.shard_end)
+                start = s.param_start + lo - s.shard_start
+                self.store.fill("master", lo, p[start : start + hi - lo])
 
     def store_tensors(self, tensors: Dict[str, torch.Tensor]) -> None:
         """Write back whole state tensors obtained from `tensors()` (offloaded state: a checkpoint's load)."""
@@ -214,7 +228,8 @@ class ShardedAdamW:
         block = getattr(store, "block_elems", self.BLOCK)
         for lo in range(0, n, block):
             hi = min(lo + block, n)
-            gg = g[lo:hi].to("cpu", torch.float32)
+            gg = g[lo:hi].to("cpu", torch.float32, copy=True)  # a copy on a CPU rank too: the GPU's transfer
+            store.moved["to_store"] += hi - lo
             m, v = store.block("exp_avg", lo, hi), store.block("exp_avg_sq", lo, hi)
             w = store.block("master", lo, hi) if has_master else dest[lo:hi]
             if grad_coef != 1.0:
@@ -230,6 +245,7 @@ class ShardedAdamW:
             if has_master:
                 store.commit("master", lo, hi)
                 dest[lo:hi].copy_(w, non_blocking=True)
+                store.moved["from_store"] += hi - lo
 
     def refresh_master(self, param_indices: List[int]) -> None:
         """Set the master copy of these parameters from their current values (a checkpoint without masters)."""
@@ -257,11 +273,7 @@ class ShardedAdamW:
 
     def host_bytes(self) -> int:
         """Bytes of offloaded state (or of its block buffers, nvme) in host memory."""
-        if self.store is not None:
-            return self.store.host_bytes()
-        if self.offload == "cpu":  # a CPU rank: the state itself, in host memory
-            return sum(t.numel() * t.element_size() for t in self.tensors().values())
-        return 0
+        return self.store.host_bytes() if self.store is not None else 0
 
     def file_bytes(self) -> int:
         """Bytes of optimizer state in files (offload=nvme)."""

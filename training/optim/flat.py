@@ -122,7 +122,11 @@ class FlatLayout:
         return out
 
     def read_segment(self, s: Segment, out: torch.Tensor) -> None:
-        """Copy segment `s` of the parameter values into the shard-shaped `out`."""
+        """Copy segment `s` of the parameter values into the shard-shaped `out` (zero=3: from the shard of
+        values, which is the weights; the parameters may be released)."""
+        if self.shard_values is not None:
+            out[s.shard_start : s.shard_end].copy_(self.shard_values[s.shard_start : s.shard_end])
+            return
         p = self.params[s.param_index].detach().reshape(-1)
         out[s.shard_start : s.shard_end].copy_(p[s.param_start : s.param_start + s.shard_end - s.shard_start])
 

@@ -1,13 +1,18 @@
 """Where the optimizer state of an offloaded rank lives (parallel.offload): host memory or files.
 
-- `HostStore` (offload=cpu): the fp32 state tensors (Adam moments, and the fp32 master weights) in host
-  memory, pinned when the model is on a GPU so that the block copies can be asynchronous.
+- `HostStore` (offload=cpu): the fp32 state tensors (Adam moments, and the fp32 master weights) in one host
+  arena, pinned when the model is on a GPU so that the block copies can be asynchronous. A CPU rank takes the
+  same path (an arena of its own, standing for the pinned memory, with the same block copies in and out), so
+  the CPU tests run what a GPU rank runs.
 - `FileStore` (offload=nvme): one raw float32 file per state tensor under parallel.offload_dir/rank<r>/, read
   and written in blocks of OFFLOAD_BLOCK_ELEMS elements (positioned reads and writes into preallocated block
   buffers), so the rank holds only the blocks, never the state.
 Both serve `block(name, lo, hi)` (a tensor of the state's elements [lo, hi) to update in place) and
-`commit(name, lo, hi)` (after the update: FileStore writes the block back); `tensors()` gives every state
-tensor whole (FileStore: read into memory, for a checkpoint) and `store_all()` writes such tensors back.
+`commit(name, lo, hi)` (after the update: FileStore writes the block back); `fill(name, lo, values)` writes a
+range (the master copy is filled segment by segment from the parameters, never as a whole shard on the device);
+`tensors()` gives every state tensor whole (FileStore: read into memory, for a checkpoint) and `store_all()`
+writes such tensors back. `moved` counts the elements copied between the device and the store
+(`to_store`, `from_store`): the transfers a step makes, which the tests compare with the shard's size.
 """
 
 from __future__ import annotations
@@ -20,17 +25,25 @@ import torch
 from training.contract.precision import OFFLOAD_BLOCK_ELEMS
 
 
-class HostStore:
-    """State tensors in host memory."""
+def _moved() -> Dict[str, int]:
+    return {"to_store": 0, "from_store": 0}
 
-    def __init__(self, names: List[str], size: int, initial: Dict[str, torch.Tensor], pin: bool):
+
+class HostStore:
+    """State tensors in one host arena (pinned for a GPU rank: one pinned allocation, not one per state)."""
+
+    def __init__(self, names: List[str], size: int, pin: bool):
         self.size = size
-        self.tensors_: Dict[str, torch.Tensor] = {}
-        for name in names:
-            t = torch.zeros(size, dtype=torch.float32, pin_memory=pin)
-            if name in initial:
-                t.copy_(initial[name])
-            self.tensors_[name] = t
+        self.arena = torch.zeros(len(names) * size, dtype=torch.float32, pin_memory=pin)
+        self.tensors_: Dict[str, torch.Tensor] = {
+            name: self.arena[i * size : (i + 1) * size] for i, name in enumerate(names)
+        }
+        self.moved = _moved()
+
+    def fill(self, name: str, lo: int, values: torch.Tensor) -> None:
+        """values (any device and float dtype) into the state's elements from lo."""
+        self.tensors_[name][lo : lo + values.numel()].copy_(values)
+        self.moved["to_store"] += values.numel()
 
     def block(self, name: str, lo: int, hi: int) -> torch.Tensor:
         return self.tensors_[name][lo:hi]
@@ -47,7 +60,7 @@ class HostStore:
                 self.tensors_[name].copy_(t)
 
     def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors_.values())
+        return self.arena.numel() * self.arena.element_size()
 
     def file_bytes(self) -> int:
         return 0
@@ -56,7 +69,7 @@ class HostStore:
 class FileStore:
     """State tensors in files, touched one block at a time."""
 
-    def __init__(self, names: List[str], size: int, initial: Dict[str, torch.Tensor], directory: str):
+    def __init__(self, names: List[str], size: int, directory: str):
         os.makedirs(directory, exist_ok=True)
         self.size, self.directory = size, directory
         self.block_elems = max(1, min(OFFLOAD_BLOCK_ELEMS, size))
@@ -68,9 +81,16 @@ class FileStore:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             os.ftruncate(fd, size * 4)  # a sparse file of zeros (the moments start at zero)
             self.fds[name] = fd
-            if name in initial:
-                self._write_range(name, 0, initial[name].detach().to(torch.float32).cpu())
         self._view: Optional[Dict[str, torch.Tensor]] = None
+        self.moved = _moved()
+
+    def fill(self, name: str, lo: int, values: torch.Tensor) -> None:
+        """values (any device and float dtype, at most one block) into the file from element lo, through the
+        state's block buffer."""
+        buf = self.buffers[name][: values.numel()]
+        buf.copy_(values)
+        self._write_range(name, lo, buf)
+        self.moved["to_store"] += values.numel()
 
     def _write_range(self, name: str, lo: int, values: torch.Tensor) -> None:
         """values (fp32, host) into the file from element lo, straight from the tensor's memory."""

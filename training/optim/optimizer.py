@@ -162,13 +162,20 @@ class DistributedOptimizer:
 
     def finish_param_gather(self) -> None:
         """Every parameter holds its updated value (a no-op unless a deferred gather is still running;
-        zero=3: every unit gathered, until the next step releases them)."""
-        if self.param_gather is not None:
-            self.param_gather.finish()
+        zero=3: every unit gathered, until the next step releases them). For readers of the whole model
+        (tests, benchmarks); the checkpoint paths and the loop's end call `finish_deferred_gather`, which never
+        materialises a zero=3 model (2 B x every tp/pp-local parameter on every rank)."""
+        self.finish_deferred_gather()
         if self.zero3 is not None and self.zero3.watching:
             self.zero3.gather_all()
+
+    def finish_deferred_gather(self) -> None:
+        """The zero=1/2 all-gather of the updated shards, if still running, is complete (zero=3: nothing to do,
+        its shard is the weights)."""
+        if self.param_gather is not None:
+            self.param_gather.finish()
         if self.experts is not None:
-            self.experts.finish_param_gather()
+            self.experts.finish_deferred_gather()
 
     # ----- what tests and the checkpoint code read --------------------------------------------------
     @property
@@ -215,7 +222,7 @@ class DistributedOptimizer:
                 )
             self.zero3.release_all()  # backward is over: only the shards stay
         else:
-            self.finish_param_gather()
+            self.finish_deferred_gather()
         shard = self.reduce_grads()
         grads = shard.float().div_(self.scaler.scale) if self.scaler.enabled else shard
         sq = self._grad_norm_sq(grads)
@@ -364,21 +371,30 @@ class DistributedOptimizer:
 
         {"step_count", "loss_scale", "good_steps": scalars,
          "replicated_over_dp": True when every dp rank holds the same state (zero=0),
-         "params": [ParamShard per parameter with elements in this rank's shard]}.
+         "params": [ParamShard per parameter with elements in this rank's shard],
+         "model_shards": zero=3 only: [ParamShard per parameter with elements in this rank's shard, tensors
+                         {"model": the shard's values in the model dtype}]: a checkpoint saves and loads the
+                         model from them, never from gathered parameters,
+         "sharded_params": zero=3 only: the names of every parameter the shards stand for (those outside this
+                           rank's shard included: this rank saves nothing of them)}.
         The tensors are views of the optimizer's own buffers: a loader that fills tensors in place
         (torch.distributed.checkpoint does) loads straight into the optimizer, and load_state_dict then
         only takes the scalars and notices what is missing.
         """
-        self.finish_param_gather()  # a checkpoint reads the parameters right after this
+        self.finish_deferred_gather()  # a checkpoint reads the parameters right after this (zero<3)
         params = self._shards(self.adamw.tensors())
         if self.experts is not None:  # expert entries: replicated over the expert-dp group at zero=0
             params += self.experts._shards(self.experts.adamw.tensors())
-        return {
+        out = {
             "step_count": self.step_count,
             **self.scaler.state_dict(),
             "replicated_over_dp": self.zero == 0,
             "params": params,
         }
+        if self.zero3 is not None:
+            out["model_shards"] = self._shards({"model": self.zero3.shard})
+            out["sharded_params"] = list(self.names)
+        return out
 
     def _shards(self, states: Dict[str, torch.Tensor]) -> List[ParamShard]:
         lay = self.layout
@@ -406,7 +422,7 @@ class DistributedOptimizer:
             state = {**state, "params": [e for e in state.get("params", []) if e.name in mine]}
         self.step_count = int(state["step_count"])
         self.scaler.load_state_dict(state)
-        self.finish_param_gather()
+        self.finish_deferred_gather()
         states = self.adamw.tensors()  # offload=nvme: a copy read from the files, written back below
         own = {s_.name: s_ for s_ in self._shards(states)}
         refresh = []
@@ -422,7 +438,9 @@ class DistributedOptimizer:
                     dst.copy_(src)
         self.adamw.store_tensors(states)
         if self.zero3 is not None:
-            self.zero3.refresh_shard()  # the parameters (gathered above) were loaded in place
+            # The checkpoint loaded the shard in place (state_dict's model_shards): units gathered before the
+            # load hold old values, so release them; the hooks gather from the new shard.
+            self.zero3.release_all()
         self.adamw.refresh_master(refresh)
 
 

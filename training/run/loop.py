@@ -575,7 +575,9 @@ class Trainer:
         if self.compile_clock is not None:
             self.compile_clock.close()
         signals.ignore()  # the final checkpoint is complete: a late Slurm signal must not kill this rank
-        self.optimizer.finish_param_gather()  # whoever reads the model after the run sees the last update
+        # Whoever reads the model after the run sees the last update (zero=3: its shards are the weights;
+        # optimizer.finish_param_gather gathers them for a reader of the whole model).
+        self.optimizer.finish_deferred_gather()
         metrics.close()  # TensorBoard's last events reach the file
         watch.close()
         profiler.close()
