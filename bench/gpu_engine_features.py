@@ -11,8 +11,9 @@ One rank (world size 1: NCCL on a GPU, gloo with --dry on CPU):
   3. cp_ring_numerics: the ring schedule of training/parallel/context.py (ring_blocks, its block kernels and
      the online-softmax merge, forward and backward) for cp = 2 and 4 simulated on this one device (every cp
      rank's blocks computed here, no exchange) against causal attention in float64 on the whole sequence:
-     output, dq, dk and dv, max abs error relative to the reference's largest value <= CP_TOLERANCE. On the GPU
-     the blocks run the math path; on CPU (--dry) torch's fused CPU kernel.
+     output, dq, dk and dv, max abs error relative to the reference's largest value <= CP_TOLERANCE, in fp32
+     (GPU: the math path; --dry: torch's fused CPU kernel) and, as cp_ring_numerics_bf16, in bf16 (GPU: the
+     CUDA flash kernel per block, what a bf16 run takes; --dry: the CPU kernel) within CP_TOLERANCE_BF16.
 Prints one JSON object (the last line); exit 0 when every check passed, 1 otherwise.
 Usage: python bench/gpu_engine_features.py [--dry] [--out DIR]
 """
@@ -36,6 +37,8 @@ OFFLOAD_SLACK = 64 * 2**20
 """Device bytes beyond weights and grads allowed under offload=cpu: block buffers of the update and rounding."""
 CP_TOLERANCE = 1e-4
 """Max abs error / max |reference| of the ring's fp32 result against the float64 whole-sequence attention."""
+CP_TOLERANCE_BF16 = 3e-2
+"""The same for bf16 inputs (8 mantissa bits: rounding of q, k, v, dout and of each block's output)."""
 
 
 def _cfg(dry: bool, **lever):
@@ -111,7 +114,8 @@ def memory_checks(dry: bool, out: str, mesh) -> Dict[str, dict]:
 
 def ring_simulated(q, k, v, dout, cp: int):
     """(out, dq, dk, dv) of causal attention over the whole sequence computed as cp ranks of the ring would,
-    every rank's blocks on this device. q [b, g, r, s, d], k v [b, g, 1, s, d], fp32; dout like q."""
+    every rank's blocks on this device. q [b, g, r, s, d], k v [b, g, 1, s, d] (fp32, or 16-bit: the blocks run in
+    that dtype, as training/parallel/context.py's block_dtype picks for a 16-bit run); dout like q. Results fp32."""
     import torch
 
     from training.parallel.context import _block_backward, _block_forward, _merge, _part, chunk_ids, ring_blocks
@@ -129,7 +133,7 @@ def ring_simulated(q, k, v, dout, cp: int):
         dst[..., i * c : (i + 1) * c, :] += x[..., :c, :]
         dst[..., j * c : (j + 1) * c, :] += x[..., c:, :]
 
-    out_full, dq, dk, dv = (torch.zeros_like(t) for t in (q, q, k, v))
+    out_full, dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, q, k, v))
     for me in range(cp):
         qf, dof = local(q, me), local(dout, me)
         acc = {"a": None, "b": None}
@@ -146,11 +150,12 @@ def ring_simulated(q, k, v, dout, cp: int):
         out = torch.cat([acc["a"][0], acc["b"][0]], dim=-2)
         lse = torch.cat([acc["a"][1], acc["b"][1]], dim=-1)
         place(out_full, out, me)
-        g_q = torch.zeros_like(qf)
+        out = out.to(q.dtype)  # saved in the run's dtype, as RingAttention saves it
+        g_q = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
         for step in range(cp):
             src = (me - step) % cp
             kk, vv = local(k, src), local(v, src)
-            g_k, g_v = torch.zeros_like(kk), torch.zeros_like(vv)
+            g_k, g_v = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (kk, vv))
             for qp, kp, causal in ring_blocks(step, src, me):
                 rows = slice(None) if qp == "ab" else (slice(0, c) if qp == "a" else slice(c, 2 * c))
                 cols = slice(None) if kp == "ab" else (slice(0, c) if kp == "a" else slice(c, 2 * c))
@@ -197,17 +202,33 @@ def cp_checks(dry: bool) -> Dict[str, dict]:
     k, v = (torch.randn(b, groups, 1, s, d, device=device, generator=g) for _ in range(2))
     dout = torch.randn(b, groups, r, s, d, device=device, generator=g)
     want = reference(q, k, v, dout)
-    found = {}
-    ok = True
-    for cp in (2, 4):
-        got = ring_simulated(q, k, v, dout, cp)
-        errs = {
-            name: float((a.double() - w).abs().max() / w.abs().max())
-            for name, a, w in zip(("out", "dq", "dk", "dv"), got, want)
+    from training.parallel.context import _kernel
+
+    out = {}
+    for name, dtype, tolerance in (
+        ("cp_ring_numerics", torch.float32, CP_TOLERANCE),
+        ("cp_ring_numerics_bf16", torch.bfloat16, CP_TOLERANCE_BF16),
+    ):
+        found = {}
+        ok = True
+        inputs = [t.to(dtype) for t in (q, k, v, dout)]
+        kernel = _kernel(inputs[0])
+        for cp in (2, 4):
+            got = ring_simulated(*inputs, cp)
+            errs = {
+                part: float((a.double() - w).abs().max() / w.abs().max())
+                for part, a, w in zip(("out", "dq", "dk", "dv"), got, want)
+            }
+            found[f"cp{cp}"] = errs
+            ok = ok and all(e <= tolerance for e in errs.values())
+        out[name] = {
+            "ok": ok,
+            "tolerance": tolerance,
+            "seq": s,
+            "kernel": kernel.name if kernel is not None else "math",
+            "relative_max_errors": found,
         }
-        found[f"cp{cp}"] = errs
-        ok = ok and all(e <= CP_TOLERANCE for e in errs.values())
-    return {"cp_ring_numerics": {"ok": ok, "tolerance": CP_TOLERANCE, "seq": s, "relative_max_errors": found}}
+    return out
 
 
 def main() -> int:

@@ -16,11 +16,15 @@ every earlier key:
   source's first chunk, or the second query chunk against both source chunks), so no rank waits for another.
   Backward rings the K/V again, and their gradients travel with them one hop behind, so each rank's dK/dV
   arrive back at their owner after cp hops.
-- all_gather: every rank gathers the whole K/V once (as Llama 3's training did), attends its queries to
-  them under the mask of true positions; the gather's backward sums the K/V grads over the group.
+- all_gather: every rank gathers the whole K/V once (as Llama 3's training did) and attends its queries to
+  them in blocks (each query chunk against the earlier chunks, then causally against its own), keeping for
+  backward what the ring keeps (q, k, v, output, log-sum-exp: no s x s scores); backward gathers again,
+  recomputes the blocks and reduce-scatters the K/V grads to their owners.
 
-Attention here is computed in fp32 (softmax statistics included) and cast back, as the single-process
-math path does; it has no dropout on the probabilities (the layout rules refuse cp > 1 with dropout).
+Blocks run on a fused attention kernel that returns the log-sum-exp: torch's CPU flash kernel in fp32, and on
+CUDA the flash kernel in the run's 16-bit dtype (fp32 softmax statistics inside); elsewhere fp32 math. Blocks
+merge and the grads sum in fp32. There is no dropout on the probabilities (the layout rules refuse cp > 1 with
+dropout).
 """
 
 from __future__ import annotations
@@ -85,14 +89,79 @@ def _causal_bias(n: int, device) -> torch.Tensor:
     return torch.full((n, n), float("-inf"), device=device).triu_(1)
 
 
-# CPU: torch's fused attention kernel that also returns the log-sum-exp (and its backward, which takes the merged
-# output and log-sum-exp, exactly what a ring block needs); elsewhere the math below.
+# Fused attention kernels that also return the log-sum-exp (and whose backward takes the merged output and
+# log-sum-exp, exactly what a block needs): torch's CPU flash kernel (fp32 here), and on CUDA the flash kernel
+# in the run's 16-bit dtype (softmax statistics in fp32 inside). Anything else (fp32 on CUDA, a head size the
+# flash kernel lacks) takes the fp32 math below.
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_CUDA_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+_CUDA_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_backward", None)
 
 
-def _fused(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and _CPU_FLASH is not None and _CPU_FLASH_BWD is not None
+class _CpuKernel:
+    """torch's CPU flash attention on fp32 blocks."""
+
+    name = "cpu_flash"
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float):
+        out, lse = _CPU_FLASH(q, k, v, 0.0, causal, scale=scale)[:2]
+        return out, lse
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+        return _CPU_FLASH_BWD(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+class _CudaKernel:
+    """torch's CUDA flash attention on 16-bit blocks. Dense and without dropout, the backward's varlen and RNG
+    arguments are unused; it gets them as a forward returned them (what torch's own context-parallel attention
+    passes), from the last block computed."""
+
+    name = "cuda_flash"
+    aux: Optional[Tuple[Any, Any, Any, Any]] = None
+    """(cum_seq_q, cum_seq_k, rng_state, unused) of the last forward call."""
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float):
+        res = _CUDA_FLASH(q, k, v, 0.0, causal, False, scale=scale)
+        _CudaKernel.aux = (res[2], res[3], res[6], res[7])
+        return res[0], res[1]
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+        aux = _CudaKernel.aux
+        if aux is None:  # a backward before any forward in this process (not the engine's order)
+            _CudaKernel.forward(q[..., :1, :], k[..., :1, :], v[..., :1, :], False, scale)
+            aux = _CudaKernel.aux
+        cum_q, cum_k, seed, offset = aux
+        sq, sk = q.shape[-2], k.shape[-2]
+        return _CUDA_FLASH_BWD(dout, q, k, v, out, lse, cum_q, cum_k, sq, sk, 0.0, causal, seed, offset, scale=scale)[
+            :3
+        ]
+
+
+def _kernel(q: torch.Tensor) -> Optional[Any]:
+    """The fused kernel for blocks like q, or None for the fp32 math path."""
+    if q.device.type == "cpu" and _CPU_FLASH is not None and _CPU_FLASH_BWD is not None:
+        return _CpuKernel
+    if (
+        q.is_cuda
+        and _CUDA_FLASH is not None
+        and _CUDA_FLASH_BWD is not None
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+    ):
+        return _CudaKernel
+    return None
+
+
+def block_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype blocks are computed (and K/V exchanged) in: the run's 16-bit dtype where the CUDA flash kernel
+    takes it, else fp32. Merging and the grads' sums are fp32 either way."""
+    return q.dtype if _kernel(q) is _CudaKernel else torch.float32
 
 
 def _heads(q, k, v):
@@ -107,11 +176,14 @@ def _heads(q, k, v):
 
 
 def _block_forward(q, k, v, scale: float, causal: bool):
-    """q [b, g, r, sq, d], k and v [b, g, 1, sk, d] (fp32) -> out [b, g, r, sq, d], lse [b, g, r, sq]."""
-    if _fused(q):
+    """q [b, g, r, sq, d], k and v [b, g, 1, sk, d] (block_dtype) -> out [b, g, r, sq, d] and lse [b, g, r, sq],
+    both fp32 (for the merge)."""
+    kernel = _kernel(q)
+    if kernel is not None:
         b, g, r, sq, d = q.shape
-        out, lse = _CPU_FLASH(*_heads(q, k, v), 0.0, causal, scale=scale)
-        return out.reshape(b, g, r, sq, d), lse.reshape(b, g, r, sq)
+        out, lse = kernel.forward(*_heads(q, k, v), causal, scale)
+        return out.float().reshape(b, g, r, sq, d), lse.float().reshape(b, g, r, sq)
+    q, k, v = q.float(), k.float(), v.float()
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
         scores = scores + _causal_bias(scores.shape[-1], scores.device)
@@ -121,24 +193,26 @@ def _block_forward(q, k, v, scale: float, causal: bool):
 
 
 def _block_backward(q, k, v, out, dout, lse, scale: float, causal: bool):
-    """Grads of one block given the merged output and log-sum-exp of its query rows: (dq, dk, dv)."""
+    """Grads of one block given the merged output and log-sum-exp of its query rows: (dq, dk, dv) in fp32.
+    q, k, v, out and dout in block_dtype, lse fp32."""
     b, g, r, sq, d = q.shape
-    if _fused(q):
+    kernel = _kernel(q)
+    if kernel is not None:
         sk = k.shape[-2]
-        dq, dk, dv = _CPU_FLASH_BWD(
+        dq, dk, dv = kernel.backward(
             dout.reshape(b, g * r, sq, d).contiguous(),
             *_heads(q, k, v),
             out.reshape(b, g * r, sq, d).contiguous(),
             lse.reshape(b, g * r, sq).contiguous(),
-            0.0,
             causal,
-            scale=scale,
+            scale,
         )
         return (
-            dq.reshape(b, g, r, sq, d),
-            dk.reshape(b, g, r, sk, d).sum(2, keepdim=True),
-            dv.reshape(b, g, r, sk, d).sum(2, keepdim=True),
+            dq.float().reshape(b, g, r, sq, d),
+            dk.float().reshape(b, g, r, sk, d).sum(2, keepdim=True),
+            dv.float().reshape(b, g, r, sk, d).sum(2, keepdim=True),
         )
+    q, k, v, out, dout = q.float(), k.float(), v.float(), out.float(), dout.float()
     delta = (dout * out).sum(-1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
@@ -217,8 +291,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cpc: CPContext, scale: float):
-        dtype = q.dtype
-        qf, kv = q.float(), torch.stack([k.float(), v.float()]).contiguous()
+        dtype, bd = q.dtype, block_dtype(q)
+        qf, kv = q.to(bd), torch.stack([k.to(bd), v.to(bd)]).contiguous()
         c = q.shape[-2] // 2
         me, n = cpc.cp_rank, cpc.cp
         ring = _Ring(cpc, q.device)
@@ -253,10 +327,12 @@ class RingAttention(torch.autograd.Function):
         cpc, scale = ctx.cpc, ctx.scale
         me, n = cpc.cp_rank, cpc.cp
         c = q.shape[-2] // 2
-        qf, dout, outf = q.float(), dout.float(), out.float()
-        kv = torch.stack([k.float(), v.float()]).contiguous()
-        dq = torch.zeros_like(qf)
-        dkv = torch.zeros_like(kv)  # the grads of the K/V this rank holds now (they travel with them)
+        bd = block_dtype(q)
+        qf, dout, outf = q.to(bd), dout.to(bd), out.to(bd)
+        kv = torch.stack([k.to(bd), v.to(bd)]).contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # The grads of the K/V this rank holds now (they travel with them), summed in fp32.
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         ring = _Ring(cpc, q.device)
         dkv_pending = None
         for step in range(n):
@@ -264,7 +340,7 @@ class RingAttention(torch.autograd.Function):
             pending = ring.start(kv, 2 * step) if step < n - 1 else None
             if pending is not None and not cpc.overlap:
                 _Ring.finish(pending[1])
-            mine = torch.zeros_like(kv)
+            mine = torch.zeros_like(dkv)
             for qp, kp, causal in ring_blocks(step, src, me):
                 rows = slice(None) if qp == "ab" else (slice(0, c) if qp == "a" else slice(c, 2 * c))
                 cols = slice(None) if kp == "ab" else (slice(0, c) if kp == "a" else slice(c, 2 * c))
@@ -296,36 +372,101 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-class _GatherKV(torch.autograd.Function):
-    """All-gather of the stacked K/V over the cp group (by cp rank); backward sums the grads, keeps this rank's."""
+def _sequence_order(parts: torch.Tensor, c: int) -> torch.Tensor:
+    """[cp, ...,  2c, d] per-rank K/V (rank r: chunks r and 2cp-1-r) -> [..., 2 cp c, d] in sequence order."""
+    cp = parts.shape[0]
+    chunks = [parts[j][..., :c, :] if j < cp else parts[2 * cp - 1 - j][..., c:, :] for j in range(2 * cp)]
+    return torch.cat(chunks, dim=-2)
+
+
+def _rank_order(full: torch.Tensor, cp: int, c: int) -> torch.Tensor:
+    """The inverse of _sequence_order: [..., 2 cp c, d] -> [cp, ..., 2c, d] (rank r's two chunks)."""
+    return torch.stack(
+        [
+            torch.cat([full[..., r * c : (r + 1) * c, :], full[..., (2 * cp - 1 - r) * c : (2 * cp - r) * c, :]], -2)
+            for r in range(cp)
+        ]
+    )
+
+
+def _gathered_blocks(me: int, cp: int, c: int) -> List[Tuple[str, int, int, bool]]:
+    """(query part, first key, end key, causal) of the all_gather variant's blocks, keys in sequence order: each
+    query chunk against every earlier chunk (one block, no mask) and against its own chunk (causal)."""
+    out = []
+    for part, chunk in (("a", me), ("b", 2 * cp - 1 - me)):
+        if chunk:
+            out.append((part, 0, chunk * c, False))
+        out.append((part, chunk * c, (chunk + 1) * c, True))
+    return out
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """parallel.cp_comm=all_gather: every rank gathers the whole K/V once and attends its queries to it, in blocks
+    with the ring's saved-state discipline: only q, k, v (local), the output and its log-sum-exp are kept for
+    backward (no s x s scores), which gathers the K/V again, recomputes the blocks, and reduce-scatters the
+    gathered K/V's grads so each rank gets the sum for its own K/V."""
 
     @staticmethod
-    def forward(ctx, kv, cpc: CPContext):
-        ctx.cpc = cpc
+    def _gather(k, v, cpc: CPContext, bd: torch.dtype) -> torch.Tensor:
+        kv = torch.stack([k.to(bd), v.to(bd)]).contiguous()
         parts = [torch.empty_like(kv) for _ in range(cpc.cp)]
-        comm.all_gather(parts, kv.contiguous(), group=cpc.group)
-        return torch.stack(parts)
+        comm.all_gather(parts, kv, group=cpc.group)
+        return _sequence_order(torch.stack(parts), k.shape[-2] // 2)  # [2, b, g, 1, s, d]
 
     @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        comm.all_reduce_op(grad, group=ctx.cpc.group)
-        return grad[ctx.cpc.cp_rank], None
+    def forward(ctx, q, k, v, cpc: CPContext, scale: float):
+        dtype, bd = q.dtype, block_dtype(q)
+        c = q.shape[-2] // 2
+        full = AllGatherAttention._gather(k, v, cpc, bd)
+        qb = q.to(bd)
+        acc: dict = {"a": None, "b": None}
+        for part, lo, hi, causal in _gathered_blocks(cpc.cp_rank, cpc.cp, c):
+            out, lse = _block_forward(_part(qb, part, c), full[0][..., lo:hi, :], full[1][..., lo:hi, :], scale, causal)
+            acc[part] = _merge(acc[part], out, lse)
+        del full
+        lse = torch.cat([acc["a"][1], acc["b"][1]], dim=-1)
+        out = torch.cat([acc["a"][0], acc["b"][0]], dim=-2).to(dtype).permute(0, 3, 1, 2, 4).contiguous()
+        out = out.permute(0, 2, 3, 1, 4)  # stored [b, s, g, r, d], as the ring's
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cpc, ctx.scale = cpc, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cpc, scale = ctx.cpc, ctx.scale
+        bd = block_dtype(q)
+        c = q.shape[-2] // 2
+        full = AllGatherAttention._gather(k, v, cpc, bd)
+        qb, dout, outb = q.to(bd), dout.to(bd), out.to(bd)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dfull = torch.zeros(full.shape, dtype=torch.float32, device=q.device)
+        for part, lo, hi, causal in _gathered_blocks(cpc.cp_rank, cpc.cp, c):
+            rows = slice(0, c) if part == "a" else slice(c, 2 * c)
+            g_q, g_k, g_v = _block_backward(
+                qb[..., rows, :],
+                full[0][..., lo:hi, :],
+                full[1][..., lo:hi, :],
+                outb[..., rows, :],
+                dout[..., rows, :],
+                lse[..., rows],
+                scale,
+                causal,
+            )
+            dq[..., rows, :] += g_q
+            dfull[0][..., lo:hi, :] += g_k
+            dfull[1][..., lo:hi, :] += g_v
+        del full
+        per_rank = _rank_order(dfull, cpc.cp, c).contiguous()  # [cp, 2, b, g, 1, 2c, d]
+        del dfull
+        mine = torch.empty(per_rank.shape[1:], dtype=per_rank.dtype, device=per_rank.device)
+        comm.reduce_scatter_single(mine.view(-1), per_rank.view(-1), group=cpc.group)
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None
 
 
 def all_gather_attention(q, k, v, cpc: CPContext, scale: float) -> torch.Tensor:
-    """The all_gather variant: this rank's queries over every rank's gathered K/V, masked by true positions."""
-    dtype = q.dtype
-    kv = _GatherKV.apply(torch.stack([k.float(), v.float()]), cpc)  # [cp, 2, b, g, 1, 2c, d]
-    keys = torch.cat(list(kv[:, 0]), dim=-2)
-    values = torch.cat(list(kv[:, 1]), dim=-2)
-    s_local = q.shape[-2]
-    seq = s_local * cpc.cp
-    qpos = local_positions(seq, cpc.cp, cpc.cp_rank, q.device)
-    kpos = torch.cat([local_positions(seq, cpc.cp, r, q.device) for r in range(cpc.cp)])
-    bias = torch.zeros((s_local, seq), device=q.device).masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
-    scores = torch.matmul(q.float(), keys.transpose(-1, -2)) * scale + bias
-    return torch.matmul(scores.softmax(dim=-1), values).to(dtype)
+    """The all_gather variant: this rank's queries over every rank's gathered K/V (AllGatherAttention)."""
+    return AllGatherAttention.apply(q, k, v, cpc, scale)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cpc: CPContext) -> torch.Tensor:
