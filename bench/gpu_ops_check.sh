@@ -20,7 +20,7 @@ rm -rf -- "$RUN_DIR"
 mkdir -p -- "$RUN_DIR"
 
 "$PYTHON" - "$RUN_DIR" <<'PY'
-import json, os, shutil, subprocess, sys, time
+import json, os, shutil, signal, subprocess, sys, time
 
 run_dir = sys.argv[1]
 py = os.environ.get("PYTHON") or sys.executable
@@ -28,10 +28,20 @@ summary = {"checks": {}}
 
 
 def meshrun(name, args, timeout):
+    """One meshrun command in its own process group (as bench/gpu_check.sh runs them): past `timeout` the group is
+    killed and the step reports it (a TimeoutExpired escaping here wrote no summary and left the rank on the GPU)."""
     t = time.time()
-    p = subprocess.run([py, "-m", "launcher", *args], capture_output=True, text=True, timeout=timeout)
+    p = subprocess.Popen([py, "-m", "launcher", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        err += f"\ngpu_ops_check: killed after {timeout} s (time limit of this step)"
+    p.stdout, p.stderr = out, err
     with open(os.path.join(run_dir, f"{name}.log"), "w") as f:
-        f.write(p.stdout + "\n--- stderr ---\n" + p.stderr)
+        f.write(out + "\n--- stderr ---\n" + err)
     return p, time.time() - t
 
 

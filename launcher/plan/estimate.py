@@ -255,6 +255,11 @@ def make_plan(
     worst = stages[totals.index(max(totals))]  # the first of the largest, as max(stages, key=total)
     memory = dict(worst.memory_bytes)
     memory["activations_per_layer"] = per_layer
+    # The norms' fp32 statistics (mean, rstd) within it: Korthikanti et al.'s Table 2 leaves them out, so
+    # activations_per_layer minus this is Table 2's figure for a GPT layer (docs/PLATFORM.md).
+    memory["activations_per_layer_norm_stats"] = (
+        per_layer - layer_activation_bytes(cfg, replace(profile, norm_stats=False)) if profile.norm_stats else 0
+    )
     gpu_bytes = gpu_memory_bytes(cfg)
     bub = bubble(par.pp, m, v)
     figures = model_figures(cfg) if cache is None else cache.model_figures(cfg)
@@ -288,6 +293,7 @@ def make_plan(
                 "optimizer",
                 "activations",
                 "activations_per_layer",
+                "activations_per_layer_norm_stats",
                 "zero3_gathered",
                 "host_offload",
                 "nvme_offload",

@@ -65,7 +65,7 @@ class DeviceProfile:
     act_bytes: int = 2
     """Bytes per saved activation element (2 for bf16/fp16, 4 for fp32)."""
     mask_bytes: int = 1
-    """Bytes per saved dropout-mask element (CUDA: 1 bool byte; CPU: a full-dtype mask)."""
+    """Bytes per saved dropout-mask element (the engine's: 1 bool byte on every device)."""
     flash_saves_lse: bool = True
     """Fused attention saves a logsumexp per (token, head) in fp32 instead of the s x s scores."""
     norm_stats: bool = True
@@ -103,11 +103,11 @@ def device_profile(cfg: Config) -> DeviceProfile:
 
 @lru_cache(maxsize=16)  # one frozen profile per (bytes, device), shared by every plan of a search
 def _device_profile(act: int, cpu: bool) -> DeviceProfile:
+    # The model's dropout saves its 1-byte boolean mask and math attention's softmax only its output in the
+    # activation dtype (training/model/dropout_softmax.py), on every device: Korthikanti's accounting.
     if cpu:
-        return DeviceProfile(act_bytes=act, mask_bytes=act, flash_with_dropout=False, softmax_fp32=True)
-    # The model's dropout (keyed_dropout) multiplies by its mask in the activation dtype on every device:
-    # the mask saved for backward has act bytes per element, not a 1-byte bool (Korthikanti's accounting).
-    return DeviceProfile(act_bytes=act, mask_bytes=act, softmax_fp32=True)
+        return DeviceProfile(act_bytes=act, mask_bytes=1, flash_with_dropout=False)
+    return DeviceProfile(act_bytes=act, mask_bytes=1)
 
 
 def effective_attention(cfg: Config, profile: DeviceProfile) -> str:

@@ -321,3 +321,34 @@ def test_checkpoint_staging_buffers_are_pinned_for_gpu_sources(monkeypatch):
     pieces = [Piece("model/w", OnGpu(torch.ones(3)), (0,), (3,)), Piece("model/b", torch.ones(2), (0,), (2,))]
     HostStager().prepare(pieces)
     assert asked == [True, False]
+
+
+def test_checkpoint_rng_holds_the_ranks_own_gpu_only(monkeypatch):
+    """Risk 'RNG of every visible GPU': a checkpoint keeps the rank's own device's CUDA RNG state, and restores it
+    under a binding that shows fewer GPUs (set_rng_state_all raised IndexError). An earlier checkpoint's list of
+    every visible GPU restores this rank's entry. Stand-in: a torch.cuda of 2 visible GPUs, current device 1."""
+    from training.checkpoint import manager
+
+    states = {0: torch.full((8,), 10, dtype=torch.uint8), 1: torch.full((8,), 11, dtype=torch.uint8)}
+    current = {"index": 1}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["index"])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[current["index"]].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda t, device="cuda": states.__setitem__(current["index"], t))
+
+    def all_states(*a, **k):
+        raise AssertionError("every visible GPU's RNG state touched")
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", all_states)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", all_states)
+    saved = manager._rng_state()
+    assert saved["cuda_device"] == [11] * 8 and "cuda" not in saved
+    current["index"], states[0] = 0, torch.zeros(8, dtype=torch.uint8)  # resumed as another binding's device 0
+    manager._set_rng_state(saved)
+    assert states[0].tolist() == [11] * 8
+    old = {**saved, "cuda": [[20] * 8, [21] * 8]}
+    del old["cuda_device"]
+    current["index"] = 1
+    manager._set_rng_state(old)
+    assert states[1].tolist() == [21] * 8

@@ -305,3 +305,64 @@ def test_launcher_imports_no_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# ---- The same Table 2 through `meshrun action=plan` on a GPU cluster (the engine's CUDA profile) ------------
+
+CUDA_SETTINGS = ["tp", "tp_sp", "tp_selective", "tp_sp_selective", "full"]
+
+
+def _table2_check(plan, preset, setting):
+    m, mem = compose_cfg(f"model={preset}").model, plan["memory_bytes"]
+    par = SETTINGS[setting]
+    want = korthikanti_table2(m.seq_length, plan["micro_batch"], m.hidden_size, m.num_attention_heads, 8, setting)
+    assert plan["activation_profile"]["mask_bytes"] == 1 and not plan["activation_profile"]["softmax_fp32"]
+    assert mem["activations_per_layer"] - mem["activations_per_layer_norm_stats"] == want, (preset, setting, mem)
+    # The statistics: two LayerNorms, mean and rstd in fp32 per token (of the sp shard); none under full.
+    s_b = m.seq_length * plan["micro_batch"] // (8 if par["sp"] else 1)
+    assert mem["activations_per_layer_norm_stats"] == (0 if setting == "full" else 2 * 2 * 4 * s_b)
+
+
+def test_plan_on_dgx_h100_gives_table2_for_the_papers_gpt_layer(tmp_path):
+    """The paper's GPT layer (math attention, dropout 0.1, bf16) planned for cluster=dgx_h100 with the device
+    profile of what the engine saves on CUDA (1-byte masks, 16-bit probabilities: training/model/dropout_softmax.py;
+    tests/launcher/test_gpu_readiness.py measures that profile with the saved-tensor counter): plan.json's
+    activations_per_layer is Table 2's bytes plus the norms' fp32 statistics it reports beside them."""
+    import json
+
+    from helpers.cli import run_cli
+
+    preset = "korthikanti_22b"  # every setting fits an 80 GB H100 at micro-batch 1, so each plan is written
+    for setting in CUDA_SETTINGS:
+        par = SETTINGS[setting]
+        run = tmp_path / setting
+        res = run_cli(
+            "action=plan",
+            "cluster=dgx_h100",
+            f"model={preset}",
+            f"parallel={preset}",
+            "model.attention=math",
+            "model.dropout=0.1",
+            "train.precision=bf16",
+            f"parallel.tp={par['tp']}",
+            f"parallel.sp={str(par['sp']).lower()}",
+            f"parallel.recompute={par['recompute']}",
+            "parallel.micro_batch=1",
+            f"run.dir={run}",
+            cwd=tmp_path,
+        )
+        assert res.returncode == 0, res.stderr[-2000:]
+        _table2_check(json.loads((run / "plan.json").read_text()), preset, setting)
+    # The larger presets through the same planner (make_plan is what action=plan writes; some of these layouts do
+    # not fit an 80 GB part, which the CLI refuses before writing plan.json).
+    for preset in ("korthikanti_175b", "korthikanti_530b", "korthikanti_1t"):
+        for setting in CUDA_SETTINGS:
+            cfg = compose_cfg(
+                "cluster=dgx_h100",
+                f"model={preset}",
+                f"parallel={preset}",
+                "model.attention=math",
+                "model.dropout=0.1",
+                "train.precision=bf16",
+            )
+            _table2_check(make_plan(with_parallel(cfg, micro_batch=1, **SETTINGS[setting])).to_json(), preset, setting)

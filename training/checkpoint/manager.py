@@ -141,7 +141,9 @@ def _rng_state() -> Dict[str, Any]:
         "torch": torch.get_rng_state().tolist(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+        # The rank's own device only: every visible GPU's state would not restore under a binding that shows
+        # this rank fewer GPUs (set_rng_state_all raises IndexError), and the others are other ranks' business.
+        state["cuda_device"] = torch.cuda.get_rng_state().tolist()
     return state
 
 
@@ -151,8 +153,14 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
     n = state["numpy"]
     np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    if not torch.cuda.is_available():
+        return
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(torch.tensor(state["cuda_device"], dtype=torch.uint8))
+    elif "cuda" in state:  # a checkpoint of an earlier version: every visible GPU's state, by index
+        index = torch.cuda.current_device()
+        if index < len(state["cuda"]):
+            torch.cuda.set_rng_state(torch.tensor(state["cuda"][index], dtype=torch.uint8))
 
 
 _ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")

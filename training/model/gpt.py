@@ -52,6 +52,7 @@ from training.contract.layout_rules import (
 from training.parallel.mesh import ProcessMesh
 from training.model.moe import MoEMLP
 from training.parallel.collectives import group_rank, group_size, reduce_from_tp, reduce_scatter_to_sp
+from training.model.dropout_softmax import masked_scale, softmax_16
 from training.parallel.context import CPContext, context_parallel_attention, split_sequence
 from training.parallel.layers import (
     ColumnParallelLinear,
@@ -92,8 +93,8 @@ def keyed_dropout(x: torch.Tensor, p: float, key: int, shard: int = 0, num_shard
     shape = (x.shape[0] * num_shards,) + tuple(x.shape[1:])
     keep = torch.rand(shape, generator=g, device=x.device) >= p
     if num_shards > 1:
-        keep = keep.chunk(num_shards, dim=0)[shard]
-    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+        keep = keep.chunk(num_shards, dim=0)[shard].clone()  # saved: only this shard's rows, not the whole mask
+    return masked_scale(x, keep, 1.0 / (1.0 - p))  # saves the 1-byte mask (Megatron's accounting)
 
 
 class _SwapSequenceBatch(torch.autograd.Function):
@@ -212,7 +213,7 @@ class Attention(nn.Module):
         scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.d))
         # An additive mask: unlike masked_fill, an add keeps no s x s boolean for backward.
         causal = torch.full((s, s), float("-inf"), device=q.device).triu_(1)
-        probs = (scores.float() + causal).softmax(dim=-1).to(q.dtype)  # softmax in fp32
+        probs = softmax_16(scores, causal)  # in fp32, saving only the probabilities in q's dtype
         probs = keyed_dropout(probs, p, key)
         return torch.matmul(probs, v)
 

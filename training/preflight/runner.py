@@ -69,11 +69,16 @@ def node_checks(cfg: Config, node: str, before_ib: Optional[Dict] = None) -> Tup
     return checks, facts
 
 
-def _job_pids(proc: str = "/proc") -> set:
-    """This process, its parent and its siblings on the node (the job's other ranks: the launcher or srun's
-    step daemon started them all, each holds GPU memory by now) do not count as 'other processes' on a GPU."""
+def _job_pids(proc: str = "/proc", environ=os.environ) -> set:
+    """This process, its parent, its siblings on the node (the launcher or srun's step daemon started the job's
+    other ranks: each holds GPU memory by now) and, under Slurm, every process of this job (SLURM_JOB_ID in its
+    environment): cold-started ranks each have a parent of their own (their launcher/slurm/rank_task.py wrapper),
+    so they are not siblings. None of these count as 'other processes' on a GPU. Processes whose environment
+    this user cannot read (another user's) are never the job's."""
     me, parent = os.getpid(), os.getppid()
     pids = {me, parent}
+    job = environ.get("SLURM_JOB_ID", "")
+    marker = f"SLURM_JOB_ID={job}".encode() if job else b""
     try:
         names = os.listdir(proc)
     except OSError:
@@ -90,7 +95,18 @@ def _job_pids(proc: str = "/proc") -> set:
         fields = stat[stat.rfind(")") + 2 :].split()
         if len(fields) > 1 and fields[1].isdigit() and int(fields[1]) == parent:
             pids.add(int(name))
+        elif marker and marker in _environ_entries(os.path.join(proc, name, "environ")):
+            pids.add(int(name))
     return pids
+
+
+def _environ_entries(path: str) -> List[bytes]:
+    """The NUL-separated entries of a /proc/<pid>/environ, or none when unreadable."""
+    try:
+        with open(path, "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
 
 
 def passed_earlier(environ=os.environ) -> List[str]:
