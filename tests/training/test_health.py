@@ -141,3 +141,20 @@ def test_growing_ecc_on_slurm_requeues_without_that_node(tmp_path, cluster):
     assert starts[1]["resume_step"] == saved[0]["step"]
     assert status["state"] == "COMPLETED" and status["excluded_nodes"] == [bad]
     assert sorted(dev.metrics(run_dir)) == list(range(1, ECC_STEPS + 1))  # asserts no step ran twice
+
+
+def test_the_sampler_reads_only_this_jobs_gpus(tmp_path, monkeypatch):
+    """Risk 'health reads every NVML GPU': on a shared node another job's GPU (here gpu 0, its ECC count growing)
+    is neither sampled nor watched for Xids; the job's GPUs come from SLURM_JOB_GPUS (every GPU of the job on the
+    node, also under per-task binding), else CUDA_VISIBLE_DEVICES."""
+    gpus = [healthy_gpu(i) for i in range(4)]
+    monkeypatch.delenv("SLURM_JOB_GPUS", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    sampler = HealthSampler(fake_nvml(gpus), "n1", str(tmp_path), interval_s=1, throttle_samples=1)
+    assert sampler.gpus == [2, 3]
+    assert sampler.sample() == 0
+    gpus[0]["ecc"][pynvml.NVML_VOLATILE_ECC] = 5  # the other job's GPU
+    assert sampler.sample() == 0
+    assert {ln["gpu"] for ln in _lines(str(tmp_path))} == {2, 3}
+    monkeypatch.setenv("SLURM_JOB_GPUS", "1,2,3")
+    assert HealthSampler(fake_nvml(gpus), "n1", str(tmp_path), 1, 1).gpus == [1, 2, 3]

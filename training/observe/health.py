@@ -117,8 +117,14 @@ class HealthSampler:
         self.nvml, self.node, self.run_dir = nvml, node, run_dir
         self.min_utilization_pct, self.low_util = min_utilization_pct, -1  # -1: the pre-training sample is skipped
         from training.observe.xid import XidWatcher
+        from training.preflight.gpu_nvml import job_gpu_indices
 
-        self.xid = XidWatcher(nvml, nvml.nvmlDeviceGetCount())
+        # This job's GPUs only: on a shared node another job's Xid, ECC or throttling must not mark this node
+        # unhealthy (and with action=requeue stop the job). SLURM_JOB_GPUS lists the job's GPUs on the node even
+        # when each task sees only its own (per-task binding); else CUDA_VISIBLE_DEVICES; unset: every GPU.
+        visible = os.environ.get("SLURM_JOB_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES")
+        self.gpus = job_gpu_indices(nvml, nvml.nvmlDeviceGetCount(), visible)
+        self.xid = XidWatcher(nvml, nvml.nvmlDeviceGetCount(), self.gpus)
         self.interval_s, self.throttle_samples = max(0.01, interval_s), max(1, throttle_samples)
         self.path = os.path.join(run_dir, HEALTH_FILE)
         self.baseline: Dict[int, Dict[str, int]] = {}
@@ -150,12 +156,12 @@ class HealthSampler:
                 return
 
     def sample(self) -> int:
-        """Read every GPU once, write the lines, update the verdict; returns the flag."""
+        """Read every GPU of the job once, write the lines, update the verdict; returns the flag."""
         with self._lock:
             nvml, now = self.nvml, time.time()
             lines, found = [], []
             temps, utils, powers, used = [], [], [], []
-            for i in range(nvml.nvmlDeviceGetCount()):
+            for i in self.gpus:
                 try:
                     gpu = read_gpu(nvml, nvml.nvmlDeviceGetHandleByIndex(i))
                 except nvml.NVMLError as exc:  # GPU lost, reset required: the node is unhealthy

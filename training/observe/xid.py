@@ -10,7 +10,7 @@ program itself and are reported only. On CPU, cluster.health.nvml_double's "xid"
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 CRITICAL_XIDS: Dict[int, str] = {
     48: "double-bit ECC error",
@@ -36,7 +36,8 @@ def describe(xid: int) -> str:
 class XidWatcher:
     """One NVML event set over the node's GPUs; poll() returns the Xids that arrived since the last poll."""
 
-    def __init__(self, nvml, count: int):
+    def __init__(self, nvml, count: int, indices: Optional[List[int]] = None):
+        """Watch GPUs `indices` (default: all `count`)."""
         self.nvml, self.set, self.gpus, self.unsupported = nvml, None, [], []
         kind = getattr(nvml, "nvmlEventTypeXidCriticalError", None)
         if kind is None or not hasattr(nvml, "nvmlEventSetCreate"):
@@ -45,7 +46,7 @@ class XidWatcher:
             self.set = nvml.nvmlEventSetCreate()
         except nvml.NVMLError:
             return
-        for i in range(count):
+        for i in range(count) if indices is None else indices:
             try:
                 nvml.nvmlDeviceRegisterEvents(nvml.nvmlDeviceGetHandleByIndex(i), kind, self.set)
                 self.gpus.append(i)
