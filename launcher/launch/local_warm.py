@@ -2,7 +2,7 @@
 
 A cold local rank is `python -m training.main RUN_DIR`: a Python start and torch's import in every rank
 (docs/PERFORMANCE.md: warm local starts). With warm starts the launcher starts ONE warm agent for the launch
-(`python -m training.run.warm_agent --local NAME LAUNCHER_PID RUN_DIR`: torch and the engine imported once,
+(`python -m training.run.warm_agent --local LAUNCHER_PID RUN_DIR`, the socket's name in its environment: torch and the engine imported once,
 nothing initialised) and asks it to fork every rank (launcher/launch/warm.py). The forked rank is what the cold
 one is: the environment rank_process_env built, this launcher's working directory and umask, its stdin, the
 launcher's pipe as stdout and stderr, the run directory's lock kept open (the kernel lock stays held while any
@@ -28,7 +28,7 @@ from typing import IO, BinaryIO, Optional, cast
 
 from launcher.launch.warm import WarmChild, fork_rank
 from training.contract.rundir.events import append_event, read_events
-from training.contract.warm_start import PAD_ENV, local_socket_name
+from training.contract.warm_start import AGENT_NAME_ENV, PAD_ENV, local_socket_name
 
 CONNECT_WAIT_S = 60.0
 """How long the launcher waits for its agent to listen (a Python start; the agent binds before its imports)."""
@@ -62,7 +62,10 @@ class LocalAgent:
         self.proc: Optional[subprocess.Popen] = None
         # Room in the agent's initial environment block for each rank's own (shown in /proc/PID/environ).
         env = dict(env, **{PAD_ENV: " " * (sum(len(k) + len(v) + 2 for k, v in env.items()) + 16384)})
-        argv = [sys.executable, "-m", "training.run.warm_agent", "--local", self.name[1:], str(os.getpid()), run_dir]
+        # The name goes in the environment (readable by this user only), not in argv (any user reads
+        # /proc/PID/cmdline): a watcher that learnt it could bind it first and leave the launch without its agent.
+        env[AGENT_NAME_ENV] = self.name[1:]
+        argv = [sys.executable, "-m", "training.run.warm_agent", "--local", str(os.getpid()), run_dir]
         try:
             self.proc = subprocess.Popen(
                 argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
@@ -102,6 +105,7 @@ class LocalAgent:
                     connect_s=CONNECT_WAIT_S,
                     reply_s=AGENT_REPLY_S,
                     gone=self._gone,
+                    agent_pid=self.pid,
                 )
             finally:
                 os.close(write_end)

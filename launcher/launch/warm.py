@@ -10,6 +10,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -73,6 +74,39 @@ class WarmChild:
         self.send_signal(signal.SIGKILL)
 
 
+def peer_credentials(sock: socket.socket) -> Tuple[int, int]:
+    """(pid, uid) of the process that holds the other end of a connected Unix socket, as the kernel records them
+    (SO_PEERCRED: not something the peer can claim)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def parent_pid(pid: int) -> Optional[int]:
+    """The parent of pid (from /proc/PID/stat), None when pid is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def untrusted_agent(sock: socket.socket, agent_pid: Optional[int]) -> str:
+    """Why the process listening on the agent's name is not this user's agent, else "". An abstract socket name
+    can be bound by any user of the network namespace (on Slurm it is predictable from the job id and the node):
+    the rank's environment (its secrets), its streams and its lock go only to a listener of this process's own
+    user, and, where the launcher started the agent itself, to that very process."""
+    try:
+        pid, uid = peer_credentials(sock)
+    except OSError as exc:
+        return f"its credentials cannot be read ({exc})"
+    if uid != os.getuid():
+        return f"the socket is held by uid {uid} (pid {pid}), not by this user (uid {os.getuid()})"
+    if agent_pid is not None and pid != agent_pid:
+        return f"the socket is held by pid {pid}, not by the agent this launcher started (pid {agent_pid})"
+    return ""
+
+
 def fork_rank(
     name: str,
     env: dict,
@@ -84,12 +118,15 @@ def fork_rank(
     reply_s: float = 300.0,
     where: str = "",
     gone: Optional[Callable[[], str]] = None,
+    agent_pid: Optional[int] = None,
 ) -> Tuple[Optional[WarmChild], str]:
     """Ask the agent listening on `name` to fork the rank with env, this process's working directory, umask and
     CPU affinity, the descriptors `streams` as its stdin, stdout, stderr and `keep` (at most one) kept open;
     (None, why) when it cannot (the caller starts the rank cold). The caller closes its own copies of the
     descriptors. A WarmChild without streams: the caller attaches the read end of its pipe. `gone`, when given,
-    says why waiting for the agent is pointless (it exited), else ""."""
+    says why waiting for the agent is pointless (it exited), else "". Nothing is sent to a listener that is not
+    this user's (nor, given `agent_pid`, that process), and the forked pid must be a child of the agent: the
+    caller signals it."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     deadline = time.time() + connect_s
     while True:
@@ -102,6 +139,11 @@ def fork_rank(
                 sock.close()
                 return None, why or f"no warm agent answers{where} ({exc})"
             time.sleep(0.1)
+    distrust = untrusted_agent(sock, agent_pid)
+    if distrust:
+        sock.close()
+        return None, f"the warm agent{where} is not trusted: {distrust}"
+    peer_pid = peer_credentials(sock)[0]
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -118,9 +160,14 @@ def fork_rank(
         sock.settimeout(reply_s)
         reply, _ = recv(sock)
         sock.settimeout(None)
-        if "pid" not in reply:
-            raise ValueError(reply.get("error") or f"unexpected reply {reply}")
-    except (OSError, EOFError, ValueError) as exc:
+        if not isinstance(reply, dict) or "pid" not in reply:
+            error = reply.get("error") if isinstance(reply, dict) else None
+            raise ValueError(error or f"unexpected reply {reply}")
+        pid, said_agent = int(reply["pid"]), int(reply["agent_pid"])
+        # A rank that already ended may be reaped (gone from /proc): only a live pid of another parent is refused.
+        if said_agent != peer_pid or parent_pid(pid) not in (peer_pid, None):
+            raise ValueError(f"the reply names pid {pid} of agent {said_agent}, not a child of the agent {peer_pid}")
+    except (OSError, EOFError, ValueError, TypeError, KeyError) as exc:
         sock.close()
         return None, f"the warm agent{where} did not fork the rank ({exc or type(exc).__name__})"
-    return WarmChild(sock, int(reply["pid"]), int(reply["agent_pid"])), ""
+    return WarmChild(sock, pid, said_agent), ""

@@ -23,6 +23,7 @@ from launcher.plan.model_size import chunk_layers
 from training.contract import layout_rules as rules
 from training.contract.config import CHOICE_FIELDS, Config, choices, derived_dp
 from training.contract.layout_text import format_layout, layout_of
+from training.contract.limits import MAX_SIZE, too_large
 
 # Allowed values of the choice fields: the Enums of training/contract/config.py (Hydra's schema already rejects
 # anything else; this catches configs built in code, e.g. with dataclasses.replace).
@@ -180,6 +181,11 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
         value = _get(cfg, key)
         if value is not None and value < 1:
             out.append(Issue("error", key, f"must be a positive integer, got {value}", f"{key}=<n >= 1>", "size"))
+            sizes_ok = False
+    for key, most in MAX_SIZE.items():
+        problem = too_large(key, _get(cfg, key))
+        if problem:
+            out.append(Issue("error", key, problem, f"{key}=<n <= {most}>", "size"))
             sizes_ok = False
     m, c, t = cfg.model, cfg.cluster, cfg.train
     if not 0.0 <= m.dropout < 1.0:
@@ -472,11 +478,17 @@ def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[
         """recompute=full on only as many layers per chunk as it takes (the fewest recomputed that fit)."""
         if c.parallel.recompute == "full" and getattr(c.parallel, "recompute_num_layers", 0) == 0:
             return None
-        for n in range(1, chunk_layers(c)):
+        # Memory falls as more layers are recomputed: the fewest that fit, by bisection (a plan per candidate
+        # count took minutes for a deep model).
+        lo, hi, best = 1, chunk_layers(c) - 1, None
+        while lo <= hi:
+            n = (lo + hi) // 2
             new = with_parallel(c, recompute="full", recompute_num_layers=n)
             if make_plan(new).fits:
-                return new
-        return None
+                best, hi = new, n - 1
+            else:
+                lo = n + 1
+        return best
 
     def selective(c: Config):
         return with_parallel(c, recompute="selective") if c.parallel.recompute == "none" else None

@@ -125,8 +125,12 @@ def _another_python_is_refused(agent: int) -> None:
 
     from training.contract.warm_start import recv, send
 
-    with open(f"/proc/{agent}/cmdline", "rb") as f:
-        name = f.read().split(b"\0")[4].decode()  # --local NAME LAUNCHER_PID RUN_DIR
+    with open(f"/proc/{agent}/environ", "rb") as f:  # the name is in its environment (its argv is everyone's)
+        (name,) = [
+            v[len(b"MESHRUN_WARM_AGENT_NAME=") :].decode()
+            for v in f.read().split(b"\0")
+            if v.startswith(b"MESHRUN_WARM_AGENT_NAME=")
+        ]
     request = {"env": {}, "run_dir": "/nonexistent", "cwd": "/", "umask": 0o22, "python": "/other/bin/python"}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect("\0" + name)

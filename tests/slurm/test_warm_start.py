@@ -174,3 +174,172 @@ def test_the_batch_script_starts_one_agent_per_node_in_every_job_before_its_prol
     assert warm_client.batch_lines(boxed, "python") == []
     pre = sbatch_text(preflight_job_spec(dev_cfg(spare_nodes=1, max_in_job_restarts=2), str(tmp_path)))
     assert "warm_agent" not in pre
+
+
+def _agent_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _raw_request(env, payload: bytes, nfds: int, close_early: bool = False):
+    """A crafted client: the length-prefixed payload with nfds descriptors of /dev/null; the reply or None."""
+    import socket
+    import struct
+
+    from training.contract.warm_start import socket_name
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(socket_name(env, env["SLURMD_NODENAME"]))
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(nfds)]
+    try:
+        head = struct.pack("!I", len(payload) + (64 if close_early else 0))
+        socket.send_fds(sock, [head + payload], fds)
+        if close_early:
+            return None
+        sock.settimeout(30)
+        try:
+            return sock.recv(4096)
+        except OSError:
+            return None
+    finally:
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+
+
+@pytest.mark.slow  # the module's agent (torch imported); its ranks exit 2 at once (no run directory)
+def test_malformed_requests_neither_kill_nor_leak_nor_stall_the_agent(agent, tmp_path):
+    """The hostile audit's W5-W7: a request that is not an object, or of the wrong field types, is dropped with a
+    message (the agent used to die of AttributeError); bad JSON or a body that never comes leaves no descriptor
+    open (9 -> 809 after 200); a client that trickles a byte every few seconds is dropped after REQUEST_TIMEOUT_S
+    in all, not per byte (38 s)."""
+    import socket
+    import struct
+
+    from training.contract.warm_start import socket_name
+    from training.run.warm_agent import REQUEST_TIMEOUT_S
+
+    proc, env, base = agent
+    _start(env, base, "exit").wait()  # the agent serves (imports done): what follows is its steady state
+    before = _agent_fds(proc.pid)
+    for payload in (b"[1, 2, 3]", b'{"env": "x", "run_dir": 1}', b'{"env": {"A": 1}, "run_dir": "r", "cwd": "/"}'):
+        reply = _raw_request(env, payload, 3)
+        assert reply and b"error" in reply, (payload, reply)
+        assert proc.poll() is None, payload
+    for _ in range(30):
+        _raw_request(env, b"{not json", 4)
+        _raw_request(env, b"{}", 4, close_early=True)
+    time.sleep(0.5)
+    assert proc.poll() is None
+    assert _agent_fds(proc.pid) <= before + 2, (before, _agent_fds(proc.pid))
+
+    slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    slow.connect(socket_name(env, env["SLURMD_NODENAME"]))
+    t0 = time.monotonic()
+    slow.sendall(struct.pack("!I", 100))
+    served_at = None
+    good = None
+    while time.monotonic() - t0 < 3 * REQUEST_TIMEOUT_S:
+        try:
+            slow.sendall(b" ")
+        except OSError:
+            break  # dropped by the agent
+        if good is None and time.monotonic() - t0 > 1.0:
+            import threading
+
+            good = threading.Thread(target=lambda: _start(env, base, "exit").wait())
+            good.start()
+        if good is not None and not good.is_alive() and served_at is None:
+            served_at = time.monotonic() - t0
+            break
+        time.sleep(REQUEST_TIMEOUT_S / 4)
+    slow.close()
+    if good is not None:
+        good.join(timeout=60)
+        served_at = served_at or time.monotonic() - t0
+    assert served_at is not None and served_at < REQUEST_TIMEOUT_S + 8, served_at
+    assert proc.poll() is None
+
+
+def test_a_squatter_on_the_agents_name_gets_nothing(tmp_path):
+    """The hostile audit's W3/W4: another user binds the agent's abstract name first (any user can compute it on
+    Slurm). The wrapper must start the rank cold without sending its environment (its secrets), descriptors or
+    anything else, and must not accept a forged pid; locally, even this user's own process that is not the agent
+    the launcher started is refused."""
+    import socket
+
+    from launcher.launch import warm
+    from training.contract.warm_start import socket_name
+
+    env = {"SLURM_JOB_ID": f"squat{os.getpid()}", "SLURMD_NODENAME": "sq1", "HF_TOKEN": "hf_SECRET_VALUE"}
+    name = socket_name(env, "sq1")
+    ready_r, ready_w = os.pipe()
+    got_r, got_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the squatter: another user where the test may switch (root in CI), else this user
+        try:
+            os.close(ready_r)
+            os.close(got_r)
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            srv.bind(name)
+            srv.listen(8)
+            os.write(ready_w, b"x")
+            data = b""
+            srv.settimeout(20)
+            for _ in range(2):
+                conn, _ = srv.accept()
+                conn.settimeout(2)
+                try:
+                    conn.sendall(b'\x00\x00\x00\x1c{"pid": 1, "agent_pid": 1}')
+                    msg, fds, _f, _a = socket.recv_fds(conn, 1 << 20, 8)
+                    data += msg + b"fds=%d;" % len(fds)
+                except OSError:
+                    pass
+                conn.close()
+            os.write(got_w, data)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(got_w)
+    assert os.read(ready_r, 1) == b"x"
+    try:
+        child, why = warm_client.start(env, str(tmp_path), None)
+        assert child is None and "not trusted" in why, why
+        # Locally the launcher knows its agent's pid: a listener of this very user that is not it is refused too.
+        child, why = warm.fork_rank(name, env, str(tmp_path), [0, 1, 2], connect_s=1, agent_pid=os.getpid())
+        assert child is None and "not trusted" in why, why
+    finally:
+        os.waitpid(pid, 0)
+    with os.fdopen(got_r, "rb") as f:
+        got = f.read()
+    assert got == b"", got  # nothing was sent: no secret, no descriptor
+
+
+def test_the_local_agents_name_is_not_in_its_command_line(tmp_path):
+    """W4: the local agent's socket name (its token) was in argv, which every user reads in /proc/PID/cmdline: a
+    watcher bound it first in 5 of 5 runs. It is in the agent's environment now (readable by its user only)."""
+    from launcher.launch.local_warm import LocalAgent
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(tmp_path / "agent.log", "wb") as log:
+        agent = LocalAgent(str(run_dir), {**os.environ, "PYTHONPATH": ROOT}, log)
+    try:
+        assert agent.pid is not None and agent.proc is not None
+        time.sleep(0.2)
+        assert agent.proc.poll() is None, (tmp_path / "agent.log").read_text()
+        with open(f"/proc/{agent.pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        token = agent.name[1:].rsplit(".", 1)[1]
+        assert b"training.run.warm_agent" in cmdline and token.encode() not in cmdline, cmdline
+        for _ in range(200):  # it binds its name (taken from the environment) before importing torch
+            with open("/proc/net/unix", "rb") as f:
+                if ("@" + agent.name[1:]).encode() in f.read():
+                    break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the local agent never listened on its name")
+    finally:
+        agent.stop()

@@ -5,7 +5,8 @@ launcher/launch/warm.py, asks a warm agent (training/run/warm_agent.py) to fork 
 One connection per rank over a Unix socket in Linux's abstract namespace, named by the job and the node on Slurm
 (the dev cluster runs several fake nodes on one host; a job array's tasks have their own SLURM_JOB_ID), by the
 launcher's pid and a random token locally (one agent per launch). The agent serves only connections of its own
-user (SO_PEERCRED). Messages are length-prefixed JSON:
+user (SO_PEERCRED), and a client sends nothing to a listener that is not its own user's (launcher/launch/warm.py):
+any user can bind an abstract name first. Messages are length-prefixed JSON:
   client -> agent: {"env", "run_dir", "cwd", "umask", "affinity", "numa_node", "python"} with the rank's stdin,
                    stdout and stderr passed as file descriptors (SCM_RIGHTS), and optionally a 4th one the rank
                    keeps open (a local launch's run-directory lock, which every rank must hold);
@@ -23,7 +24,8 @@ import json
 import os
 import socket
 import struct
-from typing import Any, Dict, List, Sequence, Tuple
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 WARM_ENV = "MESHRUN_WARM_START"
 """Set to 1 in the batch script when it started the warm agents: the rank wrappers then ask them first."""
@@ -32,6 +34,9 @@ WRAPPER_PID_ENV = "MESHRUN_WRAPPER_PID"
 the agent)."""
 AGENT_PID_ENV = "MESHRUN_WARM_AGENT_PID"
 """In a rank forked by the warm agent: the agent's pid (a rank started cold has none)."""
+AGENT_NAME_ENV = "MESHRUN_WARM_AGENT_NAME"
+"""A local launch's agent: its socket's name (without the leading NUL), in its environment, which only its user
+can read (never in argv: /proc/PID/cmdline is everyone's)."""
 PAD_ENV = "MESHRUN_WARM_AGENT_PAD"
 """An agent's room (spaces) in its initial environment block: each rank it forks writes its own environment
 there, so that /proc/PID/environ shows the rank's (training/run/warm_agent.py)."""
@@ -63,9 +68,10 @@ def send(sock: socket.socket, obj: Dict[str, Any], fds: Sequence[int] = ()) -> N
         sock.sendall(head + data)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
     out = b""
     while len(out) < n:
+        _wait_budget(sock, deadline)
         chunk = sock.recv(n - len(out))
         if not chunk:
             raise EOFError("the connection closed")
@@ -73,19 +79,36 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return out
 
 
-def recv(sock: socket.socket, with_fds: bool = False) -> Tuple[Dict[str, Any], List[int]]:
-    """One message (and the descriptors passed with it). EOFError when the peer closed the connection."""
+def _wait_budget(sock: socket.socket, deadline: Optional[float]) -> None:
+    """One deadline for a whole message: a peer that trickles a byte at a time cannot hold the reader longer."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("timed out")
+        sock.settimeout(left)
+
+
+def recv(
+    sock: socket.socket, with_fds: bool = False, timeout: Optional[float] = None
+) -> Tuple[Dict[str, Any], List[int]]:
+    """One message (and the descriptors passed with it), within `timeout` seconds in all when given. EOFError
+    when the peer closed the connection; on any failure the descriptors received are closed."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     fds: List[int] = []
-    if with_fds:
-        head, fds, _flags, _addr = socket.recv_fds(sock, 4, MAX_FDS)
-        if not head:
-            raise EOFError("the connection closed")
-        head += _recv_exact(sock, 4 - len(head))
-    else:
-        head = _recv_exact(sock, 4)
-    (size,) = struct.unpack("!I", head)
-    if size > MAX_MESSAGE:
+    try:
+        if with_fds:
+            _wait_budget(sock, deadline)
+            head, fds, _flags, _addr = socket.recv_fds(sock, 4, MAX_FDS)
+            if not head:
+                raise EOFError("the connection closed")
+            head += _recv_exact(sock, 4 - len(head), deadline)
+        else:
+            head = _recv_exact(sock, 4, deadline)
+        (size,) = struct.unpack("!I", head)
+        if size > MAX_MESSAGE:
+            raise ValueError(f"message of {size} bytes")
+        return json.loads(_recv_exact(sock, size, deadline)), fds
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        raise ValueError(f"message of {size} bytes")
-    return json.loads(_recv_exact(sock, size)), fds
+        raise

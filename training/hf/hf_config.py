@@ -14,8 +14,11 @@ export writes config.json with it. Anything either side cannot express is an HFE
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Dict, List, Tuple
+
+from training.contract.limits import too_large
 
 GPT2 = "gpt2"
 LLAMA = "llama"
@@ -31,6 +34,32 @@ _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
 
 class HFError(ValueError):
     """A Hugging Face directory or a model meshrun cannot convert; the message names the file or field and the fix."""
+
+
+_REQUIRED = object()
+
+
+def _whole(hf: Dict[str, Any], key: str, path: str, default: Any = _REQUIRED) -> Any:
+    """config.json's integer `key` (default when absent, if one is given); HFError naming the key when it is
+    missing, not a number or not whole (4.5 layers is a broken file, not 4)."""
+    value = hf.get(key, default)
+    if value is _REQUIRED:
+        raise HFError(f"{path}: config.json has no {key!r}: add it (transformers' save_pretrained writes it)")
+    if value is None or value is default:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value % 1:
+        raise HFError(f"{path}: config.json's {key}={value!r} is not a whole number: fix it in config.json")
+    return int(value)
+
+
+def _real(hf: Dict[str, Any], key: str, path: str, default: float) -> float:
+    """config.json's number `key` (default when absent or null); HFError naming the key when it is not a number."""
+    value = hf.get(key)
+    if value is None:
+        return float(default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise HFError(f"{path}: config.json's {key}={value!r} is not a number: fix it in config.json")
+    return float(value)
 
 
 def read_hf_config(directory: str, key: str = "train.init_from") -> Dict[str, Any]:
@@ -88,10 +117,23 @@ def _rope_theta(hf: Dict[str, Any], path: str) -> float:
             f"use a model without rope scaling"
         )
     theta = params.get("rope_theta") if isinstance(params, dict) else None
-    return float(theta if theta is not None else hf.get("rope_theta", 10000.0))
+    if theta is None:
+        return _real(hf, "rope_theta", path, 10000.0)
+    return _real({"rope_parameters.rope_theta": theta}, "rope_parameters.rope_theta", path, 10000.0)
 
 
 def model_fields_from_hf(hf: Dict[str, Any], path: str) -> Tuple[str, Dict[str, Any], Tuple[str, ...]]:
+    """(family, ModelConfig fields config.json decides, fields an override may still change); HFError for a field
+    of the wrong type or a size beyond training/contract/limits.py's bounds (checked before any shape is built)."""
+    family, fields, free = _model_fields(hf, path)
+    for key, value in fields.items():
+        problem = too_large(f"model.{key}", value)
+        if problem:
+            raise HFError(f"{path}: config.json gives model.{key}, which {problem}: fix config.json")
+    return family, fields, free
+
+
+def _model_fields(hf: Dict[str, Any], path: str) -> Tuple[str, Dict[str, Any], Tuple[str, ...]]:
     """(family, ModelConfig fields config.json decides, fields an override may still change).
 
     Model fields not returned (dropout, attention kernel, init_std, name) stay as configured: they change no
@@ -115,22 +157,22 @@ def model_fields_from_hf(hf: Dict[str, Any], path: str) -> Tuple[str, Dict[str, 
         need(
             "activation_function", act in _GELU_EXACT + _GELU_TANH, f"use one of {', '.join(_GELU_EXACT + _GELU_TANH)}"
         )
-        h, heads = int(hf["n_embd"]), int(hf["n_head"])
+        h, heads = _whole(hf, "n_embd", path), _whole(hf, "n_head", path)
         fields = {
-            "num_layers": int(hf["n_layer"]),
+            "num_layers": _whole(hf, "n_layer", path),
             "hidden_size": h,
             "num_attention_heads": heads,
             "num_query_groups": None,
-            "ffn_hidden_size": int(hf.get("n_inner") or 4 * h),
-            "seq_length": int(hf["n_positions"]),
-            "vocab_size": int(hf["vocab_size"]),
+            "ffn_hidden_size": (_whole(hf, "n_inner", path, None) or 4 * h),
+            "seq_length": _whole(hf, "n_positions", path),
+            "vocab_size": _whole(hf, "vocab_size", path),
             "norm": "layernorm",
             "activation": "gelu",
             "gelu_tanh": act in _GELU_TANH,
             "position": "learned",
             "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
             "bias": True,
-            "norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
+            "norm_eps": _real(hf, "layer_norm_epsilon", path, 1e-5),
         }
         return family, fields, ()
     need("hidden_act", hf.get("hidden_act", "silu") == "silu", "meshrun's swiglu gates with SiLU")
@@ -141,26 +183,26 @@ def model_fields_from_hf(hf: Dict[str, Any], path: str) -> Tuple[str, Dict[str, 
         bool(hf.get("mlp_bias", False)) == bool(hf.get("attention_bias", False)),
         "meshrun has biases in every linear layer or in none: attention_bias and mlp_bias must agree",
     )
-    h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    h, heads = _whole(hf, "hidden_size", path), _whole(hf, "num_attention_heads", path)
     need(
         "head_dim",
         hf.get("head_dim") in (None, h // heads) and h % heads == 0,
         f"meshrun's head size is hidden_size / num_attention_heads = {h}/{heads}",
     )
     fields = {
-        "num_layers": int(hf["num_hidden_layers"]),
+        "num_layers": _whole(hf, "num_hidden_layers", path),
         "hidden_size": h,
         "num_attention_heads": heads,
-        "num_query_groups": int(hf.get("num_key_value_heads") or heads),
-        "ffn_hidden_size": int(hf["intermediate_size"]),
-        "seq_length": int(hf.get("max_position_embeddings", 2048)),
-        "vocab_size": int(hf["vocab_size"]),
+        "num_query_groups": (_whole(hf, "num_key_value_heads", path, None) or heads),
+        "ffn_hidden_size": _whole(hf, "intermediate_size", path),
+        "seq_length": _whole(hf, "max_position_embeddings", path, 2048),
+        "vocab_size": _whole(hf, "vocab_size", path),
         "norm": "rmsnorm",
         "activation": "swiglu",
         "position": "rope",
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "bias": bool(hf.get("attention_bias", False)),
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "norm_eps": _real(hf, "rms_norm_eps", path, 1e-6),
         "rope_base": _rope_theta(hf, path),
     }
     return family, fields, ("seq_length",)
@@ -169,8 +211,8 @@ def model_fields_from_hf(hf: Dict[str, Any], path: str) -> Tuple[str, Dict[str, 
 def _mixtral_fields(hf: Dict[str, Any], path: str, need) -> Tuple[Dict[str, Any], Tuple[str, ...]]:
     """MixtralForCausalLM's fields: Llama's attention and norms without biases, the experts' shape; the aux-loss
     weight and the capacity factor change no weight and stay overridable."""
-    h, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    seq = int(hf.get("max_position_embeddings", 4096))
+    h, heads = _whole(hf, "hidden_size", path), _whole(hf, "num_attention_heads", path)
+    seq = _whole(hf, "max_position_embeddings", path, 4096)
     need(
         "head_dim",
         hf.get("head_dim") in (None, h // heads) and h % heads == 0,
@@ -179,29 +221,29 @@ def _mixtral_fields(hf: Dict[str, Any], path: str, need) -> Tuple[Dict[str, Any]
     window = hf.get("sliding_window")
     need(
         "sliding_window",
-        window is None or int(window) >= seq,
+        window is None or _whole(hf, "sliding_window", path) >= seq,
         "meshrun's attention is full causal attention: use a model without a sliding window (sliding_window null)",
     )
-    ffn = int(hf["intermediate_size"])
+    ffn = _whole(hf, "intermediate_size", path)
     fields = {
-        "num_layers": int(hf["num_hidden_layers"]),
+        "num_layers": _whole(hf, "num_hidden_layers", path),
         "hidden_size": h,
         "num_attention_heads": heads,
-        "num_query_groups": int(hf.get("num_key_value_heads") or heads),
+        "num_query_groups": (_whole(hf, "num_key_value_heads", path, None) or heads),
         "ffn_hidden_size": ffn,
         "seq_length": seq,
-        "vocab_size": int(hf["vocab_size"]),
+        "vocab_size": _whole(hf, "vocab_size", path),
         "norm": "rmsnorm",
         "activation": "swiglu",
         "position": "rope",
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "bias": False,
-        "norm_eps": float(hf.get("rms_norm_eps", 1e-5)),
+        "norm_eps": _real(hf, "rms_norm_eps", path, 1e-5),
         "rope_base": _rope_theta(hf, path),
-        "num_experts": int(hf.get("num_local_experts", 8)),
-        "moe_top_k": int(hf.get("num_experts_per_tok", 2)),
+        "num_experts": _whole(hf, "num_local_experts", path, 8),
+        "moe_top_k": _whole(hf, "num_experts_per_tok", path, 2),
         "moe_ffn_hidden_size": ffn,
-        "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)),
+        "moe_aux_loss_coeff": _real(hf, "router_aux_loss_coef", path, 0.001),
         "moe_capacity_factor": 0.0,
     }
     return fields, ("seq_length", "moe_aux_loss_coeff", "moe_capacity_factor")

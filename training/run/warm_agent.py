@@ -1,6 +1,7 @@
 """The warm agent: `python -m training.run.warm_agent RUN_DIR`, one per node of a Slurm allocation
 (cluster.warm_start; the batch script starts them in their own srun step, launcher/slurm/warm_client.py),
-and `python -m training.run.warm_agent --local NAME LAUNCHER_PID RUN_DIR`, one per local launch of world >= 2
+and `python -m training.run.warm_agent --local LAUNCHER_PID RUN_DIR` (its socket's name in MESHRUN_WARM_AGENT_NAME),
+one per local launch of world >= 2
 (launcher/launch/local_warm.py): it lives as long as that launcher (SIGTERM when the launcher dies) and forks the
 launch's ranks as the launcher would have started them (their own session, the run-directory lock kept open,
 default stop signals, SIGTERM when the launcher's connection closes).
@@ -40,7 +41,16 @@ import traceback
 from typing import Any, Dict, List, Optional
 
 from training.contract.rundir.events import append_event
-from training.contract.warm_start import AGENT_PID_ENV, FDS, MAX_FDS, PAD_ENV, recv, send, socket_name
+from training.contract.warm_start import (
+    AGENT_NAME_ENV,
+    AGENT_PID_ENV,
+    FDS,
+    MAX_FDS,
+    PAD_ENV,
+    recv,
+    send,
+    socket_name,
+)
 
 WARM_MODULES = (
     "torch",
@@ -89,6 +99,35 @@ def warm_up() -> str:
 def _peer_uid(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)[1]
+
+
+REQUEST_FIELDS = {
+    "env": dict,
+    "run_dir": str,
+    "cwd": str,
+    "umask": int,
+    "affinity": (list, type(None)),
+    "numa_node": (int, type(None)),
+    "python": str,
+}
+"""The fields of a request and their JSON types (training/contract/warm_start.py)."""
+
+
+def malformed(req: Any) -> str:
+    """Why a request is not one a client of this version sends, else "": the agent serves every rank of its node
+    and must outlive a bad one."""
+    if not isinstance(req, dict):
+        return f"the request is a {type(req).__name__}, not an object"
+    for key, kind in REQUEST_FIELDS.items():
+        if key not in req and key in ("env", "run_dir", "cwd", "umask"):
+            return f"the request has no {key!r}"
+        if key in req and (not isinstance(req[key], kind) or isinstance(req[key], bool)):
+            return f"the request's {key!r} is not a {getattr(kind, '__name__', 'valid value')}"
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in req["env"].items()):
+        return "the request's 'env' holds values that are not strings"
+    if not all(isinstance(c, int) and not isinstance(c, bool) for c in req.get("affinity") or []):
+        return "the request's 'affinity' holds values that are not CPU numbers"
+    return ""
 
 
 def _closed_by_peer(conn: socket.socket) -> bool:
@@ -218,23 +257,27 @@ class Agent:
             if _peer_uid(conn) != os.getuid():
                 conn.close()
                 return
-            conn.settimeout(REQUEST_TIMEOUT_S)
-            req, fds = recv(conn, with_fds=True)
+            req, fds = recv(conn, with_fds=True, timeout=REQUEST_TIMEOUT_S)
             conn.settimeout(None)
         except (OSError, EOFError, ValueError) as exc:
             print(f"meshrun warm agent: a request was dropped: {exc}", file=sys.stderr)
             conn.close()
             return
         try:
-            why = ""
-            if len(fds) not in (FDS, MAX_FDS):
+            why = malformed(req)
+            if why:
+                print(f"meshrun warm agent: a request was dropped: {why}", file=sys.stderr)
+            elif len(fds) not in (FDS, MAX_FDS):
                 why = f"{len(fds)} file descriptors sent, {FDS} or {MAX_FDS} needed"
             elif req.get("python", sys.executable) != sys.executable:
                 # Another interpreter (another virtual environment) would import other code than this one's.
                 why = f"the rank's python {req.get('python')} is not the agent's {sys.executable}"
             if why or _closed_by_peer(conn):
                 if why:
-                    send(conn, {"error": why})
+                    try:
+                        send(conn, {"error": why})
+                    except OSError:
+                        pass  # the client is gone already
                 conn.close()
                 return
             self._fork(conn, req, fds)
@@ -343,10 +386,11 @@ class Agent:
 
 def main(argv: List[str]) -> int:
     local = bool(argv) and argv[0] == "--local"
-    if len(argv) != (4 if local else 1) or (local and not argv[2].isdigit()):
+    local_name = os.environ.pop(AGENT_NAME_ENV, "")
+    if len(argv) != (3 if local else 1) or (local and (not argv[1].isdigit() or not local_name)):
         print(
             "usage: python -m training.run.warm_agent RUN_DIR\n"
-            "       python -m training.run.warm_agent --local SOCKET_NAME LAUNCHER_PID RUN_DIR",
+            f"       {AGENT_NAME_ENV}=NAME python -m training.run.warm_agent --local LAUNCHER_PID RUN_DIR",
             file=sys.stderr,
         )
         return 2
@@ -363,7 +407,7 @@ def main(argv: List[str]) -> int:
     signal.signal(signal.SIGTERM, on_term)
     if local:
         # Lives as long as its launcher: SIGTERM (on_term) when it dies, however it dies.
-        if not _set_parent_death_signal(signal.SIGTERM) or os.getppid() != int(argv[2]):
+        if not _set_parent_death_signal(signal.SIGTERM) or os.getppid() != int(argv[1]):
             return 0  # the launcher is already gone (or cannot be followed): its ranks start cold
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
@@ -373,7 +417,7 @@ def main(argv: List[str]) -> int:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     t0 = time.time()
     try:
-        name = "\0" + argv[1] if local else socket_name(dict(os.environ), node)  # argv holds no NUL
+        name = "\0" + local_name if local else socket_name(dict(os.environ), node)  # env holds no NUL
         agent = Agent(run_dir, name, local)
     except OSError as exc:
         append_event(run_dir, "warm_agent", node=node, pid=os.getpid(), ready=False, reason=f"cannot listen: {exc}")

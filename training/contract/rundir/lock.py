@@ -62,6 +62,55 @@ def read_holder(run_dir: str) -> Dict[str, Any]:
         return {}
 
 
+def _open_private(run_dir: str) -> int:
+    """The lock file opened read-write (created when absent), readable by its owner only: anyone who can open it
+    can flock it, and a shared flock taken by another user on a read-only descriptor would block every launch.
+    A lock file of an older meshrun (0644 under umask 022) is made private the first time it is opened."""
+    fd = open_rw(lock_path(run_dir))  # never through a link: a linked lock file's target would be truncated
+    try:
+        if os.fstat(fd).st_uid == os.geteuid():
+            os.fchmod(fd, 0o600)
+    except OSError:
+        pass  # another user's file, or a file system without modes: the flock below still decides
+    return fd
+
+
+def flock_holders(path: str) -> Dict[int, Optional[int]]:
+    """The processes that hold a flock on `path` (pid -> their uid, None when unreadable), from /proc/locks."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        with open("/proc/locks") as f:
+            lines = f.read(1 << 20).splitlines()
+    except OSError:
+        return {}
+    holders: Dict[int, Optional[int]] = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 6 or parts[1] != "FLOCK" or parts[4] == "->":
+            continue
+        try:
+            pid, inode = int(parts[4]), int(parts[5].rsplit(":", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        if inode == st.st_ino:
+            try:
+                holders[pid] = os.stat(f"/proc/{pid}").st_uid
+            except OSError:
+                holders[pid] = None
+    return holders
+
+
+def _foreign_holder_note(run_dir: str) -> str:
+    """For a flock held by a process of another user (who could open the file): that, not a dead launcher."""
+    for pid, uid in flock_holders(lock_path(run_dir)).items():
+        if uid is not None and uid != os.geteuid():
+            return (
+                f" (the lock is held by pid {pid} of another user, uid {uid}, not by a meshrun run of yours: "
+                f"ask them to stop it, or make the run directory private: chmod 700 {run_dir})"
+            )
+    return ""
+
+
 def _write(fd: int, holder: Dict[str, Any]) -> None:
     data = (json.dumps(holder, sort_keys=True) + "\n").encode()
     os.lseek(fd, 0, os.SEEK_SET)
@@ -191,13 +240,14 @@ def acquire(
     run_dir = os.path.abspath(run_dir)
     created = not os.path.isdir(run_dir)
     os.makedirs(run_dir, exist_ok=True)
-    fd = open_rw(lock_path(run_dir))  # never through a link: a linked lock file's target would be truncated
+    fd = _open_private(run_dir)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         holder = read_holder(run_dir)
-        raise RunLocked(_message(run_dir, holder, _dead_launcher_note(holder))) from None
+        note = _foreign_holder_note(run_dir) or _dead_launcher_note(holder)
+        raise RunLocked(_message(run_dir, holder, note)) from None
     previous = read_holder(run_dir)
     if previous and not previous.get("released"):
         alive = _job_alive(previous, job_alive)
@@ -255,7 +305,7 @@ _MANUAL_FDS: list = []
 # ---------------------------------------------------------------- Slurm: the job holds the run between attempts
 def _locked_fd(run_dir: str, wait_s: float = 10.0) -> Optional[int]:
     """The lock file, flocked for a short update (None when a local launcher holds it all along)."""
-    fd = open_rw(lock_path(run_dir))
+    fd = _open_private(run_dir)
     deadline = time.time() + wait_s
     while True:
         try:
@@ -276,7 +326,7 @@ def claim_for_job(run_dir: str, job_id: str, job_alive: Optional[JobAlive] = Non
     while True:
         fd = _locked_fd(run_dir)
         if fd is None:
-            return _message(run_dir, read_holder(run_dir))
+            return _message(run_dir, read_holder(run_dir), _foreign_holder_note(run_dir))
         try:
             holder = read_holder(run_dir)
             if holder.get("kind") == "slurm" and str(holder.get("job_id")) == str(job_id):
