@@ -9,13 +9,10 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-import subprocess
-import sys
 import time
 
 import pytest
 
-from helpers import ROOT
 from training.contract.rundir import lock
 
 
