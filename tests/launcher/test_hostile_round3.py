@@ -9,10 +9,13 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
+import subprocess
+import sys
 import time
 
 import pytest
 
+from helpers import ROOT
 from training.contract.rundir import lock
 
 
@@ -188,3 +191,70 @@ def test_hf_config_values_of_the_wrong_type_are_named(tmp_path, fields, key):
         "action=plan", "data=synthetic", "parallel=single", "cluster.gpus_per_node=1", f"train.init_from={hf}"
     )
     assert res.returncode == 2 and key in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def _prepare(tmp_path, inputs, name="ds"):
+    """`meshrun action=prepare` in a subprocess (a bad Arrow offset used to kill the process with SIGBUS)."""
+    out = tmp_path / "out"
+    res = subprocess.run(
+        [sys.executable, "-m", "launcher", "action=prepare", f"prepare.inputs=[{','.join(map(str, inputs))}]"]
+        + [f"prepare.output={out / name}", "prepare.tokenizer=bytes", "prepare.workers=1", "prepare.progress=false"],
+        cwd=str(tmp_path),
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return res, (sorted(os.listdir(out)) if out.exists() else [])
+
+
+def test_bad_arrow_offsets_and_bad_utf8_are_clear_errors_that_leave_nothing(tmp_path):
+    """D4 (P8) and D13 (P3): string offsets past the data killed prepare with SIGBUS and left ds.tmp-* files;
+    text that is not UTF-8 ended in a UnicodeDecodeError traceback. Both are exit 2 naming the file now."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.ipc
+    import pyarrow.parquet as pq
+
+    good = pa.array([f"document {i} of the stream" for i in range(16)])
+    offsets = np.frombuffer(good.buffers()[1], dtype=np.int32).copy()
+    offsets[2] = 2**31 - 1
+    bad = pa.StringArray.from_buffers(16, pa.py_buffer(offsets.tobytes()), good.buffers()[2])
+    table = pa.table({"text": bad})
+    with pa.OSFile(str(tmp_path / "offsets.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    raw = pa.py_buffer(b"ok\xff\xfe text")
+    utf = pa.StringArray.from_buffers(1, pa.py_buffer(np.array([0, len(raw)], dtype=np.int32).tobytes()), raw)
+    pq.write_table(pa.table({"text": utf}), tmp_path / "utf8.parquet")
+    for name in ("offsets.arrow", "utf8.parquet"):
+        res, left = _prepare(tmp_path, [tmp_path / name])
+        assert res.returncode == 2, (name, res.returncode, res.stderr[-2000:])
+        assert name in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert left == [], left
+
+
+def test_a_saved_dataset_cannot_name_files_outside_itself(tmp_path):
+    """D9 (P5): state.json's `filename` ../../etc/hostname put a file outside the input into the dataset; D13
+    (P4): splits ["."] recursed until RecursionError. Both are refused now, naming the entry."""
+    import json
+
+    import launcher.data.prepare.columnar as columnar
+    from training.data.sources import DataError
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret")
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    for name in ("../outside.txt", str(outside), "../saved/../outside.txt", "data.txt"):
+        (saved / "state.json").write_text(json.dumps({"_data_files": [{"filename": name}]}))
+        with pytest.raises(DataError, match="not a .arrow name inside it"):
+            columnar.saved_dataset_files(str(saved))
+    (saved / "state.json").unlink()
+    for splits in (["."], [".."], ["a/../.."]):
+        (saved / "dataset_dict.json").write_text(json.dumps({"splits": splits}))
+        with pytest.raises(DataError, match="the split"):
+            columnar.saved_dataset_files(str(saved))
+    (saved / "state.json").write_text(json.dumps({"_data_files": [{"filename": "../outside.txt"}]}))
+    (saved / "dataset_dict.json").unlink()
+    res, left = _prepare(tmp_path, [saved])
+    assert res.returncode == 2 and "not a .arrow name" in res.stderr and left == [], res.stderr[-2000:]

@@ -53,22 +53,52 @@ def is_saved_dataset(path: str) -> bool:
 def saved_dataset_files(path: str) -> List[str]:
     """The Arrow files of a save_to_disk directory in the dataset's row order (a DatasetDict: its splits in
     dataset_dict.json's order, each split's files in order)."""
+    return _saved_files(path, splits_allowed=True)
+
+
+def _plain_name(name: object, what: str, path: str, suffix: str = "") -> str:
+    """A name inside the directory `path` (no separator, not "." or ".."; ending in `suffix`), else DataError:
+    a crafted state.json or dataset_dict.json must not make prepare read files outside its directory."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or "/" in name
+        or "\0" in name
+        or name in (".", "..")
+        or not name.endswith(suffix)
+    ):
+        raise DataError(
+            f"prepare.inputs: the save_to_disk directory {path!r} names {what} {name!r}, which is not a "
+            f"{suffix or 'plain'} name inside it; save it again with save_to_disk or point prepare.inputs at its "
+            f"*.arrow files"
+        )
+    return name
+
+
+def _saved_files(path: str, splits_allowed: bool) -> List[str]:
     dict_json = os.path.join(path, "dataset_dict.json")
     try:
-        if os.path.isfile(dict_json):
+        if os.path.isfile(dict_json) and splits_allowed:
             with open(dict_json) as f:
                 splits = json.load(f).get("splits") or []
-            return [p for split in splits for p in saved_dataset_files(os.path.join(path, split))]
+            return [
+                p
+                for split in splits
+                for p in _saved_files(os.path.join(path, _plain_name(split, "the split", path)), False)
+            ]
         with open(os.path.join(path, "state.json")) as f:
             state = json.load(f)
-        files = [os.path.join(path, entry["filename"]) for entry in state.get("_data_files") or []]
+        files = [
+            os.path.join(path, _plain_name(entry["filename"], "the data file", path, ".arrow"))
+            for entry in state.get("_data_files") or []
+        ]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise DataError(
             f"prepare.inputs: {path!r} looks like a Hugging Face save_to_disk directory but its "
             f"state.json / dataset_dict.json cannot be read ({exc}); save it again with "
             f"Dataset.save_to_disk or point prepare.inputs at its *.arrow files"
         ) from None
-    missing = [p for p in files if not os.path.isfile(p)]
+    missing = [p for p in files if os.path.islink(p) or not os.path.isfile(p)]
     if missing or not files:
         raise DataError(
             f"prepare.inputs: the save_to_disk directory {path!r} "
@@ -150,10 +180,13 @@ def texts(path: str, key: str) -> Iterator[List[str]]:
                     f"{path}: row {first} of column {key!r} is null; drop the empty rows or choose "
                     f"another prepare.text_key"
                 )
+            # Full validation first: offsets past the data made to_pylist read outside the mapped file (SIGBUS)
+            # or decode garbage, and text that is not UTF-8 raised UnicodeDecodeError.
+            column.validate(full=True)
             values = column.to_pylist()
             row += len(values)
             yield values
-    except pa.ArrowException as exc:
+    except (pa.ArrowException, UnicodeDecodeError, SystemError) as exc:
         raise DataError(
             f"{path}: reading failed at row {row} ({exc}); the file is damaged: write it again or "
             f"remove it from prepare.inputs"
