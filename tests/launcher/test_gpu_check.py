@@ -86,7 +86,7 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     features = _last_json(run_dir / "engine_features.log")
     fchecks = features["checks"]
     assert features["mode"] == "dry" and features["ok"]
-    assert set(fchecks) == {"zero3", "offload_cpu", "cp_ring_numerics"}
+    assert set(fchecks) == {"zero3", "offload_cpu", "cp_ring_numerics", "cp_ring_numerics_bf16"}
     assert checks["engine_features"]["checks"] == sorted(fchecks)
     z3 = fchecks["zero3"]
     assert 0 < z3["peak_gathered_bytes"] <= z3["plan_zero3_gathered"]
@@ -95,6 +95,9 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     errs = fchecks["cp_ring_numerics"]["relative_max_errors"]
     assert set(errs) == {"cp2", "cp4"}
     assert all(0 < e <= gef.CP_TOLERANCE for case in errs.values() for e in case.values()), errs
+    bf16 = fchecks["cp_ring_numerics_bf16"]  # the blocks in 16 bits (on a GPU: the CUDA flash kernel)
+    assert bf16["kernel"] == "cpu_flash" and set(bf16["relative_max_errors"]) == {"cp2", "cp4"}
+    assert all(0 < e <= gef.CP_TOLERANCE_BF16 for case in bf16["relative_max_errors"].values() for e in case.values())
     # bench/gpu_memory_levers.py --dry (step 5): every lever's accounting equals the plan's, computed.
     levers = _last_json(run_dir / "memory_levers.log")
     assert levers["mode"] == "dry" and levers["ok"] and len(levers["checks"]) == 7
