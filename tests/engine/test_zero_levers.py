@@ -463,7 +463,7 @@ def test_recompute_num_layers_activations_match_the_plan():
 
 
 def _13b(**parallel) -> Config:
-    """The README's example: a 13B GPT in fp16 on 8 x 80 GB, pure data parallelism."""
+    """docs/GUIDE.md's example (tests/launcher/test_readme.py checks its table): a 13B GPT in fp16 on 8 x 80 GB, pure data parallelism."""
     cfg = Config()
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 40, 5120, 40, 2048, 50257
@@ -497,7 +497,7 @@ def test_13b_example_plan_by_stage():
     assert not plans[1].fits and plans[2].fits and plans[3].fits
     assert plans[2].memory_bytes["grads"] == shard * 2 and plans[2].memory_bytes["weights"] == n * 2
     assert plans[3].memory_bytes["weights"] == shard * 2 and plans[3].memory_bytes["zero3_gathered"] > 0
-    assert round(plans[1].memory_bytes["total"] / GIB, 2) == 91.71  # README's table
+    assert round(plans[1].memory_bytes["total"] / GIB, 2) == 91.71  # docs/GUIDE.md's table
     assert round(plans[2].memory_bytes["total"] / GIB, 2) == 70.76
     assert round(plans[3].memory_bytes["total"] / GIB, 2) == 51.57
     # ZeRO-3 moves 1.5x an all-reduce of the parameters per micro-batch (ZeRO §7): at m = 1, G = W,

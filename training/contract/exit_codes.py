@@ -1,4 +1,4 @@
-"""Exit codes, one place for all of them, each number with one meaning (docs/CONTRACTS.md, README
+"""Exit codes, one place for all of them, each number with one meaning (docs/CONTRACTS.md, docs/GUIDE.md
 "Rank exit codes").
 
 A rank's status tells the launcher's epilogue what to do (launcher/slurm/requeue.py); the `meshrun` command's
