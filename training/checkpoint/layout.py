@@ -148,6 +148,18 @@ def exact_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(raw).view(t.dtype).view(t.shape)
 
 
+def exchange_chunk_lists(pieces: List[Piece], group=None) -> List:
+    """The collective part of to_state_dict: every rank's (rank, [(key, offsets, shape, global shape, dtype,
+    device)]) of its pieces, in rank order (the rehearsal runs this part alone: meta tensors cannot be saved)."""
+    mine = [
+        (p.key, p.offsets, tuple(p.tensor.shape), p.global_shape, str(p.tensor.dtype), str(p.tensor.device))
+        for p in pieces
+    ]
+    gathered: List = [None] * comm.world_size(group)
+    comm.all_gather_object(gathered, (comm.rank(), mine), group=group)
+    return gathered
+
+
 def to_state_dict(pieces: Iterable[Piece], group=None) -> Dict[str, "ShardedTensor"]:
     """Wrap pieces as ShardedTensors whose global metadata lists every rank's chunks of each key.
 
@@ -160,12 +172,7 @@ def to_state_dict(pieces: Iterable[Piece], group=None) -> Dict[str, "ShardedTens
 
     pieces = list(pieces)
     rank = comm.rank()
-    mine = [
-        (p.key, p.offsets, tuple(p.tensor.shape), p.global_shape, str(p.tensor.dtype), str(p.tensor.device))
-        for p in pieces
-    ]
-    gathered: List = [None] * comm.world_size(group)
-    comm.all_gather_object(gathered, (rank, mine), group=group)
+    gathered = exchange_chunk_lists(pieces, group)
     by_key: Dict[str, List[ShardMetadata]] = {}
     local_keys = {p.key for p in pieces}
     for r, entries in gathered:

@@ -297,7 +297,7 @@ class CheckpointManager:
             # On the mesh's device: NCCL reduces only CUDA tensors.
             flags = torch.tensor([int(time_due), stop], dtype=torch.int64, device=self.mesh.device)
             comm.all_reduce_op(flags, op=comm.ReduceOp.MAX)
-            time_due, stop = bool(flags[0]), int(flags[1])
+            time_due, stop = bool(comm.value(flags[0], on_meta=0)), int(comm.value(flags[1], on_meta=0))
         reason = _STOP_CODES[stop]
         step_due = t.checkpoint_every > 0 and step > 0 and step % t.checkpoint_every == 0
         self._decided = (step, step_due or time_due, reason)

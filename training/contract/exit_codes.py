@@ -19,6 +19,10 @@ EXIT_NODE_BAD = 4
 complete checkpoint): exclude the node and resubmit."""
 EXIT_SLURM = 5
 """`meshrun` only (never a rank): Slurm itself refused (no controller, sbatch error); nothing was submitted."""
+EXIT_REHEARSAL_DEFECT = 6
+"""`meshrun action=rehearse` only: the rehearsal found a defect (collectives that do not match across ranks, a
+deadlock under NCCL's rules, a tensor off the run's device in a collective, memory unlike the plan); nothing was
+launched (rehearsal.json names it)."""
 EXIT_RESTART_IN_JOB = 75
 """The Slurm epilogue only (never a rank): relaunch the training step inside the same allocation (the batch
 script's loop, launcher/slurm/in_job.py); the batch script never exits with it."""

@@ -231,7 +231,7 @@ class DistributedOptimizer:
             eshard = self.experts.grads.shard()
             expert_grads = eshard.float().div_(self.scaler.scale) if self.scaler.enabled else eshard
             sq = sq + self.experts._grad_norm_sq(expert_grads)
-        norm = float(sq.sqrt())
+        norm = comm.value(sq.sqrt(), on_meta=1.0)
         if not loss_finite or not math.isfinite(norm):
             self.scaler.backoff()
             reason = "nonfinite_loss" if not loss_finite else "nonfinite_grad"
@@ -296,7 +296,7 @@ class DistributedOptimizer:
         return runs
 
     def _grad_norm(self, grads: torch.Tensor) -> float:
-        return float(self._grad_norm_sq(grads).sqrt())
+        return comm.value(self._grad_norm_sq(grads).sqrt(), on_meta=1.0)
 
     def _grad_norm_sq(self, grads: torch.Tensor) -> torch.Tensor:
         """Squared global grad norm of this optimizer's parameters (fp64 scalar, the same on every rank)."""

@@ -184,12 +184,21 @@ def group_ranks(group: Any) -> List[int]:
 
 
 def backend(group: Any = None) -> str:
-    """The backend's name of `group` ("gloo", "nccl", "fake", ...)."""
+    """The backend's name of `group` ("gloo", "nccl"); under a rehearsal the backend the run would use, so the
+    engine takes that backend's path."""
+    if _RECORDER is not None and _RECORDER.backend:
+        return _RECORDER.backend
     return str(dist.get_backend(group))
 
 
 def init_process_group(backend_: str, **kwargs) -> None:
-    """torch.distributed.init_process_group."""
+    """torch.distributed.init_process_group. "fake": torch's fake process group (any world size, no data moved,
+    every device type including meta) on an in-process store: what the rehearsal runs on."""
+    if backend_ == "fake":
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the backend; no public name)
+
+        kwargs.setdefault("store", dist.HashStore())
+        backend_ = "cpu:fake,cuda:fake,meta:fake"
     dist.init_process_group(backend_, **kwargs)
 
 
@@ -365,6 +374,8 @@ class Recorder:
     the object collectives answer with this rank's own objects."""
 
     no_data: bool = False
+    backend: str = ""
+    """The backend the rehearsed run would use ("nccl", "gloo"): what `backend()` answers while recording."""
     phase: str = ""
     calls: List[CommCall] = field(default_factory=list)
     batches: int = 0
@@ -434,3 +445,11 @@ def _record(op: str, tensors: List[torch.Tensor], group: Any, reduce_op: Any = N
             **info,
         )
     )
+
+
+def value(t: torch.Tensor, on_meta: float) -> float:
+    """A (reduced) scalar read on the host. A rehearsal's meta tensors carry no value: `on_meta` stands in (the
+    caller names a value that keeps every rank on the path a real run takes, e.g. a finite loss)."""
+    if t.device.type == "meta":
+        return float(on_meta)
+    return float(t.item())

@@ -248,6 +248,8 @@ class ProcessMesh:
             torch.cuda.set_device(device)
         elif backend == "gloo":
             device = torch.device("cpu")
+        elif backend == "fake":  # the rehearsal (training/rehearse/): torch's fake process group, meta tensors
+            device = torch.device("meta")
         else:
             raise ValueError(f"backend {backend!r}: use gloo (cpu) or nccl (cuda)")
         # new_group does not inherit init_process_group's timeout (it falls back to torch's 10/30 min
@@ -309,7 +311,9 @@ class ProcessMesh:
             assert comm.world_size(mine[0]) == expected, (kind, mine[1], expected)
         ckpt_s = max(timeout_s, checkpoint_timeout_s or 0.0)
         mesh.background_group = comm.new_group(
-            list(range(world)), backend="gloo", timeout=datetime.timedelta(seconds=ckpt_s)
+            list(range(world)),
+            backend="gloo" if backend != "fake" else None,  # a rehearsal's groups are all fake
+            timeout=datetime.timedelta(seconds=ckpt_s),
         )
         return mesh
 

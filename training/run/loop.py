@@ -275,7 +275,7 @@ class Trainer:
             return flag
         t = torch.tensor([int(flag)], dtype=torch.int64, device=self.mesh.device)
         comm.all_reduce_op(t, op=comm.ReduceOp.MAX)
-        return bool(t.item())
+        return bool(comm.value(t, on_meta=0))
 
     def _peak_flops(self) -> float:
         """Peak FLOP/s of the whole job: cluster.peak_tflops per rank, or this machine's measured matmul rate."""
@@ -299,7 +299,7 @@ class Trainer:
             value /= self.mesh.cp
         if self.mesh.pp > 1:
             comm.all_reduce_op(value, group=self.mesh.pp_group)
-        return float(value.item())
+        return comm.value(value, on_meta=1.0)
 
     # -- checkpoint call sites --
     def _extra_state(self) -> Dict[str, Any]:

@@ -347,7 +347,7 @@ class PipelineSchedule:
         if self.p > 1:
             comm.all_reduce_op(busy, group=self.group)
             comm.all_reduce_op(wall, group=self.group, op=comm.ReduceOp.MAX)
-        st.idle_share_mean = max(0.0, 1.0 - float(busy.item()) / self.p / float(wall.item()))
+        st.idle_share_mean = max(0.0, 1.0 - comm.value(busy, 0.0) / self.p / comm.value(wall, 1.0))
         self.stats = st
         self.last_m = m
         return total / m

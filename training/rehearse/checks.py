@@ -1,0 +1,291 @@
+"""The rehearsal's checks over every rehearsed rank's recorded calls (pure Python: no torch).
+
+- mismatch: per process group, every rehearsed member issues the same sequence of collectives (op, dtype,
+  element count, reduce op, root); the first divergence is reported with both ranks' call sites and sequences.
+- deadlock: the ranks' programs run under NCCL's rules (below) until every rank is done or none can move; a
+  cycle of waits is a deadlock, a wait on a rank that has finished is an unmatched call.
+- foreign_device: a tensor that is not on the run's device reaching a collective of a cuda run (under the
+  rehearsal every device tensor is meta, so a cpu one is what NCCL would refuse).
+- memory: each part of a rank's memory against plan.json's memory_bytes of its stage (memory.py).
+
+NCCL's rules as simulated (conservative: what NCCL may do once a message outgrows its buffers):
+- a rank issues its calls in order, one at a time (one stream);
+- a collective completes when every rehearsed member of its group has reached its matching collective (the
+  k-th call on that group);
+- an un-batched isend/irecv runs on the rank pair's own communicator and blocks until the peer's current call
+  is the matching irecv/isend (a send may wait for its receive; the pair's ops run in issue order; creating the
+  pair's communicator waits for both);
+- a batch_isend_irecv is posted whole and completes once every peer it names has the complementary op posted
+  in its current call (the group's communicator runs the batch's ops together).
+Ranks outside the rehearsal (representative mode) are taken to answer every call.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+P2P = ("isend", "irecv", "send", "recv")
+NO_MATCH = ("new_group", "new_subgroups")  # world-wide, checked on the world's sequence
+WINDOW = 3
+
+
+@dataclass
+class Defect:
+    """One finding (rehearsal.json's `defects`)."""
+
+    kind: str
+    """mismatch | deadlock | foreign_device | memory | error."""
+    message: str
+    """What is wrong, in one sentence."""
+    ranks: List[int] = field(default_factory=list)
+    """The ranks involved."""
+    sites: List[str] = field(default_factory=list)
+    """The engine call sites involved."""
+    sequences: Dict[str, List[str]] = field(default_factory=dict)
+    """Per rank (as a string key), the calls around the divergence or the calls in the cycle."""
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "message": self.message,
+            "ranks": self.ranks,
+            "sites": self.sites,
+            "sequences": self.sequences,
+        }
+
+
+def _sig(c) -> Tuple:
+    """What must agree between the members of a collective."""
+    if c.op == "all_to_all_single":
+        return (c.op, c.dtype)  # split sizes legitimately differ per member
+    if c.op in ("all_gather_object", "broadcast_object_list", "barrier"):
+        return (c.op, c.root)
+    return (c.op, c.dtype, c.numel, c.reduce_op, c.root)
+
+
+def _show(c) -> str:
+    text = f"#{c.order} {c.op}"
+    if c.dtype:
+        text += f" {c.dtype}[{c.numel}]"
+    if c.reduce_op:
+        text += f" {c.reduce_op}"
+    if c.root is not None:
+        text += f" root={c.root}"
+    if c.peer is not None:
+        text += f" peer={c.peer}" + (f" batch={c.batch}" if c.batch is not None else " unbatched")
+    return f"{text} [{c.phase}] at {c.site}"
+
+
+def per_group(calls_by_rank: Dict[int, Sequence[Any]]) -> Dict[Tuple[int, ...], Dict[int, List[Any]]]:
+    """group (ranks) -> member rank -> that member's collectives on it, in order (p2p excluded)."""
+    out: Dict[Tuple[int, ...], Dict[int, List[Any]]] = defaultdict(lambda: defaultdict(list))
+    for rank, calls in calls_by_rank.items():
+        for c in calls:
+            if c.op in P2P:
+                continue
+            key = tuple(c.group) if c.op not in NO_MATCH else ("world",)
+            out[key][rank].append(c)
+    return out
+
+
+def check_matching(calls_by_rank: Dict[int, Sequence[Any]], world: int) -> List[Defect]:
+    """Per group, every rehearsed member's sequence against the lowest rehearsed member's."""
+    defects = []
+    for group, members in per_group(calls_by_rank).items():
+        expected = set(range(world)) if group == ("world",) else set(group)
+        present = sorted(r for r in members if r in expected)
+        # A group whose rehearsed members did not all reach it is still compared: a member with no call is
+        # an empty sequence (only members that were rehearsed and finished count).
+        for r in sorted(expected & set(calls_by_rank)):
+            if r not in members:
+                members[r] = []
+                present.append(r)
+        present = sorted(set(present))
+        if len(present) < 2:
+            continue
+        ref = present[0]
+        for r in present[1:]:
+            d = _first_divergence(members[ref], members[r])
+            if d is None:
+                continue
+            a, b = members[ref], members[r]
+            label = "world" if group == ("world",) else _ranks_text(group)
+            ca = _show(a[d]) if d < len(a) else "(nothing: its sequence ends here)"
+            cb = _show(b[d]) if d < len(b) else "(nothing: its sequence ends here)"
+            defects.append(
+                Defect(
+                    "mismatch",
+                    f"group {label}: call {d} on the group differs between rank {ref} ({ca}) and rank {r} ({cb})",
+                    [ref, r],
+                    [x.site for x in (a[d:d + 1] + b[d:d + 1])],
+                    {str(ref): [_show(c) for c in a[max(0, d - WINDOW) : d + WINDOW]],
+                     str(r): [_show(c) for c in b[max(0, d - WINDOW) : d + WINDOW]]},
+                )
+            )
+            break  # one report per group: the first divergence
+    return defects
+
+
+def _first_divergence(a: List[Any], b: List[Any]) -> Optional[int]:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if _sig(x) != _sig(y):
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _ranks_text(group: Sequence[int]) -> str:
+    g = list(group)
+    if len(g) > 2 and g == list(range(g[0], g[0] + len(g) * (g[1] - g[0]), g[1] - g[0])) and g[1] > g[0]:
+        step = g[1] - g[0]
+        return f"[{g[0]}..{g[-1]}" + (f" step {step}]" if step > 1 else "]")
+    return str(g)
+
+
+def check_devices(calls_by_rank: Dict[int, Sequence[Any]], device: str) -> List[Defect]:
+    """cuda runs: every tensor of a recorded call is on the device (meta under the rehearsal)."""
+    if device != "cuda":
+        return []
+    found: Dict[str, Defect] = {}
+    for rank, calls in calls_by_rank.items():
+        for c in calls:
+            if c.device and c.device != "meta":
+                d = found.get(c.site)
+                if d is None:
+                    found[c.site] = Defect(
+                        "foreign_device",
+                        f"a {c.device} tensor reaches {c.op} at {c.site}: an NCCL group has no {c.device} backend "
+                        f"(\"No backend type associated with device type {c.device}\")",
+                        [rank],
+                        [c.site],
+                        {str(rank): [_show(c)]},
+                    )
+                elif rank not in d.ranks:
+                    d.ranks.append(rank)
+    return list(found.values())
+
+
+# ---- the deadlock simulation ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Step:
+    """One unit a rank issues: a collective, an un-batched p2p op, or a whole batch."""
+
+    kind: str  # "coll" | "p2p" | "batch"
+    calls: List[Any]
+    key: Tuple = ()  # collectives: (group, index on the group)
+
+
+def _program(calls: Sequence[Any]) -> List[_Step]:
+    steps: List[_Step] = []
+    seen: Dict[Tuple, int] = defaultdict(int)
+    for c in calls:
+        if c.op in ("send", "recv"):
+            if steps and steps[-1].kind == "batch" and steps[-1].calls[0].batch == c.batch:
+                steps[-1].calls.append(c)
+            else:
+                steps.append(_Step("batch", [c]))
+        elif c.op in ("isend", "irecv"):
+            steps.append(_Step("p2p", [c]))
+        else:
+            group = ("world",) if c.op in NO_MATCH else tuple(c.group)
+            steps.append(_Step("coll", [c], (group, seen[group])))
+            seen[group] += 1
+    return steps
+
+
+def _complement(c) -> str:
+    return {"isend": "irecv", "irecv": "isend", "send": "recv", "recv": "send"}[c.op]
+
+
+def check_deadlock(calls_by_rank: Dict[int, Sequence[Any]], world: int) -> List[Defect]:
+    """Run every rehearsed rank's program under the rules in the module doc."""
+    progs = {r: _program(calls) for r, calls in calls_by_rank.items()}
+    pos = {r: 0 for r in progs}
+    known = set(progs)
+
+    def head(r: int) -> Optional[_Step]:
+        return progs[r][pos[r]] if r in progs and pos[r] < len(progs[r]) else None
+
+    def waits_for(r: int) -> Set[int]:
+        """The rehearsed ranks rank r's current step is waiting for (empty: it can complete)."""
+        s = head(r)
+        assert s is not None
+        blockers: Set[int] = set()
+        if s.kind == "coll":
+            group = set(range(world)) if s.key[0] == ("world",) else set(s.key[0])
+            for m in group & known:
+                h = head(m)
+                if m != r and (h is None or h.kind != "coll" or h.key != s.key):
+                    blockers.add(m)
+            return blockers
+        for c in s.calls:
+            peer = c.peer
+            if peer not in known or peer == r:
+                continue
+            h = head(peer)
+            want = _complement(c)
+            if h is None or h.kind == "coll" or not any(x.op == want and x.peer == r for x in h.calls):
+                blockers.add(peer)
+            elif s.kind == "p2p" and h.kind != "p2p":
+                blockers.add(peer)  # an un-batched op pairs with the peer's un-batched op (same communicator)
+        return blockers
+
+    while True:
+        live = [r for r in progs if head(r) is not None]
+        if not live:
+            return []
+        movable = [r for r in live if not waits_for(r)]
+        if not movable:
+            return [_stuck(live, waits_for, head)]
+        # Everything that can complete now does (collective members and p2p partners complete together).
+        for r in movable:
+            pos[r] += 1
+
+
+def _stuck(live: List[int], waits_for, head) -> Defect:
+    graph = {r: sorted(waits_for(r)) for r in live}
+    cycle = _find_cycle(graph)
+    if cycle:
+        ranks = cycle
+        what = "a cycle of waits: " + " -> ".join(str(r) for r in cycle + cycle[:1])
+        kind_msg = "deadlock"
+    else:
+        r = live[0]
+        done = [b for b in graph[r] if head(b) is None]
+        ranks = [r] + done
+        what = f"rank {r} waits for rank(s) {done or graph[r]}, which finished without the matching call"
+        kind_msg = "unmatched call"
+    seqs = {str(r): [_show(c) for c in head(r).calls] if head(r) else [] for r in ranks}
+    sites = sorted({c.site for r in ranks if head(r) for c in head(r).calls})
+    return Defect("deadlock", f"{kind_msg} under NCCL's rules: {what}", ranks, sites, seqs)
+
+
+def _find_cycle(graph: Dict[int, List[int]]) -> List[int]:
+    color: Dict[int, int] = {}
+    stack: List[int] = []
+
+    def visit(u: int) -> List[int]:
+        color[u] = 1
+        stack.append(u)
+        for v in graph.get(u, []):
+            if v not in graph:
+                continue
+            if color.get(v) == 1:
+                return stack[stack.index(v) :]
+            if v not in color:
+                found = visit(v)
+                if found:
+                    return found
+        stack.pop()
+        color[u] = 2
+        return []
+
+    for u in sorted(graph):
+        if u not in color:
+            found = visit(u)
+            if found:
+                return found
+    return []

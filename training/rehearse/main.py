@@ -1,0 +1,116 @@
+"""The rehearsal of one run directory: every selected rank on meta (in worker processes), the checks, the
+table, rehearsal.json. Exit codes: 0 all checks hold, EXIT_REHEARSAL_DEFECT a defect, EXIT_FAILED a rank the
+engine could not run on meta, EXIT_INVALID an unreadable run directory (training/contract/exit_codes.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_REHEARSAL_DEFECT
+from training.contract.rundir.files import write_atomic
+
+REHEARSAL_FILE = "rehearsal.json"
+
+_CFG: Any = None  # the worker processes' config (inherited through fork)
+_RUN_DIR = ""
+
+
+def _one(rank: int):
+    from training.rehearse.runner import rehearse_rank
+
+    return rehearse_rank(_CFG, _RUN_DIR, rank, emulate="nccl" if _CFG.cluster.device == "cuda" else "gloo")
+
+
+def _progress(done: int, total: int, result, t0: float) -> None:
+    state = "error" if result.error else "ok"
+    print(
+        f"rehearse: rank {result.rank} ({done}/{total}) {state}, {len(result.calls)} calls, "
+        f"{result.seconds:.1f} s; {time.perf_counter() - t0:.0f} s so far",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def rehearse(cfg, run_dir: str, ranks: Optional[List[int]] = None, workers: int = 0, quiet: bool = False):
+    """(rehearsal.json's dict, exit code); also writes RUN_DIR/rehearsal.json."""
+    global _CFG, _RUN_DIR
+    from training.contract.config import derived_dp
+    from training.rehearse import checks, ranks as rank_sel, report
+    from training.rehearse.memory import memory_defects
+    from training.rehearse.runner import rehearsal_config
+
+    t0 = time.perf_counter()
+    p = cfg.parallel
+    dp = derived_dp(cfg)
+    world = p.tp * p.pp * p.cp * dp
+    chosen, why = rank_sel.select(p.tp, p.pp, p.cp, dp, p.ep)
+    if ranks is not None:
+        chosen, why = sorted(ranks), {r: "asked" for r in ranks}
+    _CFG, _RUN_DIR = rehearsal_config(cfg), run_dir
+    workers = max(1, min(workers or (os.cpu_count() or 1), len(chosen)))
+    results = []
+    if workers == 1:
+        for i, r in enumerate(chosen):
+            results.append(_one(r))
+            if not quiet:
+                _progress(i + 1, len(chosen), results[-1], t0)
+    else:
+        with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=8) as pool:
+            for i, res in enumerate(pool.imap_unordered(_one, chosen)):
+                results.append(res)
+                if not quiet:
+                    _progress(i + 1, len(chosen), res, t0)
+    calls = {r.rank: r.calls for r in results if not r.error}
+    device = cfg.cluster.device
+    defects = checks.check_matching(calls, world) + checks.check_devices(calls, device)
+    if not any(d.kind == "mismatch" for d in defects):  # a mismatch already explains the hang it causes
+        defects += checks.check_deadlock(calls, world)
+    plan = _read_json(os.path.join(run_dir, "plan.json"))
+    defects += memory_defects(results, plan)
+    layout = {"world_size": world, "tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": dp, "ep": p.ep, "zero": p.zero,
+              "vpp": p.vpp, "device": device}
+    doc = report.to_json(layout, results, why, defects, plan, time.perf_counter() - t0)
+    write_atomic(os.path.join(run_dir, REHEARSAL_FILE), json.dumps(doc, indent=1, default=str))
+    if any(r.error for r in results):
+        code = EXIT_FAILED
+    elif defects:
+        code = EXIT_REHEARSAL_DEFECT
+    else:
+        code = EXIT_OK
+    return doc, code
+
+
+def _read_json(path: str) -> Optional[Dict[str, Any]]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv: List[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m training.rehearse")
+    ap.add_argument("run_dir")
+    ap.add_argument("--ranks", default="", help="comma-separated ranks (default: all, or representatives)")
+    ap.add_argument("--workers", type=int, default=0, help="worker processes (default: the CPU count)")
+    args = ap.parse_args(argv)
+    from training.contract.config import load_config
+    from training.rehearse.report import table
+
+    try:
+        cfg = load_config(os.path.join(args.run_dir, "config.json"))
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        print(f"error: cannot read {args.run_dir}/config.json: {exc}; run `meshrun action=rehearse`", file=sys.stderr)
+        return EXIT_INVALID
+    cfg.run.dir = os.path.abspath(args.run_dir)
+    ranks = [int(x) for x in args.ranks.split(",") if x.strip()] or None
+    doc, code = rehearse(cfg, cfg.run.dir, ranks, args.workers)
+    print(table(doc))
+    print(f"rehearsal.json: {os.path.join(cfg.run.dir, REHEARSAL_FILE)}")
+    return code
