@@ -424,8 +424,15 @@ class GPTChunk(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(mc, mesh, self.sp, i, dtype, dev, self.cp) for i in self.layer_ids}
         )
+        first = None
         for layer in self.layers.values():
             layer.attn.recompute_core = self.recompute == "selective"
+            # One pair of RoPE tables for the chunk: every layer's are the same values (2 x s x d fp32 each,
+            # 8 MiB per layer at s = 8K, d = 128, which no plan counted; found by the rehearsal).
+            rot = layer.attn.rotary
+            if rot is not None:
+                first = first or rot
+                rot.cos, rot.sin = first.cos, first.sin
         self.final_norm = Norm(mc.hidden_size, mc.norm, mc.bias, self.sp, dtype, dev, mc.norm_eps) if has_head else None
         self.output = None
         if has_head and not mc.tie_embeddings:

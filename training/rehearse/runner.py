@@ -188,6 +188,7 @@ def _run_engine(cfg: Config, run_dir: str, mesh, rec: comm.Recorder, result: Ran
     mem["weights"] = meta_bytes(params, seen=seen)
     mem["grads"] = meta_bytes([getattr(opt, "grads", None), getattr(getattr(opt, "experts", None), "grads", None)], seen=seen)
     mem["optimizer"] = meta_bytes([opt], seen=seen)
+    mem["buffers"] = meta_bytes([b for c in trainer.chunks for b in c.buffers()], seen=seen)
     states = set(seen)
     _phase(rec, trainer.schedule, "forward_backward", "forward_backward")
     _phase(rec, opt, "step", "optimizer")
@@ -195,7 +196,10 @@ def _run_engine(cfg: Config, run_dir: str, mesh, rec: comm.Recorder, result: Ran
     kernels = CudaKernels() if cfg.cluster.device == "cuda" else contextlib.nullcontext()
     with kernels, torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         trainer.train_step()
-    mem["activations"] = saved.peak
+    # Pipeline schedules count the bytes their forwards save themselves (their hooks are the innermost):
+    # the engine's own figure, the peak over the micro-batches in flight.
+    piped = getattr(getattr(trainer.schedule, "stats", None), "peak_saved_bytes", 0)
+    mem["activations"] = max(saved.peak, int(piped or 0))
     mem["param_gather"] = _engine_peak(opt, "param_gather", "peak_bytes")
     mem["zero3_gathered"] = _engine_peak(opt, "zero3", "peak_gathered_bytes")
     if trainer.checkpointer is not None:

@@ -209,6 +209,13 @@ class StepStats:
     """Bytes saved by each forward, in action order."""
 
 
+def storage_id(t: torch.Tensor) -> int:
+    """Which storage t views: its address; on meta (a rehearsal), where every address is 0, the storage's own
+    identity."""
+    st = t.untyped_storage()
+    return st.data_ptr() if t.device.type != "meta" else st._cdata
+
+
 class _SavedBytes:
     """Counts the unique non-parameter storages that autograd saves during one forward."""
 
@@ -217,7 +224,7 @@ class _SavedBytes:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
-        ptr = st.data_ptr()
+        ptr = storage_id(t)
         if ptr not in self.param_ptrs:
             self.seen[ptr] = st.nbytes()
         return t
@@ -257,7 +264,7 @@ class PipelineSchedule:
         self.scale_loss, self.measure_memory = scale_loss, measure_memory
         self.stats = StepStats()
         self.num_virtual = self.p * self.v
-        self._param_ptrs = {q.untyped_storage().data_ptr() for c in chunks for q in c.parameters()}
+        self._param_ptrs = {storage_id(q) for c in chunks for q in c.parameters()}
         self._group_ready = False
         check_schedule(kind, pp, self.v, max(pp, 1) if kind == "interleaved_1f1b" else 1)
 
