@@ -26,9 +26,10 @@ def test_every_entry_names_a_function_of_cfg_and_run_dir_and_the_config_offers_e
         fn = getattr(importlib.import_module(spec.module), spec.function)
         params = list(inspect.signature(fn).parameters)
         assert len(params) >= 2 and params[:2] == ["cfg", "run_dir"], (spec, params)
-    # Only the launches take the run lock and resolve a launch's config (resume, data, init_from).
-    assert {a.name for a in ACTIONS if a.locks} == {"train", "plan"}
-    assert {a.name for a in ACTIONS if a.config == "launch"} == {"train", "plan"}
+    # Only the launches, and the rehearsal (a launch's config, run on meta: docs/REHEARSAL.md), take the run lock
+    # and resolve a launch's config (resume, data, init_from).
+    assert {a.name for a in ACTIONS if a.locks} == {"train", "plan", "rehearse"}
+    assert {a.name for a in ACTIONS if a.config == "launch"} == {"train", "plan", "rehearse"}
 
 
 def test_a_new_action_is_one_table_entry_and_one_module(tmp_path):

@@ -40,6 +40,7 @@ ACTIONS: Tuple[ActionSpec, ...] = (
     ActionSpec("plan", "launcher.cli.app", "start", locks=True, config="launch"),
     ActionSpec("status", "launcher.manage.status", "status_action", locks=False, config="run_dir"),
     ActionSpec("preflight", "launcher.launch.preflight", "run_preflight", locks=False, config="run_dir"),
+    ActionSpec("rehearse", "launcher.launch.rehearse", "run_rehearse", locks=True, config="launch"),
     ActionSpec("keys", "launcher.cli.keys", "keys_action", locks=False, config="composed"),
     ActionSpec("prepare", "launcher.data.prepare", "run_prepare", locks=False, config="composed"),
     ActionSpec("export", "launcher.hf.export", "run_export", locks=False, config="run_dir"),

@@ -64,6 +64,22 @@ def is_expert_param(p: torch.Tensor) -> bool:
     return bool(getattr(p, "expert_parallel", False))
 
 
+def _bincount(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Tokens per expert. Meta tensors (a rehearsal) have no values: the shape only (see _host_counts)."""
+    if x.device.type == "meta":
+        return torch.empty(n, dtype=torch.int64, device=x.device)
+    return torch.bincount(x, minlength=n)
+
+
+def _host_counts(counts: torch.Tensor, rows: int) -> List[int]:
+    """counts on the host (the split sizes of the dispatch). On meta (a rehearsal) the balanced routing stands in:
+    the `rows` assignments spread evenly over the experts, the first ones taking the remainder."""
+    if counts.device.type != "meta":
+        return counts.tolist()
+    n = counts.numel()
+    return [rows // n + (1 if i < rows % n else 0) for i in range(n)]
+
+
 class _AttachAux(torch.autograd.Function):
     """Identity on x; backward also gives the aux loss its gradient (the training loss's factor)."""
 
@@ -234,14 +250,14 @@ class MoEMLP(nn.Module):
         top, chosen = probs.topk(self.top_k, dim=-1)
         gates = top / top.sum(dim=-1, keepdim=True)
         T = tokens.shape[0]
-        counts = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
+        counts = _bincount(chosen.reshape(-1), self.num_experts)
         f = counts.to(probs.dtype) / (T * self.top_k)
         balance = self.num_experts * (f * probs.mean(dim=0)).sum()
         return gates, chosen, balance, counts
 
     def _capacity_keep(self, chosen: torch.Tensor) -> Optional[torch.Tensor]:
         """Which assignments (flat, token-major) fit their expert's capacity; None when dropless."""
-        if self.capacity_factor <= 0:
+        if self.capacity_factor <= 0 or chosen.device.type == "meta":  # meta: routing is balanced, nothing drops
             return None
         T = chosen.shape[0]
         cap = math.ceil(self.capacity_factor * T * self.top_k / self.num_experts)
@@ -261,7 +277,9 @@ class MoEMLP(nn.Module):
         if experts[0].fc2.bias is not None:
             bias = torch.stack([e.fc2.bias for e in experts])
             ids = torch.repeat_interleave(
-                torch.arange(len(counts), device=x.device), torch.tensor(counts, device=x.device)
+                torch.arange(len(counts), device=x.device),
+                torch.tensor(counts, device=x.device),
+                output_size=sum(counts),  # known on the host: no device sync (and meta tensors can run it)
             )
             y = y + bias[ids]
         return y
@@ -270,17 +288,22 @@ class MoEMLP(nn.Module):
         """send: rows sorted by global expert, counts [E] per expert -> the rows' expert outputs, same order."""
         E_loc = self.local_experts
         if self.ep == 1:
-            return self._run_experts(send, counts.tolist())
+            return self._run_experts(send, _host_counts(counts, send.shape[0]))
         recv_counts = torch.empty_like(counts)
         comm.all_to_all_single(recv_counts, counts.contiguous(), group=self.ep_group)  # [ep, E_loc] from each source
-        send_splits = counts.view(self.ep, E_loc).sum(dim=1).tolist()
-        recv_table = recv_counts.view(self.ep, E_loc)
+        mine = _host_counts(counts, send.shape[0])
+        send_splits = [sum(mine[i * E_loc : (i + 1) * E_loc]) for i in range(self.ep)]
+        if send.device.type != "meta":
+            recv_table = recv_counts.view(self.ep, E_loc)
+        else:  # every source's balanced counts for this rank's experts (every rank routes as many tokens)
+            block = mine[self.first_expert : self.first_expert + E_loc]
+            recv_table = torch.tensor([block] * self.ep, dtype=torch.int64)
         recv_splits = recv_table.sum(dim=1).tolist()
         recv = _AllToAll.apply(send, recv_splits, send_splits, self.ep_group)
         # Received rows are grouped by source rank, then expert: regroup by expert (stable: source order kept).
         expert_of_row = torch.repeat_interleave(
-            torch.arange(E_loc, device=send.device).repeat(self.ep), recv_table.reshape(-1)
-        )
+            torch.arange(E_loc, device=recv_table.device).repeat(self.ep), recv_table.reshape(-1)
+        ).to(send.device)
         order = torch.argsort(expert_of_row, stable=True)
         y = self._run_experts(recv[order], recv_table.sum(dim=0).tolist())
         back = torch.empty_like(order)
@@ -304,7 +327,7 @@ class MoEMLP(nn.Module):
             dropped = int((~keep).sum())
             flat_expert, flat_gate, flat_token = flat_expert[keep], flat_gate[keep], flat_token[keep]
         order = torch.argsort(flat_expert, stable=True)
-        kept_counts = torch.bincount(flat_expert, minlength=self.num_experts)
+        kept_counts = _bincount(flat_expert, self.num_experts)
         y = self._dispatch_compute_combine(tokens[flat_token[order]], kept_counts)
         weighted = y * flat_gate[order].unsqueeze(1).to(y.dtype)
         out = torch.zeros_like(tokens).index_add(0, flat_token[order], weighted).view(shape)
@@ -312,8 +335,9 @@ class MoEMLP(nn.Module):
             out = _AttachAux.apply(out, balance * self.coeff)
         if self.training and not _in_backward():
             st = self.stats
-            st.tokens += counts.to(torch.float64).cpu()
-            st.aux += float(balance.detach()) * self.coeff
+            if counts.device.type != "meta":  # a rehearsal's routing has no figures
+                st.tokens += counts.to(torch.float64).cpu()
+            st.aux += comm.value(balance.detach(), on_meta=0.0) * self.coeff
             st.dropped += dropped
             st.micro_batches += 1
         if self.sp:

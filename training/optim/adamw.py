@@ -78,7 +78,9 @@ class ShardedAdamW:
         self._decay_ends = [b for _, b in self._decay_runs]
 
     def _init_store(self, offload: str, offload_dir: str, rank: int, device: torch.device, sixteen_bit: bool) -> None:
-        from training.optim.offload import FileStore, HostStore
+        from training.optim.offload import FileStore, HostStore, host_device
+
+        self.host = host_device(device)
 
         names = ["exp_avg", "exp_avg_sq"]
         # The update runs where the state is: a master copy there unless the weights are fp32 in host memory.
@@ -87,7 +89,7 @@ class ShardedAdamW:
             names.append("master")
         size = self.layout.shard_size
         if offload == "cpu":
-            self.store = HostStore(names, size, pin=device.type == "cuda")
+            self.store = HostStore(names, size, pin=device.type == "cuda", host=self.host.type)
         else:
             import atexit
             import shutil
@@ -228,7 +230,7 @@ class ShardedAdamW:
         block = getattr(store, "block_elems", self.BLOCK)
         for lo in range(0, n, block):
             hi = min(lo + block, n)
-            gg = g[lo:hi].to("cpu", torch.float32, copy=True)  # a copy on a CPU rank too: the GPU's transfer
+            gg = g[lo:hi].to(self.host, torch.float32, copy=True)  # a copy on a CPU rank too: the GPU's transfer
             store.moved["to_store"] += hi - lo
             m, v = store.block("exp_avg", lo, hi), store.block("exp_avg_sq", lo, hi)
             w = store.block("master", lo, hi) if has_master else dest[lo:hi]

@@ -29,12 +29,18 @@ def _moved() -> Dict[str, int]:
     return {"to_store": 0, "from_store": 0}
 
 
+def host_device(device: torch.device) -> torch.device:
+    """Where host memory is for a rank on `device`: the CPU, or meta under a rehearsal (training/rehearse/: meta
+    tensors have no values to copy to a CPU; its memory counts the host state apart from the device's)."""
+    return torch.device("meta") if device.type == "meta" else torch.device("cpu")
+
+
 class HostStore:
     """State tensors in one host arena (pinned for a GPU rank: one pinned allocation, not one per state)."""
 
-    def __init__(self, names: List[str], size: int, pin: bool):
+    def __init__(self, names: List[str], size: int, pin: bool, host: str = "cpu"):
         self.size = size
-        self.arena = torch.zeros(len(names) * size, dtype=torch.float32, pin_memory=pin)
+        self.arena = torch.zeros(len(names) * size, dtype=torch.float32, pin_memory=pin and host == "cpu", device=host)
         self.tensors_: Dict[str, torch.Tensor] = {
             name: self.arena[i * size : (i + 1) * size] for i, name in enumerate(names)
         }

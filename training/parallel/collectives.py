@@ -395,6 +395,7 @@ class Recorder:
 _RECORDER: Optional[Recorder] = None
 _HERE = os.path.abspath(__file__)
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
+_REHEARSE = os.path.join(_ROOT, "training", "rehearse") + os.sep  # its kernel mode's frames are not call sites
 
 
 def start_recording(recorder: Recorder) -> None:
@@ -415,7 +416,7 @@ def _call_site() -> str:
     f, fallback = sys._getframe(2), "?"
     while f is not None:
         path = os.path.abspath(f.f_code.co_filename)
-        if path.startswith(_ROOT) and "site-packages" not in path:
+        if path.startswith(_ROOT) and "site-packages" not in path and not path.startswith(_REHEARSE):
             site = f"{os.path.relpath(path, _ROOT)}:{f.f_lineno} ({f.f_code.co_name})"
             if path != _HERE:
                 return site

@@ -119,9 +119,11 @@ def check_matching(calls_by_rank: Dict[int, Sequence[Any]], world: int) -> List[
                     "mismatch",
                     f"group {label}: call {d} on the group differs between rank {ref} ({ca}) and rank {r} ({cb})",
                     [ref, r],
-                    [x.site for x in (a[d:d + 1] + b[d:d + 1])],
-                    {str(ref): [_show(c) for c in a[max(0, d - WINDOW) : d + WINDOW]],
-                     str(r): [_show(c) for c in b[max(0, d - WINDOW) : d + WINDOW]]},
+                    [x.site for x in (a[d : d + 1] + b[d : d + 1])],
+                    {
+                        str(ref): [_show(c) for c in a[max(0, d - WINDOW) : d + WINDOW]],
+                        str(r): [_show(c) for c in b[max(0, d - WINDOW) : d + WINDOW]],
+                    },
                 )
             )
             break  # one report per group: the first divergence
@@ -156,7 +158,7 @@ def check_devices(calls_by_rank: Dict[int, Sequence[Any]], device: str) -> List[
                     found[c.site] = Defect(
                         "foreign_device",
                         f"a {c.device} tensor reaches {c.op} at {c.site}: an NCCL group has no {c.device} backend "
-                        f"(\"No backend type associated with device type {c.device}\")",
+                        f'("No backend type associated with device type {c.device}")',
                         [rank],
                         [c.site],
                         {str(rank): [_show(c)]},

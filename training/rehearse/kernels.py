@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 
-class CudaKernels(TorchFunctionMode):
-    """Active during a rehearsed step whose run is on CUDA."""
+class CudaKernels:
+    """Active during a rehearsed step whose run is on CUDA. F.scaled_dot_product_attention is replaced process-wide
+    (a rehearsal's worker runs nothing else): a mode would not reach the recomputation of a checkpointed
+    attention, which autograd may run on another thread, and the recomputation must save what the forward saved."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and _flash_eligible(args, kwargs):
+    def __enter__(self):
+        self.real = F.scaled_dot_product_attention
+        real = self.real
+
+        def sdpa(*args, **kwargs):
+            if not _flash_eligible(args, kwargs):
+                return real(*args, **kwargs)
             q, k, v = args[:3]
             out = torch.ops.aten._scaled_dot_product_flash_attention(
                 q,
@@ -30,7 +35,13 @@ class CudaKernels(TorchFunctionMode):
                 scale=kwargs.get("scale"),
             )
             return out[0]
-        return func(*args, **kwargs)
+
+        F.scaled_dot_product_attention = sdpa
+        return self
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = self.real
+        return False
 
 
 def _flash_eligible(args, kwargs) -> bool:

@@ -17,6 +17,8 @@ from training.contract.rundir.files import write_atomic
 
 REHEARSAL_FILE = "rehearsal.json"
 
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # torch's C++ notes on every fake group destroyed
+
 _CFG: Any = None  # the worker processes' config (inherited through fork)
 _RUN_DIR = ""
 
@@ -73,8 +75,17 @@ def rehearse(cfg, run_dir: str, ranks: Optional[List[int]] = None, workers: int 
         defects += checks.check_deadlock(calls, world)
     plan = _read_json(os.path.join(run_dir, "plan.json"))
     defects += memory_defects(results, plan)
-    layout = {"world_size": world, "tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": dp, "ep": p.ep, "zero": p.zero,
-              "vpp": p.vpp, "device": device}
+    layout = {
+        "world_size": world,
+        "tp": p.tp,
+        "pp": p.pp,
+        "cp": p.cp,
+        "dp": dp,
+        "ep": p.ep,
+        "zero": p.zero,
+        "vpp": p.vpp,
+        "device": device,
+    }
     doc = report.to_json(layout, results, why, defects, plan, time.perf_counter() - t0)
     write_atomic(os.path.join(run_dir, REHEARSAL_FILE), json.dumps(doc, indent=1, default=str))
     if any(r.error for r in results):

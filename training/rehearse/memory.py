@@ -7,6 +7,7 @@ What the rehearsal measures per part (training/rehearse/runner.py):
 - buffers: the model's buffers (RoPE tables; the plan counts none, so only above FLOOR_BYTES is it reported);
 - activations: the peak over the step of the bytes autograd saved for backward (distinct storages, model
   states left out), under the kernels a CUDA run picks (training/rehearse/kernels.py);
+- host_offload: offload=cpu's state in host memory (on meta under the rehearsal, counted apart);
 - param_gather, zero3_gathered: the engine's own peak counters of its ZeRO-1/2 and ZeRO-3 gathers.
 """
 
@@ -16,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 from training.rehearse.checks import Defect
 
-PARTS = ("weights", "grads", "optimizer", "buffers", "activations", "param_gather", "zero3_gathered")
+PARTS = ("weights", "grads", "optimizer", "buffers", "activations", "param_gather", "zero3_gathered", "host_offload")
 TOLERANCE = 0.03
 """Relative difference allowed per part (the issue's 3 %)."""
 FLOOR_BYTES = 16 * 2**20

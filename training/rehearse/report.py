@@ -101,7 +101,9 @@ def table(doc: Dict[str, Any]) -> str:
             lines.append(f"  {kind:<24}" + "".join(f"{per.get(p, 0):>10}" for p in PHASES))
     errors = [r for r in doc["ranks"] if r["error"]]
     for r in errors[:3]:
-        lines.append(f"ERROR rank {r['rank']}: the engine did not run on meta:\n    " + r["error"].replace("\n", "\n    "))
+        lines.append(
+            f"ERROR rank {r['rank']}: the engine did not run on meta:\n    " + r["error"].replace("\n", "\n    ")
+        )
     if doc["defects"]:
         first = doc["defects"][0]
         lines.append(f"DEFECT ({len(doc['defects'])} found) {first['kind']}: {first['message']}")
@@ -111,8 +113,10 @@ def table(doc: Dict[str, Any]) -> str:
         for d in doc["defects"][1:6]:
             lines.append(f"DEFECT {d['kind']}: {d['message']}")
     elif not errors:
-        lines.append("OK: collectives match, no deadlock under NCCL's rules, no tensor off the device"
-                     + (", memory as planned" if by_stage else ""))
+        lines.append(
+            "OK: collectives match, no deadlock under NCCL's rules, no tensor off the device"
+            + (", memory as planned" if by_stage else "")
+        )
     return "\n".join(lines)
 
 

@@ -186,7 +186,11 @@ def _run_engine(cfg: Config, run_dir: str, mesh, rec: comm.Recorder, result: Ran
     seen: set = set()
     mem = result.memory
     mem["weights"] = meta_bytes(params, seen=seen)
-    mem["grads"] = meta_bytes([getattr(opt, "grads", None), getattr(getattr(opt, "experts", None), "grads", None)], seen=seen)
+    mem["grads"] = meta_bytes(
+        [getattr(opt, "grads", None), getattr(getattr(opt, "experts", None), "grads", None)], seen=seen
+    )
+    stores = [getattr(getattr(o, "adamw", None), "store", None) for o in (opt, getattr(opt, "experts", None))]
+    mem["host_offload"] = meta_bytes(stores, seen=seen)  # offload=cpu: host memory, not the device's
     mem["optimizer"] = meta_bytes([opt], seen=seen)
     mem["buffers"] = meta_bytes([b for c in trainer.chunks for b in c.buffers()], seen=seen)
     states = set(seen)
@@ -207,7 +211,7 @@ def _run_engine(cfg: Config, run_dir: str, mesh, rec: comm.Recorder, result: Ran
         _save_collectives(trainer)
         rec.phase = "resume"
         _resume_collectives(trainer)
-    mem["peak"] = sum(mem.values())
+    mem["peak"] = sum(v for k, v in mem.items() if k != "host_offload")
     gc.collect()
 
 

@@ -1,0 +1,254 @@
+"""meshrun's rehearsal (training/rehearse/): the engine's own step on meta under torch's fake process group, every
+rank of a layout, its collectives checked. The unmodified engine passes on the layouts the features exist for; each
+defect of the issue's list, put into the engine by monkeypatch, is found with a report naming it.
+
+The ranks run in this process (workers=1), so a monkeypatched engine is the one rehearsed. Tiny models keep it
+cheap; the presets at their real sizes run in bench/bench_rehearse.py."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from helpers.cli import compose_cfg
+from training.contract.exit_codes import EXIT_OK, EXIT_REHEARSAL_DEFECT
+from training.parallel import collectives as comm
+from training.rehearse import checks
+from training.rehearse.main import rehearse
+
+CUDA = ("cluster.device=cuda", "data=synthetic", "train.precision=bf16", "parallel.micro_batch=1")
+
+
+def _rehearse(tmp_path, *overrides, name="run"):
+    cfg = compose_cfg(*CUDA, *overrides)
+    run_dir = str(tmp_path / name)
+    os.makedirs(run_dir, exist_ok=True)
+    cfg.run.dir = run_dir
+    doc, code = rehearse(cfg, run_dir, workers=1, quiet=True)
+    assert not [r["error"] for r in doc["ranks"] if r["error"]], [r["error"] for r in doc["ranks"] if r["error"]]
+    with open(os.path.join(run_dir, "rehearsal.json")) as f:
+        assert json.load(f)["ok"] == doc["ok"]
+    return doc, code
+
+
+LAYOUTS = {
+    "cp2": (
+        "model=llama3_8b",
+        "model.num_layers=2",
+        "model.hidden_size=256",
+        "model.num_attention_heads=4",
+        "model.num_query_groups=2",
+        "model.ffn_hidden_size=512",
+        "model.seq_length=64",
+        "model.vocab_size=512",
+        "parallel.cp=2",
+        "parallel.dp=1",
+        "parallel.global_batch=2",
+        "cluster.gpus_per_node=2",
+    ),
+    "cp3_tp2_sp_pp2": (
+        "model=tiny",
+        "model.position=rope",
+        "model.seq_length=96",
+        "parallel.tp=2",
+        "parallel.sp=true",
+        "parallel.pp=2",
+        "parallel.cp=3",
+        "parallel.dp=1",
+        "parallel.global_batch=4",
+        "cluster.gpus_per_node=12",
+    ),
+    "ep2_moe": ("model=tiny_moe", "parallel=tp2", "parallel.dp=2", "parallel.ep=2", "cluster.gpus_per_node=4"),
+    "zero3_dp4": (
+        "model=tiny",
+        "parallel.zero=3",
+        "parallel.dp=4",
+        "cluster.gpus_per_node=4",
+        "parallel.global_batch=8",
+    ),
+    "zero2_offload": (
+        "model=tiny",
+        "parallel.zero=2",
+        "parallel.dp=2",
+        "cluster.gpus_per_node=2",
+        "parallel.offload=cpu",
+    ),
+    "vpp2_pp2_dp2": (
+        "model=tiny",
+        "parallel.pp=2",
+        "parallel.vpp=2",
+        "parallel.dp=2",
+        "parallel.zero=1",
+        "parallel.schedule=interleaved_1f1b",
+        "parallel.global_batch=8",
+        "cluster.gpus_per_node=4",
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_unmodified_engine_passes(tmp_path, layout):
+    doc, code = _rehearse(tmp_path, *LAYOUTS[layout])
+    assert code == EXIT_OK and doc["ok"], doc["defects"][:2]
+    assert doc["rehearsed_ranks"] == doc["layout"]["world_size"]
+    phases = {p for r in doc["ranks"] for per in r["collectives"].values() for p in per}
+    assert {"forward_backward", "optimizer", "save", "resume"} <= phases
+    if "cp" in layout:  # the ring ran: batched exchanges on the cp group, after its communicator's collective
+        kinds = {k for r in doc["ranks"] for k in r["collectives"]}
+        assert any(k.startswith("p2p:cp") for k in kinds), kinds
+
+
+# ---- the mutations ------------------------------------------------------------------------------------------------
+
+
+def _split_ring(self, send, tag):
+    """The ring exchange as it was: a separate isend then irecv."""
+    recv = torch.empty_like(send)
+    return recv, [
+        comm.isend(send, self.next, group=self.group, tag=tag),
+        comm.irecv(recv, self.prev, group=self.group, tag=tag),
+    ]
+
+
+@pytest.mark.parametrize("layout", ["cp2", "cp3_tp2_sp_pp2"])
+def test_a_split_ring_exchange_is_a_deadlock(tmp_path, monkeypatch, layout):
+    from training.parallel import context
+
+    monkeypatch.setattr(context._Ring, "start", _split_ring)
+    doc, code = _rehearse(tmp_path, *LAYOUTS[layout])
+    assert code == EXIT_REHEARSAL_DEFECT
+    d = doc["defects"][0]
+    assert d["kind"] == "deadlock" and "cycle of waits" in d["message"], d
+    assert any("_split_ring" in s for s in d["sites"]), d["sites"]  # the (patched) ring's own line
+    assert all("isend" in seq[0] for seq in d["sequences"].values()), d["sequences"]
+
+
+def test_a_cpu_tensor_in_an_all_reduce_is_found(tmp_path, monkeypatch):
+    """moe_metrics as it was: the table reduced on the CPU."""
+    from training.model import moe
+
+    def cpu_table(chunks, mesh, num_layers, num_experts):
+        table = torch.zeros(num_layers, num_experts + 3, dtype=torch.float64)
+        comm.all_reduce_op(table, group=mesh.dp_group)
+        return {}
+
+    monkeypatch.setattr(moe, "moe_metrics", cpu_table)
+    import training.run.loop as loop
+
+    monkeypatch.setattr(loop, "moe_metrics", cpu_table)
+    real_step = loop.Trainer.train_step
+
+    def step_and_log(self, *a, **k):
+        out = real_step(self, *a, **k)
+        loop.moe_metrics(self.chunks, self.mesh, self.cfg.model.num_layers, self.cfg.model.num_experts)
+        return out
+
+    monkeypatch.setattr(loop.Trainer, "train_step", step_and_log)
+    doc, code = _rehearse(tmp_path, *LAYOUTS["ep2_moe"])
+    assert code == EXIT_REHEARSAL_DEFECT
+    d = doc["defects"][0]
+    assert d["kind"] == "foreign_device" and "cpu tensor reaches all_reduce" in d["message"], d
+    assert "tests/engine/test_rehearse.py" in d["sites"][0] and sorted(d["ranks"]) == [0, 1, 2, 3]
+
+
+def test_one_rank_issuing_one_collective_more_is_a_mismatch(tmp_path, monkeypatch):
+    """An MoE branch on the local routing (ep rank 1 exchanges its counts twice): its ep group diverges."""
+    from training.model import moe
+
+    real = moe.MoEMLP._dispatch_compute_combine
+
+    def branchy(self, send, counts):
+        if self.ep > 1 and self.first_expert > 0:
+            comm.all_to_all_single(torch.empty_like(counts), counts.contiguous(), group=self.ep_group)
+        return real(self, send, counts)
+
+    monkeypatch.setattr(moe.MoEMLP, "_dispatch_compute_combine", branchy)
+    doc, code = _rehearse(tmp_path, *LAYOUTS["ep2_moe"])
+    assert code == EXIT_REHEARSAL_DEFECT
+    d = doc["defects"][0]
+    assert d["kind"] == "mismatch" and "all_to_all_single" in d["message"], d
+    # ep rank 1's extra count exchange shifts its sequence: the next call differs (counts against tokens).
+    assert len(d["ranks"]) == 2 and len(d["sequences"]) == 2
+    assert any("int64" in x for seq in d["sequences"].values() for x in seq)
+
+
+def test_two_collectives_in_a_different_order_is_a_mismatch(tmp_path, monkeypatch):
+    """dp rank 1 reduces the norm's two partial sums in the opposite order."""
+    import training.run.loop as loop
+
+    real = loop.Trainer._global_loss
+
+    def swapped(self, local):
+        a = torch.zeros(1, device=self.mesh.device)
+        b = torch.zeros(2, device=self.mesh.device)
+        first, second = (a, b) if self.mesh.dp_rank == 0 else (b, a)
+        comm.all_reduce_op(first, group=self.mesh.dp_group)
+        comm.all_reduce_op(second, group=self.mesh.dp_group)
+        return real(self, local)
+
+    monkeypatch.setattr(loop.Trainer, "_global_loss", swapped)
+    doc, code = _rehearse(tmp_path, *LAYOUTS["zero3_dp4"])
+    assert code == EXIT_REHEARSAL_DEFECT
+    d = doc["defects"][0]
+    assert d["kind"] == "mismatch" and "float32[1]" in d["message"] and "float32[2]" in d["message"], d
+
+
+def test_a_pipeline_send_without_its_receive_is_found(tmp_path, monkeypatch):
+    """One pipeline exchange loses its receive (the first rank that receives drops it from its batch): the
+    sender's batch waits for a receive that never comes."""
+    real = comm.batch_isend_irecv
+    dropped = []
+
+    def lossy(ops):
+        recvs = [p for p in ops if p.op is torch.distributed.irecv]
+        if recvs and not dropped:
+            dropped.append(comm.rank())
+            ops = [p for p in ops if p is not recvs[0]]
+        return real(ops)
+
+    monkeypatch.setattr(comm, "batch_isend_irecv", lossy)
+    doc, code = _rehearse(tmp_path, *LAYOUTS["vpp2_pp2_dp2"])
+    assert code == EXIT_REHEARSAL_DEFECT and dropped
+    d = doc["defects"][0]
+    assert d["kind"] == "deadlock", d
+    assert "lossy" in " ".join(d["sites"]) and "send" in json.dumps(d["sequences"]), d  # the exchange's batch
+
+
+# ---- the checks on their own ----------------------------------------------------------------------------------
+
+
+def _call(order, op, group, peer=None, batch=None, numel=4, site="x.py:1 (f)"):
+    return comm.CommCall(
+        order, op, tuple(group), "float32", numel, "meta", site, "forward_backward", peer=peer, batch=batch
+    )
+
+
+def test_the_deadlock_simulation_follows_nccl_rules():
+    g = (0, 1)
+    # cp = 2's split exchange: both ranks send first on the pair: a cycle.
+    split = {r: [_call(0, "isend", g, peer=1 - r), _call(1, "irecv", g, peer=1 - r)] for r in (0, 1)}
+    d = checks.check_deadlock(split, 2)
+    assert d and "cycle" in d[0].message and sorted(d[0].ranks) == [0, 1]
+    # The same exchange batched: fine.
+    batched = {r: [_call(0, "send", g, peer=1 - r, batch=0), _call(1, "recv", g, peer=1 - r, batch=0)] for r in (0, 1)}
+    assert checks.check_deadlock(batched, 2) == []
+    # Un-batched but ordered send/recv against recv/send: fine.
+    ordered = {
+        0: [_call(0, "isend", g, peer=1), _call(1, "irecv", g, peer=1)],
+        1: [_call(0, "irecv", g, peer=0), _call(1, "isend", g, peer=0)],
+    }
+    assert checks.check_deadlock(ordered, 2) == []
+    # A send whose receiver finished: unmatched.
+    lonely = {0: [_call(0, "send", g, peer=1, batch=0)], 1: []}
+    d = checks.check_deadlock(lonely, 2)
+    assert d and "finished without the matching call" in d[0].message
+    # Collectives in a different order on two groups: a cycle through the collectives.
+    crossed = {
+        0: [_call(0, "all_reduce", (0, 1)), _call(1, "all_reduce", (0, 1, 2))],
+        1: [_call(0, "all_reduce", (0, 1, 2)), _call(1, "all_reduce", (0, 1))],
+        2: [_call(0, "all_reduce", (0, 1, 2))],
+    }
+    assert checks.check_deadlock(crossed, 3)
