@@ -157,10 +157,23 @@ def _reject_control_characters(argv: List[str]) -> None:
             raise SystemExit(EXIT_INVALID)
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's), or "unknown" from a bare checkout."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("meshrun")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 def cli() -> None:
     """Console entry point: Hydra's composition errors exit with 2 like every other invalid input."""
     from launcher.cli.secret_args import hide_secret_args
 
+    if sys.argv[1:] == ["--version"]:  # meshrun's, not Hydra's (Hydra's --version names Hydra)
+        print(f"meshrun {_version()}")
+        raise SystemExit(0)
     _reject_control_characters(sys.argv[1:])
     # Before Hydra copies the overrides into its logs and files (launcher/cli/secret_args.py).
     sys.argv[1:] = hide_secret_args(sys.argv[1:])

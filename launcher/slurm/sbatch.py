@@ -54,6 +54,7 @@ _RESERVED = {
     "error",
     "open-mode",
     "job-name",
+    "comment",
     "partition",
     "account",
     "qos",
@@ -67,6 +68,52 @@ _RESERVED = {
     "container-mounts",
     "no-kill",
 }
+
+
+# The cluster.* key that sets each reserved option a user may want to change (the others are meshrun's alone).
+_RESERVED_KEY = {
+    "job-name": "cluster.job_name",
+    "comment": "cluster.comment",
+    "nodes": "cluster.nodes",
+    "ntasks-per-node": "cluster.gpus_per_node",
+    "signal": "cluster.signal_delay_s",
+    "partition": "cluster.partition",
+    "account": "cluster.account",
+    "qos": "cluster.qos",
+    "time": "cluster.time_min",
+    "exclude": "cluster.exclude",
+    "cpus-per-task": "cluster.cpus_per_task",
+    "exclusive": "cluster.exclusive",
+    "mem": "cluster.mem",
+    "container-image": "cluster.container.image",
+    "container-mounts": "cluster.container.mounts",
+}
+_JOB_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.+\-]")
+
+
+def default_job_name(run_dir: str) -> str:
+    """meshrun-<the run directory's name>, in the characters a Slurm job name keeps plainly."""
+    name = os.path.basename(os.path.normpath(run_dir)) if run_dir else ""
+    return f"{JOB_NAME}-{_JOB_NAME_UNSAFE.sub('-', name)}" if name else JOB_NAME
+
+
+def job_name(cfg: Config, run_dir: str) -> str:
+    """cluster.job_name, or the default from the run directory."""
+    return cfg.cluster.job_name or default_job_name(run_dir)
+
+
+# Reserved options whose sbatch value is not the cluster key's (a time, a signal spec, a flag): the key alone.
+_OTHER_UNITS = {"time": "minutes", "signal": "seconds before the time limit", "exclusive": "true or false"}
+
+
+def _reserved_fix(option: str, value: str) -> str:
+    """What to type instead of cluster.sbatch_extra.<option>."""
+    key = _RESERVED_KEY.get(option)
+    if key is None:
+        return f"remove it (meshrun's job needs its own --{option})"
+    if option in _OTHER_UNITS:
+        return f"use {key} instead ({_OTHER_UNITS[option]})"
+    return f"use {key}={value} instead"
 
 
 def reserved_option(key: str) -> str:
@@ -102,16 +149,24 @@ def validate_for_slurm(cfg: Config) -> List[str]:
                 f"cluster.sbatch_extra key {key!r}: use the long sbatch option without dashes (e.g. constraint, mem)"
             )
         elif str(key) in _RESERVED:
-            errors.append(f"cluster.sbatch_extra.{key} is set by meshrun itself: use the cluster.* key instead")
+            errors.append(f"cluster.sbatch_extra.{key} is set by meshrun itself: {_reserved_fix(str(key), value)}")
         elif reserved_option(str(key)):
+            option = reserved_option(str(key))
             errors.append(
-                f"cluster.sbatch_extra.{key} abbreviates --{reserved_option(str(key))} (sbatch takes any "
-                f"unique prefix of an option), which is set by meshrun itself: use the cluster.* key instead"
+                f"cluster.sbatch_extra.{key} abbreviates --{option} (sbatch takes any unique prefix of an "
+                f"option), which is set by meshrun itself: {_reserved_fix(option, value)}"
             )
         if not _SBATCH_VALUE.fullmatch(str(value)):
             errors.append(
                 f"cluster.sbatch_extra.{key}={value!r} contains shell or space characters: "
                 f"sbatch option values must be plain words"
+            )
+    for name in ("job_name", "comment"):
+        text = getattr(c, name)
+        if not _SBATCH_VALUE.fullmatch(text) or "%" in text:
+            errors.append(
+                f"cluster.{name}={text!r} contains characters a Slurm {name.replace('_', ' ')} cannot carry "
+                f"plainly (spaces, quotes, %, ;, $, `, newlines): use letters, digits and - _ . instead"
             )
     for name in c.env:
         if not _ENV_NAME.fullmatch(str(name)):
@@ -356,7 +411,7 @@ def _resources(cfg: Config, exclude: str) -> Dict[str, Any]:
     }
     if c.device == "cuda":
         params["gpus_per_node"] = c.gpus_per_node
-    for name in ("account", "qos", "mem"):
+    for name in ("account", "qos", "mem", "comment"):
         if getattr(c, name):
             params[name] = getattr(c, name)
     if c.exclusive:
@@ -372,7 +427,7 @@ def job_spec(cfg: Config, run_dir: str, exclude: str = "", code_root: str = "") 
     params = _resources(cfg, exclude)
     params.update(
         {
-            "job_name": JOB_NAME,
+            "job_name": job_name(cfg, run_dir),
             "srun_args": srun_args(cfg),
             "setup": setup_lines(cfg, [run_dir], code_root),
             "teardown": teardown_lines(cfg),
@@ -400,7 +455,7 @@ def preflight_job_spec(cfg: Config, run_dir: str) -> SlurmJobSpec:
     params = _resources(cfg, "")
     params.update(
         {
-            "job_name": f"{JOB_NAME}-preflight",
+            "job_name": f"{job_name(cfg, run_dir)}-preflight" if cfg.cluster.job_name else f"{JOB_NAME}-preflight",
             "srun_args": srun_args(cfg, kill_on_bad_exit=False),
             "setup": [
                 line
@@ -428,6 +483,8 @@ def array_job_spec(cfg: Config, run_dirs: Sequence[str], folder: str, code_root:
     keeps the array's pickles and logs (<array>_<task>_<rank>_log.out) in folder."""
     spec = job_spec(cfg, run_dirs[0], code_root=code_root)
     spec.parameters["setup"] = setup_lines(cfg, run_dirs, code_root)
+    if not cfg.cluster.job_name:  # the sweep's name, not its first point's (folder: <sweep dir>/submitit)
+        spec.parameters["job_name"] = default_job_name(os.path.dirname(os.path.normpath(folder)))
     spec.folder = folder
     return spec
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 from launcher.slurm.sbatch import (
     SlurmConfigError,
@@ -40,7 +41,7 @@ from launcher.slurm.snapshot import code_dir, take_snapshot
 from launcher.sweep.point import update_point
 from training.contract.config import Config, load_config
 from training.contract.rundir.events import append_event
-from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_SLURM
+from training.contract.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_SLURM
 from training.contract.rundir.resume_request import write_request
 from training.contract.rundir.lock import RunLocked, acquire, held
 from training.contract.slurm_env import SlurmUnavailable, slurm_command
@@ -229,12 +230,37 @@ def submit_arrays(run_dirs: Sequence[str], folder: str) -> Dict[str, Dict[str, A
             updates[run_dir] = {"status": "submitted", "job_id": job_id}
             if point_cfg.wait:
                 waiting.append(run_dir)
-    if waiting:
-        for run_dir, final in wait_all(waiting).items():
+    try:
+        for run_dir, final in (wait_all(waiting) if waiting else {}).items():
             updates[run_dir]["final"] = final
+    except KeyboardInterrupt:
+        for run_dir, fields in updates.items():  # the submitted points' job ids are kept
+            update_point(run_dir, **fields)
+        stop_following(f"the sweep's {len(waiting)} job(s) keep running", os.path.dirname(os.path.normpath(folder)))
     for run_dir, fields in updates.items():
         update_point(run_dir, **fields)
     return updates
+
+
+def follow_or_detach(run_dir: str, job_id: str, poll_s: float = 1.0) -> Dict[str, Any]:
+    """follow(run_dir) until the run ends, or until Ctrl-C: then stop_following (the job keeps running)."""
+    try:
+        return follow(run_dir, poll_s=poll_s)
+    except KeyboardInterrupt:
+        stop_following(f"job {job_id} keeps running", run_dir)
+
+
+def stop_following(what: str, run_dir: str) -> NoReturn:
+    """Ctrl-C while wait=true follows: one line (the job is Slurm's and keeps running; how to follow it again
+    and how to cancel it), then exit 130 (training/contract/exit_codes.py) instead of a traceback."""
+    where = shlex.quote(run_dir)
+    print(
+        f"\nmeshrun: stopped following; {what}. follow: meshrun action=logs run.dir={where} logs.follow=true; "
+        f"cancel: meshrun action=cancel run.dir={where}",
+        file=sys.stderr,
+        flush=True,
+    )
+    raise SystemExit(EXIT_INTERRUPTED)
 
 
 def _lock_points(group: List[Tuple[Config, str]], updates: Dict[str, Dict[str, Any]]) -> List[Tuple[Config, str]]:
@@ -288,7 +314,7 @@ def submit(
     _record_submission(cfg, run_dir, job_id, spec.folder, code)
     result = {**plan_result, "status": "submitted", "job_id": job_id, "run_dir": run_dir}
     if cfg.wait and not multirun:
-        result["final"] = follow(run_dir)
+        result["final"] = follow_or_detach(run_dir, job_id)
         if result["final"]["state"] != "COMPLETED":
             raise SystemExit(EXIT_FAILED)
     return result

@@ -127,10 +127,13 @@ def test_array_task_selects_its_own_run_dir(tmp_path):
         subprocess.run(["bash", str(path)], check=True, env={**os.environ, "SLURM_ARRAY_TASK_ID": str(task)})
         assert (tmp_path / f"s.sh.{task}").read_text() == dirs[task]
     assert spec.folder == str(tmp_path / "submitit")
-    # Apart from the run dir lines, the array's script is the plain job's.
+    # Apart from the run dir lines and the name (the sweep's, not its first point's), the array's script is the
+    # plain job's.
     single = job_spec(cfg, dirs[0]).parameters
-    assert {k: v for k, v in spec.parameters.items() if k != "setup"} == {
-        k: v for k, v in single.items() if k != "setup"
+    assert single["job_name"] == "meshrun-p-0"
+    assert spec.parameters["job_name"] == f"meshrun-{tmp_path.name}"
+    assert {k: v for k, v in spec.parameters.items() if k not in ("setup", "job_name")} == {
+        k: v for k, v in single.items() if k not in ("setup", "job_name")
     }
     assert spec.parameters["setup"][2:] == single["setup"][1:]
     assert "#SBATCH --requeue" in sbatch_text(spec)

@@ -380,6 +380,12 @@ class ClusterConfig:
     """NUMA node of each local rank when numa=explicit."""
     sbatch_extra: Dict[str, str] = field(default_factory=dict)
     """Extra sbatch options (key without dashes -> value)."""
+    job_name: str = ""
+    """Slurm job name (sbatch --job-name: what squeue and sacct show); empty: meshrun-<the run directory's name>
+    (a sweep's job array: meshrun-<the sweep directory's name>)."""
+    comment: str = ""
+    """Slurm job comment (sbatch --comment, shown by squeue -o %k and sacct); empty: none. Plain words joined
+    by - _ . , : / = + @ (no spaces: Slurm reads #SBATCH lines word by word)."""
     master_port: int = 0
     """Rendezvous port; 0 picks one (local: a free port; Slurm: derived from the job id)."""
     preflight: PreflightConfig = field(default_factory=PreflightConfig)

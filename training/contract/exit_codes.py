@@ -27,4 +27,5 @@ EXIT_RESTART_IN_JOB = 75
 """The Slurm epilogue only (never a rank): relaunch the training step inside the same allocation (the batch
 script's loop, launcher/slurm/in_job.py); the batch script never exits with it."""
 EXIT_INTERRUPTED = 130
-"""`meshrun` only: a local run interrupted from the keyboard (128 + SIGINT, the shell's convention)."""
+"""`meshrun` only: a local run interrupted from the keyboard, or Ctrl-C while wait=true follows a Slurm job (the job
+keeps running; 128 + SIGINT, the shell's convention)."""

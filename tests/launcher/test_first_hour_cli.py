@@ -1,0 +1,81 @@
+"""A GPU user's first hour at the CLI: `meshrun --version` is meshrun's, Slurm jobs carry cluster.job_name and
+cluster.comment (and sbatch_extra's job-name points there), and Ctrl-C while wait=true follows a job is one line
+and exit 130 with the job left running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from importlib.metadata import version
+
+import pytest
+
+from helpers import ROOT
+from helpers.cli import run_cli
+from training.contract.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID
+
+DRY = ("cluster=slurm_dev", "dry_run=true", "model=tiny", "cluster.cpus_per_task=4")
+
+
+def test_version_is_meshruns():
+    res = run_cli("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"meshrun {version('meshrun')}"
+    assert "Hydra" not in res.stdout + res.stderr
+
+
+def test_job_name_and_comment_reach_sbatch(tmp_path):
+    named = run_cli(*DRY, f"run.dir={tmp_path / 'a'}", "cluster.job_name=llama8b-first", "cluster.comment=ticket-42")
+    assert named.returncode == 0, named.stderr
+    assert "#SBATCH --job-name=llama8b-first\n" in named.stdout and "#SBATCH --comment=ticket-42\n" in named.stdout
+    default = run_cli(*DRY, f"run.dir={tmp_path / 'my_run.1'}", cwd=ROOT)
+    assert default.returncode == 0, default.stderr
+    assert "#SBATCH --job-name=meshrun-my_run.1\n" in default.stdout and "--comment" not in default.stdout
+    from launcher.slurm.sbatch import default_job_name
+
+    assert default_job_name("runs/a:b$c/") == "meshrun-a-b-c"  # what a job name keeps plainly
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("+cluster.sbatch_extra.job-name=mine", "use cluster.job_name=mine instead"),
+        ("+cluster.sbatch_extra.comment=x", "use cluster.comment=x instead"),
+        ("+cluster.sbatch_extra.time=1:00:00", "use cluster.time_min instead (minutes)"),
+        ("+cluster.sbatch_extra.output=x", "remove it"),
+        ("cluster.job_name='a b'", "cluster.job_name='a b' contains characters"),
+        ("cluster.comment=50%", "cluster.comment='50%' contains characters"),
+    ],
+)
+def test_refused_names_say_what_to_type(override, message, tmp_path):
+    res = run_cli(*DRY, f"run.dir={tmp_path / 'r'}", override, cwd=ROOT)
+    assert res.returncode == EXIT_INVALID and message in res.stderr, res.stderr
+    assert not os.path.exists(tmp_path / "r" / "submitit")
+
+
+def test_ctrl_c_while_following_is_one_line_and_130(monkeypatch, capsys, tmp_path):
+    """The real follow loop (launcher/slurm/submit.py) on a job that stays RUNNING; a real SIGINT arrives while it
+    polls (were it not caught, the test would end in KeyboardInterrupt, not SystemExit). The job is Slurm's: nothing is cancelled (no scancel is called), and the line names both commands."""
+    import launcher.manage.status as status
+    import launcher.slurm.submit as submit
+
+    run_dir = str(tmp_path / "run dir")
+    polled = threading.Event()
+
+    def running(_run_dir):
+        polled.set()
+        return {"state": "RUNNING", "job_id": "4242", "last_step": 3}
+
+    monkeypatch.setattr(status, "run_status", running)
+    monkeypatch.setattr(submit, "cancel_job", lambda *a, **k: pytest.fail("following must not cancel"), raising=False)
+    timer = threading.Thread(target=lambda: polled.wait(10) and os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(SystemExit) as stop:
+        submit.follow_or_detach(run_dir, "4242", poll_s=0.05)  # what submit() runs with wait=true
+    timer.join()
+    assert stop.value.code == EXIT_INTERRUPTED == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "job 4242 keeps running" in err[0]
+    assert f"meshrun action=logs run.dir='{run_dir}' logs.follow=true" in err[0]
+    assert f"meshrun action=cancel run.dir='{run_dir}'" in err[0]
