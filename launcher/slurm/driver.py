@@ -148,7 +148,7 @@ def _step_nodes(cfg, events, allocation: List[str], restart_count: int):
         "spares": spare,
         "bad_nodes": bad,
         "in_job_restarts": len(done),
-        "max_in_job_restarts": cfg.cluster.max_in_job_restarts,
+        "max_in_job_restarts": in_job.restart_limit(cfg.cluster),
     }
 
 
@@ -449,7 +449,7 @@ def _in_job_restart(run_dir, cfg, d, records, pro, events, step_now, ev) -> "in_
             bad_nodes=r.bad,
             spares_left=len(left),
             restart=len(done) + 1,
-            max_in_job_restarts=cfg.cluster.max_in_job_restarts,
+            max_in_job_restarts=in_job.restart_limit(cfg.cluster),
             restart_count=restart_count,
             last_step=step_now,
             resume_step=read_latest(run_dir),

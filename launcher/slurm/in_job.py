@@ -28,8 +28,16 @@ from training.contract.exit_codes import EXIT_NODE_BAD, EXIT_RESTART_IN_JOB
 EVENT = "restarted_in_job"
 
 
+def restart_limit(c: ClusterConfig) -> int:
+    """In-job restarts an allocation may make: cluster.max_in_job_restarts, or with it 0 and spares asked for, one
+    per spare (asking for a spare means wanting in-job restarts: the spares would otherwise only wait idle)."""
+    if c.max_in_job_restarts > 0:
+        return c.max_in_job_restarts
+    return max(c.spare_nodes, 0)
+
+
 def enabled(c: ClusterConfig) -> bool:
-    return c.max_in_job_restarts > 0
+    return restart_limit(c) > 0
 
 
 def config_errors(c: ClusterConfig) -> List[str]:
@@ -41,11 +49,6 @@ def config_errors(c: ClusterConfig) -> List[str]:
         out.append(
             f"cluster.max_in_job_restarts={c.max_in_job_restarts} is negative: set 0 (every failure "
             "resubmits) or a count"
-        )
-    if c.spare_nodes > 0 and c.max_in_job_restarts == 0:
-        out.append(
-            f"cluster.spare_nodes={c.spare_nodes} with cluster.max_in_job_restarts=0: the spares would "
-            "only wait idle; set cluster.max_in_job_restarts >= 1 or cluster.spare_nodes=0"
         )
     if not c.in_job_restart_min >= 0:
         out.append(f"cluster.in_job_restart_min={c.in_job_restart_min} must be >= 0 minutes")
@@ -206,9 +209,10 @@ def plan(
     newly = [n for n in list(blamed) + [u for u in unusable if u in step] if n in step]
     newly = list(dict.fromkeys(newly))
     bad = list(dict.fromkeys(list(bad_before) + newly))
-    if used >= c.max_in_job_restarts:
+    if used >= restart_limit(c):
+        implied = "" if c.max_in_job_restarts > 0 else f", one per spare of cluster.spare_nodes={c.spare_nodes}"
         return Restart(
-            False, f"in-job restarts exhausted (cluster.max_in_job_restarts={c.max_in_job_restarts})", bad=bad
+            False, f"in-job restarts exhausted (cluster.max_in_job_restarts={restart_limit(c)}{implied})", bad=bad
         )
     nxt = choose_step(allocation, bad, step, c.nodes, unusable)
     if nxt is None:

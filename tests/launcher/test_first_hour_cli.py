@@ -79,3 +79,11 @@ def test_ctrl_c_while_following_is_one_line_and_130(monkeypatch, capsys, tmp_pat
     assert "job 4242 keeps running" in err[0]
     assert f"meshrun action=logs run.dir='{run_dir}' logs.follow=true" in err[0]
     assert f"meshrun action=cancel run.dir='{run_dir}'" in err[0]
+
+
+def test_spare_nodes_alone_are_not_refused(tmp_path):
+    """cluster.spare_nodes=1 with max_in_job_restarts left at 0: the job asks for the spare and restarts in-job
+    (--no-kill, the batch loop) instead of exit 2."""
+    res = run_cli(*DRY, "cluster.nodes=2", "cluster.spare_nodes=1", f"run.dir={tmp_path / 'r'}", cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert "#SBATCH --nodes=3\n" in res.stdout and "#SBATCH --no-kill\n" in res.stdout

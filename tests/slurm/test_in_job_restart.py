@@ -213,11 +213,24 @@ def test_plan_replaces_the_blamed_node_keeps_places_and_falls_back():
 
 
 def test_config_errors_name_the_fix():
-    assert in_job.config_errors(ClusterConfig(spare_nodes=1)) == [
-        "cluster.spare_nodes=1 with cluster.max_in_job_restarts=0: the spares would only wait idle; set "
-        "cluster.max_in_job_restarts >= 1 or cluster.spare_nodes=0"
-    ]
     assert "negative" in in_job.config_errors(ClusterConfig(spare_nodes=-1, max_in_job_restarts=1))[0]
+    assert "negative" in in_job.config_errors(ClusterConfig(max_in_job_restarts=-1))[0]
+
+
+def test_spare_nodes_alone_imply_in_job_restarts():
+    """Asking for a spare means wanting in-job restarts (issue 47): no refusal, one restart per spare, the spares
+    in the allocation; an explicit count wins; no spares and no count: off, as before."""
+    spares = ClusterConfig(nodes=2, spare_nodes=1)
+    assert in_job.config_errors(spares) == []
+    assert in_job.enabled(spares) and in_job.restart_limit(spares) == 1 and in_job.allocation_nodes(spares) == 3
+    explicit = ClusterConfig(nodes=2, spare_nodes=1, max_in_job_restarts=3)
+    assert in_job.restart_limit(explicit) == 3
+    off = ClusterConfig(nodes=2)
+    assert not in_job.enabled(off) and in_job.allocation_nodes(off) == 2
+    r = in_job.plan(spares, ["n1", "n2", "n3"], ["n1", "n2"], ["n2"], [], 0)
+    assert (r.ok, r.step, r.spares_used) == (True, ["n1", "n3"], ["n3"])
+    r = in_job.plan(spares, ["n1", "n2", "n3"], ["n1", "n3"], ["n3"], ["n2"], 1)
+    assert not r.ok and "exhausted" in r.why and "one per spare" in r.why
 
 
 def test_goodput_segments_add_up_and_count_recomputed_steps():

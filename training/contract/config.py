@@ -407,11 +407,12 @@ class ClusterConfig:
     spare_nodes: int = 0
     """Slurm: idle nodes added to the allocation (sbatch --nodes = nodes + spare_nodes). When a rank's node is
     blamed for a failure, the training step restarts inside the same job on a spare instead of requeueing
-    (launcher/slurm/in_job.py); needs max_in_job_restarts >= 1."""
+    (launcher/slurm/in_job.py); with max_in_job_restarts 0, spares imply one in-job restart per spare."""
     max_in_job_restarts: int = 0
     """Slurm: failures recovered inside the running job (a new srun step, resumed from the latest complete
     checkpoint: on a spare when a node is blamed, else on the same nodes) before the job falls back to a
-    resubmission excluding the bad nodes; 0: every failure resubmits (no in-job restart)."""
+    resubmission excluding the bad nodes; 0: one per spare when cluster.spare_nodes > 0, else every failure
+    resubmits (no in-job restart)."""
     in_job_restart_min: float = 1.0
     """Minutes from a failure until training runs again after an in-job restart (no queue wait), for the
     checkpoint cadence (checkpoint_every_min=auto) while spares remain; a run that has restarted in its job
