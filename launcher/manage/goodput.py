@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from training.contract.rundir.events import read_events
+from training.contract.rundir.events import read_events, well_formed
 from training.contract.rundir.metrics import read_purged_rows, read_rows
 
 CAUSES = ("queue", "startup", "productive", "lost_steps", "checkpoint_blocking", "eval", "restart_gap")
@@ -104,6 +104,10 @@ def compute(
     """The goodput.json object of a run (None before its first attempt). allocations: sacct_records' answer."""
     allocations = allocations or {}
     now = time.time() if now is None else now
+    # The readers skip malformed lines already; a caller's own records (a sweep's, a test's) are checked here.
+    events = [ev for ev in events if well_formed(ev)]
+    kept = [rec for rec in kept if well_formed(rec)]
+    purged = [rec for rec in purged if well_formed(rec)]
     starts = [ev for ev in events if ev.get("event") == "started" and isinstance(ev.get("time"), (int, float))]
     if not starts:
         return None

@@ -18,13 +18,14 @@ from typing import Dict, List, Optional
 
 from launcher.manage.status import log_files
 from training.contract.rundir.events import read_events
+from training.contract.rundir.files import open_regular
 from training.contract.exit_codes import EXIT_INVALID
 
 
 def _print_from(path: str, offset: int) -> int:
     """Print path from byte offset on; returns the new offset (the same when it cannot be read)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, binary=True) as f:  # a FIFO or a device planted as a log would hang or never end
             f.seek(offset)
             chunk = f.read()
     except OSError:
@@ -46,7 +47,7 @@ def _tail_offsets(paths: List[str], lines: int) -> Dict[str, int]:
             offsets[path] = size
             continue
         pos, tail = size, b""
-        with open(path, "rb") as f:
+        with open_regular(path, binary=True) as f:
             while pos > 0 and tail.count(b"\n") <= need:
                 step = min(1 << 16, pos)
                 pos -= step
@@ -96,7 +97,7 @@ def show_logs(
     shown: List[str] = []
     start = time.time()
     if tail > 0:
-        existing = [p for p in log_files(run_dir, rank, events) if os.path.exists(p)]
+        existing = [p for p in log_files(run_dir, rank, events) if os.path.isfile(p)]  # regular files only
         skip = _tail_offsets(existing, tail)
         offsets.update({p: off for p, off in skip.items() if off >= os.path.getsize(p) and p != existing[-1]})
         starts = {p: off for p, off in skip.items() if p not in offsets}
@@ -105,8 +106,8 @@ def show_logs(
     while True:
         for path in log_files(run_dir, rank):
             if path not in offsets:
-                if not os.path.exists(path):
-                    continue  # not written yet (a pending job): printed once it appears
+                if not os.path.isfile(path):
+                    continue  # not written yet (a pending job): printed once it appears; never a FIFO or device
                 print(f"==> {path} <==", flush=True)
                 offsets[path] = starts.get(path, 0)
                 shown.append(path)

@@ -597,6 +597,30 @@ def build_report(directory: str) -> Tuple[str, Report]:
     return path, report
 
 
+def _unwritable(run_dir: str) -> str:
+    """Why the report cannot be written into run_dir/report, else "": checked before any plot is drawn, so a
+    linked report/ (its plots would land wherever the link points) or a read-only run directory is an exit 2."""
+    out_dir = os.path.join(run_dir, REPORT_DIR)
+    if os.path.islink(out_dir):
+        return (
+            f"{out_dir} is a symbolic link: meshrun writes the report only into a real directory inside the run "
+            f"(the plots would land wherever it points); remove the link and run action=report again"
+        )
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        return f"{out_dir} is not a directory: move it away and run action=report again"
+    target = out_dir if os.path.isdir(out_dir) else run_dir
+    if not os.access(target, os.W_OK) or _read_only_mount(target):
+        return f"{target} is not writable by you: make it writable (or copy the run) and run action=report again"
+    return ""
+
+
+def _read_only_mount(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def run_report(run_dir: str) -> int:
     """The action: a run directory (metrics.jsonl / events.jsonl) or a sweep directory (sweep.json)."""
     markers_of_a_run = ("metrics.jsonl", "events.jsonl", "plan.json", "sweep.json")
@@ -606,6 +630,10 @@ def run_report(run_dir: str) -> int:
             "(sweep.json); pass run.dir=<the run's directory>",
             file=sys.stderr,
         )
+        raise SystemExit(EXIT_INVALID)
+    problem = _unwritable(run_dir)
+    if problem:
+        print(f"meshrun: {problem}", file=sys.stderr)
         raise SystemExit(EXIT_INVALID)
     path, report = build_report(run_dir)
     print(json.dumps({"report": path, "images": [f.path for f in report.figures], "notes": report.notes}))

@@ -258,3 +258,112 @@ def test_a_saved_dataset_cannot_name_files_outside_itself(tmp_path):
     (saved / "dataset_dict.json").unlink()
     res, left = _prepare(tmp_path, [saved])
     assert res.returncode == 2 and "not a .arrow name" in res.stderr and left == [], res.stderr[-2000:]
+
+
+def _fake_run(path):
+    """A finished local run's events.jsonl, metrics.jsonl and logs (what status, report, logs and cancel read),
+    written as meshrun writes them; no training needed for these readers."""
+    import json
+
+    path.mkdir(parents=True)
+    (path / "logs").mkdir()
+    t = 1_700_000_000.0
+    events = [
+        {"attempt": 0, "event": "started", "job_id": "local", "time": t, "world_size": 1, "nodes": ["vm"]},
+        {"attempt": 0, "event": "checkpoint", "job_id": "local", "step": 2, "blocked_s": 0.2, "time": t + 3},
+        {"attempt": 0, "event": "completed", "job_id": "local", "time": t + 5, "world_size": 1},
+    ]
+    (path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    rows = [{"step": s, "loss": 5.0 - s / 10, "step_time_s": 1.0, "time": t + s, "attempt": 0} for s in (1, 2, 3, 4)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "logs" / "rank_0.log").write_text("rank 0 says hello\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        '{"event": "checkpoint", "time": "abc", "attempt": 0, "blocked_s": "x"}',
+        '{"event": "started", "time": 1.0, "attempt": "x"}',
+        '{"event": "started", "time": NaN, "attempt": 0}',
+        '{"event": "completed", "time": Infinity, "attempt": 0}',
+    ],
+)
+def test_a_malformed_event_is_skipped_by_status_report_and_cancel(tmp_path, line):
+    """D8 (S1-S3): one string `time` or `attempt` crashed status, report and cancel (cancel before it wrote
+    cancel.json); the unclear S4/S6: NaN and Infinity made status print what no strict JSON parser reads. The
+    line is skipped now (docs/USER_CONTRACTS.md), and status prints strict JSON."""
+    import json
+
+    from helpers.cli import run_cli
+
+    run = _fake_run(tmp_path / "run")
+    with open(run / "events.jsonl", "a") as f:
+        f.write(line + "\n")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(line.replace('"event"', '"step": 5, "kind"') + "\n")
+    res = run_cli("action=status", f"run.dir={run}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    json.loads(res.stdout, parse_constant=lambda c: pytest.fail(f"status printed {c}"))
+    assert run_cli("action=status", "status.format=table", f"run.dir={run}").returncode == 0
+    res = run_cli("action=cancel", f"run.dir={run}")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
+
+
+def test_fifos_and_devices_in_a_run_directory_neither_hang_nor_exhaust_the_readers(tmp_path):
+    """D7 (S8-S10): a FIFO as events.jsonl hung status, as .meshrun.lock hung plan's lock check, as a rank log hung
+    logs; metrics.jsonl or a log linked to /dev/zero read until MemoryError. The readers open regular files only."""
+    from helpers.cli import run_cli
+
+    run = _fake_run(tmp_path / "run")
+    for name in ("events.jsonl", ".meshrun.lock", "logs/rank_0.log"):
+        if (run / name).exists():
+            (run / name).unlink()
+        os.mkfifo(run / name)
+    (run / "metrics.jsonl").unlink()
+    os.symlink("/dev/zero", run / "metrics.jsonl")
+    code = (
+        "import sys; sys.path[:0] = [sys.argv[2], sys.argv[2] + '/tests']\n"
+        "from helpers.cli import run_cli\n"
+        "for action in ('status', 'logs'):\n"
+        "    r = run_cli('action=' + action, 'run.dir=' + sys.argv[1])\n"
+        "    print(action, r.returncode, flush=True)\n"
+        "from training.contract.rundir import lock\n"
+        "print('holder', lock.read_holder(sys.argv[1]), flush=True)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(run), ROOT], capture_output=True, text=True, timeout=60, cwd=str(tmp_path)
+    )  # a subprocess: before the fix these hung (a timeout here fails the test instead of blocking the suite)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "status 0" in res.stdout and "holder {}" in res.stdout, res.stdout
+    assert "logs " in res.stdout, res.stdout
+    del run_cli
+
+
+def test_a_linked_report_directory_is_refused_before_anything_is_written(tmp_path):
+    """D5 (S11): report/ linked elsewhere: seven PNGs were written into the link's target (a user's loss.png
+    replaced) before report.html refused with a traceback. D13 (S14): a read-only run directory ended in an
+    OSError traceback. Both are exit 2 with a message now, before any plot."""
+    from helpers.cli import run_cli
+
+    run = _fake_run(tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "loss.png").write_bytes(b"the user's own picture")
+    os.symlink(elsewhere, run / "report")
+    res = run_cli("action=report", f"run.dir={run}")
+    assert res.returncode == 2 and "symbolic link" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert os.listdir(elsewhere) == ["loss.png"] and (elsewhere / "loss.png").read_bytes() == b"the user's own picture"
+    os.unlink(run / "report")
+    # A read-only file system (a real read-only tmpfs, as test_trust_round2_rundir does; root ignores modes).
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=1m tmpfs {mnt} 2>/dev/null") != 0:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    try:
+        _fake_run(mnt / "run")
+        assert os.system(f"mount -o remount,ro {mnt}") == 0
+        res = run_cli("action=report", f"run.dir={mnt / 'run'}")
+        assert res.returncode == 2 and "not writable" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    finally:
+        os.system(f"umount {mnt}")

@@ -8,6 +8,7 @@ several processes appending at once never interleave within a line.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any, Dict, List
@@ -52,18 +53,44 @@ def append_event(run_dir: str, event: str, **fields: Any) -> Dict[str, Any]:
     return record
 
 
+NUMERIC_FIELDS = ("time", "attempt", "blocked_s", "step_time_s", "eval_s", "step", "restart_count")
+"""Fields of events and metrics rows that readers compute with."""
+
+
+def well_formed(record: Any) -> bool:
+    """An object whose numeric fields (where present) are finite numbers, the counts whole: a hand-edited or
+    damaged line (a string time, an attempt "x", NaN) is skipped by every reader instead of crashing status,
+    report and cancel (or making status print NaN, which is not JSON)."""
+    if not isinstance(record, dict):  # meshrun writes objects only: a list or number line is not an event
+        return False
+    for key in NUMERIC_FIELDS:
+        value = record.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        if key in ("attempt", "step", "restart_count") and value != int(value):
+            return False
+    return True
+
+
 def read_events(run_dir: str) -> List[Dict[str, Any]]:
-    """All events of a run, oldest first; a torn last line (a crash mid-write) is skipped."""
+    """All events of a run, oldest first; a torn last line (a crash mid-write) or a malformed one is skipped, and
+    an events.jsonl that is not a regular file (a FIFO would block the reader) reads as none."""
+    from training.contract.rundir.files import open_regular
+
     path = os.path.join(run_dir, EVENTS_FILE)
-    if not os.path.exists(path):
-        return []
     out = []
-    with open(path) as f:
+    try:
+        f = open_regular(path)
+    except OSError:
+        return []
+    with f:
         for line in f:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(record, dict):  # meshrun writes objects only: a list or number line is not an event
+            if well_formed(record):
                 out.append(record)
     return out

@@ -50,6 +50,8 @@ RUN_FILES = (
     "recommend.json",
     "code",
     "attempts",
+    "report",
+    "profile",
 )
 
 
@@ -64,6 +66,31 @@ def _refusal(path: str) -> LinkRefused:
         "a link inside run.dir, which could point anywhere. Remove the link (and check "
         "who could create it), or choose another run.dir",
     )
+
+
+class NotRegular(OSError):
+    """A file meshrun reads is a FIFO, a device or a socket (a FIFO blocks a reader for ever, /dev/zero never
+    ends): refused, as a missing file would be."""
+
+
+def open_regular(path: str, binary: bool = False, follow: bool = True) -> IO:
+    """`path` opened for reading only if it is a regular file (after following a link, unless follow=False):
+    never blocks on a FIFO (O_NONBLOCK, cleared once the file is known to be regular), never reads a device.
+    NotRegular otherwise, FileNotFoundError and the like as open() raises them."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
+    try:
+        import stat
+
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegular(errno.EINVAL, f"{path} is not a regular file (a FIFO, device or socket): refused")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    if binary:
+        return os.fdopen(fd, "rb")
+    return os.fdopen(fd, "r", encoding="utf-8", errors="replace")
 
 
 def _check_parent(path: str) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
 from training.contract.rundir.events import append_event
-from training.contract.rundir.files import open_rw
+from training.contract.rundir.files import open_regular, open_rw
 
 LOCK_FILE = ".meshrun.lock"
 TOKEN_ENV = "MESHRUN_LOCK_TOKEN"
@@ -55,8 +55,8 @@ def describe(holder: Dict[str, Any]) -> str:
 def read_holder(run_dir: str) -> Dict[str, Any]:
     """The lock file's record ({} when absent, empty or torn)."""
     try:
-        with open(lock_path(run_dir)) as f:
-            data = json.loads(f.read() or "{}")
+        with open_regular(lock_path(run_dir)) as f:  # a FIFO planted as the lock must not block plan or status
+            data = json.loads(f.read(1 << 20) or "{}")
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}

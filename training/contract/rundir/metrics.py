@@ -8,6 +8,9 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
+from training.contract.rundir.events import well_formed
+from training.contract.rundir.files import open_regular
+
 METRICS_FILE = "metrics.jsonl"
 PURGED_FILE = "metrics.purged.jsonl"
 """Rows of steps a resume went back over (moved out of metrics.jsonl, never deleted)."""
@@ -26,14 +29,15 @@ def _rows(lines: List[str]) -> List[Dict[str, Any]]:
             row = json.loads(line)
         except ValueError:
             continue  # a torn line
-        if isinstance(row, dict):
+        if well_formed(row):  # an object with numbers where numbers belong
             out.append(row)
     return out
 
 
 def _read(path: str) -> List[Dict[str, Any]]:
+    """The rows of a regular file (a FIFO or a link to /dev/zero reads as none: it would block or never end)."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open_regular(path) as f:
             return _rows(f.readlines())
     except OSError:
         return []
@@ -52,7 +56,7 @@ def read_purged_rows(run_dir: str) -> List[Dict[str, Any]]:
 def tail_rows(run_dir: str, limit_bytes: int = TAIL_BYTES) -> List[Dict[str, Any]]:
     """The complete step rows (an integer `step`) in the last limit_bytes of metrics.jsonl, oldest first."""
     try:
-        with open(metrics_path(run_dir), "rb") as f:
+        with open_regular(metrics_path(run_dir), binary=True) as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
             f.seek(max(0, size - limit_bytes))
