@@ -190,3 +190,57 @@ def test_events_list_line_is_skipped_and_a_failed_local_run_shows_its_reason(tmp
     assert [ev["event"] for ev in read_events(run)] == ["started", "failed"]
     status = run_status(run)
     assert status["state"] == "FAILED" and status["reason"].startswith("rank 0 was killed by SIGKILL"), status
+
+
+def _forge(step_path: str, case: str) -> None:
+    """The hostile audit's L5, L8, L9, L11: DCP's own metadata, edited and resealed as someone who can write
+    run.dir would."""
+    meta_path = os.path.join(step_path, storage.DCP_METADATA)
+    with open(meta_path, "rb") as f:
+        metadata = pickle.load(f)
+    if case == "state_dict_metadata_int":
+        metadata.state_dict_metadata = 5
+    elif case == "storage_data_list":
+        metadata.storage_data = [1, 2]
+    elif case == "rank_state_2_40":
+        metadata.state_dict_metadata["rank_state/0"].size = torch.Size([2**40])
+    elif case == "fifo":
+        index = sorted(metadata.storage_data, key=lambda i: i.fqn)[0]
+        info = metadata.storage_data[index]
+        metadata.storage_data[index] = _StorageInfo(relative_path="pipe", offset=info.offset, length=info.length)
+    with open(meta_path, "wb") as f:
+        pickle.dump(metadata, f)
+    reseal(step_path)
+    if case == "fifo":
+        os.mkfifo(os.path.join(step_path, "pipe"))  # not in the manifest, as the audit left it
+
+
+@pytest.mark.parametrize("case", ["state_dict_metadata_int", "storage_data_list", "rank_state_2_40", "fifo"])
+def test_malformed_metadata_is_a_checkpoint_error_not_a_traceback_or_a_hang(tmp_path, case):
+    """D13 (L8, L9, L11): a tensor table that is an int, storage records that are a list, a rank_state of 2^40
+    bytes ended in TypeError, AttributeError and the allocator's RuntimeError (exit 1); D6 (L5): a record naming a
+    FIFO hung the resume in open() (363 s after SIGTERM). Each is a CheckpointError (exit 2) with the fix now.
+    The resume runs in a thread here, so a hang fails the test instead of blocking the suite."""
+    import threading
+
+    run = str(tmp_path / "run")
+    save_steps(run, [1])
+    _forge(storage.step_dir(run, 1), case)
+    outcome: dict = {}
+
+    def resume() -> None:
+        try:
+            outcome["value"] = resumed_value(run)
+        except BaseException as exc:  # noqa: BLE001 - what the resume raised is the test's subject
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=resume, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    if thread.is_alive():
+        with open(os.path.join(storage.step_dir(run, 1), "pipe"), "wb"):
+            pass  # unblock the reader that hangs
+        pytest.fail(f"{case}: the resume hangs")
+    error = outcome.get("error")
+    assert isinstance(error, CheckpointError), (case, repr(error))
+    assert "train.resume" in str(error) or "another" in str(error), str(error)

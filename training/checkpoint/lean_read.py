@@ -174,19 +174,38 @@ def unpickle_metadata(path: str, unpickler: Any, metadata_type: type) -> Any:
             f"{path} holds a {type(metadata).__name__}, not checkpoint metadata; delete the "
             "checkpoint directory and resume from another"
         )
+    if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+        raise CheckpointError(
+            f"{path}: its tensor table is a {type(getattr(metadata, 'state_dict_metadata', None)).__name__}, not a "
+            "table; the metadata is damaged. Delete this checkpoint directory and resume from another "
+            "(train.resume=<step>)"
+        )
     check_storage_paths(path, metadata)
     return metadata
 
 
 def check_storage_paths(path: str, metadata: Any) -> None:
-    """Every shard file the metadata names must be a plain file name in the checkpoint directory."""
-    storage: Dict[Any, Any] = getattr(metadata, "storage_data", None) or {}
+    """Every shard file the metadata names must be a plain file name in the checkpoint directory, and a regular
+    file (a FIFO named there would block the resume for ever; a device would never end)."""
+    storage = getattr(metadata, "storage_data", None) or {}
+    if not isinstance(storage, dict):
+        raise CheckpointError(
+            f"{path}: its storage records are a {type(storage).__name__}, not a table; the metadata is damaged. "
+            "Delete this checkpoint directory and resume from another (train.resume=<step>)"
+        )
+    directory = os.path.dirname(path) if os.path.basename(path) == ".metadata" else path
     for info in storage.values():
         rel = str(getattr(info, "relative_path", ""))
         if not rel or os.path.basename(rel) != rel or rel in (".", "..") or os.path.isabs(rel):
             raise CheckpointError(
                 f"{path} points a tensor at {rel!r}, outside its checkpoint directory; refused. "
                 "Delete this checkpoint directory and resume from another (train.resume=<step>)"
+            )
+        target = os.path.join(directory, rel)
+        if os.path.lexists(target) and not (os.path.isfile(target) and not os.path.islink(target)):
+            raise CheckpointError(
+                f"{path} points a tensor at {rel!r}, which is not a regular file (a FIFO, device or link); "
+                "refused. Delete this checkpoint directory and resume from another (train.resume=<step>)"
             )
 
 
@@ -295,7 +314,9 @@ def load(directory: str, metadata: Metadata, destinations: Sequence[Tuple[str, t
 def _read_chunk(directory: str, files: Dict[str, Any], info: StorageInfo, sizes: Sequence[int], key: str):
     path = os.path.join(directory, info.relative_path)
     if path not in files:
-        files[path] = open(path, "rb")
+        from training.contract.rundir.files import open_regular
+
+        files[path] = open_regular(path, binary=True, follow=False)  # never blocks on a FIFO
     tensor = torch.load(
         io.BufferedReader(_FileRegion(files[path], int(info.offset), int(info.length))),
         map_location="cpu",

@@ -219,6 +219,10 @@ def writer_thread(device: torch.device) -> ThreadPoolExecutor:
     )
 
 
+RANK_STATE_MAX = 64 << 20
+"""The largest rank_state/<rank> record a resume reads (a rank's RNG state in JSON: some kB)."""
+
+
 class CheckpointManager:
     """Saves and restores the whole training state of this rank as one part of a sharded DCP checkpoint."""
 
@@ -688,7 +692,16 @@ class CheckpointManager:
         rank_key = f"rank_state/{self.rank}"
         rank_state = None
         if same_layout and rank_key in saved_keys:
-            rank_state = torch.zeros(tuple(metadata.state_dict_metadata[rank_key].size), dtype=torch.uint8)
+            size = tuple(getattr(metadata.state_dict_metadata[rank_key], "size", ()) or ())
+            # A rank's RNG state is some kB of JSON: a size beyond RANK_STATE_MAX is a forged or damaged record
+            # (2^40 bytes ended in the allocator's RuntimeError, a traceback).
+            if len(size) != 1 or not isinstance(size[0], int) or not 0 < size[0] <= RANK_STATE_MAX:
+                raise CheckpointError(
+                    f"checkpoint {path}: {rank_key} claims {size} bytes, not a rank's RNG state (at most "
+                    f"{RANK_STATE_MAX}); the metadata is damaged. Delete this checkpoint directory and resume from "
+                    "another (train.resume=<step>)"
+                )
+            rank_state = torch.zeros(size, dtype=torch.uint8)
         destinations = [(p.key, p.tensor, p.offsets) for p in pieces]
         if rank_state is not None:
             destinations.append((rank_key, rank_state, (0,)))
