@@ -190,8 +190,11 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     exit_code = int(main() or 0)
-    if exit_code in (EXIT_OK, EXIT_STOPPED):
+    if exit_code in (EXIT_OK, EXIT_STOPPED, EXIT_INVALID):
+        # EXIT_INVALID too, once its message is printed and its cause recorded: the interpreter's finalisation
+        # with libtorch loaded sometimes ended a refusal in std::terminate ("terminate called without an active
+        # exception", SIGABRT), which the launchers read as a signal death that implicates the node.
         exit_without_finalising(exit_code)
-    # A failure exits the usual way: the launchers blame the rank that ended first, and a peer that fails
+    # A program failure exits the usual way: the launchers blame the rank that ended first, and a peer that fails
     # only because this rank left its collectives must not overtake it in a quick exit of its own.
     sys.exit(exit_code)

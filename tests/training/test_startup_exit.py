@@ -63,3 +63,34 @@ def test_exit_without_finalising_joins_threads_runs_atexit_flushes_and_keeps_the
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert res.returncode == 3 and res.stdout == "unflushed"
     assert (tmp_path / "thread").read_text() == "done" and (tmp_path / "atexit").read_text() == "ran"
+
+
+def test_a_rank_that_refuses_its_input_ends_without_the_interpreters_teardown(tmp_path):
+    """The hostile audit's D14: in 2 of 28 exit-2 refusals the rank died of SIGABRT ("terminate called without an
+    active exception") in the interpreter's finalisation with libtorch loaded, and the launcher reported a signal
+    death (on Slurm: the node implicated). An exit-2 rank now ends as a completed one does: atexit handlers run,
+    output flushed, code kept, and no finalisation (a module global's __del__ at teardown never runs)."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        textwrap.dedent(
+            """
+            import atexit, sys
+            class _Teardown:
+                def __del__(self):
+                    sys.__stderr__.write("FINALISED\\n")
+            sys.modules[__name__].marker = _Teardown()
+            atexit.register(lambda: sys.__stderr__.write("ATEXIT\\n"))
+            """
+        )
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "training.main", str(tmp_path / "no-such-run")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{inject}:{ROOT}", "RANK": "0", "WORLD_SIZE": "1"},
+        timeout=120,
+    )
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "ATEXIT" in res.stderr and "FINALISED" not in res.stderr, res.stderr[-2000:]
