@@ -75,12 +75,12 @@ def test_a_rank_that_refuses_its_input_ends_without_the_interpreters_teardown(tm
     (inject / "sitecustomize.py").write_text(
         textwrap.dedent(
             """
-            import atexit, sys
+            import atexit, json, os
             class _Teardown:
-                def __del__(self):
-                    sys.__stderr__.write("FINALISED\\n")
-            sys.modules[__name__].marker = _Teardown()
-            atexit.register(lambda: sys.__stderr__.write("ATEXIT\\n"))
+                def __del__(self, _write=os.write):
+                    _write(2, b"FINALISED\\n")
+            json._teardown_marker = _Teardown()  # collected when the interpreter tears its modules down
+            atexit.register(lambda: os.write(2, b"ATEXIT\\n"))
             """
         )
     )
