@@ -21,6 +21,7 @@ from launcher.plan.honest_checks import SELECTIVE_MIN_SAVING
 from launcher.plan.issues import Issue
 from launcher.plan.model_size import chunk_layers
 from training.contract import layout_rules as rules
+from training.contract.fp8_rules import fp8_rules
 from training.contract.config import CHOICE_FIELDS, Config, choices, derived_dp
 from training.contract.layout_text import format_layout, layout_of
 from training.contract.limits import MAX_SIZE, too_large
@@ -408,6 +409,7 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
         ok = False
     dp = derived_dp(cfg)
     out += _issues(rules.moe_rules(m, getattr(par, "ep", 1), dp, t, cp, par.zero))  # mixture of experts, parallel.ep
+    out += _issues(fp8_rules(cfg))  # train.precision=fp8: widths, recipe, torchao installed
     if dp >= 1:
         unit = par.micro_batch * dp
         batch = _issues(rules.batch_rules(par.global_batch, par.micro_batch, dp))

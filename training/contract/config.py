@@ -41,7 +41,8 @@ Attention = _choice("Attention", "flash math")
 Position = _choice("Position", "learned rope")
 Schedule = _choice("Schedule", "gpipe 1f1b interleaved_1f1b")
 Recompute = _choice("Recompute", "none selective full")
-Precision = _choice("Precision", "auto fp32 bf16 fp16")
+Precision = _choice("Precision", "auto fp32 bf16 fp16 fp8")
+Fp8Recipe = _choice("Fp8Recipe", "tensorwise rowwise")
 Optimizer = _choice("Optimizer", "adamw")
 ClusterKind = _choice("ClusterKind", "local slurm")
 Device = _choice("Device", "cpu cuda")
@@ -64,6 +65,7 @@ CHOICE_FIELDS: Dict[str, type] = {
     "parallel.schedule": Schedule,
     "parallel.recompute": Recompute,
     "train.precision": Precision,
+    "train.fp8_recipe": Fp8Recipe,
     "train.optimizer": Optimizer,
     "cluster.kind": ClusterKind,
     "cluster.device": Device,
@@ -183,6 +185,9 @@ class ParallelConfig:
     zero3_reshard_after_forward: bool = True
     """zero=3: release each unit's gathered parameters after its forward and gather them again for backward;
     false keeps them from forward to backward (less communication, more memory)."""
+    fp8_all_gather: bool = False
+    """train.precision=fp8 with zero=3 and fp8_recipe=tensorwise: gather the FP8 linears' weights in float8 (half
+    the bytes of bf16), as torchao's FSDP2 float8 all-gather does. Not implemented yet: true is refused."""
     micro_batch: int = 1
     """Sequences per micro-batch per data-parallel rank."""
     global_batch: int = 8
@@ -342,6 +347,9 @@ class ClusterConfig:
     = 79.65); on CPU: the share of RAM one rank may use."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one accelerator at the training precision, for MFU; 0: measure (CPU)."""
+    peak_tflops_fp8: float = 0.0
+    """Peak dense FP8 TFLOP/s of one accelerator (the datasheet's, without sparsity): train.precision=fp8 plans
+    the FP8 linears' FLOPs at this rate and reports MFU against it beside peak_tflops; 0: unknown."""
     partition: str = ""
     """Slurm partition."""
     account: str = ""
@@ -460,7 +468,13 @@ class TrainConfig:
     fused_adamw: bool = False
     """AdamW as one fused kernel over the flat shard: faster, but not bit-identical to torch.optim.AdamW (docs/PERFORMANCE.md)."""
     precision: Precision = Precision.auto
-    """auto (bf16 on GPUs, fp32 on CPU) | fp32 | bf16 (fp32 main grads and masters) | fp16 (dynamic loss scaling)."""
+    """auto (bf16 on GPUs, fp32 on CPU) | fp32 | bf16 (fp32 main grads and masters) | fp16 (dynamic loss scaling) |
+    fp8 (bf16 as stored and checkpointed, the linears' matmuls in float8 through torchao: docs/FP8.md)."""
+    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
+    """precision=fp8: tensorwise (one scale per tensor) | rowwise (one per row, power-of-2 scales): torchao's recipes."""
+    fp8_skip: List[str] = field(default_factory=lambda: ["embedding", "output"])
+    """precision=fp8: module kinds kept in bf16, of qkv, proj, fc1, fc2, experts, embedding, output (the
+    embedding is a lookup and is never FP8)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 disables."""
     seed: int = 1234

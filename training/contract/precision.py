@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Dict
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 """The values train.precision accepts once resolved."""
 
-PARAM_DTYPE: Dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-"""Dtype of the model's weights and activations."""
+PARAM_DTYPE: Dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+"""Dtype of the model's weights and activations (fp8 stores bf16: only the linears' matmul operands are cast to
+float8, transiently, training/parallel/fp8.py)."""
 
-GRAD_DTYPE: Dict[str, str] = {"fp32": "float32", "bf16": "float32", "fp16": "float16"}
+GRAD_DTYPE: Dict[str, str] = {"fp32": "float32", "bf16": "float32", "fp16": "float16", "fp8": "float32"}
 """Dtype of the main (accumulated, reduced) gradients."""
 
 DTYPE_BYTES: Dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -50,6 +50,7 @@ from training.contract.layout_rules import (
     tp_rules,
 )
 from training.parallel.mesh import ProcessMesh
+from training.model.fp8_apply import apply_fp8
 from training.model.moe import MoEMLP
 from training.parallel.collectives import group_rank, group_size, reduce_from_tp, reduce_scatter_to_sp
 from training.model.dropout_softmax import masked_scale, softmax_16
@@ -439,6 +440,9 @@ class GPTChunk(nn.Module):
             self.output = ColumnParallelLinear(
                 mc.hidden_size, self.padded_vocab, False, mesh.tp_group, self.sp, dtype, dev
             )
+        self.output_matmul = (
+            None  # an FP8 matmul for the head when fp8_skip leaves it out (training/model/fp8_apply.py)
+        )
         init_parameters(self, seed, mc.init_std, mc.num_layers, mc.vocab_size, mesh.tp, mesh.tp_rank)
 
     def param_units(self) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
@@ -481,7 +485,9 @@ class GPTChunk(nn.Module):
             return _SwapSequenceBatch.apply(x) if batch_first else x
         x = self.final_norm(x)
         weight = self.output.weight if self.output is not None else self.embedding.word.weight
-        logits = column_parallel_linear(x, weight, None, self.mesh.tp_group, self.sp)  # [b, s, Vp/tp] or [s, b, ...]
+        logits = column_parallel_linear(  # [b, s, Vp/tp] or [s, b, ...]
+            x, weight, None, self.mesh.tp_group, self.sp, self.output_matmul
+        )
         if targets is None:
             return logits.transpose(0, 1).contiguous() if batch_first else logits
         if batch_first:
@@ -518,4 +524,5 @@ def build_gpt(cfg: Config, mesh: ProcessMesh, dtype: torch.dtype) -> List[GPTChu
                 seed=cfg.train.seed,
             )
         )
+    apply_fp8(chunks, cfg)
     return chunks

@@ -174,16 +174,17 @@ class Expert(nn.Module):
             if mc.bias
             else None
         )
+        self.matmul = F.linear  # an FP8 matmul when train.precision=fp8 (training/model/fp8_apply.py)
 
     def partial(self, x: torch.Tensor, swiglu: bool, gelu_approximate: str) -> torch.Tensor:
         """This tp rank's partial sum of the expert's output (no fc2 bias): [n, h]."""
-        y = F.linear(x, self.fc1.weight, self.fc1.bias)
+        y = self.matmul(x, self.fc1.weight, self.fc1.bias)
         if swiglu:
             gate, up = y.view(*y.shape[:-1], y.shape[-1] // 2, 2).unbind(-1)
             y = F.silu(gate) * up
         else:
             y = F.gelu(y, approximate=gelu_approximate)
-        return F.linear(y, self.fc2.weight)
+        return self.matmul(y, self.fc2.weight, None)
 
 
 def _expert_param(p: nn.Parameter) -> nn.Parameter:

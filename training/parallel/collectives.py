@@ -121,6 +121,17 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return all_gather_dim0(g, ctx.group), None
 
 
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter_dim0(g.contiguous(), ctx.group), None
+
+
 def _active(group: Any) -> bool:
     return group_size(group) > 1
 
@@ -454,3 +465,8 @@ def value(t: torch.Tensor, on_meta: float) -> float:
     if t.device.type == "meta":
         return float(on_meta)
     return float(t.item())
+
+
+def gather_from_sp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sequence shards -> the whole sequence (all-gather along dim 0); backward reduce-scatters the grad."""
+    return _GatherFromSP.apply(x, group) if _active(group) else x

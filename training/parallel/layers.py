@@ -9,7 +9,7 @@ layout-independently (training/model/init.py).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -20,6 +20,7 @@ from training.parallel.collectives import (
     all_gather_dim0,
     all_reduce,
     copy_to_tp,
+    gather_from_sp,
     group_rank,
     group_size,
     reduce_from_tp,
@@ -75,11 +76,26 @@ class _LinearWithSPGather(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
+Matmul = Callable[..., torch.Tensor]
+"""`(x, weight, bias) -> x @ weight^T + bias`: F.linear, or an FP8 one (training/parallel/fp8.py Fp8Linear.linear)."""
+
+
 def column_parallel_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: Any, sequence_parallel: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    group: Any,
+    sequence_parallel: bool,
+    matmul: Optional[Matmul] = None,
 ) -> torch.Tensor:
-    """y_local = x @ W_local^T (+ b_local); x replicated, or a sequence shard under SP (gathered here)."""
-    if sequence_parallel and group_size(group) > 1:
+    """y_local = x @ W_local^T (+ b_local); x replicated, or a sequence shard under SP (gathered here).
+
+    `matmul` None: F.linear (under SP saving only the sequence shard). An FP8 matmul under SP runs on the
+    gathered input, which torchao's float8 function saves whole for backward (tp times the shard's bytes)."""
+    sp = sequence_parallel and group_size(group) > 1
+    if matmul is not None:
+        return matmul(gather_from_sp(x, group) if sp else copy_to_tp(x, group), weight, bias)
+    if sp:
         return _LinearWithSPGather.apply(x, weight, bias, group)
     return F.linear(copy_to_tp(x, group), weight, bias)
 
@@ -107,9 +123,10 @@ class ColumnParallelLinear(nn.Module):
         local = _divide(out_features, tp, "output features of a column-parallel linear")
         self.weight = set_tp_meta(_param((local, in_features), dtype, device), 0, (out_features, in_features))
         self.bias = set_tp_meta(_param((local,), dtype, device), 0, (out_features,)) if bias else None
+        self.matmul: Optional[Matmul] = None  # an FP8 matmul when train.precision=fp8 (training/model/fp8_apply.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+        return column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel, self.matmul)
 
 
 class RowParallelLinear(nn.Module):
@@ -141,11 +158,12 @@ class RowParallelLinear(nn.Module):
             else None
         )
         self.single = tp == 1
+        self.matmul: Matmul = F.linear  # an FP8 matmul when train.precision=fp8 (training/model/fp8_apply.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.single:  # nothing to reduce: the bias joins the matmul (one addmm, not a matmul and an add)
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return self.matmul(x, self.weight, self.bias)
+        y = self.matmul(x, self.weight, None)
         y = reduce_scatter_to_sp(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
 
