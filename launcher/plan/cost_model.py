@@ -16,6 +16,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
+from launcher.plan.fp8 import fp8_rate_ratio, logits_rate, weight_gemm_seconds
 from launcher.plan.levers import offload_seconds
 from launcher.plan.model_size import recomputed_layers_per_rank
 from launcher.plan.model_size import padded_vocab
@@ -256,9 +257,16 @@ def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) 
     layer_fwd = fw["weights"] + fw["attention"]
     redo = {"full": layer_fwd, "selective": fw["attention"]}.get(str(par.recompute), 0.0)
     redo_overhead = rates.overhead_s / 2 if par.recompute == "full" else 0.0
-    per_layer = 3 * layer_fwd / rates.flops + rates.overhead_s
+    # fp8: the FP8 linears' share of the weight GEMMs at the FP8 rate (launcher/plan/fp8.py; 1x when not fp8).
+    if fp8_rate_ratio(cfg) == 1.0:
+        per_layer = 3 * layer_fwd / rates.flops + rates.overhead_s
+    else:
+        per_layer = 3 * (weight_gemm_seconds(cfg, fw["weights"], rates.flops) + fw["attention"] / rates.flops)
+        per_layer += rates.overhead_s
     tokens = mc.seq_length // par.cp * par.micro_batch
-    logits = 3 * 2 * tokens * mc.hidden_size * padded_vocab(mc.vocab_size, par.tp) / par.tp / rates.flops
+    logits = (
+        3 * 2 * tokens * mc.hidden_size * padded_vocab(mc.vocab_size, par.tp) / par.tp / logits_rate(cfg, rates.flops)
+    )
     compute = m * (n_layers * per_layer + (logits if par.pp == 1 else 0.0))
     last = m * (n_layers * per_layer + logits)
     compute = max(compute, last) if par.pp > 1 else compute

@@ -29,6 +29,7 @@ from launcher.plan.model_size import (
     padded_vocab,
 )
 from launcher.plan.cost_model import Rates, cluster_rates, predict
+from launcher.plan.fp8 import fp8_cache_bytes, saved_bytes_per_layer
 from launcher.plan.levers import zero2_dp_bytes, zero3_dp_bytes
 from launcher.plan.model_size import recomputed_layers_per_rank
 from launcher.plan.moe import all_to_all_bytes, expert_dp
@@ -204,6 +205,11 @@ class Plan:
     being cluster.peak_tflops or, when that is 0, the cost model's compute rate (peak_flops)."""
     peak_flops: float = 0.0
     """The per-GPU FLOP/s the mfu is relative to."""
+    mfu_fp8: float = 0.0
+    """train.precision=fp8: the predicted MFU against cluster.peak_tflops_fp8 (mfu stays against the bf16 peak,
+    cluster.peak_tflops); 0 when not fp8 or that peak is unknown."""
+    peak_flops_fp8: float = 0.0
+    """The per-GPU FP8 FLOP/s mfu_fp8 is relative to (0: not fp8, or cluster.peak_tflops_fp8 unset)."""
     reserve_bytes: int = 0
     """GPU memory kept back from model states and activations (CUDA context, NCCL buffers, allocator
     fragmentation: launcher/plan/memory.py device_reserve_bytes; 0 on CPU), plus memory_bytes' param_gather
@@ -239,6 +245,9 @@ def make_plan(
     m = par.global_batch // (par.micro_batch * dp)
     v = par.vpp if par.schedule == "interleaved_1f1b" else 1
     per_layer = layer_activation_bytes(cfg, profile)
+    if str(par.recompute) != "full":  # fp8: what its matmuls save beyond bf16's (launcher/plan/fp8.py)
+        per_layer += saved_bytes_per_layer(cfg)
+    fp8_cache = fp8_cache_bytes(cfg)
     activations = stages_activation_bytes(cfg, m, profile, stage_layers_activation_bytes(cfg, profile, per_layer))
     # Each stage's memory is its kind's (launcher/plan/stage_states.py: the recommender plans thousands of layouts
     # with pp up to 64 and more) with its activations (the micro-batches in flight differ) and total filled in.
@@ -249,7 +258,8 @@ def make_plan(
         kind = kinds[(st == 0, st == last)]
         mem = kind.memory.copy()
         mem["activations"] = act
-        mem["total"] = total = kind.model_states + act + mem["zero3_gathered"]
+        mem["fp8_cache"] = fp8_cache
+        mem["total"] = total = kind.model_states + act + mem["zero3_gathered"] + fp8_cache
         stages.append(StagePlan(st, kind.params.total, mem))
         totals.append(total)
     worst = stages[totals.index(max(totals))]  # the first of the largest, as max(stages, key=total)
@@ -271,6 +281,12 @@ def make_plan(
     tokens = par.global_batch * mc.seq_length
     per_gpu = tokens / step["total"] / world if step["total"] > 0 and world else 0.0
     mfu = figures.model_flops_per_step / (step["total"] * world * peak) if step["total"] > 0 and world and peak else 0.0
+    peak_fp8 = cfg.cluster.peak_tflops_fp8 * 1e12 if str(cfg.train.precision) == "fp8" else 0.0
+    mfu_fp8 = (
+        figures.model_flops_per_step / (step["total"] * world * peak_fp8)
+        if step["total"] > 0 and world and peak_fp8
+        else 0.0
+    )
     reserve = device_reserve_bytes(cfg, gpu_bytes)
     return Plan(
         world_size=world,
@@ -298,6 +314,7 @@ def make_plan(
                 "host_offload",
                 "nvme_offload",
                 "param_gather",
+                "fp8_cache",
                 "total",
             )
         },
@@ -319,6 +336,8 @@ def make_plan(
         tokens_per_s_per_gpu=per_gpu,
         mfu=mfu,
         peak_flops=peak,
+        mfu_fp8=mfu_fp8,
+        peak_flops_fp8=peak_fp8,
         params_active=figures.params_active,
         ep=getattr(par, "ep", 1) if mc.num_experts > 0 else 1,
     )

@@ -1,0 +1,262 @@
+"""train.precision=fp8 (training/parallel/fp8.py): meshrun's FP8 linears against torchao's float8 training, the
+layouts against one process, fp8 against bf16, and the plan's activation bytes against the saved-tensor counter.
+
+1. One process, the layer: a column-parallel and a row-parallel linear with an FP8 matmul give torchao's
+   Float8Linear (convert_to_float8_training on an nn.Linear holding the same weights) output, input grad, weight
+   grad and bias grad bit for bit, tensorwise and rowwise; both differ from the bf16 matmul by float8 rounding.
+2. One process, the model: the tiny GPT (dense, and with experts) whose linears (fused QKV, proj, fc1, fc2, every
+   expert) run as torchao Float8Linear modules on the same parameters gives meshrun's fp8 loss and every grad
+   bit for bit.
+3. Layouts (one 2-rank spawn for all of them): tp2 sp (tensorwise and rowwise), pp2, cp2, dp2 zero1, dp2 zero3,
+   ep2 give the one-process fp8 run's losses and first-step grad norm within FP8_TOL. Bit equality is not the
+   claim: a tp rank's tensorwise scale comes from the amax of its own shard of the weight (and of the activation
+   it holds), so the rounding differs from one process's; the tolerance is the float8 rounding that the
+   one-process run shows against bf16 (test_fp8_vs_bf16_one_process measures it), and a layout must stay inside it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("torchao", reason="train.precision=fp8 needs torchao (pip install 'meshrun[fp8]')")
+
+from helpers.dist import run_distributed  # noqa: E402
+from training.contract.config import Config, config_from_dict, config_to_dict  # noqa: E402
+
+STEPS = 4
+
+
+def _cfg(tp=1, pp=1, cp=1, dp=1, ep=1, sp=False, zero=0, precision="fp8", recipe="tensorwise", moe=False, steps=STEPS):
+    cfg = Config()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 32, 4, 16
+    if moe:
+        m.num_experts, m.moe_top_k, m.moe_ffn_hidden_size, m.activation = 4, 2, 32, "swiglu"
+    p = cfg.parallel
+    p.tp, p.pp, p.cp, p.dp, p.ep, p.sp, p.zero = tp, pp, cp, dp, ep, sp, zero
+    p.micro_batch, p.global_batch, p.bucket_mb = 2, 8, 0.01
+    cfg.cluster.gpus_per_node, cfg.cluster.peak_tflops = tp * pp * cp * dp, 1.0  # a fixed peak: no matmul timing
+    t = cfg.train
+    t.steps, t.warmup_steps, t.progress, t.precision, t.fp8_recipe = steps, 1, False, precision, recipe
+    t.grad_clip, t.lr, t.min_lr, t.log_every, t.tensorboard, t.dist_timeout_s = 0.0, 1e-3, 1e-4, 100, False, 60
+    cfg.data.kind, cfg.data.max_bytes = "text", 60_000
+    return cfg
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+# ---- 1. the layer against torchao's Float8Linear ------------------------------------------------------------
+def _torchao_linear(weight: nn.Parameter, bias, recipe: str) -> nn.Module:
+    """torchao's own float8 training module holding `weight` and `bias` (the same Parameter objects)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    module = convert_to_float8_training(nn.Sequential(lin), config=Float8LinearConfig.from_recipe_name(recipe))[0]
+    module.weight = weight
+    module.bias = bias
+    return module
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_fp8_linear_equals_torchao_float8_linear(recipe, kind):
+    from training.parallel.fp8 import fp8_linear_for
+    from training.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
+    ours = cls(64, 48, True, None, False, torch.bfloat16)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(48, 64) * 0.05)
+        ours.bias.copy_(torch.randn(48) * 0.1)
+    ours.matmul = fp8_linear_for(recipe).linear
+    ref = _torchao_linear(ours.weight, ours.bias, recipe)
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    g = torch.randn(2, 16, 48, dtype=torch.bfloat16)
+    results = []
+    for module in (ours, ref):
+        xi = x.clone().requires_grad_()
+        ours.weight.grad = ours.bias.grad = None
+        y = module(xi)
+        y.backward(g)
+        results.append((y.detach(), xi.grad, ours.weight.grad.clone(), ours.bias.grad.clone()))
+    for name, a, b in zip(("output", "input grad", "weight grad", "bias grad"), *results):
+        assert torch.equal(a, b), f"{kind} {recipe}: {name} differs from torchao's Float8Linear"
+    # Float8 really ran: the output differs from the bf16 matmul's, by float8 rounding (e4m3: 3 mantissa bits).
+    exact = torch.nn.functional.linear(x.float(), ours.weight.detach().float(), ours.bias.detach().float())
+    err = float((results[0][0].float() - exact).norm() / exact.norm())
+    assert 1e-3 < err < 0.1, err
+
+
+# ---- 2. the model against torchao modules on the same parameters --------------------------------------------
+def _use_torchao_modules(chunks, recipe: str) -> int:
+    """Replace every FP8 matmul of the model with a call of a torchao Float8Linear holding the same weight."""
+    made = {}
+
+    def matmul_of(module):
+        def matmul(x, weight, bias=None):
+            key = (id(weight), id(bias))
+            if key not in made:
+                made[key] = _torchao_linear(weight, bias, recipe)
+            return made[key](x)
+
+        return matmul
+
+    from training.parallel.fp8 import Fp8Linear
+
+    count = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(getattr(getattr(module, "matmul", None), "__self__", None), Fp8Linear):
+                module.matmul = matmul_of(module)
+                count += 1
+    return count
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "experts"])
+def test_fp8_model_equals_torchao_modules(moe):
+    from training.model.gpt import build_gpt
+    from training.parallel.mesh import ProcessMesh
+
+    torch.set_num_threads(1)
+    mesh = ProcessMesh.single()
+    cfg = _cfg(moe=moe, recipe="rowwise" if moe else "tensorwise")
+    grads = []
+    for torchao_modules in (False, True):
+        (chunk,) = build_gpt(cfg, mesh, torch.bfloat16)
+        if torchao_modules:
+            # qkv, proj and fc1, fc2 of each layer (dense), or qkv, proj and each expert (4 per layer)
+            assert _use_torchao_modules([chunk], str(cfg.train.fp8_recipe)) == (2 * 4 if not moe else 2 * 6)
+        torch.manual_seed(1)
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
+        loss = chunk(tokens, torch.roll(tokens, -1, 1))
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in chunk.named_parameters() if p.grad is not None}))
+    (loss_a, ga), (loss_b, gb) = grads
+    assert torch.equal(loss_a, loss_b)
+    assert ga.keys() == gb.keys() and len(ga) > 10
+    for name in ga:
+        assert torch.equal(ga[name], gb[name]), name
+
+
+# ---- 3. layouts against one process --------------------------------------------------------------------------
+LAYOUTS = {
+    "tp2_sp": dict(tp=2, sp=True),
+    "tp2_sp_rowwise": dict(tp=2, sp=True, recipe="rowwise"),
+    "pp2": dict(pp=2),
+    "cp2": dict(cp=2),
+    "dp2_zero1": dict(dp=2, zero=1),
+    "dp2_zero3": dict(dp=2, zero=3),
+    "ep2": dict(dp=2, ep=2, moe=True),
+}
+
+
+def _train(cfg_dict: dict, run_dir: str, mesh) -> dict:
+    from training.run.loop import Trainer
+
+    from training.observe.saved_bytes import saved_activation_bytes
+
+    cfg = config_from_dict(cfg_dict)
+    trainer = Trainer(cfg, run_dir, mesh, checkpointing=False)
+    saved = saved_activation_bytes(trainer) if cfg.parallel.pp == 1 else None  # a later stage takes no token ids
+    for chunk in trainer.chunks:
+        chunk.micro_step = 0  # the run starts from the first micro-batch's dropout key
+    norms = []
+    real_step = trainer.optimizer.step
+
+    def step(*args, **kwargs):
+        res = real_step(*args, **kwargs)
+        norms.append(float(res.grad_norm))
+        return res
+
+    trainer.optimizer.step = step
+    trainer.run()
+    return {"losses": list(trainer.losses), "grad_norms": norms, "saved": saved}
+
+
+def _two_ranks(base: str) -> dict:
+    """Every layout in one spawn, in fp8 and in bf16 (each mesh's groups built beside the previous one's)."""
+    from training.parallel.mesh import ProcessMesh
+
+    out, mesh = {}, None
+    for name, kw in LAYOUTS.items():
+        for precision in ("fp8", "bf16"):
+            if precision == "bf16" and "recipe" in kw:
+                continue  # the recipe is fp8's alone: tp2_sp's bf16 run serves
+            cfg = _cfg(precision=precision, **kw)
+            p = cfg.parallel
+            mesh = ProcessMesh.from_env(p.tp, p.pp, p.cp, p.dp, timeout_s=60, ep=p.ep)
+            out[name, precision] = _train(config_to_dict(cfg), os.path.join(base, f"{name}_{precision}"), mesh)
+    mesh.destroy()
+    return out
+
+
+_REFERENCE: dict = {}
+
+
+def _reference(**kw) -> dict:
+    from training.parallel.mesh import ProcessMesh
+
+    key = tuple(sorted(kw.items()))
+    if key not in _REFERENCE:
+        torch.set_num_threads(1)
+        _REFERENCE[key] = _train(config_to_dict(_cfg(**kw)), tempfile.mkdtemp(), ProcessMesh.single())
+    return _REFERENCE[key]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return run_distributed(_two_ranks, 2, args=(str(tmp_path_factory.mktemp("fp8")),), timeout_s=900)
+
+
+def _gap(a: dict, b: dict, name: str) -> float:
+    """The largest relative difference over the steps of run a's `name` (losses, grad_norms) from run b's."""
+    return max(_rel(x, y) for x, y in zip(a[name], b[name]))
+
+
+def test_fp8_vs_bf16_one_process():
+    """float8 really ran (fp8 differs from bf16) and trains the same model (by little). Measured over 4 steps:
+    losses 1.2e-4, grad norms 9.8e-4 (tensorwise)."""
+    fp8, bf16 = _reference(), _reference(precision="bf16")
+    for name in ("losses", "grad_norms"):
+        assert 1e-5 < _gap(fp8, bf16, name) < 0.02, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fp8_layout_equals_one_process(two, layout):
+    """|fp8 layout - fp8 one process| within the bf16 layout's own distance from bf16 one process (reduction order,
+    test_engine.py's claim) plus twice the float8 rounding one process shows (fp8 against bf16): the layout's
+    float8 rounding is no larger than one process's. Measured (losses, grad norms): tp2_sp 5.5e-5, 1.7e-3 within
+    2.5e-4, 2.4e-3; cp2 1.1e-4, 1.8e-3 within 2.4e-4, 2.6e-3; dp2 zero1 / zero3 0 and 4e-7."""
+    kw = {k: v for k, v in LAYOUTS[layout].items() if k in ("recipe", "moe")}
+    one8, one16 = _reference(**kw), _reference(precision="bf16", **{k: v for k, v in kw.items() if k == "moe"})
+    got8 = two[0][layout, "fp8"]
+    got16 = two[0][(layout if "recipe" not in kw else "tp2_sp"), "bf16"]
+    assert len(got8["losses"]) == STEPS
+    for name in ("losses", "grad_norms"):
+        tol = _gap(got16, one16, name) + 2 * _gap(one8, one16, name)
+        assert _gap(got8, one8, name) < tol, (layout, name, got8[name], one8[name], tol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["one_process", "one_process_rowwise", "tp2_sp"])
+def test_plan_fp8_activations_equal_saved_tensors(two, case):
+    """plan.json's activations of an fp8 run equal the bytes autograd saves (training/observe/saved_bytes.py)
+    within 3 %: torchao saves the bf16 operands, and under SP the gathered input of qkv and fc1
+    (launcher/plan/fp8.py). Measured: 0.1 % below the plan in one process and at tp2 sp."""
+    from launcher.plan.estimate import make_plan
+
+    kw = {"one_process": {}, "one_process_rowwise": {"recipe": "rowwise"}, "tp2_sp": LAYOUTS["tp2_sp"]}[case]
+    saved = [r["tp2_sp", "fp8"]["saved"] for r in two] if case == "tp2_sp" else [_reference(**kw)["saved"]]
+    plan = make_plan(_cfg(**kw)).memory_bytes
+    assert plan["fp8_cache"] > 0
+    for got in saved:
+        assert abs(got - plan["activations"]) <= 0.03 * plan["activations"], (case, got, plan["activations"])
