@@ -175,6 +175,12 @@ def cli() -> None:
         print(f"meshrun {_version()}")
         raise SystemExit(0)
     _reject_control_characters(sys.argv[1:])
+    from launcher.cli.precheck import problem
+
+    found = problem(sys.argv[1:])  # meshrun's diagnosis first and alone (launcher/cli/precheck.py)
+    if found:
+        print(f"meshrun: invalid configuration; nothing was launched. {found}", file=sys.stderr)
+        raise SystemExit(EXIT_INVALID)
     # Before Hydra copies the overrides into its logs and files (launcher/cli/secret_args.py).
     sys.argv[1:] = hide_secret_args(sys.argv[1:])
     try:

@@ -20,6 +20,16 @@ from training.contract.config import Config
 # plan and sweep point validates without it.
 
 
+
+def _prepare_fix(prefix: str) -> str:
+    """A command that makes the dataset a prefix names (action=prepare's default input: the stdlib sources)."""
+    import shlex
+
+    return (
+        f"meshrun action=prepare prepare.output={shlex.quote(prefix)} (or prepare.inputs=[your files]; "
+        "or name an existing prefix)"
+    )
+
 def _given(overrides: Sequence[str], key: str) -> bool:
     return any(o.split("=", 1)[0].lstrip("+~") == key for o in overrides)
 
@@ -142,7 +152,7 @@ def data_errors(cfg: Config) -> List[tuple]:
         try:
             ds, desc = open_dataset(prefix, may_describe=True)
         except DataError as exc:
-            out.append(("data.prefixes", str(exc), "see the message"))
+            out.append(("data.prefixes", str(exc), _prepare_fix(prefix)))
             continue
         descs.append(desc)
         need = int(desc.get("min_vocab_size") or 0)
@@ -181,7 +191,7 @@ def data_errors(cfg: Config) -> List[tuple]:
                 try:
                     open_dataset(prefix, may_describe=True)
                 except DataError as exc:
-                    out.append(("data.valid_prefixes", str(exc), "see the message"))
+                    out.append(("data.valid_prefixes", str(exc), _prepare_fix(prefix)))
         else:
             for prefix, desc in zip(d.prefixes, descs):
                 if not desc.get("valid_prefix"):

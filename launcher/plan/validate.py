@@ -145,7 +145,7 @@ def _check_numa_and_cores(cfg: Config, out: List[Issue]) -> None:
                 "cluster.gpus_per_node",
                 f"{c.gpus_per_node} local ranks on {cores} CPU cores: ranks share cores and every "
                 "collective waits for the slowest, so steps run several times slower",
-                f"cluster.gpus_per_node=<= {cores}, or accept the slowdown",
+                f"cluster.gpus_per_node={cores}, or accept the slowdown",
             )
         )
 
@@ -181,12 +181,12 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
     for key in POSITIVE:
         value = _get(cfg, key)
         if value is not None and value < 1:
-            out.append(Issue("error", key, f"must be a positive integer, got {value}", f"{key}=<n >= 1>", "size"))
+            out.append(Issue("error", key, f"must be a positive integer, got {value}", f"{key}=1", "size"))
             sizes_ok = False
     for key, most in MAX_SIZE.items():
         problem = too_large(key, _get(cfg, key))
         if problem:
-            out.append(Issue("error", key, problem, f"{key}=<n <= {most}>", "size"))
+            out.append(Issue("error", key, problem, f"{key}={most}", "size"))
             sizes_ok = False
     m, c, t = cfg.model, cfg.cluster, cfg.train
     if not 0.0 <= m.dropout < 1.0:
@@ -366,7 +366,7 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
                 "error",
                 "parallel.tp",
                 f"tp={t} exceeds the {c.gpus_per_node} GPUs of a node: TP would cross the slow interconnect",
-                f"parallel.tp=<= {c.gpus_per_node} (use pp across nodes) or parallel.allow_tp_across_nodes=true",
+                f"parallel.tp={c.gpus_per_node} (use pp across nodes) or parallel.allow_tp_across_nodes=true",
             )
         )
     out += _issues(rules.layer_rules(m.num_layers, p, v))

@@ -5,6 +5,7 @@ and exit 130 with the job left running."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import threading
 from importlib.metadata import version
@@ -87,3 +88,47 @@ def test_spare_nodes_alone_are_not_refused(tmp_path):
     res = run_cli(*DRY, "cluster.nodes=2", "cluster.spare_nodes=1", f"run.dir={tmp_path / 'r'}", cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert "#SBATCH --nodes=3\n" in res.stdout and "#SBATCH --no-kill\n" in res.stdout
+
+
+@pytest.mark.parametrize(
+    "args,said,fixed",
+    [
+        (["plan", "model=tiny"], "did you mean action=plan?", ["action=plan", "model=tiny"]),
+        (["action=plna"], "did you mean plan?", ["action=plan"]),
+        (["action=plan", "model=tiny-moe"], "did you mean tiny_moe?", ["action=plan", "model=tiny_moe"]),
+        (["action=plan", "parallel.cp_comm=allgather"], "did you mean all_gather?", None),
+        (["-m", "action=plan", "parallel.schedule=gpipe,1f1bb"], "did you mean 1f1b?", None),
+        (["action=plan", "model=nothing_like_it"], "expected one of [gpt2_125m,", ["--help"]),
+    ],
+)
+def test_meshrun_speaks_first_and_alone_with_a_typeable_fix(args, said, fixed, tmp_path):
+    """Bare words, unknown actions, presets and near-miss values: meshrun's message, not Hydra's grammar or search
+    path; the `fix:` line is a command that runs (exit 0)."""
+    res = run_cli(*args, f"run.dir={tmp_path / 'r'}", cwd=str(tmp_path))
+    assert res.returncode == EXIT_INVALID and said in res.stderr, res.stderr
+    assert not (tmp_path / "r").exists()  # nothing written
+    for hydra_speaks in ("missing EQUAL", "HYDRA_FULL_ERROR", "provider=", "Traceback"):
+        assert hydra_speaks not in res.stderr
+    fix = [line for line in res.stderr.splitlines() if line.startswith("fix: meshrun ")]
+    assert len(fix) == 1, res.stderr
+    words = shlex.split(fix[0][len("fix: meshrun ") :])
+    if fixed is not None:
+        assert words[: len(fixed)] == fixed
+    again = run_cli(*words, cwd=str(tmp_path))
+    assert again.returncode == 0, again.stderr
+
+
+def test_own_presets_are_left_to_hydra(tmp_path):
+    """A preset from --config-dir is not in the packaged list: no did-you-mean, it composes."""
+    (tmp_path / "conf" / "model").mkdir(parents=True)
+    (tmp_path / "conf" / "model" / "team_tiny.yaml").write_text("defaults:\n  - tiny\n  - _self_\nname: team_tiny\n")
+    res = run_cli("--config-dir", str(tmp_path / "conf"), "action=plan", "model=team_tiny", cwd=str(tmp_path))
+    assert "did you mean" not in res.stderr
+
+
+def test_a_missing_dataset_names_the_command_that_makes_it(tmp_path):
+    prefix = str(tmp_path / "corpus")
+    res = run_cli("action=plan", "data=indexed", f"data.prefixes=[{prefix}]", f"run.dir={tmp_path / 'r'}", cwd=ROOT)
+    assert res.returncode == EXIT_INVALID, res.stderr
+    assert f"fix: meshrun action=prepare prepare.output={prefix} " in res.stderr
+    assert "see the message" not in res.stderr
