@@ -137,7 +137,10 @@ def _check_numa_and_cores(cfg: Config, out: List[Issue]) -> None:
                     "or cluster.numa=auto",
                 )
             )
-    cores = os.cpu_count() or 0
+    try:  # the CPUs this process (and the ranks it starts) may run on, not the machine's: taskset, a cgroup
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 0
     if local and cores and c.gpus_per_node > cores:
         out.append(
             Issue(

@@ -91,6 +91,11 @@ _RESERVED_KEY = {
 _JOB_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.+\-]")
 
 
+SLURM_SIGNAL_CHECK_S = 30
+"""How often slurmctld checks time limits (and sends --signal's warning): the signal arrives between
+signal_delay_s and signal_delay_s - 30 s before the limit."""
+
+
 def default_job_name(run_dir: str) -> str:
     """meshrun-<the run directory's name>, in the characters a Slurm job name keeps plainly."""
     name = os.path.basename(os.path.normpath(run_dir)) if run_dir else ""
@@ -179,6 +184,13 @@ def validate_for_slurm(cfg: Config) -> List[str]:
     if c.signal_delay_s < 0 or c.signal_delay_s >= c.time_min * 60:
         errors.append(
             f"cluster.signal_delay_s={c.signal_delay_s} must be >= 0 and below the time limit ({c.time_min * 60} s)"
+        )
+    elif c.signal_delay_s <= SLURM_SIGNAL_CHECK_S:
+        errors.append(
+            f"cluster.signal_delay_s={c.signal_delay_s} leaves no time to save: Slurm looks at time limits every "
+            f"{SLURM_SIGNAL_CHECK_S} s, so the signal may come as late as signal_delay_s - {SLURM_SIGNAL_CHECK_S} s "
+            f"before the limit; give more than {SLURM_SIGNAL_CHECK_S} s plus one checkpoint save "
+            f"(cluster.signal_delay_s={SLURM_SIGNAL_CHECK_S + 60} or more)"
         )
     if c.nodes < 1 or c.gpus_per_node < 1:
         errors.append("cluster.nodes and cluster.gpus_per_node must be >= 1")

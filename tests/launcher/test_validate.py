@@ -257,7 +257,7 @@ def test_timeout_port_numa_and_cores(monkeypatch):
     monkeypatch.setattr(v, "online_numa_nodes", lambda: [0, 1])
     two = compose_cfg("cluster.numa=explicit", "cluster.numa_map=[0,1,1,0]")
     assert "cluster.numa_map" not in _keys(validate(two).errors)
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # the process's CPUs, not the machine's
     many = validate(compose_cfg("cluster.gpus_per_node=4"))
     warn = next(i for i in many.warnings if i.key == "cluster.gpus_per_node")
     assert "4 local ranks on 2 CPU cores" in warn.message and many.errors == []
@@ -270,3 +270,16 @@ def test_online_numa_nodes_parses_sysfs_ranges(tmp_path):
     path.write_text("0-2,5\n")
     assert online_numa_nodes(str(path)) == [0, 1, 2, 5]
     assert online_numa_nodes(str(tmp_path / "absent")) is None
+
+
+def test_the_oversubscription_warning_counts_the_cpus_this_process_may_use():
+    """The tests audit's D2: under `taskset -c 0` on a 2-CPU machine, 2 local ranks gave no warning (the check
+    counted os.cpu_count()). A real affinity limit, set on this process for the check and restored after."""
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(before)})
+        report = validate(compose_cfg("cluster.gpus_per_node=2"))
+    finally:
+        os.sched_setaffinity(0, before)
+    warn = [i for i in report.warnings if i.key == "cluster.gpus_per_node"]
+    assert warn and "2 local ranks on 1 CPU cores" in warn[0].message, report.warnings

@@ -248,6 +248,9 @@ def test_preflight_job_keeps_resources_and_container_but_no_requeue_machinery(tm
         ("cluster.container.mounts=[/data:/data]", "cluster.container.image is empty"),
         ("+cluster.sbatch_extra.exclusive=true", "cluster.sbatch_extra.exclusive is set by meshrun itself"),
         ("cluster.exclusive=maybe", "invalid configuration"),
+        # The tests audit's D4: the contract's "more than 30 s plus one save" was never checked (5 was accepted).
+        ("cluster.signal_delay_s=5", "cluster.signal_delay_s=5 leaves no time to save"),
+        ("cluster.signal_delay_s=30", "more than 30 s plus one checkpoint save"),
     ],
 )
 def test_bad_resource_values_exit_2_through_meshrun(override, message, tmp_path):
