@@ -29,6 +29,22 @@ RESERVED_ENV = (
     "LOCAL_WORLD_SIZE",
     "MASTER_ADDR",
     "MASTER_PORT",
+    # The job's identity as Slurm gives it: the prologue's lock claim, the rendezvous port and the warm agent's
+    # socket name read them (the hostile audit's Q2); other SLURM_* input variables (SLURM_CPU_BIND, ...) stay
+    # the user's.
+    "SLURM_JOB_ID",
+    "SLURM_JOBID",
+    "SLURM_RESTART_COUNT",
+    "SLURM_ARRAY_JOB_ID",
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_PROCID",
+    "SLURM_NODEID",
+    "SLURM_LOCALID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_NTASKS",
+    "SLURMD_NODENAME",
 )
 RESERVED_ENV_PREFIXES = ("MESHRUN_",)
 

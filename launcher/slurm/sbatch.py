@@ -67,6 +67,14 @@ _RESERVED = {
     "container-image",
     "container-mounts",
     "no-kill",
+    # Options that change the job's environment or user (the hostile audit's Q4): --export=NONE drops the
+    # environment the ranks read their secrets and run directory from; --wrap replaces meshrun's batch script.
+    "export",
+    "export-file",
+    "get-user-env",
+    "wrap",
+    "uid",
+    "gid",
 }
 
 

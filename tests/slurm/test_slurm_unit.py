@@ -590,3 +590,23 @@ def test_early_epilogue_gets_the_srun_status_once_or_the_epilogue_runs_after_sru
     res = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == code, res.stderr
     assert log.read_text().split("\n")[:-1] == ran
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("+cluster.env.SLURM_JOB_ID=1", "SLURM_JOB_ID"),
+        ("+cluster.env.SLURM_RESTART_COUNT=0", "SLURM_RESTART_COUNT"),
+        ("+cluster.sbatch_extra.export=NONE", "export"),
+        ("+cluster.sbatch_extra.wrap=id", "wrap"),
+        ("+cluster.sbatch_extra.uid=0", "uid"),
+    ],
+)
+def test_the_jobs_identity_and_environment_are_meshruns(override, message, tmp_path):
+    """The hostile audit's Q2 and Q4, decided (docs/USER_CONTRACTS.md): cluster.env may not set the variables
+    that name the job (the prologue's lock claim, the rendezvous port and the warm agents' sockets read them), and
+    sbatch_extra may not change the job's environment or user. Both were accepted; both are exit 2 now."""
+    res = run_cli(
+        "cluster=slurm_dev", "dry_run=true", "model=tiny", f"run.dir={tmp_path / 'run'}", override, cwd=PROJECT_ROOT
+    )
+    assert res.returncode == 2 and message in res.stderr and "#SBATCH" not in res.stdout, res.stderr[-2000:]
