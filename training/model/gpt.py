@@ -524,5 +524,9 @@ def build_gpt(cfg: Config, mesh: ProcessMesh, dtype: torch.dtype) -> List[GPTChu
                 seed=cfg.train.seed,
             )
         )
+    # One pair of RoPE tables for the rank (each chunk's layers already share their chunk's; see GPTChunk).
+    rotaries = [layer.attn.rotary for c in chunks for layer in c.layers.values() if layer.attn.rotary is not None]
+    for rot in rotaries[1:]:
+        rot.cos, rot.sin = rotaries[0].cos, rotaries[0].sin
     apply_fp8(chunks, cfg)
     return chunks

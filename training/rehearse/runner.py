@@ -185,7 +185,9 @@ def _run_engine(cfg: Config, run_dir: str, mesh, rec: comm.Recorder, result: Ran
     params = [p for c in trainer.chunks for p in c.parameters()]
     seen: set = set()
     mem = result.memory
-    mem["weights"] = meta_bytes(params, seen=seen)
+    # ZeRO-3 frees the full parameters: the weights are its shards (held by the optimizer's zero3 part).
+    zero3 = [getattr(o, "zero3", None) for o in (opt, getattr(opt, "experts", None))]
+    mem["weights"] = meta_bytes(params, seen=seen) + meta_bytes(zero3, seen=seen)
     mem["grads"] = meta_bytes(
         [getattr(opt, "grads", None), getattr(getattr(opt, "experts", None), "grads", None)], seen=seen
     )
