@@ -121,10 +121,11 @@ def start(cfg: Config, run_dir: str):
     from launcher.planning.gate import plan_or_reject
 
     result = plan_or_reject(cfg, run_dir, multirun=_is_multirun())
-    if result.get("status") == "ok" and not _is_multirun():
+    if result.get("status") == "ok" and not _is_multirun() and cfg.action == "train" and not cfg.dry_run:
         from launcher.manage.latest import point_latest
 
-        point_latest(run_dir)  # runs/latest names the newest run (launcher/manage/latest.py)
+        # runs/latest names the newest run (launcher/manage/latest.py); a plan or a dry run is not one.
+        point_latest(run_dir)
     if result.get("status") != "ok" or cfg.action == "plan":
         return result
     if cfg.cluster.kind == "slurm":

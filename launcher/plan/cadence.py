@@ -155,10 +155,9 @@ def _restart_gaps(run_dir: str, in_job: bool) -> Tuple[Optional[float], int]:
 def in_job_share(cfg: Config) -> int:
     """Node failures an allocation absorbs in-job before one goes through the queue: min(spares, in-job
     restarts); 0 without in-job restarts or spares (a blamed node then needs a new allocation)."""
-    from launcher.slurm.in_job import restart_limit
-
     c = cfg.cluster
-    return min(c.spare_nodes, restart_limit(c)) if restart_limit(c) > 0 and c.spare_nodes > 0 else 0
+    limit = c.in_job_restart_limit()
+    return min(c.spare_nodes, limit) if limit > 0 and c.spare_nodes > 0 else 0
 
 
 def blended_restart_s(cfg: Config, run_dir: Optional[str], requeue_s: float, requeue_source: str) -> Tuple[float, str]:

@@ -31,9 +31,7 @@ EVENT = "restarted_in_job"
 def restart_limit(c: ClusterConfig) -> int:
     """In-job restarts an allocation may make: cluster.max_in_job_restarts, or with it 0 and spares asked for, one
     per spare (asking for a spare means wanting in-job restarts: the spares would otherwise only wait idle)."""
-    if c.max_in_job_restarts > 0:
-        return c.max_in_job_restarts
-    return max(c.spare_nodes, 0)
+    return c.in_job_restart_limit()
 
 
 def enabled(c: ClusterConfig) -> bool:

@@ -132,3 +132,39 @@ def test_a_missing_dataset_names_the_command_that_makes_it(tmp_path):
     assert res.returncode == EXIT_INVALID, res.stderr
     assert f"fix: meshrun action=prepare prepare.output={prefix} " in res.stderr
     assert "see the message" not in res.stderr
+
+
+@pytest.mark.slow  # a local training run (one process, 3 steps)
+def test_plan_only_leaves_latest_and_runs_lists_every_run(tmp_path):
+    """A plan, then a dry run, leave runs/latest alone (it names launched runs only); action=runs lists the
+    folder newest first with its state, step/total, loss and job id (a 3-step run trained here, on one process)."""
+    import json
+
+    tiny = ["model.num_layers=1", "parallel=single", "cluster.gpus_per_node=1", "data=synthetic", "train.steps=3"]
+    plan = run_cli("action=plan", *tiny, cwd=str(tmp_path))
+    assert plan.returncode == 0, plan.stderr
+    assert not os.path.lexists(tmp_path / "runs" / "latest")
+    (planned,) = os.listdir(tmp_path / "runs")
+    empty = run_cli("action=runs", "runs.dir=nowhere", cwd=str(tmp_path))
+    assert empty.returncode == EXIT_INVALID and "fix: meshrun action=runs runs.dir=runs" in empty.stderr
+    import subprocess
+    import sys
+
+    trained = subprocess.run(
+        [sys.executable, "-m", "launcher", *tiny, "train.tensorboard=false"],
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    (ran,) = [d for d in os.listdir(tmp_path / "runs") if d not in (planned, "latest")]
+    assert os.readlink(tmp_path / "runs" / "latest") == ran
+    listing = run_cli("action=runs", cwd=str(tmp_path))
+    assert listing.returncode == 0, listing.stderr
+    head, first, second = listing.stdout.splitlines()
+    assert head.split() == ["state", "step", "loss", "job", "age", "run"]
+    loss = [json.loads(line) for line in open(tmp_path / "runs" / ran / "metrics.jsonl") if '"loss"' in line][-1]
+    assert first.split()[:4] == ["COMPLETED", "3/3", f"{loss['loss']:.4f}", "local"]
+    assert first.split()[-1] == os.path.join("runs", ran)
+    assert second.split()[:2] == ["PLANNED", "-/3"] and second.split()[-1] == os.path.join("runs", planned)

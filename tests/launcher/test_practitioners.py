@@ -99,17 +99,20 @@ def test_latest_links_follow_the_newest_run_and_sweep(tmp_path):
         "train.steps=3",
         "train.tensorboard=false",
     ]
-    # The link is pointed once the plan passes, before any launch (launcher/cli/app.py: start), the same for
-    # action=plan and a training run: the first, older run is a plan, the newest one trains.
+    # The link is pointed once a training run's plan passes, before its launch (launcher/cli/app.py: start); a
+    # plan-only action (or a dry run) never moves it (issue 47): the first, older directory is a plan, the
+    # newest one trains, and a later plan leaves the link on the training run.
     first = _cli(tmp_path, *args, "action=plan")
     assert first.returncode == 0, first.stderr
     runs = tmp_path / "runs"
     (one,) = [d for d in os.listdir(runs) if d != "latest"]
-    assert os.readlink(runs / "latest") == one  # relative: the folder can move
+    assert not os.path.lexists(runs / "latest")
     second = _meshrun(tmp_path, *args, "train.steps=4")
     assert second.returncode == 0, second.stderr
     two = [d for d in os.listdir(runs) if d not in ("latest", one)]
-    assert len(two) == 1 and os.readlink(runs / "latest") == two[0]
+    assert len(two) == 1 and os.readlink(runs / "latest") == two[0]  # relative: the folder can move
+    later = _cli(tmp_path, *args, "action=plan")
+    assert later.returncode == 0 and os.readlink(runs / "latest") == two[0], later.stderr
     status = _cli(tmp_path, "action=status", "run.dir=runs/latest")
     assert status.returncode == 0, status.stderr
     got = json.loads(status.stdout)

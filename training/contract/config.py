@@ -432,6 +432,13 @@ class ClusterConfig:
     training/run/warm_agent.py). Also local launches of two ranks or more: one warm agent per launch forks the
     ranks (ranks under numactl or nsys start cold; launcher/launch/local_warm.py). false: every rank starts cold."""
 
+    def in_job_restart_limit(self) -> int:
+        """In-job restarts an allocation may make: max_in_job_restarts, or with it 0 and spares asked for, one per
+        spare (asking for a spare means wanting in-job restarts: the spares would otherwise only wait idle)."""
+        if self.max_in_job_restarts > 0:
+            return self.max_in_job_restarts
+        return max(self.spare_nodes, 0)
+
 
 @dataclass
 class TrainConfig:
@@ -702,6 +709,15 @@ class StatusConfig:
 
 
 @dataclass
+class RunsConfig:
+    """What `meshrun action=runs` lists."""
+
+    dir: str = "runs"
+    """The folder whose run directories are listed (newest first): state, step/total, loss, job id, age; a
+    directory with a plan and no launch is PLANNED."""
+
+
+@dataclass
 class LogsConfig:
     """What `meshrun action=logs` prints."""
 
@@ -792,6 +808,7 @@ class Config:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     """action=generate: prompt, length and sampling of the continuation."""
     status: StatusConfig = field(default_factory=StatusConfig)
+    runs: RunsConfig = field(default_factory=RunsConfig)
     """action=status: output format."""
     logs: LogsConfig = field(default_factory=LogsConfig)
     """action=logs: which rank's log, and whether to follow it."""
