@@ -31,6 +31,7 @@ from launcher.slurm import in_job
 from launcher.slurm.requeue import blamed_failures, decide
 from launcher.slurm.rank_task import attempt_dir
 from launcher.launch.processes import PROJECT_ROOT
+from training.contract.rundir.resume_request import planned_resume_step
 from launcher.manage.status import cancel_requested, excluded_nodes, last_step, retries_used
 from launcher.slurm.queries import job_alive
 from training.contract.config import load_config
@@ -102,7 +103,10 @@ def prologue(run_dir: str) -> int:
         job_id=job_id(),
         nodes=nodes,
         restart_count=restart_count,
-        resume_step=step,
+        # The checkpoint this attempt resumes from (the last logged step may be far past it: a rank killed after
+        # step 29 of a run saved at 9 resumes from 9), and the last step logged before it.
+        resume_step=planned_resume_step(run_dir, cfg.train.resume),
+        last_step=step,
         code=PROJECT_ROOT,
         **extra,
     )
@@ -416,7 +420,6 @@ def _failure_like(d) -> bool:
 def _in_job_restart(run_dir, cfg, d, records, pro, events, step_now, ev) -> "in_job.Restart":
     """launcher/slurm/in_job.py's plan for this failure; when it is possible, the `restarted_in_job` event."""
     from launcher.slurm.elastic import UNUSABLE, node_states
-    from training.checkpoint.storage import read_latest
 
     restart_count = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     allocation = pro.get("allocation") or pro["nodes"]
@@ -452,7 +455,7 @@ def _in_job_restart(run_dir, cfg, d, records, pro, events, step_now, ev) -> "in_
             max_in_job_restarts=in_job.restart_limit(cfg.cluster),
             restart_count=restart_count,
             last_step=step_now,
-            resume_step=read_latest(run_dir),
+            resume_step=planned_resume_step(run_dir, cfg.train.resume),
             **ev,
         )
         print(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -41,13 +42,22 @@ def attempt_dir(run_dir: str, attempt: int) -> str:
     return os.path.join(run_dir, "slurm", f"attempt_{attempt}")
 
 
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)|error|fatal)\b.*", re.I)
+"""What names an error: "ValueError: ...", "torch.distributed.DistBackendError: ...", "error: ..."."""
+_FRAME_LINE = re.compile(r'^(?:File "|Traceback \(|\^+$|~+)')
+
+
 def last_error_line(text: str) -> str:
-    """The last non-empty line that looks like an error ("ValueError: ...", "error: ...")."""
+    """The error a rank ended with, as its first meaningful line: the last line that names an exception or an
+    error ("ValueError: ...", "error: ..."), never a traceback's frame or source line (`return func(*args,
+    **kwargs)` is a wrapper's frame, not the error); "" when the output names none."""
     lines = [ln.strip() for ln in text.replace("\r", "\n").splitlines() if ln.strip()]
     for line in reversed(lines):
-        if "Error" in line or "error" in line or "Exception" in line:
+        if _FRAME_LINE.match(line):
+            continue
+        if _EXCEPTION_LINE.match(line) or ("Error: " in line and not line.startswith(("return ", "raise "))):
             return line[:500]
-    return lines[-1][:500] if lines else ""
+    return ""
 
 
 FORWARD_POLL_S = 0.2

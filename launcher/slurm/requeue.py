@@ -143,9 +143,9 @@ def decide(
         # that vanished.
         failures = [Failure(r, rank_nodes.get(r, "?"), None, "never reported (its node was lost)") for r in lost]
     elif failed:
-        # The first rank to fail is the cause; srun --kill-on-bad-exit then killed the others.
-        first = min(failed, key=lambda rec: rec.get("ended", 0.0))
-        failures = [_failure(first)]
+        # The rank that died by a signal (or, failing that, raised an error of its own) is the cause; the peers'
+        # collective errors and srun's SIGTERMs (--kill-on-bad-exit) that follow are consequences.
+        failures = [_failure(root_cause(failed))]
     else:
         failures = [Failure(r, rank_nodes.get(r, "?"), None, "never reported (node or task lost)") for r in missing]
         if not failures:
@@ -218,9 +218,47 @@ def plan_exclusion(excluded: Sequence[str], new: Sequence[str], partition_nodes:
     return out, note
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def _failure(rec: Dict) -> Failure:
+    """The failure a rank record tells: a signal death says which signal first (what its log printed last is
+    not why it died), anything else the rank's error, never empty."""
     code = rec.get("exit_code")
-    reason = rec.get("error") or (f"killed by signal {-code}" if isinstance(code, int) and code < 0 else "")
-    if code == EXIT_NODE_BAD:
-        reason = reason or "preflight found this node bad"
+    error = rec.get("error") or ""
+    if isinstance(code, int) and code < 0:
+        reason = f"killed by {_signal_name(-code)}" + (f" (its last error line: {error})" if error else "")
+    elif code == EXIT_NODE_BAD:
+        reason = error or "preflight found this node bad"
+    else:
+        reason = error or f"exited with code {code} without an error message"
     return Failure(int(rec["rank"]), rec.get("node", "?"), code, reason)
+
+
+# A peer's error that only says another rank went away: a consequence of the cause, never the cause.
+_CONSEQUENCE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|remote worker crashed|watchdog|Broken pipe|"
+    r"NCCL communicator was aborted|ProcessGroup.*(?:abort|timed out)|Timed out|DistNetworkError|"
+    r"recvBytes|Socket Timeout|peer .* (?:closed|gone)",
+    re.IGNORECASE,
+)
+
+
+def root_cause(failed: Sequence[Dict]) -> Dict:
+    """Of the ranks that failed in an attempt, the one that caused it: the first to die by a signal other than
+    srun's SIGTERM (SIGKILL, the OOM killer, SIGSEGV), warm-started ranks included; else the first whose error is
+    not a collective's consequence (a peer's gloo "Connection closed by peer", an NCCL watchdog timeout); else
+    the first to end. Ordered by each record's end time."""
+    ordered = sorted(failed, key=lambda rec: float(rec.get("ended") or 0.0))
+    for pick in (
+        lambda rec: isinstance(rec.get("exit_code"), int) and rec["exit_code"] < 0 and not _terminated_by_srun(rec),
+        lambda rec: not _CONSEQUENCE.search(rec.get("error") or "") and not _terminated_by_srun(rec),
+    ):
+        chosen = [rec for rec in ordered if pick(rec)]
+        if chosen:
+            return chosen[0]
+    return ordered[0]

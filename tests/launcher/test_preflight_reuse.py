@@ -5,6 +5,7 @@ prologue (launcher/slurm/driver.py) run in-process on real files: what it export
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -82,3 +83,26 @@ def test_the_prologue_exports_and_records_the_reused_nodes(run_dir, capsys, caus
         assert "export MESHRUN_PREFLIGHT_PASSED=n1,n2" in out and started["preflight_passed"] == ["n1", "n2"]
     else:
         assert "MESHRUN_PREFLIGHT_PASSED" not in out and "preflight_passed" not in started
+
+
+def test_started_names_the_checkpoint_the_attempt_resumes_from_not_the_last_logged_step(run_dir, capsys):
+    """Issue 46 item 4: after a rank was killed at step 29 of a run whose newest checkpoint is step 9, the next
+    attempt's `started` said resume_step 29 (the last metrics row); it resumes from step 9. The prologue now
+    names the checkpoint (the newest on the `latest` line) and keeps the last logged step as last_step."""
+    from training.checkpoint import storage
+
+    for step, previous in ((6, None), (9, 6)):
+        os.makedirs(storage.step_dir(run_dir, step))
+        storage.write_json_durable(
+            os.path.join(storage.step_dir(run_dir, step), storage.MANIFEST), {"previous": previous, "files": {}}
+        )
+    storage.set_latest(run_dir, 9)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": s, "loss": 1.0, "time": T + s, "attempt": 0}) + "\n" for s in range(1, 30))
+    append_event(run_dir, "submitted", job_id="424243")
+    append_event(run_dir, "started", attempt=0, job_id="424243", nodes=["n1", "n2"])
+    append_event(run_dir, "requeued", attempt=0, cause="failure", job_id="424243")
+    assert driver.prologue(run_dir) == 0
+    capsys.readouterr()
+    started = [e for e in read_events(run_dir) if e["event"] == "started"][-1]
+    assert started["resume_step"] == 9 and started["last_step"] == 29, started

@@ -307,6 +307,56 @@ def rec(rank, code, error="", cause="", ended=0.0):
     return {"rank": rank, "node": LAYOUT[rank], "exit_code": code, "error": error, "cause": cause, "ended": ended}
 
 
+def test_the_rank_killed_by_a_signal_is_the_cause_not_the_peer_whose_collective_error_came_first():
+    """Issue 46 item 1, as the dev cluster showed it after a preemption requeue: rank 3 (n2) was SIGKILLed, and
+    rank 1's gloo "Connection closed by peer" record ended first (a warm-started rank's end comes back through its
+    agent, later than the peer's). The cause is rank 3, killed by SIGKILL, and its node is excluded; rank 1's
+    error is a consequence. Before, rank 1 was blamed as the program's and no node was excluded."""
+    from launcher.slurm.requeue import decide
+
+    records = [
+        rec(
+            1,
+            1,
+            "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer",
+            "exception",
+            1.0,
+        ),
+        rec(0, -15, "", "", 1.5),
+        rec(3, -9, "return func(*args, **kwargs)", "", 2.0),
+        rec(2, -15, "", "", 2.2),
+    ]
+    d = decide(records, **ARGS)
+    assert [f.rank for f in d.failures] == [3] and d.exclude == ["n2"], d
+    assert d.failures[0].reason.startswith("killed by SIGKILL"), d.failures[0].reason
+    # No signal death: the first rank with an error of its own, not a peer's consequence.
+    records = [
+        rec(1, 1, "RuntimeError: Connection closed by peer", "exception", 1.0),
+        rec(2, 1, "ValueError: bad batch", "exception", 2.0),
+    ]
+    d = decide(records, **ARGS)
+    assert [f.rank for f in d.failures] == [2] and d.exclude == [], d
+    # A rank that exits 1 without a message still has a reason, never an empty one.
+    d = decide([rec(2, 1, "", "", 1.0)], **ARGS)
+    assert d.failures[0].reason, d
+
+
+def test_a_failure_reason_is_the_exception_line_never_a_wrappers_frame():
+    """Issue 46 item 4: the `failed` event of a SIGKILLed rank carried `return func(*args, **kwargs)`, a frame of
+    a traceback its log printed earlier. The reason is the exception's type and message, or nothing."""
+    from launcher.slurm.rank_task import last_error_line
+
+    log = (
+        "step 3 loss 5.1\nTraceback (most recent call last):\n"
+        '  File "x.py", line 3, in wrapper\n    return func(*args, **kwargs)\n'
+        "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1, remote process exited\n"
+        '  File "y.py", line 9, in f\n    return func(*args, **kwargs)\n'
+    )
+    assert last_error_line(log).startswith("torch.distributed.DistBackendError: NCCL error"), last_error_line(log)
+    assert last_error_line("step 1\nstep 2\n    return func(*args, **kwargs)\n") == ""
+    assert last_error_line("error: cannot read config.json\n") == "error: cannot read config.json"
+
+
 def test_lost_node_is_excluded_not_the_first_survivor_to_report():
     """n2 vanished (no record from either of its ranks); n1's ranks then failed in a collective. Before,
     the first survivor's node (n1) was excluded."""
