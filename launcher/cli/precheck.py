@@ -72,8 +72,28 @@ def _values(value: str) -> Optional[List[str]]:
     return value.split(",")
 
 
+def _unknown_key(argv: Sequence[str]) -> Optional[str]:
+    """A key the typed config lacks (`parallel.tpp=2`, `+parallel.tpp=2`): meshrun's words instead of Hydra's
+    'use +parallel.tpp=2', which typed groups refuse anyway (launcher/cli/unknown_keys.py)."""
+    from launcher.cli.unknown_keys import argv_keys, message, nearest_key
+
+    unknown = argv_keys(argv)
+    if not unknown:
+        return None
+    for i, arg in _overrides(argv):
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if key.strip() == unknown[0]:
+            near = nearest_key(unknown[0])
+            fix = _fix(argv, i, f"{near}={value}") if near and sep else "meshrun action=keys"
+            return f"{message(unknown)}\nfix: {fix}"
+    return None
+
+
 def problem(argv: Sequence[str]) -> Optional[str]:
     """The first argument meshrun can diagnose, as 'what is wrong (did you mean ...)\\nfix: meshrun ...'."""
+    found = _unknown_key(argv)
+    if found:
+        return found
     actions = list(BY_NAME)
     own_presets = any(a.split("=")[0].lstrip("+~") in _OWN_PRESETS for a in argv)
     for i, arg in _overrides(argv):

@@ -99,6 +99,8 @@ def test_spare_nodes_alone_are_not_refused(tmp_path):
         (["action=plan", "parallel.cp_comm=allgather"], "did you mean all_gather?", None),
         (["-m", "action=plan", "parallel.schedule=gpipe,1f1bb"], "did you mean 1f1b?", None),
         (["action=plan", "model=nothing_like_it"], "expected one of [gpt2_125m,", ["--help"]),
+        (["action=plan", "parallel.tpp=1"], "did you mean parallel.tp?", ["action=plan", "parallel.tp=1"]),
+        (["action=plan", "+parallel.tpp=1"], "did you mean parallel.tp?", ["action=plan", "parallel.tp=1"]),
     ],
 )
 def test_meshrun_speaks_first_and_alone_with_a_typeable_fix(args, said, fixed, tmp_path):
