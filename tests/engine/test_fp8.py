@@ -260,3 +260,83 @@ def test_plan_fp8_activations_equal_saved_tensors(two, case):
     assert plan["fp8_cache"] > 0
     for got in saved:
         assert abs(got - plan["activations"]) <= 0.03 * plan["activations"], (case, got, plan["activations"])
+
+
+# ---- 4. checkpoints hold the fp32 master state only: fp8 -> bf16 -> fp8 -----------------------------------
+def _state(trainer) -> dict:
+    opt = trainer.optimizer
+    out = {f"adam/{k}": v.detach().float().numpy().copy() for k, v in opt.adamw.tensors().items()}
+    for name, p in zip(opt.names, opt.params):
+        out[f"param/{name}"] = p.detach().float().numpy().copy()
+    out["step"] = opt.step_count
+    return out
+
+
+def _run_capturing(cfg, run_dir: str, mesh) -> dict:
+    from training.run.loop import Trainer
+
+    trainer = Trainer(cfg, run_dir, mesh)
+    captured: dict = {}
+    real = trainer._resume
+
+    def _resume():
+        real()
+        captured["resumed"] = _state(trainer)
+
+    trainer._resume = _resume
+    code = trainer.run()
+    return {"code": code, "losses": list(trainer.losses), "state": _state(trainer), **captured}
+
+
+def _precision_switch(base: str) -> dict:
+    """An fp8 run stopped at step 2, resumed as bf16 (stopped at 3), resumed as fp8 to step 4."""
+    from training.parallel.mesh import ProcessMesh
+
+    mesh = ProcessMesh.from_env(1, 1, 1, 1, timeout_s=60)
+    legs = [("fp8", 2), ("bf16", 3), ("fp8", 0)]
+    out = []
+    for precision, stop in legs:
+        cfg = _cfg(precision=precision)
+        cfg.train.exit_interval = stop
+        out.append(_run_capturing(cfg, base, mesh))
+    mesh.destroy()
+    return {"legs": out}
+
+
+def test_fp8_checkpoint_resumes_as_bf16_and_back_bit_exactly(tmp_path):
+    """The checkpoint of an fp8 run is a bf16 run's (bf16 weights, fp32 masters and Adam moments, no float8 state):
+    resumed as bf16 the state is the saved one element for element, and the bf16 checkpoint resumed as fp8 too."""
+    legs = run_distributed(_precision_switch, 1, args=(str(tmp_path),), timeout_s=300)[0]["legs"]
+    assert [len(leg["losses"]) for leg in legs] == [2, 1, 1]
+    assert legs[0]["code"] == legs[1]["code"] == 3 and legs[2]["code"] == 0
+    for saved, resumed in ((legs[0]["state"], legs[1]["resumed"]), (legs[1]["state"], legs[2]["resumed"])):
+        assert saved.keys() == resumed.keys() and saved["step"] == resumed["step"]
+        for key in saved:
+            if key != "step":
+                assert (saved[key] == resumed[key]).all(), key
+
+
+# ---- 5. training: 50 steps on real data, fp8 against bf16 ------------------------------------------------
+@pytest.mark.slow
+def test_fp8_trains_like_bf16_for_50_steps():
+    """The tiny GPT on the standard library's sources (data.kind=text), 50 steps at lr 3e-3: fp8's loss stays
+    within a stated gap of bf16's. Measured: the mean of the last 10 losses 0.16 % (tensorwise) and 0.39 %
+    (rowwise) below bf16's (3.649), the largest single-step gap 1.0 % and 2.9 %; bounded at 1 % and 5 %."""
+    from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
+
+    torch.set_num_threads(1)
+    losses = {}
+    for precision, recipe in (("bf16", "tensorwise"), ("fp8", "tensorwise"), ("fp8", "rowwise")):
+        cfg = _cfg(precision=precision, recipe=recipe, steps=50)
+        cfg.train.lr, cfg.train.min_lr, cfg.train.warmup_steps, cfg.train.grad_clip = 3e-3, 3e-4, 5, 1.0
+        trainer = Trainer(cfg, tempfile.mkdtemp(), ProcessMesh.single(), checkpointing=False)
+        trainer.run()
+        losses[precision, recipe] = trainer.losses
+    bf16 = losses["bf16", "tensorwise"]
+    assert sum(bf16[-10:]) / 10 < bf16[0] - 1.0, "the reference must actually train"
+    for recipe in ("tensorwise", "rowwise"):
+        fp8 = losses["fp8", recipe]
+        assert len(fp8) == 50
+        assert abs(sum(fp8[-10:]) - sum(bf16[-10:])) / sum(bf16[-10:]) < 0.01, (recipe, fp8[-10:], bf16[-10:])
+        assert max(_rel(a, b) for a, b in zip(fp8, bf16)) < 0.05, recipe
