@@ -50,6 +50,7 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     assert set(checks) == {
         "preflight",
         "train",
+        "fp8",
         "mfu",
         "model_state_bytes",
         "activations",
@@ -65,6 +66,9 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     assert states["measured"] == states["plan"] and states["measured"]["weights"] > 0
     assert 0 < checks["mfu"]["mfu"] < 1
     assert len(checks["fp16_loss_scaling"]["loss_scales"]) == 3
+    # The fp8 step (issue 45): tiny in fp8 beside the fp32 run, throughput ratio and loss gap computed.
+    fp8 = checks["fp8"]
+    assert fp8["steps"] == 4 and fp8["speedup_vs_reference"] > 0 and 0 <= fp8["loss_gap"] < 0.05
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     # Every --dry check computed, none assumed (issue 30/31): the preflight ran on the NVML double, MFU is
     # bounded by 1, the activations were measured (saved-tensor bytes) against the plan.
