@@ -120,7 +120,22 @@ def start(cfg: Config, run_dir: str):
             raise SystemExit(EXIT_INVALID)
     from launcher.planning.gate import plan_or_reject
 
-    result = plan_or_reject(cfg, run_dir, multirun=_is_multirun())
+    auto = None
+    if cfg.parallel.auto:  # parallel=auto: the recommender fills what the command line left open
+        from launcher.planning.auto import announce, choose
+
+        choice = choose(cfg, HydraConfig.get().overrides.task, multirun=_is_multirun())
+        if choice is not None and choice.chosen is None:  # a sweep point at which nothing fits
+            message = f"parallel=auto: no layout fits ({choice.searched} searched)"
+            print(f"[no_fit] model={cfg.model.name}: {message}", file=sys.stderr)
+            return {"status": "no_fit", "errors": [f"error: parallel: {message}"], "warnings": [], "issues": []}
+        if choice is not None:
+            cfg = choice.cfg
+            cfg.run.dir = run_dir
+            if not _is_multirun():
+                announce(choice)
+            auto = choice.to_json()
+    result = plan_or_reject(cfg, run_dir, multirun=_is_multirun(), auto=auto)
     if result.get("status") == "ok" and not _is_multirun() and cfg.action == "train" and not cfg.dry_run:
         from launcher.manage.latest import point_latest
 

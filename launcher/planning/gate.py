@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from launcher.plan.cadence import format_advice
 from launcher.plan.cadence import resolve as resolve_cadence
@@ -42,8 +42,11 @@ def validate_for_launch(cfg: Config) -> Report:
     return validate(cfg, cluster_checks=checks)
 
 
-def plan_or_reject(cfg: Config, run_dir: str, multirun: bool = False) -> Dict[str, Any]:
-    """Validate cfg; on success print the plan, write plan.json and config.json into run_dir.
+def plan_or_reject(
+    cfg: Config, run_dir: str, multirun: bool = False, auto: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
+    """Validate cfg; on success print the plan, write plan.json and config.json into run_dir. `auto`: what
+    parallel=auto chose (launcher/planning/auto.py), kept as plan.json's `auto`.
 
     Returns {"status": "ok", "plan": plan.json's dict, "warnings": [...], "run_dir": run_dir}, or in a
     sweep {"status": "invalid" | "no_fit", "errors": [...], "warnings": [...]}. A single run with errors
@@ -83,6 +86,8 @@ def plan_or_reject(cfg: Config, run_dir: str, multirun: bool = False) -> Dict[st
     # resolved into config.json, where the engine reads it.
     cadence = resolve_cadence(cfg, run_dir, plan.predicted_step_s)
     plan_json["checkpoint_cadence"] = cadence.to_json()
+    if auto is not None:
+        plan_json["auto"] = auto
     from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
 
     if writes:

@@ -552,6 +552,12 @@ def run_recommend(cfg: Config, run_dir: str) -> Dict[str, Any]:
             file=sys.stderr,
         )
         raise SystemExit(EXIT_INVALID)
+    if cfg.parallel.auto:  # parallel=auto: the layouts parallel=auto chooses from (its default global batch)
+        from hydra.core.hydra_config import HydraConfig
+
+        from launcher.planning.auto import searched_config
+
+        cfg = searched_config(cfg, HydraConfig.get().overrides.task if HydraConfig.initialized() else [])
     report = validate(replace(cfg, action="plan"))
     structural = [i for i in report.errors if i.key.startswith("model.") or i.code in ("data", "finite", "choice")]
     if structural:

@@ -102,7 +102,7 @@ def test_keys_prints_every_key_with_type_default_and_docstring(tmp_path):
     assert one.returncode == 0, one.stderr
     keys = [line.split(":", 1)[0] for line in one.stdout.splitlines() if line and not line.startswith((" ", "=="))]
     assert keys and all(k.startswith("parallel.") for k in keys)
-    assert "presets: default" in one.stdout
+    assert "presets: auto, default" in one.stdout  # sorted: parallel=auto (the cuda presets' default) first
     bad = meshrun("action=keys", "keys.group=paralel", cwd=tmp_path)
     assert bad.returncode == 2 and "not a config group" in bad.stderr
 

@@ -18,6 +18,7 @@ FULL_1 = {"recompute": "full", "recompute_num_layers": 1}
 CHANGES = [
     {"tp": 4},
     {"dp": 1},
+    {"auto": True},  # parallel=auto is resolved before a plan: the plan of the layout is the same
     {"dp": 1, "tp": 4},
     {"dp": 1, "cp": 2},
     {"dp": 1, "pp": 4},

@@ -154,6 +154,11 @@ class ModelConfig:
 class ParallelConfig:
     """How the model and the batch are split over ranks: world = tp x pp x cp x dp, tp fastest."""
 
+    auto: bool = False
+    """true (parallel=auto, the default of the cuda cluster presets): at plan and launch time the recommender
+    (launcher/planning/auto.py) fills every parallel.* key not given on the command line with the fastest layout
+    that fits, and prints it with the runner-up; config.json records the chosen values with auto false (so a
+    resumed run keeps its layout) and plan.json's `auto` says what was chosen, the runner-up and why."""
     tp: int = 1
     """Tensor-parallel degree (kept inside a node)."""
     pp: int = 1

@@ -1,0 +1,234 @@
+"""parallel=auto: the recommender picks the layout at plan and launch time (the default of the cuda cluster presets).
+
+Every `parallel.*` key given on the command line is kept (pinned); every other one is filled from the fastest
+layout that fits (launcher/planning/recommend.py's search, the same ranking `action=recommend` prints). The global
+batch, when not given, is about a million tokens (GLOBAL_BATCH_TOKENS): a DGX preset should not inherit the CPU
+demo's 16 sequences. When nothing fits at cluster.nodes, the error names the smallest node count that fits
+(smallest_fitting_nodes). The chosen config has parallel.auto false, so config.json records what runs and a
+resumed run keeps its layout; plan.json's `auto` says what was chosen, the runner-up and why.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from launcher.plan.cost_model import Rates, cluster_rates
+from launcher.plan.estimate import GIB, fmt_seconds, make_plan
+from launcher.plan.validate import validate
+from launcher.planning.recommend import Candidate, _with, annotate, fits_with_headroom, search
+from training.contract import layout_rules as rules
+from training.contract.config import Config, derived_dp
+from training.contract.exit_codes import EXIT_INVALID
+
+GLOBAL_BATCH_TOKENS = 2**20
+"""Tokens per optimizer step when parallel.global_batch is not given: about a million, as Megatron-LM's and
+Llama 3's published recipes for 8B-70B models use (128 sequences of 8192 tokens)."""
+SEARCHED_KEYS = (
+    "tp",
+    "pp",
+    "vpp",
+    "cp",
+    "ep",
+    "dp",
+    "sp",
+    "zero",
+    "offload",
+    "micro_batch",
+    "global_batch",
+    "schedule",
+    "recompute",
+    "recompute_num_layers",
+    "allow_tp_across_nodes",
+)
+"""The parallel keys the search chooses; a pinned one (given on the command line) is kept as given."""
+MAX_NODES_TRIED = 1024
+"""smallest_fitting_nodes doubles cluster.nodes up to this many nodes."""
+
+
+@dataclass
+class AutoChoice:
+    """What parallel=auto chose."""
+
+    cfg: Config
+    chosen: Optional[Candidate]
+    """None: no layout fits (a sweep point; a single run exits 2 instead)."""
+    runner_up: Optional[Candidate]
+    pinned: Dict[str, Any] = field(default_factory=dict)
+    searched: int = 0
+    fitting: int = 0
+
+    def to_json(self) -> Dict[str, Any]:
+        def row(c: Candidate) -> Dict[str, Any]:
+            return {
+                "layout": c.short(),
+                "overrides": c.overrides(),
+                "predicted_step_s": c.step_s,
+                "memory_gib": round(c.plan.memory_bytes["total"] / GIB, 2),
+                "rank": c.rank,
+                "why": c.reason,
+            }
+
+        assert self.chosen is not None
+        return {
+            "chosen": row(self.chosen),
+            "runner_up": row(self.runner_up) if self.runner_up is not None else None,
+            "why": self.chosen.reason,
+            "pinned": {k: str(v) if not isinstance(v, (int, float, bool)) else v for k, v in self.pinned.items()},
+            "searched": self.searched,
+            "fitting": self.fitting,
+        }
+
+
+def pinned_keys(overrides: Sequence[str]) -> List[str]:
+    """The parallel.* keys the command line sets ('parallel.tp=8' -> 'tp'); a group choice pins none."""
+    keys = []
+    for text in overrides:
+        key = text.split("=", 1)[0].lstrip("+~").strip()
+        if key.startswith("parallel.") and key.count(".") == 1:
+            keys.append(key.split(".", 1)[1])
+    return keys
+
+
+def default_global_batch(cfg: Config) -> int:
+    """GLOBAL_BATCH_TOKENS in sequences, a power of two (dp degrees of power-of-two clusters divide it)."""
+    return 2 ** max(0, round(math.log2(max(1, GLOBAL_BATCH_TOKENS // cfg.model.seq_length))))
+
+
+def _rates(cfg: Config) -> Rates:
+    return cluster_rates(cfg)  # the preset's rates: a plan probes nothing (recommend's probe is its own action)
+
+
+def _matches(cand: Candidate, pinned: Dict[str, Any]) -> bool:
+    p = cand.cfg.parallel
+    for key, want in pinned.items():
+        have = cand.plan.dp if key == "dp" else getattr(p, key)
+        if str(have) != str(want):
+            return False
+    return True
+
+
+def _with_pins(cand: Candidate, pinned: Dict[str, Any], rates: Rates) -> Optional[Candidate]:
+    """cand with the pinned keys forced onto it, when that is a valid layout that fits (keys the search does
+    not vary, such as zero=3 or offload=cpu)."""
+    changes = {k: v for k, v in pinned.items() if k != "dp"}
+    new = _with(cand.cfg, **changes)
+    dp = derived_dp(new)
+    if dp < 1 or ("dp" in pinned and dp != pinned["dp"]):
+        return None
+    if any(v.level == "error" for v in rules.layout_violations(new, dp)):
+        return None
+    plan = make_plan(new, rates=rates)
+    return Candidate(new, plan, reason=cand.reason, rank=cand.rank) if fits_with_headroom(plan, new) else None
+
+
+def ranked(cfg: Config, pinned: Dict[str, Any], rates: Rates) -> Tuple[List[Candidate], int, int]:
+    """The fitting layouts that keep the pinned keys, fastest first; the layouts searched; those that fit."""
+    result = search(cfg, rates)
+    annotate(result)
+    keep = [c for c in result.candidates if _matches(c, pinned)]
+    if not keep and pinned:
+        for cand in result.candidates[:200]:
+            forced = _with_pins(cand, pinned, rates)
+            if forced is not None and all(forced.short() != k.short() for k in keep):
+                keep.append(forced)
+                if len(keep) == 2:
+                    break
+    return keep, result.searched, len(result.candidates)
+
+
+def _at_nodes(cfg: Config, nodes: int) -> Config:
+    return type(cfg)(**{**vars(cfg), "cluster": type(cfg.cluster)(**{**vars(cfg.cluster), "nodes": nodes})})
+
+
+def smallest_fitting_nodes(cfg: Config, pinned: Dict[str, Any]) -> Optional[Tuple[int, Candidate]]:
+    """The smallest power-of-two multiple of cluster.nodes at which some layout (keeping the pinned keys) fits."""
+    nodes = cfg.cluster.nodes * 2
+    while nodes <= MAX_NODES_TRIED:
+        grown = _at_nodes(cfg, nodes)
+        keep, _, _ = ranked(grown, pinned, _rates(grown))
+        if keep:
+            return nodes, keep[0]
+        nodes *= 2
+    return None
+
+
+def searched_config(cfg: Config, overrides: Sequence[str]) -> Config:
+    """cfg as parallel=auto searches it: auto off, the default global batch unless the command line gives one."""
+    base = _with(cfg, auto=False)
+    if "global_batch" not in pinned_keys(overrides):
+        base = _with(base, global_batch=default_global_batch(cfg))
+    return base
+
+
+def choose(cfg: Config, overrides: Sequence[str], multirun: bool = False) -> Optional[AutoChoice]:
+    """The layout parallel=auto runs: the fastest that fits keeping the command line's parallel.* keys.
+    None when the model or data is invalid (the gate then reports that). When none fits: exits 2 (nothing
+    written) naming the smallest node count that does; in a sweep, an AutoChoice with chosen None."""
+    given = set(pinned_keys(overrides))
+    pinned = {k: getattr(cfg.parallel, k) for k in SEARCHED_KEYS if k in given}
+    base = searched_config(cfg, overrides)
+    report = validate(replace(base, action="plan"))
+    if any(i.key.startswith("model.") or i.code in ("data", "finite", "choice") for i in report.errors):
+        return None
+    rates = _rates(base)
+    keep, searched, fitting = ranked(base, pinned, rates)
+    if not keep:
+        if multirun:
+            return AutoChoice(cfg=base, chosen=None, runner_up=None, pinned=pinned, searched=searched)
+        _refuse(base, pinned, searched)
+    chosen = keep[0]
+    return AutoChoice(
+        cfg=chosen.cfg,
+        chosen=chosen,
+        runner_up=keep[1] if len(keep) > 1 else None,
+        pinned=pinned,
+        searched=searched,
+        fitting=fitting,
+    )
+
+
+def _refuse(cfg: Config, pinned: Dict[str, Any], searched: int) -> None:
+    kept = " ".join(f"parallel.{k}={v}" for k, v in pinned.items())
+    c = cfg.cluster
+    print(
+        f"meshrun: invalid configuration; nothing was launched.\nerror: parallel=auto: no layout of "
+        f"{cfg.model.name} fits {c.nodes} x {c.gpus_per_node} GPUs of {c.gpu_memory_gb:g} GiB at global batch "
+        f"{cfg.parallel.global_batch}" + (f" keeping {kept}" if kept else "") + f" ({searched} layouts searched)",
+        file=sys.stderr,
+    )
+    found = smallest_fitting_nodes(cfg, pinned)
+    if found is not None:
+        nodes, cand = found
+        print(
+            f"    fix: cluster.nodes={nodes} (the smallest allocation that fits: {cand.short()}, "
+            f"{fmt_seconds(cand.step_s)} a step, {cand.plan.memory_bytes['total'] / GIB:.1f} GiB per GPU)",
+            file=sys.stderr,
+        )
+    elif pinned:
+        print(f"    fix: drop {kept} from the command line (the search then chooses them)", file=sys.stderr)
+    else:
+        print(
+            "    fix: model.seq_length=<smaller>, or a cluster with more GPU memory (cluster.gpu_memory_gb)",
+            file=sys.stderr,
+        )
+    raise SystemExit(EXIT_INVALID)
+
+
+def announce(choice: AutoChoice) -> None:
+    """The chosen layout and the runner-up, each with why (stdout: part of the plan's output)."""
+    c = choice.chosen
+    assert c is not None
+    kept = " ".join(f"parallel.{k}={v}" for k, v in choice.pinned.items())
+    print(
+        f"meshrun: parallel=auto chose {c.short()} ({fmt_seconds(c.step_s)} a step, "
+        f"{c.plan.memory_bytes['total'] / GIB:.1f} GiB per GPU; {choice.fitting} of {choice.searched} layouts fit"
+        + (f"; kept {kept}" if kept else "")
+        + f"): {c.reason}"
+    )
+    r = choice.runner_up
+    if r is not None:
+        print(f"meshrun: runner-up {r.short()} ({fmt_seconds(r.step_s)} a step): {r.reason}")
+    print(f"meshrun: to pin this layout: {c.overrides()}")
