@@ -30,7 +30,16 @@ from launcher.manage.goodput import write_goodput_quietly
 from launcher.launch.local_warm import LocalAgent, wanted
 from launcher.launch.local_numa import rank_prefix
 from launcher.launch.nsys import nsys_prefix
-from launcher.launch.processes import POLL_S, engine_env, rank_process_env, start_pump, stop_processes, threads_per_rank
+from launcher.launch.processes import (
+    POLL_S,
+    PlainLines,
+    engine_env,
+    rank_process_env,
+    start_pump,
+    stop_processes,
+    threads_per_rank,
+)
+from training.observe.progress import TTY_ENV
 from training.contract.rundir.config_files import write_config
 from launcher.slurm.queries import job_alive
 from training.contract.config import Config, derived_dp
@@ -108,6 +117,7 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
             agent_log.write(attempt_header(attempt).encode())
             agent_log.flush()
             agent = LocalAgent(run_dir, rank_process_env({}, engine_env(cfg, run_dir), threads), agent_log)
+        tty = sys.stderr.isatty()
         for r in range(world):
             # Appended: every attempt of the run stays in the log, each under its own header (action=logs).
             log = open_append(os.path.join(run_dir, "logs", f"rank_{r}.log"), binary=True)  # never via a link
@@ -117,6 +127,8 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
             env = rank_process_env(dist_env(r, world, r, world, LOOPBACK, port), engine_env(cfg, run_dir), threads)
             env[TOKEN_ENV] = lock.token
             env["MESHRUN_ATTEMPT"] = str(attempt)
+            if r == 0 and tty:
+                env[TTY_ENV] = "1"
             if binding[r][1] is not None:
                 env["MESHRUN_NUMA_NODE"] = str(binding[r][1])
             env[LAUNCHER_PID_ENV] = str(os.getpid())  # the rank stops (after a checkpoint) if this launcher dies
@@ -138,8 +150,10 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
                     start_new_session=True,
                 )
             procs.append(proc)
-            # Rank 0 also goes to this terminal (stderr: stdout stays for results).
-            pumps.append(start_pump(proc.stdout, [log, sys.stderr.buffer] if r == 0 else [log]))
+            # Rank 0 also goes to this terminal (stderr: stdout stays for results); its progress bar redraws in
+            # place there (TTY_ENV) and reaches the log as plain lines.
+            sinks: List[Any] = [PlainLines(log), sys.stderr.buffer] if r == 0 and tty else [log]
+            pumps.append(start_pump(proc.stdout, sinks if r == 0 else [log]))
         if agent is not None:
             # Which ranks the agent forked (the others started cold, each with its `warm_start_missed`).
             append_event(run_dir, "ranks_started", warm_ranks=warm_ranks, agent_pid=agent.pid, attempt=attempt)

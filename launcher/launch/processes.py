@@ -87,6 +87,20 @@ def pump(src: BinaryIO, sinks: Sequence[BinaryIO], tail: Optional[List[bytes]] =
                 tail.pop(0)
 
 
+class PlainLines:
+    """A sink for a log file that turns a progress bar's in-place redraws (`\\r` + line) into plain lines: each
+    redraw ends the line before it, so the log holds one line per redraw and no carriage returns."""
+
+    def __init__(self, sink: BinaryIO):
+        self.sink = sink
+
+    def write(self, chunk: bytes) -> None:
+        self.sink.write(chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n"))
+
+    def flush(self) -> None:
+        self.sink.flush()
+
+
 def start_pump(src: BinaryIO, sinks: Sequence[BinaryIO], tail: Optional[List[bytes]] = None) -> threading.Thread:
     """pump() in a daemon thread (a child that never closes its output must not keep the launcher alive)."""
     thread = threading.Thread(target=pump, args=(src, sinks, tail), daemon=True)

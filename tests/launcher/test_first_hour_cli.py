@@ -170,3 +170,46 @@ def test_plan_only_leaves_latest_and_runs_lists_every_run(tmp_path):
     assert first.split()[:4] == ["COMPLETED", "3/3", f"{loss['loss']:.4f}", "local"]
     assert first.split()[-1] == os.path.join("runs", ran)
     assert second.split()[:2] == ["PLANNED", "-/3"] and second.split()[-1] == os.path.join("runs", planned)
+
+
+@pytest.mark.slow  # a local training run under a pseudo-terminal
+def test_progress_is_redrawn_in_place_on_a_terminal_and_plain_in_the_log(tmp_path):
+    """meshrun on a terminal (a pty), 40 steps on one process: rank 0's bar is redrawn in place (a carriage return
+    before each redraw) at least 10 times before the end, and the run's log holds the same as plain lines."""
+    import pty
+    import select
+    import subprocess
+    import sys
+    import time
+
+    main, child = pty.openpty()
+    args = ["model.num_layers=1", "parallel=single", "cluster.gpus_per_node=1", "data=synthetic", "train.steps=40"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launcher", *args, "train.tensorboard=false", f"run.dir={tmp_path / 'run'}"],
+        cwd=str(tmp_path),
+        stdin=subprocess.DEVNULL,
+        stdout=child,
+        stderr=child,
+    )
+    os.close(child)
+    seen = b""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([main], [], [], 1.0)
+        if ready:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the child side closed: the run has ended
+                break
+            if not chunk:
+                break
+            seen += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(main)
+    assert proc.wait(timeout=60) == 0, seen[-3000:].decode("utf-8", "replace")
+    redraws = [part for part in seen.split(b"\r") if part.startswith(b"[")]
+    assert len(redraws) >= 10 and b" 40/40 " in redraws[-1], seen[-2000:]
+    assert any(b" 20/40 " in part for part in redraws)  # mid-run, not only at the end
+    log = (tmp_path / "run" / "logs" / "rank_0.log").read_bytes()
+    assert b"\r" not in log and log.count(b"/40 ") >= 10

@@ -1,6 +1,8 @@
 """Rank 0's progress on stderr (no torch, no tqdm).
 
-On a terminal: a bar redrawn in place every step, with elapsed time and the time left. Without one (a Slurm log,
+On a terminal: a bar redrawn in place every step, with elapsed time and the time left. Rank 0's stderr is the
+local launcher's pipe, not the terminal: the launcher says that its own stderr is one (TTY_ENV), copies the redraws
+there and writes the run's log as plain lines (launcher/launch/processes.py: PlainLines). Without one (a Slurm log,
 a pipe, `wait=true` streaming that log): one plain line every `train.progress_every_s` seconds, plus the first
 and the last step, so a long run's log grows with wall time rather than with steps, and a short one still shows
 its start and end.
@@ -8,6 +10,7 @@ its start and end.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import IO, Optional
@@ -21,6 +24,10 @@ def format_duration(seconds: Optional[float]) -> str:
     h, rem = divmod(s, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+TTY_ENV = "MESHRUN_PROGRESS_TTY"
+"""Set to 1 by the local launcher for rank 0 when the launcher's stderr is a terminal."""
 
 
 class Progress:
@@ -39,7 +46,7 @@ class Progress:
     ):
         self.total, self.enabled, self.every_s = total, enabled, max(0.0, float(every_s))
         self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) or os.environ.get(TTY_ENV) == "1"
         self.clock = clock
         self.start_step = start_step
         self.t0 = clock()
