@@ -428,7 +428,12 @@ def format_plan(plan: Plan) -> str:
         (
             "throughput",
             f"{plan.tokens_per_s_per_gpu:.4g} tokens/s per GPU, MFU {100 * plan.mfu:.1f} % "
-            f"(of {plan.peak_flops / 1e12:.4g} TFLOP/s per GPU)",
+            f"(of {plan.peak_flops / 1e12:.4g} TFLOP/s per GPU)"
+            + (
+                f", {100 * plan.mfu_fp8:.1f} % of the FP8 peak ({plan.peak_flops_fp8 / 1e12:.4g} TFLOP/s)"
+                if plan.peak_flops_fp8
+                else ""
+            ),
         ),
     ]
     width = max(len(k) for k, _ in rows)

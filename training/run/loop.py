@@ -154,6 +154,9 @@ class Summary:
     """The CUDA caching allocator's peak reserved bytes per rank after the first step (what the GPU really
     gave the allocator: allocated plus its fragmentation; bench/gpu_check.sh compares it with the plan); on
     CPU the same figure as peak_memory_bytes_per_rank."""
+    mfu_fp8: Optional[float] = None
+    """train.precision=fp8 with cluster.peak_tflops_fp8 set: the mean MFU against the FP8 peak (`mfu` stays
+    against the bf16 one, cluster.peak_tflops or the measured rate); None otherwise."""
 
 
 class Trainer:
@@ -607,9 +610,14 @@ class Trainer:
             exit_code,
             [int(x[1].item()) for x in out],
         )
+        fp8_peak = getattr(self.cfg.cluster, "peak_tflops_fp8", 0.0) * 1e12 * self.mesh.world_size
+        if str(self.cfg.train.precision) == "fp8" and fp8_peak > 0 and s.mfu is not None:
+            s.mfu_fp8 = s.mfu * self.peak_flops / fp8_peak
         if self.is_logger:
             mem = self.optimizer.memory_report()
             mfu_txt = f"{100 * s.mfu:.2f}%" if s.mfu is not None else "n/a"
+            if s.mfu_fp8 is not None:  # both labelled: the bf16 peak's and the FP8 peak's
+                mfu_txt = f"{mfu_txt} of the bf16 peak, {100 * s.mfu_fp8:.2f}% of the FP8 peak"
             print(
                 f"summary: {s.steps} steps, {s.tokens_per_s:,.0f} tokens/s, MFU {mfu_txt} "
                 f"(peak {self.peak_flops / 1e12:.3f} TFLOP/s over {self.mesh.world_size} ranks), "
