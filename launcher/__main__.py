@@ -1,3 +1,3 @@
-from launcher.cli.app import cli
+from launcher.cli.main import main
 
-cli()
+main()

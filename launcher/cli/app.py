@@ -158,29 +158,7 @@ def _presets(group: str) -> List[str]:
     return sorted(loader.get_group_options(group))
 
 
-_DIR_KEYS = ("run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.run.dir")
-
-
-def _reject_control_characters(argv: List[str]) -> None:
-    """A directory given with a control character (newline, tab, escape) exits 2 before Hydra creates it
-    (a sweep directory is created before any point runs; training/contract/rundir/config_files.py says why they are refused)."""
-    from training.contract.rundir.config_files import path_problem
-
-    for arg in argv:
-        key, sep, value = arg.lstrip("+~").partition("=")
-        if sep and key in _DIR_KEYS and path_problem(value, key):
-            print(f"meshrun: {path_problem(value, key)}; nothing was launched.", file=sys.stderr)
-            raise SystemExit(EXIT_INVALID)
-
-
-def _version() -> str:
-    """The installed distribution's version (pyproject.toml's), or "unknown" from a bare checkout."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("meshrun")
-    except PackageNotFoundError:
-        return "unknown (not installed: pip install -e .)"
+from launcher.cli.early import _reject_control_characters, _version  # noqa: E402 (no Hydra there)
 
 
 def cli() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import sys
 import typing
@@ -19,8 +20,10 @@ from training.contract.config import Config
 from training.contract.exit_codes import EXIT_INVALID
 
 
+@functools.lru_cache(maxsize=1)
 def field_docstrings() -> Dict[Tuple[str, str], str]:
-    """(class name, field name) -> the docstring written under the field in training/contract/config.py."""
+    """(class name, field name) -> the docstring written under the field in training/contract/config.py (parsed
+    once per process: action=keys asks once per dataclass)."""
     tree = ast.parse(inspect.getsource(config_module))
     docs: Dict[Tuple[str, str], str] = {}
     for node in tree.body:
@@ -146,6 +149,11 @@ def print_keys(
 
 def keys_action(cfg: Config, run_dir: Optional[str] = None) -> None:
     """action=keys (the action table, training/contract/actions.py)."""
-    from launcher.cli.app import _presets  # Hydra's view of the installed conf tree
+    from launcher.cli.fast import presets  # the packaged presets (launcher/cli/fast.py composed without Hydra)
 
-    return print_keys(cfg.keys.group, presets=_presets, effective=cfg)
+    if "hydra" in sys.modules:
+        from hydra.core.global_hydra import GlobalHydra
+
+        if GlobalHydra.instance().is_initialized():  # Hydra's view of the conf tree (a --config-dir's presets too)
+            from launcher.cli.app import _presets as presets
+    return print_keys(cfg.keys.group, presets=presets, effective=cfg)

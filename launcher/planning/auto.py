@@ -2,7 +2,7 @@
 
 Every `parallel.*` key given on the command line is kept (pinned); every other one is filled from the fastest
 layout that fits (launcher/planning/recommend.py's search, the same ranking `action=recommend` prints). The global
-batch, when not given, is about a million tokens (GLOBAL_BATCH_TOKENS): a DGX preset should not inherit the CPU
+batch, when not given, is about a million tokens (launcher/planning/auto_search.py): a DGX preset should not inherit the CPU
 demo's 16 sequences. When nothing fits at cluster.nodes, the error names the smallest node count that fits
 (smallest_fitting_nodes). The chosen config has parallel.auto false, so config.json records what runs and a
 resumed run keeps its layout; plan.json's `auto` says what was chosen, the runner-up and why.
@@ -10,7 +10,6 @@ resumed run keeps its layout; plan.json's `auto` says what was chosen, the runne
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -18,14 +17,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from launcher.plan.cost_model import Rates, cluster_rates
 from launcher.plan.estimate import GIB, fmt_seconds, make_plan
 from launcher.plan.validate import validate
+from launcher.planning.auto_search import pinned_keys, searched_config
 from launcher.planning.recommend import Candidate, _with, annotate, fits_with_headroom, search
 from training.contract import layout_rules as rules
 from training.contract.config import Config, derived_dp
 from training.contract.exit_codes import EXIT_INVALID
 
-GLOBAL_BATCH_TOKENS = 2**20
-"""Tokens per optimizer step when parallel.global_batch is not given: about a million, as Megatron-LM's and
-Llama 3's published recipes for 8B-70B models use (128 sequences of 8192 tokens)."""
 SEARCHED_KEYS = (
     "tp",
     "pp",
@@ -80,21 +77,6 @@ class AutoChoice:
             "searched": self.searched,
             "fitting": self.fitting,
         }
-
-
-def pinned_keys(overrides: Sequence[str]) -> List[str]:
-    """The parallel.* keys the command line sets ('parallel.tp=8' -> 'tp'); a group choice pins none."""
-    keys = []
-    for text in overrides:
-        key = text.split("=", 1)[0].lstrip("+~").strip()
-        if key.startswith("parallel.") and key.count(".") == 1:
-            keys.append(key.split(".", 1)[1])
-    return keys
-
-
-def default_global_batch(cfg: Config) -> int:
-    """GLOBAL_BATCH_TOKENS in sequences, a power of two (dp degrees of power-of-two clusters divide it)."""
-    return 2 ** max(0, round(math.log2(max(1, GLOBAL_BATCH_TOKENS // cfg.model.seq_length))))
 
 
 def _rates(cfg: Config) -> Rates:
@@ -153,14 +135,6 @@ def smallest_fitting_nodes(cfg: Config, pinned: Dict[str, Any]) -> Optional[Tupl
             return nodes, keep[0]
         nodes *= 2
     return None
-
-
-def searched_config(cfg: Config, overrides: Sequence[str]) -> Config:
-    """cfg as parallel=auto searches it: auto off, the default global batch unless the command line gives one."""
-    base = _with(cfg, auto=False)
-    if "global_batch" not in pinned_keys(overrides):
-        base = _with(base, global_batch=default_global_batch(cfg))
-    return base
 
 
 def choose(cfg: Config, overrides: Sequence[str], multirun: bool = False) -> Optional[AutoChoice]:

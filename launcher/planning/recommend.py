@@ -555,7 +555,7 @@ def run_recommend(cfg: Config, run_dir: str) -> Dict[str, Any]:
     if cfg.parallel.auto:  # parallel=auto: the layouts parallel=auto chooses from (its default global batch)
         from hydra.core.hydra_config import HydraConfig
 
-        from launcher.planning.auto import searched_config
+        from launcher.planning.auto_search import searched_config
 
         cfg = searched_config(cfg, HydraConfig.get().overrides.task if HydraConfig.initialized() else [])
     report = validate(replace(cfg, action="plan"))

@@ -852,6 +852,7 @@ _DATACLASS_FIELDS = {
     (Config, "prepare"): PrepareConfig,
     (Config, "run"): RunConfig,
     (Config, "keys"): KeysConfig,
+    (Config, "runs"): RunsConfig,
     (Config, "export"): ExportConfig,
     (Config, "generate"): GenerateConfig,
     (Config, "status"): StatusConfig,
