@@ -10,11 +10,16 @@ rank alike (the same numbers give the same answers, so no further collective is 
 - a node's tokens/s share below cluster.health.min_throughput_fraction of its own baseline is unhealthy
   (a `health` event, kind throughput);
 - with cluster.health.action=requeue, any unhealthy node stops the attempt (the loop checkpoints first).
+
+On stderr a rank's straggler line is printed at most once per STRAGGLER_QUIET_S; the rest are counted and
+summarised in one line at the end (every one is still an event). A CPU run with more local ranks than cores
+(which the launcher warns about) reports no stragglers at all: every rank waits for a core, so they all are.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from typing import Any, Dict, List
@@ -23,6 +28,7 @@ import torch
 
 from training.parallel import collectives as comm
 from training.contract.rundir.events import append_event
+from training.observe.progress import TTY_ENV
 from training.observe.health import THROUGHPUT, ThroughputShare, kinds, record_cause, start_sampler
 
 
@@ -71,6 +77,46 @@ class StragglerDetector:
         return out
 
 
+STRAGGLER_QUIET_S = 300.0
+"""Seconds between two stderr lines about the same straggling rank."""
+
+
+def oversubscribed(device_type: str, environ=os.environ) -> bool:
+    """More local ranks than CPU cores on a CPU run: the slowdown is the machine's, not a rank's."""
+    if device_type != "cpu":
+        return False
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return int(environ.get("LOCAL_WORLD_SIZE", "1")) > cores
+
+
+class StragglerLines:
+    """What rank 0 prints about stragglers: one line per rank per quiet_s, the others counted for summary()."""
+
+    def __init__(self, quiet_s: float = STRAGGLER_QUIET_S, clock=time.monotonic):
+        self.quiet_s, self.clock = quiet_s, clock
+        self.last: Dict[int, float] = {}
+        self.held: Dict[int, int] = {}
+
+    def line(self, rank: int, msg: str) -> str:
+        """The line to print now, or "" (counted) when this rank was reported less than quiet_s ago."""
+        now = self.clock()
+        if rank in self.last and now - self.last[rank] < self.quiet_s:
+            self.held[rank] = self.held.get(rank, 0) + 1
+            return ""
+        self.last[rank] = now
+        # On a terminal rank 0's bar has no newline yet (training/observe/progress.py): end it first.
+        return ("\n" if os.environ.get(TTY_ENV) == "1" else "") + f"straggler: {msg}"
+
+    def summary(self) -> str:
+        if not self.held:
+            return ""
+        ranks = ", ".join(f"rank {r} x{n}" for r, n in sorted(self.held.items()))
+        return f"straggler: {sum(self.held.values())} more not printed ({ranks}); events.jsonl has every one"
+
+
 class IntervalWatch:
     """The loop's one object for stragglers and node health: `step(...)` after every step, `close()` at the end."""
 
@@ -81,6 +127,8 @@ class IntervalWatch:
         self.node = self.nodes[mesh.rank]
         self.sampler = start_sampler(cfg, run_dir, mesh, self.node)
         self.stragglers = StragglerDetector(t.straggler_margin, t.straggler_intervals)
+        self.lines = StragglerLines()
+        self.oversubscribed = oversubscribed(getattr(mesh.device, "type", str(mesh.device)))
         self.share = ThroughputShare(h.min_throughput_fraction, h.baseline_intervals, h.throttle_samples)
         self.enabled = t.straggler_margin > 0 or h.enabled
         self.compute: List[float] = []
@@ -132,7 +180,10 @@ class IntervalWatch:
 
     def _stragglers(self, step: int, times: List[float]) -> None:
         median = median_of(times)
-        for rank in self.stragglers.update(times):
+        found = self.stragglers.update(times)
+        if self.oversubscribed:
+            return  # every rank waits for a core: no rank is the slow one (the launcher has warned)
+        for rank in found:
             msg = (
                 f"rank {rank} on {self.nodes[rank]} is a straggler: compute {times[rank]:.4f} s per step vs the "
                 f"median {median:.4f} s for {self.stragglers.intervals} log intervals"
@@ -148,7 +199,9 @@ class IntervalWatch:
                     median_s=median,
                     intervals=self.stragglers.intervals,
                 )
-                print(f"\nstraggler: {msg}", file=sys.stderr)
+                line = self.lines.line(rank, msg)
+                if line:
+                    print(line, file=sys.stderr)
 
     def _health(self, step: int, rows: List[List[float]]) -> None:
         for rank, row in enumerate(rows):
@@ -193,6 +246,8 @@ class IntervalWatch:
         return EXIT_STOPPED
 
     def close(self) -> None:
+        if self.mesh.rank == 0 and self.lines.summary():
+            print(self.lines.summary(), file=sys.stderr)
         if self.sampler is not None:
             self.sampler.close()
 
