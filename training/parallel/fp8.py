@@ -9,10 +9,15 @@ cast's scale comes from the amax of the tensor being cast (per tensor, or per ro
 recomputed forward (parallel.recompute) casts the same values with the same scales and is bit-identical.
 
 Forward casts the input and the weight to float8, backward the output grad (in the recipe's float8 dtypes) and
-recasts the saved high-precision input and weight for the two grad matmuls;
-torchao saves the bf16 input and weight, never a float8 copy, so FP8 adds no saved activation bytes over bf16:
-what it adds are the transient float8 copies of one linear's operands and their scales (the planner's
-memory_bytes.fp8_cache, launcher/plan/memory.py).
+recasts the saved high-precision input and weight for the two grad matmuls. torchao saves the bf16 input and
+weight, never a float8 copy: the linear saves what its bf16 F.linear saves, except where the input is a new tensor
+(under SP the gathered sequence, layers.py column_parallel_linear; rows padded below). What FP8 adds beyond that
+are the transient float8 copies of one linear's operands and their scales. The planner counts both
+(launcher/plan/fp8.py: the activations' extra, memory_bytes.fp8_cache).
+
+`matmul_with_hp_or_float8_args` is torchao's module-level function (no underscore, not in torchao.float8's
+__all__); the public entry point, the Float8Linear module swap, replaces nn.Linear modules, which meshrun's
+sharded linears are not.
 
 torchao is optional (`pip install 'meshrun[fp8]'`); this module imports it only when an FP8 model is built.
 """
