@@ -379,3 +379,22 @@ def test_summary_reports_mfu_against_both_peaks(tmp_path, capsys):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["mfu"] > 0 and summary["mfu_fp8"] == pytest.approx(summary["mfu"] / 4.0)
     assert "of the bf16 peak" in capsys.readouterr().err
+
+
+def test_generation_of_an_fp8_run_uses_bf16_matmuls():
+    """action=generate (and whatever reads a checkpoint into one process) builds an fp8 run's model without FP8
+    matmuls: the checkpoint is bf16, as the HF export is."""
+    from training.hf.generate import single_process_model
+    from training.model.gpt import build_gpt
+    from training.parallel.mesh import ProcessMesh
+
+    cfg = _cfg()
+    (trained,) = build_gpt(cfg, ProcessMesh.single(), torch.bfloat16)
+    assert trained.layers["0"].attn.qkv.matmul is not None  # the training model runs FP8
+    full = {n: p.detach().clone() for n, p in trained.named_parameters()}
+    chunk = single_process_model(cfg, full)
+    assert all(
+        m.matmul is None
+        for m in chunk.modules()
+        if hasattr(m, "matmul") and m.__class__.__name__ == "ColumnParallelLinear"
+    )

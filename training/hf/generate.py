@@ -37,7 +37,9 @@ def single_process_model(cfg, full: Dict[str, torch.Tensor], device: str = "cpu"
     par = dataclasses.replace(
         cfg.parallel, tp=1, pp=1, vpp=1, cp=1, dp=1, ep=1, sp=False, recompute="none", schedule="1f1b"
     )  # ep=1: every expert of a mixture on this one process
-    one = dataclasses.replace(cfg, parallel=par)
+    # An fp8 run's checkpoint is a bf16 one: generation runs bf16 matmuls, as the exported model does in transformers.
+    train = dataclasses.replace(cfg.train, precision="bf16") if str(cfg.train.precision) == "fp8" else cfg.train
+    one = dataclasses.replace(cfg, parallel=par, train=train)
     (chunk,) = build_gpt(one, ProcessMesh.single(device), dtype)
     with torch.no_grad():
         for name, p in chunk.named_parameters():
