@@ -152,8 +152,8 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
             procs.append(proc)
             # Rank 0 also goes to this terminal (stderr: stdout stays for results); its progress bar redraws in
             # place there (TTY_ENV) and reaches the log as plain lines.
-            sinks: List[Any] = [PlainLines(log), sys.stderr.buffer] if r == 0 and tty else [log]
-            pumps.append(start_pump(proc.stdout, sinks if r == 0 else [log]))
+            sinks: List[Any] = [PlainLines(log) if tty else log, sys.stderr.buffer] if r == 0 else [log]
+            pumps.append(start_pump(proc.stdout, sinks))
         if agent is not None:
             # Which ranks the agent forked (the others started cold, each with its `warm_start_missed`).
             append_event(run_dir, "ranks_started", warm_ranks=warm_ranks, agent_pid=agent.pid, attempt=attempt)

@@ -160,6 +160,7 @@ def test_plan_only_leaves_latest_and_runs_lists_every_run(tmp_path):
         timeout=300,
     )
     assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "] 3/3 loss " in trained.stderr and "\r" not in trained.stderr  # rank 0 shown, plain, off a terminal
     (ran,) = [d for d in os.listdir(tmp_path / "runs") if d not in (planned, "latest")]
     assert os.readlink(tmp_path / "runs" / "latest") == ran
     listing = run_cli("action=runs", cwd=str(tmp_path))
@@ -184,6 +185,7 @@ def test_progress_is_redrawn_in_place_on_a_terminal_and_plain_in_the_log(tmp_pat
 
     main, child = pty.openpty()
     args = ["model.num_layers=1", "parallel=single", "cluster.gpus_per_node=1", "data=synthetic", "train.steps=40"]
+    args.append("train.eval_every=20")
     proc = subprocess.Popen(
         [sys.executable, "-m", "launcher", *args, "train.tensorboard=false", f"run.dir={tmp_path / 'run'}"],
         cwd=str(tmp_path),
@@ -211,5 +213,6 @@ def test_progress_is_redrawn_in_place_on_a_terminal_and_plain_in_the_log(tmp_pat
     redraws = [part for part in seen.split(b"\r") if part.startswith(b"[")]
     assert len(redraws) >= 10 and b" 40/40 " in redraws[-1], seen[-2000:]
     assert any(b" 20/40 " in part for part in redraws)  # mid-run, not only at the end
+    assert seen.index(b"step 20: eval loss ") < seen.index(b" 30/40 ")  # the evaluation shows when it happens
     log = (tmp_path / "run" / "logs" / "rank_0.log").read_bytes()
     assert b"\r" not in log and log.count(b"/40 ") >= 10

@@ -75,6 +75,20 @@ def test_progress_on_a_terminal_is_one_bar_with_elapsed_and_eta():
     assert text.startswith("\r") and "\n" not in text
     assert "0:02 elapsed, 0:10 left" in text  # 2 s per step, 5 steps left
     assert format_duration(3725) == "1:02:05" and format_duration(None) == "?"
+    bar.note("step 5: eval loss 0.9000 (0.1 s)")  # replaces the bar's line, then the bar comes back below it
+    bar.update(6, "loss 0.9")
+    assert out.getvalue()[len(text) :].startswith("\r\x1b[Kstep 5: eval loss 0.9000 (0.1 s)\n\r[")
+
+
+def test_progress_notes_are_plain_lines_without_a_terminal():
+    out = io.StringIO()
+    bar = Progress(10, True, stream=out, clock=Clock(), every_s=30)
+    bar.update(1, "loss 1.0")
+    bar.update(2, "loss 0.9")  # within every_s: not printed
+    bar.note("step 2: eval loss 0.8000 (0.1 s)")
+    assert out.getvalue().splitlines()[-1] == "step 2: eval loss 0.8000 (0.1 s)" and "\r" not in out.getvalue()
+    Progress(10, False, stream=out).note("hidden")
+    assert "hidden" not in out.getvalue()
 
 
 def test_purge_moves_rows_after_the_checkpoint_and_loses_nothing(tmp_path):

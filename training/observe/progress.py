@@ -67,6 +67,14 @@ class Progress:
             f"[{format_duration(elapsed)} elapsed, {format_duration(self.eta_s(step))} left]"
         )
 
+    def note(self, text: str) -> None:
+        """A line that must show when it happens (an evaluation): on a terminal it replaces the bar's line (the
+        next update draws the bar again below it); elsewhere a plain line."""
+        if not self.enabled:
+            return
+        self.stream.write(("\r\x1b[K" if self.tty else "") + text + "\n")
+        self.stream.flush()
+
     def update(self, step: int, text: str) -> None:
         if not self.enabled:
             return

@@ -560,6 +560,8 @@ class Trainer:
                         f"update skipped" + (f", loss scale -> {res.loss_scale:g}" if res.loss_scale else ""),
                         file=sys.stderr,
                     )
+                if eval_loss is not None:  # as it happens, not only in the next progress line
+                    progress.note(f"step {self.state.step}: eval loss {eval_loss:.4f} ({eval_s or 0.0:.1f} s)")
                 shown_eval = f" eval {self.eval_losses[-1][1]:.4f}" if self.eval_losses else ""
                 shown_compile = (
                     f" (compiled {self.compiled_layers} layers in {compile_s:.1f} s)" if compile_s is not None else ""
