@@ -50,6 +50,7 @@ CHANGES = [
     {"bucket_mb": 0.001},
     {"overlap_grad_reduce": False},
     {"overlap_p2p": False},
+    {"fp8_all_gather": True},  # read by the engine only (zero=3 with fp8): the plan is the same
 ]
 MOE_CHANGES = [{"ep": 2}, {"ep": 4, "pp": 1}, {"ep": 2, "zero": 2}, {"ep": 2, "pp": 1}]
 
