@@ -372,7 +372,7 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
                 f"parallel.tp={c.gpus_per_node} (use pp across nodes) or parallel.allow_tp_across_nodes=true",
             )
         )
-    out += _issues(rules.layer_rules(m.num_layers, p, v))
+    out += _issues(rules.split_layer_rules(cfg))
     out += _issues(rules.schedule_rules(par.schedule, p, v))
     out += _issues(rules.sp_rules(par.sp, t, s))
     cp_issues = _issues(rules.cp_rules(cp, s, t, par.sp, m.dropout, getattr(par, "cp_comm", "ring")))

@@ -165,6 +165,19 @@ class ParallelConfig:
     """Pipeline stages."""
     vpp: int = 1
     """Virtual stages (model chunks) per pipeline rank; > 1 only with schedule=interleaved_1f1b."""
+    first_stage_layers: int = 0
+    """Transformer layers of the first pipeline rank (Megatron's decoder_first_pipeline_num_layers): it also holds
+    the embedding, so it may carry fewer; the ranks not fixed share the rest evenly (training/contract/stage_split.py).
+    0: not fixed (the even split)."""
+    last_stage_layers: int = 0
+    """Transformer layers of the last pipeline rank (Megatron's decoder_last_pipeline_num_layers): it also holds the
+    output layer and the loss. 0: not fixed."""
+    embedding_in_split: bool = False
+    """Count the embedding as one layer when the layers are divided evenly (Megatron's
+    account_for_embedding_in_pipeline_split): the first virtual stage builds one transformer layer fewer."""
+    loss_in_split: bool = False
+    """Count the output layer with the loss as one layer when the layers are divided evenly (Megatron's
+    account_for_loss_in_pipeline_split): the last virtual stage builds one transformer layer fewer."""
     cp: int = 1
     """Context-parallel degree: each sample's sequence split over cp ranks in 2 x cp chunks (rank i holds chunks
     i and 2cp-1-i), attention computed across them (training/parallel/context.py)."""

@@ -149,30 +149,29 @@ def sp_rules(sp: bool, tp: int, seq_length: int) -> List[Violation]:
 
 
 # ---- pipeline parallelism -------------------------------------------------------------------------
-def layer_rules(num_layers: int, pp: int, vpp: int) -> List[Violation]:
-    """Every model chunk gets the same number of layers: pp x vpp divides num_layers."""
-    L = num_layers
-    if pp > L:
-        return [
-            _error(
-                "parallel.pp",
-                f"pp={pp} is larger than num_layers={L}",
-                f"parallel.pp=<one of {divisors(L, L)}>",
-                "layers",
-            )
-        ]
-    if L % (pp * vpp):
-        fixes = [d for d in divisors(L, L) if d % pp == 0] if L % pp == 0 else []
-        return [
-            _error(
-                "parallel.pp",
-                f"num_layers={L} is not divisible by pp x vpp = {pp} x {vpp} = {pp * vpp}",
-                f"parallel.pp=<one of {divisors(L, L)}>"
-                + (f" or parallel.vpp=<one of {[d // pp for d in fixes]}>" if fixes and vpp > 1 else ""),
-                "layers",
-            )
-        ]
-    return []
+def layer_rules(
+    num_layers: int,
+    pp: int,
+    vpp: int,
+    first_stage_layers: int = 0,
+    last_stage_layers: int = 0,
+    embedding_in_split: bool = False,
+    loss_in_split: bool = False,
+) -> List[Violation]:
+    """The layers can be divided over the pp x vpp model chunks (training/contract/stage_split.py: evenly, with the
+    embedding and the loss counted as layers, or with the first and last pipeline ranks' layers fixed)."""
+    from training.contract.stage_split import StageSplit, split_rules
+
+    return split_rules(
+        StageSplit(num_layers, pp, vpp, first_stage_layers, last_stage_layers, embedding_in_split, loss_in_split)
+    )
+
+
+def split_layer_rules(cfg: Config) -> List[Violation]:
+    """layer_rules for a config's layout (its split keys included)."""
+    from training.contract.stage_split import split_rules, stage_split
+
+    return split_rules(stage_split(cfg))
 
 
 def schedule_rules(schedule: str, pp: int, vpp: int) -> List[Violation]:
@@ -364,10 +363,10 @@ def memory_lever_rules(
 
 
 def chunk_layer_count(cfg: Config) -> int:
-    """Layers of one pipeline chunk (0 when pp x vpp does not divide the layers)."""
-    par = cfg.parallel
-    v = par.vpp if par.schedule == "interleaved_1f1b" and par.pp > 1 else 1
-    return cfg.model.num_layers // (par.pp * v) if par.pp * v and cfg.model.num_layers % (par.pp * v) == 0 else 0
+    """Layers of the largest pipeline chunk (0 when the layers cannot be divided over the chunks)."""
+    from training.contract.stage_split import stage_split
+
+    return stage_split(cfg).max_chunk_layers()
 
 
 def moe_rules(m: ModelConfig, ep: int, dp: int, tp: int, cp: int, zero: int) -> List[Violation]:
@@ -464,7 +463,7 @@ def layout_violations(cfg: Config, dp: int) -> List[Violation]:
     tp = tp_rules(m, par.tp)
     if tp:  # the fix lists the valid tp values: worked out only then (action=recommend checks thousands of layouts)
         tp = tp_rules(m, par.tp, valid_tp(cfg))
-    out = model_rules(m) + tp + layer_rules(m.num_layers, par.pp, par.vpp)
+    out = model_rules(m) + tp + split_layer_rules(cfg)
     out += schedule_rules(par.schedule, par.pp, par.vpp)
     out += sp_rules(par.sp, par.tp, m.seq_length)
     out += cp_rules(par.cp, m.seq_length, par.tp, par.sp, m.dropout, getattr(par, "cp_comm", "ring"))

@@ -30,7 +30,7 @@ single-process mask at any tp / sp; attention-probability dropout (inside the TP
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from training.contract.config import Config, ModelConfig, ParallelConfig
 from training.model.fused_ops import rms_norm, rotary_qkv, swiglu
 from training.model.init import init_parameters, stable_seed
+from training.contract.stage_split import SPLIT_KEYS, StageSplit
 from training.contract.layout_rules import (
     layer_rules,
     model_rules,
@@ -497,11 +498,11 @@ class GPTChunk(nn.Module):
         return vocab_parallel_cross_entropy(logits, targets.t(), self.mesh.tp_group, self.vocab_size).mean()
 
 
-def chunk_layer_ids(num_layers: int, pp: int, vpp: int, pp_rank: int) -> List[List[int]]:
-    """Global layer ids of this pipeline rank's chunks: model chunk v * pp + pp_rank for v < vpp."""
-    raise_errors(layer_rules(num_layers, pp, vpp))
-    per = num_layers // (pp * vpp)
-    return [list(range((v * pp + pp_rank) * per, (v * pp + pp_rank + 1) * per)) for v in range(vpp)]
+def chunk_layer_ids(num_layers: int, pp: int, vpp: int, pp_rank: int, **split: Any) -> List[List[int]]:
+    """Global layer ids of this pipeline rank's chunks: model chunk v * pp + pp_rank for v < vpp (`split`: the
+    parallel.* keys of training/contract/stage_split.py; none: the even split)."""
+    raise_errors(layer_rules(num_layers, pp, vpp, **split))
+    return StageSplit(num_layers, pp, vpp, **split).layer_ids(pp_rank)
 
 
 def build_gpt(cfg: Config, mesh: ProcessMesh, dtype: torch.dtype) -> List[GPTChunk]:
@@ -510,7 +511,8 @@ def build_gpt(cfg: Config, mesh: ProcessMesh, dtype: torch.dtype) -> List[GPTChu
     vpp = pc.vpp if pc.pp > 1 else 1
     chunks = []
     last = pc.pp * vpp - 1
-    for v, ids in enumerate(chunk_layer_ids(cfg.model.num_layers, pc.pp, vpp, mesh.pp_rank)):
+    split = {k: getattr(pc, k) for k in SPLIT_KEYS}
+    for v, ids in enumerate(chunk_layer_ids(cfg.model.num_layers, pc.pp, vpp, mesh.pp_rank, **split)):
         index = v * pc.pp + mesh.pp_rank
         chunks.append(
             GPTChunk(
