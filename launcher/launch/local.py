@@ -158,15 +158,22 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
             # Which ranks the agent forked (the others started cold, each with its `warm_start_missed`).
             append_event(run_dir, "ranks_started", warm_ranks=warm_ranks, agent_pid=agent.pid, attempt=attempt)
         failed: Optional[tuple] = None
+        ended: Dict[int, tuple] = {}  # a failed rank -> (its exit code, when it was seen)
         stop = _StopRequest(procs, cfg.cancel.timeout_s)
         with stop.installed():
             while True:
                 stop.forward()
                 codes = [proc.poll() for proc in procs]
-                bad = [(r, c) for r, c in enumerate(codes) if c is not None and c not in (EXIT_OK, EXIT_STOPPED)]
-                if bad and not stop.name:
-                    failed = bad[0]
-                    break
+                now = time.time()
+                for r, c in enumerate(codes):
+                    if c is not None and c not in (EXIT_OK, EXIT_STOPPED):
+                        ended.setdefault(r, (c, now))
+                if ended and not stop.name:
+                    # A rank's death ends its peers soon after (a collective with it fails), and a warm rank's end
+                    # comes back later than a cold peer's: FAILURE_GRACE_S lets the cause be told from them.
+                    if all(c is not None for c in codes) or now - min(t for _, t in ended.values()) >= FAILURE_GRACE_S:
+                        failed = _blame(run_dir, attempt, ended)
+                        break
                 if all(c is not None for c in codes):
                     break
                 time.sleep(POLL_S)
@@ -174,7 +181,7 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
             return _interrupted(run_dir, stop, procs, attempt)
         if failed is not None:
             stop_processes(procs)
-            rank, code = failed
+            rank, code, told, consequences = failed
             why = f"exited with code {code}"
             if code < 0:  # killed by a signal: Popen's -N, which would leave meshrun as 256 - N (outside the table)
                 why = f"was killed by {_signal_name(-code)}" + (" (out of memory? see dmesg)" if -code == 9 else "")
@@ -185,7 +192,8 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
                 node=socket.gethostname(),
                 rank=rank,
                 exit_code=code,
-                reason=f"rank {rank} {why.replace('with code', 'with')}; see {run_dir}/logs/rank_{rank}.log",
+                reason=f"rank {rank}: {told}; see {run_dir}/logs/rank_{rank}.log",
+                consequences=consequences,
                 attempt=attempt,
             )
             print(
@@ -225,6 +233,47 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
             t.join(timeout=2)
         for log in logs:
             log.close()
+
+
+FAILURE_GRACE_S = 2.0
+"""After a rank fails, how long the launcher waits for the others to end before it decides which one caused it."""
+
+
+def _blame(run_dir: str, attempt: int, ended: Dict[int, tuple]) -> tuple:
+    """(rank, exit code, reason, consequences): of the failed ranks (rank -> (code, when seen)), the cause by the
+    Slurm epilogue's rule (launcher/slurm/requeue.py root_cause: the first killed by a signal, else the first with
+    an error of its own, not a peer's collective error); reason is its log's error line (this attempt's), never
+    empty; consequences the other failed ranks."""
+    from launcher.slurm.requeue import _failure, root_cause
+
+    records = []
+    for rank, (code, when) in sorted(ended.items()):
+        records.append(
+            {"rank": rank, "exit_code": code, "error": _attempt_error(run_dir, attempt, rank), "ended": when}
+        )
+    cause = root_cause(records)
+    told = _failure({**cause, "node": socket.gethostname()}).reason
+    return cause["rank"], cause["exit_code"], told, sorted(r for r in ended if r != cause["rank"])
+
+
+def _attempt_error(run_dir: str, attempt: int, rank: int) -> str:
+    """The last error line rank `rank` printed in this attempt (its log's part after the attempt's header)."""
+    from launcher.slurm.rank_task import last_error_line
+
+    path = os.path.join(run_dir, "logs", f"rank_{rank}.log")
+    deadline = time.time() + 1.0
+    text = ""
+    while True:  # the pump thread may still be writing the rank's last lines
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.path.getsize(path) - 65536))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+        text = text.rsplit(f"===== meshrun attempt {attempt} (", 1)[-1]
+        if last_error_line(text) or time.time() > deadline:
+            return last_error_line(text)
+        time.sleep(0.1)
 
 
 LAUNCHER_PID_ENV = "MESHRUN_LAUNCHER_PID"

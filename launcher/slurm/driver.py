@@ -248,6 +248,7 @@ def epilogue(run_dir: str, srun_rc: int, then_prologue: bool = False) -> int:
             rank=f.rank,
             exit_code=f.exit_code,
             reason=f.reason,
+            consequences=d.consequences,
             srun_exit_code=srun_rc,
             **ev,
         )

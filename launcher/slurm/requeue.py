@@ -43,6 +43,9 @@ class Decision:
     """Nodes excluded from the next job (old exclusions included)."""
     note: str = ""
     """A remark for events.jsonl (e.g. a node that could not be excluded)."""
+    consequences: List[int] = field(default_factory=list)
+    """The other ranks that failed in the attempt (a peer's collective error, srun's SIGTERM): what the failure
+    caused, not its cause; listed in the `failed` event."""
     cause: str = ""
     """requeue/resubmit: stopped_early (costs no retry), no_progress, save_failed or failure (each costs one of
     cluster.max_retries; launcher/manage/status.py RETRY_CAUSES)."""
@@ -78,6 +81,43 @@ def _implicates_node(rec: Dict) -> bool:
 
 
 def decide(
+    records: Sequence[Dict],
+    world_size: int,
+    rank_nodes: Dict[int, str],
+    progressed: bool,
+    retries_used: int,
+    max_retries: int,
+    excluded: Sequence[str],
+    partition_nodes: Sequence[str],
+    nodes_needed: int,
+    saved: bool = True,
+) -> Decision:
+    """records: rank_<R>.json dicts of this attempt; rank_nodes: rank -> node from the job layout;
+    progressed: a new step was logged in this attempt; retries_used: requeues so far that cost a retry;
+    saved: this attempt wrote a checkpoint (a stop without one costs a retry). The decision's consequences are
+    the failed ranks it does not blame."""
+    d = _decide(
+        records,
+        world_size,
+        rank_nodes,
+        progressed,
+        retries_used,
+        max_retries,
+        excluded,
+        partition_nodes,
+        nodes_needed,
+        saved,
+    )
+    blamed = {f.rank for f in d.failures}
+    d.consequences = sorted(
+        int(r["rank"])
+        for r in records
+        if r.get("exit_code") not in (EXIT_OK, EXIT_STOPPED) and int(r["rank"]) not in blamed
+    )
+    return d
+
+
+def _decide(
     records: Sequence[Dict],
     world_size: int,
     rank_nodes: Dict[int, str],

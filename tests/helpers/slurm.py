@@ -76,8 +76,8 @@ def meshrun(*overrides, env=None, timeout=120):
     return res
 
 
-def submit(run_dir, *overrides):
-    res = meshrun("cluster=slurm_dev", *COMMON, f"run.dir={run_dir}", *overrides)
+def submit(run_dir, *overrides, env=None):
+    res = meshrun("cluster=slurm_dev", *COMMON, f"run.dir={run_dir}", *overrides, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     m = re.search(r"submitted Slurm job (\d+)", res.stdout)
     assert m, res.stdout
@@ -96,6 +96,26 @@ def wait_final(run_dir, timeout=240):
         f"run {run_dir} not finished after {timeout} s; events: {read_events(str(run_dir))}; "
         f"status {run_status(str(run_dir))}"
     )
+
+
+def wait_started(run_dir, count, timeout=180):
+    """Until events.jsonl holds `count` started events (attempts); returns them."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        starts = [e for e in read_events(str(run_dir)) if e["event"] == "started"]
+        if len(starts) >= count:
+            return starts
+        time.sleep(0.2)
+    raise AssertionError(f"{count} attempts not started in {timeout} s: {read_events(str(run_dir))}")
+
+
+def wait_held(env, attempt, ranks, timeout=180):
+    """Until each of `ranks` of attempt `attempt` waits in HOLD (it marks HOLD_RELEASE.held_<attempt>_<rank>)."""
+    deadline = time.time() + timeout
+    marks = [f"{env['HOLD_RELEASE']}.held_{attempt}_{r}" for r in ranks]
+    while not all(os.path.exists(m) for m in marks):
+        assert time.time() < deadline, f"ranks {ranks} of attempt {attempt} not held in {timeout} s"
+        time.sleep(0.2)
 
 
 def wait_step(run_dir, step, timeout=120):
@@ -149,6 +169,8 @@ if "training.main" in getattr(sys, "orig_argv", []):
 
     def step(self, *args, **kwargs):
         if self.state.step == 3:
+            mark = f"{os.environ['HOLD_RELEASE']}.held_{os.environ.get('MESHRUN_ATTEMPT', '0')}_{os.environ.get('RANK')}"
+            open(mark, "w").close()
             deadline = time.monotonic() + float(os.environ.get("HOLD_MAX_S", "120"))
             while (signals.received() is None and not os.path.exists(os.environ["HOLD_RELEASE"])
                    and time.monotonic() < deadline):
@@ -161,6 +183,8 @@ if "training.main" in getattr(sys, "orig_argv", []):
 
 def hold_env(tmp_path, through_signals: bool = False) -> dict:
     """The environment that makes every rank wait before step 4 (HOLD); create env["HOLD_RELEASE"] to let go.
+    Each rank marks that it waits (wait_held), in every attempt that reaches step 3 (a requeued one resumed at
+    step 3 waits again).
     through_signals: a stop signal does not end the wait either (the ranks stay until released or killed, up to
     15 min: on a loaded machine the caller's own launches can outlast the 120 s a plain hold waits)."""
     inject = tmp_path / "inject_hold"

@@ -341,6 +341,21 @@ def test_the_rank_killed_by_a_signal_is_the_cause_not_the_peer_whose_collective_
     assert d.failures[0].reason, d
 
 
+def test_the_failed_event_lists_the_peers_errors_as_consequences():
+    """Issue 46: the decision names the other failed ranks (a peer's collective error, srun's SIGTERM) as
+    consequences, for the `failed` event; a rank that finished or stopped is none."""
+    records = [
+        rec(1, 1, "RuntimeError: Connection closed by peer", "exception", 1.0),
+        rec(0, -15, "", "", 1.5),
+        rec(3, -9, "", "", 2.0),
+        rec(2, 3, "", "", 2.2),
+    ]
+    d = decide(records, **ARGS)
+    assert [f.rank for f in d.failures] == [3] and d.consequences == [0, 1], d
+    d = decide([rec(2, 1, "ValueError: bad batch", "exception", 1.0)] + [rec(r, 3) for r in (0, 1, 3)], **ARGS)
+    assert [f.rank for f in d.failures] == [2] and d.consequences == [], d
+
+
 def test_a_failure_reason_is_the_exception_line_never_a_wrappers_frame():
     """Issue 46 item 4: the `failed` event of a SIGKILLed rank carried `return func(*args, **kwargs)`, a frame of
     a traceback its log printed earlier. The reason is the exception's type and message, or nothing."""
@@ -641,6 +656,7 @@ def test_local_rank_failure_stops_the_others_with_its_code_and_events(tmp_path):
     failed = [e for e in events if e["event"] == "failed"]
     assert len(failed) == 1 and failed[0]["rank"] == 1 and failed[0]["exit_code"] == EXIT_FAILED
     assert "injected failure" in open(run_dir / "logs" / "rank_1.log").read()
+    assert "RuntimeError: injected failure on rank 1 at step 3" in failed[0]["reason"], failed  # the error line
     assert not any(e["event"] == "completed" for e in events)
     # Nothing lost beyond the last checkpoint: step_2 is complete and named by latest.
     assert re.findall(r"\d+", open(run_dir / "checkpoints" / "latest").read()) == ["2"]
@@ -648,6 +664,48 @@ def test_local_rank_failure_stops_the_others_with_its_code_and_events(tmp_path):
     out = meshrun("action=status", f"run.dir={run_dir}")
     assert json.loads(out.stdout)["state"] == "FAILED"
     assert read_holder(str(run_dir)).get("released")  # the directory is free again
+
+
+KILLED_AFTER_PEER = """import os, signal, sys, time
+if "training.main" in getattr(sys, "orig_argv", []):
+    import training.run.loop
+    real = training.run.loop.Trainer.train_step
+
+    def step(self, *args, **kwargs):
+        if self.state.step == 2:
+            if os.environ.get("RANK") == "0":
+                raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer (injected)")
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, *args, **kwargs)
+
+    training.run.loop.Trainer.train_step = step
+"""
+
+
+@pytest.mark.slow
+def test_local_launcher_blames_the_killed_rank_not_the_peer_that_ended_first(tmp_path):
+    """Issue 46: rank 0 ends first with a peer's collective error, rank 1 is SIGKILLed half a second later. The
+    local launcher blames rank 1 (the Slurm epilogue's rule, launcher/slurm/requeue.py root_cause) and lists
+    rank 0 as a consequence; before, it blamed the first rank it saw end."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(KILLED_AFTER_PEER)
+    run_dir = tmp_path / "run"
+    two = [a if a != "cluster.gpus_per_node=1" else "cluster.gpus_per_node=2" for a in LOCAL]
+    res = meshrun(
+        *two,
+        f"run.dir={run_dir}",
+        "train.steps=6",
+        "train.checkpoint_every=2",
+        env={"PYTHONPATH": str(inject)},
+        timeout=180,
+    )
+    assert res.returncode == EXIT_FAILED, res.stderr[-2000:]
+    assert "rank 1 was killed by SIGKILL" in res.stderr, res.stderr[-2000:]
+    failed = [e for e in read_events(str(run_dir)) if e["event"] == "failed"]
+    assert len(failed) == 1 and failed[0]["rank"] == 1 and failed[0]["consequences"] == [0], failed
+    assert "killed by SIGKILL" in failed[0]["reason"], failed
 
 
 # ------------------------------------------------------------------------------- Slurm scenarios
@@ -864,8 +922,9 @@ def test_lost_node_is_the_one_excluded(tmp_path, cluster):
     """Every process of the run on the second node dies at once (the node is lost): the job is resubmitted
     without that node, not without the first survivor that reported an error, and completes."""
     run_dir = tmp_path / "run"
-    submit(run_dir)
-    wait_step(run_dir, 4)
+    env = dev.hold_env(tmp_path)  # the ranks wait before step 4: the node is lost mid-run
+    submit(run_dir, env=env)
+    wait_step(run_dir, 3)
     nodes = [e for e in read_events(str(run_dir)) if e["event"] == "started"][0]["nodes"]
     pids = _node_pids(run_dir, nodes[1])
     assert pids, f"no process of {run_dir} on {nodes[1]}"
@@ -874,6 +933,7 @@ def test_lost_node_is_the_one_excluded(tmp_path, cluster):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    open(env["HOLD_RELEASE"], "w").close()
     status = wait_final(run_dir, timeout=300)
     events = read_events(str(run_dir))
     requeued = [e for e in events if e["event"] == "requeued"]

@@ -14,7 +14,19 @@ import time
 
 import pytest
 
-from helpers.slurm import COMMON, ROOT, STEPS, hold_env, meshrun, metrics, rank_pid, submit, wait_final, wait_step
+from helpers.slurm import (
+    COMMON,
+    ROOT,
+    STEPS,
+    hold_env,
+    meshrun,
+    metrics,
+    rank_pid,
+    submit,
+    wait_final,
+    wait_started,
+    wait_step,
+)
 from launcher.manage.status import run_status
 from training.contract.rundir.events import read_events
 from training.contract.exit_codes import EXIT_SLURM
@@ -88,9 +100,12 @@ def test_two_nodes_two_ranks_match_local_run(slurm_run, reference):
 
 def test_preemption_signal_requeues_and_resumes_exactly(tmp_path, reference, cluster):
     run_dir = tmp_path / "run"
-    job = submit(run_dir)
-    wait_step(run_dir, 4)
+    env = hold_env(tmp_path)  # every rank waits before step 4: USR2 lands mid-run however fast the steps are
+    job = submit(run_dir, env=env)
+    wait_step(run_dir, 3)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    wait_started(run_dir, 2)
+    open(env["HOLD_RELEASE"], "w").close()  # the requeued attempt goes on
     status = wait_final(run_dir)
     assert status["state"] == "COMPLETED" and status["attempt"] == 1 and status["job_id"] == job
     events = read_events(str(run_dir))
@@ -106,10 +121,12 @@ def test_preemption_signal_requeues_and_resumes_exactly(tmp_path, reference, clu
 
 def test_killed_rank_fails_fast_and_resubmits_without_its_node(tmp_path, reference, cluster):
     run_dir = tmp_path / "run"
-    submit(run_dir)
-    wait_step(run_dir, 4)
+    env = hold_env(tmp_path)  # the ranks wait before step 4: the kill lands mid-run, not after the last step
+    submit(run_dir, env=env)
+    wait_step(run_dir, 3)
     os.kill(rank_pid(run_dir, 2), signal.SIGKILL)
     killed = time.time()
+    open(env["HOLD_RELEASE"], "w").close()
     deadline = killed + 60
     while not any(e["event"] == "failed" for e in read_events(str(run_dir))):
         assert time.time() < deadline, "the job did not notice a dead rank within 60 s"
@@ -132,9 +149,11 @@ def test_killed_rank_fails_fast_and_resubmits_without_its_node(tmp_path, referen
 
 def test_max_retries_reached_stops(tmp_path, cluster):
     run_dir = tmp_path / "run"
-    submit(run_dir, "cluster.max_retries=0")
-    wait_step(run_dir, 2)
+    env = hold_env(tmp_path)
+    submit(run_dir, "cluster.max_retries=0", env=env)
+    wait_step(run_dir, 3)
     os.kill(rank_pid(run_dir, 1), signal.SIGKILL)
+    open(env["HOLD_RELEASE"], "w").close()
     status = wait_final(run_dir)
     assert status["state"] == "FAILED" and "max_retries=0" in status["reason"]
     kinds = [e["event"] for e in read_events(str(run_dir))]
