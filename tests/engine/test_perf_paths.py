@@ -3,7 +3,8 @@
 - dp=2 with parallel.overlap_grad_reduce on and off: bit-identical parameters (zero=0 and zero=1), and with
   it on, buckets really start during backward;
 - dp=1: autograd accumulates straight into the flat main-grad buffer (no hooks), the grads equal autograd's;
-- train.fused_adamw: within the tolerance docs/PERFORMANCE.md states of the bit-exact update;
+- train.fused_adamw: within the tolerance docs/PERFORMANCE.md states of the bit-exact update; unset, fused on
+  cuda and the bit-exact update on cpu;
 - the qkv split (one split, not three slices): values and gradients equal those picked out by hand.
 """
 
@@ -97,6 +98,34 @@ def test_fused_adamw_stays_within_the_documented_tolerance():
     worst = max(float(((a - b).abs() / b.abs().clamp_min(1e-3)).max()) for a, b in zip(fused, exact))
     assert worst < 1e-5, worst  # docs/PERFORMANCE.md: measured about 1e-7
     assert any(not torch.equal(a, b) for a, b in zip(fused, exact)), "fused must be the other kernel"
+
+
+def test_fused_adamw_unset_is_fused_on_cuda_and_unfused_on_cpu():
+    """train.fused_adamw unset (null) resolves with the device, where precision=auto does: the fused kernel on
+    cuda (docs/PERFORMANCE.md), on cpu the unfused update, bit-identical to the explicit false; an explicit
+    value is kept on either device. The optimizer resolves an unset value by its mesh's device too."""
+    from training.contract.config import config_from_dict, resolve_fused_adamw
+
+    assert Config().train.fused_adamw is False
+    assert config_from_dict({"cluster": {"device": "cuda"}}).train.fused_adamw is True
+    assert config_from_dict({"cluster": {"device": "cuda"}, "train": {"fused_adamw": False}}).train.fused_adamw is False
+    assert config_from_dict({"train": {"fused_adamw": True}}).train.fused_adamw is True
+    assert [resolve_fused_adamw(None, d) for d in ("cuda", "cpu", "meta")] == [True, False, False]
+
+    cfg = _cfg()
+    cfg.train.fused_adamw = None  # as if set after construction: the optimizer resolves it by its device
+    unset, opt = _train(cfg, ProcessMesh.single(), steps=3)
+    assert opt.adamw.fused is False
+    exact, _ = _train(_cfg(fused=False), ProcessMesh.single(), steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(unset, exact)), "CPU's default must stay bit-identical"
+    cuda_cfg = config_from_dict({"cluster": {"device": "cuda"}})
+    cuda_cfg.cluster.device = "cpu"  # the resolved value is kept: a stand-in CPU mesh runs the CUDA default
+    cuda_cfg.parallel, cuda_cfg.train.grad_clip, cuda_cfg.train.weight_decay = cfg.parallel, 0.05, 0.1
+    cuda_cfg.train.precision = "fp32"  # cuda resolved precision=auto to bf16; compare like with like
+    fused, opt = _train(cuda_cfg, ProcessMesh.single(), steps=3)
+    assert opt.adamw.fused is True
+    worst = max(float(((a - b).abs() / b.abs().clamp_min(1e-3)).max()) for a, b in zip(fused, exact))
+    assert worst < 1e-5, worst  # the tolerance of test_fused_adamw_stays_within_the_documented_tolerance
 
 
 def _split_by_hand(qkv: torch.Tensor, groups: int, q_per_group: int, d: int, batch_first: bool):

@@ -39,7 +39,7 @@ Norm = _choice("Norm", "layernorm rmsnorm")
 Activation = _choice("Activation", "gelu swiglu")
 Attention = _choice("Attention", "flash math")
 Position = _choice("Position", "learned rope")
-Schedule = _choice("Schedule", "gpipe 1f1b interleaved_1f1b")
+Schedule = _choice("Schedule", "gpipe 1f1b interleaved_1f1b zb_h1")
 Recompute = _choice("Recompute", "none selective full")
 Precision = _choice("Precision", "auto fp32 bf16 fp16 fp8")
 Fp8Recipe = _choice("Fp8Recipe", "tensorwise rowwise")
@@ -205,13 +205,22 @@ class ParallelConfig:
     false keeps them from forward to backward (less communication, more memory)."""
     fp8_all_gather: bool = False
     """train.precision=fp8 with zero=3 and fp8_recipe=tensorwise: gather the FP8 linears' weights in float8 (half
-    the bytes of bf16), as torchao's FSDP2 float8 all-gather does. Not implemented yet: true is refused."""
+    the bytes of bf16), as torchao's FSDP2 float8 all-gather does: one scale per weight from its amax over every
+    shard (one MAX all-reduce after each optimizer step), the gathered float8 weight the matmul's operand
+    (docs/FP8.md). Other combinations are refused."""
     micro_batch: int = 1
     """Sequences per micro-batch per data-parallel rank."""
     global_batch: int = 8
     """Sequences per optimizer step over all ranks; = micro_batch x dp x accumulation."""
     schedule: Schedule = Schedule["1f1b"]
-    """gpipe | 1f1b | interleaved_1f1b."""
+    """gpipe | 1f1b | interleaved_1f1b | zb_h1 (zero bubble, Qi et al. 2024: each backward split into the input-grad
+    pass, sent on at once, and the weight-grad pass, run later to fill the bubble; 1f1b's peak activation memory;
+    training/schedules/pipeline.py)."""
+    microbatch_group_size: int = 0
+    """schedule=interleaved_1f1b: micro-batches that go through one model chunk before the rank moves to its next
+    chunk (Megatron-Core's microbatch_group_size_per_vp_stage); 0 = pp. Between pp and the micro-batches per step,
+    the last group (micro-batches mod it) 0 or >= pp; larger groups add (v - 1) x (group - pp) chunk micro-batches
+    of warm-up (activations held) and leave the pipeline more slack for late messages."""
     recompute: Recompute = Recompute.none
     """none | selective (attention core) | full (whole layer)."""
     recompute_num_layers: int = 0
@@ -368,6 +377,10 @@ class ClusterConfig:
     peak_tflops_fp8: float = 0.0
     """Peak dense FP8 TFLOP/s of one accelerator (the datasheet's, without sparsity): train.precision=fp8 plans
     the FP8 linears' FLOPs at this rate and reports MFU against it beside peak_tflops; 0: unknown."""
+    fp8_supported: Optional[bool] = None
+    """Whether the accelerators have FP8 tensor cores (CUDA compute capability 8.9 or newer: L4/L40, H100/H200,
+    B200; an A100 has none): false refuses train.precision=fp8 before launch; null: not stated (the engine checks
+    the GPU it runs on)."""
     partition: str = ""
     """Slurm partition."""
     account: str = ""
@@ -490,8 +503,10 @@ class TrainConfig:
     """Adam epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay (not applied to biases and norms)."""
-    fused_adamw: bool = False
-    """AdamW as one fused kernel over the flat shard: faster, but not bit-identical to torch.optim.AdamW (docs/PERFORMANCE.md)."""
+    fused_adamw: Optional[bool] = None
+    """AdamW as one fused kernel over the flat shard: faster, but not bit-identical to torch.optim.AdamW
+    (docs/PERFORMANCE.md). null (the default): true on cuda, false on cpu (resolved with the device, like
+    precision=auto; config.json records what ran); true | false: as given on any device."""
     precision: Precision = Precision.auto
     """auto (bf16 on GPUs, fp32 on CPU) | fp32 | bf16 (fp32 main grads and masters) | fp16 (dynamic loss scaling) |
     fp8 (bf16 as stored and checkpointed, the linears' matmuls in float8 through torchao: docs/FP8.md)."""
@@ -841,6 +856,16 @@ class Config:
         # concrete precision and config.json records what really ran.
         if self.train.precision == "auto":
             self.train.precision = Precision.bf16 if self.cluster.device == "cuda" else Precision.fp32
+        # fused_adamw=null likewise: the fused kernel where the unfused passes are memory-bound launches (GPUs).
+        self.train.fused_adamw = resolve_fused_adamw(self.train.fused_adamw, str(self.cluster.device))
+
+
+def resolve_fused_adamw(value: Optional[bool], device: str) -> bool:
+    """train.fused_adamw as the engine runs it: null (unset) means true on cuda and false on cpu (where the
+    unfused update is torch.optim.AdamW's, bit for bit); an explicit true or false is kept on any device."""
+    if value is None:
+        return device == "cuda"
+    return bool(value)
 
 
 def _build(cls, data: Any):

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from training.parallel import collectives as comm
-from training.contract.config import Config
+from training.contract.config import Config, resolve_fused_adamw
 from training.optim.adamw import ShardedAdamW
 from training.optim.flat import FlatLayout, Segment
 from training.optim.grad_buffer import GradBuffer
@@ -107,7 +107,13 @@ class DistributedOptimizer:
         # a storage of its own, gathered per unit (zero3.py), and the rank holds only its shard of the values.
         self.zero3: Optional[Zero3Params] = None
         if lay.zero >= 3:
-            self.zero3 = Zero3Params(lay, self.dp_group, getattr(cfg.parallel, "zero3_reshard_after_forward", True))
+            self.zero3 = Zero3Params(
+                lay,
+                self.dp_group,
+                getattr(cfg.parallel, "zero3_reshard_after_forward", True),
+                # the FP8 linears' weights gathered in float8 (zero3.py; fp8_rules.py allows it at tensorwise only)
+                bool(getattr(cfg.parallel, "fp8_all_gather", False)) and str(t.precision) == "fp8",
+            )
             lay.shard_values = self.zero3.shard
         else:
             lay.flatten_params()
@@ -130,7 +136,7 @@ class DistributedOptimizer:
             t.beta2,
             t.eps,
             t.weight_decay,
-            getattr(t, "fused_adamw", False),
+            resolve_fused_adamw(getattr(t, "fused_adamw", None), mesh.device.type),
             offload,
             getattr(cfg.parallel, "offload_dir", ""),
             mesh.rank,
