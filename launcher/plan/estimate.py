@@ -270,6 +270,8 @@ def make_plan(
     memory["activations_per_layer_norm_stats"] = (
         per_layer - layer_activation_bytes(cfg, replace(profile, norm_stats=False)) if profile.norm_stats else 0
     )
+    # The same layer as the paper counts it: Table 2's basis, compared with it exactly (tests/launcher/test_plan.py).
+    memory["activations_per_layer_paper"] = per_layer - memory["activations_per_layer_norm_stats"]
     gpu_bytes = gpu_memory_bytes(cfg)
     bub = bubble(par.pp, m, v)
     figures = model_figures(cfg) if cache is None else cache.model_figures(cfg)
@@ -310,6 +312,7 @@ def make_plan(
                 "activations",
                 "activations_per_layer",
                 "activations_per_layer_norm_stats",
+                "activations_per_layer_paper",
                 "zero3_gathered",
                 "host_offload",
                 "nvme_offload",
@@ -388,7 +391,13 @@ def format_plan(plan: Plan) -> str:
         ("optimizer", fmt_bytes(mem["optimizer"])),
         (
             "activations",
-            f"{fmt_bytes(mem['activations'])} ({fmt_bytes(mem['activations_per_layer'])} per layer per micro-batch)",
+            f"{fmt_bytes(mem['activations'])} ({fmt_bytes(mem['activations_per_layer'])} per layer per micro-batch"
+            + (
+                f"; {fmt_bytes(mem['activations_per_layer_paper'])} without the norms' fp32 mean/rstd,"
+                " Korthikanti et al.'s Table 2 basis)"
+                if mem.get("activations_per_layer_norm_stats")
+                else ")"
+            ),
         ),
         *[
             (label, fmt_bytes(mem[key]))
