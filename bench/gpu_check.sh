@@ -17,8 +17,9 @@
 #     bf16, 30 steps (--dry: fp32 on CPU, 4 steps), one rank: an NCCL process group (--dry: gloo).
 #     MFU is training/run/loop.py's: model FLOPs / step time / this device's matmul rate (measured with warm-up at
 #     a saturating size), at a useful batch (global_batch 8 of micro-batches of 1: the optimizer step is paid
-#     once per 8 forward-backward passes, as in training) with the fused AdamW (train.fused_adamw; at batch 1
-#     with the unfused update the optimizer alone is ~40 % of the step: MFU ~0.3 expected). Goal: 0.5 <= MFU
+#     once per 8 forward-backward passes, as in training) with the fused AdamW (train.fused_adamw left unset: the
+#     CUDA default; at batch 1 with the unfused update the optimizer alone is ~40 % of the step: MFU ~0.3
+#     expected; --dry: the CPU default, the unfused update). Goal: 0.5 <= MFU
 #     <= 1 on GPU; --dry: 0 < MFU <= 1 (above 1 means a wrong peak), global_batch 2.
 #     Every train run here sets train.checkpointing=false: nobody reads their checkpoints (three ~18 GB
 #     on GPU, which a 64 GiB disk does not hold beside the image).
@@ -45,8 +46,9 @@
 #     --dry: the same on CPU without the allocator figures.
 # --dry runs the one-process steps (4's saved-activations probe, 5 and 7) in one process with torch imported
 # once (bench/gpu_dry_steps.py), each judged on its own exit status and output as on a GPU.
-# Runs write their checkpoints under a scratch folder (GPU_CHECK_WORK, default a mktemp -d) that is removed
-# at the end; RUN_DIR gets only the logs, plans, metrics and summaries. Each command has a time limit; one that
+# Runs write under a scratch folder, removed at the end when the script made it (a mktemp -d); one given as
+# GPU_CHECK_WORK is the caller's and stays (tests/launcher/test_gpu_check.py looks there for checkpoints: the
+# train runs write none). RUN_DIR gets only the logs, plans, metrics and summaries. Each command has a time limit; one that
 # runs past it is killed with its whole process group (its ranks too), so nothing stays on the GPU.
 # Prints one JSON object (the last line); exit 0 when every check passed, 1 otherwise, 2 when it cannot start.
 set -euo pipefail
@@ -89,9 +91,13 @@ fi
 RUN_DIR=${1:-${OUT:-/tmp}/gpu_check}
 rm -rf -- "$RUN_DIR"
 mkdir -p -- "$RUN_DIR"
-WORK=${GPU_CHECK_WORK:-$(mktemp -d)}
-mkdir -p -- "$WORK"
-trap 'rm -rf -- "$WORK"' EXIT
+if [ -n "${GPU_CHECK_WORK:-}" ]; then
+  WORK=$GPU_CHECK_WORK
+  mkdir -p -- "$WORK"
+else
+  WORK=$(mktemp -d)
+  trap 'rm -rf -- "$WORK"' EXIT
+fi
 # The operations checklist's GPU paths (issue 23): preflight checks, Xid events, NVTX/nsys, OOM explained.
 # GPU_OPS_CHECK=0 leaves it out (bench/gpu_first_run.sh runs it as a step of its own, last, when time is left).
 if [ "$DRY" = 0 ] && [ "${GPU_OPS_CHECK:-1}" != 0 ]; then
@@ -248,13 +254,15 @@ else:
     train_dir = os.path.join(work, "bf16")
     p, dt = meshrun("train_bf16", [f"model={chosen}", *common, *no_checkpoints, f"train.precision={precision}",
                                    "parallel.micro_batch=1", f"parallel.global_batch={mfu_batch}",
-                                   "train.fused_adamw=true", f"train.steps={steps}", f"run.dir={train_dir}"], 420)
+                                   f"train.steps={steps}", f"run.dir={train_dir}"], 420)
     keep(train_dir, "bf16")
     plan = load(os.path.join(train_dir, "plan.json"), {})
     s = load(os.path.join(train_dir, "summary.json"), {})
     mfu = s.get("mfu")
-    check("train", p.returncode == 0 and s.get("steps") == steps, exit_code=p.returncode, steps=s.get("steps"),
-          tokens_per_s=s.get("tokens_per_s"), seconds=round(dt, 1))
+    # train.fused_adamw unset: config.json records what it resolved to (fused on cuda, unfused on cpu).
+    fused = load(os.path.join(train_dir, "config.json"), {}).get("train", {}).get("fused_adamw")
+    check("train", p.returncode == 0 and s.get("steps") == steps and fused is (not dry), exit_code=p.returncode,
+          steps=s.get("steps"), fused_adamw=fused, tokens_per_s=s.get("tokens_per_s"), seconds=round(dt, 1))
     low = 0.0 if dry else 0.5
     check("mfu", mfu is not None and low < mfu <= 1.0 if dry else mfu is not None and low <= mfu <= 1.0,
           mfu=mfu, goal=[low, 1.0],

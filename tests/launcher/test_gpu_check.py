@@ -36,6 +36,8 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
         (other / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
     env["PATH"] = f"{other}{os.pathsep}{env.get('PATH', '')}"
+    work = tmp_path / "scratch"  # the runs' own folders: given, so the script leaves it for the checks below
+    env["GPU_CHECK_WORK"] = str(work)
     p = subprocess.run(
         ["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--dry", str(run_dir)],
         capture_output=True,
@@ -78,7 +80,15 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     assert checks["mfu"]["goal"] == [0.0, 1.0]
     act = checks["activations"]
     assert act["measured"] > 0 and abs(act["measured"] - act["plan"]) <= 0.1 * act["plan"]
-    assert not list(run_dir.rglob("checkpoints"))  # checkpoints stay in the scratch folder
+    assert not list(run_dir.rglob("checkpoints"))  # RUN_DIR gets no checkpoints
+    # Nor does the scratch folder where the runs wrote (train.checkpointing=false: the GPU's 64 GiB disk does
+    # not hold three ~18 GB saves): the train, fp8, fp16 and moe runs are there, without a checkpoint file.
+    runs = {d.name for d in work.iterdir() if (d / "summary.json").exists()}
+    assert {"bf16", "fp8", "moe"} <= runs, runs
+    saved = [f for f in work.rglob("*") if f.is_file() and "checkpoints" in f.relative_to(work).parts]
+    assert not saved, saved[:5]
+    # train.fused_adamw unset resolved with the device: the CPU default, the unfused update.
+    assert checks["train"]["fused_adamw"] is False
     # The mixture-of-experts step (issue 26): tiny_moe forward and backward, its rows and model states computed.
     moe = checks["moe"]
     assert moe["steps"] == 3 and all(v >= 1.0 for v in moe["max_load"]) and all(v > 0 for v in moe["aux_loss"])
