@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 from launcher.manage import goodput
 from launcher.manage.progress import progress_fields
-from launcher.slurm.queries import slurm_state, slurm_states
+from launcher.slurm.queries import FINAL_STATES, slurm_end_reason, slurm_state, slurm_states
 from training.contract.rundir.events import EVENTS_FILE, read_events
 from training.contract.rundir.metrics import last_step as metrics_last_step
 from training.contract.exit_codes import EXIT_INVALID
@@ -123,6 +123,10 @@ def run_status(
             state = "PENDING"  # accepted by sbatch but not yet visible (sacct lags)
         elif state == "PENDING" and last.get("event") == "requeued":
             state = "REQUEUED"
+        elif state in FINAL_STATES and states is None:
+            # The job ended and meshrun wrote no end (scancel of the whole job, its batch script killed, a node
+            # failure): Slurm's accounting says how. (A sweep's status asks Slurm once for all its points: not there.)
+            reason = slurm_end_reason(job)
     else:
         # A local run: the launcher's own events decide; the ranks' (checkpoint, signal, ...) come between.
         life = [ev for ev in events if ev.get("event") in ("started", "completed", "failed", "stopped")]

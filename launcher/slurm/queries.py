@@ -71,3 +71,31 @@ def slurm_states(job_ids: List[str]) -> Dict[str, str]:
 def slurm_state(job_id: str) -> Optional[str]:
     """PENDING, RUNNING, ... from squeue, or from sacct once the job has left the queue."""
     return slurm_states([job_id]).get(job_id)
+
+
+def slurm_end_reason(job_id: str) -> Optional[str]:
+    """How Slurm's accounting says a job ended, in words, for a run whose job ended without meshrun recording an
+    end (no `completed`, `stopped` or `cancelled`: the whole job cancelled with scancel, its batch script killed,
+    its node failed, its time limit reached): the job's state (with who cancelled it), exit code and reason, and
+    the batch step's when it differs ("... batch script: FAILED, signal 9"). None when sacct knows nothing."""
+    rows = {}
+    for line in _run(["sacct", "-n", "-P", "-j", job_id, "-o", "JobID,State,ExitCode,Reason"]).splitlines():
+        parts = line.split("|")
+        if len(parts) >= 4:
+            rows[parts[0].strip()] = [p.strip() for p in parts[1:4]]
+    job = rows.get(job_id)
+    if job is None:
+        return None
+
+    def told(state: str, code: str) -> str:
+        rc, _, sig = code.partition(":")
+        how = f"signal {sig}" if sig not in ("", "0") else f"exit code {rc}"
+        return f"{state}, {how}"
+
+    text = f"Slurm ended job {job_id} as {told(job[0], job[1])}"
+    if job[2] and job[2] != "None":
+        text += f" (reason: {job[2]})"
+    batch = rows.get(f"{job_id}.batch")
+    if batch is not None and (batch[0].split()[0], batch[1]) != (job[0].split()[0], job[1]):
+        text += f"; its batch script: {told(batch[0], batch[1])}"
+    return text + "; meshrun recorded no end of the run"
