@@ -39,12 +39,61 @@ def test_width_not_a_multiple_of_16_names_the_skip_fix():
     assert "multiples of 16" in errors[0].message and "train.fp8_skip=[embedding,output,qkv]" in errors[0].fix
 
 
-def test_unknown_skip_kind_and_fp8_all_gather_are_refused():
-    cfg = _cfg(fp8_skip=["embedding", "mlp"])
-    cfg.parallel.fp8_all_gather = True
-    keys = {e.key: e for e in _fp8_errors(cfg)}
+def test_unknown_skip_kind_is_refused():
+    keys = {e.key: e for e in _fp8_errors(_cfg(fp8_skip=["embedding", "mlp"]))}
     assert "'mlp'" in keys["train.fp8_skip"].message
-    assert keys["parallel.fp8_all_gather"].fix == "parallel.fp8_all_gather=false"
+
+
+def test_fp8_all_gather_needs_fp8_zero3_and_tensorwise():
+    """parallel.fp8_all_gather runs with train.precision=fp8, zero=3 and the tensorwise recipe; each missing part
+    is an error whose fix a user can type."""
+    ok = _cfg()
+    ok.parallel.dp, ok.parallel.zero, ok.parallel.fp8_all_gather = 2, 3, True
+    ok.cluster.gpus_per_node = 2
+    assert _fp8_errors(ok) == []
+    cases = {
+        "parallel.zero=3 (or parallel.fp8_all_gather=false)": dict(zero=1),
+        "train.fp8_recipe=tensorwise (or parallel.fp8_all_gather=false)": dict(fp8_recipe="rowwise"),
+        "train.precision=fp8 (or parallel.fp8_all_gather=false)": dict(precision="bf16"),
+    }
+    for fix, change in cases.items():
+        cfg = _cfg()
+        cfg.parallel.dp, cfg.parallel.zero, cfg.parallel.fp8_all_gather = 2, 3, True
+        cfg.cluster.gpus_per_node = 2
+        for k, v in change.items():
+            setattr(cfg.parallel if k == "zero" else cfg.train, k, v)
+        errors = [e for e in validate(cfg).errors if e.key == "parallel.fp8_all_gather"]
+        assert [e.fix for e in errors] == [fix], (change, errors)
+
+
+def test_cluster_without_fp8_is_refused_before_launch():
+    """cluster.fp8_supported=false (the A100 presets) refuses train.precision=fp8 with the bf16 fix; null (not
+    stated) and true pass, and so does a CPU cluster (float8 emulated)."""
+    cfg = _cfg()
+    cfg.cluster.device, cfg.cluster.name, cfg.cluster.fp8_supported = "cuda", "dgx_a100", False
+    (error,) = _fp8_errors(cfg)
+    assert error.key == "train.precision" and "dgx_a100" in error.message and "fp8_supported=false" in error.message
+    assert error.fix.startswith("train.precision=bf16")
+    for supported in (None, True):
+        cfg.cluster.fp8_supported = supported
+        assert _fp8_errors(cfg) == []
+    assert _fp8_errors(_cfg()) == []  # cpu
+
+
+def test_a100_presets_state_no_fp8_and_the_plan_refuses_it(tmp_path):
+    """`meshrun action=plan model=tiny cluster=dgx_a100 train.precision=fp8` fails naming the fix; dgx_h100 plans."""
+    import os
+
+    from helpers import ROOT
+    from helpers.cli import run_cli
+
+    for name, supported in (("dgx_a100", "false"), ("dgx_a100_40gb", "false"), ("dgx_h100", "true")):
+        text = open(os.path.join(ROOT, "conf", "cluster", f"{name}.yaml")).read()
+        assert f"fp8_supported: {supported}" in text, name
+    bad = run_cli("action=plan", "model=tiny", "cluster=dgx_a100", "train.precision=fp8", cwd=str(tmp_path))
+    assert bad.returncode != 0 and "fix: train.precision=bf16" in bad.stdout + bad.stderr
+    good = run_cli("action=plan", "model=tiny", "cluster=dgx_h100", "train.precision=fp8", cwd=str(tmp_path))
+    assert good.returncode == 0, good.stderr
 
 
 def test_torchao_missing_gives_the_install_line(monkeypatch):

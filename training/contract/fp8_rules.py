@@ -2,7 +2,9 @@
 
 FP8 matmuls (training/parallel/fp8.py) need both dims of every FP8 weight, as this rank holds it (after the tp
 split), to be multiples of 16, torchao's float8 training installed, and, on a GPU, FP8 tensor cores (compute
-capability 8.9 or newer: Ada, Hopper, Blackwell; the engine checks that, the launcher cannot see the GPU).
+capability 8.9 or newer: Ada, Hopper, Blackwell; the engine checks the GPU it runs on, the launcher the
+cluster's `fp8_supported`, set false by the A100 presets). parallel.fp8_all_gather needs fp8, zero=3 and the
+tensorwise recipe.
 """
 
 from __future__ import annotations
@@ -68,17 +70,43 @@ def fp8_rules(cfg: Config) -> List[Violation]:
     t, par = cfg.train, cfg.parallel
     out: List[Violation] = []
     if getattr(par, "fp8_all_gather", False):
+        needs = []
+        if str(t.precision) != "fp8":
+            needs.append(("train.precision=fp8", f"train.precision={t.precision} runs no float8 matmul"))
+        if int(par.zero) != 3:
+            needs.append(("parallel.zero=3", f"parallel.zero={par.zero} gathers no weights (zero=3 does)"))
+        if str(t.precision) == "fp8" and str(t.fp8_recipe) != "tensorwise":
+            needs.append(
+                (
+                    "train.fp8_recipe=tensorwise",
+                    f"train.fp8_recipe={t.fp8_recipe} scales the weight per row, differently in forward and backward",
+                )
+            )
+        for fix, why in needs:
+            out.append(
+                Violation(
+                    "error",
+                    "parallel.fp8_all_gather",
+                    f"the float8 all-gather of zero=3 weights needs train.precision=fp8, parallel.zero=3 and "
+                    f"train.fp8_recipe=tensorwise: {why}",
+                    f"{fix} (or parallel.fp8_all_gather=false)",
+                    "fp8",
+                )
+            )
+    if str(t.precision) != "fp8":
+        return out
+    cluster = cfg.cluster
+    if str(cluster.device) == "cuda" and getattr(cluster, "fp8_supported", None) is False:
         out.append(
             Violation(
                 "error",
-                "parallel.fp8_all_gather",
-                "the float8 all-gather of zero=3 weights is not implemented yet (weights are gathered in bf16)",
-                "parallel.fp8_all_gather=false",
+                "train.precision",
+                f"cluster {cluster.name}'s GPUs have no FP8 tensor cores (cluster.fp8_supported=false; FP8 needs "
+                f"compute capability 8.9 or newer: L4/L40, H100/H200, B200)",
+                "train.precision=bf16 (or a cluster whose GPUs have FP8, e.g. cluster=dgx_h100)",
                 "fp8",
             )
         )
-    if str(t.precision) != "fp8":
-        return out
     if str(t.fp8_recipe) not in FP8_RECIPES:
         out.append(
             Violation(

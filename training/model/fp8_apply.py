@@ -41,18 +41,31 @@ def apply_fp8(chunks: List[Any], cfg: Any) -> List[str]:
         for layer in chunk.layers.values():
             if "qkv" in kinds:
                 layer.attn.qkv.matmul = matmul
+                _mark(layer.attn.qkv.weight)
             if "proj" in kinds:
                 layer.attn.proj.matmul = matmul
+                _mark(layer.attn.proj.weight)
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None:
                 if "experts" in kinds:
                     for expert in experts.values():
                         expert.matmul = matmul
+                        _mark(expert.fc1.weight, expert.fc2.weight)
             else:
                 if "fc1" in kinds:
                     layer.mlp.fc1.matmul = matmul
+                    _mark(layer.mlp.fc1.weight)
                 if "fc2" in kinds:
                     layer.mlp.fc2.matmul = matmul
+                    _mark(layer.mlp.fc2.weight)
         if chunk.has_head and "output" in kinds:
             chunk.output_matmul = matmul
+            if getattr(chunk, "output", None) is not None:  # a tied head's weight is the embedding's lookup table too
+                _mark(chunk.output.weight)
     return kinds
+
+
+def _mark(*weights: torch.Tensor) -> None:
+    """`fp8_weight`: read only by an FP8 matmul, so zero=3 may gather it in float8 (parallel.fp8_all_gather)."""
+    for w in weights:
+        w.fp8_weight = True  # type: ignore[attr-defined]

@@ -60,6 +60,10 @@ class Fp8Linear:
         nothing to the weight's grad, so the result is the unpadded one's."""
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 
+        gathered = getattr(weight, "fp8_gathered", None)  # parallel.fp8_all_gather: zero3.py's float8 weight
+        source = gathered() if gathered is not None else None
+        if source is not None:
+            weight = _GatheredWeight.apply(weight, source[0], source[1], self.mm_config)
         rows = x.numel() // x.shape[-1]
         pad = (-rows) % FP8_DIM_MULTIPLE if rows else FP8_DIM_MULTIPLE
         if pad:
@@ -69,6 +73,49 @@ class Fp8Linear:
         else:
             out = matmul_with_hp_or_float8_args.apply(x, weight.t(), self.mm_config, self.config)
         return out + bias.to(out.dtype) if bias is not None else out
+
+
+class _GatheredWeight(torch.autograd.Function):
+    """The float8 weight zero=3 gathered (parallel.fp8_all_gather) as torchao's matmul takes an already cast
+    operand: a Float8TrainingTensor of role WEIGHT (what torchao's FSDP2 float8 all-gather hands its Float8Linear,
+    fsdp_utils.py's fsdp_post_all_gather), so the matmul skips its own cast of the weight in forward and in
+    backward (the tensorwise recipe casts the weight for the input grad with the same dtype and scale). The grad
+    passes through to the bf16 parameter, whose storage stays empty."""
+
+    @staticmethod
+    def forward(ctx, weight, data, scale, mm_config):
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+        return Float8TrainingTensor(data, scale, weight.dtype, mm_config, GemmInputRole.WEIGHT)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+def fp8_weight_dtype() -> torch.dtype:
+    """The float8 dtype the tensorwise recipe casts weights to (torchao's config: float8_e4m3fn)."""
+    return fp8_linear_for("tensorwise").config.cast_config_weight.target_dtype
+
+
+def fp8_weight_scales(amax: torch.Tensor) -> torch.Tensor:
+    """The tensorwise scales of weights whose amaxes (over every shard) are `amax`: torchao's amax_to_scale, as
+    precompute_float8_dynamic_scale_for_fsdp computes them after the optimizer step (fp32)."""
+    from torchao.float8.float8_utils import amax_to_scale
+
+    config = fp8_linear_for("tensorwise").config
+    return amax_to_scale(amax, fp8_weight_dtype(), config.round_scales_to_power_of_2)
+
+
+def fp8_cast_weight(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`values` (part of a weight, model dtype) in float8 at the weight's scale: torchao's
+    hp_tensor_and_scale_to_float8 (fsdp_pre_all_gather's cast), its bytes. Elementwise, so a shard's part cast
+    alone gives the bytes of the whole weight cast."""
+    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+
+    linear = fp8_linear_for("tensorwise")
+    cast = hp_tensor_and_scale_to_float8(values, scale, fp8_weight_dtype(), linear.mm_config, GemmInputRole.WEIGHT)
+    return cast._data
 
 
 _CACHE: dict = {}
