@@ -18,10 +18,24 @@ from typing import Any, Dict, Optional
 
 from launcher.plan.fp8 import fp8_rate_ratio, logits_rate, weight_gemm_seconds
 from launcher.plan.levers import offload_seconds
-from launcher.plan.model_size import recomputed_layers_per_rank
+from launcher.plan.model_size import rank_layers, recomputed_layers_per_rank
 from launcher.plan.model_size import padded_vocab
 from launcher.plan.moe import ep_degree, expert_ffn, is_moe, router_params
 from training.contract.config import Config, derived_dp
+
+
+def bubble_ratio(p: int, m: int, v: int = 1, schedule: str = "1f1b") -> float:
+    """Pipeline idle time over the ideal compute of one step: (p - 1)/(v m) for gpipe, 1f1b and interleaved (any
+    micro-batch group); zb_h1 with a forward, an input-grad and a weight-grad pass of one unit each (the backward
+    is two forwards): (p - 1)/(3 m) for m >= p (Qi et al. 2024, section 3.1: (p - 1)(T_F + T_B - T_W) idle beside
+    m (T_F + T_B + T_W)); for m < p the last micro-batch's chains and one W pace it: 2 (p + m - 1) + 1 - 3 m
+    (docs/FORMULAS.md; training/schedules/pipeline.py planned_idle_share is the same for any pass times)."""
+    if p <= 1:
+        return 0.0
+    if schedule == "zb_h1":
+        work = 3.0 * m
+        return max(work + (p - 1), 2.0 * (p + m - 1) + 1) / work - 1.0
+    return (p - 1) / (v * m)
 
 DEFAULT_PEAK_TFLOPS = {"cpu": 0.05, "cuda": 100.0}
 """Per-rank TFLOP/s when neither a measurement nor cluster.peak_tflops / preflight.matmul_tflops gives one."""
@@ -218,7 +232,7 @@ def collective_counts(cfg: Config, m: int, dp: int, grad_bytes: float) -> Dict[s
     mc, par = cfg.model, cfg.parallel
     t, p = par.tp, par.pp
     v = par.vpp if par.schedule == "interleaved_1f1b" else 1
-    n_layers = mc.num_layers // p
+    n_layers = max(rank_layers(cfg))  # the busiest pipeline rank's (training/contract/stage_split.py)
     redo_layers = recomputed_layers_per_rank(cfg)
     out = {"tp": 0, "pp": 0, "dp": 0, "cp": 0, "embedding": 0, "ep": 0}
     if t > 1:
@@ -252,7 +266,6 @@ def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) 
     dp = derived_dp(cfg)
     m = max(1, par.global_batch // max(1, par.micro_batch * dp))
     v = par.vpp if par.schedule == "interleaved_1f1b" else 1
-    n_layers = mc.num_layers // par.pp
     fw = _layer_forward_flops(cfg)
     layer_fwd = fw["weights"] + fw["attention"]
     redo = {"full": layer_fwd, "selective": fw["attention"]}.get(str(par.recompute), 0.0)
@@ -267,16 +280,21 @@ def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) 
     logits = (
         3 * 2 * tokens * mc.hidden_size * padded_vocab(mc.vocab_size, par.tp) / par.tp / logits_rate(cfg, rates.flops)
     )
-    compute = m * (n_layers * per_layer + (logits if par.pp == 1 else 0.0))
-    last = m * (n_layers * per_layer + logits)
-    compute = max(compute, last) if par.pp > 1 else compute
-    recompute = (
-        m
-        * (n_layers if par.recompute != "full" else recomputed_layers_per_rank(cfg))
-        * (redo / rates.flops + redo_overhead)
-    )
+    # The slowest pipeline stage paces the pipeline: each stage's layers (training/contract/stage_split.py; the
+    # first and last ranks' may differ from the others'), the last one's also the output layer and cross entropy.
+    ranks = rank_layers(cfg)
+    last_stage = len(ranks) - 1
+
+    def stage_work(st: int) -> tuple:
+        n = ranks[st]
+        own = m * (n * per_layer + (logits if st == last_stage else 0.0))
+        redo_n = n if par.recompute != "full" else recomputed_layers_per_rank(cfg, st)
+        again = m * redo_n * (redo / rates.flops + redo_overhead) if redo else 0.0
+        return own + again, own, again
+
+    _, compute, recompute = max(stage_work(st) for st in sorted({0, min(1, last_stage), last_stage}))
     compute += recompute
-    parts = {"compute": compute, "recompute": recompute, "bubble": compute * (par.pp - 1) / (v * m)}
+    parts = {"compute": compute, "recompute": recompute, "bubble": compute * bubble_ratio(par.pp, m, v, str(par.schedule))}
     # The dp reduction and the distributed optimizer span dp x cp ranks (the engine's dp_cp group); its reach,
     # which decides the link it runs over, is the dp dimension's when dp > 1, else the cp one's.
     dpc = dp * max(1, par.cp)

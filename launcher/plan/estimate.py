@@ -28,15 +28,17 @@ from launcher.plan.model_size import (
     layer_params,
     padded_vocab,
 )
-from launcher.plan.cost_model import Rates, cluster_rates, predict
+from launcher.plan.cost_model import Rates, bubble_ratio, cluster_rates, predict
 from launcher.plan.fp8 import fp8_cache_bytes, saved_bytes_per_layer
+from launcher.plan.fp8 import fp8_gathered_elements
 from launcher.plan.levers import zero2_dp_bytes, zero3_dp_bytes
-from launcher.plan.model_size import recomputed_layers_per_rank
+from launcher.plan.model_size import rank_layers, recomputed_layers_per_rank
 from launcher.plan.moe import all_to_all_bytes, expert_dp
 from launcher.plan.plan_cache import PlanCache, model_figures
 from launcher.plan.stage_states import stage_kinds
 from training.contract.config import Config, derived_dp
 from training.contract.layout_text import Layout, format_layout
+from training.contract.stage_split import SPLIT_KEYS, stage_split
 
 
 # --------------------------------------------------------------------------------------------------
@@ -44,9 +46,11 @@ from training.contract.layout_text import Layout, format_layout
 # --------------------------------------------------------------------------------------------------
 
 
-def bubble(p: int, m: int, v: int = 1) -> Dict[str, float]:
-    """Pipeline bubble: ratio to ideal compute (p-1)/(v m) and idle share of the wall clock (p-1)/(v m + p - 1)."""
-    return {"bubble_ratio": (p - 1) / (v * m), "bubble_idle_fraction": (p - 1) / (v * m + p - 1)}
+def bubble(p: int, m: int, v: int = 1, schedule: str = "1f1b") -> Dict[str, float]:
+    """Pipeline bubble: ratio to ideal compute ((p-1)/(v m); zb_h1: cost_model.bubble_ratio) and idle share of
+    the wall clock, ratio / (1 + ratio) ((p-1)/(v m + p - 1))."""
+    ratio = bubble_ratio(p, m, v, schedule)
+    return {"bubble_ratio": ratio, "bubble_idle_fraction": ratio / (1.0 + ratio)}
 
 
 def _ring(n: int, nbytes: float, kind: str) -> float:
@@ -83,7 +87,7 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int, experts_loca
     s = mc.seq_length // cp
     sb = s * par.micro_batch
     h = mc.hidden_size
-    n_layers = mc.num_layers // p
+    n_layers = max(rank_layers(cfg))  # the busiest pipeline rank's (training/contract/stage_split.py)
     act = sb * h * ab
     passes = 2 * n_layers + recomputed_layers_per_rank(cfg)  # layer passes: fwd, bwd, recomputed fwd
     tp = m * passes * 2 * _ring(t, act, "all_reduce")
@@ -104,9 +108,13 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int, experts_loca
     # Grads are reduced, and the distributed optimizer sharded, over dp x cp (the engine's dp_cp group).
     dpc = optimizer_shard_degree(cfg, dp)
 
-    def dp_traffic(n: int, group: int) -> float:
+    # parallel.fp8_all_gather: the FP8 weights of the busiest rank's layers (and head) gathered at 1 byte.
+    f8 = fp8_gathered_elements(cfg)
+    f8_dense = f8["layer"] * n_layers + (f8["head"] if p == 1 else 0)
+
+    def dp_traffic(n: int, group: int, fp8_local: int = 0) -> float:
         if par.zero == 3:
-            return zero3_dp_bytes(cfg, n, group, m, g, ab)
+            return zero3_dp_bytes(cfg, n, group, m, g, ab, fp8_local)
         if par.zero == 2:
             return zero2_dp_bytes(n, group, m, g, ab)
         if par.zero == 1:
@@ -114,9 +122,9 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int, experts_loca
             return _ring(group, padded * g, "reduce_scatter") + _ring(group, padded * ab, "all_gather")
         return _ring(group, n * g, "all_reduce")
 
-    dpb = dp_traffic(n_local - experts_local, dpc)
+    dpb = dp_traffic(n_local - experts_local, dpc, f8_dense)
     if experts_local:
-        dpb += dp_traffic(experts_local, expert_dp(cfg, dp))
+        dpb += dp_traffic(experts_local, expert_dp(cfg, dp), f8["experts"] * n_layers)
     epb = m * passes * 2 * all_to_all_bytes(cfg, ab)
     emb = 0
     if p > 1 and mc.tie_embeddings:
@@ -151,6 +159,8 @@ class StagePlan:
 
     stage: int
     """Pipeline stage (0 = first)."""
+    layers: int
+    """Transformer layers of this pipeline rank, all its chunks (training/contract/stage_split.py)."""
     params: int
     """Parameters this rank holds."""
     memory_bytes: Dict[str, int]
@@ -219,6 +229,12 @@ class Plan:
     of experts counts moe_top_k of its num_experts experts per layer."""
     ep: int = 1
     """Expert-parallel degree (parallel.ep; 1 for a dense model)."""
+    stage_layers: List[int] = field(default_factory=list)
+    """Transformer layers of each virtual stage k = chunk c x pp + pipeline rank r (training/contract/stage_split.py):
+    pp x vpp entries, equal under the even split."""
+    split: Dict[str, object] = field(default_factory=dict)
+    """The parallel.* keys that shape the split when any is set (first_stage_layers, last_stage_layers,
+    embedding_in_split, loss_in_split); empty for the even split."""
 
     @property
     def headroom_bytes(self) -> int:
@@ -260,7 +276,7 @@ def make_plan(
         mem["activations"] = act
         mem["fp8_cache"] = fp8_cache
         mem["total"] = total = kind.model_states + act + mem["zero3_gathered"] + fp8_cache
-        stages.append(StagePlan(st, kind.params.total, mem))
+        stages.append(StagePlan(st, kind.params.layers, kind.params.total, mem))
         totals.append(total)
     worst = stages[totals.index(max(totals))]  # the first of the largest, as max(stages, key=total)
     memory = dict(worst.memory_bytes)
@@ -273,7 +289,7 @@ def make_plan(
     # The same layer as the paper counts it: Table 2's basis, compared with it exactly (tests/launcher/test_plan.py).
     memory["activations_per_layer_paper"] = per_layer - memory["activations_per_layer_norm_stats"]
     gpu_bytes = gpu_memory_bytes(cfg)
-    bub = bubble(par.pp, m, v)
+    bub = bubble(par.pp, m, v, str(par.schedule))
     figures = model_figures(cfg) if cache is None else cache.model_figures(cfg)
     worst_experts = kinds[(worst.stage == 0, worst.stage == last)].params.experts
     comm = comm_bytes_per_step(cfg, m, dp, worst.params, worst_experts)
@@ -290,6 +306,7 @@ def make_plan(
         else 0.0
     )
     reserve = device_reserve_bytes(cfg, gpu_bytes)
+    split = stage_split(cfg)
     return Plan(
         world_size=world,
         tp=par.tp,
@@ -343,6 +360,8 @@ def make_plan(
         peak_flops_fp8=peak_fp8,
         params_active=figures.params_active,
         ep=getattr(par, "ep", 1) if mc.num_experts > 0 else 1,
+        stage_layers=split.counts() or [mc.num_layers // max(1, par.pp * split.vpp)] * (par.pp * split.vpp),
+        split={k: getattr(par, k) for k in SPLIT_KEYS if getattr(par, k)},
     )
 
 
@@ -370,9 +389,29 @@ def fmt_seconds(t: float) -> str:
     return f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms"
 
 
+def format_stages(plan: Plan) -> str:
+    """Each pipeline rank's layers and memory, consecutive ranks alike merged: "rank 0: 7 layers (3 + 4), 61.2 GiB;
+    ranks 1-14: 8 layers, ...". Virtual stages (vpp > 1) show each rank's chunks in parentheses."""
+    pp = max(1, plan.pp)
+    v = max(1, len(plan.stage_layers) // pp)
+    runs: List[List] = []
+    for st in plan.stages:
+        chunks = [plan.stage_layers[c * pp + st.stage] for c in range(v)] if plan.stage_layers else []
+        text = f"{st.layers} layer{'s' if st.layers != 1 else ''}" + (
+            f" ({' + '.join(map(str, chunks))})" if v > 1 else ""
+        )
+        text += f", {fmt_bytes(st.memory_bytes['total'])}"
+        if runs and runs[-1][2] == text:
+            runs[-1][1] = st.stage
+        else:
+            runs.append([st.stage, st.stage, text])
+    return "; ".join((f"rank {a}" if a == b else f"ranks {a}-{b}") + f": {text}" for a, b, text in runs)
+
+
 def format_plan(plan: Plan) -> str:
     """The readable table (memory in GiB = 2^30 bytes or MiB = 2^20, FLOPs in TFLOP = 1e12)."""
     mem = plan.memory_bytes
+    uneven = bool(plan.split) or len(set(plan.stage_layers)) > 1
     rows = [
         (
             "layout",
@@ -385,6 +424,17 @@ def format_plan(plan: Plan) -> str:
             + (f"{fmt_count(plan.params_active)} active per token, " if plan.params_active != plan.params_total else "")
             + f"{fmt_count(plan.params_per_gpu)} on the worst GPU"
             f" (stage {plan.worst_stage}); vocab padded to {plan.padded_vocab}",
+        ),
+        *(
+            [
+                (
+                    "stage split",
+                    " ".join(f"parallel.{k}={str(v).lower()}" for k, v in plan.split.items()) or "even",
+                ),
+                ("stages", format_stages(plan)),
+            ]
+            if uneven
+            else []
         ),
         ("weights", fmt_bytes(mem["weights"])),
         ("grads", fmt_bytes(mem["grads"])),

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from launcher.plan.model_size import recomputed_layers_per_rank
+from launcher.plan.model_size import rank_layers, recomputed_layers_per_rank
 from launcher.plan.levers import zero_bytes_per_param, zero_state_bytes
 from launcher.plan.model_size import padded_vocab
 from launcher.plan.moe import is_moe, moe_activation_elements
@@ -193,8 +193,9 @@ def inflight_microbatches(cfg: Config, stage: int, m: int) -> float:
 
     gpipe: all m. 1f1b: min(m, p - stage) (first stage: p; Korthikanti's L x per-layer, times m/p
     when m < p). interleaved: Megatron's warm-up of (p - stage - 1)*2 + (v - 1)*p chunk micro-batches
-    plus one, each of L/(p v) layers, capped at the m v there are; the first stage's factor is
-    p (1 + (p - 1)/(p v))."""
+    plus one, each of L/(p v) layers, capped at the m v there are (with parallel.microbatch_group_size g: (v - 1) g
+    instead of (v - 1) p); the first stage's factor is p (1 + (p - 1)/(p v)). zb_h1: min(m, p) on every stage (rank
+    r defers the weight-grad pass of r micro-batches, whose graphs it keeps: training/schedules/pipeline.py)."""
     return stages_inflight_microbatches(cfg, [stage], m)[0]
 
 
@@ -205,17 +206,24 @@ def stages_inflight_microbatches(cfg: Config, stages: Iterable[int], m: int) -> 
     if par.schedule == "gpipe":
         return [float(m) for _ in stages]
     if par.schedule == "interleaved_1f1b" and v > 1:
-        return [min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1) / v for stage in stages]
+        g = getattr(par, "microbatch_group_size", 0) or p
+        return [min(m * v, (p - stage - 1) * 2 + (v - 1) * g + 1) / v for stage in stages]
+    if par.schedule == "zb_h1":
+        return [float(min(m, p)) for _ in stages]
     return [float(min(m, p - stage)) for stage in stages]
 
 
-def stage_layers_activation_bytes(cfg: Config, profile: DeviceProfile, per_layer: Optional[int] = None) -> int:
-    """Bytes the L/pp layers of one rank save for one micro-batch: with recompute=full and
-    recompute_num_layers = N > 0, the first N layers of each chunk keep only their input and the others
-    everything (launcher/plan/levers.py counts them). per_layer: layer_activation_bytes(cfg, profile) when the
-    caller has it."""
-    n_layers = cfg.model.num_layers // cfg.parallel.pp
-    redo = recomputed_layers_per_rank(cfg)
+def stage_layers_activation_bytes(
+    cfg: Config, profile: DeviceProfile, per_layer: Optional[int] = None, stage: Optional[int] = None
+) -> int:
+    """Bytes the layers of one rank (pipeline rank `stage`; default: the one with the most layers,
+    model_size.rank_layers) save for one micro-batch: with recompute=full and recompute_num_layers = N > 0, the
+    first N layers of each chunk keep only their input and the others everything (launcher/plan/levers.py counts
+    them). per_layer: layer_activation_bytes(cfg, profile) when the caller has it."""
+    ranks = rank_layers(cfg)
+    st = ranks.index(max(ranks)) if stage is None else stage
+    n_layers = ranks[st]
+    redo = recomputed_layers_per_rank(cfg, st)
     per_layer = layer_activation_bytes(cfg, profile) if per_layer is None else per_layer
     if str(cfg.parallel.recompute) != "full" or redo == n_layers:
         return n_layers * per_layer
@@ -226,7 +234,8 @@ def stage_activation_bytes(
     cfg: Config, stage: int, m: int, profile: DeviceProfile, layers_per_mb: Optional[int] = None
 ) -> int:
     """Activation bytes of one rank of pipeline stage `stage` at its peak (layers + embedding + logits);
-    layers_per_mb: stage_layers_activation_bytes(cfg, profile) when the caller has it (the same for every stage)."""
+    layers_per_mb: stage_layers_activation_bytes(cfg, profile) when the caller has it (with the even split the
+    same for every stage; an uneven split scales it by each stage's layers, stages_activation_bytes)."""
     return stages_activation_bytes(cfg, m, profile, layers_per_mb, [stage])[0]
 
 
@@ -247,20 +256,31 @@ def stages_activation_bytes(
     t = par.tp
     t_sp = t if par.sp else 1
     layers = stage_layers_activation_bytes(cfg, profile) if layers_per_mb is None else layers_per_mb
-    first = layers
-    if mc.dropout > 0:
-        first += sb * h // t_sp * profile.mask_bytes  # embedding dropout mask
+    # An uneven split (training/contract/stage_split.py): each stage's layers, the given figure being the busiest
+    # stage's (stage_layers_activation_bytes' default) and each layer's bytes the same at every stage.
+    ranks = rank_layers(cfg)
+    uneven = min(ranks) != max(ranks)
+    per_stage: Dict[int, int] = {}
+    if uneven:
+        per_layer = None if str(par.recompute) != "full" else layer_activation_bytes(cfg, profile)
+        for st in set(range(par.pp) if stages is None else stages):
+            if str(par.recompute) == "full":
+                per_stage[st] = stage_layers_activation_bytes(cfg, profile, per_layer, st)
+            else:
+                per_stage[st] = layers * ranks[st] // max(ranks)
+    embedding = sb * h // t_sp * profile.mask_bytes if mc.dropout > 0 else 0  # embedding dropout mask
     # Final norm input (+ stats), output-layer input, fp32 logits for the cross entropy. The last
     # stage finishes each micro-batch's backward right after its forward, except under gpipe.
     last = 2 * (sb * h // t_sp) * profile.act_bytes
     if profile.norm_stats:
         last += (1 if mc.norm == "rmsnorm" else 2) * (sb // t_sp) * profile.stats_bytes
     last += sb * padded_vocab(mc.vocab_size, t) // t * profile.logits_bytes
-    last *= m if par.schedule == "gpipe" else 1
+    # zb_h1's last stage keeps the graphs of the micro-batches whose weight-grad pass it deferred, logits included.
+    last *= m if par.schedule == "gpipe" else (min(m, par.pp) if par.schedule == "zb_h1" else 1)
     stages = range(par.pp) if stages is None else stages
     out = []
     for stage, inflight in zip(stages, stages_inflight_microbatches(cfg, stages, m)):
-        total = (first if stage == 0 else layers) * inflight
+        total = (per_stage.get(stage, layers) + (embedding if stage == 0 else 0)) * inflight
         if stage == par.pp - 1:
             total += last
         out.append(int(math.ceil(total)))

@@ -1,7 +1,9 @@
 """Model size: parameter counts per layer, per pipeline stage and in total, and FLOPs per step (pure Python).
 
-Conventions shared with the engine (docs/CONTRACTS.md): padded_vocab = ceil(V/tp)*tp; every pipeline
-rank holds L/pp layers (split evenly over pp*vpp chunks); the first stage holds the embeddings, the
+Conventions shared with the engine (docs/CONTRACTS.md): padded_vocab = ceil(V/tp)*tp; each pipeline rank
+holds its layers of training/contract/stage_split.py's split (L/pp with the even split; parallel.first_stage_layers,
+last_stage_layers, embedding_in_split and loss_in_split make the first and last ranks' counts differ: rank_layers);
+the first stage holds the embeddings, the
 last the final norm and the output layer; with tied embeddings and pp > 1 the last stage also holds
 a copy of the word embedding (Megatron), which counts in its memory but not in params_total.
 Narayanan et al. 2021's parameter count and FLOPs formulas are special cases, reproduced by the tests.
@@ -10,11 +12,12 @@ Narayanan et al. 2021's parameter count and FLOPs formulas are special cases, re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from launcher.plan.moe import active_mlp_params, expert_ffn, expert_params_per_layer, is_moe, router_params
 from training.contract.config import Config
 from training.contract.layout_rules import padded_vocab  # the engine's embedding rows: one definition for both
+from training.contract.stage_split import stage_split
 
 
 # --------------------------------------------------------------------------------------------------
@@ -95,7 +98,7 @@ def stage_params(cfg: Config, stage: int) -> StageParams:
     h = m.hidden_size
     vp = padded_vocab(m.vocab_size, t)
     word = vp * h // t
-    n_layers = m.num_layers // p
+    n_layers = rank_layers(cfg)[stage]
     lp = layer_params(cfg).total * n_layers
     embedding = 0
     head = 0
@@ -205,27 +208,56 @@ def hardware_flops_per_step(cfg: Config) -> int:
     return total
 
 
+def rank_layers(cfg: Config) -> List[int]:
+    """Transformer layers of each pipeline rank (all its chunks), from training/contract/stage_split.py (the
+    engine's split); the even share L // pp on every rank when no split exists (validation reports that)."""
+    ranks = stage_split(cfg).rank_layers()
+    if ranks is None:
+        p = max(1, cfg.parallel.pp)
+        return [cfg.model.num_layers // p] * p
+    return ranks
+
+
+def rank_chunk_layers(cfg: Config, stage: int) -> List[int]:
+    """Layers of each of pipeline rank `stage`'s model chunks, chunk 0 first (the even share when no split
+    exists)."""
+    s = stage_split(cfg)
+    counts = s.counts()
+    if counts is None:
+        per = cfg.model.num_layers // max(1, s.pp * s.vpp)
+        return [per] * s.vpp
+    return [counts[c * s.pp + stage] for c in range(s.vpp)]
+
+
 def chunk_layers(cfg: Config) -> int:
-    """Layers of one pipeline chunk (model chunk of the interleaved schedule, or the rank's stage)."""
-    par = cfg.parallel
-    v = par.vpp if par.schedule == "interleaved_1f1b" and par.pp > 1 else 1
-    return cfg.model.num_layers // (par.pp * v)
+    """Layers of the largest pipeline chunk (model chunk of the interleaved schedule, or the rank's stage)."""
+    s = stage_split(cfg)
+    return s.max_chunk_layers() or cfg.model.num_layers // max(1, s.pp * s.vpp)
 
 
-def recomputed_layers_per_rank(cfg: Config) -> int:
-    """Layers of one pipeline rank that recompute their forward in backward (recompute=full): the first
-    recompute_num_layers of each of its chunks, every layer when it is 0; none without full recompute."""
+def busiest_stage(cfg: Config) -> int:
+    """The pipeline rank with the most layers (the first of them): whose passes pace the pipeline."""
+    ranks = rank_layers(cfg)
+    return ranks.index(max(ranks))
+
+
+def recomputed_layers_per_rank(cfg: Config, stage: Optional[int] = None) -> int:
+    """Layers of pipeline rank `stage` (default: the busiest, busiest_stage) that recompute their forward in
+    backward (recompute=full): the first recompute_num_layers of each of its chunks, every layer when it is 0;
+    none without full recompute."""
     par = cfg.parallel
     if str(par.recompute) != "full":
         return 0
-    per_rank = cfg.model.num_layers // par.pp
+    chunks = rank_chunk_layers(cfg, busiest_stage(cfg) if stage is None else stage)
     n = getattr(par, "recompute_num_layers", 0)
     if n <= 0:
-        return per_rank
-    chunks = per_rank // chunk_layers(cfg)
-    return chunks * min(n, chunk_layers(cfg))
+        return sum(chunks)
+    return sum(min(n, c) for c in chunks)
 
 
 def recomputed_fraction(cfg: Config) -> float:
     """Share of the layers that are recomputed (1 under recompute=full with recompute_num_layers=0)."""
-    return recomputed_layers_per_rank(cfg) / (cfg.model.num_layers // cfg.parallel.pp)
+    if str(cfg.parallel.recompute) != "full":
+        return 0.0
+    ranks = rank_layers(cfg)
+    return sum(recomputed_layers_per_rank(cfg, st) for st in range(len(ranks))) / max(1, sum(ranks))

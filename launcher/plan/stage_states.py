@@ -1,7 +1,8 @@
 """A pipeline stage's model states: everything of one rank's memory but its activations (pure Python, no torch).
 
 A stage's parameters, model states and gathers depend only on whether it holds the embedding (first) and the head
-(last); the middle stages share them. make_plan takes each stage kind's memory from stage_kinds and fills in
+(last); the middle stages share them (every split of training/contract/stage_split.py gives the middle pipeline
+ranks the same layers: only the first and the last rank's counts may differ). make_plan takes each stage kind's memory from stage_kinds and fills in
 the stage's activations and total.
 """
 

@@ -1,7 +1,8 @@
 """`meshrun action=recommend`: every valid layout of the model on the cluster, ranked by predicted step time.
 
 Searches tp, pp, vpp, micro-batch, sp, recompute and zero at the cluster's world size and the configured global
-batch (training/contract/layout_rules.py decides what is valid, launcher/plan/estimate.py what fits, and
+batch, with an uneven pipeline split where the layers do not divide evenly over pp x vpp
+(training/contract/stage_split.py split_options; training/contract/layout_rules.py decides what is valid, launcher/plan/estimate.py what fits, and
 launcher/plan/cost_model.py how long a step takes), prints the fastest layouts that fit with tokens/s per GPU,
 MFU and why each wins or loses, compares them with the configured layout, and writes run.dir/recommend.json.
 recommend.calibrate=true runs the top candidates here for a few steps (launcher/planning/calibrate.py). No torch: on CPU
@@ -29,6 +30,7 @@ from training.contract import layout_rules as rules
 from training.contract.config import Config, derived_dp
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID
 from training.contract.layout_text import Layout, format_layout, layout_of
+from training.contract.stage_split import SPLIT_KEYS, split_options
 
 PARALLEL_KEYS = (
     "tp",
@@ -44,7 +46,10 @@ PARALLEL_KEYS = (
     "recompute",
     "recompute_num_layers",
     "offload",
+    *SPLIT_KEYS,
 )
+NO_SPLIT = {"first_stage_layers": 0, "last_stage_layers": 0, "embedding_in_split": False, "loss_in_split": False}
+"""The split keys of the even split (each layout of the search sets them: the user's own are replaced)."""
 WITHIN = 0.10
 """The recommended layout is 'as good as' the configured one when its predicted step is within this fraction."""
 
@@ -111,14 +116,15 @@ def _divisors(n: int) -> List[int]:
 
 def layouts(cfg: Config) -> Iterator[Config]:
     """Every layout of cfg's model on cfg's cluster that the layout rules accept; tp beyond a node only up to
-    twice the node (to show what TP across nodes costs); cp > 1 at long sequences (context_memory.search_cp)."""
+    twice the node (to show what TP across nodes costs); cp > 1 at long sequences (context_memory.search_cp); pp
+    up to the layers, uneven where they do not divide (split_options)."""
     m, c = cfg.model, cfg.cluster
     world, L = c.nodes * c.gpus_per_node, m.num_layers
     for tp in _divisors(world):
         if tp > 2 * c.gpus_per_node or rules.tp_rules(m, tp):
             continue
-        for pp in _divisors(L):
-            if world % (tp * pp):
+        for pp in _divisors(world // tp):
+            if pp > L or not split_options(L, pp, 1):
                 continue
             for sp in [False, True] if tp > 1 and m.seq_length % tp == 0 else [False]:
                 for cp in search_cp(cfg, tp, sp, world // (tp * pp)):
@@ -146,14 +152,20 @@ def _dense_layouts_at(cfg: Config, tp: int, pp: int, sp: bool, cp: int, dp: int)
     B, L = par.global_batch, m.num_layers
     if B % dp:
         return
+    # Virtual stages: the divisors of the even share, or where the layers do not divide by pp, those of the share
+    # with the embedding and the loss counted as layers ((L + 1) or (L + 2) / pp); each with its splits.
+    shares = {L // pp} if L % pp == 0 else {n // pp for n in (L + 1, L + 2) if n % pp == 0}
+    virtual = sorted({v for n in shares for v in _divisors(n) if v > 1}) if pp > 1 else []
+    splits = {v: split_options(L, pp, v) for v in [1, *virtual]}
     for mb in [d for d in _divisors(B // dp) if d <= cfg.recommend.max_micro_batch]:
         micro_batches = B // (dp * mb)
-        vpps = [1] + [v for v in _divisors(L // pp) if v > 1 and pp > 1 and micro_batches % pp == 0]
-        for vpp in vpps:
+        vpps = [1] + [v for v in virtual if micro_batches % pp == 0 and splits[v]]
+        for vpp, split in ((v, keys) for v in vpps for keys in splits[v]):
             for zero in [0, 1] if dp * cp > 1 else [0]:
                 for recompute in ("none", "selective", "full"):
                     yield _with(
                         cfg,
+                        **{**NO_SPLIT, **split},
                         tp=tp,
                         pp=pp,
                         vpp=vpp,
@@ -242,7 +254,7 @@ def search(cfg: Config, rates: Rates) -> Search:
         if any(v.level == "error" for v in rules.layout_violations(lay, derived_dp(lay))):
             continue
         out.valid += 1
-        group = (p.tp, p.pp, p.vpp, p.zero, p.cp, getattr(p, "ep", 1))
+        group = (p.tp, p.pp, p.vpp, p.zero, p.cp, getattr(p, "ep", 1), *(getattr(p, k) for k in SPLIT_KEYS))
         if group not in lean_fits:
             lean_fits[group] = make_plan(_lean(lay), rates=rates, cache=cache).fits
             if not lean_fits[group] and (p.zero == 1 or derived_dp(lay) == 1):
@@ -258,7 +270,16 @@ def search(cfg: Config, rates: Rates) -> Search:
                 lay, plan = deeper.cfg, deeper.plan
         fits = fits_with_headroom(plan, cfg)
         (out.candidates if fits else out.no_fit).append(Candidate(lay, plan))
-        others = (p.tp, p.pp, p.vpp, p.sp, p.zero, p.micro_batch, getattr(p, "ep", 1))
+        others = (
+            p.tp,
+            p.pp,
+            p.vpp,
+            p.sp,
+            p.zero,
+            p.micro_batch,
+            getattr(p, "ep", 1),
+            *(getattr(p, k) for k in SPLIT_KEYS),
+        )
         if p.recompute == "none":
             none_fits[others] = fits
         if fits and lay.parallel.recompute == "full" and not none_fits.get(others, False):

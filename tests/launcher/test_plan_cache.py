@@ -50,7 +50,10 @@ CHANGES = [
     {"bucket_mb": 0.001},
     {"overlap_grad_reduce": False},
     {"overlap_p2p": False},
-    {"fp8_all_gather": True},  # read by the engine only (zero=3 with fp8): the plan is the same
+    {"fp8_all_gather": True},  # on this bf16 zero=1 base the plan is the same; the fp8 zero=3 base below differs
+    {"first_stage_layers": 1},  # uneven splits (training/contract/stage_split.py): 1 + 3 layers
+    {"last_stage_layers": 1, "pp": 2},
+    {"embedding_in_split": True, "loss_in_split": True, "vpp": 3, "schedule": "interleaved_1f1b"},
 ]
 MOE_CHANGES = [{"ep": 2}, {"ep": 4, "pp": 1}, {"ep": 2, "zero": 2}, {"ep": 2, "pp": 1}]
 
@@ -83,6 +86,22 @@ def test_cached_plans_equal_fresh_ones_whatever_parallel_field_changes():
             assert make_plan(base, cache=cache).to_json() == make_plan(base).to_json(), change
             covered |= set(change)
     assert covered == {f.name for f in fields(ParallelConfig)}, "a parallel field no change above tries"
+
+
+def test_fp8_all_gather_is_in_the_key_on_a_zero3_fp8_base():
+    """On a zero=3 fp8 base parallel.fp8_all_gather changes the figures (the FP8 weights gathered at 1 byte:
+    zero3_gathered memory and the dp traffic fall): the cached plan of the changed layout is still the fresh one."""
+    base = with_parallel(_base("tiny"), zero=3)
+    base.train.precision = "fp8"
+    cache = PlanCache(base)
+    before = make_plan(base, cache=cache)
+    cfg = with_parallel(base, fp8_all_gather=True)
+    cached, fresh = make_plan(cfg, cache=cache), make_plan(cfg)
+    assert cached.to_json() == fresh.to_json()
+    assert [s.memory_bytes["zero3_gathered"] for s in fresh.stages] < [
+        s.memory_bytes["zero3_gathered"] for s in before.stages
+    ]
+    assert fresh.comm_bytes["dp"] < before.comm_bytes["dp"]
 
 
 def test_a_config_with_other_model_objects_bypasses_the_cache():

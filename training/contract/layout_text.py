@@ -5,9 +5,11 @@ Pure Python (no torch, no Hydra). A `Layout` holds the degrees and settings a la
 reads them from a Config; `format_layout` writes them in one of four forms:
 
 - "short": compact words for tables and messages: `tp2 pp2 v2 cp2 dp2 ep2 mb1 gb8 sp rc=selective[4] z1
-  offload=cpu` (vpp, cp, ep, the recompute layer count, zero and offload only where they are not the default);
+  first7 last7 offload=cpu` (vpp, cp, ep, the recompute layer count, zero, the pipeline split's keys
+  (first<N> last<N> emb-in-split loss-in-split) and offload only where they are not the default);
 - "overrides": Hydra overrides to paste after whatever the user gave: every key, cp and dp included (an explicit
-  parallel.dp or cp left from before would otherwise make the pasted layout invalid);
+  parallel.dp or cp left from before would otherwise make the pasted layout invalid), the four keys of an uneven
+  pipeline split when the layout sets one;
 - "column": the sweep table's column: `tp2·pp2·dp2 vpp1 sp` (cp only when > 1);
 - "world": how the world size splits: `world 8 = tp 2 x pp 2 x cp 1 x dp 2, vpp 2, ep 2 (inside dp)`.
 """
@@ -55,6 +57,19 @@ class Layout:
     """Layers per stage recomputed under full recompute (0: all)."""
     offload: str = "none"
     """Where optimizer state is offloaded (none: kept on the GPU)."""
+    first_stage_layers: int = 0
+    """Layers of the first pipeline rank (0: the even split; training/contract/stage_split.py)."""
+    last_stage_layers: int = 0
+    """Layers of the last pipeline rank (0: the even split)."""
+    embedding_in_split: bool = False
+    """The embedding counts as a layer of the even split."""
+    loss_in_split: bool = False
+    """The output layer and the loss count as a layer of the even split."""
+
+    @property
+    def split_set(self) -> bool:
+        """Whether any key of the pipeline split is set (else the even split)."""
+        return bool(self.first_stage_layers or self.last_stage_layers or self.embedding_in_split or self.loss_in_split)
 
     @property
     def world(self) -> int:
@@ -80,6 +95,10 @@ def layout_of(cfg: Config, dp: Optional[int] = None) -> Layout:
         recompute=str(p.recompute),
         recompute_num_layers=p.recompute_num_layers,
         offload=str(p.offload),
+        first_stage_layers=p.first_stage_layers,
+        last_stage_layers=p.last_stage_layers,
+        embedding_in_split=bool(p.embedding_in_split),
+        loss_in_split=bool(p.loss_in_split),
     )
 
 
@@ -97,6 +116,10 @@ def format_layout(lay: Layout, form: str = "short") -> str:
         text += (" sp" if lay.sp else "") + f" rc={lay.recompute}"
         text += f"[{lay.recompute_num_layers}]" if lay.recompute_num_layers else ""
         text += f" z{lay.zero}" if lay.zero else ""
+        text += f" first{lay.first_stage_layers}" if lay.first_stage_layers else ""
+        text += f" last{lay.last_stage_layers}" if lay.last_stage_layers else ""
+        text += " emb-in-split" if lay.embedding_in_split else ""
+        text += " loss-in-split" if lay.loss_in_split else ""
         return text + (f" offload={lay.offload}" if lay.offload != "none" else "")
     if form == "overrides":
         keys = [
@@ -114,6 +137,11 @@ def format_layout(lay: Layout, form: str = "short") -> str:
             "offload",
         ]
         keys += ["ep"] if lay.ep is not None else []
+        # The split's keys (training/contract/stage_split.py) when the layout sets any: all four, so that the
+        # pasted line replaces a split given before
+        keys += (
+            ["first_stage_layers", "last_stage_layers", "embedding_in_split", "loss_in_split"] if lay.split_set else []
+        )
         return " ".join(f"parallel.{k}={_override(getattr(lay, k))}" for k in keys)
     if form == "column":
         cp = f"cp{lay.cp}·" if lay.cp > 1 else ""

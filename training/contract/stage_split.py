@@ -257,3 +257,34 @@ def split_rules(s: StageSplit) -> List[Violation]:
             )
         ]
     return []
+
+
+def split_options(num_layers: int, pp: int, vpp: int, limit: int = 2) -> List[dict]:
+    """The split keys a layout search tries at pp x vpp (action=recommend, parallel=auto): [{}] when the even split
+    works; else up to `limit` distinct splits that do, lightest first and last ranks preferred (they also hold the
+    embedding and the output layer): embedding_in_split (+ loss_in_split), then first = last = k (pp > 2) or
+    first = k (pp = 2), k the largest multiple of vpp at most the other ranks' share. [] when none works."""
+    L, p, v = num_layers, pp, vpp
+    if StageSplit(L, p, v).counts() is not None:
+        return [{}]
+    tries: List[dict] = [
+        {"embedding_in_split": True, "loss_in_split": True},
+        {"embedding_in_split": True},
+    ]
+    if p > 2:
+        ks = [k for k in range(v, L // p + 1, v) if (L - 2 * k) % ((p - 2) * v) == 0 and (L - 2 * k) // (p - 2) >= k]
+        if ks:
+            tries.append({"first_stage_layers": max(ks), "last_stage_layers": max(ks)})
+    elif p == 2:
+        ks = [k for k in range(v, L // 2 + 1, v) if (L - k) % v == 0]
+        if ks:
+            tries.append({"first_stage_layers": max(ks)})
+    out: List[dict] = []
+    seen = set()
+    for keys in tries:
+        counts = StageSplit(L, p, v, **keys).counts()
+        if counts is None or (p * v > 1 and min(counts) < 1) or tuple(counts) in seen:
+            continue
+        seen.add(tuple(counts))
+        out.append(keys)
+    return out[:limit]
