@@ -13,6 +13,8 @@ amax history), so FP8 holds no state between steps. What it adds:
   input.
 FLOPs: the FP8 linears' GEMMs run at cluster.peak_tflops_fp8 / cluster.peak_tflops times the bf16 rate (attention,
 the router and the skipped kinds at the bf16 rate); MFU is reported against both peaks.
+parallel.fp8_all_gather (zero=3): the FP8 weights are gathered at 1 byte an element (`fp8_gathered_elements`):
+levers.py counts the gathered units and the gather traffic with it.
 """
 
 from __future__ import annotations
@@ -101,3 +103,25 @@ def weight_gemm_seconds(cfg: Config, weight_flops: float, rate: float) -> float:
 def logits_rate(cfg: Config, rate: float) -> float:
     """The output layer's GEMM rate: the FP8 one when `output` is not in train.fp8_skip."""
     return rate * fp8_rate_ratio(cfg) if "output" in fp8_kinds(cfg) else rate
+
+
+def fp8_gathered_elements(cfg: Config) -> Dict[str, int]:
+    """Elements of the FP8 weights, as a rank holds them, that parallel.fp8_all_gather gathers in float8 (1 byte
+    each instead of 2; training/optim/zero3.py): `layer` (one layer's qkv, proj, fc1, fc2, the kinds not
+    skipped), `experts` (one layer's E/ep experts' fc1 and fc2), `head` (the untied output layer when not
+    skipped; a tied head is the embedding's lookup table and stays bf16). All 0 without the flag, fp8 or zero=3."""
+    par = cfg.parallel
+    out = {"layer": 0, "experts": 0, "head": 0}
+    if not getattr(par, "fp8_all_gather", False) or int(par.zero) != 3:
+        return out
+    kinds, shapes = fp8_kinds(cfg), fp8_local_shapes(cfg)
+    experts = cfg.model.num_experts // max(1, par.ep)
+    for kind in kinds:
+        per = sum(o * i for o, i in shapes[kind])
+        if kind == "output":
+            out["head"] = 0 if cfg.model.tie_embeddings else per
+        elif kind == "experts":
+            out["experts"] = per * experts
+        elif kind != "embedding":
+            out["layer"] += per
+    return out

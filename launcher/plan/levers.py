@@ -53,13 +53,30 @@ def zero3_gathered_bytes(cfg: Config, stage: int) -> int:
     prefetched, and the output layer's unit, which stays gathered from its forward to its backward (or, in
     backward, the unit just finished until the next one is gathered). Without it, every unit stays gathered
     from forward to backward: the stage's whole weights."""
-    w = PARAM_BYTES[cfg.train.precision]
-    units = sorted(zero3_units(cfg, stage), reverse=True)
+    units = zero3_unit_bytes(cfg, stage)
     if not getattr(cfg.parallel, "zero3_reshard_after_forward", True):
         from launcher.plan.model_size import stage_params
 
-        return stage_params(cfg, stage).total * w
-    return sum(units[:3]) * w
+        w = PARAM_BYTES[cfg.train.precision]
+        return stage_params(cfg, stage).total * w - sum(u * w for u in zero3_units(cfg, stage)) + sum(units)
+    return sum(sorted(units, reverse=True)[:3])
+
+
+def zero3_unit_bytes(cfg: Config, stage: int) -> List[int]:
+    """Bytes of each zero=3 gather unit of one rank of `stage` as gathered: the model dtype, except the FP8
+    weights under parallel.fp8_all_gather at 1 byte (launcher/plan/fp8.py fp8_gathered_elements)."""
+    from launcher.plan.fp8 import fp8_gathered_elements
+    from launcher.plan.model_size import stage_params
+
+    w = PARAM_BYTES[cfg.train.precision]
+    units = zero3_units(cfg, stage)
+    f8 = fp8_gathered_elements(cfg)
+    layers = stage_params(cfg, stage).layers
+    per_layer = f8["layer"] + f8["experts"]
+    out = [u * w - (per_layer * (w - 1) if k < layers else 0) for k, u in enumerate(units)]
+    if stage == cfg.parallel.pp - 1 and f8["head"]:
+        out[-1] -= f8["head"] * (w - 1)
+    return out
 
 
 def zero_bytes_per_param(precision: str, zero: int, dp: int) -> float:
@@ -74,16 +91,20 @@ def zero_bytes_per_param(precision: str, zero: int, dp: int) -> float:
     raise ValueError(f"zero={zero}: stages 2 and 3 only (memory.model_state_bytes_per_param has 0 and 1)")
 
 
-def zero3_dp_bytes(cfg: Config, n_local: int, dp: int, m: int, grad_bytes: int, param_bytes: int) -> float:
+def zero3_dp_bytes(
+    cfg: Config, n_local: int, dp: int, m: int, grad_bytes: int, param_bytes: int, fp8_local: int = 0
+) -> float:
     """Bytes one rank sends per step at zero=3: zero=2's grad reductions, and instead of the all-gather of the
     updated shards, the parameters gathered for every micro-batch's forward and again for its backward
     (2 m all-gathers; with zero3_reshard_after_forward=false, once per micro-batch). At m = 1 and g = w this
-    is the ZeRO paper's 1.5x of an all-reduce (3 (dp-1)/dp of the parameters against 2 (dp-1)/dp)."""
+    is the ZeRO paper's 1.5x of an all-reduce (3 (dp-1)/dp of the parameters against 2 (dp-1)/dp).
+    fp8_local of the n_local elements are FP8 weights gathered in float8 (parallel.fp8_all_gather): 1 byte each."""
     if dp <= 1:
         return 0.0
     padded = -(-n_local // dp) * dp
     gathers = 2 if getattr(cfg.parallel, "zero3_reshard_after_forward", True) else 1
-    return m * (dp - 1) / dp * padded * (grad_bytes + gathers * param_bytes)
+    gathered = padded * param_bytes - fp8_local * (param_bytes - 1)
+    return m * (dp - 1) / dp * (padded * grad_bytes + gathers * gathered)
 
 
 def zero2_dp_bytes(n_local: int, dp: int, m: int, grad_bytes: int, param_bytes: int) -> float:
