@@ -278,6 +278,62 @@ def test_nvml_library_mismatch_is_a_reason_not_a_crash(monkeypatch):
     assert nvml is None and "NVMLLibraryMismatchError" in why
 
 
+def test_nvml_library_mismatch_in_a_query_is_a_warning_not_a_crash():
+    """R21: on a driver before R510 pynvml's unversioned process query raises NVMLLibraryMismatchError (not an
+    NVMLError); `_try` makes it a reason, and the foreign-memory check warns that it could not look."""
+    from helpers.doubles import fake_nvml, healthy_gpu
+    from training.contract.config import PreflightConfig
+    from training.preflight.gpu_nvml import _try, check_gpus
+
+    m = fake_nvml([healthy_gpu(0)])
+    m.NVMLLibraryMismatchError = pynvml.NVMLLibraryMismatchError
+
+    def old_driver(h):
+        raise pynvml.NVMLLibraryMismatchError("Unversioned function called")
+
+    m.nvmlDeviceGetComputeRunningProcesses = old_driver
+    value, why = _try(m, "nvmlDeviceGetComputeRunningProcesses", None)
+    assert value is None and "Unversioned function called" in why
+    checks, _ = check_gpus(m, PreflightConfig(), 1, "n1", own_pids={1})
+    foreign = [c for c in checks if c.name == "gpu.foreign_memory"]
+    assert foreign[0].status == "warn" and "cannot list the GPU's processes" in foreign[0].reason
+
+    def broken(h):  # anything else still escapes: a real fault is not hidden as "not supported"
+        raise RuntimeError("driver fault")
+
+    m.nvmlDeviceGetComputeRunningProcesses = broken
+    with pytest.raises(RuntimeError):
+        _try(m, "nvmlDeviceGetComputeRunningProcesses", None)
+
+
+def test_crc_switch_falls_back_on_torch_without_serialization_config(monkeypatch):
+    """R12: torch.utils.serialization.config is torch >= 2.6; pyproject admits 2.4. Without it the checkpoint
+    writer turns torch.save's record CRCs off through torch.serialization.set_crc32_options, and without that
+    too it leaves them on (a slower save); importing the writer never fails."""
+    import torch.serialization as ser
+
+    from training.checkpoint import crc_writer
+
+    saved = ser.get_crc32_options()
+
+    def switch_without_config(mp):
+        with mp.context() as blocked:
+            blocked.setitem(sys.modules, "torch.utils.serialization", None)  # as on torch 2.4: no such module
+            return crc_writer._zip_crc_switch()
+
+    get, put = switch_without_config(monkeypatch)
+    assert (get, put) == (ser.get_crc32_options, ser.set_crc32_options)
+    try:
+        put(False)  # (torch 2.13's set_crc32_options writes the config this test hid from the writer)
+        assert ser.get_crc32_options() is False
+    finally:
+        ser.set_crc32_options(saved)
+    monkeypatch.delattr(ser, "set_crc32_options")
+    get, put = switch_without_config(monkeypatch)
+    put(False)  # nothing to switch: a no-op
+    assert get() is True and ser.get_crc32_options() == saved
+
+
 def test_sibling_ranks_are_job_processes_not_foreign(tmp_path):
     """Likely 5: the job's other ranks (same parent: the launcher or srun's step daemon) hold GPU memory by the
     time the preflight runs; they are not 'other processes'."""

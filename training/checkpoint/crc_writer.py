@@ -28,11 +28,10 @@ import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.utils.serialization import config as _torch_save_config
 
 from training.contract.rundir.files import write_atomic
 
@@ -86,6 +85,24 @@ _zip_crc_saved = True
 _zip_crc_lock = threading.Lock()
 
 
+def _zip_crc_switch() -> Tuple[Callable[[], bool], Callable[[bool], None]]:
+    """(get, set) of torch.save's per-record CRC32 switch: torch.utils.serialization.config (torch >= 2.6), else
+    torch.serialization's get/set_crc32_options (torch 2.4 and 2.5, which pyproject admits), else none (the
+    records keep their CRCs: a slower save, the same files)."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        import torch.serialization as ser
+
+        if hasattr(ser, "get_crc32_options") and hasattr(ser, "set_crc32_options"):
+            return ser.get_crc32_options, ser.set_crc32_options
+        return (lambda: True), (lambda value: None)
+    return (lambda: bool(config.save.compute_crc32)), (lambda value: setattr(config.save, "compute_crc32", value))
+
+
+_get_zip_crc, _set_zip_crc = _zip_crc_switch()
+
+
 @contextmanager
 def no_zip_record_crc() -> Iterator[None]:
     """torch.save without its per-record CRC32 for the duration (nested and concurrent uses allowed).
@@ -95,8 +112,8 @@ def no_zip_record_crc() -> Iterator[None]:
     global _zip_crc_users, _zip_crc_saved
     with _zip_crc_lock:
         if _zip_crc_users == 0:
-            _zip_crc_saved = _torch_save_config.save.compute_crc32
-            _torch_save_config.save.compute_crc32 = False
+            _zip_crc_saved = _get_zip_crc()
+            _set_zip_crc(False)
         _zip_crc_users += 1
     try:
         yield
@@ -104,7 +121,7 @@ def no_zip_record_crc() -> Iterator[None]:
         with _zip_crc_lock:
             _zip_crc_users -= 1
             if _zip_crc_users == 0:
-                _torch_save_config.save.compute_crc32 = _zip_crc_saved
+                _set_zip_crc(_zip_crc_saved)
 
 
 class _CrcStream:

@@ -63,12 +63,19 @@ def _text(value: Any) -> str:
 
 
 def _try(nvml, fn, *args):
-    """Call an NVML query; (value, None), or (None, reason) when the GPU does not support it."""
+    """Call an NVML query; (value, None), or (None, reason) when the GPU or the driver does not support it.
+    pynvml raises NVMLLibraryMismatchError, not an NVMLError, when an unversioned query (the process list) has
+    no function in an older driver's library (before R510): a reason too, not a crash of the preflight."""
+    mismatch = getattr(nvml, "NVMLLibraryMismatchError", None)
     try:
         return getattr(nvml, fn)(*args), None
     except nvml.NVMLError as exc:
         if exc.value in (nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_FUNCTION_NOT_FOUND):
             return None, "not supported"
+        raise
+    except Exception as exc:
+        if mismatch is not None and isinstance(exc, mismatch):
+            return None, f"not supported by this driver's NVML library ({exc})"
         raise
 
 
@@ -269,7 +276,15 @@ def _check_one(nvml, pf, h, own_pids) -> List[Check]:
     procs, why = _try(nvml, "nvmlDeviceGetComputeRunningProcesses", h)
     foreign = [p for p in (procs or []) if p.pid not in own_pids]
     used_mb = sum((p.usedGpuMemory or 0) for p in foreign) / 2**20
-    if foreign and used_mb > pf.max_used_gpu_memory_mb:
+    if why:
+        out.append(
+            warn(
+                "gpu.foreign_memory",
+                f"cannot list the GPU's processes: {why}",
+                expected=f"<= {pf.max_used_gpu_memory_mb:g} MiB",
+            )
+        )
+    elif foreign and used_mb > pf.max_used_gpu_memory_mb:
         out.append(
             fail(
                 "gpu.foreign_memory",
