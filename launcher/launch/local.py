@@ -159,7 +159,7 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
             append_event(run_dir, "ranks_started", warm_ranks=warm_ranks, agent_pid=agent.pid, attempt=attempt)
         failed: Optional[tuple] = None
         ended: Dict[int, tuple] = {}  # a failed rank -> (its exit code, when it was seen)
-        stop = _StopRequest(procs, cfg.cancel.timeout_s)
+        stop = _StopRequest(procs, cfg.cancel.timeout_s, cfg.train.checkpointing)
         with stop.installed():
             while True:
                 stop.forward()
@@ -178,7 +178,7 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
                     break
                 time.sleep(POLL_S)
         if stop.name:
-            return _interrupted(run_dir, stop, procs, attempt)
+            return _interrupted(run_dir, stop, procs, attempt, cfg.train.checkpointing)
         if failed is not None:
             stop_processes(procs)
             rank, code, told, consequences = failed
@@ -204,13 +204,15 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
         codes = [proc.returncode for proc in procs]
         if any(c == EXIT_STOPPED for c in codes):
             # Stopped early on purpose after a checkpoint; nothing requeues a local run, the user does.
-            append_event(
-                run_dir,
-                "stopped",
-                reason="stopped early after a complete checkpoint (signal, "
-                f"exit_interval or exit_after_min): run again with run.dir={run_dir} to resume",
-                attempt=attempt,
+            # train.checkpointing=false: stopped at a signal with no checkpoint, so there is nothing to resume.
+            reason = (
+                "stopped early after a complete checkpoint (signal, "
+                f"exit_interval or exit_after_min): run again with run.dir={run_dir} to resume"
+                if cfg.train.checkpointing
+                else "stopped early at a signal; no checkpoint was written (train.checkpointing=false): "
+                "nothing to resume"
             )
+            append_event(run_dir, "stopped", reason=reason, attempt=attempt)
             return EXIT_STOPPED
         append_event(run_dir, "completed", world_size=world, attempt=attempt)
         return EXIT_OK
@@ -293,8 +295,9 @@ class _StopRequest:
     each rank has its handler: they agree on a step, save it and exit 3). A second signal, or ranks still
     running after cancel.timeout_s, ends them at once (the last complete checkpoint stays)."""
 
-    def __init__(self, procs: List[subprocess.Popen], timeout_s: float):
+    def __init__(self, procs: List[subprocess.Popen], timeout_s: float, checkpointing: bool = True):
         self.procs, self.timeout_s = procs, timeout_s
+        self.when = "after a checkpoint" if checkpointing else "at the next step boundary (no checkpoint)"
         self.name: Optional[str] = None
         self.count = 0
         self.since = 0.0
@@ -305,9 +308,7 @@ class _StopRequest:
         self.count += 1
         if self.name is None:
             self.name, self.since = _signal_name(signum), time.time()
-            print(
-                f"meshrun: {self.name}: stopping the ranks after a checkpoint (again to stop at once)", file=sys.stderr
-            )
+            print(f"meshrun: {self.name}: stopping the ranks {self.when} (again to stop at once)", file=sys.stderr)
 
     @contextlib.contextmanager
     def installed(self):
@@ -340,26 +341,31 @@ class _StopRequest:
                     pass
 
 
-def _interrupted(run_dir: str, stop: _StopRequest, procs: List[subprocess.Popen], attempt: int) -> int:
-    """Record and say how an interrupted run ended (`cancelled`, as action=cancel) and how to resume it."""
+def _interrupted(
+    run_dir: str, stop: _StopRequest, procs: List[subprocess.Popen], attempt: int, checkpointing: bool = True
+) -> int:
+    """Record and say how an interrupted run ended (`cancelled`, as action=cancel) and how to resume it (with
+    train.checkpointing=false: that no checkpoint was written, and no resume hint)."""
     from launcher.manage.cancel import record_cancelled
 
     stop_processes(procs)  # already ended: reaps them
-    saved = all(p.returncode == EXIT_STOPPED for p in procs) and not stop.forced
-    how = (
-        "saved a checkpoint and stopped"
-        if saved
-        else "stopped at once: the last complete checkpoint is kept, the steps after it are lost"
-    )
+    stopped = all(p.returncode == EXIT_STOPPED for p in procs) and not stop.forced
+    if not checkpointing:
+        how = (
+            "stopped at a step boundary" if stopped else "stopped at once"
+        ) + "; no checkpoint was written (train.checkpointing=false): nothing to resume"
+    elif stopped:
+        how = "saved a checkpoint and stopped"
+    else:
+        how = "stopped at once: the last complete checkpoint is kept, the steps after it are lost"
     event = record_cancelled(
-        run_dir, f"interrupted by {stop.name} to the local launcher: {how}", forced=not saved, attempt=attempt
+        run_dir, f"interrupted by {stop.name} to the local launcher: {how}", forced=not stopped, attempt=attempt
     )
     step = event.get("checkpoint_step")
-    print(
-        f"meshrun: interrupted ({stop.name}): {how}"
-        f"{f' (checkpoint step_{step})' if step is not None else ''}. Resume with: meshrun run.dir={run_dir}",
-        file=sys.stderr,
-    )
+    resume = ""
+    if checkpointing:
+        resume = f"{f' (checkpoint step_{step})' if step is not None else ''}. Resume with: meshrun run.dir={run_dir}"
+    print(f"meshrun: interrupted ({stop.name}): {how}{resume}", file=sys.stderr)
     return EXIT_INTERRUPTED
 
 

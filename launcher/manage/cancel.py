@@ -116,7 +116,24 @@ def _cancel_local(run_dir: str, started: Dict[str, Any], timeout_s: float, deadl
             "the last complete checkpoint is kept",
             forced=True,
         )
+    if not _checkpointing(run_dir):
+        return record_cancelled(
+            run_dir,
+            "cancelled by meshrun action=cancel: stopped at a step boundary; no checkpoint was written "
+            "(train.checkpointing=false): nothing to resume",
+        )
     return record_cancelled(run_dir, "cancelled by meshrun action=cancel: saved a checkpoint and stopped")
+
+
+def _checkpointing(run_dir: str) -> bool:
+    """The run's train.checkpointing (config.json); True when it cannot be read (the usual case's words)."""
+    from launcher.manage.resume import saved_config
+
+    try:
+        train = (saved_config(run_dir) or {}).get("train")
+    except (OSError, ValueError, AttributeError):
+        return True
+    return not (isinstance(train, dict) and train.get("checkpointing") is False)
 
 
 # ---- Slurm runs ------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def _runs(base: str):
             run_dir = os.path.join(base, name)
             t0 = time.perf_counter()
             trainer = loop.Trainer(_cfg(pace), run_dir, mesh, checkpointing=False)
-            trainer.run()
+            code = trainer.run()
             with open(os.path.join(run_dir, "metrics.jsonl")) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
             out = {
@@ -64,6 +64,7 @@ def _runs(base: str):
                 "step_s": [r["step_time_s"] for r in rows],
                 "waits": list(waits),
                 "wall_s": time.perf_counter() - t0,
+                "exit_code": code,
             }
             waits.clear()
             return out
@@ -72,8 +73,9 @@ def _runs(base: str):
 
     mesh = ProcessMesh.from_env(1, 1, 1, 1, timeout_s=120)
     out = {"plain": run("plain", 0.0, SteppedClock), "paced": run("paced", PACE_S, SteppedClock)}
-    # The real clock, each step paced to PACE_S, and a stop signal after the first step (checkpointing is off
-    # here, so the run goes on): the signal ends the wait it arrives in, and no later step waits.
+    # The real clock, each step paced to PACE_S, and a stop signal during the first step's wait: the signal ends
+    # that wait, and the run stops at the boundary right after it (checkpointing is off here: with no checkpoint,
+    # exit 3 all the same).
     signals.install()
     sender = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR2))
     sender.start()
@@ -88,6 +90,7 @@ def _runs(base: str):
 
 
 def test_min_step_s_waits_out_each_step_outside_the_timer_and_a_signal_ends_the_wait(tmp_path):
+    from training.contract.exit_codes import EXIT_OK, EXIT_STOPPED
     from training.run.loop import PACE_SLICE_S
 
     (out,) = run_distributed(_runs, 1, args=(str(tmp_path),), timeout_s=300)
@@ -101,8 +104,10 @@ def test_min_step_s_waits_out_each_step_outside_the_timer_and_a_signal_ends_the_
     owed = sum(PACE_S - s for s in paced["step_s"])
     assert owed - STEPS * 1.0 < sum(paced["waits"]) <= owed
     signalled = out["signalled"]
-    assert out["signal"] == "SIGUSR2" and signalled["losses"] == plain["losses"]
-    # Unpaced, three paced steps take 3 x PACE_S; the signal after about 1 s ended the first wait and the others.
+    assert plain["exit_code"] == paced["exit_code"] == EXIT_OK
+    assert out["signal"] == "SIGUSR2" and signalled["exit_code"] == EXIT_STOPPED
+    assert signalled["losses"] == plain["losses"][:1]  # the step the signal arrived in, then the stop
+    # Paced, one step waits PACE_S; the signal after about 1 s ended the wait.
     assert signalled["wall_s"] < PACE_S
 
 

@@ -16,6 +16,7 @@ import math
 import os
 import resource
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -217,6 +218,9 @@ class Trainer:
         self.eval_losses: List[Tuple[int, float]] = []
         self.state = TrainState()
         self.checkpointer = make_checkpointer(cfg, run_dir, mesh) if checkpointing else None
+        if self.checkpointer is None and threading.current_thread() is threading.main_thread():
+            # The checkpointer installs them otherwise: without it a stop still ends the run (_boundary).
+            signals.install()
         self.tokens_per_step = cfg.parallel.global_batch * cfg.model.seq_length
         self.flops_per_step = model_flops_per_step(cfg, run_dir)
         self.peak_flops = self._peak_flops()
@@ -337,8 +341,8 @@ class Trainer:
         """After a step: save when due (or at the end, or when stopping); returns the stop reason or ""."""
         step, last = self.state.step, self.state.step >= self.cfg.train.steps
         ck = self.checkpointer
-        if ck is None:  # checkpointing off (tests, benchmarks): the run never stops early
-            return ""
+        if ck is None:  # train.checkpointing=false: nothing to save, but a stop signal still ends the run here
+            return "" if last else self._stop_without_checkpoint(step)
         due, reason = ck.decide(step)
         if due or reason or last:
             ck.save(
@@ -351,6 +355,27 @@ class Trainer:
         if reason or last:
             ck.wait()
         return reason or ""
+
+    def _stop_without_checkpoint(self, step: int) -> str:
+        """train.checkpointing=false: the stop signal's name when any rank got one (agreed over all ranks with
+        one all-reduce, as CheckpointManager.decide agrees with checkpoints on), else "". The run then ends at
+        this boundary with EXIT_STOPPED and no checkpoint: exit_interval and exit_after_min are refused with
+        checkpointing off (launcher/plan/validate.py), so only a signal (cancel, Ctrl-C, preemption) stops it."""
+        name = signals.received()
+        code = 0 if name is None else (2 if name == "SIGUSR2" else 1)
+        if comm.is_initialized() and comm.world_size() > 1:
+            flag = torch.tensor([code], dtype=torch.int64, device=self.mesh.device)
+            comm.all_reduce_op(flag, op=comm.ReduceOp.MAX)
+            code = int(comm.value(flag, on_meta=0))
+        reason = ("", "SIGTERM", "SIGUSR2")[code]
+        if reason and self.is_logger:
+            append_event(self.run_dir, "signal", name=reason, step=step, checkpoint=False)
+            print(
+                f"\n{reason} received: stopping after step {step} without a checkpoint "
+                f"(train.checkpointing=false; exit {EXIT_STOPPED})",
+                file=sys.stderr,
+            )
+        return reason
 
     def _pace(self, step_start: float) -> None:
         """train.min_step_s: wait out the rest of the step before its boundary, in short slices, so that a stop
