@@ -49,10 +49,30 @@ def engine_env(cfg: Config, run_dir: Optional[str] = None, secrets: bool = True)
         # One hardware queue keeps TP communication ordered ahead of compute (Megatron's requirement).
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     cluster = {str(k): str(v) for k, v in sorted(cfg.cluster.env.items())}
+    if str(cfg.cluster.device) == "cuda" and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(cluster):
+        # The caching allocator grows segments in place instead of keeping many fixed-size ones: ZeRO-3's
+        # per-unit resize_ and MoE's variable expert batches fragment it least this way (the plan keeps 3 %).
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    gloo = gloo_ifname(cluster.get("NCCL_SOCKET_IFNAME", ""))
+    if gloo and "GLOO_SOCKET_IFNAME" not in cluster:
+        # The gloo background group (checkpoints, object collectives) binds to the interface NCCL is told to
+        # use; without it gloo takes the hostname's address, which is 127.0.1.1 on common /etc/hosts layouts.
+        env["GLOO_SOCKET_IFNAME"] = gloo
     if not secrets:
         cluster = {k: v for k, v in cluster.items() if not is_secret(k, cfg.cluster.secret_keys)}
     env.update(resolve(cluster, run_dir))
     return env
+
+
+def gloo_ifname(nccl_ifname: str) -> str:
+    """GLOO_SOCKET_IFNAME for an NCCL_SOCKET_IFNAME, where the two mean the same: NCCL's exact form "=eth0" or
+    "=eth0,eth1" is gloo's list of names. NCCL's prefix ("eth") and exclusion ("^docker") forms have no gloo
+    equivalent, so nothing is derived from them (set GLOO_SOCKET_IFNAME in cluster.env then)."""
+    value = nccl_ifname.strip()
+    if not value.startswith("="):
+        return ""
+    names = [n.strip() for n in value[1:].split(",") if n.strip()]
+    return ",".join(names)
 
 
 def rank_process_env(

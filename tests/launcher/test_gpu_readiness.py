@@ -334,6 +334,28 @@ def test_crc_switch_falls_back_on_torch_without_serialization_config(monkeypatch
     assert get() is True and ser.get_crc32_options() == saved
 
 
+def test_engine_env_sets_the_allocator_and_gloo_interface_on_gpus():
+    """R5: cuda ranks get expandable segments unless cluster.env sets the allocator itself; R2: the gloo group
+    binds to NCCL's interface when NCCL_SOCKET_IFNAME names it exactly (gloo has no prefix or exclusion form);
+    R1: the dgx_h100 preset leaves the site's interface, GID index and NVLS unset."""
+    from helpers.cli import compose_cfg
+    from launcher.launch.processes import engine_env, gloo_ifname
+
+    cfg = compose_cfg("cluster=dgx_h100", "parallel=tp8")
+    assert not {"NCCL_SOCKET_IFNAME", "NCCL_IB_GID_INDEX", "NCCL_NVLS_ENABLE"} & set(cfg.cluster.env)
+    env = engine_env(cfg)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and "GLOO_SOCKET_IFNAME" not in env
+    cfg.cluster.env = {"NCCL_SOCKET_IFNAME": "=ens1f0,ens1f1", "PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}
+    env = engine_env(cfg)
+    assert env["GLOO_SOCKET_IFNAME"] == "ens1f0,ens1f1" and "PYTORCH_CUDA_ALLOC_CONF" not in env
+    assert env["PYTORCH_ALLOC_CONF"] == "backend:cudaMallocAsync"
+    cfg.cluster.env = {"NCCL_SOCKET_IFNAME": "=eth0", "GLOO_SOCKET_IFNAME": "bond0"}  # the cluster's own wins
+    assert engine_env(cfg)["GLOO_SOCKET_IFNAME"] == "bond0"
+    assert [gloo_ifname(v) for v in ("eth", "^docker,lo", "", " =eth0 ")] == ["", "", "", "eth0"]
+    cpu = engine_env(compose_cfg())
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in cpu and "GLOO_SOCKET_IFNAME" not in cpu
+
+
 def test_sibling_ranks_are_job_processes_not_foreign(tmp_path):
     """Likely 5: the job's other ranks (same parent: the launcher or srun's step daemon) hold GPU memory by the
     time the preflight runs; they are not 'other processes'."""
