@@ -163,6 +163,46 @@ def test_memory_snapshot_on_cpu_says_there_is_none(tmp_path, capsys):
     assert profile_window([]) is None and profile_window([2, 2]) == (2, 2)
 
 
+def test_memory_history_starts_before_the_model_is_built(tmp_path, monkeypatch):
+    """R23: with train.memory_snapshot_step the CUDA allocator's history starts in the Trainer before the model and
+    the optimizer allocate (so the snapshot says where the weights and states came from), once per process; the
+    StepProfiler does not start it again. A CPU rank stands in for the CUDA one: the history call is recorded."""
+    import torch
+
+    import training.model.gpt as gpt
+    import training.observe.profile as profile
+    from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(("history", kw)))
+    monkeypatch.setattr(profile, "_history_started", False)
+    cfg = Config()
+    cfg.train.memory_snapshot_step = 2
+    cuda = torch.device("cuda", 0)
+    assert profile.start_memory_history(cfg, "cpu") is False and calls == []
+    assert profile.start_memory_history(cfg, cuda) and profile.start_memory_history(cfg, cuda)
+    assert calls == [("history", {"max_entries": 100_000})]  # once per process
+    monkeypatch.setattr(profile, "_history_started", False)
+    calls.clear()
+
+    class Built(Exception):
+        pass
+
+    def build(*args, **kwargs):
+        calls.append(("build", {}))
+        raise Built
+
+    monkeypatch.setattr(gpt, "build_gpt", build)
+    mesh = ProcessMesh.single()
+    mesh.device = cuda  # the mesh says cuda; nothing here allocates on it (build_gpt stops the Trainer)
+    with pytest.raises(Built):
+        Trainer(cfg, str(tmp_path), mesh)
+    assert [c[0] for c in calls] == ["history", "build"]
+    profile.StepProfiler(cfg, str(tmp_path), mesh)
+    assert [c[0] for c in calls] == ["history", "build"]  # not restarted by the loop's profiler
+
+
 def test_straggler_needs_consecutive_slow_intervals():
     from training.observe.straggler import StragglerDetector
 

@@ -4,8 +4,9 @@ memory snapshot after step N. Both land in run.dir/profile/:
 - trace_rank<R>.json: Chrome trace format (chrome://tracing, ui.perfetto.dev), CPU and, on GPU, CUDA activity,
   with record_shapes and memory; each step is a `ProfilerStep#<n>` range;
 - memory_snapshot_rank<R>.pickle: torch.cuda.memory._snapshot() (drop it on pytorch.org/memory_viz); the
-  allocator history is recorded from the start of the run when a snapshot is asked for, so the snapshot shows
-  where each live block was allocated. On CPU there is no CUDA allocator: rank 0 says so once.
+  allocator history is recorded from the start of the Trainer (before the model and the optimizer allocate:
+  `start_memory_history`) when a snapshot is asked for, so the snapshot shows where each live block, weights and
+  optimizer states included, was allocated. On CPU there is no CUDA allocator: rank 0 says so once.
 
 Files are written under a temporary name and renamed.
 """
@@ -38,6 +39,21 @@ def profile_window(steps: List[int]) -> Optional[tuple]:
     return int(steps[0]), int(steps[1])
 
 
+_history_started = False
+
+
+def start_memory_history(cfg, device) -> bool:
+    """train.memory_snapshot_step > 0 on a CUDA rank: record the allocator's history from now on (once per process;
+    the Trainer calls this before it builds the model). True when recording."""
+    global _history_started
+    if int(cfg.train.memory_snapshot_step) <= 0 or torch.device(device).type != "cuda":
+        return False
+    if not _history_started:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        _history_started = True
+    return True
+
+
 class StepProfiler:
     """Called by the loop around every step: `before(step)` with the step about to run, `after(step)` after it."""
 
@@ -49,8 +65,8 @@ class StepProfiler:
         self.prof = None
         if self.snapshot_step > 0:
             if self.device.type == "cuda":
-                # History from now on: the snapshot then says where each live block was allocated.
-                torch.cuda.memory._record_memory_history(max_entries=100_000)
+                # Started by the Trainer before its allocations; here for a loop built another way.
+                start_memory_history(cfg, self.device)
             elif self.rank == 0:
                 print(
                     f"note: train.memory_snapshot_step={self.snapshot_step}: a CPU run has no CUDA memory "
@@ -97,6 +113,8 @@ class StepProfiler:
         snapshot = torch.cuda.memory._snapshot()
         write_atomic(path, pickle.dumps(snapshot))
         torch.cuda.memory._record_memory_history(enabled=None)
+        global _history_started
+        _history_started = False
         if self.rank == 0:
             print(f"profile: CUDA memory snapshot after step {self.snapshot_step} in {self.dir}", file=sys.stderr)
 

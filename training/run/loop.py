@@ -178,6 +178,10 @@ class Trainer:
             from training.run.host_memory import keep_freed_host_memory
 
             keep_freed_host_memory(torch.device(mesh.device))
+        if cfg.train.memory_snapshot_step > 0:  # the allocator's history from before the model's allocations
+            from training.observe.profile import start_memory_history
+
+            start_memory_history(cfg, mesh.device)
         validate_data_config(cfg)
         torch.manual_seed(cfg.train.seed)
         if chunks is None:
