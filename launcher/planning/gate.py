@@ -8,6 +8,7 @@ and its summary lists the reason.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Any, Dict, List, Optional
@@ -15,6 +16,7 @@ from typing import Any, Dict, List, Optional
 from launcher.plan.cadence import format_advice
 from launcher.plan.cadence import resolve as resolve_cadence
 from launcher.plan.estimate import format_plan
+from launcher.plan.issues import Issue
 from launcher.plan.validate import Report, validate
 from training.contract.rundir.config_files import write_config
 from training.contract.config import Config
@@ -32,6 +34,41 @@ def _slurm_checks(cfg: Config) -> List[str]:
     from launcher.slurm.sbatch import validate_for_slurm
 
     return validate_for_slurm(cfg) + elastic_checks(cfg)
+
+
+SIGNAL_SAVE_MARGIN = 1.5
+"""The fix for a short cluster.signal_delay_s asks for Slurm's 30 s check plus this many saves (the save time is
+often an estimate at an assumed write rate)."""
+
+
+def signal_delay_issue(cfg: Config, save_s: float, save_source: str = "") -> Optional[Issue]:
+    """A warning when a Slurm job's cluster.signal_delay_s does not exceed Slurm's 30 s time-limit check plus one
+    checkpoint save (save_s: the planner's, launcher/plan/cadence.py advise(cfg).save_s, measured on a resume).
+
+    Decided: a warning, not a refusal. The save time is an estimate until the run has saved (an assumed write
+    rate), and the ranks' own clock (launcher/slurm/driver.py stop_time) also stops them before the limit.
+    Values of 30 s or less are errors already (launcher/slurm/sbatch.py validate_for_slurm)."""
+    from launcher.slurm.sbatch import SLURM_SIGNAL_CHECK_S
+
+    c = cfg.cluster
+    if c.kind != "slurm" or not cfg.train.checkpointing or c.signal_delay_s <= SLURM_SIGNAL_CHECK_S:
+        return None
+    needed = SLURM_SIGNAL_CHECK_S + save_s
+    if c.signal_delay_s > needed:
+        return None
+    delay = math.ceil(SLURM_SIGNAL_CHECK_S + SIGNAL_SAVE_MARGIN * save_s) + 1
+    fix = f"cluster.signal_delay_s={delay}"
+    if delay >= c.time_min * 60:
+        fix += f" cluster.time_min={math.ceil(delay / 60) + c.time_min}"
+    return Issue(
+        "warning",
+        "cluster.signal_delay_s",
+        f"cluster.signal_delay_s={c.signal_delay_s} s does not exceed Slurm's {SLURM_SIGNAL_CHECK_S} s time-limit "
+        f"check plus one checkpoint save ({save_s:.1f} s{f', {save_source}' if save_source else ''}): the "
+        f"warning signal may come {c.signal_delay_s - SLURM_SIGNAL_CHECK_S} s before the limit, too late to save",
+        fix,
+        "signal_delay",
+    )
 
 
 def validate_for_launch(cfg: Config) -> Report:
@@ -86,6 +123,9 @@ def plan_or_reject(
     # resolved into config.json, where the engine reads it.
     cadence = resolve_cadence(cfg, run_dir, plan.predicted_step_s)
     plan_json["checkpoint_cadence"] = cadence.to_json()
+    short_delay = signal_delay_issue(cfg, cadence.save_s, cadence.save_source)
+    if short_delay is not None:
+        warnings.append(str(short_delay))
     if auto is not None:
         plan_json["auto"] = auto
     from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
