@@ -23,7 +23,7 @@ from launcher.plan.memory import (
     stages_activation_bytes,
 )
 from launcher.plan.context_memory import gpu_memory_bytes, optimizer_shard_degree
-from launcher.plan.memory import device_reserve_bytes
+from launcher.plan.memory import device_reserve_bytes, pinned_host_bytes
 from launcher.plan.model_size import (
     layer_params,
     padded_vocab,
@@ -288,6 +288,10 @@ def make_plan(
     )
     # The same layer as the paper counts it: Table 2's basis, compared with it exactly (tests/launcher/test_plan.py).
     memory["activations_per_layer_paper"] = per_layer - memory["activations_per_layer_norm_stats"]
+    # parallel.offload=cpu on a GPU: the arena is one pinned allocation, rounded up to a power of two by torch's
+    # host allocator; that is what the node's host memory must hold (training/preflight/node_ops.py).
+    pinned = str(cfg.cluster.device) == "cuda" and str(getattr(par, "offload", "none")) == "cpu"
+    memory["host_offload_pinned"] = pinned_host_bytes(memory["host_offload"]) if pinned else memory["host_offload"]
     gpu_bytes = gpu_memory_bytes(cfg)
     bub = bubble(par.pp, m, v, str(par.schedule))
     figures = model_figures(cfg) if cache is None else cache.model_figures(cfg)
@@ -332,6 +336,7 @@ def make_plan(
                 "activations_per_layer_paper",
                 "zero3_gathered",
                 "host_offload",
+                "host_offload_pinned",
                 "nvme_offload",
                 "param_gather",
                 "fp8_cache",

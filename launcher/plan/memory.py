@@ -287,6 +287,12 @@ def stages_activation_bytes(
     return out
 
 
+def pinned_host_bytes(nbytes: int) -> int:
+    """Host bytes one pinned allocation of nbytes takes: torch's CachingHostAllocator rounds every request up
+    to a power of two (its pinned_max_round_threshold is unlimited by default), e.g. 406 MB takes 512 MiB."""
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
 # What a CUDA rank holds besides the allocator's tensors, and what the caching allocator reserves above what
 # it has allocated: estimates until the first GPU run measures them (docs/PLATFORM.md, "Not verified on a GPU").
 CUDA_CONTEXT_BYTES = 2**30

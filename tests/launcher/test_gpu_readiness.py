@@ -356,6 +356,30 @@ def test_engine_env_sets_the_allocator_and_gloo_interface_on_gpus():
     assert "PYTORCH_CUDA_ALLOC_CONF" not in cpu and "GLOO_SOCKET_IFNAME" not in cpu
 
 
+def test_pinned_offload_arena_is_planned_at_the_host_allocators_rounding():
+    """R6: torch's host allocator rounds a pinned allocation up to a power of two. plan.json's host_offload stays
+    the arena's bytes (the optimizer's memory_report equals it); host_offload_pinned is what a GPU rank's one
+    pinned arena takes, and the preflight's host-memory check counts that. A CPU rank pins nothing."""
+    from helpers.cli import compose_cfg
+    from launcher.plan.estimate import make_plan
+    from launcher.plan.memory import pinned_host_bytes
+    from training.preflight import node_ops
+
+    assert [pinned_host_bytes(n) for n in (0, 1, 2, 3, 406_233_088, 2**29, 2**29 + 1)] == [
+        0, 1, 2, 4, 2**29, 2**29, 2**30,
+    ]  # fmt: skip
+    gpu = make_plan(compose_cfg("cluster=dgx_h100", "model=gpt_1p3b", "parallel=single", "parallel.offload=cpu"))
+    mem = gpu.memory_bytes
+    assert mem["host_offload"] > 0 and mem["host_offload_pinned"] == pinned_host_bytes(mem["host_offload"])
+    assert mem["host_offload"] < mem["host_offload_pinned"] < 2 * mem["host_offload"]
+    cfg = compose_cfg("cluster.preflight.host_memory_per_rank_gb=0")
+    assert node_ops.host_memory_needed(cfg, 2, {"memory_bytes": mem})["offload"] == 2 * mem["host_offload_pinned"]
+    cpu = make_plan(compose_cfg("parallel.offload=cpu")).memory_bytes
+    assert cpu["host_offload_pinned"] == cpu["host_offload"] > 0
+    none = make_plan(compose_cfg("cluster=dgx_h100", "model=gpt_1p3b", "parallel=single")).memory_bytes
+    assert none["host_offload"] == none["host_offload_pinned"] == 0
+
+
 def test_sibling_ranks_are_job_processes_not_foreign(tmp_path):
     """Likely 5: the job's other ranks (same parent: the launcher or srun's step daemon) hold GPU memory by the
     time the preflight runs; they are not 'other processes'."""

@@ -55,10 +55,12 @@ class HostStager:
             if dst is None:
                 dst = self._buffers.get(key)
                 if dst is None:
-                    # Allocating only reserves address space: the pages are touched by the first copy,
-                    # in the background thread.
                     # Pinned for a GPU source: a pageable destination makes the copy synchronous and staged
-                    # through the driver's own bounce buffer.
+                    # through the driver's own bounce buffer. Pinning locks the pages now (cudaHostAlloc), on the
+                    # training thread, at the first async save and after a layout change; later saves reuse the
+                    # buffers. torch's host allocator rounds each pinned buffer up to a power of two (up to 2x
+                    # the piece). A CPU source: pageable, and allocating only reserves address space (the first
+                    # copy, in the background thread, touches the pages).
                     dst = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
                 buffers[key] = dst
             copies.append((src, dst))

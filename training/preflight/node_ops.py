@@ -203,7 +203,8 @@ def host_memory_needed(cfg, ranks_on_node: int, plan: Optional[dict]) -> Dict[st
     mem = (plan or {}).get("memory_bytes") or {}
     if cfg.train.async_save:
         parts["async_save_staging"] = ranks_on_node * int(mem.get("weights", 0) + mem.get("optimizer", 0))
-    offload = int(mem.get("host_offload", 0))  # plan.json (ZeRO offload): host bytes per rank; nvme is disk
+    # plan.json (ZeRO offload): host bytes per rank as pinned (power-of-two rounded on a GPU); nvme is disk
+    offload = int(mem.get("host_offload_pinned", mem.get("host_offload", 0)))
     if offload:
         parts["offload"] = ranks_on_node * offload
     return parts
