@@ -302,30 +302,43 @@ else:
     # run above; throughput against it and the loss gap. Goal on a GPU: not slower than bf16 (FP8_SPEEDUP_GOAL;
     # the FP8 GEMMs run at twice bf16's peak on Hopper, the casts cost memory bandwidth) and the mean loss within
     # 5 %. --dry: the CPU emulates float8 (slower than fp32 by far): the ratio is reported, only the loss judged.
+    # A GPU without FP8 tensor cores (compute capability below 8.9: an A100) cannot run the step: it is skipped
+    # with the reason (the engine would refuse it, training/model/fp8_apply.py), not failed.
+    fp8_skip = ""
+    if not dry:
+        import torch
+
+        cap = torch.cuda.get_device_capability(0)
+        if tuple(cap) < (8, 9):
+            fp8_skip = (f"{torch.cuda.get_device_name(0)} has compute capability {cap[0]}.{cap[1]}: no FP8 tensor "
+                        f"cores (8.9 or newer: L4/L40, H100/H200, B200)")
     fp8_dir = os.path.join(work, "fp8")
-    p, dt = meshrun("train_fp8", [f"model={chosen}", *common, *no_checkpoints, "train.precision=fp8",
-                                  "parallel.micro_batch=1", f"parallel.global_batch={mfu_batch}",
-                                  "train.fused_adamw=true", f"train.steps={steps}", f"run.dir={fp8_dir}"], 420)
-    keep(fp8_dir, "fp8")
-    s8 = load(os.path.join(fp8_dir, "summary.json"), {})
+    if fp8_skip:
+        check("fp8", True, skipped=fp8_skip)
+    else:
+        p, dt = meshrun("train_fp8", [f"model={chosen}", *common, *no_checkpoints, "train.precision=fp8",
+                                      "parallel.micro_batch=1", f"parallel.global_batch={mfu_batch}",
+                                      "train.fused_adamw=true", f"train.steps={steps}", f"run.dir={fp8_dir}"], 420)
+        keep(fp8_dir, "fp8")
+        s8 = load(os.path.join(fp8_dir, "summary.json"), {})
 
-    def losses_of(d):
-        path = os.path.join(d, "metrics.jsonl")
-        rows = [json.loads(line) for line in open(path) if line.strip()] if os.path.exists(path) else []
-        return [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))]
+        def losses_of(d):
+            path = os.path.join(d, "metrics.jsonl")
+            rows = [json.loads(line) for line in open(path) if line.strip()] if os.path.exists(path) else []
+            return [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))]
 
-    ref_losses, fp8_losses = losses_of(train_dir), losses_of(fp8_dir)
-    gap = (abs(sum(fp8_losses) - sum(ref_losses)) / abs(sum(ref_losses))
-           if ref_losses and len(fp8_losses) == len(ref_losses) else None)
-    speedup = (s8.get("tokens_per_s") / s.get("tokens_per_s")
-               if s8.get("tokens_per_s") and s.get("tokens_per_s") else None)
-    fp8_goal = 0.0 if dry else float(os.environ.get("FP8_SPEEDUP_GOAL", "1.0"))
-    check("fp8", p.returncode == 0 and s8.get("steps") == steps and gap is not None and gap < 0.05
-          and speedup is not None and speedup >= fp8_goal,
-          exit_code=p.returncode, steps=s8.get("steps"), tokens_per_s=s8.get("tokens_per_s"),
-          speedup_vs_reference=speedup, speedup_goal=fp8_goal, loss_gap=gap, loss_gap_goal=0.05,
-          reference_precision=precision, mfu_fp8_plan=load(os.path.join(fp8_dir, "plan.json"), {}).get("mfu_fp8"),
-          error="" if p.returncode == 0 else tail(p), seconds=round(dt, 1))
+        ref_losses, fp8_losses = losses_of(train_dir), losses_of(fp8_dir)
+        gap = (abs(sum(fp8_losses) - sum(ref_losses)) / abs(sum(ref_losses))
+               if ref_losses and len(fp8_losses) == len(ref_losses) else None)
+        speedup = (s8.get("tokens_per_s") / s.get("tokens_per_s")
+                   if s8.get("tokens_per_s") and s.get("tokens_per_s") else None)
+        fp8_goal = 0.0 if dry else float(os.environ.get("FP8_SPEEDUP_GOAL", "1.0"))
+        check("fp8", p.returncode == 0 and s8.get("steps") == steps and gap is not None and gap < 0.05
+              and speedup is not None and speedup >= fp8_goal,
+              exit_code=p.returncode, steps=s8.get("steps"), tokens_per_s=s8.get("tokens_per_s"),
+              speedup_vs_reference=speedup, speedup_goal=fp8_goal, loss_gap=gap, loss_gap_goal=0.05,
+              reference_precision=precision, mfu_fp8_plan=load(os.path.join(fp8_dir, "plan.json"), {}).get("mfu_fp8"),
+              error="" if p.returncode == 0 else tail(p), seconds=round(dt, 1))
     if not dry:  # --dry: the MoE run below is the fp16 run too (one launch fewer)
         fp16_dir = os.path.join(work, "fp16")
         p, dt = meshrun("train_fp16", [f"model={chosen}", *common, *no_checkpoints, "train.precision=fp16",

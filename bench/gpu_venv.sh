@@ -52,7 +52,8 @@ fi
 import importlib, sys
 need = {"torch": "BASE_PYTHON's torch", "hydra": "hydra-core", "omegaconf": "omegaconf",
         "antlr4": "antlr4-python3-runtime", "yaml": "PyYAML", "submitit": "submitit", "pynvml": "nvidia-ml-py",
-        "numpy": "numpy", "launcher.cli.app": "this checkout", "training.main": "this checkout",
+        "numpy": "numpy", "torchao.float8": "torchao (train.precision=fp8)",
+        "launcher.cli.app": "this checkout", "training.main": "this checkout",
         "meshrun_conf": "this checkout's conf/"}
 missing = []
 for mod, pkg in need.items():

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Download, on a machine with a package index, the wheels that bench/gpu_check.sh --install-wheels installs on a
 # GPU machine that has CUDA torch but no index: the CLI's small dependencies (Hydra, OmegaConf, ANTLR's runtime,
-# PyYAML, submitit and theirs) and nvidia-ml-py. Torch, numpy and the rest come from the GPU machine's own
-# interpreter; PyYAML is the one compiled wheel, fetched for each CPython from 3.10 to 3.13.
+# PyYAML, submitit and theirs), nvidia-ml-py and torchao (train.precision=fp8: gpu_check's fp8 step). Torch, numpy
+# and the rest come from the GPU machine's own interpreter; PyYAML is fetched for each CPython from 3.10 to 3.13;
+# torchao's wheel is one abi3 build for CPython 3.10 and newer (built against the torch release pyproject.toml's
+# fp8 extra names).
 #
 #   bash bench/gpu_wheels.sh DIR      # then carry DIR with the run (a few MB)
 set -euo pipefail
@@ -19,4 +21,7 @@ for v in 3.10 3.11 3.12 3.13; do
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$v" --platform manylinux2014_x86_64 \
     --platform manylinux_2_17_x86_64 -d "$DIR" PyYAML
 done
+# torchao: the pyproject fp8 extra's version; its compiled kernels are abi3 (cp310-abi3), so one wheel serves.
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.10 --platform manylinux_2_28_x86_64 \
+  --platform manylinux_2_24_x86_64 -d "$DIR" 'torchao==0.18.*'
 ls -- "$DIR"

@@ -93,6 +93,8 @@ class Zero3Params:
         self.watching = False
         self.gather_bytes = 0
         """Bytes of the messages the hooks' gathers broadcast (over the run; gather_all's not counted)."""
+        self.gather_fp8_bytes = 0
+        """The float8 bytes among them (parallel.fp8_all_gather: 1 an FP8 weight element)."""
         # parallel.fp8_all_gather: param index -> the FP8 weight's float8 storage, gathered like a parameter's.
         self.fp8: Dict[int, torch.Tensor] = {}
         if fp8_all_gather:
@@ -276,6 +278,7 @@ class Zero3Params:
         n8 = sum(hi - lo for i, lo, hi in mine if i in self.fp8)
         n_hp = sum(hi - lo for _, lo, hi in mine) - n8
         buf = torch.empty(n_hp * self.shard.element_size() + n8, dtype=torch.uint8, device=self.shard.device)
+        self.gather_fp8_bytes += n8
         if q == lay.dp_rank:
             from training.parallel.fp8 import fp8_cast_weight
 
