@@ -5,13 +5,13 @@
 #   module's shared run happens once), files in collection order (--no-loadscope-reorder: tests/conftest.py
 #   collects the longest first). Timing goals are benchmarks (make bench), not tests.
 # make check: the fast inner loop: lint, then every test that needs no cluster and no multi-process run (tests/conftest.py).
-# make lint: ruff's lint, ruff's format check and mypy (settings in pyproject.toml); `ruff format` fixes the format.
+# make lint: ruff's lint, ruff's format check and mypy (settings in pyproject.toml); make format fixes what it can.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshrun-installed
 TEST_WORKERS ?= 2
 
-.PHONY: install bytecode run test check lint plan bench slurm-up slurm-down browser clean
+.PHONY: install bytecode run test check lint format plan bench slurm-up slurm-down browser clean
 
 install: $(STAMP)
 
@@ -64,6 +64,11 @@ lint: install
 	$(PY) -m ruff check launcher training hydra_plugins bench tests
 	$(PY) -m ruff format --check launcher training hydra_plugins bench tests
 	$(PY) -m mypy
+
+# Rewrites what `make lint` checks mechanically: ruff's fixable lint findings, then ruff's format.
+format: install
+	$(PY) -m ruff check --fix launcher training hydra_plugins bench tests
+	$(PY) -m ruff format launcher training hydra_plugins bench tests
 
 # Exit 77: the cluster cannot run here (no root / no apt-get); it said why, and the Slurm tests skip with that reason.
 slurm-up:
