@@ -69,6 +69,8 @@ def run_action(cfg: Config):
         from launcher.manage.latest import resolve_latest  # run.dir=runs/latest: the run the link names
 
         run_dir = resolve_latest(run_dir)
+        if plan_only(cfg) and not _run_dir_given():
+            run_dir = plans_dir(run_dir)
     lock = None
     if spec.locks:
         # One owner per run directory, checked before anything is read or written there (launcher/launch/claim.py).
@@ -85,6 +87,26 @@ def run_action(cfg: Config):
     finally:
         if lock is not None:
             lock.release()  # a no-op once a Slurm job holds it
+
+
+PLANS_FOLDER = ".plans"
+"""Where a plan-only command without run.dir writes (runs/.plans/<timestamp>): not a run, so `action=runs` does not
+list it and runs/ holds launched runs only."""
+
+
+def plan_only(cfg: Config) -> bool:
+    """Whether the command launches nothing: action=plan, recommend, preflight, or a dry run."""
+    return str(cfg.action) in ("plan", "recommend", "preflight") or (str(cfg.action) == "train" and bool(cfg.dry_run))
+
+
+def _run_dir_given() -> bool:
+    """Whether the command line names run.dir (else it is the timestamped default)."""
+    return any(o.split("=", 1)[0].lstrip("+~") == "run.dir" for o in HydraConfig.get().overrides.task)
+
+
+def plans_dir(default_run_dir: str) -> str:
+    """runs/<timestamp> -> runs/.plans/<timestamp>: a plan-only command's files, apart from the runs."""
+    return os.path.join(os.path.dirname(default_run_dir), PLANS_FOLDER, os.path.basename(default_run_dir))
 
 
 def _function(spec: ActionSpec) -> Callable[[Config, Optional[str]], Any]:

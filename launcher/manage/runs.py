@@ -80,6 +80,9 @@ def list_runs(folder: str, states: Optional[Dict[str, str]] = None) -> List[List
 
 def runs_action(cfg: Config, run_dir: Optional[str]) -> Dict[str, Any]:
     folder = cfg.runs.dir
+    if not os.path.lexists(folder):  # a first hour: nothing trained yet is not an error
+        print(f"no runs in {folder} yet (a launch writes its run directory there; runs.dir=D lists another folder)")
+        return {"runs": 0}
     if not os.path.isdir(folder):
         print(
             f"error: runs.dir={folder!r} is not a folder; fix: meshrun action=runs runs.dir=runs (the folder that holds the run directories)",

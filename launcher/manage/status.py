@@ -139,6 +139,11 @@ def run_status(
                 f"the local launcher (pid {life[-1]['launcher_pid']}) ended without recording how; "
                 "run again with the same run.dir to resume from the last checkpoint"
             )
+    log = current_log(run_dir, 0, events)
+    if log is not None and not os.path.exists(log):
+        log = None  # never name a log that is not there
+    if not events and log is None:  # planned (plan.json, config.json) and never launched: no job, no log yet
+        state = "PLANNED"
     out = {
         "state": state or "UNKNOWN",
         "job_id": job if job is not None else (last.get("job_id") if last else None),
@@ -148,7 +153,7 @@ def run_status(
     }
     if reason:
         out["reason"] = reason
-    out.update(progress_fields(run_dir, out["state"], current_log(run_dir, 0, events)))
+    out.update(progress_fields(run_dir, out["state"], log))
     current = current_layout(run_dir)
     if current is not None:
         out["layout"] = current

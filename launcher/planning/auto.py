@@ -79,6 +79,11 @@ class AutoChoice:
         }
 
 
+def _typed(key: str, value: Any) -> str:
+    """parallel.KEY=VALUE as a user types it (booleans lower case, as the schema's YAML spells them)."""
+    return f"parallel.{key}={str(value).lower() if isinstance(value, bool) else value}"
+
+
 def _rates(cfg: Config) -> Rates:
     return cluster_rates(cfg)  # the preset's rates: a plan probes nothing (recommend's probe is its own action)
 
@@ -137,12 +142,18 @@ def smallest_fitting_nodes(cfg: Config, pinned: Dict[str, Any]) -> Optional[Tupl
     return None
 
 
+def pinned_values(cfg: Config, overrides: Sequence[str]) -> Dict[str, Any]:
+    """The searched parallel.* keys the command line sets, with their values. A key set to null
+    (`parallel.dp=null`: derived, the schema's default) pins nothing: the search fills it."""
+    given = set(pinned_keys(overrides))
+    return {k: getattr(cfg.parallel, k) for k in SEARCHED_KEYS if k in given and getattr(cfg.parallel, k) is not None}
+
+
 def choose(cfg: Config, overrides: Sequence[str], multirun: bool = False) -> Optional[AutoChoice]:
     """The layout parallel=auto runs: the fastest that fits keeping the command line's parallel.* keys.
     None when the model or data is invalid (the gate then reports that). When none fits: exits 2 (nothing
     written) naming the smallest node count that does; in a sweep, an AutoChoice with chosen None."""
-    given = set(pinned_keys(overrides))
-    pinned = {k: getattr(cfg.parallel, k) for k in SEARCHED_KEYS if k in given}
+    pinned = pinned_values(cfg, overrides)
     base = searched_config(cfg, overrides)
     report = validate(replace(base, action="plan"))
     if any(i.key.startswith("model.") or i.code in ("data", "finite", "choice") for i in report.errors):
@@ -165,7 +176,7 @@ def choose(cfg: Config, overrides: Sequence[str], multirun: bool = False) -> Opt
 
 
 def _refuse(cfg: Config, pinned: Dict[str, Any], searched: int) -> None:
-    kept = " ".join(f"parallel.{k}={v}" for k, v in pinned.items())
+    kept = " ".join(_typed(k, v) for k, v in pinned.items())
     c = cfg.cluster
     print(
         f"meshrun: invalid configuration; nothing was launched.\nerror: parallel=auto: no layout of "
@@ -195,7 +206,7 @@ def announce(choice: AutoChoice) -> None:
     """The chosen layout and the runner-up, each with why (stdout: part of the plan's output)."""
     c = choice.chosen
     assert c is not None
-    kept = " ".join(f"parallel.{k}={v}" for k, v in choice.pinned.items())
+    kept = " ".join(_typed(k, v) for k, v in choice.pinned.items())
     print(
         f"meshrun: parallel=auto chose {c.short()} ({fmt_seconds(c.step_s)} a step, "
         f"{c.plan.memory_bytes['total'] / GIB:.1f} GiB per GPU; {choice.fitting} of {choice.searched} layouts fit"

@@ -146,9 +146,15 @@ def test_plan_only_leaves_latest_and_runs_lists_every_run(tmp_path):
     plan = run_cli("action=plan", *tiny, cwd=str(tmp_path))
     assert plan.returncode == 0, plan.stderr
     assert not os.path.lexists(tmp_path / "runs" / "latest")
-    (planned,) = os.listdir(tmp_path / "runs")
+    assert os.listdir(tmp_path / "runs") == [".plans"]  # a plan without run.dir is not a run
+    planned = "planned"
+    named = run_cli("action=plan", *tiny, "run.dir=runs/planned", cwd=str(tmp_path))
+    assert named.returncode == 0, named.stderr
     empty = run_cli("action=runs", "runs.dir=nowhere", cwd=str(tmp_path))
-    assert empty.returncode == EXIT_INVALID and "fix: meshrun action=runs runs.dir=runs" in empty.stderr
+    assert empty.returncode == 0 and "no runs in nowhere yet" in empty.stdout
+    (tmp_path / "afile").write_text("")
+    wrong = run_cli("action=runs", "runs.dir=afile", cwd=str(tmp_path))
+    assert wrong.returncode == EXIT_INVALID and "fix: meshrun action=runs runs.dir=runs" in wrong.stderr
     import subprocess
     import sys
 
@@ -161,7 +167,7 @@ def test_plan_only_leaves_latest_and_runs_lists_every_run(tmp_path):
     )
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "] 3/3 loss " in trained.stderr and "\r" not in trained.stderr  # rank 0 shown, plain, off a terminal
-    (ran,) = [d for d in os.listdir(tmp_path / "runs") if d not in (planned, "latest")]
+    (ran,) = [d for d in os.listdir(tmp_path / "runs") if d not in (planned, "latest", ".plans")]
     assert os.readlink(tmp_path / "runs" / "latest") == ran
     listing = run_cli("action=runs", cwd=str(tmp_path))
     assert listing.returncode == 0, listing.stderr
