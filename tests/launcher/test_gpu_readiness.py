@@ -432,6 +432,30 @@ def test_cold_started_slurm_ranks_are_job_processes_by_their_job_id(tmp_path):
     assert 101 not in _job_pids(str(tmp_path), {})  # no Slurm job: only the family
 
 
+def test_a_stale_rank_of_an_earlier_attempt_of_the_same_job_is_foreign(tmp_path):
+    """A requeued job keeps its SLURM_JOB_ID; a rank left over from the attempt before (still holding GPU memory)
+    is not this attempt's: the job's processes must also carry this attempt's MESHRUN_ATTEMPT and
+    SLURM_RESTART_COUNT (both set or unset alike)."""
+    from training.preflight.runner import _job_pids
+
+    def proc(pid, env):
+        d = tmp_path / str(pid)
+        d.mkdir()
+        (d / "stat").write_text(f"{pid} (python) S {9000 + pid} 1 1 0")
+        (d / "environ").write_bytes(b"\0".join(e.encode() for e in env) + b"\0")
+
+    proc(201, ["SLURM_JOB_ID=7", "MESHRUN_ATTEMPT=1", "SLURM_RESTART_COUNT=1"])  # a cold rank of this attempt
+    proc(202, ["SLURM_JOB_ID=7", "MESHRUN_ATTEMPT=0"])  # attempt 0's leftover (no restart count yet)
+    proc(203, ["SLURM_JOB_ID=7", "MESHRUN_ATTEMPT=1"])  # not Slurm's count of this attempt: not the same
+    proc(204, ["SLURM_JOB_ID=7", "MESHRUN_ATTEMPT=10", "SLURM_RESTART_COUNT=1"])  # a prefix of nothing
+    me = {"SLURM_JOB_ID": "7", "MESHRUN_ATTEMPT": "1", "SLURM_RESTART_COUNT": "1"}
+    got = _job_pids(str(tmp_path), me)
+    assert 201 in got and not {202, 203, 204} & got
+    # The first attempt: no restart count on either side; attempt 1's rank is not attempt 0's.
+    first = _job_pids(str(tmp_path), {"SLURM_JOB_ID": "7", "MESHRUN_ATTEMPT": "0"})
+    assert 202 in first and not {201, 203, 204} & first
+
+
 def test_gpu_busbw_sweep_reaches_bus_bandwidth_sizes():
     from training.preflight.collectives import GPU_BUSBW_MB, sweep_sizes_mb
 

@@ -74,11 +74,14 @@ def _job_pids(proc: str = "/proc", environ=os.environ) -> set:
     other ranks: each holds GPU memory by now) and, under Slurm, every process of this job (SLURM_JOB_ID in its
     environment): cold-started ranks each have a parent of their own (their launcher/slurm/rank_task.py wrapper),
     so they are not siblings. None of these count as 'other processes' on a GPU. Processes whose environment
-    this user cannot read (another user's) are never the job's."""
+    this user cannot read (another user's) are never the job's. A process of this job must also be of this
+    attempt (the same MESHRUN_ATTEMPT and SLURM_RESTART_COUNT, each set or unset alike): a rank left over from an
+    earlier attempt of a requeued job still holds GPU memory, and is foreign to this one."""
     me, parent = os.getpid(), os.getppid()
     pids = {me, parent}
     job = environ.get("SLURM_JOB_ID", "")
     marker = f"SLURM_JOB_ID={job}".encode() if job else b""
+    attempt = {key: environ.get(key) for key in ATTEMPT_KEYS}
     try:
         names = os.listdir(proc)
     except OSError:
@@ -95,9 +98,27 @@ def _job_pids(proc: str = "/proc", environ=os.environ) -> set:
         fields = stat[stat.rfind(")") + 2 :].split()
         if len(fields) > 1 and fields[1].isdigit() and int(fields[1]) == parent:
             pids.add(int(name))
-        elif marker and marker in _environ_entries(os.path.join(proc, name, "environ")):
-            pids.add(int(name))
+        elif marker:
+            entries = _environ_entries(os.path.join(proc, name, "environ"))
+            if marker in entries and _attempt_of(entries) == attempt:
+                pids.add(int(name))
     return pids
+
+
+ATTEMPT_KEYS = ("MESHRUN_ATTEMPT", "SLURM_RESTART_COUNT")
+"""What numbers a job's attempt in a rank's environment: the Slurm driver's export (launcher/slurm/driver.py,
+counted across resubmissions) and Slurm's own requeue count (unset before the first requeue)."""
+
+
+def _attempt_of(entries: List[bytes]) -> dict:
+    """The ATTEMPT_KEYS values in a /proc/<pid>/environ's entries (None when unset)."""
+    found: dict = {key: None for key in ATTEMPT_KEYS}
+    for entry in entries:
+        key, sep, value = entry.partition(b"=")
+        name = key.decode(errors="replace")
+        if sep and name in found:
+            found[name] = value.decode(errors="replace")
+    return found
 
 
 def _environ_entries(path: str) -> List[bytes]:
