@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshrun-installed
 TEST_WORKERS ?= 2
 
-.PHONY: install bytecode run test check lint format plan bench slurm-up slurm-down browser clean
+.PHONY: install bytecode run test check lint format plan keys-doc bench slurm-up slurm-down browser clean
 
 install: $(STAMP)
 
@@ -45,6 +45,11 @@ run: install bytecode $(DATA).json
 
 plan: install
 	$(VENV)/bin/meshrun action=plan
+
+# docs/KEYS.md: every key of the schema with its type, default and docstring (launcher/cli/keys_doc.py); run it
+# after adding or changing a key or a preset (tests/launcher/test_keys_doc.py fails while it is stale).
+keys-doc: install
+	$(PY) -m launcher.cli.keys_doc
 
 # One intra-op thread in the test processes themselves: the workers, the Slurm tests' ranks and the spawned ranks
 # share the cores already (the launchers set each rank's own count); a second OpenMP thread per process only
