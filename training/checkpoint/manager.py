@@ -47,6 +47,7 @@ from training.checkpoint.storage import CheckpointError
 from training.contract.config import Config, ModelConfig, checkpoint_minutes, config_to_dict
 from training.contract.rundir.events import append_event
 from training.contract.exit_codes import EXIT_STOPPED
+from training.contract.stage_split import SPLIT_KEYS, stage_split
 from training.optim import SCALARS
 from training.optim.model_parallel import TIED_EMBEDDING
 from training.parallel.mesh import ProcessMesh
@@ -793,11 +794,21 @@ class CheckpointManager:
             f"older checkpoint (train.resume=<step>), or start fresh with train.resume=none or a new run.dir"
         )
 
-    def _layout(self) -> Dict[str, int]:
+    def _layout(self) -> Dict[str, Any]:
         m = self.mesh
-        out = {"world": self.world, "tp": m.tp, "pp": m.pp, "cp": m.cp, "dp": m.dp, "zero": self.cfg.parallel.zero}
+        out: Dict[str, Any] = {
+            "world": self.world,
+            "tp": m.tp,
+            "pp": m.pp,
+            "cp": m.cp,
+            "dp": m.dp,
+            "zero": self.cfg.parallel.zero,
+        }
         if m.ep > 1:  # named only when used: earlier checkpoints' layouts stay comparable
             out["ep"] = m.ep
+        split = stage_split(self.cfg)
+        if m.pp > 1 and any(getattr(self.cfg.parallel, k) for k in SPLIT_KEYS):  # an uneven split, likewise
+            out["stage_layers"] = split.counts()
         return out
 
     @staticmethod
