@@ -35,6 +35,35 @@ def requested_bytes(torch) -> int:
     return int(torch.cuda.memory_stats()["requested_bytes.all.current"])
 
 
+def allocator_gain(torch, build):
+    """Run build() under the CUDA allocator's watch: (what it returned, the requested bytes it gained and kept,
+    the most it requested at once over the start)."""
+    before = requested_bytes(torch)
+    torch.cuda.reset_peak_memory_stats()
+    built = build()
+    gained = requested_bytes(torch) - before
+    peak = int(torch.cuda.memory_stats()["requested_bytes.all.peak"]) - before
+    return built, gained, peak
+
+
+def device_check(report: dict, gained: int, peak: int):
+    """(ok, figures): the requested bytes the build kept against the device part of memory_report."""
+    device = report["weights"] + report["grads"] + report["optimizer"]
+    # Reported, not judged: the most the build asked for at once beyond the states it keeps (offload: its master
+    # is filled segment by segment, so about one block; docs/PLATFORM.md lists it unverified).
+    found = dict(allocator_gained=gained, device_states=device, build_peak_over_states=peak - device)
+    return 0 <= gained - device <= ALLOCATOR_SLACK, found
+
+
+def release(torch, cuda: bool) -> None:
+    """After the caller dropped its Trainer: the Trainer's hooks form reference cycles, so collect them first, or a
+    later collection frees this Trainer in the middle of the next build and makes that build's gain look too
+    small; then hand the cached blocks back (CUDA)."""
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
 SETTINGS = {
     "zero0": dict(zero=0),
     "zero1": dict(zero=1),
@@ -87,30 +116,23 @@ def main() -> int:
             setattr(p, k, v)
         p.offload_dir = os.path.join(args.out, "nvme")
         plan = make_plan(cfg).memory_bytes
-        if cuda:
-            before = requested_bytes(torch)
-            torch.cuda.reset_peak_memory_stats()
-        trainer = Trainer(cfg, os.path.join(args.out, name), mesh, checkpointing=False)
+
+        def build():
+            return Trainer(cfg, os.path.join(args.out, name), mesh, checkpointing=False)
+
+        trainer, gained, peak = allocator_gain(torch, build) if cuda else (build(), 0, 0)
         report = trainer.optimizer.memory_report()
         keys = [k for k in ("weights", "grads", "optimizer", "host_offload", "nvme_offload") if k in report]
         want = {k: plan[k] for k in keys}
         found = {"measured": report, "plan": want}
         ok = report == want
         if cuda:
-            gained = requested_bytes(torch) - before
-            device = report["weights"] + report["grads"] + report["optimizer"]
-            # Reported, not judged: the most the build asked for at once beyond the states it keeps (offload:
-            # its master is filled segment by segment, so about one block; docs/PLATFORM.md lists it unverified).
-            peak = int(torch.cuda.memory_stats()["requested_bytes.all.peak"]) - before
-            found.update(allocator_gained=gained, device_states=device, build_peak_over_states=peak - device)
-            ok = ok and 0 <= gained - device <= ALLOCATOR_SLACK
+            device_ok, figures = device_check(report, gained, peak)
+            found.update(figures)
+            ok = ok and device_ok
         checks[name] = {"ok": ok, **found}
         del trainer
-        # The Trainer's hooks form reference cycles: collect them now, or a later collection frees this
-        # Trainer in the middle of the next build and makes that build's gain look too small.
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        release(torch, cuda)
     mesh.destroy()
     summary = {"mode": "dry" if args.dry else "gpu", "ok": all(c["ok"] for c in checks.values()), "checks": checks}
     print(json.dumps(summary))
