@@ -53,20 +53,11 @@ class Report:
 
 # ---- reading the run directory ---------------------------------------------------------------------
 def read_jsonl(path: str) -> List[Dict[str, Any]]:
-    """Rows of a JSON Lines file; a torn last line (a crash mid-write) is skipped."""
-    out: List[Dict[str, Any]] = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(row, dict):
-                    out.append(row)
-    except OSError:
-        pass
-    return out
+    """Rows of a JSON Lines file; a torn last line (a crash mid-write) is skipped, and so is a line beyond
+    training/contract/rundir/lines.py's MAX_LINE_BYTES (never read whole); a file that is not regular reads as none."""
+    from training.contract.rundir.lines import read_objects
+
+    return [row for row in read_objects(path) if isinstance(row, dict)]
 
 
 def read_json(path: str) -> Optional[Dict[str, Any]]:

@@ -17,6 +17,8 @@ MAX_SIZE = {
     "model.seq_length": 1 << 24,
     "model.vocab_size": 1 << 24,
     "model.num_experts": 1 << 16,
+    "model.moe_top_k": 1 << 16,  # and at most model.num_experts (launcher/plan/validate.py)
+    "model.moe_ffn_hidden_size": 1 << 22,
     "parallel.tp": 1 << 16,
     "parallel.pp": 4096,
     "parallel.vpp": 4096,
@@ -29,6 +31,10 @@ MAX_SIZE = {
     "cluster.nodes": 1 << 16,
     "cluster.gpus_per_node": 1024,
     "cluster.spare_nodes": 1 << 16,
+    # Restarts and requeues: each costs minutes of the allocation and an attempt goodput reads (quadratic in the
+    # attempts, docs/USER_CONTRACTS.md); real runs make tens.
+    "cluster.max_in_job_restarts": 1024,
+    "cluster.max_retries": 4096,
     "train.steps": 10**12,
 }
 

@@ -76,21 +76,8 @@ def well_formed(record: Any) -> bool:
 
 def read_events(run_dir: str) -> List[Dict[str, Any]]:
     """All events of a run, oldest first; a torn last line (a crash mid-write) or a malformed one is skipped, and
-    an events.jsonl that is not a regular file (a FIFO would block the reader) reads as none."""
-    from training.contract.rundir.files import open_regular
+    an events.jsonl that is not a regular file (a FIFO would block the reader) reads as none; a line beyond
+    training/contract/rundir/lines.py's MAX_LINE_BYTES is skipped without being read whole."""
+    from training.contract.rundir.lines import read_objects
 
-    path = os.path.join(run_dir, EVENTS_FILE)
-    out = []
-    try:
-        f = open_regular(path)
-    except OSError:
-        return []
-    with f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if well_formed(record):
-                out.append(record)
-    return out
+    return [record for record in read_objects(os.path.join(run_dir, EVENTS_FILE)) if well_formed(record)]

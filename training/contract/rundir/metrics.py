@@ -35,12 +35,11 @@ def _rows(lines: List[str]) -> List[Dict[str, Any]]:
 
 
 def _read(path: str) -> List[Dict[str, Any]]:
-    """The rows of a regular file (a FIFO or a link to /dev/zero reads as none: it would block or never end)."""
-    try:
-        with open_regular(path) as f:
-            return _rows(f.readlines())
-    except OSError:
-        return []
+    """The rows of a regular file (a FIFO or a link to /dev/zero reads as none: it would block or never end; a
+    line beyond training/contract/rundir/lines.py's MAX_LINE_BYTES is skipped without being read whole)."""
+    from training.contract.rundir.lines import read_objects
+
+    return [row for row in read_objects(path) if well_formed(row)]
 
 
 def read_rows(run_dir: str) -> List[Dict[str, Any]]:
