@@ -37,6 +37,7 @@ def bubble_ratio(p: int, m: int, v: int = 1, schedule: str = "1f1b") -> float:
         return max(work + (p - 1), 2.0 * (p + m - 1) + 1) / work - 1.0
     return (p - 1) / (v * m)
 
+
 DEFAULT_PEAK_TFLOPS = {"cpu": 0.05, "cuda": 100.0}
 """Per-rank TFLOP/s when neither a measurement nor cluster.peak_tflops / preflight.matmul_tflops gives one."""
 DEFAULT_BUSBW_GBPS = {"cpu": (2.0, 1.0), "cuda": (200.0, 100.0)}
@@ -294,7 +295,11 @@ def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) 
 
     _, compute, recompute = max(stage_work(st) for st in sorted({0, min(1, last_stage), last_stage}))
     compute += recompute
-    parts = {"compute": compute, "recompute": recompute, "bubble": compute * bubble_ratio(par.pp, m, v, str(par.schedule))}
+    parts = {
+        "compute": compute,
+        "recompute": recompute,
+        "bubble": compute * bubble_ratio(par.pp, m, v, str(par.schedule)),
+    }
     # The dp reduction and the distributed optimizer span dp x cp ranks (the engine's dp_cp group); its reach,
     # which decides the link it runs over, is the dp dimension's when dp > 1, else the cp one's.
     dpc = dp * max(1, par.cp)

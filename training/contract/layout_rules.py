@@ -208,9 +208,49 @@ def schedule_rules(schedule: str, pp: int, vpp: int) -> List[Violation]:
     return out
 
 
-def interleaved_batch_rules(schedule: str, pp: int, micro_batches: int, unit: Optional[int] = None) -> List[Violation]:
-    """The interleaved schedule sends micro-batches through the chunks in groups of pp."""
-    if schedule != "interleaved_1f1b" or pp < 2 or micro_batches % pp == 0:
+def interleaved_batch_rules(
+    schedule: str, pp: int, micro_batches: int, unit: Optional[int] = None, group: int = 0
+) -> List[Violation]:
+    """The interleaved schedule sends micro-batches through the chunks in groups of g = microbatch_group_size
+    (0: pp): Megatron-Core's rules, pp <= g <= micro-batches, and the last group (micro-batches mod g) empty or
+    at least pp (a shorter one stalls the pipeline). A group size with another schedule is an error."""
+    if schedule != "interleaved_1f1b":
+        if group:
+            return [
+                _error(
+                    "parallel.microbatch_group_size",
+                    f"microbatch_group_size={group} applies to schedule=interleaved_1f1b only (got {schedule})",
+                    "parallel.microbatch_group_size=0",
+                    "microbatch_group",
+                )
+            ]
+        return []
+    if pp < 2:
+        return []
+    if group:
+        if group < pp or group > micro_batches:
+            return [
+                _error(
+                    "parallel.microbatch_group_size",
+                    f"microbatch_group_size={group} must lie in [pp, micro-batches per step] = [{pp}, {micro_batches}]",
+                    f"parallel.microbatch_group_size={min(max(group, pp), max(pp, micro_batches))}"
+                    + ("" if micro_batches >= pp else f" and parallel.global_batch={pp * (unit or 1)}"),
+                    "microbatch_group",
+                )
+            ]
+        rest = micro_batches % group
+        if 0 < rest < pp:
+            return [
+                _error(
+                    "parallel.microbatch_group_size",
+                    f"the last micro-batch group holds {rest} (micro-batches {micro_batches} mod group {group}): "
+                    f"it must be 0 or at least pp={pp}",
+                    f"parallel.microbatch_group_size={pp} or micro-batches per step a multiple of {group}",
+                    "microbatch_group",
+                )
+            ]
+        return []
+    if micro_batches % pp == 0:
         return []
     fix = (
         f"parallel.global_batch={-(-micro_batches // pp) * pp * unit}"
@@ -223,6 +263,39 @@ def interleaved_batch_rules(schedule: str, pp: int, micro_batches: int, unit: Op
             f"interleaved_1f1b needs the micro-batches per step ({micro_batches}) to be a multiple of pp={pp}",
             fix,
             "interleaved_batch",
+        )
+    ]
+
+
+def microbatch_group_run_rules(schedule: str, pp: int, group: int) -> List[Violation]:
+    """What the engine runs of parallel.microbatch_group_size: only groups of pp. With larger groups the steady
+    F+B units' exchanges (training/schedules/pipeline.py) wait on each other in a cycle under NCCL's rules, or
+    (pp = 2) pair messages out of issue order: tests/engine/test_pipeline.py simulates every case and shows it.
+    The orders, the in-flight counts and the bubble of any group exist (pure builders, the planner)."""
+    if schedule != "interleaved_1f1b" or group in (0, pp):
+        return []
+    return [
+        _error(
+            "parallel.microbatch_group_size",
+            f"microbatch_group_size={group} (other than pp={pp}) is not run by the engine: its exchanges would "
+            "deadlock on NCCL",
+            "parallel.microbatch_group_size=0",
+            "microbatch_group",
+        )
+    ]
+
+
+def zero_bubble_rules(schedule: str, zero: int) -> List[Violation]:
+    """zb_h1 runs each weight-grad pass (W) after its input-grad pass (B) has returned: zero=3 releases a unit's
+    gathered parameters at the end of its backward, before W could use them."""
+    if schedule != "zb_h1" or zero < 3:
+        return []
+    return [
+        _error(
+            "parallel.schedule",
+            "schedule=zb_h1 does not run with zero=3 (the weight-grad pass needs the gathered parameters)",
+            "parallel.zero=2 or parallel.schedule=1f1b",
+            "schedule",
         )
     ]
 
@@ -465,6 +538,8 @@ def layout_violations(cfg: Config, dp: int) -> List[Violation]:
         tp = tp_rules(m, par.tp, valid_tp(cfg))
     out = model_rules(m) + tp + split_layer_rules(cfg)
     out += schedule_rules(par.schedule, par.pp, par.vpp)
+    out += zero_bubble_rules(par.schedule, par.zero)
+    out += microbatch_group_run_rules(par.schedule, par.pp, getattr(par, "microbatch_group_size", 0))
     out += sp_rules(par.sp, par.tp, m.seq_length)
     out += cp_rules(par.cp, m.seq_length, par.tp, par.sp, m.dropout, getattr(par, "cp_comm", "ring"))
     out += memory_lever_rules(
@@ -480,7 +555,9 @@ def layout_violations(cfg: Config, dp: int) -> List[Violation]:
         out += batch_rules(par.global_batch, par.micro_batch, dp)
         if not any(v.code == "batch" for v in out):
             unit = par.micro_batch * dp
-            out += interleaved_batch_rules(par.schedule, par.pp, par.global_batch // unit, unit)
+            out += interleaved_batch_rules(
+                par.schedule, par.pp, par.global_batch // unit, unit, getattr(par, "microbatch_group_size", 0)
+            )
     return out
 
 

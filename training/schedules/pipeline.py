@@ -54,20 +54,29 @@ the optimizer after the last backward (training/optim/model_parallel.py), so bot
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from training.parallel import collectives as comm
 from training.observe.busy_timer import BusyTimer
-from training.contract.layout_rules import interleaved_batch_rules, raise_errors, schedule_rules, sequence_parallel_on
+from training.contract.layout_rules import (
+    interleaved_batch_rules,
+    microbatch_group_run_rules,
+    raise_errors,
+    schedule_rules,
+    sequence_parallel_on,
+)
 from training.contract.precision import param_dtype
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 
 Action = Tuple[str, int, int]
-"""("F" | "B", local chunk index, micro-batch index)."""
+"""("F" | "B" | "W", local chunk index, micro-batch index); W (zb_h1 only): the weight grads of a B that
+computed only the input grad."""
 
 Message = Tuple[str, int, int]
 """("act" | "grad", virtual stage that receives it, micro-batch index)."""
@@ -80,55 +89,89 @@ Exchange = Tuple[P2P, ...]
 
 
 # ---- the orders (pure) ----------------------------------------------------------------------------
-def check_schedule(kind: str, p: int, v: int, m: int) -> None:
+def check_schedule(kind: str, p: int, v: int, m: int, group: int = 0) -> None:
     """Errors a user can cause with the schedule's shape, each naming the fix."""
     if kind not in SCHEDULES:
         raise ValueError(f"parallel.schedule={kind!r}: use one of {', '.join(SCHEDULES)}")
     if p < 1 or v < 1 or m < 1:
         raise ValueError(f"pipeline needs pp, vpp and micro-batches >= 1 (got pp={p}, vpp={v}, m={m})")
-    raise_errors(schedule_rules(kind, p, v) + interleaved_batch_rules(kind, p, m))
+    raise_errors(schedule_rules(kind, p, v) + interleaved_batch_rules(kind, p, m, group=group))
 
 
-def _interleaved_chunk(k: int, p: int, v: int, forward: bool) -> Tuple[int, int]:
-    """(chunk, micro-batch) of the k-th forward (or backward) of an interleaved rank: groups of p
-    micro-batches go through chunk 0, then chunk 1, ... (Megatron's get_model_chunk_id)."""
-    group, pos = divmod(k, p * v)
-    chunk = pos // p
-    if not forward:
-        chunk = v - 1 - chunk
-    return chunk, group * p + pos % p
+def group_size(p: int, group: int) -> int:
+    """The interleaved schedule's micro-batch group size: parallel.microbatch_group_size, 0 meaning pp."""
+    return group or p
 
 
-def build_units(kind: str, p: int, rank: int, m: int, v: int = 1) -> List[List[Action]]:
-    """The ordered F/B actions of pipeline rank `rank` for one step of m micro-batches, cut where the
-    rank exchanges messages: one action per unit, except interleaved's steady F+B pairs."""
-    check_schedule(kind, p, v, m)
+def _interleaved_table(p: int, v: int, m: int, group: int = 0) -> List[Tuple[int, int]]:
+    """(chunk, micro-batch) of an interleaved rank's forwards in order: groups of g micro-batches (the last
+    group the m mod g left over) go through chunk 0, then chunk 1, ... (Megatron-Core's get_schedule_table
+    with microbatch_group_size_per_vp_stage = g). The k-th backward is the k-th entry with chunk v - 1 - chunk."""
+    g = group_size(p, group)
+    out: List[Tuple[int, int]] = []
+    for start in range(0, m, g):
+        end = m if start + g >= m else start + g
+        out += [(c, mb) for c in range(v) for mb in range(start, end)]
+    return out
+
+
+def build_units(kind: str, p: int, rank: int, m: int, v: int = 1, group: int = 0) -> List[List[Action]]:
+    """The ordered F/B (and zb_h1's W) actions of pipeline rank `rank` for one step of m micro-batches, cut
+    where the rank exchanges messages: one action per unit, except interleaved's steady F+B pairs."""
+    check_schedule(kind, p, v, m, group)
     if kind == "gpipe":
         return [[("F", 0, i)] for i in range(m)] + [[("B", 0, i)] for i in range(m)]
-    if kind == "1f1b":
+    if kind in ("1f1b", "zb_h1"):
         warm = min(p - rank - 1, m)
-        out: List[List[Action]] = [[("F", 0, i)] for i in range(warm)]
+        order: List[Action] = [("F", 0, i) for i in range(warm)]
         for i in range(m - warm):
-            out += [[("F", 0, warm + i)], [("B", 0, i)]]
-        return out + [[("B", 0, i)] for i in range(m - warm, m)]
+            order += [("F", 0, warm + i), ("B", 0, i)]
+        order += [("B", 0, i) for i in range(m - warm, m)]
+        if kind == "zb_h1":
+            order = _zero_bubble_h1(order, rank)
+        return [[a] for a in order]
     total = m * v
-    warm = min((p - rank - 1) * 2 + (v - 1) * p, total)
-    fwd = [("F",) + _interleaved_chunk(k, p, v, True) for k in range(total)]
-    bwd = [("B",) + _interleaved_chunk(k, p, v, False) for k in range(total)]
+    warm = min((p - rank - 1) * 2 + (v - 1) * group_size(p, group), total)
+    table = _interleaved_table(p, v, m, group)
+    fwd = [("F", c, mb) for c, mb in table]
+    bwd = [("B", v - 1 - c, mb) for c, mb in table]
     out = [[a] for a in fwd[:warm]]
     out += [[fwd[warm + i], bwd[i]] for i in range(total - warm)]
     return out + [[a] for a in bwd[total - warm :]]
 
 
-def build_actions(kind: str, p: int, rank: int, m: int, v: int = 1) -> List[Action]:
-    """The ordered F/B actions of pipeline rank `rank` for one step of m micro-batches."""
-    return [a for unit in build_units(kind, p, rank, m, v) for a in unit]
+def _zero_bubble_h1(order: List[Action], rank: int) -> List[Action]:
+    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 3): 1f1b's order with each backward
+    split into B (input grad, sent on at once) and W (weight grad). Rank r defers the W of its first r
+    micro-batches: after its j-th B it runs the oldest pending W only when j >= r, and the deferred ones after
+    its last B, where they fill the time 1f1b's rank r spends waiting for grads (torch.distributed.pipelining's
+    _get_1f1b_rank_ops with enable_zero_bubble and r 1f1b micro-batches builds the same order). At most r + 1
+    micro-batches wait for their W, while rank r holds p - r forwards at most: the peak of every rank stays
+    1f1b's p of the first rank."""
+    out: List[Action] = []
+    pending: List[Action] = []
+    j = 0
+    for a in order:
+        out.append(a)
+        if a[0] == "B":
+            pending.append(("W", a[1], a[2]))
+            if j >= rank:
+                out.append(pending.pop(0))
+            j += 1
+    return out + pending
+
+
+def build_actions(kind: str, p: int, rank: int, m: int, v: int = 1, group: int = 0) -> List[Action]:
+    """The ordered F/B (W) actions of pipeline rank `rank` for one step of m micro-batches."""
+    return [a for unit in build_units(kind, p, rank, m, v, group) for a in unit]
 
 
 def _needs(action: Action, p: int, rank: int, v: int) -> Optional[P2P]:
     """The receive that `action` consumes (None on the first forward / last backward stage)."""
     kind, c, mb = action
     vs = c * p + rank
+    if kind == "W":
+        return None
     if kind == "F":
         return None if vs == 0 else ("recv", ("act", vs, mb), (vs - 1) % p)
     return None if vs == p * v - 1 else ("recv", ("grad", vs, mb), (vs + 1) % p)
@@ -138,25 +181,27 @@ def _produces(action: Action, p: int, rank: int, v: int) -> Optional[P2P]:
     """The send of what `action` produces (None on the last forward / first backward stage)."""
     kind, c, mb = action
     vs = c * p + rank
+    if kind == "W":
+        return None
     if kind == "F":
         return None if vs == p * v - 1 else ("send", ("act", vs + 1, mb), (vs + 1) % p)
     return None if vs == 0 else ("send", ("grad", vs - 1, mb), (vs - 1) % p)
 
 
-def build_comm_plan(kind: str, p: int, rank: int, m: int, v: int = 1) -> List[Union[Action, Exchange]]:
+def build_comm_plan(kind: str, p: int, rank: int, m: int, v: int = 1, group: int = 0) -> List[Union[Action, Exchange]]:
     """Rank `rank`'s step: its actions with an exchange (a tuple of P2P ops, never empty) between two
     units, before the first and after the last; see the module docstring for why this order."""
-    return _with_exchanges(build_units(kind, p, rank, m, v), p, rank, v)
+    return _with_exchanges(build_units(kind, p, rank, m, v, group), p, rank, v)
 
 
-def build_forward_plan(p: int, rank: int, m: int, v: int = 1) -> List[Union[Action, Exchange]]:
+def build_forward_plan(p: int, rank: int, m: int, v: int = 1, group: int = 0) -> List[Union[Action, Exchange]]:
     """Evaluation's forward-only step of rank `rank`: every forward in the training order's sequence (micro-batch
     order; interleaved's chunk groups when v > 1), one per unit, with the same exchanges between units. Only
     activations travel and each rank's forwards come in order, so the exchanges form a chain (no cycle)."""
     if v == 1:
         forwards = [("F", 0, i) for i in range(m)]
     else:
-        forwards = [("F",) + _interleaved_chunk(k, p, v, True) for k in range(m * v)]
+        forwards = [("F", c, mb) for c, mb in _interleaved_table(p, v, m, group)]
     return _with_exchanges([[a] for a in forwards], p, rank, v)
 
 
@@ -175,16 +220,29 @@ def _with_exchanges(units: List[List[Action]], p: int, rank: int, v: int) -> Lis
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:
-    """Most (chunk, micro-batch) forwards whose backward has not run yet, over the action list."""
+    """Most (chunk, micro-batch) forwards whose backward has not run yet (with W actions: whose W has not),
+    over the action list: their autograd graphs are held."""
+    split = any(kind == "W" for kind, _, _ in actions)
     live = peak = 0
     for kind, _, _ in actions:
-        live += 1 if kind == "F" else -1
+        live += 1 if kind == "F" else (-1 if kind == ("W" if split else "B") else 0)
         peak = max(peak, live)
     return peak
 
 
-def planned_idle_share(p: int, m: int, v: int = 1) -> float:
-    """The planner's idle share of wall clock, (p - 1) / (v m + p - 1)."""
+def planned_idle_share(
+    p: int, m: int, v: int = 1, kind: str = "1f1b", group: int = 0, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0
+) -> float:
+    """The planner's idle share of wall clock (launcher/plan/estimate.py `bubble`, docs/FORMULAS.md):
+    (p - 1) / (v m + p - 1) for gpipe, 1f1b and interleaved (any micro-batch group); zb_h1, with t_f, t_b, t_w
+    the forward, input-grad and weight-grad times of a micro-batch (the planner's backward is two forwards, one
+    of each: 1, 1, 1), idles (p - 1)(t_f + t_b - t_w) per rank (Qi et al. 2024, section 3.1) beside
+    m (t_f + t_b + t_w) of work."""
+    if kind == "zb_h1":
+        work = m * (t_f + t_b + t_w)
+        # m < p: the last micro-batch's forward and input-grad chains, then one W, are the critical path.
+        wall = max(work + (p - 1) * max(t_f + t_b - t_w, t_f, t_b), (p + m - 1) * (t_f + t_b) + t_w)
+        return 1.0 - work / wall
     return (p - 1) / (v * m + p - 1)
 
 
@@ -207,6 +265,12 @@ class StepStats:
     """Most activation bytes saved for backward (unique storages, parameters excluded) held at once."""
     saved_bytes_per_forward: List[int] = field(default_factory=list)
     """Bytes saved by each forward, in action order."""
+    peak_outputs_alive: int = 0
+    """Most earlier stage outputs (the tensors a forward returned, not the last stage's loss) still alive when a
+    forward returns: 0 with output deallocation, where only the autograd edge of an output is kept."""
+    peak_message_bytes: int = 0
+    """Most bytes of outgoing messages the schedule references at once (waiting for their exchange, or sent and
+    not yet known complete): the only references that keep a stage output's storage alive."""
 
 
 def storage_id(t: torch.Tensor) -> int:
@@ -251,10 +315,12 @@ class PipelineSchedule:
         scale_loss: Callable[[torch.Tensor, int], torch.Tensor],
         measure_memory: bool = True,
         overlap_p2p: bool = False,
+        microbatch_group_size: int = 0,
     ):
         """pp_ranks: global rank of each pipeline rank of this pipeline; scale_loss(loss, m) -> the
         tensor to backpropagate on the last stage (the optimizer's mean and loss scale); overlap_p2p:
-        sends in the background and (not on NCCL) receives posted one exchange early (module docstring)."""
+        sends in the background and (not on NCCL) receives posted one exchange early (module docstring);
+        microbatch_group_size: interleaved_1f1b's micro-batch group (0: pp)."""
         self.overlap_p2p = overlap_p2p
         self.early_recv = overlap_p2p and comm.is_initialized() and comm.backend(pp_group) != "nccl"
         self.chunks, self.kind, self.p, self.rank = chunks, kind, pp, pp_rank
@@ -266,7 +332,10 @@ class PipelineSchedule:
         self.num_virtual = self.p * self.v
         self._param_ptrs = {storage_id(q) for c in chunks for q in c.parameters()}
         self._group_ready = False
-        check_schedule(kind, pp, self.v, max(pp, 1) if kind == "interleaved_1f1b" else 1)
+        self.mb_group = microbatch_group_size
+        raise_errors(microbatch_group_run_rules(kind, pp, microbatch_group_size))
+        m_min = max(pp, microbatch_group_size, 1) if kind == "interleaved_1f1b" else 1
+        check_schedule(kind, pp, self.v, m_min, microbatch_group_size)
 
     # -- topology --
     def _vstage(self, chunk: int) -> int:
@@ -281,9 +350,12 @@ class PipelineSchedule:
         """Forward and backward of every micro-batch; returns the mean micro-batch loss on the last
         stage (detached fp32; zero elsewhere). Grads accumulate through the optimizer's hooks."""
         m = len(micro_batches)
-        plan = build_comm_plan(self.kind, self.p, self.rank, m, self.v)
+        plan = build_comm_plan(self.kind, self.p, self.rank, m, self.v, self.mb_group)
         last_v = self.num_virtual - 1
-        held: Dict[Tuple[int, int], Tuple[Optional[torch.Tensor], torch.Tensor, int]] = {}
+        # (chunk, mb) -> (input, the last stage's loss or the autograd edge of the stage output, saved bytes)
+        held: Dict[Tuple[int, int], Tuple[Optional[torch.Tensor], Union[torch.Tensor, GradientEdge], int]] = {}
+        waiting_w: Dict[Tuple[int, int], Tuple[List["_WeightGroup"], int]] = {}  # zb_h1: B done, W not yet
+        outputs: List[weakref.ref] = []  # every stage output of the step (output deallocation's measurement)
         outbox: Dict[Message, torch.Tensor] = {}  # produced, sent at the next exchange
         inbox: Dict[Message, torch.Tensor] = {}  # received, consumed by the next unit
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -301,10 +373,18 @@ class PipelineSchedule:
         for step in plan:
             if isinstance(step[0], tuple):
                 exchanger.exchange(outbox, inbox)
+                st.peak_message_bytes = max(st.peak_message_bytes, exchanger.message_bytes(outbox))
                 continue
             kind, c, mb = step
             vs = self._vstage(c)
-            if kind == "F":
+            if kind == "W":
+                groups, nbytes = waiting_w.pop((c, mb))
+                busy.start()
+                _weight_pass(groups)
+                busy.stop()
+                live_bytes -= nbytes
+                del groups
+            elif kind == "F":
                 tokens, targets = micro_batches[mb]
                 if vs == 0:
                     x, inp = tokens.to(self.device), None
@@ -321,28 +401,45 @@ class PipelineSchedule:
                 busy.stop()
                 if vs == last_v:
                     total += out.detach().float()
+                    held[(c, mb)] = (inp, out, counter.total)
                 else:
+                    # Output deallocation (Megatron's deallocate_pipeline_outputs): the message is the output's
+                    # storage and the step keeps only the output's autograd edge, so the storage lives as long
+                    # as the message does (until its send has completed: _Exchanger), not until backward.
+                    # Backward starts at the edge with the received grad (shape-checked against the graph).
                     outbox[("act", vs + 1, mb)] = out.detach().contiguous()
-                held[(c, mb)] = (inp, out, counter.total)
+                    held[(c, mb)] = (inp, get_gradient_edge(out), counter.total)
+                    st.peak_outputs_alive = max(st.peak_outputs_alive, sum(1 for r in outputs if r() is not None))
+                    outputs.append(weakref.ref(out))
+                del out
                 live_bytes += counter.total
                 st.saved_bytes_per_forward.append(counter.total)
                 st.peak_saved_bytes = max(st.peak_saved_bytes, live_bytes)
-                st.peak_in_flight = max(st.peak_in_flight, len(held))
+                st.peak_in_flight = max(st.peak_in_flight, len(held) + len(waiting_w))
             else:
-                inp, out, nbytes = held.pop((c, mb))
+                inp, root, nbytes = held.pop((c, mb))
                 grad_out = None if vs == last_v else inbox.pop(("grad", vs, mb))
                 busy.start()
-                if grad_out is None:
-                    self.scale_loss(out.float(), m).backward()
-                else:
-                    torch.autograd.backward(out, grad_tensors=grad_out)
+                if isinstance(root, torch.Tensor):
+                    root = self.scale_loss(root.float(), m)  # the last stage: backpropagate the scaled loss
+                if self.kind == "zb_h1" and inp is not None:
+                    grad_in, groups = _input_pass(root, grad_out, inp, self.chunks[c])
+                    waiting_w[(c, mb)] = (groups, nbytes)
+                else:  # the whole backward (zb_h1's first stage has no input grad to hurry: its W is empty)
+                    torch.autograd.backward(root, grad_tensors=grad_out)
+                    grad_in = None if inp is None else inp.grad
+                    if self.kind == "zb_h1":
+                        waiting_w[(c, mb)] = ([], nbytes)
+                    else:
+                        live_bytes -= nbytes
                 busy.stop()
-                live_bytes -= nbytes
                 if vs > 0:
-                    outbox[("grad", vs - 1, mb)] = inp.grad.contiguous()
-                del inp, out, grad_out
+                    assert grad_in is not None
+                    outbox[("grad", vs - 1, mb)] = grad_in.contiguous()
+                del inp, root, grad_out, grad_in
         exchanger.finish()
         assert not outbox and not inbox, "every message of the plan is sent and consumed"
+        assert not held and not waiting_w, "every forward has had its backward (and W)"
         self._sync()  # once per step: the wall clock ends when this rank's queued work has
         st.wall_s = time.perf_counter() - t_start
         st.busy_s = busy.seconds()
@@ -399,8 +496,141 @@ class PipelineSchedule:
         """Fields for the metrics line: measured idle share (mean over stages) next to the plan's."""
         return {
             "bubble_measured": round(self.stats.idle_share_mean, 4),
-            "bubble_planned": round(planned_idle_share(self.p, getattr(self, "last_m", 1), self.v), 4),
+            "bubble_planned": round(
+                planned_idle_share(self.p, getattr(self, "last_m", 1), self.v, self.kind, self.mb_group), 4
+            ),
         }
+
+
+def _completed(work) -> bool:
+    """A send's work has completed (its buffer may be freed); a backend without the query: not known yet."""
+    try:
+        return bool(work.is_completed())
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+# ---- zb_h1's split backward (public autograd APIs) ----------------------------------------------------
+@dataclass
+class _WeightGroup:
+    """Parameters whose weight grads start at the same nodes of the input-grad path ("intermediates": the
+    nodes, matmuls and norms, that take both an activation and a parameter), with the grads that reached
+    those nodes during B."""
+
+    params: List[torch.Tensor]
+    nodes: List[Node]
+    grads: Dict[Node, Tuple[Optional[torch.Tensor], ...]] = field(default_factory=dict)
+
+
+def _grad_node(t: torch.Tensor) -> Optional[Node]:
+    """The node autograd sends t's grad to: grad_fn, or a leaf's AccumulateGrad (reached through a view)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if not t.requires_grad:
+        return None
+    return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _weight_groups(root: Node, inp: torch.Tensor, params: List[torch.Tensor]) -> List[_WeightGroup]:
+    """Split the graph under `root`: the nodes from which the stage input is reached (B runs them), and for
+    each parameter the nodes of that set where its own branch starts (W runs from there). Parameters sharing
+    such a node form one group. The method of torch.distributed.pipelining's stage_backward_input, on
+    torch.autograd.graph's public Node API."""
+    users: Dict[Node, List[Node]] = {root: []}
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            if nxt not in users:
+                users[nxt] = []
+                todo.append(nxt)
+            users[nxt].append(node)
+    inp_node = _grad_node(inp)
+    on_path: Set[Node] = set()
+    todo = [inp_node] if inp_node in users else []
+    while todo:  # every node above the input
+        node = todo.pop()
+        if node not in on_path:
+            on_path.add(node)
+            todo += users[node]
+    by_node: Dict[Node, _WeightGroup] = {}
+    for param in params:
+        acc = _grad_node(param)
+        if acc not in users:
+            continue  # not used by this forward
+        seen: Set[Node] = {acc}
+        starts: Set[Node] = set()
+        todo = [acc]
+        while todo:  # up from the parameter until the input's path
+            for user in users[todo.pop()]:
+                if user in on_path:
+                    starts.add(user)
+                elif user not in seen:
+                    seen.add(user)
+                    todo.append(user)
+        group = _WeightGroup([param], sorted(starts, key=id))
+        for node in starts:  # merge with the groups that share a start node
+            other = by_node.get(node)
+            if other is not None and other is not group:
+                group.params += [q for q in other.params if all(q is not x for x in group.params)]
+                group.nodes += [n for n in other.nodes if n not in group.nodes]
+                for n in other.nodes:
+                    by_node[n] = group
+            by_node[node] = group
+    unique: Dict[int, _WeightGroup] = {id(g): g for g in by_node.values()}
+    return list(unique.values())
+
+
+def _input_pass(
+    root: Union[torch.Tensor, GradientEdge], grad_out: Optional[torch.Tensor], inp: torch.Tensor, chunk
+) -> Tuple[torch.Tensor, List[_WeightGroup]]:
+    """zb_h1's B: the grad of the stage input only (the graph kept, torch.autograd.grad with retain_graph), and
+    the grads reaching each weight group's start nodes, captured by node pre-hooks for its W."""
+    root_node = root.grad_fn if isinstance(root, torch.Tensor) else root.node
+    assert root_node is not None
+    groups = _weight_groups(root_node, inp, [q for q in chunk.parameters() if q.requires_grad])
+    handles = []
+    for group in groups:
+        for node in group.nodes:
+
+            def keep(grads, group=group, node=node):
+                group.grads[node] = tuple(grads)
+
+            handles.append(node.register_prehook(keep))
+    try:
+        (grad_in,) = torch.autograd.grad(root, [inp], grad_outputs=grad_out, retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return grad_in, groups
+
+
+def _weight_pass(groups: List[_WeightGroup]) -> None:
+    """zb_h1's W: each group's weight grads from the grads its start nodes received in B, accumulated into the
+    parameters' .grad like a whole backward (torch.autograd.backward with inputs=, so the optimizer's grad hooks
+    run). A group with several start nodes pins each to its B grad: a start node above another must not add its
+    W-pass grad to the one B already delivered."""
+    for group in groups:
+        edges, grads = [], []
+        for node in group.nodes:
+            for i, g in enumerate(group.grads.get(node, ())):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        if not edges:
+            continue
+        handles = []
+        if len(group.nodes) > 1:
+            for node in group.nodes:
+                handles.append(node.register_prehook(lambda _g, b=group.grads.get(node): b))
+        try:
+            torch.autograd.backward(edges, grad_tensors=grads, inputs=group.params, retain_graph=True)
+        finally:
+            for h in handles:
+                h.remove()
+        group.grads.clear()
 
 
 class _Exchanger:
@@ -459,6 +689,13 @@ class _Exchanger:
                 if work is not None:
                     work.wait()
 
+    def message_bytes(self, outbox: Dict) -> int:
+        """Bytes of the outgoing messages referenced now: in the outbox and in sends not yet known complete.
+        Sends that have completed are dropped first (their buffers, stage outputs under deallocation, freed)."""
+        self.sends = [(w, t) for w, t in self.sends if not _completed(w)]
+        tensors = list(outbox.values()) + [t for _, t in self.sends]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def finish(self) -> None:
         """Wait for the sends still in flight (their tensors live until then)."""
         for work, _ in self.sends:
@@ -483,7 +720,8 @@ def make_pipeline_schedule(cfg, mesh, chunks, optimizer) -> PipelineSchedule:
     dp = derived_dp(cfg) or mesh.dp
     m = pc.global_batch // (pc.micro_batch * dp)
     kind = pc.schedule
-    check_schedule(kind, mesh.pp, len(chunks), m)  # len(chunks): the vpp this rank really built
+    group = getattr(pc, "microbatch_group_size", 0)
+    check_schedule(kind, mesh.pp, len(chunks), m, group)  # len(chunks): the vpp this rank really built
     ranks = mesh.group_ranks.get("pp") or list(range(mesh.pp))
     return PipelineSchedule(
         chunks,
@@ -497,4 +735,5 @@ def make_pipeline_schedule(cfg, mesh, chunks, optimizer) -> PipelineSchedule:
         mesh.device,
         optimizer.scale_loss,
         overlap_p2p=getattr(pc, "overlap_p2p", True),
+        microbatch_group_size=group,
     )
