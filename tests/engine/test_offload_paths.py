@@ -13,6 +13,8 @@ One process, no process group (dp = 1: the store path has no collective of its o
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -48,7 +50,13 @@ def _run(cfg: Config, run_dir: str):
     built = dict(store.moved) if store is not None else None
     trainer.run()
     opt.finish_param_gather()
+    files = {}  # offload=nvme: every file in the store's directory, as the file system holds it after the run
+    for root, _, names in os.walk(store.directory) if cfg.parallel.offload == "nvme" else ():
+        for name in names:
+            st = os.stat(os.path.join(root, name))
+            files[os.path.join(root, name)] = (st.st_size, st.st_blocks * 512)
     return {
+        "files": files,
         "losses": list(trainer.losses),
         "params": {n: p.detach().float().clone() for n, p in zip(opt.names, opt.params)},
         "memory": opt.memory_report(),
@@ -91,6 +99,14 @@ def test_offload_on_cpu_runs_the_store_and_equals_no_offload(runs, offload, prec
     keys = ("weights", "grads", "optimizer", "host_offload", "nvme_offload")
     assert got["memory"] == {k: plan[k] for k in keys}
     assert got["memory"]["optimizer"] == 0 and store.host_bytes() == plan["host_offload"] > 0
+    if offload == "nvme":  # measured on disk: the state files' sizes, and their blocks really written (not sparse)
+        files = got["files"]
+        assert sorted(files) == sorted(store.paths.values()), files  # one file per state, nothing else
+        assert os.path.dirname(store.directory) == cfg.parallel.offload_dir
+        assert sum(size for size, _ in files.values()) == plan["nvme_offload"] > 0
+        assert all(on_disk >= size for size, on_disk in files.values()), files
+    else:
+        assert got["files"] == {}
     # The copies: the master filled once at build (16-bit weights), then per step the grads into the store and,
     # with a master, the new weights out of it.
     master = precision == "fp16"
