@@ -495,16 +495,104 @@ def _plan_resize(cfg, events, own, exclude, newly_excluded):
         return None
 
 
+_DECIDED = ("completed", "stopped", "cancelled", "requeued", "restarted_in_job")
+"""Events that end an attempt's decision (the epilogue's)."""
+
+LOST_GRACE_S = 2.0
+"""How long the early epilogue waits, once the batch script is gone, for a job-wide signal that would end it too."""
+
+
+def batch_script_lost(run_dir: str) -> int:
+    """The early epilogue's standard input closed before srun's exit status came: the batch script is gone while
+    srun still ran. A job-wide end (scancel of the whole job, the time limit, a requeue from outside) sends every
+    process of the batch step SIGTERM and ends this one too (it does not handle it), so alive after LOST_GRACE_S
+    means the batch script alone was killed (`scancel --signal=KILL --batch`, an operator's kill -9): nothing
+    else would decide this attempt. It is recorded as `failed` (rank -1, the reason naming it) and the job
+    requeues itself from the last complete checkpoint (costs one of cluster.max_retries; past them `stopped`).
+    Slurm ends the job's steps when its batch step has ended (the ranks' SIGTERM: they save if they can); the
+    requeue is retried until Slurm takes it."""
+    time.sleep(LOST_GRACE_S)
+    events = read_events(run_dir)
+    started = [e for e in events if e.get("event") == "started" and str(e.get("job_id")) == job_id()]
+    if not started:
+        return EXIT_OK  # no attempt of this job started (its prologue ended the script)
+    attempt = int(started[-1].get("attempt", 0))
+    ev = dict(attempt=attempt, job_id=job_id())
+    if any(e.get("attempt") == attempt and e.get("event") in _DECIDED for e in events):
+        return EXIT_OK  # the attempt was decided (an in-job epilogue killed with its batch script had done so)
+    cfg = load_config(os.path.join(run_dir, "config.json"))
+    reason = (
+        "the batch script was killed while srun still ran (a signal to the batch step alone, e.g. scancel "
+        "--signal=KILL --batch): the ranks' ends were not seen"
+    )
+    append_event(
+        run_dir,
+        "failed",
+        node=os.environ.get("SLURMD_NODENAME") or os.uname().nodename,
+        rank=-1,
+        exit_code=None,
+        reason=reason,
+        consequences=[],
+        srun_exit_code=None,
+        **ev,
+    )
+    step_now = last_step(run_dir)
+    used = retries_used(events)
+    if cancel_requested(run_dir, events) is not None or used >= cfg.cluster.max_retries:
+        why = (
+            "cancelled by meshrun action=cancel"
+            if cancel_requested(run_dir, events) is not None
+            else f"retries exhausted (cluster.max_retries={cfg.cluster.max_retries})"
+        )
+        append_event(run_dir, "stopped", reason=f"{reason}; {why}", last_step=step_now, **ev)
+        release_job(run_dir, job_id())
+        write_goodput_quietly(run_dir)
+        return EXIT_FAILED
+    append_event(
+        run_dir,
+        "requeued",
+        cause="failure",
+        reason=f"{reason}; requeued from the last complete checkpoint",
+        excluded_nodes=excluded_nodes(events),
+        last_step=step_now,
+        retry=used + 1,
+        max_retries=cfg.cluster.max_retries,
+        **ev,
+    )
+    deadline = time.time() + REQUEUE_WAIT_S
+    refused = ""
+    while time.time() < deadline:
+        try:
+            res = slurm_command(["scontrol", "requeue", job_id()])
+            refused = res.stderr.strip() if res.returncode != 0 else ""
+        except SlurmUnavailable as exc:
+            refused = str(exc)
+        if not refused:
+            return EXIT_FAILED
+        time.sleep(1.0)  # the job is still completing: Slurm requeues it once it has ended
+    append_event(run_dir, "stopped", reason=f"{reason}; scontrol requeue failed: {refused}", **ev)
+    release_job(run_dir, job_id())
+    write_goodput_quietly(run_dir)
+    return EXIT_FAILED
+
+
 def main(argv: List[str]) -> int:
-    if len(argv) < 2 or argv[0] not in ("prologue", "epilogue"):
+    if len(argv) < 2 or argv[0] not in ("prologue", "epilogue", "watch"):
         print(
-            "usage: python -m launcher.slurm.driver prologue|epilogue RUN_DIR [SRUN_RC | --srun-rc-on-stdin] "
+            "usage: python -m launcher.slurm.driver prologue|epilogue|watch RUN_DIR [SRUN_RC | --srun-rc-on-stdin] "
             "[--then-prologue]",
             file=sys.stderr,
         )
         return EXIT_INVALID
     if argv[0] == "prologue":
         return prologue(argv[1])
+    if argv[0] == "watch":
+        # The in-job batch loop's watcher (launcher/slurm/in_job.py batch_watch_lines): "done" before the script's
+        # own exit; end of input without it: the batch script was killed.
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        if sys.stdin.readline().strip() == "done":
+            return EXIT_OK
+        return batch_script_lost(argv[1])
     srun_rc = int(argv[2]) if len(argv) > 2 and argv[2].lstrip("-").isdigit() else -1
     if "--srun-rc-on-stdin" in argv[2:]:
         # The early epilogue (launcher/slurm/sbatch.py early_epilogue_lines): imported already, it waits for the
@@ -512,7 +600,8 @@ def main(argv: List[str]) -> int:
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         line = sys.stdin.readline().strip()
         if not line.lstrip("-").isdigit():
-            return EXIT_OK  # the batch script ended without handing over: it did not get past srun
+            # The batch script ended without handing over: killed while srun still ran.
+            return batch_script_lost(argv[1])
         srun_rc = int(line)
         # The batch script's cue that this process decides the attempt (before anything is decided), then the
         # job's log as standard output, as for an epilogue started after srun.

@@ -75,6 +75,17 @@ def loop_prologue_line(prologue: str) -> str:
     )
 
 
+def batch_watch_lines(python: str) -> List[str]:
+    """Before the loop: a watcher that waits on a pipe from this script (`driver watch`): told "done" before the
+    script's own exit, it sees the pipe close without it when the batch script alone is killed (scancel
+    --signal=KILL --batch) and decides the attempt then (launcher/slurm/driver.py batch_script_lost)."""
+    return [
+        # Its pipe stays in bash's coprocess descriptors (closed in every command the script starts): a copy held by
+        # srun would keep the pipe open past the script's death.
+        f'coproc MESHRUN_WATCH {{ exec {python} -m launcher.slurm.driver watch "$MESHRUN_RUN_DIR" >/dev/null; }}',
+    ]
+
+
 def batch_loop_tail(epilogue: str) -> List[str]:
     """Teardown lines: the epilogue's EXIT_RESTART_IN_JOB starts the next attempt in this allocation (its
     standard output: the next prologue's exports; anything else it printed goes to the job's log)."""
@@ -84,6 +95,7 @@ def batch_loop_tail(epilogue: str) -> List[str]:
         "MESHRUN_EPILOGUE_RC=$?",
         f'if [ "$MESHRUN_EPILOGUE_RC" -eq {EXIT_RESTART_IN_JOB} ]; then continue; fi',
         '[ -z "$MESHRUN_NEXT_PROLOGUE" ] || printf \'%s\\n\' "$MESHRUN_NEXT_PROLOGUE"',
+        "{ printf 'done\\n' >&\"${MESHRUN_WATCH[1]}\"; } 2>/dev/null",
         'exit "$MESHRUN_EPILOGUE_RC"',
         "done",
     ]

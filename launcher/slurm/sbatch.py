@@ -321,6 +321,7 @@ def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> Li
     lines += [f"export {name}={shlex.quote(value)}" for name, value in engine_env(cfg, secrets=False).items()]
     lines += warm_client.batch_lines(cfg, python_cmd())  # the warm agents, one per node, for every step
     if in_job.enabled(cfg.cluster):
+        lines += in_job.batch_watch_lines(python_cmd())
         lines += in_job.batch_loop_head()  # prologue, srun, epilogue repeat inside this allocation
         lines.append(in_job.loop_prologue_line(prologue_line()))
     else:
