@@ -1,10 +1,21 @@
-"""Pipeline-parallel schedules: gpipe, 1f1b and interleaved_1f1b, run with batched point-to-point exchanges.
+"""Pipeline-parallel schedules: gpipe, 1f1b, interleaved_1f1b and zb_h1, run with batched point-to-point exchanges.
 
 A schedule is a per-rank list of actions, F(chunk, mb) and B(chunk, mb) (`build_actions`, a pure
 function): F runs a chunk forward on the activation received from the previous virtual stage (the
 first virtual stage takes the token ids; the last returns the micro-batch loss), B runs it backward on
-the grad received from the next virtual stage (the last backpropagates the scaled loss). The three
-orders are Megatron-LM's.
+the grad received from the next virtual stage (the last backpropagates the scaled loss). gpipe, 1f1b and
+interleaved are Megatron-LM's orders (interleaved: Megatron-Core's schedule table, micro-batch groups of
+parallel.microbatch_group_size, 0 = pp; the engine runs groups of pp only, see layout_rules). zb_h1 (ZB-H1, Qi
+et al. 2024) is 1f1b with each B computing only the input grad (torch.autograd.grad with retain_graph; the
+grads reaching the weights' start nodes kept by node pre-hooks) and a W action later computing the weight
+grads from them (torch.autograd.backward with inputs=, so the optimizer's grad hooks run): rank r defers r
+W's, filling the cool-down where 1f1b idles; the first stage, with no input grad to hurry, runs its whole
+backward at B. W needs no communication.
+
+Output deallocation (Megatron's deallocate_pipeline_outputs): a non-last stage keeps only its output's
+autograd edge (torch.autograd.graph.get_gradient_edge) and backward starts there; the output's storage is
+referenced by its outgoing message alone, which the exchanger keeps until the send is known complete (waited,
+or is_completed), so no stage output lives from its send to its backward.
 
 Communication (`build_comm_plan`, pure): the actions are cut into units (one action each, except the
 steady-state F+B pairs of interleaved_1f1b) and between two units the rank makes ONE exchange,
@@ -39,12 +50,14 @@ Virtual stage of local chunk c on pipeline rank r: c * p + r (model.build_gpt's 
 has a fixed shape per step, [s/tp if sp else s, micro_batch, h] in the model dtype.
 
 In-flight micro-batches (forward done, backward not yet) on rank r, which bound the activations held:
-  gpipe m;  1f1b min(m, p - r);  interleaved min(m v, 2 (p - r - 1) + (v - 1) p + 1) chunk micro-batches.
+  gpipe m;  1f1b min(m, p - r);  interleaved min(m v, 2 (p - r - 1) + (v - 1) g + 1) chunk micro-batches
+  (g the group, pp by default);  zb_h1 min(m, p) (graphs kept until W).
 The planner (launcher/plan/memory.py `inflight_microbatches`) uses the same numbers.
 
 Each step records this rank's busy time (forward and backward compute only, not waiting or
 communication) and its wall time; the pipeline's idle share, 1 - mean busy / longest wall over the
-pipeline ranks, is reported next to the planner's (p - 1) / (v m + p - 1).
+pipeline ranks, is reported next to the planner's (p - 1) / (v m + p - 1), zb_h1's (p - 1)/(3 m + p - 1) at
+m >= p (planned_idle_share; docs/FORMULAS.md; W counts as busy).
 
 Tied embeddings: the last stage's copy of `embedding.word.weight` starts equal to the first stage's
 (initialisation is seeded by parameter name) and its grad is all-reduced over mesh.embedding_group by
