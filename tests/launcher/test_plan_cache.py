@@ -46,6 +46,7 @@ CHANGES = [
     {**FULL_1, "vpp": 2, "schedule": "interleaved_1f1b"},
     {**FULL_1, "vpp": 1, "schedule": "interleaved_1f1b"},
     {**FULL_1, "vpp": 2, "schedule": "1f1b"},
+    {"vpp": 2, "schedule": "interleaved_1f1b", "microbatch_group_size": 4},  # more chunk micro-batches in flight
     {"allow_tp_across_nodes": True},
     {"bucket_mb": 0.001},
     {"overlap_grad_reduce": False},
