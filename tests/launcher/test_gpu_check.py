@@ -35,6 +35,12 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
         (other / name).write_text("#!/bin/sh\necho 'not the project interpreter' >&2\nexit 97\n")
         (other / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    project = os.path.join(ROOT, ".venv", "bin", "python")
+    # Without the checkout's .venv (a fresh clone tested from its own environment) the script is told which
+    # interpreter through PYTHON, as the contract says; PATH's first python is never the one used either way.
+    expected = project if os.path.exists(project) else sys.executable
+    if expected != project:
+        env["PYTHON"] = sys.executable
     env["PATH"] = f"{other}{os.pathsep}{env.get('PATH', '')}"
     work = tmp_path / "scratch"  # the runs' own folders: given, so the script leaves it for the checks below
     env["GPU_CHECK_WORK"] = str(work)
@@ -74,7 +80,7 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     # Every --dry check computed, none assumed (issue 30/31): the preflight ran on the NVML double, MFU is
     # bounded by 1, the activations were measured (saved-tensor bytes) against the plan.
-    assert os.path.abspath(summary["python"]) == os.path.join(ROOT, ".venv", "bin", "python")  # not resolved:
+    assert os.path.abspath(summary["python"]) == expected  # not resolved:
     # every venv's python links to the same base binary
     assert checks["preflight"]["missing"] == [] and checks["preflight"]["checks"] >= 10
     assert checks["mfu"]["goal"] == [0.0, 1.0]
