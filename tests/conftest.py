@@ -169,3 +169,39 @@ def drawn(monkeypatch):
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
     return figures
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_process_state(tmp_path_factory):
+    """What a test file changes in this pytest process stays with the file (tests audit 2026-12-03, flaky 12):
+    torch's intra-op thread count (fixtures set 1 for their in-process reference runs) is given back after the
+    file, so a later file on the same xdist worker does not run single-threaded because of the order files came
+    in; and `tempfile.mkdtemp()` without a directory lands in a per-file folder under pytest's basetemp (which
+    pytest prunes), not in /tmp for good."""
+    import sys
+    import tempfile
+
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    previous = tempfile.tempdir
+    tempfile.tempdir = str(tmp_path_factory.mktemp("mkdtemp"))
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(threads if threads is not None else _DEFAULT_THREADS)
+
+
+def _default_threads() -> int:
+    """torch's default intra-op thread count in this process (OMP_NUM_THREADS, else the usable cores)."""
+    import os
+
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+_DEFAULT_THREADS = _default_threads()
