@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -33,7 +34,9 @@ def test_local_preflight_cpu_reports_without_failing(tmp_path):
     # only cost the shared cores time).
     sizes = "cluster.preflight.collective_sizes_mb=[0.25,1]"
     probes = [sizes, "cluster.preflight.collective_iters=2", "cluster.preflight.matmul_size=256"]
+    t0 = time.monotonic()
     p = meshrun("action=preflight", "cluster=local", f"run.dir={run_dir}", *probes)
+    wall_s = time.monotonic() - t0
     assert p.returncode == 0, p.stderr[-3000:]
     data = json.load(open(os.path.join(run_dir, "preflight.json")))
     assert data["status"] in ("ok", "warn") and data["bad_nodes"] == []
@@ -57,7 +60,9 @@ def test_local_preflight_cpu_reports_without_failing(tmp_path):
             assert f["bytes"] == 2**20  # the whole array of the largest size
             assert f["busbw_gbps"] == pytest.approx(f["algbw_gbps"] * bus_factor(op, n), rel=0.02, abs=2e-3)
             assert f["algbw_gbps"] == pytest.approx(f["bytes"] / (f["time_ms"] / 1e3) / 1e9, rel=0.02)
-    assert data["meta"]["elapsed_s"] < 60
+    # The rank's own clock, measured (positive, inside the launch around it); how long 4 CPU ranks take on shared
+    # cores is the machine's load, not the preflight's (the small probes are pinned by the sizes above).
+    assert 0 < data["meta"]["elapsed_s"] <= wall_s, (data["meta"]["elapsed_s"], wall_s)
     assert "job:" in p.stdout and "coll.all_reduce" in p.stdout
     ev = [e for e in read_events(run_dir) if e["event"] == "preflight"]
     assert len(ev) == 1 and ev[0]["bad_nodes"] == [] and ev[0]["job_id"] == "local"
