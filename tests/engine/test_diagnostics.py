@@ -60,10 +60,19 @@ def _rank(cfg_dict: dict, run_dir: str, double: str):
     if rank == 1:
         import time
 
+        last = {"at": None, "slept": 0.0}
+
         def slow_and_faulty(module, args):
             step = trainer.state.step + 1  # the step being taken
-            # 0.1 s: rank 0's compute must stall past 2/3 of that in one step to break the slow streak.
-            time.sleep(0.1)
+            # Slower than rank 0 in proportion to the machine's speed now, not by a fixed 0.1 s (which rank 0's
+            # compute broke once it stalled past 0.2 s in a step: 1.2 x the median of two needs rank 1 above
+            # 1.5 x rank 0): 0.1 s plus twice this rank's own time between its forwards (its previous step,
+            # without the sleep). Both ranks share the cores, so a load that slows rank 0 slows this too.
+            now = time.perf_counter()
+            own = 0.0 if last["at"] is None else max(0.0, now - last["at"] - last["slept"])
+            pause = 0.1 + 2.0 * own
+            time.sleep(pause)
+            last.update(at=now, slept=pause)
             if step == NAN_STEP and not getattr(trainer, "poisoned", False):
                 trainer.poisoned = True
                 with torch.no_grad():
