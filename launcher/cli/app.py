@@ -157,7 +157,9 @@ def start(cfg: Config, run_dir: str):
             if not _is_multirun():
                 announce(choice)
             auto = choice.to_json()
-    result = plan_or_reject(cfg, run_dir, multirun=_is_multirun(), auto=auto)
+    from launcher.planning.auto import name_the_nodes
+
+    result = plan_or_reject(cfg, run_dir, multirun=_is_multirun(), auto=auto, no_fit_advice=name_the_nodes)
     if result.get("status") == "ok" and not _is_multirun() and cfg.action == "train" and not cfg.dry_run:
         from launcher.manage.latest import point_latest
 

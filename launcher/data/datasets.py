@@ -20,15 +20,16 @@ from training.contract.config import Config
 # plan and sweep point validates without it.
 
 
-
 def _prepare_fix(prefix: str) -> str:
     """A command that makes the dataset a prefix names (action=prepare's default input: the stdlib sources)."""
     import shlex
 
     return (
-        f"meshrun action=prepare prepare.output={shlex.quote(prefix)} (or prepare.inputs=[your files]; "
-        "or name an existing prefix)"
+        f"meshrun action=prepare prepare.output={shlex.quote(prefix)} (from the standard library's sources), or "
+        f"meshrun action=prepare prepare.inputs=[<your files>] prepare.output={shlex.quote(prefix)}, or "
+        "data.prefixes=[<an existing prefix>]"
     )
+
 
 def _given(overrides: Sequence[str], key: str) -> bool:
     return any(o.split("=", 1)[0].lstrip("+~") == key for o in overrides)

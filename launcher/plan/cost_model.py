@@ -106,6 +106,20 @@ def preflight_measured(report: Dict[str, Any]) -> Dict[str, float]:
     return out
 
 
+NIC_BUSBW_EFFICIENCY = 0.9
+"""All-reduce bus bandwidth across nodes over a node's NICs' line rate: NCCL spreads its rings over every NIC and
+reaches about 90 % of their sum (conf/cluster/dgx_a100.yaml: 8 x 200 Gb/s HDR = 200 GB/s per node, 180 busbw)."""
+
+
+def nic_busbw_gbps(cfg: Config) -> float:
+    """The node's NICs as inter-node bus bandwidth, GB/s: len(cluster.preflight.ib_hcas) x ib_rate_gbps (Gb/s) / 8 x
+    NIC_BUSBW_EFFICIENCY (dgx_h100: 8 x 400 Gb/s NDR = 400 GB/s -> 360); 0 on CPU or without both keys."""
+    pf = cfg.cluster.preflight
+    if cfg.cluster.device == "cpu" or not pf.ib_hcas or not pf.ib_rate_gbps > 0:
+        return 0.0
+    return len(pf.ib_hcas) * pf.ib_rate_gbps / 8.0 * NIC_BUSBW_EFFICIENCY
+
+
 def cluster_rates(
     cfg: Config, preflight: Optional[Dict[str, Any]] = None, probe: Optional[Dict[str, Any]] = None
 ) -> Rates:
@@ -147,6 +161,7 @@ def cluster_rates(
         [
             ((measured.get("busbw_inter_gbps") or 0) * 1e9, "preflight.json busbw across nodes"),
             (c.preflight.busbw_inter_gbps * 1e9, "cluster.preflight.busbw_inter_gbps"),
+            (nic_busbw_gbps(cfg) * 1e9, "cluster.preflight.ib_hcas x ib_rate_gbps"),
             # The dev cluster's "nodes" share this machine: the probe's loopback figure holds.
             (probe.get("busbw") if c.device == "cpu" else 0, "measured here (training/observe/cost_probe.py)"),
             (inter_d * 1e9, f"default for {dev}"),

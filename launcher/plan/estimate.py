@@ -215,6 +215,12 @@ class Plan:
     being cluster.peak_tflops or, when that is 0, the cost model's compute rate (peak_flops)."""
     peak_flops: float = 0.0
     """The per-GPU FLOP/s the mfu is relative to."""
+    peak_source: str = ""
+    """Where peak_flops comes from: "cluster.peak_tflops" (the hardware's peak: mfu is an MFU), else the cost
+    model's own compute rate (launcher/plan/cost_model.py cluster_rates: a default or a measurement), against which
+    mfu is only the compute share of the predicted step and is printed as that."""
+    device: str = ""
+    """cluster.device of the plan (cpu: its "GPU" columns are CPU ranks)."""
     mfu_fp8: float = 0.0
     """train.precision=fp8: the predicted MFU against cluster.peak_tflops_fp8 (mfu stays against the bf16 peak,
     cluster.peak_tflops); 0 when not fp8 or that peak is unknown."""
@@ -361,6 +367,8 @@ def make_plan(
         tokens_per_s_per_gpu=per_gpu,
         mfu=mfu,
         peak_flops=peak,
+        device=str(cfg.cluster.device),
+        peak_source="cluster.peak_tflops" if cfg.cluster.peak_tflops > 0 else rates.sources.get("flops", ""),
         mfu_fp8=mfu_fp8,
         peak_flops_fp8=peak_fp8,
         params_active=figures.params_active,
@@ -411,6 +419,21 @@ def format_stages(plan: Plan) -> str:
         else:
             runs.append([st.stage, st.stage, text])
     return "; ".join((f"rank {a}" if a == b else f"ranks {a}-{b}") + f": {text}" for a, b, text in runs)
+
+
+def _throughput(plan: Plan) -> str:
+    """Tokens/s and MFU; without the hardware's peak (cluster.peak_tflops) the ratio is only the compute share of
+    the predicted step at the cost model's own rate, and says so (on CPU that rate is an uncalibrated default
+    unless measured: `action=recommend recommend.calibrate=true`)."""
+    unit = "rank" if plan.device == "cpu" else "GPU"
+    rate = f"{plan.peak_flops / 1e12:.4g} TFLOP/s per {unit}"
+    if plan.peak_source == "cluster.peak_tflops":
+        return f"{plan.tokens_per_s_per_gpu:.4g} tokens/s per {unit}, MFU {100 * plan.mfu:.1f} % (of {rate})"
+    basis = "uncalibrated" if plan.peak_source.startswith("default") else plan.peak_source or "assumed"
+    return (
+        f"{plan.tokens_per_s_per_gpu:.4g} tokens/s per {unit} (compute at {rate}, {basis}); MFU unknown without "
+        f"cluster.peak_tflops: compute is {100 * plan.mfu:.1f} % of the predicted step"
+    )
 
 
 def format_plan(plan: Plan) -> str:
@@ -491,8 +514,7 @@ def format_plan(plan: Plan) -> str:
         ),
         (
             "throughput",
-            f"{plan.tokens_per_s_per_gpu:.4g} tokens/s per GPU, MFU {100 * plan.mfu:.1f} % "
-            f"(of {plan.peak_flops / 1e12:.4g} TFLOP/s per GPU)"
+            _throughput(plan)
             + (
                 f", {100 * plan.mfu_fp8:.1f} % of the FP8 peak ({plan.peak_flops_fp8 / 1e12:.4g} TFLOP/s)"
                 if plan.peak_flops_fp8

@@ -106,7 +106,7 @@ def honest_issues(cfg: Config, plan) -> list:
                 "parallel.recompute",
                 f"selective saves {saved / 2**20:.1f} MiB of {plan.memory_bytes['total'] / 2**30:.2f} GiB per "
                 f"GPU ({why}) and re-runs attention in backward",
-                "parallel.recompute=none (same memory, faster), or full if memory is short",
+                "parallel.recompute=none (same memory, faster), or parallel.recompute=full (if memory is short)",
                 "selective_no_saving",
             )
         )

@@ -23,7 +23,7 @@ from launcher.plan.model_size import chunk_layers
 from training.contract import layout_rules as rules
 from training.contract.fp8_rules import fp8_rules
 from training.contract.config import CHOICE_FIELDS, Config, choices, derived_dp
-from training.contract.layout_text import format_layout, layout_of
+
 from training.contract.limits import MAX_SIZE, too_large
 
 # Allowed values of the choice fields: the Enums of training/contract/config.py (Hydra's schema already rejects
@@ -148,7 +148,7 @@ def _check_numa_and_cores(cfg: Config, out: List[Issue]) -> None:
                 "cluster.gpus_per_node",
                 f"{c.gpus_per_node} local ranks on {cores} CPU cores: ranks share cores and every "
                 "collective waits for the slowest, so steps run several times slower",
-                f"cluster.gpus_per_node={cores}, or accept the slowdown",
+                f"cluster.gpus_per_node={cores} (or keep {c.gpus_per_node} ranks and accept the slowdown)",
             )
         )
 
@@ -407,7 +407,7 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
                 "error",
                 "parallel.dp",
                 f"the cluster's {ranks} ranks are not divisible by tp x pp x cp = {mp}",
-                f"make tp x pp x cp divide {ranks}, or set cluster.nodes / cluster.gpus_per_node",
+                _world_fix(cfg, mp),
                 "world",
             )
         )
@@ -438,7 +438,7 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
                     "warning",
                     "parallel.zero",
                     f"zero={par.zero} with dp=1 shards nothing (one data-parallel rank)",
-                    "parallel.zero=0, or a layout with dp > 1",
+                    "parallel.zero=0 (or a layout with dp > 1)",
                 )
             )
     else:
@@ -453,6 +453,42 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
             )
         )
     return ok and not any(i.code in rules.BLOCKS_PLAN for i in out[start:] if i.level == "error")
+
+
+def _world_fix(cfg: Config, mp: int) -> str:
+    """Typeable: the GPUs per node (the fewest at or above today's) that tp x pp x cp divides, or a layout that
+    divides today's ranks."""
+    c = cfg.cluster
+    step = mp // math.gcd(mp, max(c.nodes, 1))
+    gpn = -(-c.gpus_per_node // step) * step
+    par = cfg.parallel
+    ranks = c.nodes * c.gpus_per_node
+    alt = ""
+    for key in ("cp", "pp", "tp"):
+        size = getattr(par, key)
+        others = mp // size
+        for smaller in range(size - 1, 0, -1):
+            if ranks % (others * smaller) == 0:
+                alt = f", or parallel.{key}={smaller}"
+                break
+        if alt:
+            break
+    return f"cluster.gpus_per_node={gpn} (tp x pp x cp = {mp} must divide the ranks){alt}"
+
+
+def changed_keys(cfg: Config, new: Config) -> str:
+    """The parallel.* keys new changes from cfg, as typed on a command line (parallel.pp=4 parallel.dp=2)."""
+    out = []
+    for f in fields(new.parallel):
+        before, after = getattr(cfg.parallel, f.name), getattr(new.parallel, f.name)
+        if before != after:
+            value = getattr(after, "value", after)
+            out.append(f"parallel.{f.name}={str(value).lower() if isinstance(value, bool) else value}")
+    return " ".join(out)
+
+
+NO_COMBINATION = "cluster.nodes=<more>"
+"""The no-fit fix when no combination of the levers fits; launcher/planning/gate.py names the node count."""
 
 
 # The fixes tried when a model does not fit, cheapest first: (label, change) pairs.
@@ -477,6 +513,8 @@ def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[
         def change(c: Config):
             if str(c.parallel.offload) != "none" and (kind == "cpu" or str(c.parallel.offload) == "nvme"):
                 return None
+            if kind == "cpu":
+                return with_parallel(c, offload=kind)
             return with_parallel(c, offload=kind, offload_dir=c.parallel.offload_dir or "<node-local dir>")
 
         return change
@@ -550,10 +588,6 @@ def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[
     ]
 
 
-def _describe(c: Config) -> str:
-    return format_layout(layout_of(c), "overrides")
-
-
 def fit_fixes(cfg: Config, plan: Plan) -> List[str]:
     """Each candidate fix alone (with the memory it gives), then the cumulative combination that fits first."""
     lines = []
@@ -567,6 +601,8 @@ def fit_fixes(cfg: Config, plan: Plan) -> List[str]:
         if pl.memory_bytes["total"] > plan.memory_bytes["total"] * (1 - SELECTIVE_MIN_SAVING):
             continue  # offer only fixes that change the plan (selective recompute under flash attention does not)
         label = label.replace("recompute_num_layers=N", f"recompute_num_layers={new.parallel.recompute_num_layers}")
+        if " x 2" in label:  # more pp, tp or cp: the keys as typed (parallel.pp=4 parallel.dp=2)
+            label = changed_keys(cfg, new)
         lines.append(f"{label}: {pl.memory_bytes['total'] / GIB:.2f} GiB" + (" (fits)" if pl.fits else ""))
         if pl.fits:
             fitting.append(label)
@@ -579,10 +615,10 @@ def fit_fixes(cfg: Config, plan: Plan) -> List[str]:
             cur = new
             pl = make_plan(cur)
             if pl.fits:
-                lines.append(f"together: {_describe(cur)}: {pl.memory_bytes['total'] / GIB:.2f} GiB (fits)")
+                lines.append(f"together: {changed_keys(cfg, cur)}: {pl.memory_bytes['total'] / GIB:.2f} GiB (fits)")
                 break
         else:
-            lines.append("no combination of these fits: add GPUs (more pp or tp), or a smaller model / seq_length")
+            lines.append(f"{NO_COMBINATION} (no combination of these fits: more GPUs for more pp or tp)")
     return lines
 
 

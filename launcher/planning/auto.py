@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from launcher.plan.cost_model import Rates, cluster_rates
 from launcher.plan.estimate import GIB, fmt_seconds, make_plan
-from launcher.plan.validate import validate
+from launcher.plan.validate import NO_COMBINATION, Report, changed_keys, validate
 from launcher.planning.auto_search import pinned_keys, searched_config
 from launcher.planning.recommend import Candidate, _with, annotate, fits_with_headroom, search
 from training.contract import layout_rules as rules
@@ -149,6 +149,26 @@ def pinned_values(cfg: Config, overrides: Sequence[str]) -> Dict[str, Any]:
     return {k: getattr(cfg.parallel, k) for k in SEARCHED_KEYS if k in given and getattr(cfg.parallel, k) is not None}
 
 
+def name_the_nodes(cfg: Config, report: Report) -> None:
+    """A fixed layout that does not fit on a Slurm cluster: the smallest cluster.nodes at which a layout fits
+    (parallel=auto's search, smallest_fitting_nodes) becomes the no-fit error's first fix, with the parallel.* keys
+    that layout changes (launcher/planning/gate.py plan_or_reject calls it for a single run)."""
+    if cfg.cluster.kind != "slurm":
+        return
+    issue = next(i for i in report.errors if i.code == "no_fit")
+    found = smallest_fitting_nodes(cfg, {})
+    if found is None:
+        return
+    nodes, cand = found
+    keys = " ".join(k for k in [f"cluster.nodes={nodes}", changed_keys(cfg, cand.cfg)] if k)
+    fix = (
+        f"{keys}: {cand.plan.memory_bytes['total'] / GIB:.2f} GiB (fits; {cand.short()}, "
+        f"{fmt_seconds(cand.step_s)} a step)"
+    )
+    rest = [f for f in issue.fix.split("; ") if f and not f.startswith(NO_COMBINATION)]
+    issue.fix = "; ".join([fix] + rest)
+
+
 def choose(cfg: Config, overrides: Sequence[str], multirun: bool = False) -> Optional[AutoChoice]:
     """The layout parallel=auto runs: the fastest that fits keeping the command line's parallel.* keys.
     None when the model or data is invalid (the gate then reports that). When none fits: exits 2 (nothing
@@ -163,7 +183,7 @@ def choose(cfg: Config, overrides: Sequence[str], multirun: bool = False) -> Opt
     if not keep:
         if multirun:
             return AutoChoice(cfg=base, chosen=None, runner_up=None, pinned=pinned, searched=searched)
-        _refuse(base, pinned, searched)
+        _refuse(base, pinned, searched, overrides)
     chosen = keep[0]
     return AutoChoice(
         cfg=chosen.cfg,
@@ -175,7 +195,7 @@ def choose(cfg: Config, overrides: Sequence[str], multirun: bool = False) -> Opt
     )
 
 
-def _refuse(cfg: Config, pinned: Dict[str, Any], searched: int) -> None:
+def _refuse(cfg: Config, pinned: Dict[str, Any], searched: int, overrides: Sequence[str] = ()) -> None:
     kept = " ".join(_typed(k, v) for k, v in pinned.items())
     c = cfg.cluster
     print(
@@ -193,10 +213,13 @@ def _refuse(cfg: Config, pinned: Dict[str, Any], searched: int) -> None:
             file=sys.stderr,
         )
     elif pinned:
-        print(f"    fix: drop {kept} from the command line (the search then chooses them)", file=sys.stderr)
+        free = " ".join(
+            o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in {f"parallel.{k}" for k in pinned}
+        )
+        print(f"    fix: meshrun {free} (without {kept}: the search chooses them)", file=sys.stderr)
     else:
         print(
-            "    fix: model.seq_length=<smaller>, or a cluster with more GPU memory (cluster.gpu_memory_gb)",
+            "    fix: model.seq_length=<shorter>, or cluster.gpu_memory_gb=<larger> (a cluster with more GPU memory)",
             file=sys.stderr,
         )
     raise SystemExit(EXIT_INVALID)

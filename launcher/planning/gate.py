@@ -11,7 +11,7 @@ import json
 import math
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from launcher.plan.cadence import format_advice
 from launcher.plan.cadence import resolve as resolve_cadence
@@ -80,10 +80,15 @@ def validate_for_launch(cfg: Config) -> Report:
 
 
 def plan_or_reject(
-    cfg: Config, run_dir: str, multirun: bool = False, auto: Optional[Dict[str, Any]] = None
+    cfg: Config,
+    run_dir: str,
+    multirun: bool = False,
+    auto: Optional[Dict[str, Any]] = None,
+    no_fit_advice: Optional[Callable[[Config, Report], None]] = None,
 ) -> Dict[str, Any]:
     """Validate cfg; on success print the plan, write plan.json and config.json into run_dir. `auto`: what
-    parallel=auto chose (launcher/planning/auto.py), kept as plan.json's `auto`.
+    parallel=auto chose (launcher/planning/auto.py), kept as plan.json's `auto`. `no_fit_advice(cfg, report)`: a
+    single run's no-fit error gains its fixes there (launcher/planning/auto.py name_the_nodes: the node count).
 
     Returns {"status": "ok", "plan": plan.json's dict, "warnings": [...], "run_dir": run_dir}, or in a
     sweep {"status": "invalid" | "no_fit", "errors": [...], "warnings": [...]}. A single run with errors
@@ -93,12 +98,14 @@ def plan_or_reject(
     notes = [str(i) for i in report.notes]
     if report.errors:
         status = "no_fit" if report.no_fit and len(report.errors) == 1 else "invalid"
+        if not multirun and report.no_fit and no_fit_advice is not None:
+            no_fit_advice(cfg, report)
         errors = [str(i) for i in report.errors]
         if not multirun:
             print(f"meshrun: invalid configuration ({len(errors)} error(s)); nothing was launched.", file=sys.stderr)
             for line in errors + warnings:
                 print(line, file=sys.stderr)
-            if report.plan is not None:
+            if report.plan is not None and report.no_fit:  # the memory breakdown explains a no-fit, nothing else
                 print("plan of the rejected layout:\n" + format_plan(report.plan), file=sys.stderr)
             raise SystemExit(EXIT_INVALID)
         print(f"[{status}] {_point_label(cfg)}: {report.errors[0].message}", file=sys.stderr)

@@ -455,7 +455,7 @@ def moe_rules(m: ModelConfig, ep: int, dp: int, tp: int, cp: int, zero: int) -> 
                 _error(
                     "parallel.ep",
                     f"ep={ep} but the model has no experts (model.num_experts=0)",
-                    "parallel.ep=1, or set model.num_experts",
+                    "parallel.ep=1, or model.num_experts=<experts, a multiple of ep>",
                     "ep_dense",
                 )
             )
