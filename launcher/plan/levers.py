@@ -49,17 +49,43 @@ def zero3_units(cfg: Config, stage: int) -> List[int]:
 def zero3_gathered_bytes(cfg: Config, stage: int) -> int:
     """Peak bytes of gathered parameters at zero=3 on one rank of `stage` (an upper bound, beside the shard).
 
-    Resharding after forward (the default): at most three units at once: the one computing, the next one
-    prefetched, and the output layer's unit, which stays gathered from its forward to its backward (or, in
-    backward, the unit just finished until the next one is gathered). Without it, every unit stays gathered
-    from forward to backward: the stage's whole weights."""
+    Resharding after forward (the default), one model chunk whose micro-batches run forward then backward
+    each (pp = 1): two neighbouring units at once (training/optim/zero3.py: a
+    unit's pre-hook prefetches the next and its post-hook releases it; in backward a unit's hook releases the
+    one after it before prefetching the one before it; the output layer's unit, kept from its forward to its
+    backward, is the last of the chain), so the largest sum of two neighbours; with evaluations (forward only,
+    between steps) the output layer's unit stays gathered into the next step's forward, beside two. Under a
+    pipeline schedule (forwards and backwards of different micro-batches interleave; a 1F1B stage was
+    measured holding three: tests/engine/test_zero_levers.py) at most three: the one computing, the next one
+    prefetched and a kept one. Without resharding,
+    every unit stays gathered from forward to backward: the stage's whole weights."""
     units = zero3_unit_bytes(cfg, stage)
     if not getattr(cfg.parallel, "zero3_reshard_after_forward", True):
         from launcher.plan.model_size import stage_params
 
         w = PARAM_BYTES[cfg.train.precision]
         return stage_params(cfg, stage).total * w - sum(u * w for u in zero3_units(cfg, stage)) + sum(units)
+    par = cfg.parallel
+    if len(units) >= 2 and par.pp == 1 and getattr(par, "vpp", 1) <= 1:
+        chain = _forward_order(cfg, stage, units)
+        peak = max(a + b for a, b in zip(chain, chain[1:]))
+        if cfg.train.eval_every > 0 and stage == par.pp - 1:  # an evaluation keeps the head's unit to the step
+            rest = chain[:-1]
+            peak = max(peak, chain[-1] + max([a + b for a, b in zip(rest, rest[1:])] or rest))
+        return peak
     return sum(sorted(units, reverse=True)[:3])
+
+
+def _forward_order(cfg: Config, stage: int, units: List[int]) -> List[int]:
+    """zero3_units' figures in the chunk's forward order (param_units: the embedding, the layers, the head's
+    unit); zero3_units lists the layers first."""
+    layers = len(units) - (stage == 0) - (stage == cfg.parallel.pp - 1)
+    chain = units[:layers]
+    if stage == 0:
+        chain = [units[layers]] + chain
+    if stage == cfg.parallel.pp - 1:
+        chain = chain + [units[-1]]
+    return chain
 
 
 def zero3_unit_bytes(cfg: Config, stage: int) -> List[int]:

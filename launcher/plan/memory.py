@@ -157,14 +157,14 @@ def layer_activation_bytes(
     # Activations replicated over tp unless sp (norm inputs, QKV and fc1 inputs) and sharded by tp.
     act = 4 * sb * h // t_sp
     act += sb * (a * hd + 2 * kv_heads * hd + a * hd) // t
-    moe_fp32 = 0
+    moe_fp32 = moe_int64 = 0
     if is_moe(cfg):  # the experts' k copies of every token in place of the dense MLP (launcher/plan/moe.py)
         moe = moe_activation_elements(cfg, sb, t)  # every tp rank routes the whole micro-batch, sp or not
         act += moe["act"]
-        moe_fp32 = moe["fp32"]
+        moe_fp32, moe_int64 = moe["fp32"], moe["int64"]
     else:
         act += sb * (3 * f if m.activation == "swiglu" else 2 * f) // t
-    total = act * ab + moe_fp32 * 4
+    total = act * ab + moe_fp32 * 4 + moe_int64 * 8
     if dropout:
         total += 2 * (sb * h // t_sp) * mb
     if profile.norm_stats:

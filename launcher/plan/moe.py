@@ -86,12 +86,25 @@ def all_to_all_bytes(cfg: Config, act_bytes: int) -> float:
 
 def moe_activation_elements(cfg: Config, tokens: int, tp: int) -> dict:
     """Elements one MoE layer saves for backward for `tokens` tokens on one tp rank, in place of the dense MLP's
-    fc1/fc2 activations: the experts' inputs and outputs (k copies of every token, tokens to their experts and
-    back), each expert's inner activations at fe/tp (SwiGLU: the fc1 output 2 fe that the gate and up views keep
-    alive, the SiLU output and the product fc2 takes, 4 fe as training/model/moe.py's autograd saves them; GELU: the fc1
-    output and the GELU output, 2 fe), and the router's fp32 logits and probabilities (elements counted at 4 bytes
-    by the caller)."""
-    m = cfg.model
-    k, fe, h = m.moe_top_k, expert_ffn(m), m.hidden_size
+    fc1/fc2 activations, as training/model/moe.py's autograd saves them (measured by the rehearsal,
+    training/rehearse/runner.py):
+    - act (16-bit): the router's input, the whole micro-batch on every tp rank (under SP the gathered sequence:
+      the caller counts the dense fc1 input's tokens x h / tp, this adds the rest); per assignment (k copies of
+      every token) the experts' input, their output (the gate's product saves it), the gated output (the
+      index_add that sums a token's k outputs saves its source) and the gate; each expert's inner activations
+      at fe/tp (SwiGLU: the fc1 output 2 fe that the gate and up views keep alive, the SiLU output and the
+      product fc2 takes, 4 fe; GELU: the fc1 output and the GELU output, 2 fe);
+    - fp32: the router's probabilities (softmax saves its output), the top-k's and their sum;
+    - int64: the top-k's expert indices and the index tensors of the gathers and scatters (the tokens' rows,
+      the expert order, under ep the dispatch's order and its inverse)."""
+    m, par = cfg.model, cfg.parallel
+    k, fe, h, E = m.moe_top_k, expert_ffn(m), m.hidden_size, m.num_experts
     inner = (4 if m.activation == "swiglu" else 2) * fe
-    return {"act": k * tokens * (2 * h + inner // tp), "fp32": 2 * tokens * m.num_experts}
+    t_sp = tp if par.sp else 1
+    router_rest = tokens * h - tokens * h // t_sp
+    indices = 3 + (2 if getattr(par, "ep", 1) > 1 else 0)
+    return {
+        "act": k * tokens * (3 * h + 1 + inner // tp) + router_rest,
+        "fp32": tokens * (E + k + 1),
+        "int64": k * tokens * (indices + 1),
+    }

@@ -40,9 +40,9 @@ def _key_of(not_read: set) -> Callable[[ParallelConfig], tuple]:
 
 # Read by neither stage_states nor what it calls (model_size.stage_params, memory.model_state_bytes and
 # param_gather_bytes, levers.zero3_gathered_bytes and offload_bytes, moe.expert_dp); dp enters the key as derived.
+# (zero3_gathered_bytes reads vpp: two neighbouring units or three.)
 _KINDS_KEY = _key_of(
     {
-        "vpp",
         "schedule",
         "sp",
         "micro_batch",

@@ -34,7 +34,12 @@ def stage_states(cfg: Config, st: int, dp: int) -> Tuple[StageParams, Dict[str, 
         dense = offload_bytes(cfg, sp_.total - sp_.experts, optimizer_shard_degree(cfg, dp))
         experts = offload_bytes(cfg, sp_.experts, expert_dp(cfg, dp))
         mem.update({k: dense[k] + experts[k] for k in dense})
-    mem["param_gather"] = param_gather_bytes(cfg, sp_.total, optimizer_shard_degree(cfg, dp))
+    # The dense optimizer's gather window, and the expert optimizer's own over its group: the loop defers both
+    # (training/optim/optimizer.py _update: the dense gather is in flight when the experts' starts), so both
+    # windows are held at once until the next forward waits for them.
+    mem["param_gather"] = param_gather_bytes(cfg, sp_.total - sp_.experts, optimizer_shard_degree(cfg, dp))
+    if sp_.experts:
+        mem["param_gather"] += param_gather_bytes(cfg, sp_.experts, expert_dp(cfg, dp))
     return sp_, mem
 
 

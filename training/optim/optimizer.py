@@ -365,12 +365,16 @@ class DistributedOptimizer:
 
     def transient_report(self) -> Dict[str, int]:
         """Bytes this rank holds for a while beside memory_report's (plan.json's `param_gather`): the zero=1/2
-        all-gather of the updated shards, at most its in-flight chunks (training/optim/param_gather.py)."""
+        all-gather of the updated shards, at most its in-flight chunks (training/optim/param_gather.py); with
+        experts, plus the expert optimizer's own (the loop defers both: they are in flight at once)."""
         pg = self.param_gather
-        if pg is None:
-            return {"param_gather": 0}
-        inflight = min(pg.max_inflight, len(pg.starts))
-        return {"param_gather": inflight * (self.dp + 1) * pg.width * self.layout.param_buffer.element_size()}
+        total = 0
+        if pg is not None:
+            inflight = min(pg.max_inflight, len(pg.starts))
+            total = inflight * (self.dp + 1) * pg.width * self.layout.param_buffer.element_size()
+        if self.experts is not None:
+            total += self.experts.transient_report()["param_gather"]
+        return {"param_gather": total}
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's optimizer state.
