@@ -15,6 +15,7 @@ forked rank too, docs/USER_CONTRACTS.md "Warm rank starts")."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -135,7 +136,17 @@ def start_reference(tmp_path_factory, *overrides) -> None:
         stdout=out,
         stderr=subprocess.STDOUT,
     )
+    out.close()  # the child holds its own copy
     _REFERENCE[overrides] = (run_dir, proc)
+
+
+@atexit.register
+def _stop_references() -> None:
+    """A reference no test waited for (its tests deselected or failed early) does not outlive the session."""
+    for _, proc in _REFERENCE.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def reference(*overrides) -> Dict[int, float]:

@@ -9,14 +9,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
+from helpers.faults import reference as shared_reference
+from helpers.faults import start_reference
 from helpers.slurm import (
     COMMON,
-    ROOT,
     STEPS,
     hold_env,
     meshrun,
@@ -37,36 +37,15 @@ pytestmark = pytest.mark.slurm
 @pytest.fixture(scope="module", autouse=True)
 def _reference_run(tmp_path_factory, cluster):
     """The local reference starts with the module's first test and runs beside its Slurm job (these tests run one
-    after another: waiting for its 4 CPU ranks first would be a wait of its own)."""
-    run_dir = tmp_path_factory.mktemp("local") / "run"
-    out = run_dir.parent / "launcher.out"  # a file, not a pipe: nobody reads its output while it runs
-    with open(out, "wb") as sink:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "launcher",
-                "cluster=local",
-                "cluster.gpus_per_node=4",
-                *COMMON,
-                f"run.dir={run_dir}",
-            ],
-            cwd=ROOT,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-    yield run_dir, proc, out
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    after another: waiting for its 4 CPU ranks first would be a wait of its own); one per test session, shared with
+    the other Slurm modules that compare against the same configuration (tests/helpers/faults.py)."""
+    start_reference(tmp_path_factory, *COMMON)
 
 
 @pytest.fixture(scope="module")
 def reference(_reference_run):
     """The same config run locally (4 CPU processes): the loss trajectory every Slurm run must match."""
-    run_dir, proc, out = _reference_run
-    assert proc.wait(timeout=300) == 0, out.read_text()[-3000:]
-    losses = metrics(run_dir)
+    losses = shared_reference(*COMMON)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses
 
