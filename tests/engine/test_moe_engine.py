@@ -370,3 +370,38 @@ def test_layout_rules_refuse_what_the_engine_cannot_run():
     cfg.model.num_experts = 0
     with pytest.raises(LayoutError, match="parallel.ep=1"):
         raise_errors(layout_violations(cfg, 2))
+
+
+def test_aux_loss_is_transformers_mixtral_balance_loss_over_top_k(tmp_path):
+    """moe_aux_loss against an independent formula (tests audit §6.3): transformers' Mixtral
+    load_balancing_loss_func on each layer's router logits is E x sum_e (assignments to e / T) x P_e, k at perfect
+    balance; the contract's per-layer loss is normalised to 1 there (E/k x sum_e f_e P_e with f_e over the T x k
+    assignments), so each layer's term is transformers' / k, times model.moe_aux_loss_coeff, summed over layers
+    and averaged over the step's micro-batches."""
+    import torch.nn.functional as F
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
+
+    cfg = _cfg(steps=1, moe_aux_loss_coeff=0.3)
+    cfg.train.log_every = 1
+    trainer = Trainer(cfg, str(tmp_path), ProcessMesh.single(), checkpointing=False)
+    E, k = cfg.model.num_experts, cfg.model.moe_top_k
+    terms: List[float] = []
+
+    def capture(module, args):
+        x = args[0]
+        logits = F.linear(x.reshape(-1, x.shape[-1]).detach(), module.router.weight.detach()).float()
+        terms.append(float(load_balancing_loss_func((logits,), E, k)) / k * cfg.model.moe_aux_loss_coeff)
+
+    layers = [m for c in trainer.chunks for m in c.modules() if hasattr(m, "router") and hasattr(m, "_route")]
+    assert len(layers) == cfg.model.num_layers
+    for m in layers:
+        m.register_forward_pre_hook(capture)
+    trainer.run()
+    (row,) = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    micro_batches = cfg.parallel.global_batch // cfg.parallel.micro_batch
+    assert len(terms) == micro_batches * cfg.model.num_layers
+    expected = sum(terms) / micro_batches
+    assert row["moe_aux_loss"] == pytest.approx(expected, rel=1e-5), (row["moe_aux_loss"], expected)
