@@ -62,6 +62,40 @@ LAYOUTS = {
         "cluster.gpus_per_node=12",
     ),
     "ep2_moe": ("model=tiny_moe", "parallel=tp2", "parallel.dp=2", "parallel.ep=2", "cluster.gpus_per_node=4"),
+    "cp4": (
+        "model=llama3_8b",
+        "model.num_layers=2",
+        "model.hidden_size=256",
+        "model.num_attention_heads=4",
+        "model.num_query_groups=2",
+        "model.ffn_hidden_size=512",
+        "model.seq_length=128",
+        "model.vocab_size=512",
+        "parallel.cp=4",
+        "parallel.dp=1",
+        "parallel.global_batch=2",
+        "cluster.gpus_per_node=4",
+    ),
+    "ep8_moe": (
+        "model=tiny_moe",
+        "model.num_experts=8",
+        "parallel.dp=8",
+        "parallel.ep=8",
+        "parallel.global_batch=8",
+        "cluster.gpus_per_node=8",
+    ),
+    "cp2_tp2_sp_pp2": (
+        "model=tiny",
+        "model.position=rope",
+        "model.seq_length=64",
+        "parallel.tp=2",
+        "parallel.sp=true",
+        "parallel.pp=2",
+        "parallel.cp=2",
+        "parallel.dp=1",
+        "parallel.global_batch=4",
+        "cluster.gpus_per_node=8",
+    ),
     "zero3_dp4": (
         "model=tiny",
         "parallel.zero=3",
@@ -252,3 +286,115 @@ def test_the_deadlock_simulation_follows_nccl_rules():
         2: [_call(0, "all_reduce", (0, 1, 2))],
     }
     assert checks.check_deadlock(crossed, 3)
+
+
+# ---- the presets at their documented sizes (slow: one rank each, ~30 s) ------------------------------------------
+
+REAL_SIZE = {
+    # docs/GUIDE.md's Mixtral plan: the activations (router input, the gated output index_add saves, the indices)
+    # and both optimizers' param-gather windows in flight at once.
+    "mixtral_8x7b_tp2_sp_ep8_zero1": (
+        "model=mixtral_8x7b",
+        "cluster=dgx_h100",
+        "cluster.nodes=8",
+        "parallel.auto=false",
+        "parallel.tp=2",
+        "parallel.pp=1",
+        "parallel.sp=true",
+        "parallel.ep=8",
+        "parallel.zero=1",
+        "parallel.micro_batch=1",
+        "parallel.global_batch=512",
+        "parallel.dp=null",
+        "train.precision=bf16",
+    ),
+    # zero=3 at pp = 1: two neighbouring units gathered at once (the embedding and the first layer).
+    "llama3_8b_zero3_full": (
+        "model=llama3_8b",
+        "cluster=dgx_h100",
+        "cluster.nodes=1",
+        "parallel.auto=false",
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "parallel.dp=8",
+        "parallel.zero=3",
+        "parallel.recompute=full",
+        "parallel.micro_batch=1",
+        "parallel.global_batch=64",
+        "train.precision=bf16",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(REAL_SIZE))
+def test_real_size_memory_matches_the_plan(tmp_path, layout):
+    """Rank 0 of the preset at its real size: every memory part within memory.TOLERANCE of plan.json."""
+    from helpers.cli import run_cli
+    from training.contract.config import load_config
+    from training.rehearse.memory import TOLERANCE
+
+    run_dir = str(tmp_path / "run")
+    res = run_cli("action=plan", f"run.dir={run_dir}", *REAL_SIZE[layout], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    cfg = load_config(os.path.join(run_dir, "config.json"))
+    cfg.run.dir = run_dir
+    doc, code = rehearse(cfg, run_dir, ranks=[0], workers=1, quiet=True)
+    assert not doc["ranks"][0]["error"], doc["ranks"][0]["error"]
+    rows = {m["part"]: m for m in doc["ranks"][0]["memory"]}
+    for part in ("weights", "grads", "optimizer", "activations", "param_gather", "zero3_gathered"):
+        m = rows[part]
+        assert abs(m["rehearsed"] - m["planned"]) <= TOLERANCE * max(m["planned"], 1), m
+    assert code == EXIT_OK, doc["defects"]
+
+
+# ---- which ranks run, and the CLI ------------------------------------------------------------------------------
+
+
+def test_select_runs_every_rank_up_to_256_then_classes_and_whole_groups():
+    from training.parallel.mesh import coords_of, rank_groups
+    from training.rehearse import ranks
+
+    assert ranks.select(4, 2, 1, 32)[0] == list(range(256))
+    assert set(ranks.select(2, 2, 2, 4, 2)[1].values()) == {"all"}
+    tp, pp, cp, dp, ep = 8, 2, 2, 32, 4  # 1,024 ranks
+    chosen, why = ranks.select(tp, pp, cp, dp, ep)
+    assert len(chosen) < 256 and set(chosen) == set(why)
+    classes = {
+        ranks.coordinate_class(coords_of(r, tp, pp, cp, dp), tp, pp, cp, dp, ep) for r in range(tp * pp * cp * dp)
+    }
+    have = {ranks.coordinate_class(coords_of(r, tp, pp, cp, dp), tp, pp, cp, dp, ep) for r in chosen}
+    assert have == classes and len(classes) > 2 * 3 * 2
+    for kind, lists in rank_groups(tp, pp, cp, dp, ep).items():  # every member of one group of each kind
+        assert any(set(g) <= set(chosen) for g in lists), kind
+
+
+_MUTATED = """
+import sys, torch
+from training.parallel import context, collectives as comm
+def start(self, send, tag):
+    recv = torch.empty_like(send)
+    return recv, [comm.isend(send, self.next, group=self.group, tag=tag), comm.irecv(recv, self.prev, group=self.group, tag=tag)]
+context._Ring.start = start
+from training.rehearse.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_cli_rehearses_and_exits_6_on_a_defect(tmp_path, monkeypatch):
+    """meshrun action=rehearse: the plan gate, the rehearsal in its own process, its exit code the command's; the
+    split ring exchange put into that process is a deadlock (exit 6), the unmodified engine passes (exit 0)."""
+    import sys
+
+    from helpers.cli import run_cli
+    from launcher.launch import rehearse as launch
+
+    args = [*CUDA, *LAYOUTS["cp2"], "parallel.auto=false", "parallel.tp=1", "parallel.zero=0"]
+    res = run_cli("action=rehearse", f"run.dir={tmp_path / 'ok'}", *args, cwd=tmp_path)
+    assert res.returncode == EXIT_OK, res.stderr[-2000:]
+    monkeypatch.setattr(launch, "rehearse_argv", lambda run_dir: [sys.executable, "-c", _MUTATED, run_dir])
+    res = run_cli("action=rehearse", f"run.dir={tmp_path / 'bad'}", *args, cwd=tmp_path)
+    assert res.returncode == EXIT_REHEARSAL_DEFECT, res.stderr[-2000:]
+    with open(tmp_path / "bad" / "rehearsal.json") as f:
+        doc = json.load(f)
+    assert doc["defects"][0]["kind"] == "deadlock" and not doc["ok"]
