@@ -222,9 +222,6 @@ class Trainer:
         self.eval_losses: List[Tuple[int, float]] = []
         self.state = TrainState()
         self.checkpointer = make_checkpointer(cfg, run_dir, mesh) if checkpointing else None
-        if self.checkpointer is None and threading.current_thread() is threading.main_thread():
-            # The checkpointer installs them otherwise: without it a stop still ends the run (_boundary).
-            signals.install()
         self.tokens_per_step = cfg.parallel.global_batch * cfg.model.seq_length
         self.flops_per_step = model_flops_per_step(cfg, run_dir)
         self.peak_flops = self._peak_flops()
@@ -466,6 +463,11 @@ class Trainer:
 
     def run(self) -> int:
         cfg = self.cfg
+        if self.checkpointer is None and threading.current_thread() is threading.main_thread():
+            # The checkpointer installs them otherwise: without it a stop still ends the run (_boundary). Here, not
+            # when the trainer is built: a process that only builds one (training/observe/saved_bytes.py) keeps
+            # SIGTERM's default.
+            signals.install()
         self._resume()
         startup.mark("resumed")  # also on a fresh start: the checkpoint lookup found nothing to load
         from training.observe.metrics import MetricsLog, rank_figures
