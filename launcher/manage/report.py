@@ -179,9 +179,28 @@ def _pyplot():
     return plt
 
 
+LABEL_NEAR = 0.03
+"""Labels of markers closer than this share of the x axis stand side by side, not on top of each other."""
+
+
+def label_columns(steps: List[float], span: float) -> List[int]:
+    """The column (0, 1, ...: 7 points further left each) of each marker's label: a label within LABEL_NEAR x span
+    of an earlier one takes the next free column, so labels at the same or nearby steps never overlap."""
+    placed: List[Tuple[float, int]] = []
+    out = []
+    for step in steps:
+        near = {k for s, k in placed if abs(s - step) <= LABEL_NEAR * span}
+        k = next(i for i in range(len(near) + 1) if i not in near)
+        placed.append((step, k))
+        out.append(k)
+    return out
+
+
 def _mark(ax, marks: List[Marker], labelled: bool) -> None:
     seen = set()
-    at_step: Dict[float, int] = {}
+    lo, hi = ax.get_xlim()
+    shown = [m for m in marks if m.kind != "checkpoint"]
+    column = dict(zip(map(id, shown), label_columns([m.step for m in shown], max(hi - lo, 1e-9))))
     for m in marks:
         color, style = _STYLE[m.kind]
         # One legend entry per kind; the text of every marker goes into the figure as a small label.
@@ -190,7 +209,7 @@ def _mark(ax, marks: List[Marker], labelled: bool) -> None:
         )
         seen.add(m.kind)
         if labelled and m.kind != "checkpoint":
-            k = at_step[m.step] = at_step.get(m.step, -1) + 1  # labels of one step side by side, not on top
+            k = column[id(m)]  # labels of nearby steps side by side, not on top
             ax.annotate(
                 m.label,
                 (m.step, 1.0),
@@ -276,6 +295,33 @@ def _lr_lines(run_dir: str, rows: List[Dict[str, Any]]):
     return title, lines
 
 
+def run_summary(run_dir: str, rows: List[Dict[str, Any]], plan: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """What was trained and how it went, first in report.html: model, layout, steps done/total, the last training
+    and eval losses, tokens/s, MFU and the run's state (action=status's)."""
+    config = read_json(os.path.join(run_dir, "config.json")) or {}
+    last = rows[-1] if rows else {}
+    evals = [r for r in rows if isinstance(r.get("eval_loss"), (int, float))]
+    out = [("model", str((config.get("model") or {}).get("name", "?")))]
+    if plan:
+        out.append(("layout", " x ".join(f"{k} {plan[k]}" for k in ("tp", "pp", "cp", "dp") if k in plan)))
+    total = (config.get("train") or {}).get("steps", "?")
+    out.append(("steps", f"{last.get('step', 0)} / {total}"))
+    for name, value, fmt in (
+        ("final loss", last.get("loss"), "{:.4f}"),
+        ("eval loss", evals[-1]["eval_loss"] if evals else None, "{:.4f}"),
+        ("tokens/s", last.get("tokens_per_s"), "{:.4g}"),
+        ("MFU", 100 * last["mfu"] if isinstance(last.get("mfu"), (int, float)) else None, "{:.2f} %"),
+    ):
+        out.append((name, fmt.format(value) if isinstance(value, (int, float)) else "-"))
+    try:
+        from launcher.manage.status import run_status
+
+        out.append(("state", str(run_status(run_dir).get("state", "?"))))
+    except Exception as exc:  # a copied folder without its Slurm cluster: the rest of the report still stands
+        out.append(("state", f"unknown ({exc.__class__.__name__})"))
+    return out
+
+
 def plot_run(run_dir: str, out_dir: str, plt, report: Report) -> None:
     raw = read_rows(run_dir)
     rows = latest_rows(raw)
@@ -285,6 +331,7 @@ def plot_run(run_dir: str, out_dir: str, plt, report: Report) -> None:
     marks, unplaced = markers(events, raw)
     if unplaced:
         report.notes.append("events without a step or a time the metrics reach (not marked): " + "; ".join(unplaced))
+    report.facts += run_summary(run_dir, rows, plan)
     report.facts += [
         ("run.dir", run_dir),
         ("steps logged", str(len(rows))),

@@ -124,6 +124,23 @@ def test_report_of_a_run(run_dir, run_report, drawn):
     facts = dict(re.findall(r"<tr><td><b>([^<]*)</b></td><td>([^<]*)</td></tr>", page))
     assert facts["steps logged"] == "12" and facts["requeues"] == "1" and facts["excluded nodes"] == "n2"
     assert facts["checkpoints"] == str(sum(e.get("event") == "checkpoint" for e in events)), facts
+    # The summary comes first: what was trained and how it went.
+    order = re.findall(r"<tr><td><b>([^<]*)</b>", page)
+    assert order[:8] == ["model", "layout", "steps", "final loss", "eval loss", "tokens/s", "MFU", "state"], order
+    assert (
+        facts["model"] == "tiny" and facts["steps"] == "12 / 12" and facts["state"]
+    )  # (the appended requeue has no job: its state)
+    assert facts["final loss"] == f"{metrics[12]['loss']:.4f}" and facts["eval loss"] != "-"
+
+
+def test_labels_of_nearby_markers_stand_side_by_side():
+    """The README's hero image had "attempt 0 / resumed @ 4 / health / requeue" on top of each other: labels within
+    3 % of the axis of one another take the next free column, same step or not; far apart, the first column."""
+    from launcher.manage.report import label_columns
+
+    assert label_columns([1, 4, 4, 5, 100], span=100) == [0, 1, 2, 0, 0]
+    assert label_columns([0, 50, 100], span=100) == [0, 0, 0]
+    assert label_columns([10, 12, 10.5], span=100) == [0, 1, 2]
 
 
 @pytest.mark.slow  # run_dir trains
