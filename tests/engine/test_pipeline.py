@@ -364,13 +364,15 @@ LAYOUTS = {
     "pp2_vpp2_interleaved": dict(pp=2, vpp=2, schedule="interleaved_1f1b"),
     "pp2_zb_h1": dict(pp=2, schedule="zb_h1"),
     "pp4_zb_h1": dict(pp=4, schedule="zb_h1"),
+    # the split backward through the tensor-parallel layers (their custom autograd functions and SP collectives)
+    "tp2_sp_pp2_zb_h1": dict(tp=2, sp=True, pp=2, schedule="zb_h1"),
     "tp2_sp_pp2_dp2_zero1": dict(tp=2, sp=True, pp=2, dp=2, zero=1),
 }
 # One spawn per world size runs every case of that size (2: the pp2 layouts, torch's native schedules and the
-# message recording; 4: pp4; 8: tp2 sp pp2 dp2): each case's mesh groups are built beside the previous one's.
+# message recording; 4: pp4 and tp2 sp pp2; 8: tp2 sp pp2 dp2): each case's mesh groups are built beside the previous one's.
 WORLDS = {
     2: ["pp2_1f1b", "pp2_gpipe", "pp2_vpp2_interleaved", "pp2_zb_h1"],
-    4: ["pp4_1f1b", "pp4_zb_h1"],
+    4: ["pp4_1f1b", "pp4_zb_h1", "tp2_sp_pp2_zb_h1"],
     8: ["tp2_sp_pp2_dp2_zero1"],
 }
 
