@@ -14,32 +14,14 @@ under sp) and no dropout. The vocabulary is padded to a multiple of tp.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Optional
 
 from training.contract.config import Config, ModelConfig
+from training.contract.stage_split import StageSplit, split_rules, stage_split
+from training.contract.violation import Violation
 
 # Codes of the violations after which no plan can be computed (the launcher stops before planning).
 BLOCKS_PLAN = frozenset({"tp_heads", "tp_ffn", "layers", "batch", "interleaved_batch"})
-
-
-@dataclass(frozen=True)
-class Violation:
-    """One broken rule."""
-
-    level: str
-    """error (the layout cannot run) | warning (it runs, differently from what was asked)."""
-    key: str
-    """The config key concerned, as the user would override it."""
-    message: str
-    """What is wrong, with the numbers."""
-    fix: str
-    """What to change (concrete overrides where possible)."""
-    code: str = ""
-    """Machine-readable kind of the rule."""
-
-    def __str__(self) -> str:
-        return f"{self.key}: {self.message}; fix: {self.fix}"
 
 
 class LayoutError(ValueError):
@@ -160,8 +142,6 @@ def layer_rules(
 ) -> List[Violation]:
     """The layers can be divided over the pp x vpp model chunks (training/contract/stage_split.py: evenly, with the
     embedding and the loss counted as layers, or with the first and last pipeline ranks' layers fixed)."""
-    from training.contract.stage_split import StageSplit, split_rules
-
     return split_rules(
         StageSplit(num_layers, pp, vpp, first_stage_layers, last_stage_layers, embedding_in_split, loss_in_split)
     )
@@ -169,8 +149,6 @@ def layer_rules(
 
 def split_layer_rules(cfg: Config) -> List[Violation]:
     """layer_rules for a config's layout (its split keys included)."""
-    from training.contract.stage_split import split_rules, stage_split
-
     return split_rules(stage_split(cfg))
 
 
@@ -437,8 +415,6 @@ def memory_lever_rules(
 
 def chunk_layer_count(cfg: Config) -> int:
     """Layers of the largest pipeline chunk (0 when the layers cannot be divided over the chunks)."""
-    from training.contract.stage_split import stage_split
-
     return stage_split(cfg).max_chunk_layers()
 
 

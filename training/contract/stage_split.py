@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from training.contract.config import Config
-from training.contract.layout_rules import Violation
+from training.contract.violation import Violation
 
 SPLIT_KEYS = ("first_stage_layers", "last_stage_layers", "embedding_in_split", "loss_in_split")
 """The parallel.* keys that shape the split (besides pp and vpp)."""
