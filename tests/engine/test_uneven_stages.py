@@ -67,6 +67,13 @@ RESHARDS = {
     "even_pp2_to_uneven_pp2": (dict(pp=2, dp=2), dict(pp=2, dp=2, first_stage_layers=6)),
 }
 STOP = 3
+# Hugging Face export: one step at lr 0 (the checkpoint holds the layout-independent initial weights) at the even
+# split and at uneven ones: the exports are the same tensors.
+EXPORTS = {
+    "even_pp2": dict(pp=2, dp=2),
+    "uneven_pp4": dict(pp=4, first_stage_layers=2, last_stage_layers=2),
+    "uneven_pp2_vpp2": dict(pp=2, dp=2, vpp=2, last_stage_layers=6),
+}
 
 
 def _shards(trainer) -> List[Dict[str, Any]]:
@@ -140,6 +147,11 @@ def _all_cases(base: str) -> Dict[str, Any]:
         events = read_events(dst) if dst_mesh.rank == 0 else []
         out[name] = {"saved": saved, "resumed": resumed, "events": events}
         meshes += [src_mesh, dst_mesh]
+    for name, keys in EXPORTS.items():
+        meshes.append(_mesh(keys))
+        run = os.path.join(base, "export", name)
+        _train(_cfg(**keys, steps=1, lr=0.0, min_lr=0.0), run, meshes[-1])
+        out[f"export/{name}"] = run
     meshes[0].destroy()  # the one process group, and with it every layout's groups
     return out
 
@@ -239,3 +251,43 @@ def test_checkpoints_reshard_between_even_and_uneven_splits_bit_exactly(spawned,
     assert len(got) == STEPS
     for step in range(STEPS):
         assert _rel(got[step], ref["losses"][step]) < 1e-5, (step, got, ref["losses"])
+
+
+def _exported(run_dir: str, out: str) -> Dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file
+
+    from training.hf.export import export
+
+    export(run_dir, out)
+    tensors: Dict[str, Any] = {}
+    for f in sorted(os.listdir(out)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(out, f)))
+    assert tensors and all(isinstance(t, torch.Tensor) for t in tensors.values())
+    return tensors
+
+
+@pytest.mark.slow
+def test_hugging_face_export_of_uneven_splits_equals_the_even_ones(spawned, tmp_path):
+    import torch
+
+    even = _exported(spawned[0]["export/even_pp2"], str(tmp_path / "even"))
+    assert len(even) > 5
+    for name in ("uneven_pp4", "uneven_pp2_vpp2"):
+        got = _exported(spawned[0][f"export/{name}"], str(tmp_path / name))
+        assert sorted(got) == sorted(even), name
+        for key in even:
+            assert torch.equal(got[key], even[key]), (name, key)
+    # trained weights: the uneven pp4 checkpoint of step 3 against the even pp2 one, the same run at two splits
+    a = _exported(
+        os.path.join(os.path.dirname(spawned[0]["export/even_pp2"]), "..", "uneven_pp4_to_even_pp2", "saved"),
+        str(tmp_path / "a"),
+    )
+    b = _exported(
+        os.path.join(os.path.dirname(spawned[0]["export/even_pp2"]), "..", "even_pp2_to_uneven_pp4", "saved"),
+        str(tmp_path / "b"),
+    )
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert torch.allclose(a[key].float(), b[key].float(), rtol=1e-4, atol=1e-6), key
