@@ -186,6 +186,11 @@ def epilogue(run_dir: str, srun_rc: int, then_prologue: bool = False) -> int:
     attempt = int(os.environ.get("MESHRUN_ATTEMPT", "0"))
     cfg = load_config(os.path.join(run_dir, "config.json"))
     adir = attempt_dir(run_dir, attempt)
+    try:  # a watcher of the batch script (batch_script_lost) leaves the decision to this process while it lives
+        with open(os.path.join(adir, EPILOGUE_PID), "w") as f:
+            f.write(str(os.getpid()))
+    except OSError:
+        pass
     records = []
     for path in sorted(glob.glob(os.path.join(adir, "rank_*.json"))):
         with open(path) as f:
@@ -502,6 +507,20 @@ LOST_GRACE_S = 2.0
 """How long the early epilogue waits, once the batch script is gone, for a job-wide signal that would end it too."""
 
 
+EPILOGUE_PID = "epilogue.pid"
+"""In an attempt's directory: the pid of the epilogue deciding it (written as it starts deciding)."""
+
+
+def _epilogue_running(run_dir: str, attempt: int) -> bool:
+    try:
+        with open(os.path.join(attempt_dir(run_dir, attempt), EPILOGUE_PID)) as f:
+            pid = int(f.read().strip())
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except (OSError, ValueError):
+        return False
+
+
 def batch_script_lost(run_dir: str) -> int:
     """The early epilogue's standard input closed before srun's exit status came: the batch script is gone while
     srun still ran. A job-wide end (scancel of the whole job, the time limit, a requeue from outside) sends every
@@ -518,9 +537,13 @@ def batch_script_lost(run_dir: str) -> int:
         return EXIT_OK  # no attempt of this job started (its prologue ended the script)
     attempt = int(started[-1].get("attempt", 0))
     ev = dict(attempt=attempt, job_id=job_id())
-    if any(e.get("attempt") == attempt and e.get("event") in _DECIDED for e in events):
-        return EXIT_OK  # the attempt was decided (an in-job epilogue killed with its batch script had done so)
     cfg = load_config(os.path.join(run_dir, "config.json"))
+    # With in-job restarts the epilogue runs after srun as a child of the batch script and outlives it: while it
+    # lives, the decision is its own.
+    while _epilogue_running(run_dir, attempt):
+        time.sleep(0.5)
+    if any(e.get("attempt") == attempt and e.get("event") in _DECIDED for e in read_events(run_dir)):
+        return EXIT_OK  # decided by the epilogue
     reason = (
         "the batch script was killed while srun still ran (a signal to the batch step alone, e.g. scancel "
         "--signal=KILL --batch): the ranks' ends were not seen"
