@@ -5,11 +5,14 @@ layout that fits (launcher/planning/recommend.py's search, the same ranking `act
 batch, when not given, is about a million tokens (launcher/planning/auto_search.py): a DGX preset should not inherit the CPU
 demo's 16 sequences. When nothing fits at cluster.nodes, the error names the smallest node count that fits
 (smallest_fitting_nodes). The chosen config has parallel.auto false, so config.json records what runs and a
-resumed run keeps its layout; plan.json's `auto` says what was chosen, the runner-up and why.
+resumed run keeps its layout; plan.json's `auto` says what was chosen, the runner-up and why. config.json's
+parallel.auto_pinned records that parallel=auto chose the layout and which keys were pinned: an elastic resize
+(launcher/slurm/elastic.py) re-plans the new node count by the same rule (`replan`).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -20,7 +23,7 @@ from launcher.plan.validate import NO_COMBINATION, Report, changed_keys, validat
 from launcher.planning.auto_search import pinned_keys, searched_config
 from launcher.planning.recommend import Candidate, _with, annotate, fits_with_headroom, search
 from training.contract import layout_rules as rules
-from training.contract.config import Config, derived_dp
+from training.contract.config import Config, ParallelConfig, config_to_dict, derived_dp
 from training.contract.exit_codes import EXIT_INVALID
 
 SEARCHED_KEYS = (
@@ -186,7 +189,7 @@ def choose(cfg: Config, overrides: Sequence[str], multirun: bool = False) -> Opt
         _refuse(base, pinned, searched, overrides)
     chosen = keep[0]
     return AutoChoice(
-        cfg=chosen.cfg,
+        cfg=_with(chosen.cfg, auto_pinned=" ".join(pinned)),  # config.json's record (`replan` reads it)
         chosen=chosen,
         runner_up=keep[1] if len(keep) > 1 else None,
         pinned=pinned,
@@ -240,3 +243,69 @@ def announce(choice: AutoChoice) -> None:
     if r is not None:
         print(f"meshrun: runner-up {r.short()} ({fmt_seconds(r.step_s)} a step): {r.reason}")
     print(f"meshrun: to pin this layout: {c.overrides()}")
+
+
+RESIZE_KEEPS = ("global_batch",)
+"""What a resize keeps besides the pinned keys: the global batch (the same optimizer steps, more or less
+accumulation). Every other searched key may change, because a checkpoint resumes at any of the layouts the search
+builds: it is stored layout-free and resharded on load across tp (docs/PLATFORM.md), pp and uneven stage splits
+(tests/engine/test_uneven_stages.py), cp (docs/USER_CONTRACTS.md), dp and ZeRO stages (docs/CONTRACTS.md,
+tests/engine/test_zero_levers.py) and ep (tests/engine/test_moe_engine.py); sp, micro-batch, schedule and recompute
+do not enter it, and offload keeps the same optimizer state (tests/engine/test_zero_levers.py)."""
+_REPLANS: Dict[Tuple[str, int], AutoChoice] = {}
+
+
+def recorded_pins(cfg: Config) -> Optional[Dict[str, Any]]:
+    """The pinned keys of a run whose layout parallel=auto chose (parallel.auto_pinned), with this config's values;
+    None for a named or given layout."""
+    text = cfg.parallel.auto_pinned
+    if text is None:
+        return None
+    return {k: getattr(cfg.parallel, k) for k in text.split() if k in SEARCHED_KEYS}
+
+
+def replan(cfg: Config, nodes: int) -> AutoChoice:
+    """parallel=auto's rule on `nodes` nodes for a run whose layout it chose (recorded_pins not None): the fastest
+    layout that fits keeping the recorded pins and RESIZE_KEEPS. A pinned dp is let go (the rank count changed).
+    The other searched keys start from the schema's defaults, as parallel=auto's own search did, so growing back to
+    the full count chooses the first layout again. chosen None: nothing fits. Computed once per config and count."""
+    pins = recorded_pins(cfg)
+    assert pins is not None, "replan: the layout was not chosen by parallel=auto"
+    key = (json.dumps(config_to_dict(cfg), sort_keys=True, default=str), nodes)
+    found = _REPLANS.get(key)
+    if found is not None:
+        return found
+    kept = {k: v for k, v in pins.items() if k != "dp"}
+    kept.update({k: getattr(cfg.parallel, k) for k in RESIZE_KEEPS})
+    fresh = ParallelConfig()
+    reset = {k: getattr(fresh, k) for k in SEARCHED_KEYS if k not in kept}
+    base = _at_nodes(_with(cfg, **reset, auto=False), nodes)
+    keep, searched, fitting = ranked(base, kept, _rates(base))
+    if not keep:
+        choice = AutoChoice(cfg=base, chosen=None, runner_up=None, pinned=kept, searched=searched)
+    else:
+        choice = AutoChoice(
+            cfg=_with(keep[0].cfg, auto_pinned=cfg.parallel.auto_pinned),
+            chosen=keep[0],
+            runner_up=keep[1] if len(keep) > 1 else None,
+            pinned=kept,
+            searched=searched,
+            fitting=fitting,
+        )
+    if len(_REPLANS) > 64:
+        _REPLANS.clear()
+    _REPLANS[key] = choice
+    return choice
+
+
+def replan_text(choice: AutoChoice) -> str:
+    """One line: what a re-plan chose (or that nothing fits), with what it kept and why."""
+    kept = " ".join(_typed(k, v) for k, v in choice.pinned.items())
+    c, nodes = choice.chosen, choice.cfg.cluster.nodes
+    if c is None:
+        return f"parallel=auto finds no layout on {nodes} node(s) keeping {kept} ({choice.searched} layouts searched)"
+    return (
+        f"parallel=auto re-planned {nodes} node(s): {c.short()} ({fmt_seconds(c.step_s)} a step, "
+        f"{c.plan.memory_bytes['total'] / GIB:.1f} GiB per GPU; {choice.fitting} of {choice.searched} layouts fit; "
+        f"kept {kept}): {c.reason}"
+    )

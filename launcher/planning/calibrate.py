@@ -170,3 +170,12 @@ def calibrate(cfg: Config, run_dir: str, cands: List[Any], rc: RecommendConfig) 
         "measured_order": [r["rank"] for r in by_measured],
         "recommended": by_measured[0]["overrides"] if by_measured else None,
     }
+
+
+def run_recommend(cfg: Config, run_dir: str) -> Dict[str, Any]:
+    """meshrun action=recommend (training/contract/actions.py): launcher/planning/recommend.py's ranking, calibrated
+    here when recommend.calibrate=true. The entry is here so that recommend.py, whose search parallel=auto and elastic
+    re-plans import (launcher/slurm/elastic.py), does not import this module's launch path (an import circle)."""
+    from launcher.planning.recommend import run_recommend as rank
+
+    return rank(cfg, run_dir, calibrate=calibrate)

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from launcher.plan.context_memory import search_cp
 from launcher.plan.cost_model import Rates, cluster_rates, spans_nodes
@@ -550,8 +550,12 @@ def _baseline(cfg: Config, rates: Rates, result: Search) -> Optional[Candidate]:
     return base
 
 
-def run_recommend(cfg: Config, run_dir: str) -> Dict[str, Any]:
-    """meshrun action=recommend: print the ranking, write run_dir/recommend.json, calibrate when asked."""
+def run_recommend(
+    cfg: Config, run_dir: str, calibrate: Optional[Callable[..., Dict[str, Any]]] = None
+) -> Dict[str, Any]:
+    """meshrun action=recommend: print the ranking, write run_dir/recommend.json, calibrate when asked (with
+    `calibrate`: launcher/planning/calibrate.py run_recommend, the action's entry, passes it, so this module, whose
+    search parallel=auto and elastic re-plans use, does not import the calibration's launch path)."""
     if cfg.recommend.calibrate and cfg.cluster.kind != "local":
         print(
             "meshrun: recommend.calibrate=true runs the candidates on this machine: use cluster=local (or a "
@@ -615,8 +619,7 @@ def run_recommend(cfg: Config, run_dir: str) -> Dict[str, Any]:
         print(f"  use: {result.candidates[0].overrides()}")
     os.makedirs(run_dir, exist_ok=True)
     if cfg.recommend.calibrate and result.candidates:
-        from launcher.planning.calibrate import calibrate
-
+        assert calibrate is not None, "recommend.calibrate=true: run it through launcher/planning/calibrate.py"
         data["calibration"] = calibrate(cfg, run_dir, result.candidates, cfg.recommend)
         for c in result.candidates:
             if c.measured_step_s is not None:

@@ -3,11 +3,17 @@
 A job that lost a node is resubmitted without it (launcher/slurm/requeue.py). With elastic on, that
 resubmission need not wait for a replacement: when the partition cannot give the full node count (too few
 nodes up after the exclusion, or busy nodes that do not free up within cluster.elastic.wait_min), the next
-job runs on fewer nodes, down to min_nodes. Only data parallelism shrinks: tp, pp and cp stay, the global batch
-stays (more gradient accumulation per rank), the checkpoint is resharded on load (training/checkpoint/layout.py
+job runs on fewer nodes, down to min_nodes. For a named or given layout only data parallelism shrinks: tp, pp and
+cp stay, the global batch stays (more gradient accumulation per rank), the checkpoint is resharded on load
+(training/checkpoint/layout.py
 describes every piece, ZeRO-1 optimizer shards included, by its place in the layout-free global tensor), and
 the data position is the consumed-sample count, which does not depend on dp (training/data/sources.py). So a
 shrunk run computes the same steps as the full one, up to floating-point summation order.
+
+A run whose layout parallel=auto chose (config.json's parallel.auto_pinned is not null) is re-planned instead:
+each node count gets the layout parallel=auto's rule chooses there (launcher/planning/auto.py replan: the fastest
+that fits, keeping the pinned keys and the global batch; the checkpoint reshards across every key it varies), and
+the `shrunk` / `grown` event's `replanned` says what was chosen, the runner-up and why.
 
 The run grows back at a later requeue (a stop after a checkpoint, or another failure) once Slurm reports
 enough nodes usable again: the requeue then becomes a resubmission with more nodes, and an excluded node that
@@ -17,8 +23,8 @@ again. The full count is the one of the run's last submission (`submitted` event
 Every node count from min_nodes to cluster.nodes is validated with the planner before the first submission
 (`elastic_checks`, called by launcher/planning/gate.py), so a resize can never produce a layout that does not fit
 or does not divide the batch. The one function that changes a run's layout is `apply_resize`: config.json
-(cluster.nodes, and parallel.dp when it was given), plan.json, and a `shrunk` or `grown` event with the old
-and new layouts.
+(cluster.nodes, and parallel.dp when it was given; a re-planned run's whole layout), plan.json, and a `shrunk` or
+`grown` event with the old and new layouts.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from training.contract.config import Config, derived_dp
 from training.contract.rundir.events import append_event
@@ -84,6 +90,25 @@ def layout(cfg: Config) -> Dict[str, Any]:
     }
 
 
+def auto_chosen(cfg: Config) -> bool:
+    """The run's layout came from parallel=auto (parallel.auto_pinned recorded): a resize re-plans it."""
+    return cfg.parallel.auto_pinned is not None
+
+
+def resized(cfg: Config, nodes: int) -> Tuple[Config, Optional[Dict[str, Any]]]:
+    """cfg on `nodes` nodes and, for a layout parallel=auto chose, what its re-plan chose (plan.json's `auto`, the
+    event's `replanned`: the layout, the runner-up, why, the kept keys) with `text`, one line saying so. A named or
+    given layout, or a count at which the re-plan finds nothing: with_nodes (dp only), None."""
+    if nodes == cfg.cluster.nodes or not auto_chosen(cfg):
+        return with_nodes(cfg, nodes), None
+    from launcher.planning.auto import replan, replan_text
+
+    choice = replan(cfg, nodes)
+    if choice.chosen is None:
+        return with_nodes(cfg, nodes), None
+    return choice.cfg, {**choice.to_json(), "text": replan_text(choice)}
+
+
 def with_nodes(cfg: Config, nodes: int) -> Config:
     """cfg on `nodes` nodes: dp follows (an explicit parallel.dp is rescaled, a derived one stays derived);
     tp, pp, cp and the global batch are kept."""
@@ -96,9 +121,17 @@ def with_nodes(cfg: Config, nodes: int) -> Config:
 
 
 def layout_errors(cfg: Config, nodes: int) -> List[str]:
-    """Why cfg cannot run on `nodes` nodes (the planner's errors), or []."""
+    """Why cfg cannot run on `nodes` nodes (the planner's errors), or []. A layout parallel=auto chose: why its
+    re-plan there finds nothing, or the planner's errors of the layout it finds."""
     from launcher.plan.validate import validate
 
+    if nodes != cfg.cluster.nodes and auto_chosen(cfg):
+        from launcher.planning.auto import replan, replan_text
+
+        choice = replan(cfg, nodes)
+        if choice.chosen is None:
+            return [replan_text(choice)]
+        return [f"{i.key}: {i.message}" for i in validate(choice.cfg).errors]
     mp = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
     ranks = nodes * cfg.cluster.gpus_per_node
     if mp <= 0 or ranks % mp:
@@ -128,9 +161,10 @@ def elastic_checks(cfg: Config) -> List[str]:
         errors = layout_errors(cfg, n)
         if errors:
             valid = [m for m in range(n + 1, nodes + 1) if not layout_errors(cfg, m)]
+            how = "re-planned by parallel=auto" if auto_chosen(cfg) else f"dp={derived_dp(with_nodes(cfg, n))}"
             out.append(
-                f"cluster.elastic.min_nodes={e.min_nodes}: the job may shrink to {n} node(s) (dp="
-                f"{derived_dp(with_nodes(cfg, n))}), which would be refused: {errors[0]}; set "
+                f"cluster.elastic.min_nodes={e.min_nodes}: the job may shrink to {n} node(s) ({how}), "
+                f"which would be refused: {errors[0]}; set "
                 f"cluster.elastic.min_nodes={valid[0] if valid else nodes} or change parallel.global_batch "
                 "so every node count in between divides it"
             )
@@ -225,6 +259,8 @@ class Resize:
     """Why, in words."""
     waited_s: float = 0.0
     """How long the epilogue waited for busy nodes."""
+    replanned: Optional[Dict[str, Any]] = None
+    """A layout parallel=auto chose: what its re-plan on the new node count chose and why (resized)."""
 
     @property
     def event(self) -> Optional[str]:
@@ -279,19 +315,22 @@ def plan_resize(
     exclude = [x for x in excluded if x not in p.readmit]
     if n == current and exclude == list(excluded):
         return None
-    new_cfg = with_nodes(cfg, n)
+    new_cfg, replanned = resized(cfg, n)
     why = (
         f"{len(p.free)} of the {target} node(s) the run asks for are free ({', '.join(p.free) or 'none'}; "
         f"excluded: {', '.join(exclude) or 'none'})"
     )
     if waited:
         why += f", after waiting {waited:.0f} s for busy nodes (cluster.elastic.wait_min={e.wait_min:g})"
-    return Resize(new_cfg, exclude, layout(cfg), layout(new_cfg), p.readmit, why, waited)
+    if replanned is not None:
+        why += f"; {replanned['text']}"
+    return Resize(new_cfg, exclude, layout(cfg), layout(new_cfg), p.readmit, why, waited, replanned=replanned)
 
 
 def apply_resize(run_dir: str, r: Resize, **fields: Any) -> None:
     """The one place a run's layout changes: config.json (and config.yaml), plan.json, and the `shrunk` or
-    `grown` event with the old and new layouts (fields: attempt, job_id, new_job_id, ...)."""
+    `grown` event with the old and new layouts (fields: attempt, job_id, new_job_id, ...). A re-planned layout
+    (parallel=auto): plan.json's `auto` and the event's `replanned` say what was chosen and why, also printed."""
     from launcher.plan.validate import validate
     from training.contract.rundir.config_files import write_config
 
@@ -299,8 +338,15 @@ def apply_resize(run_dir: str, r: Resize, **fields: Any) -> None:
     report = validate(r.cfg)
     if report.plan is not None:
         path = os.path.join(run_dir, "plan.json")
-        write_atomic(path, json.dumps(report.plan.to_json(), indent=2))
+        plan_json = report.plan.to_json()
+        if r.replanned is not None:
+            plan_json["auto"] = {k: v for k, v in r.replanned.items() if k != "text"}
+        write_atomic(path, json.dumps(plan_json, indent=2))
+    if r.replanned is not None:
+        print(f"meshrun epilogue: {r.replanned['text']}")
     if r.event:
+        if r.replanned is not None:
+            fields = {**fields, "replanned": r.replanned}
         append_event(
             run_dir,
             r.event,

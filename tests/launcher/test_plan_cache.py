@@ -19,6 +19,7 @@ CHANGES = [
     {"tp": 4},
     {"dp": 1},
     {"auto": True},  # parallel=auto is resolved before a plan: the plan of the layout is the same
+    {"auto_pinned": "tp"},  # the record of parallel=auto's pins (an elastic resize re-plans by it): the same plan
     {"dp": 1, "tp": 4},
     {"dp": 1, "cp": 2},
     {"dp": 1, "pp": 4},

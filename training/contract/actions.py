@@ -48,7 +48,7 @@ ACTIONS: Tuple[ActionSpec, ...] = (
     ActionSpec("logs", "launcher.manage.logs", "run_logs", locks=False, config="run_dir"),
     ActionSpec("cancel", "launcher.manage.cancel", "run_cancel", locks=False, config="run_dir"),
     ActionSpec("report", "launcher.manage.report", "report_action", locks=False, config="run_dir"),
-    ActionSpec("recommend", "launcher.planning.recommend", "run_recommend", locks=False, config="run_dir"),
+    ActionSpec("recommend", "launcher.planning.calibrate", "run_recommend", locks=False, config="run_dir"),
     ActionSpec("runs", "launcher.manage.runs", "runs_action", locks=False, config="composed"),
 )
 

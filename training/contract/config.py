@@ -159,6 +159,11 @@ class ParallelConfig:
     (launcher/planning/auto.py) fills every parallel.* key not given on the command line with the fastest layout
     that fits, and prints it with the runner-up; config.json records the chosen values with auto false (so a
     resumed run keeps its layout) and plan.json's `auto` says what was chosen, the runner-up and why."""
+    auto_pinned: Optional[str] = None
+    """Written by the launcher into config.json, not set by users: null when the layout was named or given (an
+    elastic resize then changes dp only); when parallel=auto chose it, the parallel.* keys the command line pinned,
+    space-separated ('' for none; their values are this config's). An elastic resize of such a run re-plans the new
+    node count by the same rule, keeping these keys and global_batch (launcher/slurm/elastic.py)."""
     tp: int = 1
     """Tensor-parallel degree (kept inside a node)."""
     pp: int = 1
