@@ -98,10 +98,14 @@ else
   WORK=$(mktemp -d)
   trap 'rm -rf -- "$WORK"' EXIT
 fi
-# The operations checklist's GPU paths (issue 23): preflight checks, Xid events, NVTX/nsys, OOM explained.
+# The operations checklist's GPU paths (issue 23): preflight checks, Xid events, NVTX/nsys, OOM explained; --dry:
+# its CPU twin (bench/gpu_ops_check.py), summary in RUN_DIR/ops/summary.json.
 # GPU_OPS_CHECK=0 leaves it out (bench/gpu_first_run.sh runs it as a step of its own, last, when time is left).
-if [ "$DRY" = 0 ] && [ "${GPU_OPS_CHECK:-1}" != 0 ]; then
-  PYTHON="$PYTHON" bash bench/gpu_ops_check.sh "$RUN_DIR/ops" >&2 || echo "gpu_ops_check failed: $RUN_DIR/ops" >&2
+if [ "${GPU_OPS_CHECK:-1}" != 0 ]; then
+  OPS_MODE=()
+  if [ "$DRY" = 1 ]; then OPS_MODE=(--dry); fi
+  PYTHON="$PYTHON" bash bench/gpu_ops_check.sh "${OPS_MODE[@]}" "$RUN_DIR/ops" >&2 ||
+    echo "gpu_ops_check failed: $RUN_DIR/ops" >&2
 fi
 
 "$PYTHON" - "$RUN_DIR" "$DRY" "$WORK" <<'PY'
@@ -130,7 +134,11 @@ def meshrun(name, args, timeout):
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        # The launcher's group and every rank's (each rank has a session of its own: the group alone left them).
+        sys.path.insert(0, "bench")
+        from gpu_ops_check import kill_tree
+
+        kill_tree(p.pid)
         out, err = p.communicate()
         err += f"\ngpu_check: killed after {timeout} s (time limit of this step)"
     with open(os.path.join(run_dir, f"{name}.log"), "w") as f:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -17,6 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import gpu_dry_steps  # noqa: E402
 import gpu_engine_features as gef  # noqa: E402
+import gpu_ops_check  # noqa: E402
 
 
 def _last_json(log_path):
@@ -123,6 +125,19 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     assert levers["mode"] == "dry" and levers["ok"] and len(levers["checks"]) == 7
     for name, c in levers["checks"].items():
         assert c["measured"] == c["plan"] and c["measured"]["weights"] > 0, name
+    # bench/gpu_ops_check.sh --dry (issue 43; bench/gpu_first_run.sh DRY=1 runs it too): every check computed on
+    # CPU, what CPU cannot show named as such.
+    ops = json.loads((run_dir / "ops" / "summary.json").read_text())
+    ochecks = ops["checks"]
+    assert ops["mode"] == "dry" and ops["ok"], ochecks
+    assert set(ochecks) == {"preflight_checklist", "xid_event_set", "nvtx_nsys", "health_samples", "oom_explained"}
+    pre = ochecks["preflight_checklist"]
+    assert pre["missing"] == [] and set(pre["found"]) | set(pre["not_on_cpu"]) == set(gpu_ops_check.CHECKLIST)
+    assert ochecks["xid_event_set"]["pending"] == [list(gpu_ops_check.DRY_XID)]
+    assert ochecks["nvtx_nsys"]["nvtx_counted"]["counts"]["optimizer"] == 4
+    assert ochecks["health_samples"]["samples"] > 0
+    oom = ochecks["oom_explained"]
+    assert oom["exit_code"] == 1 and oom["event"]["part"] == "activations" and oom["simulated"]
 
 
 def test_dry_steps_keep_each_steps_failure_its_own():
@@ -147,3 +162,30 @@ def test_dry_steps_keep_each_steps_failure_its_own():
     assert exited["rc"] == 3
     assert ok == {"rc": 0, "stdout": '{"ok": true}\n', "stderr": ""}
     assert sys.argv[0] != "x"  # the caller's argv is restored
+
+
+def test_ops_check_kills_a_hung_step_with_its_ranks(tmp_path):
+    """The GPU review's R19: a timed-out bench/gpu_ops_check.sh step must not leave its rank on the GPU. A stand-in
+    step hangs as a launcher over a hung rank does: it starts its "rank" in a session of its own (as
+    launcher/launch/local.py does, so killing the step's process group alone leaves it), both ignore SIGTERM, and
+    the rank holds the step's output pipe. Past the limit, run_step kills both, returns, and its log says so."""
+    pid_file = tmp_path / "rank.pid"
+    stand_in = tmp_path / "hung_launcher.py"
+    stand_in.write_text(
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "hang = 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'\n"
+        "rank = subprocess.Popen([sys.executable, '-c', hang], start_new_session=True)\n"
+        "open(sys.argv[1], 'w').write(str(rank.pid))\n"
+        "print('rank started', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    t = time.time()
+    step = gpu_ops_check.run_step(str(tmp_path), "hung", [sys.executable, str(stand_in), str(pid_file)], 3.0)
+    took = time.time() - t
+    rank = int(pid_file.read_text())
+    assert step.timed_out and step.returncode == -9 and took < 3.0 + gpu_ops_check.KILL_WAIT_S
+    assert rank in step.kill["killed"] and step.kill["left"] == []
+    assert not gpu_ops_check.alive(rank)
+    log = (tmp_path / "hung.log").read_text()
+    assert "rank started" in log and "gpu_ops_check: killed after 3 s" in log
