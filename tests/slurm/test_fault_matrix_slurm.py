@@ -541,14 +541,14 @@ def test_default_run_dirs_differ_for_launches_in_the_same_second(tmp_path):
     ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    dirs = sorted(d for d in os.listdir(tmp_path / "runs") if d != "latest")  # runs/latest: launcher/manage/latest.py
+    # plan-only actions write under runs/.plans (action=runs lists no plan as a run) and never move runs/latest
+    assert sorted(os.listdir(tmp_path / "runs")) == [".plans"]
+    plans = tmp_path / "runs" / ".plans"
+    dirs = sorted(os.listdir(plans))
     assert dirs == sorted(f"2026-01-02_03-04-05-000007-{p.pid}" for p in procs), dirs
-    assert not os.path.lexists(tmp_path / "runs" / "latest")  # plan-only actions never move runs/latest
     for d in dirs:
-        assert os.path.exists(tmp_path / "runs" / d / "plan.json")
-        assert (
-            not os.path.exists(tmp_path / "runs" / d / LOCK_FILE) or read_holder(str(tmp_path / "runs" / d))["released"]
-        )
+        assert os.path.exists(plans / d / "plan.json")
+        assert not os.path.exists(plans / d / LOCK_FILE) or read_holder(str(plans / d))["released"]
 
 
 # ------------------------------------------------------------------------------- 9: secrets
