@@ -42,6 +42,11 @@ SEARCHED_KEYS = (
     "recompute",
     "recompute_num_layers",
     "allow_tp_across_nodes",
+    # the pipeline split (training/contract/stage_split.py): the search picks one where the layers do not divide
+    "first_stage_layers",
+    "last_stage_layers",
+    "embedding_in_split",
+    "loss_in_split",
 )
 """The parallel keys the search chooses; a pinned one (given on the command line) is kept as given."""
 MAX_NODES_TRIED = 1024

@@ -30,7 +30,7 @@ from training.contract import layout_rules as rules
 from training.contract.config import Config, derived_dp
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID
 from training.contract.layout_text import Layout, format_layout, layout_of
-from training.contract.stage_split import SPLIT_KEYS, split_options
+from training.contract.stage_split import SPLIT_KEYS, StageSplit, split_options
 
 PARALLEL_KEYS = (
     "tp",
@@ -156,7 +156,12 @@ def _dense_layouts_at(cfg: Config, tp: int, pp: int, sp: bool, cp: int, dp: int)
     # with the embedding and the loss counted as layers ((L + 1) or (L + 2) / pp); each with its splits.
     shares = {L // pp} if L % pp == 0 else {n // pp for n in (L + 1, L + 2) if n % pp == 0}
     virtual = sorted({v for n in shares for v in _divisors(n) if v > 1}) if pp > 1 else []
-    splits = {v: split_options(L, pp, v) for v in [1, *virtual]}
+    # A split the configuration sets (the command line's) is kept wherever it divides the layers.
+    given = {k: getattr(par, k) for k in SPLIT_KEYS if getattr(par, k)}
+    splits = {
+        v: [given] if given and StageSplit(L, pp, v, **given).counts() else split_options(L, pp, v)
+        for v in [1, *virtual]
+    }
     for mb in [d for d in _divisors(B // dp) if d <= cfg.recommend.max_micro_batch]:
         micro_batches = B // (dp * mb)
         vpps = [1] + [v for v in virtual if micro_batches % pp == 0 and splits[v]]

@@ -153,3 +153,15 @@ def test_recommend_and_auto_find_uneven_405b_layouts(tmp_path):
         plan = json.load(f)
     assert plan["pp"] == 16 and plan["fits"] and sum(plan["stage_layers"]) == 126
     assert plan["split"] and "parallel.pp=16" in plan["auto"]["chosen"]["overrides"]
+
+
+def test_auto_keeps_a_split_the_command_line_gives(tmp_path):
+    args = ("model=llama3_405b", "cluster=h100_roce_large", "cluster.nodes=16", "parallel.global_batch=16")
+    pins = ("parallel.tp=8", "parallel.pp=8", "parallel.first_stage_layers=18", "parallel.last_stage_layers=18")
+    p = run_cli("action=plan", *args, *pins, f"run.dir={tmp_path}/p", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    with open(tmp_path / "p" / "plan.json") as f:
+        plan = json.load(f)
+    assert plan["split"] == {"first_stage_layers": 18, "last_stage_layers": 18}
+    assert plan["stage_layers"] == [18] + [15] * 6 + [18]
+    assert "parallel.first_stage_layers=18 parallel.last_stage_layers=18" in plan["auto"]["chosen"]["overrides"]
