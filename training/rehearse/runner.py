@@ -92,15 +92,20 @@ class SavedActivations:
     def pack(self, t: torch.Tensor):
         if t.device.type != "meta":
             return t
-        key, n = _storage_key(t)
-        if key in self.states:
+        parts = []
+        for inner in _inner_tensors(t):
+            key, n = _storage_key(inner)
+            if key not in self.states:
+                parts.append((key, n))
+        if not parts:
             return t
-        count = self.refs.get(key, 0)
-        if count == 0:
-            self.live += n
-            self.peak = max(self.peak, self.live)
-        self.refs[key] = count + 1
-        return _Saved(t, key, n, self)
+        for key, n in parts:
+            count = self.refs.get(key, 0)
+            if count == 0:
+                self.live += n
+                self.peak = max(self.peak, self.live)
+            self.refs[key] = count + 1
+        return _Saved(t, parts, self)
 
     @staticmethod
     def unpack(saved):
@@ -113,14 +118,22 @@ class SavedActivations:
             self.live -= n
 
 
-class _Saved:
-    __slots__ = ("tensor", "key", "n", "owner")
+def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
+    """The tensors whose storages `t` keeps alive: a wrapper subclass's (torchao's float8 tensors) inner ones."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and hasattr(t, "__tensor_flatten__"):
+        return [x for name in t.__tensor_flatten__()[0] for x in _inner_tensors(getattr(t, name))]
+    return [t]
 
-    def __init__(self, tensor, key, n, owner):
-        self.tensor, self.key, self.n, self.owner = tensor, key, n, owner
+
+class _Saved:
+    __slots__ = ("tensor", "parts", "owner")
+
+    def __init__(self, tensor, parts, owner):
+        self.tensor, self.parts, self.owner = tensor, parts, owner
 
     def __del__(self):
-        self.owner.release(self.key, self.n)
+        for key, n in self.parts:
+            self.owner.release(key, n)
 
 
 def _phase(rec: comm.Recorder, obj: Any, name: str, phase: str) -> None:
