@@ -8,11 +8,13 @@ attention with 2 key/value groups for 4 heads, SwiGLU, RMSNorm, untied): fp32, t
 Layouts: cp2 (ring, and the all_gather variant), cp4, cp2 x tp2 with sp, cp2 x pp2 (1f1b and interleaved with
 2 virtual stages), cp2 x dp2 with the distributed optimizer (zero=1, sharded over dp x cp). Also: a cp2 run
 stopped and resumed is bit-exact; a cp2 checkpoint resumed at cp1 and exported to Hugging Face equals the
-model trained at cp1 throughout. One spawn per world size runs all of its cases.
+model trained at cp1 throughout; a cp1 checkpoint resumed at cp2 matches cp1 throughout, and its export straight
+from the checkpoint cp2 wrote equals the cp1 model's. One spawn per world size runs all of its cases.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -194,6 +196,8 @@ def _cases_2(base: str) -> Dict[str, Any]:
     out["reshard"] = _run(
         _cfg("llama", cp=2, exit_interval=2, **RESHARD), os.path.join(base, "reshard"), mesh, True, False
     )
+    # cp1 -> cp2: the cp1 checkpoint of step 2 (written by the fixture) resumed here; its final checkpoint is cp2's.
+    out["reshard_up"] = _run(_cfg("llama", cp=2, **RESHARD), os.path.join(base, "reshard_up"), mesh, True, False)
     mesh.destroy()
     return out
 
@@ -204,6 +208,9 @@ def results(tmp_path_factory):
     from training.parallel.mesh import ProcessMesh
 
     base = str(tmp_path_factory.mktemp("cp"))
+    # The cp1 half of the cp1 -> cp2 resharding: stopped after step 2 with a checkpoint (resumed at cp2 by _cases_2).
+    up = _run(_cfg("llama", exit_interval=2, **RESHARD), os.path.join(base, "reshard_up"), ProcessMesh.single(), True)
+    assert up["code"] == 3
     single = {m: _run(_with_eval(_cfg(m)), tempfile.mkdtemp(), ProcessMesh.single()) for m in MODELS}
     for m in MODELS:
         single[m]["bf16"] = _run(_bf16(_cfg(m)), tempfile.mkdtemp(), ProcessMesh.single(), grads=False)
@@ -308,6 +315,44 @@ def test_cp2_checkpoint_resumed_at_cp1_exports_the_cp1_model(results):
         err = float((outs[0][k] - outs[1][k]).abs().max())
         print(f"cp2 -> cp1 export vs cp1: {k} max abs difference {err:.3g}")
         assert err <= 1e-6, f"{k}: exported cp2 -> cp1 differs from cp1 by {err}"
+    shutil.rmtree(ref_dir, ignore_errors=True)
+
+
+def _export_tensors(run_dir: str) -> Dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from training.hf.export import export
+
+    out = os.path.join(tempfile.mkdtemp(), "hf")
+    result = export(run_dir, out, dtype="fp32")
+    tensors: Dict[str, torch.Tensor] = {}
+    for f in result["weight_files"]:
+        tensors.update(load_file(os.path.join(out, f)))
+    shutil.rmtree(os.path.dirname(out), ignore_errors=True)
+    return tensors
+
+
+def test_cp1_checkpoint_resumed_at_cp2_matches_cp1_and_exports_straight_from_cp2(results):
+    """cp1 -> cp2 (the other direction of the resharding): the cp1 checkpoint of step 2 resumed at cp2 gives
+    steps 3 and 4 of the run at cp1 throughout (within 1e-5), and the export of the step-4 checkpoint that the
+    cp2 ranks wrote equals the cp1 run's export within 1e-6."""
+    from training.parallel.mesh import ProcessMesh
+
+    _, two, _, base = results
+    ref_dir = tempfile.mkdtemp()
+    reference = _run(_cfg("llama", **RESHARD), ref_dir, ProcessMesh.single(), True, False)
+    for rank in two:
+        got = rank["reshard_up"]
+        assert got["code"] == 0 and len(got["losses"]) == 2
+        np.testing.assert_allclose(got["losses"], reference["losses"][2:], rtol=1e-5)
+    up_dir = os.path.join(base, "reshard_up")
+    with open(os.path.join(up_dir, "checkpoints", "step_4", "config.json")) as f:
+        assert json.load(f)["parallel"]["cp"] == 2  # the checkpoint exported below is the one cp2 ranks wrote
+    got, ref = _export_tensors(up_dir), _export_tensors(ref_dir)
+    assert set(got) == set(ref) and got
+    for k in ref:
+        err = float((got[k] - ref[k]).abs().max())
+        assert err <= 1e-6, f"{k}: exported from the cp2 checkpoint, differs from cp1 by {err}"
     shutil.rmtree(ref_dir, ignore_errors=True)
 
 
