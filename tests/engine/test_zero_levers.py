@@ -237,6 +237,9 @@ def _four_ranks(base: str) -> Dict[str, Any]:
         f"{base}/resume_zero3",
         pp2,
     )
+    # A checkpoint written at pp2 x dp2 zero=2 with 2 virtual stages per rank, for the export test.
+    vpp = _train(_cfg(**LAYOUTS["pp2_dp2_zero2_interleaved_recompute"]), f"{base}/export_vpp", pp2)
+    out["export_vpp_zero2"] = dict(vpp, dir=f"{base}/export_vpp")
     out["reshard_zero1_to_zero3"] = _reshard(dict(tp=2, dp=2, zero=1), dict(dp=4, zero=3), f"{base}/to3")
     out["reshard_zero3_to_zero1"] = _reshard(dict(dp=4, zero=3), dict(tp=2, dp=2, zero=1), f"{base}/to1")
     pp2.destroy()
@@ -349,6 +352,38 @@ def test_checkpoint_reshards_across_zero_stages(four, reference, name):
     assert len(losses) == STEPS
     for a, b in zip(losses, reference["losses"]):
         assert _rel(a, b) < 1e-5, (losses, reference["losses"])
+
+
+def test_export_from_a_vpp_zero2_checkpoint_is_the_trained_model(four, tmp_path):
+    """action=export's code straight from the final checkpoint of a pp2 x dp2 zero=2 interleaved (vpp=2) run: the
+    tensors equal the trained model held in the ranks (every stage's parameters at the end of the run), converted
+    to Hugging Face names, bit for bit."""
+    from safetensors.torch import load_file
+
+    from training.hf.checkpoint_reader import read_checkpoint
+    from training.hf.convert import to_hf
+    from training.hf.export import export
+    from training.hf.hf_config import family_for_model
+
+    live: Dict[str, torch.Tensor] = {}
+    for r in four:
+        assert r["export_vpp_zero2"]["code"] == 0
+        for key, value in r["export_vpp_zero2"]["state"].items():
+            if key.startswith("param/"):
+                live[key[len("param/") :]] = torch.from_numpy(value)
+    run = four[0]["export_vpp_zero2"]["dir"]
+    cfg, step, full = read_checkpoint(run)
+    assert (cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.zero, step) == (2, 2, 2, STEPS)
+    assert sorted(live) == sorted(full)  # every virtual stage's parameters, from both pipeline ranks
+    live = {n: t[: full[n].shape[0]] if t.shape != full[n].shape else t for n, t in live.items()}  # vocab padding
+    ref = to_hf(live, cfg.model, family_for_model(cfg.model))
+    result = export(run, str(tmp_path / "hf"))
+    got: Dict[str, torch.Tensor] = {}
+    for f in result["weight_files"]:
+        got.update(load_file(str(tmp_path / "hf" / f)))
+    assert result["dtype"] == "float32" and sorted(got) == sorted(ref) and got
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
 
 
 def _resident_bytes() -> int:
