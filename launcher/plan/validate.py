@@ -21,6 +21,7 @@ from launcher.plan.honest_checks import SELECTIVE_MIN_SAVING
 from launcher.plan.issues import Issue
 from launcher.plan.model_size import chunk_layers
 from training.contract import layout_rules as rules
+from training.contract.stage_split import NO_SPLIT, split_options, stage_split
 from training.contract.fp8_rules import fp8_rules
 from training.contract.config import CHOICE_FIELDS, Config, choices, derived_dp
 
@@ -547,9 +548,14 @@ def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[
     def more_pp(c: Config):
         d = derived_dp(c)
         p2 = c.parallel.pp * 2
-        if d % 2 or L % (p2 * c.parallel.vpp) or p2 > L or (d // 2) % getattr(c.parallel, "ep", 1):
+        if d % 2 or p2 > L or (d // 2) % getattr(c.parallel, "ep", 1):
             return None
         new = with_parallel(c, pp=p2, dp=(d // 2) if c.parallel.dp is not None else None)
+        if rules.split_layer_rules(new):  # the layers do not divide at 2 pp: the split that does (stage_split.py)
+            options = split_options(L, p2, stage_split(new).vpp)
+            if not options:
+                return None
+            new = with_parallel(new, **{**NO_SPLIT, **options[0]})
         return new if new.parallel.global_batch % (new.parallel.micro_batch * (d // 2)) == 0 else None
 
     def more_tp(c: Config):

@@ -30,7 +30,7 @@ from training.contract import layout_rules as rules
 from training.contract.config import Config, derived_dp
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID
 from training.contract.layout_text import Layout, format_layout, layout_of
-from training.contract.stage_split import SPLIT_KEYS, StageSplit, split_options
+from training.contract.stage_split import NO_SPLIT, SPLIT_KEYS, StageSplit, split_options
 
 PARALLEL_KEYS = (
     "tp",
@@ -48,8 +48,6 @@ PARALLEL_KEYS = (
     "offload",
     *SPLIT_KEYS,
 )
-NO_SPLIT = {"first_stage_layers": 0, "last_stage_layers": 0, "embedding_in_split": False, "loss_in_split": False}
-"""The split keys of the even split (each layout of the search sets them: the user's own are replaced)."""
 WITHIN = 0.10
 """The recommended layout is 'as good as' the configured one when its predicted step is within this fraction."""
 

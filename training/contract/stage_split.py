@@ -25,6 +25,8 @@ from training.contract.violation import Violation
 
 SPLIT_KEYS = ("first_stage_layers", "last_stage_layers", "embedding_in_split", "loss_in_split")
 """The parallel.* keys that shape the split (besides pp and vpp)."""
+NO_SPLIT = {"first_stage_layers": 0, "last_stage_layers": 0, "embedding_in_split": False, "loss_in_split": False}
+"""The split keys of the even split."""
 
 
 @dataclass(frozen=True)
