@@ -7,7 +7,7 @@ resumed, the losses equal the uninterrupted run's bit for bit (the resumed weigh
 The same with train.async_save=true and a save every step, each host copy held 0.2 s: every forward starts after
 the pending copy ended (the loop's wait before a zero=3 forward, docs/CONTRACTS.md), and the resume is bit-exact.
 Export (training/hf/export.py) straight from that zero=3 checkpoint equals the live model gathered in the ranks,
-and from a bf16 zero=2 checkpoint: export.dtype=auto writes the live bf16 weights, fp32 the masters.
+and from bf16 and fp16 zero=2 checkpoints: export.dtype=auto writes the live 16-bit weights, fp32 the masters.
 (Resharding across zero stages, and resume at pp=2 with nvme offload,
 are tests/engine/test_zero_levers.py's.)"""
 
@@ -100,8 +100,14 @@ def _worker(base: str):
     b = Trainer(bf16, f"{base}/bf16_zero2", mesh)
     b.run()
     live_bf16 = {n: p.detach().clone() for n, p in b.chunks[0].named_parameters()}
+    # fp16 (loss scaling) at zero=2: auto is float16.
+    fp16 = _cfg(precision="fp16", steps=2)
+    fp16.parallel.zero = 2
+    h = Trainer(fp16, f"{base}/fp16_zero2", mesh)
+    h.run()
+    live_fp16 = {n: p.detach().clone() for n, p in h.chunks[0].named_parameters()}
     if mesh.rank == 0:  # tensors go through a file: a queue would pass them as shared memory of a rank that exits
-        torch.save({"zero3": live_zero3, "bf16": live_bf16}, f"{base}/live.pt")
+        torch.save({"zero3": live_zero3, "bf16": live_bf16, "fp16": live_fp16}, f"{base}/live.pt")
     mesh.destroy()
     return {
         "codes": (code_first, code_second),
@@ -171,3 +177,7 @@ def test_zero3_saves_and_resumes_from_its_shards_without_gathering_the_model(tmp
     assert result["dtype"] == "float32"
     _same({k: v.to(torch.bfloat16) for k, v in masters.items()}, auto, "fp32 masters rounded to bf16")
     assert any(not torch.equal(masters[k], auto[k].float()) for k in auto)  # more than the bf16 weights hold
+    run = str(tmp_path / "fp16_zero2")
+    result, auto = _exported(run, str(tmp_path / "fp16_auto"), "auto")
+    assert result["dtype"] == "float16"
+    _same(auto, _to_hf(run, live["fp16"]), "fp16 auto export vs the live fp16 weights")
