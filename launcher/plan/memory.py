@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from launcher.plan.model_size import rank_layers, recomputed_layers_per_rank
+from launcher.plan.model_size import rank_chunk_layers, rank_layers, recomputed_layers_per_rank
 from launcher.plan.levers import zero_bytes_per_param, zero_state_bytes
 from launcher.plan.model_size import padded_vocab
 from launcher.plan.moe import is_moe, moe_activation_elements
@@ -260,7 +260,7 @@ def stages_activation_bytes(
     # stage's (stage_layers_activation_bytes' default) and each layer's bytes the same at every stage.
     ranks = rank_layers(cfg)
     uneven = min(ranks) != max(ranks)
-    per_stage: Dict[int, int] = {}
+    per_stage: Dict[int, float] = {}
     if uneven:
         per_layer = None if str(par.recompute) != "full" else layer_activation_bytes(cfg, profile)
         for st in set(range(par.pp) if stages is None else stages):
@@ -268,6 +268,20 @@ def stages_activation_bytes(
                 per_stage[st] = stage_layers_activation_bytes(cfg, profile, per_layer, st)
             else:
                 per_stage[st] = layers * ranks[st] // max(ranks)
+    chosen = list(range(par.pp) if stages is None else stages)
+    inflights = stages_inflight_microbatches(cfg, chosen, m)
+    v = par.vpp if par.schedule == "interleaved_1f1b" and par.pp > 1 else 1
+    same_per_layer = str(par.recompute) != "full" or not getattr(par, "recompute_num_layers", 0)
+    if v > 1 and same_per_layer:
+        # Chunks of one rank with different layers (embedding/loss_in_split): the interleaved order holds more
+        # micro-batches of the early chunks, so the peak is counted chunk by chunk (_interleaved_peak_layers).
+        g = getattr(par, "microbatch_group_size", 0) or par.pp
+        for st, inflight in zip(chosen, inflights):
+            chunks = rank_chunk_layers(cfg, st)
+            if len(set(chunks)) > 1 and inflight > 0 and ranks[st]:
+                per_layer_bytes = per_stage.get(st, layers * ranks[st] / max(ranks)) / ranks[st]
+                peak = _interleaved_peak_layers(chunks, par.pp, st, m, g)
+                per_stage[st] = peak * per_layer_bytes / inflight
     embedding = sb * h // t_sp * profile.mask_bytes if mc.dropout > 0 else 0  # embedding dropout mask
     # Final norm input (+ stats), output-layer input, fp32 logits for the cross entropy. The last
     # stage finishes each micro-batch's backward right after its forward, except under gpipe.
@@ -277,14 +291,30 @@ def stages_activation_bytes(
     last += sb * padded_vocab(mc.vocab_size, t) // t * profile.logits_bytes
     # zb_h1's last stage keeps the graphs of the micro-batches whose weight-grad pass it deferred, logits included.
     last *= m if par.schedule == "gpipe" else (min(m, par.pp) if par.schedule == "zb_h1" else 1)
-    stages = range(par.pp) if stages is None else stages
     out = []
-    for stage, inflight in zip(stages, stages_inflight_microbatches(cfg, stages, m)):
+    for stage, inflight in zip(chosen, inflights):
         total = (per_stage.get(stage, layers) + (embedding if stage == 0 else 0)) * inflight
         if stage == par.pp - 1:
             total += last
         out.append(int(math.ceil(total)))
     return out
+
+
+def _interleaved_peak_layers(chunks: Sequence[int], p: int, r: int, m: int, g: int) -> int:
+    """The most layer x micro-batch activations rank r of an interleaved pipeline holds at once when its chunks hold
+    `chunks` layers: Megatron's order (forward i runs chunk (i mod g v) // g, backward j chunk v - 1 - that; a
+    warm-up of (p - r - 1) x 2 + (v - 1) x g forwards, then a forward and a backward each). With equal chunks this
+    is stages_inflight_microbatches' count times the rank's layers."""
+    v = len(chunks)
+    total = m * v
+    warm = min(total, (p - r - 1) * 2 + (v - 1) * g)
+    live = sum(chunks[(i % (g * v)) // g] for i in range(warm))
+    peak = live
+    for j, i in enumerate(range(warm, total)):
+        live += chunks[(i % (g * v)) // g]
+        peak = max(peak, live)
+        live -= chunks[v - 1 - (j % (g * v)) // g]
+    return peak
 
 
 def pinned_host_bytes(nbytes: int) -> int:

@@ -106,8 +106,10 @@ def _train(cfg: Config, run_dir: str, mesh, capture_resume: bool = False) -> Dic
     code = trainer.run()
     layers = [list(c.layer_ids) for c in trainer.chunks]
     rows = read_rows(run_dir) if mesh.rank == 0 else []
+    stats = getattr(trainer.schedule, "stats", None)
     return {
         "code": code,
+        "peak_saved_bytes": getattr(stats, "peak_saved_bytes", None),
         "losses": list(trainer.losses),
         "grad_norms": [r["grad_norm"] for r in rows if "grad_norm" in r],
         "layers": layers,
@@ -225,6 +227,23 @@ def test_uneven_stages_reproduce_single_process(spawned, case):
     for name, value in params.items():
         want = ref["params"][name].ravel()
         assert np.abs(value - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max())), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_stages_activations_match_its_planned_layers(spawned, case):
+    """The bytes autograd saved at each stage's peak (the schedule's counter) against the plan's figure for that
+    stage, which counts the stage's own layers (launcher/plan/memory.py), within 10 % (tests/engine/test_pipeline.py's
+    bound for the even split)."""
+    from launcher.plan.memory import device_profile, stage_activation_bytes
+
+    keys, _ = CASES[case]
+    cfg = _cfg(**keys)
+    m = cfg.parallel.global_batch // (cfg.parallel.micro_batch * keys.get("dp", 1))
+    for r in spawned:
+        got = r[case]["peak_saved_bytes"]
+        planned = stage_activation_bytes(cfg, r[case]["pp_rank"], m, device_profile(cfg))
+        assert abs(got - planned) <= 0.1 * planned, (r[case]["pp_rank"], got, planned)
 
 
 @pytest.mark.slow

@@ -165,3 +165,16 @@ def test_auto_keeps_a_split_the_command_line_gives(tmp_path):
     assert plan["split"] == {"first_stage_layers": 18, "last_stage_layers": 18}
     assert plan["stage_layers"] == [18] + [15] * 6 + [18]
     assert "parallel.first_stage_layers=18 parallel.last_stage_layers=18" in plan["auto"]["chosen"]["overrides"]
+
+
+def test_interleaved_peak_counts_unequal_chunks_in_megatrons_order():
+    from launcher.plan.memory import _interleaved_peak_layers
+
+    for p, v, m, r in [(4, 2, 8, 0), (4, 2, 8, 3), (2, 3, 6, 1), (4, 2, 4, 0), (8, 4, 16, 5)]:
+        warm = (p - r - 1) * 2 + (v - 1) * p  # equal chunks: the plan's in-flight count times the rank's layers
+        assert _interleaved_peak_layers([2] * v, p, r, m, p) == 2 * min(m * v, warm + 1)
+    # the last rank of pp4 vpp2 with loss_in_split: chunks of 2 and 1 layers; 4 warm-up forwards of chunk 0 and
+    # one of chunk 1 (9), then the steady state's forward of chunk 0 comes before the backward of chunk 1 frees one
+    # layer's worth: 10, where equal chunks would give 7.5 (the engine's saved bytes agree:
+    # tests/engine/test_uneven_stages.py)
+    assert _interleaved_peak_layers([2, 1], 4, 3, 8, 4) == 10
