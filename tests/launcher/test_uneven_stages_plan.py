@@ -178,3 +178,18 @@ def test_interleaved_peak_counts_unequal_chunks_in_megatrons_order():
     # layer's worth: 10, where equal chunks would give 7.5 (the engine's saved bytes agree:
     # tests/engine/test_uneven_stages.py)
     assert _interleaved_peak_layers([2, 1], 4, 3, 8, 4) == 10
+
+
+def test_layout_texts_carry_the_split_and_compose_back():
+    from training.contract.layout_text import format_layout, layout_of
+
+    cfg = compose_cfg(*L405, *SHORT, *FIRST_LAST)
+    lay = layout_of(cfg)
+    assert "first7 last7" in format_layout(lay, "short")
+    over = format_layout(lay, "overrides")
+    assert "parallel.first_stage_layers=7 parallel.last_stage_layers=7" in over
+    assert "parallel.embedding_in_split=false parallel.loss_in_split=false" in over  # replaces a split given before
+    back = compose_cfg(*L405, *SHORT, *SPLIT, *over.split())
+    assert layout_of(back) == lay
+    even = layout_of(compose_cfg("model=tiny"))
+    assert "first_stage_layers" not in format_layout(even, "overrides") and not even.split_set
