@@ -52,11 +52,14 @@ def local_experts(cfg: Config) -> int:
 
 
 def expert_params_per_layer(cfg: Config, tp: int, all_experts: bool = False) -> int:
-    """Expert elements of one layer on one tp rank: E/ep experts (all E with all_experts), each split over tp."""
+    """Expert elements of one layer on one tp rank: E/ep experts (all E with all_experts), each split over tp but
+    for fc2's bias, which every tp rank keeps whole (a row-parallel layer adds it after its reduction, as the dense
+    MLP's fc2 does: training/model/moe.py)."""
     if not is_moe(cfg):
         return 0
     n = cfg.model.num_experts if all_experts else local_experts(cfg)
-    return n * expert_params(cfg.model) // tp
+    whole = cfg.model.hidden_size if cfg.model.bias else 0
+    return n * ((expert_params(cfg.model) - whole) // tp + whole)
 
 
 def expert_dp(cfg: Config, dp: int) -> int:

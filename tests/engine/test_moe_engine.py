@@ -255,18 +255,11 @@ def test_expert_parallel_layout_reproduces_single_process(four_ranks, case):
     assert any(".mlp.experts.3.fc1.weight" in n for n in names) and any(".mlp.router.weight" in n for n in names)
 
 
-# The planner splits each expert's fc2 bias over tp (launcher/plan/moe.py expert_params_per_layer), the engine
-# replicates it (as the dense MLP's): at tp2 with biases plan.json counts E/ep x h x (1 - 1/tp) fewer per layer.
-_FC2_BIAS_OVER_TP = pytest.mark.xfail(
-    strict=True, reason="planner: expert fc2 biases split over tp, the engine replicates them (issue 46 item 5 #3)"
-)
-
-
 @pytest.mark.parametrize(
     "case",
     [
         "ep2_dp4",
-        pytest.param("ep2_tp2_sp", marks=_FC2_BIAS_OVER_TP),
+        "ep2_tp2_sp",  # every tp rank keeps each expert's fc2 bias whole, as plan.json counts it
         "ep2_pp2",
         "ep4_dp4_gelu_capacity",
         "ep2_dp4_bf16",
