@@ -28,6 +28,23 @@ def _plan(run_dir: str) -> Dict[str, Any]:
         return {}
 
 
+def _split_at(cfg, pp: int) -> str:
+    """The pipeline split keys (training/contract/stage_split.py) that divide the layers at pp, as overrides: empty
+    when the layout's own split (or the even one) does."""
+    from training.contract.stage_split import NO_SPLIT, SPLIT_KEYS, StageSplit, split_options
+
+    p = cfg.parallel
+    v = p.vpp if str(p.schedule) == "interleaved_1f1b" and pp > 1 else 1
+    given = {k: getattr(p, k) for k in SPLIT_KEYS}
+    if StageSplit(cfg.model.num_layers, pp, v, **given).counts() is not None:
+        return ""
+    options = split_options(cfg.model.num_layers, pp, v)
+    if not options:
+        return ""
+    keys = {**NO_SPLIT, **options[0]}
+    return "".join(f" parallel.{k}={str(val).lower()}" for k, val in keys.items() if val or given[k])
+
+
 def levers(cfg, part: str) -> List[str]:
     """Overrides that shrink `part` (states | activations) in this layout, the ones already in use left out."""
     p = cfg.parallel
@@ -36,7 +53,7 @@ def levers(cfg, part: str) -> List[str]:
         if p.zero == 0:
             out.append("parallel.zero=1 (optimizer states and fp32 masters sharded over dp)")
         out.append(f"parallel.tp={p.tp * 2} (weights split over more GPUs of a node)")
-        out.append(f"parallel.pp={p.pp * 2} (fewer layers per GPU)")
+        out.append(f"parallel.pp={p.pp * 2}{_split_at(cfg, p.pp * 2)} (fewer layers per GPU)")
         return out
     if p.tp > 1 and not p.sp:
         out.append("parallel.sp=true (norm and dropout activations split over tp)")
