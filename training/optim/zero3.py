@@ -104,6 +104,7 @@ class Zero3Params:
                 if getattr(p, "fp8_weight", False):
                     self.fp8[i] = torch.empty(p.shape, dtype=fp8_weight_dtype(), device=p.device)
                     self.fp8[i].untyped_storage().resize_(0)
+                    p.fp8_storage = self.fp8[i]  # model state, not activations, to the saved-bytes counters
         self.refs8 = [0] * len(layout.params)
         self.scales: Dict[int, torch.Tensor] = {}
         """FP8 weight -> its tensorwise scale (0-dim fp32), from the amax over every rank's shard."""

@@ -293,6 +293,14 @@ def storage_id(t: torch.Tensor) -> int:
     return st.data_ptr() if t.device.type != "meta" else st._cdata
 
 
+def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
+    """The tensors whose storages t keeps alive: a wrapper subclass's (torchao's float8 tensors, whose own storage
+    is no real one) inner tensors."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and hasattr(t, "__tensor_flatten__"):
+        return [x for name in t.__tensor_flatten__()[0] for x in _inner_tensors(getattr(t, name))]
+    return [t]
+
+
 class _SavedBytes:
     """Counts the unique non-parameter storages that autograd saves during one forward."""
 
@@ -300,10 +308,10 @@ class _SavedBytes:
         self.param_ptrs, self.seen = param_ptrs, {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        ptr = storage_id(t)
-        if ptr not in self.param_ptrs:
-            self.seen[ptr] = st.nbytes()
+        for inner in _inner_tensors(t):
+            ptr = storage_id(inner)
+            if ptr not in self.param_ptrs:
+                self.seen[ptr] = inner.untyped_storage().nbytes()
         return t
 
     @property
@@ -344,6 +352,10 @@ class PipelineSchedule:
         self.stats = StepStats()
         self.num_virtual = self.p * self.v
         self._param_ptrs = {storage_id(q) for c in chunks for q in c.parameters()}
+        # parallel.fp8_all_gather: the float8 storage zero=3 gathers a weight into is model state too (zero3.py)
+        self._param_ptrs |= {
+            storage_id(q.fp8_storage) for c in chunks for q in c.parameters() if hasattr(q, "fp8_storage")
+        }
         self._group_ready = False
         self.mb_group = microbatch_group_size
         raise_errors(microbatch_group_run_rules(kind, pp, microbatch_group_size))
