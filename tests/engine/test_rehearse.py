@@ -96,6 +96,19 @@ LAYOUTS = {
         "parallel.global_batch=4",
         "cluster.gpus_per_node=8",
     ),
+    # pp4: the middle stages' exchanges name both neighbours (the simulation once called 1f1b's a deadlock)
+    "pp4_1f1b": ("model=tiny", "parallel.pp=4", "parallel.dp=1", "parallel.global_batch=8", "cluster.gpus_per_node=4"),
+    "pp4_uneven_zb_h1": (
+        "model=tiny",
+        "model.num_layers=6",
+        "parallel.pp=4",
+        "parallel.first_stage_layers=1",
+        "parallel.last_stage_layers=1",
+        "parallel.schedule=zb_h1",
+        "parallel.dp=1",
+        "parallel.global_batch=8",
+        "cluster.gpus_per_node=4",
+    ),
     "zero3_dp4": (
         "model=tiny",
         "parallel.zero=3",
@@ -275,6 +288,26 @@ def test_the_deadlock_simulation_follows_nccl_rules():
         1: [_call(0, "irecv", g, peer=0), _call(1, "isend", g, peer=0)],
     }
     assert checks.check_deadlock(ordered, 2) == []
+    # A middle pipeline stage's batch names two peers: rank 0's receive matches rank 1's send at once and rank 0
+    # moves on to a collective, while rank 1's batch still waits for rank 2's send. The matched op stays matched
+    # (NCCL runs the batch's ops together): no deadlock (a rule that re-checked rank 0's current call found one).
+    middle = {
+        0: [_call(0, "recv", g, peer=1, batch=0), _call(1, "all_reduce", (0, 1, 2))],
+        1: [
+            _call(0, "send", g, peer=0, batch=0),
+            _call(1, "recv", g, peer=2, batch=0),
+            _call(2, "all_reduce", (0, 1, 2)),
+        ],
+        2: [_call(0, "all_reduce", (9,)), _call(1, "send", g, peer=1, batch=0), _call(2, "all_reduce", (0, 1, 2))],
+    }
+    assert checks.check_deadlock(middle, 3) == []
+    # Two batches posted in the same order on both sides of a direction pair by issue order: the second send of
+    # rank 0 meets rank 1's second receive even though rank 1 posts them in separate batches.
+    two = {
+        0: [_call(0, "send", g, peer=1, batch=0), _call(1, "send", g, peer=1, batch=0)],
+        1: [_call(0, "recv", g, peer=0, batch=0), _call(1, "recv", g, peer=0, batch=1)],
+    }
+    assert checks.check_deadlock(two, 2) == []
     # A send whose receiver finished: unmatched.
     lonely = {0: [_call(0, "send", g, peer=1, batch=0)], 1: []}
     d = checks.check_deadlock(lonely, 2)

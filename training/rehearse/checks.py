@@ -15,8 +15,10 @@ NCCL's rules as simulated (conservative: what NCCL may do once a message outgrow
 - an un-batched isend/irecv runs on the rank pair's own communicator and blocks until the peer's current call
   is the matching irecv/isend (a send may wait for its receive; the pair's ops run in issue order; creating the
   pair's communicator waits for both);
-- a batch_isend_irecv is posted whole and completes once every peer it names has the complementary op posted
-  in its current call (the group's communicator runs the batch's ops together).
+- a batch_isend_irecv is posted whole when the rank reaches it (the group's communicator runs the batch's ops
+  together); its k-th send to a peer matches that peer's k-th batched receive from the rank, posted then or
+  since (NCCL pairs a direction's ops in issue order), and a matched op stays matched while either side moves
+  on; the batch completes once every one of its ops is matched.
 Ranks outside the rehearsal (representative mode) are taken to answer every call.
 """
 
@@ -207,9 +209,34 @@ def check_deadlock(calls_by_rank: Dict[int, Sequence[Any]], world: int) -> List[
     progs = {r: _program(calls) for r, calls in calls_by_rank.items()}
     pos = {r: 0 for r in progs}
     known = set(progs)
+    # Batched p2p, per direction (src, dst): how many sends and receives have been posted, and each posted op's
+    # index in its direction (the k-th send meets the k-th receive).
+    posted_sends: Dict[Tuple[int, int], int] = defaultdict(int)
+    posted_recvs: Dict[Tuple[int, int], int] = defaultdict(int)
+    index: Dict[int, int] = {}  # id(call) -> its index in its direction
+    was_posted: Set[Tuple[int, int]] = set()  # (rank, step position) of the batches posted
 
     def head(r: int) -> Optional[_Step]:
         return progs[r][pos[r]] if r in progs and pos[r] < len(progs[r]) else None
+
+    def post(r: int) -> None:
+        """Rank r reached its current step: a batch's ops are posted, each taking its place in its direction."""
+        s = head(r)
+        if s is None or s.kind != "batch" or (r, pos[r]) in was_posted:
+            return
+        was_posted.add((r, pos[r]))
+        for c in s.calls:
+            if c.op == "send":
+                index[id(c)] = posted_sends[(r, c.peer)]
+                posted_sends[(r, c.peer)] += 1
+            else:
+                index[id(c)] = posted_recvs[(c.peer, r)]
+                posted_recvs[(c.peer, r)] += 1
+
+    def matched(r: int, c) -> bool:
+        if c.op == "send":
+            return posted_recvs[(r, c.peer)] > index[id(c)]
+        return posted_sends[(c.peer, r)] > index[id(c)]
 
     def waits_for(r: int) -> Set[int]:
         """The rehearsed ranks rank r's current step is waiting for (empty: it can complete)."""
@@ -227,6 +254,10 @@ def check_deadlock(calls_by_rank: Dict[int, Sequence[Any]], world: int) -> List[
             peer = c.peer
             if peer not in known or peer == r:
                 continue
+            if s.kind == "batch":
+                if not matched(r, c):
+                    blockers.add(peer)
+                continue
             h = head(peer)
             want = _complement(c)
             if h is None or h.kind == "coll" or not any(x.op == want and x.peer == r for x in h.calls):
@@ -239,6 +270,8 @@ def check_deadlock(calls_by_rank: Dict[int, Sequence[Any]], world: int) -> List[
         live = [r for r in progs if head(r) is not None]
         if not live:
             return []
+        for r in live:
+            post(r)
         movable = [r for r in live if not waits_for(r)]
         if not movable:
             return [_stuck(live, waits_for, head)]
