@@ -210,6 +210,14 @@ def _train(cfg_dict: dict, run_dir: str, mesh) -> dict:
             "float8": sorted((z3.layout.names[i], t.dtype, t.element_size()) for i, t in z3.fp8.items()),
             "fp8_weights": sorted(n for n, p in zip(z3.layout.names, z3.layout.params) if getattr(p, "fp8_weight", 0)),
         }
+        # Readers of the whole model get the model dtype (gather_all); an evaluation forward after it gathers the
+        # FP8 weights in float8 again.
+        trainer.optimizer.finish_param_gather()
+        out["zero3"]["params"] = {n: p.detach().float().sum().item() for n, p in zip(z3.layout.names, z3.layout.params)}
+        tokens, targets = trainer.sampler.micro_batches(0)[0]
+        with torch.no_grad():
+            out["zero3"]["eval_loss"] = float(trainer.chunks[0](tokens, targets))
+        out["zero3"]["eval_float8"] = [u.fp8 for u in z3.units if any(i in z3.fp8 for i in u.params)]
     return out
 
 
@@ -325,7 +333,8 @@ def test_fp8_all_gather_equals_zero3_and_halves_the_fp8_weights_bytes(two):
     stay bf16) are held gathered in float8 storages (1 byte an element) and travel as float8: the gathers' bytes
     are zero3's without the flag less one byte per FP8 weight element (half of bf16's two), and the peak of
     gathered bytes falls. The scales come from the amax over both ranks' shards, the whole weight's, so the losses
-    and grad norms are zero3's without the flag bit for bit. Measured: gather bytes 0.66 of zero3's (the bf16
+    and grad norms are zero3's without the flag bit for bit, as are the weights gather_all materialises (bf16) and
+    an evaluation forward after it (float8 again). Measured: gather bytes 0.66 of zero3's (the bf16
     embedding and norms are the rest), the float8 bytes a third of the flag's total."""
     for rank in two:
         plain, ag = rank["dp2_zero3", "fp8"], rank["dp2_zero3_fp8_all_gather", "fp8"]
@@ -337,6 +346,8 @@ def test_fp8_all_gather_equals_zero3_and_halves_the_fp8_weights_bytes(two):
         assert za["gather_fp8_bytes"] > 0
         assert za["gather_bytes"] + za["gather_fp8_bytes"] == zp["gather_bytes"]  # 1 byte an FP8 element, not 2
         assert za["peak_gathered_bytes"] < zp["peak_gathered_bytes"]
+        assert za["params"] == zp["params"] and za["eval_loss"] == zp["eval_loss"]  # gather_all: bf16 as without
+        assert len(za["eval_float8"]) == 2 and all(za["eval_float8"])  # the layers gathered in float8 again
     print("fp8_all_gather gather bytes / zero3's:", za["gather_bytes"] / zp["gather_bytes"])
 
 
