@@ -39,7 +39,8 @@ def public_dir():
     import shutil
     import tempfile
 
-    path = tempfile.mkdtemp(prefix="meshrun-hostile-")
+    # dir given: tests/conftest.py points a bare mkdtemp() into pytest's basetemp, under root's 0700 directory
+    path = tempfile.mkdtemp(prefix="meshrun-hostile-", dir="/tmp")
     os.chmod(path, 0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
@@ -78,18 +79,25 @@ def test_another_user_cannot_lock_a_run(public_dir):
     os.chmod(run / ".meshrun.lock", 0o644)
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        os.setgid(65534)
-        os.setuid(65534)
-        fd = os.open(str(run / ".meshrun.lock"), os.O_RDONLY)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        os.write(w, b"x")
-        time.sleep(30)
-        os._exit(0)
+    if pid == 0:  # the child never returns into pytest, whatever fails: it tells the parent and exits
+        code = 1
+        try:
+            os.close(r)
+            os.setgid(65534)
+            os.setuid(65534)
+            fd = os.open(str(run / ".meshrun.lock"), os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.write(w, b"x")
+            time.sleep(30)
+            code = 0
+        except BaseException as exc:
+            os.write(w, f"child failed: {exc!r}".encode()[:500])
+        finally:
+            os._exit(code)
     os.close(w)
     try:
-        assert os.read(r, 1) == b"x"
+        got = os.read(r, 500)
+        assert got == b"x", got
         with pytest.raises(lock.RunLocked) as err:
             lock.acquire(str(run))
         assert "another user, uid 65534" in str(err.value) and "has died" not in str(err.value), str(err.value)
