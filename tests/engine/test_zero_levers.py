@@ -534,7 +534,7 @@ def test_13b_example_plan_by_stage():
     assert plans[3].memory_bytes["weights"] == shard * 2 and plans[3].memory_bytes["zero3_gathered"] > 0
     assert round(plans[1].memory_bytes["total"] / GIB, 2) == 91.71  # docs/GUIDE.md's table
     assert round(plans[2].memory_bytes["total"] / GIB, 2) == 70.76
-    assert round(plans[3].memory_bytes["total"] / GIB, 2) == 51.57
+    assert round(plans[3].memory_bytes["total"] / GIB, 2) == 50.99  # at pp = 1 two neighbouring units gathered
     # ZeRO-3 moves 1.5x an all-reduce of the parameters per micro-batch (ZeRO §7): at m = 1, G = W,
     one = {z: make_plan(_13b(zero=z, global_batch=16)) for z in (0, 3)}
     assert one[0].num_microbatches == 1
