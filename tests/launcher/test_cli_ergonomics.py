@@ -95,7 +95,7 @@ def test_keys_prints_every_key_with_type_default_and_docstring(tmp_path):
     for key in printed:
         assert owners[key] in written, key
         assert " ".join(blocks[key].split()) == written[owners[key]] == " ".join(docs[owners[key]].split()), key
-    assert "parallel.schedule: gpipe|1f1b|interleaved_1f1b = 1f1b" in p.stdout
+    assert "parallel.schedule: gpipe|1f1b|interleaved_1f1b|zb_h1 = 1f1b" in p.stdout
     assert "train.precision: auto|fp32|bf16|fp16|fp8 = auto" in p.stdout
     assert "model.num_query_groups: int or null = null" in p.stdout
     one = meshrun("action=keys", "keys.group=parallel", cwd=tmp_path)
