@@ -376,7 +376,6 @@ def _check_layout(cfg: Config, out: List[Issue]) -> bool:
     out += _issues(rules.split_layer_rules(cfg))
     out += _issues(rules.schedule_rules(par.schedule, p, v))
     out += _issues(rules.zero_bubble_rules(par.schedule, par.zero))
-    out += _issues(rules.microbatch_group_run_rules(par.schedule, p, par.microbatch_group_size))
     out += _issues(rules.sp_rules(par.sp, t, s))
     cp_issues = _issues(rules.cp_rules(cp, s, t, par.sp, m.dropout, getattr(par, "cp_comm", "ring")))
     for i in cp_issues:  # dropout only stops training: a plan of the layout still holds

@@ -200,12 +200,15 @@ def test_orders_reach_the_formula_bubble_with_free_communication(kind, p, v, m, 
                 assert _simulated_idle_share(kind, p, m, 1, t_f, t_b, t_w=t_w) == pytest.approx(want, abs=1e-9)
 
 
-def _nccl_walk(kind, p, m, v, g=0):
-    """Each rank's exchanges run one after another (NCCL's single P2P stream per communicator) and an
-    op completes only once its match is in the peer's current exchange (a send may wait for its
-    receive); the k-th send a -> b matches b's k-th receive from a (NCCL ignores tags). Returns the
+def _nccl_walk(kind, p, m, v, g=0, plan=None):
+    """Each rank's exchanges (of `plan`, build_comm_plan's signature; build_comm_plan itself by default) run
+    one after another (NCCL's single P2P stream per communicator) and an op completes only once its match is
+    in the peer's current exchange (a send may wait for its receive); the k-th send a -> b matches b's k-th
+    receive from a (NCCL ignores tags). Returns the
     (message sent, message received) pairs of every direction and whether every rank got to the end."""
-    plans = {r: [s for s in build_comm_plan(kind, p, r, m, v, g) if isinstance(s[0], tuple)] for r in range(p)}
+    plans = {
+        r: [s for s in (plan or build_comm_plan)(kind, p, r, m, v, g) if isinstance(s[0], tuple)] for r in range(p)
+    }
     seqs, numbered = {}, {}
     for r in range(p):
         count, numbered[r] = {}, []
@@ -256,7 +259,8 @@ def _group_cases():
         for v in vs
         for m in (1, 2, 3, 4, 8, 16)
         if k != "interleaved_1f1b" or m % p == 0
-    ],
+    ]
+    + list(_group_cases()),
 )
 def test_exchanges_match_in_issue_order_and_never_deadlock_on_nccl(kind, p, v, m, g):
     for r in range(p):
@@ -270,22 +274,26 @@ def test_exchanges_match_in_issue_order_and_never_deadlock_on_nccl(kind, p, v, m
     assert finished, "the exchanges wait on each other in a cycle under NCCL's rules"
 
 
-def test_group_sizes_other_than_pp_break_the_exchanges_and_are_refused():
-    """Megatron-Core's micro-batch groups larger than pp give valid orders (test_orders_*), but this engine's
-    steady F+B exchanges then wait in a cycle or pair messages out of issue order in most cases: the rules refuse
-    them before a launch and the engine at start-up; groups of pp (0) are today's schedule."""
-    from training.contract.layout_rules import layout_violations, microbatch_group_run_rules
+def test_group_sizes_other_than_pp_need_round_exchanges():
+    """Megatron-Core's micro-batch groups larger than pp: the steady F+B units' exchanges (groups of pp's plan)
+    would wait in a cycle or pair messages out of issue order in most cases, so build_comm_plan places their
+    messages by lock-step rounds, which the walk finishes with every direction paired in issue order (the
+    parametrized test above); the layout rules accept every group in Megatron's range."""
+    import training.schedules.pipeline as pl
+    from training.contract.layout_rules import layout_violations
+
+    def unit_plan(k, p, r, m, v, g):
+        return pl._with_exchanges(pl.build_units(k, p, r, m, v, g), p, r, v)
 
     broken = 0
     cases = list(_group_cases())
     for kind, p, v, m, g in cases:
-        seqs, finished = _nccl_walk(kind, p, m, v, g)
+        seqs, finished = _nccl_walk(kind, p, m, v, g, unit_plan)
         broken += not finished or any(d["send"] != d["recv"] for d in seqs.values())
     assert broken > 0.9 * len(cases)
-    assert microbatch_group_run_rules("interleaved_1f1b", 4, 4) == []
+    for kind, p, v, m, g in cases:
+        assert peak_in_flight(build_actions(kind, p, 0, m, v, g)) == min(m * v, 2 * (p - 1) + (v - 1) * g + 1)
     cfg = _cfg(pp=2, vpp=2, schedule="interleaved_1f1b", microbatch_group_size=4)
-    assert [v.code for v in layout_violations(cfg, 1) if v.level == "error"] == ["microbatch_group"]
-    cfg.parallel.microbatch_group_size = 2
     assert not [v for v in layout_violations(cfg, 1) if v.level == "error"]
     cfg.parallel.microbatch_group_size = 8  # more than the 4 micro-batches per step: Megatron's range rule
     assert any("must lie in" in str(v) for v in layout_violations(cfg, 1) if v.level == "error")
@@ -362,6 +370,8 @@ LAYOUTS = {
     "pp2_gpipe": dict(pp=2, schedule="gpipe"),
     "pp4_1f1b": dict(pp=4),
     "pp2_vpp2_interleaved": dict(pp=2, vpp=2, schedule="interleaved_1f1b"),
+    # Megatron-Core's micro-batch group of 4 > pp (all m = 4 micro-batches through chunk 0, then chunk 1): round exchanges
+    "pp2_vpp2_g4_interleaved": dict(pp=2, vpp=2, schedule="interleaved_1f1b", microbatch_group_size=4),
     "pp2_zb_h1": dict(pp=2, schedule="zb_h1"),
     "pp4_zb_h1": dict(pp=4, schedule="zb_h1"),
     # the split backward through the tensor-parallel layers (their custom autograd functions and SP collectives)
@@ -371,7 +381,7 @@ LAYOUTS = {
 # One spawn per world size runs every case of that size (2: the pp2 layouts, torch's native schedules and the
 # message recording; 4: pp4 and tp2 sp pp2; 8: tp2 sp pp2 dp2): each case's mesh groups are built beside the previous one's.
 WORLDS = {
-    2: ["pp2_1f1b", "pp2_gpipe", "pp2_vpp2_interleaved", "pp2_zb_h1"],
+    2: ["pp2_1f1b", "pp2_gpipe", "pp2_vpp2_interleaved", "pp2_vpp2_g4_interleaved", "pp2_zb_h1"],
     4: ["pp4_1f1b", "pp4_zb_h1", "tp2_sp_pp2_zb_h1"],
     8: ["tp2_sp_pp2_dp2_zero1"],
 }
@@ -441,7 +451,9 @@ def test_gpipe_and_1f1b_give_identical_losses(spawns):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pp2_1f1b", "pp4_1f1b", "pp2_zb_h1", "pp4_zb_h1", "pp2_vpp2_interleaved"])
+@pytest.mark.parametrize(
+    "layout", ["pp2_1f1b", "pp4_1f1b", "pp2_zb_h1", "pp4_zb_h1", "pp2_vpp2_interleaved", "pp2_vpp2_g4_interleaved"]
+)
 def test_stage_outputs_are_freed_once_sent_and_every_stage_matches_the_plan(spawns, layout):
     """Output deallocation: no stage output outlives its send (only its autograd edge is kept), so what a stage
     holds is what autograd saved (the saved-tensor counter) plus at most the messages in flight, and that equals
@@ -490,11 +502,7 @@ def _oracle_case(cfg_dict: dict, mesh):
     from training.schedules.pipeline import PipelineSchedule, p2p_shape
 
     base = config_from_dict(cfg_dict)
-    torch.manual_seed(0)
-    m, b, s = 4, base.parallel.micro_batch, base.model.seq_length
-    ids = torch.randint(0, base.model.vocab_size, (m * b, s + 1))  # any tokens: one step's grads
-    tokens, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    micro = list(zip(tokens.chunk(m), targets.chunk(m)))
+    b, s = base.parallel.micro_batch, base.model.seq_length
     # zb_h1's split backward gives the grads of a whole backward: torch's 1F1B is its oracle.
     native = {
         "gpipe": ScheduleGPipe,
@@ -503,7 +511,14 @@ def _oracle_case(cfg_dict: dict, mesh):
         "zb_h1": Schedule1F1B,
     }
     worst = {}
-    for kind, vpp in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)):
+    # torch's interleaved schedule groups m // (m // pp) micro-batches per chunk (its "rounds"): m = 3 at pp = 2 is
+    # Megatron-Core's group of 3 > pp, which our round exchanges run.
+    cases = (("gpipe", 1, 4, 0), ("1f1b", 1, 4, 0), ("interleaved_1f1b", 2, 4, 0), ("zb_h1", 1, 4, 0))
+    for kind, vpp, m, group in cases + (("interleaved_1f1b", 2, 3, 3),):
+        torch.manual_seed(0)
+        ids = torch.randint(0, base.model.vocab_size, (m * b, s + 1))  # any tokens: one step's grads
+        tokens, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+        micro = list(zip(tokens.chunk(m), targets.chunk(m)))
         cfg = config_from_dict(cfg_dict)
         cfg.parallel.schedule, cfg.parallel.vpp = kind, vpp
         ours, theirs = build_gpt(cfg, mesh, torch.float32), build_gpt(cfg, mesh, torch.float32)
@@ -518,6 +533,7 @@ def _oracle_case(cfg_dict: dict, mesh):
             torch.float32,
             mesh.device,
             lambda loss, n: loss / n,
+            microbatch_group_size=group,
         )
         loss = sched.forward_backward(micro)
 
@@ -543,14 +559,16 @@ def _oracle_case(cfg_dict: dict, mesh):
                 err = max(err, float((q.grad - g).norm() / g.norm().clamp_min(1e-12)))
         if mesh.is_last_stage:
             err = max(err, _rel(float(loss), float(torch.stack(losses).mean())))
-        worst[kind] = err
+        worst[f"{kind}_g{group}" if group else kind] = err
     return worst
 
 
 @pytest.mark.slow
 def test_our_schedules_match_torch_native_pipelining(spawns):
     results = [r["oracle"] for r in spawns(2)]
-    assert len(results) == 2 and all(set(w) == {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1"} for w in results)
+    assert len(results) == 2 and all(
+        set(w) == {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_1f1b_g3", "zb_h1"} for w in results
+    )
     for rank, worst in enumerate(results):
         for kind, err in worst.items():
             assert err < 1e-5, f"rank {rank} {kind}: grads differ from torch's native schedule by {err:.2e}"

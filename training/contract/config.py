@@ -225,8 +225,8 @@ class ParallelConfig:
     """schedule=interleaved_1f1b: micro-batches that go through one model chunk before the rank moves to its next
     chunk (Megatron-Core's microbatch_group_size_per_vp_stage); 0 = pp. Between pp and the micro-batches per step,
     the last group (micro-batches mod it) 0 or >= pp; larger groups add (v - 1) x (group - pp) chunk micro-batches
-    of warm-up (activations held). The planner and the schedule builders take any such group; the engine runs
-    groups of pp only (other sizes' exchanges would deadlock on NCCL: training/contract/layout_rules.py)."""
+    of warm-up (activations held). The planner, the schedule builders and the engine take any such group (groups
+    other than pp exchange by lock-step rounds: training/schedules/pipeline.py)."""
     recompute: Recompute = Recompute.none
     """none | selective (attention core) | full (whole layer)."""
     recompute_num_layers: int = 0

@@ -245,24 +245,6 @@ def interleaved_batch_rules(
     ]
 
 
-def microbatch_group_run_rules(schedule: str, pp: int, group: int) -> List[Violation]:
-    """What the engine runs of parallel.microbatch_group_size: only groups of pp. With larger groups the steady
-    F+B units' exchanges (training/schedules/pipeline.py) wait on each other in a cycle under NCCL's rules, or
-    (pp = 2) pair messages out of issue order: tests/engine/test_pipeline.py simulates every case and shows it.
-    The orders, the in-flight counts and the bubble of any group exist (pure builders, the planner)."""
-    if schedule != "interleaved_1f1b" or group in (0, pp):
-        return []
-    return [
-        _error(
-            "parallel.microbatch_group_size",
-            f"microbatch_group_size={group} (other than pp={pp}) is not run by the engine: its exchanges would "
-            "deadlock on NCCL",
-            "parallel.microbatch_group_size=0",
-            "microbatch_group",
-        )
-    ]
-
-
 def zero_bubble_rules(schedule: str, zero: int) -> List[Violation]:
     """zb_h1 runs each weight-grad pass (W) after its input-grad pass (B) has returned: zero=3 releases a unit's
     gathered parameters at the end of its backward, before W could use them."""
@@ -515,7 +497,6 @@ def layout_violations(cfg: Config, dp: int) -> List[Violation]:
     out = model_rules(m) + tp + split_layer_rules(cfg)
     out += schedule_rules(par.schedule, par.pp, par.vpp)
     out += zero_bubble_rules(par.schedule, par.zero)
-    out += microbatch_group_run_rules(par.schedule, par.pp, getattr(par, "microbatch_group_size", 0))
     out += sp_rules(par.sp, par.tp, m.seq_length)
     out += cp_rules(par.cp, m.seq_length, par.tp, par.sp, m.dropout, getattr(par, "cp_comm", "ring"))
     out += memory_lever_rules(

@@ -5,7 +5,7 @@ function): F runs a chunk forward on the activation received from the previous v
 first virtual stage takes the token ids; the last returns the micro-batch loss), B runs it backward on
 the grad received from the next virtual stage (the last backpropagates the scaled loss). gpipe, 1f1b and
 interleaved are Megatron-LM's orders (interleaved: Megatron-Core's schedule table, micro-batch groups of
-parallel.microbatch_group_size, 0 = pp; the engine runs groups of pp only, see layout_rules). zb_h1 (ZB-H1, Qi
+parallel.microbatch_group_size, 0 = pp; groups other than pp exchange differently, see Communication). zb_h1 (ZB-H1, Qi
 et al. 2024) is 1f1b with each B computing only the input grad (torch.autograd.grad with retain_graph; the
 grads reaching the weights' start nodes kept by node pre-hooks) and a W action later computing the weight
 grads from them (torch.autograd.backward with inputs=, so the optimizer's grad hooks run): rank r defers r
@@ -33,6 +33,13 @@ send_backward_recv_forward, ... of p2p_communication.py). Every op has tag 0. Wh
     every rank). Interleaved needs its steady F+B pairs as one unit (Megatron's
     send_forward_backward_recv_forward_backward): one exchange per action there deadlocks.
   * batch_isend_irecv issues a unit's sends and receives together, so neither blocks the other.
+Interleaved with micro-batch groups g != pp (pp < g <= m) cannot use these units: their exchanges wait on each
+other in a cycle, or (pp = 2) pair messages out of issue order (tests/engine/test_pipeline.py walks every case).
+There `_round_plans` walks the whole pipeline in lock-step rounds (each rank runs its next action when its input
+has arrived) and puts every message in the exchanges, the sender's and the receiver's, of the round after the one
+that made it: matched ops always share a round, so no cycle can form, and each direction lists a round's
+messages in one order. A rank may then make several exchanges between two actions, and a received message
+may wait in its buffer for its action (the in-flight counts, set by the order, do not change).
 A NCCL communicator's first batch_isend_irecv must involve all its ranks: the first step starts with
 an all_reduce over the pipeline group, which creates it.
 Overlap (parallel.overlap_p2p, `PipelineSchedule(overlap_p2p=True)`): an exchange waits only for its
@@ -66,6 +73,7 @@ the optimizer after the last backward (training/optim/model_parallel.py), so bot
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -78,7 +86,6 @@ from training.parallel import collectives as comm
 from training.observe.busy_timer import BusyTimer
 from training.contract.layout_rules import (
     interleaved_batch_rules,
-    microbatch_group_run_rules,
     raise_errors,
     schedule_rules,
     sequence_parallel_on,
@@ -130,7 +137,8 @@ def _interleaved_table(p: int, v: int, m: int, group: int = 0) -> List[Tuple[int
 
 def build_units(kind: str, p: int, rank: int, m: int, v: int = 1, group: int = 0) -> List[List[Action]]:
     """The ordered F/B (and zb_h1's W) actions of pipeline rank `rank` for one step of m micro-batches, cut
-    where the rank exchanges messages: one action per unit, except interleaved's steady F+B pairs."""
+    where the rank exchanges messages: one action per unit, except interleaved's steady F+B pairs (with micro-batch
+    groups other than pp only the order counts: build_comm_plan places those exchanges by rounds)."""
     check_schedule(kind, p, v, m, group)
     if kind == "gpipe":
         return [[("F", 0, i)] for i in range(m)] + [[("B", 0, i)] for i in range(m)]
@@ -202,9 +210,57 @@ def _produces(action: Action, p: int, rank: int, v: int) -> Optional[P2P]:
 
 
 def build_comm_plan(kind: str, p: int, rank: int, m: int, v: int = 1, group: int = 0) -> List[Union[Action, Exchange]]:
-    """Rank `rank`'s step: its actions with an exchange (a tuple of P2P ops, never empty) between two
-    units, before the first and after the last; see the module docstring for why this order."""
+    """Rank `rank`'s step: its actions with exchanges (tuples of P2P ops, never empty) between them; see the
+    module docstring for why this order. Interleaved with micro-batch groups other than pp: `_round_plans`."""
+    if kind == "interleaved_1f1b" and group_size(p, group) != p:
+        check_schedule(kind, p, v, m, group)
+        return list(_round_plans(p, m, v, group)[rank])
     return _with_exchanges(build_units(kind, p, rank, m, v, group), p, rank, v)
+
+
+@functools.lru_cache(maxsize=64)
+def _round_plans(p: int, m: int, v: int, group: int) -> Tuple[Tuple[Union[Action, Exchange], ...], ...]:
+    """Every rank's plan for interleaved with micro-batch groups g != pp, from a lock-step walk of the whole
+    pipeline: in round t each rank runs its next action if its input has arrived, then every message made in
+    round t goes in round t + 1's exchanges, the sender's and the receiver's (a rank without ops in a round has
+    no exchange there). Each exchange holds the sends, then the receives, sorted by (peer, message), so both ends
+    of a direction list a round's messages in one order; rounds order the rest. Deadlock-free under NCCL's
+    rules: a round-t op's match is in the peer's round-t exchange, so by induction on t every exchange completes
+    whatever the real timing. The cost: a received message may wait for its action (one [s, b, h] buffer each),
+    where the unit plan's rendezvous makes the sender wait instead, which for g > pp waits in a cycle
+    (tests/engine/test_pipeline.py shows both)."""
+    actions = [build_actions("interleaved_1f1b", p, r, m, v, group) for r in range(p)]
+    plans: List[List[Union[Action, Exchange]]] = [[] for _ in range(p)]
+    pos, arrived = [0] * p, [set() for _ in range(p)]
+    made: List[Tuple[int, P2P]] = []
+    while made or any(pos[r] < len(actions[r]) for r in range(p)):
+        ops: List[List[P2P]] = [[] for _ in range(p)]
+        for r, send in sorted(made, key=lambda x: (x[0], x[1][2], x[1][1])):
+            ops[r].append(send)
+        for r, (_, msg, peer) in sorted(made, key=lambda x: (x[1][2], x[0], x[1][1])):
+            ops[peer].append(("recv", msg, r))
+            arrived[peer].add(msg)
+        for r in range(p):
+            if ops[r]:
+                plans[r].append(tuple(ops[r]))
+        made, ran = [], False
+        for r in range(p):
+            if pos[r] == len(actions[r]):
+                continue
+            action = actions[r][pos[r]]
+            need = _needs(action, p, r, v)
+            if need is None or need[1] in arrived[r]:
+                if need is not None:
+                    arrived[r].discard(need[1])
+                plans[r].append(action)
+                pos[r] += 1
+                ran = True
+                out = _produces(action, p, r, v)
+                if out is not None:
+                    made.append((r, out))
+        if not ran and not made and any(pos[r] < len(actions[r]) for r in range(p)):
+            raise AssertionError(f"interleaved p={p} v={v} m={m} g={group}: the order waits on itself")
+    return tuple(tuple(plan) for plan in plans)
 
 
 def build_forward_plan(p: int, rank: int, m: int, v: int = 1, group: int = 0) -> List[Union[Action, Exchange]]:
@@ -358,7 +414,6 @@ class PipelineSchedule:
         }
         self._group_ready = False
         self.mb_group = microbatch_group_size
-        raise_errors(microbatch_group_run_rules(kind, pp, microbatch_group_size))
         m_min = max(pp, microbatch_group_size, 1) if kind == "interleaved_1f1b" else 1
         check_schedule(kind, pp, self.v, m_min, microbatch_group_size)
 
