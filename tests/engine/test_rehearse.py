@@ -431,3 +431,83 @@ def test_the_cli_rehearses_and_exits_6_on_a_defect(tmp_path, monkeypatch):
     with open(tmp_path / "bad" / "rehearsal.json") as f:
         doc = json.load(f)
     assert doc["defects"][0]["kind"] == "deadlock" and not doc["ok"]
+
+
+# ---- deduplication: one rank per coordinate class, the others derived (training/rehearse/dedup.py) ------------
+
+DEDUP_LAYOUTS = {
+    "tp2_pp2_dp2_zero1": (
+        "model=tiny",
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.dp=2",
+        "parallel.zero=1",
+        "parallel.global_batch=8",
+        "cluster.gpus_per_node=8",
+    ),
+    # 127,974 parameters: the last of the 4 ZeRO-3 shards (31,994 each) carries 2 elements of padding
+    "zero3_dp4_uneven": LAYOUTS["zero3_dp4"]
+    + ("model.hidden_size=66", "model.num_attention_heads=2", "model.vocab_size=501"),
+    "ep2_moe": LAYOUTS["ep2_moe"],
+    "cp2": LAYOUTS["cp2"],
+    "cp4": LAYOUTS["cp4"],
+    "ep8_moe": LAYOUTS["ep8_moe"],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(DEDUP_LAYOUTS))
+def test_dedup_derives_exactly_what_every_rank_runs(tmp_path, layout):
+    """Every rank run on its own against its class representative's calls relabelled: the same calls (op, group,
+    dtype, numel, device, site, phase, root, peer, batch, ...), groups, memory, and the same check results."""
+    import dataclasses
+
+    from training.contract.config import derived_dp
+    from training.rehearse import dedup
+    from training.rehearse.runner import rehearsal_config, rehearse_rank
+
+    cfg = compose_cfg(*CUDA, *DEDUP_LAYOUTS[layout])
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir, exist_ok=True)
+    cfg.run.dir = run_dir
+    p, dp = cfg.parallel, derived_dp(cfg)
+    world = p.tp * p.pp * p.cp * dp
+    rc = rehearsal_config(cfg)
+    full = {r: rehearse_rank(rc, run_dir, r, emulate="nccl") for r in range(world)}
+    assert not [x.error for x in full.values() if x.error]
+    members = dedup.classes(list(range(world)), p.tp, p.pp, p.cp, dp, p.ep)
+    derived = {}
+    for rep, others in members.items():
+        derived[rep] = full[rep]
+        for r in others:
+            d = dedup.derive_result(full[rep], r, p.tp, p.pp, p.cp, dp, p.ep)
+            want = full[r]
+            assert [dataclasses.asdict(c) for c in d.calls] == [dataclasses.asdict(c) for c in want.calls], (rep, r)
+            assert (d.coords, d.groups, d.memory) == (want.coords, want.groups, want.memory), (rep, r)
+            derived[r] = d
+    if layout in ("zero3_dp4_uneven", "cp4", "ep8_moe"):
+        assert len(members) < world  # middle positions were derived
+    got_calls, want_calls = {r: x.calls for r, x in derived.items()}, {r: x.calls for r, x in full.items()}
+    for dev in ("cuda", "cpu"):
+        got = checks.check_matching(got_calls, world) + checks.check_devices(got_calls, dev)
+        want = checks.check_matching(want_calls, world) + checks.check_devices(want_calls, dev)
+        got += checks.check_deadlock(got_calls, world)
+        want += checks.check_deadlock(want_calls, world)
+        assert [x.to_json() for x in got] == [x.to_json() for x in want]
+
+
+def test_dedup_rehearsal_reports_as_the_full_one(tmp_path):
+    """rehearse(dedup=True) against dedup=False on a layout with middle dp ranks: the same rehearsal.json, less
+    the timings and the derivation notes; fewer engine runs."""
+    a, code_a = _rehearse(tmp_path, *DEDUP_LAYOUTS["zero3_dp4_uneven"], name="dedup")
+    cfg = compose_cfg(*CUDA, *DEDUP_LAYOUTS["zero3_dp4_uneven"])
+    run_dir = str(tmp_path / "full")
+    os.makedirs(run_dir, exist_ok=True)
+    cfg.run.dir = run_dir
+    b, code_b = rehearse(cfg, run_dir, workers=1, quiet=True, dedup=False)
+    assert code_a == code_b == EXIT_OK and a["engine_runs"] < b["engine_runs"] == b["layout"]["world_size"]
+
+    def strip(doc):
+        ranks = [{k: v for k, v in r.items() if k not in ("seconds", "why")} for r in doc["ranks"]]
+        return {**{k: v for k, v in doc.items() if k not in ("seconds", "engine_runs")}, "ranks": ranks}
+
+    assert strip(a) == strip(b)

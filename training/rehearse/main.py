@@ -39,11 +39,15 @@ def _progress(done: int, total: int, result, t0: float) -> None:
     )
 
 
-def rehearse(cfg, run_dir: str, ranks: Optional[List[int]] = None, workers: int = 0, quiet: bool = False):
-    """(rehearsal.json's dict, exit code); also writes RUN_DIR/rehearsal.json."""
+def rehearse(
+    cfg, run_dir: str, ranks: Optional[List[int]] = None, workers: int = 0, quiet: bool = False, dedup: bool = True
+):
+    """(rehearsal.json's dict, exit code); also writes RUN_DIR/rehearsal.json. dedup: run one rank of each
+    coordinate class and derive the others' calls by relabelling (training/rehearse/dedup.py); False runs
+    every selected rank."""
     global _CFG, _RUN_DIR
     from training.contract.config import derived_dp
-    from training.rehearse import checks, ranks as rank_sel, report
+    from training.rehearse import checks, dedup as dd, ranks as rank_sel, report
     from training.rehearse.memory import memory_defects
     from training.rehearse.runner import rehearsal_config
 
@@ -55,19 +59,25 @@ def rehearse(cfg, run_dir: str, ranks: Optional[List[int]] = None, workers: int 
     if ranks is not None:
         chosen, why = sorted(ranks), {r: "asked" for r in ranks}
     _CFG, _RUN_DIR = rehearsal_config(cfg), run_dir
-    workers = max(1, min(workers or (os.cpu_count() or 1), len(chosen)))
+    members = dd.classes(chosen, p.tp, p.pp, p.cp, dp, p.ep) if dedup else {r: [] for r in chosen}
+    runs = sorted(members)
+    workers = max(1, min(workers or (os.cpu_count() or 1), len(runs)))
     results = []
     if workers == 1:
-        for i, r in enumerate(chosen):
+        for i, r in enumerate(runs):
             results.append(_one(r))
             if not quiet:
-                _progress(i + 1, len(chosen), results[-1], t0)
+                _progress(i + 1, len(runs), results[-1], t0)
     else:
         with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=8) as pool:
-            for i, res in enumerate(pool.imap_unordered(_one, chosen)):
+            for i, res in enumerate(pool.imap_unordered(_one, runs)):
                 results.append(res)
                 if not quiet:
-                    _progress(i + 1, len(chosen), res, t0)
+                    _progress(i + 1, len(runs), res, t0)
+    for rep in list(results):
+        for r in members[rep.rank]:
+            results.append(dd.derive_result(rep, r, p.tp, p.pp, p.cp, dp, p.ep))
+            why[r] = f"{why.get(r, '')}; derived from rank {rep.rank}".lstrip("; ")
     calls = {r.rank: r.calls for r in results if not r.error}
     device = cfg.cluster.device
     defects = checks.check_matching(calls, world) + checks.check_devices(calls, device)
@@ -87,6 +97,7 @@ def rehearse(cfg, run_dir: str, ranks: Optional[List[int]] = None, workers: int 
         "device": device,
     }
     doc = report.to_json(layout, results, why, defects, plan, time.perf_counter() - t0)
+    doc["engine_runs"] = len(runs)
     write_atomic(os.path.join(run_dir, REHEARSAL_FILE), json.dumps(doc, indent=1, default=str))
     if any(r.error for r in results):
         code = EXIT_FAILED
@@ -110,6 +121,11 @@ def main(argv: List[str]) -> int:
     ap.add_argument("run_dir")
     ap.add_argument("--ranks", default="", help="comma-separated ranks (default: all, or representatives)")
     ap.add_argument("--workers", type=int, default=0, help="worker processes (default: the CPU count)")
+    ap.add_argument(
+        "--no-dedup",
+        action="store_true",
+        help="run every selected rank (default: one per coordinate class, the others derived by relabelling)",
+    )
     args = ap.parse_args(argv)
     from training.contract.config import load_config
     from training.rehearse.report import table
@@ -121,7 +137,8 @@ def main(argv: List[str]) -> int:
         return EXIT_INVALID
     cfg.run.dir = os.path.abspath(args.run_dir)
     ranks = [int(x) for x in args.ranks.split(",") if x.strip()] or None
-    doc, code = rehearse(cfg, cfg.run.dir, ranks, args.workers)
+    dedup = not args.no_dedup and os.environ.get("MESHRUN_REHEARSE_DEDUP", "1") != "0"
+    doc, code = rehearse(cfg, cfg.run.dir, ranks, args.workers, dedup=dedup)
     print(table(doc))
     print(f"rehearsal.json: {os.path.join(cfg.run.dir, REHEARSAL_FILE)}")
     return code
