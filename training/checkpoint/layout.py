@@ -150,7 +150,7 @@ def exact_storage(t: torch.Tensor) -> torch.Tensor:
 
 def exchange_chunk_lists(pieces: List[Piece], group=None) -> List:
     """The collective part of to_state_dict: every rank's (rank, [(key, offsets, shape, global shape, dtype,
-    device)]) of its pieces, in rank order (the rehearsal runs this part alone: meta tensors cannot be saved)."""
+    device)]) of its pieces, in rank order."""
     mine = [
         (p.key, p.offsets, tuple(p.tensor.shape), p.global_shape, str(p.tensor.dtype), str(p.tensor.device))
         for p in pieces
@@ -173,6 +173,11 @@ def to_state_dict(pieces: Iterable[Piece], group=None) -> Dict[str, "ShardedTens
     pieces = list(pieces)
     rank = comm.rank()
     gathered = exchange_chunk_lists(pieces, group)
+    if comm.moves_no_data():
+        # The rehearsal's fake backend (training/rehearse/runner.py): the exchange is issued and recorded, but
+        # every rank's entry is this rank's list, which the global check below would refuse; this rank's pieces
+        # are wrapped as a resume's destinations are (local chunks, the global size).
+        return to_load_state_dict(pieces)
     by_key: Dict[str, List[ShardMetadata]] = {}
     local_keys = {p.key for p in pieces}
     for r, entries in gathered:

@@ -42,6 +42,7 @@ from training.parallel import collectives as comm
 from training.checkpoint import storage
 from training.run import signals
 from training.checkpoint.layout import Piece, exact_storage, param_info, pieces_for, to_load_state_dict, to_state_dict
+from training.checkpoint.files import CheckpointFiles
 from training.checkpoint.staging import HostStager
 from training.checkpoint.storage import CheckpointError
 from training.contract.config import Config, ModelConfig, checkpoint_minutes, config_to_dict
@@ -232,6 +233,11 @@ class CheckpointManager:
         self.distributed = comm.is_initialized()
         self.rank = comm.rank() if self.distributed else 0
         self.world = comm.world_size() if self.distributed else 1
+        # Whether this rank does rank 0's part of the files (the temporary directory's name, the sealing, the
+        # candidates) and broadcasts it: rank 0; and every rank under a backend that moves no data (the
+        # rehearsal's, training/rehearse/runner.py), where a broadcast leaves each rank its own value and each
+        # rank's `files` stand for the job's shared checkpoint directory.
+        self._rank0_part = self.rank == 0 or comm.moves_no_data()
         self.keep_last = max(1, cfg.train.keep_last)
         self.async_save = bool(cfg.train.async_save)
         # The background write runs DCP's collectives from its own thread; the mesh's dedicated gloo group
@@ -245,6 +251,9 @@ class CheckpointManager:
         # that copies, writes and commits each save in turn (no thread is started per save). Its thread is
         # joined at interpreter exit, so a pending save is committed before the process ends.
         self._stager = HostStager() if self.async_save else None
+        # Every file the manager writes or reads goes through this object (training/checkpoint/files.py); the
+        # rehearsal replaces it with one that records and writes nothing (training/rehearse/runner.py).
+        self.files = CheckpointFiles()
         self._writer_thread = writer_thread(mesh.device) if self.async_save else None
         self._prewarm_thread: Optional[threading.Thread] = None  # prewarm()'s import thread
         # Set by the first wait_staged(): the caller has a barrier before it changes the state, so an async
@@ -376,7 +385,7 @@ class CheckpointManager:
         if self.last_saved_step == step:
             return self.history[-1]
         t0 = time.monotonic()
-        tmp = self._bcast(storage.new_tmp_dir(self.run_dir, step) if self.rank == 0 else None)
+        tmp = self._bcast(storage.new_tmp_dir(self.run_dir, step) if self._rank0_part else None)
         opt_state = optimizer.state_dict() if optimizer is not None else None
         pieces = self._pieces(model_chunks, opt_state, for_save=True)
         if self._stager is not None:  # async: the pieces become host buffers, filled in the background
@@ -400,22 +409,19 @@ class CheckpointManager:
         # an async commit writes it after the loop has moved on (and may have changed its dicts).
         info = json.loads(json.dumps(info))
         stats = SaveStats(step, reason)
-        from training.checkpoint.crc_writer import CrcFileSystemWriter
-
-        dcp, CheckpointException = _dcp()
+        _, CheckpointException = _dcp()
         check = self._stager.raise_if_failed if self._stager is not None else None
-        writer = CrcFileSystemWriter(tmp, self.rank, check=check, sync_files=True)
         if self.async_save:
             p = self._pending = _Pending(stats, tmp, info, t0)
             if not self._has_barrier:
                 self._stage(p)  # no barrier: the caller may change the state as soon as save() returns
-            p.future = self._writer_thread.submit(self._save_async, p, state, writer)
+            p.future = self._writer_thread.submit(self._save_async, p, state, check)
             stats.blocked_s = time.monotonic() - t0  # wait_staged adds its wait
             self.last_saved_step = step
             self._last_save_time = time.monotonic()
             return stats
         try:
-            dcp.save(state, storage_writer=writer, process_group=self._ckpt_group)
+            self.files.write(state, tmp, self.rank, check, self._ckpt_group)
             error = None
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
             error = _short(exc)
@@ -424,18 +430,18 @@ class CheckpointManager:
         self._after_commit(stats, error)
         return stats
 
-    def _save_async(self, p: _Pending, state: Dict[str, Any], writer) -> Optional[str]:
+    def _save_async(self, p: _Pending, state: Dict[str, Any], check) -> Optional[str]:
         """The background job of an async save: copy to host memory, write, and on rank 0 commit right away
         (not at the next wait(): a crash in between must not cost a checkpoint that is already on disk).
         Returns the error (rank 0's is the one every rank reports), or None."""
-        dcp, CheckpointException = _dcp()
+        _, CheckpointException = _dcp()
         self._stage(p)
         try:
-            dcp.save(state, storage_writer=writer, process_group=self._async_group)
+            self.files.write(state, p.tmp_dir, self.rank, check, self._async_group)
             err = None
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
             err = _short(exc)
-        if self.rank == 0:
+        if self._rank0_part:
             err = self._commit_or_clean(p.tmp_dir, p.info, p.stats, err, broadcast=False)
         return err
 
@@ -490,25 +496,12 @@ class CheckpointManager:
 
     def _commit_or_clean(self, tmp: str, info, stats: SaveStats, error: Optional[str], broadcast: bool = True):
         """Rank 0 seals the checkpoint (or removes the failed temporary dir); the outcome goes to every rank."""
-        if self.rank == 0:
+        if self._rank0_part:
             if error is None:
                 try:
-                    from training.checkpoint.crc_writer import read_sidecars
-
-                    sums = read_sidecars(tmp)  # every rank's CRC32s, computed while writing
-                    storage.write_json_durable(os.path.join(tmp, storage.STATE), info)
-                    with open(os.path.join(tmp, storage.CONFIG), "w") as f:
-                        json.dump(config_to_dict(self.cfg), f, indent=2, sort_keys=True)
-                    storage.commit(
-                        tmp,
-                        storage.step_dir(self.run_dir, stats.step),
-                        os.path.join(storage.checkpoints_dir(self.run_dir), storage.LATEST),
-                        {"step": stats.step, "previous": info["previous"]},
-                        sums,
+                    stats.bytes = self.files.seal(
+                        self.run_dir, tmp, info, config_to_dict(self.cfg), stats.step, self.keep_last
                     )
-                    stats.bytes = storage.dir_size(storage.step_dir(self.run_dir, stats.step))
-                    storage.prune(self.run_dir, self.keep_last, protect=stats.step)
-                    storage.remove_stale_tmp(self.run_dir)
                     if self._replica is not None:
                         self._replica.submit(stats.step)
                 except Exception as exc:  # noqa: BLE001
@@ -562,7 +555,7 @@ class CheckpointManager:
         mode = str(self.cfg.train.resume).strip().lower()
         if mode == "none":
             return None, None
-        wanted, error = self._bcast(self._candidates(mode) if self.rank == 0 else None)
+        wanted, error = self._bcast(self._candidates(mode) if self._rank0_part else None)
         if error:
             return None, error
         replica = self.cfg.train.checkpoint_replica_dir
@@ -595,14 +588,14 @@ class CheckpointManager:
     def _candidates(self, mode: str) -> Tuple[List[int], Optional[str]]:
         """Rank 0: the steps to try, newest first, or the error of a train.resume naming a missing step."""
         if mode == "auto":
-            wanted = storage.candidates(self.run_dir)
+            wanted = self.files.candidates(self.run_dir)
         else:
             try:
                 step = int(mode)
             except ValueError:
                 return [], f"train.resume={self.cfg.train.resume!r}: use auto, none or a step number"
-            if step not in storage.list_steps(self.run_dir):
-                have = storage.list_steps(self.run_dir)
+            if step not in self.files.list_steps(self.run_dir):
+                have = self.files.list_steps(self.run_dir)
                 return [], (
                     f"train.resume={step}: no checkpoint step_{step} in {storage.checkpoints_dir(self.run_dir)} "
                     f"(available: {have or 'none'}); use train.resume=auto or one of those steps"
@@ -615,23 +608,24 @@ class CheckpointManager:
             # The primary lost every checkpoint its replica still holds (a wiped or replaced disk): the
             # replica's newest is a candidate too.
             newest = replica_steps(replica_root(replica, self.run_dir))[:1]
-            if newest and not wanted and not storage.list_steps(self.run_dir):
+            if newest and not wanted and not self.files.list_steps(self.run_dir):
                 wanted = newest
         return wanted, None
 
     def _verify_shared(self, directory: str) -> List[str]:
         """storage.verify over the job: each rank reads the CRC of its share of the files; every rank gets
         all the problems found (in rank order)."""
-        result = storage.verify(directory, (self.rank, self.world))
+        problems = self.files.verify(directory, (self.rank, self.world))
         if not self.distributed:
-            return result.problems
+            return problems
         everyone: List[Any] = [None] * self.world
-        comm.all_gather_object(everyone, result.problems, group=self._ckpt_group)
+        comm.all_gather_object(everyone, problems, group=self._ckpt_group)
         return list(dict.fromkeys(p for problems in everyone for p in problems))
 
     def _compatible(self, step: int) -> Optional[str]:
-        with open(os.path.join(storage.step_dir(self.run_dir, step), storage.CONFIG)) as f:
-            saved = json.load(f).get("model", {})
+        saved = self.files.read_json(os.path.join(storage.step_dir(self.run_dir, step), storage.CONFIG)).get(
+            "model", {}
+        )
         now = asdict(self.cfg.model)
         diff = [
             f"model.{k}: checkpoint {saved.get(k)!r}, now {now.get(k)!r}"
@@ -662,25 +656,24 @@ class CheckpointManager:
         if error:
             raise CheckpointError(error)
         if step is None:
-            if self.rank == 0 and storage.list_steps(self.run_dir):
+            if self.rank == 0 and self.files.list_steps(self.run_dir):
                 if self._mode() == "none":
                     self._start_new_line(None)
-                elif not storage.candidates(self.run_dir):
+                elif not self.files.candidates(self.run_dir):
                     self.log("no checkpoint on the current line (latest): starting fresh")
                 else:
                     self.log("no usable checkpoint found: starting fresh")
             return None
         t0 = time.monotonic()
         path = storage.step_dir(self.run_dir, step)
-        with open(os.path.join(path, storage.STATE)) as f:
-            info = json.load(f)
+        info = self.files.read_json(os.path.join(path, storage.STATE))
         from training.checkpoint import lean_read
 
-        # Read without DCP's classes (lean_read.py): a resume that lean_read can load never imports DCP.
-        metadata = lean_read.read_metadata(os.path.join(path, storage.DCP_METADATA))
-        saved_keys = set(metadata.state_dict_metadata)
         opt_state = optimizer.state_dict() if optimizer is not None else None
         pieces = self._pieces(model_chunks, opt_state, for_save=False)
+        # Read without DCP's classes (lean_read.py): a resume that lean_read can load never imports DCP.
+        metadata = self.files.read_metadata(os.path.join(path, storage.DCP_METADATA))
+        saved_keys = set(metadata.state_dict_metadata)
         missing_master = {p.key for p in pieces if p.key.startswith("optim/master/") and p.key not in saved_keys}
         pieces = [p for p in pieces if not (p.key.startswith("optim/master/") and p.key not in saved_keys)]
         absent = sorted({p.key for p in pieces if p.key not in saved_keys})
@@ -737,11 +730,9 @@ class CheckpointManager:
     def _load_lean(self, path: str, metadata: Any, destinations: List[Tuple[str, torch.Tensor, Any]]) -> None:
         """lean_read.load on every rank, then one collective so that every rank raises the same error when any
         rank's read failed (as dcp.load reports a failure on every rank)."""
-        from training.checkpoint import lean_read
-
         error = None
         try:
-            lean_read.load(path, metadata, destinations)
+            self.files.load(path, metadata, destinations)
         except CheckpointError as exc:
             error = self._unreadable(path, str(exc))
         except Exception as exc:  # noqa: BLE001 - a damaged record that still matched its manifest

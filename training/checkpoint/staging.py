@@ -61,7 +61,9 @@ class HostStager:
                     # buffers. torch's host allocator rounds each pinned buffer up to a power of two (up to 2x
                     # the piece). A CPU source: pageable, and allocating only reserves address space (the first
                     # copy, in the background thread, touches the pages).
-                    dst = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
+                    # A meta source (the rehearsal, training/rehearse/runner.py): a meta buffer of the same bytes.
+                    host = "meta" if src.is_meta else "cpu"
+                    dst = torch.empty(src.shape, dtype=src.dtype, device=host, pin_memory=src.is_cuda)
                 buffers[key] = dst
             copies.append((src, dst))
             out.append(Piece(p.key, dst, p.offsets, p.global_shape))

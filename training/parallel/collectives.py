@@ -415,6 +415,12 @@ def start_recording(recorder: Recorder) -> None:
     _RECORDER = recorder
 
 
+def moves_no_data() -> bool:
+    """Whether calls move no data (the rehearsal's fake backend, under a recorder with no_data): an object
+    broadcast then leaves every rank its own object, so the caller computes the root's value on every rank."""
+    return _RECORDER is not None and _RECORDER.no_data
+
+
 def stop_recording() -> Optional[Recorder]:
     """Stop recording; the recorder that was installed."""
     global _RECORDER

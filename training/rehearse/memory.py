@@ -8,7 +8,15 @@ What the rehearsal measures per part (training/rehearse/runner.py):
 - activations: the peak over the step of the bytes autograd saved for backward (distinct storages, model
   states left out), under the kernels a CUDA run picks (training/rehearse/kernels.py);
 - host_offload: offload=cpu's state in host memory (on meta under the rehearsal, counted apart);
-- param_gather, zero3_gathered: the engine's own peak counters of its ZeRO-1/2 and ZeRO-3 gathers.
+- param_gather, zero3_gathered: the engine's own peak counters of its ZeRO-1/2 and ZeRO-3 gathers;
+- pipeline_messages: the pipeline schedule's own peak of the outgoing p2p messages it holds at once
+  (training/schedules/pipeline.py StepStats.peak_message_bytes);
+- checkpoint_staging: the device bytes a save's pieces hold beyond the model's and the optimizer's storages
+  (what the optimizer's state_dict materialises for CheckpointManager.save); checkpoint_staging_host: an async
+  save's host buffers (training/checkpoint/staging.py), host memory like host_offload.
+
+The plan counts none of the last three as a part; they enter the comparison through `total`, the tracked peak
+against plan.json's memory_bytes total (tracked_total).
 """
 
 from __future__ import annotations
@@ -18,6 +26,9 @@ from typing import Any, Dict, List, Optional
 from training.rehearse.checks import Defect
 
 PARTS = ("weights", "grads", "optimizer", "buffers", "activations", "param_gather", "zero3_gathered", "host_offload")
+"""The parts compared one by one with the plan's."""
+TOTAL_ONLY = ("pipeline_messages", "checkpoint_staging", "checkpoint_staging_host")
+"""Parts the plan has no figure for: shown, and judged through the total only."""
 TOLERANCE = 0.03
 """Relative difference allowed per part (the issue's 3 %)."""
 FLOOR_BYTES = 16 * 2**20
@@ -32,11 +43,28 @@ def plan_for_stage(plan: Dict[str, Any], stage: int) -> Dict[str, int]:
     return dict(plan.get("memory_bytes") or {})
 
 
+def tracked_total(measured: Dict[str, int]) -> int:
+    """The device peak the rehearsal tracks, as plan.json's total counts it: the model states and buffers,
+    plus the larger of the step's transient memory (activations, ZeRO-3's gathered units, the pipeline's
+    messages in flight) and a save's device staging (the save runs after the step's activations are freed).
+    param_gather is left out as the plan's total leaves it (it is the plan's reserve, after the step)."""
+    m = {k: int(measured.get(k, 0) or 0) for k in PARTS + TOTAL_ONLY}
+    step = m["activations"] + m["zero3_gathered"] + m["pipeline_messages"]
+    return m["weights"] + m["grads"] + m["optimizer"] + m["buffers"] + max(step, m["checkpoint_staging"])
+
+
 def compare(measured: Dict[str, int], planned: Dict[str, int]) -> List[Dict[str, Any]]:
-    """Per part: measured, planned, relative difference, ok."""
+    """Per part, then the total: measured, planned, relative difference, ok."""
     rows = []
-    for part in PARTS:
-        m, p = int(measured.get(part, 0)), int(planned.get(part, 0) or 0)
+    for part in PARTS + TOTAL_ONLY + ("total",):
+        if part in TOTAL_ONLY:
+            m = int(measured.get(part, 0) or 0)
+            rows.append({"part": part, "rehearsed": m, "planned": 0, "difference": None, "ok": True})
+            continue
+        m = tracked_total(measured) if part == "total" else int(measured.get(part, 0))
+        p = int(planned.get(part, 0) or 0)
+        if part == "total" and not p:
+            continue  # a plan without a total (an old plan.json): nothing to compare
         diff = m - p
         rel = diff / p if p else (0.0 if m == 0 else float("inf"))
         ok = abs(diff) < FLOOR_BYTES or abs(rel) <= TOLERANCE

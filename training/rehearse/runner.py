@@ -1,5 +1,6 @@
-"""One rank of the rehearsal: the engine's own code for one training step, a checkpoint save's and a resume's
-collectives, on the meta device under torch's fake process group, with every collective recorded.
+"""One rank of the rehearsal: the engine's own code for one training step, a checkpoint save and a resume
+(CheckpointManager's own, with its file I/O recorded instead of done: RecordingFiles), on the meta device under
+torch's fake process group, with every collective recorded.
 
 The rank is built exactly as training/main.py builds it (ProcessMesh.from_env, Trainer), at the job's real world
 size and with the rank's real coordinates; the only differences are the backend ("fake": meta tensors, no data
@@ -154,7 +155,16 @@ def rehearsal_config(cfg: Config) -> Config:
     """The run's config as the rehearsal runs it: synthetic tokens of the same shape (no data set is read), no
     evaluation, one step, no host-memory keeping (meta)."""
     data = dataclasses.replace(cfg.data, kind=type(cfg.data.kind)("synthetic"))
-    train = dataclasses.replace(cfg.train, eval_every=0, steps=1, host_memory_keep=False, compile=False)
+    # The save at the step's end is the run's final one; the resume takes it (auto), and no replica is copied.
+    train = dataclasses.replace(
+        cfg.train,
+        eval_every=0,
+        steps=1,
+        host_memory_keep=False,
+        compile=False,
+        resume="auto",
+        checkpoint_replica_dir="",
+    )
     return dataclasses.replace(cfg, data=data, train=train)
 
 
@@ -221,12 +231,17 @@ def _run_engine(cfg: Config, run_dir: str, mesh, rec: comm.Recorder, result: Ran
     mem["activations"] = max(saved.peak, int(piped or 0))
     mem["param_gather"] = _engine_peak(opt, "param_gather", "peak_bytes")
     mem["zero3_gathered"] = _engine_peak(opt, "zero3", "peak_gathered_bytes")
+    # The schedule's own count of the outgoing messages it holds at once (pipeline p2p buffers in flight).
+    mem["pipeline_messages"] = int(getattr(getattr(trainer.schedule, "stats", None), "peak_message_bytes", 0) or 0)
     if trainer.checkpointer is not None:
+        files = RecordingFiles(trainer.checkpointer, states)
         rec.phase = "save"
-        _save_collectives(trainer)
+        trainer._boundary()  # the run's last step: CheckpointManager.decide, save, wait
         rec.phase = "resume"
-        _resume_collectives(trainer)
-    mem["peak"] = sum(v for k, v in mem.items() if k != "host_offload")
+        trainer.checkpointer.maybe_resume(trainer.chunks, trainer.optimizer, trainer._extra_state())
+        mem["checkpoint_staging"] = files.device_staging
+        mem["checkpoint_staging_host"] = files.host_staging
+    mem["peak"] = sum(v for k, v in mem.items() if k not in HOST_PARTS)
     gc.collect()
 
 
@@ -239,27 +254,111 @@ def _engine_peak(opt, attr: str, counter: str) -> int:
     return total
 
 
-def _save_collectives(trainer) -> None:
-    """A checkpoint save's collectives, in CheckpointManager.save's order, up to the file writes (which meta
-    tensors cannot feed): the stop/cadence agreement, rank 0's directory name, the optimizer's state dict (the
-    ZeRO gathers), and the sharded state dict's metadata exchange."""
-    from training.checkpoint.layout import exchange_chunk_lists
-
-    ck = trainer.checkpointer
-    ck.decide(trainer.state.step)
-    ck._bcast(None)
-    opt_state = trainer.optimizer.state_dict()
-    pieces = ck._pieces(trainer.chunks, opt_state, for_save=True)
-    exchange_chunk_lists(pieces)
+HOST_PARTS = ("host_offload", "checkpoint_staging_host")
+"""Parts in host memory (not in the device's peak)."""
 
 
-def _resume_collectives(trainer) -> None:
-    """A resume's collectives, in CheckpointManager.maybe_resume's order, without the reads: the candidates from
-    rank 0, every rank's share of the verification, the optimizer's state dict and its reload."""
-    ck = trainer.checkpointer
-    ck._bcast(([], None))
-    everyone: List[Any] = [None] * ck.world
-    comm.all_gather_object(everyone, [], group=ck._ckpt_group)
-    opt_state = trainer.optimizer.state_dict()
-    ck._pieces(trainer.chunks, opt_state, for_save=False)
-    trainer.optimizer.load_state_dict(opt_state)
+class RecordingFiles:
+    """CheckpointManager's file I/O (training/checkpoint/files.py: CheckpointFiles) under the rehearsal, installed
+    as the manager's `files`: everything else of the save and the resume is the manager's own code.
+
+    A save's write records each item of the state dict DCP would write (key, global size, dtype, this rank's
+    chunks, bytes) and writes nothing; host tensors (the rank's RNG state) keep their values. The sealing
+    records state.json and config.json. The resume's reads are answered from that record: the checkpoint is the
+    one saved, complete; its metadata lists this rank's recorded chunks, and each key the resume asks for that
+    this rank did not write (other ranks' pieces: the rank sees only its own save) with the global size and
+    dtype the rank's own piece of it has. Meta destinations are left as they are; host ones get the values.
+
+    Memory: `device_staging`, the bytes of the save's pieces that are not the model's or the optimizer's
+    storages (what the optimizer's state_dict materialised for the save); `host_staging`, an async save's host
+    buffers (training/checkpoint/staging.py HostStager)."""
+
+    def __init__(self, manager, states: set):
+        self.manager, self.states = manager, states
+        self.items: Dict[str, Dict[str, Any]] = {}
+        self.values: Dict[tuple, torch.Tensor] = {}
+        self.written_bytes = 0
+        self.sealed: Dict[str, Any] = {}
+        self.step: Optional[int] = None
+        self.wanted: List[Any] = []
+        self.device_staging = 0
+        manager.files = self
+        real = manager._pieces
+
+        def pieces(model_chunks, opt_state, for_save):  # observed, not changed
+            out = real(model_chunks, opt_state, for_save)
+            if for_save:
+                seen = set(self.states)
+                self.device_staging = max(self.device_staging, meta_bytes([p.tensor for p in out], seen=seen))
+            else:
+                self.wanted = out
+            return out
+
+        manager._pieces = pieces
+
+    @property
+    def host_staging(self) -> int:
+        stager = self.manager._stager
+        return int(stager.nbytes) if stager is not None else 0
+
+    # ----- save ------------------------------------------------------------------------------------
+    def write(self, state, tmp, rank, check, group) -> None:
+        if check is not None:
+            check()
+        for key, value in state.items():
+            if hasattr(value, "local_shards"):  # a ShardedTensor
+                size = tuple(value.size())
+                shards = [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
+            else:
+                size, shards = tuple(value.shape), [((0,) * value.dim(), value)]
+            entry = self.items.setdefault(key, {"size": size, "dtype": None, "chunks": {}})
+            for offsets, t in shards:
+                entry["dtype"] = t.dtype
+                entry["chunks"][offsets] = tuple(t.shape)
+                self.written_bytes += t.nbytes
+                if t.device.type == "cpu":
+                    self.values[(key, offsets)] = t.detach().clone()
+
+    def seal(self, run_dir, tmp, info, config, step, keep_last) -> int:
+        from training.checkpoint import storage
+
+        self.sealed = {storage.STATE: info, storage.CONFIG: config}
+        self.step = step
+        return self.written_bytes
+
+    # ----- resume ----------------------------------------------------------------------------------
+    def list_steps(self, run_dir) -> List[int]:
+        return [] if self.step is None else [self.step]
+
+    def candidates(self, run_dir) -> List[int]:
+        return self.list_steps(run_dir)
+
+    def verify(self, directory, share) -> List[str]:
+        return []
+
+    def read_json(self, path) -> Any:
+        return self.sealed[os.path.basename(path)]
+
+    def read_metadata(self, path) -> Any:
+        from training.checkpoint import lean_read as lr
+
+        items = {k: dict(v, chunks=dict(v["chunks"])) for k, v in self.items.items()}
+        for p in self.wanted:
+            entry = items.setdefault(p.key, {"size": tuple(p.global_shape), "dtype": p.tensor.dtype, "chunks": {}})
+            if p.key not in self.items:
+                entry["chunks"][tuple(p.offsets)] = tuple(p.tensor.shape)
+        state, storage_data = {}, {}
+        for key, v in items.items():
+            chunks = [lr.ChunkStorageMetadata(offsets=o, sizes=s) for o, s in v["chunks"].items()]
+            props = lr.TensorProperties(dtype=v["dtype"])
+            state[key] = lr.TensorStorageMetadata(properties=props, size=torch.Size(v["size"]), chunks=chunks)
+            for o in v["chunks"]:
+                index = lr.MetadataIndex(fqn=key, offset=o)
+                storage_data[index] = lr.StorageInfo(relative_path="__0_0.distcp", offset=0, length=0)
+        return lr.Metadata(state_dict_metadata=state, storage_data=storage_data)
+
+    def load(self, path, metadata, destinations) -> None:
+        for key, t, offsets in destinations:
+            value = self.values.get((key, tuple(offsets)))
+            if t.device.type == "cpu" and value is not None and value.shape == t.shape:
+                t.copy_(value)
