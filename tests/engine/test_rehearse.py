@@ -243,6 +243,41 @@ def test_two_collectives_in_a_different_order_is_a_mismatch(tmp_path, monkeypatc
     assert d["kind"] == "mismatch" and "float32[1]" in d["message"] and "float32[2]" in d["message"], d
 
 
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_the_save_and_resume_are_the_checkpoint_managers(tmp_path, monkeypatch, async_save):
+    """The save's and the resume's calls are CheckpointManager's own (training/checkpoint/manager.py), with only
+    its file I/O recorded: one extra collective in its sealing, on rank 1 only, is a mismatch in phase save (in
+    the async save's background job too); one in its verification is a mismatch in phase resume."""
+    from training.checkpoint.manager import CheckpointManager
+
+    real_commit, real_verify = CheckpointManager._commit_or_clean, CheckpointManager._verify_shared
+
+    def commit(self, *args, **kwargs):
+        if self.rank == 1:
+            comm.barrier(group=self._ckpt_group)
+        return real_commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointManager, "_commit_or_clean", commit)
+    layout = (*LAYOUTS["cp2"], f"train.async_save={async_save}")
+    doc, code = _rehearse(tmp_path, *layout)
+    assert code == EXIT_REHEARSAL_DEFECT
+    d = doc["defects"][0]
+    assert d["kind"] == "mismatch" and "barrier" in d["message"] and "[save]" in d["message"], d
+    assert sorted(d["ranks"]) == [0, 1]
+
+    def verify(self, directory):
+        if self.rank == 1:
+            comm.barrier(group=self._ckpt_group)
+        return real_verify(self, directory)
+
+    monkeypatch.setattr(CheckpointManager, "_commit_or_clean", real_commit)
+    monkeypatch.setattr(CheckpointManager, "_verify_shared", verify)
+    doc, code = _rehearse(tmp_path, *layout, name="resume")
+    assert code == EXIT_REHEARSAL_DEFECT
+    d = doc["defects"][0]
+    assert d["kind"] == "mismatch" and "barrier" in d["message"] and "[resume]" in d["message"], d
+
+
 def test_a_pipeline_send_without_its_receive_is_found(tmp_path, monkeypatch):
     """One pipeline exchange loses its receive (the first rank that receives drops it from its batch): the
     sender's batch waits for a receive that never comes."""
