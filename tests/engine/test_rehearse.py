@@ -483,6 +483,17 @@ DEDUP_LAYOUTS = {
     # 127,974 parameters: the last of the 4 ZeRO-3 shards (31,994 each) carries 2 elements of padding
     "zero3_dp4_uneven": LAYOUTS["zero3_dp4"]
     + ("model.hidden_size=66", "model.num_attention_heads=2", "model.vocab_size=501"),
+    # vocab 250 over tp 4 (padded to 252 rows: 63 a rank; the middle tp ranks derived)
+    "tp4_sp_dp4": (
+        "model=tiny",
+        "model.vocab_size=250",
+        "parallel.tp=4",
+        "parallel.sp=true",
+        "parallel.dp=4",
+        "parallel.zero=1",
+        "parallel.global_batch=8",
+        "cluster.gpus_per_node=16",
+    ),
     "ep2_moe": LAYOUTS["ep2_moe"],
     "cp2": LAYOUTS["cp2"],
     "cp4": LAYOUTS["cp4"],
@@ -519,7 +530,7 @@ def test_dedup_derives_exactly_what_every_rank_runs(tmp_path, layout):
             assert [dataclasses.asdict(c) for c in d.calls] == [dataclasses.asdict(c) for c in want.calls], (rep, r)
             assert (d.coords, d.groups, d.memory) == (want.coords, want.groups, want.memory), (rep, r)
             derived[r] = d
-    if layout in ("zero3_dp4_uneven", "cp4", "ep8_moe"):
+    if layout in ("zero3_dp4_uneven", "tp4_sp_dp4", "cp4", "ep8_moe"):
         assert len(members) < world  # middle positions were derived
     got_calls, want_calls = {r: x.calls for r, x in derived.items()}, {r: x.calls for r, x in full.items()}
     for dev in ("cuda", "cpu"):

@@ -8,7 +8,9 @@ import argparse
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any, Dict, List, Optional
 
@@ -26,7 +28,15 @@ _RUN_DIR = ""
 def _one(rank: int):
     from training.rehearse.runner import rehearse_rank
 
-    return rehearse_rank(_CFG, _RUN_DIR, rank, emulate="nccl" if _CFG.cluster.device == "cuda" else "gloo")
+    # The engine's checkpoint manager routes SIGTERM / SIGUSR2 to its stop flag (training/run/signals.py); put
+    # the handlers back, or a pool worker would ignore the pool's terminate.
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    try:
+        return rehearse_rank(_CFG, _RUN_DIR, rank, emulate="nccl" if _CFG.cluster.device == "cuda" else "gloo")
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for s, h in before.items():
+                signal.signal(s, h if h is not None else signal.SIG_DFL)
 
 
 def _progress(done: int, total: int, result, t0: float) -> None:
@@ -69,11 +79,16 @@ def rehearse(
             if not quiet:
                 _progress(i + 1, len(runs), results[-1], t0)
     else:
-        with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=8) as pool:
+        pool = multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=8)
+        try:
             for i, res in enumerate(pool.imap_unordered(_one, runs)):
                 results.append(res)
                 if not quiet:
                     _progress(i + 1, len(runs), res, t0)
+            pool.close()  # the workers leave on their own once the queue is done
+            pool.join()
+        finally:
+            pool.terminate()
     for rep in list(results):
         for r in members[rep.rank]:
             results.append(dd.derive_result(rep, r, p.tp, p.pp, p.cp, dp, p.ep))
