@@ -416,6 +416,30 @@ def test_real_size_memory_matches_the_plan(tmp_path, layout):
     assert code == EXIT_OK, doc["defects"]
 
 
+def test_the_tracked_peak_is_compared_with_the_plans_total():
+    """The parts the plan has no figure for (pipeline messages, checkpoint staging) are shown and judged through
+    the total: the tracked device peak against plan.json's memory_bytes total, with the parts' tolerance."""
+    from types import SimpleNamespace
+
+    from training.rehearse.memory import compare, memory_defects, tracked_total
+
+    gib = 2**30
+    measured = {"weights": 10 * gib, "grads": 10 * gib, "optimizer": 20 * gib, "activations": 4 * gib}
+    measured.update(pipeline_messages=2 * gib, checkpoint_staging=3 * gib, checkpoint_staging_host=40 * gib)
+    measured.update(param_gather=gib)  # the plan's reserve: outside its total
+    assert tracked_total(measured) == 40 * gib + max(4 * gib + 2 * gib, 3 * gib)
+    planned = {k: v for k, v in measured.items() if k in ("weights", "grads", "optimizer", "activations")}
+    planned.update(param_gather=gib, total=44 * gib)  # the messages are not planned: 46 GiB tracked
+    rows = {r["part"]: r for r in compare(measured, planned)}
+    assert all(rows[p]["ok"] for p in rows if p != "total")
+    assert rows["pipeline_messages"]["rehearsed"] == 2 * gib and not rows["total"]["ok"]
+    result = SimpleNamespace(error="", memory=measured, coords={"pp": 0}, rank=3)
+    (defect,) = memory_defects([result], {"memory_bytes": planned})
+    assert defect.kind == "memory" and "total" in defect.message and defect.ranks == [3], defect
+    planned["total"] = 46 * gib
+    assert memory_defects([result], {"memory_bytes": planned}) == []
+
+
 # ---- which ranks run, and the CLI ------------------------------------------------------------------------------
 
 
