@@ -28,6 +28,7 @@ representative's.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Callable, Dict, List, Tuple
 
@@ -79,10 +80,15 @@ def relabelling(src: int, dst: int, tp: int, pp: int, cp: int, dp: int, ep: int)
     blocks = dp // ep
     de, db = b["dp"] % ep - a["dp"] % ep, b["dp"] // ep - a["dp"] // ep
 
+    done: Dict[int, int] = {}
+
     def move(r: int) -> int:
-        c = coords_of(r, tp, pp, cp, dp)
-        d = ((c["dp"] // ep + db) % blocks) * ep + (c["dp"] % ep + de) % ep
-        return rank_of((c["tp"] + dt) % tp, (c["cp"] + dc) % cp, c["pp"], d, tp, cp, pp)
+        got = done.get(r)
+        if got is None:
+            c = coords_of(r, tp, pp, cp, dp)
+            d = ((c["dp"] // ep + db) % blocks) * ep + (c["dp"] % ep + de) % ep
+            got = done[r] = rank_of((c["tp"] + dt) % tp, (c["cp"] + dc) % cp, c["pp"], d, tp, cp, pp)
+        return got
 
     return move
 
@@ -96,18 +102,24 @@ def _group(group, move: Callable[[int], int]) -> Tuple[int, ...]:
 def derive_calls(calls, move: Callable[[int], int]) -> list:
     """The representative's calls as the member `move` takes it to issues them."""
     out = []
+    groups: Dict[Tuple[int, ...], Tuple[int, ...]] = {}  # a few distinct groups, each mapped once
     for c in calls:
         if c.op in NO_MAP:
             out.append(c)
             continue
-        group = _group(c.group, move)
+        key = tuple(c.group)
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = _group(key, move)
         root = c.root
-        if root is not None and root in tuple(c.group):
-            root = group[tuple(c.group).index(root)]
+        if root is not None and root in key:
+            root = group[key.index(root)]
         elif root is not None:
             root = move(root)
-        peer = move(c.peer) if c.peer is not None else None
-        out.append(dataclasses.replace(c, group=group, root=root, peer=peer))
+        new = copy.copy(c)  # the same fields as dataclasses.replace, without its per-call __init__
+        new.group, new.root = group, root
+        new.peer = move(c.peer) if c.peer is not None else None
+        out.append(new)
     return out
 
 
