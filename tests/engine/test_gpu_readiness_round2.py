@@ -307,7 +307,7 @@ def test_checkpoint_staging_buffers_are_pinned_for_gpu_sources(monkeypatch):
 
     class OnGpu:
         def __init__(self, t):
-            self.t, self.shape, self.dtype, self.is_cuda = t, t.shape, t.dtype, True
+            self.t, self.shape, self.dtype, self.is_cuda, self.is_meta = t, t.shape, t.dtype, True, False
 
         def detach(self):
             return self

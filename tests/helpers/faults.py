@@ -120,7 +120,10 @@ def start_reference(tmp_path_factory, *overrides) -> None:
     test session and configuration (reference() waits for it)."""
     if overrides in _REFERENCE:
         return
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    _REFERENCE[overrides] = _launch_reference(tmp_path_factory.mktemp("reference") / "run", overrides)
+
+
+def _launch_reference(run_dir, overrides) -> tuple:
     out = open(run_dir.parent / "launcher.out", "wb")
     proc = subprocess.Popen(
         [
@@ -137,7 +140,7 @@ def start_reference(tmp_path_factory, *overrides) -> None:
         stderr=subprocess.STDOUT,
     )
     out.close()  # the child holds its own copy
-    _REFERENCE[overrides] = (run_dir, proc)
+    return run_dir, proc
 
 
 @atexit.register
@@ -154,5 +157,11 @@ def reference(*overrides) -> Dict[int, float]:
     from helpers.slurm import metrics
 
     run_dir, proc = _REFERENCE[overrides]
+    if proc.wait(timeout=600) != 0 and "EADDRINUSE" in (run_dir.parent / "launcher.out").read_text():
+        # The launcher's free port was taken by another test's process before rank 0 bound it (the other
+        # tests launch ranks beside this one): the same run again, in a fresh directory, once.
+        retry = run_dir.parent.parent / (run_dir.parent.name + "-retry")
+        retry.mkdir()
+        run_dir, proc = _REFERENCE[overrides] = _launch_reference(retry / "run", overrides)
     assert proc.wait(timeout=600) == 0, (run_dir.parent / "launcher.out").read_text()[-3000:]
     return metrics(run_dir)

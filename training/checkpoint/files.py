@@ -21,13 +21,14 @@ from training.checkpoint import storage
 class CheckpointFiles:
     """The checkpoint directories on disk (run.dir/checkpoints, training/checkpoint/storage.py)."""
 
-    def write(self, state: Dict[str, Any], tmp: str, rank: int, check: Optional[Callable[[], None]], group) -> None:
+    def write(
+        self, state: Dict[str, Any], tmp: str, rank: int, check: Optional[Callable[[], None]], group, dcp: Any
+    ) -> None:
         """This rank's shards of `state` into the temporary directory `tmp` (dcp.save: collective over `group`);
-        `check` runs before anything is written (an async save's failed host copy)."""
-        from training.checkpoint import manager  # DCP through the manager's import function (tests hook it)
+        `check` runs before anything is written (an async save's failed host copy). `dcp`: the
+        torch.distributed.checkpoint module the manager imported on first use (tests hand it a stand-in)."""
         from training.checkpoint.crc_writer import CrcFileSystemWriter
 
-        dcp, _ = manager._dcp()
         writer = CrcFileSystemWriter(tmp, rank, check=check, sync_files=True)
         dcp.save(state, storage_writer=writer, process_group=group)
 

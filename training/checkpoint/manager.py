@@ -421,7 +421,7 @@ class CheckpointManager:
             self._last_save_time = time.monotonic()
             return stats
         try:
-            self.files.write(state, tmp, self.rank, check, self._ckpt_group)
+            self.files.write(state, tmp, self.rank, check, self._ckpt_group, _dcp()[0])
             error = None
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
             error = _short(exc)
@@ -437,7 +437,7 @@ class CheckpointManager:
         _, CheckpointException = _dcp()
         self._stage(p)
         try:
-            self.files.write(state, p.tmp_dir, self.rank, check, self._async_group)
+            self.files.write(state, p.tmp_dir, self.rank, check, self._async_group, _dcp()[0])
             err = None
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException
             err = _short(exc)

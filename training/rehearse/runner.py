@@ -302,7 +302,7 @@ class RecordingFiles:
         return int(stager.nbytes) if stager is not None else 0
 
     # ----- save ------------------------------------------------------------------------------------
-    def write(self, state, tmp, rank, check, group) -> None:
+    def write(self, state, tmp, rank, check, group, dcp=None) -> None:
         if check is not None:
             check()
         for key, value in state.items():
