@@ -44,8 +44,8 @@ import torch  # noqa: E402
 from training.checkpoint import CheckpointManager, storage  # noqa: E402
 from training.checkpoint.crc_writer import start_writeback  # noqa: E402
 from training.contract.config import Config  # noqa: E402
-from training.parallel.mesh import ProcessMesh  # noqa: E402
 from training.optim import DistributedOptimizer  # noqa: E402
+from training.parallel.mesh import ProcessMesh  # noqa: E402
 
 
 class _Model(torch.nn.Module):

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List
 
 TARGET_S = 0.5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +30,7 @@ def _meshrun() -> str:
     return here if os.path.exists(here) else shutil.which("meshrun") or "meshrun"
 
 
-def _commands(run_dir: str) -> Dict[str, List[str]]:
+def _commands(run_dir: str) -> dict[str, list[str]]:
     m = _meshrun()
     return {
         'python -c "import hydra"': [sys.executable, "-c", "import hydra"],
@@ -54,7 +53,7 @@ def _prepare(tmp: str) -> str:
     return run_dir
 
 
-def _time(argv: List[str], cwd: str) -> float:
+def _time(argv: list[str], cwd: str) -> float:
     t0 = time.perf_counter()
     p = subprocess.run(argv, capture_output=True, text=True, cwd=cwd)
     wall = time.perf_counter() - t0
@@ -63,13 +62,13 @@ def _time(argv: List[str], cwd: str) -> float:
     return wall
 
 
-def measure(rounds: int) -> Dict[str, float]:
+def measure(rounds: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         commands = _commands(_prepare(tmp))
         names = list(commands)
         for name in names:  # warm-up: the page cache and bytecode, once each
             _time(commands[name], tmp)
-        walls: Dict[str, List[float]] = {n: [] for n in names}
+        walls: dict[str, list[float]] = {n: [] for n in names}
         for r in range(rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
@@ -77,7 +76,7 @@ def measure(rounds: int) -> Dict[str, float]:
     return {n: statistics.median(w) for n, w in walls.items()}
 
 
-def table(medians: Dict[str, float], rounds: int) -> str:
+def table(medians: dict[str, float], rounds: int) -> str:
     floor = medians['python -c "import hydra"']
     load = os.getloadavg()[0]
     rows = [

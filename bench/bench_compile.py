@@ -63,8 +63,8 @@ def main() -> int:
     os.environ["MASTER_PORT"] = str(free_port())
     import torch
 
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     mesh = ProcessMesh.from_env(1, 1, 1, 1, timeout_s=600)
     sides = {

@@ -105,8 +105,8 @@ def _ring_times(seq: int, mesh, rounds: int):
 def _worker(seq: int, rounds: int):
     import torch.distributed as dist
 
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     mesh = ProcessMesh.from_env(1, 1, 2, 1, timeout_s=600)
     single = (

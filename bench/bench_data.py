@@ -68,7 +68,7 @@ def _tree_rss(root_pid: int) -> int:
     return total
 
 
-def _peak_rss_of(cmd, env=None) -> "tuple[int, float, str]":
+def _peak_rss_of(cmd, env=None) -> tuple[int, float, str]:
     """(peak summed RSS, seconds, stdout) of a command."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

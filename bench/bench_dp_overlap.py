@@ -58,8 +58,8 @@ def _turn(trainer, micro) -> None:
 def _worker(cfg_dict, warmup: int, rounds: int):
     import torch.distributed as dist
 
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     torch.set_num_threads(1)  # two ranks on two cores
     mesh2 = ProcessMesh.from_env(1, 1, 1, 2, backend="gloo", timeout_s=300)

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Tuple
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from training.contract.config import Config, config_from_dict, config_to_dict
 
 # name -> (layers, hidden, heads, seq, batch); vocab 256 (the byte vocabulary) everywhere.
-SHAPES: Dict[str, Tuple[int, int, int, int, int]] = {
+SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "a": (4, 256, 8, 256, 8),  # the shape of the nanoGPT-style comparison (docs/PERFORMANCE.md)
     "b": (4, 512, 8, 512, 4),
     "tiny": (4, 64, 4, 64, 8),  # conf/model/tiny.yaml, global batch 8
@@ -155,8 +155,8 @@ def plain_stepper(cfg: Config, model: nn.Module, device, dtype=None, foreach=Non
 
 def engine_stepper(cfg: Config, mesh=None):
     """(step function, trainer): one engine training step per call, its batch assembled before the timer."""
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     mesh = mesh or ProcessMesh.single("cuda" if cfg.cluster.device == "cuda" else "cpu")
     trainer = Trainer(cfg, tempfile.mkdtemp(), mesh, checkpointing=False)
@@ -169,14 +169,14 @@ def engine_stepper(cfg: Config, mesh=None):
 
 
 def interleave(
-    sides: List[Callable[[], None]], warmup: int, rounds: int, sync: Callable[[], None]
-) -> List[List[float]]:
+    sides: list[Callable[[], None]], warmup: int, rounds: int, sync: Callable[[], None]
+) -> list[list[float]]:
     """Seconds per step of each side: `warmup` untimed steps each, then `rounds` rounds of one step per side,
     the order reversed every other round."""
     for _ in range(warmup):
         for f in sides:
             f()
-    times: List[List[float]] = [[] for _ in sides]
+    times: list[list[float]] = [[] for _ in sides]
     for r in range(rounds):
         order = range(len(sides)) if r % 2 == 0 else reversed(range(len(sides)))
         for i in order:
@@ -188,7 +188,7 @@ def interleave(
     return times
 
 
-def compare(times_engine: List[float], times_other: List[float], tokens: int) -> Dict[str, float]:
+def compare(times_engine: list[float], times_other: list[float], tokens: int) -> dict[str, float]:
     """Median tokens/s of each side and the median of the per-round ratios engine / other."""
     return {
         "engine": tokens / statistics.median(times_engine),
@@ -307,14 +307,14 @@ class SideProcess:
             self.proc.wait()
 
 
-def lockstep_pair(shape: str, rounds: int) -> Tuple[List[float], List[float], int]:
+def lockstep_pair(shape: str, rounds: int) -> tuple[list[float], list[float], int]:
     """(engine step seconds, plain step seconds, threads): a fresh process per side, both warmed up, then
     `rounds` rounds of one step each, the order reversed every other round. Only one side computes at a
     time, and the two steps of a round are adjacent in time, so a change in the machine's load hits both."""
     sides = {"engine": SideProcess("engine", shape), "plain": SideProcess("plain", shape)}
     try:
         threads = {name: p.ready() for name, p in sides.items()}
-        times: Dict[str, List[float]] = {"engine": [], "plain": []}
+        times: dict[str, list[float]] = {"engine": [], "plain": []}
         for r in range(rounds):
             for name in ("engine", "plain") if r % 2 == 0 else ("plain", "engine"):
                 times[name].append(sides[name].step())
@@ -324,7 +324,7 @@ def lockstep_pair(shape: str, rounds: int) -> Tuple[List[float], List[float], in
     return times["engine"], times["plain"], threads["engine"]
 
 
-def round_pair_ratios(engine: List[float], plain: List[float]) -> List[float]:
+def round_pair_ratios(engine: list[float], plain: list[float]) -> list[float]:
     """Plain time / engine time over each two consecutive rounds (orders engine-plain, then plain-engine).
 
     A step that follows its own side's step starts with that process's threads still awake; one that follows
@@ -335,7 +335,7 @@ def round_pair_ratios(engine: List[float], plain: List[float]) -> List[float]:
     return [(plain[k] + plain[k + 1]) / (engine[k] + engine[k + 1]) for k in range(0, len(engine) - 1, 2)]
 
 
-def separate_processes(shapes: List[str], pairs: int, rounds: int, figures: Dict[str, object]) -> bool:
+def separate_processes(shapes: list[str], pairs: int, rounds: int, figures: dict[str, object]) -> bool:
     """Section 4: each side in its own process at the default thread count, stepped in lock-step rounds,
     `pairs` fresh pairs of processes per shape; True if every shape meets the target."""
     ok = True
@@ -350,11 +350,11 @@ def separate_processes(shapes: List[str], pairs: int, rounds: int, figures: Dict
     )
     for name in shapes:
         n = rounds or PROC_ROUNDS[name]
-        t_e: List[float] = []
-        t_p: List[float] = []
-        per_pair: List[float] = []
+        t_e: list[float] = []
+        t_p: list[float] = []
+        per_pair: list[float] = []
         threads = 0
-        ratios: List[float] = []
+        ratios: list[float] = []
         for _ in range(pairs):
             e, p, threads = lockstep_pair(name, n)
             t_e += e
@@ -426,7 +426,7 @@ def main(argv=None) -> int:
     sync = torch.cuda.synchronize if args.gpu else (lambda: None)
     shapes = ["gpu"] if args.gpu else args.shapes.split(",")
     ok = True
-    figures: Dict[str, object] = {
+    figures: dict[str, object] = {
         "bench": "engine",
         "threads": torch.get_num_threads(),
         "warmup": args.warmup,

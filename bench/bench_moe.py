@@ -53,8 +53,8 @@ def base_cfg() -> Config:
 def _worker(cfg_dict, warmup: int, rounds: int):
     import torch.distributed as dist
 
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     torch.set_num_threads(1)  # two ranks on two cores
     sides, memory = {}, {}

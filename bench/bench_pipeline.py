@@ -134,6 +134,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     shape = (SHAPE[0], SHAPE[1], args.hidden)
     from helpers.dist import run_distributed
+
     from training.schedules.pipeline import planned_idle_share
 
     rows, ok = [], True
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
             by_m.setdefault(m, {})[kind] = measured
             rows.append((p, m, kind, v, planned, measured, rel, within, measured_wait, wall_wait, wall_overlap))
             ok &= within
-        for m, d in by_m.items():
+        for d in by_m.values():
             ok &= d["interleaved_1f1b"] < d["1f1b"]
     print(
         f"pipeline bubble: uniform stages (forward {args.tf * 1e3:.0f} ms + backward {args.tb * 1e3:.0f} ms "

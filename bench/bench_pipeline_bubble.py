@@ -136,6 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per schedule (after one warm-up)")
     args = ap.parse_args(argv)
     from helpers.dist import run_distributed
+
     from training.schedules.pipeline import planned_idle_share
 
     ms = (P, 2 * P)

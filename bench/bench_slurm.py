@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -99,13 +99,13 @@ def wait(pred: Callable, timeout: float = 300, poll: float = 0.05):
     raise SystemExit(f"bench_slurm: timed out after {timeout} s")
 
 
-def events_of(run_dir: str, name: str, attempt: Optional[int] = None) -> List[dict]:
+def events_of(run_dir: str, name: str, attempt: int | None = None) -> list[dict]:
     return [
         e for e in read_events(run_dir) if e.get("event") == name and (attempt is None or e.get("attempt") == attempt)
     ]
 
 
-def rank_exits(run_dir: str, attempt: int) -> List[float]:
+def rank_exits(run_dir: str, attempt: int) -> list[float]:
     out = []
     for path in glob.glob(os.path.join(run_dir, "slurm", f"attempt_{attempt}", "rank_*.json")):
         with open(path) as f:
@@ -113,7 +113,7 @@ def rank_exits(run_dir: str, attempt: int) -> List[float]:
     return out
 
 
-def engine_marks(run_dir: str, attempt: int) -> List[Tuple[str, float]]:
+def engine_marks(run_dir: str, attempt: int) -> list[tuple[str, float]]:
     startup = events_of(run_dir, "startup", attempt)
     if not startup:
         return []
@@ -121,7 +121,7 @@ def engine_marks(run_dir: str, attempt: int) -> List[Tuple[str, float]]:
     return [(label, marks[key]) for key, label in ENGINE_PHASES if key in marks]
 
 
-def print_phases(title: str, t0: float, points: List[Tuple[str, float]]) -> Dict[str, float]:
+def print_phases(title: str, t0: float, points: list[tuple[str, float]]) -> dict[str, float]:
     """Each phase's duration (from the previous point) and the running total from t0."""
     print(f"\n{title}")
     print(f"  {'phase ends':34s} {'phase s':>8s} {'total s':>8s}")
@@ -149,7 +149,7 @@ def workload_step_s(run_dir: str) -> float:
     return statistics.median(times) if times else 0.0
 
 
-def meshrun_run(work: str, per_node: int, nodes: int = NODES, tp: Optional[int] = None) -> Dict[str, object]:
+def meshrun_run(work: str, per_node: int, nodes: int = NODES, tp: int | None = None) -> dict[str, object]:
     run_dir = os.path.join(work, "run")
     tp = min(2, per_node) if tp is None else tp
     t0 = time.time()
@@ -239,7 +239,7 @@ if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then scontrol requeue "$SLURM_JOB_ID";
 """
 
 
-def task_starts(work: str, attempt: int) -> List[float]:
+def task_starts(work: str, attempt: int) -> list[float]:
     out = []
     for path in glob.glob(os.path.join(work, f"starts_{attempt}_*")):
         with open(path) as f:
@@ -249,7 +249,7 @@ def task_starts(work: str, attempt: int) -> List[float]:
     return out
 
 
-def bare_run(work: str, per_node: int, nodes: int = NODES) -> Dict[str, float]:
+def bare_run(work: str, per_node: int, nodes: int = NODES) -> dict[str, float]:
     script = os.path.join(work, "bare.sbatch")
     with open(script, "w") as f:
         f.write(BARE_SCRIPT.format(nodes=nodes, tasks=per_node, work=work))
@@ -278,7 +278,7 @@ IN_JOB_VS_REQUEUE = 0.6
 queue wait aside (launcher/slurm/in_job.py)."""
 
 
-def _node_pids(run_dir: str, node: str) -> List[int]:
+def _node_pids(run_dir: str, node: str) -> list[int]:
     """Every process of this run on a fake node: the rank wrappers (submitit), their ranks and the node's warm
     agent (its forked ranks show the agent's command line)."""
     pids = []
@@ -311,7 +311,7 @@ def _queue_wait(job: str, after: float) -> float:
     return max(0.0, start - submit)
 
 
-def lost_node_run(work: str, per_node: int, in_job: bool) -> Dict[str, object]:
+def lost_node_run(work: str, per_node: int, in_job: bool) -> dict[str, object]:
     """One run on 2 nodes (in_job: plus 1 spare); after its first checkpoint every process of the run on its
     second node is killed; returns the seconds from the kill to the next attempt's first step, the queue wait
     of a new allocation set aside."""
@@ -434,7 +434,7 @@ PREEMPTION_CASES = ((1, 2), (2, 1))
 """(nodes, ranks per node) of --preemption-cases: 1 node x 2 ranks and 2 nodes x 1 rank."""
 
 
-def preemption_cases(reps: int, cases: Tuple[Tuple[int, int], ...] = PREEMPTION_CASES, tp: int = 1) -> int:
+def preemption_cases(reps: int, cases: tuple[tuple[int, int], ...] = PREEMPTION_CASES, tp: int = 1) -> int:
     """--preemption-cases: USR2 -> resumed step against the bare requeue, per case of `cases` (--cases), each
     case's meshrun and bare runs alternated (bare first every other rep); prints each case's ratio of the
     medians and exits 1 when one is above REQUEUE_VS_BARE.
@@ -443,7 +443,7 @@ def preemption_cases(reps: int, cases: Tuple[Tuple[int, int], ...] = PREEMPTION_
     of the workload's steps, and a tp=2 step of the tiny model takes 0.3-0.9 s on CPU gloo (each of its ~40
     small collectives a micro-batch costs milliseconds there: docs/PERFORMANCE.md), against 0.04-0.06 s at
     dp=2; the workload's median step time is printed beside each case."""
-    figures: Dict[str, object] = {"bench": "slurm_preemption"}
+    figures: dict[str, object] = {"bench": "slurm_preemption"}
     ok = True
     for nodes, per_node in cases:
         runs, bares = [], []

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile

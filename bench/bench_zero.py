@@ -47,8 +47,8 @@ def base_cfg(hidden: int) -> Config:
 def _timing_worker(cfg_dict, warmup: int, rounds: int):
     import torch.distributed as dist
 
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     mesh = ProcessMesh.from_env(1, 1, 1, 2, timeout_s=300)
     trainers = {}
@@ -82,8 +82,8 @@ def _rss() -> int:
 
 
 def _rss_worker(cfg_dict, offload_dir: str):
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     cfg = config_from_dict(cfg_dict)
     cfg.parallel.offload = "none" if os.environ["RANK"] == "0" else "nvme"

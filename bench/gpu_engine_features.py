@@ -26,7 +26,6 @@ import math
 import os
 import sys
 import tempfile
-from typing import Dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -61,14 +60,14 @@ def _cfg(dry: bool, **lever):
     return cfg
 
 
-def memory_checks(dry: bool, out: str, mesh) -> Dict[str, dict]:
+def memory_checks(dry: bool, out: str, mesh) -> dict[str, dict]:
     import torch
 
     from launcher.plan.estimate import make_plan
     from training.run.loop import Trainer
 
     cuda = not dry
-    checks: Dict[str, dict] = {}
+    checks: dict[str, dict] = {}
     cfg = _cfg(dry, zero=3)
     plan = make_plan(cfg).memory_bytes
     trainer = Trainer(cfg, os.path.join(out, "zero3"), mesh, checkpointing=False)
@@ -192,7 +191,7 @@ def reference(q, k, v, dout):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def cp_checks(dry: bool) -> Dict[str, dict]:
+def cp_checks(dry: bool) -> dict[str, dict]:
     import torch
 
     device = "cpu" if dry else "cuda"

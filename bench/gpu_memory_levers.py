@@ -84,8 +84,8 @@ def main() -> int:
 
     from launcher.plan.estimate import make_plan
     from training.contract.config import Config
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     os.environ.update(
         {
@@ -117,7 +117,7 @@ def main() -> int:
         p.offload_dir = os.path.join(args.out, "nvme")
         plan = make_plan(cfg).memory_bytes
 
-        def build():
+        def build(cfg=cfg, name=name):
             return Trainer(cfg, os.path.join(args.out, name), mesh, checkpointing=False)
 
         trainer, gained, peak = allocator_gain(torch, build) if cuda else (build(), 0, 0)

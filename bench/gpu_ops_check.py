@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,7 +91,7 @@ DRY_OOM_NOTE = (
 # --- one step with a time limit, and the kill of its whole process tree ---------------------------------------
 
 
-def _stat(pid: int) -> Optional[List[str]]:
+def _stat(pid: int) -> list[str] | None:
     """/proc/<pid>/stat's fields after the command name (state first, then ppid, pgrp, ...), or None if gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -100,9 +100,9 @@ def _stat(pid: int) -> Optional[List[str]]:
         return None
 
 
-def process_tree(pid: int) -> List[int]:
+def process_tree(pid: int) -> list[int]:
     """`pid` and every process descended from it (parents before their children), from /proc."""
-    children: Dict[int, List[int]] = {}
+    children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             fields = _stat(int(name))
@@ -120,13 +120,13 @@ def alive(pid: int) -> bool:
     return fields is not None and fields[0] not in ("Z", "X")
 
 
-def kill_tree(pid: int, wait_s: float = KILL_WAIT_S) -> Dict[str, List[int]]:
+def kill_tree(pid: int, wait_s: float = KILL_WAIT_S) -> dict[str, list[int]]:
     """SIGKILL `pid`, every process descended from it and each one's process group; then wait up to `wait_s` for
     them to be gone. The launcher starts each rank in a session of its own (launcher/launch/local.py), so killing
     the launcher's process group alone left the ranks running (on a GPU: holding it for the next step). Each
     process found is stopped (SIGSTOP) first, so that none forks or exits unseen between the walk and the kill;
     the walk repeats until it finds no new process. Returns {"killed": [...], "left": [...]} (left: still alive)."""
-    groups: Dict[int, Optional[int]] = {}
+    groups: dict[int, int | None] = {}
     own = os.getpgrp()
     while True:
         new = [p for p in process_tree(pid) if p not in groups]
@@ -163,10 +163,10 @@ class Step:
     stderr: str
     seconds: float
     timed_out: bool = False
-    kill: Dict[str, List[int]] = field(default_factory=dict)
+    kill: dict[str, list[int]] = field(default_factory=dict)
 
 
-def run_step(run_dir: str, name: str, argv: List[str], timeout: float, env: Optional[Dict[str, str]] = None) -> Step:
+def run_step(run_dir: str, name: str, argv: list[str], timeout: float, env: dict[str, str] | None = None) -> Step:
     """Run `argv` in a session of its own, output to RUN_DIR/<name>.log. Past `timeout` its whole process tree is
     killed (kill_tree) and the step says so: a TimeoutExpired escaping here wrote no summary and left the rank."""
     t = time.time()
@@ -195,7 +195,7 @@ def run_step(run_dir: str, name: str, argv: List[str], timeout: float, env: Opti
 # --- the checks ------------------------------------------------------------------------------------------------
 
 
-def _events(d: str) -> List[Dict[str, Any]]:
+def _events(d: str) -> list[dict[str, Any]]:
     path = os.path.join(d, "events.jsonl")
     return [json.loads(x) for x in open(path) if x.strip()] if os.path.exists(path) else []
 
@@ -208,13 +208,13 @@ def _load(path: str, default: Any) -> Any:
         return default
 
 
-def _write_double(path: str, node_values: Dict[str, Any]) -> str:
+def _write_double(path: str, node_values: dict[str, Any]) -> str:
     with open(path, "w") as f:
         json.dump({"gpus": 1, "nodes": {"*": node_values}}, f)
     return os.path.abspath(path)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry", action="store_true", help="every check on CPU (tiny sizes, the NVML double)")
     ap.add_argument("run_dir")
@@ -224,16 +224,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     py = os.environ.get("PYTHON") or sys.executable
     step_s = float(os.environ.get("GPU_OPS_STEP_TIMEOUT_S") or STEP_TIMEOUT_S)
     deadline = time.time() + float(os.environ.get("GPU_OPS_BUDGET_S") or 1e9)
-    summary: Dict[str, Any] = {"mode": "dry" if dry else "gpu", "checks": {}}
+    summary: dict[str, Any] = {"mode": "dry" if dry else "gpu", "checks": {}}
 
-    def check(name: str, ok: Any, step: Optional[Step] = None, **found: Any) -> None:
+    def check(name: str, ok: Any, step: Step | None = None, **found: Any) -> None:
         if step is not None:
             found.update(exit_code=step.returncode, seconds=round(step.seconds, 1))
             if step.timed_out:
                 found.update(timed_out=True, kill=step.kill)
         summary["checks"][name] = {"ok": bool(ok) and not (step and step.timed_out), **found}
 
-    def meshrun(name: str, args: List[str], env: Optional[Dict[str, str]] = None) -> Step:
+    def meshrun(name: str, args: list[str], env: dict[str, str] | None = None) -> Step:
         limit = max(5.0, min(step_s, deadline - time.time() - 5))
         return run_step(run_dir, name, [py, "-m", "launcher", *args], round(limit, 1), env)
 

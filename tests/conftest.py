@@ -48,7 +48,7 @@ the long ones start at once and the workers end together on short files, instead
 order puts files with few tests last) running alone at the end."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _spawning_functions(path: str) -> frozenset:
     """Module-level functions of the file at path that reach a spawner, through calls to each other."""
     with open(path, encoding="utf-8") as f:

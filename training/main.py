@@ -88,10 +88,10 @@ def main(argv=None) -> int:
     with imports_without_gc():  # a rank forked by a warm agent has these already (imported the same way)
         import torch
 
-        from training.contract.config import derived_dp, load_config
         from training.checkpoint.storage import CheckpointError
-        from training.data import DataError
+        from training.contract.config import derived_dp, load_config
         from training.contract.layout_rules import LayoutError
+        from training.data import DataError
         from training.hf.hf_config import HFError
         from training.observe.startup import mark
 
@@ -121,8 +121,8 @@ def main(argv=None) -> int:
     # No checkpoint code is imported ahead here: a resume reads the checkpoint without DCP
     # (training/checkpoint/lean_read.py), and the save path is imported once the first step is done.
 
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     p = cfg.parallel
     backend = "nccl" if cfg.cluster.device == "cuda" else "gloo"

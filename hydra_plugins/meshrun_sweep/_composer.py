@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import pickle
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
 
 from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
 from hydra.core.config_loader import ConfigLoader
@@ -45,13 +45,13 @@ class CachedComposer:
         self.master = master_config
         self.parser = OverridesParser.create(config_loader=config_loader)
         # Group-choice overrides (as typed) -> the composed config without the point's value overrides.
-        self._bases: Dict[Tuple[str, ...], Union[bytes, DictConfig]] = {}
-        self._parsed: Dict[str, Override] = {}
+        self._bases: dict[tuple[str, ...], bytes | DictConfig] = {}
+        self._parsed: dict[str, Override] = {}
         # Override line -> whether it sets a value (not a group): asking the config repository whether a
         # group exists walks its config sources every time, for every override of every point.
-        self._is_value: Dict[str, bool] = {}
+        self._is_value: dict[str, bool] = {}
         # Points built ahead by the sweeper's validation, handed to the launcher once.
-        self._ready: Dict[Tuple[str, ...], DictConfig] = {}
+        self._ready: dict[tuple[str, ...], DictConfig] = {}
         self.compositions = 0
         # A hydra.searchpath changes which groups exist; only ConfigLoaderImpl exposes its repository.
         # In either case every point is composed the standard way.
@@ -60,7 +60,7 @@ class CachedComposer:
         )
         self._master_groups = self._groups_of_master() if self.enabled else None
 
-    def _groups_of_master(self) -> Optional[Tuple[str, ...]]:
+    def _groups_of_master(self) -> tuple[str, ...] | None:
         """The group overrides of the master config, as the basic sweeper writes them into every point's
         overrides (key=value), when the master config may serve as those points' base; else None."""
         lines = OmegaConf.to_container(self.master.hydra.overrides.task)
@@ -110,7 +110,7 @@ class CachedComposer:
         OmegaConf.copy_cache(from_config=self.master, to_config=cfg)
         return cfg
 
-    def _base(self, groups: Tuple[str, ...]) -> Union[bytes, DictConfig]:
+    def _base(self, groups: tuple[str, ...]) -> bytes | DictConfig:
         """The group set's composition, kept to copy from."""
         base = self._bases.get(groups)
         if base is None and groups == self._master_groups:
@@ -121,7 +121,7 @@ class CachedComposer:
         return base
 
     @staticmethod
-    def _with_values(base: Union[bytes, DictConfig], values: List[Override]) -> DictConfig:
+    def _with_values(base: bytes | DictConfig, values: list[Override]) -> DictConfig:
         cfg = _copy(base)
         try:
             ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
@@ -129,7 +129,7 @@ class CachedComposer:
             raise ConfigCompositionException().with_traceback(sys.exc_info()[2]) from e
         return cfg
 
-    def _parse(self, overrides: Sequence[str]) -> List[Override]:
+    def _parse(self, overrides: Sequence[str]) -> list[Override]:
         """The parsed overrides, each parsed once per sweep (Override objects are not modified by their users)."""
         todo = [line for line in overrides if line not in self._parsed]
         if todo:
@@ -144,11 +144,11 @@ class CachedComposer:
 
     def take(self, overrides: Sequence[str]) -> DictConfig:
         """The prepared config of this point, or a freshly built one."""
-        cfg: Optional[DictConfig] = self._ready.pop(tuple(overrides), None)
+        cfg: DictConfig | None = self._ready.pop(tuple(overrides), None)
         return cfg if cfg is not None else self.build(overrides)
 
 
-def _dumps(cfg: DictConfig) -> Union[bytes, DictConfig]:
+def _dumps(cfg: DictConfig) -> bytes | DictConfig:
     """The composition as bytes to copy from; a value that cannot be pickled (none comes from YAML or the
     dataclass schema, but a plugin's resolver could add one) keeps the config itself, copied with deepcopy."""
     try:
@@ -157,5 +157,5 @@ def _dumps(cfg: DictConfig) -> Union[bytes, DictConfig]:
         return cfg
 
 
-def _copy(base: Union[bytes, DictConfig]) -> DictConfig:
+def _copy(base: bytes | DictConfig) -> DictConfig:
     return pickle.loads(base) if isinstance(base, bytes) else copy.deepcopy(base)

@@ -22,7 +22,7 @@ import copy
 import os
 import pickle
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from hydra import version
 from hydra.core.hydra_config import HydraConfig
@@ -79,7 +79,7 @@ def run_point_job(
     job_subdir_key: str,
     hydra_context: HydraContext,
     configure_logging: bool = True,
-    task_cfg: Optional[DictConfig] = None,
+    task_cfg: DictConfig | None = None,
     owned: bool = False,
 ) -> JobReturn:
     """hydra.core.utils.run_job's contract (callbacks, HydraConfig, working directory, JobReturn).

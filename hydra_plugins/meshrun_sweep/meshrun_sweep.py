@@ -21,9 +21,10 @@ While a sweep runs, the garbage collector runs less often (_fewer_collections).
 import contextlib
 import gc
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
@@ -60,11 +61,11 @@ class MeshrunLauncher(Launcher):
         super().__init__()
         # The points read it from their config too (hydra.launcher.slurm_arrays): false, none queues.
         self.slurm_arrays = slurm_arrays
-        self.config: Optional[DictConfig] = None
-        self.task_function: Optional[TaskFunction] = None
-        self.hydra_context: Optional[HydraContext] = None
+        self.config: DictConfig | None = None
+        self.task_function: TaskFunction | None = None
+        self.hydra_context: HydraContext | None = None
         # Set by MeshrunSweeper to share its cache and its prepared points; else made on first launch.
-        self.composer: Optional[CachedComposer] = None
+        self.composer: CachedComposer | None = None
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config = config
@@ -98,10 +99,10 @@ class MeshrunLauncher(Launcher):
                 point.update(updates[point["run_dir"]])
         return runs
 
-    def _run_points(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[JobReturn]:
+    def _run_points(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[JobReturn]:
         assert self.hydra_context is not None and self.config is not None and self.task_function is not None
         assert self.composer is not None
-        runs: List[JobReturn] = []
+        runs: list[JobReturn] = []
         for idx, overrides in enumerate(job_overrides, initial_job_idx):
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
             sweep_config = self.composer.take(overrides)
@@ -130,9 +131,9 @@ class MeshrunSweeperConf:
 
     _target_: str = "hydra_plugins.meshrun_sweep.meshrun_sweep.MeshrunSweeper"
     # Points per launcher batch; None runs the whole sweep as one batch.
-    max_batch_size: Optional[int] = None
+    max_batch_size: int | None = None
     # Extra sweep overrides, key -> "v1,v2", as for the basic sweeper.
-    params: Optional[Dict[str, str]] = None
+    params: dict[str, str] | None = None
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="meshrun", node=MeshrunSweeperConf, provider="meshrun")
@@ -159,7 +160,7 @@ def _fewer_collections(gen0: int = 20_000):
 
 
 class MeshrunSweeper(BasicSweeper):
-    def sweep(self, arguments: List[str]) -> Any:
+    def sweep(self, arguments: list[str]) -> Any:
         with _fewer_collections():
             return super().sweep(arguments)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Any, Callable, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import hydra
 from hydra.core.global_hydra import GlobalHydra
@@ -109,7 +110,7 @@ def plans_dir(default_run_dir: str) -> str:
     return os.path.join(os.path.dirname(default_run_dir), PLANS_FOLDER, os.path.basename(default_run_dir))
 
 
-def _function(spec: ActionSpec) -> Callable[[Config, Optional[str]], Any]:
+def _function(spec: ActionSpec) -> Callable[[Config, str | None], Any]:
     return getattr(importlib.import_module(spec.module), spec.function)
 
 
@@ -176,7 +177,7 @@ def start(cfg: Config, run_dir: str):
     return launch_local(cfg, run_dir)
 
 
-def _presets(group: str) -> List[str]:
+def _presets(group: str) -> list[str]:
     """The presets of a config group, as Hydra sees them (the installed conf tree)."""
     loader = GlobalHydra.instance().config_loader()
     return sorted(loader.get_group_options(group))

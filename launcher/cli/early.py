@@ -5,14 +5,13 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-from typing import List
 
 from training.contract.exit_codes import EXIT_INVALID
 
 _DIR_KEYS = ("run.dir", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.run.dir")
 
 
-def _reject_control_characters(argv: List[str]) -> None:
+def _reject_control_characters(argv: list[str]) -> None:
     """A directory given with a control character (newline, tab, escape) exits 2 before Hydra creates it
     (a sweep directory is created before any point runs; training/contract/rundir/config_files.py says why they are refused)."""
     from training.contract.rundir.config_files import path_problem

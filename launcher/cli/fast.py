@@ -17,9 +17,11 @@ import datetime
 import importlib
 import importlib.resources
 import os
+import types
 import typing
+from collections.abc import Sequence
 from enum import Enum
-from typing import Any, Dict, Optional, Sequence
+from typing import Any
 
 from launcher.cli.precheck import presets
 from training.contract.actions import ACTIONS, BY_NAME
@@ -37,7 +39,7 @@ def _conf(*parts: str) -> Any:
 __all__ = ["presets", "compose", "fast_path", "help_text"]
 
 
-def _yaml(*parts: str) -> Dict[str, Any]:
+def _yaml(*parts: str) -> dict[str, Any]:
     import yaml
 
     with _conf(*parts).open() as f:
@@ -45,9 +47,9 @@ def _yaml(*parts: str) -> Dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _root_choices() -> Optional[Dict[str, str]]:
+def _root_choices() -> dict[str, str] | None:
     """conf/config.yaml's default preset of each group."""
-    choices: Dict[str, str] = {}
+    choices: dict[str, str] = {}
     for entry in _yaml("config.yaml").get("defaults", []):
         if isinstance(entry, dict):
             for key, value in entry.items():
@@ -56,7 +58,7 @@ def _root_choices() -> Optional[Dict[str, str]]:
     return choices if set(choices) == set(GROUPS) else None
 
 
-def _preset(group: str, name: str, overridden: Dict[str, str]) -> Optional[Dict[str, Any]]:
+def _preset(group: str, name: str, overridden: dict[str, str]) -> dict[str, Any] | None:
     """A preset's keys; its `override /G@_global_.G: X` defaults go into overridden (None: another form)."""
     data = _yaml(group, f"{name}.yaml")
     for entry in data.pop("defaults", []) or []:
@@ -88,7 +90,7 @@ def _field_type(cls: Any, path: Sequence[str]) -> Any:
 def _typed(tp: Any, text: str) -> Any:
     """text as a value of type tp (raises ValueError when it is not one, or tp is not a scalar)."""
     args = typing.get_args(tp)
-    if typing.get_origin(tp) is typing.Union and type(None) in args:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
         if text in ("null", "None"):
             return None
         tp = next(a for a in args if a is not type(None))
@@ -107,13 +109,13 @@ def _typed(tp: Any, text: str) -> Any:
     raise ValueError(f"not a scalar field: {tp}")
 
 
-def _set(data: Dict[str, Any], path: Sequence[str], value: Any) -> None:
+def _set(data: dict[str, Any], path: Sequence[str], value: Any) -> None:
     for part in path[:-1]:
         data = data.setdefault(part, {})
     data[path[-1]] = value
 
 
-def compose(argv: Sequence[str]) -> Optional[Any]:
+def compose(argv: Sequence[str]) -> Any | None:
     """The Config Hydra would compose for argv, or None where this composition does not apply."""
     from training.contract.config import Config, config_from_dict
 
@@ -133,8 +135,8 @@ def compose(argv: Sequence[str]) -> Optional[Any]:
     root = _root_choices()
     if root is None:
         return None
-    overridden: Dict[str, str] = {}
-    groups: Dict[str, Any] = {}
+    overridden: dict[str, str] = {}
+    groups: dict[str, Any] = {}
     for group in ("model", "cluster", "train", "data", "parallel"):  # parallel last: a cluster may choose it
         name = choices.get(group) or overridden.get(group) or root[group]
         data = _preset(group, name, overridden)
@@ -144,7 +146,7 @@ def compose(argv: Sequence[str]) -> Optional[Any]:
     from launcher.cli.early import unique_suffix
 
     now = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    merged: Dict[str, Any] = {**groups, "run": {"dir": f"runs/{now}-{unique_suffix()}"}}
+    merged: dict[str, Any] = {**groups, "run": {"dir": f"runs/{now}-{unique_suffix()}"}}
     for key, value in keys:
         path = key.split(".")
         tp = _field_type(Config, path)
@@ -163,10 +165,10 @@ def compose(argv: Sequence[str]) -> Optional[Any]:
 def _scalar(tp: Any) -> Any:
     """Optional[X] -> X."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0] if typing.get_origin(tp) is typing.Union and len(args) == 1 else tp
+    return args[0] if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 else tp
 
 
-def _enums(cls: Any, data: Dict[str, Any]) -> Dict[str, Any]:
+def _enums(cls: Any, data: dict[str, Any]) -> dict[str, Any]:
     """Choice fields as their Enum members and float fields as floats (what Hydra's schema gives)."""
     hints = typing.get_type_hints(cls)
     out = {}

@@ -11,9 +11,10 @@ import dataclasses
 import functools
 import inspect
 import sys
+import types
 import typing
+from collections.abc import Callable, Iterator
 from enum import Enum
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import training.contract.config as config_module
 from training.contract.config import Config
@@ -21,11 +22,11 @@ from training.contract.exit_codes import EXIT_INVALID
 
 
 @functools.lru_cache(maxsize=1)
-def field_docstrings() -> Dict[Tuple[str, str], str]:
+def field_docstrings() -> dict[tuple[str, str], str]:
     """(class name, field name) -> the docstring written under the field in training/contract/config.py (parsed
     once per process: action=keys asks once per dataclass)."""
     tree = ast.parse(inspect.getsource(config_module))
-    docs: Dict[Tuple[str, str], str] = {}
+    docs: dict[tuple[str, str], str] = {}
     for node in tree.body:
         if not isinstance(node, ast.ClassDef):
             continue
@@ -48,12 +49,12 @@ def _type_name(tp) -> str:
     if isinstance(tp, type):
         return tp.__name__
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union and type(None) in args:
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
         rest = [a for a in args if a is not type(None)]
         return f"{_type_name(rest[0])} or null" if len(rest) == 1 else str(tp)
-    if origin in (list, List):
+    if origin in (list, list):
         return f"list[{_type_name(args[0])}]"
-    if origin in (dict, Dict):
+    if origin in (dict, dict):
         return f"dict[{_type_name(args[0])}, {_type_name(args[1])}]"
     return str(tp).replace("typing.", "")
 
@@ -83,7 +84,7 @@ def effective_value(cfg: Config, key: str) -> str:
     return _show(obj)
 
 
-def iter_keys(cls=Config, prefix: str = "") -> Iterator[Tuple[str, str, str, str]]:
+def iter_keys(cls=Config, prefix: str = "") -> Iterator[tuple[str, str, str, str]]:
     """(key, type, default, docstring) for every leaf key, depth first in declaration order."""
     docs = field_docstrings()
     hints = typing.get_type_hints(cls)
@@ -100,13 +101,13 @@ GROUPS = ("model", "parallel", "cluster", "train", "data", "run")
 
 
 def format_keys(
-    group: str = "", presets: Optional[Callable[[str], List[str]]] = None, effective: Optional[Config] = None
+    group: str = "", presets: Callable[[str], list[str]] | None = None, effective: Config | None = None
 ) -> str:
     """The text `action=keys` prints; `presets(group)` lists a group's presets when given. With `effective` (the
     composed config of this invocation) each key shows the value a launch with these arguments uses, and the
     built-in default of training/contract/config.py, and beside it `(effective: V)` where the presets or the command line
     make it differ."""
-    lines: List[str] = []
+    lines: list[str] = []
     current = None
     for key, tp, default, doc in iter_keys():
         head = key.split(".", 1)[0] if "." in key else ""
@@ -127,9 +128,7 @@ def format_keys(
     return "\n".join(lines)
 
 
-def print_keys(
-    group: str, presets: Optional[Callable[[str], List[str]]] = None, effective: Optional[Config] = None
-) -> None:
+def print_keys(group: str, presets: Callable[[str], list[str]] | None = None, effective: Config | None = None) -> None:
     # Every section of the config (the groups, and action sections such as export and generate).
     sections = sorted({key.split(".", 1)[0] for key, *_ in iter_keys() if "." in key})
     if group and group not in sections:
@@ -147,7 +146,7 @@ def print_keys(
     print(format_keys(group, presets, effective))
 
 
-def keys_action(cfg: Config, run_dir: Optional[str] = None) -> None:
+def keys_action(cfg: Config, run_dir: str | None = None) -> None:
     """action=keys (the action table, training/contract/actions.py)."""
     from launcher.cli.fast import presets  # the packaged presets (launcher/cli/fast.py composed without Hydra)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, List, Optional
+from collections.abc import Callable
 
 from launcher.cli.keys import GROUPS, iter_keys
 
@@ -23,7 +23,7 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def markdown(presets: Optional[Callable[[str], List[str]]] = None) -> str:
+def markdown(presets: Callable[[str], list[str]] | None = None) -> str:
     """The text of docs/KEYS.md: one table per section, keys in declaration order."""
     lines = [
         "# Every key",
@@ -47,7 +47,7 @@ def markdown(presets: Optional[Callable[[str], List[str]]] = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _packaged_presets(group: str) -> List[str]:
+def _packaged_presets(group: str) -> list[str]:
     from launcher.cli.precheck import presets
 
     return presets(group)
@@ -57,7 +57,7 @@ def generated() -> str:
     return markdown(_packaged_presets)
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     text = generated()
     if "--check" in argv:
         try:

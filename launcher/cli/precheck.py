@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import importlib.resources
 import shlex
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from training.contract.actions import BY_NAME
 from training.contract.config import CHOICE_FIELDS, choices
@@ -24,7 +24,7 @@ _FLAGS_WITH_VALUE |= {"--package", "-p", "--experimental-rerun", "--info", "-i"}
 _OWN_PRESETS = ("--config-dir", "-cd", "--config-path", "-cp", "hydra.searchpath")
 
 
-def presets(group: str) -> List[str]:
+def presets(group: str) -> list[str]:
     """The packaged presets of a config group (conf/<group>/*.yaml, installed as meshrun_conf)."""
     try:
         folder = importlib.resources.files("meshrun_conf") / group
@@ -33,7 +33,7 @@ def presets(group: str) -> List[str]:
         return []
 
 
-def nearest(word: str, known: Sequence[str]) -> Optional[str]:
+def nearest(word: str, known: Sequence[str]) -> str | None:
     """The closest of known to word (`llama3-8b` -> llama3_8b, `allgather` -> all_gather), or None."""
     canon = {k.replace("-", "_").lower(): k for k in known}
     w = word.replace("-", "_").lower()
@@ -46,7 +46,7 @@ def nearest(word: str, known: Sequence[str]) -> Optional[str]:
     return canon[match[0]] if match else None
 
 
-def _overrides(argv: Sequence[str]) -> List[Tuple[int, str]]:
+def _overrides(argv: Sequence[str]) -> list[tuple[int, str]]:
     """(index, argument) of the overrides, Hydra's flags and their values skipped."""
     out, skip = [], False
     for i, arg in enumerate(argv):
@@ -65,14 +65,14 @@ def _fix(argv: Sequence[str], index: int, replacement: str) -> str:
     return "meshrun " + " ".join(shlex.quote(w) for w in words)
 
 
-def _values(value: str) -> Optional[List[str]]:
+def _values(value: str) -> list[str] | None:
     """A plain value or a sweep's comma list; None for Hydra's functions, interpolations and lists."""
     if any(c in value for c in "${}[]()'\"*"):
         return None
     return value.split(",")
 
 
-def _unknown_key(argv: Sequence[str]) -> Optional[str]:
+def _unknown_key(argv: Sequence[str]) -> str | None:
     """A key the typed config lacks (`parallel.tpp=2`, `+parallel.tpp=2`): meshrun's words instead of Hydra's
     'use +parallel.tpp=2', which typed groups refuse anyway (launcher/cli/unknown_keys.py)."""
     from launcher.cli.unknown_keys import argv_keys, message, nearest_key
@@ -89,7 +89,7 @@ def _unknown_key(argv: Sequence[str]) -> Optional[str]:
     return None
 
 
-def problem(argv: Sequence[str]) -> Optional[str]:
+def problem(argv: Sequence[str]) -> str | None:
     """The first argument meshrun can diagnose, as 'what is wrong (did you mean ...)\\nfix: meshrun ...'."""
     found = _unknown_key(argv)
     if found:

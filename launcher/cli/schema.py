@@ -4,9 +4,8 @@
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from training.contract.config import Config
-
 from launcher.cli.early import unique_suffix  # noqa: E402 (Hydra-free: launcher/cli/fast.py uses it too)
+from training.contract.config import Config
 
 
 def register() -> None:

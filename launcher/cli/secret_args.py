@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Dict, List, Sequence, Tuple
+from collections.abc import Sequence
 
 from training.contract.exit_codes import EXIT_INVALID
 from training.contract.rundir.secret_env import ARGS_ENV, DEFAULT_PATTERNS, PLACEHOLDER, is_secret
@@ -22,14 +22,14 @@ from training.contract.rundir.secret_env import ARGS_ENV, DEFAULT_PATTERNS, PLAC
 ENV_PREFIX = "cluster.env."
 
 
-def _split(arg: str) -> Tuple[str, str, str]:
+def _split(arg: str) -> tuple[str, str, str]:
     """(prefix + ~ as typed, key, value text) of key=value; ("", "", "") for anything else."""
     head, sep, value = arg.partition("=")
     key = head.lstrip("+~")
     return (head[: len(head) - len(key)], key, value) if sep else ("", "", "")
 
 
-def _patterns(argv: Sequence[str]) -> List[str]:
+def _patterns(argv: Sequence[str]) -> list[str]:
     """The default secret patterns plus those of a cluster.secret_keys=[...] override (more hidden, never less:
     a value hidden needlessly still reaches the ranks through secrets.json)."""
     patterns = list(DEFAULT_PATTERNS)
@@ -45,13 +45,13 @@ def _refuse(message: str) -> None:
     raise SystemExit(EXIT_INVALID)
 
 
-def hide_secret_args(argv: Sequence[str]) -> List[str]:
+def hide_secret_args(argv: Sequence[str]) -> list[str]:
     """argv with each secret cluster.env value replaced by the placeholder; the values go to this process's
     environment (ARGS_ENV), which is cleared when argv has none (a value from an earlier command line in the
     same process must not count). A swept secret or one that does not parse exits 2 without echoing it."""
     patterns = _patterns(argv)
-    out: List[str] = []
-    given: Dict[str, str] = {}
+    out: list[str] = []
+    given: dict[str, str] = {}
     parser = None
     for arg in argv:
         prefix, key, text = _split(arg)

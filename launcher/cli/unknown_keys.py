@@ -11,14 +11,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
-from typing import Any, Iterable, List, Mapping, Optional, Tuple
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from training.contract.config import Config
 
 
-def all_keys(cls=Config, prefix: str = "") -> List[str]:
+def all_keys(cls=Config, prefix: str = "") -> list[str]:
     """Every key of the typed config, groups (parallel, cluster.preflight) and leaves alike."""
-    out: List[str] = []
+    out: list[str] = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
@@ -28,7 +29,7 @@ def all_keys(cls=Config, prefix: str = "") -> List[str]:
     return out
 
 
-def nearest_key(key: str, known: Optional[Iterable[str]] = None) -> Optional[str]:
+def nearest_key(key: str, known: Iterable[str] | None = None) -> str | None:
     """The real key closest to a misspelt one: first among the keys of the same group, then anywhere."""
     known = list(known if known is not None else all_keys())
     group, _, leaf = key.rpartition(".")
@@ -44,13 +45,13 @@ def nearest_key(key: str, known: Optional[Iterable[str]] = None) -> Optional[str
     return match[0] if match else None
 
 
-def unknown_keys(node: Any, cls=Config, prefix: str = "") -> List[str]:
+def unknown_keys(node: Any, cls=Config, prefix: str = "") -> list[str]:
     """Keys of a composed config (a mapping: DictConfig or dict) that cls does not declare, depth first."""
     if not isinstance(node, Mapping) and not hasattr(node, "keys"):
         return []
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    out: List[str] = []
+    out: list[str] = []
     for key in node.keys():
         full = f"{prefix}{key}"
         if key not in names:
@@ -64,13 +65,13 @@ def unknown_keys(node: Any, cls=Config, prefix: str = "") -> List[str]:
     return out
 
 
-def describe(keys: List[str]) -> List[Tuple[str, Optional[str]]]:
+def describe(keys: list[str]) -> list[tuple[str, str | None]]:
     """(unknown key, nearest real key or None) for each."""
     known = all_keys()
     return [(k, nearest_key(k, known)) for k in keys]
 
 
-def message(keys: List[str]) -> str:
+def message(keys: list[str]) -> str:
     """The error text: each unknown key with its suggestion, and where the keys are listed."""
     parts = []
     for key, near in describe(keys):
@@ -81,7 +82,7 @@ def message(keys: List[str]) -> str:
     )
 
 
-def argv_keys(argv: Iterable[str]) -> List[str]:
+def argv_keys(argv: Iterable[str]) -> list[str]:
     """The keys of command-line overrides (key=value, +key=value, ++key=value, ~key) that the typed config lacks;
     Hydra's own keys (hydra.*) and flags are left alone."""
     known = set(all_keys())
@@ -99,14 +100,14 @@ def argv_keys(argv: Iterable[str]) -> List[str]:
     return out
 
 
-def _dict_fields(cls=Config, prefix: str = "") -> List[str]:
-    out: List[str] = []
+def _dict_fields(cls=Config, prefix: str = "") -> list[str]:
+    out: list[str] = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
             out += _dict_fields(tp, f"{prefix}{f.name}.")
-        elif typing.get_origin(tp) in (dict, typing.Dict):
+        elif typing.get_origin(tp) is dict:
             out.append(f"{prefix}{f.name}")
     return out
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Any, Dict
+from typing import Any
 
 from training.contract.config import Config
 from training.contract.exit_codes import EXIT_INVALID, EXIT_OK
 
 
-def run_export(cfg: Config, run_dir: str) -> Dict[str, Any]:
+def run_export(cfg: Config, run_dir: str) -> dict[str, Any]:
     e = cfg.export
     if not e.output:
         print("meshrun: action=export needs export.output=DIR, the Hugging Face directory to write", file=sys.stderr)

@@ -11,13 +11,13 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, Dict
+from typing import Any
 
 from training.contract.config import Config, config_to_dict
 from training.contract.exit_codes import EXIT_INVALID, EXIT_OK
 
 
-def run_generate(cfg: Config, run_dir: str) -> Dict[str, Any]:
+def run_generate(cfg: Config, run_dir: str) -> dict[str, Any]:
     if not os.path.isdir(run_dir):
         print(
             f"meshrun: run.dir={run_dir} does not exist; give the run directory whose checkpoint generates",

@@ -13,20 +13,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Dict, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from training.contract.config import Activation, Config, ModelConfig, Norm, Position
 from training.contract.exit_codes import EXIT_INVALID
 from training.hf.hf_config import HFError, conflicts, model_fields_from_hf, read_hf_config
 from training.hf.safetensors_index import check_tensors
 
-
 _CHOICES = {"norm": Norm, "activation": Activation, "position": Position}
 
 
-def model_overrides(cfg: Config, overrides: Sequence[str]) -> Dict[str, Any]:
+def model_overrides(cfg: Config, overrides: Sequence[str]) -> dict[str, Any]:
     """The model fields this command line set, with their composed values; a preset choice sets them all."""
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     names = [f.name for f in dataclasses.fields(ModelConfig)]
     for text in overrides:
         key = text.split("=", 1)[0].lstrip("+~").strip()

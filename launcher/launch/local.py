@@ -24,11 +24,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
-from launcher.manage.goodput import write_goodput_quietly
-from launcher.launch.local_warm import LocalAgent, wanted
 from launcher.launch.local_numa import rank_prefix
+from launcher.launch.local_warm import LocalAgent, wanted
 from launcher.launch.nsys import nsys_prefix
 from launcher.launch.processes import (
     POLL_S,
@@ -39,16 +38,17 @@ from launcher.launch.processes import (
     stop_processes,
     threads_per_rank,
 )
-from training.observe.progress import TTY_ENV
-from training.contract.rundir.config_files import write_config
+from launcher.manage.goodput import write_goodput_quietly
 from launcher.slurm.queries import job_alive
 from training.contract.config import Config, derived_dp
-from training.contract.rundir.events import append_event, read_events
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED
-from training.contract.rundir.resume_request import write_request
+from training.contract.rundir.config_files import write_config
+from training.contract.rundir.events import append_event, read_events
 from training.contract.rundir.files import open_append
 from training.contract.rundir.lock import TOKEN_ENV, RunLock, acquire, held
+from training.contract.rundir.resume_request import write_request
 from training.contract.slurm_env import dist_env
+from training.observe.progress import TTY_ENV
 
 LOOPBACK = "127.0.0.1"
 
@@ -103,11 +103,11 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
         attempt=attempt,
         numa_nodes=[node for _, node in binding],
     )
-    procs: List[Any] = []  # subprocess.Popen, or a warm rank's WarmChild (launcher/launch/warm.py)
-    pumps: List[threading.Thread] = []
+    procs: list[Any] = []  # subprocess.Popen, or a warm rank's WarmChild (launcher/launch/warm.py)
+    pumps: list[threading.Thread] = []
     logs = []
-    agent: Optional[LocalAgent] = None
-    warm_ranks: List[int] = []
+    agent: LocalAgent | None = None
+    warm_ranks: list[int] = []
     try:
         prefixes = [binding[r][0] + nsys_prefix(cfg, r, run_dir) for r in range(world)]
         if wanted(cfg.cluster.warm_start, world) and not all(prefixes):
@@ -152,13 +152,13 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
             procs.append(proc)
             # Rank 0 also goes to this terminal (stderr: stdout stays for results); its progress bar redraws in
             # place there (TTY_ENV) and reaches the log as plain lines.
-            sinks: List[Any] = [PlainLines(log) if tty else log, sys.stderr.buffer] if r == 0 else [log]
+            sinks: list[Any] = [PlainLines(log) if tty else log, sys.stderr.buffer] if r == 0 else [log]
             pumps.append(start_pump(proc.stdout, sinks))
         if agent is not None:
             # Which ranks the agent forked (the others started cold, each with its `warm_start_missed`).
             append_event(run_dir, "ranks_started", warm_ranks=warm_ranks, agent_pid=agent.pid, attempt=attempt)
-        failed: Optional[tuple] = None
-        ended: Dict[int, tuple] = {}  # a failed rank -> (its exit code, when it was seen)
+        failed: tuple | None = None
+        ended: dict[int, tuple] = {}  # a failed rank -> (its exit code, when it was seen)
         stop = _StopRequest(procs, cfg.cancel.timeout_s, cfg.train.checkpointing)
         with stop.installed():
             while True:
@@ -241,7 +241,7 @@ FAILURE_GRACE_S = 2.0
 """After a rank fails, how long the launcher waits for the others to end before it decides which one caused it."""
 
 
-def _blame(run_dir: str, attempt: int, ended: Dict[int, tuple]) -> tuple:
+def _blame(run_dir: str, attempt: int, ended: dict[int, tuple]) -> tuple:
     """(rank, exit code, reason, consequences): of the failed ranks (rank -> (code, when seen)), the cause by the
     Slurm epilogue's rule (launcher/slurm/requeue.py root_cause: the first killed by a signal, else the first with
     an error of its own, not a peer's collective error); reason is its log's error line (this attempt's), never
@@ -295,10 +295,10 @@ class _StopRequest:
     each rank has its handler: they agree on a step, save it and exit 3). A second signal, or ranks still
     running after cancel.timeout_s, ends them at once (the last complete checkpoint stays)."""
 
-    def __init__(self, procs: List[subprocess.Popen], timeout_s: float, checkpointing: bool = True):
+    def __init__(self, procs: list[subprocess.Popen], timeout_s: float, checkpointing: bool = True):
         self.procs, self.timeout_s = procs, timeout_s
         self.when = "after a checkpoint" if checkpointing else "at the next step boundary (no checkpoint)"
-        self.name: Optional[str] = None
+        self.name: str | None = None
         self.count = 0
         self.since = 0.0
         self.signalled: set = set()
@@ -342,7 +342,7 @@ class _StopRequest:
 
 
 def _interrupted(
-    run_dir: str, stop: _StopRequest, procs: List[subprocess.Popen], attempt: int, checkpointing: bool = True
+    run_dir: str, stop: _StopRequest, procs: list[subprocess.Popen], attempt: int, checkpointing: bool = True
 ) -> int:
     """Record and say how an interrupted run ended (`cancelled`, as action=cancel) and how to resume it (with
     train.checkpointing=false: that no checkpoint was written, and no resume hint)."""
@@ -369,7 +369,7 @@ def _interrupted(
     return EXIT_INTERRUPTED
 
 
-def launch_local(cfg: Config, run_dir: str) -> Dict[str, Any]:
+def launch_local(cfg: Config, run_dir: str) -> dict[str, Any]:
     """Launch the job on this machine; exits with the job's code when it is not 0."""
     write_request(run_dir, cfg.train.resume)  # an explicit train.resume applies to this launch only
     code = run_ranks(cfg, run_dir)

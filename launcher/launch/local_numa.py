@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from typing import List, Optional, Tuple
 
 from launcher.slurm.numa import choose_node, numa_nodes, numactl_prefix
 from training.contract.config import Config
@@ -18,7 +17,7 @@ from training.contract.config import Config
 
 def local_binding(
     cfg: Config, local_rank: int, local_world: int, sysfs_nodes: str = "/sys/devices/system/node"
-) -> Optional[int]:
+) -> int | None:
     """The NUMA node a local rank binds to, or None (numa=off, or auto with nothing to choose between)."""
     c = cfg.cluster
     if c.numa == "off":
@@ -38,7 +37,7 @@ def local_binding(
 
 def rank_prefix(
     cfg: Config, local_rank: int, local_world: int, sysfs_nodes: str = "/sys/devices/system/node"
-) -> Tuple[List[str], Optional[int]]:
+) -> tuple[list[str], int | None]:
     """(command prefix, NUMA node) of one local rank; a warning on stderr when numactl is missing."""
     node = local_binding(cfg, local_rank, local_world, sysfs_nodes)
     if node is None:

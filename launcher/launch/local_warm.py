@@ -24,7 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import IO, BinaryIO, Optional, cast
+from typing import IO, BinaryIO, cast
 
 from launcher.launch.warm import WarmChild, fork_rank
 from training.contract.rundir.events import append_event, read_events
@@ -59,7 +59,7 @@ class LocalAgent:
         self.run_dir = run_dir
         self.name = local_socket_name(os.getpid(), secrets.token_hex(8))
         self.broken = ""
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         # Room in the agent's initial environment block for each rank's own (shown in /proc/PID/environ).
         env = dict(env, **{PAD_ENV: " " * (sum(len(k) + len(v) + 2 for k, v in env.items()) + 16384)})
         # The name goes in the environment (readable by this user only), not in argv (any user reads
@@ -74,7 +74,7 @@ class LocalAgent:
             self.broken = f"the warm agent did not start ({exc})"
 
     @property
-    def pid(self) -> Optional[int]:
+    def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
     def _gone(self) -> str:
@@ -89,7 +89,7 @@ class LocalAgent:
                 return "" if ev.get("ready") else f"the warm agent did not serve: {ev.get('reason')}"
         return ""
 
-    def start_rank(self, rank: int, env: dict, keep_fd: int) -> Optional[WarmChild]:
+    def start_rank(self, rank: int, env: dict, keep_fd: int) -> WarmChild | None:
         """The rank forked by the agent, its output (stdout and stderr) in a pipe read as .stdout; None (the
         caller starts it cold) after recording why."""
         if not self.broken:

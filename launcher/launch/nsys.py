@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from typing import List
 
 from training.contract.config import Config
 
@@ -22,7 +21,7 @@ def nsys_report(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, PROFILE_DIR, f"nsys_rank{rank}")
 
 
-def nsys_prefix(cfg: Config, rank: int, run_dir: str) -> List[str]:
+def nsys_prefix(cfg: Config, rank: int, run_dir: str) -> list[str]:
     """The argv prefix for this global rank, or [] (train.nsys off, rank not chosen, nsys missing: said on stderr)."""
     if not cfg.train.nsys or rank not in list(cfg.train.nsys_ranks):
         return []

@@ -15,24 +15,24 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any
 
 from launcher.launch.local import LOOPBACK, free_port
 from launcher.launch.processes import POLL_S, engine_env, rank_process_env, stop_processes, threads_per_rank
-from training.contract.rundir.config_files import write_config
 from training.contract.config import Config, load_config
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK, EXIT_SLURM
+from training.contract.rundir.config_files import write_config
 from training.contract.slurm_env import SlurmUnavailable, dist_env, torch_env_from_slurm
 
 PREFLIGHT_MODULE = "training.preflight"
 
 
-def preflight_argv(run_dir: str) -> List[str]:
+def preflight_argv(run_dir: str) -> list[str]:
     """The per-rank command (the same locally and under srun; ranks derive RANK & co. from SLURM_*)."""
     return [sys.executable, "-m", PREFLIGHT_MODULE, run_dir]
 
 
-def _local_env(rank: int, world: int, per_node: int, port: int, threads: int, cfg: Config) -> Dict[str, str]:
+def _local_env(rank: int, world: int, per_node: int, port: int, threads: int, cfg: Config) -> dict[str, str]:
     env = rank_process_env(dist_env(rank, world, rank % per_node, per_node, LOOPBACK, port), engine_env(cfg), threads)
     if cfg.cluster.nodes > 1:
         # Several simulated nodes on this machine: give each its own name so per-node checks,
@@ -95,7 +95,7 @@ class PreflightTask:
         return subprocess.call(preflight_argv(self.run_dir), env=env)
 
 
-def submit_slurm(cfg: Config, run_dir: str) -> Dict[str, Any]:
+def submit_slurm(cfg: Config, run_dir: str) -> dict[str, Any]:
     """Run the preflight alone as a Slurm job over cluster.nodes x gpus_per_node tasks; wait for it."""
     import submitit
 
@@ -122,13 +122,13 @@ def submit_slurm(cfg: Config, run_dir: str) -> Dict[str, Any]:
     }
 
 
-def run_preflight(cfg: Config, run_dir: str) -> Dict[str, Any]:
+def run_preflight(cfg: Config, run_dir: str) -> dict[str, Any]:
     """meshrun action=preflight: write config.json, run the ranks, print the verdict; exits EXIT_NODE_BAD
     on a bad node."""
     write_config(cfg, run_dir)
     t = time.time()
     if cfg.cluster.kind == "slurm":
-        result: Dict[str, Any] = submit_slurm(cfg, run_dir)
+        result: dict[str, Any] = submit_slurm(cfg, run_dir)
         code = result["exit_code"]
     else:
         code, result = run_local(cfg, run_dir), {}

@@ -8,7 +8,8 @@ import signal
 import subprocess
 import threading
 import time
-from typing import BinaryIO, Dict, List, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import BinaryIO
 
 from training.contract.config import Config
 from training.contract.rundir.secret_env import is_secret, resolve
@@ -38,13 +39,13 @@ def threads_per_rank(local_ranks: int, allotted: int = 0) -> int:
     return min(threads, allotted) if allotted > 0 else threads
 
 
-def engine_env(cfg: Config, run_dir: Optional[str] = None, secrets: bool = True) -> Dict[str, str]:
+def engine_env(cfg: Config, run_dir: str | None = None, secrets: bool = True) -> dict[str, str]:
     """What the engine needs in every rank's environment (locally and in the Slurm batch script), then
     the cluster's own variables (cluster.env), which win. Secret values (cluster.secret_keys) come from
     run_dir/secrets.json or this process's environment when cfg holds their placeholder
     (training/contract/rundir/secret_env.py); secrets=False leaves them out (the batch script must not contain them)."""
     # A failed NCCL collective becomes an error (then exit, then requeue) instead of a hang.
-    env: Dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    env: dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     if cfg.parallel.tp > 1:
         # One hardware queue keeps TP communication ordered ahead of compute (Megatron's requirement).
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
@@ -76,8 +77,8 @@ def gloo_ifname(nccl_ifname: str) -> str:
 
 
 def rank_process_env(
-    dist: Mapping[str, str], cluster_env: Mapping[str, str], threads: int = 0, base: Optional[Mapping[str, str]] = None
-) -> Dict[str, str]:
+    dist: Mapping[str, str], cluster_env: Mapping[str, str], threads: int = 0, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """The environment of one rank process: base (default: this process's), cluster_env (engine_env), the
     torch.distributed variables (training/contract/slurm_env.py: dist_env, torch_env_from_slurm), OpenMP/MKL threads
     (threads, default threads_per_rank of the node's ranks; the cluster's variables win), unbuffered output
@@ -93,7 +94,7 @@ def rank_process_env(
     return env
 
 
-def pump(src: BinaryIO, sinks: Sequence[BinaryIO], tail: Optional[List[bytes]] = None, tail_bytes: int = 4096) -> None:
+def pump(src: BinaryIO, sinks: Sequence[BinaryIO], tail: list[bytes] | None = None, tail_bytes: int = 4096) -> None:
     """Copy a child's output into every sink as it comes (flushed, so a log is current when the child
     dies); with tail, also keep its last tail_bytes (where the exception line is)."""
     read = src.read1 if hasattr(src, "read1") else src.read
@@ -121,7 +122,7 @@ class PlainLines:
         self.sink.flush()
 
 
-def start_pump(src: BinaryIO, sinks: Sequence[BinaryIO], tail: Optional[List[bytes]] = None) -> threading.Thread:
+def start_pump(src: BinaryIO, sinks: Sequence[BinaryIO], tail: list[bytes] | None = None) -> threading.Thread:
     """pump() in a daemon thread (a child that never closes its output must not keep the launcher alive)."""
     thread = threading.Thread(target=pump, args=(src, sinks, tail), daemon=True)
     thread.start()

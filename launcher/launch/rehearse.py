@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Any, Dict
+from typing import Any
 
 from launcher.launch.processes import rank_process_env
 from training.contract.config import Config
@@ -26,7 +26,7 @@ def rehearse_argv(run_dir: str) -> list:
     return [sys.executable, "-m", REHEARSE_MODULE, run_dir]
 
 
-def run_rehearse(cfg: Config, run_dir: str) -> Dict[str, Any]:
+def run_rehearse(cfg: Config, run_dir: str) -> dict[str, Any]:
     """Plan (the gate every launch passes; writes plan.json and config.json), then rehearse; exits with the
     rehearsal's code when it is not 0."""
     from launcher.planning.gate import plan_or_reject
@@ -37,7 +37,7 @@ def run_rehearse(cfg: Config, run_dir: str) -> Dict[str, Any]:
     # One thread per worker process: the rehearsal runs as many workers as there are cores.
     env = rank_process_env({}, {}, threads=1)
     code = subprocess.run(rehearse_argv(run_dir), env=env).returncode
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         "status": "ok" if code == 0 else "defect",
         "exit_code": code,
         "rehearsal": os.path.join(run_dir, "rehearsal.json"),

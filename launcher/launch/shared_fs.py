@@ -9,7 +9,6 @@ No torch.
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
 
 SHARED_TYPES = (
     "nfs",
@@ -44,7 +43,7 @@ def _unescape(path: str) -> str:
     return path.replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
 
 
-def mount_of(path: str, mounts: Optional[str] = None) -> Optional[Tuple[str, str]]:
+def mount_of(path: str, mounts: str | None = None) -> tuple[str, str] | None:
     """(mount point, file system type) holding path, or None when the mount table cannot be read."""
     mounts = mounts or MOUNTS
     probe = os.path.abspath(path)
@@ -67,7 +66,7 @@ def mount_of(path: str, mounts: Optional[str] = None) -> Optional[Tuple[str, str
     return best
 
 
-def shared_verdict(path: str, mounts: Optional[str] = None) -> Tuple[Optional[bool], str]:
+def shared_verdict(path: str, mounts: str | None = None) -> tuple[bool | None, str]:
     """(True: shared, False: node-local, None: unknown type or table) and the mount it is on."""
     found = mount_of(path, mounts)
     if found is None:

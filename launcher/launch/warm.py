@@ -14,7 +14,8 @@ import struct
 import subprocess
 import sys
 import time
-from typing import IO, Callable, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import IO
 
 from training.contract.warm_start import recv, send
 
@@ -29,15 +30,15 @@ class WarmChild:
         sock: socket.socket,
         pid: int,
         agent_pid: int,
-        stderr: Optional[IO[bytes]] = None,
-        stdout: Optional[IO[bytes]] = None,
+        stderr: IO[bytes] | None = None,
+        stdout: IO[bytes] | None = None,
     ) -> None:
         self.sock, self.pid, self.agent_pid, self.stderr, self.stdout = sock, pid, agent_pid, stderr, stdout
-        self.returncode: Optional[int] = None
+        self.returncode: int | None = None
         self.lost = ""
         self.args = ["warm", str(pid)]
 
-    def wait(self, timeout: Optional[float] = None) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         if self.returncode is not None:
             return self.returncode
         if timeout is not None and not select.select([self.sock], [], [], max(0.0, timeout))[0]:
@@ -53,7 +54,7 @@ class WarmChild:
         self.returncode = code
         return code
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         """The exit code once the agent has sent it (or its connection ended), else None; never blocks long:
         the agent writes the whole message at once."""
         if self.returncode is None and select.select([self.sock], [], [], 0)[0]:
@@ -74,7 +75,7 @@ class WarmChild:
         self.send_signal(signal.SIGKILL)
 
 
-def peer_credentials(sock: socket.socket) -> Tuple[int, int]:
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
     """(pid, uid) of the process that holds the other end of a connected Unix socket, as the kernel records them
     (SO_PEERCRED: not something the peer can claim)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -82,7 +83,7 @@ def peer_credentials(sock: socket.socket) -> Tuple[int, int]:
     return pid, uid
 
 
-def parent_pid(pid: int) -> Optional[int]:
+def parent_pid(pid: int) -> int | None:
     """The parent of pid (from /proc/PID/stat), None when pid is gone or unreadable."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -91,7 +92,7 @@ def parent_pid(pid: int) -> Optional[int]:
         return None
 
 
-def untrusted_agent(sock: socket.socket, agent_pid: Optional[int]) -> str:
+def untrusted_agent(sock: socket.socket, agent_pid: int | None) -> str:
     """Why the process listening on the agent's name is not this user's agent, else "". An abstract socket name
     can be bound by any user of the network namespace (on Slurm it is predictable from the job id and the node):
     the rank's environment (its secrets), its streams and its lock go only to a listener of this process's own
@@ -113,13 +114,13 @@ def fork_rank(
     run_dir: str,
     streams: Sequence[int],
     keep: Sequence[int] = (),
-    numa_node: Optional[int] = None,
+    numa_node: int | None = None,
     connect_s: float = 5.0,
     reply_s: float = 300.0,
     where: str = "",
-    gone: Optional[Callable[[], str]] = None,
-    agent_pid: Optional[int] = None,
-) -> Tuple[Optional[WarmChild], str]:
+    gone: Callable[[], str] | None = None,
+    agent_pid: int | None = None,
+) -> tuple[WarmChild | None, str]:
     """Ask the agent listening on `name` to fork the rank with env, this process's working directory, umask and
     CPU affinity, the descriptors `streams` as its stdin, stdout, stderr and `keep` (at most one) kept open;
     (None, why) when it cannot (the caller starts the rank cold). The caller closes its own copies of the

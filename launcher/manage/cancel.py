@@ -25,16 +25,16 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from launcher.manage.status import CANCEL_FILE, cancelled_event
-from training.contract.rundir.events import EVENTS_FILE, append_event, read_events
 from training.contract.exit_codes import EXIT_INVALID
+from training.contract.rundir.events import EVENTS_FILE, append_event, read_events
 
 POLL_S = 1.0
 
 
-def write_mark(run_dir: str) -> Dict[str, Any]:
+def write_mark(run_dir: str) -> dict[str, Any]:
     mark = {"time": time.time(), "user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid()}
     from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
 
@@ -42,14 +42,14 @@ def write_mark(run_dir: str) -> Dict[str, Any]:
     return mark
 
 
-def record_cancelled(run_dir: str, reason: str, **fields: Any) -> Dict[str, Any]:
+def record_cancelled(run_dir: str, reason: str, **fields: Any) -> dict[str, Any]:
     from launcher.manage.status import last_checkpoint_step
 
     return append_event(run_dir, "cancelled", reason=reason, checkpoint_step=last_checkpoint_step(run_dir), **fields)
 
 
 # ---- local runs ------------------------------------------------------------------------------------
-def _children(pid: int) -> List[int]:
+def _children(pid: int) -> list[int]:
     """Processes whose parent is pid (the local launcher's ranks)."""
     out = []
     for name in os.listdir("/proc"):
@@ -65,7 +65,7 @@ def _children(pid: int) -> List[int]:
     return out
 
 
-def _rank_pids(launcher: int) -> List[int]:
+def _rank_pids(launcher: int) -> list[int]:
     """A local launcher's rank processes: its children, where its warm agent (launcher/launch/local_warm.py)
     stands for the ranks it forked (its children); the agent itself stops with the launch."""
     out = []
@@ -87,7 +87,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _cancel_local(run_dir: str, started: Dict[str, Any], timeout_s: float, deadline: float) -> Dict[str, Any]:
+def _cancel_local(run_dir: str, started: dict[str, Any], timeout_s: float, deadline: float) -> dict[str, Any]:
     """Signal a local run's ranks and wait for its launcher until deadline (the whole cancel's clock, which
     started at timeout_s before it): the reason names timeout_s as the user wrote it."""
     from launcher.slurm.rank_task import catches
@@ -137,7 +137,7 @@ def _checkpointing(run_dir: str) -> bool:
 
 
 # ---- Slurm runs ------------------------------------------------------------------------------------
-def _scancel(args: List[str]) -> str:
+def _scancel(args: list[str]) -> str:
     """ "" when scancel accepted, else its complaint."""
     from training.contract.slurm_env import SlurmUnavailable, slurm_command
 
@@ -148,7 +148,7 @@ def _scancel(args: List[str]) -> str:
     return res.stderr.strip() if res.returncode != 0 else ""
 
 
-def _signal_slurm(run_dir: str, job: str, state: Optional[str]) -> Optional[Dict[str, Any]]:
+def _signal_slurm(run_dir: str, job: str, state: str | None) -> dict[str, Any] | None:
     """Stop one Slurm job: the `cancelled` event when done at once (not started yet), else None (the epilogue
     records it once the ranks have saved)."""
     from training.contract.rundir.lock import release_job
@@ -167,7 +167,7 @@ def _signal_slurm(run_dir: str, job: str, state: Optional[str]) -> Optional[Dict
     return None
 
 
-def _force_slurm(run_dir: str, job: str, timeout_s: float) -> Dict[str, Any]:
+def _force_slurm(run_dir: str, job: str, timeout_s: float) -> dict[str, Any]:
     from training.contract.rundir.lock import release_job
 
     _scancel([job])
@@ -182,7 +182,7 @@ def _force_slurm(run_dir: str, job: str, timeout_s: float) -> Dict[str, Any]:
 
 
 # ---- the action ------------------------------------------------------------------------------------
-def _targets(run_dir: str) -> List[str]:
+def _targets(run_dir: str) -> list[str]:
     """The run directories to cancel: run_dir itself, or every launched point of a sweep directory."""
     from launcher.manage.status import SWEEP_FILE
 
@@ -204,10 +204,10 @@ def _targets(run_dir: str) -> List[str]:
     return [run_dir]
 
 
-def cancel(run_dir: str, timeout_s: float = 300.0) -> Dict[str, Dict[str, Any]]:
+def cancel(run_dir: str, timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
     """Cancel the run(s) in run_dir; returns run dir -> its status afterwards."""
-    from launcher.slurm.queries import FINAL_STATES, slurm_states
     from launcher.manage.status import current_job_id, run_status
+    from launcher.slurm.queries import FINAL_STATES, slurm_states
 
     if not timeout_s > 0:
         print(
@@ -218,7 +218,7 @@ def cancel(run_dir: str, timeout_s: float = 300.0) -> Dict[str, Dict[str, Any]]:
     targets = _targets(run_dir)
     events_of = {d: read_events(d) for d in targets}
     states = slurm_states([j for j in (current_job_id(e) for e in events_of.values()) if j is not None])
-    waiting: Dict[str, Any] = {}
+    waiting: dict[str, Any] = {}
     for d in targets:
         status = run_status(d, states, events_of[d])
         if status["state"] in FINAL_STATES:
@@ -252,13 +252,13 @@ def cancel(run_dir: str, timeout_s: float = 300.0) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-def _checkpoint(run_dir: str) -> Optional[int]:
+def _checkpoint(run_dir: str) -> int | None:
     from launcher.manage.status import last_checkpoint_step
 
     return last_checkpoint_step(run_dir)
 
 
-def run_cancel(cfg, run_dir: str) -> Dict[str, Any]:
+def run_cancel(cfg, run_dir: str) -> dict[str, Any]:
     """The app's action=cancel: one JSON object on stdout (run dir -> state)."""
     result = cancel(run_dir, cfg.cancel.timeout_s)
     summary = {d: st["state"] for d, st in result.items()}

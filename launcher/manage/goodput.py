@@ -27,7 +27,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from training.contract.rundir.events import read_events, well_formed
 from training.contract.rundir.metrics import read_purged_rows, read_rows
@@ -38,18 +39,18 @@ _END = ("completed", "stopped", "cancelled")
 _ATTEMPT_END = ("restarted_in_job", "requeued", "completed", "stopped", "cancelled")
 
 
-def _step_rows(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def _step_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [rec for rec in rows if "step" in rec and "time" in rec]
 
 
-def _parse_slurm_time(text: str) -> Optional[float]:
+def _parse_slurm_time(text: str) -> float | None:
     try:
         return time.mktime(time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
     except ValueError:
         return None  # Unknown, None (not started yet)
 
 
-def sacct_records(job_ids: Sequence[str]) -> Dict[str, List[Tuple[float, float]]]:
+def sacct_records(job_ids: Sequence[str]) -> dict[str, list[tuple[float, float]]]:
     """Job id -> (submit, start) of each of its allocations in order (a requeued job has one per requeue:
     sacct --duplicates); {} when Slurm's accounting cannot answer."""
     from training.contract.slurm_env import SlurmUnavailable, slurm_command
@@ -63,7 +64,7 @@ def sacct_records(job_ids: Sequence[str]) -> Dict[str, List[Tuple[float, float]]
         )
     except SlurmUnavailable:
         return {}
-    out: Dict[str, List[Tuple[float, float]]] = {}
+    out: dict[str, list[tuple[float, float]]] = {}
     for line in res.stdout.splitlines() if res.returncode == 0 else []:
         parts = line.strip().split("|")
         if len(parts) < 3 or parts[0] not in jobs:
@@ -81,9 +82,9 @@ class _Line:
 
     def __init__(self, t0: float) -> None:
         self.t = t0
-        self.segments: List[List[Any]] = []  # [cause, start, end, attempt]
+        self.segments: list[list[Any]] = []  # [cause, start, end, attempt]
 
-    def add(self, cause: str, until: float, attempt: Optional[int]) -> None:
+    def add(self, cause: str, until: float, attempt: int | None) -> None:
         if until <= self.t:
             return
         last = self.segments[-1] if self.segments else None
@@ -95,12 +96,12 @@ class _Line:
 
 
 def compute(
-    events: Sequence[Dict[str, Any]],
-    kept: Sequence[Dict[str, Any]],
-    purged: Sequence[Dict[str, Any]],
-    allocations: Optional[Dict[str, List[Tuple[float, float]]]] = None,
-    now: Optional[float] = None,
-) -> Optional[Dict[str, Any]]:
+    events: Sequence[dict[str, Any]],
+    kept: Sequence[dict[str, Any]],
+    purged: Sequence[dict[str, Any]],
+    allocations: dict[str, list[tuple[float, float]]] | None = None,
+    now: float | None = None,
+) -> dict[str, Any] | None:
     """The goodput.json object of a run (None before its first attempt). allocations: sacct_records' answer."""
     allocations = allocations or {}
     now = time.time() if now is None else now
@@ -116,10 +117,10 @@ def compute(
     life = [ev for ev in events if ev.get("event") in ("started",) + _ATTEMPT_END and "time" in ev]
     finished = life[-1].get("event") in _END
     t_end = float(life[-1]["time"]) if finished else max(now, float(life[-1]["time"]))
-    rows: Dict[int, List[Tuple[Dict[str, Any], bool]]] = {}
+    rows: dict[int, list[tuple[dict[str, Any], bool]]] = {}
     for rec, keep in [(r, True) for r in kept] + [(r, False) for r in purged]:
         rows.setdefault(int(rec.get("attempt", 0) or 0), []).append((rec, keep))
-    saves: Dict[int, List[Tuple[float, float]]] = {}
+    saves: dict[int, list[tuple[float, float]]] = {}
     for ev in events:
         if ev.get("event") == "checkpoint" and "time" in ev:
             saves.setdefault(int(ev.get("attempt", 0) or 0), []).append(
@@ -189,7 +190,7 @@ def compute(
     for cause, s, e, _ in line.segments:
         totals[cause] += e - s
     wall = t_end - t0
-    out: Dict[str, Any] = {"wall_s": round(wall, 3)}
+    out: dict[str, Any] = {"wall_s": round(wall, 3)}
     out.update({c: round(v, 3) for c, v in totals.items()})
     # From the figures the file shows, so that productive / wall_s read off it gives goodput (the millisecond
     # rounding of both moves the quotient by up to about 1e-5 on a run of a minute), as in the merge below.
@@ -204,9 +205,9 @@ def compute(
 
 def run_goodput(
     run_dir: str,
-    events: Optional[List[Dict[str, Any]]] = None,
-    allocations: Optional[Dict[str, List[Tuple[float, float]]]] = None,
-) -> Optional[Dict[str, Any]]:
+    events: list[dict[str, Any]] | None = None,
+    allocations: dict[str, list[tuple[float, float]]] | None = None,
+) -> dict[str, Any] | None:
     """compute() for a run directory, with Slurm's accounting for its jobs (asked here when not given)."""
     events = read_events(run_dir) if events is None else events
     if allocations is None:
@@ -214,7 +215,7 @@ def run_goodput(
     return compute(events, _step_rows(read_rows(run_dir)), _step_rows(read_purged_rows(run_dir)), allocations)
 
 
-def write_goodput(run_dir: str) -> Optional[Dict[str, Any]]:
+def write_goodput(run_dir: str) -> dict[str, Any] | None:
     """run_dir/goodput.json, replaced atomically; returns what it wrote (None: no attempt yet)."""
     from training.contract.rundir.files import write_atomic
 
@@ -233,19 +234,19 @@ def write_goodput_quietly(run_dir: str) -> None:
         print(f"meshrun: goodput.json not written: {exc!r}", file=sys.stderr)
 
 
-def summary(g: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+def summary(g: dict[str, Any] | None) -> dict[str, Any] | None:
     """The per-cause seconds and goodput, without the time line (what status prints)."""
     if not g:
         return None
     return {k: g[k] for k in ("wall_s", *CAUSES, "goodput", "lost_step_count")}
 
 
-def total(parts: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+def total(parts: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
     """A sweep's goodput: the seconds of its runs added per cause; goodput = productive / wall of the sum."""
     parts = [p for p in parts if p]
     if not parts:
         return None
-    out: Dict[str, Any] = {k: round(sum(float(p.get(k, 0.0)) for p in parts), 3) for k in ("wall_s", *CAUSES)}
+    out: dict[str, Any] = {k: round(sum(float(p.get(k, 0.0)) for p in parts), 3) for k in ("wall_s", *CAUSES)}
     out["lost_step_count"] = sum(int(p.get("lost_step_count", 0)) for p in parts)
     out["goodput"] = round(out["productive"] / out["wall_s"], 6) if out["wall_s"] > 0 else 0.0
     out["runs"] = len(parts)

@@ -14,12 +14,11 @@ import json
 import os
 import sys
 import time
-from typing import Dict, List, Optional
 
 from launcher.manage.status import log_files
+from training.contract.exit_codes import EXIT_INVALID
 from training.contract.rundir.events import read_events
 from training.contract.rundir.files import open_regular
-from training.contract.exit_codes import EXIT_INVALID
 
 
 def _print_from(path: str, offset: int) -> int:
@@ -36,10 +35,10 @@ def _print_from(path: str, offset: int) -> int:
     return offset + len(chunk)
 
 
-def _tail_offsets(paths: List[str], lines: int) -> Dict[str, int]:
+def _tail_offsets(paths: list[str], lines: int) -> dict[str, int]:
     """Where to start printing each file so that only the last `lines` lines of them all (in order) show:
     files wholly before those lines start at their end, read backwards in blocks (a log may be large)."""
-    offsets: Dict[str, int] = {}
+    offsets: dict[str, int] = {}
     need = lines
     for path in reversed(paths):
         size = os.path.getsize(path)
@@ -69,8 +68,8 @@ def _tail_offsets(paths: List[str], lines: int) -> Dict[str, int]:
 
 
 def _ended(run_dir: str) -> bool:
-    from launcher.slurm.queries import FINAL_STATES
     from launcher.manage.status import run_status
+    from launcher.slurm.queries import FINAL_STATES
 
     return run_status(run_dir)["state"] in FINAL_STATES
 
@@ -80,9 +79,9 @@ def show_logs(
     rank: int = 0,
     follow: bool = False,
     poll_s: float = 1.0,
-    timeout_s: Optional[float] = None,
+    timeout_s: float | None = None,
     tail: int = 0,
-) -> List[str]:
+) -> list[str]:
     """Print the logs (a `==> FILE <==` line before each file, as tail does); returns the files printed.
     tail > 0: only the last `tail` lines of the files that exist now (files before them are skipped)."""
     events = read_events(run_dir)
@@ -93,8 +92,8 @@ def show_logs(
             file=sys.stderr,
         )
         raise SystemExit(EXIT_INVALID)
-    offsets: Dict[str, int] = {}
-    shown: List[str] = []
+    offsets: dict[str, int] = {}
+    shown: list[str] = []
     start = time.time()
     if tail > 0:
         existing = [p for p in log_files(run_dir, rank, events) if os.path.isfile(p)]  # regular files only
@@ -142,7 +141,7 @@ def _world_size(run_dir: str) -> int:
         return 0
 
 
-def run_logs(cfg, run_dir: str) -> List[str]:
+def run_logs(cfg, run_dir: str) -> list[str]:
     """The app's action=logs."""
     if cfg.logs.rank < 0:
         print(f"error: logs.rank={cfg.logs.rank} must be a global rank (0, 1, ...)", file=sys.stderr)

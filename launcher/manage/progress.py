@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from training.contract.rundir.metrics import tail_rows
 
 
-def total_steps(run_dir: str) -> Optional[int]:
+def total_steps(run_dir: str) -> int | None:
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
             return int(json.load(f)["train"]["steps"])
@@ -22,7 +22,7 @@ def total_steps(run_dir: str) -> Optional[int]:
         return None
 
 
-def seconds_per_step(rows: List[Dict[str, Any]]) -> Optional[float]:
+def seconds_per_step(rows: list[dict[str, Any]]) -> float | None:
     """The newest attempt's pace over its last rows: wall time between rows per step, or its step time."""
     if not rows:
         return None
@@ -34,7 +34,7 @@ def seconds_per_step(rows: List[Dict[str, Any]]) -> Optional[float]:
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def progress_fields(run_dir: str, state: str, log: Optional[str]) -> Dict[str, Any]:
+def progress_fields(run_dir: str, state: str, log: str | None) -> dict[str, Any]:
     """step, total_steps, eta_s (RUNNING only, else None), last_loss, tokens_per_s, log; {} for a directory
     without a readable config.json (not a run meshrun launched: there is no total to measure progress against)."""
     total = total_steps(run_dir)

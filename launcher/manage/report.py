@@ -20,7 +20,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from training.contract.exit_codes import EXIT_INVALID, EXIT_OK
 from training.contract.rundir.files import atomic_path
@@ -46,13 +46,13 @@ class Figure:
 class Report:
     """What was plotted and what was skipped (and why)."""
 
-    figures: List[Figure] = field(default_factory=list)
-    notes: List[str] = field(default_factory=list)
-    facts: List[Tuple[str, str]] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    facts: list[tuple[str, str]] = field(default_factory=list)
 
 
 # ---- reading the run directory ---------------------------------------------------------------------
-def read_jsonl(path: str) -> List[Dict[str, Any]]:
+def read_jsonl(path: str) -> list[dict[str, Any]]:
     """Rows of a JSON Lines file; a torn last line (a crash mid-write) is skipped, and so is a line beyond
     training/contract/rundir/lines.py's MAX_LINE_BYTES (never read whole); a file that is not regular reads as none."""
     from training.contract.rundir.lines import read_objects
@@ -60,7 +60,7 @@ def read_jsonl(path: str) -> List[Dict[str, Any]]:
     return [row for row in read_objects(path) if isinstance(row, dict)]
 
 
-def read_json(path: str) -> Optional[Dict[str, Any]]:
+def read_json(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as f:
             value = json.load(f)
@@ -69,16 +69,16 @@ def read_json(path: str) -> Optional[Dict[str, Any]]:
         return None
 
 
-def latest_rows(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per step, the last written (a resumed attempt redoes steps newer than its checkpoint), by step."""
-    by_step: Dict[int, Dict[str, Any]] = {}
+    by_step: dict[int, dict[str, Any]] = {}
     for row in rows:
         if isinstance(row.get("step"), (int, float)):
             by_step[int(row["step"])] = row
     return [by_step[s] for s in sorted(by_step)]
 
 
-def series(rows: List[Dict[str, Any]], key: str) -> Tuple[List[int], List[float]]:
+def series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the rows that carry a finite number under key."""
     xs, ys = [], []
     for row in rows:
@@ -109,7 +109,7 @@ _STYLE = {
 }
 
 
-def _step_at(when: float, rows: List[Dict[str, Any]]) -> Optional[float]:
+def _step_at(when: float, rows: list[dict[str, Any]]) -> float | None:
     """The step the run had reached at Unix time `when`, from the metrics rows' `time` field."""
     timed = sorted(
         (float(r["time"]), int(r["step"]))
@@ -122,12 +122,12 @@ def _step_at(when: float, rows: List[Dict[str, Any]]) -> Optional[float]:
     return float(timed[i - 1][1]) if i > 0 else 0.0
 
 
-def markers(events: List[Dict[str, Any]], raw_rows: List[Dict[str, Any]]) -> Tuple[List[Marker], List[str]]:
+def markers(events: list[dict[str, Any]], raw_rows: list[dict[str, Any]]) -> tuple[list[Marker], list[str]]:
     """Markers from events.jsonl; events that carry no step are placed by time (metrics rows carry `time`)."""
-    out: List[Marker] = []
-    unplaced: List[str] = []
+    out: list[Marker] = []
+    unplaced: list[str] = []
 
-    def place(ev: Dict[str, Any]) -> Optional[float]:
+    def place(ev: dict[str, Any]) -> float | None:
         for key in ("step", "last_step"):
             if isinstance(ev.get(key), (int, float)):
                 return float(ev[key])
@@ -183,10 +183,10 @@ LABEL_NEAR = 0.03
 """Labels of markers closer than this share of the x axis stand side by side, not on top of each other."""
 
 
-def label_columns(steps: List[float], span: float) -> List[int]:
+def label_columns(steps: list[float], span: float) -> list[int]:
     """The column (0, 1, ...: 7 points further left each) of each marker's label: a label within LABEL_NEAR x span
     of an earlier one takes the next free column, so labels at the same or nearby steps never overlap."""
-    placed: List[Tuple[float, int]] = []
+    placed: list[tuple[float, int]] = []
     out = []
     for step in steps:
         near = {k for s, k in placed if abs(s - step) <= LABEL_NEAR * span}
@@ -196,7 +196,7 @@ def label_columns(steps: List[float], span: float) -> List[int]:
     return out
 
 
-def _mark(ax, marks: List[Marker], labelled: bool) -> None:
+def _mark(ax, marks: list[Marker], labelled: bool) -> None:
     seen = set()
     lo, hi = ax.get_xlim()
     shown = [m for m in marks if m.kind != "checkpoint"]
@@ -255,7 +255,7 @@ def _step_plot(plt, out_dir, report, name, title, lines, marks, ylabel, logy=Fal
     _save(plt, fig, out_dir, Figure(name, title), report)
 
 
-def _rank_keys(rows: List[Dict[str, Any]]) -> List[str]:
+def _rank_keys(rows: list[dict[str, Any]]) -> list[str]:
     """Per-rank step-time series the metrics carry: scalar keys step_time_* (slowest/fastest rank, ...)."""
     keys = set()
     for row in rows:
@@ -265,7 +265,7 @@ def _rank_keys(rows: List[Dict[str, Any]]) -> List[str]:
     return sorted(keys)
 
 
-def _memory_keys(rows: List[Dict[str, Any]]) -> List[str]:
+def _memory_keys(rows: list[dict[str, Any]]) -> list[str]:
     keys = set()
     for row in rows:
         for k, v in row.items():
@@ -274,7 +274,7 @@ def _memory_keys(rows: List[Dict[str, Any]]) -> List[str]:
     return sorted(keys)
 
 
-def _lr_lines(run_dir: str, rows: List[Dict[str, Any]]):
+def _lr_lines(run_dir: str, rows: list[dict[str, Any]]):
     """The logged lr and, from config.json, the whole schedule the run follows (training/contract/lr_schedule.py): the
     curve resuming and stopping early never change, so the logged points must lie on it."""
     lines = [("lr", series(rows, "lr"))]
@@ -295,7 +295,7 @@ def _lr_lines(run_dir: str, rows: List[Dict[str, Any]]):
     return title, lines
 
 
-def run_summary(run_dir: str, rows: List[Dict[str, Any]], plan: Dict[str, Any]) -> List[Tuple[str, str]]:
+def run_summary(run_dir: str, rows: list[dict[str, Any]], plan: dict[str, Any]) -> list[tuple[str, str]]:
     """What was trained and how it went, first in report.html: model, layout, steps done/total, the last training
     and eval losses, tokens/s, MFU and the run's state (action=status's)."""
     config = read_json(os.path.join(run_dir, "config.json")) or {}
@@ -508,7 +508,7 @@ def _health_plot(plt, out_dir, report, run_dir, marks) -> None:
     t0 = min(float(r.get("time", 0.0)) for r in rows)
     fig, axes = plt.subplots(1, len(_HEALTH), figsize=(10, 2.8))
     for ax, (key, label) in zip(axes, _HEALTH):
-        by_gpu: Dict[str, Tuple[List[float], List[float]]] = {}
+        by_gpu: dict[str, tuple[list[float], list[float]]] = {}
         for r in rows:
             v = r.get(key)
             if isinstance(v, (int, float)):
@@ -524,7 +524,7 @@ def _health_plot(plt, out_dir, report, run_dir, marks) -> None:
     _save(plt, fig, out_dir, Figure("health", "GPU health samples"), report)
 
 
-def sweep_points(sweep_dir: str) -> List[Dict[str, Any]]:
+def sweep_points(sweep_dir: str) -> list[dict[str, Any]]:
     """Every feasible point of sweep.json: label, measured tokens/s (mean over its logged steps after the first)
     and peak memory (GiB, the largest rank's, summary.json) beside the plan's tokens/s (tokens_per_step /
     predicted_step_s) and memory total; NaN where a point has not run."""
@@ -612,7 +612,7 @@ def render_html(report: Report, title: str) -> str:
     return "\n".join(parts)
 
 
-def build_report(directory: str) -> Tuple[str, Report]:
+def build_report(directory: str) -> tuple[str, Report]:
     """Write directory/report/*.png and report.html; returns (path of report.html, what it holds)."""
     plt = _pyplot()
     out_dir = os.path.join(directory, REPORT_DIR)

@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, List, Sequence, Tuple
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
 
 from training.contract.config import Config, config_from_dict, config_to_dict
 from training.contract.layout_text import format_layout, layout_of
@@ -22,7 +25,7 @@ GROUPS = ("model", "parallel", "cluster", "train", "data")
 PER_INVOCATION = ("action", "dry_run", "wait", "keys", "run")
 
 
-def _override_key(text: str) -> Tuple[str, bool]:
+def _override_key(text: str) -> tuple[str, bool]:
     """('parallel.tp', False) for 'parallel.tp=2'; ('model', True) for the group choice 'model=tiny'."""
     key = text.split("=", 1)[0].lstrip("+~").strip()
     if key.startswith("override "):
@@ -30,7 +33,7 @@ def _override_key(text: str) -> Tuple[str, bool]:
     return key, key in GROUPS
 
 
-def _get_path(data: Dict[str, Any], path: Sequence[str]) -> Tuple[bool, Any]:
+def _get_path(data: dict[str, Any], path: Sequence[str]) -> tuple[bool, Any]:
     for part in path:
         if not isinstance(data, dict) or part not in data:
             return False, None
@@ -38,7 +41,7 @@ def _get_path(data: Dict[str, Any], path: Sequence[str]) -> Tuple[bool, Any]:
     return True, data
 
 
-def _set_path(data: Dict[str, Any], path: Sequence[str], value: Any, present: bool) -> None:
+def _set_path(data: dict[str, Any], path: Sequence[str], value: Any, present: bool) -> None:
     for part in path[:-1]:
         data = data.setdefault(part, {})
     if present:
@@ -53,7 +56,7 @@ def layout_text(cfg: Config) -> str:
     return f"{format_layout(layout_of(cfg), 'short')} on {c.nodes}x{c.gpus_per_node} ranks"
 
 
-def _sharding(cfg: Config) -> Tuple[Any, ...]:
+def _sharding(cfg: Config) -> tuple[Any, ...]:
     """What decides how a checkpoint is cut: a change here is a reshard on load (batch sizes and recompute are not)."""
     lay = layout_of(cfg)
     return (
@@ -70,7 +73,7 @@ def _sharding(cfg: Config) -> Tuple[Any, ...]:
     )
 
 
-def merge_saved(saved: Dict[str, Any], now: Config, overrides: Sequence[str]) -> Tuple[Config, List[str]]:
+def merge_saved(saved: dict[str, Any], now: Config, overrides: Sequence[str]) -> tuple[Config, list[str]]:
     """The saved run's config with this command line's overrides (as composed in `now`) applied on top.
 
     Returns the config and the keys that changed against the saved run."""
@@ -94,16 +97,16 @@ def merge_saved(saved: Dict[str, Any], now: Config, overrides: Sequence[str]) ->
     return config_from_dict(merged), [k for k in changed if k.split(".", 1)[0] not in PER_INVOCATION]
 
 
-def _diff(a: Any, b: Any, prefix: str = "") -> List[str]:
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
-        out: List[str] = []
+        out: list[str] = []
         for key in sorted(set(a) | set(b)):
             out += _diff(a.get(key), b.get(key), f"{prefix}{key}.")
         return out
     return [] if a == b else [prefix.rstrip(".")]
 
 
-def saved_config(run_dir: str) -> Dict[str, Any] | None:
+def saved_config(run_dir: str) -> dict[str, Any] | None:
     """The run's config.json as plain dicts, or None for a new run directory."""
     path = os.path.join(run_dir, "config.json")
     if not os.path.isfile(path):
@@ -119,20 +122,19 @@ def _refuse(message: str) -> None:
     raise SystemExit(EXIT_INVALID)
 
 
-def _type_problems(obj: Any, prefix: str = "") -> List[str]:
+def _type_problems(obj: Any, prefix: str = "") -> list[str]:
     """Fields of a config rebuilt from config.json whose value has the wrong type (a string where a number
     belongs): config_from_dict checks names, not types, and such a value would fail later inside a rank."""
     import dataclasses
-    import typing
 
-    out: List[str] = []
+    out: list[str] = []
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, hint = getattr(obj, f.name), hints.get(f.name)
         if dataclasses.is_dataclass(value):
             out += _type_problems(value, f"{prefix}{f.name}.")
             continue
-        allowed = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,)
+        allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
         simple = [t for t in allowed if t in (int, float, bool, str, type(None))]
         if len(simple) != len(allowed):
             continue  # lists, dicts, enums: checked by the planner's own rules

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from training.contract.config import Config
 from training.contract.exit_codes import EXIT_INVALID
@@ -23,7 +23,7 @@ def _age(seconds: float) -> str:
     return f"{max(seconds, 0):.0f}s"
 
 
-def _run_dirs(folder: str) -> List[str]:
+def _run_dirs(folder: str) -> list[str]:
     """Run directories of folder (a config.json or plan.json inside), newest first; links (latest) skipped."""
     out = []
     for name in os.listdir(folder):
@@ -35,7 +35,7 @@ def _run_dirs(folder: str) -> List[str]:
     return sorted(out, key=os.path.getmtime, reverse=True)
 
 
-def _row(run_dir: str, status: Dict[str, Any], now: float) -> List[str]:
+def _row(run_dir: str, status: dict[str, Any], now: float) -> list[str]:
     step = status.get("step", status.get("last_step"))
     total = status.get("total_steps")
     loss = status.get("last_loss")
@@ -49,7 +49,7 @@ def _row(run_dir: str, status: Dict[str, Any], now: float) -> List[str]:
     ]
 
 
-def list_runs(folder: str, states: Optional[Dict[str, str]] = None) -> List[List[str]]:
+def list_runs(folder: str, states: dict[str, str] | None = None) -> list[list[str]]:
     """The rows of action=runs; states: Slurm's states of the runs' jobs, asked for once when None."""
     from launcher.manage.status import current_job_id, run_status
 
@@ -71,14 +71,14 @@ def list_runs(folder: str, states: Optional[Dict[str, str]] = None) -> List[List
         if not events[d]:
             from launcher.manage.progress import total_steps
 
-            status: Dict[str, Any] = {"state": "PLANNED", "job_id": None, "total_steps": total_steps(d)}
+            status: dict[str, Any] = {"state": "PLANNED", "job_id": None, "total_steps": total_steps(d)}
         else:
             status = run_status(d, states, events[d])
         rows.append(_row(d, status, now))
     return rows
 
 
-def runs_action(cfg: Config, run_dir: Optional[str]) -> Dict[str, Any]:
+def runs_action(cfg: Config, run_dir: str | None) -> dict[str, Any]:
     folder = cfg.runs.dir
     if not os.path.lexists(folder):  # a first hour: nothing trained yet is not an error
         print(f"no runs in {folder} yet (a launch writes its run directory there; runs.dir=D lists another folder)")

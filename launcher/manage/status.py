@@ -13,22 +13,22 @@ import os
 import re
 import socket
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from launcher.manage import goodput
 from launcher.manage.progress import progress_fields
 from launcher.slurm.queries import FINAL_STATES, slurm_end_reason, slurm_state, slurm_states
+from training.contract.exit_codes import EXIT_INVALID
 from training.contract.rundir.events import EVENTS_FILE, read_events
 from training.contract.rundir.metrics import last_step as metrics_last_step
-from training.contract.exit_codes import EXIT_INVALID
 
 
-def last_metrics_step(run_dir: str) -> Optional[int]:
+def last_metrics_step(run_dir: str) -> int | None:
     """Step of the last complete line of metrics.jsonl."""
     return metrics_last_step(run_dir)
 
 
-def last_checkpoint_step(run_dir: str) -> Optional[int]:
+def last_checkpoint_step(run_dir: str) -> int | None:
     """Step named by checkpoints/latest ("step_<N>")."""
     try:
         with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
@@ -38,12 +38,12 @@ def last_checkpoint_step(run_dir: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def last_step(run_dir: str) -> Optional[int]:
+def last_step(run_dir: str) -> int | None:
     steps = [s for s in (last_metrics_step(run_dir), last_checkpoint_step(run_dir)) if s is not None]
     return max(steps) if steps else None
 
 
-def current_job_id(events: List[Dict[str, Any]]) -> Optional[str]:
+def current_job_id(events: list[dict[str, Any]]) -> str | None:
     """The newest Slurm job of the run: the last submitted or resubmitted one."""
     job = None
     for ev in events:
@@ -63,8 +63,8 @@ def job_log_dir(run_dir: str, job: str) -> str:
     return os.path.join(run_dir, "submitit")
 
 
-def excluded_nodes(events: List[Dict[str, Any]]) -> List[str]:
-    out: List[str] = []
+def excluded_nodes(events: list[dict[str, Any]]) -> list[str]:
+    out: list[str] = []
     for ev in events:
         if ev.get("event") in ("submitted", "requeued") and "excluded_nodes" in ev:
             out = list(ev["excluded_nodes"])
@@ -77,12 +77,12 @@ previous attempt (else a job stopped by every signal before its first save would
 that failed on an I/O error. A stop after new progress (preemption, time limit) costs nothing."""
 
 
-def retries_used(events: List[Dict[str, Any]]) -> int:
+def retries_used(events: list[dict[str, Any]]) -> int:
     """Requeues and resubmissions that count against cluster.max_retries so far (RETRY_CAUSES)."""
     return sum(1 for ev in events if ev.get("event") == "requeued" and ev.get("cause") in RETRY_CAUSES)
 
 
-def _local_launcher_alive(started: Dict[str, Any]) -> bool:
+def _local_launcher_alive(started: dict[str, Any]) -> bool:
     """False only when the started event names a launcher on this host that no longer runs (killed -9,
     machine rebooted): then nothing will ever write the run's end. Unknown cases count as alive."""
     pid = started.get("launcher_pid")
@@ -98,10 +98,10 @@ def _local_launcher_alive(started: Dict[str, Any]) -> bool:
 
 def run_status(
     run_dir: str,
-    states: Optional[Dict[str, str]] = None,
-    events: Optional[List[Dict[str, Any]]] = None,
-    allocations: Optional[Dict[str, Any]] = None,
-) -> Dict[str, Any]:
+    states: dict[str, str] | None = None,
+    events: list[dict[str, Any]] | None = None,
+    allocations: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The status of one run; states: Slurm's states already asked for (a sweep asks once for all its jobs);
     allocations: Slurm's accounting of its jobs for the goodput (launcher/manage/goodput.py sacct_records), likewise."""
     events = read_events(run_dir) if events is None else events
@@ -162,7 +162,7 @@ def run_status(
     return out
 
 
-def in_job_fields(events: List[Dict[str, Any]]) -> Dict[str, Any]:
+def in_job_fields(events: list[dict[str, Any]]) -> dict[str, Any]:
     """With in-job restarts (cluster.max_in_job_restarts): the current allocation's idle spares and the in-job
     restarts it has used (launcher/slurm/in_job.py); {} otherwise."""
     started = [ev for ev in events if ev.get("event") == "started"]
@@ -179,8 +179,8 @@ def in_job_fields(events: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def goodput_fields(
-    run_dir: str, events: List[Dict[str, Any]], allocations: Optional[Dict[str, Any]] = None
-) -> Dict[str, Any]:
+    run_dir: str, events: list[dict[str, Any]], allocations: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """goodput (productive / wall) and goodput_s (seconds per cause, launcher/manage/goodput.py); {} before the first
     attempt."""
     if not any(ev.get("event") == "started" for ev in events):
@@ -189,7 +189,7 @@ def goodput_fields(
     return {"goodput": g["goodput"], "goodput_s": goodput.summary(g)} if g else {}
 
 
-def current_layout(run_dir: str) -> Optional[Dict[str, Any]]:
+def current_layout(run_dir: str) -> dict[str, Any] | None:
     """The layout the run trains with now (config.json, which an elastic resize rewrites: nodes, ranks, tp, pp,
     cp, dp, zero, micro/global batch, grad_accum); None without a readable config.json."""
     from launcher.slurm.elastic import layout
@@ -207,7 +207,7 @@ SWEEP_FILE = "sweep.json"
 CANCEL_FILE = "cancel.json"
 
 
-def _launches(events: List[Dict[str, Any]]) -> List[float]:
+def _launches(events: list[dict[str, Any]]) -> list[float]:
     """Times of the launches of the run directory (submission, or a local launcher's start)."""
     return [
         float(ev.get("time", 0))
@@ -216,7 +216,7 @@ def _launches(events: List[Dict[str, Any]]) -> List[float]:
     ]
 
 
-def cancel_requested(run_dir: str, events: Optional[List[Dict[str, Any]]] = None) -> Optional[Dict[str, Any]]:
+def cancel_requested(run_dir: str, events: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The cancel mark when it applies to the current launch (written after it), else None."""
     try:
         with open(os.path.join(run_dir, CANCEL_FILE)) as f:
@@ -230,7 +230,7 @@ def cancel_requested(run_dir: str, events: Optional[List[Dict[str, Any]]] = None
     return mark
 
 
-def cancelled_event(events: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+def cancelled_event(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The `cancelled` event of the current launch (none after the last launch: None)."""
     launches = _launches(events)
     latest = max(launches) if launches else 0.0
@@ -241,9 +241,9 @@ def cancelled_event(events: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     return found
 
 
-def slurm_jobs(events: List[Dict]) -> List[str]:
+def slurm_jobs(events: list[dict]) -> list[str]:
     """Every Slurm job of the run, oldest first (submitted, then each resubmission)."""
-    jobs: List[str] = []
+    jobs: list[str] = []
     for ev in events:
         job = None
         if ev.get("event") == "submitted" and ev.get("job_id") not in (None, "local"):
@@ -255,7 +255,7 @@ def slurm_jobs(events: List[Dict]) -> List[str]:
     return jobs
 
 
-def log_files(run_dir: str, rank: int = 0, events: Optional[List[Dict]] = None) -> List[str]:
+def log_files(run_dir: str, rank: int = 0, events: list[dict] | None = None) -> list[str]:
     """The files that hold `rank`'s output, oldest first (they may not exist yet)."""
     events = read_events(run_dir) if events is None else events
     jobs = slurm_jobs(events)
@@ -264,12 +264,12 @@ def log_files(run_dir: str, rank: int = 0, events: Optional[List[Dict]] = None) 
     return [os.path.join(job_log_dir(run_dir, job), f"{job}_{rank}_log.out") for job in jobs]
 
 
-def current_log(run_dir: str, rank: int = 0, events: Optional[List[Dict]] = None) -> str:
+def current_log(run_dir: str, rank: int = 0, events: list[dict] | None = None) -> str:
     """The file rank's output goes to now (the newest attempt)."""
     return log_files(run_dir, rank, events)[-1]
 
 
-def sweep_status(sweep_dir: str) -> Dict[str, Any]:
+def sweep_status(sweep_dir: str) -> dict[str, Any]:
     """Every point of a sweep: the run's status for launched points, SKIPPED with the reason for the
     points the sweep left out (invalid, did not fit, refused), and how many points are in each state."""
     with open(os.path.join(sweep_dir, SWEEP_FILE)) as f:
@@ -298,7 +298,7 @@ def sweep_status(sweep_dir: str) -> Dict[str, Any]:
                 point.update(state="PLANNED" if row.get("status") == "ok" else "UNKNOWN", run_dir=run_dir)
             points.append(point)
     points.sort(key=lambda pt: (pt["num"] is None, pt["num"]))
-    counts: Dict[str, int] = {}  # points per state (not the Slurm states above)
+    counts: dict[str, int] = {}  # points per state (not the Slurm states above)
     for point in points:
         counts[point["state"]] = counts.get(point["state"], 0) + 1
     out = {"sweep_dir": sweep_dir, "points": points, "states": counts}
@@ -309,7 +309,7 @@ def sweep_status(sweep_dir: str) -> Dict[str, Any]:
     return out
 
 
-def _emit(status: Dict[str, Any], fmt: str) -> None:
+def _emit(status: dict[str, Any], fmt: str) -> None:
     if str(fmt) == "table":
         from launcher.manage.status_table import format_table
 
@@ -318,7 +318,7 @@ def _emit(status: Dict[str, Any], fmt: str) -> None:
         print(json.dumps(status, sort_keys=True))
 
 
-def print_status(run_dir: str, fmt: str = "json") -> Dict[str, Any]:
+def print_status(run_dir: str, fmt: str = "json") -> dict[str, Any]:
     """Print exactly one JSON object on stdout (fmt="table": a table for people instead); an unknown run dir is
     an error on stderr (EXIT_INVALID)."""
     if os.path.exists(os.path.join(run_dir, SWEEP_FILE)):
@@ -339,6 +339,6 @@ def print_status(run_dir: str, fmt: str = "json") -> Dict[str, Any]:
     return status
 
 
-def status_action(cfg, run_dir: str) -> Dict[str, Any]:
+def status_action(cfg, run_dir: str) -> dict[str, Any]:
     """action=status (the action table, training/contract/actions.py)."""
     return print_status(run_dir, cfg.status.format)

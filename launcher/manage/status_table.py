@@ -6,7 +6,8 @@ points per state. The JSON form (the default) stays the contract for programs.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from launcher.manage.goodput import CAUSES
 from training.observe.progress import format_duration
@@ -18,7 +19,7 @@ def _num(value: Any, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def _row(st: Dict[str, Any]) -> List[str]:
+def _row(st: dict[str, Any]) -> list[str]:
     step, total = st.get("step"), st.get("total_steps")
     step_txt = (
         "-"
@@ -38,17 +39,17 @@ def _row(st: Dict[str, Any]) -> List[str]:
     ]
 
 
-def _render(head: Sequence[str], rows: List[List[str]]) -> str:
+def _render(head: Sequence[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h)) for i, h in enumerate(head)]
     lines = ["  ".join(str(h).upper().ljust(w) for h, w in zip(head, widths)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines)
 
 
-def format_table(status: Dict[str, Any]) -> str:
+def format_table(status: dict[str, Any]) -> str:
     if "points" not in status:
         text = _render(COLUMNS, [_row(status)])
-        extra: Optional[str] = status.get("reason") if status.get("log") else None
+        extra: str | None = status.get("reason") if status.get("log") else None
         return text + (f"\nreason: {extra}" if extra else "") + _goodput_line(status)
     rows = []
     for pt in status["points"]:
@@ -67,7 +68,7 @@ def format_table(status: Dict[str, Any]) -> str:
     )
 
 
-def _goodput_line(status: Dict[str, Any]) -> str:
+def _goodput_line(status: dict[str, Any]) -> str:
     """The wall time split by cause (launcher/manage/goodput.py) and, with in-job restarts, the spares left."""
     g = status.get("goodput_s")
     if not g:

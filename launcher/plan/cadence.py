@@ -14,12 +14,12 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from launcher.plan.model_size import params_total
 from training.contract.config import Config
-from training.contract.rundir.events import read_events
 from training.contract.precision import OPTIMIZER_BYTES, PARAM_BYTES
+from training.contract.rundir.events import read_events
 
 DEFAULT_WRITE_GBPS_PER_NODE = 1.0
 """Checkpoint write rate per node when cluster.checkpoint_write_gbps is 0 (an assumption: docs/COST_MODEL.md)."""
@@ -60,7 +60,7 @@ def requested(cfg: Config) -> str:
     return value or str(cfg.cluster.checkpoint_every_min).strip() or "0"
 
 
-def _minutes(text: str) -> Optional[float]:
+def _minutes(text: str) -> float | None:
     try:
         value = float(text)
     except ValueError:
@@ -68,7 +68,7 @@ def _minutes(text: str) -> Optional[float]:
     return value if math.isfinite(value) and value >= 0 else None
 
 
-def cadence_problems(cfg: Config) -> List[Tuple[str, str, str]]:
+def cadence_problems(cfg: Config) -> list[tuple[str, str, str]]:
     """(key, message, fix) for every cadence setting that cannot work: bad minutes, auto without an MTBF."""
     out = []
     c = cfg.cluster
@@ -108,7 +108,7 @@ def checkpoint_bytes(cfg: Config) -> int:
     return params_total(cfg) * (PARAM_BYTES[prec] + OPTIMIZER_BYTES[prec])
 
 
-def measured_save_s(run_dir: Optional[str], async_save: bool) -> Tuple[Optional[float], int]:
+def measured_save_s(run_dir: str | None, async_save: bool) -> tuple[float | None, int]:
     """Median seconds training waited for the run's recent saves (events.jsonl `checkpoint`: total_s, or
     blocked_s for background saves), and how many; (None, 0) without any."""
     if not run_dir:
@@ -121,20 +121,20 @@ def measured_save_s(run_dir: Optional[str], async_save: bool) -> Tuple[Optional[
     return statistics.median(recent), len(recent)
 
 
-def measured_restart_s(run_dir: Optional[str]) -> Tuple[Optional[float], int]:
+def measured_restart_s(run_dir: str | None) -> tuple[float | None, int]:
     """Median seconds from a failure or requeue to the next attempt's `resumed` (or `started`) event."""
     if not run_dir:
         return None, 0
     return _restart_gaps(run_dir, in_job=False)
 
 
-def measured_in_job_restart_s(run_dir: Optional[str]) -> Tuple[Optional[float], int]:
+def measured_in_job_restart_s(run_dir: str | None) -> tuple[float | None, int]:
     """Median seconds from a failure to the next attempt's `resumed` (or `started`) when it restarted inside its
     job (`restarted_in_job`, launcher/slurm/in_job.py)."""
     return _restart_gaps(run_dir, in_job=True) if run_dir else (None, 0)
 
 
-def _restart_gaps(run_dir: str, in_job: bool) -> Tuple[Optional[float], int]:
+def _restart_gaps(run_dir: str, in_job: bool) -> tuple[float | None, int]:
     """Restart gaps of one kind: through the queue (requeue, resubmission) or inside the job."""
     gaps, down, inside = [], None, False
     for e in read_events(run_dir):
@@ -160,7 +160,7 @@ def in_job_share(cfg: Config) -> int:
     return min(c.spare_nodes, limit) if limit > 0 and c.spare_nodes > 0 else 0
 
 
-def blended_restart_s(cfg: Config, run_dir: Optional[str], requeue_s: float, requeue_source: str) -> Tuple[float, str]:
+def blended_restart_s(cfg: Config, run_dir: str | None, requeue_s: float, requeue_source: str) -> tuple[float, str]:
     """The mean cost of one failure's restart: with m = in_job_share spares per allocation, m of every m + 1
     node failures restart in the job (no queue wait) and one goes through the queue."""
     m = in_job_share(cfg)
@@ -203,7 +203,7 @@ class Cadence:
     goodput_configured: float
     goodput_optimal: float
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -216,7 +216,7 @@ def _effective_min(cfg: Config, minutes: float, step_s: float) -> float:
     return min(options) if options else 0.0
 
 
-def advise(cfg: Config, run_dir: Optional[str] = None, step_s: float = 0.0) -> Cadence:
+def advise(cfg: Config, run_dir: str | None = None, step_s: float = 0.0) -> Cadence:
     """The cadence numbers of this job; the run's own measurements (events.jsonl) win over the estimates."""
     c = cfg.cluster
     nbytes = checkpoint_bytes(cfg)
@@ -265,7 +265,7 @@ def advise(cfg: Config, run_dir: Optional[str] = None, step_s: float = 0.0) -> C
     )
 
 
-def resolve(cfg: Config, run_dir: Optional[str] = None, step_s: float = 0.0) -> Cadence:
+def resolve(cfg: Config, run_dir: str | None = None, step_s: float = 0.0) -> Cadence:
     """advise(), and write the resolved minutes into cfg.train.checkpoint_every_min_resolved (config.json)."""
     cad = advise(cfg, run_dir, step_s)
     cfg.train.checkpoint_every_min_resolved = cad.resolved_min

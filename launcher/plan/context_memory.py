@@ -41,7 +41,7 @@ def activation_bound(memory_bytes) -> bool:
     return memory_bytes["activations"] > max(memory_bytes[k] for k in ("weights", "grads", "optimizer"))
 
 
-def more_cp(c: Config, derived_dp: int, memory_bytes) -> "Config | None":
+def more_cp(c: Config, derived_dp: int, memory_bytes) -> Config | None:
     """cp x 2 with dp / 2 (the same ranks): each rank holds half of every sequence's activations. Offered for
     activation-bound layouts at long sequences, when the engine can run it (the cp layout rules hold)."""
     from dataclasses import replace

@@ -14,12 +14,11 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any
 
 from launcher.plan.fp8 import fp8_rate_ratio, logits_rate, weight_gemm_seconds
 from launcher.plan.levers import offload_seconds
-from launcher.plan.model_size import rank_layers, recomputed_layers_per_rank
-from launcher.plan.model_size import padded_vocab
+from launcher.plan.model_size import padded_vocab, rank_layers, recomputed_layers_per_rank
 from launcher.plan.moe import ep_degree, expert_ffn, is_moe, router_params
 from training.contract.config import Config, derived_dp
 
@@ -79,10 +78,10 @@ class Rates:
     """How many of the job's ranks compute at full speed at once (the probe's measurement on CPU, where ranks can
     outnumber the cores or share them with other work); 0: every rank (a GPU each). flops, overhead_s and
     optimizer_s_per_param are rates with every rank computing at once (shared_cores_s)."""
-    sources: Dict[str, str] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
     """Where each rate came from."""
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -90,7 +89,7 @@ def _device(cfg: Config) -> str:
     return cfg.cluster.device if cfg.cluster.device in DEFAULT_PEAK_TFLOPS else "cuda"
 
 
-def preflight_measured(report: Dict[str, Any]) -> Dict[str, float]:
+def preflight_measured(report: dict[str, Any]) -> dict[str, float]:
     """Median measured matmul TFLOP/s and all-reduce busbw (GB/s) inside and across nodes of a preflight.json."""
     mm, intra, inter = [], [], []
     for c in report.get("checks", []):
@@ -120,13 +119,11 @@ def nic_busbw_gbps(cfg: Config) -> float:
     return len(pf.ib_hcas) * pf.ib_rate_gbps / 8.0 * NIC_BUSBW_EFFICIENCY
 
 
-def cluster_rates(
-    cfg: Config, preflight: Optional[Dict[str, Any]] = None, probe: Optional[Dict[str, Any]] = None
-) -> Rates:
+def cluster_rates(cfg: Config, preflight: dict[str, Any] | None = None, probe: dict[str, Any] | None = None) -> Rates:
     """The rates of cfg's cluster; `preflight` is a preflight.json dict, `probe` training/observe/cost_probe.py's output."""
     c, dev = cfg.cluster, _device(cfg)
     measured = preflight_measured(preflight) if preflight else {}
-    src: Dict[str, str] = {}
+    src: dict[str, str] = {}
 
     def pick(name: str, options) -> float:
         for value, where in options:
@@ -208,7 +205,7 @@ def cluster_rates(
 # --------------------------------------------------------------------------------------------------
 
 
-def group_bandwidth(stride: int, size: int, gpus_per_node: int, rates: Rates) -> Optional[float]:
+def group_bandwidth(stride: int, size: int, gpus_per_node: int, rates: Rates) -> float | None:
     """Bus bandwidth of a group of `size` ranks `stride` apart (training/parallel/mesh.py's order: tp fastest, then cp,
     pp, dp); None for a group of one. Inside a node: intra_bw. Across nodes, a group with k of a node's
     gpus_per_node ranks gets k/gpus_per_node of the node's network (inter_bw is measured with all of them)."""
@@ -224,7 +221,7 @@ def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
     return size > 1 and stride * size > gpus_per_node
 
 
-def _layer_forward_flops(cfg: Config) -> Dict[str, float]:
+def _layer_forward_flops(cfg: Config) -> dict[str, float]:
     """Forward FLOPs of one layer for one micro-batch on one tp rank: weight GEMMs and the attention core."""
     m, par = cfg.model, cfg.parallel
     h, a, g, f = m.hidden_size, m.num_attention_heads, m.query_groups, m.ffn
@@ -243,7 +240,7 @@ def _layer_forward_flops(cfg: Config) -> Dict[str, float]:
     return {"weights": weights, "attention": attention}
 
 
-def collective_counts(cfg: Config, m: int, dp: int, grad_bytes: float) -> Dict[str, int]:
+def collective_counts(cfg: Config, m: int, dp: int, grad_bytes: float) -> dict[str, int]:
     """Calls per step per rank by kind (each pays Rates.latency_s): see comm_bytes_per_step for the bytes."""
     mc, par = cfg.model, cfg.parallel
     t, p = par.tp, par.pp
@@ -267,7 +264,7 @@ def collective_counts(cfg: Config, m: int, dp: int, grad_bytes: float) -> Dict[s
     return out
 
 
-def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) -> Dict[str, float]:
+def predict(cfg: Config, comm: dict[str, int], params_local: int, rates: Rates) -> dict[str, float]:
     """Seconds of one optimizer step by part (compute, recompute, bubble, optimizer, tp, cp, pp, embedding, dp,
     and ep for a mixture of experts over ep > 1: its all-to-alls) and their sum under "total"; comm is comm_bytes_per_step's bytes, params_local the worst rank's parameters.
 
@@ -346,7 +343,7 @@ def predict(cfg: Config, comm: Dict[str, int], params_local: int, rates: Rates) 
     return parts
 
 
-def shared_cores_s(parts: Dict[str, float], mean_compute: float, world: int, cores: float) -> float:
+def shared_cores_s(parts: dict[str, float], mean_compute: float, world: int, cores: float) -> float:
     """The correction when the job's `world` ranks get only `cores` (< world) ranks' worth of CPU at once.
 
     The rates were measured with every rank computing at once; a rank that computes while its peers wait (a
@@ -367,7 +364,7 @@ def shared_cores_s(parts: Dict[str, float], mean_compute: float, world: int, cor
     return max(critical, work) - total
 
 
-def overlap_hidden_s(cfg: Config, parts: Dict[str, float], m: int, counts: Dict[str, int]) -> Dict[str, float]:
+def overlap_hidden_s(cfg: Config, parts: dict[str, float], m: int, counts: dict[str, int]) -> dict[str, float]:
     """Seconds of each communication part that the engine hides behind compute, by kind (docs/COST_MODEL.md).
 
     Windows, per rank (a micro-batch's forward is 1/3 of its compute, its backward 2/3), each scaled by
@@ -387,7 +384,7 @@ def overlap_hidden_s(cfg: Config, parts: Dict[str, float], m: int, counts: Dict[
     eff = OVERLAP_EFFICIENCY[_device(cfg)]
     per_micro = stage / m
     fwd, bwd = per_micro / 3, 2 * per_micro / 3
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
 
     def hide(kind: str, seconds: float, calls: int, window: float) -> None:
         if seconds > 0 and window > 0:

@@ -10,29 +10,29 @@ are ints; GiB appear only in display code.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Dict, List, Optional
 
+from launcher.plan.context_memory import gpu_memory_bytes, optimizer_shard_degree
+from launcher.plan.cost_model import Rates, bubble_ratio, cluster_rates, predict
+from launcher.plan.fp8 import fp8_cache_bytes, fp8_gathered_elements, saved_bytes_per_layer
+from launcher.plan.levers import zero2_dp_bytes, zero3_dp_bytes
 from launcher.plan.memory import (
     GRAD_BYTES,
     PARAM_BYTES,
     DeviceProfile,
     device_profile,
+    device_reserve_bytes,
     layer_activation_bytes,
+    pinned_host_bytes,
     profile_dict,
     stage_layers_activation_bytes,
     stages_activation_bytes,
 )
-from launcher.plan.context_memory import gpu_memory_bytes, optimizer_shard_degree
-from launcher.plan.memory import device_reserve_bytes, pinned_host_bytes
 from launcher.plan.model_size import (
     layer_params,
     padded_vocab,
+    rank_layers,
+    recomputed_layers_per_rank,
 )
-from launcher.plan.cost_model import Rates, bubble_ratio, cluster_rates, predict
-from launcher.plan.fp8 import fp8_cache_bytes, saved_bytes_per_layer
-from launcher.plan.fp8 import fp8_gathered_elements
-from launcher.plan.levers import zero2_dp_bytes, zero3_dp_bytes
-from launcher.plan.model_size import rank_layers, recomputed_layers_per_rank
 from launcher.plan.moe import all_to_all_bytes, expert_dp
 from launcher.plan.plan_cache import PlanCache, model_figures
 from launcher.plan.stage_states import stage_kinds
@@ -40,13 +40,12 @@ from training.contract.config import Config, derived_dp
 from training.contract.layout_text import Layout, format_layout
 from training.contract.stage_split import SPLIT_KEYS, stage_split
 
-
 # --------------------------------------------------------------------------------------------------
 # Bubble and communication
 # --------------------------------------------------------------------------------------------------
 
 
-def bubble(p: int, m: int, v: int = 1, schedule: str = "1f1b") -> Dict[str, float]:
+def bubble(p: int, m: int, v: int = 1, schedule: str = "1f1b") -> dict[str, float]:
     """Pipeline bubble: ratio to ideal compute ((p-1)/(v m); zb_h1: cost_model.bubble_ratio) and idle share of
     the wall clock, ratio / (1 + ratio) ((p-1)/(v m + p - 1))."""
     ratio = bubble_ratio(p, m, v, schedule)
@@ -61,7 +60,7 @@ def _ring(n: int, nbytes: float, kind: str) -> float:
     return factor * nbytes
 
 
-def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int, experts_local: int = 0) -> Dict[str, int]:
+def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int, experts_local: int = 0) -> dict[str, int]:
     """Bytes each GPU sends per optimizer step, ring algorithms (worst rank). Returned keys:
 
     tp: per layer and micro-batch, 2 all-reduces forward and 2 backward of s b h activations (with sp: the
@@ -141,8 +140,8 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int, experts_loca
 
 
 def predict_step_seconds(
-    cfg: Config, comm: Dict[str, int], params_local: int, rates: Optional[Rates] = None
-) -> Dict[str, float]:
+    cfg: Config, comm: dict[str, int], params_local: int, rates: Rates | None = None
+) -> dict[str, float]:
     """Seconds of one optimizer step, by part, and their sum under "total": launcher/plan/cost_model.py's
     prediction at the given rates (default: the cluster config's, cost_model.cluster_rates)."""
     return predict(cfg, comm, params_local, rates or cluster_rates(cfg))
@@ -163,7 +162,7 @@ class StagePlan:
     """Transformer layers of this pipeline rank, all its chunks (training/contract/stage_split.py)."""
     params: int
     """Parameters this rank holds."""
-    memory_bytes: Dict[str, int]
+    memory_bytes: dict[str, int]
     """weights, grads, optimizer, activations, total."""
 
 
@@ -185,7 +184,7 @@ class Plan:
     params_total: int
     params_per_gpu: int
     """Parameters of the worst (highest-memory) rank."""
-    memory_bytes: Dict[str, int]
+    memory_bytes: dict[str, int]
     """Per GPU, worst rank: weights, grads, optimizer, activations, activations_per_layer, total."""
     bubble_ratio: float
     bubble_idle_fraction: float
@@ -197,15 +196,15 @@ class Plan:
     worst_stage: int = 0
     """Pipeline stage of the worst rank."""
     padded_vocab: int = 0
-    comm_bytes: Dict[str, int] = field(default_factory=dict)
+    comm_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes sent per GPU per step by parallel dimension (see comm_bytes_per_step)."""
-    stages: List[StagePlan] = field(default_factory=list)
+    stages: list[StagePlan] = field(default_factory=list)
     """Per-stage memory (every rank of a stage is the same)."""
     precision: str = "fp32"
-    activation_profile: Dict[str, object] = field(default_factory=dict)
+    activation_profile: dict[str, object] = field(default_factory=dict)
     predicted_step_s: float = 0.0
     """Predicted seconds per optimizer step (predict_step_seconds): ranks the points of a sweep."""
-    predicted_step_parts_s: Dict[str, float] = field(default_factory=dict)
+    predicted_step_parts_s: dict[str, float] = field(default_factory=dict)
     """predicted_step_s by part: compute (recompute included), recompute, bubble, optimizer, tp, cp, pp,
     embedding, dp (launcher/plan/cost_model.py)."""
     tokens_per_s_per_gpu: float = 0.0
@@ -235,10 +234,10 @@ class Plan:
     of experts counts moe_top_k of its num_experts experts per layer."""
     ep: int = 1
     """Expert-parallel degree (parallel.ep; 1 for a dense model)."""
-    stage_layers: List[int] = field(default_factory=list)
+    stage_layers: list[int] = field(default_factory=list)
     """Transformer layers of each virtual stage k = chunk c x pp + pipeline rank r (training/contract/stage_split.py):
     pp x vpp entries, equal under the even split."""
-    split: Dict[str, object] = field(default_factory=dict)
+    split: dict[str, object] = field(default_factory=dict)
     """The parallel.* keys that shape the split when any is set (first_stage_layers, last_stage_layers,
     embedding_in_split, loss_in_split); empty for the even split."""
 
@@ -246,7 +245,7 @@ class Plan:
     def headroom_bytes(self) -> int:
         return self.gpu_memory_bytes - self.memory_bytes["total"] - self.reserve_bytes
 
-    def to_json(self) -> Dict[str, object]:
+    def to_json(self) -> dict[str, object]:
         d = asdict(self)
         d["headroom_bytes"] = self.headroom_bytes
         return d
@@ -254,9 +253,9 @@ class Plan:
 
 def make_plan(
     cfg: Config,
-    profile: Optional[DeviceProfile] = None,
-    rates: Optional[Rates] = None,
-    cache: Optional[PlanCache] = None,
+    profile: DeviceProfile | None = None,
+    rates: Rates | None = None,
+    cache: PlanCache | None = None,
 ) -> Plan:
     """Plan a config that passed the structural checks (sizes positive, divisibility holds); rates: the
     cost model's (default: the cluster config's); cache: the search's PlanCache (launcher/plan/plan_cache.py)."""
@@ -407,7 +406,7 @@ def format_stages(plan: Plan) -> str:
     ranks 1-14: 8 layers, ...". Virtual stages (vpp > 1) show each rank's chunks in parentheses."""
     pp = max(1, plan.pp)
     v = max(1, len(plan.stage_layers) // pp)
-    runs: List[List] = []
+    runs: list[list] = []
     for st in plan.stages:
         chunks = [plan.stage_layers[c * pp + st.stage] for c in range(v)] if plan.stage_layers else []
         text = f"{st.layers} layer{'s' if st.layers != 1 else ''}" + (

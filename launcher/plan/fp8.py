@@ -19,8 +19,6 @@ levers.py counts the gathered units and the gather traffic with it.
 
 from __future__ import annotations
 
-from typing import Dict
-
 from training.contract.config import Config
 from training.contract.fp8_rules import fp8_kinds, fp8_local_shapes
 
@@ -74,7 +72,7 @@ def fp8_weight_share(cfg: Config) -> float:
     if not kinds:
         return 0.0
     m = cfg.model
-    flops: Dict[str, float] = {}
+    flops: dict[str, float] = {}
     for kind, shapes in fp8_local_shapes(cfg).items():
         if kind == "output":
             continue
@@ -105,7 +103,7 @@ def logits_rate(cfg: Config, rate: float) -> float:
     return rate * fp8_rate_ratio(cfg) if "output" in fp8_kinds(cfg) else rate
 
 
-def fp8_gathered_elements(cfg: Config) -> Dict[str, int]:
+def fp8_gathered_elements(cfg: Config) -> dict[str, int]:
     """Elements of the FP8 weights, as a rank holds them, that parallel.fp8_all_gather gathers in float8 (1 byte
     each instead of 2; training/optim/zero3.py): `layer` (one layer's qkv, proj, fc1, fc2, the kinds not
     skipped), `experts` (one layer's E/ep experts' fc1 and fc2), `head` (the untied output layer when not

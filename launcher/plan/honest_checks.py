@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional
 
 from training.contract.config import ClusterConfig, Config, derived_dp
 
@@ -41,7 +40,7 @@ SLURM_ONLY = (
 """cluster.* keys only the Slurm backend reads (sbatch options, requeue, containers, elastic shrink)."""
 
 
-def ignored_on_local(cfg: Config) -> List[str]:
+def ignored_on_local(cfg: Config) -> list[str]:
     """Slurm-only cluster keys set away from their built-in default on a local run: the local launcher ignores them."""
     if cfg.cluster.kind != "local":
         return []
@@ -60,7 +59,7 @@ def ignored_on_local(cfg: Config) -> List[str]:
     return out
 
 
-def selective_saving_bytes(cfg: Config) -> Optional[int]:
+def selective_saving_bytes(cfg: Config) -> int | None:
     """Bytes per GPU that recompute=selective saves against recompute=none in this layout (None: not set)."""
     if str(cfg.parallel.recompute) != "selective":
         return None
@@ -137,8 +136,8 @@ def _operations_issues(cfg: Config) -> list:
     import os
     import shutil
 
-    from launcher.plan.issues import Issue
     from launcher.launch.shared_fs import shared_verdict
+    from launcher.plan.issues import Issue
 
     out = []
     t, c = cfg.train, cfg.cluster

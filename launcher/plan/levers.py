@@ -8,15 +8,12 @@ grad_shard.py, training/model/gpt.py) and docs/FORMULAS.md gives the published f
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
-
 from training.contract.config import Config
+from training.contract.layout_rules import ZERO_STAGES as ENGINE_ZERO_STAGES  # the planner accepts exactly these
 from training.contract.precision import GRAD_BYTES, OFFLOAD_BLOCK_ELEMS, OPTIMIZER_BYTES, PARAM_BYTES
 
-from training.contract.layout_rules import ZERO_STAGES as ENGINE_ZERO_STAGES  # the planner accepts exactly these
 
-
-def zero_state_bytes(n: int, precision: str, zero: int, dp: int) -> Dict[str, int]:
+def zero_state_bytes(n: int, precision: str, zero: int, dp: int) -> dict[str, int]:
     """Weights, grads and optimizer bytes of n local parameters at zero >= 2 (exact, the engine's buffers).
 
     zero=2: the flat layout is padded to S x dp, S = ceil(n/dp); this rank keeps the full weights, the
@@ -30,7 +27,7 @@ def zero_state_bytes(n: int, precision: str, zero: int, dp: int) -> Dict[str, in
     return {"weights": weights, "grads": shard * GRAD_BYTES[precision], "optimizer": shard * OPTIMIZER_BYTES[precision]}
 
 
-def zero3_units(cfg: Config, stage: int) -> List[int]:
+def zero3_units(cfg: Config, stage: int) -> list[int]:
     """Elements of each zero=3 gather unit of one rank of pipeline stage `stage` (training/model/gpt.py's
     param_units: the embedding, each layer, the final norm with the output layer)."""
     from launcher.plan.model_size import layer_params, padded_vocab, stage_params
@@ -76,7 +73,7 @@ def zero3_gathered_bytes(cfg: Config, stage: int) -> int:
     return sum(sorted(units, reverse=True)[:3])
 
 
-def _forward_order(cfg: Config, stage: int, units: List[int]) -> List[int]:
+def _forward_order(cfg: Config, stage: int, units: list[int]) -> list[int]:
     """zero3_units' figures in the chunk's forward order (param_units: the embedding, the layers, the head's
     unit); zero3_units lists the layers first."""
     layers = len(units) - (stage == 0) - (stage == cfg.parallel.pp - 1)
@@ -88,7 +85,7 @@ def _forward_order(cfg: Config, stage: int, units: List[int]) -> List[int]:
     return chain
 
 
-def zero3_unit_bytes(cfg: Config, stage: int) -> List[int]:
+def zero3_unit_bytes(cfg: Config, stage: int) -> list[int]:
     """Bytes of each zero=3 gather unit of one rank of `stage` as gathered: the model dtype, except the FP8
     weights under parallel.fp8_all_gather at 1 byte (launcher/plan/fp8.py fp8_gathered_elements)."""
     from launcher.plan.fp8 import fp8_gathered_elements
@@ -143,13 +140,13 @@ def zero2_dp_bytes(n_local: int, dp: int, m: int, grad_bytes: int, param_bytes: 
     return m * (dp - 1) / dp * padded * grad_bytes + (dp - 1) / dp * padded * param_bytes
 
 
-def search_zero_stages(dp: int) -> List[int]:
+def search_zero_stages(dp: int) -> list[int]:
     """The ZeRO stages action=recommend tries at dp data-parallel ranks (one stage when there is nothing to
     shard)."""
     return list(ENGINE_ZERO_STAGES) if dp > 1 else [0]
 
 
-def search_recompute(chunk: int) -> List[Tuple[str, int]]:
+def search_recompute(chunk: int) -> list[tuple[str, int]]:
     """(recompute, recompute_num_layers) pairs action=recommend tries for chunks of `chunk` layers: none,
     selective, full on every layer, and full on the first 1 and half of the layers of each chunk."""
     out = [("none", 0), ("selective", 0), ("full", 0)]
@@ -159,7 +156,7 @@ def search_recompute(chunk: int) -> List[Tuple[str, int]]:
     return out
 
 
-def offload_bytes(cfg: Config, n: int, dp: int) -> Dict[str, int]:
+def offload_bytes(cfg: Config, n: int, dp: int) -> dict[str, int]:
     """Optimizer bytes on the device, in host memory and in files for n local parameters under
     parallel.offload (the engine's allocations, training/optim/adamw.py and offload.py).
 

@@ -9,13 +9,12 @@ micro-batches; with the KORTHIKANTI profile they are Korthikanti et al. 2022 Tab
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from launcher.plan.model_size import rank_chunk_layers, rank_layers, recomputed_layers_per_rank
 from launcher.plan.levers import zero_bytes_per_param, zero_state_bytes
-from launcher.plan.model_size import padded_vocab
+from launcher.plan.model_size import padded_vocab, rank_chunk_layers, rank_layers, recomputed_layers_per_rank
 from launcher.plan.moe import is_moe, moe_activation_elements
 from training.contract.config import Config, derived_dp
 
@@ -23,13 +22,12 @@ from training.contract.config import Config, derived_dp
 # from the same table.
 from training.contract.precision import GRAD_BYTES, OPTIMIZER_BYTES, PARAM_BYTES
 
-
 # --------------------------------------------------------------------------------------------------
 # Model states (weights, grads, optimizer) per rank
 # --------------------------------------------------------------------------------------------------
 
 
-def model_state_bytes(n: int, precision: str, zero: int, dp: int) -> Dict[str, int]:
+def model_state_bytes(n: int, precision: str, zero: int, dp: int) -> dict[str, int]:
     """Bytes of weights, grads and optimizer for n local parameters (docs/CONTRACTS.md, exact).
 
     zero=1 pads the flat buffer to a multiple of dp: grads ceil(n/dp)*dp*g, optimizer ceil(n/dp)*K.
@@ -82,11 +80,11 @@ class DeviceProfile:
 
 
 @lru_cache(maxsize=16)
-def _profile_items(profile: DeviceProfile) -> Tuple[Tuple[str, object], ...]:
+def _profile_items(profile: DeviceProfile) -> tuple[tuple[str, object], ...]:
     return tuple(asdict(profile).items())
 
 
-def profile_dict(profile: DeviceProfile) -> Dict[str, object]:
+def profile_dict(profile: DeviceProfile) -> dict[str, object]:
     """asdict(profile), a new dict each call (plan.json's activation_profile). The profile is frozen and its
     fields are plain numbers and flags, so one asdict per profile serves every plan of a search."""
     return dict(_profile_items(profile))
@@ -121,8 +119,8 @@ def effective_attention(cfg: Config, profile: DeviceProfile) -> str:
 def layer_activation_bytes(
     cfg: Config,
     profile: DeviceProfile = KORTHIKANTI,
-    micro_batch: Optional[int] = None,
-    recompute: Optional[str] = None,
+    micro_batch: int | None = None,
+    recompute: str | None = None,
 ) -> int:
     """Bytes one layer saves for backward for one micro-batch on one tp rank.
 
@@ -199,7 +197,7 @@ def inflight_microbatches(cfg: Config, stage: int, m: int) -> float:
     return stages_inflight_microbatches(cfg, [stage], m)[0]
 
 
-def stages_inflight_microbatches(cfg: Config, stages: Iterable[int], m: int) -> List[float]:
+def stages_inflight_microbatches(cfg: Config, stages: Iterable[int], m: int) -> list[float]:
     """inflight_microbatches of each of `stages` (make_plan takes every stage's)."""
     par = cfg.parallel
     p, v = par.pp, par.vpp
@@ -214,7 +212,7 @@ def stages_inflight_microbatches(cfg: Config, stages: Iterable[int], m: int) -> 
 
 
 def stage_layers_activation_bytes(
-    cfg: Config, profile: DeviceProfile, per_layer: Optional[int] = None, stage: Optional[int] = None
+    cfg: Config, profile: DeviceProfile, per_layer: int | None = None, stage: int | None = None
 ) -> int:
     """Bytes the layers of one rank (pipeline rank `stage`; default: the one with the most layers,
     model_size.rank_layers) save for one micro-batch: with recompute=full and recompute_num_layers = N > 0, the
@@ -231,7 +229,7 @@ def stage_layers_activation_bytes(
 
 
 def stage_activation_bytes(
-    cfg: Config, stage: int, m: int, profile: DeviceProfile, layers_per_mb: Optional[int] = None
+    cfg: Config, stage: int, m: int, profile: DeviceProfile, layers_per_mb: int | None = None
 ) -> int:
     """Activation bytes of one rank of pipeline stage `stage` at its peak (layers + embedding + logits);
     layers_per_mb: stage_layers_activation_bytes(cfg, profile) when the caller has it (with the even split the
@@ -243,9 +241,9 @@ def stages_activation_bytes(
     cfg: Config,
     m: int,
     profile: DeviceProfile,
-    layers_per_mb: Optional[int] = None,
-    stages: Optional[Sequence[int]] = None,
-) -> List[int]:
+    layers_per_mb: int | None = None,
+    stages: Sequence[int] | None = None,
+) -> list[int]:
     """stage_activation_bytes of each of `stages` (default: every pipeline stage). What does not depend on the
     stage is worked out once: a plan needs every stage's figure, and the recommender plans thousands of layouts
     with up to 64 and more stages."""
@@ -260,7 +258,7 @@ def stages_activation_bytes(
     # stage's (stage_layers_activation_bytes' default) and each layer's bytes the same at every stage.
     ranks = rank_layers(cfg)
     uneven = min(ranks) != max(ranks)
-    per_stage: Dict[int, float] = {}
+    per_stage: dict[int, float] = {}
     if uneven:
         per_layer = None if str(par.recompute) != "full" else layer_activation_bytes(cfg, profile)
         for st in set(range(par.pp) if stages is None else stages):
@@ -358,12 +356,13 @@ def param_gather_bytes(cfg: Config, n: int, dp: int) -> int:
     if zero not in (1, 2) or dp <= 1:
         return 0
     width = param_gather_chunk_elems(precision, cfg.parallel.bucket_mb, dp)
-    chunks = -(-(-(-n // dp)) // width)
+    per_rank = -(-n // dp)
+    chunks = -(-per_rank // width)
     inflight = min(chunks, param_gather_inflight_chunks(precision, cfg.parallel.bucket_mb, dp))
     return inflight * (dp + 1) * width * PARAM_BYTES[precision]
 
 
-def reserved_check(plan: Dict, reserved: int) -> Dict[str, object]:
+def reserved_check(plan: dict, reserved: int) -> dict[str, object]:
     """A run's peak reserved bytes (the CUDA caching allocator's max_memory_reserved: allocated plus what
     fragmentation keeps) against its plan.json: within_plan when they stay within the plan's total and
     param_gather plus its fragmentation share (FRAGMENTATION of the GPU), within_device when, with the rest

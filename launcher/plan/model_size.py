@@ -12,13 +12,11 @@ Narayanan et al. 2021's parameter count and FLOPs formulas are special cases, re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
 
 from launcher.plan.moe import active_mlp_params, expert_ffn, expert_params_per_layer, is_moe, router_params
 from training.contract.config import Config
 from training.contract.layout_rules import padded_vocab  # the engine's embedding rows: one definition for both
 from training.contract.stage_split import stage_split
-
 
 # --------------------------------------------------------------------------------------------------
 # Parameter counts
@@ -46,7 +44,7 @@ class LayerParams:
         return self.sharded + self.replicated
 
 
-def layer_params(cfg: Config, tp: Optional[int] = None, all_experts: bool = False) -> LayerParams:
+def layer_params(cfg: Config, tp: int | None = None, all_experts: bool = False) -> LayerParams:
     """One layer on one tp rank: fused QKV (column), attention output (row), MLP fc1 (column), fc2 (row).
 
     A mixture of experts (launcher/plan/moe.py) replaces the MLP: the router (replicated) and the rank's E/ep
@@ -116,7 +114,7 @@ def stage_params(cfg: Config, stage: int) -> StageParams:
     return StageParams(layers=n_layers, layer_params=lp, embedding=embedding, head=head, experts=experts)
 
 
-def params_total(cfg: Config, tp: Optional[int] = None) -> int:
+def params_total(cfg: Config, tp: int | None = None) -> int:
     """Unique parameters of the model as instantiated at tp (vocab padded to a multiple of tp).
 
     With tp=1 and V already a multiple of tp this is the model's true size; the tied copy on the
@@ -133,7 +131,7 @@ def params_total(cfg: Config, tp: Optional[int] = None) -> int:
     return total
 
 
-def params_active(cfg: Config, tp: Optional[int] = None) -> int:
+def params_active(cfg: Config, tp: int | None = None) -> int:
     """Parameters one token runs through: params_total with each layer's experts counted k times instead of E
     times (a dense model: params_total). Mixtral 8x7B: 12.9B of 46.7B (docs/FORMULAS.md)."""
     total = params_total(cfg, tp)
@@ -154,7 +152,7 @@ def narayanan_params(L: int, h: int, V: int, s: int) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def _forward_flops_per_token(cfg: Config) -> Dict[str, int]:
+def _forward_flops_per_token(cfg: Config) -> dict[str, int]:
     """Forward GEMM FLOPs per token: layers' weight GEMMs, attention scores (QK^T and AV), logits."""
     m = cfg.model
     h, a, g, f, s = m.hidden_size, m.num_attention_heads, m.query_groups, m.ffn, m.seq_length
@@ -208,7 +206,7 @@ def hardware_flops_per_step(cfg: Config) -> int:
     return total
 
 
-def rank_layers(cfg: Config) -> List[int]:
+def rank_layers(cfg: Config) -> list[int]:
     """Transformer layers of each pipeline rank (all its chunks), from training/contract/stage_split.py (the
     engine's split); the even share L // pp on every rank when no split exists (validation reports that)."""
     ranks = stage_split(cfg).rank_layers()
@@ -218,7 +216,7 @@ def rank_layers(cfg: Config) -> List[int]:
     return ranks
 
 
-def rank_chunk_layers(cfg: Config, stage: int) -> List[int]:
+def rank_chunk_layers(cfg: Config, stage: int) -> list[int]:
     """Layers of each of pipeline rank `stage`'s model chunks, chunk 0 first (the even share when no split
     exists)."""
     s = stage_split(cfg)
@@ -241,7 +239,7 @@ def busiest_stage(cfg: Config) -> int:
     return ranks.index(max(ranks))
 
 
-def recomputed_layers_per_rank(cfg: Config, stage: Optional[int] = None) -> int:
+def recomputed_layers_per_rank(cfg: Config, stage: int | None = None) -> int:
     """Layers of pipeline rank `stage` (default: the busiest, busiest_stage) that recompute their forward in
     backward (recompute=full): the first recompute_num_layers of each of its chunks, every layer when it is 0;
     none without full recompute."""

@@ -9,12 +9,12 @@ read: a field added to ParallelConfig later is part of every key until someone s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
 from operator import attrgetter
-from typing import Callable, Dict, NamedTuple, Tuple
+from typing import NamedTuple
 
-from launcher.plan.model_size import hardware_flops_per_step, model_flops_per_step
-from launcher.plan.model_size import params_active, params_total
+from launcher.plan.model_size import hardware_flops_per_step, model_flops_per_step, params_active, params_total
 from launcher.plan.stage_states import StageKind, stage_kinds
 from training.contract.config import Config, ParallelConfig
 
@@ -84,13 +84,13 @@ class PlanCache:
 
     def __init__(self, base: Config) -> None:
         self._model, self._train, self._cluster = base.model, base.train, base.cluster
-        self._kinds: Dict[tuple, Dict[Tuple[bool, bool], StageKind]] = {}
-        self._figures: Dict[tuple, ModelFigures] = {}
+        self._kinds: dict[tuple, dict[tuple[bool, bool], StageKind]] = {}
+        self._figures: dict[tuple, ModelFigures] = {}
 
     def _shares_base(self, cfg: Config) -> bool:
         return cfg.model is self._model and cfg.train is self._train and cfg.cluster is self._cluster
 
-    def stage_kinds(self, cfg: Config, dp: int) -> Dict[Tuple[bool, bool], StageKind]:
+    def stage_kinds(self, cfg: Config, dp: int) -> dict[tuple[bool, bool], StageKind]:
         if not self._shares_base(cfg):
             return stage_kinds(cfg, dp)
         key = (dp, _KINDS_KEY(cfg.parallel))

@@ -8,7 +8,7 @@ the stage's activations and total.
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Tuple
+from typing import NamedTuple
 
 from launcher.plan.context_memory import optimizer_shard_degree
 from launcher.plan.levers import offload_bytes, zero3_gathered_bytes
@@ -18,7 +18,7 @@ from launcher.plan.moe import expert_dp
 from training.contract.config import Config
 
 
-def stage_states(cfg: Config, st: int, dp: int) -> Tuple[StageParams, Dict[str, int]]:
+def stage_states(cfg: Config, st: int, dp: int) -> tuple[StageParams, dict[str, int]]:
     """(stage_params, the model-state bytes of one rank of stage st: weights, grads, optimizer, zero3_gathered,
     the offload figures and param_gather), everything of a stage's memory but its activations. It depends on
     the stage only through whether it is the first and whether it is the last (model_size.stage_params)."""
@@ -47,13 +47,13 @@ class StageKind(NamedTuple):
     """The first, a middle or the last stage of a pipeline, before its activations."""
 
     params: StageParams
-    memory: Dict[str, int]
+    memory: dict[str, int]
     """plan.json's per-stage memory_bytes in its key order, activations and total 0 (make_plan fills them in)."""
     model_states: int
     """weights + grads + optimizer."""
 
 
-def stage_kinds(cfg: Config, dp: int) -> Dict[Tuple[bool, bool], StageKind]:
+def stage_kinds(cfg: Config, dp: int) -> dict[tuple[bool, bool], StageKind]:
     """Each kind of stage of cfg's pipeline by (first, last): (True, True) alone when pp = 1."""
     par = cfg.parallel
     out = {}

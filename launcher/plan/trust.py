@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-from typing import List
-
 from training.contract.config import Config
 
 RESERVED_ENV = (
@@ -49,13 +47,13 @@ RESERVED_ENV = (
 RESERVED_ENV_PREFIXES = ("MESHRUN_",)
 
 
-def reserved_env_names(env) -> List[str]:
+def reserved_env_names(env) -> list[str]:
     """The names of cluster.env that meshrun sets itself (case as given; environment names are case-sensitive,
     so PYTHONPATH and MESHRUN_ are matched exactly as the shell and Python read them)."""
     return [str(n) for n in env if str(n) in RESERVED_ENV or str(n).startswith(RESERVED_ENV_PREFIXES)]
 
 
-def trust_problems(cfg: Config) -> List[tuple]:
+def trust_problems(cfg: Config) -> list[tuple]:
     """(key, message, fix) for each problem."""
     out = []
     for name in reserved_env_names(cfg.cluster.env):

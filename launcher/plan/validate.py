@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 import os
 import shutil
-
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Callable, List, Optional, Tuple
 
 from launcher.plan.cadence import cadence_problems
 from launcher.plan.context_memory import more_cp
@@ -21,11 +20,10 @@ from launcher.plan.honest_checks import SELECTIVE_MIN_SAVING
 from launcher.plan.issues import Issue
 from launcher.plan.model_size import chunk_layers
 from training.contract import layout_rules as rules
-from training.contract.stage_split import NO_SPLIT, split_options, stage_split
-from training.contract.fp8_rules import fp8_rules
 from training.contract.config import CHOICE_FIELDS, Config, choices, derived_dp
-
+from training.contract.fp8_rules import fp8_rules
 from training.contract.limits import MAX_SIZE, too_large
+from training.contract.stage_split import NO_SPLIT, split_options, stage_split
 
 # Allowed values of the choice fields: the Enums of training/contract/config.py (Hydra's schema already rejects
 # anything else; this catches configs built in code, e.g. with dataclasses.replace).
@@ -57,21 +55,21 @@ POSITIVE = (
 class Report:
     """The outcome of validation."""
 
-    issues: List[Issue] = field(default_factory=list)
+    issues: list[Issue] = field(default_factory=list)
     """Every finding, in rule order."""
-    plan: Optional[Plan] = None
+    plan: Plan | None = None
     """The plan, when the layout was consistent enough to compute one."""
 
     @property
-    def errors(self) -> List[Issue]:
+    def errors(self) -> list[Issue]:
         return [i for i in self.issues if i.level == "error"]
 
     @property
-    def warnings(self) -> List[Issue]:
+    def warnings(self) -> list[Issue]:
         return [i for i in self.issues if i.level == "warning"]
 
     @property
-    def notes(self) -> List[Issue]:
+    def notes(self) -> list[Issue]:
         return [i for i in self.issues if i.level == "note"]
 
     @property
@@ -86,12 +84,12 @@ def _get(cfg: Config, dotted: str):
     return obj
 
 
-def _non_finite(obj, prefix: str = "") -> List[Tuple[str, float]]:
+def _non_finite(obj, prefix: str = "") -> list[tuple[str, float]]:
     """Every float field of the config tree (lists included) that is NaN or infinite, by its key.
 
     Walks the dataclasses rather than listing keys, so a float field added later is covered too:
     `train.lr=nan` passes every `< 0` test (NaN compares false) and would train NaN weights."""
-    found: List[Tuple[str, float]] = []
+    found: list[tuple[str, float]] = []
     for f in fields(obj):
         value, key = getattr(obj, f.name), f"{prefix}{f.name}"
         if is_dataclass(value):
@@ -103,21 +101,21 @@ def _non_finite(obj, prefix: str = "") -> List[Tuple[str, float]]:
     return found
 
 
-def online_numa_nodes(path: str = "/sys/devices/system/node/online") -> Optional[List[int]]:
+def online_numa_nodes(path: str = "/sys/devices/system/node/online") -> list[int] | None:
     """This machine's NUMA node ids from sysfs ("0-1,3" -> [0, 1, 3]); None where sysfs does not say."""
     try:
         with open(path) as f:
             text = f.read().strip()
     except OSError:
         return None
-    nodes: List[int] = []
+    nodes: list[int] = []
     for part in filter(None, text.split(",")):
         lo, _, hi = part.partition("-")
         nodes += range(int(lo), int(hi or lo) + 1)
     return nodes
 
 
-def _check_numa_and_cores(cfg: Config, out: List[Issue]) -> None:
+def _check_numa_and_cores(cfg: Config, out: list[Issue]) -> None:
     """NUMA map entries that exist, and local ranks against this machine's cores.
 
     Both are checked against this machine only for cluster.kind=local: a Slurm job's nodes are not this
@@ -154,7 +152,7 @@ def _check_numa_and_cores(cfg: Config, out: List[Issue]) -> None:
         )
 
 
-def _check_values(cfg: Config, out: List[Issue]) -> bool:
+def _check_values(cfg: Config, out: list[Issue]) -> bool:
     """Enumerations and sizes; returns False when the sizes are too broken to go on."""
     for key, value in _non_finite(cfg):
         out.append(
@@ -302,7 +300,7 @@ def _check_values(cfg: Config, out: List[Issue]) -> bool:
     return sizes_ok
 
 
-def _check_model(cfg: Config, out: List[Issue]) -> None:
+def _check_model(cfg: Config, out: list[Issue]) -> None:
     m = cfg.model
     out += _issues(rules.model_rules(m))
     if m.num_experts > 0 and not m.moe_aux_loss_coeff >= 0:  # the rest of the MoE rules: layout_rules.moe_rules
@@ -339,12 +337,12 @@ def _check_model(cfg: Config, out: List[Issue]) -> None:
                 )
 
 
-def _issues(violations: List[rules.Violation]) -> List[Issue]:
+def _issues(violations: list[rules.Violation]) -> list[Issue]:
     """The layout rules' verdicts (training/contract/layout_rules.py, which the engine checks too) as Issues."""
     return [Issue(v.level, v.key, v.message, v.fix, v.code) for v in violations]
 
 
-def _check_layout(cfg: Config, out: List[Issue]) -> bool:
+def _check_layout(cfg: Config, out: list[Issue]) -> bool:
     """Parallel layout rules (training/contract/layout_rules.py) plus the cluster's; False when no plan can be computed."""
     m, par, c = cfg.model, cfg.parallel, cfg.cluster
     t, p, v, cp = par.tp, par.pp, par.vpp, par.cp
@@ -492,7 +490,7 @@ NO_COMBINATION = "cluster.nodes=<more>"
 
 
 # The fixes tried when a model does not fit, cheapest first: (label, change) pairs.
-def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[Config]]]]:
+def _fix_candidates(cfg: Config) -> list[tuple[str, Callable[[Config], Config | None]]]:
     L = cfg.model.num_layers
 
     def sp(c: Config):
@@ -593,7 +591,7 @@ def _fix_candidates(cfg: Config) -> List[Tuple[str, Callable[[Config], Optional[
     ]
 
 
-def fit_fixes(cfg: Config, plan: Plan) -> List[str]:
+def fit_fixes(cfg: Config, plan: Plan) -> list[str]:
     """Each candidate fix alone (with the memory it gives), then the cumulative combination that fits first."""
     lines = []
     fitting = []
@@ -613,7 +611,7 @@ def fit_fixes(cfg: Config, plan: Plan) -> List[str]:
             fitting.append(label)
     if not fitting:
         cur = cfg
-        for label, change in cands:
+        for _label, change in cands:
             new = change(cur)
             if new is None:
                 continue
@@ -627,12 +625,12 @@ def fit_fixes(cfg: Config, plan: Plan) -> List[str]:
     return lines
 
 
-def validate(cfg: Config, cluster_checks: Optional[Callable[[Config], List[str]]] = None) -> Report:
+def validate(cfg: Config, cluster_checks: Callable[[Config], list[str]] | None = None) -> Report:
     """Check every rule; plan when the layout allows it; add the no-fit error with its breakdown and fixes.
 
     cluster_checks: the launch backend's own rules (the Slurm backend passes its sbatch-safety checks), so one
     run lists every violation at once; the planner itself knows nothing of Slurm."""
-    issues: List[Issue] = []
+    issues: list[Issue] = []
     sizes_ok = _check_values(cfg, issues)
     if cluster_checks is not None:
         issues += [Issue("error", "cluster", message, code=cfg.cluster.kind) for message in cluster_checks(cfg)]

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from launcher.plan.cost_model import Rates, cluster_rates
 from launcher.plan.estimate import GIB, fmt_seconds, make_plan
@@ -58,15 +59,15 @@ class AutoChoice:
     """What parallel=auto chose."""
 
     cfg: Config
-    chosen: Optional[Candidate]
+    chosen: Candidate | None
     """None: no layout fits (a sweep point; a single run exits 2 instead)."""
-    runner_up: Optional[Candidate]
-    pinned: Dict[str, Any] = field(default_factory=dict)
+    runner_up: Candidate | None
+    pinned: dict[str, Any] = field(default_factory=dict)
     searched: int = 0
     fitting: int = 0
 
-    def to_json(self) -> Dict[str, Any]:
-        def row(c: Candidate) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
+        def row(c: Candidate) -> dict[str, Any]:
             return {
                 "layout": c.short(),
                 "overrides": c.overrides(),
@@ -96,7 +97,7 @@ def _rates(cfg: Config) -> Rates:
     return cluster_rates(cfg)  # the preset's rates: a plan probes nothing (recommend's probe is its own action)
 
 
-def _matches(cand: Candidate, pinned: Dict[str, Any]) -> bool:
+def _matches(cand: Candidate, pinned: dict[str, Any]) -> bool:
     p = cand.cfg.parallel
     for key, want in pinned.items():
         have = cand.plan.dp if key == "dp" else getattr(p, key)
@@ -105,7 +106,7 @@ def _matches(cand: Candidate, pinned: Dict[str, Any]) -> bool:
     return True
 
 
-def _with_pins(cand: Candidate, pinned: Dict[str, Any], rates: Rates) -> Optional[Candidate]:
+def _with_pins(cand: Candidate, pinned: dict[str, Any], rates: Rates) -> Candidate | None:
     """cand with the pinned keys forced onto it, when that is a valid layout that fits (keys the search does
     not vary, such as zero=3 or offload=cpu)."""
     changes = {k: v for k, v in pinned.items() if k != "dp"}
@@ -119,7 +120,7 @@ def _with_pins(cand: Candidate, pinned: Dict[str, Any], rates: Rates) -> Optiona
     return Candidate(new, plan, reason=cand.reason, rank=cand.rank) if fits_with_headroom(plan, new) else None
 
 
-def ranked(cfg: Config, pinned: Dict[str, Any], rates: Rates) -> Tuple[List[Candidate], int, int]:
+def ranked(cfg: Config, pinned: dict[str, Any], rates: Rates) -> tuple[list[Candidate], int, int]:
     """The fitting layouts that keep the pinned keys, fastest first; the layouts searched; those that fit."""
     result = search(cfg, rates)
     annotate(result)
@@ -138,7 +139,7 @@ def _at_nodes(cfg: Config, nodes: int) -> Config:
     return type(cfg)(**{**vars(cfg), "cluster": type(cfg.cluster)(**{**vars(cfg.cluster), "nodes": nodes})})
 
 
-def smallest_fitting_nodes(cfg: Config, pinned: Dict[str, Any]) -> Optional[Tuple[int, Candidate]]:
+def smallest_fitting_nodes(cfg: Config, pinned: dict[str, Any]) -> tuple[int, Candidate] | None:
     """The smallest power-of-two multiple of cluster.nodes at which some layout (keeping the pinned keys) fits."""
     nodes = cfg.cluster.nodes * 2
     while nodes <= MAX_NODES_TRIED:
@@ -150,7 +151,7 @@ def smallest_fitting_nodes(cfg: Config, pinned: Dict[str, Any]) -> Optional[Tupl
     return None
 
 
-def pinned_values(cfg: Config, overrides: Sequence[str]) -> Dict[str, Any]:
+def pinned_values(cfg: Config, overrides: Sequence[str]) -> dict[str, Any]:
     """The searched parallel.* keys the command line sets, with their values. A key set to null
     (`parallel.dp=null`: derived, the schema's default) pins nothing: the search fills it."""
     given = set(pinned_keys(overrides))
@@ -177,7 +178,7 @@ def name_the_nodes(cfg: Config, report: Report) -> None:
     issue.fix = "; ".join([fix] + rest)
 
 
-def choose(cfg: Config, overrides: Sequence[str], multirun: bool = False) -> Optional[AutoChoice]:
+def choose(cfg: Config, overrides: Sequence[str], multirun: bool = False) -> AutoChoice | None:
     """The layout parallel=auto runs: the fastest that fits keeping the command line's parallel.* keys.
     None when the model or data is invalid (the gate then reports that). When none fits: exits 2 (nothing
     written) naming the smallest node count that does; in a sweep, an AutoChoice with chosen None."""
@@ -203,7 +204,7 @@ def choose(cfg: Config, overrides: Sequence[str], multirun: bool = False) -> Opt
     )
 
 
-def _refuse(cfg: Config, pinned: Dict[str, Any], searched: int, overrides: Sequence[str] = ()) -> None:
+def _refuse(cfg: Config, pinned: dict[str, Any], searched: int, overrides: Sequence[str] = ()) -> None:
     kept = " ".join(_typed(k, v) for k, v in pinned.items())
     c = cfg.cluster
     print(
@@ -257,10 +258,10 @@ builds: it is stored layout-free and resharded on load across tp (docs/PLATFORM.
 (tests/engine/test_uneven_stages.py), cp (docs/USER_CONTRACTS.md), dp and ZeRO stages (docs/CONTRACTS.md,
 tests/engine/test_zero_levers.py) and ep (tests/engine/test_moe_engine.py); sp, micro-batch, schedule and recompute
 do not enter it, and offload keeps the same optimizer state (tests/engine/test_zero_levers.py)."""
-_REPLANS: Dict[Tuple[str, int], AutoChoice] = {}
+_REPLANS: dict[tuple[str, int], AutoChoice] = {}
 
 
-def recorded_pins(cfg: Config) -> Optional[Dict[str, Any]]:
+def recorded_pins(cfg: Config) -> dict[str, Any] | None:
     """The pinned keys of a run whose layout parallel=auto chose (parallel.auto_pinned), with this config's values;
     None for a named or given layout."""
     text = cfg.parallel.auto_pinned

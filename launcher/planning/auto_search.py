@@ -4,8 +4,8 @@ layouts under parallel=auto): the command line's pinned parallel.* keys and the 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import List, Sequence
 
 from training.contract.config import Config
 
@@ -14,7 +14,7 @@ GLOBAL_BATCH_TOKENS = 2**20
 Llama 3's published recipes for 8B-70B models use (128 sequences of 8192 tokens)."""
 
 
-def pinned_keys(overrides: Sequence[str]) -> List[str]:
+def pinned_keys(overrides: Sequence[str]) -> list[str]:
     """The parallel.* keys the command line sets ('parallel.tp=8' -> 'tp'); a group choice pins none."""
     keys = []
     for text in overrides:

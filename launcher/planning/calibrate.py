@@ -14,8 +14,9 @@ import io
 import os
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from launcher.plan.estimate import fmt_seconds
 from training.contract.config import Config, DataConfig, RecommendConfig
@@ -23,7 +24,7 @@ from training.contract.exit_codes import EXIT_OK
 from training.contract.rundir.metrics import read_rows
 
 
-def ranks_of(values: Sequence[float]) -> List[float]:
+def ranks_of(values: Sequence[float]) -> list[float]:
     """1-based ranks, ties sharing their average rank."""
     order = sorted(range(len(values)), key=lambda i: values[i])
     out = [0.0] * len(values)
@@ -38,7 +39,7 @@ def ranks_of(values: Sequence[float]) -> List[float]:
     return out
 
 
-def spearman(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
     """Spearman's rank correlation: Pearson's correlation of the ranks; None for fewer than 2 pairs or no spread."""
     if len(a) < 2:
         return None
@@ -50,9 +51,9 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
     return cov / (va * vb) ** 0.5 if va > 0 and vb > 0 else None
 
 
-def choose(cands: List[Any], count: int, min_gap: float) -> List[Any]:
+def choose(cands: list[Any], count: int, min_gap: float) -> list[Any]:
     """The fastest candidates, each predicted at least min_gap slower than the previous one chosen."""
-    out: List[Any] = []
+    out: list[Any] = []
     for c in cands:
         if not out or c.step_s >= out[-1].step_s * (1 + min_gap):
             out.append(c)
@@ -61,7 +62,7 @@ def choose(cands: List[Any], count: int, min_gap: float) -> List[Any]:
     return out
 
 
-def measured_step_s(run_dir: str) -> Optional[float]:
+def measured_step_s(run_dir: str) -> float | None:
     """Median step_time_s of the run's metrics.jsonl without the first step; None without two steps."""
     rows = read_rows(run_dir)
     times = [r["step_time_s"] for r in rows if "step_time_s" in r and "loss" in r][1:]
@@ -105,7 +106,7 @@ def _run_once(cfg: Config, c: Any, sub: str, steps: int):
     return code, (measured_step_s(sub) if code == EXIT_OK else None)
 
 
-def calibrate(cfg: Config, run_dir: str, cands: List[Any], rc: RecommendConfig) -> Dict[str, Any]:
+def calibrate(cfg: Config, run_dir: str, cands: list[Any], rc: RecommendConfig) -> dict[str, Any]:
     """Run the chosen candidates; set each one's measured_step_s; print and return the comparison.
 
     Outside load on a shared machine arrives in bursts that can slow one whole run: each candidate runs in
@@ -119,8 +120,8 @@ def calibrate(cfg: Config, run_dir: str, cands: List[Any], rc: RecommendConfig) 
         f"  calibrating {len(chosen)} candidates ({passes} pass{'es' if passes > 1 else ''} of {steps} steps each) under {run_dir}/calibrate/",
         file=sys.stderr,
     )
-    found: List[List[float]] = [[] for _ in chosen]
-    codes: List[Any] = [None] * len(chosen)
+    found: list[list[float]] = [[] for _ in chosen]
+    codes: list[Any] = [None] * len(chosen)
     for k in range(passes):
         order = list(range(len(chosen))) if k % 2 == 0 else list(reversed(range(len(chosen))))
         for i in order:
@@ -172,7 +173,7 @@ def calibrate(cfg: Config, run_dir: str, cands: List[Any], rc: RecommendConfig) 
     }
 
 
-def run_recommend(cfg: Config, run_dir: str) -> Dict[str, Any]:
+def run_recommend(cfg: Config, run_dir: str) -> dict[str, Any]:
     """meshrun action=recommend (training/contract/actions.py): launcher/planning/recommend.py's ranking, calibrated
     here when recommend.calibrate=true. The entry is here so that recommend.py, whose search parallel=auto and elastic
     re-plans import (launcher/slurm/elastic.py), does not import this module's launch path (an import circle)."""

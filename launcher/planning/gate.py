@@ -11,24 +11,25 @@ import json
 import math
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 from launcher.plan.cadence import format_advice
 from launcher.plan.cadence import resolve as resolve_cadence
 from launcher.plan.estimate import format_plan
 from launcher.plan.issues import Issue
 from launcher.plan.validate import Report, validate
-from training.contract.rundir.config_files import write_config
 from training.contract.config import Config
 from training.contract.exit_codes import EXIT_INVALID
 from training.contract.layout_text import format_layout, layout_of
+from training.contract.rundir.config_files import write_config
 
 
 def _point_label(cfg: Config) -> str:
     return f"model={cfg.model.name} {format_layout(layout_of(cfg), 'short')}"
 
 
-def _slurm_checks(cfg: Config) -> List[str]:
+def _slurm_checks(cfg: Config) -> list[str]:
     """sbatch safety, and every node count an elastic job may shrink to (validated before the first submission)."""
     from launcher.slurm.elastic import elastic_checks
     from launcher.slurm.sbatch import validate_for_slurm
@@ -41,7 +42,7 @@ SIGNAL_SAVE_MARGIN = 1.5
 often an estimate at an assumed write rate)."""
 
 
-def signal_delay_issue(cfg: Config, save_s: float, save_source: str = "") -> Optional[Issue]:
+def signal_delay_issue(cfg: Config, save_s: float, save_source: str = "") -> Issue | None:
     """A warning when a Slurm job's cluster.signal_delay_s does not exceed Slurm's 30 s time-limit check plus one
     checkpoint save (save_s: the planner's, launcher/plan/cadence.py advise(cfg).save_s, measured on a resume).
 
@@ -83,9 +84,9 @@ def plan_or_reject(
     cfg: Config,
     run_dir: str,
     multirun: bool = False,
-    auto: Optional[Dict[str, Any]] = None,
-    no_fit_advice: Optional[Callable[[Config, Report], None]] = None,
-) -> Dict[str, Any]:
+    auto: dict[str, Any] | None = None,
+    no_fit_advice: Callable[[Config, Report], None] | None = None,
+) -> dict[str, Any]:
     """Validate cfg; on success print the plan, write plan.json and config.json into run_dir. `auto`: what
     parallel=auto chose (launcher/planning/auto.py), kept as plan.json's `auto`. `no_fit_advice(cfg, report)`: a
     single run's no-fit error gains its fixes there (launcher/planning/auto.py name_the_nodes: the node count).
@@ -109,7 +110,7 @@ def plan_or_reject(
                 print("plan of the rejected layout:\n" + format_plan(report.plan), file=sys.stderr)
             raise SystemExit(EXIT_INVALID)
         print(f"[{status}] {_point_label(cfg)}: {report.errors[0].message}", file=sys.stderr)
-        result: Dict[str, Any] = {
+        result: dict[str, Any] = {
             "status": status,
             "errors": errors,
             "warnings": warnings,

@@ -16,14 +16,15 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any
 
 from launcher.plan.context_memory import search_cp
 from launcher.plan.cost_model import Rates, cluster_rates, spans_nodes
 from launcher.plan.estimate import GIB, Plan, fmt_seconds, make_plan
-from launcher.plan.model_size import chunk_layers
 from launcher.plan.levers import search_recompute, search_zero_stages
+from launcher.plan.model_size import chunk_layers
 from launcher.plan.plan_cache import PlanCache
 from launcher.plan.validate import validate
 from training.contract import layout_rules as rules
@@ -60,17 +61,17 @@ class Candidate:
     plan: Plan
     reason: str = ""
     rank: int = 0
-    measured_step_s: Optional[float] = None
+    measured_step_s: float | None = None
 
     @property
     def step_s(self) -> float:
         return self.plan.predicted_step_s
 
     @property
-    def parts(self) -> Dict[str, float]:
+    def parts(self) -> dict[str, float]:
         return self.plan.predicted_step_parts_s
 
-    def layout(self) -> Dict[str, Any]:
+    def layout(self) -> dict[str, Any]:
         p = self.cfg.parallel
         d = {k: getattr(p, k) for k in PARALLEL_KEYS}
         d["dp"] = self.plan.dp
@@ -95,9 +96,9 @@ class Candidate:
 class Search:
     """The outcome of a search."""
 
-    candidates: List[Candidate] = field(default_factory=list)
+    candidates: list[Candidate] = field(default_factory=list)
     """Every layout that fits, fastest first."""
-    no_fit: List[Candidate] = field(default_factory=list)
+    no_fit: list[Candidate] = field(default_factory=list)
     """The fastest layouts that do not fit (one per tp/pp/vpp/zero whose leanest variant does not fit)."""
     searched: int = 0
     valid: int = 0
@@ -108,7 +109,7 @@ class Search:
 # --------------------------------------------------------------------------------------------------
 
 
-def _divisors(n: int) -> List[int]:
+def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -129,7 +130,7 @@ def layouts(cfg: Config) -> Iterator[Config]:
                     yield from _layouts_at(cfg, tp, pp, sp, cp, world // (tp * pp * cp))
 
 
-def search_ep(cfg: Config, dp: int) -> List[int]:
+def search_ep(cfg: Config, dp: int) -> list[int]:
     """The expert-parallel degrees tried at dp data-parallel ranks: 1 for a dense model, else every ep dividing
     both the experts and dp (training/contract/layout_rules.py moe_rules)."""
     E = cfg.model.num_experts
@@ -199,7 +200,7 @@ def _lean(lay: Config) -> Config:
     )
 
 
-def _deeper_zero(lay: Config, rates: Rates, cache: Optional[PlanCache] = None) -> Optional[Candidate]:
+def _deeper_zero(lay: Config, rates: Rates, cache: PlanCache | None = None) -> Candidate | None:
     """The first higher ZeRO stage (2, then 3), then offload (cpu, nvme) at which a zero=1 (or dp=1) layout that
     does not fit fits: never faster in the cost model (more traffic, a host-side update), so only tried where
     the layout runs out of memory."""
@@ -218,7 +219,7 @@ def _deeper_zero(lay: Config, rates: Rates, cache: Optional[PlanCache] = None) -
     return None
 
 
-def _partial_recompute(lay: Config, rates: Rates, cache: Optional[PlanCache] = None) -> List[Candidate]:
+def _partial_recompute(lay: Config, rates: Rates, cache: PlanCache | None = None) -> list[Candidate]:
     """Under recompute=full, the fastest variant recomputing only the first N layers of each chunk that still
     fits (fewest N first: less recomputation, more activation memory)."""
     for recompute, n in search_recompute(chunk_layers(lay)):
@@ -249,8 +250,8 @@ def search(cfg: Config, rates: Rates) -> Search:
     recompute=full also with recompute_num_layers (launcher/plan/levers.py's choices)."""
     out = Search()
     cache = PlanCache(cfg)  # every layout below shares cfg's model, train and cluster
-    lean_fits: Dict[tuple, bool] = {}
-    none_fits: Dict[tuple, bool] = {}  # recompute=none fits at these other settings: partial recompute is slower
+    lean_fits: dict[tuple, bool] = {}
+    none_fits: dict[tuple, bool] = {}  # recompute=none fits at these other settings: partial recompute is slower
     for lay in layouts(cfg):
         out.searched += 1
         p = lay.parallel
@@ -333,13 +334,13 @@ def _part_words(cand: Candidate, part: str) -> str:
     return part
 
 
-def _base_compute(parts: Dict[str, float]) -> Dict[str, float]:
+def _base_compute(parts: dict[str, float]) -> dict[str, float]:
     d = dict(parts)
     d["compute"] = d.get("compute", 0.0) - d.get("recompute", 0.0)
     return d
 
 
-def explain(cand: Candidate, ref: Candidate, top: int = 2) -> List[str]:
+def explain(cand: Candidate, ref: Candidate, top: int = 2) -> list[str]:
     """The parts in which cand is slower than ref, largest first, in words with the seconds."""
     a, b = _base_compute(cand.parts), _base_compute(ref.parts)
     diffs = sorted(((a.get(k, 0.0) - b.get(k, 0.0), k) for k in a if k != "total"), reverse=True)
@@ -384,7 +385,7 @@ def _mfu(c: Candidate, peak: float) -> float:
     return c.plan.model_flops_per_step / (c.step_s * c.plan.world_size * peak) if c.step_s > 0 else 0.0
 
 
-def candidate_json(c: Candidate, peak: float) -> Dict[str, Any]:
+def candidate_json(c: Candidate, peak: float) -> dict[str, Any]:
     return {
         **c.layout(),
         "rank": c.rank,
@@ -401,7 +402,7 @@ def candidate_json(c: Candidate, peak: float) -> Dict[str, Any]:
     }
 
 
-def versus_baseline(best: Candidate, base: Candidate) -> Dict[str, Any]:
+def versus_baseline(best: Candidate, base: Candidate) -> dict[str, Any]:
     """How the recommended layout compares with the configured one, and why they differ."""
     gain = 1 - best.step_s / base.step_s if base.step_s > 0 else 0.0
     why = explain(base, best, top=3)
@@ -421,7 +422,7 @@ def versus_baseline(best: Candidate, base: Candidate) -> Dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-def probe_rates(cfg: Config) -> Optional[Dict[str, Any]]:
+def probe_rates(cfg: Config) -> dict[str, Any] | None:
     """Run training/observe/cost_probe.py with the job's rank count (CPU clusters); None (and a note) if it fails."""
     from launcher.launch.processes import threads_per_rank
 
@@ -480,7 +481,7 @@ def rates_for(cfg: Config, run_dir: str) -> Rates:
     return cluster_rates(cfg, preflight=preflight, probe=probe)
 
 
-def format_table(cands: List[Candidate], peak: float) -> str:
+def format_table(cands: list[Candidate], peak: float) -> str:
     rows = [("#", "layout", "step", "tok/s/GPU", "MFU", "memory", "why")]
     for c in cands:
         rows.append(
@@ -498,13 +499,13 @@ def format_table(cands: List[Candidate], peak: float) -> str:
     return "\n".join("  " + "  ".join(f"{r[i]:<{widths[i]}}" for i in range(6)) + "  " + r[6] for r in rows)
 
 
-def _write_json(path: str, data: Dict[str, Any]) -> None:
+def _write_json(path: str, data: dict[str, Any]) -> None:
     from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
 
     write_atomic(path, json.dumps(data, indent=2))
 
 
-def recommend(cfg: Config, run_dir: str, rates: Optional[Rates] = None) -> Dict[str, Any]:
+def recommend(cfg: Config, run_dir: str, rates: Rates | None = None) -> dict[str, Any]:
     """Search, explain, and return recommend.json's dict (written to run_dir when it is given)."""
     t0 = time.time()
     rates = rates or rates_for(cfg, run_dir)
@@ -512,7 +513,7 @@ def recommend(cfg: Config, run_dir: str, rates: Optional[Rates] = None) -> Dict[
     annotate(result)
     peak = cfg.cluster.peak_tflops * 1e12 if cfg.cluster.peak_tflops > 0 else rates.flops
     top = result.candidates[: max(1, cfg.recommend.top)]
-    data: Dict[str, Any] = {
+    data: dict[str, Any] = {
         "model": cfg.model.name,
         "cluster": cfg.cluster.name,
         "world_size": cfg.cluster.nodes * cfg.cluster.gpus_per_node,
@@ -536,7 +537,7 @@ def recommend(cfg: Config, run_dir: str, rates: Optional[Rates] = None) -> Dict[
     return data
 
 
-def _baseline(cfg: Config, rates: Rates, result: Search) -> Optional[Candidate]:
+def _baseline(cfg: Config, rates: Rates, result: Search) -> Candidate | None:
     """The configured layout as a candidate (its rank among the fitting ones), when it is valid."""
     if derived_dp(cfg) < 1 or any(v.level == "error" for v in rules.layout_violations(cfg, derived_dp(cfg))):
         return None
@@ -553,9 +554,7 @@ def _baseline(cfg: Config, rates: Rates, result: Search) -> Optional[Candidate]:
     return base
 
 
-def run_recommend(
-    cfg: Config, run_dir: str, calibrate: Optional[Callable[..., Dict[str, Any]]] = None
-) -> Dict[str, Any]:
+def run_recommend(cfg: Config, run_dir: str, calibrate: Callable[..., dict[str, Any]] | None = None) -> dict[str, Any]:
     """meshrun action=recommend: print the ranking, write run_dir/recommend.json, calibrate when asked (with
     `calibrate`: launcher/planning/calibrate.py run_recommend, the action's entry, passes it, so this module, whose
     search parallel=auto and elastic re-plans use, does not import the calibration's launch path)."""

@@ -23,22 +23,22 @@ import shlex
 import signal
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
+from launcher.launch.processes import PROJECT_ROOT
 from launcher.manage.cancel import record_cancelled
 from launcher.manage.goodput import write_goodput_quietly
-from launcher.slurm import in_job
-from launcher.slurm.requeue import blamed_failures, decide
-from launcher.slurm.rank_task import attempt_dir
-from launcher.launch.processes import PROJECT_ROOT
-from training.contract.rundir.resume_request import planned_resume_step
 from launcher.manage.status import cancel_requested, excluded_nodes, last_step, retries_used
+from launcher.slurm import in_job
 from launcher.slurm.queries import job_alive
+from launcher.slurm.rank_task import attempt_dir
+from launcher.slurm.requeue import blamed_failures, decide
 from training.contract.config import load_config
-from training.contract.rundir.events import append_event, read_events
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_RESTART_IN_JOB
 from training.contract.layout_text import format_layout, layout_of
+from training.contract.rundir.events import append_event, read_events
 from training.contract.rundir.lock import claim_for_job, release_job, set_job_holder
+from training.contract.rundir.resume_request import planned_resume_step
 from training.contract.slurm_env import (
     PREFLIGHT_PASSED_ENV,
     SlurmUnavailable,
@@ -130,7 +130,7 @@ def prologue(run_dir: str) -> int:
     return EXIT_OK
 
 
-def _step_nodes(cfg, events, allocation: List[str], restart_count: int):
+def _step_nodes(cfg, events, allocation: list[str], restart_count: int):
     """With in-job restarts: this attempt's step nodes (the allocation minus the nodes blamed earlier in it and
     those Slurm shows down or drained, the previous step's healthy nodes first) and the started event's extra
     fields (allocation, spares, in-job restarts used)."""
@@ -175,7 +175,7 @@ def stop_time(signal_delay_s: int):
     return end - signal_delay_s - SIGNAL_SWEEP_S
 
 
-def rank_layout(nodes: List[str], ranks_per_node: int) -> Dict[int, str]:
+def rank_layout(nodes: list[str], ranks_per_node: int) -> dict[int, str]:
     """Global rank -> node under Slurm's block distribution (ranks fill a node before the next)."""
     return {n * ranks_per_node + i: node for n, node in enumerate(nodes) for i in range(ranks_per_node)}
 
@@ -352,9 +352,9 @@ class _PartitionNodes(Sequence[str]):
 
     def __init__(self, partition: str) -> None:
         self.partition = partition
-        self._nodes: Optional[List[str]] = None
+        self._nodes: list[str] | None = None
 
-    def _get(self) -> List[str]:
+    def _get(self) -> list[str]:
         if self._nodes is None:
             from launcher.slurm.submit import partition_nodes
 
@@ -368,7 +368,7 @@ class _PartitionNodes(Sequence[str]):
         return len(self._get())
 
 
-def _goodput_beside_requeue(run_dir: str) -> Optional[int]:
+def _goodput_beside_requeue(run_dir: str) -> int | None:
     """goodput.json written by a forked copy of this process while Slurm requeues the job: its sacct query is
     then not on the way from the preemption signal to the requeue. The copy ignores the
     SIGTERM with which the requeue ends the batch script, and the job is requeued once it is done (Slurm
@@ -389,7 +389,7 @@ def _goodput_beside_requeue(run_dir: str) -> Optional[int]:
     return pid
 
 
-def _wait_quietly(pid: Optional[int]) -> None:
+def _wait_quietly(pid: int | None) -> None:
     if pid is not None:
         try:
             os.waitpid(pid, 0)
@@ -423,7 +423,7 @@ def _failure_like(d) -> bool:
     return d.action == "stop" and bool(d.failures) and d.reason.startswith("retries exhausted")
 
 
-def _in_job_restart(run_dir, cfg, d, records, pro, events, step_now, ev) -> "in_job.Restart":
+def _in_job_restart(run_dir, cfg, d, records, pro, events, step_now, ev) -> in_job.Restart:
     """launcher/slurm/in_job.py's plan for this failure; when it is possible, the `restarted_in_job` event."""
     from launcher.slurm.elastic import UNUSABLE, node_states
 
@@ -479,6 +479,7 @@ def _fit_spares(cfg, exclude):
     if cfg.cluster.spare_nodes <= 0:
         return cfg
     import dataclasses
+
     from launcher.slurm.submit import partition_nodes
 
     usable = [n for n in partition_nodes(cfg.cluster.partition) if n not in exclude]
@@ -599,7 +600,7 @@ def batch_script_lost(run_dir: str) -> int:
     return EXIT_FAILED
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] not in ("prologue", "epilogue", "watch"):
         print(
             "usage: python -m launcher.slurm.driver prologue|epilogue|watch RUN_DIR [SRUN_RC | --srun-rc-on-stdin] "

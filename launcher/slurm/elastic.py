@@ -33,8 +33,9 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from training.contract.config import Config, derived_dp
 from training.contract.rundir.events import append_event
@@ -70,7 +71,7 @@ TIME_MARGIN_S = 60.0
 """A waiting epilogue stops this long before its own job's time limit, to still submit the next job."""
 
 
-def layout(cfg: Config) -> Dict[str, Any]:
+def layout(cfg: Config) -> dict[str, Any]:
     """The layout of a config as events and status show it."""
     p, c = cfg.parallel, cfg.cluster
     dp = derived_dp(cfg)
@@ -95,7 +96,7 @@ def auto_chosen(cfg: Config) -> bool:
     return cfg.parallel.auto_pinned is not None
 
 
-def resized(cfg: Config, nodes: int) -> Tuple[Config, Optional[Dict[str, Any]]]:
+def resized(cfg: Config, nodes: int) -> tuple[Config, dict[str, Any] | None]:
     """cfg on `nodes` nodes and, for a layout parallel=auto chose, what its re-plan chose (plan.json's `auto`, the
     event's `replanned`: the layout, the runner-up, why, the kept keys) with `text`, one line saying so. A named or
     given layout, or a count at which the re-plan finds nothing: with_nodes (dp only), None."""
@@ -120,7 +121,7 @@ def with_nodes(cfg: Config, nodes: int) -> Config:
     return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, nodes=nodes), parallel=par)
 
 
-def layout_errors(cfg: Config, nodes: int) -> List[str]:
+def layout_errors(cfg: Config, nodes: int) -> list[str]:
     """Why cfg cannot run on `nodes` nodes (the planner's errors), or []. A layout parallel=auto chose: why its
     re-plan there finds nothing, or the planner's errors of the layout it finds."""
     from launcher.plan.validate import validate
@@ -139,11 +140,11 @@ def layout_errors(cfg: Config, nodes: int) -> List[str]:
     return [f"{i.key}: {i.message}" for i in validate(with_nodes(cfg, nodes)).errors]
 
 
-def elastic_checks(cfg: Config) -> List[str]:
+def elastic_checks(cfg: Config) -> list[str]:
     """The elastic keys' problems, each with its fix; and every node count the job may shrink to, validated
     with the planner (one message per count that would be refused, with the planner's reason)."""
     e, nodes = cfg.cluster.elastic, cfg.cluster.nodes
-    out: List[str] = []
+    out: list[str] = []
     if e.min_nodes < 0:
         out.append(f"cluster.elastic.min_nodes={e.min_nodes} is negative: set 0 (never shrink) or a node count")
     if not e.wait_min >= 0:  # NaN too
@@ -172,7 +173,7 @@ def elastic_checks(cfg: Config) -> List[str]:
     return out
 
 
-def target_nodes(events: Sequence[Dict[str, Any]], cfg: Config) -> int:
+def target_nodes(events: Sequence[dict[str, Any]], cfg: Config) -> int:
     """The run's full node count: the one of its last submission (a resize never changes it)."""
     full = cfg.cluster.nodes
     for ev in events:
@@ -187,7 +188,7 @@ def _state(raw: str) -> str:
     return raw.rstrip("*~#!%$@^-+").lower()
 
 
-def node_states(partition: str) -> Dict[str, str]:
+def node_states(partition: str) -> dict[str, str]:
     """Node -> short state of every node of the partition (sinfo %t); {} when Slurm cannot answer."""
     from training.contract.slurm_env import SlurmUnavailable, slurm_command
 
@@ -195,7 +196,7 @@ def node_states(partition: str) -> Dict[str, str]:
         res = slurm_command(["sinfo", "-h", "-N", "-p", partition, "-o", "%N %t"])
     except SlurmUnavailable:
         return {}
-    out: Dict[str, str] = {}
+    out: dict[str, str] = {}
     for line in res.stdout.splitlines() if res.returncode == 0 else []:
         name, _, state = line.strip().partition(" ")
         if name:
@@ -209,16 +210,16 @@ def node_states(partition: str) -> Dict[str, str]:
 class Pool:
     """The nodes the next job could get, as Slurm shows them now."""
 
-    free: List[str]
+    free: list[str]
     """Nodes it could start on now: the ending job's own healthy nodes and idle nodes, none excluded."""
-    up: List[str]
+    up: list[str]
     """free plus nodes up but busy with other jobs (they may free up)."""
-    readmit: List[str]
+    readmit: list[str]
     """Excluded nodes Slurm shows idle again: re-admitted when the run grows."""
 
 
 def pool(
-    states: Dict[str, str], own: Sequence[str], excluded: Sequence[str], keep_excluded: Sequence[str], growing: bool
+    states: dict[str, str], own: Sequence[str], excluded: Sequence[str], keep_excluded: Sequence[str], growing: bool
 ) -> Pool:
     """The nodes for the next job. own: the ending job's nodes; excluded: the exclusion list for the next job;
     keep_excluded: nodes excluded by this very decision (never re-admitted at once); growing: the run is below
@@ -247,23 +248,23 @@ class Resize:
 
     cfg: Config
     """The run's config on the new node count (config.json once the job is submitted)."""
-    exclude: List[str]
+    exclude: list[str]
     """Its exclusion list (re-admitted nodes removed)."""
-    old: Dict[str, Any]
+    old: dict[str, Any]
     """Layout of the ending job."""
-    new: Dict[str, Any]
+    new: dict[str, Any]
     """Layout of the next job."""
-    readmitted: List[str] = field(default_factory=list)
+    readmitted: list[str] = field(default_factory=list)
     """Excluded nodes given back to the run."""
     reason: str = ""
     """Why, in words."""
     waited_s: float = 0.0
     """How long the epilogue waited for busy nodes."""
-    replanned: Optional[Dict[str, Any]] = None
+    replanned: dict[str, Any] | None = None
     """A layout parallel=auto chose: what its re-plan on the new node count chose and why (resized)."""
 
     @property
-    def event(self) -> Optional[str]:
+    def event(self) -> str | None:
         """shrunk | grown | None (same node count)."""
         if self.new["nodes"] == self.old["nodes"]:
             return None
@@ -272,14 +273,14 @@ class Resize:
 
 def plan_resize(
     cfg: Config,
-    events: Sequence[Dict[str, Any]],
+    events: Sequence[dict[str, Any]],
     own: Sequence[str],
     excluded: Sequence[str],
     newly_excluded: Sequence[str] = (),
-    job_end: Optional[float] = None,
-    states_fn: Callable[[str], Dict[str, str]] = node_states,
+    job_end: float | None = None,
+    states_fn: Callable[[str], dict[str, str]] = node_states,
     sleep: Callable[[float], None] = time.sleep,
-) -> Optional[Resize]:
+) -> Resize | None:
     """The next job's node count and exclusions, or None when nothing changes (or Slurm cannot say).
 
     Shrinks when the full count is not free: at once when too few nodes are up, else after waiting up to
@@ -291,7 +292,7 @@ def plan_resize(
     states = states_fn(cfg.cluster.partition)
     if not states:
         return None
-    checked: Dict[int, bool] = {}
+    checked: dict[int, bool] = {}
 
     def valid(n: int) -> bool:
         if n not in checked:
@@ -360,7 +361,7 @@ def apply_resize(run_dir: str, r: Resize, **fields: Any) -> None:
         )
 
 
-def job_end_time(job: str) -> Optional[float]:
+def job_end_time(job: str) -> float | None:
     """When this job's time limit ends (Unix seconds), or None (no limit, or Slurm cannot say)."""
     from training.contract.slurm_env import SlurmUnavailable, slurm_command
 

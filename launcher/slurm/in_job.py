@@ -19,8 +19,9 @@ allocation is going away).
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from training.contract.config import ClusterConfig
 from training.contract.exit_codes import EXIT_NODE_BAD, EXIT_RESTART_IN_JOB
@@ -38,7 +39,7 @@ def enabled(c: ClusterConfig) -> bool:
     return restart_limit(c) > 0
 
 
-def config_errors(c: ClusterConfig) -> List[str]:
+def config_errors(c: ClusterConfig) -> list[str]:
     """The keys' problems, each with its fix."""
     out = []
     if c.spare_nodes < 0:
@@ -59,7 +60,7 @@ def allocation_nodes(c: ClusterConfig) -> int:
 
 
 # ------------------------------------------------------------------------------------- the batch script
-def batch_loop_head() -> List[str]:
+def batch_loop_head() -> list[str]:
     """Setup lines before the prologue: srun runs on the step's nodes (the prologue sets MESHRUN_STEP_ARGS),
     and the loop over attempts of this allocation opens. submitit writes the srun line itself; a shell
     function of the same name adds the step's options in front of its arguments."""
@@ -75,7 +76,7 @@ def loop_prologue_line(prologue: str) -> str:
     )
 
 
-def batch_watch_lines(python: str) -> List[str]:
+def batch_watch_lines(python: str) -> list[str]:
     """Before the loop: a watcher that waits on a pipe from this script (`driver watch`): told "done" before the
     script's own exit, it sees the pipe close without it when the batch script alone is killed (scancel
     --signal=KILL --batch) and decides the attempt then (launcher/slurm/driver.py batch_script_lost)."""
@@ -86,7 +87,7 @@ def batch_watch_lines(python: str) -> List[str]:
     ]
 
 
-def batch_loop_tail(epilogue: str) -> List[str]:
+def batch_loop_tail(epilogue: str) -> list[str]:
     """Teardown lines: the epilogue's EXIT_RESTART_IN_JOB starts the next attempt in this allocation (its
     standard output: the next prologue's exports; anything else it printed goes to the job's log)."""
     return [
@@ -113,18 +114,18 @@ def step_args_line(step: Sequence[str], ranks_per_node: int) -> str:
 
 
 # ------------------------------------------------------------------------------ this allocation's history
-def _same_allocation(ev: Dict[str, Any], job_id: str, restart_count: int) -> bool:
+def _same_allocation(ev: dict[str, Any], job_id: str, restart_count: int) -> bool:
     return str(ev.get("job_id")) == str(job_id) and int(ev.get("restart_count") or 0) == restart_count
 
 
-def restarts(events: Sequence[Dict[str, Any]], job_id: str, restart_count: int) -> List[Dict[str, Any]]:
+def restarts(events: Sequence[dict[str, Any]], job_id: str, restart_count: int) -> list[dict[str, Any]]:
     """This allocation's restarted_in_job events (a requeued job is a new allocation: its count starts at 0)."""
     return [ev for ev in events if ev.get("event") == EVENT and _same_allocation(ev, job_id, restart_count)]
 
 
-def bad_nodes(events: Sequence[Dict[str, Any]], job_id: str, restart_count: int) -> List[str]:
+def bad_nodes(events: Sequence[dict[str, Any]], job_id: str, restart_count: int) -> list[str]:
     """Nodes of this allocation blamed for a failure: never used again by its steps."""
-    out: List[str] = []
+    out: list[str] = []
     for ev in restarts(events, job_id, restart_count):
         for node in ev.get("bad_nodes") or []:
             if node not in out:
@@ -132,7 +133,7 @@ def bad_nodes(events: Sequence[Dict[str, Any]], job_id: str, restart_count: int)
     return out
 
 
-def preflight_passed(events: Sequence[Dict[str, Any]], job_id: str, restart_count: int) -> List[str]:
+def preflight_passed(events: Sequence[dict[str, Any]], job_id: str, restart_count: int) -> list[str]:
     """Nodes that passed the preflight (no failing check) in an earlier attempt of this allocation. An
     in-job restart does not check them again (training/preflight/runner.py PASSED_ENV): they were checked
     minutes ago in the same allocation, and a node blamed for a failure since is left out of the step."""
@@ -141,7 +142,7 @@ def preflight_passed(events: Sequence[Dict[str, Any]], job_id: str, restart_coun
         for ev in events
         if ev.get("event") == "started" and _same_allocation(ev, job_id, restart_count)
     }
-    out: List[str] = []
+    out: list[str] = []
     for ev in events:
         if ev.get("event") != "preflight" or ev.get("attempt") not in ours:
             continue
@@ -154,7 +155,7 @@ def preflight_passed(events: Sequence[Dict[str, Any]], job_id: str, restart_coun
 
 def choose_step(
     allocation: Sequence[str], bad: Sequence[str], previous: Sequence[str], nodes: int, unusable: Sequence[str] = ()
-) -> Optional[List[str]]:
+) -> list[str] | None:
     """The next step's nodes: the previous step's healthy nodes first (their ranks keep their places), then
     spares in allocation order; None when fewer than `nodes` healthy nodes are left."""
     barred = set(bad) | set(unusable)
@@ -164,12 +165,12 @@ def choose_step(
     return step if len(step) == nodes else None
 
 
-def spares(allocation: Sequence[str], bad: Sequence[str], step: Sequence[str]) -> List[str]:
+def spares(allocation: Sequence[str], bad: Sequence[str], step: Sequence[str]) -> list[str]:
     return [n for n in allocation if n not in bad and n not in step]
 
 
 # ---------------------------------------------------------------------------------------- the decision
-def cause_of(failures: Sequence[Any], records: Dict[int, Dict[str, Any]]) -> str:
+def cause_of(failures: Sequence[Any], records: dict[int, dict[str, Any]]) -> str:
     """node_lost (no rank of a node reported) | node_bad (preflight or health sampler) | rank_killed (a signal)
     | save_failed | rank_failed (an exception or another exit code)."""
     for f in failures:
@@ -194,13 +195,13 @@ class Restart:
     """True: relaunch in this allocation; False: fall back to the resubmission (why says why)."""
     why: str = ""
     """The reason it is not possible (or the cause, when it is)."""
-    step: List[str] = field(default_factory=list)
+    step: list[str] = field(default_factory=list)
     """The next step's nodes."""
-    replaced: List[str] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)
     """Nodes blamed now (left out of every later step)."""
-    spares_used: List[str] = field(default_factory=list)
+    spares_used: list[str] = field(default_factory=list)
     """Spares that take the replaced nodes' places."""
-    bad: List[str] = field(default_factory=list)
+    bad: list[str] = field(default_factory=list)
     """Every node of this allocation blamed so far (the exclusion a fallback adds)."""
 
 

@@ -12,10 +12,10 @@ import os
 import re
 import shutil
 import subprocess
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
 
-def numa_nodes(sysfs_nodes: str = "/sys/devices/system/node") -> List[int]:
+def numa_nodes(sysfs_nodes: str = "/sys/devices/system/node") -> list[int]:
     """NUMA nodes that have CPUs; [0] when sysfs has none (containers without NUMA info)."""
     nodes = []
     try:
@@ -46,9 +46,9 @@ def _normal_bus_id(bus_id: str) -> str:
     return f"{int(domain, 16):04x}:{rest}"
 
 
-def gpu_bus_ids(proc_root: str = "/proc/driver/nvidia/gpus") -> Dict[int, str]:
+def gpu_bus_ids(proc_root: str = "/proc/driver/nvidia/gpus") -> dict[int, str]:
     """GPU index (device minor) -> PCI bus id, from the driver's proc files, else nvidia-smi."""
-    out: Dict[int, str] = {}
+    out: dict[int, str] = {}
     try:
         for bus in os.listdir(proc_root):
             with open(os.path.join(proc_root, bus, "information")) as f:
@@ -72,7 +72,7 @@ def gpu_bus_ids(proc_root: str = "/proc/driver/nvidia/gpus") -> Dict[int, str]:
     return out
 
 
-def gpu_numa_node(bus_id: str, pci_root: str = "/sys/bus/pci/devices") -> Optional[int]:
+def gpu_numa_node(bus_id: str, pci_root: str = "/sys/bus/pci/devices") -> int | None:
     """NUMA node of a PCI device; None when unknown (sysfs says -1 on single-node machines)."""
     try:
         with open(os.path.join(pci_root, bus_id, "numa_node")) as f:
@@ -82,12 +82,12 @@ def gpu_numa_node(bus_id: str, pci_root: str = "/sys/bus/pci/devices") -> Option
     return node if node >= 0 else None
 
 
-def _indices(text: Optional[str]) -> List[int]:
+def _indices(text: str | None) -> list[int]:
     entries = [x.strip() for x in (text or "").split(",") if x.strip()]
     return [int(x) for x in entries] if entries and all(x.isdigit() for x in entries) else []
 
 
-def visible_gpu(local_rank: int, cuda_visible: Optional[str], step_gpus: Optional[str] = None) -> int:
+def visible_gpu(local_rank: int, cuda_visible: str | None, step_gpus: str | None = None) -> int:
     """Physical GPU index (device minor) of a local rank: the local_rank-th entry of CUDA_VISIBLE_DEVICES.
     step_gpus: Slurm's SLURM_STEP_GPUS, the step's physical GPUs on this node. Under cgroup device
     confinement CUDA_VISIBLE_DEVICES is renumbered from 0 inside the cgroup (every task of
@@ -113,12 +113,12 @@ def choose_node(
     device: str,
     local_rank: int,
     local_world: int,
-    cuda_visible: Optional[str] = None,
+    cuda_visible: str | None = None,
     sysfs_nodes: str = "/sys/devices/system/node",
     pci_root: str = "/sys/bus/pci/devices",
     proc_root: str = "/proc/driver/nvidia/gpus",
-    step_gpus: Optional[str] = None,
-) -> Optional[int]:
+    step_gpus: str | None = None,
+) -> int | None:
     """The NUMA node this local rank binds to, or None for no binding (step_gpus: see visible_gpu)."""
     if numa == "off":
         return None
@@ -141,7 +141,7 @@ def choose_node(
     return spread_node(local_rank, local_world, nodes)
 
 
-def numactl_prefix(node: Optional[int]) -> List[str]:
+def numactl_prefix(node: int | None) -> list[str]:
     """`numactl --cpunodebind=N --membind=N`, or [] for no binding."""
     if node is None:
         return []

@@ -11,12 +11,13 @@ checks and matmul with the collectives over every rank. Pure Python, from events
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def requeue_passed(
-    events: Sequence[Dict[str, Any]], attempt: int, nodes: Sequence[str], window_s: float, now: float
-) -> List[str]:
+    events: Sequence[dict[str, Any]], attempt: int, nodes: Sequence[str], window_s: float, now: float
+) -> list[str]:
     """Nodes of `nodes` whose last preflight check passed at most window_s before `now`, when the previous attempt
     ended in a requeue after a stop with a checkpoint (`requeued` cause stopped_early) and no `failed` event named
     the node since that check. A node an attempt reused (its `started` event's preflight_passed) was not checked
@@ -27,7 +28,7 @@ def requeue_passed(
     if not ends or ends[-1].get("cause") != "stopped_early":
         return []
     reused = {ev.get("attempt"): set(ev.get("preflight_passed") or []) for ev in events if ev.get("event") == "started"}
-    checked: Dict[str, float] = {}
+    checked: dict[str, float] = {}
     for ev in events:
         if ev.get("event") == "preflight":
             bad = set(ev.get("bad_nodes") or [])

@@ -3,8 +3,6 @@ those that left the queue). Pure Python; the commands run through training/contr
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
-
 from training.contract.slurm_env import SlurmUnavailable, slurm_command
 
 FINAL_STATES = {
@@ -20,7 +18,7 @@ FINAL_STATES = {
 }
 
 
-def job_alive(job_id: str) -> Optional[bool]:
+def job_alive(job_id: str) -> bool | None:
     """Whether Slurm still holds the job (pending, running, requeued, completing): True/False, or None
     when Slurm cannot answer (the run lock then counts the job as alive, training/contract/rundir/lock.py)."""
     try:
@@ -33,7 +31,7 @@ def job_alive(job_id: str) -> Optional[bool]:
     return any(s not in FINAL_STATES for s in states)
 
 
-def _run(cmd: List[str]) -> str:
+def _run(cmd: list[str]) -> str:
     """A Slurm query's output; "" when Slurm cannot answer (the run's state then comes from its events)."""
     try:
         return slurm_command(cmd).stdout
@@ -45,11 +43,11 @@ SLURM_QUERIES = [0]
 """squeue/sacct calls made by slurm_states so far (a sweep's status makes at most two, whatever its size)."""
 
 
-def slurm_states(job_ids: List[str]) -> Dict[str, str]:
+def slurm_states(job_ids: list[str]) -> dict[str, str]:
     """Job id -> PENDING, RUNNING, ... for many jobs at once: one squeue call for all of them, then one sacct
     call for those that have left the queue. Jobs Slurm does not know (yet) are left out."""
     jobs = sorted(set(job_ids))
-    out: Dict[str, str] = {}
+    out: dict[str, str] = {}
     if not jobs:
         return out
     SLURM_QUERIES[0] += 1
@@ -68,12 +66,12 @@ def slurm_states(job_ids: List[str]) -> Dict[str, str]:
     return out
 
 
-def slurm_state(job_id: str) -> Optional[str]:
+def slurm_state(job_id: str) -> str | None:
     """PENDING, RUNNING, ... from squeue, or from sacct once the job has left the queue."""
     return slurm_states([job_id]).get(job_id)
 
 
-def slurm_end_reason(job_id: str) -> Optional[str]:
+def slurm_end_reason(job_id: str) -> str | None:
     """How Slurm's accounting says a job ended, in words, for a run whose job ended without meshrun recording an
     end (no `completed`, `stopped` or `cancelled`: the whole job cancelled with scancel, its batch script killed,
     its node failed, its time limit reached): the job's state (with who cancelled it), exit code and reason, and

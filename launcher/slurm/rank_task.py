@@ -20,18 +20,17 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
 
 from launcher.launch.processes import engine_env, rank_process_env, start_pump, threads_per_rank
 from launcher.slurm import in_job, warm_client
 from launcher.slurm.numa import choose_node, numactl_prefix
 from training.contract.config import load_config
-from training.contract.rundir.events import append_event
 from training.contract.exit_codes import EXIT_OK, EXIT_STOPPED
-from training.observe.startup import TASK_START_ENV, process_start_time
-from training.contract.slurm_env import torch_env_from_slurm
+from training.contract.rundir.events import append_event
 from training.contract.rundir.files import write_atomic
+from training.contract.slurm_env import torch_env_from_slurm
 from training.contract.warm_start import WARM_ENV, WRAPPER_PID_ENV
+from training.observe.startup import TASK_START_ENV, process_start_time
 
 
 class RankFailed(RuntimeError):
@@ -95,7 +94,7 @@ class _Forwarder:
         self.thread = None
         self.clock = None
         self.relay = False  # a warm rank (launcher/slurm/warm_client.py): only this wrapper delivers srun's signals
-        self.relayed: Dict[int, threading.Thread] = {}
+        self.relayed: dict[int, threading.Thread] = {}
 
     def attach(self, pid: int) -> None:
         self.pid = pid
@@ -165,7 +164,7 @@ written a record before it concludes that a peer is gone (docs/PERFORMANCE.md: t
 _ENDED_OK = (EXIT_OK, EXIT_STOPPED, -int(signal.SIGTERM))
 
 
-def peers_gone(adir: str, world: int) -> List[int]:
+def peers_gone(adir: str, world: int) -> list[int]:
     """Ranks of this step that never wrote a record (their node or wrapper is gone) or whose final record
     says they failed."""
     gone = []
@@ -187,9 +186,9 @@ class _StepEnder:
 
     def __init__(self, adir: str, world: int, pid: int) -> None:
         self.adir, self.world, self.pid = adir, world, pid
-        self.gone: List[int] = []
+        self.gone: list[int] = []
         self.done = threading.Event()  # set once the rank has exited (its pid may be reused)
-        self.thread: Optional[threading.Thread] = None
+        self.thread: threading.Thread | None = None
 
     def on_sigterm(self) -> None:
         if self.thread is None:
@@ -239,7 +238,7 @@ class RankTask:
         # torch is not fatal, and the forwarded copy reaches the engine once its handler is installed.
         forwarder = _Forwarder()
         provisional: dict = {}  # filled once this rank's record path is known
-        ender: "_StepEnder | None" = None  # with in-job restarts (set once the child runs)
+        ender: _StepEnder | None = None  # with in-job restarts (set once the child runs)
 
         def on_signal(signum, frame) -> None:
             forwarder.on_signal(signum, frame)
@@ -271,7 +270,7 @@ class RankTask:
         rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
         attempt = int(env.get("MESHRUN_ATTEMPT", "0"))
         node = env.get("SLURMD_NODENAME") or socket.gethostname()
-        prefix: List[str] = []
+        prefix: list[str] = []
         numa_node = choose_node(
             cfg.cluster.numa,
             cfg.cluster.numa_map,
@@ -336,7 +335,7 @@ class RankTask:
             timer = threading.Timer(max(0.0, stop_at - time.time()), self._clock_stop, (forwarder, rank, stop_at))
             timer.daemon = True
             timer.start()
-        tail: List[bytes] = []  # the child's last output: its exception line goes into the rank's record
+        tail: list[bytes] = []  # the child's last output: its exception line goes into the rank's record
         pump = start_pump(child.stderr, [sys.stderr.buffer], tail)
         code = child.wait()
         forwarder.done.set()
@@ -384,7 +383,7 @@ class RankTask:
             return code
         raise RankFailed(f"rank {rank} on {node} exited with {code}: {record['error']}")
 
-    def _start_warm(self, env: dict, rank: int, node: str, numa_node: Optional[int], profile: List[str]):
+    def _start_warm(self, env: dict, rank: int, node: str, numa_node: int | None, profile: list[str]):
         """The rank forked by this node's warm agent, or None (start it cold): no agents in this job, a rank
         profiled under nsys (it must run under nsys's command), or the agent cannot (the reason is logged and
         recorded as `warm_start_missed`)."""
@@ -396,7 +395,7 @@ class RankTask:
             append_event(self.run_dir, "warm_start_missed", rank=rank, node=node, reason=why)
         return child
 
-    def _clock_stop(self, forwarder: "_Forwarder", rank: int, stop_at: float) -> None:
+    def _clock_stop(self, forwarder: _Forwarder, rank: int, stop_at: float) -> None:
         if rank == 0:
             append_event(
                 self.run_dir,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
 
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK, EXIT_STOPPED
 
@@ -23,7 +23,7 @@ class Failure:
     """Global rank."""
     node: str
     """Node it ran on."""
-    exit_code: Optional[int]
+    exit_code: int | None
     """Its exit code (negative: killed by that signal); None when it never reported (node lost)."""
     reason: str
     """What the rank printed last, or why it is counted as failed."""
@@ -37,13 +37,13 @@ class Decision:
     """completed | requeue (same job again) | resubmit (new job, nodes excluded) | stop."""
     reason: str = ""
     """Why, in words (goes to events.jsonl)."""
-    failures: List[Failure] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
     """The ranks blamed for a failure (the first to fail, or every rank that reported a bad node)."""
-    exclude: List[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
     """Nodes excluded from the next job (old exclusions included)."""
     note: str = ""
     """A remark for events.jsonl (e.g. a node that could not be excluded)."""
-    consequences: List[int] = field(default_factory=list)
+    consequences: list[int] = field(default_factory=list)
     """The other ranks that failed in the attempt (a peer's collective error, srun's SIGTERM): what the failure
     caused, not its cause; listed in the `failed` event."""
     cause: str = ""
@@ -59,13 +59,13 @@ _HARDWARE = re.compile(
 )
 
 
-def _terminated_by_srun(rec: Dict) -> bool:
+def _terminated_by_srun(rec: dict) -> bool:
     """Ended by SIGTERM: what srun (--kill-on-bad-exit) sends every other task once one has ended. A SIGKILL
     stays evidence (the OOM killer, an operator), as does any other signal."""
     return rec.get("exit_code") == -int(signal.SIGTERM)
 
 
-def _implicates_node(rec: Dict) -> bool:
+def _implicates_node(rec: dict) -> bool:
     """Whether a failed rank's end is evidence against its node: killed by a signal, preflight found the node
     bad, an error naming hardware, or an exit code Python itself never gives. A plain Python exception
     (exit 1: a bug, a configuration problem, a failed save) says nothing about the node it ran on."""
@@ -81,9 +81,9 @@ def _implicates_node(rec: Dict) -> bool:
 
 
 def decide(
-    records: Sequence[Dict],
+    records: Sequence[dict],
     world_size: int,
-    rank_nodes: Dict[int, str],
+    rank_nodes: dict[int, str],
     progressed: bool,
     retries_used: int,
     max_retries: int,
@@ -118,9 +118,9 @@ def decide(
 
 
 def _decide(
-    records: Sequence[Dict],
+    records: Sequence[dict],
     world_size: int,
-    rank_nodes: Dict[int, str],
+    rank_nodes: dict[int, str],
     progressed: bool,
     retries_used: int,
     max_retries: int,
@@ -225,7 +225,7 @@ def _decide(
     return Decision("resubmit", reason, failures, exclude, note, cause="failure")
 
 
-def blamed_failures(failures: Sequence[Failure], by_rank: Dict[int, Dict]) -> List[Failure]:
+def blamed_failures(failures: Sequence[Failure], by_rank: dict[int, dict]) -> list[Failure]:
     """The failures that are evidence against their node (a node lost, a signal, a bad node, hardware errors);
     by_rank: rank -> its rank_<R>.json record."""
     return [
@@ -265,7 +265,7 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _failure(rec: Dict) -> Failure:
+def _failure(rec: dict) -> Failure:
     """The failure a rank record tells: a signal death says which signal first (what its log printed last is
     not why it died), anything else the rank's error, never empty."""
     code = rec.get("exit_code")
@@ -288,7 +288,7 @@ _CONSEQUENCE = re.compile(
 )
 
 
-def root_cause(failed: Sequence[Dict]) -> Dict:
+def root_cause(failed: Sequence[dict]) -> dict:
     """Of the ranks that failed in an attempt, the one that caused it: the first to die by a signal other than
     srun's SIGTERM (SIGKILL, the OOM killer, SIGSEGV), warm-started ranks included; else the first whose error is
     not a collective's consequence (a peer's gloo "Connection closed by peer", an NCCL watchdog timeout); else

@@ -19,8 +19,9 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from launcher.launch.processes import PROJECT_ROOT, engine_env
 from launcher.slurm import in_job, warm_client
@@ -143,7 +144,7 @@ class SlurmConfigError(ValueError):
     """A cluster setting that cannot be turned into a safe sbatch script."""
 
 
-def validate_for_slurm(cfg: Config) -> List[str]:
+def validate_for_slurm(cfg: Config) -> list[str]:
     """Every problem at once, each with its fix; empty when the job can be written safely."""
     c = cfg.cluster
     errors = []
@@ -219,7 +220,7 @@ def validate_for_slurm(cfg: Config) -> List[str]:
 _SLURM_PATH_BAD = re.compile(r"[\s%]")
 
 
-def run_dir_errors(run_dir: str) -> List[str]:
+def run_dir_errors(run_dir: str) -> list[str]:
     """A run (or sweep point) directory that cannot be written into an sbatch script safely."""
     from training.contract.rundir.config_files import path_problem
 
@@ -234,7 +235,7 @@ def run_dir_errors(run_dir: str) -> List[str]:
     return []
 
 
-def _resource_errors(c: ClusterConfig) -> List[str]:
+def _resource_errors(c: ClusterConfig) -> list[str]:
     """cpus_per_task, mem and the container: what a real cluster's job asks for beyond nodes and time."""
     errors = []
     if c.cpus_per_task < 0:
@@ -280,7 +281,7 @@ def cpus_per_task(c: ClusterConfig, node_cpus: int = 0) -> int:
     )
 
 
-def container_args(c: ClusterConfig) -> List[str]:
+def container_args(c: ClusterConfig) -> list[str]:
     """pyxis's srun options (submitit quotes every srun argument); none without an image."""
     if not c.container.image:
         return []
@@ -294,7 +295,7 @@ def python_cmd() -> str:
     return shlex.quote(sys.executable)
 
 
-def run_dir_lines(run_dirs: Sequence[str]) -> List[str]:
+def run_dir_lines(run_dirs: Sequence[str]) -> list[str]:
     """Set MESHRUN_RUN_DIR: the run's directory, or in a job array (a sweep) the one of this array task."""
     if len(run_dirs) == 1:
         return [f"export MESHRUN_RUN_DIR={shlex.quote(run_dirs[0])}"]
@@ -304,7 +305,7 @@ def run_dir_lines(run_dirs: Sequence[str]) -> List[str]:
     ]
 
 
-def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> List[str]:
+def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> list[str]:
     """Batch-script lines before srun: exports (quoted), then the prologue that sets attempt and rendezvous.
     code_root (default: the code this process runs) goes first on PYTHONPATH: the submission's snapshot
     (launcher/slurm/snapshot.py), so every attempt runs the code as it was at submission. Secret env values
@@ -330,7 +331,7 @@ def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> Li
     return lines
 
 
-def early_epilogue_lines() -> List[str]:
+def early_epilogue_lines() -> list[str]:
     """The epilogue started before srun, as a coprocess that waits for srun's exit status on its standard
     input (teardown_lines hands it over): its Python start and imports are then not on the way from a
     preemption signal to the requeue (docs/PERFORMANCE.md, *Preemption path*). Started after the
@@ -357,7 +358,7 @@ def prologue_line() -> str:
     )
 
 
-def teardown_lines(cfg: Optional[Config] = None) -> List[str]:
+def teardown_lines(cfg: Config | None = None) -> list[str]:
     """After srun: the epilogue decides between completed, requeue, resubmit and stop (and, with in-job
     restarts, a new step in this allocation: launcher/slurm/in_job.py)."""
     if cfg is not None and in_job.enabled(cfg.cluster):
@@ -381,7 +382,7 @@ def teardown_lines(cfg: Optional[Config] = None) -> List[str]:
     ]
 
 
-def srun_args(cfg: Config, kill_on_bad_exit: bool = True) -> List[str]:
+def srun_args(cfg: Config, kill_on_bad_exit: bool = True) -> list[str]:
     # One dead rank ends the step at once instead of leaving the others hanging in a collective.
     return (["--kill-on-bad-exit=1"] if kill_on_bad_exit else []) + container_args(cfg.cluster)
 
@@ -392,7 +393,7 @@ class SlurmJobSpec:
 
     folder: str
     """submitit's folder (pickles, per-task logs): run_dir/submitit, or the sweep's for a job array."""
-    parameters: Dict[str, Any] = field(default_factory=dict)
+    parameters: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of SlurmExecutor.update_parameters."""
     python: str = ""
     """How srun starts each task's Python (SlurmExecutor's `python`): USR2/TERM ignored until the
@@ -412,7 +413,7 @@ def with_cpus_per_task(cfg: Config, node_cpus: int) -> Config:
     return out
 
 
-def _resources(cfg: Config, exclude: str) -> Dict[str, Any]:
+def _resources(cfg: Config, exclude: str) -> dict[str, Any]:
     """The submitit parameters of the allocation itself, shared by the training and the preflight job."""
     errors = validate_for_slurm(cfg)
     if errors:
@@ -421,7 +422,7 @@ def _resources(cfg: Config, exclude: str) -> Dict[str, Any]:
     exclude = exclude if exclude else c.exclude
     if exclude and not _SBATCH_VALUE.fullmatch(exclude):
         raise SlurmConfigError(f"exclude list {exclude!r} is not a plain hostlist")
-    params: Dict[str, Any] = {
+    params: dict[str, Any] = {
         "nodes": in_job.allocation_nodes(c),  # cluster.spare_nodes wait idle beside the training nodes
         "ntasks_per_node": c.gpus_per_node,
         "cpus_per_task": cpus_per_task(c),
@@ -463,7 +464,7 @@ def job_spec(cfg: Config, run_dir: str, exclude: str = "", code_root: str = "") 
     return SlurmJobSpec(folder=os.path.join(run_dir, "submitit"), parameters=params, python=task_python())
 
 
-def _no_kill(cfg: Config) -> Dict[str, Any]:
+def _no_kill(cfg: Config) -> dict[str, Any]:
     """--no-kill with in-job restarts: a failing node does not end the allocation, whose other nodes then run
     the next step (launcher/slurm/in_job.py)."""
     return {"no-kill": True} if in_job.enabled(cfg.cluster) else {}

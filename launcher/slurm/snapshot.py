@@ -17,7 +17,7 @@ import os
 import shutil
 import subprocess
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from launcher.launch.processes import PROJECT_ROOT
 from training.contract.rundir.files import replace_dir
@@ -32,13 +32,13 @@ def code_dir(base: str) -> str:
     return os.path.join(base, CODE_DIR)
 
 
-def _conf_source() -> Optional[str]:
+def _conf_source() -> str | None:
     spec = importlib.util.find_spec(CONF_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec else []
     return locations[0] if locations else None
 
 
-def _git(args: List[str]) -> Optional[str]:
+def _git(args: list[str]) -> str | None:
     try:
         res = subprocess.run(["git", "-C", PROJECT_ROOT, *args], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
@@ -46,7 +46,7 @@ def _git(args: List[str]) -> Optional[str]:
     return res.stdout.strip() if res.returncode == 0 else None
 
 
-def git_info() -> Dict[str, Any]:
+def git_info() -> dict[str, Any]:
     """{"commit": sha, "dirty": bool} when the packages come from a git checkout, else {}."""
     commit = _git(["rev-parse", "HEAD"])
     if not commit:
@@ -67,7 +67,7 @@ def _compile(tmp: str, target: str) -> None:
     compileall.compile_dir(tmp, ddir=target, quiet=2, workers=1)
 
 
-def take_snapshot(base: str) -> Dict[str, Any]:
+def take_snapshot(base: str) -> dict[str, Any]:
     """Copy the packages into base/code (replacing an older snapshot: the run lock guarantees that no job of
     this run is alive) and return what snapshot.json records."""
     target = code_dir(base)

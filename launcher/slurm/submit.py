@@ -22,8 +22,11 @@ import os
 import shlex
 import sys
 import time
-from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
+from launcher.slurm import in_job
+from launcher.slurm.rank_task import RankTask
 from launcher.slurm.sbatch import (
     SlurmConfigError,
     SlurmJobSpec,
@@ -34,16 +37,14 @@ from launcher.slurm.sbatch import (
     job_spec,
     with_cpus_per_task,
 )
-from launcher.slurm import in_job
-from launcher.slurm.rank_task import RankTask
-from training.contract.rundir.config_files import write_config
 from launcher.slurm.snapshot import code_dir, take_snapshot
 from launcher.sweep.point import update_point
 from training.contract.config import Config, load_config
-from training.contract.rundir.events import append_event
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_SLURM
-from training.contract.rundir.resume_request import write_request
+from training.contract.rundir.config_files import write_config
+from training.contract.rundir.events import append_event
 from training.contract.rundir.lock import RunLocked, acquire, held
+from training.contract.rundir.resume_request import write_request
 from training.contract.slurm_env import SlurmUnavailable, slurm_command
 
 
@@ -58,12 +59,12 @@ def check_controller() -> None:
         )
 
 
-def partition_node_cpus(partition: str) -> Dict[str, int]:
+def partition_node_cpus(partition: str) -> dict[str, int]:
     """Node name -> CPUs of every node of a partition; {} when the partition does not exist."""
     res = slurm_command(["sinfo", "-h", "-N", "-p", partition, "-o", "%N %c"])
     if res.returncode != 0:
         return {}
-    out: Dict[str, int] = {}
+    out: dict[str, int] = {}
     for line in res.stdout.splitlines():
         name, _, cpus = line.strip().partition(" ")
         if name:
@@ -71,12 +72,12 @@ def partition_node_cpus(partition: str) -> Dict[str, int]:
     return out
 
 
-def partition_nodes(partition: str) -> List[str]:
+def partition_nodes(partition: str) -> list[str]:
     """Node names of a partition; [] when the partition does not exist."""
     return sorted(partition_node_cpus(partition))
 
 
-def check_partition(cfg: Config) -> Dict[str, int]:
+def check_partition(cfg: Config) -> dict[str, int]:
     """The partition's nodes the job may use (node -> CPUs); SlurmConfigError when it has too few."""
     nodes = partition_node_cpus(cfg.cluster.partition)
     if not nodes:
@@ -129,13 +130,13 @@ def _with_sbatch_timeout() -> None:
     submission command is therefore set on that class, as `timeout` around sbatch (coreutils)."""
     from submitit.slurm.slurm import SlurmExecutor
 
-    def command(self, submission_file_path) -> List[str]:
+    def command(self, submission_file_path) -> list[str]:
         return ["timeout", "--kill-after=5", str(SBATCH_TIMEOUT_S), "sbatch", str(submission_file_path)]
 
     SlurmExecutor._make_submission_command = command
 
 
-def _submit_spec(spec: SlurmJobSpec, run_dirs: List[str]) -> List[str]:
+def _submit_spec(spec: SlurmJobSpec, run_dirs: list[str]) -> list[str]:
     """One sbatch for spec: a plain job for one run dir, a job array for several; the job ids."""
     import submitit
 
@@ -162,7 +163,7 @@ def submit_job(cfg: Config, run_dir: str, exclude: str = "") -> str:
 
 
 def _record_submission(
-    cfg: Config, run_dir: str, job_id: str, log_dir: str, code: Optional[Dict[str, Any]] = None
+    cfg: Config, run_dir: str, job_id: str, log_dir: str, code: dict[str, Any] | None = None
 ) -> None:
     excluded = [n for n in cfg.cluster.exclude.split(",") if n]
     snap = {k: code[k] for k in ("path", "commit", "dirty") if code and k in code}
@@ -185,19 +186,19 @@ def _record_submission(
     print(f"  follow: meshrun action=status run.dir={run_dir}")
 
 
-def submit_arrays(run_dirs: Sequence[str], folder: str) -> Dict[str, Dict[str, Any]]:
+def submit_arrays(run_dirs: Sequence[str], folder: str) -> dict[str, dict[str, Any]]:
     """Submit queued sweep points (each run dir holds its config.json) as one sbatch per group of
     identical jobs: a job array, or a plain job for a group of one; folder is submitit's folder for the
     arrays (the sweep directory's submitit/). Points with dry_run=true get their group's batch script
     printed instead. Returns run dir -> the fields its result gains (status and job_id, or the refusal;
     with wait=true, after every submitted point has ended, its final status) and records them in the
     point's point.json."""
-    groups: Dict[Tuple[bool, str], List[Tuple[Config, str]]] = {}
+    groups: dict[tuple[bool, str], list[tuple[Config, str]]] = {}
     for run_dir in run_dirs:
         cfg = load_config(os.path.join(run_dir, "config.json"))
         groups.setdefault((cfg.dry_run, array_group_key(cfg)), []).append((cfg, run_dir))
-    updates: Dict[str, Dict[str, Any]] = {}
-    waiting: List[str] = []
+    updates: dict[str, dict[str, Any]] = {}
+    waiting: list[str] = []
     for (dry, _), group in groups.items():
         if not dry:
             group = _lock_points(group, updates)
@@ -242,7 +243,7 @@ def submit_arrays(run_dirs: Sequence[str], folder: str) -> Dict[str, Dict[str, A
     return updates
 
 
-def follow_or_detach(run_dir: str, job_id: str, poll_s: float = 1.0) -> Dict[str, Any]:
+def follow_or_detach(run_dir: str, job_id: str, poll_s: float = 1.0) -> dict[str, Any]:
     """follow(run_dir) until the run ends, or until Ctrl-C: then stop_following (the job keeps running)."""
     try:
         return follow(run_dir, poll_s=poll_s)
@@ -263,7 +264,7 @@ def stop_following(what: str, run_dir: str) -> NoReturn:
     raise SystemExit(EXIT_INTERRUPTED)
 
 
-def _lock_points(group: List[Tuple[Config, str]], updates: Dict[str, Dict[str, Any]]) -> List[Tuple[Config, str]]:
+def _lock_points(group: list[tuple[Config, str]], updates: dict[str, dict[str, Any]]) -> list[tuple[Config, str]]:
     """The queued points whose run directory this process could lock; the others become invalid."""
     from launcher.slurm.queries import job_alive
 
@@ -287,8 +288,8 @@ def _release(run_dir: str) -> None:
 
 
 def submit(
-    cfg: Config, run_dir: str, plan_result: Dict[str, Any], multirun: bool = False, queue: bool = False
-) -> Dict[str, Any]:
+    cfg: Config, run_dir: str, plan_result: dict[str, Any], multirun: bool = False, queue: bool = False
+) -> dict[str, Any]:
     """The app's Slurm launcher (action=train, cluster.kind=slurm). queue=True (a sweep point of
     meshrun's launcher): check, then return status "queued"; the launcher submits the batch's queued
     points with submit_arrays (a dry run too: it prints the arrays' scripts)."""
@@ -320,18 +321,18 @@ def submit(
     return result
 
 
-def _refuse(message: str, multirun: bool, code: int) -> Dict[str, Any]:
+def _refuse(message: str, multirun: bool, code: int) -> dict[str, Any]:
     print(f"error: {message}\nnothing was submitted.", file=sys.stderr)
     if multirun:
         return {"status": "invalid", "errors": [f"error: {message}"]}
     raise SystemExit(code)
 
 
-def _settled(run_dir: str, status: Dict[str, Any], poll_s: float) -> Optional[Dict[str, Any]]:
+def _settled(run_dir: str, status: dict[str, Any], poll_s: float) -> dict[str, Any] | None:
     """The final status when the run has ended for good, else None. A FAILED job may still be followed
     by a resubmission its epilogue is writing: a final state counts only when a second look agrees."""
-    from launcher.slurm.queries import FINAL_STATES
     from launcher.manage.status import run_status
+    from launcher.slurm.queries import FINAL_STATES
 
     if status["state"] not in FINAL_STATES:
         return None
@@ -340,13 +341,13 @@ def _settled(run_dir: str, status: Dict[str, Any], poll_s: float) -> Optional[Di
     return again if again["job_id"] == status["job_id"] and again["state"] in FINAL_STATES else None
 
 
-def wait_all(run_dirs: List[str], poll_s: float = 2.0) -> Dict[str, Dict[str, Any]]:
+def wait_all(run_dirs: list[str], poll_s: float = 2.0) -> dict[str, dict[str, Any]]:
     """A sweep with wait=true: until every run has ended (requeues and resubmissions included); prints
     each run's end as it comes and returns run dir -> final status."""
     from launcher.manage.status import run_status
 
     print(f"waiting for {len(run_dirs)} sweep point(s) to end (wait=true)", flush=True)
-    finals: Dict[str, Dict[str, Any]] = {}
+    finals: dict[str, dict[str, Any]] = {}
     while len(finals) < len(run_dirs):
         for run_dir in run_dirs:
             if run_dir in finals:
@@ -362,12 +363,12 @@ def wait_all(run_dirs: List[str], poll_s: float = 2.0) -> Dict[str, Dict[str, An
     return finals
 
 
-def follow(run_dir: str, poll_s: float = 1.0, timeout_s: Optional[float] = None) -> Dict[str, Any]:
+def follow(run_dir: str, poll_s: float = 1.0, timeout_s: float | None = None) -> dict[str, Any]:
     """Stream rank 0's output (<log dir>/<job>_0_log.out of every job of the run) until the run
     is COMPLETED or FAILED/CANCELLED without a follow-up job; returns the final status."""
     from launcher.manage.status import job_log_dir, run_status
 
-    offsets: Dict[str, int] = {}
+    offsets: dict[str, int] = {}
     start = time.time()
     while True:
         status = run_status(run_dir)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shlex
 import socket
-from typing import IO, List, Optional, Tuple, cast
+from typing import IO, cast
 
 from launcher.launch.warm import WarmChild, fork_rank
 from training.contract.config import Config
@@ -43,7 +43,7 @@ PAD_BYTES = 65536
 """Spaces the batch script gives each Slurm agent's environment (a rank's env is its task's: some kB of SLURM_*)."""
 
 
-def batch_lines(cfg: Config, python: str) -> List[str]:
+def batch_lines(cfg: Config, python: str) -> list[str]:
     """The batch script's lines that start the agents (before the prologue, and before the loop over attempts with
     in-job restarts): one task per node in a step of its own, --overlap so it takes none of the training steps'
     CPUs, memory or GPUs, --no-kill and --kill-on-bad-exit=0 so a lost node's agent ends nothing else. USR2 ignored
@@ -68,7 +68,7 @@ def batch_lines(cfg: Config, python: str) -> List[str]:
     ]
 
 
-def start(env: dict, run_dir: str, numa_node: Optional[int]) -> Tuple[Optional[WarmChild], str]:
+def start(env: dict, run_dir: str, numa_node: int | None) -> tuple[WarmChild | None, str]:
     """Ask this node's agent to fork the rank; (None, why) when it cannot (the caller starts it cold)."""
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
     read_end, write_end = os.pipe()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List
+from typing import Any
 
 from training.contract.rundir.files import write_atomic
 
@@ -28,13 +28,13 @@ def point_path(run_dir: str) -> str:
     return os.path.join(run_dir, POINT_FILE)
 
 
-def write_point(run_dir: str, record: Dict[str, Any]) -> None:
+def write_point(run_dir: str, record: dict[str, Any]) -> None:
     """Replace the point's record (written whole, then renamed: a reader never sees half a file)."""
     os.makedirs(run_dir, exist_ok=True)
     write_atomic(point_path(run_dir), json.dumps(record, indent=2, default=str))
 
 
-def read_point(run_dir: str) -> Dict[str, Any]:
+def read_point(run_dir: str) -> dict[str, Any]:
     with open(point_path(run_dir)) as f:
         return json.load(f)
 
@@ -49,7 +49,7 @@ def update_point(run_dir: str, **fields: Any) -> None:
     write_point(run_dir, record)
 
 
-def read_points(sweep_dir: str, sweep_id: str) -> List[Dict[str, Any]]:
+def read_points(sweep_dir: str, sweep_id: str) -> list[dict[str, Any]]:
     """Every record under sweep_dir written by sweep sweep_id, by point number.
 
     The points' directories are wherever hydra.sweep.subdir put them, so the tree is searched; a

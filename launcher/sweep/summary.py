@@ -17,7 +17,7 @@ import os
 import sys
 import textwrap
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
@@ -35,7 +35,7 @@ WIDTH = 120
 FEASIBLE = ("ok", "submitted", "dry_run", "completed")
 
 
-def _reason(record: Dict[str, Any]) -> str:
+def _reason(record: dict[str, Any]) -> str:
     errors = record.get("errors") or []
     if errors:
         first = errors[0].splitlines()[0]
@@ -43,13 +43,13 @@ def _reason(record: Dict[str, Any]) -> str:
     return str(record.get("reason", record.get("status", "?")))
 
 
-def layout_label(plan: Dict[str, Any], sp: bool) -> str:
+def layout_label(plan: dict[str, Any], sp: bool) -> str:
     """The layout in a column's width: tp2·pp2·dp2 vpp1 sp (cp only when > 1)."""
     lay = Layout(tp=plan["tp"], pp=plan["pp"], cp=plan.get("cp", 1), dp=plan["dp"], vpp=plan["vpp"], sp=sp)
     return format_layout(lay, "column")
 
 
-def point_record(config: DictConfig, job_return: JobReturn, sweep_id: str) -> Dict[str, Any]:
+def point_record(config: DictConfig, job_return: JobReturn, sweep_id: str) -> dict[str, Any]:
     """What point.json holds for one finished job: its identity and its result without the plan
     (plan.json has it; a rejected plan leaves only its memory total)."""
     if job_return.status == JobStatus.COMPLETED:
@@ -58,7 +58,7 @@ def point_record(config: DictConfig, job_return: JobReturn, sweep_id: str) -> Di
             result = {"status": "ok" if result is None else str(result)}
     else:  # the exception itself; return_value would raise it
         result = {"status": "failed", "reason": repr(job_return._return_value)}
-    record: Dict[str, Any] = {
+    record: dict[str, Any] = {
         "sweep_id": sweep_id,
         "num": OmegaConf.select(config, "hydra.job.num"),
         "overrides": list(job_return.overrides or []),
@@ -74,7 +74,7 @@ def point_record(config: DictConfig, job_return: JobReturn, sweep_id: str) -> Di
     return record
 
 
-def _read_plan(run_dir: str) -> Optional[Dict[str, Any]]:
+def _read_plan(run_dir: str) -> dict[str, Any] | None:
     try:
         with open(os.path.join(run_dir, "plan.json")) as f:
             return json.load(f)
@@ -82,11 +82,11 @@ def _read_plan(run_dir: str) -> Optional[Dict[str, Any]]:
         return None
 
 
-def summarize(points: List[Dict[str, Any]]) -> Dict[str, Any]:
+def summarize(points: list[dict[str, Any]]) -> dict[str, Any]:
     """Split point records into feasible (ranked: predicted step time, then most headroom) and infeasible."""
     feasible, infeasible = [], []
     for pt in points:
-        row: Dict[str, Any] = {
+        row: dict[str, Any] = {
             "num": pt.get("num"),
             "overrides": pt.get("overrides", []),
             "status": pt.get("status", "?"),
@@ -120,7 +120,7 @@ def summarize(points: List[Dict[str, Any]]) -> Dict[str, Any]:
     return {"feasible": feasible, "infeasible": infeasible}
 
 
-def common_overrides(points: List[Dict[str, Any]]) -> List[str]:
+def common_overrides(points: list[dict[str, Any]]) -> list[str]:
     """Overrides every point has, in the first point's order (shown once above the table)."""
     if not points:
         return []
@@ -140,7 +140,7 @@ def _fit(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
 
 
-def short_keys(points: List[Dict[str, Any]], common: List[str]) -> Dict[str, str]:
+def short_keys(points: list[dict[str, Any]], common: list[str]) -> dict[str, str]:
     """Override key -> its last dotted part (parallel.micro_batch -> micro_batch) where no other swept
     key ends the same way, so a row's own overrides stay readable in the table's width."""
     keys = {o.split("=", 1)[0] for p in points for o in p.get("overrides", []) if o not in common}
@@ -148,7 +148,7 @@ def short_keys(points: List[Dict[str, Any]], common: List[str]) -> Dict[str, str
     return {k: k.rsplit(".", 1)[-1] if last.count(k.rsplit(".", 1)[-1]) == 1 else k for k in keys}
 
 
-def format_summary(summary: Dict[str, Any], common: List[str], short: Optional[Dict[str, str]] = None) -> str:
+def format_summary(summary: dict[str, Any], common: list[str], short: dict[str, str] | None = None) -> str:
     """The table, every line at most WIDTH columns: the common overrides once, then one row per feasible
     point (rank, number, layout, predicted step time, tokens/s per GPU and MFU, memory and headroom per GPU,
     bubble, the point's
@@ -156,7 +156,7 @@ def format_summary(summary: Dict[str, Any], common: List[str], short: Optional[D
     feasible, infeasible = summary["feasible"], summary["infeasible"]
     common_set, short = set(common), short or {}
 
-    def own(r: Dict[str, Any]) -> str:
+    def own(r: dict[str, Any]) -> str:
         mine = [o.split("=", 1) for o in r["overrides"] if o not in common_set]
         return " ".join(f"{short.get(k, k)}={v}" for k, v in mine) or "-"
 

@@ -12,9 +12,9 @@ import os
 import subprocess
 
 import pytest
-
 from helpers import ROOT
 from helpers.local_run import PYTHON, TINY_RUN
+
 from launcher.plan.cadence import expected_goodput, young_interval_s
 
 

@@ -14,11 +14,10 @@ import json
 import os
 
 import pytest
-
 from helpers.checkpoint import build, expected_flat, global_value, load_check, local_slice
 from helpers.dist import run_distributed
-from training.checkpoint import storage
 
+from training.checkpoint import storage
 
 LAYOUTS = [(4, 1, 1), (1, 4, 1), (2, 2, 0)]  # (tp, dp, zero), loaded after the tp=2 x dp=2 zero=1 save
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import pytest
-
 from helpers.dist import run_distributed
+
 from training.checkpoint import storage
 from training.contract.config import Config, config_from_dict, config_to_dict
 from training.contract.rundir.events import read_events
@@ -46,7 +46,7 @@ def _cfg(tp=2, dp=2, sp=True, zero=1, steps=STEPS, pp=1, layers=2, **train) -> C
     return cfg
 
 
-def _train(cfg: Config, run_dir: str, mesh, hook: str = "") -> Dict[str, Any]:
+def _train(cfg: Config, run_dir: str, mesh, hook: str = "") -> dict[str, Any]:
     """One Trainer on `mesh` (shared by every case of this layout in the spawn), run to its end."""
     import torch.distributed.checkpoint as dcp
 
@@ -90,7 +90,7 @@ def _train(cfg: Config, run_dir: str, mesh, hook: str = "") -> Dict[str, Any]:
     return {"code": code, "losses": list(trainer.losses)}
 
 
-def _spawned(cases: List[Tuple[str, dict, str, str]]) -> Dict[str, Any]:
+def _spawned(cases: list[tuple[str, dict, str, str]]) -> dict[str, Any]:
     """Every case (name, config, run dir, hook) in order, in this one spawn: a mesh per layout, built once.
 
     After each case, rank 0 records what the run left on disk (checkpoint steps, latest, events)."""
@@ -98,8 +98,8 @@ def _spawned(cases: List[Tuple[str, dict, str, str]]) -> Dict[str, Any]:
 
     from training.parallel.mesh import ProcessMesh
 
-    meshes: Dict[tuple, Any] = {}
-    out: Dict[str, Any] = {}
+    meshes: dict[tuple, Any] = {}
+    out: dict[str, Any] = {}
     for name, cfg_dict, run_dir, hook in cases:
         cfg = config_from_dict(cfg_dict)
         p = cfg.parallel
@@ -119,7 +119,7 @@ def _spawned(cases: List[Tuple[str, dict, str, str]]) -> Dict[str, Any]:
     return out
 
 
-def _run(cases: List[Tuple[str, Config, str, str]], timeout_s: float) -> Dict[str, Any]:
+def _run(cases: list[tuple[str, Config, str, str]], timeout_s: float) -> dict[str, Any]:
     """The cases in one spawn of as many ranks as their layouts have (all the same); rank 0's results."""
     worlds = {c.parallel.tp * c.parallel.pp * c.parallel.dp for _, c, _, _ in cases}
     assert len(worlds) == 1, worlds
@@ -244,7 +244,7 @@ def _close(got, want, tol=1e-5) -> float:
     return worst
 
 
-def _resumed_with_new_layout(events: List[Dict[str, Any]], step: int) -> bool:
+def _resumed_with_new_layout(events: list[dict[str, Any]], step: int) -> bool:
     return any(e["event"] == "resumed" and e["step"] == step and e["layout_changed"] for e in events)
 
 

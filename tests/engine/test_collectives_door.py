@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import os
 
-
 from helpers import ROOT
 
 DOOR = "training/parallel/collectives.py"

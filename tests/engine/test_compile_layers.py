@@ -16,8 +16,8 @@ import json
 import os
 
 import pytest
-
 from helpers.dist import run_distributed
+
 from training.contract.config import Config
 
 STEPS = 3

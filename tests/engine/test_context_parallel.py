@@ -18,13 +18,13 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Dict
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-
 from helpers.dist import run_distributed
+
 from training.contract.config import Config, config_from_dict, config_to_dict
 
 STEPS = 3
@@ -66,7 +66,7 @@ def _bf16(cfg: Config) -> Config:
     return cfg
 
 
-def _full_grads(trainer) -> Dict[str, np.ndarray]:
+def _full_grads(trainer) -> dict[str, np.ndarray]:
     """Every parameter's grad of the step's mean loss: model-parallel finalised, averaged over dp x cp, tp-assembled."""
     import torch.distributed as dist
 
@@ -88,7 +88,7 @@ def _full_grads(trainer) -> Dict[str, np.ndarray]:
     return out
 
 
-def _run(cfg: Config, run_dir: str, mesh, checkpointing: bool = False, grads: bool = True) -> Dict[str, Any]:
+def _run(cfg: Config, run_dir: str, mesh, checkpointing: bool = False, grads: bool = True) -> dict[str, Any]:
     """Grads of step 1 (before any update), then the whole run from scratch."""
     from training.run.loop import Trainer
 
@@ -112,7 +112,7 @@ def _memory_cfg(model: str, cp: int) -> Config:
     return cfg
 
 
-def _saved_activation_bytes(cfg: Config, mesh) -> Dict[str, int]:
+def _saved_activation_bytes(cfg: Config, mesh) -> dict[str, int]:
     """Bytes autograd saves for backward in one micro-batch's forward on this rank (saved-tensor hooks; parameters
     excluded, each tensor once), and the plan's activation bytes for the layout."""
     from launcher.plan.estimate import make_plan
@@ -132,7 +132,7 @@ def _mesh(cfg: Config):
     return ProcessMesh.from_env(p.tp, p.pp, p.cp, p.dp, timeout_s=60)
 
 
-def _cases_4(base: str) -> Dict[str, Any]:
+def _cases_4(base: str) -> dict[str, Any]:
     """Every 4-rank layout, both models."""
     layouts = {
         "cp4": dict(cp=4),
@@ -153,9 +153,9 @@ def _cases_4(base: str) -> Dict[str, Any]:
     return out
 
 
-def _cases_2(base: str) -> Dict[str, Any]:
+def _cases_2(base: str) -> dict[str, Any]:
     """cp2 (ring and all_gather), bit-exact resume at cp2, and the cp2 half of the cp2 -> cp1 resharding."""
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     mesh = None
     for model in MODELS:
         cfg = _with_eval(_cfg(model, cp=2))
@@ -221,7 +221,7 @@ def results(tmp_path_factory):
     return single, two, four, base
 
 
-def _assert_equivalent(got: Dict[str, Any], ref: Dict[str, Any], label: str) -> None:
+def _assert_equivalent(got: dict[str, Any], ref: dict[str, Any], label: str) -> None:
     assert len(got["losses"]) == len(ref["losses"]) == STEPS
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
         assert abs(a - b) <= 1e-5 * abs(b), f"{label} step {step + 1}: loss {a} vs single-process {b}"
@@ -289,9 +289,10 @@ def test_cp2_resume_is_bit_exact(results):
 
 
 def test_cp2_checkpoint_resumed_at_cp1_exports_the_cp1_model(results):
+    from safetensors.torch import load_file
+
     from training.hf.export import export
     from training.parallel.mesh import ProcessMesh
-    from safetensors.torch import load_file
 
     _, two, _, base = results
     assert two[0]["reshard"]["code"] == 3
@@ -318,14 +319,14 @@ def test_cp2_checkpoint_resumed_at_cp1_exports_the_cp1_model(results):
     shutil.rmtree(ref_dir, ignore_errors=True)
 
 
-def _export_tensors(run_dir: str) -> Dict[str, torch.Tensor]:
+def _export_tensors(run_dir: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     from training.hf.export import export
 
     out = os.path.join(tempfile.mkdtemp(), "hf")
     result = export(run_dir, out, dtype="fp32")
-    tensors: Dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
     for f in result["weight_files"]:
         tensors.update(load_file(os.path.join(out, f)))
     shutil.rmtree(os.path.dirname(out), ignore_errors=True)

@@ -16,7 +16,6 @@ import math
 
 import pytest
 import torch
-
 from helpers.dist import run_distributed
 
 B, G, R, D, S = 1, 2, 2, 16, 64  # batch, kv groups, queries per group, head size, whole sequence

@@ -16,11 +16,11 @@ import json
 import os
 
 import pytest
-
 from helpers.dist import run_distributed
+
 from training.contract.config import Config, config_from_dict, config_to_dict
-from training.contract.rundir.events import read_events
 from training.contract.exit_codes import EXIT_NODE_BAD, EXIT_STOPPED
+from training.contract.rundir.events import read_events
 
 STEPS = 14
 NAN_STEP = 5
@@ -49,8 +49,8 @@ def _cfg(run_dir: str, double: str) -> Config:
 def _rank(cfg_dict: dict, run_dir: str, double: str):
     import torch
 
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     rank = int(os.environ["RANK"])
     os.environ.update(MESHRUN_NODE=f"node{'AB'[rank]}", LOCAL_RANK="0")  # two "nodes", one rank each
@@ -156,8 +156,8 @@ def test_profile_steps_write_a_chrome_trace_per_rank(diagnosed):
 
 
 def test_memory_snapshot_on_cpu_says_there_is_none(tmp_path, capsys):
-    from training.parallel.mesh import ProcessMesh
     from training.observe.profile import StepProfiler, profile_window
+    from training.parallel.mesh import ProcessMesh
 
     cfg = Config()
     cfg.train.memory_snapshot_step = 2

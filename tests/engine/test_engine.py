@@ -13,8 +13,8 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-
 from helpers.dist import run_distributed
+
 from training.contract.config import Config, config_from_dict, config_to_dict
 
 STEPS = 20

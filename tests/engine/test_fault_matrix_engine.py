@@ -22,16 +22,15 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, List
 
 import pytest
-
 from helpers import ROOT
 from helpers.dist import run_distributed
+
 from training.checkpoint import storage
 from training.contract.config import Config, config_to_dict
-from training.contract.rundir.events import read_events
 from training.contract.exit_codes import EXIT_INVALID, EXIT_OK, EXIT_STOPPED
+from training.contract.rundir.events import read_events
 
 # Checkpoints at steps 10 and 20. The SIGTERM test holds the rank before its 4th step until the signal has
 # arrived, so the run need not be long for the signal to land mid-run.
@@ -60,7 +59,7 @@ def _write_config(run_dir: str, **train) -> None:
         json.dump(config_to_dict(cfg), f)
 
 
-def _env() -> Dict[str, str]:
+def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MESHRUN_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -103,7 +102,7 @@ def _launch(run_dir: str, **train) -> _Exit:
         return _Exit(code, f.read())
 
 
-def _losses(run_dir: str) -> Dict[int, float]:
+def _losses(run_dir: str) -> dict[int, float]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return {}
@@ -111,7 +110,7 @@ def _losses(run_dir: str) -> Dict[int, float]:
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
-def _digest(directory: str) -> Dict[str, str]:
+def _digest(directory: str) -> dict[str, str]:
     out = {}
     for root, _d, names in os.walk(directory):
         for n in names:
@@ -294,7 +293,7 @@ def _assert_refused_before_anything_starts(p, run, key) -> None:
     assert p.returncode == EXIT_INVALID, p.stderr[-2000:]
     assert f"error: {key}:" in p.stderr and "nothing was launched" in p.stderr, p.stderr[-2000:]
     assert "Traceback" not in p.stderr
-    written: List[str] = os.listdir(run) if run.exists() else []
+    written: list[str] = os.listdir(run) if run.exists() else []
     assert not [n for n in written if n not in (".hydra",)], written  # no config.json, no checkpoints
 
 

@@ -27,6 +27,7 @@ import torch.nn as nn
 pytest.importorskip("torchao", reason="train.precision=fp8 needs torchao (pip install 'meshrun[fp8]')")
 
 from helpers.dist import run_distributed  # noqa: E402
+
 from training.contract.config import Config, config_from_dict, config_to_dict  # noqa: E402
 
 STEPS = 4
@@ -181,9 +182,8 @@ LAYOUTS = {
 
 
 def _train(cfg_dict: dict, run_dir: str, mesh) -> dict:
-    from training.run.loop import Trainer
-
     from training.observe.saved_bytes import saved_activation_bytes
+    from training.run.loop import Trainer
 
     cfg = config_from_dict(cfg_dict)
     trainer = Trainer(cfg, run_dir, mesh, checkpointing=False)

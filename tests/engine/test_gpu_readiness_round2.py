@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-
 from helpers.dist import run_distributed
 
 COLLECTIVE_TIMEOUT_S = 3.0
@@ -118,10 +117,10 @@ def _slow_save_case(mesh, run_dir):
     """zero=0 dp=2: dp rank 0 writes every replicated tensor; its write takes SLOW_WRITE_S, longer than the
     3 s collective timeout, while rank 1 waits for it in DCP's collectives and the commit's broadcast."""
     import torch.distributed as dist
+    from helpers.checkpoint import StandInModel
+    from helpers.checkpoint import stand_in_cfg as _cfg
 
-    from helpers.checkpoint import StandInModel, stand_in_cfg as _cfg
-    from training.checkpoint import CheckpointManager, storage
-    from training.checkpoint import crc_writer
+    from training.checkpoint import CheckpointManager, crc_writer, storage
     from training.optim import DistributedOptimizer
 
     cfg = _cfg(1, 2, 0)

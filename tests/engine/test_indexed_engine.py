@@ -14,8 +14,8 @@ import json
 import os
 
 import pytest
-
 from helpers.dist import run_distributed
+
 from launcher.data.prepare import prepare
 from training.contract.config import Config, PrepareConfig, config_from_dict, config_to_dict
 

@@ -14,8 +14,8 @@ import tempfile
 
 import pytest
 import torch
-
 from helpers.dist import run_distributed
+
 from training.contract.config import Config, config_from_dict, config_to_dict
 
 STEPS = 4

@@ -4,8 +4,8 @@ import itertools
 import os
 
 import pytest
-
 from helpers.dist import run_distributed
+
 from training.parallel.mesh import GROUP_KINDS, ProcessMesh, coords_of, rank_groups, rank_of
 
 

@@ -11,6 +11,7 @@ import threading
 import time
 
 from helpers.dist import run_distributed
+
 from training.contract.config import Config
 
 STEPS = 3

@@ -23,13 +23,13 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Dict, List
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-
 from helpers.dist import run_distributed
+
 from training.contract.config import Config, config_from_dict, config_to_dict
 
 STEPS = 3
@@ -59,7 +59,7 @@ def _cfg(
     return cfg
 
 
-def _full_grads(opt, mesh) -> Dict[str, np.ndarray]:
+def _full_grads(opt, mesh) -> dict[str, np.ndarray]:
     """Every parameter's reduced grad on this rank (dense and expert parts), gathered over ZeRO and tp."""
     import torch.distributed as dist
 
@@ -86,9 +86,9 @@ def _full_grads(opt, mesh) -> Dict[str, np.ndarray]:
     return out
 
 
-def _named_state(trainer) -> Dict[str, Dict[str, Any]]:
+def _named_state(trainer) -> dict[str, dict[str, Any]]:
     """This rank's weights and optimizer-state pieces by parameter name (tp = 1: local = global)."""
-    out: Dict[str, Dict[str, Any]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for shard in trainer.optimizer.state_dict()["params"]:
         entry = out.setdefault(shard.name, {"weight": shard.param.detach().float().numpy().copy(), "pieces": []})
         entry["pieces"].append(
@@ -97,13 +97,13 @@ def _named_state(trainer) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-def _train(cfg: Config, run_dir: str, mesh, grads: bool = False, capture_resume: bool = False) -> Dict[str, Any]:
+def _train(cfg: Config, run_dir: str, mesh, grads: bool = False, capture_resume: bool = False) -> dict[str, Any]:
     from training.run.loop import Trainer
 
     trainer = Trainer(cfg, run_dir, mesh, checkpointing=capture_resume or cfg.train.checkpoint_every > 0)
-    saved: Dict[str, Any] = {}
-    per_step: List[Dict[str, np.ndarray]] = []
-    norms: List[float] = []
+    saved: dict[str, Any] = {}
+    per_step: list[dict[str, np.ndarray]] = []
+    norms: list[float] = []
     opt = trainer.optimizer
     real_step = opt.step
 
@@ -117,7 +117,7 @@ def _train(cfg: Config, run_dir: str, mesh, grads: bool = False, capture_resume:
         return res
 
     opt.step = step
-    resumed: Dict[str, Any] = {}
+    resumed: dict[str, Any] = {}
     if capture_resume:
         real = trainer._resume
 
@@ -140,13 +140,13 @@ def _train(cfg: Config, run_dir: str, mesh, grads: bool = False, capture_resume:
     }
 
 
-def _four_ranks(base: str, cases: Dict[str, dict]) -> Dict[str, Any]:
+def _four_ranks(base: str, cases: dict[str, dict]) -> dict[str, Any]:
     """Every 4-rank case in one spawn: the equivalence layouts, then resumes of ep2_dp4's step-2 checkpoint."""
     import torch.distributed as dist
 
     from training.parallel.mesh import ProcessMesh
 
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for name, cfg_dict in cases.items():
         cfg = config_from_dict(cfg_dict)
         p = cfg.parallel
@@ -168,9 +168,9 @@ def _four_ranks(base: str, cases: Dict[str, dict]) -> Dict[str, Any]:
     return out
 
 
-def _assemble(rank_states: List[Dict[str, Dict[str, Any]]]) -> Dict[str, Dict[str, np.ndarray]]:
+def _assemble(rank_states: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, np.ndarray]]:
     """Full weights and optimizer states by name from every rank's pieces; each element covered exactly."""
-    out: Dict[str, Dict[str, np.ndarray]] = {}
+    out: dict[str, dict[str, np.ndarray]] = {}
     for states in rank_states:
         for name, entry in states.items():
             full = out.setdefault(name, {"weight": entry["weight"].reshape(-1)})
@@ -185,7 +185,7 @@ def _assemble(rank_states: List[Dict[str, Dict[str, Any]]]) -> Dict[str, Dict[st
     return out
 
 
-def _reference(precision="fp32", steps=STEPS, **model) -> Dict[str, Any]:
+def _reference(precision="fp32", steps=STEPS, **model) -> dict[str, Any]:
     from training.parallel.mesh import ProcessMesh
 
     torch.set_num_threads(1)
@@ -197,7 +197,7 @@ def _reference(precision="fp32", steps=STEPS, **model) -> Dict[str, Any]:
     )
 
 
-def _compare(name: str, got: Dict[str, Any], ref: Dict[str, Any], vocab: int) -> None:
+def _compare(name: str, got: dict[str, Any], ref: dict[str, Any], vocab: int) -> None:
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=TOL, atol=0, err_msg=f"{name}: losses")
     np.testing.assert_allclose(got["norms"], ref["norms"], rtol=TOL, atol=0, err_msg=f"{name}: grad norms")
     for step, (g, r) in enumerate(zip(got["grads"], ref["grads"])):
@@ -231,10 +231,10 @@ def four_ranks(tmp_path_factory):
     return run_distributed(_four_ranks, 4, args=(base, cases), timeout_s=400)
 
 
-_REFERENCES: Dict[str, Any] = {}
+_REFERENCES: dict[str, Any] = {}
 
 
-def _reference_of(case: str) -> Dict[str, Any]:
+def _reference_of(case: str) -> dict[str, Any]:
     model = {k: v for k, v in CASES[case].items() if k in ("activation", "moe_capacity_factor")}
     key = repr(sorted(model.items()))
     if key not in _REFERENCES:
@@ -321,8 +321,8 @@ def test_resume_at_ep2_is_bit_exact_and_at_ep1_loads_the_same_state(four_ranks):
 
 # ----- in-process -------------------------------------------------------------------------------------
 def test_capacity_drops_are_counted_and_contribute_nothing():
-    from training.parallel.mesh import ProcessMesh
     from training.model.moe import MoEMLP
+    from training.parallel.mesh import ProcessMesh
 
     torch.manual_seed(0)
     cfg = _cfg(moe_capacity_factor=0.5)
@@ -355,8 +355,8 @@ def test_capacity_drops_are_counted_and_contribute_nothing():
 
 
 def test_metrics_rows_and_load_event(tmp_path):
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     # Full recompute replays each layer's forward in backward (torch may stop the replay once it has the saved
     # tensors back): the routing is counted once either way.
@@ -424,7 +424,7 @@ def test_aux_loss_is_transformers_mixtral_balance_loss_over_top_k(tmp_path):
     cfg.train.log_every = 1
     trainer = Trainer(cfg, str(tmp_path), ProcessMesh.single(), checkpointing=False)
     E, k = cfg.model.num_experts, cfg.model.moe_top_k
-    terms: List[float] = []
+    terms: list[float] = []
 
     def capture(module, args):
         x = args[0]

@@ -16,8 +16,8 @@ import math
 import os
 
 import pytest
-
 from helpers.dist import run_distributed
+
 from training.contract.config import Config, config_from_dict, config_to_dict
 from training.contract.rundir.events import read_events
 from training.contract.rundir.metrics import read_rows as _metrics

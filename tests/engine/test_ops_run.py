@@ -18,9 +18,9 @@ import sys
 import time
 
 import pytest
-
-from helpers.dist import run_distributed
 from helpers import ROOT
+from helpers.dist import run_distributed
+
 from training.contract.config import Config, config_from_dict, config_to_dict
 from training.contract.rundir.events import read_events
 
@@ -43,8 +43,8 @@ def _cfg(steps: int, **train) -> Config:
 def _cases(cfgs: dict, base: str):
     import torch.distributed as dist
 
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     mesh = ProcessMesh.from_env(2, 1, 1, 1, timeout_s=60)
     out = {}

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-
 from helpers.dist import run_distributed
+
 from training.contract.config import Config
-from training.parallel.mesh import ProcessMesh
 from training.optim import DistributedOptimizer
+from training.parallel.mesh import ProcessMesh
 
 STEPS = 3
 

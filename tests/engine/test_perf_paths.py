@@ -11,11 +11,11 @@
 from __future__ import annotations
 
 import torch
-
 from helpers.dist import run_distributed
+
 from training.contract.config import Config
-from training.parallel.mesh import ProcessMesh
 from training.optim import DistributedOptimizer
+from training.parallel.mesh import ProcessMesh
 
 
 def _cfg(zero=0, dp=1, overlap=True, fused=False) -> Config:
@@ -195,7 +195,10 @@ def _deferred_gather_worker():
             gather = trainer.optimizer.param_gather
             by_forward = []  # chunks the layers' pre-hooks completed before the next step's finish
             finish = gather.finish
-            gather.finish = lambda: (by_forward.append(gather._completed), finish())[1]
+            gather.finish = lambda by_forward=by_forward, gather=gather, finish=finish: (
+                by_forward.append(gather._completed),
+                finish(),
+            )[1]
             losses, pending = [], []
             for _ in range(4):
                 micro = trainer.sampler.micro_batches(trainer.state.consumed_samples)

@@ -13,8 +13,8 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-
 from helpers.dist import run_distributed
+
 from training.contract.config import Config, config_from_dict, config_to_dict
 from training.schedules.pipeline import build_actions, build_comm_plan, check_schedule, peak_in_flight
 
@@ -537,7 +537,7 @@ def _oracle_case(cfg_dict: dict, mesh):
         )
         loss = sched.forward_backward(micro)
 
-        def loss_fn(logits, tgt):
+        def loss_fn(logits, tgt, cfg=cfg):
             return vocab_parallel_cross_entropy(logits, tgt.t(), None, cfg.model.vocab_size).mean()
 
         stages = [

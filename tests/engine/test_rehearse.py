@@ -12,8 +12,8 @@ import os
 
 import pytest
 import torch
-
 from helpers.cli import compose_cfg
+
 from training.contract.exit_codes import EXIT_OK, EXIT_REHEARSAL_DEFECT
 from training.parallel import collectives as comm
 from training.rehearse import checks
@@ -399,6 +399,7 @@ REAL_SIZE = {
 def test_real_size_memory_matches_the_plan(tmp_path, layout):
     """Rank 0 of the preset at its real size: every memory part within memory.TOLERANCE of plan.json."""
     from helpers.cli import run_cli
+
     from training.contract.config import load_config
     from training.rehearse.memory import TOLERANCE
 
@@ -479,6 +480,7 @@ def test_the_cli_rehearses_and_exits_6_on_a_defect(tmp_path, monkeypatch):
     import sys
 
     from helpers.cli import run_cli
+
     from launcher.launch import rehearse as launch
 
     args = [*CUDA, *LAYOUTS["cp2"], "parallel.auto=false", "parallel.tp=1", "parallel.zero=0"]

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Dict, List
+from typing import Any
 
 import numpy as np
 import pytest
-
 from helpers.dist import run_distributed
+
 from training.contract.config import Config, config_from_dict, config_to_dict
 
 STEPS = 6
@@ -46,17 +46,17 @@ def _cfg(steps=STEPS, tp=1, pp=1, dp=1, dropout=0.0, precision="fp32", **train) 
     return cfg
 
 
-def _state(trainer) -> Dict[str, Any]:
+def _state(trainer) -> dict[str, Any]:
     """This rank's whole optimizer and model state, as numpy (tensors cannot leave a spawned rank)."""
     opt = trainer.optimizer
-    out: Dict[str, Any] = {f"adam/{k}": v.detach().float().numpy().copy() for k, v in opt.adamw.tensors().items()}
+    out: dict[str, Any] = {f"adam/{k}": v.detach().float().numpy().copy() for k, v in opt.adamw.tensors().items()}
     for name, p in zip(opt.names, opt.params):
         out[f"param/{name}"] = p.detach().float().numpy().copy()
     out["scalars"] = {"step_count": opt.step_count, "loss_scale": opt.scaler.scale, "good_steps": opt.scaler.good_steps}
     return out
 
 
-def _shards(trainer) -> List[Dict[str, Any]]:
+def _shards(trainer) -> list[dict[str, Any]]:
     """fp32 masters and weights of this rank, with where they sit in the full parameter (for assembly)."""
     mesh, out = trainer.mesh, []
     for shard in trainer.optimizer.state_dict()["params"]:
@@ -79,7 +79,7 @@ def _train(cfg: Config, run_dir: str, mesh, capture_resume: bool = False):
     from training.run.loop import Trainer
 
     trainer = Trainer(cfg, run_dir, mesh)
-    captured: Dict[str, Any] = {}
+    captured: dict[str, Any] = {}
     if capture_resume:
         real = trainer._resume
 
@@ -99,7 +99,7 @@ def _train(cfg: Config, run_dir: str, mesh, capture_resume: bool = False):
     }
 
 
-def _stop_and_resume(cfg_ref: Config, cfg_stop: Config, base: str, name: str, mesh) -> Dict[str, Any]:
+def _stop_and_resume(cfg_ref: Config, cfg_stop: Config, base: str, name: str, mesh) -> dict[str, Any]:
     from training.contract.rundir.events import read_events
 
     ref = _train(cfg_ref, os.path.join(base, name, "ref"), mesh)
@@ -111,7 +111,7 @@ def _stop_and_resume(cfg_ref: Config, cfg_stop: Config, base: str, name: str, me
     return {"ref": ref, "first": first, "second": second, "events": read_events(run)}
 
 
-def _one_process(base: str) -> Dict[str, Any]:
+def _one_process(base: str) -> dict[str, Any]:
     """Every single-process scenario in one spawned process."""
     from training.parallel.mesh import ProcessMesh
 
@@ -142,14 +142,14 @@ def _one_process(base: str) -> Dict[str, Any]:
     return out
 
 
-def _two_processes(base: str) -> Dict[str, Any]:
+def _two_processes(base: str) -> dict[str, Any]:
     """pp=2 resume, and bf16/fp16 checkpoints of the real model resharded from tp=2 sp to tp=1 x dp=2 zero=1."""
     import torch
 
     from training.parallel.mesh import ProcessMesh
 
     pp2 = ProcessMesh.from_env(1, 2, 1, 1, timeout_s=60)
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         "pp2": _stop_and_resume(_cfg(pp=2, dropout=0.1), _cfg(pp=2, dropout=0.1, exit_interval=3), base, "pp2", pp2)
     }
     for precision in ("bf16", "fp16"):
@@ -177,7 +177,7 @@ def double(tmp_path_factory):
     return run_distributed(_two_processes, 2, args=(str(tmp_path_factory.mktemp("two")),), timeout_s=400)
 
 
-def _assert_same_state(saved: Dict[str, Any], resumed: Dict[str, Any]) -> None:
+def _assert_same_state(saved: dict[str, Any], resumed: dict[str, Any]) -> None:
     assert saved["scalars"] == resumed["scalars"]
     assert set(saved) == set(resumed)
     for key in saved:
@@ -185,7 +185,7 @@ def _assert_same_state(saved: Dict[str, Any], resumed: Dict[str, Any]) -> None:
             assert np.array_equal(saved[key], resumed[key]), key
 
 
-def _assert_bit_exact(res: Dict[str, Any], stop: int) -> None:
+def _assert_bit_exact(res: dict[str, Any], stop: int) -> None:
     ref, first, second = res["ref"]["losses"], res["first"]["losses"], res["second"]["losses"]
     assert res["first"]["code"] == 3 and res["second"]["code"] == 0
     assert first == ref[:stop] and second == ref[stop:], (first, second, ref)  # exact, not approximately
@@ -240,11 +240,11 @@ def test_bit_exact_resume_pp2(double):
     _assert_bit_exact(double[0]["pp2"], 3)
 
 
-def _assemble(shards_per_rank: List[List[Dict[str, Any]]], key: str) -> Dict[str, np.ndarray]:
+def _assemble(shards_per_rank: list[list[dict[str, Any]]], key: str) -> dict[str, np.ndarray]:
     """Full parameters from every rank's pieces: a local flat buffer per (name, tp rank) filled from the dp
     shards at their offsets, then the tp pieces concatenated along the parameter's split dimension."""
-    local: Dict[str, Dict[int, np.ndarray]] = {}
-    meta: Dict[str, Any] = {}
+    local: dict[str, dict[int, np.ndarray]] = {}
+    meta: dict[str, Any] = {}
     for shards in shards_per_rank:
         for s in shards:
             buf = local.setdefault(s["name"], {}).setdefault(

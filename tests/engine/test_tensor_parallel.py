@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers.dist import run_distributed
-from training.contract.config import Config
-from training.parallel.mesh import ProcessMesh
-from training.model.gpt import GPTChunk, build_gpt, chunk_layer_ids, keyed_dropout
 from helpers.oracles_engine import allreduce_sequence_parallel_grads
+
+from training.contract.config import Config
+from training.model.gpt import GPTChunk, build_gpt, chunk_layer_ids, keyed_dropout
 from training.parallel.layers import vocab_parallel_cross_entropy
+from training.parallel.mesh import ProcessMesh
 
 V, S, B = 51, 16, 2  # vocab 51 is padded to 52 at tp=2 and tp=4
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Any, Dict, List
+from typing import Any
 
 import numpy as np
 import pytest
-
 from helpers.dist import run_distributed
+
 from training.contract.config import Config
 
 STEPS = 5
@@ -76,7 +76,7 @@ EXPORTS = {
 }
 
 
-def _shards(trainer) -> List[Dict[str, Any]]:
+def _shards(trainer) -> list[dict[str, Any]]:
     """This rank's weights and optimizer state per parameter, with where they sit in it (for assembly)."""
     out = []
     for shard in trainer.optimizer.state_dict()["params"]:
@@ -88,12 +88,12 @@ def _shards(trainer) -> List[Dict[str, Any]]:
     return out
 
 
-def _train(cfg: Config, run_dir: str, mesh, capture_resume: bool = False) -> Dict[str, Any]:
+def _train(cfg: Config, run_dir: str, mesh, capture_resume: bool = False) -> dict[str, Any]:
     from training.contract.rundir.metrics import read_rows
     from training.run.loop import Trainer
 
     trainer = Trainer(cfg, run_dir, mesh)
-    captured: Dict[str, Any] = {}
+    captured: dict[str, Any] = {}
     if capture_resume:
         real = trainer._resume
 
@@ -120,16 +120,16 @@ def _train(cfg: Config, run_dir: str, mesh, capture_resume: bool = False) -> Dic
     }
 
 
-def _mesh(keys: Dict[str, Any]):
+def _mesh(keys: dict[str, Any]):
     from training.parallel.mesh import ProcessMesh
 
     return ProcessMesh.from_env(1, keys["pp"], 1, keys.get("dp", 1), timeout_s=60)
 
 
-def _all_cases(base: str) -> Dict[str, Any]:
+def _all_cases(base: str) -> dict[str, Any]:
     import torch
 
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     meshes = []
     for name, (keys, _) in CASES.items():
         meshes.append(_mesh(keys))
@@ -158,10 +158,10 @@ def _all_cases(base: str) -> Dict[str, Any]:
     return out
 
 
-_REFERENCE: Dict[str, Any] = {}
+_REFERENCE: dict[str, Any] = {}
 
 
-def _reference() -> Dict[str, Any]:
+def _reference() -> dict[str, Any]:
     """The same model and data in one process (pp=1, dp=1)."""
     import torch
 
@@ -188,9 +188,9 @@ def spawned(tmp_path_factory):
     return run_distributed(_all_cases, 4, args=(str(tmp_path_factory.mktemp("uneven")),), timeout_s=900)
 
 
-def _assemble(shards_per_rank: List[List[Dict[str, Any]]], key: str) -> Dict[str, np.ndarray]:
+def _assemble(shards_per_rank: list[list[dict[str, Any]]], key: str) -> dict[str, np.ndarray]:
     """Full tensors (tp = 1) from every rank's pieces placed at their offsets; every element from some rank."""
-    full: Dict[str, np.ndarray] = {}
+    full: dict[str, np.ndarray] = {}
     for shards in shards_per_rank:
         for s in shards:
             buf = full.setdefault(s["name"], np.full(int(np.prod(s["shape"])), np.nan, dtype=np.float32))
@@ -272,14 +272,14 @@ def test_checkpoints_reshard_between_even_and_uneven_splits_bit_exactly(spawned,
         assert _rel(got[step], ref["losses"][step]) < 1e-5, (step, got, ref["losses"])
 
 
-def _exported(run_dir: str, out: str) -> Dict[str, Any]:
+def _exported(run_dir: str, out: str) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file
 
     from training.hf.export import export
 
     export(run_dir, out)
-    tensors: Dict[str, Any] = {}
+    tensors: dict[str, Any] = {}
     for f in sorted(os.listdir(out)):
         if f.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(out, f)))

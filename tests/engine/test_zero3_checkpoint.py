@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 
 import torch
-
 from helpers.dist import run_distributed
 
 STEPS = 4

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Dict
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-
 from helpers.dist import run_distributed
+
 from training.contract.config import Config, config_from_dict, config_to_dict
 
 STEPS = 4
@@ -81,7 +81,7 @@ OFFLOAD = {
 }
 
 
-def _full_grads(trainer) -> Dict[str, np.ndarray]:
+def _full_grads(trainer) -> dict[str, np.ndarray]:
     """Every local parameter's reduced grad in its global shape, assembled from the dp shards and tp parts."""
     import torch.distributed as dist
 
@@ -104,7 +104,7 @@ def _full_grads(trainer) -> Dict[str, np.ndarray]:
     return out
 
 
-def _full_state(trainer) -> Dict[str, np.ndarray]:
+def _full_state(trainer) -> dict[str, np.ndarray]:
     """Every local parameter's values and Adam moments in their global shapes (any layout; collective)."""
     import torch.distributed as dist
 
@@ -113,7 +113,7 @@ def _full_state(trainer) -> Dict[str, np.ndarray]:
     state = opt.state_dict()
     lay = opt.layout
     out = {}
-    for i, (name, p) in enumerate(zip(opt.names, opt.params)):
+    for _i, (name, p) in enumerate(zip(opt.names, opt.params)):
         tensors = {"param": p.detach().float().clone()}
         for key in ("exp_avg", "exp_avg_sq"):
             full = torch.zeros(p.numel(), dtype=torch.float32)
@@ -135,12 +135,12 @@ def _full_state(trainer) -> Dict[str, np.ndarray]:
     return out
 
 
-def _train(cfg: Config, run_dir: str, mesh, capture_resume: bool = False) -> Dict[str, Any]:
+def _train(cfg: Config, run_dir: str, mesh, capture_resume: bool = False) -> dict[str, Any]:
     """A whole run with checkpoints; the full state at its end and, resuming, right after the resume."""
     from training.run.loop import Trainer
 
     trainer = Trainer(cfg, run_dir, mesh)
-    captured: Dict[str, Any] = {}
+    captured: dict[str, Any] = {}
     if capture_resume:
         real = trainer._resume
 
@@ -153,7 +153,7 @@ def _train(cfg: Config, run_dir: str, mesh, capture_resume: bool = False) -> Dic
     return {"code": code, "losses": list(trainer.losses), "state": _full_state(trainer), "resumed": captured}
 
 
-def _stop_and_resume(layout: Dict[str, Any], base: str, mesh, stop: int = 2) -> Dict[str, Any]:
+def _stop_and_resume(layout: dict[str, Any], base: str, mesh, stop: int = 2) -> dict[str, Any]:
     """The run stopped at `stop` and resumed (its uninterrupted twin is a LAYOUTS run of the same config)."""
     from training.contract.config import config_from_dict, config_to_dict
 
@@ -163,7 +163,7 @@ def _stop_and_resume(layout: Dict[str, Any], base: str, mesh, stop: int = 2) -> 
     return {"first": first, "second": second}
 
 
-def _reshard(src_layout: Dict[str, Any], dst_layout: Dict[str, Any], base: str, stop: int = 2) -> Dict[str, Any]:
+def _reshard(src_layout: dict[str, Any], dst_layout: dict[str, Any], base: str, stop: int = 2) -> dict[str, Any]:
     """Save at one layout (stopped at `stop`), resume the checkpoint at another."""
     import shutil
 
@@ -184,7 +184,7 @@ def _reshard(src_layout: Dict[str, Any], dst_layout: Dict[str, Any], base: str, 
     return {"saved": saved, "loaded": loaded}
 
 
-def _run(cfg: Config, run_dir: str, mesh) -> Dict[str, Any]:
+def _run(cfg: Config, run_dir: str, mesh) -> dict[str, Any]:
     """Step-1 grads (before any update), then the whole run from scratch, with what the optimizer holds."""
     from training.run.loop import Trainer
 
@@ -215,7 +215,7 @@ def _run(cfg: Config, run_dir: str, mesh) -> Dict[str, Any]:
     }
 
 
-def _four_ranks(base: str) -> Dict[str, Any]:
+def _four_ranks(base: str) -> dict[str, Any]:
     from training.parallel.mesh import ProcessMesh
 
     out = {}
@@ -275,7 +275,7 @@ def test_zero_layout_reproduces_single_process(reference, four, layout):
         assert len(ranks[0]["eval"]) == 2 and [s for s, _ in ranks[0]["eval"]] == [s for s, _ in reference["eval"]]
         for (_, a), (_, b) in zip(ranks[0]["eval"], reference["eval"]):
             assert _rel(a, b) < 1e-5, (ranks[0]["eval"], reference["eval"])
-    grads: Dict[str, np.ndarray] = {}
+    grads: dict[str, np.ndarray] = {}
     for r in ranks:
         for name, g in r["grads"].items():
             if name in grads:  # the tied embedding on both pipeline ends, or a tp/dp replica: the same sums
@@ -318,7 +318,7 @@ def test_offload_is_exact_against_no_offload(four, name):
         assert got["memory"]["optimizer"] == 0 and plan["host_offload"] + plan["nvme_offload"] > 0
 
 
-def _assert_same_state(a: Dict[str, np.ndarray], b: Dict[str, np.ndarray]) -> None:
+def _assert_same_state(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
     assert set(a) == set(b) and len(a) > 10
     for key in a:
         assert np.array_equal(a[key], b[key]), key
@@ -340,8 +340,8 @@ def test_bit_exact_resume(four, name):
 
 @pytest.mark.parametrize("name", ["reshard_zero1_to_zero3", "reshard_zero3_to_zero1"])
 def test_checkpoint_reshards_across_zero_stages(four, reference, name):
-    saved: Dict[str, np.ndarray] = {}
-    loaded: Dict[str, np.ndarray] = {}
+    saved: dict[str, np.ndarray] = {}
+    loaded: dict[str, np.ndarray] = {}
     for r in four:
         saved.update(r[name]["saved"]["state"])
         loaded.update(r[name]["loaded"]["resumed"]["state"])
@@ -365,7 +365,7 @@ def test_export_from_a_vpp_zero2_checkpoint_is_the_trained_model(four, tmp_path)
     from training.hf.export import export
     from training.hf.hf_config import family_for_model
 
-    live: Dict[str, torch.Tensor] = {}
+    live: dict[str, torch.Tensor] = {}
     for r in four:
         assert r["export_vpp_zero2"]["code"] == 0
         for key, value in r["export_vpp_zero2"]["state"].items():
@@ -378,7 +378,7 @@ def test_export_from_a_vpp_zero2_checkpoint_is_the_trained_model(four, tmp_path)
     live = {n: t[: full[n].shape[0]] if t.shape != full[n].shape else t for n, t in live.items()}  # vocab padding
     ref = to_hf(live, cfg.model, family_for_model(cfg.model))
     result = export(run, str(tmp_path / "hf"))
-    got: Dict[str, torch.Tensor] = {}
+    got: dict[str, torch.Tensor] = {}
     for f in result["weight_files"]:
         got.update(load_file(str(tmp_path / "hf" / f)))
     assert result["dtype"] == "float32" and sorted(got) == sorted(ref) and got
@@ -399,12 +399,12 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _offload_single(base: str) -> Dict[str, Any]:
+def _offload_single(base: str) -> dict[str, Any]:
     """One single-rank job per process (no process group): rank 0 zero=1 without offload, rank 1 zero=3 with nvme."""
     import gc
 
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     mode = "none" if os.environ["RANK"] == "0" else "nvme"
     nvme = dict(offload=mode, offload_dir=f"{base}/nvme{os.environ['RANK']}")
@@ -418,7 +418,7 @@ def _offload_single(base: str) -> Dict[str, Any]:
     before = _resident_bytes()
     trainer = Trainer(big, f"{base}/big_{mode}", ProcessMesh.single(), checkpointing=False)
     trainer.run()
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         "resident_growth": _resident_bytes() - before,
         "big_memory": trainer.optimizer.memory_report(),
     }
@@ -479,8 +479,8 @@ def test_recompute_num_layers_activations_match_the_plan():
     """The first N layers keep only their input: the bytes saved for backward (measured with saved-tensor hooks)
     fall between full recompute and none as the plan says (within 10 %, as for the other settings)."""
     from launcher.plan.estimate import make_plan
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     torch.set_num_threads(1)
     measured, planned = {}, {}
@@ -546,9 +546,9 @@ def test_13b_example_plan_by_stage():
 
 
 def test_validate_and_recommend_reach_the_levers():
+    from launcher.plan.cost_model import cluster_rates
     from launcher.plan.validate import validate
     from launcher.planning.recommend import _deeper_zero, _partial_recompute
-    from launcher.plan.cost_model import cluster_rates
 
     report = validate(_13b())
     text = "\n".join(f"{i.key}: {i.message}; {i.fix}" for i in report.issues)

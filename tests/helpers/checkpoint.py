@@ -12,8 +12,8 @@ import torch
 
 from training.checkpoint import CheckpointManager, storage
 from training.contract.config import Config
-from training.parallel.mesh import ProcessMesh
 from training.optim import DistributedOptimizer
+from training.parallel.mesh import ProcessMesh
 
 V, H, F = 11, 4, 8
 # name -> (global shape before vocab padding, tp_shard_dim)

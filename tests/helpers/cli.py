@@ -19,7 +19,6 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -40,7 +39,7 @@ class CliResult:
     stderr: str
 
 
-def run_cli(*args: str, cwd: Optional[str] = None) -> CliResult:
+def run_cli(*args: str, cwd: str | None = None) -> CliResult:
     from hydra.core.global_hydra import GlobalHydra
 
     import launcher.cli.app as app

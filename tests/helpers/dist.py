@@ -21,7 +21,8 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, List, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -91,7 +92,7 @@ def run_distributed(
     timeout_s: float = 120.0,
     threads: int = 1,
     fresh: bool = False,
-) -> List[Any]:
+) -> list[Any]:
     """fn(*args) on world_size spawned ranks; returns the ranks' results in rank order. fresh: ranks in new
     interpreters that have imported nothing yet (a test of what the engine itself imports, and when)."""
     ctx = _context(fresh)
@@ -122,7 +123,7 @@ def run_distributed(
                 if dead and not errors:
                     raise RuntimeError(
                         f"rank(s) {dead} died without a result (exit codes {[procs[i].exitcode for i in dead]})"
-                    )
+                    ) from None
                 continue
             if ok:
                 out[rank] = value

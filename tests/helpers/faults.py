@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Dict, Iterable
+from collections.abc import Iterable
 
 from helpers import ROOT
 
@@ -86,7 +86,7 @@ if "training.main" in getattr(sys, "orig_argv", []):
 SELF_KINDS = ("kill_step", "kill_save", "kill_resume", "kill_first_step", "raise_step")
 
 
-def faults_env(tmp_path, plan: Dict[int, Dict]) -> Dict[str, str]:
+def faults_env(tmp_path, plan: dict[int, dict]) -> dict[str, str]:
     """The submitter's environment that injects `plan` (attempt -> {"kind", "rank"}) into every rank."""
     inject = tmp_path / "inject_faults"
     inject.mkdir(exist_ok=True)
@@ -112,7 +112,7 @@ def release(env, attempt: int) -> None:
     open(os.path.join(env["FAULTS_DIR"], f"release_{attempt}"), "w").close()
 
 
-_REFERENCE: Dict[tuple, tuple] = {}
+_REFERENCE: dict[tuple, tuple] = {}
 
 
 def start_reference(tmp_path_factory, *overrides) -> None:
@@ -152,7 +152,7 @@ def _stop_references() -> None:
             proc.wait()
 
 
-def reference(*overrides) -> Dict[int, float]:
+def reference(*overrides) -> dict[int, float]:
     """step -> loss of the reference run started by start_reference with the same overrides."""
     from helpers.slurm import metrics
 

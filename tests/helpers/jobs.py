@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import re
 import subprocess
-from typing import List
 
-submitted: List[str] = []
+submitted: list[str] = []
 """Job ids (an array's base id stands for all its tasks) noted since the current test began."""
 
 

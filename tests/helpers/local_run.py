@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Callable, List, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from helpers import ROOT
 
@@ -18,7 +19,7 @@ PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
     PYTHON = sys.executable
 
-TINY_RUN: List[str] = [
+TINY_RUN: list[str] = [
     "data=synthetic",
     "parallel=single",
     "cluster.gpus_per_node=1",

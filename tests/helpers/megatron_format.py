@@ -10,7 +10,7 @@ then S). NAME.bin: the sequences' tokens back to back.
 from __future__ import annotations
 
 import struct
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -47,7 +47,7 @@ def read(prefix: str) -> dict:
     assert pos + 8 * d == len(raw), "the index has trailing or missing bytes"
     dtype = np.dtype(CODES[code])
     data = open(prefix + ".bin", "rb").read()
-    seqs: List[np.ndarray] = [np.frombuffer(data, dtype, int(n), int(o)) for n, o in zip(lengths, offsets)]
+    seqs: list[np.ndarray] = [np.frombuffer(data, dtype, int(n), int(o)) for n, o in zip(lengths, offsets)]
     return {
         "version": version,
         "dtype": dtype,

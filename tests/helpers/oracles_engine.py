@@ -3,7 +3,8 @@ finalises sequence-parallel grads itself, training/optim/model_parallel.py). Use
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

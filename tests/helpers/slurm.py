@@ -16,8 +16,8 @@ import time
 import pytest
 
 from helpers import ROOT, jobs
-from launcher.slurm.sbatch import with_cpus_per_task
 from launcher.manage.status import run_status
+from launcher.slurm.sbatch import with_cpus_per_task
 from training.contract.config import ClusterConfig, Config
 from training.contract.rundir.events import read_events
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-from typing import Iterator, List, Tuple
+from collections.abc import Iterator
 
 from helpers import ROOT
 
@@ -15,7 +15,7 @@ SEARCH = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "bench")]
 sys.path."""
 
 
-def _imports(path: str) -> Iterator[Tuple[int, str]]:
+def _imports(path: str) -> Iterator[tuple[int, str]]:
     """(line, module) of every absolute import in the file, those inside functions included."""
     for node in ast.walk(ast.parse(open(path).read(), path)):
         if isinstance(node, ast.Import):
@@ -42,7 +42,7 @@ def _top_is_local(module: str) -> bool:
 
 def test_every_bench_import_resolves():
     bench = os.path.join(ROOT, "bench")
-    missing: List[str] = []
+    missing: list[str] = []
     files = sorted(f for f in os.listdir(bench) if f.endswith(".py"))
     assert files, "no benchmarks found"
     for name in files:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import statistics
-from typing import Dict, List, Tuple
 
 from helpers import ROOT
 
@@ -20,10 +19,10 @@ def _bench_engine():
     return module
 
 
-def _lockstep(rounds: int, base: Dict[str, float], after_other: float) -> Tuple[List[float], List[float]]:
+def _lockstep(rounds: int, base: dict[str, float], after_other: float) -> tuple[list[float], list[float]]:
     """Step times of the lock-step order (engine-plain, then plain-engine, ...) when a step costs `base` of its
     side, plus `after_other` when the step before it was the other side's."""
-    times: Dict[str, List[float]] = {"engine": [], "plain": []}
+    times: dict[str, list[float]] = {"engine": [], "plain": []}
     previous = "engine"  # the first round's engine step follows the engine's own warm-up
     for r in range(rounds):
         for side in ("engine", "plain") if r % 2 == 0 else ("plain", "engine"):

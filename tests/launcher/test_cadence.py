@@ -10,12 +10,12 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import ROOT
-from launcher.plan.cadence import advise, expected_goodput, resolve, young_interval_s
-from helpers.oracles_plan import simulate_goodput
-from launcher.plan.validate import validate
 from helpers.cli import compose_cfg
+from helpers.oracles_plan import simulate_goodput
+
+from launcher.plan.cadence import advise, expected_goodput, resolve, young_interval_s
+from launcher.plan.validate import validate
 from training.contract.config import checkpoint_minutes
 
 NODE_MTBF_H = 10_000.0

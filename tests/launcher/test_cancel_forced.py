@@ -11,10 +11,10 @@ import subprocess
 import time
 
 import pytest
-
 from helpers import ROOT
 from helpers.cli import meshrun
 from helpers.local_run import PYTHON, TINY_RUN
+
 from training.checkpoint import storage
 
 TINY = [

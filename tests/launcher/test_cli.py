@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import ROOT
 from helpers.cli import meshrun
 

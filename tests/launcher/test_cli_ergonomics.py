@@ -8,8 +8,9 @@ import dataclasses
 import json
 import typing
 
-from launcher.cli.keys import field_docstrings, iter_keys
 from helpers.cli import meshrun
+
+from launcher.cli.keys import field_docstrings, iter_keys
 from training.contract.config import CHOICE_FIELDS, Action, Config
 
 

@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import ROOT
 from helpers.cli import compose_cfg
+
 from launcher.cli.fast import compose, help_text
 from launcher.cli.precheck import presets
 from training.contract.actions import ACTIONS

@@ -8,15 +8,15 @@ from __future__ import annotations
 import os
 
 import pytest
+from helpers import ROOT
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from helpers import ROOT
+from launcher.cli.schema import register
 from launcher.plan.context_memory import MIB, gpu_memory_bytes
 from launcher.plan.estimate import make_plan, with_parallel
 from launcher.plan.validate import validate
 from launcher.planning.recommend import layouts, recommend
-from launcher.cli.schema import register
 from training.contract.config import Config
 
 register()

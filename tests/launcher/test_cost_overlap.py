@@ -5,10 +5,10 @@ more than its compute window), and that the recommender's DP-heavy layouts gain 
 from __future__ import annotations
 
 import pytest
+from helpers.cli import compose_cfg
 
 from launcher.plan.cost_model import OVERLAP_EFFICIENCY, overlap_hidden_s
 from launcher.plan.estimate import make_plan
-from helpers.cli import compose_cfg
 
 # A DP-heavy GPU layout: 8 x 8 GPUs, tp 1, so the grads of a 1.3B model cross the nodes in many buckets.
 DP_HEAVY = (

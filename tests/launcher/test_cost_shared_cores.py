@@ -6,12 +6,12 @@ a layout whose ranks all compute at once keeps its step; and calibration runs wr
 from __future__ import annotations
 
 import pytest
+from helpers.cli import compose_cfg
 
 from launcher.plan.cost_model import Rates, shared_cores_s
 from launcher.plan.estimate import make_plan
 from launcher.plan.validate import validate
 from launcher.planning.calibrate import _run_config
-from helpers.cli import compose_cfg
 
 SMALL = (
     "data=synthetic",

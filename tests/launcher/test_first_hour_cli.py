@@ -11,9 +11,9 @@ import threading
 from importlib.metadata import version
 
 import pytest
-
 from helpers import ROOT
 from helpers.cli import run_cli
+
 from training.contract.exit_codes import EXIT_INTERRUPTED, EXIT_INVALID
 
 DRY = ("cluster=slurm_dev", "dry_run=true", "model=tiny", "cluster.cpus_per_task=4")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import List
 
 from helpers.cli import run_cli
+
 from launcher.planning.auto import pinned_values
 from training.contract.config import Config
 
@@ -88,7 +88,7 @@ def test_dgx_presets_cross_nodes_at_their_nics_bandwidth():
 KEY_VALUE = re.compile(r"^[a-z_]+(\.[a-z_0-9]+)*=\S+$")
 
 
-def untypeable(fix: str) -> List[str]:
+def untypeable(fix: str) -> list[str]:
     """The alternatives of a `fix:` text a user cannot type: each alternative (split at "; ", ", or ", " or ",
     ", ") must be key=value tokens, a `meshrun ...`, `make ...` or `bash ...` command, or another value of the key
     before it (`parallel.global_batch=8 or 16`); `<placeholders>` stand for a value, "(...)" explains, ": ..."

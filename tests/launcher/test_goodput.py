@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import os
 
+import helpers.slurm as dev
 import pytest
 
-import helpers.slurm as dev
 from launcher.manage.goodput import CAUSES, GOODPUT_FILE, compute
 from launcher.manage.report import build_report
 from launcher.manage.status import run_status, sweep_status

@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))

@@ -18,10 +18,8 @@ import zipfile
 import pynvml
 import pytest
 import torch
-
-from helpers.dist import run_distributed
-
 from helpers import ROOT
+from helpers.dist import run_distributed
 
 PY = sys.executable
 
@@ -171,8 +169,8 @@ def test_makefile_comment_matches_what_install_does(tmp_path):
 
 # ---------------------------------------------------------------- MFU peak (would-fail 2)
 def test_mfu_peak_on_cuda_is_the_warmed_up_saturating_probe(monkeypatch):
-    import training.run.loop as loop
     import training.preflight.matmul as matmul
+    import training.run.loop as loop
 
     calls = []
     monkeypatch.setattr(
@@ -272,6 +270,7 @@ def test_throttle_reasons_on_drivers_before_r535():
     """A new nvidia-ml-py on an old driver: the clocks-event call is FUNCTION_NOT_FOUND, the throttle-reasons
     call answers, and a hardware slowdown still fails."""
     from helpers.doubles import fake_nvml, healthy_gpu
+
     from training.contract.config import PreflightConfig
     from training.preflight.gpu_nvml import check_gpus
 
@@ -303,6 +302,7 @@ def test_nvml_library_mismatch_in_a_query_is_a_warning_not_a_crash():
     """R21: on a driver before R510 pynvml's unversioned process query raises NVMLLibraryMismatchError (not an
     NVMLError); `_try` makes it a reason, and the foreign-memory check warns that it could not look."""
     from helpers.doubles import fake_nvml, healthy_gpu
+
     from training.contract.config import PreflightConfig
     from training.preflight.gpu_nvml import _try, check_gpus
 
@@ -360,6 +360,7 @@ def test_engine_env_sets_the_allocator_and_gloo_interface_on_gpus():
     binds to NCCL's interface when NCCL_SOCKET_IFNAME names it exactly (gloo has no prefix or exclusion form);
     R1: the dgx_h100 preset leaves the site's interface, GID index and NVLS unset."""
     from helpers.cli import compose_cfg
+
     from launcher.launch.processes import engine_env, gloo_ifname
 
     cfg = compose_cfg("cluster=dgx_h100", "parallel=tp8")
@@ -382,6 +383,7 @@ def test_pinned_offload_arena_is_planned_at_the_host_allocators_rounding():
     the arena's bytes (the optimizer's memory_report equals it); host_offload_pinned is what a GPU rank's one
     pinned arena takes, and the preflight's host-memory check counts that. A CPU rank pins nothing."""
     from helpers.cli import compose_cfg
+
     from launcher.plan.estimate import make_plan
     from launcher.plan.memory import pinned_host_bytes
     from training.preflight import node_ops
@@ -576,6 +578,7 @@ def test_compute_time_uses_events_on_the_compute_stream(monkeypatch):
 # ---------------------------------------------------------------- collectives on older torch
 def test_single_collectives_fall_back_on_older_torch(monkeypatch):
     import torch.distributed as dist
+
     import training.parallel.collectives as coll
 
     monkeypatch.delattr(dist, "all_gather_single", raising=False)
@@ -625,9 +628,9 @@ def test_cuda_activation_profile_matches_what_a_16bit_layer_saves():
     dropout equal the planner's CUDA profile, which is Megatron's accounting again: 1-byte boolean dropout masks
     and only the 16-bit probabilities of the softmax (computed in fp32 inside; training/model/dropout_softmax.py)."""
     from launcher.plan.memory import device_profile, layer_activation_bytes
-    from training.parallel.mesh import ProcessMesh
     from training.model.gpt import build_gpt
     from training.observe.saved_bytes import SavedBytes
+    from training.parallel.mesh import ProcessMesh
 
     def saved(layers):
         cfg = _cfg(num_layers=layers, dropout=0.1, attention="math")

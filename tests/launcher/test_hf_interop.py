@@ -36,7 +36,9 @@ from helpers.hf import (
     _train,
     meshrun,
 )
+
 from training.contract.config import Config  # noqa: E402
+from training.contract.layout_rules import padded_vocab  # noqa: E402
 from training.hf.convert import local_from_hf, to_hf  # noqa: E402
 from training.hf.hf_config import (  # noqa: E402
     HFError,
@@ -47,7 +49,6 @@ from training.hf.hf_config import (  # noqa: E402
 )
 from training.hf.init_from import SliceReader  # noqa: E402
 from training.hf.safetensors_index import check_tensors  # noqa: E402
-from training.contract.layout_rules import padded_vocab  # noqa: E402
 
 V, SEQ = 97, 32
 # A wide init: greedy continuations of a model at the usual 0.02 repeat one token, which would prove little.
@@ -309,7 +310,8 @@ def test_gpt2_at_tp2_pp2_loss_generation_and_export_round_trip(hf_dirs, tmp_path
     back = _tensors(str(tmp_path / "gpt2_export"))
     assert sorted(back) == sorted(saved) and all(torch.equal(back[k], saved[k]) for k in saved)
     # What action=export and action=generate run, in this process: input the user can fix exits 2 with the fix.
-    from training.hf import export as export_cmd, generate as generate_cmd
+    from training.hf import export as export_cmd
+    from training.hf import generate as generate_cmd
 
     assert export_cmd.main([run, "--output", str(tmp_path / "gpt2_export")]) == 2
     assert "already exists" in capsys.readouterr().err  # never written over
@@ -345,9 +347,10 @@ def test_llama_trained_at_tp2_dp2_zero1_exports_what_transformers_reads(hf_dirs,
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["step"] == 5 and "model.safetensors.index.json" in result["files"] and len(result["weight_files"]) > 2
     model = _hf_model(out_dir)
-    from training.hf.checkpoint_reader import read_checkpoint
-    from training.hf.generate import run as generate_run, single_process_model
     from training.contract.config import GenerateConfig
+    from training.hf.checkpoint_reader import read_checkpoint
+    from training.hf.generate import run as generate_run
+    from training.hf.generate import single_process_model
 
     saved_cfg, _, full = read_checkpoint(run)
     chunk = single_process_model(saved_cfg, full)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from helpers.cli import run_cli
 
 transformers = pytest.importorskip("transformers", reason="the refusals are of configs transformers writes")

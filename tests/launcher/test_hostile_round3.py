@@ -14,8 +14,8 @@ import sys
 import time
 
 import pytest
-
 from helpers import ROOT
+
 from training.contract.rundir import lock
 
 
@@ -143,10 +143,11 @@ def test_a_huge_size_is_refused_at_once(tmp_path):
 def test_partial_recompute_finds_the_fewest_layers_by_bisection():
     """The no-fit fix `recompute_num_layers=N` names the fewest recomputed layers that fit, as the one-by-one
     search did (checked against it here), with a plan per bisection step instead of one per count."""
+    from helpers.cli import compose_cfg
+
     from launcher.plan import validate as v
     from launcher.plan.estimate import make_plan
     from launcher.plan.model_size import chunk_layers
-    from helpers.cli import compose_cfg
 
     cfg = compose_cfg("model=gpt2_125m", "data=synthetic", "parallel=single", "cluster.gpus_per_node=1")
     cfg.model.num_layers = 96

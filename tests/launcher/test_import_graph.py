@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import ast
 import os
-from typing import Dict, List, Set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<package>/this file
 PACKAGES = ("launcher", "training")
 
 
-def _modules() -> Dict[str, str]:
+def _modules() -> dict[str, str]:
     out = {}
     for top in PACKAGES:
         for d, dirs, files in os.walk(os.path.join(ROOT, top)):
@@ -24,7 +23,7 @@ def _modules() -> Dict[str, str]:
     return out
 
 
-def _imports(path: str) -> List[str]:
+def _imports(path: str) -> list[str]:
     """Every module name an import statement of the file names (`from a.b import c`: a.b and a.b.c)."""
     names = []
     for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
@@ -36,7 +35,7 @@ def _imports(path: str) -> List[str]:
     return names
 
 
-def _graph(mods: Dict[str, str]) -> Dict[str, Set[str]]:
+def _graph(mods: dict[str, str]) -> dict[str, set[str]]:
     graph = {}
     for name, path in mods.items():
         deps = set()
@@ -53,7 +52,7 @@ def _graph(mods: Dict[str, str]) -> Dict[str, Set[str]]:
     return graph
 
 
-def _imports_names_of(path: str, pkg: str, mods: Dict[str, str]) -> bool:
+def _imports_names_of(path: str, pkg: str, mods: dict[str, str]) -> bool:
     """Whether the file takes a name from pkg's __init__ itself (not only submodules of pkg)."""
     for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
         if isinstance(node, ast.ImportFrom) and node.module == pkg and node.level == 0:
@@ -64,13 +63,13 @@ def _imports_names_of(path: str, pkg: str, mods: Dict[str, str]) -> bool:
     return False
 
 
-def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan, iterative)."""
-    index: Dict[str, int] = {}
-    low: Dict[str, int] = {}
-    stack: List[str] = []
-    on: Set[str] = set()
-    out: List[List[str]] = []
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
     counter = 0
     for root in sorted(graph):
         if root in index:
@@ -142,7 +141,7 @@ def test_launcher_never_imports_torch_and_training_never_imports_hydra():
     assert not wrong, wrong
 
 
-def _module_level_imports(path: str) -> List[str]:
+def _module_level_imports(path: str) -> list[str]:
     """Imports that run when the module is imported (module level, not inside functions or TYPE_CHECKING)."""
     names = []
     tree = ast.parse(open(path, encoding="utf-8").read(), path)
@@ -165,9 +164,9 @@ def test_no_launcher_module_loads_torch_on_import():
     # Transitively: a launcher module imports training modules (and their packages' __init__), which must then
     # be torch-free at import time. Static, so that it costs no interpreter start.
     mods = _modules()
-    seen: Set[str] = set()
+    seen: set[str] = set()
     todo = [n for n in mods if n.startswith("launcher")]
-    chain: Dict[str, str] = {}
+    chain: dict[str, str] = {}
     wrong = []
     while todo:
         name = todo.pop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from helpers import ROOT
+
 from launcher.cli.keys import iter_keys
 from launcher.cli.keys_doc import KEYS_MD, REGENERATE, generated
 

@@ -2,8 +2,8 @@
 form composes back to that layout."""
 
 import pytest
-
 from helpers.cli import compose_cfg
+
 from launcher.plan.estimate import make_plan
 from training.contract.layout_text import FORMS, format_layout, layout_of
 

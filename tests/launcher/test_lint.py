@@ -10,7 +10,6 @@ import sys
 
 from helpers import ROOT
 
-
 TREE = ("launcher", "training", "hydra_plugins", "bench", "tests")
 
 

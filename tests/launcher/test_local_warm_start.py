@@ -17,7 +17,6 @@ import subprocess
 import time
 
 import pytest
-
 from helpers import ROOT
 from helpers.cli import run_cli
 from helpers.local_run import PYTHON, wait_for

@@ -20,19 +20,6 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra: pip install -e .[test]")
 pytest.importorskip("safetensors.torch", reason="safetensors is a runtime dependency")
 
-from training.contract.config import GenerateConfig  # noqa: E402
-from training.hf.convert import local_from_hf, to_hf  # noqa: E402
-from training.hf.generate import generate_tokens  # noqa: E402
-from training.hf.hf_config import (
-    HFError,
-    MIXTRAL,
-    family_for_model,
-    hf_config_from_model,  # noqa: E402
-    model_fields_from_hf,
-    read_hf_config,
-)
-from training.hf.init_from import SliceReader  # noqa: E402
-from training.hf.safetensors_index import check_tensors  # noqa: E402
 from helpers.hf import (
     PROMPT,
     _batch,
@@ -46,6 +33,20 @@ from helpers.hf import (
     _tensors,
     _train,
 )
+
+from training.contract.config import GenerateConfig  # noqa: E402
+from training.hf.convert import local_from_hf, to_hf  # noqa: E402
+from training.hf.generate import generate_tokens  # noqa: E402
+from training.hf.hf_config import (
+    MIXTRAL,
+    HFError,
+    family_for_model,
+    hf_config_from_model,  # noqa: E402
+    model_fields_from_hf,
+    read_hf_config,
+)
+from training.hf.init_from import SliceReader  # noqa: E402
+from training.hf.safetensors_index import check_tensors  # noqa: E402
 
 V, SEQ, E = 97, 32, 4
 

@@ -7,7 +7,9 @@ import math
 from dataclasses import replace
 
 import torch
+from helpers.cli import compose_cfg
 
+from launcher.plan.cost_model import cluster_rates
 from launcher.plan.estimate import make_plan, with_parallel
 from launcher.plan.memory import OPTIMIZER_BYTES
 from launcher.plan.model_size import (
@@ -20,8 +22,6 @@ from launcher.plan.model_size import (
 from launcher.plan.moe import all_to_all_bytes, expert_dp, expert_params
 from launcher.plan.validate import validate
 from launcher.planning.recommend import search
-from launcher.plan.cost_model import cluster_rates
-from helpers.cli import compose_cfg
 
 # Mixtral of Experts (Jiang et al. 2024, arXiv:2401.04088) and Mistral AI's model card: 46.7B parameters in
 # total, 12.9B used per token; the Hugging Face checkpoint holds 46,702,792,704 elements.
@@ -131,8 +131,8 @@ def test_recommend_searches_ep():
 def test_the_engine_holds_the_planned_parameters():
     """The planner's counts are the engine's: the tiny MoE built by training/model/gpt.py, on one process, whole and
     as the second of two ep ranks."""
-    from training.parallel.mesh import ProcessMesh
     from training.model.gpt import build_gpt
+    from training.parallel.mesh import ProcessMesh
 
     cfg = compose_cfg("model=tiny_moe", "parallel=single")
     (chunk,) = build_gpt(cfg, ProcessMesh.single(), torch.float32)

@@ -9,7 +9,6 @@ import pytest
 
 from launcher.manage.report import build_report
 
-
 TITLE = "Expert load balance (max tokens per expert / mean)"
 
 

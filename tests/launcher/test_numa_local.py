@@ -15,7 +15,6 @@ import os
 import subprocess
 
 import pytest
-
 from helpers import ROOT
 from helpers.local_run import PYTHON, TINY_RUN
 

@@ -16,10 +16,10 @@ import subprocess
 import time
 
 import pytest
-
 from helpers import ROOT
 from helpers.cli import run_cli
 from helpers.local_run import PYTHON, TINY_RUN
+
 from launcher.manage.status_table import format_table
 from training.observe.metrics import PURGED_FILE, purge_after
 from training.observe.progress import Progress, format_duration

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import os
 
-
 from helpers.cli import compose_cfg
 from helpers.doubles import write_port
+
 from training.contract.config import Config
 from training.contract.rundir.events import read_events
 from training.observe.health import XID, HealthSampler

@@ -12,7 +12,6 @@ import sysconfig
 import zipfile
 
 import pytest
-
 from helpers import ROOT
 
 CODE_DIRS = ("launcher", "training", "hydra_plugins")

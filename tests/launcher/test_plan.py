@@ -8,9 +8,11 @@ import sys
 from fractions import Fraction
 
 import pytest
-
 from helpers import ROOT
 from helpers.cli import compose_cfg
+from helpers.oracles_plan import korthikanti_table2, narayanan_params
+
+from launcher.plan.estimate import bubble, make_plan, with_parallel
 from launcher.plan.memory import (
     KORTHIKANTI,
     DeviceProfile,
@@ -20,16 +22,12 @@ from launcher.plan.memory import (
     model_state_bytes_per_param,
     stage_activation_bytes,
 )
-from helpers.oracles_plan import korthikanti_table2
 from launcher.plan.model_size import (
     hardware_flops_per_step,
     model_flops_per_step,
     params_total,
     stage_params,
 )
-from helpers.oracles_plan import narayanan_params
-from launcher.plan.estimate import bubble, make_plan, with_parallel
-
 
 # ---- Korthikanti et al. 2022, Table 2 ------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from helpers.cli import compose_cfg
+
 from launcher.plan.estimate import make_plan, with_parallel
 from launcher.plan.plan_cache import PlanCache
 from training.contract.config import ParallelConfig, derived_dp

@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers.cli import run_cli
 
 MESHRUN = os.path.join(os.path.dirname(sys.executable), "meshrun")

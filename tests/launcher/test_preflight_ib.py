@@ -1,8 +1,8 @@
 """IB sysfs checks on fixture trees written exactly as the kernel writes them."""
 
 import pytest
-
 from helpers.doubles import write_port
+
 from training.preflight.ib_sysfs import check_ib, expected_hcas, parse_enum, parse_rate, snapshot
 from training.preflight.report import FAIL, OK, WARN
 

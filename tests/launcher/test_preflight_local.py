@@ -8,9 +8,9 @@ import sys
 import time
 
 import pytest
-
-from helpers.doubles import write_port
 from helpers import ROOT
+from helpers.doubles import write_port
+
 from training.contract.rundir.events import read_events
 from training.preflight.collectives import bus_factor
 

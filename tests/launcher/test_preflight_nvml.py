@@ -4,8 +4,8 @@ import types
 
 import pynvml
 import pytest
-
 from helpers.doubles import H100_LINKS, fake_nvml, healthy_gpu
+
 from training.contract.config import PreflightConfig
 from training.preflight.gpu_nvml import check_gpus, cuda_version_text, pci_bus_to_sysfs
 from training.preflight.report import FAIL, WARN

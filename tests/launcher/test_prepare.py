@@ -10,16 +10,16 @@ import os
 import subprocess
 import sys
 
+import helpers.megatron_format as mf
 import numpy as np
 import pytest
-
 from helpers import ROOT
 from helpers.cli import run_cli
+
 import launcher.data.prepare as lp
-import helpers.megatron_format as mf
 from training.contract.config import PrepareConfig
-from training.data import DataError
 from training.contract.tokenizer import TokenizerError, load_tokenizer
+from training.data import DataError
 
 MESHRUN = os.path.join(os.path.dirname(sys.executable), "meshrun")
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import os
 
+import helpers.megatron_format as mf
 import pyarrow as pa
 import pyarrow.ipc
 import pyarrow.parquet as pq
 import pytest
 
 import launcher.data.prepare as lp
-import helpers.megatron_format as mf
 from training.contract.config import PrepareConfig
 from training.data import DataError
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 
 import pytest
+from helpers import ROOT
 
 import launcher.data.prepare as lp
-from helpers import ROOT
 from training.contract.config import PrepareConfig
 from training.data import DataError
 

@@ -9,12 +9,12 @@ import os
 import subprocess
 import sys
 
+import helpers.megatron_format as mf
 import numpy as np
 import pytest
-
 from helpers import ROOT
+
 import launcher.data.prepare as lp
-import helpers.megatron_format as mf
 from training.contract.config import PrepareConfig
 from training.data import DataError
 
@@ -96,7 +96,7 @@ def test_leftovers_of_a_killed_prepare_are_no_dataset_and_block_nothing(tmp_path
     assert p.returncode == -9, p.stderr[-2000:]
     left = sorted(os.listdir(out.parent))
     assert left and all(".tmp-" in n for n in left), left  # nothing under a final name
-    with pytest.raises(Exception):
+    with pytest.raises(FileNotFoundError):  # no index under the final name
         mf.read(str(out))
     desc = lp.prepare(
         PrepareConfig(inputs=[str(src)], output=str(out), progress=False, workers=1, valid_fraction=0.0)

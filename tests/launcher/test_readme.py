@@ -7,10 +7,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from typing import List, Optional, Tuple
 
 import pytest
-
 from helpers import ROOT
 from helpers.cli import run_cli
 
@@ -24,9 +22,9 @@ def _text(path: str) -> str:
         return f.read()
 
 
-def _bash_commands(text: str) -> List[str]:
+def _bash_commands(text: str) -> list[str]:
     """The command lines of the ```bash blocks, continuation lines joined and comments dropped."""
-    cmds: List[str] = []
+    cmds: list[str] = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         joined = re.sub(r"\\\n\s*", " ", block)
         for line in joined.splitlines():
@@ -89,12 +87,12 @@ seconds of two shared cores per command and starts rank processes (tests/engine/
 the same launches); each kind names the test that covers it."""
 
 
-def _doc_commands(path: str, home: str) -> List[Tuple[List[str], List[str]]]:
+def _doc_commands(path: str, home: str) -> list[tuple[list[str], list[str]]]:
     """The meshrun commands of a doc's ```bash blocks as argv lists (a `J="..."` variable expanded, `~` and the
     guide's /home/me as `home`), each with the `#   ` output lines printed under it. Files the block writes with
     `cat > FILE <<'YAML'` are written under `home`."""
     text = _text(path)
-    out: List[Tuple[List[str], List[str]]] = []
+    out: list[tuple[list[str], list[str]]] = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for name, body in re.findall(r"cat > (\S+) <<'YAML'\n(.*?)\nYAML\n", block, flags=re.S):
             target = name.replace("~", home)
@@ -118,7 +116,7 @@ def _doc_commands(path: str, home: str) -> List[Tuple[List[str], List[str]]]:
     return out
 
 
-def _why_not_run(args: List[str]) -> Optional[str]:
+def _why_not_run(args: list[str]) -> str | None:
     """None for a command this test runs; otherwise why not (and where it is tested)."""
     if args == ["--version"] or args == ["action=runs"] or "dry_run=true" in args and "cluster=slurm_dev" not in args:
         return None

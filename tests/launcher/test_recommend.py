@@ -9,12 +9,11 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import ROOT
-from launcher.planning.calibrate import choose, spearman
-from launcher.planning.recommend import PARALLEL_KEYS, recommend
 from helpers.cli import compose_cfg
 
+from launcher.planning.calibrate import choose, spearman
+from launcher.planning.recommend import PARALLEL_KEYS, recommend
 
 # Korthikanti et al. 2022 Table 3: preset -> DGX A100 nodes (22B: 8 GPUs, 175B: 64, 530B: 280, 1T: 512).
 KORTHIKANTI = {"korthikanti_22b": 1, "korthikanti_175b": 8, "korthikanti_530b": 35, "korthikanti_1t": 64}

@@ -16,10 +16,10 @@ import shutil
 import subprocess
 
 import pytest
-
 from helpers import ROOT
 from helpers.cli import run_cli
 from helpers.local_run import PYTHON, TINY_RUN
+
 from launcher.manage.report import build_report, sweep_points
 from training.contract.rundir.events import append_event
 

@@ -9,6 +9,7 @@ import json
 import os
 
 from helpers.doubles import fake_nvml, healthy_gpu
+
 from launcher.manage.report import build_report
 from training.observe.health import HealthSampler
 

@@ -9,6 +9,7 @@ import math
 import re
 
 from helpers.cli import compose_cfg, run_cli
+
 from launcher.plan.cadence import advise
 from launcher.planning.gate import SIGNAL_SAVE_MARGIN, signal_delay_issue
 

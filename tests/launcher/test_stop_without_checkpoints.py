@@ -14,7 +14,6 @@ import subprocess
 import time
 
 import pytest
-
 from helpers import ROOT
 from helpers.cli import meshrun
 from helpers.local_run import PYTHON, TINY_RUN, wait_for

@@ -12,16 +12,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
-import shutil
-
 import pytest
-from omegaconf import OmegaConf
-
 from helpers import ROOT
 from helpers.cli import run_cli
+from omegaconf import OmegaConf
 
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
@@ -118,7 +116,6 @@ def test_composer_matches_hydra_and_composes_once_per_group_set():
 
     sys.path.insert(0, ROOT)
     import launcher.cli.schema
-
     from hydra_plugins.meshrun_sweep._composer import CachedComposer
 
     launcher.cli.schema.register()
@@ -344,8 +341,8 @@ def test_config_yaml_is_yaml_dump():
     import yaml
 
     sys.path.insert(0, ROOT)
-    from training.contract.rundir.config_files import _DUMPER, config_yaml
     from training.contract.config import Config, config_to_dict
+    from training.contract.rundir.config_files import _DUMPER, config_yaml
 
     plain = config_to_dict(Config())
     plain["cluster"]["env"] = {"A": "yes", "B": "1.0", "C": "line\nbreak", "D": "ünïcode: x", "E": ""}

@@ -17,13 +17,12 @@ import stat
 import subprocess
 import sys
 
+import helpers.slurm as dev
 import pytest
-
 from helpers import ROOT
 from helpers.cli import run_cli
-from training.contract.rundir.secret_env import PLACEHOLDER
 
-import helpers.slurm as dev
+from training.contract.rundir.secret_env import PLACEHOLDER
 
 SECRET = "hf_sw33p-s3cr3t-4c2e"
 OWN_PROCESSES = ("joblib", "submitit_local")  # launchers whose points run in processes they start

@@ -17,7 +17,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from helpers import ROOT
 from helpers.cli import run_cli
 from helpers.local_run import PYTHON, TINY_RUN, wait_for
@@ -221,8 +220,8 @@ def test_reserved_env_names_and_sbatch_prefixes_are_refused(tmp_path):
 def test_prepare_refuses_an_existing_dataset_and_the_tokenizer_sha_is_checked(tmp_path):
     from launcher.data.prepare import prepare
     from training.contract.config import PrepareConfig
-    from training.data.sources import DataError
     from training.contract.tokenizer import TokenizerError, load_tokenizer
+    from training.data.sources import DataError
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("".join(f"document {i} says hello world\n\n" for i in range(50)))

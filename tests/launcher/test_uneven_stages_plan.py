@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers.cli import compose_cfg, run_cli
+
 from launcher.plan.estimate import format_plan, make_plan, with_parallel
 from launcher.plan.model_size import params_total, rank_layers, stage_params
 from launcher.plan.validate import validate

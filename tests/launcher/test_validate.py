@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from helpers import ROOT
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from helpers import ROOT
-from launcher.plan.estimate import with_parallel
 from launcher.cli.schema import register
+from launcher.plan.estimate import with_parallel
 from launcher.plan.validate import validate
 from launcher.planning.gate import validate_for_launch
 from training.contract.config import Config

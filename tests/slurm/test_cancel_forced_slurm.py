@@ -13,11 +13,10 @@ import subprocess
 import time
 
 import pytest
+from helpers.slurm import ROOT, meshrun
 
 from launcher.slurm import queries as slurm_queries
 from training.contract.rundir.events import read_events
-
-from helpers.slurm import ROOT, meshrun
 
 pytestmark = pytest.mark.slurm
 

@@ -10,8 +10,8 @@ import re
 import subprocess
 
 import pytest
-
 from helpers.slurm import meshrun
+
 from launcher.slurm.queries import job_alive
 from training.contract.rundir.events import read_events
 from training.contract.rundir.lock import read_holder

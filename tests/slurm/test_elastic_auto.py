@@ -18,8 +18,8 @@ import dataclasses
 import json
 
 import pytest
-
 from helpers.cli import compose_cfg, meshrun
+
 from launcher.plan.validate import validate
 from launcher.planning.auto import choose
 from launcher.slurm.elastic import apply_resize, elastic_checks, layout, layout_errors, plan_resize

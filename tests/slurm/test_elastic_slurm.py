@@ -13,7 +13,10 @@ import subprocess
 import sys
 import time
 
+import helpers.slurm as dev
 import pytest
+from helpers.checkpoint import load_worker, save_worker
+from helpers.dist import run_distributed
 
 from launcher.plan.validate import validate
 from launcher.planning.gate import validate_for_launch
@@ -21,10 +24,6 @@ from launcher.slurm.elastic import elastic_checks, layout, plan_resize, pool, wi
 from launcher.slurm.requeue import decide
 from training.contract.config import Config
 from training.contract.rundir.events import read_events
-
-import helpers.slurm as dev
-from helpers.checkpoint import load_worker, save_worker
-from helpers.dist import run_distributed
 
 
 def _cfg(nodes=3, global_batch=6, min_nodes=2, wait_min=0.0) -> Config:

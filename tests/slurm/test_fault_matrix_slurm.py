@@ -17,21 +17,19 @@ import subprocess
 import sys
 import time
 
+import helpers.slurm as dev
 import pytest
+from helpers.cli import run_cli
+from helpers.slurm import COMMON, ROOT, dev_cfg, meshrun, metrics, submit, wait_final, wait_step
 
+from launcher.manage.status import RETRY_CAUSES, retries_used
 from launcher.slurm.requeue import decide
 from launcher.slurm.sbatch import SlurmConfigError, array_job_spec, job_spec, sbatch_text, validate_for_slurm
-from launcher.manage.status import RETRY_CAUSES, retries_used
 from training.contract import slurm_env
-from training.contract.rundir.events import read_events
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK
+from training.contract.rundir.events import read_events
 from training.contract.rundir.lock import LOCK_FILE, read_holder
 from training.contract.rundir.secret_env import PLACEHOLDER
-
-import helpers.slurm as dev
-from helpers.slurm import COMMON, ROOT, meshrun, metrics, submit, wait_final, wait_step
-from helpers.slurm import dev_cfg
-from helpers.cli import run_cli
 
 PY = sys.executable
 LOCAL = [

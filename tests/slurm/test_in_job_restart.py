@@ -15,20 +15,19 @@ its lost steps are the steps computed twice (metrics.purged.jsonl).
 from __future__ import annotations
 
 import json
-import time
 import subprocess
 import sys
+import time
 
-import pytest
-
-from helpers import jobs as noted_jobs
 import helpers.slurm as dev
+import pytest
+from helpers import jobs as noted_jobs
+
 from launcher.manage.goodput import CAUSES, GOODPUT_FILE, compute
-from launcher.slurm import in_job
 from launcher.manage.status import run_status
+from launcher.slurm import in_job
 from training.contract.config import ClusterConfig
 from training.contract.rundir.events import read_events
-
 
 # Faults by attempt, at the entry of a training step (state.step = steps completed): rows 1..K are logged.
 INJECT = r"""import json, os, signal, subprocess, sys
@@ -261,8 +260,9 @@ def test_goodput_segments_add_up_and_count_recomputed_steps():
 def test_batch_script_loops_over_steps_in_one_allocation(tmp_path):
     """The sbatch text: nodes + spares with --no-kill, srun on the prologue's step nodes, the epilogue's
     EXIT_RESTART_IN_JOB starts the next step; valid bash (bash -n). Without in-job restarts: unchanged."""
-    from launcher.slurm.sbatch import job_spec, preflight_job_spec, sbatch_text
     from helpers.slurm import dev_cfg
+
+    from launcher.slurm.sbatch import job_spec, preflight_job_spec, sbatch_text
     from training.contract.exit_codes import EXIT_RESTART_IN_JOB
 
     script = sbatch_text(job_spec(dev_cfg(spare_nodes=1, max_in_job_restarts=2), str(tmp_path)))
@@ -292,8 +292,9 @@ def test_batch_script_loops_over_steps_in_one_allocation(tmp_path):
 def test_cadence_counts_the_cheaper_in_job_restart_when_spares_exist():
     """checkpoint_every_min=auto's expected goodput: with 2 spares (and restarts allowed) 2 of every 3 node
     failures restart in the job (cluster.in_job_restart_min) and one requeues (cluster.restart_min)."""
-    from launcher.plan.cadence import advise, expected_goodput
     from helpers.slurm import dev_cfg
+
+    from launcher.plan.cadence import advise, expected_goodput
 
     cfg = dev_cfg(node_mtbf_h=2.0, restart_min=30.0, in_job_restart_min=1.5)
     cfg.train.checkpoint_every_min = "auto"

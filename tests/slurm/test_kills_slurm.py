@@ -11,9 +11,9 @@ import subprocess
 import time
 
 import pytest
-
 from helpers.faults import faults_env, reference, start_reference, wait_held
 from helpers.slurm import COMMON, STEPS, meshrun, metrics, submit, wait_final
+
 from launcher.manage.status import run_status
 from training.contract.rundir.events import read_events
 

@@ -13,13 +13,12 @@ import sys
 import time
 
 import pytest
+from helpers.slurm import ROOT, meshrun
 
 from launcher.manage import status as status_mod
 from launcher.slurm import queries as slurm_queries
 from training.checkpoint.storage import step_dir, verify
 from training.contract.rundir.events import read_events
-
-from helpers.slurm import ROOT, meshrun
 
 pytestmark = pytest.mark.slurm
 

@@ -12,7 +12,6 @@ import subprocess
 import time
 
 import pytest
-
 from helpers.faults import reference as shared_reference
 from helpers.faults import start_reference
 from helpers.slurm import (
@@ -27,9 +26,10 @@ from helpers.slurm import (
     wait_started,
     wait_step,
 )
+
 from launcher.manage.status import run_status
-from training.contract.rundir.events import read_events
 from training.contract.exit_codes import EXIT_SLURM
+from training.contract.rundir.events import read_events
 
 pytestmark = pytest.mark.slurm
 
@@ -173,7 +173,7 @@ def test_sweep_submits_valid_points_as_one_job_array_and_skips_invalid(tmp_path,
     assert "micro_batch=3" in res.stdout + res.stderr
     assert len({job.split("_")[0] for job, _ in jobs}) == 1  # one sbatch: tasks <array>_0.._2
     summary = res.stdout.split("sweep summary")[-1]
-    for job, run_dir in jobs:
+    for job, _run_dir in jobs:
         assert job in summary  # the summary table lists the job ids
     preempted_job, preempted = jobs[1]
     wait_step(preempted, 3)
@@ -220,7 +220,7 @@ def test_sweep_with_wait_ends_with_every_points_final_state(tmp_path, cluster):
     sweep = json.load(open(sweep_dir / "sweep.json"))
     states = {r["run_dir"]: r["state"] for r in sweep["feasible"]}
     assert states == {jobs[0][1]: "COMPLETED", jobs[1][1]: "FAILED"}, states
-    for job, run_dir in jobs:  # returned only after both ended for good
+    for _job, run_dir in jobs:  # returned only after both ended for good
         assert read_events(run_dir)[-1]["event"] in ("completed", "stopped")
     assert "missing" in run_status(jobs[1][1])["reason"]
     out = meshrun("action=status", f"run.dir={sweep_dir}")  # the whole sweep at once

@@ -10,7 +10,6 @@ import subprocess
 import time
 
 import pytest
-
 from helpers.slurm import metrics, submit
 
 pytestmark = pytest.mark.slurm

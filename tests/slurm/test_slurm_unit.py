@@ -10,9 +10,10 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers.cli import run_cli
 from helpers.slurm import dev_cfg
+
+from launcher.manage.status import run_status
 from launcher.slurm import numa
 from launcher.slurm.requeue import decide, plan_exclusion
 from launcher.slurm.sbatch import (
@@ -31,10 +32,9 @@ from launcher.slurm.sbatch import (
     validate_for_slurm,
     with_cpus_per_task,
 )
-from launcher.manage.status import run_status
+from training.contract import slurm_env
 from training.contract.config import ClusterConfig, Config, ContainerConfig
 from training.contract.rundir.events import append_event
-from training.contract import slurm_env
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "slurm_dry_run.txt")
 
@@ -78,7 +78,7 @@ def test_gpus_requested_only_on_cuda(tmp_path):
 
 
 def test_env_values_with_metacharacters_arrive_verbatim(tmp_path):
-    nasty = "$(touch %s/pwned); `id` 'q' \"d\" \\ ; & | > <" % tmp_path
+    nasty = f"$(touch {tmp_path}/pwned); `id` 'q' \"d\" \\ ; & | > <"
     cfg = dev_cfg(env={"MESHRUN_NASTY": nasty})
     lines = [ln for ln in setup_lines(cfg, [str(tmp_path / "r un")]) if ln.startswith("export ")]
     script = "\n".join(lines) + '\nprintf %s "$MESHRUN_NASTY" > "$0.out"; printf %s "$MESHRUN_RUN_DIR" > "$0.dir"'

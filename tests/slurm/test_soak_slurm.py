@@ -13,9 +13,9 @@ import subprocess
 import time
 
 import pytest
-
 from helpers.faults import faults_env, reference, release, start_reference, wait_held
 from helpers.slurm import COMMON, STEPS, metrics, submit
+
 from training.contract.rundir.events import read_events
 
 pytestmark = pytest.mark.slurm

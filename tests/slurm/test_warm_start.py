@@ -148,6 +148,7 @@ def test_no_agent_means_a_cold_start_with_the_reason(monkeypatch):
 
 def test_the_batch_script_starts_one_agent_per_node_in_every_job_before_its_prologue(tmp_path):
     from helpers.slurm import dev_cfg
+
     from launcher.slurm.sbatch import job_spec, preflight_job_spec, sbatch_text
 
     in_job = dev_cfg(spare_nodes=1, max_in_job_restarts=2)

@@ -95,6 +95,7 @@ def test_restart_retry_and_moe_counts_are_bounded(tmp_path, override, key, most)
     assert f"fix: {key}={most}" in res.stderr
     # The bound itself is accepted (no size error for the key).
     from helpers.cli import compose_cfg
+
     from launcher.plan.validate import validate
 
     cfg = compose_cfg("model=tiny_moe", "data=synthetic", "cluster=slurm_dev", f"{key}={most}")

@@ -16,8 +16,8 @@ import os
 import pickle
 
 import pytest
-
 from helpers.checkpoint import RunsCommand, fill, reseal, resumed_value, save_steps, setup_run
+
 from training.checkpoint import CheckpointError, storage
 from training.contract.rundir.events import read_events
 

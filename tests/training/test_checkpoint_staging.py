@@ -16,11 +16,10 @@ import zlib
 import numpy as np
 import pytest
 import torch
-
-from helpers.dist import run_distributed
 from helpers.checkpoint import StandInModel, stand_in_cfg, stand_in_mesh
-from training.checkpoint import CheckpointError, CheckpointManager, storage
-from training.checkpoint import crc_writer
+from helpers.dist import run_distributed
+
+from training.checkpoint import CheckpointError, CheckpointManager, crc_writer, storage
 from training.checkpoint.staging import HostStager
 from training.optim import DistributedOptimizer
 

@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 import torch
-
 from helpers.checkpoint import fill, resumed_value, save_steps, setup_run
+
 from training.checkpoint import CheckpointError, CheckpointManager, storage
 from training.checkpoint.layout import flat_range_rects
 from training.contract.rundir.events import read_events

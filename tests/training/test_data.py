@@ -87,8 +87,8 @@ def test_global_batch_must_split_over_dp():
 def _trainer_data_error(cfg_dict: dict, run_dir: str) -> str:
     from training.contract.config import config_from_dict
     from training.data import DataError
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     cfg = config_from_dict(cfg_dict)
     mesh = ProcessMesh.from_env(1, 1, 1, 2, timeout_s=cfg.train.dist_timeout_s)
@@ -107,6 +107,7 @@ def test_a_data_error_on_rank_0_reaches_every_rank_at_once(tmp_path):
     import time
 
     from helpers.dist import run_distributed
+
     from training.contract.config import Config, config_to_dict
 
     cfg = Config()

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from training.contract.config import Config
-from training.parallel.mesh import ProcessMesh
 from training.model.gpt import GPTChunk
 from training.optim.optimizer import DistributedOptimizer
 from training.parallel.layers import vocab_parallel_cross_entropy
+from training.parallel.mesh import ProcessMesh
 
 
 def _cfg(**model) -> Config:
@@ -127,7 +127,7 @@ def _train_params(block: int, steps: int = 4):
     opt = DistributedOptimizer(chunk.named_parameters(), cfg, ProcessMesh.single())
     opt.adamw.BLOCK = block
     norms = []
-    for step in range(steps):
+    for _step in range(steps):
         opt.zero_grad(1)
         tokens, targets = _batch(cfg)
         chunk(tokens, targets).backward()

@@ -9,10 +9,10 @@ import os
 import pickle
 
 import pytest
+from helpers.checkpoint import RunsCommand, reseal
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from helpers.checkpoint import RunsCommand, reseal
 from training.checkpoint import CheckpointError, storage
 from training.contract.config import Config, GenerateConfig
 

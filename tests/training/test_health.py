@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import os
 
+import helpers.slurm as dev
 import pynvml
 import pytest
-
-import helpers.slurm as dev
 from helpers.doubles import fake_nvml, healthy_gpu
+
 from training.contract.config import Config
 from training.contract.rundir.events import read_events
 from training.observe.health import ECC, THROTTLE, HealthSampler, ThroughputShare, load_health_nvml

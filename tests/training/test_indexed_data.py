@@ -10,16 +10,16 @@ import json
 import os
 import struct
 
+import helpers.megatron_format as mf
 import numpy as np
 import pytest
 
-import helpers.megatron_format as mf
 from launcher.data.prepare import prepare
 from training.contract.config import Config, PrepareConfig
+from training.contract.tokenizer import load_tokenizer
 from training.data import BatchSampler, DataError, make_eval_source, make_source
 from training.data.blend import BlendedSource, Permutation
 from training.data.indexed import open_dataset
-from training.contract.tokenizer import load_tokenizer
 
 DOCS = [
     "def f(x):\n    return x + 1\n",

@@ -11,10 +11,10 @@ import os
 import stat
 import struct
 
+import helpers.megatron_format as mf
 import numpy as np
 import pytest
 
-import helpers.megatron_format as mf
 from training.data import DataError
 from training.data.indexed import open_dataset
 

@@ -9,8 +9,8 @@ import math
 import os
 
 import pytest
-
 from helpers.dist import run_distributed
+
 from training.contract.config import Config, TrainConfig, choices
 from training.contract.lr_schedule import lr_at, lr_curve, schedule_problems
 
@@ -106,8 +106,8 @@ def _logged_lr(run_dir):
 
 def _stop_resume_runs(base):
     """Each schedule: an uninterrupted run, and one stopped at steps 3 and 6 and resumed twice."""
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     mesh = ProcessMesh.from_env(1, 1, 1, 1, timeout_s=60)
     out = {}

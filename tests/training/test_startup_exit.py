@@ -10,6 +10,7 @@ import textwrap
 import time
 
 from helpers import ROOT
+
 from training.observe import startup
 
 

@@ -14,10 +14,10 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers.checkpoint import RunsCommand, reseal, resumed_value, save_steps
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from helpers.checkpoint import RunsCommand, reseal, resumed_value, save_steps
 from training.checkpoint import CheckpointError, storage
 
 

@@ -26,9 +26,10 @@ import os
 import sys
 import threading
 import zlib
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -41,7 +42,7 @@ HELPER_MIN_BYTES = 1 << 20
 """Writes at least this large have their CRC32 computed in the helper thread, overlapping the write; below
 it a thread hand-off costs more than it saves (torch.save's headers are a few dozen bytes)."""
 
-_helper: Optional[ThreadPoolExecutor] = None
+_helper: ThreadPoolExecutor | None = None
 _helper_lock = threading.Lock()
 
 
@@ -57,7 +58,7 @@ def _crc_helper() -> ThreadPoolExecutor:
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start write-out of dirty pages, do not wait for it
 
 
-def _load_sync_file_range() -> Optional[Callable[..., int]]:
+def _load_sync_file_range() -> Callable[..., int] | None:
     """libc's sync_file_range on Linux, else None (the closing fsync then does all the work)."""
     if not sys.platform.startswith("linux"):
         return None
@@ -85,7 +86,7 @@ _zip_crc_saved = True
 _zip_crc_lock = threading.Lock()
 
 
-def _zip_crc_switch() -> Tuple[Callable[[], bool], Callable[[bool], None]]:
+def _zip_crc_switch() -> tuple[Callable[[], bool], Callable[[bool], None]]:
     """(get, set) of torch.save's per-record CRC32 switch: torch.utils.serialization.config (torch >= 2.6), else
     torch.serialization's get/set_crc32_options (torch 2.4 and 2.5, which pyproject admits), else none (the
     records keep their CRCs: a slower save, the same files)."""
@@ -163,7 +164,7 @@ class _CrcFileSystem(FileSystem):
 
     def __init__(self):
         super().__init__()
-        self.sums: Dict[str, List[int]] = {}
+        self.sums: dict[str, list[int]] = {}
         self._lock = threading.Lock()  # DCP may write files from several threads
 
     @contextmanager
@@ -194,7 +195,7 @@ class CrcFileSystemWriter(dcp.FileSystemWriter):
     write (an asynchronous save's host copy) then fails the save inside DCP's write step, which reports it
     on every rank instead of leaving the other ranks waiting in a collective."""
 
-    def __init__(self, path: str, rank: int, check: Optional[Callable[[], None]] = None, **kwargs: Any):
+    def __init__(self, path: str, rank: int, check: Callable[[], None] | None = None, **kwargs: Any):
         super().__init__(path, **kwargs)
         self.fs = _CrcFileSystem()
         self._crc_rank = rank
@@ -219,9 +220,9 @@ class CrcFileSystemWriter(dcp.FileSystemWriter):
         write_atomic(path, json.dumps(sums), fsync=True)
 
 
-def read_sidecars(directory: str) -> Dict[str, List[int]]:
+def read_sidecars(directory: str) -> dict[str, list[int]]:
     """Every rank's recorded (size, crc32) per file of `directory`; the sidecar files are removed."""
-    sums: Dict[str, List[int]] = {}
+    sums: dict[str, list[int]] = {}
     for name in sorted(os.listdir(directory)):
         if name.startswith(CRC_SIDECAR_PREFIX) and name.endswith(".json"):
             full = os.path.join(directory, name)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ class CheckpointFiles:
     """The checkpoint directories on disk (run.dir/checkpoints, training/checkpoint/storage.py)."""
 
     def write(
-        self, state: Dict[str, Any], tmp: str, rank: int, check: Optional[Callable[[], None]], group, dcp: Any
+        self, state: dict[str, Any], tmp: str, rank: int, check: Callable[[], None] | None, group, dcp: Any
     ) -> None:
         """This rank's shards of `state` into the temporary directory `tmp` (dcp.save: collective over `group`);
         `check` runs before anything is written (an async save's failed host copy). `dcp`: the
@@ -33,7 +34,7 @@ class CheckpointFiles:
         dcp.save(state, storage_writer=writer, process_group=group)
 
     def seal(
-        self, run_dir: str, tmp: str, info: Dict[str, Any], config: Dict[str, Any], step: int, keep_last: int
+        self, run_dir: str, tmp: str, info: dict[str, Any], config: dict[str, Any], step: int, keep_last: int
     ) -> int:
         """Rank 0: state.json and config.json into `tmp`, the manifest, the rename to step_<step>, `latest`, the
         pruning; the committed directory's bytes."""
@@ -55,13 +56,13 @@ class CheckpointFiles:
         storage.remove_stale_tmp(run_dir)
         return size
 
-    def list_steps(self, run_dir: str) -> List[int]:
+    def list_steps(self, run_dir: str) -> list[int]:
         return storage.list_steps(run_dir)
 
-    def candidates(self, run_dir: str) -> List[int]:
+    def candidates(self, run_dir: str) -> list[int]:
         return storage.candidates(run_dir)
 
-    def verify(self, directory: str, share: Tuple[int, int]) -> List[str]:
+    def verify(self, directory: str, share: tuple[int, int]) -> list[str]:
         """This rank's share of the manifest check (storage.verify): the problems found."""
         return storage.verify(directory, share).problems
 
@@ -74,7 +75,7 @@ class CheckpointFiles:
 
         return lean_read.read_metadata(path)
 
-    def load(self, path: str, metadata: Any, destinations: Sequence[Tuple[str, torch.Tensor, Any]]) -> None:
+    def load(self, path: str, metadata: Any, destinations: Sequence[tuple[str, torch.Tensor, Any]]) -> None:
         from training.checkpoint import lean_read
 
         lean_read.load(path, metadata, destinations)

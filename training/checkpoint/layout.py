@@ -18,10 +18,12 @@ so DCP copies the overlapping parts of whatever chunks the saved layout had.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING
 
 import torch
+
 from training.parallel import collectives as comm
 
 # torch.distributed._shard (ShardedTensor) is imported where it is used: it pulls in DCP and DTensor, about
@@ -39,11 +41,11 @@ class ParamInfo:
 
     name: str
     """Layout-independent name (docs/CONTRACTS.md)."""
-    local_shape: Tuple[int, ...]
+    local_shape: tuple[int, ...]
     """Shape of the tensor this rank holds."""
-    stored_shape: Tuple[int, ...]
+    stored_shape: tuple[int, ...]
     """Shape in the checkpoint: the global shape with vocabulary padding removed."""
-    tp_shard_dim: Optional[int]
+    tp_shard_dim: int | None
     """Dimension split over tp, None when replicated over tp."""
     tp_rank: int
     """This rank's position in its tp group."""
@@ -57,9 +59,9 @@ class Piece:
     """State-dict key, e.g. `model/layers.0.mlp.fc1.weight` or `optim/exp_avg/...`."""
     tensor: torch.Tensor
     """The local data (a view into the live buffer where possible: saves and loads go straight through)."""
-    offsets: Tuple[int, ...]
+    offsets: tuple[int, ...]
     """Offsets of the rectangle in the stored global tensor."""
-    global_shape: Tuple[int, ...]
+    global_shape: tuple[int, ...]
     """The stored global tensor's shape."""
 
 
@@ -73,7 +75,7 @@ def param_info(name: str, param: torch.Tensor, tp_rank: int, vocab_size: int) ->
     return ParamInfo(name, tuple(param.shape), tuple(stored), dim, tp_rank)
 
 
-def flat_range_rects(shape: Sequence[int], start: int, end: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...], int]]:
+def flat_range_rects(shape: Sequence[int], start: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
     """Split flat elements [start, end) of a contiguous tensor of `shape` into rectangles.
 
     Returns (offsets, sizes, flat_start) per rectangle, in flat order. At most 2 x ndim - 1 rectangles.
@@ -109,7 +111,7 @@ def flat_range_rects(shape: Sequence[int], start: int, end: int) -> List[Tuple[T
     return out
 
 
-def pieces_for(key: str, info: ParamInfo, flat: torch.Tensor, local_start: int) -> List[Piece]:
+def pieces_for(key: str, info: ParamInfo, flat: torch.Tensor, local_start: int) -> list[Piece]:
     """Pieces of `flat`, which holds flat elements [local_start, local_start + numel) of the local shard."""
     pieces = []
     for offs, sizes, flat_start in flat_range_rects(info.local_shape, local_start, local_start + flat.numel()):
@@ -148,19 +150,19 @@ def exact_storage(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(raw).view(t.dtype).view(t.shape)
 
 
-def exchange_chunk_lists(pieces: List[Piece], group=None) -> List:
+def exchange_chunk_lists(pieces: list[Piece], group=None) -> list:
     """The collective part of to_state_dict: every rank's (rank, [(key, offsets, shape, global shape, dtype,
     device)]) of its pieces, in rank order."""
     mine = [
         (p.key, p.offsets, tuple(p.tensor.shape), p.global_shape, str(p.tensor.dtype), str(p.tensor.device))
         for p in pieces
     ]
-    gathered: List = [None] * comm.world_size(group)
+    gathered: list = [None] * comm.world_size(group)
     comm.all_gather_object(gathered, (comm.rank(), mine), group=group)
     return gathered
 
 
-def to_state_dict(pieces: Iterable[Piece], group=None) -> Dict[str, "ShardedTensor"]:
+def to_state_dict(pieces: Iterable[Piece], group=None) -> dict[str, ShardedTensor]:
     """Wrap pieces as ShardedTensors whose global metadata lists every rank's chunks of each key.
 
     One all_gather_object exchanges the chunk lists, so every ShardedTensor is validated for full coverage
@@ -178,15 +180,15 @@ def to_state_dict(pieces: Iterable[Piece], group=None) -> Dict[str, "ShardedTens
         # every rank's entry is this rank's list, which the global check below would refuse; this rank's pieces
         # are wrapped as a resume's destinations are (local chunks, the global size).
         return to_load_state_dict(pieces)
-    by_key: Dict[str, List[ShardMetadata]] = {}
+    by_key: dict[str, list[ShardMetadata]] = {}
     local_keys = {p.key for p in pieces}
     for r, entries in gathered:
         for key, offs, sizes, _glob, _dtype, device in entries:
             if key in local_keys:
                 dev = "cpu" if device == "cpu" else device
                 by_key.setdefault(key, []).append(ShardMetadata(list(offs), list(sizes), f"rank:{r}/{dev}"))
-    out: Dict[str, ShardedTensor] = {}
-    grouped: Dict[str, List[Piece]] = {}
+    out: dict[str, ShardedTensor] = {}
+    grouped: dict[str, list[Piece]] = {}
     for p in pieces:
         grouped.setdefault(p.key, []).append(p)
     for key, plist in grouped.items():
@@ -203,7 +205,7 @@ def to_state_dict(pieces: Iterable[Piece], group=None) -> Dict[str, "ShardedTens
     return out
 
 
-def to_load_state_dict(pieces: Iterable[Piece]) -> Dict[str, torch.Tensor]:
+def to_load_state_dict(pieces: Iterable[Piece]) -> dict[str, torch.Tensor]:
     """Destinations for dcp.load: each key's local pieces, as a ShardedTensor (no collective).
 
     When loading, replicas overlap (every dp rank wants the same weights), which ShardedTensor's global
@@ -216,10 +218,10 @@ def to_load_state_dict(pieces: Iterable[Piece]) -> Dict[str, torch.Tensor]:
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 
     rank = comm.rank() if comm.is_initialized() else 0
-    grouped: Dict[str, List[Piece]] = {}
+    grouped: dict[str, list[Piece]] = {}
     for p in pieces:
         grouped.setdefault(p.key, []).append(p)
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for key, plist in grouped.items():
         first = plist[0]
         if len(plist) == 1 and tuple(first.tensor.shape) == first.global_shape:

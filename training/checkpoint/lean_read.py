@@ -25,7 +25,8 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ from training.checkpoint.storage import CheckpointError
 # registered with copyreg for torch.layout), the checkpoint id (a path) and plain containers.
 _METADATA = "torch.distributed.checkpoint.metadata"
 _FILESYSTEM = "torch.distributed.checkpoint.filesystem"
-ALLOWED: Set[Tuple[str, str]] = {
+ALLOWED: set[tuple[str, str]] = {
     (_METADATA, "Metadata"),
     (_METADATA, "TensorStorageMetadata"),
     (_METADATA, "TensorProperties"),
@@ -74,14 +75,14 @@ class _Record:
 
 
 class Metadata(_Record):
-    state_dict_metadata: Dict[str, Any]
+    state_dict_metadata: dict[str, Any]
     storage_data: Any = None
 
 
 class TensorStorageMetadata(_Record):
     properties: Any
     size: Sequence[int]
-    chunks: List[Any]
+    chunks: list[Any]
 
 
 class ChunkStorageMetadata(_Record):
@@ -104,9 +105,9 @@ class MetadataIndex(_Record):
     """The key of storage_data: a key's chunk by its offsets (DCP's `index` is a search hint, not identity)."""
 
     fqn: str
-    offset: Optional[Sequence[int]] = None
+    offset: Sequence[int] | None = None
 
-    def key(self) -> Tuple[str, Optional[Tuple[int, ...]]]:
+    def key(self) -> tuple[str, tuple[int, ...] | None]:
         return (self.fqn, None if self.offset is None else tuple(self.offset))
 
     def __hash__(self) -> int:
@@ -124,14 +125,14 @@ class StorageInfo(_Record):
     relative_path: str
     offset: int
     length: int
-    transform_descriptors: Optional[Sequence[str]] = None
+    transform_descriptors: Sequence[str] | None = None
 
 
 def _memory_format_code(value: Any) -> Any:
     return value  # DCP's _MEM_FORMAT_ENCODING(value): only read by TensorProperties, which ignores it here
 
 
-_STAND_INS: Dict[Tuple[str, str], Any] = {
+_STAND_INS: dict[tuple[str, str], Any] = {
     (_METADATA, "Metadata"): Metadata,
     (_METADATA, "TensorStorageMetadata"): TensorStorageMetadata,
     (_METADATA, "TensorProperties"): TensorProperties,
@@ -263,20 +264,20 @@ class _FileRegion(io.RawIOBase):
         return got or 0
 
 
-def load(directory: str, metadata: Metadata, destinations: Sequence[Tuple[str, torch.Tensor, Sequence[int]]]) -> None:
+def load(directory: str, metadata: Metadata, destinations: Sequence[tuple[str, torch.Tensor, Sequence[int]]]) -> None:
     """Fill each destination (state-dict key, the local tensor, its offsets in the stored global tensor) from
     the checkpoint in `directory`: the overlap of every saved chunk of the key is copied in place. Raises
     CheckpointError when a destination lies outside its stored tensor or is not fully covered by saved chunks."""
     records = {index.key(): info for index, info in metadata.storage_data.items()}
-    by_key: Dict[str, List[Tuple[torch.Tensor, Sequence[int]]]] = {}
+    by_key: dict[str, list[tuple[torch.Tensor, Sequence[int]]]] = {}
     for key, tensor, offsets in destinations:
         by_key.setdefault(key, []).append((tensor, offsets))
-    files: Dict[str, Any] = {}
+    files: dict[str, Any] = {}
     try:
         for key, dests in by_key.items():
             entry = metadata.state_dict_metadata[key]
             size = tuple(entry.size)
-            chunks: Dict[int, torch.Tensor] = {}  # this key's chunks read so far (each read once)
+            chunks: dict[int, torch.Tensor] = {}  # this key's chunks read so far (each read once)
             for dest, offsets in dests:
                 offsets = tuple(offsets)
                 shape = tuple(dest.shape)
@@ -311,7 +312,7 @@ def load(directory: str, metadata: Metadata, destinations: Sequence[Tuple[str, t
             f.close()
 
 
-def _read_chunk(directory: str, files: Dict[str, Any], info: StorageInfo, sizes: Sequence[int], key: str):
+def _read_chunk(directory: str, files: dict[str, Any], info: StorageInfo, sizes: Sequence[int], key: str):
     path = os.path.join(directory, info.relative_path)
     if path not in files:
         from training.contract.rundir.files import open_regular

@@ -31,27 +31,28 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 import torch
 
-from training.parallel import collectives as comm
 from training.checkpoint import storage
-from training.run import signals
-from training.checkpoint.layout import Piece, exact_storage, param_info, pieces_for, to_load_state_dict, to_state_dict
 from training.checkpoint.files import CheckpointFiles
+from training.checkpoint.layout import Piece, exact_storage, param_info, pieces_for, to_load_state_dict, to_state_dict
 from training.checkpoint.staging import HostStager
 from training.checkpoint.storage import CheckpointError
 from training.contract.config import Config, ModelConfig, checkpoint_minutes, config_to_dict
-from training.contract.rundir.events import append_event
 from training.contract.exit_codes import EXIT_STOPPED
+from training.contract.rundir.events import append_event
 from training.contract.stage_split import SPLIT_KEYS, stage_split
 from training.optim import SCALARS
 from training.optim.model_parallel import TIED_EMBEDDING
+from training.parallel import collectives as comm
 from training.parallel.mesh import ProcessMesh
+from training.run import signals
 
 # Model fields that change a parameter's shape (or meaning): a checkpoint cannot load across them.
 SHAPE_FIELDS = storage.SHAPE_FIELDS
@@ -85,13 +86,13 @@ class _Pending:
 
     stats: SaveStats
     tmp_dir: str
-    info: Dict[str, Any]
+    info: dict[str, Any]
     started: float
     staged: Future = field(default_factory=Future)
     """Done once the state is copied to host memory."""
     waited: bool = False
     """The loop has passed wait_staged() for this save (its wait is in stats.blocked_s)."""
-    future: Optional[Future] = None
+    future: Future | None = None
     """The background job (copy, write, and on rank 0 the commit): its result is rank 0's error or None."""
 
 
@@ -105,7 +106,7 @@ def _dcp():
     return dcp, CheckpointException
 
 
-def import_save_path() -> Tuple[Any, ...]:
+def import_save_path() -> tuple[Any, ...]:
     """Import every module a save needs that the engine's start does not (DCP and the DTensor code it pulls
     in, the ShardedTensor wrapping of training/checkpoint/layout.py, the CRC writer): about a second of CPU
     per rank. `CheckpointManager.prewarm` runs it on a background thread once training runs, so that a save
@@ -123,7 +124,7 @@ def _rank0_print(msg: str) -> None:
         print(f"[checkpoint] {msg}", file=sys.stderr, flush=True)
 
 
-def _named_params(model_chunks) -> List[Tuple[str, torch.Tensor]]:
+def _named_params(model_chunks) -> list[tuple[str, torch.Tensor]]:
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     out, seen = [], set()
     for chunk in chunks:
@@ -134,7 +135,7 @@ def _named_params(model_chunks) -> List[Tuple[str, torch.Tensor]]:
     return out
 
 
-def _rng_state() -> Dict[str, Any]:
+def _rng_state() -> dict[str, Any]:
     py = random.getstate()
     npst = np.random.get_state()
     state = {
@@ -149,7 +150,7 @@ def _rng_state() -> Dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: Dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = state["numpy"]
@@ -255,16 +256,16 @@ class CheckpointManager:
         # rehearsal replaces it with one that records and writes nothing (training/rehearse/runner.py).
         self.files = CheckpointFiles()
         self._writer_thread = writer_thread(mesh.device) if self.async_save else None
-        self._prewarm_thread: Optional[threading.Thread] = None  # prewarm()'s import thread
+        self._prewarm_thread: threading.Thread | None = None  # prewarm()'s import thread
         # Set by the first wait_staged(): the caller has a barrier before it changes the state, so an async
         # save may return before its host copy is complete (the copy then overlaps the next forward/backward).
         self._has_barrier = False
-        self._pending: Optional[_Pending] = None
-        self.history: List[SaveStats] = []
-        self.last_saved_step: Optional[int] = None
+        self._pending: _Pending | None = None
+        self.history: list[SaveStats] = []
+        self.last_saved_step: int | None = None
         self._start = time.monotonic()
         self._last_save_time = self._start
-        self._decided: Optional[Tuple[int, bool, Optional[str]]] = None
+        self._decided: tuple[int, bool, str | None] | None = None
         if threading.current_thread() is threading.main_thread():
             signals.install()
         if self.rank == 0:
@@ -287,7 +288,7 @@ class CheckpointManager:
         return box[0]
 
     # ----- cadence ---------------------------------------------------------------------------------
-    def decide(self, step: int, now: Optional[float] = None) -> Tuple[bool, Optional[str]]:
+    def decide(self, step: int, now: float | None = None) -> tuple[bool, str | None]:
         """(save due, stop reason) for the boundary after `step`, agreed over all ranks with one all-reduce.
 
         Step-based rules are the same on every rank; clocks and signals are not, hence the MAX.
@@ -321,7 +322,7 @@ class CheckpointManager:
         return self._decided[1], reason
 
     # ----- the sharding description ----------------------------------------------------------------
-    def _pieces(self, model_chunks, opt_state: Optional[Dict[str, Any]], for_save: bool) -> List[Piece]:
+    def _pieces(self, model_chunks, opt_state: dict[str, Any] | None, for_save: bool) -> list[Piece]:
         """Every tensor of this rank's state (model, and the optimizer's state_dict) as placed pieces;
         for saving, replicas are left out."""
         mesh, V = self.mesh, self.cfg.model.vocab_size
@@ -342,7 +343,7 @@ class CheckpointManager:
             # The last stage's copy of the tied embedding: the first stage writes it.
             return not (name == TIED_EMBEDDING and not first_stage)
 
-        pieces: List[Piece] = []
+        pieces: list[Piece] = []
         # zero=3: the model is saved and loaded from each rank's own flat shard of the values (distinct over
         # dp, as optimizer state is), never from gathered parameters: no rank ever holds the whole model.
         model_shards = (opt_state or {}).get("model_shards") or []
@@ -374,7 +375,7 @@ class CheckpointManager:
 
     # ----- save ------------------------------------------------------------------------------------
     def save(
-        self, step: int, model_chunks, optimizer, extra_state: Dict[str, Any], reason: str = "interval"
+        self, step: int, model_chunks, optimizer, extra_state: dict[str, Any], reason: str = "interval"
     ) -> SaveStats:
         """Write a complete checkpoint of `step` (collective).
 
@@ -430,7 +431,7 @@ class CheckpointManager:
         self._after_commit(stats, error)
         return stats
 
-    def _save_async(self, p: _Pending, state: Dict[str, Any], check) -> Optional[str]:
+    def _save_async(self, p: _Pending, state: dict[str, Any], check) -> str | None:
         """The background job of an async save: copy to host memory, write, and on rank 0 commit right away
         (not at the next wait(): a crash in between must not cost a checkpoint that is already on disk).
         Returns the error (rank 0's is the one every rank reports), or None."""
@@ -479,7 +480,7 @@ class CheckpointManager:
         p.stats.blocked_s += waited
         return waited
 
-    def wait(self) -> Optional[SaveStats]:
+    def wait(self) -> SaveStats | None:
         """Block until a pending async save is committed (collective when one is pending); raise if it failed."""
         self._wait_for_copy()  # its wait counts as blocked, as at the barrier
         p, self._pending = self._pending, None
@@ -494,7 +495,7 @@ class CheckpointManager:
         self._after_commit(p.stats, error)
         return p.stats
 
-    def _commit_or_clean(self, tmp: str, info, stats: SaveStats, error: Optional[str], broadcast: bool = True):
+    def _commit_or_clean(self, tmp: str, info, stats: SaveStats, error: str | None, broadcast: bool = True):
         """Rank 0 seals the checkpoint (or removes the failed temporary dir); the outcome goes to every rank."""
         if self._rank0_part:
             if error is None:
@@ -513,7 +514,7 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
         return self._bcast(error) if broadcast else error
 
-    def _after_commit(self, stats: SaveStats, error: Optional[str]) -> None:
+    def _after_commit(self, stats: SaveStats, error: str | None) -> None:
         if error is not None:
             self.last_saved_step = None
             prev = storage.read_latest(self.run_dir)
@@ -524,7 +525,7 @@ class CheckpointManager:
             )
             failure = CheckpointError(
                 f"saving checkpoint step_{stats.step} in {storage.checkpoints_dir(self.run_dir)} failed: {error}{hint}; "
-                f"the previous checkpoint ({'step_%d' % prev if prev is not None else 'none'}) is untouched"
+                f"the previous checkpoint ({f'step_{prev}' if prev is not None else 'none'}) is untouched"
             )
             failure.during_save = True  # training/main.py: a failed save requeues from the previous checkpoint
             raise failure
@@ -547,7 +548,7 @@ class CheckpointManager:
             )
 
     # ----- resume ----------------------------------------------------------------------------------
-    def _choose(self) -> Tuple[Optional[int], Optional[str]]:
+    def _choose(self) -> tuple[int | None, str | None]:
         """The checkpoint to resume from, the same on every rank; (step or None, error message or None).
         Collective: rank 0 lists the candidates, every rank CRC-reads its share of each one's files
         (storage.verify's part), so the check takes 1/world of one rank reading the whole checkpoint, and
@@ -576,7 +577,7 @@ class CheckpointManager:
                 return None, f"train.resume={step}: checkpoint step_{step} is damaged ({'; '.join(problems[:3])})"
         return None, None
 
-    def _restore_from_replica(self, replica: str, step: int) -> Optional[str]:
+    def _restore_from_replica(self, replica: str, step: int) -> str | None:
         """Rank 0: copy step back from the replica; None when restored, else the problem."""
         from training.checkpoint.replica import restore
 
@@ -585,7 +586,7 @@ class CheckpointManager:
             storage.set_latest(self.run_dir, step)
         return problem
 
-    def _candidates(self, mode: str) -> Tuple[List[int], Optional[str]]:
+    def _candidates(self, mode: str) -> tuple[list[int], str | None]:
         """Rank 0: the steps to try, newest first, or the error of a train.resume naming a missing step."""
         if mode == "auto":
             wanted = self.files.candidates(self.run_dir)
@@ -612,17 +613,17 @@ class CheckpointManager:
                 wanted = newest
         return wanted, None
 
-    def _verify_shared(self, directory: str) -> List[str]:
+    def _verify_shared(self, directory: str) -> list[str]:
         """storage.verify over the job: each rank reads the CRC of its share of the files; every rank gets
         all the problems found (in rank order)."""
         problems = self.files.verify(directory, (self.rank, self.world))
         if not self.distributed:
             return problems
-        everyone: List[Any] = [None] * self.world
+        everyone: list[Any] = [None] * self.world
         comm.all_gather_object(everyone, problems, group=self._ckpt_group)
         return list(dict.fromkeys(p for problems in everyone for p in problems))
 
-    def _compatible(self, step: int) -> Optional[str]:
+    def _compatible(self, step: int) -> str | None:
         saved = self.files.read_json(os.path.join(storage.step_dir(self.run_dir, step), storage.CONFIG)).get(
             "model", {}
         )
@@ -646,7 +647,7 @@ class CheckpointManager:
             )
         return None
 
-    def maybe_resume(self, model_chunks, optimizer, extra_state: Dict[str, Any]) -> Optional[Tuple[int, int]]:
+    def maybe_resume(self, model_chunks, optimizer, extra_state: dict[str, Any]) -> tuple[int, int] | None:
         """Load the newest complete checkpoint (per train.resume) into the model, optimizer and extra_state.
 
         Returns (step, consumed_samples), or None for a fresh start. Collective. Raises CheckpointError with the
@@ -727,7 +728,7 @@ class CheckpointManager:
             )
         return step, int(info["consumed_samples"])
 
-    def _load_lean(self, path: str, metadata: Any, destinations: List[Tuple[str, torch.Tensor, Any]]) -> None:
+    def _load_lean(self, path: str, metadata: Any, destinations: list[tuple[str, torch.Tensor, Any]]) -> None:
         """lean_read.load on every rank, then one collective so that every rank raises the same error when any
         rank's read failed (as dcp.load reports a failure on every rank)."""
         error = None
@@ -738,13 +739,13 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001 - a damaged record that still matched its manifest
             error = self._unreadable(path, _short(exc))
         if self.distributed:
-            everyone: List[Any] = [None] * self.world
+            everyone: list[Any] = [None] * self.world
             comm.all_gather_object(everyone, error, group=self._ckpt_group)
             error = next((e for e in everyone if e), None)
         if error:
             raise CheckpointError(error)
 
-    def _load_dcp(self, path: str, pieces: List[Piece], rank_key: str, rank_state: Optional[torch.Tensor]) -> None:
+    def _load_dcp(self, path: str, pieces: list[Piece], rank_key: str, rank_state: torch.Tensor | None) -> None:
         """dcp.load of the pieces (and this rank's rng state): for checkpoints lean_read does not handle."""
         from training.checkpoint.safe_read import SafeFileSystemReader
 
@@ -762,7 +763,7 @@ class CheckpointManager:
     def _mode(self) -> str:
         return str(self.cfg.train.resume).strip().lower()
 
-    def _start_new_line(self, step: Optional[int]) -> None:
+    def _start_new_line(self, step: int | None) -> None:
         """train.resume=<step> (or none) chose a point behind `latest`: it becomes `latest`, so a later
         train.resume=auto (a requeue) follows the new line; the checkpoints past it are not deleted: the
         new line's first save moves them to checkpoints/abandoned/ (storage.prune)."""
@@ -772,7 +773,7 @@ class CheckpointManager:
         where = f"step_{step}" if step is not None else "a fresh start (train.resume=none)"
         if left:
             self.log(
-                f"rolled back to {where}: checkpoints {['step_%d' % s for s in left]} are off the line now; "
+                f"rolled back to {where}: checkpoints {[f'step_{s}' for s in left]} are off the line now; "
                 f"they move to {os.path.join(storage.checkpoints_dir(self.run_dir), storage.ABANDONED)}/ at "
                 "the next save and are never resumed"
             )
@@ -785,9 +786,9 @@ class CheckpointManager:
             f"older checkpoint (train.resume=<step>), or start fresh with train.resume=none or a new run.dir"
         )
 
-    def _layout(self) -> Dict[str, Any]:
+    def _layout(self) -> dict[str, Any]:
         m = self.mesh
-        out: Dict[str, Any] = {
+        out: dict[str, Any] = {
             "world": self.world,
             "tp": m.tp,
             "pp": m.pp,
@@ -803,13 +804,13 @@ class CheckpointManager:
         return out
 
     @staticmethod
-    def _optimizer_scalars(opt_state: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    def _optimizer_scalars(opt_state: dict[str, Any] | None) -> dict[str, Any]:
         if opt_state is None:
             return {"step_count": 0, "loss_scale": 1.0, "good_steps": 0}
         return {k: opt_state[k] for k in SCALARS}
 
     @staticmethod
-    def _plain(pieces: Sequence[Piece]) -> Dict[str, torch.Tensor]:
+    def _plain(pieces: Sequence[Piece]) -> dict[str, torch.Tensor]:
         """Without a process group every key is one piece covering its whole tensor: plain tensors suffice."""
         out = {}
         for p in pieces:

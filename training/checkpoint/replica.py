@@ -16,7 +16,6 @@ import shutil
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import List, Optional
 
 from training.checkpoint import storage
 from training.contract.rundir.events import append_event
@@ -30,7 +29,7 @@ def replica_root(replica_dir: str, run_dir: str) -> str:
     return replica_dir if os.path.isabs(replica_dir) else os.path.normpath(os.path.join(run_dir, replica_dir))
 
 
-def replica_steps(root: str) -> List[int]:
+def replica_steps(root: str) -> list[int]:
     """Steps held in the replica, newest first."""
     try:
         names = os.listdir(root)
@@ -39,7 +38,7 @@ def replica_steps(root: str) -> List[int]:
     return sorted((int(m.group(1)) for m in map(_STEP_RE.match, names) if m), reverse=True)
 
 
-def _copy_verified(src: str, dst: str, tmp_parent: str) -> Optional[str]:
+def _copy_verified(src: str, dst: str, tmp_parent: str) -> str | None:
     """Copy directory src to dst through a temporary directory in tmp_parent, verified before the rename;
     returns None or the problem (dst untouched then)."""
     os.makedirs(tmp_parent, exist_ok=True)
@@ -68,14 +67,14 @@ class Replicator:
         self.run_dir, self.root, self.keep_last = run_dir, replica_root(replica_dir, run_dir), max(1, keep_last)
         os.makedirs(self.root, exist_ok=True)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-replica")
-        self.futures: List[Future] = []
+        self.futures: list[Future] = []
 
     def submit(self, step: int) -> Future:
         fut = self._pool.submit(self._copy, step)
         self.futures.append(fut)
         return fut
 
-    def _copy(self, step: int) -> Optional[str]:
+    def _copy(self, step: int) -> str | None:
         t0 = time.monotonic()
         src = storage.step_dir(self.run_dir, step)
         problem = _copy_verified(src, os.path.join(self.root, f"step_{step}"), self.root)
@@ -104,7 +103,7 @@ class Replicator:
             fut.result()
 
 
-def restore(run_dir: str, replica_dir: str, step: int) -> Optional[str]:
+def restore(run_dir: str, replica_dir: str, step: int) -> str | None:
     """Replace the primary's damaged (or missing) step_<N> with the replica's verified copy; None on success,
     else why not. The damaged directory goes to checkpoints/abandoned/."""
     root = replica_root(replica_dir, run_dir)

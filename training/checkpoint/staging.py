@@ -17,37 +17,38 @@ Per save (one at a time: CheckpointManager.save waits for the previous one first
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from training.checkpoint.layout import Piece
 
-_Copy = Tuple[torch.Tensor, torch.Tensor]  # (live source, host buffer)
+_Copy = tuple[torch.Tensor, torch.Tensor]  # (live source, host buffer)
 
 
 class HostStager:
     """Copies a save's pieces into host buffers that are reused from one save to the next."""
 
     def __init__(self) -> None:
-        self._buffers: Dict[Tuple[Any, ...], torch.Tensor] = {}
-        self._copies: List[_Copy] = []
-        self._ready: Optional[Any] = None  # a CUDA event: where the training stream was at prepare()
-        self._error: Optional[BaseException] = None
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._copies: list[_Copy] = []
+        self._ready: Any | None = None  # a CUDA event: where the training stream was at prepare()
+        self._error: BaseException | None = None
 
     @property
     def nbytes(self) -> int:
         """Host memory held for staging."""
         return sum(b.nbytes for b in self._buffers.values())
 
-    def prepare(self, pieces: Sequence[Piece]) -> List[Piece]:
+    def prepare(self, pieces: Sequence[Piece]) -> list[Piece]:
         """The pieces with their tensors replaced by this stager's host buffers; `copy` fills them.
 
         Buffers are compact (their storage is exactly the piece's bytes), so DCP's writer writes them as
         they are instead of cloning views of larger flat buffers."""
-        buffers: Dict[Tuple[Any, ...], torch.Tensor] = {}
-        copies: List[_Copy] = []
-        out: List[Piece] = []
+        buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        copies: list[_Copy] = []
+        out: list[Piece] = []
         for p in pieces:
             src = p.tensor.detach()
             key = (p.key, p.offsets, tuple(src.shape), src.dtype)
@@ -90,7 +91,7 @@ class HostStager:
             self._error = exc
 
     @staticmethod
-    def _copy_from_cuda(copies: List[_Copy], ready: Any) -> None:
+    def _copy_from_cuda(copies: list[_Copy], ready: Any) -> None:
         """Device-to-host copies on a side stream that starts where the training stream was at prepare()."""
         stream = torch.cuda.Stream(device=next(src.device for src, _ in copies if src.is_cuda))
         with torch.cuda.stream(stream):

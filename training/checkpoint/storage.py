@@ -31,7 +31,6 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
 
 from training.contract.rundir.files import rename_into_place, write_atomic
 
@@ -75,7 +74,7 @@ class Verification:
     """The checkpoint directory."""
     ok: bool
     """True when every file of the manifest is present with its size and CRC32, and nothing is a symlink."""
-    problems: List[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
     """Human-readable reasons when not ok."""
 
 
@@ -116,13 +115,13 @@ def _crc32(path: str) -> int:
             crc = zlib.crc32(block, crc)
 
 
-def build_manifest(directory: str, sums: Optional[Dict[str, List[int]]] = None) -> Dict[str, Dict[str, int]]:
+def build_manifest(directory: str, sums: dict[str, list[int]] | None = None) -> dict[str, dict[str, int]]:
     """Every file below `directory` (relative path -> size, crc32); fsyncs each file.
 
     `sums` holds (size, crc32) recorded while the ranks wrote their shards (crc_writer.py); only files
     without one (rank 0's small state.json and config.json, or a stream DCP seeked) are read here."""
     sums = sums or {}
-    files: Dict[str, Dict[str, int]] = {}
+    files: dict[str, dict[str, int]] = {}
     for root, _dirs, names in os.walk(directory):
         for name in names:
             full = os.path.join(root, name)
@@ -138,7 +137,7 @@ def build_manifest(directory: str, sums: Optional[Dict[str, List[int]]] = None) 
 
 
 def commit(
-    tmp_dir: str, final_dir: str, latest_path: str, info: Dict, sums: Optional[Dict[str, List[int]]] = None
+    tmp_dir: str, final_dir: str, latest_path: str, info: dict, sums: dict[str, list[int]] | None = None
 ) -> None:
     """Seal a fully written temporary checkpoint: manifest, fsync, rename, then point `latest` at it.
 
@@ -163,14 +162,14 @@ def _write_latest(latest_path: str, text: str) -> None:
     write_atomic(latest_path, text + "\n", fsync=True)
 
 
-def set_latest(run_dir: str, step: Optional[int]) -> None:
+def set_latest(run_dir: str, step: int | None) -> None:
     """Point `latest` at `step` (a rollback), or at "none" (a fresh start: nothing to resume yet)."""
     os.makedirs(checkpoints_dir(run_dir), exist_ok=True)
     _write_latest(os.path.join(checkpoints_dir(run_dir), LATEST), f"step_{step}" if step is not None else FRESH)
     fsync_path(checkpoints_dir(run_dir))
 
 
-def abandon(run_dir: str, steps: List[int]) -> List[str]:
+def abandon(run_dir: str, steps: list[int]) -> list[str]:
     """Move checkpoints off the current line to checkpoints/abandoned/step_<N>_<UTC time>/ (kept, never read)."""
     moved = []
     if not steps:
@@ -189,7 +188,7 @@ def abandon(run_dir: str, steps: List[int]) -> List[str]:
     return moved
 
 
-def _symlinks(directory: str) -> List[str]:
+def _symlinks(directory: str) -> list[str]:
     found = [directory] if os.path.islink(directory) else []
     for root, dirs, names in os.walk(directory):
         found += [os.path.join(root, n) for n in dirs + names if os.path.islink(os.path.join(root, n))]
@@ -207,7 +206,7 @@ def _outside(directory: str, rel: str) -> bool:
     )
 
 
-def verify(directory: str, part: Tuple[int, int] = (0, 1)) -> Verification:
+def verify(directory: str, part: tuple[int, int] = (0, 1)) -> Verification:
     """Check a checkpoint directory: manifest readable, DCP metadata present, every file with its size and
     CRC32, no manifest path outside the directory and no symlink inside it (a checkpoint holds only its
     own files: a link could make a resume read, or a pruning delete, something elsewhere).
@@ -250,7 +249,7 @@ def verify(directory: str, part: Tuple[int, int] = (0, 1)) -> Verification:
     return result
 
 
-def list_steps(run_dir: str) -> List[int]:
+def list_steps(run_dir: str) -> list[int]:
     """Steps of the committed checkpoint directories (complete or not verified yet), newest first."""
     base = checkpoints_dir(run_dir)
     if not os.path.isdir(base):
@@ -259,7 +258,7 @@ def list_steps(run_dir: str) -> List[int]:
     return sorted(steps, reverse=True)
 
 
-def _read_latest_text(run_dir: str) -> Optional[str]:
+def _read_latest_text(run_dir: str) -> str | None:
     try:
         with open(os.path.join(checkpoints_dir(run_dir), LATEST)) as f:
             return f.read().strip()
@@ -267,13 +266,13 @@ def _read_latest_text(run_dir: str) -> Optional[str]:
         return None
 
 
-def read_latest(run_dir: str) -> Optional[int]:
+def read_latest(run_dir: str) -> int | None:
     """The step named by checkpoints/latest, or None when absent, "none" (a fresh start) or unreadable."""
     m = _STEP_RE.match(_read_latest_text(run_dir) or "")
     return int(m.group(1)) if m else None
 
 
-def previous_step(run_dir: str, step: int) -> Optional[int]:
+def previous_step(run_dir: str, step: int) -> int | None:
     """The step before `step` on its line: its manifest's `previous`; for a manifest without one (written
     by an older meshrun) or an unreadable one, the next lower checkpoint directory."""
     try:
@@ -288,7 +287,7 @@ def previous_step(run_dir: str, step: int) -> Optional[int]:
     return lower[0] if lower else None
 
 
-def history(run_dir: str) -> List[int]:
+def history(run_dir: str) -> list[int]:
     """The current line, newest first: `latest`, then each checkpoint's `previous` while its directory exists.
 
     Without `latest` (a run dir of an older meshrun, or one whose latest was lost) every checkpoint
@@ -300,15 +299,15 @@ def history(run_dir: str) -> List[int]:
     latest = read_latest(run_dir)
     if latest is None or latest not in steps:
         return steps
-    chain: List[int] = []
-    step: Optional[int] = latest
+    chain: list[int] = []
+    step: int | None = latest
     while step is not None and step in steps and step not in chain:
         chain.append(step)
         step = previous_step(run_dir, step)
     return chain
 
 
-def candidates(run_dir: str) -> List[int]:
+def candidates(run_dir: str) -> list[int]:
     """Steps to try when resuming (train.resume=auto), newest first; each must still pass `verify`.
 
     The history of `latest`, not the highest step number: after a rollback the newer checkpoints of the
@@ -317,7 +316,7 @@ def candidates(run_dir: str) -> List[int]:
     return history(run_dir)
 
 
-def prune(run_dir: str, keep_last: int, protect: Optional[int] = None) -> List[int]:
+def prune(run_dir: str, keep_last: int, protect: int | None = None) -> list[int]:
     """Keep the newest `keep_last` checkpoints of the current line (`latest` first; never `protect`); delete
     the older ones of the line; move every checkpoint that is not on the line (a rollback left it) to
     abandoned/. Temporary dirs are `remove_stale_tmp`'s job. Returns the deleted steps."""
@@ -335,7 +334,7 @@ def prune(run_dir: str, keep_last: int, protect: Optional[int] = None) -> List[i
     return removed
 
 
-def remove_stale_tmp(run_dir: str, keep: Optional[str] = None) -> List[str]:
+def remove_stale_tmp(run_dir: str, keep: str | None = None) -> list[str]:
     """Remove temporary dirs of crashed saves (call only when no save of this run is in flight)."""
     base = checkpoints_dir(run_dir)
     removed = []

@@ -16,7 +16,6 @@ Resolution, in this fixed order (launcher/cli/app.py: run_action):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
 
 CONFIG_KINDS = ("composed", "run_dir", "launch")
 
@@ -35,7 +34,7 @@ class ActionSpec:
     """How its config is resolved: composed | run_dir | launch (CONFIG_KINDS; the order above)."""
 
 
-ACTIONS: Tuple[ActionSpec, ...] = (
+ACTIONS: tuple[ActionSpec, ...] = (
     ActionSpec("train", "launcher.cli.app", "start", locks=True, config="launch"),
     ActionSpec("plan", "launcher.cli.app", "start", locks=True, config="launch"),
     ActionSpec("status", "launcher.manage.status", "status_action", locks=False, config="run_dir"),
@@ -52,5 +51,5 @@ ACTIONS: Tuple[ActionSpec, ...] = (
     ActionSpec("runs", "launcher.manage.runs", "runs_action", locks=False, config="composed"),
 )
 
-BY_NAME: Dict[str, ActionSpec] = {a.name: a for a in ACTIONS}
+BY_NAME: dict[str, ActionSpec] = {a.name: a for a in ACTIONS}
 NAMES = " ".join(a.name for a in ACTIONS)

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from training.contract.actions import NAMES as ACTION_NAMES
 
@@ -57,7 +57,7 @@ Offload = _choice("Offload", "none cpu nvme")
 LrSchedule = _choice("LrSchedule", "cosine linear constant wsd inverse_sqrt")
 
 # Every choice field, by its command-line key: validation and `meshrun action=keys` read it.
-CHOICE_FIELDS: Dict[str, type] = {
+CHOICE_FIELDS: dict[str, type] = {
     "model.norm": Norm,
     "model.activation": Activation,
     "model.attention": Attention,
@@ -98,9 +98,9 @@ class ModelConfig:
     """Model width (h)."""
     num_attention_heads: int = 4
     """Attention heads (a); h must be divisible by a."""
-    num_query_groups: Optional[int] = None
+    num_query_groups: int | None = None
     """Key/value heads for grouped-query attention; None means one per head (multi-head attention)."""
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: int | None = None
     """MLP width (f); None means 4h."""
     seq_length: int = 64
     """Tokens per sample (s)."""
@@ -133,7 +133,7 @@ class ModelConfig:
     moe_top_k: int = 2
     """Experts each token is routed to (the router's top k; their gates are softmax-normalised over the k, as
     Mixtral does)."""
-    moe_ffn_hidden_size: Optional[int] = None
+    moe_ffn_hidden_size: int | None = None
     """Hidden size of each expert's MLP; None = ffn_hidden_size (or 4 x hidden_size)."""
     moe_aux_loss_coeff: float = 0.01
     """Weight of the load-balancing auxiliary loss (Switch Transformer / Mixtral form) added to the training loss."""
@@ -159,7 +159,7 @@ class ParallelConfig:
     (launcher/planning/auto.py) fills every parallel.* key not given on the command line with the fastest layout
     that fits, and prints it with the runner-up; config.json records the chosen values with auto false (so a
     resumed run keeps its layout) and plan.json's `auto` says what was chosen, the runner-up and why."""
-    auto_pinned: Optional[str] = None
+    auto_pinned: str | None = None
     """Written by the launcher into config.json, not set by users: null when the layout was named or given (an
     elastic resize then changes dp only); when parallel=auto chose it, the parallel.* keys the command line pinned,
     space-separated ('' for none; their values are this config's). An elastic resize of such a run re-plans the new
@@ -192,7 +192,7 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree: the experts of every MoE layer split over ep ranks carved out of the data-parallel
     ranks (ep divides dp); tokens reach their experts' ranks by all-to-all."""
-    dp: Optional[int] = None
+    dp: int | None = None
     """Data-parallel degree; None derives it from the cluster's ranks / (tp x pp x cp)."""
     sp: bool = False
     """Sequence parallelism: norms and dropout on sequence shards (needs tp > 1)."""
@@ -253,13 +253,13 @@ class PreflightConfig:
 
     mode: PreflightMode = PreflightMode.off
     """off | warn (report only) | gate (a failing node stops the attempt and is excluded)."""
-    ib_hcas: List[str] = field(default_factory=list)
+    ib_hcas: list[str] = field(default_factory=list)
     """InfiniBand HCAs every node must have ACTIVE and LinkUp (e.g. mlx5_0); empty: none expected."""
     ib_rate_gbps: float = 0.0
     """Expected per-port IB rate in Gb/s (400 for NDR); 0 skips the rate check."""
     ib_sysfs_root: str = "/sys/class/infiniband"
     """Where the IB sysfs tree lives (tests point a node at a fixture)."""
-    ib_sysfs_root_by_node: Dict[str, str] = field(default_factory=dict)
+    ib_sysfs_root_by_node: dict[str, str] = field(default_factory=dict)
     """Per-node override of ib_sysfs_root (fault injection on one node of the dev cluster)."""
     matmul_tflops: float = 0.0
     """Expected bf16 dense matmul TFLOP/s per GPU; 0 skips the check."""
@@ -271,7 +271,7 @@ class PreflightConfig:
     """GPU temperature limit; 0 uses the GPU's own slowdown threshold."""
     max_used_gpu_memory_mb: float = 1024.0
     """GPU memory already used by other processes above which a GPU is suspicious."""
-    collective_sizes_mb: List[float] = field(default_factory=lambda: [1.0, 8.0])
+    collective_sizes_mb: list[float] = field(default_factory=lambda: [1.0, 8.0])
     """Message sizes of the collective bandwidth sweep."""
     driver_version: str = ""
     """Expected NVIDIA driver version (prefix match, e.g. 550.54); empty: only agreement across nodes is checked."""
@@ -314,7 +314,7 @@ class ContainerConfig:
     image: str = ""
     """Image for srun --container-image: a registry reference (nvcr.io#nvidia/pytorch:24.05-py3) or a
     squashfs file; empty: no container."""
-    mounts: List[str] = field(default_factory=list)
+    mounts: list[str] = field(default_factory=list)
     """Bind mounts SRC:DST[:FLAGS] for srun --container-mounts (absolute paths); the run directory and
     this Python environment must be visible inside at the same paths."""
 
@@ -383,7 +383,7 @@ class ClusterConfig:
     peak_tflops_fp8: float = 0.0
     """Peak dense FP8 TFLOP/s of one accelerator (the datasheet's, without sparsity): train.precision=fp8 plans
     the FP8 linears' FLOPs at this rate and reports MFU against it beside peak_tflops; 0: unknown."""
-    fp8_supported: Optional[bool] = None
+    fp8_supported: bool | None = None
     """Whether the accelerators have FP8 tensor cores (CUDA compute capability 8.9 or newer: L4/L40, H100/H200,
     B200; an A100 has none): false refuses train.precision=fp8 before launch; null: not stated (the engine checks
     the GPU it runs on)."""
@@ -413,17 +413,17 @@ class ClusterConfig:
     the checkpoint cadence; a run that has been requeued before measures its own (events.jsonl)."""
     exclude: str = ""
     """Nodes never to use (Slurm hostlist)."""
-    env: Dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
     """Environment for every rank (NCCL_IB_HCA, NCCL_SOCKET_IFNAME, NCCL_DEBUG, ...)."""
-    secret_keys: List[str] = field(default_factory=lambda: ["KEY", "TOKEN", "SECRET", "PASSWORD"])
+    secret_keys: list[str] = field(default_factory=lambda: ["KEY", "TOKEN", "SECRET", "PASSWORD"])
     """env keys containing any of these (case-insensitive) are secrets: their values never reach config.json,
     config.yaml, checkpoints, the sbatch script or the dry run; ranks read them from run.dir/secrets.json
     (mode 0600) or the job's environment (training/contract/rundir/secret_env.py)."""
     numa: NumaMode = NumaMode.auto
     """auto (bind each rank to its GPU's NUMA node) | off | explicit (use numa_map)."""
-    numa_map: List[int] = field(default_factory=list)
+    numa_map: list[int] = field(default_factory=list)
     """NUMA node of each local rank when numa=explicit."""
-    sbatch_extra: Dict[str, str] = field(default_factory=dict)
+    sbatch_extra: dict[str, str] = field(default_factory=dict)
     """Extra sbatch options (key without dashes -> value)."""
     job_name: str = ""
     """Slurm job name (sbatch --job-name: what squeue and sacct show); empty: meshrun-<the run directory's name>
@@ -489,7 +489,7 @@ class TrainConfig:
     """Learning rate at the end of the decay (cosine, linear, wsd) and the floor of inverse_sqrt."""
     warmup_steps: int = 10
     """Linear warm-up steps."""
-    decay_steps: Optional[int] = None
+    decay_steps: int | None = None
     """Steps of decay after warm-up (cosine, linear, wsd); None: until train.steps."""
     lr_schedule: LrSchedule = LrSchedule.cosine
     """After the linear warm-up: cosine (to min_lr over decay_steps) | linear (to min_lr over decay_steps) |
@@ -509,7 +509,7 @@ class TrainConfig:
     """Adam epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay (not applied to biases and norms)."""
-    fused_adamw: Optional[bool] = None
+    fused_adamw: bool | None = None
     """AdamW as one fused kernel over the flat shard: faster, but not bit-identical to torch.optim.AdamW
     (docs/PERFORMANCE.md). null (the default): true on cuda, false on cpu (resolved with the device, like
     precision=auto; config.json records what ran); true | false: as given on any device."""
@@ -518,7 +518,7 @@ class TrainConfig:
     fp8 (bf16 as stored and checkpointed, the linears' matmuls in float8 through torchao: docs/FP8.md)."""
     fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
     """precision=fp8: tensorwise (one scale per tensor) | rowwise (one per row, power-of-2 scales): torchao's recipes."""
-    fp8_skip: List[str] = field(default_factory=lambda: ["embedding", "output"])
+    fp8_skip: list[str] = field(default_factory=lambda: ["embedding", "output"])
     """precision=fp8: module kinds kept in bf16, of qkv, proj, fc1, fc2, experts, embedding, output (the
     embedding is a lookup and is never FP8)."""
     grad_clip: float = 1.0
@@ -537,7 +537,7 @@ class TrainConfig:
     """Save every T minutes of wall clock: a number of minutes (0: never by time), auto (the Young/Daly
     optimum sqrt(2 x save time x job MTBF) from cluster.node_mtbf_h, launcher/plan/cadence.py), or empty:
     the cluster preset's cluster.checkpoint_every_min. The launcher resolves it (checkpoint_every_min_resolved)."""
-    checkpoint_every_min_resolved: Optional[float] = None
+    checkpoint_every_min_resolved: float | None = None
     """Written by the launcher into config.json, not set by users: the minutes checkpoint_every_min resolved to
     for this launch (auto: the optimum then); the engine saves by this. None: checkpoint_every_min as a number."""
     keep_last: int = 3
@@ -576,7 +576,7 @@ class TrainConfig:
     """Loss on the held-out data every N steps and after the last (metrics `eval_loss`); 0 disables."""
     eval_iters: int = 2
     """Global batches of held-out data per evaluation (the same ones every time, so evaluations compare)."""
-    profile_steps: List[int] = field(default_factory=list)
+    profile_steps: list[int] = field(default_factory=list)
     """[a, b]: torch.profiler traces steps a..b (inclusive) on every rank, one Chrome trace JSON per rank in
     run.dir/profile/ (open in chrome://tracing or Perfetto); empty: no profiling."""
     nvtx: bool = False
@@ -587,7 +587,7 @@ class TrainConfig:
     """GPU: run the ranks of train.nsys_ranks under `nsys profile` with the capture range on train.profile_steps
     (cudaProfilerStart/Stop), one report per rank in run.dir/profile/nsys_rank<R>.nsys-rep; needs nsys on the
     nodes and train.profile_steps."""
-    nsys_ranks: List[int] = field(default_factory=lambda: [0])
+    nsys_ranks: list[int] = field(default_factory=lambda: [0])
     """Global ranks that train.nsys wraps (each writes its own report)."""
     memory_snapshot_step: int = 0
     """GPU: after this step dump a CUDA memory snapshot per rank to run.dir/profile/ (pytorch.org/memory_viz);
@@ -635,15 +635,15 @@ class DataConfig:
     kind: DataKind = DataKind.text
     """synthetic (random tokens from the seed) | text (files tokenized to bytes) | indexed (Megatron-compatible
     datasets written by `meshrun action=prepare`, memory-mapped, blended by data.weights)."""
-    paths: List[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
     """Text files or directories (*.py, *.txt, *.md); empty: the Python standard library's sources."""
     max_bytes: int = 8_000_000
     """Bytes of text read at most (the corpus is cached as one memory-mapped file in run.dir)."""
-    prefixes: List[str] = field(default_factory=list)
+    prefixes: list[str] = field(default_factory=list)
     """data=indexed: dataset prefixes DIR/NAME (NAME.bin + NAME.idx, and NAME.json from prepare)."""
-    weights: List[float] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
     """data=indexed: blend weight per prefix (normalised); empty: each dataset's share of the tokens."""
-    valid_prefixes: List[str] = field(default_factory=list)
+    valid_prefixes: list[str] = field(default_factory=list)
     """data=indexed: held-out datasets for train.eval_every; empty: each prefix's validation split from prepare."""
     tokenizer_sha256: str = ""
     """data=indexed: the sha256 of the tokenizer the first dataset was prepared with, recorded by the run's first
@@ -654,7 +654,7 @@ class DataConfig:
 class PrepareConfig:
     """`meshrun action=prepare`: tokenize text into a Megatron-compatible indexed dataset."""
 
-    inputs: List[str] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)
     """Text files, JSON Lines files (*.jsonl) or directories of them; empty: the Python standard library's sources."""
     output: str = "data/stdlib"
     """Dataset prefix DIR/NAME: writes NAME.bin, NAME.idx, NAME.json (+ NAME.valid.*, NAME.tokenizer.json)."""
@@ -679,7 +679,7 @@ class PrepareConfig:
     """tokenizer=bpe: bytes of input the BPE trainer reads at most (from the start); 0: everything."""
     progress: bool = True
     """Progress bar (tokens/s, ETA) on stderr."""
-    suffixes: List[str] = field(default_factory=list)
+    suffixes: list[str] = field(default_factory=list)
     """File suffixes read from directories in prepare.inputs (e.g. [.txt,.c,.jsonl]; .jsonl files are JSON Lines);
     empty: .py .txt .md .rst .jsonl .parquet .arrow (Parquet / Arrow: one document per row). Files with other
     suffixes are skipped and listed on stderr."""
@@ -699,7 +699,7 @@ class ExportConfig:
 
     output: str = ""
     """Directory to write (must not exist yet): config.json, safetensors weights, tokenizer files."""
-    step: Optional[int] = None
+    step: int | None = None
     """Checkpoint step to export; None: the latest complete one."""
     dtype: ExportDtype = ExportDtype.auto
     """auto (the dtype the run trained its weights in) | fp32 (the fp32 master copies when the run kept them) |
@@ -713,7 +713,7 @@ class ExportConfig:
 class GenerateConfig:
     """`meshrun action=generate`: continue a prompt with a checkpoint of run.dir, on one process."""
 
-    prompt_tokens: List[int] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
     """The prompt as token ids."""
     prompt: str = ""
     """The prompt as text, encoded with the run's tokenizer (data=indexed with NAME.tokenizer.json); instead of
@@ -733,9 +733,9 @@ class GenerateConfig:
     """Sampling: only the most likely tokens whose probabilities sum to p (nucleus); 1 keeps all."""
     seed: int = 0
     """Sampling: seed of the token draws."""
-    step: Optional[int] = None
+    step: int | None = None
     """Checkpoint step; None: the latest complete one."""
-    stop_tokens: List[int] = field(default_factory=list)
+    stop_tokens: list[int] = field(default_factory=list)
     """Stop once one of these token ids is generated (it is included in `tokens`)."""
 
 
@@ -866,7 +866,7 @@ class Config:
         self.train.fused_adamw = resolve_fused_adamw(self.train.fused_adamw, str(self.cluster.device))
 
 
-def resolve_fused_adamw(value: Optional[bool], device: str) -> bool:
+def resolve_fused_adamw(value: bool | None, device: str) -> bool:
     """train.fused_adamw as the engine runs it: null (unset) means true on cuda and false on cpu (where the
     unfused update is torch.optim.AdamW's, bit for bit); an explicit true or false is kept on any device."""
     if value is None:
@@ -925,16 +925,16 @@ def checkpoint_minutes(cfg: Config) -> float:
     return float(value)
 
 
-def config_from_dict(data: Dict[str, Any]) -> Config:
+def config_from_dict(data: dict[str, Any]) -> Config:
     """Rebuild a Config from plain dicts (config.json); unknown keys are an error."""
     return _build(Config, data)
 
 
-def _plain(pairs) -> Dict[str, Any]:
+def _plain(pairs) -> dict[str, Any]:
     return {k: (v.value if isinstance(v, Enum) else v) for k, v in pairs}
 
 
-def config_to_dict(cfg: Config) -> Dict[str, Any]:
+def config_to_dict(cfg: Config) -> dict[str, Any]:
     """Plain dicts, lists, numbers and strings (choice fields as their string value)."""
     return dataclasses.asdict(cfg, dict_factory=_plain)
 

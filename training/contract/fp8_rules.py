@@ -10,7 +10,6 @@ tensorwise recipe.
 from __future__ import annotations
 
 import importlib.util
-from typing import Dict, List, Tuple
 
 from training.contract.config import Config
 from training.contract.layout_rules import Violation, padded_vocab
@@ -31,7 +30,7 @@ FP8_MIN_CAPABILITY = (8, 9)
 """CUDA compute capability of the first GPUs with FP8 tensor cores (Ada Lovelace; Hopper is 9.0)."""
 
 
-def fp8_local_shapes(cfg: Config) -> Dict[str, List[Tuple[int, int]]]:
+def fp8_local_shapes(cfg: Config) -> dict[str, list[tuple[int, int]]]:
     """The local weight shapes [out, in] of each FP8-capable kind at cfg's tp (experts: fc1 and fc2)."""
     m, tp = cfg.model, cfg.parallel.tp
     h, a, g = m.hidden_size, m.num_attention_heads, m.query_groups
@@ -52,7 +51,7 @@ def fp8_local_shapes(cfg: Config) -> Dict[str, List[Tuple[int, int]]]:
     return shapes
 
 
-def fp8_kinds(cfg: Config) -> List[str]:
+def fp8_kinds(cfg: Config) -> list[str]:
     """The kinds whose matmuls run in FP8 (none unless train.precision=fp8)."""
     if str(cfg.train.precision) != "fp8":
         return []
@@ -65,10 +64,10 @@ def torchao_installed() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
-def fp8_rules(cfg: Config) -> List[Violation]:
+def fp8_rules(cfg: Config) -> list[Violation]:
     """The errors of train.precision=fp8 (and of its keys set without it), each naming the fix."""
     t, par = cfg.train, cfg.parallel
-    out: List[Violation] = []
+    out: list[Violation] = []
     if getattr(par, "fp8_all_gather", False):
         needs = []
         if str(t.precision) != "fp8":

@@ -14,8 +14,6 @@ under sp) and no dropout. The vocabulary is padded to a multiple of tp.
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 from training.contract.config import Config, ModelConfig
 from training.contract.stage_split import StageSplit, split_rules, stage_split
 from training.contract.violation import Violation
@@ -38,12 +36,12 @@ def sequence_parallel_on(sp: bool, tp: int) -> bool:
     return bool(sp) and tp > 1
 
 
-def divisors(n: int, limit: int) -> List[int]:
+def divisors(n: int, limit: int) -> list[int]:
     """Divisors of n up to limit."""
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def _closest(options: List[int], value: int) -> int:
+def _closest(options: list[int], value: int) -> int:
     return min(options, key=lambda o: (abs(o - value), o))
 
 
@@ -52,7 +50,7 @@ def _error(key: str, message: str, fix: str, code: str = "") -> Violation:
 
 
 # ---- model shape ----------------------------------------------------------------------------------
-def model_rules(m: ModelConfig) -> List[Violation]:
+def model_rules(m: ModelConfig) -> list[Violation]:
     """Heads split the hidden size, query groups split the heads, rope needs an even head dimension."""
     out = []
     h, a, g = m.hidden_size, m.num_attention_heads, m.query_groups
@@ -84,14 +82,14 @@ def model_rules(m: ModelConfig) -> List[Violation]:
 
 
 # ---- tensor parallelism ---------------------------------------------------------------------------
-def valid_tp(cfg: Config) -> List[int]:
+def valid_tp(cfg: Config) -> list[int]:
     """The tp values this model allows (within one node unless parallel.allow_tp_across_nodes)."""
     m, c = cfg.model, cfg.cluster
     limit = m.num_attention_heads if cfg.parallel.allow_tp_across_nodes else c.gpus_per_node
     return [d for d in divisors(m.num_attention_heads, limit) if m.query_groups % d == 0 and m.ffn % d == 0]
 
 
-def tp_rules(m: ModelConfig, tp: int, fix_tp: Optional[List[int]] = None) -> List[Violation]:
+def tp_rules(m: ModelConfig, tp: int, fix_tp: list[int] | None = None) -> list[Violation]:
     """tp divides the attention heads, the query groups (key/value heads) and the MLP width."""
     out = []
     a, g = m.num_attention_heads, m.query_groups
@@ -104,7 +102,7 @@ def tp_rules(m: ModelConfig, tp: int, fix_tp: Optional[List[int]] = None) -> Lis
     return out
 
 
-def sp_rules(sp: bool, tp: int, seq_length: int) -> List[Violation]:
+def sp_rules(sp: bool, tp: int, seq_length: int) -> list[Violation]:
     """Sequence parallelism shards the sequence over tp: off (a warning) at tp = 1, seq divisible by tp."""
     if not sp:
         return []
@@ -139,7 +137,7 @@ def layer_rules(
     last_stage_layers: int = 0,
     embedding_in_split: bool = False,
     loss_in_split: bool = False,
-) -> List[Violation]:
+) -> list[Violation]:
     """The layers can be divided over the pp x vpp model chunks (training/contract/stage_split.py: evenly, with the
     embedding and the loss counted as layers, or with the first and last pipeline ranks' layers fixed)."""
     return split_rules(
@@ -147,12 +145,12 @@ def layer_rules(
     )
 
 
-def split_layer_rules(cfg: Config) -> List[Violation]:
+def split_layer_rules(cfg: Config) -> list[Violation]:
     """layer_rules for a config's layout (its split keys included)."""
     return split_rules(stage_split(cfg))
 
 
-def schedule_rules(schedule: str, pp: int, vpp: int) -> List[Violation]:
+def schedule_rules(schedule: str, pp: int, vpp: int) -> list[Violation]:
     """vpp > 1 needs the interleaved schedule, and the interleaved schedule needs vpp > 1 and pp > 1."""
     out = []
     if schedule == "interleaved_1f1b":
@@ -187,8 +185,8 @@ def schedule_rules(schedule: str, pp: int, vpp: int) -> List[Violation]:
 
 
 def interleaved_batch_rules(
-    schedule: str, pp: int, micro_batches: int, unit: Optional[int] = None, group: int = 0
-) -> List[Violation]:
+    schedule: str, pp: int, micro_batches: int, unit: int | None = None, group: int = 0
+) -> list[Violation]:
     """The interleaved schedule sends micro-batches through the chunks in groups of g = microbatch_group_size
     (0: pp): Megatron-Core's rules, pp <= g <= micro-batches, and the last group (micro-batches mod g) empty or
     at least pp (a shorter one stalls the pipeline). A group size with another schedule is an error."""
@@ -245,7 +243,7 @@ def interleaved_batch_rules(
     ]
 
 
-def zero_bubble_rules(schedule: str, zero: int) -> List[Violation]:
+def zero_bubble_rules(schedule: str, zero: int) -> list[Violation]:
     """zb_h1 runs each weight-grad pass (W) after its input-grad pass (B) has returned: zero=3 releases a unit's
     gathered parameters at the end of its backward, before W could use them."""
     if schedule != "zb_h1" or zero < 3:
@@ -261,7 +259,7 @@ def zero_bubble_rules(schedule: str, zero: int) -> List[Violation]:
 
 
 # ---- data parallelism -----------------------------------------------------------------------------
-def batch_rules(global_batch: int, micro_batch: int, dp: int) -> List[Violation]:
+def batch_rules(global_batch: int, micro_batch: int, dp: int) -> list[Violation]:
     """The global batch is micro_batch x dp x (gradient accumulation steps)."""
     unit = micro_batch * dp
     if global_batch % unit == 0:
@@ -282,7 +280,7 @@ def batch_rules(global_batch: int, micro_batch: int, dp: int) -> List[Violation]
 CP_COMMS = ("ring", "all_gather")
 
 
-def cp_rules(cp: int, seq_length: int, tp: int, sp: bool, dropout: float, cp_comm: str = "ring") -> List[Violation]:
+def cp_rules(cp: int, seq_length: int, tp: int, sp: bool, dropout: float, cp_comm: str = "ring") -> list[Violation]:
     """cp splits each sequence in 2 x cp chunks (causal load balancing), whose tokens sp splits again over tp;
     the cp attention has no dropout on the probabilities; cp_comm is ring or all_gather."""
     out = []
@@ -339,7 +337,7 @@ def memory_lever_rules(
     chunk_layers: int,
     offload: str = "none",
     offload_dir: str = "",
-) -> List[Violation]:
+) -> list[Violation]:
     """zero is a stage the engine runs; recompute_num_layers is >= 0 and only means something under
     recompute=full (a warning otherwise, and when it covers the whole chunk anyway); offload=nvme names its
     directory."""
@@ -400,10 +398,10 @@ def chunk_layer_count(cfg: Config) -> int:
     return stage_split(cfg).max_chunk_layers()
 
 
-def moe_rules(m: ModelConfig, ep: int, dp: int, tp: int, cp: int, zero: int) -> List[Violation]:
+def moe_rules(m: ModelConfig, ep: int, dp: int, tp: int, cp: int, zero: int) -> list[Violation]:
     """Mixture of experts (training/model/moe.py): top_k within the experts, ep inside dp splitting the experts evenly,
     the expert width split by tp; what the engine does not run with experts yet (cp > 1, zero=3)."""
-    out: List[Violation] = []
+    out: list[Violation] = []
     E = m.num_experts
     if E < 0:
         return [_error("model.num_experts", f"num_experts={E} is negative", "model.num_experts=0 (dense) or > 0")]
@@ -488,7 +486,7 @@ def moe_rules(m: ModelConfig, ep: int, dp: int, tp: int, cp: int, zero: int) -> 
     return out
 
 
-def layout_violations(cfg: Config, dp: int) -> List[Violation]:
+def layout_violations(cfg: Config, dp: int) -> list[Violation]:
     """Every rule above for cfg's layout with `dp` data-parallel ranks (launcher and engine alike)."""
     m, par = cfg.model, cfg.parallel
     tp = tp_rules(m, par.tp)
@@ -518,7 +516,7 @@ def layout_violations(cfg: Config, dp: int) -> List[Violation]:
     return out
 
 
-def raise_errors(violations: List[Violation]) -> List[Violation]:
+def raise_errors(violations: list[Violation]) -> list[Violation]:
     """Raise LayoutError listing every error (one per line); return the warnings."""
     errors = [v for v in violations if v.level == "error"]
     if errors:

@@ -17,7 +17,6 @@ reads them from a Config; `format_layout` writes them in one of four forms:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from training.contract.config import Config, derived_dp
 
@@ -39,7 +38,7 @@ class Layout:
     """Context-parallel degree."""
     dp: int = 1
     """Data-parallel degree (derived from the ranks when the config leaves it out)."""
-    ep: Optional[int] = None
+    ep: int | None = None
     """Expert-parallel degree (inside dp); None for a dense model, which has none to show."""
     zero: int = 0
     """ZeRO stage."""
@@ -47,7 +46,7 @@ class Layout:
     """Sequence parallelism."""
     micro_batch: int = 1
     """Sequences per micro-batch."""
-    global_batch: Optional[int] = None
+    global_batch: int | None = None
     """Sequences per step; None where the printer does not know it."""
     schedule: str = "1f1b"
     """Pipeline schedule."""
@@ -77,7 +76,7 @@ class Layout:
         return self.tp * self.pp * self.cp * self.dp
 
 
-def layout_of(cfg: Config, dp: Optional[int] = None) -> Layout:
+def layout_of(cfg: Config, dp: int | None = None) -> Layout:
     """The layout of a config; dp as given (a plan's), else the config's own or derived one."""
     p = cfg.parallel
     return Layout(

@@ -4,7 +4,7 @@ launcher/plan/validate.py checks every key; training/hf/hf_config.py the model f
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 # Far above any model trained today (the largest have ~10^2 layers, ~10^5 hidden, ~10^6
 # tokens of context, ~10^6 vocabulary) and any cluster (~10^5 GPUs).
@@ -39,7 +39,7 @@ MAX_SIZE = {
 }
 
 
-def too_large(key: str, value: Any) -> Optional[str]:
+def too_large(key: str, value: Any) -> str | None:
     """The message when `value` exceeds key's bound, else None."""
     most = MAX_SIZE.get(key)
     if most is not None and isinstance(value, (int, float)) and not isinstance(value, bool) and value > most:

@@ -15,7 +15,6 @@ curve; `lr_curve` gives the whole planned curve (the report draws it under the l
 from __future__ import annotations
 
 import math
-from typing import List, Tuple
 
 from training.contract.config import TrainConfig
 
@@ -58,7 +57,7 @@ def lr_at(step: int, train: TrainConfig) -> float:
     return train.min_lr + (train.lr - train.min_lr) * cosine
 
 
-def schedule_problems(train: TrainConfig) -> List[Tuple[str, str, str]]:
+def schedule_problems(train: TrainConfig) -> list[tuple[str, str, str]]:
     """(key, what is wrong, fix) for each bad schedule key: the launcher and the engine both check these."""
     out = []
     if not 0.0 <= train.decay_fraction <= 1.0:
@@ -89,6 +88,6 @@ def schedule_problems(train: TrainConfig) -> List[Tuple[str, str, str]]:
     return out
 
 
-def lr_curve(train: TrainConfig) -> List[float]:
+def lr_curve(train: TrainConfig) -> list[float]:
     """The learning rate of every step 0 .. train.steps - 1 (what metrics.jsonl's `lr` of step n + 1 is)."""
     return [lr_at(s, train) for s in range(train.steps)]

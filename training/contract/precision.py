@@ -8,28 +8,26 @@ that the launcher can import this module without torch; `torch_dtype` turns a na
 
 from __future__ import annotations
 
-from typing import Dict
-
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 """The values train.precision accepts once resolved."""
 
-PARAM_DTYPE: Dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+PARAM_DTYPE: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
 """Dtype of the model's weights and activations (fp8 stores bf16: only the linears' matmul operands are cast to
 float8, transiently, training/parallel/fp8.py)."""
 
-GRAD_DTYPE: Dict[str, str] = {"fp32": "float32", "bf16": "float32", "fp16": "float16", "fp8": "float32"}
+GRAD_DTYPE: dict[str, str] = {"fp32": "float32", "bf16": "float32", "fp16": "float16", "fp8": "float32"}
 """Dtype of the main (accumulated, reduced) gradients."""
 
-DTYPE_BYTES: Dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of each dtype."""
 
-PARAM_BYTES: Dict[str, int] = {p: DTYPE_BYTES[PARAM_DTYPE[p]] for p in PRECISIONS}
+PARAM_BYTES: dict[str, int] = {p: DTYPE_BYTES[PARAM_DTYPE[p]] for p in PRECISIONS}
 """Weight bytes per parameter."""
 
-GRAD_BYTES: Dict[str, int] = {p: DTYPE_BYTES[GRAD_DTYPE[p]] for p in PRECISIONS}
+GRAD_BYTES: dict[str, int] = {p: DTYPE_BYTES[GRAD_DTYPE[p]] for p in PRECISIONS}
 """Main-grad bytes per parameter."""
 
-OPTIMIZER_BYTES: Dict[str, int] = {p: 8 + (4 if PARAM_DTYPE[p] != "float32" else 0) for p in PRECISIONS}
+OPTIMIZER_BYTES: dict[str, int] = {p: 8 + (4 if PARAM_DTYPE[p] != "float32" else 0) for p in PRECISIONS}
 """Optimizer-state bytes per parameter before ZeRO sharding: Adam's m and v in fp32, plus the fp32 master."""
 
 

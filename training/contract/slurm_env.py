@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from typing import Dict, List, Mapping, MutableMapping, Optional, Sequence, Set
+from collections.abc import Mapping, MutableMapping, Sequence
 
 PORT_BASE = 20000
 """Lowest rendezvous port derived from a job id."""
@@ -49,7 +49,7 @@ def slurm_command(cmd: Sequence[str], timeout: float = SLURM_TIMEOUT_S) -> subpr
 
 def dist_env(
     rank: int, world: int, local_rank: int, local_world: int, master_addr: str, master_port: int
-) -> Dict[str, str]:
+) -> dict[str, str]:
     """The standard torch.distributed variables of one rank (docs/CONTRACTS.md, "Launch")."""
     return {
         "RANK": str(rank),
@@ -61,7 +61,7 @@ def dist_env(
     }
 
 
-def _split_top_level(hostlist: str) -> List[str]:
+def _split_top_level(hostlist: str) -> list[str]:
     """Split at the commas outside brackets ("a[1,2],b" -> ["a[1,2]", "b"])."""
     parts, depth, cur = [], 0, ""
     for ch in hostlist:
@@ -81,10 +81,10 @@ def _split_top_level(hostlist: str) -> List[str]:
     return [p.strip() for p in parts + [cur] if p.strip()]
 
 
-def _expand_ranges(body: str) -> List[str]:
+def _expand_ranges(body: str) -> list[str]:
     """ "01-02,05" -> ["01", "02", "05"]: a range keeps the width of its lower bound (Slurm: n[9-11] ->
     n9 n10 n11, n[001-2] -> n001 n002)."""
-    out: List[str] = []
+    out: list[str] = []
     for r in body.split(","):
         lo, dash, hi = r.strip().partition("-")
         if not lo.isdigit() or (dash and not hi.isdigit()):
@@ -98,12 +98,12 @@ def _expand_ranges(body: str) -> List[str]:
     return out
 
 
-def expand_hostlist(hostlist: str) -> List[str]:
+def expand_hostlist(hostlist: str) -> list[str]:
     """Expand a Slurm hostlist exactly as `scontrol show hostnames` does (tests/slurm/test_fault_matrix_slurm.py
     compares them on the dev cluster): every bracket of a name multiplies, the leftmost varying slowest
     ("rack[1-2]-node[01-02]" -> rack1-node01, rack1-node02, rack2-node01, rack2-node02); ValueError for a
     list Slurm also refuses (text after the last bracket, a descending range)."""
-    hosts: List[str] = []
+    hosts: list[str] = []
     for part in _split_top_level(hostlist):
         pieces = re.split(r"(\[[^\]]*\])", part)
         if len(pieces) > 1 and pieces[-1]:
@@ -120,7 +120,7 @@ def expand_hostlist(hostlist: str) -> List[str]:
     return hosts
 
 
-def hostnames(nodelist: str) -> List[str]:
+def hostnames(nodelist: str) -> list[str]:
     """The hosts of a Slurm hostlist: expanded here, or by `scontrol show hostnames` when that fails."""
     try:
         hosts = expand_hostlist(nodelist)
@@ -142,7 +142,7 @@ def first_host(nodelist: str) -> str:
     return hosts[0]
 
 
-def slurm_job_id(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
     """The id Slurm commands take for this job: "<array job>_<task>" for a job-array task (as submitit
     names it; SLURM_JOB_ID alone would not match sacct's JobID column), else SLURM_JOB_ID; None outside Slurm."""
     env = os.environ if env is None else env
@@ -158,7 +158,7 @@ def port_from_job(job_id: str, restart_count: int = 0) -> int:
     return PORT_BASE + (int(digits) * 7 + restart_count) % PORT_SPAN
 
 
-def torch_env_from_slurm(env: Mapping[str, str]) -> Dict[str, str]:
+def torch_env_from_slurm(env: Mapping[str, str]) -> dict[str, str]:
     """The torch.distributed variables for this Slurm task; empty outside Slurm tasks.
 
     Values already present in env (e.g. MASTER_ADDR exported by the batch script) win."""
@@ -178,7 +178,7 @@ def torch_env_from_slurm(env: Mapping[str, str]) -> Dict[str, str]:
     )
 
 
-def apply_slurm_env(env: Optional[MutableMapping[str, str]] = None) -> bool:
+def apply_slurm_env(env: MutableMapping[str, str] | None = None) -> bool:
     """Set RANK/WORLD_SIZE/... from SLURM_* when RANK is not set yet; True when it changed anything."""
     env = os.environ if env is None else env
     if env.get("RANK") is not None:
@@ -189,9 +189,9 @@ def apply_slurm_env(env: Optional[MutableMapping[str, str]] = None) -> bool:
 
 
 # ---------------------------------------------------------------- NUMA affinity, checked inside the rank
-def parse_cpulist(text: str) -> Set[int]:
+def parse_cpulist(text: str) -> set[int]:
     """ "0-3,8,10-11" -> {0,1,2,3,8,10,11} (the sysfs cpulist format)."""
-    cpus: Set[int] = set()
+    cpus: set[int] = set()
     for part in text.strip().split(","):
         if not part:
             continue
@@ -200,12 +200,12 @@ def parse_cpulist(text: str) -> Set[int]:
     return cpus
 
 
-def numa_node_cpus(node: int, sysfs: str = "/sys/devices/system/node") -> Set[int]:
+def numa_node_cpus(node: int, sysfs: str = "/sys/devices/system/node") -> set[int]:
     with open(os.path.join(sysfs, f"node{node}", "cpulist")) as f:
         return parse_cpulist(f.read())
 
 
-def check_affinity(expected_node: Optional[int] = None, sysfs: str = "/sys/devices/system/node") -> Optional[str]:
+def check_affinity(expected_node: int | None = None, sysfs: str = "/sys/devices/system/node") -> str | None:
     """None when this process's CPU affinity lies inside its NUMA node's cpulist, else the problem.
 
     expected_node defaults to $MESHRUN_NUMA_NODE (set by the launcher's rank wrapper); no node: None."""

@@ -18,7 +18,6 @@ checkpoints move between splits and pp degrees as they are.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
 
 from training.contract.config import Config
 from training.contract.violation import Violation
@@ -53,7 +52,7 @@ class StageSplit:
         """Whether the first or the last pipeline rank's layers are fixed by the user."""
         return bool(self.first_stage_layers or self.last_stage_layers)
 
-    def rank_layers(self) -> Optional[List[int]]:
+    def rank_layers(self) -> list[int] | None:
         """Layers per pipeline rank, or None when the split cannot be made (`split_rules` says why)."""
         L, p, v = self.num_layers, self.pp, self.vpp
         if p < 1 or v < 1 or L < 1:
@@ -85,7 +84,7 @@ class StageSplit:
             return None
         return [sum(counts[c * p + r] for c in range(v)) for r in range(p)]
 
-    def counts(self) -> Optional[List[int]]:
+    def counts(self) -> list[int] | None:
         """Layers per virtual stage (index c x pp + r), or None when the split cannot be made."""
         L, p, v = self.num_layers, self.pp, self.vpp
         if self.uneven:
@@ -105,7 +104,7 @@ class StageSplit:
             return None
         return out
 
-    def layer_ids(self, pp_rank: int) -> List[List[int]]:
+    def layer_ids(self, pp_rank: int) -> list[list[int]]:
         """Global layer ids of pipeline rank `pp_rank`'s chunks, chunk 0 first (raises when no split exists)."""
         counts = self.counts()
         if counts is None:
@@ -122,7 +121,7 @@ class StageSplit:
         return max(counts) if counts else 0
 
     @classmethod
-    def of(cls, cfg: Config) -> "StageSplit":
+    def of(cls, cfg: Config) -> StageSplit:
         """The split of a config (vpp counts only with the interleaved schedule and pp > 1)."""
         par = cfg.parallel
         v = par.vpp if str(par.schedule) == "interleaved_1f1b" and par.pp > 1 else 1
@@ -146,7 +145,7 @@ def _error(key: str, message: str, fix: str) -> Violation:
     return Violation("error", key, message, fix, "layers")
 
 
-def _even_fixes(s: StageSplit) -> List[str]:
+def _even_fixes(s: StageSplit) -> list[str]:
     """Commands that make an even split of s's layers possible without changing pp."""
     L, p, v = s.num_layers, s.pp, s.vpp
     out = []
@@ -182,7 +181,7 @@ def _even_fixes(s: StageSplit) -> List[str]:
     return out
 
 
-def split_rules(s: StageSplit) -> List[Violation]:
+def split_rules(s: StageSplit) -> list[Violation]:
     """Why s's layers cannot be divided over its virtual stages, each with a fix a user can type (empty: they can)."""
     L, p, v = s.num_layers, s.pp, s.vpp
     if L < 1 or p < 1 or v < 1:
@@ -261,7 +260,7 @@ def split_rules(s: StageSplit) -> List[Violation]:
     return []
 
 
-def split_options(num_layers: int, pp: int, vpp: int, limit: int = 2) -> List[dict]:
+def split_options(num_layers: int, pp: int, vpp: int, limit: int = 2) -> list[dict]:
     """The split keys a layout search tries at pp x vpp (action=recommend, parallel=auto): [{}] when the even split
     works; else up to `limit` distinct splits that do, lightest first and last ranks preferred (they also hold the
     embedding and the output layer): embedding_in_split (+ loss_in_split), then first = last = k (pp > 2) or
@@ -269,7 +268,7 @@ def split_options(num_layers: int, pp: int, vpp: int, limit: int = 2) -> List[di
     L, p, v = num_layers, pp, vpp
     if StageSplit(L, p, v).counts() is not None:
         return [{}]
-    tries: List[dict] = [
+    tries: list[dict] = [
         {"embedding_in_split": True, "loss_in_split": True},
         {"embedding_in_split": True},
     ]
@@ -281,7 +280,7 @@ def split_options(num_layers: int, pp: int, vpp: int, limit: int = 2) -> List[di
         ks = [k for k in range(v, L // 2 + 1, v) if (L - k) % v == 0]
         if ks:
             tries.append({"first_stage_layers": max(ks)})
-    out: List[dict] = []
+    out: list[dict] = []
     seen = set()
     for keys in tries:
         counts = StageSplit(L, p, v, **keys).counts()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Iterable, List, Optional, Sequence, Tuple
+from collections.abc import Iterable, Sequence
 
 BYTES = "bytes"
 BYTE_VOCAB = 257
@@ -41,10 +41,10 @@ class Tokenizer:
     eod_id: int
     """The end-of-document token appended to every document."""
 
-    def encode(self, text: str) -> List[int]:  # pragma: no cover - interface
+    def encode(self, text: str) -> list[int]:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:  # pragma: no cover - interface
@@ -61,7 +61,7 @@ class ByteTokenizer(Tokenizer):
     def __init__(self) -> None:
         self.name, self.vocab_size, self.eod_id = BYTES, BYTE_VOCAB, BYTE_EOD
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -103,10 +103,10 @@ class HFTokenizer(Tokenizer):
             f"name its end-of-document token with prepare.eod_token=TOKEN"
         )
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if self._fast is not None:
             return [e.ids for e in self._fast(list(texts), add_special_tokens=False)]
         return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
@@ -147,7 +147,7 @@ def description_path(prefix: str) -> str:
     return prefix + ".json"
 
 
-def dataset_tokenizer_spec(prefix: str) -> Optional[Tuple[str, str]]:
+def dataset_tokenizer_spec(prefix: str) -> tuple[str, str] | None:
     """(`bytes` or the tokenizer.json path, its end-of-document token) a dataset was prepared with, or None."""
     try:
         with open(description_path(prefix)) as f:
@@ -160,7 +160,7 @@ def dataset_tokenizer_spec(prefix: str) -> Optional[Tuple[str, str]]:
     return (tok["name"], "") if tok.get("name") else None
 
 
-def _recorded_sha256(prefix: str) -> Optional[str]:
+def _recorded_sha256(prefix: str) -> str | None:
     try:
         with open(description_path(prefix)) as f:
             return ((json.load(f) or {}).get("tokenizer") or {}).get("sha256")
@@ -168,7 +168,7 @@ def _recorded_sha256(prefix: str) -> Optional[str]:
         return None
 
 
-def load_tokenizer(path_or_name: str, eod_token: str = "", _via: Optional[str] = None) -> Tokenizer:
+def load_tokenizer(path_or_name: str, eod_token: str = "", _via: str | None = None) -> Tokenizer:
     """`bytes`, a tokenizer.json file, a directory holding one, or a dataset prefix (its NAME.json names it;
     the tokenizer file must have the sha256 the description recorded)."""
     spec = str(path_or_name)

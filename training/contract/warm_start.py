@@ -25,7 +25,8 @@ import os
 import socket
 import struct
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 WARM_ENV = "MESHRUN_WARM_START"
 """Set to 1 in the batch script when it started the warm agents: the rank wrappers then ask them first."""
@@ -47,7 +48,7 @@ MAX_FDS = FDS + 1
 """...and one more the rank keeps open (optional)."""
 
 
-def socket_name(env: Dict[str, str], node: str) -> str:
+def socket_name(env: dict[str, str], node: str) -> str:
     """The agent's address: abstract (leading NUL), so nothing lands on a shared file system; the job's id and
     Slurm's restart count (a requeued job is a new allocation with new agents) and the node."""
     job, restart = env.get("SLURM_JOB_ID", ""), env.get("SLURM_RESTART_COUNT") or "0"
@@ -59,7 +60,7 @@ def local_socket_name(launcher_pid: int, token: str) -> str:
     return f"\0meshrun-warm-agent/local/{launcher_pid}.{token}"
 
 
-def send(sock: socket.socket, obj: Dict[str, Any], fds: Sequence[int] = ()) -> None:
+def send(sock: socket.socket, obj: dict[str, Any], fds: Sequence[int] = ()) -> None:
     data = json.dumps(obj).encode()
     head = struct.pack("!I", len(data))
     if fds:
@@ -68,7 +69,7 @@ def send(sock: socket.socket, obj: Dict[str, Any], fds: Sequence[int] = ()) -> N
         sock.sendall(head + data)
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     out = b""
     while len(out) < n:
         _wait_budget(sock, deadline)
@@ -79,22 +80,20 @@ def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -
     return out
 
 
-def _wait_budget(sock: socket.socket, deadline: Optional[float]) -> None:
+def _wait_budget(sock: socket.socket, deadline: float | None) -> None:
     """One deadline for a whole message: a peer that trickles a byte at a time cannot hold the reader longer."""
     if deadline is not None:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise socket.timeout("timed out")
+            raise TimeoutError("timed out")
         sock.settimeout(left)
 
 
-def recv(
-    sock: socket.socket, with_fds: bool = False, timeout: Optional[float] = None
-) -> Tuple[Dict[str, Any], List[int]]:
+def recv(sock: socket.socket, with_fds: bool = False, timeout: float | None = None) -> tuple[dict[str, Any], list[int]]:
     """One message (and the descriptors passed with it), within `timeout` seconds in all when given. EOFError
     when the peer closed the connection; on any failure the descriptors received are closed."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    fds: List[int] = []
+    fds: list[int] = []
     try:
         if with_fds:
             _wait_budget(sock, deadline)

@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import warnings
-from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -26,7 +25,7 @@ MODEL = "model/"
 MASTER = "optim/master/"
 
 
-def resolve_step(run_dir: str, step: Optional[int], key: str) -> Tuple[int, str]:
+def resolve_step(run_dir: str, step: int | None, key: str) -> tuple[int, str]:
     """(step, its directory): the given step, or the newest complete checkpoint of the run's line."""
     if not os.path.isdir(storage.checkpoints_dir(run_dir)):
         raise CheckpointError(
@@ -63,8 +62,8 @@ def resolve_step(run_dir: str, step: Optional[int], key: str) -> Tuple[int, str]
 
 
 def read_checkpoint(
-    run_dir: str, step: Optional[int] = None, key: str = "export.step", masters: bool = False
-) -> Tuple[Config, int, Dict[str, torch.Tensor]]:
+    run_dir: str, step: int | None = None, key: str = "export.step", masters: bool = False
+) -> tuple[Config, int, dict[str, torch.Tensor]]:
     """(the checkpoint's config, its step, parameter name -> full tensor without vocabulary padding).
 
     masters=True takes the fp32 master copy of each parameter where the checkpoint has one (bf16 / fp16 runs)."""

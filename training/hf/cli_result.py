@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable, Dict
+from collections.abc import Callable
+from typing import Any
 
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 
 
-def print_result(action: Callable[[], Dict[str, Any]]) -> int:
+def print_result(action: Callable[[], dict[str, Any]]) -> int:
     """Run the action; print its result or its error; return the exit code."""
     from training.checkpoint.storage import CheckpointError
-    from training.hf.hf_config import HFError
     from training.contract.tokenizer import TokenizerError
+    from training.hf.hf_config import HFError
 
     try:
         result = action()

@@ -15,14 +15,14 @@ made of contiguous row or column ranges of the Hugging Face tensors.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from collections.abc import Callable
 
 import torch
 
 from training.hf.hf_config import GPT2, MIXTRAL
 from training.hf.names import PREFIX
 
-Reader = Callable[[str, Optional[slice], Optional[slice]], torch.Tensor]
+Reader = Callable[[str, slice | None, slice | None], torch.Tensor]
 """read(expected Hugging Face name, row slice or None, column slice or None) -> that part of the tensor."""
 
 
@@ -33,18 +33,18 @@ def _dims(mc):
 
 
 # ---- export: full meshrun tensors -> Hugging Face tensors ----------------------------------------------
-def to_hf(full: Dict[str, torch.Tensor], mc, family: str) -> Dict[str, torch.Tensor]:
+def to_hf(full: dict[str, torch.Tensor], mc, family: str) -> dict[str, torch.Tensor]:
     """Hugging Face tensors (expected_shapes' names) from full, unpadded meshrun parameters."""
     a, g, d, qpg = _dims(mc)
     h, f, V = mc.hidden_size, mc.ffn, mc.vocab_size
     p = PREFIX[family]
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     gpt2 = family == GPT2
     out[p + ("wte.weight" if gpt2 else "embed_tokens.weight")] = full["embedding.word.weight"][:V]
     if gpt2:
         out[p + "wpe.weight"] = full["embedding.position.weight"]
     for i in range(mc.num_layers):
-        m = lambda k: full[f"layers.{i}.{k}"]  # noqa: E731
+        m = lambda k, i=i: full[f"layers.{i}.{k}"]  # noqa: E731
         qkv = m("attn.qkv.weight").view(g, qpg + 2, d, h)
         q, k, v = (qkv[:, :qpg].reshape(a * d, h), qkv[:, qpg].reshape(g * d, h), qkv[:, qpg + 1].reshape(g * d, h))
         qkv_b = m("attn.qkv.bias").view(g, qpg + 2, d) if mc.bias else None
@@ -89,7 +89,7 @@ def to_hf(full: Dict[str, torch.Tensor], mc, family: str) -> Dict[str, torch.Ten
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
-def _mixtral_experts_to_hf(full: Dict[str, torch.Tensor], mc, i: int, b: str) -> Dict[str, torch.Tensor]:
+def _mixtral_experts_to_hf(full: dict[str, torch.Tensor], mc, i: int, b: str) -> dict[str, torch.Tensor]:
     """Layer i's router and experts as Mixtral's gate and w1 (gate) / w3 (up) / w2 (down) per expert."""
     h, fe = mc.hidden_size, mc.moe_ffn_hidden_size or mc.ffn
     out = {b + "block_sparse_moe.gate.weight": full[f"layers.{i}.mlp.router.weight"]}
@@ -103,7 +103,7 @@ def _mixtral_experts_to_hf(full: Dict[str, torch.Tensor], mc, i: int, b: str) ->
 
 # ---- import: this rank's slice of each meshrun parameter from the Hugging Face tensors ----------------
 def local_from_hf(
-    name: str, global_shape, tp_shard_dim: Optional[int], tp: int, tp_rank: int, read: Reader, mc, family: str
+    name: str, global_shape, tp_shard_dim: int | None, tp: int, tp_rank: int, read: Reader, mc, family: str
 ) -> torch.Tensor:
     """This rank's shard of meshrun parameter `name` (global_shape includes vocabulary padding)."""
     a, g, d, qpg = _dims(mc)

@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 import uuid
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 from training.contract.rundir.files import rename_into_place
 from training.hf.cli_result import print_result
@@ -25,9 +25,9 @@ from training.hf.cli_result import print_result
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def shard_plan(sizes: List[Tuple[str, int]], max_bytes: int) -> List[List[str]]:
+def shard_plan(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
     """Tensor names per file, in order: a new file starts when the next tensor would pass max_bytes."""
-    files: List[List[str]] = [[]]
+    files: list[list[str]] = [[]]
     used = 0
     for name, size in sizes:
         if files[-1] and used + size > max_bytes:
@@ -45,7 +45,7 @@ def _umask_mode() -> int:
     return 0o666 & ~mask
 
 
-def write_weights(tensors: Dict[str, Any], directory: str, max_bytes: int) -> List[str]:
+def write_weights(tensors: dict[str, Any], directory: str, max_bytes: int) -> list[str]:
     """model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json; returns the files.
     safetensors creates its files 0600: they get the umask's mode, as every other file meshrun writes."""
     from safetensors.torch import save_file as _save_file
@@ -73,7 +73,7 @@ def write_weights(tensors: Dict[str, Any], directory: str, max_bytes: int) -> Li
     return files + [INDEX]
 
 
-def export(run_dir: str, output: str, step=None, dtype: str = "auto", max_shard_mb: float = 5000.0) -> Dict:
+def export(run_dir: str, output: str, step=None, dtype: str = "auto", max_shard_mb: float = 5000.0) -> dict:
     """Write the Hugging Face directory; returns what the command prints."""
     import torch
 

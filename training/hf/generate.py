@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import time
-from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +25,13 @@ from training.contract.config import GenerateConfig
 from training.hf.cli_result import print_result
 from training.hf.hf_config import HFError
 
-Cache = Dict[str, Tuple[torch.Tensor, torch.Tensor]]
+Cache = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def single_process_model(cfg, full: Dict[str, torch.Tensor], device: str = "cpu", dtype: torch.dtype = torch.float32):
+def single_process_model(cfg, full: dict[str, torch.Tensor], device: str = "cpu", dtype: torch.dtype = torch.float32):
     """meshrun's model (one chunk: tp = pp = 1) holding the full parameters `full` (vocabulary rows unpadded)."""
-    from training.parallel.mesh import ProcessMesh
     from training.model.gpt import build_gpt
+    from training.parallel.mesh import ProcessMesh
 
     par = dataclasses.replace(
         cfg.parallel, tp=1, pp=1, vpp=1, cp=1, dp=1, ep=1, sp=False, recompute="none", schedule="1f1b"
@@ -95,13 +94,13 @@ def next_token(logits: torch.Tensor, g: GenerateConfig, gen: torch.Generator) ->
     return int(torch.multinomial(logits.softmax(-1), 1, generator=gen))
 
 
-def generate_tokens(chunk, prompt: List[int], g: GenerateConfig) -> List[int]:
+def generate_tokens(chunk, prompt: list[int], g: GenerateConfig) -> list[int]:
     """The new tokens after `prompt` (KV-cached decoding)."""
     device = chunk.embedding.word.weight.device
     gen = torch.Generator(device="cpu").manual_seed(int(g.seed))
     cache: Cache = {}
     logits = forward_cached(chunk, torch.tensor([prompt], device=device), cache, 0)
-    out: List[int] = []
+    out: list[int] = []
     pos = len(prompt)
     stops = set(int(t) for t in g.stop_tokens)
     while len(out) < g.max_new_tokens:
@@ -114,7 +113,7 @@ def generate_tokens(chunk, prompt: List[int], g: GenerateConfig) -> List[int]:
     return out
 
 
-def check_request(g: GenerateConfig, prompt: List[int], vocab: int, seq: int) -> None:
+def check_request(g: GenerateConfig, prompt: list[int], vocab: int, seq: int) -> None:
     """Errors the user can fix, naming the key."""
     if not prompt:
         raise HFError("the prompt is empty: give generate.prompt_tokens=[...] or generate.prompt=TEXT")
@@ -136,7 +135,7 @@ def check_request(g: GenerateConfig, prompt: List[int], vocab: int, seq: int) ->
         )
 
 
-def run(run_dir: str, g: GenerateConfig) -> Dict:
+def run(run_dir: str, g: GenerateConfig) -> dict:
     """Load the checkpoint, build the prompt, generate; returns what the command prints."""
     from training.hf.checkpoint_reader import read_checkpoint
     from training.hf.tokenizer_files import run_tokenizer
@@ -187,7 +186,7 @@ def _options(text: str) -> GenerateConfig:
     return GenerateConfig(**data)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.hf.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir")
     ap.add_argument("--options", default="", help="the generate.* keys as one JSON object")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 from training.contract.limits import too_large
 
@@ -39,7 +39,7 @@ class HFError(ValueError):
 _REQUIRED = object()
 
 
-def _whole(hf: Dict[str, Any], key: str, path: str, default: Any = _REQUIRED) -> Any:
+def _whole(hf: dict[str, Any], key: str, path: str, default: Any = _REQUIRED) -> Any:
     """config.json's integer `key` (default when absent, if one is given); HFError naming the key when it is
     missing, not a number or not whole (4.5 layers is a broken file, not 4)."""
     value = hf.get(key, default)
@@ -52,7 +52,7 @@ def _whole(hf: Dict[str, Any], key: str, path: str, default: Any = _REQUIRED) ->
     return int(value)
 
 
-def _real(hf: Dict[str, Any], key: str, path: str, default: float) -> float:
+def _real(hf: dict[str, Any], key: str, path: str, default: float) -> float:
     """config.json's number `key` (default when absent or null); HFError naming the key when it is not a number."""
     value = hf.get(key)
     if value is None:
@@ -62,7 +62,7 @@ def _real(hf: Dict[str, Any], key: str, path: str, default: float) -> float:
     return float(value)
 
 
-def read_hf_config(directory: str, key: str = "train.init_from") -> Dict[str, Any]:
+def read_hf_config(directory: str, key: str = "train.init_from") -> dict[str, Any]:
     """config.json of a Hugging Face model directory, with errors that name the file and the fix."""
     if not os.path.isdir(directory):
         raise HFError(
@@ -85,7 +85,7 @@ def read_hf_config(directory: str, key: str = "train.init_from") -> Dict[str, An
     return data
 
 
-def family_of(hf: Dict[str, Any], path: str) -> str:
+def family_of(hf: dict[str, Any], path: str) -> str:
     """gpt2 or llama from config.json's architectures (or model_type when architectures is absent)."""
     archs = hf.get("architectures") or []
     if archs:
@@ -105,7 +105,7 @@ def family_of(hf: Dict[str, Any], path: str) -> str:
     )
 
 
-def _rope_theta(hf: Dict[str, Any], path: str) -> float:
+def _rope_theta(hf: dict[str, Any], path: str) -> float:
     """The rotary base: `rope_parameters.rope_theta` (transformers 5) or `rope_theta` (before); no scaling."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling")
@@ -122,7 +122,7 @@ def _rope_theta(hf: Dict[str, Any], path: str) -> float:
     return _real({"rope_parameters.rope_theta": theta}, "rope_parameters.rope_theta", path, 10000.0)
 
 
-def model_fields_from_hf(hf: Dict[str, Any], path: str) -> Tuple[str, Dict[str, Any], Tuple[str, ...]]:
+def model_fields_from_hf(hf: dict[str, Any], path: str) -> tuple[str, dict[str, Any], tuple[str, ...]]:
     """(family, ModelConfig fields config.json decides, fields an override may still change); HFError for a field
     of the wrong type or a size beyond training/contract/limits.py's bounds (checked before any shape is built)."""
     family, fields, free = _model_fields(hf, path)
@@ -133,7 +133,7 @@ def model_fields_from_hf(hf: Dict[str, Any], path: str) -> Tuple[str, Dict[str, 
     return family, fields, free
 
 
-def _model_fields(hf: Dict[str, Any], path: str) -> Tuple[str, Dict[str, Any], Tuple[str, ...]]:
+def _model_fields(hf: dict[str, Any], path: str) -> tuple[str, dict[str, Any], tuple[str, ...]]:
     """(family, ModelConfig fields config.json decides, fields an override may still change).
 
     Model fields not returned (dropout, attention kernel, init_std, name) stay as configured: they change no
@@ -208,7 +208,7 @@ def _model_fields(hf: Dict[str, Any], path: str) -> Tuple[str, Dict[str, Any], T
     return family, fields, ("seq_length",)
 
 
-def _mixtral_fields(hf: Dict[str, Any], path: str, need) -> Tuple[Dict[str, Any], Tuple[str, ...]]:
+def _mixtral_fields(hf: dict[str, Any], path: str, need) -> tuple[dict[str, Any], tuple[str, ...]]:
     """MixtralForCausalLM's fields: Llama's attention and norms without biases, the experts' shape; the aux-loss
     weight and the capacity factor change no weight and stay overridable."""
     h, heads = _whole(hf, "hidden_size", path), _whole(hf, "num_attention_heads", path)
@@ -249,7 +249,7 @@ def _mixtral_fields(hf: Dict[str, Any], path: str, need) -> Tuple[Dict[str, Any]
     return fields, ("seq_length", "moe_aux_loss_coeff", "moe_capacity_factor")
 
 
-def effective(field: str, fields: Dict[str, Any]) -> Any:
+def effective(field: str, fields: dict[str, Any]) -> Any:
     """A field's meaning rather than its spelling: num_query_groups None is one group per head, ffn None is 4h."""
     value = fields.get(field)
     if field == "num_query_groups" and value is None:
@@ -315,7 +315,7 @@ def family_for_model(mc) -> str:
     return family
 
 
-def hf_config_from_model(mc, family: str, dtype: str, token_ids: Dict[str, Any] | None = None) -> Dict[str, Any]:
+def hf_config_from_model(mc, family: str, dtype: str, token_ids: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json for a meshrun ModelConfig of `family` (dtype: float32 | bfloat16 | float16)."""
     h, heads = mc.hidden_size, mc.num_attention_heads
     ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
@@ -384,7 +384,7 @@ def hf_config_from_model(mc, family: str, dtype: str, token_ids: Dict[str, Any] 
     return cfg
 
 
-def conflicts(fields: Dict[str, Any], free: Tuple[str, ...], overrides: Dict[str, Any]) -> List[str]:
+def conflicts(fields: dict[str, Any], free: tuple[str, ...], overrides: dict[str, Any]) -> list[str]:
     """Lines 'model.KEY=VALUE (config.json: X)' for each override that disagrees with config.json."""
     out = []
     for key, value in sorted(overrides.items()):

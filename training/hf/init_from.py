@@ -11,21 +11,20 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import ExitStack
-from typing import Dict, List, Optional
 
 import torch
 
-from training.hf.hf_config import HFError, effective, model_fields_from_hf, read_hf_config
 from training.hf.convert import local_from_hf
+from training.hf.hf_config import HFError, effective, model_fields_from_hf, read_hf_config
 from training.hf.safetensors_index import TensorEntry, check_tensors
 
 
 class SliceReader:
     """read(expected name, rows, cols) over the files of one Hugging Face directory (files opened lazily)."""
 
-    def __init__(self, entries: Dict[str, TensorEntry], stack: ExitStack):
+    def __init__(self, entries: dict[str, TensorEntry], stack: ExitStack):
         self.entries, self.stack = entries, stack
-        self.handles: Dict[str, object] = {}
+        self.handles: dict[str, object] = {}
 
     def _handle(self, path: str):
         if path not in self.handles:
@@ -34,7 +33,7 @@ class SliceReader:
             self.handles[path] = self.stack.enter_context(safe_open(path, framework="pt"))
         return self.handles[path]
 
-    def __call__(self, name: str, rows: Optional[slice], cols: Optional[slice]) -> torch.Tensor:
+    def __call__(self, name: str, rows: slice | None, cols: slice | None) -> torch.Tensor:
         entry = self.entries[name]
         sl = self._handle(entry.file).get_slice(entry.key)
         if cols is not None:
@@ -61,7 +60,7 @@ def check_model_matches(cfg, directory: str) -> str:
 
 
 @torch.no_grad()
-def load_init_from(cfg, mesh, chunks: List[torch.nn.Module]) -> int:
+def load_init_from(cfg, mesh, chunks: list[torch.nn.Module]) -> int:
     """Copy this rank's slices of cfg.train.init_from's weights into `chunks`; returns the elements read."""
     directory = cfg.train.init_from
     family = check_model_matches(cfg, directory)
@@ -84,7 +83,7 @@ def load_init_from(cfg, mesh, chunks: List[torch.nn.Module]) -> int:
     return total
 
 
-def maybe_init_from(cfg, run_dir: str, mesh, chunks: List[torch.nn.Module]) -> bool:
+def maybe_init_from(cfg, run_dir: str, mesh, chunks: list[torch.nn.Module]) -> bool:
     """load_init_from on a fresh start; a run with a checkpoint to resume takes its weights from that instead."""
     from training.checkpoint import storage
 

@@ -11,21 +11,21 @@ write this format back on save).
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Tuple
+from collections.abc import Iterable
 
 from training.hf.hf_config import GPT2, MIXTRAL
 
 PREFIX = {GPT2: "transformer.", "llama": "model.", MIXTRAL: "model."}
 
 
-def expected_shapes(mc, family: str) -> Dict[str, Tuple[int, ...]]:
+def expected_shapes(mc, family: str) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of this model holds (prefixed names) -> its shape."""
     h, L, V = mc.hidden_size, mc.num_layers, mc.vocab_size
     a = mc.num_attention_heads
     d = h // a
     g = mc.num_query_groups or a
     f = mc.ffn
-    out: Dict[str, Tuple[int, ...]] = {}
+    out: dict[str, tuple[int, ...]] = {}
     if family == GPT2:
         p = PREFIX[GPT2]
         out[p + "wte.weight"] = (V, h)
@@ -93,17 +93,17 @@ def expected_shapes(mc, family: str) -> Dict[str, Tuple[int, ...]]:
     return out
 
 
-def _mixtral_moe_shapes(mc, b: str) -> Dict[str, Tuple[int, ...]]:
+def _mixtral_moe_shapes(mc, b: str) -> dict[str, tuple[int, ...]]:
     """One Mixtral layer's router and experts (names under the layer's prefix b)."""
     h, fe = mc.hidden_size, mc.moe_ffn_hidden_size or mc.ffn
-    out: Dict[str, Tuple[int, ...]] = {b + "block_sparse_moe.gate.weight": (mc.num_experts, h)}
+    out: dict[str, tuple[int, ...]] = {b + "block_sparse_moe.gate.weight": (mc.num_experts, h)}
     for e in range(mc.num_experts):
         x = f"{b}block_sparse_moe.experts.{e}."
         out.update({x + "w1.weight": (fe, h), x + "w3.weight": (fe, h), x + "w2.weight": (h, fe)})
     return out
 
 
-def hf_name(name: str, family: str, available: Iterable[str]) -> Optional[str]:
+def hf_name(name: str, family: str, available: Iterable[str]) -> str | None:
     """The name under which a checkpoint holds `name` (expected_shapes' spelling), or None when it lacks it.
 
     Checkpoints of the base classes (GPT2Model, LlamaModel) store the same tensors without the prefix."""

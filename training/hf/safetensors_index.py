@@ -11,7 +11,6 @@ import json
 import os
 import struct
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
 
 from training.hf.hf_config import HFError
 from training.hf.names import expected_shapes, hf_name
@@ -28,7 +27,7 @@ class TensorEntry:
 
     file: str
     """Absolute path of the file that holds it."""
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     """Its shape."""
     dtype: str
     """safetensors dtype code (F32, BF16, F16, ...)."""
@@ -57,7 +56,7 @@ DTYPE_BYTES = {
 WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
-def _check_entries(path: str, header: Dict[str, dict]) -> None:
+def _check_entries(path: str, header: dict[str, dict]) -> None:
     """Every entry well formed (a known dtype, a shape, offsets that hold exactly its bytes) and no two
     entries' byte ranges overlapping: a crafted or damaged header is an HFError naming the file, never a
     traceback or two tensors read from the same bytes."""
@@ -94,7 +93,7 @@ def _check_entries(path: str, header: Dict[str, dict]) -> None:
             )
 
 
-def read_header(path: str) -> Dict[str, dict]:
+def read_header(path: str) -> dict[str, dict]:
     """The JSON header of a safetensors file (without `__metadata__`)."""
     try:
         with open(path, "rb") as f:
@@ -118,7 +117,7 @@ def read_header(path: str) -> Dict[str, dict]:
     return header
 
 
-def index_tensors(directory: str) -> Dict[str, TensorEntry]:
+def index_tensors(directory: str) -> dict[str, TensorEntry]:
     """Every tensor of the model in `directory`; a missing or unreadable shard is an HFError naming it."""
     index_path = os.path.join(directory, INDEX)
     single = os.path.join(directory, SINGLE)
@@ -140,7 +139,7 @@ def index_tensors(directory: str) -> Dict[str, TensorEntry]:
             else ""
         )
         raise HFError(f"{directory} has neither {SINGLE} nor {INDEX}: meshrun reads safetensors weights{hint}")
-    out: Dict[str, TensorEntry] = {}
+    out: dict[str, TensorEntry] = {}
     for name in files:
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
@@ -161,12 +160,12 @@ def index_tensors(directory: str) -> Dict[str, TensorEntry]:
     return out
 
 
-def check_tensors(directory: str, mc, family: str) -> Dict[str, TensorEntry]:
+def check_tensors(directory: str, mc, family: str) -> dict[str, TensorEntry]:
     """The tensors of `directory` by their expected names; every missing tensor or wrong shape is one HFError
     that lists them all (shapes come from config.json, so a mismatch means the two disagree)."""
     tensors = index_tensors(directory)
-    problems: List[str] = []
-    found: Dict[str, TensorEntry] = {}
+    problems: list[str] = []
+    found: dict[str, TensorEntry] = {}
     for name, shape in expected_shapes(mc, family).items():
         key = hf_name(name, family, tensors)
         if key is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Dict, Optional
+from typing import Any
 
 
 def run_tokenizer(cfg):
@@ -36,7 +36,7 @@ def run_tokenizer(cfg):
     return None
 
 
-def write_tokenizer_files(cfg, directory: str) -> Dict[str, Any]:
+def write_tokenizer_files(cfg, directory: str) -> dict[str, Any]:
     """Copy the run's tokenizer.json into `directory` with a tokenizer_config.json transformers' AutoTokenizer
     reads; returns the token ids config.json should name ({} when the run has no tokenizer file)."""
     tok = run_tokenizer(cfg)
@@ -65,7 +65,7 @@ def write_tokenizer_files(cfg, directory: str) -> Dict[str, Any]:
     return ids
 
 
-def tokenizer_or_none(cfg) -> Optional[object]:
+def tokenizer_or_none(cfg) -> object | None:
     """run_tokenizer, with a missing tokenizer file reported as None (generate then asks for prompt_tokens)."""
     try:
         return run_tokenizer(cfg)

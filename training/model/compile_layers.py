@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import List
 
 import torch
 
@@ -51,7 +50,7 @@ class CompileClock:
             self._handler.remove_end_callback(self._end)
 
 
-def compile_layers(chunks: List[torch.nn.Module]) -> int:
+def compile_layers(chunks: list[torch.nn.Module]) -> int:
     """Compile the forward of every transformer layer of `chunks` in place; returns how many."""
     count = 0
     for chunk in chunks:

@@ -8,7 +8,7 @@ naming the fix before any step.
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any
 
 import torch
 
@@ -27,7 +27,7 @@ def _check_device(device: torch.device) -> None:
         )
 
 
-def apply_fp8(chunks: List[Any], cfg: Any) -> List[str]:
+def apply_fp8(chunks: list[Any], cfg: Any) -> list[str]:
     """Set the FP8 matmul on the linears of `chunks` when cfg.train.precision is fp8; returns the kinds set."""
     kinds = fp8_kinds(cfg)
     if not kinds:

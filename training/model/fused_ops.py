@@ -21,8 +21,6 @@ the fp32 rstd as the Function does): `rms_norm` calls it there through F.rms_nor
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
 import torch.nn.functional as F
 
@@ -63,7 +61,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, weight, eps)
 
 
-def _gate_up(y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _gate_up(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fc1's output [..., 2f] with gate and up rows interleaved (training/model/gpt.py) -> gate, up [..., f]."""
     return y.view(*y.shape[:-1], -1, 2).unbind(-1)
 

@@ -30,7 +30,7 @@ single-process mask at any tp / sp; attention-probability dropout (inside the TP
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -38,9 +38,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from training.contract.config import Config, ModelConfig, ParallelConfig
-from training.model.fused_ops import rms_norm, rotary_qkv, swiglu
-from training.model.init import init_parameters, stable_seed
-from training.contract.stage_split import SPLIT_KEYS, StageSplit
 from training.contract.layout_rules import (
     layer_rules,
     model_rules,
@@ -50,11 +47,13 @@ from training.contract.layout_rules import (
     sp_rules,
     tp_rules,
 )
-from training.parallel.mesh import ProcessMesh
+from training.contract.stage_split import SPLIT_KEYS, StageSplit
+from training.model.dropout_softmax import masked_scale, softmax_16
 from training.model.fp8_apply import apply_fp8
+from training.model.fused_ops import rms_norm, rotary_qkv, swiglu
+from training.model.init import init_parameters, stable_seed
 from training.model.moe import MoEMLP
 from training.parallel.collectives import group_rank, group_size, reduce_from_tp, reduce_scatter_to_sp
-from training.model.dropout_softmax import masked_scale, softmax_16
 from training.parallel.context import CPContext, context_parallel_attention, split_sequence
 from training.parallel.layers import (
     ColumnParallelLinear,
@@ -64,6 +63,7 @@ from training.parallel.layers import (
     set_tp_meta,
     vocab_parallel_cross_entropy,
 )
+from training.parallel.mesh import ProcessMesh
 
 # SDPA takes grouped key/value heads natively from torch 2.5 (enable_gqa); before, repeat them.
 _SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -163,7 +163,7 @@ class Rotary(nn.Module):
 class Attention(nn.Module):
     """Causal self-attention with heads split over tp, grouped-query attention, flash or math core."""
 
-    def __init__(self, mc: ModelConfig, group, sp: bool, dtype, device, cp: Optional[CPContext] = None):
+    def __init__(self, mc: ModelConfig, group, sp: bool, dtype, device, cp: CPContext | None = None):
         super().__init__()
         tp = group_size(group)
         # cp > 1: this rank's queries attend over the whole sequence through the cp group (parallel/context.py).
@@ -280,7 +280,7 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
     def __init__(
-        self, mc: ModelConfig, mesh: ProcessMesh, sp: bool, layer_id: int, dtype, device, cp: Optional[CPContext] = None
+        self, mc: ModelConfig, mesh: ProcessMesh, sp: bool, layer_id: int, dtype, device, cp: CPContext | None = None
     ):
         super().__init__()
         self.layer_id = layer_id
@@ -333,7 +333,7 @@ class Embedding(nn.Module):
         with_position: bool,
         dtype,
         device,
-        cp: Optional[CPContext] = None,
+        cp: CPContext | None = None,
     ):
         super().__init__()
         self.group, self.sp, self.tp_rank = mesh.tp_group, sp, mesh.tp_rank
@@ -380,7 +380,7 @@ class GPTChunk(nn.Module):
         model_cfg: ModelConfig,
         parallel_cfg: ParallelConfig,
         mesh: ProcessMesh,
-        layer_ids: List[int],
+        layer_ids: list[int],
         has_embedding: bool,
         has_head: bool,
         dtype: torch.dtype,
@@ -446,11 +446,11 @@ class GPTChunk(nn.Module):
         )
         init_parameters(self, seed, mc.init_std, mc.num_layers, mc.vocab_size, mesh.tp, mesh.tp_rank)
 
-    def param_units(self) -> List[Tuple[nn.Module, List[nn.Parameter]]]:
+    def param_units(self) -> list[tuple[nn.Module, list[nn.Parameter]]]:
         """The chunk's parts in forward order, each with the parameters read once that part's forward has
         started: for code that puts parameters in place just in time (optim/param_gather.py). The head's
         weight is read by this chunk's forward right after the final norm's forward."""
-        units: List[Tuple[nn.Module, List[nn.Parameter]]] = []
+        units: list[tuple[nn.Module, list[nn.Parameter]]] = []
         if self.has_embedding:
             units.append((self.embedding, list(self.embedding.parameters())))
         units += [(layer, list(layer.parameters())) for layer in self.layers.values()]
@@ -459,7 +459,7 @@ class GPTChunk(nn.Module):
             units.append((self.final_norm, [*self.final_norm.parameters(), head]))
         return units
 
-    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         key = (
             stable_seed(self.seed, "dropout", self.mesh.dp_rank, self.mesh.cp_rank, self.micro_step)
             if self.mc.dropout > 0.0
@@ -498,14 +498,14 @@ class GPTChunk(nn.Module):
         return vocab_parallel_cross_entropy(logits, targets.t(), self.mesh.tp_group, self.vocab_size).mean()
 
 
-def chunk_layer_ids(num_layers: int, pp: int, vpp: int, pp_rank: int, **split: Any) -> List[List[int]]:
+def chunk_layer_ids(num_layers: int, pp: int, vpp: int, pp_rank: int, **split: Any) -> list[list[int]]:
     """Global layer ids of this pipeline rank's chunks: model chunk v * pp + pp_rank for v < vpp (`split`: the
     parallel.* keys of training/contract/stage_split.py; none: the even split)."""
     raise_errors(layer_rules(num_layers, pp, vpp, **split))
     return StageSplit(num_layers, pp, vpp, **split).layer_ids(pp_rank)
 
 
-def build_gpt(cfg: Config, mesh: ProcessMesh, dtype: torch.dtype) -> List[GPTChunk]:
+def build_gpt(cfg: Config, mesh: ProcessMesh, dtype: torch.dtype) -> list[GPTChunk]:
     """This rank's model chunks (one with every layer when pp = vpp = 1), in virtual-stage order."""
     pc = cfg.parallel
     vpp = pc.vpp if pc.pp > 1 else 1

@@ -34,14 +34,14 @@ term the same factor the training loss gets (loss scale / micro-batches, `set_au
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
-from training.parallel import collectives as comm
 import torch.nn as nn
 import torch.nn.functional as F
 
 from training.contract.config import ModelConfig
+from training.parallel import collectives as comm
 from training.parallel.collectives import all_gather_dim0, copy_to_tp, group_rank, group_size, reduce_from_tp
 from training.parallel.layers import set_tp_meta
 
@@ -71,7 +71,7 @@ def _bincount(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.bincount(x, minlength=n)
 
 
-def _host_counts(counts: torch.Tensor, rows: int) -> List[int]:
+def _host_counts(counts: torch.Tensor, rows: int) -> list[int]:
     """counts on the host (the split sizes of the dispatch). On meta (a rehearsal) the balanced routing stands in:
     the `rows` assignments spread evenly over the experts, the first ones taking the remainder."""
     if counts.device.type != "meta":
@@ -256,7 +256,7 @@ class MoEMLP(nn.Module):
         balance = self.num_experts * (f * probs.mean(dim=0)).sum()
         return gates, chosen, balance, counts
 
-    def _capacity_keep(self, chosen: torch.Tensor) -> Optional[torch.Tensor]:
+    def _capacity_keep(self, chosen: torch.Tensor) -> torch.Tensor | None:
         """Which assignments (flat, token-major) fit their expert's capacity; None when dropless."""
         if self.capacity_factor <= 0 or chosen.device.type == "meta":  # meta: routing is balanced, nothing drops
             return None
@@ -267,7 +267,7 @@ class MoEMLP(nn.Module):
         return position < cap
 
     # ----- the experts -------------------------------------------------------------------------------
-    def _run_experts(self, x: torch.Tensor, counts: List[int]) -> torch.Tensor:
+    def _run_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: rows grouped by local expert (counts[j] rows for expert j) -> the experts' full outputs."""
         x = copy_to_tp(x, self.tp_group)
         outs = []
@@ -346,7 +346,7 @@ class MoEMLP(nn.Module):
         return out
 
 
-def moe_layers(chunks) -> List[MoEMLP]:
+def moe_layers(chunks) -> list[MoEMLP]:
     """The MoE MLPs of these model chunks, in layer order."""
     return [m for c in chunks for m in c.modules() if isinstance(m, MoEMLP)]
 
@@ -357,7 +357,7 @@ def reset_moe_stats(chunks) -> None:
         m.stats.reset()
 
 
-def moe_metrics(chunks, mesh, num_layers: int, num_experts: int) -> Dict[str, Any]:
+def moe_metrics(chunks, mesh, num_layers: int, num_experts: int) -> dict[str, Any]:
     """The step's MoE figures over the whole job (a collective over dp and pp; every rank calls it):
     moe_aux_loss (coeff x balance loss summed over layers, mean over micro-batches and dp), moe_max_load (the
     largest over layers of max tokens per expert / mean), moe_dropped_tokens (assignments dropped, whole step),

@@ -10,7 +10,6 @@ time as this rank's compute.
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Tuple
 
 import torch
 
@@ -21,9 +20,9 @@ class BusyTimer:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self._spans: List[Tuple[object, object]] = []
+        self._spans: list[tuple[object, object]] = []
         self._cpu_s = 0.0
-        self._open: Optional[object] = None
+        self._open: object | None = None
 
     def start(self) -> None:
         if self.cuda:

@@ -25,13 +25,12 @@ import os
 import socket
 import sys
 import time
-from typing import Dict, List, Tuple
 
 SIZES_BYTES = (16 * 1024, 512 * 1024, 4 * 1024 * 1024)
 """All-reduce message sizes: one latency-bound, two bandwidth-bound."""
 
 
-def _fit(points: List[Tuple[float, float]]) -> Tuple[float, float]:
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Least-squares (intercept, slope) of y = a + b x, intercept clamped at 0."""
     n = len(points)
     mx = sum(x for x, _ in points) / n
@@ -87,9 +86,10 @@ def time_layer(micro: int, tp: int, hidden: int, heads: int, ffn: int, seq: int,
     return best
 
 
-def time_all_reduce(world: int) -> List[Tuple[int, float]]:
+def time_all_reduce(world: int) -> list[tuple[int, float]]:
     """(bytes, seconds) of an all-reduce over every rank at each size; the slowest rank's time."""
     import torch
+
     from training.parallel import collectives as comm
 
     out = []
@@ -145,6 +145,7 @@ def time_cores(rank: int, world: int, micro: int, args: argparse.Namespace, dtyp
 
 def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
     import torch
+
     from training.parallel import collectives as comm
 
     torch.set_num_threads(max(1, args.threads))
@@ -154,7 +155,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
 
         wait_for_store(120.0, "127.0.0.1", port, rank)
         comm.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
-    shapes: Dict[str, float] = {}
+    shapes: dict[str, float] = {}
     points = []
     for tp in args.tp:
         for micro in args.micro:
@@ -185,7 +186,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, results) -> None:
         results.put(out)
 
 
-def _ints(text: str) -> List[int]:
+def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 

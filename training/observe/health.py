@@ -23,11 +23,12 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from training.contract.rundir.events import append_event
-from training.preflight.gpu_nvml import _BAD_THROTTLE, _try as _try_nvml
 from training.contract.rundir.files import write_atomic
+from training.preflight.gpu_nvml import _BAD_THROTTLE
+from training.preflight.gpu_nvml import _try as _try_nvml
 
 HEALTH_FILE = "health.jsonl"
 
@@ -42,7 +43,7 @@ XID = 8
 KIND_NAMES = {ECC: "ecc", THROTTLE: "throttle", THROUGHPUT: "throughput", XID: "xid"}
 
 
-def kinds(flag: int) -> List[str]:
+def kinds(flag: int) -> list[str]:
     return [name for bit, name in KIND_NAMES.items() if flag & bit]
 
 
@@ -68,9 +69,9 @@ def _try(nvml, fn, *args):
     return _try_nvml(nvml, fn, *args)
 
 
-def read_gpu(nvml, h) -> Dict[str, Any]:
+def read_gpu(nvml, h) -> dict[str, Any]:
     """One GPU's sample; a query the GPU does not support is left out."""
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     util, _ = _try(nvml, "nvmlDeviceGetUtilizationRates", h)
     if util is not None:
         out["utilization_pct"] = float(util.gpu)
@@ -127,18 +128,18 @@ class HealthSampler:
         self.xid = XidWatcher(nvml, nvml.nvmlDeviceGetCount(), self.gpus)
         self.interval_s, self.throttle_samples = max(0.01, interval_s), max(1, throttle_samples)
         self.path = os.path.join(run_dir, HEALTH_FILE)
-        self.baseline: Dict[int, Dict[str, int]] = {}
-        self.throttled: Dict[int, int] = {}
+        self.baseline: dict[int, dict[str, int]] = {}
+        self.throttled: dict[int, int] = {}
         self.flag = 0
-        self.reasons: List[str] = []
-        self.summary: Dict[str, float] = {}
+        self.reasons: list[str] = []
+        self.summary: dict[str, float] = {}
         self.samples = 0
         self.last_time = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
-    def start(self) -> "HealthSampler":
+    def start(self) -> HealthSampler:
         self.sample()  # the attempt's baseline, before the first step
         self._thread = threading.Thread(target=self._run, name="meshrun-health", daemon=True)
         self._thread.start()
@@ -211,7 +212,7 @@ class HealthSampler:
                 )
             return self.flag
 
-    def _xids(self, now: float, lines: List[str]) -> List:
+    def _xids(self, now: float, lines: list[str]) -> list:
         """Xid events since the last sample: a health.jsonl line and an `xid` event each; critical ones flag the node."""
         from training.observe.xid import CRITICAL_XIDS, describe
 
@@ -230,7 +231,7 @@ class HealthSampler:
                 print(f"health: node {self.node} gpu{gpu}: Xid {xid} ({describe(xid)})", file=sys.stderr)
         return out
 
-    def _utilization(self, utils: List[float]) -> None:
+    def _utilization(self, utils: list[float]) -> None:
         """The seed's utilisation target: a node whose mean GPU utilisation stays below min_utilization_pct for
         throttle_samples samples gets one `low_utilization` event per streak (a warning: the input pipeline,
         communication or small kernels leave the GPUs waiting; not a hardware fault)."""
@@ -260,7 +261,7 @@ class HealthSampler:
                 file=sys.stderr,
             )
 
-    def _judge(self, i: int, gpu: Dict[str, Any]) -> List:
+    def _judge(self, i: int, gpu: dict[str, Any]) -> list:
         out = []
         base = self.baseline.setdefault(i, {k: gpu[k] for k in _COUNTERS if k in gpu})
         for key in _COUNTERS:
@@ -288,7 +289,7 @@ class HealthSampler:
         self.xid.close()
 
 
-def start_sampler(cfg, run_dir: str, mesh, node: str) -> Optional[HealthSampler]:
+def start_sampler(cfg, run_dir: str, mesh, node: str) -> HealthSampler | None:
     """The node's sampler on its local rank 0 (one thread per node), or None (said once, on rank 0)."""
     h = cfg.cluster.health
     if not h.enabled or int(os.environ.get("LOCAL_RANK", "0")) != 0:
@@ -306,10 +307,10 @@ class ThroughputShare:
 
     def __init__(self, fraction: float, baseline_intervals: int, persist: int):
         self.fraction, self.n, self.persist = fraction, max(1, baseline_intervals), max(1, persist)
-        self.history: Dict[str, List[float]] = {}
-        self.low: Dict[str, int] = {}
+        self.history: dict[str, list[float]] = {}
+        self.low: dict[str, int] = {}
 
-    def update(self, node_time: Dict[str, float], node_ranks: Dict[str, int]) -> Dict[str, str]:
+    def update(self, node_time: dict[str, float], node_ranks: dict[str, int]) -> dict[str, str]:
         """node -> why, for nodes whose share stayed low for `persist` intervals (reported once per streak)."""
         if self.fraction <= 0 or len(node_time) < 2:
             return {}

@@ -13,13 +13,13 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 
-from training.parallel import collectives as comm
 from training.contract.rundir.events import current_attempt
 from training.contract.rundir.metrics import METRICS_FILE, PURGED_FILE
+from training.parallel import collectives as comm
 
 
 def purge_after(run_dir: str, step: int) -> int:
@@ -31,8 +31,8 @@ def purge_after(run_dir: str, step: int) -> int:
             lines = f.readlines()
     except OSError:
         return 0
-    keep: List[str] = []
-    moved: List[str] = []
+    keep: list[str] = []
+    moved: list[str] = []
     for line in lines:
         try:
             newer = int(json.loads(line)["step"]) > step
@@ -61,7 +61,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def rank_figures(step_time_s: float, device: torch.device) -> Dict[str, Any]:
+def rank_figures(step_time_s: float, device: torch.device) -> dict[str, Any]:
     """Job-wide step time spread and peak memory: a collective, so every rank calls it at the same steps."""
     mine = torch.tensor([step_time_s, float(peak_memory_bytes(device))], dtype=torch.float64, device=device)
     if comm.is_initialized() and comm.world_size() > 1:
@@ -89,7 +89,7 @@ class MetricsLog:
         self.run_dir, self.enabled = run_dir, is_logger
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.attempt = current_attempt()
-        self.sinks: List[Any] = []
+        self.sinks: list[Any] = []
         if not is_logger:
             return
         purge_after(run_dir, resumed_step)
@@ -100,7 +100,7 @@ class MetricsLog:
         if cfg.train.wandb:
             self.sinks += _wandb(cfg, run_dir)
 
-    def write(self, row: Dict[str, Any]) -> Dict[str, Any]:
+    def write(self, row: dict[str, Any]) -> dict[str, Any]:
         """Append one row (with time and attempt) to metrics.jsonl and give it to every sink."""
         if not self.enabled:
             return row
@@ -123,7 +123,7 @@ class MetricsLog:
         self.sinks = []
 
 
-def _wandb(cfg, run_dir: str) -> List[Any]:
+def _wandb(cfg, run_dir: str) -> list[Any]:
     """[the W&B sink], or [] with a warning: W&B is never required, so a rank never fails for it."""
     from training.observe.wandb_sink import WandbSink, wandb_problem
 

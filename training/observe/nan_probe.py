@@ -15,12 +15,12 @@ overflow skips, or broken weights) is not replayed at every step. Costs nothing 
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 
-from training.parallel import collectives as comm
 from training.contract.rundir.events import append_event
+from training.parallel import collectives as comm
 
 
 def _non_finite(value: Any) -> bool:
@@ -33,10 +33,10 @@ def _non_finite(value: Any) -> bool:
     return False
 
 
-def find_first_nonfinite(chunks: List[torch.nn.Module], replay) -> Optional[Dict[str, Any]]:
+def find_first_nonfinite(chunks: list[torch.nn.Module], replay) -> dict[str, Any] | None:
     """Run `replay()` with hooks on every module of `chunks`; the first module whose output is non-finite as
     {"chunk", "layer", "order"}, or None."""
-    first: List[Dict[str, Any]] = []
+    first: list[dict[str, Any]] = []
     counter = [0]
     handles = []
 
@@ -68,7 +68,7 @@ def find_first_nonfinite(chunks: List[torch.nn.Module], replay) -> Optional[Dict
     return first[0] if first else None
 
 
-def probe_nonfinite(trainer, micro, micro_steps_before: List[int], loss: float) -> Optional[Dict[str, Any]]:
+def probe_nonfinite(trainer, micro, micro_steps_before: list[int], loss: float) -> dict[str, Any] | None:
     """Every rank calls it (the loss is global, so every rank knows) right after the failing forward/backward.
     Returns the first finding over all ranks, or None when the replay found nothing non-finite."""
     if getattr(trainer, "nan_probed", False):
@@ -95,7 +95,7 @@ def probe_nonfinite(trainer, micro, micro_steps_before: List[int], loss: float) 
     if mine is not None:
         # Virtual stage of chunk c on pipeline rank p (interleaved schedules): c * pp + p.
         mine.update(rank=mesh.rank, node=node, stage=mine["chunk"] * mesh.pp + mesh.pp_rank)
-    every: List[Any] = [mine]
+    every: list[Any] = [mine]
     if comm.is_initialized() and comm.world_size() > 1:
         every = [None] * comm.world_size()
         comm.all_gather_object(every, mine)

@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 import os
 import types
-from typing import Any, Dict
+from typing import Any
 
-DEFAULTS: Dict[str, Any] = {
+DEFAULTS: dict[str, Any] = {
     "utilization": 90,
     "memory_used": 40 * 2**30,
     "memory_total": 80 * 2**30,
@@ -52,9 +52,9 @@ class _Spec:
     def __init__(self, path: str, node: str):
         self.path, self.node = path, node
         self.stamp = None
-        self.data: Dict[str, Any] = {}
+        self.data: dict[str, Any] = {}
 
-    def get(self) -> Dict[str, Any]:
+    def get(self) -> dict[str, Any]:
         try:
             st = os.stat(self.path)
             stamp = (st.st_mtime_ns, st.st_size)
@@ -66,7 +66,7 @@ class _Spec:
             pass  # mid-rewrite or gone: keep the last values read
         return self.data
 
-    def node_values(self) -> Dict[str, Any]:
+    def node_values(self) -> dict[str, Any]:
         data = self.get()
         nodes = data.get("nodes") or {}
         return {**DEFAULTS, **(nodes.get("*") or {}), **(nodes.get(self.node) or {})}
@@ -87,7 +87,7 @@ def make_nvml_double(path: str, node: str):
     m.NVMLError = pynvml.NVMLError
     m.is_double = True
 
-    def values() -> Dict[str, Any]:
+    def values() -> dict[str, Any]:
         return spec.node_values()
 
     def handle(i: int):

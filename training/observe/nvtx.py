@@ -16,7 +16,7 @@ import functools
 import json
 import os
 import threading
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -45,11 +45,11 @@ class Ranges:
 
     def __init__(self, device_type: str):
         self.nvtx = device_type == "cuda"
-        self.counts: Dict[str, int] = {}
+        self.counts: dict[str, int] = {}
         self.local = threading.local()
         self.max_depth = 0
 
-    def stack(self) -> List[str]:
+    def stack(self) -> list[str]:
         if not hasattr(self.local, "stack"):
             self.local.stack = []
         return self.local.stack
@@ -88,12 +88,12 @@ class NvtxRanges:
     """Installs the ranges (train.nvtx) and drives the nsys capture range (train.nsys); `before(step)` /
     `after(step)` around every step, `close()` at the end of the run."""
 
-    def __init__(self, cfg, run_dir: str, mesh, chunks: List[torch.nn.Module], optimizer=None):
+    def __init__(self, cfg, run_dir: str, mesh, chunks: list[torch.nn.Module], optimizer=None):
         self.run_dir, self.rank = run_dir, mesh.rank
         self.enabled = bool(cfg.train.nvtx)
         self.ranges = Ranges(mesh.device.type)
-        self.handles: List = []
-        self.restore: List[tuple] = []
+        self.handles: list = []
+        self.restore: list[tuple] = []
         steps = list(cfg.train.profile_steps)
         self.capture = (int(steps[0]), int(steps[1])) if cfg.train.nsys and len(steps) == 2 else None
         self.capturing = False
@@ -152,7 +152,7 @@ class NvtxRanges:
             torch.cuda.profiler.stop()
             self.capturing = False
 
-    def close(self) -> Optional[str]:
+    def close(self) -> str | None:
         """Remove the hooks and wrappers; on CPU write the range counts. Returns the file written, if any."""
         for h in self.handles:
             h.remove()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from training.contract.rundir.events import append_event
 
@@ -20,7 +20,7 @@ STATES_FULL = 0.9
 """Measured states above this share of the GPU's memory leave too little for any activations: the states' fault."""
 
 
-def _plan(run_dir: str) -> Dict[str, Any]:
+def _plan(run_dir: str) -> dict[str, Any]:
     try:
         with open(os.path.join(run_dir, "plan.json")) as f:
             return json.load(f)
@@ -45,10 +45,10 @@ def _split_at(cfg, pp: int) -> str:
     return "".join(f" parallel.{k}={str(val).lower()}" for k, val in keys.items() if val or given[k])
 
 
-def levers(cfg, part: str) -> List[str]:
+def levers(cfg, part: str) -> list[str]:
     """Overrides that shrink `part` (states | activations) in this layout, the ones already in use left out."""
     p = cfg.parallel
-    out: List[str] = []
+    out: list[str] = []
     if part == "states":
         if p.zero == 0:
             out.append("parallel.zero=1 (optimizer states and fp32 masters sharded over dp)")
@@ -69,11 +69,11 @@ def explain(
     cfg,
     run_dir: str,
     exc: BaseException,
-    states_bytes: Optional[int],
-    capacity: Optional[int],
+    states_bytes: int | None,
+    capacity: int | None,
     rank: int = 0,
     node: str = "",
-    built: Optional[bool] = None,
+    built: bool | None = None,
 ) -> str:
     """The `oom` event and the message: the overflowing part, planned against measured, and its levers.
     states_bytes: GPU memory allocated once the engine was built (None: not built, or not measurable); built:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-from typing import List, Optional
 
 import torch
 
@@ -25,7 +24,7 @@ from training.contract.rundir.files import atomic_path, write_atomic
 PROFILE_DIR = "profile"
 
 
-def profile_window(steps: List[int]) -> Optional[tuple]:
+def profile_window(steps: list[int]) -> tuple | None:
     """(first, last) step of train.profile_steps, or None when profiling is off. A bad list is the user's to fix:
     LayoutError, which the rank turns into exit 2 (training/main.py)."""
     if not steps:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import IO, Optional
+from typing import IO
 
 
-def format_duration(seconds: Optional[float]) -> str:
+def format_duration(seconds: float | None) -> str:
     """`1:02:03`, `4:05` or `?` (unknown)."""
     if seconds is None or seconds != seconds or seconds < 0:
         return "?"
@@ -41,7 +41,7 @@ class Progress:
         enabled: bool,
         every_s: float = 30.0,
         start_step: int = 0,
-        stream: Optional[IO[str]] = None,
+        stream: IO[str] | None = None,
         clock=time.monotonic,
     ):
         self.total, self.enabled, self.every_s = total, enabled, max(0.0, float(every_s))
@@ -50,9 +50,9 @@ class Progress:
         self.clock = clock
         self.start_step = start_step
         self.t0 = clock()
-        self.last_line: Optional[float] = None
+        self.last_line: float | None = None
 
-    def eta_s(self, step: int) -> Optional[float]:
+    def eta_s(self, step: int) -> float | None:
         """Seconds left at this attempt's mean pace so far; None before its first step."""
         done = step - self.start_step
         if done <= 0:

@@ -17,7 +17,6 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import List, Optional
 
 import torch
 
@@ -43,7 +42,7 @@ class SavedBytes:
                 self.total += storage.nbytes()
         return t
 
-    def __enter__(self) -> "SavedBytes":
+    def __enter__(self) -> SavedBytes:
         self._hooks.__enter__()
         return self
 
@@ -75,10 +74,10 @@ def saved_activation_bytes(trainer) -> int:
     return saved.total
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     from training.contract.config import load_config
-    from training.run.loop import Trainer
     from training.parallel.mesh import ProcessMesh
+    from training.run.loop import Trainer
 
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:

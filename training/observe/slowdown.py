@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import List, Optional
 
 from training.contract.rundir.events import append_event
 
 
-def planned_tokens_per_s(run_dir: str) -> Optional[float]:
+def planned_tokens_per_s(run_dir: str) -> float | None:
     try:
         with open(os.path.join(run_dir, "plan.json")) as f:
             plan = json.load(f)
@@ -33,19 +32,19 @@ class JobSlowdown:
         fraction: float,
         baseline_steps: int,
         persist: int,
-        planned: Optional[float] = None,
+        planned: float | None = None,
         judge_plan: bool = False,
     ):
         self.fraction, self.n, self.persist = fraction, max(1, baseline_steps), max(1, persist)
         self.planned, self.judge_plan = planned, judge_plan
-        self.rates: List[float] = []
-        self.baseline: Optional[float] = None
+        self.rates: list[float] = []
+        self.baseline: float | None = None
         self.low = 0
         self.plan_said = False
 
-    def update(self, step: int, tokens_per_s: float) -> List[dict]:
+    def update(self, step: int, tokens_per_s: float) -> list[dict]:
         """The events this step gives (kind baseline or plan), each once per streak."""
-        out: List[dict] = []
+        out: list[dict] = []
         if self.fraction <= 0:
             return out
         if self.baseline is None:

@@ -15,15 +15,14 @@ from __future__ import annotations
 import os
 import resource
 import time
-from typing import Dict, Optional
 
 TASK_START_ENV = "MESHRUN_TASK_START"
 """The Slurm task wrapper's own process start time, handed to the engine it starts."""
 
-_MARKS: Dict[str, float] = {}
+_MARKS: dict[str, float] = {}
 
 
-def process_start_time(pid: str = "self") -> Optional[float]:
+def process_start_time(pid: str = "self") -> float | None:
     """When the process was created (epoch seconds), from /proc: before the interpreter loaded anything,
     which a timestamp taken in Python cannot see. None where /proc has no such record."""
     try:
@@ -50,9 +49,9 @@ def cpu_seconds() -> float:
     return round(usage.ru_utime + usage.ru_stime, 3)
 
 
-def timeline() -> Dict[str, float]:
+def timeline() -> dict[str, float]:
     """Every mark so far, with the process's start (and the task wrapper's, under Slurm), in time order."""
-    marks: Dict[str, float] = {}
+    marks: dict[str, float] = {}
     task = os.environ.get(TASK_START_ENV)
     if task:
         try:

@@ -22,14 +22,14 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 
-from training.parallel import collectives as comm
 from training.contract.rundir.events import append_event
-from training.observe.progress import TTY_ENV
 from training.observe.health import THROUGHPUT, ThroughputShare, kinds, record_cause, start_sampler
+from training.observe.progress import TTY_ENV
+from training.parallel import collectives as comm
 
 
 def node_name() -> str:
@@ -38,17 +38,17 @@ def node_name() -> str:
     return preflight_node_name()
 
 
-def gather_nodes(device) -> List[str]:
+def gather_nodes(device) -> list[str]:
     """Every rank's node name, in rank order (one collective at start-up)."""
     mine = node_name()
     if not (comm.is_initialized() and comm.world_size() > 1):
         return [mine]
-    out: List[Any] = [None] * comm.world_size()
+    out: list[Any] = [None] * comm.world_size()
     comm.all_gather_object(out, mine)
     return [str(n) for n in out]
 
 
-def median_of(values: List[float]) -> float:
+def median_of(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
@@ -59,9 +59,9 @@ class StragglerDetector:
 
     def __init__(self, margin: float, intervals: int):
         self.margin, self.intervals = margin, max(1, intervals)
-        self.streak: Dict[int, int] = {}
+        self.streak: dict[int, int] = {}
 
-    def update(self, times: List[float]) -> List[int]:
+    def update(self, times: list[float]) -> list[int]:
         """The ranks that have just become stragglers (reported once per streak)."""
         if self.margin <= 0 or len(times) < 2:
             return []
@@ -97,8 +97,8 @@ class StragglerLines:
 
     def __init__(self, quiet_s: float = STRAGGLER_QUIET_S, clock=time.monotonic):
         self.quiet_s, self.clock = quiet_s, clock
-        self.last: Dict[int, float] = {}
-        self.held: Dict[int, int] = {}
+        self.last: dict[int, float] = {}
+        self.held: dict[int, int] = {}
 
     def line(self, rank: int, msg: str) -> str:
         """The line to print now, or "" (counted) when this rank was reported less than quiet_s ago."""
@@ -131,13 +131,13 @@ class IntervalWatch:
         self.oversubscribed = oversubscribed(getattr(mesh.device, "type", str(mesh.device)))
         self.share = ThroughputShare(h.min_throughput_fraction, h.baseline_intervals, h.throttle_samples)
         self.enabled = t.straggler_margin > 0 or h.enabled
-        self.compute: List[float] = []
-        self.unhealthy: Dict[str, int] = {}
+        self.compute: list[float] = []
+        self.unhealthy: dict[str, int] = {}
         """node -> health flag bits, as agreed by every rank."""
-        self.acted: Dict[str, int] = {}
+        self.acted: dict[str, int] = {}
         self.last_step = t.steps
 
-    def step(self, step: int, compute_s: float, logged: bool) -> Dict[str, Any]:
+    def step(self, step: int, compute_s: float, logged: bool) -> dict[str, Any]:
         """After each step (every rank, the same `logged`); returns fields for rank 0's metrics row."""
         self.compute.append(compute_s)
         if not (self.enabled and logged):
@@ -155,7 +155,7 @@ class IntervalWatch:
         mine = [mean, float(flag)] + [float(summary.get(k, math.nan)) for k in _SUMMARY]
         rows = self._gather(mine)
         times = [r[0] for r in rows]
-        out: Dict[str, Any] = {"compute_time_max_s": max(times), "compute_time_median_s": median_of(times)}
+        out: dict[str, Any] = {"compute_time_max_s": max(times), "compute_time_median_s": median_of(times)}
         self._stragglers(step, times)
         self._health(step, rows)
         for i, key in enumerate(_SUMMARY):
@@ -170,7 +170,7 @@ class IntervalWatch:
                 )
         return out
 
-    def _gather(self, mine: List[float]) -> List[List[float]]:
+    def _gather(self, mine: list[float]) -> list[list[float]]:
         t = torch.tensor(mine, dtype=torch.float64, device=self.mesh.device)
         if not (comm.is_initialized() and comm.world_size() > 1):
             return [t.tolist()]
@@ -178,7 +178,7 @@ class IntervalWatch:
         comm.all_gather(every, t)
         return [x.tolist() for x in every]
 
-    def _stragglers(self, step: int, times: List[float]) -> None:
+    def _stragglers(self, step: int, times: list[float]) -> None:
         median = median_of(times)
         found = self.stragglers.update(times)
         if self.oversubscribed:
@@ -203,13 +203,13 @@ class IntervalWatch:
                 if line:
                     print(line, file=sys.stderr)
 
-    def _health(self, step: int, rows: List[List[float]]) -> None:
+    def _health(self, step: int, rows: list[list[float]]) -> None:
         for rank, row in enumerate(rows):
             if int(row[1]):
                 node = self.nodes[rank]
                 self.unhealthy[node] = self.unhealthy.get(node, 0) | int(row[1])
-        node_time: Dict[str, float] = {}
-        node_ranks: Dict[str, int] = {}
+        node_time: dict[str, float] = {}
+        node_ranks: dict[str, int] = {}
         for rank, row in enumerate(rows):
             node = self.nodes[rank]
             node_time[node] = max(node_time.get(node, 0.0), row[0])
@@ -221,13 +221,13 @@ class IntervalWatch:
                 print(f"\nhealth: node {node}: {why}", file=sys.stderr)
 
     @property
-    def requeue_nodes(self) -> List[str]:
+    def requeue_nodes(self) -> list[str]:
         """Unhealthy nodes not yet acted on, when cluster.health.action=requeue (the same list on every rank)."""
         if self.cfg.cluster.health.action != "requeue":
             return []
         return sorted(n for n, f in self.unhealthy.items() if f & ~self.acted.get(n, 0))
 
-    def stop_code(self, nodes: List[str]) -> int:
+    def stop_code(self, nodes: list[str]) -> int:
         """After the loop's checkpoint: EXIT_NODE_BAD on an unhealthy node's ranks (the epilogue excludes the
         node), EXIT_STOPPED elsewhere (the job is requeued)."""
         from training.contract.exit_codes import EXIT_NODE_BAD, EXIT_STOPPED

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, Optional
+from typing import Any
 
 TB_DIR = "tensorboard"
 
@@ -53,7 +53,7 @@ class TensorBoardSink:
         self.log_dir = os.path.join(run_dir, TB_DIR)
         # Steps after the checkpoint this attempt resumed from were logged by an attempt that is gone (decided
         # now, before this attempt's own events file exists).
-        self.purge: Optional[int] = resumed_step + 1 if has_events(self.log_dir) else None
+        self.purge: int | None = resumed_step + 1 if has_events(self.log_dir) else None
         self._writer: Any = None
 
     @property
@@ -64,7 +64,7 @@ class TensorBoardSink:
             self._writer = SummaryWriter(log_dir=self.log_dir, purge_step=self.purge, flush_secs=30)
         return self._writer
 
-    def write(self, row: Dict[str, Any]) -> None:
+    def write(self, row: dict[str, Any]) -> None:
         step = int(row["step"])
         for key, value in row.items():
             if key in NOT_PLOTTED or isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -13,7 +13,7 @@ import importlib.util
 import json
 import os
 import uuid
-from typing import Any, Dict
+from typing import Any
 
 from training.contract.rundir.files import write_atomic
 
@@ -47,7 +47,7 @@ def run_id(run_dir: str) -> str:
 class WandbSink:
     """Rank 0's W&B run: numbers of every metrics row, at the row's step."""
 
-    def __init__(self, run_dir: str, project: str, config: Dict[str, Any]):
+    def __init__(self, run_dir: str, project: str, config: dict[str, Any]):
         import wandb
 
         self.run = wandb.init(
@@ -59,7 +59,7 @@ class WandbSink:
             config=config,
         )
 
-    def write(self, row: Dict[str, Any]) -> None:
+    def write(self, row: dict[str, Any]) -> None:
         values = {
             k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"
         }

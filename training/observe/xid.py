@@ -10,9 +10,7 @@ program itself and are reported only. On CPU, cluster.health.nvml_double's "xid"
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
-
-CRITICAL_XIDS: Dict[int, str] = {
+CRITICAL_XIDS: dict[int, str] = {
     48: "double-bit ECC error",
     61: "internal micro-controller breakpoint/warning",
     62: "internal micro-controller halt",
@@ -36,7 +34,7 @@ def describe(xid: int) -> str:
 class XidWatcher:
     """One NVML event set over the node's GPUs; poll() returns the Xids that arrived since the last poll."""
 
-    def __init__(self, nvml, count: int, indices: Optional[List[int]] = None):
+    def __init__(self, nvml, count: int, indices: list[int] | None = None):
         """Watch GPUs `indices` (default: all `count`)."""
         self.nvml, self.set, self.gpus, self.unsupported = nvml, None, [], []
         kind = getattr(nvml, "nvmlEventTypeXidCriticalError", None)
@@ -59,9 +57,9 @@ class XidWatcher:
         except Exception:  # noqa: BLE001 - a handle NVML no longer knows: the GPU is gone
             return -1
 
-    def poll(self, limit: int = 1000) -> List[Tuple[int, int]]:
+    def poll(self, limit: int = 1000) -> list[tuple[int, int]]:
         """(GPU index, Xid) of every event waiting now, without blocking."""
-        out: List[Tuple[int, int]] = []
+        out: list[tuple[int, int]] = []
         if self.set is None:
             return out
         wait = getattr(self.nvml, "nvmlEventSetWait_v2", None) or self.nvml.nvmlEventSetWait

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import os
-from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -49,10 +48,10 @@ class ShardedAdamW:
         self.fused = fused
         self.offload = offload
         self._step_t = torch.zeros((), dtype=torch.float32, device=layout.params[0].device)
-        self._scratch: Optional[torch.Tensor] = None  # one block of the update's fp32 square roots
+        self._scratch: torch.Tensor | None = None  # one block of the update's fp32 square roots
         self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
         device = layout.params[0].device
-        self.master: Optional[torch.Tensor] = None
+        self.master: torch.Tensor | None = None
         sixteen_bit = any(p.dtype != torch.float32 for p in layout.params)
         self.store = None
         """offload=cpu|nvme: where the state lives (training/optim/offload.py), on CPU ranks too (their own host
@@ -67,7 +66,7 @@ class ShardedAdamW:
             self.exp_avg = torch.zeros(layout.shard_size, dtype=torch.float32, device=device)
             self.exp_avg_sq = torch.zeros(layout.shard_size, dtype=torch.float32, device=device)
         # The shard ranges that take weight decay, adjacent segments merged.
-        self._decay_runs: List[Tuple[int, int]] = []
+        self._decay_runs: list[tuple[int, int]] = []
         for seg in layout.segments:
             if not seg.decay:
                 continue
@@ -115,12 +114,12 @@ class ShardedAdamW:
                 start = s.param_start + lo - s.shard_start
                 self.store.fill("master", lo, p[start : start + hi - lo])
 
-    def store_tensors(self, tensors: Dict[str, torch.Tensor]) -> None:
+    def store_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Write back whole state tensors obtained from `tensors()` (offloaded state: a checkpoint's load)."""
         if self.store is not None:
             self.store.store_all(tensors)
 
-    def tensors(self) -> Dict[str, torch.Tensor]:
+    def tensors(self) -> dict[str, torch.Tensor]:
         """The state tensors that exist, by name (offload=nvme: read whole from the files, a copy)."""
         if self.store is not None:
             return self.store.tensors()
@@ -249,7 +248,7 @@ class ShardedAdamW:
                 dest[lo:hi].copy_(w, non_blocking=True)
                 store.moved["from_store"] += hi - lo
 
-    def refresh_master(self, param_indices: List[int]) -> None:
+    def refresh_master(self, param_indices: list[int]) -> None:
         """Set the master copy of these parameters from their current values (a checkpoint without masters)."""
         if self.store is not None and param_indices:
             states = self.store.tensors()

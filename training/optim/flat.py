@@ -8,8 +8,8 @@ zero=0 every rank owns the whole range. Gradient buffer, Adam states and checkpo
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Tuple
 
 import torch
 
@@ -42,10 +42,10 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
 class FlatLayout:
     """This rank's trainable parameters in flat order, and its shard of that order."""
 
-    def __init__(self, named_params: Iterable[Tuple[str, torch.nn.Parameter]], zero: int, dp: int, dp_rank: int, mesh):
+    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], zero: int, dp: int, dp_rank: int, mesh):
         seen = set()
-        self.names: List[str] = []
-        self.params: List[torch.nn.Parameter] = []
+        self.names: list[str] = []
+        self.params: list[torch.nn.Parameter] = []
         for name, p in named_params:
             if id(p) in seen or not p.requires_grad:
                 continue  # a parameter shared by two modules is stored once
@@ -55,7 +55,7 @@ class FlatLayout:
         if not self.params:
             raise ValueError("no trainable parameters on this rank")
         self.zero, self.dp, self.dp_rank = zero, dp, dp_rank
-        self.offsets: List[int] = []
+        self.offsets: list[int] = []
         n = 0
         for p in self.params:
             self.offsets.append(n)
@@ -69,9 +69,9 @@ class FlatLayout:
             self.shard_size, self.total, self.shard_lo = n, n, 0
         self.shard_hi = self.shard_lo + self.shard_size
         self.segments = self._segments(mesh)
-        self.shard_values: Optional[torch.Tensor] = None
+        self.shard_values: torch.Tensor | None = None
         """zero=3: this rank's shard of the parameter values (model dtype), the only copy between gathers."""
-        self.param_buffer: Optional[torch.Tensor] = None
+        self.param_buffer: torch.Tensor | None = None
         """The parameters' values in flat order (padding zero) once `flatten_params` ran; the parameters are views."""
 
     def flatten_params(self) -> None:
@@ -96,7 +96,7 @@ class FlatLayout:
         """This rank's shard of a flat (padded, layout-ordered) tensor, as a view."""
         return flat[self.shard_lo : self.shard_hi]
 
-    def _segments(self, mesh) -> List[Segment]:
+    def _segments(self, mesh) -> list[Segment]:
         segs = []
         for i, (name, p) in enumerate(zip(self.names, self.params)):
             start, end = self.offsets[i], self.offsets[i] + p.numel()

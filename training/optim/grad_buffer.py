@@ -25,12 +25,13 @@ backend's summation order). tests/engine/test_perf_paths.py checks both at dp=2.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional, Tuple
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from training.parallel import collectives as comm
 from training.optim.flat import FlatLayout
+from training.parallel import collectives as comm
 from training.parallel.collectives import reduce_scatter_single
 
 
@@ -54,7 +55,7 @@ class GradBuffer:
         self.dp_group = dp_group
         # Zero once: the padding (zero=1) is never written; parameter ranges are overwritten every step.
         self.buffer = torch.zeros(layout.total, dtype=dtype, device=layout.params[0].device)
-        self.views: List[torch.Tensor] = [
+        self.views: list[torch.Tensor] = [
             self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(layout.offsets, layout.params)
         ]
         self.bucket_elems = max(1, int(bucket_mb * 2**20) // self.buffer.element_size())
@@ -65,11 +66,11 @@ class GradBuffer:
         # it is complete as soon as its own parameters are (a reduce-scatter bucket spans every rank's shard,
         # i.e. the first and the last layers, and could only start when backward ends).
         self.reduce_to_owner = self.overlap and layout.zero == 1
-        self._owners: List[int] = []
+        self._owners: list[int] = []
         self._buckets = self._bucket_ranges()
         # Which buckets each parameter touches, and how many parameters each bucket waits for.
-        self._param_buckets: List[List[int]] = [[] for _ in layout.params]
-        self._bucket_params: List[List[int]] = []
+        self._param_buckets: list[list[int]] = [[] for _ in layout.params]
+        self._bucket_params: list[list[int]] = []
         for b, ranges in enumerate(self._buckets):
             members = sorted({i for lo, hi in ranges for i in self._params_in(lo, hi)})
             self._bucket_params.append(members)
@@ -79,10 +80,10 @@ class GradBuffer:
         self.launched_in_backward = 0
         """Buckets started while grads were still being produced (counted over the run; tests read it)."""
         self._counts = [0] * len(layout.params)
-        self._expected: Optional[int] = None
+        self._expected: int | None = None
         self._pending = [len(m) for m in self._bucket_params]
-        self._launched: List[Optional[Tuple[Any, ...]]] = [None] * len(self._buckets)
-        self._wide: List[int] = []  # launched buckets holding an fp32 copy, oldest first
+        self._launched: list[tuple[Any, ...] | None] = [None] * len(self._buckets)
+        self._wide: list[int] = []  # launched buckets holding an fp32 copy, oldest first
         self._done: set = set()  # buckets reduced this step (completed early to bound the fp32 copies)
         # Hooks only where they have work: moving a grad of another dtype, or counting grads for the overlap.
         self._hooks = [
@@ -101,7 +102,7 @@ class GradBuffer:
                     p.grad = view
 
     # ----- layout of the buckets ---------------------------------------------------------------------
-    def _bucket_ranges(self) -> List[List[Tuple[int, int]]]:
+    def _bucket_ranges(self) -> list[list[tuple[int, int]]]:
         """Per bucket, the flat ranges it reduces (one for zero=0; one per dp rank's shard for zero=1)."""
         lay = self.layout
         if lay.dp == 1:

@@ -23,13 +23,14 @@ this buffer holds between steps are the shard's, `nbytes`.
 from __future__ import annotations
 
 import collections
-from typing import Any, Deque, Dict, Iterable, List, Optional, Set, Tuple
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from training.parallel import collectives as comm
 from training.optim.flat import FlatLayout
 from training.optim.grad_buffer import reduce_dtype
+from training.parallel import collectives as comm
 
 
 class ShardedGradBuffer:
@@ -48,14 +49,14 @@ class ShardedGradBuffer:
         self.launched_in_backward = 0
         """Buckets reduced while grads were still being produced (counted over the run)."""
         S = layout.shard_size
-        self._buckets: List[Tuple[int, int, int]] = []  # (flat lo, flat hi, owner)
+        self._buckets: list[tuple[int, int, int]] = []  # (flat lo, flat hi, owner)
         for q in range(layout.dp):
             for s in range(0, S, self.bucket_elems):
                 lo, hi = q * S + s, min(q * S + min(s + self.bucket_elems, S), layout.numel)
                 if lo < hi:
                     self._buckets.append((lo, hi, q))
-        self._param_buckets: List[List[int]] = [[] for _ in layout.params]
-        self._members: List[int] = []
+        self._param_buckets: list[list[int]] = [[] for _ in layout.params]
+        self._members: list[int] = []
         for b, (lo, hi, _) in enumerate(self._buckets):
             n = 0
             for i, (o, p) in enumerate(zip(layout.offsets, layout.params)):
@@ -63,9 +64,9 @@ class ShardedGradBuffer:
                     self._param_buckets[i].append(b)
                     n += 1
             self._members.append(n)
-        self._staging: List[Optional[torch.Tensor]] = [None] * len(self._buckets)
-        self._delivered: List[Set[int]] = [set() for _ in self._buckets]
-        self._inflight: Deque[Tuple[int, Any, torch.Tensor]] = collections.deque()
+        self._staging: list[torch.Tensor | None] = [None] * len(self._buckets)
+        self._delivered: list[set[int]] = [set() for _ in self._buckets]
+        self._inflight: collections.deque[tuple[int, Any, torch.Tensor]] = collections.deque()
         self._in_backward = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(layout.params)]
 
@@ -173,7 +174,7 @@ class ShardedGradBuffer:
     def finalize(self, sync, mesh) -> None:
         """The model-parallel sums (sp over tp, tied embedding over the pipeline ends) of the reduced shard."""
         lay = self.layout
-        segs: Dict[int, List] = {}
+        segs: dict[int, list] = {}
         for s in lay.segments:
             segs.setdefault(s.param_index, []).append(s)
         if sync.sp_params and mesh.tp > 1:

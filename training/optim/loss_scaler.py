@@ -7,8 +7,6 @@ below train.min_loss_scale); train.loss_scale_window finite steps in a row doubl
 
 from __future__ import annotations
 
-from typing import Dict, Optional
-
 
 class LossScaler:
     """The loss scale and its growth/backoff state."""
@@ -33,14 +31,14 @@ class LossScaler:
                 self.scale *= 2.0
                 self.good_steps = 0
 
-    def reported(self) -> Optional[float]:
+    def reported(self) -> float | None:
         """The scale for metrics: a number under fp16, None when scaling is off."""
         return self.scale if self.enabled else None
 
-    def state_dict(self) -> Dict[str, float]:
+    def state_dict(self) -> dict[str, float]:
         return {"loss_scale": self.scale, "good_steps": self.good_steps}
 
-    def load_state_dict(self, state: Dict[str, float]) -> None:
+    def load_state_dict(self, state: dict[str, float]) -> None:
         # Only fp16 scales its loss: a scale saved by an fp16 run must not scale a bf16 run's loss.
         if self.enabled:
             self.scale = float(state["loss_scale"])

@@ -10,12 +10,12 @@ of the model counts exactly once.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 
-from training.parallel import collectives as comm
 from training.contract.layout_rules import sequence_parallel_on
+from training.parallel import collectives as comm
 
 TIED_EMBEDDING = "embedding.word.weight"
 """The parameter name the first and the last pipeline stage share when embeddings are tied."""
@@ -30,11 +30,11 @@ def counts_in_norm(name: str, param: torch.Tensor, mesh) -> bool:
     return True
 
 
-def allreduce_flat(tensors: List[torch.Tensor], group: Any) -> None:
+def allreduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
     """Sum `tensors` in place over `group` with one all-reduce per dtype (identity for None / size 1)."""
     if group is None or comm.world_size(group) == 1 or not tensors:
         return
-    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
@@ -49,7 +49,7 @@ def allreduce_flat(tensors: List[torch.Tensor], group: Any) -> None:
 class ModelParallelGradSync:
     """Finalises the main grads of this rank's parameters over tp (sp) and the pipeline ends (tied embedding)."""
 
-    def __init__(self, names: List[str], params: List[torch.nn.Parameter], cfg, mesh):
+    def __init__(self, names: list[str], params: list[torch.nn.Parameter], cfg, mesh):
         self.mesh = mesh
         sp = sequence_parallel_on(cfg.parallel.sp, mesh.tp)
         self.sp_params = [i for i, p in enumerate(params) if sp and getattr(p, "sequence_parallel", False)]
@@ -57,11 +57,11 @@ class ModelParallelGradSync:
         if mesh.pp > 1 and cfg.model.tie_embeddings and TIED_EMBEDDING in names:
             self.tied_index = names.index(TIED_EMBEDDING)
 
-    def param_indices(self) -> List[int]:
+    def param_indices(self) -> list[int]:
         """The parameters (indices in construction order) whose grads this reduces before the dp reduction."""
         return self.sp_params + ([self.tied_index] if self.tied_index is not None else [])
 
-    def __call__(self, grads: List[torch.Tensor]) -> None:
+    def __call__(self, grads: list[torch.Tensor]) -> None:
         """Reduce in place the grads (one per parameter, in the order given at construction) that need it."""
         if self.sp_params:
             allreduce_flat([grads[i] for i in self.sp_params], self.mesh.tp_group)

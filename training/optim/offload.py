@@ -18,14 +18,13 @@ writes such tensors back. `moved` counts the elements copied between the device 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional
 
 import torch
 
 from training.contract.precision import OFFLOAD_BLOCK_ELEMS
 
 
-def _moved() -> Dict[str, int]:
+def _moved() -> dict[str, int]:
     return {"to_store": 0, "from_store": 0}
 
 
@@ -38,10 +37,10 @@ def host_device(device: torch.device) -> torch.device:
 class HostStore:
     """State tensors in one host arena (pinned for a GPU rank: one pinned allocation, not one per state)."""
 
-    def __init__(self, names: List[str], size: int, pin: bool, host: str = "cpu"):
+    def __init__(self, names: list[str], size: int, pin: bool, host: str = "cpu"):
         self.size = size
         self.arena = torch.zeros(len(names) * size, dtype=torch.float32, pin_memory=pin and host == "cpu", device=host)
-        self.tensors_: Dict[str, torch.Tensor] = {
+        self.tensors_: dict[str, torch.Tensor] = {
             name: self.arena[i * size : (i + 1) * size] for i, name in enumerate(names)
         }
         self.moved = _moved()
@@ -57,10 +56,10 @@ class HostStore:
     def commit(self, name: str, lo: int, hi: int) -> None:
         """Nothing to do: the block is a view of the state."""
 
-    def tensors(self) -> Dict[str, torch.Tensor]:
+    def tensors(self) -> dict[str, torch.Tensor]:
         return self.tensors_
 
-    def store_all(self, tensors: Dict[str, torch.Tensor]) -> None:
+    def store_all(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
             if t.data_ptr() != self.tensors_[name].data_ptr():
                 self.tensors_[name].copy_(t)
@@ -75,19 +74,19 @@ class HostStore:
 class FileStore:
     """State tensors in files, touched one block at a time."""
 
-    def __init__(self, names: List[str], size: int, directory: str):
+    def __init__(self, names: list[str], size: int, directory: str):
         os.makedirs(directory, exist_ok=True)
         self.size, self.directory = size, directory
         self.block_elems = max(1, min(OFFLOAD_BLOCK_ELEMS, size))
         self.paths = {name: os.path.join(directory, f"{name}.f32") for name in names}
-        self.fds: Dict[str, int] = {}
+        self.fds: dict[str, int] = {}
         # One block buffer per state: all a rank holds of the state between and during steps.
         self.buffers = {name: torch.zeros(self.block_elems, dtype=torch.float32) for name in names}
         for name, path in self.paths.items():
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             os.ftruncate(fd, size * 4)  # a sparse file of zeros (the moments start at zero)
             self.fds[name] = fd
-        self._view: Optional[Dict[str, torch.Tensor]] = None
+        self._view: dict[str, torch.Tensor] | None = None
         self.moved = _moved()
 
     def fill(self, name: str, lo: int, values: torch.Tensor) -> None:
@@ -123,7 +122,7 @@ class FileStore:
     def commit(self, name: str, lo: int, hi: int) -> None:
         self._write_range(name, lo, self.buffers[name][: hi - lo])
 
-    def tensors(self) -> Dict[str, torch.Tensor]:
+    def tensors(self) -> dict[str, torch.Tensor]:
         """Every state tensor read whole into memory (transient: a checkpoint's save or load)."""
         out = {}
         for name in self.paths:
@@ -131,7 +130,7 @@ class FileStore:
             self._read_range(name, 0, out[name])
         return out
 
-    def store_all(self, tensors: Dict[str, torch.Tensor]) -> None:
+    def store_all(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
             self._write_range(name, 0, t.detach().to(torch.float32).cpu())
 

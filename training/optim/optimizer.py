@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any
 
 import torch
 
-from training.parallel import collectives as comm
 from training.contract.config import Config, resolve_fused_adamw
+from training.contract.precision import check_precision, grad_dtype, param_gather_inflight_chunks
+from training.model.moe import is_expert_param, set_aux_loss_grad_scale
 from training.optim.adamw import ShardedAdamW
 from training.optim.flat import FlatLayout, Segment
 from training.optim.grad_buffer import GradBuffer
@@ -36,8 +38,7 @@ from training.optim.loss_scaler import LossScaler
 from training.optim.model_parallel import ModelParallelGradSync
 from training.optim.param_gather import ParamGather
 from training.optim.zero3 import Zero3Params
-from training.model.moe import is_expert_param, set_aux_loss_grad_scale
-from training.contract.precision import grad_dtype, check_precision, param_gather_inflight_chunks
+from training.parallel import collectives as comm
 from training.parallel.collectives import all_gather_single
 
 SCALARS = ("step_count", "loss_scale", "good_steps")
@@ -54,7 +55,7 @@ class StepResult:
     """True when the update was not applied."""
     reason: str = ""
     """Why it was skipped: "nonfinite_loss" | "nonfinite_grad" | "" when applied."""
-    loss_scale: Optional[float] = None
+    loss_scale: float | None = None
     """fp16: the loss scale after this step (None otherwise)."""
 
 
@@ -68,7 +69,7 @@ class ParamShard:
     """The local parameter (its tp metadata places the state in the global tensor)."""
     param_start: int
     """First element of the parameter's flattened local values that the tensors cover."""
-    tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     """State name (exp_avg, exp_avg_sq, master) -> 1-D tensor of the covered elements."""
 
 
@@ -76,13 +77,13 @@ class DistributedOptimizer:
     """AdamW over this rank's parameters, with the dp reduction and precision handling of the engine."""
 
     def __init__(
-        self, named_params: Iterable[Tuple[str, torch.nn.Parameter]], cfg: Config, mesh, _expert_part: bool = False
+        self, named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: Config, mesh, _expert_part: bool = False
     ):
         t = cfg.train
         # Mixture of experts (training/model/moe.py): the expert parameters get an optimizer of their own over the
         # expert-data-parallel group (grads reduced and state sharded over the dp ranks holding the same experts);
         # this one steps both with one grad norm and one loss scale. None without experts.
-        self.experts: Optional["DistributedOptimizer"] = None
+        self.experts: DistributedOptimizer | None = None
         named_params = list(named_params)
         expert_params = [(n, p) for n, p in named_params if is_expert_param(p)]
         if expert_params and not _expert_part:
@@ -101,11 +102,11 @@ class DistributedOptimizer:
         # The names tests and the loop read: the flat order and this rank's shard of it.
         self.names, self.params, self.numel = lay.names, lay.params, lay.numel
         self.zero, self.dp, self.shard_lo, self.shard_size = lay.zero, lay.dp, lay.shard_lo, lay.shard_size
-        self.segments: List[Segment] = lay.segments
+        self.segments: list[Segment] = lay.segments
         self.dp_group = mesh.dp_cp_group if lay.dp > 1 else None
         # The parameters become views of one flat buffer: fp32 weights are updated in place. zero=3: each keeps
         # a storage of its own, gathered per unit (zero3.py), and the rank holds only its shard of the values.
-        self.zero3: Optional[Zero3Params] = None
+        self.zero3: Zero3Params | None = None
         if lay.zero >= 3:
             self.zero3 = Zero3Params(
                 lay,
@@ -146,7 +147,7 @@ class DistributedOptimizer:
         self._runs = self._counted_runs()
         # zero=1 over dp > 1 with one flat parameter buffer: the updated shards' all-gather, bucketed like the
         # grads; with overlap on it may run into the next forward (set up by watch_modules).
-        self.param_gather: Optional[ParamGather] = None
+        self.param_gather: ParamGather | None = None
         if self.zero >= 1 and self.dp > 1 and lay.param_buffer is not None:
             self.param_gather = ParamGather(
                 lay,
@@ -156,7 +157,7 @@ class DistributedOptimizer:
             )
         self._overlap = getattr(cfg.parallel, "overlap_grad_reduce", True)
 
-    def watch_modules(self, chunks: List[torch.nn.Module]) -> None:
+    def watch_modules(self, chunks: list[torch.nn.Module]) -> None:
         """Let each part of these model chunks wait for its own parameters before its forward, so that
         `step(defer_param_gather=True)` may return before the updated shards are all gathered (overlap on)."""
         if self.param_gather is not None and self._overlap:
@@ -197,7 +198,7 @@ class DistributedOptimizer:
         return self.scaler.scale
 
     # ----- the loop's calls --------------------------------------------------------------------------
-    def zero_grad(self, num_micro_batches: Optional[int] = None) -> None:
+    def zero_grad(self, num_micro_batches: int | None = None) -> None:
         """Start a step. Given its number of micro-batches (the loop does), each bucket's dp reduction starts
         during backward as soon as its grads are final; without it, everything is reduced in `step`, and the
         main grads (optimizer.grads.views) hold this rank's own sums until then."""
@@ -289,9 +290,9 @@ class DistributedOptimizer:
             return self.zero3.shard
         return self.layout.shard_of(self.layout.param_buffer)
 
-    def _counted_runs(self) -> List[Tuple[int, int]]:
+    def _counted_runs(self) -> list[tuple[int, int]]:
         """Shard ranges of the counted segments, adjacent ones merged (tp = pp = 1: one range, the whole shard)."""
-        runs: List[Tuple[int, int]] = []
+        runs: list[tuple[int, int]] = []
         for s in self.segments:
             if not s.counted:
                 continue
@@ -350,7 +351,7 @@ class DistributedOptimizer:
                     lay.write(row[: self.numel - flat_start], flat_start)
 
     # ----- accounting and checkpoints ----------------------------------------------------------------
-    def memory_report(self) -> Dict[str, int]:
+    def memory_report(self) -> dict[str, int]:
         """Bytes this rank really holds for weights, main grads and optimizer state (docs/CONTRACTS.md)."""
         weights = (
             self.zero3.nbytes() if self.zero3 is not None else sum(p.numel() * p.element_size() for p in self.params)
@@ -363,7 +364,7 @@ class DistributedOptimizer:
                 out[k] = out.get(k, 0) + v
         return out
 
-    def transient_report(self) -> Dict[str, int]:
+    def transient_report(self) -> dict[str, int]:
         """Bytes this rank holds for a while beside memory_report's (plan.json's `param_gather`): the zero=1/2
         all-gather of the updated shards, at most its in-flight chunks (training/optim/param_gather.py); with
         experts, plus the expert optimizer's own (the loop defers both: they are in flight at once)."""
@@ -376,7 +377,7 @@ class DistributedOptimizer:
             total += self.experts.transient_report()["param_gather"]
         return {"param_gather": total}
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state.
 
         {"step_count", "loss_scale", "good_steps": scalars,
@@ -406,7 +407,7 @@ class DistributedOptimizer:
             out["sharded_params"] = list(self.names)
         return out
 
-    def _shards(self, states: Dict[str, torch.Tensor]) -> List[ParamShard]:
+    def _shards(self, states: dict[str, torch.Tensor]) -> list[ParamShard]:
         lay = self.layout
         return [
             ParamShard(
@@ -418,7 +419,7 @@ class DistributedOptimizer:
             for s in self.segments
         ]
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from a state_dict() of this optimizer's layout (resharding is the checkpoint's job).
 
         A parameter whose entry lacks "master" (a checkpoint written in fp32) gets its master copy from

@@ -25,9 +25,10 @@ the same chunks are copied into the same places: the values do not depend on whe
 from __future__ import annotations
 
 import collections
-from typing import Deque, Dict, Iterable, List, Set, Tuple
+from collections.abc import Iterable
 
 import torch
+
 from training.parallel import collectives as comm
 
 
@@ -47,14 +48,14 @@ class ParamGather:
         """Chunk indices in issue order: the same on every dp rank (computed from the model, not the rank)."""
         self.watching = False
         """True once watch() put the pre-hooks in place: only then may the gather be deferred."""
-        self._pending: Deque[Tuple[int, object, torch.Tensor, torch.Tensor]] = collections.deque()
+        self._pending: collections.deque[tuple[int, object, torch.Tensor, torch.Tensor]] = collections.deque()
         self._completed = 0
         self._index = {id(p): i for i, p in enumerate(layout.params)}
 
-    def _chunks_of(self, params: Iterable[torch.nn.Parameter], skip_own: bool) -> Set[int]:
+    def _chunks_of(self, params: Iterable[torch.nn.Parameter], skip_own: bool) -> set[int]:
         """Chunk indices holding any element of these parameters (skip_own: not counting this rank's shard)."""
         lay, size, width = self.layout, self.layout.shard_size, self.width
-        out: Set[int] = set()
+        out: set[int] = set()
         for p in params:
             i = self._index.get(id(p))
             if i is None:
@@ -68,15 +69,15 @@ class ParamGather:
                     out.update(range((lo - q * size) // width, (hi - 1 - q * size) // width + 1))
         return out
 
-    def watch(self, chunks: List[torch.nn.Module]) -> None:
+    def watch(self, chunks: list[torch.nn.Module]) -> None:
         """Order the chunks by first use in the forward and put a pre-hook on every unit that needs any."""
-        units: List[Tuple[torch.nn.Module, List[torch.nn.Parameter]]] = []
+        units: list[tuple[torch.nn.Module, list[torch.nn.Parameter]]] = []
         for chunk in chunks:
             declared = chunk.param_units() if hasattr(chunk, "param_units") else []
             listed = {id(p) for _, params in declared for p in params}
             units.append((chunk, [p for p in chunk.parameters() if id(p) not in listed]))
             units += declared
-        first_use: Dict[int, int] = {}
+        first_use: dict[int, int] = {}
         for k, (_, params) in enumerate(units):
             for c in self._chunks_of(params, skip_own=False):
                 first_use.setdefault(c, k)

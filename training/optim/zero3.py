@@ -42,9 +42,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
+
 from training.parallel import collectives as comm
 
 
@@ -54,15 +55,15 @@ def _in_backward() -> bool:
 
 @dataclass
 class _Unit:
-    params: List[int]
+    params: list[int]
     """Indices into the layout's parameters."""
     keep_after_forward: bool = False
     """Read after its module's forward returns (the output layer): released only after its backward."""
-    pieces: List[Tuple[int, List[Tuple[int, int, int]]]] = field(default_factory=list)
+    pieces: list[tuple[int, list[tuple[int, int, int]]]] = field(default_factory=list)
     """Per owner dp rank q: (q, [(param index, flat lo, flat hi)]) of the unit's elements in q's shard."""
     state: str = "free"
     """free | pending (broadcasts in flight) | ready."""
-    works: List[Tuple[Any, torch.Tensor, List[Tuple[int, int, int]]]] = field(default_factory=list)
+    works: list[tuple[Any, torch.Tensor, list[tuple[int, int, int]]]] = field(default_factory=list)
     fp8: bool = False
     """This gather carries the unit's FP8 weights in float8 (parallel.fp8_all_gather)."""
 
@@ -82,7 +83,7 @@ class Zero3Params:
                 p[s.param_start : s.param_start + s.shard_end - s.shard_start]
             )
         self.refs = [0] * len(layout.params)
-        self.units: List[_Unit] = []
+        self.units: list[_Unit] = []
         self.peak_gathered_bytes = 0
         """Most parameter bytes gathered at once (beside the shard) by the forward and backward hooks
         (gather_all, for checkpoints and readers of the whole model, is not counted)."""
@@ -96,7 +97,7 @@ class Zero3Params:
         self.gather_fp8_bytes = 0
         """The float8 bytes among them (parallel.fp8_all_gather: 1 an FP8 weight element)."""
         # parallel.fp8_all_gather: param index -> the FP8 weight's float8 storage, gathered like a parameter's.
-        self.fp8: Dict[int, torch.Tensor] = {}
+        self.fp8: dict[int, torch.Tensor] = {}
         if fp8_all_gather:
             from training.parallel.fp8 import fp8_weight_dtype
 
@@ -106,13 +107,13 @@ class Zero3Params:
                     self.fp8[i].untyped_storage().resize_(0)
                     p.fp8_storage = self.fp8[i]  # model state, not activations, to the saved-bytes counters
         self.refs8 = [0] * len(layout.params)
-        self.scales: Dict[int, torch.Tensor] = {}
+        self.scales: dict[int, torch.Tensor] = {}
         """FP8 weight -> its tensorwise scale (0-dim fp32), from the amax over every rank's shard."""
         self._scales_stale = True
         self._model_dtype_only = False
 
     # ----- setup -----------------------------------------------------------------------------------
-    def watch(self, chunks: List[torch.nn.Module]) -> None:
+    def watch(self, chunks: list[torch.nn.Module]) -> None:
         """Build each chunk's units, hook them, and release every parameter (each gets a storage of its own)."""
         covered = set()
         for chunk in chunks:
@@ -122,15 +123,16 @@ class Zero3Params:
             if rest:  # parameters of no declared unit: gathered when the chunk's forward starts, kept for the step
                 covered.update(self._index[id(p)] for p in rest)
                 self.units.append(self._make_unit([self._index[id(p)] for p in rest], True))
-                chunk.register_forward_pre_hook(lambda _m, _a, u=len(self.units) - 1: self.gather(u))
+                unit = len(self.units) - 1
+                chunk.register_forward_pre_hook(lambda _m, _a, u=unit: self.gather(u))
             head = bool(getattr(chunk, "has_head", False))
             mods = []
             for k, (module, params) in enumerate(declared):
                 idx = list(dict.fromkeys(self._index[id(p)] for p in params if id(p) in self._index))
                 if idx:
                     mods.append((module, idx, head and k == len(declared) - 1))
-            chain: List[int] = []
-            for module, idx, keep in mods:
+            chain: list[int] = []
+            for _module, idx, keep in mods:
                 covered.update(idx)
                 self.units.append(self._make_unit(idx, keep))
                 chain.append(len(self.units) - 1)
@@ -147,7 +149,7 @@ class Zero3Params:
             self.layout.params[i].fp8_gathered = partial(self._fp8_source, i)
         self.watching = True
 
-    def _fp8_source(self, i: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    def _fp8_source(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(float8 values, scale) of FP8 weight i while a unit holds it gathered in float8, else None."""
         return (self.fp8[i], self.scales[i]) if self.refs8[i] > 0 else None
 
@@ -173,7 +175,7 @@ class Zero3Params:
         self.scales = {i: scales[k] for i, k in order.items()}
         self._scales_stale = False
 
-    def _make_unit(self, idx: List[int], keep: bool) -> _Unit:
+    def _make_unit(self, idx: list[int], keep: bool) -> _Unit:
         lay = self.layout
         S = lay.shard_size
         pieces = []
@@ -188,7 +190,7 @@ class Zero3Params:
                 pieces.append((q, mine))
         return _Unit(idx, keep, pieces)
 
-    def _hook(self, module: torch.nn.Module, chain: List[int], pos: int) -> None:
+    def _hook(self, module: torch.nn.Module, chain: list[int], pos: int) -> None:
         u = chain[pos]
         nxt = chain[pos + 1] if pos + 1 < len(chain) else None
         prev = chain[pos - 1] if pos > 0 else None
@@ -266,7 +268,7 @@ class Zero3Params:
             unit.works.append((work, buf, mine))
         unit.state = "pending"
 
-    def _fp8_parts(self, buf: torch.Tensor, mine) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _fp8_parts(self, buf: torch.Tensor, mine) -> tuple[torch.Tensor, torch.Tensor]:
         """A float8 message's two parts: the model-dtype elements of `mine` (in order), then the float8 ones."""
         n_hp = sum(hi - lo for i, lo, hi in mine if i not in self.fp8)
         size = n_hp * self.shard.element_size()

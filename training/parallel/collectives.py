@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -187,7 +188,7 @@ def global_rank(group: Any, group_rank_: int) -> int:
     return dist.get_global_rank(group, group_rank_)
 
 
-def group_ranks(group: Any) -> List[int]:
+def group_ranks(group: Any) -> list[int]:
     """Global ranks of a group's members, in group order (the world's for None)."""
     if group is None or group is dist.group.WORLD:
         return list(range(dist.get_world_size()))
@@ -230,25 +231,25 @@ def new_subgroups(size: int, **kwargs) -> Any:
     return dist.new_subgroups(group_size=size, **kwargs)
 
 
-def all_reduce_op(x: torch.Tensor, group: Any = None, op=ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
+def all_reduce_op(x: torch.Tensor, group: Any = None, op=ReduceOp.SUM, async_op: bool = False) -> Work | None:
     """torch.distributed.all_reduce (a None group is the world; use all_reduce above for mesh groups)."""
     _record("all_reduce", [x], group, reduce_op=op, async_op=async_op)
     return dist.all_reduce(x, op=op, group=group, async_op=async_op)
 
 
-def reduce(x: torch.Tensor, dst: int, group: Any = None, op=ReduceOp.SUM, async_op: bool = False) -> Optional[Work]:
+def reduce(x: torch.Tensor, dst: int, group: Any = None, op=ReduceOp.SUM, async_op: bool = False) -> Work | None:
     """torch.distributed.reduce to global rank dst."""
     _record("reduce", [x], group, reduce_op=op, async_op=async_op, root=dst)
     return dist.reduce(x, dst=dst, op=op, group=group, async_op=async_op)
 
 
-def broadcast(x: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Optional[Work]:
+def broadcast(x: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Work | None:
     """torch.distributed.broadcast from global rank src."""
     _record("broadcast", [x], group, async_op=async_op, root=src)
     return dist.broadcast(x, src=src, group=group, async_op=async_op)
 
 
-def all_gather(out: List[torch.Tensor], x: torch.Tensor, group: Any = None, async_op: bool = False) -> Optional[Work]:
+def all_gather(out: list[torch.Tensor], x: torch.Tensor, group: Any = None, async_op: bool = False) -> Work | None:
     """torch.distributed.all_gather into a list of tensors."""
     _record("all_gather", [x], group, async_op=async_op)
     return dist.all_gather(out, x, group=group, async_op=async_op)
@@ -257,11 +258,11 @@ def all_gather(out: List[torch.Tensor], x: torch.Tensor, group: Any = None, asyn
 def all_to_all_single(
     out: torch.Tensor,
     x: torch.Tensor,
-    out_splits: Optional[List[int]] = None,
-    in_splits: Optional[List[int]] = None,
+    out_splits: list[int] | None = None,
+    in_splits: list[int] | None = None,
     group: Any = None,
     async_op: bool = False,
-) -> Optional[Work]:
+) -> Work | None:
     """torch.distributed.all_to_all_single (row splits per member; None for equal blocks)."""
     _record("all_to_all_single", [x], group, async_op=async_op, splits=(out_splits, in_splits))
     return dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=async_op)
@@ -273,7 +274,7 @@ def barrier(group: Any = None) -> None:
     dist.barrier(group=group)
 
 
-def all_gather_object(out: List[Any], obj: Any, group: Any = None) -> None:
+def all_gather_object(out: list[Any], obj: Any, group: Any = None) -> None:
     """torch.distributed.all_gather_object (pickled; on the group's device). Under a recorder that moves no data
     (the rehearsal's fake backend) every member's entry is this rank's object."""
     _record("all_gather_object", [], group)
@@ -283,7 +284,7 @@ def all_gather_object(out: List[Any], obj: Any, group: Any = None) -> None:
     dist.all_gather_object(out, obj, group=group)
 
 
-def broadcast_object_list(box: List[Any], src: int, group: Any = None) -> None:
+def broadcast_object_list(box: list[Any], src: int, group: Any = None) -> None:
     """torch.distributed.broadcast_object_list from global rank src. Under a recorder that moves no data the list
     keeps this rank's objects (the fake backend cannot unpickle what it never received)."""
     _record("broadcast_object_list", [], group, root=src)
@@ -314,7 +315,7 @@ def recv_op(x: torch.Tensor, peer: int, group: Any, tag: int = 0) -> Any:
     return dist.P2POp(dist.irecv, x, peer, group, tag)
 
 
-def batch_isend_irecv(ops: List[Any]) -> List[Work]:
+def batch_isend_irecv(ops: list[Any]) -> list[Work]:
     """torch.distributed.batch_isend_irecv: the sends and receives of one exchange as one NCCL group, which
     cannot deadlock on its own ops (every rank posts all of them before any waits)."""
     if _RECORDER is not None:
@@ -351,7 +352,7 @@ class CommCall:
     """all_reduce | reduce | broadcast | all_gather | all_gather_into_tensor | reduce_scatter_tensor |
     all_to_all_single | barrier | all_gather_object | broadcast_object_list | new_group | new_subgroups |
     isend | irecv (un-batched) | send | recv (inside a batch_isend_irecv)."""
-    group: Tuple[int, ...]
+    group: tuple[int, ...]
     """The group's global ranks in group order (new_group: the ranks it creates)."""
     dtype: str
     """The tensor's dtype ("" without a tensor)."""
@@ -365,11 +366,11 @@ class CommCall:
     """What the engine was doing (set by the recorder's owner: "forward_backward", "optimizer", "save", ...)."""
     reduce_op: str = ""
     """The reduction of a reducing collective."""
-    root: Optional[int] = None
+    root: int | None = None
     """Global source/destination rank of broadcast / reduce."""
-    peer: Optional[int] = None
+    peer: int | None = None
     """Point-to-point: the peer's global rank."""
-    batch: Optional[int] = None
+    batch: int | None = None
     """Point-to-point: index of the batch_isend_irecv it was part of (None: un-batched)."""
     async_op: bool = False
     """Issued asynchronously."""
@@ -388,22 +389,22 @@ class Recorder:
     backend: str = ""
     """The backend the rehearsed run would use ("nccl", "gloo"): what `backend()` answers while recording."""
     phase: str = ""
-    calls: List[CommCall] = field(default_factory=list)
+    calls: list[CommCall] = field(default_factory=list)
     batches: int = 0
-    _ranks: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
+    _ranks: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def next_batch(self) -> int:
         self.batches += 1
         return self.batches - 1
 
-    def ranks_of(self, group: Any) -> Tuple[int, ...]:
+    def ranks_of(self, group: Any) -> tuple[int, ...]:
         key = id(group)
         if key not in self._ranks:
             self._ranks[key] = tuple(group_ranks(group))
         return self._ranks[key]
 
 
-_RECORDER: Optional[Recorder] = None
+_RECORDER: Recorder | None = None
 _HERE = os.path.abspath(__file__)
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
 _REHEARSE = os.path.join(_ROOT, "training", "rehearse") + os.sep  # its kernel mode's frames are not call sites
@@ -421,7 +422,7 @@ def moves_no_data() -> bool:
     return _RECORDER is not None and _RECORDER.no_data
 
 
-def stop_recording() -> Optional[Recorder]:
+def stop_recording() -> Recorder | None:
     """Stop recording; the recorder that was installed."""
     global _RECORDER
     rec, _RECORDER = _RECORDER, None
@@ -443,7 +444,7 @@ def _call_site() -> str:
     return fallback
 
 
-def _record(op: str, tensors: List[torch.Tensor], group: Any, reduce_op: Any = None, **info) -> None:
+def _record(op: str, tensors: list[torch.Tensor], group: Any, reduce_op: Any = None, **info) -> None:
     """Zero cost when off (one global test); else one CommCall."""
     rec = _RECORDER
     if rec is None:

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import torch
+
 from training.parallel import collectives as comm
 
 
-def chunk_ids(cp: int, cp_rank: int) -> Tuple[int, int]:
+def chunk_ids(cp: int, cp_rank: int) -> tuple[int, int]:
     """The two chunks (of 2 x cp) of every sample that cp rank `cp_rank` holds."""
     return cp_rank, 2 * cp - 1 - cp_rank
 
@@ -71,7 +72,7 @@ class CPContext:
     """This rank's index in the cp group."""
     group: Any
     """The cp process group."""
-    ranks: List[int]
+    ranks: list[int]
     """Global ranks of the group, by cp rank (the ring's order)."""
     comm: str = "ring"
     """ring | all_gather (parallel.cp_comm)."""
@@ -120,7 +121,7 @@ class _CudaKernel:
     passes), from the last block computed."""
 
     name = "cuda_flash"
-    aux: Optional[Tuple[Any, Any, Any, Any]] = None
+    aux: tuple[Any, Any, Any, Any] | None = None
     """(cum_seq_q, cum_seq_k, rng_state, unused) of the last forward call."""
 
     @staticmethod
@@ -142,7 +143,7 @@ class _CudaKernel:
         ]
 
 
-def _kernel(q: torch.Tensor) -> Optional[Any]:
+def _kernel(q: torch.Tensor) -> Any | None:
     """The fused kernel for blocks like q, or None for the fp32 math path."""
     if q.device.type == "cpu" and _CPU_FLASH is not None and _CPU_FLASH_BWD is not None:
         return _CpuKernel
@@ -226,7 +227,7 @@ def _block_backward(q, k, v, out, dout, lse, scale: float, causal: bool):
     return dq, dk, dv
 
 
-def _merge(acc: Optional[Tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor, lse: torch.Tensor):
+def _merge(acc: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor, lse: torch.Tensor):
     """Online-softmax merge of a block's (out, lse) into the accumulated one."""
     if acc is None:
         return out, lse
@@ -236,7 +237,7 @@ def _merge(acc: Optional[Tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor, 
 
 
 # ---- which chunk pairs a ring step computes -------------------------------------------------------
-def ring_blocks(step: int, src: int, me: int) -> List[Tuple[str, str, bool]]:
+def ring_blocks(step: int, src: int, me: int) -> list[tuple[str, str, bool]]:
     """(query part, key part, causal) of the blocks of ring step `step` whose K/V came from cp rank `src`.
 
     Parts: "a" (the first chunk), "b" (the second), "ab" (both). Step 0 is the rank's own K/V.
@@ -389,7 +390,7 @@ def _rank_order(full: torch.Tensor, cp: int, c: int) -> torch.Tensor:
     )
 
 
-def _gathered_blocks(me: int, cp: int, c: int) -> List[Tuple[str, int, int, bool]]:
+def _gathered_blocks(me: int, cp: int, c: int) -> list[tuple[str, int, int, bool]]:
     """(query part, first key, end key, causal) of the all_gather variant's blocks, keys in sequence order: each
     query chunk against every earlier chunk (one block, no mask) and against its own chunk (causal)."""
     out = []

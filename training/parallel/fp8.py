@@ -25,7 +25,7 @@ torchao is optional (`pip install 'meshrun[fp8]'`); this module imports it only 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from training.contract.fp8_rules import FP8_DIM_MULTIPLE, FP8_INSTALL, FP8_RECIPES
 
 
-def torchao_missing() -> Optional[str]:
+def torchao_missing() -> str | None:
     """None when torchao's float8 training imports, else the error naming the install line."""
     try:
         import torchao.float8  # noqa: F401
@@ -52,7 +52,7 @@ class Fp8Linear:
     mm_config: Any
     """torchao.float8.LinearMMConfig a Float8Linear of that config uses."""
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight^T (+ bias) with float8 operands; x [..., in], weight [out, in] in bf16.
 
         The rows (tokens) are zero-padded to a multiple of 16 when they are not (an expert's share of a batch):

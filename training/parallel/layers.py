@@ -9,7 +9,8 @@ layout-independently (training/model/init.py).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -30,7 +31,7 @@ from training.parallel.collectives import (
 
 
 def set_tp_meta(
-    p: nn.Parameter, tp_shard_dim: Optional[int], global_shape: Sequence[int], sequence_parallel: bool = False
+    p: nn.Parameter, tp_shard_dim: int | None, global_shape: Sequence[int], sequence_parallel: bool = False
 ) -> nn.Parameter:
     """Attach the contract's metadata to a parameter."""
     p.tp_shard_dim = tp_shard_dim
@@ -83,10 +84,10 @@ Matmul = Callable[..., torch.Tensor]
 def column_parallel_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
     group: Any,
     sequence_parallel: bool,
-    matmul: Optional[Matmul] = None,
+    matmul: Matmul | None = None,
 ) -> torch.Tensor:
     """y_local = x @ W_local^T (+ b_local); x replicated, or a sequence shard under SP (gathered here).
 
@@ -123,7 +124,7 @@ class ColumnParallelLinear(nn.Module):
         local = _divide(out_features, tp, "output features of a column-parallel linear")
         self.weight = set_tp_meta(_param((local, in_features), dtype, device), 0, (out_features, in_features))
         self.bias = set_tp_meta(_param((local,), dtype, device), 0, (out_features,)) if bias else None
-        self.matmul: Optional[Matmul] = None  # an FP8 matmul when train.precision=fp8 (training/model/fp8_apply.py)
+        self.matmul: Matmul | None = None  # an FP8 matmul when train.precision=fp8 (training/model/fp8_apply.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel, self.matmul)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 
@@ -30,7 +30,7 @@ def rank_of(tp_rank: int, cp_rank: int, pp_rank: int, dp_rank: int, tp: int, cp:
     return ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def coords_of(rank: int, tp: int, pp: int, cp: int, dp: int) -> Dict[str, int]:
+def coords_of(rank: int, tp: int, pp: int, cp: int, dp: int) -> dict[str, int]:
     """Inverse of `rank_of`: the mesh coordinate of a global rank."""
     if not 0 <= rank < tp * pp * cp * dp:
         raise ValueError(f"rank {rank} outside a world of tp*pp*cp*dp = {tp * pp * cp * dp}")
@@ -42,7 +42,7 @@ def coords_of(rank: int, tp: int, pp: int, cp: int, dp: int) -> Dict[str, int]:
     }
 
 
-def rank_groups(tp: int, pp: int, cp: int, dp: int, ep: int = 1) -> Dict[str, List[List[int]]]:
+def rank_groups(tp: int, pp: int, cp: int, dp: int, ep: int = 1) -> dict[str, list[list[int]]]:
     """Rank lists of every group kind for a tp x pp x cp x dp layout (pure; no processes).
 
     tp: ranks differing only in tp_rank.      cp: only in cp_rank.     pp: only in pp_rank.
@@ -63,7 +63,7 @@ def rank_groups(tp: int, pp: int, cp: int, dp: int, ep: int = 1) -> Dict[str, Li
             f"parallel.ep={ep} does not divide the data-parallel degree dp={dp}: choose an ep that divides it"
         )
     R = lambda t, c, p, d: rank_of(t, c, p, d, tp, cp, pp)  # noqa: E731
-    g: Dict[str, List[List[int]]] = {k: [] for k in GROUP_KINDS}
+    g: dict[str, list[list[int]]] = {k: [] for k in GROUP_KINDS}
     for d in range(dp):
         for p in range(pp):
             for c in range(cp):
@@ -104,7 +104,7 @@ def rank_groups(tp: int, pp: int, cp: int, dp: int, ep: int = 1) -> Dict[str, Li
     return g
 
 
-def consecutive_block_group(size: int, timeout_s: Optional[float] = None) -> Any:
+def consecutive_block_group(size: int, timeout_s: float | None = None) -> Any:
     """This rank's group among blocks of `size` consecutive ranks (preflight's bandwidth blocks).
 
     Collective: every rank calls it with the same size. Lives here so that this module stays the one
@@ -174,7 +174,7 @@ class ProcessMesh:
     """Index inside the expert-data-parallel group: dp_rank // ep."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """cpu, or cuda:LOCAL_RANK with NCCL."""
-    backend: Optional[str] = None
+    backend: str | None = None
     """gloo | nccl; None for a single process without a process group."""
     tp_group: Any = None
     """Ranks sharing one tensor-parallel shard set."""
@@ -200,7 +200,7 @@ class ProcessMesh:
     collective timeout: a longer one kept the survivors of a SIGKILLed rank waiting in gloo for all of it),
     and those issued from background threads (async checkpoint writes) never interleave with the
     training's collectives on the other groups."""
-    group_ranks: Dict[str, List[int]] = field(default_factory=dict)
+    group_ranks: dict[str, list[int]] = field(default_factory=dict)
     """Global ranks of this rank's group of each kind (for logs and tests)."""
 
     @property
@@ -214,7 +214,7 @@ class ProcessMesh:
         return self.pp_rank == self.pp - 1
 
     @classmethod
-    def single(cls, device: str | torch.device = "cpu") -> "ProcessMesh":
+    def single(cls, device: str | torch.device = "cpu") -> ProcessMesh:
         """A one-process mesh without init_process_group; every group is None."""
         ranks = {k: [0] for k in GROUP_KINDS}
         return cls(device=torch.device(device), group_ranks=ranks)
@@ -229,8 +229,8 @@ class ProcessMesh:
         backend: str = "gloo",
         timeout_s: float = 120.0,
         ep: int = 1,
-        checkpoint_timeout_s: Optional[float] = None,
-    ) -> "ProcessMesh":
+        checkpoint_timeout_s: float | None = None,
+    ) -> ProcessMesh:
         """Join the job described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and build every group.
 
         timeout_s bounds every collective, so a dead peer becomes a RuntimeError instead of a hang;
@@ -282,7 +282,7 @@ class ProcessMesh:
         # member GPU, and the kinds often coincide (dp and dp_cp at cp=1, tp and model_parallel at pp=1). The pp
         # group keeps its own: pipeline stages run different programs, and its point-to-point traffic on a
         # shared communicator would be ordered against the collectives of the kinds sharing it.
-        made: Dict[tuple, Any] = {}
+        made: dict[tuple, Any] = {}
         for kind, lists in rank_groups(tp, pp, cp, dp, ep).items():
             mine = None
             for ranks in lists:

@@ -15,15 +15,12 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Optional
 
 POLL_S = 0.005
 """Between two connection attempts: a refused connect costs microseconds on a local network."""
 
 
-def wait_for_store(
-    timeout_s: float, addr: Optional[str] = None, port: Optional[int] = None, rank: Optional[int] = None
-) -> None:
+def wait_for_store(timeout_s: float, addr: str | None = None, port: int | None = None, rank: int | None = None) -> None:
     """Return once rank 0's store accepts connections, at once on rank 0 itself or when the environment names no
     store (init_process_group then reports what is missing). addr, port and rank default to MASTER_ADDR,
     MASTER_PORT and RANK (the env:// method); a tcp:// caller passes its own. Raises RuntimeError naming the
@@ -34,7 +31,7 @@ def wait_for_store(
     _wait(timeout_s, addr, port_text, rank_text)
 
 
-def _wait(timeout_s: float, addr: Optional[str], port: Optional[str], rank: str) -> None:
+def _wait(timeout_s: float, addr: str | None, port: str | None, rank: str) -> None:
     if rank == "0" or not addr or not port or not port.isdigit():
         return
     deadline = time.monotonic() + timeout_s

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from training.preflight.report import Check, fail, ok, warn
 
@@ -27,13 +27,13 @@ def bus_factor(op: str, n: int) -> float:
     raise ValueError(f"unknown collective {op!r}")
 
 
-def bandwidths(op: str, nbytes: int, n: int, seconds: float) -> Dict[str, float]:
+def bandwidths(op: str, nbytes: int, n: int, seconds: float) -> dict[str, float]:
     """algbw and busbw in GB/s (1e9 bytes/s) of one call moving `nbytes` (the whole array) in `seconds`."""
     algbw = nbytes / seconds / 1e9
     return {"algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(op, n)}
 
 
-def group_levels(world: int, per_node: int) -> List[int]:
+def group_levels(world: int, per_node: int) -> list[int]:
     """Group sizes to measure: powers of two inside a node, the node, then the world.
 
     Each level splits the ranks into consecutive blocks that run at the same time, so every
@@ -62,16 +62,16 @@ def run_sweep(
     rank: int,
     world: int,
     per_node: int,
-    sizes_mb: List[float],
+    sizes_mb: list[float],
     iters: int,
     device: str,
-    timeout_s: Optional[float] = None,
-) -> List[Dict[str, Any]]:
+    timeout_s: float | None = None,
+) -> list[dict[str, Any]]:
     """Every rank calls this; returns this rank's timings of the blocks it leads (lowest rank of a block).
     timeout_s bounds the block groups' collectives (a dead peer is an error, not a hang)."""
     import torch
-    from training.parallel import collectives as comm
 
+    from training.parallel import collectives as comm
     from training.parallel.mesh import consecutive_block_group
 
     results = []
@@ -88,7 +88,7 @@ def run_sweep(
                 full = torch.ones(count, dtype=torch.float32, device=device)
                 chunk = torch.empty(count // n, dtype=torch.float32, device=device)
 
-                def once():
+                def once(op=op, full=full, chunk=chunk, group=group):
                     if op == "all_reduce":
                         comm.all_reduce_op(full, group=group)
                     elif op == "all_gather":
@@ -129,7 +129,7 @@ with messages of tens to hundreds of MB (at 1-8 MB launch and protocol latency d
 judges the largest size against busbw_intra_gbps / busbw_inter_gbps."""
 
 
-def sweep_sizes_mb(sizes_mb: List[float], on_gpu: bool) -> List[float]:
+def sweep_sizes_mb(sizes_mb: list[float], on_gpu: bool) -> list[float]:
     """The sweep's message sizes: cluster.preflight.collective_sizes_mb, plus GPU_BUSBW_MB on GPUs when the
     configured sizes stop short of it (the CPU default of 1 and 8 MB only checks that collectives work)."""
     sizes = sorted(float(s) for s in sizes_mb)
@@ -145,11 +145,11 @@ def _significant(x: float, digits: int = 4) -> float:
 
 
 def check_bandwidth(
-    results: List[Dict[str, Any]], node_of_rank: List[str], intra_gbps: float, inter_gbps: float, min_fraction: float
-) -> List[Check]:
+    results: list[dict[str, Any]], node_of_rank: list[str], intra_gbps: float, inter_gbps: float, min_fraction: float
+) -> list[Check]:
     """One check per (block, op) at its largest size; all-reduce busbw against the expected rate."""
     checks = []
-    largest: Dict[tuple, Dict] = {}
+    largest: dict[tuple, dict] = {}
     for r in results:
         key = (r["n"], r["ranks"][0], r["op"])
         if key not in largest or r["bytes"] > largest[key]["bytes"]:
@@ -182,7 +182,7 @@ def check_bandwidth(
     return checks
 
 
-def local_versions(driver: Optional[str] = None) -> Dict[str, Optional[str]]:
+def local_versions(driver: str | None = None) -> dict[str, str | None]:
     import torch
 
     nccl = None
@@ -195,7 +195,7 @@ def local_versions(driver: Optional[str] = None) -> Dict[str, Optional[str]]:
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl, "driver": driver}
 
 
-def check_versions(per_rank: List[Dict[str, Any]], expected_nccl: str) -> List[Check]:
+def check_versions(per_rank: list[dict[str, Any]], expected_nccl: str) -> list[Check]:
     """Every rank must agree on torch/CUDA/NCCL/driver; ranks off the majority mark their node bad."""
     checks = []
     for key in ("torch", "cuda", "nccl", "driver"):

@@ -8,7 +8,7 @@ NVML constants and raises real `pynvml.NVMLError` subclasses. A query a GPU does
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from training.preflight.report import Check, fail, ok, warn
 
@@ -37,7 +37,7 @@ def load_nvml():
     return pynvml, ""
 
 
-def job_gpu_indices(nvml, count: int, visible: Optional[str] = None) -> List[int]:
+def job_gpu_indices(nvml, count: int, visible: str | None = None) -> list[int]:
     """NVML indices of the GPUs this job owns. NVML lists every GPU of the node, also those a scheduler gave
     to other jobs; CUDA_VISIBLE_DEVICES names the job's own, by UUID (GPU-...) or by index. Unset or empty
     entries: every GPU. MIG-... entries cannot be mapped to a whole GPU and leave the list as NVML gives it
@@ -96,12 +96,12 @@ def pci_bus_to_sysfs(bus_id: str) -> str:
 
 
 def check_gpus(
-    nvml, pf, gpus_per_node: int, node: str, own_pids: Optional[set] = None
-) -> Tuple[List[Check], Dict[str, Any]]:
+    nvml, pf, gpus_per_node: int, node: str, own_pids: set | None = None
+) -> tuple[list[Check], dict[str, Any]]:
     """All NVML checks of this node. Returns the checks and facts (driver, gpu bus ids) for others."""
     own_pids = own_pids or {os.getpid()}
-    checks: List[Check] = []
-    facts: Dict[str, Any] = {"gpus": []}
+    checks: list[Check] = []
+    facts: dict[str, Any] = {"gpus": []}
 
     def add(c: Check) -> None:
         c.node = node
@@ -166,8 +166,8 @@ def check_gpus(
     return checks, facts
 
 
-def _check_one(nvml, pf, h, own_pids) -> List[Check]:
-    out: List[Check] = []
+def _check_one(nvml, pf, h, own_pids) -> list[Check]:
+    out: list[Check] = []
     # Uncorrectable ECC: volatile (since the last driver load) and aggregate (lifetime).
     for counter, label in ((nvml.NVML_VOLATILE_ECC, "volatile"), (nvml.NVML_AGGREGATE_ECC, "aggregate")):
         n, why = _try(nvml, "nvmlDeviceGetTotalEccErrors", h, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, counter)
@@ -299,7 +299,7 @@ def _check_one(nvml, pf, h, own_pids) -> List[Check]:
     return out
 
 
-def _mig_check(nvml, h) -> Optional[Check]:
+def _mig_check(nvml, h) -> Check | None:
     """MIG mode on: the GPU is split into instances that meshrun's one-rank-per-GPU layout does not address."""
     if not hasattr(nvml, "nvmlDeviceGetMigMode"):
         return None

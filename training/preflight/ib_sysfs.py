@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
 
 from training.preflight.report import Check, fail, ok, warn
 
@@ -48,7 +47,7 @@ class Port:
     rate_gbps: float = 0.0
     rate_text: str = ""
     link_layer: str = ""
-    counters: Dict[str, int] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -94,7 +93,7 @@ def read_port(root: str, hca: str, port: int) -> Port:
     return p
 
 
-def list_ports(root: str) -> Dict[str, List[int]]:
+def list_ports(root: str) -> dict[str, list[int]]:
     """Every HCA under root and its port numbers; {} when root does not exist (no IB stack)."""
     if not os.path.isdir(root):
         return {}
@@ -106,7 +105,7 @@ def list_ports(root: str) -> Dict[str, List[int]]:
     return out
 
 
-def snapshot(root: str) -> Dict[str, Dict[str, int]]:
+def snapshot(root: str) -> dict[str, dict[str, int]]:
     """Error counters of every port now, to compare with a later read ("rising during preflight")."""
     out = {}
     for hca, ports in list_ports(root).items():
@@ -118,7 +117,7 @@ def snapshot(root: str) -> Dict[str, Dict[str, int]]:
     return out
 
 
-def expected_hcas(ib_hcas: List[str], env: Dict[str, str]) -> List[Tuple[str, Optional[int]]]:
+def expected_hcas(ib_hcas: list[str], env: dict[str, str]) -> list[tuple[str, int | None]]:
     """(hca, port or None) the job needs: cluster.preflight.ib_hcas, else NCCL_IB_HCA from cluster.env.
 
     NCCL_IB_HCA syntax: 'mlx5_0:1,mlx5_1', a leading '=' for exact names; a leading '^' excludes,
@@ -138,14 +137,14 @@ def expected_hcas(ib_hcas: List[str], env: Dict[str, str]) -> List[Tuple[str, Op
 
 def check_ib(
     root: str,
-    expected: List[Tuple[str, Optional[int]]],
+    expected: list[tuple[str, int | None]],
     rate_gbps: float,
     node: str,
-    before: Optional[Dict[str, Dict[str, int]]] = None,
-) -> List[Check]:
+    before: dict[str, dict[str, int]] | None = None,
+) -> list[Check]:
     """Every expected HCA present, ACTIVE, LinkUp, at the rate; error counters nonzero (warn) or rising (fail)."""
     present = list_ports(root)
-    checks: List[Check] = []
+    checks: list[Check] = []
 
     def add(c: Check) -> Check:
         c.node = node
@@ -216,7 +215,7 @@ def check_ib(
     return checks
 
 
-def _counter_check(p: Port, before: Optional[Dict[str, int]]) -> Check:
+def _counter_check(p: Port, before: dict[str, int] | None) -> Check:
     subject = p.name
     if before is not None:
         rising = {k: v - before[k] for k, v in p.counters.items() if k in before and v > before[k]}

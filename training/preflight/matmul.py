@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Dict, List
 
 from training.preflight.report import Check, fail, ok, warn
 
 
-def measure_tflops(device: str, n: int, iters: int = 0, dtype=None) -> Dict[str, float]:
+def measure_tflops(device: str, n: int, iters: int = 0, dtype=None) -> dict[str, float]:
     """TFLOP/s of an n x n x n matmul: bf16 on GPU (tensor cores), fp32 on CPU (bf16 is emulated there),
     or `dtype` (training/run/loop.py's MFU peak: the run's parameter dtype)."""
     import torch
@@ -36,10 +35,10 @@ def measure_tflops(device: str, n: int, iters: int = 0, dtype=None) -> Dict[str,
 
 
 def check_matmul(
-    per_rank: List[Dict], expected_tflops: float, min_fraction: float, straggler_ratio: float, on_gpu: bool
-) -> List[Check]:
+    per_rank: list[dict], expected_tflops: float, min_fraction: float, straggler_ratio: float, on_gpu: bool
+) -> list[Check]:
     """per_rank: [{rank, node, tflops, ...}] from every rank. Below expected or far below peers: bad rank."""
-    checks: List[Check] = []
+    checks: list[Check] = []
     med = statistics.median(r["tflops"] for r in per_rank)
     for r in per_rank:
         t, subj, node = r["tflops"], f"rank{r['rank']}", r["node"]

@@ -13,7 +13,8 @@ The versions travel in each rank's `versions` (extra_versions) with those traini
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any
 
 from training.preflight import ib_sysfs
 from training.preflight.report import Check, fail, ok, warn
@@ -22,7 +23,7 @@ MIN_NCCL = (2, 18)
 """Oldest NCCL the checklist accepts."""
 
 
-def parse_version(text: Optional[str]) -> Optional[Tuple[int, ...]]:
+def parse_version(text: str | None) -> tuple[int, ...] | None:
     """'2.21.5' -> (2, 21, 5); '12.4' -> (12, 4); None or garbage -> None."""
     if not text:
         return None
@@ -48,9 +49,9 @@ def _hca_selected(spec: str, hca: str) -> bool:
     return not hit if exclude else hit
 
 
-def transport_checks(env: Mapping[str, str], ib_root: str, node: str) -> List[Check]:
+def transport_checks(env: Mapping[str, str], ib_root: str, node: str) -> list[Check]:
     """Would NCCL use InfiniBand on this node? And the IB timeout/retry settings."""
-    checks: List[Check] = []
+    checks: list[Check] = []
     ports = ib_sysfs.list_ports(ib_root)
     settings = {
         k: env.get(k)
@@ -124,7 +125,7 @@ def transport_checks(env: Mapping[str, str], ib_root: str, node: str) -> List[Ch
     return checks
 
 
-def extra_versions(facts: Optional[Dict[str, Any]] = None) -> Dict[str, Optional[str]]:
+def extra_versions(facts: dict[str, Any] | None = None) -> dict[str, str | None]:
     """cuDNN of this rank's torch and the driver's CUDA version (from the node's NVML facts, if read)."""
     import torch
 
@@ -137,9 +138,9 @@ def extra_versions(facts: Optional[Dict[str, Any]] = None) -> Dict[str, Optional
     return {"cudnn": cudnn, "cuda_driver": (facts or {}).get("cuda_driver")}
 
 
-def version_checks(per_rank: List[Dict[str, Any]], minimum: Tuple[int, ...] = MIN_NCCL) -> List[Check]:
+def version_checks(per_rank: list[dict[str, Any]], minimum: tuple[int, ...] = MIN_NCCL) -> list[Check]:
     """NCCL minimum, cuDNN agreement, CUDA runtime against the driver: one check per finding."""
-    checks: List[Check] = []
+    checks: list[Check] = []
     low = []
     for r in per_rank:
         v = parse_version(r["versions"].get("nccl"))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional
 
 from training.preflight import ib_sysfs
 from training.preflight.os_tunables import _read  # one reader of /proc and /sys files
@@ -24,22 +23,22 @@ from training.preflight.report import Check, fail, ok, warn
 GIB = 2**30
 
 
-def _cpulist(text: str) -> List[int]:
-    out: List[int] = []
+def _cpulist(text: str) -> list[int]:
+    out: list[int] = []
     for part in filter(None, (text or "").replace("\n", ",").split(",")):
         lo, _, hi = part.strip().partition("-")
         out += range(int(lo), int(hi or lo) + 1)
     return sorted(out)
 
 
-def loaded_modules(proc_modules: str = "/proc/modules") -> Optional[set]:
+def loaded_modules(proc_modules: str = "/proc/modules") -> set | None:
     text = _read(proc_modules)
     return None if text is None else {line.split()[0] for line in text.splitlines() if line.strip()}
 
 
 def check_rdma_modules(
     ib_root: str, node: str, expected: bool, proc_modules: str = "/proc/modules", builtin: str = ""
-) -> List[Check]:
+) -> list[Check]:
     hcas = sorted(ib_sysfs.list_ports(ib_root))
     if not hcas and not expected:
         return [ok("node.rdma_modules", "no InfiniBand HCA present or expected", node=node)]
@@ -64,8 +63,8 @@ def check_rdma_modules(
     return [ok("node.rdma_modules", f"loaded: {', '.join(want)}", node=node)]
 
 
-def check_irq_affinity(ib_root: str, node: str, sys_root: str = "/sys", proc_irq: str = "/proc/irq") -> List[Check]:
-    checks: List[Check] = []
+def check_irq_affinity(ib_root: str, node: str, sys_root: str = "/sys", proc_irq: str = "/proc/irq") -> list[Check]:
+    checks: list[Check] = []
     for hca in sorted(ib_sysfs.list_ports(ib_root)):
         dev = os.path.join(ib_root, hca, "device")
         numa = _read(os.path.join(dev, "numa_node"))
@@ -111,7 +110,7 @@ def check_irq_affinity(ib_root: str, node: str, sys_root: str = "/sys", proc_irq
     return checks
 
 
-def block_queue(path: str, sys_root: str = "/sys") -> Optional[str]:
+def block_queue(path: str, sys_root: str = "/sys") -> str | None:
     """The sysfs queue/ directory of the block device holding path (a partition: its disk's), or None."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:
@@ -127,10 +126,10 @@ def block_queue(path: str, sys_root: str = "/sys") -> Optional[str]:
     return None
 
 
-def check_read_ahead(paths: Dict[str, str], min_kb: int, node: str, sys_root: str = "/sys") -> List[Check]:
+def check_read_ahead(paths: dict[str, str], min_kb: int, node: str, sys_root: str = "/sys") -> list[Check]:
     """paths: label (checkpoints, data) -> a path on the device to check."""
-    checks: List[Check] = []
-    seen: Dict[str, str] = {}
+    checks: list[Check] = []
+    seen: dict[str, str] = {}
     for label, path in paths.items():
         queue = block_queue(path, sys_root)
         if queue is None:
@@ -168,13 +167,11 @@ def check_read_ahead(paths: Dict[str, str], min_kb: int, node: str, sys_root: st
     return checks
 
 
-def cgroup_memory_limit(
-    proc_self_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup"
-) -> Optional[int]:
+def cgroup_memory_limit(proc_self_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
     """The tightest memory limit of this process's cgroup and its parents (v2 memory.max, v1
     memory.limit_in_bytes); None when unlimited or unknown."""
     text = _read(proc_self_cgroup) or ""
-    limits: List[int] = []
+    limits: list[int] = []
     for line in text.splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
@@ -196,7 +193,7 @@ def cgroup_memory_limit(
     return min(limits) if limits else None
 
 
-def host_memory_needed(cfg, ranks_on_node: int, plan: Optional[dict]) -> Dict[str, int]:
+def host_memory_needed(cfg, ranks_on_node: int, plan: dict | None) -> dict[str, int]:
     """Bytes of host memory this node's ranks need, by part."""
     pf = cfg.cluster.preflight
     parts = {"ranks": int(ranks_on_node * pf.host_memory_per_rank_gb * GIB)}
@@ -217,7 +214,7 @@ def check_cgroup_memory(
     run_dir: str,
     proc_self_cgroup: str = "/proc/self/cgroup",
     cgroup_root: str = "/sys/fs/cgroup",
-) -> List[Check]:
+) -> list[Check]:
     plan = None
     try:
         with open(os.path.join(run_dir, "plan.json")) as f:
@@ -261,7 +258,7 @@ def check_cgroup_memory(
     ]
 
 
-def check_node_ops(cfg, node: str, ib_root: str, env: Dict[str, str], ranks_on_node: int) -> List[Check]:
+def check_node_ops(cfg, node: str, ib_root: str, env: dict[str, str], ranks_on_node: int) -> list[Check]:
     """Every check of this module with the real paths (runner.node_checks calls it on one rank per node)."""
     pf = cfg.cluster.preflight
     expected = bool(ib_sysfs.expected_hcas(pf.ib_hcas, dict(cfg.cluster.env)))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Dict, List, Optional
 
 from training.contract import slurm_env
 from training.preflight.report import Check, ok, warn
@@ -18,7 +17,7 @@ _GOOD_SCHEDULERS = ("none", "mq-deadline", "noop", "deadline", "kyber")
 _GOOD_CONGESTION = ("bbr", "cubic", "dctcp")
 
 
-def _read(path: str) -> Optional[str]:
+def _read(path: str) -> str | None:
     try:
         with open(path) as f:
             return f.read().strip()
@@ -26,7 +25,7 @@ def _read(path: str) -> Optional[str]:
         return None
 
 
-def sysctl(proc_sys: str, key: str) -> Optional[str]:
+def sysctl(proc_sys: str, key: str) -> str | None:
     """vm.swappiness -> contents of <proc_sys>/vm/swappiness, or None when absent."""
     return _read(os.path.join(proc_sys, *key.split(".")))
 
@@ -37,15 +36,15 @@ def bracketed(text: str) -> str:
     return m.group(1) if m else text.strip()
 
 
-def parse_cpulist(text: str) -> List[int]:
+def parse_cpulist(text: str) -> list[int]:
     """'0-3,8-11' -> [0, 1, 2, 3, 8, 9, 10, 11] (sorted; the parser is training/contract/slurm_env.py's)."""
     return sorted(slurm_env.parse_cpulist(text))
 
 
-def numa_topology(sys_root: str) -> Dict[int, Dict]:
+def numa_topology(sys_root: str) -> dict[int, dict]:
     """{node: {cpus: [...], distance: [...]}} from <sys>/devices/system/node."""
     base = os.path.join(sys_root, "devices", "system", "node")
-    out: Dict[int, Dict] = {}
+    out: dict[int, dict] = {}
     if not os.path.isdir(base):
         return out
     for name in os.listdir(base):
@@ -60,7 +59,7 @@ def numa_topology(sys_root: str) -> Dict[int, Dict]:
     return dict(sorted(out.items()))
 
 
-def gpu_numa_map(sys_root: str, bus_ids: List[str]) -> List[int]:
+def gpu_numa_map(sys_root: str, bus_ids: list[str]) -> list[int]:
     """NUMA node of each GPU (sysfs bus ids, e.g. 0000:18:00.0); -1 where the platform reports none."""
     out = []
     for bus in bus_ids:
@@ -74,11 +73,11 @@ def check_os(
     node: str,
     proc_sys: str = "/proc/sys",
     sys_root: str = "/sys",
-    gpu_bus_ids: Optional[List[str]] = None,
+    gpu_bus_ids: list[str] | None = None,
     numa: str = "auto",
-    numa_map: Optional[List[int]] = None,
-) -> List[Check]:
-    checks: List[Check] = []
+    numa_map: list[int] | None = None,
+) -> list[Check]:
+    checks: list[Check] = []
 
     def add(c: Check) -> None:
         c.node = node
@@ -214,7 +213,7 @@ def check_os(
     return checks
 
 
-def _compact(cpus: List[int]) -> str:
+def _compact(cpus: list[int]) -> str:
     """[0,1,2,5] -> '0-2,5' (readable in the table)."""
     parts, start = [], None
     for i, c in enumerate(cpus):

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any
 
 from training.contract.rundir.files import write_atomic
 
@@ -38,7 +39,7 @@ class Check:
     node: str = ""
     """Host the check ran on; empty for job-wide findings."""
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -66,13 +67,13 @@ def fail(name, reason, **kw) -> Check:
 class Report:
     """All checks of one preflight run, with verdicts."""
 
-    checks: List[Check] = field(default_factory=list)
-    nodes: List[str] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
     """Every node of the job, also those without a failing check."""
-    meta: Dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
     """mode, world_size, elapsed_s, versions ..."""
 
-    def node_status(self) -> Dict[str, str]:
+    def node_status(self) -> dict[str, str]:
         out = {n: OK for n in self.nodes}
         for c in self.checks:
             if c.node:
@@ -80,14 +81,14 @@ class Report:
         return out
 
     @property
-    def bad_nodes(self) -> List[str]:
+    def bad_nodes(self) -> list[str]:
         return sorted(n for n, s in self.node_status().items() if s == FAIL)
 
     @property
     def status(self) -> str:
         return worst(c.status for c in self.checks)
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "status": self.status,
             "bad_nodes": self.bad_nodes,
@@ -102,7 +103,7 @@ class Report:
         return path
 
 
-def checks_from_dicts(items: List[Dict[str, Any]]) -> List[Check]:
+def checks_from_dicts(items: list[dict[str, Any]]) -> list[Check]:
     return [Check(**d) for d in items]
 
 
@@ -116,7 +117,7 @@ def _short(value: Any, width: int = 36) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def format_table(data: Dict[str, Any], show_ok: bool = True) -> str:
+def format_table(data: dict[str, Any], show_ok: bool = True) -> str:
     """The readable table of a preflight.json dict: one line per check, then the verdicts."""
     rows = [("status", "node", "check", "subject", "found", "expected", "reason")]
     for c in data["checks"]:
@@ -143,7 +144,7 @@ def format_table(data: Dict[str, Any], show_ok: bool = True) -> str:
     return "\n".join(lines)
 
 
-def read_report(run_dir: str) -> Optional[Dict[str, Any]]:
+def read_report(run_dir: str) -> dict[str, Any] | None:
     path = os.path.join(run_dir, PREFLIGHT_FILE)
     if not os.path.exists(path):
         return None

@@ -16,13 +16,13 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from training.contract.config import Config, load_config
+from training.contract.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK
 from training.contract.rundir.events import append_event
 from training.contract.slurm_env import PREFLIGHT_PASSED_ENV, hostnames
 from training.preflight import collectives, gpu_nvml, ib_sysfs, matmul, os_tunables
-from training.contract.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK
 from training.preflight.report import FAIL, NODE_DIR, Check, Report, checks_from_dicts, fail, format_table, ok
 
 
@@ -31,17 +31,17 @@ def node_name() -> str:
     return os.environ.get("MESHRUN_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
 
 
-def node_checks(cfg: Config, node: str, before_ib: Optional[Dict] = None) -> Tuple[List[Check], Dict[str, Any]]:
+def node_checks(cfg: Config, node: str, before_ib: dict | None = None) -> tuple[list[Check], dict[str, Any]]:
     """GPU (NVML), OS and IB checks of this node; run by one rank per node."""
     pf, cl = cfg.cluster.preflight, cfg.cluster
-    checks: List[Check] = []
+    checks: list[Check] = []
     if cl.health.nvml_double:  # machines without GPUs (tests, bench/gpu_preflight.sh --dry)
         from training.observe.nvml_double import make_nvml_double
 
         nvml, why = make_nvml_double(cl.health.nvml_double, node), ""
     else:
         nvml, why = gpu_nvml.load_nvml()
-    facts: Dict[str, Any] = {"gpus": [], "driver": None}
+    facts: dict[str, Any] = {"gpus": [], "driver": None}
     if nvml is None:
         if cl.device == "cuda":
             checks.append(fail("gpu.nvml", why + " but cluster.device=cuda", node=node))
@@ -110,7 +110,7 @@ ATTEMPT_KEYS = ("MESHRUN_ATTEMPT", "SLURM_RESTART_COUNT")
 counted across resubmissions) and Slurm's own requeue count (unset before the first requeue)."""
 
 
-def _attempt_of(entries: List[bytes]) -> dict:
+def _attempt_of(entries: list[bytes]) -> dict:
     """The ATTEMPT_KEYS values in a /proc/<pid>/environ's entries (None when unset)."""
     found: dict = {key: None for key in ATTEMPT_KEYS}
     for entry in entries:
@@ -121,7 +121,7 @@ def _attempt_of(entries: List[bytes]) -> dict:
     return found
 
 
-def _environ_entries(path: str) -> List[bytes]:
+def _environ_entries(path: str) -> list[bytes]:
     """The NUL-separated entries of a /proc/<pid>/environ, or none when unreadable."""
     try:
         with open(path, "rb") as f:
@@ -130,12 +130,12 @@ def _environ_entries(path: str) -> List[bytes]:
         return []
 
 
-def passed_earlier(environ=os.environ) -> List[str]:
+def passed_earlier(environ=os.environ) -> list[str]:
     """Nodes of this step that passed the preflight earlier in this allocation (an in-job restart)."""
     return [n for n in environ.get(PREFLIGHT_PASSED_ENV, "").split(",") if n]
 
 
-def step_nodes(environ=os.environ) -> List[str]:
+def step_nodes(environ=os.environ) -> list[str]:
     """This srun step's nodes (every rank reads the same list)."""
     try:
         return hostnames(environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or "")
@@ -146,8 +146,8 @@ def step_nodes(environ=os.environ) -> List[str]:
 def run(cfg: Config, run_dir: str) -> Report:
     """The whole preflight on this rank; every rank returns the same job Report."""
     import torch
-    from training.parallel import collectives as comm
 
+    from training.parallel import collectives as comm
     from training.parallel.rendezvous import wait_for_store
 
     t0 = time.time()
@@ -163,8 +163,8 @@ def run(cfg: Config, run_dir: str) -> Report:
     reused = node in passed_earlier()
     before_ib = ib_sysfs.snapshot(ib_root) if leader and not reused else None
 
-    own: List[Check] = []
-    facts: Dict[str, Any] = {"driver": None}
+    own: list[Check] = []
+    facts: dict[str, Any] = {"driver": None}
     if leader and reused:
         own = [ok("preflight.reused", "passed the preflight earlier in this allocation (in-job restart)", node=node)]
     elif leader:
@@ -218,7 +218,7 @@ def run(cfg: Config, run_dir: str) -> Report:
         from training.preflight.nccl_checks import extra_versions
 
         mine["versions"].update(extra_versions(facts))  # cuDNN, the driver's CUDA (nccl_checks.version_checks)
-        everyone: List[Dict[str, Any]] = [None] * world
+        everyone: list[dict[str, Any]] = [None] * world
         comm.all_gather_object(everyone, mine)
         if created:
             comm.barrier()
@@ -228,7 +228,7 @@ def run(cfg: Config, run_dir: str) -> Report:
 
     everyone.sort(key=lambda r: r["rank"])
     node_of_rank = [r["node"] for r in everyone]
-    checks: List[Check] = []
+    checks: list[Check] = []
     for r in everyone:
         checks += checks_from_dicts(r["checks"])
     measured = [r["matmul"] for r in everyone if r["matmul"]]
@@ -326,7 +326,7 @@ def before_training(cfg: Config, run_dir: str) -> None:
         raise SystemExit(status)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m training.preflight RUN_DIR (RUN_DIR holds config.json)", file=sys.stderr)

@@ -25,8 +25,9 @@ Ranks outside the rehearsal (representative mode) are taken to answer every call
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any
 
 P2P = ("isend", "irecv", "send", "recv")
 NO_MATCH = ("new_group", "new_subgroups")  # world-wide, checked on the world's sequence
@@ -41,14 +42,14 @@ class Defect:
     """mismatch | deadlock | foreign_device | memory | error."""
     message: str
     """What is wrong, in one sentence."""
-    ranks: List[int] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
     """The ranks involved."""
-    sites: List[str] = field(default_factory=list)
+    sites: list[str] = field(default_factory=list)
     """The engine call sites involved."""
-    sequences: Dict[str, List[str]] = field(default_factory=dict)
+    sequences: dict[str, list[str]] = field(default_factory=dict)
     """Per rank (as a string key), the calls around the divergence or the calls in the cycle."""
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
             "message": self.message,
@@ -58,7 +59,7 @@ class Defect:
         }
 
 
-def _sig(c) -> Tuple:
+def _sig(c) -> tuple:
     """What must agree between the members of a collective."""
     if c.op == "all_to_all_single":
         return (c.op, c.dtype)  # split sizes legitimately differ per member
@@ -80,9 +81,9 @@ def _show(c) -> str:
     return f"{text} [{c.phase}] at {c.site}"
 
 
-def per_group(calls_by_rank: Dict[int, Sequence[Any]]) -> Dict[Tuple[int, ...], Dict[int, List[Any]]]:
+def per_group(calls_by_rank: dict[int, Sequence[Any]]) -> dict[tuple[int, ...], dict[int, list[Any]]]:
     """group (ranks) -> member rank -> that member's collectives on it, in order (p2p excluded)."""
-    out: Dict[Tuple[int, ...], Dict[int, List[Any]]] = defaultdict(lambda: defaultdict(list))
+    out: dict[tuple[int, ...], dict[int, list[Any]]] = defaultdict(lambda: defaultdict(list))
     for rank, calls in calls_by_rank.items():
         for c in calls:
             if c.op in P2P:
@@ -92,7 +93,7 @@ def per_group(calls_by_rank: Dict[int, Sequence[Any]]) -> Dict[Tuple[int, ...], 
     return out
 
 
-def check_matching(calls_by_rank: Dict[int, Sequence[Any]], world: int) -> List[Defect]:
+def check_matching(calls_by_rank: dict[int, Sequence[Any]], world: int) -> list[Defect]:
     """Per group, every rehearsed member's sequence against the lowest rehearsed member's."""
     defects = []
     for group, members in per_group(calls_by_rank).items():
@@ -132,7 +133,7 @@ def check_matching(calls_by_rank: Dict[int, Sequence[Any]], world: int) -> List[
     return defects
 
 
-def _first_divergence(a: List[Any], b: List[Any]) -> Optional[int]:
+def _first_divergence(a: list[Any], b: list[Any]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if _sig(x) != _sig(y):
             return i
@@ -147,11 +148,11 @@ def _ranks_text(group: Sequence[int]) -> str:
     return str(g)
 
 
-def check_devices(calls_by_rank: Dict[int, Sequence[Any]], device: str) -> List[Defect]:
+def check_devices(calls_by_rank: dict[int, Sequence[Any]], device: str) -> list[Defect]:
     """cuda runs: every tensor of a recorded call is on the device (meta under the rehearsal)."""
     if device != "cuda":
         return []
-    found: Dict[str, Defect] = {}
+    found: dict[str, Defect] = {}
     for rank, calls in calls_by_rank.items():
         for c in calls:
             if c.device and c.device != "meta":
@@ -178,13 +179,13 @@ class _Step:
     """One unit a rank issues: a collective, an un-batched p2p op, or a whole batch."""
 
     kind: str  # "coll" | "p2p" | "batch"
-    calls: List[Any]
-    key: Tuple = ()  # collectives: (group, index on the group)
+    calls: list[Any]
+    key: tuple = ()  # collectives: (group, index on the group)
 
 
-def _program(calls: Sequence[Any]) -> List[_Step]:
-    steps: List[_Step] = []
-    seen: Dict[Tuple, int] = defaultdict(int)
+def _program(calls: Sequence[Any]) -> list[_Step]:
+    steps: list[_Step] = []
+    seen: dict[tuple, int] = defaultdict(int)
     for c in calls:
         if c.op in ("send", "recv"):
             if steps and steps[-1].kind == "batch" and steps[-1].calls[0].batch == c.batch:
@@ -204,19 +205,19 @@ def _complement(c) -> str:
     return {"isend": "irecv", "irecv": "isend", "send": "recv", "recv": "send"}[c.op]
 
 
-def check_deadlock(calls_by_rank: Dict[int, Sequence[Any]], world: int) -> List[Defect]:
+def check_deadlock(calls_by_rank: dict[int, Sequence[Any]], world: int) -> list[Defect]:
     """Run every rehearsed rank's program under the rules in the module doc."""
     progs = {r: _program(calls) for r, calls in calls_by_rank.items()}
     pos = {r: 0 for r in progs}
     known = set(progs)
     # Batched p2p, per direction (src, dst): how many sends and receives have been posted, and each posted op's
     # index in its direction (the k-th send meets the k-th receive).
-    posted_sends: Dict[Tuple[int, int], int] = defaultdict(int)
-    posted_recvs: Dict[Tuple[int, int], int] = defaultdict(int)
-    index: Dict[int, int] = {}  # id(call) -> its index in its direction
-    was_posted: Set[Tuple[int, int]] = set()  # (rank, step position) of the batches posted
+    posted_sends: dict[tuple[int, int], int] = defaultdict(int)
+    posted_recvs: dict[tuple[int, int], int] = defaultdict(int)
+    index: dict[int, int] = {}  # id(call) -> its index in its direction
+    was_posted: set[tuple[int, int]] = set()  # (rank, step position) of the batches posted
 
-    def head(r: int) -> Optional[_Step]:
+    def head(r: int) -> _Step | None:
         return progs[r][pos[r]] if r in progs and pos[r] < len(progs[r]) else None
 
     def post(r: int) -> None:
@@ -238,11 +239,11 @@ def check_deadlock(calls_by_rank: Dict[int, Sequence[Any]], world: int) -> List[
             return posted_recvs[(r, c.peer)] > index[id(c)]
         return posted_sends[(c.peer, r)] > index[id(c)]
 
-    def waits_for(r: int) -> Set[int]:
+    def waits_for(r: int) -> set[int]:
         """The rehearsed ranks rank r's current step is waiting for (empty: it can complete)."""
         s = head(r)
         assert s is not None
-        blockers: Set[int] = set()
+        blockers: set[int] = set()
         if s.kind == "coll":
             group = set(range(world)) if s.key[0] == ("world",) else set(s.key[0])
             for m in group & known:
@@ -280,7 +281,7 @@ def check_deadlock(calls_by_rank: Dict[int, Sequence[Any]], world: int) -> List[
             pos[r] += 1
 
 
-def _stuck(live: List[int], waits_for, head) -> Defect:
+def _stuck(live: list[int], waits_for, head) -> Defect:
     graph = {r: sorted(waits_for(r)) for r in live}
     cycle = _find_cycle(graph)
     if cycle:
@@ -298,11 +299,11 @@ def _stuck(live: List[int], waits_for, head) -> Defect:
     return Defect("deadlock", f"{kind_msg} under NCCL's rules: {what}", ranks, sites, seqs)
 
 
-def _find_cycle(graph: Dict[int, List[int]]) -> List[int]:
-    color: Dict[int, int] = {}
-    stack: List[int] = []
+def _find_cycle(graph: dict[int, list[int]]) -> list[int]:
+    color: dict[int, int] = {}
+    stack: list[int] = []
 
-    def visit(u: int) -> List[int]:
+    def visit(u: int) -> list[int]:
         color[u] = 1
         stack.append(u)
         for v in graph.get(u, []):

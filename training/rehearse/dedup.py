@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Callable, Dict, List, Tuple
+from collections.abc import Callable
 
 from training.parallel.mesh import coords_of, rank_of
 
@@ -41,7 +41,7 @@ def _position(i: int, n: int) -> str:
     return "first" if i == 0 else ("last" if i == n - 1 else "middle")
 
 
-def class_key(rank: int, tp: int, pp: int, cp: int, dp: int, ep: int) -> Tuple:
+def class_key(rank: int, tp: int, pp: int, cp: int, dp: int, ep: int) -> tuple:
     """The coordinate class of a rank: its stage and its first / middle / last position on every axis its
     program depends on (module doc)."""
     c = coords_of(rank, tp, pp, cp, dp)
@@ -57,10 +57,10 @@ def class_key(rank: int, tp: int, pp: int, cp: int, dp: int, ep: int) -> Tuple:
     )
 
 
-def classes(ranks: List[int], tp: int, pp: int, cp: int, dp: int, ep: int) -> Dict[int, List[int]]:
+def classes(ranks: list[int], tp: int, pp: int, cp: int, dp: int, ep: int) -> dict[int, list[int]]:
     """{representative: [the other ranks of `ranks` in its class]}; the representative is the lowest rank."""
-    first: Dict[Tuple, int] = {}
-    out: Dict[int, List[int]] = {}
+    first: dict[tuple, int] = {}
+    out: dict[int, list[int]] = {}
     for r in sorted(ranks):
         key = class_key(r, tp, pp, cp, dp, ep)
         if key in first:
@@ -80,7 +80,7 @@ def relabelling(src: int, dst: int, tp: int, pp: int, cp: int, dp: int, ep: int)
     blocks = dp // ep
     de, db = b["dp"] % ep - a["dp"] % ep, b["dp"] // ep - a["dp"] // ep
 
-    done: Dict[int, int] = {}
+    done: dict[int, int] = {}
 
     def move(r: int) -> int:
         got = done.get(r)
@@ -93,7 +93,7 @@ def relabelling(src: int, dst: int, tp: int, pp: int, cp: int, dp: int, ep: int)
     return move
 
 
-def _group(group, move: Callable[[int], int]) -> Tuple[int, ...]:
+def _group(group, move: Callable[[int], int]) -> tuple[int, ...]:
     g = tuple(group)
     mapped = tuple(move(r) for r in g)
     return tuple(sorted(mapped)) if list(g) == sorted(g) else mapped
@@ -102,7 +102,7 @@ def _group(group, move: Callable[[int], int]) -> Tuple[int, ...]:
 def derive_calls(calls, move: Callable[[int], int]) -> list:
     """The representative's calls as the member `move` takes it to issues them."""
     out = []
-    groups: Dict[Tuple[int, ...], Tuple[int, ...]] = {}  # a few distinct groups, each mapped once
+    groups: dict[tuple[int, ...], tuple[int, ...]] = {}  # a few distinct groups, each mapped once
     for c in calls:
         if c.op in NO_MAP:
             out.append(c)

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_REHEARSAL_DEFECT
 from training.contract.rundir.files import write_atomic
@@ -50,14 +50,16 @@ def _progress(done: int, total: int, result, t0: float) -> None:
 
 
 def rehearse(
-    cfg, run_dir: str, ranks: Optional[List[int]] = None, workers: int = 0, quiet: bool = False, dedup: bool = True
+    cfg, run_dir: str, ranks: list[int] | None = None, workers: int = 0, quiet: bool = False, dedup: bool = True
 ):
     """(rehearsal.json's dict, exit code); also writes RUN_DIR/rehearsal.json. dedup: run one rank of each
     coordinate class and derive the others' calls by relabelling (training/rehearse/dedup.py); False runs
     every selected rank."""
     global _CFG, _RUN_DIR
     from training.contract.config import derived_dp
-    from training.rehearse import checks, dedup as dd, ranks as rank_sel, report
+    from training.rehearse import checks, report
+    from training.rehearse import dedup as dd
+    from training.rehearse import ranks as rank_sel
     from training.rehearse.memory import memory_defects
     from training.rehearse.runner import rehearsal_config
 
@@ -123,7 +125,7 @@ def rehearse(
     return doc, code
 
 
-def _read_json(path: str) -> Optional[Dict[str, Any]]:
+def _read_json(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as f:
             return json.load(f)
@@ -131,7 +133,7 @@ def _read_json(path: str) -> Optional[Dict[str, Any]]:
         return None
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.rehearse")
     ap.add_argument("run_dir")
     ap.add_argument("--ranks", default="", help="comma-separated ranks (default: all, or representatives)")

@@ -21,7 +21,7 @@ against plan.json's memory_bytes total (tracked_total).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from training.rehearse.checks import Defect
 
@@ -35,7 +35,7 @@ FLOOR_BYTES = 16 * 2**20
 """Differences below this are not reported (scalars, a step counter, an allocator's granularity)."""
 
 
-def plan_for_stage(plan: Dict[str, Any], stage: int) -> Dict[str, int]:
+def plan_for_stage(plan: dict[str, Any], stage: int) -> dict[str, int]:
     """memory_bytes of pipeline stage `stage` (plan.json's `stages`), or the plan's worst stage's."""
     for s in plan.get("stages") or []:
         if int(s.get("stage", -1)) == stage:
@@ -43,7 +43,7 @@ def plan_for_stage(plan: Dict[str, Any], stage: int) -> Dict[str, int]:
     return dict(plan.get("memory_bytes") or {})
 
 
-def tracked_total(measured: Dict[str, int]) -> int:
+def tracked_total(measured: dict[str, int]) -> int:
     """The device peak the rehearsal tracks, as plan.json's total counts it: the model states and buffers,
     plus the larger of the step's transient memory (activations, ZeRO-3's gathered units, the pipeline's
     messages in flight) and a save's device staging (the save runs after the step's activations are freed).
@@ -53,7 +53,7 @@ def tracked_total(measured: Dict[str, int]) -> int:
     return m["weights"] + m["grads"] + m["optimizer"] + m["buffers"] + max(step, m["checkpoint_staging"])
 
 
-def compare(measured: Dict[str, int], planned: Dict[str, int]) -> List[Dict[str, Any]]:
+def compare(measured: dict[str, int], planned: dict[str, int]) -> list[dict[str, Any]]:
     """Per part, then the total: measured, planned, relative difference, ok."""
     rows = []
     for part in PARTS + TOTAL_ONLY + ("total",):
@@ -72,11 +72,11 @@ def compare(measured: Dict[str, int], planned: Dict[str, int]) -> List[Dict[str,
     return rows
 
 
-def memory_defects(results, plan: Optional[Dict[str, Any]]) -> List[Defect]:
+def memory_defects(results, plan: dict[str, Any] | None) -> list[Defect]:
     """One defect per part and stage whose worst rank differs from the plan by more than TOLERANCE."""
     if not plan:
         return []
-    worst: Dict[tuple, tuple] = {}
+    worst: dict[tuple, tuple] = {}
     for r in results:
         if r.error or not r.memory:
             continue

@@ -8,8 +8,6 @@ checked inside a whole group of every kind.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
-
 from training.parallel.mesh import coords_of, rank_groups
 
 FULL_LIMIT = 256
@@ -19,7 +17,7 @@ def _position(i: int, n: int) -> str:
     return "first" if i == 0 else ("last" if i == n - 1 else "middle")
 
 
-def coordinate_class(c: Dict[str, int], tp: int, pp: int, cp: int, dp: int, ep: int) -> Tuple:
+def coordinate_class(c: dict[str, int], tp: int, pp: int, cp: int, dp: int, ep: int) -> tuple:
     """pipeline stage x first/middle/last in tp, cp, ep (inside dp) and dp."""
     return (
         c["pp"],
@@ -30,12 +28,12 @@ def coordinate_class(c: Dict[str, int], tp: int, pp: int, cp: int, dp: int, ep: 
     )
 
 
-def select(tp: int, pp: int, cp: int, dp: int, ep: int = 1) -> Tuple[List[int], Dict[int, str]]:
+def select(tp: int, pp: int, cp: int, dp: int, ep: int = 1) -> tuple[list[int], dict[int, str]]:
     """(ranks to rehearse, {rank: why}) for the layout; why is "all" below FULL_LIMIT."""
     world = tp * pp * cp * dp
     if world <= FULL_LIMIT:
         return list(range(world)), {r: "all" for r in range(world)}
-    why: Dict[int, str] = {}
+    why: dict[int, str] = {}
     for r in range(world):
         cls = coordinate_class(coords_of(r, tp, pp, cp, dp), tp, pp, cp, dp, ep)
         label = "class stage {} tp {} cp {} ep {} dp {}".format(*cls)

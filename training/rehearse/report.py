@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from training.rehearse.checks import Defect
 from training.rehearse.memory import PARTS, compare, plan_for_stage
@@ -11,7 +11,7 @@ from training.rehearse.memory import PARTS, compare, plan_for_stage
 PHASES = ("setup", "forward_backward", "optimizer", "save", "resume")
 
 
-def group_kind(call, kinds: Dict[str, tuple], world: int) -> str:
+def group_kind(call, kinds: dict[str, tuple], world: int) -> str:
     """The mesh kind(s) of a call's group ("tp", "dp/dp_cp", "world", "p2p:pp")."""
     if call.op in ("new_group", "new_subgroups"):
         return "setup"
@@ -21,17 +21,17 @@ def group_kind(call, kinds: Dict[str, tuple], world: int) -> str:
     return f"p2p:{name}" if call.op in ("isend", "irecv", "send", "recv") else name
 
 
-def counts(result, world: int) -> Dict[str, Dict[str, int]]:
+def counts(result, world: int) -> dict[str, dict[str, int]]:
     """{group kind: {phase: calls}} of one rank."""
-    out: Dict[str, Counter] = defaultdict(Counter)
+    out: dict[str, Counter] = defaultdict(Counter)
     for c in result.calls:
         out[group_kind(c, result.groups, world)][c.phase or "setup"] += 1
     return {k: dict(v) for k, v in sorted(out.items())}
 
 
 def to_json(
-    layout: Dict[str, Any], results, why: Dict[int, str], defects: List[Defect], plan: Optional[Dict], seconds: float
-) -> Dict[str, Any]:
+    layout: dict[str, Any], results, why: dict[int, str], defects: list[Defect], plan: dict | None, seconds: float
+) -> dict[str, Any]:
     """rehearsal.json's content (docs/REHEARSAL.md)."""
     world = layout["world_size"]
     ranks = []
@@ -64,7 +64,7 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:8.2f}"
 
 
-def table(doc: Dict[str, Any]) -> str:
+def table(doc: dict[str, Any]) -> str:
     """The readable summary: memory by part per stage (worst rank), collectives per group kind and phase,
     then OK or the defects (the first in full)."""
     lay = doc["layout"]
@@ -74,7 +74,7 @@ def table(doc: Dict[str, Any]) -> str:
         + (" (representative mode)" if doc["representative"] else "")
         + f" in {doc['seconds']:.1f} s"
     ]
-    by_stage: Dict[int, Dict[str, Any]] = {}
+    by_stage: dict[int, dict[str, Any]] = {}
     for r in doc["ranks"]:
         if not r["memory"]:
             continue
@@ -91,7 +91,7 @@ def table(doc: Dict[str, Any]) -> str:
                 diff = "" if row["difference"] is None else f"{row['difference'] * 100:+6.1f} %"
                 mark = "" if row["ok"] else "   <- differs"
                 lines.append(f"    {row['part']:<15}{_gib(row['rehearsed'])} {_gib(row['planned'])}   {diff}{mark}")
-    total: Dict[str, Counter] = defaultdict(Counter)
+    total: dict[str, Counter] = defaultdict(Counter)
     for r in doc["ranks"]:
         for kind, per in r["collectives"].items():
             total[kind].update(per)

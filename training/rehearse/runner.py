@@ -17,7 +17,7 @@ import gc
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 
@@ -35,13 +35,13 @@ class RankResult:
 
     rank: int
     """Global rank."""
-    coords: Dict[str, int]
+    coords: dict[str, int]
     """tp, pp, cp, dp, ep ranks."""
-    calls: List[comm.CommCall]
+    calls: list[comm.CommCall]
     """Every recorded call, in issue order."""
-    memory: Dict[str, int] = field(default_factory=dict)
+    memory: dict[str, int] = field(default_factory=dict)
     """Bytes per part (weights, grads, optimizer, activations, param_gather, zero3_gathered, peak)."""
-    groups: Dict[str, tuple] = field(default_factory=dict)
+    groups: dict[str, tuple] = field(default_factory=dict)
     """The rank's group of each mesh kind, as global ranks (to name a call's group)."""
     error: str = ""
     """The exception that stopped this rank's rehearsal ("" when it ran to the end)."""
@@ -54,7 +54,7 @@ def _storage_key(t: torch.Tensor):
     return s._cdata, s.nbytes()
 
 
-def meta_bytes(objs: List[Any], depth: int = 4, seen: Optional[set] = None) -> int:
+def meta_bytes(objs: list[Any], depth: int = 4, seen: set | None = None) -> int:
     """Bytes of the distinct meta storages reachable from `objs` (attributes, lists, dicts, to `depth`)."""
     seen = set() if seen is None else seen
     total, visited = 0, set()
@@ -119,7 +119,7 @@ class SavedActivations:
             self.live -= n
 
 
-def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
+def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors whose storages `t` keeps alive: a wrapper subclass's (torchao's float8 tensors) inner ones."""
     if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and hasattr(t, "__tensor_flatten__"):
         return [x for name in t.__tensor_flatten__()[0] for x in _inner_tensors(getattr(t, name))]
@@ -275,12 +275,12 @@ class RecordingFiles:
 
     def __init__(self, manager, states: set):
         self.manager, self.states = manager, states
-        self.items: Dict[str, Dict[str, Any]] = {}
-        self.values: Dict[tuple, torch.Tensor] = {}
+        self.items: dict[str, dict[str, Any]] = {}
+        self.values: dict[tuple, torch.Tensor] = {}
         self.written_bytes = 0
-        self.sealed: Dict[str, Any] = {}
-        self.step: Optional[int] = None
-        self.wanted: List[Any] = []
+        self.sealed: dict[str, Any] = {}
+        self.step: int | None = None
+        self.wanted: list[Any] = []
         self.device_staging = 0
         manager.files = self
         real = manager._pieces
@@ -327,13 +327,13 @@ class RecordingFiles:
         return self.written_bytes
 
     # ----- resume ----------------------------------------------------------------------------------
-    def list_steps(self, run_dir) -> List[int]:
+    def list_steps(self, run_dir) -> list[int]:
         return [] if self.step is None else [self.step]
 
-    def candidates(self, run_dir) -> List[int]:
+    def candidates(self, run_dir) -> list[int]:
         return self.list_steps(run_dir)
 
-    def verify(self, directory, share) -> List[str]:
+    def verify(self, directory, share) -> list[str]:
         return []
 
     def read_json(self, path) -> Any:

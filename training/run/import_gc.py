@@ -12,8 +12,8 @@ forks) no longer scan them, and a forked rank does not copy their pages by touch
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 
 @contextmanager

@@ -19,25 +19,25 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 
-from training.parallel import collectives as comm
 from training.checkpoint import CheckpointManager
-from training.run import signals
 from training.contract.config import Config
-from training.data import BatchSampler, DataError, build_corpus, make_eval_source, make_source, validate_data_config
 from training.contract.exit_codes import EXIT_OK, EXIT_STOPPED
-from training.contract.rundir.events import append_event
 from training.contract.layout_rules import layout_violations, raise_errors
+from training.contract.lr_schedule import lr_at, schedule_problems
+from training.contract.precision import param_dtype
+from training.contract.rundir.events import append_event
+from training.data import BatchSampler, DataError, build_corpus, make_eval_source, make_source, validate_data_config
 from training.model.moe import moe_metrics, reset_moe_stats
 from training.observe import startup
 from training.observe.busy_timer import BusyTimer
 from training.optim import DistributedOptimizer, StepResult
+from training.parallel import collectives as comm
+from training.run import signals
 from training.schedules.pipeline import make_pipeline_schedule
-from training.contract.precision import param_dtype
-from training.contract.lr_schedule import lr_at, schedule_problems
 
 PACE_SLICE_S = 0.1
 """train.min_step_s waits in slices of this length: how late a stop signal that arrives during the wait is seen."""
@@ -57,11 +57,11 @@ class TrainState:
 class NoPipelineSchedule:
     """pp = 1: forward and backward of each micro-batch in turn through the single model chunk."""
 
-    def __init__(self, chunks: List[torch.nn.Module], optimizer: DistributedOptimizer, mesh):
+    def __init__(self, chunks: list[torch.nn.Module], optimizer: DistributedOptimizer, mesh):
         assert len(chunks) == 1, "the no-pipeline schedule runs exactly one model chunk"
         self.chunk, self.optimizer, self.mesh = chunks[0], optimizer, mesh
 
-    def forward_backward(self, micro_batches: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Accumulate grads of the mean loss over `micro_batches`; returns that mean (detached, fp32)."""
         total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
         n = len(micro_batches)
@@ -72,7 +72,7 @@ class NoPipelineSchedule:
         return total / n
 
     @torch.no_grad()
-    def forward_only(self, micro_batches: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Mean loss over `micro_batches` without building a graph (evaluation)."""
         total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
         for tokens, targets in micro_batches:
@@ -147,15 +147,15 @@ class Summary:
     steps: int
     tokens_per_s: float
     """Mean over the steps after the first (the first includes warm-up)."""
-    mfu: Optional[float]
-    peak_memory_bytes_per_rank: List[int] = field(default_factory=list)
+    mfu: float | None
+    peak_memory_bytes_per_rank: list[int] = field(default_factory=list)
     skipped_steps: int = 0
     exit_code: int = 0
-    peak_reserved_bytes_per_rank: List[int] = field(default_factory=list)
+    peak_reserved_bytes_per_rank: list[int] = field(default_factory=list)
     """The CUDA caching allocator's peak reserved bytes per rank after the first step (what the GPU really
     gave the allocator: allocated plus its fragmentation; bench/gpu_check.sh compares it with the plan); on
     CPU the same figure as peak_memory_bytes_per_rank."""
-    mfu_fp8: Optional[float] = None
+    mfu_fp8: float | None = None
     """train.precision=fp8 with cluster.peak_tflops_fp8 set: the mean MFU against the FP8 peak (`mfu` stays
     against the bf16 one, cluster.peak_tflops or the measured rate); None otherwise."""
 
@@ -168,7 +168,7 @@ class Trainer:
         cfg: Config,
         run_dir: str,
         mesh,
-        chunks: Optional[List[torch.nn.Module]] = None,
+        chunks: list[torch.nn.Module] | None = None,
         checkpointing: bool = True,
     ):
         self.cfg, self.run_dir, self.mesh = cfg, run_dir, mesh
@@ -219,7 +219,7 @@ class Trainer:
                 mesh.dp,
                 mesh.dp_rank,
             )
-        self.eval_losses: List[Tuple[int, float]] = []
+        self.eval_losses: list[tuple[int, float]] = []
         self.state = TrainState()
         self.checkpointer = make_checkpointer(cfg, run_dir, mesh) if checkpointing else None
         self.tokens_per_step = cfg.parallel.global_batch * cfg.model.seq_length
@@ -310,7 +310,7 @@ class Trainer:
         return comm.value(value, on_meta=1.0)
 
     # -- checkpoint call sites --
-    def _extra_state(self) -> Dict[str, Any]:
+    def _extra_state(self) -> dict[str, Any]:
         # micro_step keys each chunk's dropout masks: restoring it keeps dropout bit-exact across a resume.
         return {
             "consumed_samples": self.state.consumed_samples,
@@ -388,7 +388,7 @@ class Trainer:
                 return
             time.sleep(min(left, PACE_SLICE_S))
 
-    def _stop_for_health(self, watch, nodes: List[str]) -> int:
+    def _stop_for_health(self, watch, nodes: list[str]) -> int:
         """A complete checkpoint, then the exit code that excludes the unhealthy nodes (observe/straggler.py)."""
         if self.checkpointer is not None:
             self.checkpointer.save(self.state.step, self.chunks, self.optimizer, self._extra_state(), reason="health")
@@ -397,8 +397,8 @@ class Trainer:
 
     # -- the loop --
     def train_step(
-        self, micro: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None, defer_param_gather: bool = False
-    ) -> Tuple[float, StepResult, float]:
+        self, micro: list[tuple[torch.Tensor, torch.Tensor]] | None = None, defer_param_gather: bool = False
+    ) -> tuple[float, StepResult, float]:
         """One optimizer step over the global batch (`micro`: this step's micro-batches when the caller
         assembled them ahead, as `run` does outside its step timer); returns (global loss, step result, lr).
         defer_param_gather (zero=1): the updated shards' all-gather may still run when this returns, and
@@ -451,7 +451,7 @@ class Trainer:
                 c.train()
         return total / m
 
-    def _maybe_evaluate(self) -> Optional[float]:
+    def _maybe_evaluate(self) -> float | None:
         """The held-out loss when train.eval_every says so (every N steps, and after the last step)."""
         every = self.cfg.train.eval_every
         step = self.state.step
@@ -495,7 +495,7 @@ class Trainer:
         startup.mark("observers")
         rates, mfus, skipped = [], [], 0
         exit_code = EXIT_OK
-        losses: List[float] = []
+        losses: list[float] = []
         while self.state.step < cfg.train.steps:
             # Batch assembly is the data loader's work, ahead of the step (outside the step timer).
             micro = self.sampler.micro_batches(self.state.consumed_samples)
@@ -561,7 +561,7 @@ class Trainer:
                     )
             if self.is_logger:
                 if logged:
-                    rec: Dict[str, Any] = {
+                    rec: dict[str, Any] = {
                         "step": self.state.step,
                         "loss": loss,
                         "grad_norm": res.grad_norm,

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Dict, Iterable, Optional
+from collections.abc import Iterable
 
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
-_received: Dict[str, Optional[str]] = {"name": None}
+_received: dict[str, str | None] = {"name": None}
 _lock = threading.Lock()
 
 
@@ -35,7 +35,7 @@ def ignore(signals: Iterable[int] = STOP_SIGNALS) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def received() -> Optional[str]:
+def received() -> str | None:
     """Name of the stop signal this process got ("SIGUSR2"), or None."""
     return _received["name"]
 

@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from training.contract.rundir.events import append_event
 from training.contract.warm_start import (
@@ -146,7 +146,7 @@ def _stream(fd: int, errors: str) -> io.TextIOWrapper:
     )
 
 
-def _bind_numa(node: int) -> Optional[str]:
+def _bind_numa(node: int) -> str | None:
     """What `numactl --cpunodebind=N --membind=N` does for a cold rank: CPUs of the node, memory from it
     (set_mempolicy MPOL_BIND). Memory the agent touched before the fork stays where it is. None when done."""
     from training.contract.slurm_env import numa_node_cpus
@@ -182,7 +182,7 @@ def _watch_wrapper(conn: socket.socket, signum: int = signal.SIGKILL) -> None:
     os.kill(os.getpid(), signum)
 
 
-def _rewrite_proc_block(which: str, strings: List[str]) -> bool:
+def _rewrite_proc_block(which: str, strings: list[str]) -> bool:
     """Write strings over this process's command line (which="arg") or initial environment ("env") as the
     kernel shows them in /proc/PID/cmdline and /proc/PID/environ, NUL-padded; False (left as it is) when they
     do not fit. A forked rank otherwise shows its agent's, and `ps`, `pgrep -f training.main` and the tools that
@@ -220,7 +220,7 @@ class Agent:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(name)  # before the imports: a rank that asks now waits for them instead of starting cold
         self.listener.listen(256)
-        self.children: Dict[int, socket.socket] = {}
+        self.children: dict[int, socket.socket] = {}
         self.stopping = False
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
@@ -285,7 +285,7 @@ class Agent:
             for fd in fds:
                 os.close(fd)
 
-    def _fork(self, conn: socket.socket, req: Dict[str, Any], fds: List[int]) -> None:
+    def _fork(self, conn: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         pid = os.fork()
@@ -314,7 +314,7 @@ class Agent:
                 conn.close()
 
     # ------------------------------------------------------------------------------------------ in the child
-    def _become_rank(self, conn: socket.socket, req: Dict[str, Any], fds: List[int]) -> None:
+    def _become_rank(self, conn: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
         try:
             self._setup_rank(conn, req, fds)
         except BaseException:  # noqa: BLE001 - the rank could not be set up: its wrapper gets exit 1
@@ -329,10 +329,10 @@ class Agent:
             raise
         except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
             traceback.print_exc()
-            raise SystemExit(1)
+            raise SystemExit(1) from None
         raise SystemExit(0)
 
-    def _setup_rank(self, conn: socket.socket, req: Dict[str, Any], fds: List[int]) -> None:
+    def _setup_rank(self, conn: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
         # The agent's own state goes first: its signal wiring, selector and sockets.
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -384,7 +384,7 @@ class Agent:
         startup._MARKS.clear()
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     local = bool(argv) and argv[0] == "--local"
     local_name = os.environ.pop(AGENT_NAME_ENV, "")
     if len(argv) != (3 if local else 1) or (local and (not argv[1].isdigit() or not local_name)):
@@ -396,7 +396,7 @@ def main(argv: List[str]) -> int:
         return 2
     run_dir = os.path.abspath(argv[-1])
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # the job's stop signal is the ranks' (they get it themselves)
-    stop: Dict[str, Any] = {"agent": None, "early": False}
+    stop: dict[str, Any] = {"agent": None, "early": False}
 
     def on_term(signum, frame) -> None:
         # The allocation (or the local launch) ends: no new rank; leave once the running ones are reaped.

@@ -76,14 +76,12 @@ from __future__ import annotations
 import functools
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from training.parallel import collectives as comm
-from training.observe.busy_timer import BusyTimer
 from training.contract.layout_rules import (
     interleaved_batch_rules,
     raise_errors,
@@ -91,20 +89,22 @@ from training.contract.layout_rules import (
     sequence_parallel_on,
 )
 from training.contract.precision import param_dtype
+from training.observe.busy_timer import BusyTimer
+from training.parallel import collectives as comm
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 
-Action = Tuple[str, int, int]
+Action = tuple[str, int, int]
 """("F" | "B" | "W", local chunk index, micro-batch index); W (zb_h1 only): the weight grads of a B that
 computed only the input grad."""
 
-Message = Tuple[str, int, int]
+Message = tuple[str, int, int]
 """("act" | "grad", virtual stage that receives it, micro-batch index)."""
 
-P2P = Tuple[str, Message, int]
+P2P = tuple[str, Message, int]
 """("send" | "recv", message, peer pipeline rank)."""
 
-Exchange = Tuple[P2P, ...]
+Exchange = tuple[P2P, ...]
 """One batch_isend_irecv: the sends, then the receives, of one point between two units."""
 
 
@@ -123,19 +123,19 @@ def group_size(p: int, group: int) -> int:
     return group or p
 
 
-def _interleaved_table(p: int, v: int, m: int, group: int = 0) -> List[Tuple[int, int]]:
+def _interleaved_table(p: int, v: int, m: int, group: int = 0) -> list[tuple[int, int]]:
     """(chunk, micro-batch) of an interleaved rank's forwards in order: groups of g micro-batches (the last
     group the m mod g left over) go through chunk 0, then chunk 1, ... (Megatron-Core's get_schedule_table
     with microbatch_group_size_per_vp_stage = g). The k-th backward is the k-th entry with chunk v - 1 - chunk."""
     g = group_size(p, group)
-    out: List[Tuple[int, int]] = []
+    out: list[tuple[int, int]] = []
     for start in range(0, m, g):
         end = m if start + g >= m else start + g
         out += [(c, mb) for c in range(v) for mb in range(start, end)]
     return out
 
 
-def build_units(kind: str, p: int, rank: int, m: int, v: int = 1, group: int = 0) -> List[List[Action]]:
+def build_units(kind: str, p: int, rank: int, m: int, v: int = 1, group: int = 0) -> list[list[Action]]:
     """The ordered F/B (and zb_h1's W) actions of pipeline rank `rank` for one step of m micro-batches, cut
     where the rank exchanges messages: one action per unit, except interleaved's steady F+B pairs (with micro-batch
     groups other than pp only the order counts: build_comm_plan places those exchanges by rounds)."""
@@ -144,7 +144,7 @@ def build_units(kind: str, p: int, rank: int, m: int, v: int = 1, group: int = 0
         return [[("F", 0, i)] for i in range(m)] + [[("B", 0, i)] for i in range(m)]
     if kind in ("1f1b", "zb_h1"):
         warm = min(p - rank - 1, m)
-        order: List[Action] = [("F", 0, i) for i in range(warm)]
+        order: list[Action] = [("F", 0, i) for i in range(warm)]
         for i in range(m - warm):
             order += [("F", 0, warm + i), ("B", 0, i)]
         order += [("B", 0, i) for i in range(m - warm, m)]
@@ -161,7 +161,7 @@ def build_units(kind: str, p: int, rank: int, m: int, v: int = 1, group: int = 0
     return out + [[a] for a in bwd[total - warm :]]
 
 
-def _zero_bubble_h1(order: List[Action], rank: int) -> List[Action]:
+def _zero_bubble_h1(order: list[Action], rank: int) -> list[Action]:
     """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 3): 1f1b's order with each backward
     split into B (input grad, sent on at once) and W (weight grad). Rank r defers the W of its first r
     micro-batches: after its j-th B it runs the oldest pending W only when j >= r, and the deferred ones after
@@ -169,8 +169,8 @@ def _zero_bubble_h1(order: List[Action], rank: int) -> List[Action]:
     _get_1f1b_rank_ops with enable_zero_bubble and r 1f1b micro-batches builds the same order). At most r + 1
     micro-batches wait for their W, while rank r holds p - r forwards at most: the peak of every rank stays
     1f1b's p of the first rank."""
-    out: List[Action] = []
-    pending: List[Action] = []
+    out: list[Action] = []
+    pending: list[Action] = []
     j = 0
     for a in order:
         out.append(a)
@@ -182,12 +182,12 @@ def _zero_bubble_h1(order: List[Action], rank: int) -> List[Action]:
     return out + pending
 
 
-def build_actions(kind: str, p: int, rank: int, m: int, v: int = 1, group: int = 0) -> List[Action]:
+def build_actions(kind: str, p: int, rank: int, m: int, v: int = 1, group: int = 0) -> list[Action]:
     """The ordered F/B (W) actions of pipeline rank `rank` for one step of m micro-batches."""
     return [a for unit in build_units(kind, p, rank, m, v, group) for a in unit]
 
 
-def _needs(action: Action, p: int, rank: int, v: int) -> Optional[P2P]:
+def _needs(action: Action, p: int, rank: int, v: int) -> P2P | None:
     """The receive that `action` consumes (None on the first forward / last backward stage)."""
     kind, c, mb = action
     vs = c * p + rank
@@ -198,7 +198,7 @@ def _needs(action: Action, p: int, rank: int, v: int) -> Optional[P2P]:
     return None if vs == p * v - 1 else ("recv", ("grad", vs, mb), (vs + 1) % p)
 
 
-def _produces(action: Action, p: int, rank: int, v: int) -> Optional[P2P]:
+def _produces(action: Action, p: int, rank: int, v: int) -> P2P | None:
     """The send of what `action` produces (None on the last forward / first backward stage)."""
     kind, c, mb = action
     vs = c * p + rank
@@ -209,7 +209,7 @@ def _produces(action: Action, p: int, rank: int, v: int) -> Optional[P2P]:
     return None if vs == 0 else ("send", ("grad", vs - 1, mb), (vs - 1) % p)
 
 
-def build_comm_plan(kind: str, p: int, rank: int, m: int, v: int = 1, group: int = 0) -> List[Union[Action, Exchange]]:
+def build_comm_plan(kind: str, p: int, rank: int, m: int, v: int = 1, group: int = 0) -> list[Action | Exchange]:
     """Rank `rank`'s step: its actions with exchanges (tuples of P2P ops, never empty) between them; see the
     module docstring for why this order. Interleaved with micro-batch groups other than pp: `_round_plans`."""
     if kind == "interleaved_1f1b" and group_size(p, group) != p:
@@ -219,7 +219,7 @@ def build_comm_plan(kind: str, p: int, rank: int, m: int, v: int = 1, group: int
 
 
 @functools.lru_cache(maxsize=64)
-def _round_plans(p: int, m: int, v: int, group: int) -> Tuple[Tuple[Union[Action, Exchange], ...], ...]:
+def _round_plans(p: int, m: int, v: int, group: int) -> tuple[tuple[Action | Exchange, ...], ...]:
     """Every rank's plan for interleaved with micro-batch groups g != pp, from a lock-step walk of the whole
     pipeline: in round t each rank runs its next action if its input has arrived, then every message made in
     round t goes in round t + 1's exchanges, the sender's and the receiver's (a rank without ops in a round has
@@ -230,11 +230,11 @@ def _round_plans(p: int, m: int, v: int, group: int) -> Tuple[Tuple[Union[Action
     where the unit plan's rendezvous makes the sender wait instead, which for g > pp waits in a cycle
     (tests/engine/test_pipeline.py shows both)."""
     actions = [build_actions("interleaved_1f1b", p, r, m, v, group) for r in range(p)]
-    plans: List[List[Union[Action, Exchange]]] = [[] for _ in range(p)]
+    plans: list[list[Action | Exchange]] = [[] for _ in range(p)]
     pos, arrived = [0] * p, [set() for _ in range(p)]
-    made: List[Tuple[int, P2P]] = []
+    made: list[tuple[int, P2P]] = []
     while made or any(pos[r] < len(actions[r]) for r in range(p)):
-        ops: List[List[P2P]] = [[] for _ in range(p)]
+        ops: list[list[P2P]] = [[] for _ in range(p)]
         for r, send in sorted(made, key=lambda x: (x[0], x[1][2], x[1][1])):
             ops[r].append(send)
         for r, (_, msg, peer) in sorted(made, key=lambda x: (x[1][2], x[0], x[1][1])):
@@ -263,7 +263,7 @@ def _round_plans(p: int, m: int, v: int, group: int) -> Tuple[Tuple[Union[Action
     return tuple(tuple(plan) for plan in plans)
 
 
-def build_forward_plan(p: int, rank: int, m: int, v: int = 1, group: int = 0) -> List[Union[Action, Exchange]]:
+def build_forward_plan(p: int, rank: int, m: int, v: int = 1, group: int = 0) -> list[Action | Exchange]:
     """Evaluation's forward-only step of rank `rank`: every forward in the training order's sequence (micro-batch
     order; interleaved's chunk groups when v > 1), one per unit, with the same exchanges between units. Only
     activations travel and each rank's forwards come in order, so the exchanges form a chain (no cycle)."""
@@ -274,10 +274,10 @@ def build_forward_plan(p: int, rank: int, m: int, v: int = 1, group: int = 0) ->
     return _with_exchanges([[a] for a in forwards], p, rank, v)
 
 
-def _with_exchanges(units: List[List[Action]], p: int, rank: int, v: int) -> List[Union[Action, Exchange]]:
+def _with_exchanges(units: list[list[Action]], p: int, rank: int, v: int) -> list[Action | Exchange]:
     """The units' actions with one exchange (sends of the previous unit, receives of the next) between them."""
-    out: List[Union[Action, Exchange]] = []
-    prev: List[Action] = []
+    out: list[Action | Exchange] = []
+    prev: list[Action] = []
     for unit in units + [[]]:
         sends = [s for s in (_produces(a, p, rank, v) for a in prev) if s is not None]
         recvs = [r for r in (_needs(a, p, rank, v) for a in unit) if r is not None]
@@ -332,7 +332,7 @@ class StepStats:
     """Most chunk micro-batches held between forward and backward."""
     peak_saved_bytes: int = 0
     """Most activation bytes saved for backward (unique storages, parameters excluded) held at once."""
-    saved_bytes_per_forward: List[int] = field(default_factory=list)
+    saved_bytes_per_forward: list[int] = field(default_factory=list)
     """Bytes saved by each forward, in action order."""
     peak_outputs_alive: int = 0
     """Most earlier stage outputs (the tensors a forward returned, not the last stage's loss) still alive when a
@@ -349,7 +349,7 @@ def storage_id(t: torch.Tensor) -> int:
     return st.data_ptr() if t.device.type != "meta" else st._cdata
 
 
-def _inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
+def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors whose storages t keeps alive: a wrapper subclass's (torchao's float8 tensors, whose own storage
     is no real one) inner tensors."""
     if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and hasattr(t, "__tensor_flatten__"):
@@ -380,13 +380,13 @@ class PipelineSchedule:
 
     def __init__(
         self,
-        chunks: List[torch.nn.Module],
+        chunks: list[torch.nn.Module],
         kind: str,
         pp: int,
         pp_rank: int,
-        pp_ranks: List[int],
+        pp_ranks: list[int],
         pp_group,
-        p2p_shape: Tuple[int, ...],
+        p2p_shape: tuple[int, ...],
         dtype: torch.dtype,
         device: torch.device,
         scale_loss: Callable[[torch.Tensor, int], torch.Tensor],
@@ -426,18 +426,18 @@ class PipelineSchedule:
             torch.cuda.synchronize(self.device)
 
     # -- the step --
-    def forward_backward(self, micro_batches: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the mean micro-batch loss on the last
         stage (detached fp32; zero elsewhere). Grads accumulate through the optimizer's hooks."""
         m = len(micro_batches)
         plan = build_comm_plan(self.kind, self.p, self.rank, m, self.v, self.mb_group)
         last_v = self.num_virtual - 1
         # (chunk, mb) -> (input, the last stage's loss or the autograd edge of the stage output, saved bytes)
-        held: Dict[Tuple[int, int], Tuple[Optional[torch.Tensor], Union[torch.Tensor, GradientEdge], int]] = {}
-        waiting_w: Dict[Tuple[int, int], Tuple[List["_WeightGroup"], int]] = {}  # zb_h1: B done, W not yet
-        outputs: List[weakref.ref] = []  # every stage output of the step (output deallocation's measurement)
-        outbox: Dict[Message, torch.Tensor] = {}  # produced, sent at the next exchange
-        inbox: Dict[Message, torch.Tensor] = {}  # received, consumed by the next unit
+        held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor | GradientEdge, int]] = {}
+        waiting_w: dict[tuple[int, int], tuple[list[_WeightGroup], int]] = {}  # zb_h1: B done, W not yet
+        outputs: list[weakref.ref] = []  # every stage output of the step (output deallocation's measurement)
+        outbox: dict[Message, torch.Tensor] = {}  # produced, sent at the next exchange
+        inbox: dict[Message, torch.Tensor] = {}  # received, consumed by the next unit
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         st = StepStats()
         live_bytes = 0
@@ -537,13 +537,13 @@ class PipelineSchedule:
         return total / m
 
     @torch.no_grad()
-    def forward_only(self, micro_batches: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Evaluation: forwards of every micro-batch through the pipeline, no graph, no backward; returns the
         mean micro-batch loss on the last stage (detached fp32; zero elsewhere)."""
         m = len(micro_batches)
         last_v = self.num_virtual - 1
-        outbox: Dict[Message, torch.Tensor] = {}
-        inbox: Dict[Message, torch.Tensor] = {}
+        outbox: dict[Message, torch.Tensor] = {}
+        inbox: dict[Message, torch.Tensor] = {}
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.p > 1 and not self._group_ready:
             comm.all_reduce_op(torch.zeros(1, device=self.device), group=self.group)  # see forward_backward
@@ -567,12 +567,12 @@ class PipelineSchedule:
         assert not outbox and not inbox, "every message of the plan is sent and consumed"
         return total / m
 
-    def _forward(self, c: int, x: torch.Tensor, targets: Optional[torch.Tensor]) -> torch.Tensor:
+    def _forward(self, c: int, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         if targets is not None:
             return self.chunks[c](x, targets.to(self.device))
         return self.chunks[c](x)
 
-    def metrics(self) -> Dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         """Fields for the metrics line: measured idle share (mean over stages) next to the plan's."""
         return {
             "bubble_measured": round(self.stats.idle_share_mean, 4),
@@ -597,12 +597,12 @@ class _WeightGroup:
     nodes, matmuls and norms, that take both an activation and a parameter), with the grads that reached
     those nodes during B."""
 
-    params: List[torch.Tensor]
-    nodes: List[Node]
-    grads: Dict[Node, Tuple[Optional[torch.Tensor], ...]] = field(default_factory=dict)
+    params: list[torch.Tensor]
+    nodes: list[Node]
+    grads: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
 
 
-def _grad_node(t: torch.Tensor) -> Optional[Node]:
+def _grad_node(t: torch.Tensor) -> Node | None:
     """The node autograd sends t's grad to: grad_fn, or a leaf's AccumulateGrad (reached through a view)."""
     if t.grad_fn is not None:
         return t.grad_fn
@@ -611,12 +611,12 @@ def _grad_node(t: torch.Tensor) -> Optional[Node]:
     return t.view_as(t).grad_fn.next_functions[0][0]
 
 
-def _weight_groups(root: Node, inp: torch.Tensor, params: List[torch.Tensor]) -> List[_WeightGroup]:
+def _weight_groups(root: Node, inp: torch.Tensor, params: list[torch.Tensor]) -> list[_WeightGroup]:
     """Split the graph under `root`: the nodes from which the stage input is reached (B runs them), and for
     each parameter the nodes of that set where its own branch starts (W runs from there). Parameters sharing
     such a node form one group. The method of torch.distributed.pipelining's stage_backward_input, on
     torch.autograd.graph's public Node API."""
-    users: Dict[Node, List[Node]] = {root: []}
+    users: dict[Node, list[Node]] = {root: []}
     todo = [root]
     while todo:
         node = todo.pop()
@@ -628,20 +628,20 @@ def _weight_groups(root: Node, inp: torch.Tensor, params: List[torch.Tensor]) ->
                 todo.append(nxt)
             users[nxt].append(node)
     inp_node = _grad_node(inp)
-    on_path: Set[Node] = set()
+    on_path: set[Node] = set()
     todo = [inp_node] if inp_node in users else []
     while todo:  # every node above the input
         node = todo.pop()
         if node not in on_path:
             on_path.add(node)
             todo += users[node]
-    by_node: Dict[Node, _WeightGroup] = {}
+    by_node: dict[Node, _WeightGroup] = {}
     for param in params:
         acc = _grad_node(param)
         if acc not in users:
             continue  # not used by this forward
-        seen: Set[Node] = {acc}
-        starts: Set[Node] = set()
+        seen: set[Node] = {acc}
+        starts: set[Node] = set()
         todo = [acc]
         while todo:  # up from the parameter until the input's path
             for user in users[todo.pop()]:
@@ -659,13 +659,13 @@ def _weight_groups(root: Node, inp: torch.Tensor, params: List[torch.Tensor]) ->
                 for n in other.nodes:
                     by_node[n] = group
             by_node[node] = group
-    unique: Dict[int, _WeightGroup] = {id(g): g for g in by_node.values()}
+    unique: dict[int, _WeightGroup] = {id(g): g for g in by_node.values()}
     return list(unique.values())
 
 
 def _input_pass(
-    root: Union[torch.Tensor, GradientEdge], grad_out: Optional[torch.Tensor], inp: torch.Tensor, chunk
-) -> Tuple[torch.Tensor, List[_WeightGroup]]:
+    root: torch.Tensor | GradientEdge, grad_out: torch.Tensor | None, inp: torch.Tensor, chunk
+) -> tuple[torch.Tensor, list[_WeightGroup]]:
     """zb_h1's B: the grad of the stage input only (the graph kept, torch.autograd.grad with retain_graph), and
     the grads reaching each weight group's start nodes, captured by node pre-hooks for its W."""
     root_node = root.grad_fn if isinstance(root, torch.Tensor) else root.node
@@ -687,7 +687,7 @@ def _input_pass(
     return grad_in, groups
 
 
-def _weight_pass(groups: List[_WeightGroup]) -> None:
+def _weight_pass(groups: list[_WeightGroup]) -> None:
     """zb_h1's W: each group's weight grads from the grads its start nodes received in B, accumulated into the
     parameters' .grad like a whole backward (torch.autograd.backward with inputs=, so the optimizer's grad hooks
     run). A group with several start nodes pins each to its B grad: a start node above another must not add its
@@ -704,7 +704,8 @@ def _weight_pass(groups: List[_WeightGroup]) -> None:
         handles = []
         if len(group.nodes) > 1:
             for node in group.nodes:
-                handles.append(node.register_prehook(lambda _g, b=group.grads.get(node): b))
+                kept = group.grads.get(node)
+                handles.append(node.register_prehook(lambda _g, b=kept: b))
         try:
             torch.autograd.backward(edges, grad_tensors=grads, inputs=group.params, retain_graph=True)
         finally:
@@ -718,20 +719,20 @@ class _Exchanger:
     order, as on NCCL). Without overlap every op is waited for before the next unit runs; with it only the
     receives are, and (early_recv) the next exchange's receives are posted together with this one's ops."""
 
-    def __init__(self, sched: "PipelineSchedule", plan: List[Union[Action, Exchange]]):
+    def __init__(self, sched: PipelineSchedule, plan: list[Action | Exchange]):
         self.s = sched
-        self.exchanges: List[Exchange] = [step for step in plan if isinstance(step[0], tuple)]
+        self.exchanges: list[Exchange] = [step for step in plan if isinstance(step[0], tuple)]
         self.k = 0  # index of the next exchange
-        self.posted: Dict[Message, object] = {}  # receives posted early: message -> work
-        self.sends: List[Tuple[object, torch.Tensor]] = []  # (work, tensor) not yet waited for
+        self.posted: dict[Message, object] = {}  # receives posted early: message -> work
+        self.sends: list[tuple[object, torch.Tensor]] = []  # (work, tensor) not yet waited for
 
-    def _recv_op(self, msg: Message, peer: int, inbox: Dict) -> "comm.P2POp":
+    def _recv_op(self, msg: Message, peer: int, inbox: dict) -> comm.P2POp:
         s = self.s
         buf = torch.empty(s.shape, dtype=s.dtype, device=s.device)
         inbox[msg] = buf
         return comm.recv_op(buf, s.pp_ranks[peer], s.group)
 
-    def exchange(self, outbox: Dict, inbox: Dict) -> None:
+    def exchange(self, outbox: dict, inbox: dict) -> None:
         s, ops = self.s, self.exchanges[self.k]
         self.k += 1
         batch, kinds = [], []  # kinds: ("send", tensor) | ("recv", msg) | ("early", msg) per op
@@ -752,7 +753,7 @@ class _Exchanger:
         if not s.overlap_p2p or len(works) != len(batch):
             for work in works:  # the plain path (or a backend that returns one work for the batch)
                 work.wait()
-            for (kind, msg), work in zip(kinds, works):
+            for kind, msg in kinds[: len(works)]:
                 if kind == "early":
                     self.posted[msg] = None  # already complete
             return
@@ -769,7 +770,7 @@ class _Exchanger:
                 if work is not None:
                     work.wait()
 
-    def message_bytes(self, outbox: Dict) -> int:
+    def message_bytes(self, outbox: dict) -> int:
         """Bytes of the outgoing messages referenced now: in the outbox and in sends not yet known complete.
         Sends that have completed are dropped first (their buffers, stage outputs under deallocation, freed)."""
         self.sends = [(w, t) for w, t in self.sends if not _completed(w)]
@@ -784,7 +785,7 @@ class _Exchanger:
         assert not self.posted, "every early receive belongs to a later exchange of the step"
 
 
-def p2p_shape(cfg) -> Tuple[int, int, int]:
+def p2p_shape(cfg) -> tuple[int, int, int]:
     """Shape of every activation / gradient message: [s/tp if sp else s, micro_batch, h], s this cp rank's tokens."""
     s, tp = cfg.model.seq_length // max(1, getattr(cfg.parallel, "cp", 1)), cfg.parallel.tp
     if sequence_parallel_on(cfg.parallel.sp, tp):

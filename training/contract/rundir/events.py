@@ -11,7 +11,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Dict, List
+from typing import Any
 
 from training.contract.slurm_env import slurm_job_id
 
@@ -36,9 +36,9 @@ def current_job_id() -> str:
     return slurm_job_id() or "local"
 
 
-def append_event(run_dir: str, event: str, **fields: Any) -> Dict[str, Any]:
+def append_event(run_dir: str, event: str, **fields: Any) -> dict[str, Any]:
     """Append one event to run_dir/events.jsonl and return the record written."""
-    record: Dict[str, Any] = {
+    record: dict[str, Any] = {
         "event": event,
         "time": time.time(),
         "attempt": current_attempt(),
@@ -74,7 +74,7 @@ def well_formed(record: Any) -> bool:
     return True
 
 
-def read_events(run_dir: str) -> List[Dict[str, Any]]:
+def read_events(run_dir: str) -> list[dict[str, Any]]:
     """All events of a run, oldest first; a torn last line (a crash mid-write) or a malformed one is skipped, and
     an events.jsonl that is not a regular file (a FIFO would block the reader) reads as none; a line beyond
     training/contract/rundir/lines.py's MAX_LINE_BYTES is skipped without being read whole."""

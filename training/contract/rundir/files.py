@@ -28,8 +28,9 @@ import errno
 import os
 import shutil
 import uuid
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import IO, Iterable, Iterator, Optional
+from typing import IO
 
 # The names meshrun writes at the top of a run directory (and the directories it writes into): checked for
 # links before a launch writes anything (training/contract/rundir/config_files.py), so a planted link is an exit 2, not a rank's
@@ -130,7 +131,7 @@ def open_rw(path: str) -> int:
 
 
 def write_atomic(
-    path: str, data: "str | bytes", fsync: bool = False, mode: Optional[int] = None, check_links: bool = True
+    path: str, data: str | bytes, fsync: bool = False, mode: int | None = None, check_links: bool = True
 ) -> None:
     """Replace `path` with data: a fresh temporary file, then a rename (readers see old or new, never half;
     a link at `path` is replaced, its target untouched). fsync: durable before the rename (checkpoint

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import IO, Any, Iterator
+from collections.abc import Iterator
+from typing import IO, Any
 
 MAX_LINE_BYTES = 16 << 20
 """The longest line a reader takes (16 MiB): far above any line meshrun writes."""

@@ -23,8 +23,9 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any
 
 from training.contract.rundir.events import append_event
 from training.contract.rundir.files import open_regular, open_rw
@@ -35,7 +36,7 @@ TOKEN_ENV = "MESHRUN_LOCK_TOKEN"
 
 # The launcher passes launcher/manage/status.py's job_alive: job id -> whether Slurm still knows the job
 # (True/False), or None when Slurm cannot say. Ranks and unit tests without Slurm leave it unset.
-JobAlive = Callable[[str], Optional[bool]]
+JobAlive = Callable[[str], bool | None]
 
 
 class RunLocked(RuntimeError):
@@ -46,13 +47,13 @@ def lock_path(run_dir: str) -> str:
     return os.path.join(run_dir, LOCK_FILE)
 
 
-def describe(holder: Dict[str, Any]) -> str:
+def describe(holder: dict[str, Any]) -> str:
     if holder.get("kind") == "slurm":
         return f"Slurm job {holder.get('job_id')}"
     return f"pid {holder.get('pid')} on {holder.get('host')} ({holder.get('what', 'meshrun')})"
 
 
-def read_holder(run_dir: str) -> Dict[str, Any]:
+def read_holder(run_dir: str) -> dict[str, Any]:
     """The lock file's record ({} when absent, empty or torn)."""
     try:
         with open_regular(lock_path(run_dir)) as f:  # a FIFO planted as the lock must not block plan or status
@@ -75,7 +76,7 @@ def _open_private(run_dir: str) -> int:
     return fd
 
 
-def flock_holders(path: str) -> Dict[int, Optional[int]]:
+def flock_holders(path: str) -> dict[int, int | None]:
     """The processes that hold a flock on `path` (pid -> their uid, None when unreadable), from /proc/locks."""
     try:
         st = os.stat(path, follow_symlinks=False)
@@ -83,7 +84,7 @@ def flock_holders(path: str) -> Dict[int, Optional[int]]:
             lines = f.read(1 << 20).splitlines()
     except OSError:
         return {}
-    holders: Dict[int, Optional[int]] = {}
+    holders: dict[int, int | None] = {}
     for line in lines:
         parts = line.split()
         if len(parts) < 6 or parts[1] != "FLOCK" or parts[4] == "->":
@@ -111,7 +112,7 @@ def _foreign_holder_note(run_dir: str) -> str:
     return ""
 
 
-def _write(fd: int, holder: Dict[str, Any]) -> None:
+def _write(fd: int, holder: dict[str, Any]) -> None:
     data = (json.dumps(holder, sort_keys=True) + "\n").encode()
     os.lseek(fd, 0, os.SEEK_SET)
     os.ftruncate(fd, 0)
@@ -124,7 +125,7 @@ def _write(fd: int, holder: Dict[str, Any]) -> None:
         os.fsync(fd)
 
 
-def _message(run_dir: str, holder: Dict[str, Any], extra: str = "") -> str:
+def _message(run_dir: str, holder: dict[str, Any], extra: str = "") -> str:
     fix = (
         f"wait for it to end or cancel it (scancel {holder.get('job_id')})"
         if holder.get("kind") == "slurm"
@@ -145,7 +146,7 @@ class RunLock:
     fd: int
     token: str
     created_dir: bool
-    holder: Dict[str, Any]
+    holder: dict[str, Any]
 
     def hand_to_job(self, job_id: str) -> None:
         """After sbatch: the Slurm job holds the run from now on (this process lets go of the flock)."""
@@ -183,22 +184,22 @@ class RunLock:
         _HELD.pop(os.path.abspath(self.run_dir), None)
 
 
-_HELD: Dict[str, RunLock] = {}
+_HELD: dict[str, RunLock] = {}
 
 
-def held(run_dir: str) -> Optional[RunLock]:
+def held(run_dir: str) -> RunLock | None:
     """The lock this process holds on run_dir, if any (the launch code hands it on or releases it)."""
     return _HELD.get(os.path.abspath(run_dir))
 
 
-def _job_alive(holder: Dict[str, Any], job_alive: Optional[JobAlive]) -> Optional[bool]:
+def _job_alive(holder: dict[str, Any], job_alive: JobAlive | None) -> bool | None:
     """Slurm's answer for a job holder: True/False, or None when there is no job or Slurm cannot say."""
     if holder.get("kind") != "slurm" or job_alive is None:
         return None
     return job_alive(str(holder.get("job_id")))
 
 
-def _stale_reason(holder: Dict[str, Any], alive: Optional[bool]) -> Optional[str]:
+def _stale_reason(holder: dict[str, Any], alive: bool | None) -> str | None:
     """Why a holder no longer holds the run (None: it still does, or cannot be known not to); alive is
     _job_alive's answer for it."""
     if not holder or holder.get("released"):
@@ -210,7 +211,7 @@ def _stale_reason(holder: Dict[str, Any], alive: Optional[bool]) -> Optional[str
     return None
 
 
-def _dead_launcher_note(holder: Dict[str, Any]) -> str:
+def _dead_launcher_note(holder: dict[str, Any]) -> str:
     """For a local holder on this host whose launcher process is gone while its ranks still hold the flock."""
     pid = holder.get("pid")
     if holder.get("kind") != "local" or holder.get("host") != socket.gethostname() or not isinstance(pid, int):
@@ -230,8 +231,8 @@ def _dead_launcher_note(holder: Dict[str, Any]) -> str:
 def acquire(
     run_dir: str,
     what: str = "meshrun",
-    job_alive: Optional[JobAlive] = None,
-    event_fields: Optional[Dict[str, Any]] = None,
+    job_alive: JobAlive | None = None,
+    event_fields: dict[str, Any] | None = None,
 ) -> RunLock:
     """Take the run directory for this process (creating it); RunLocked naming the holder when it is taken.
 
@@ -274,7 +275,7 @@ def acquire(
     return lock
 
 
-def check_rank(run_dir: str, job_id: Optional[str], env: Optional[Dict[str, str]] = None) -> Optional[str]:
+def check_rank(run_dir: str, job_id: str | None, env: dict[str, str] | None = None) -> str | None:
     """A rank's check before it touches run_dir: None when the run directory belongs to this rank's job
     (its launcher's token, or this Slurm job), else the message to exit 2 with. A rank started by hand
     (no token, no Slurm job) shares the flock with its peers so that a launcher cannot start beside it."""
@@ -303,7 +304,7 @@ _MANUAL_FDS: list = []
 
 
 # ---------------------------------------------------------------- Slurm: the job holds the run between attempts
-def _locked_fd(run_dir: str, wait_s: float = 10.0) -> Optional[int]:
+def _locked_fd(run_dir: str, wait_s: float = 10.0) -> int | None:
     """The lock file, flocked for a short update (None when a local launcher holds it all along)."""
     fd = _open_private(run_dir)
     deadline = time.time() + wait_s
@@ -318,7 +319,7 @@ def _locked_fd(run_dir: str, wait_s: float = 10.0) -> Optional[int]:
             time.sleep(0.2)
 
 
-def claim_for_job(run_dir: str, job_id: str, job_alive: Optional[JobAlive] = None, wait_s: float = 60.0) -> str:
+def claim_for_job(run_dir: str, job_id: str, job_alive: JobAlive | None = None, wait_s: float = 60.0) -> str:
     """An attempt's prologue: "" when run_dir is this job's (taking over a lock whose holder is gone, with an
     event), else the message to stop the attempt with. A lock naming a job that still runs is waited on for
     wait_s: a failed attempt's epilogue names its resubmission only once sbatch has answered."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from training.contract.rundir.events import well_formed
 from training.contract.rundir.files import open_regular
@@ -22,7 +22,7 @@ def metrics_path(run_dir: str) -> str:
     return os.path.join(run_dir, METRICS_FILE)
 
 
-def _rows(lines: List[str]) -> List[Dict[str, Any]]:
+def _rows(lines: list[str]) -> list[dict[str, Any]]:
     out = []
     for line in lines:
         try:
@@ -34,7 +34,7 @@ def _rows(lines: List[str]) -> List[Dict[str, Any]]:
     return out
 
 
-def _read(path: str) -> List[Dict[str, Any]]:
+def _read(path: str) -> list[dict[str, Any]]:
     """The rows of a regular file (a FIFO or a link to /dev/zero reads as none: it would block or never end; a
     line beyond training/contract/rundir/lines.py's MAX_LINE_BYTES is skipped without being read whole)."""
     from training.contract.rundir.lines import read_objects
@@ -42,17 +42,17 @@ def _read(path: str) -> List[Dict[str, Any]]:
     return [row for row in read_objects(path) if well_formed(row)]
 
 
-def read_rows(run_dir: str) -> List[Dict[str, Any]]:
+def read_rows(run_dir: str) -> list[dict[str, Any]]:
     """Every row of metrics.jsonl, oldest first ([] without the file)."""
     return _read(metrics_path(run_dir))
 
 
-def read_purged_rows(run_dir: str) -> List[Dict[str, Any]]:
+def read_purged_rows(run_dir: str) -> list[dict[str, Any]]:
     """Every row of metrics.purged.jsonl (steps a resume went back over), oldest first ([] without the file)."""
     return _read(os.path.join(run_dir, PURGED_FILE))
 
 
-def tail_rows(run_dir: str, limit_bytes: int = TAIL_BYTES) -> List[Dict[str, Any]]:
+def tail_rows(run_dir: str, limit_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
     """The complete step rows (an integer `step`) in the last limit_bytes of metrics.jsonl, oldest first."""
     try:
         with open_regular(metrics_path(run_dir), binary=True) as f:
@@ -67,7 +67,7 @@ def tail_rows(run_dir: str, limit_bytes: int = TAIL_BYTES) -> List[Dict[str, Any
     return [row for row in _rows(lines) if isinstance(row.get("step"), int)]
 
 
-def last_step(run_dir: str) -> Optional[int]:
+def last_step(run_dir: str) -> int | None:
     """Step of the last complete row of metrics.jsonl; None without one."""
     rows = tail_rows(run_dir)
     return rows[-1]["step"] if rows else None

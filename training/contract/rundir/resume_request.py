@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Dict, Optional
+from typing import Any
 
 REQUEST_FILE = "resume_request.json"
 
@@ -21,13 +21,13 @@ def _path(run_dir: str) -> str:
     return os.path.join(run_dir, REQUEST_FILE)
 
 
-def _write(run_dir: str, data: Dict[str, Any]) -> None:
+def _write(run_dir: str, data: dict[str, Any]) -> None:
     from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
 
     write_atomic(_path(run_dir), json.dumps(data, sort_keys=True))
 
 
-def read_request(run_dir: str) -> Optional[Dict[str, Any]]:
+def read_request(run_dir: str) -> dict[str, Any] | None:
     try:
         with open(_path(run_dir)) as f:
             data = json.load(f)
@@ -57,7 +57,7 @@ def effective_resume(run_dir: str, configured: Any) -> str:
     return "auto" if req.get("consumed") else str(req.get("resume", configured))
 
 
-def planned_resume_step(run_dir: str, configured: Any) -> Optional[int]:
+def planned_resume_step(run_dir: str, configured: Any) -> int | None:
     """The checkpoint an attempt about to start will resume from, as its ranks choose it (effective_resume, then
     the newest checkpoint on the current line for auto, the named step for an explicit one); None for a fresh
     start. A damaged one is passed over by the ranks: their `resumed` event names the one loaded."""
@@ -75,7 +75,7 @@ def planned_resume_step(run_dir: str, configured: Any) -> Optional[int]:
         return None
 
 
-def mark_consumed(run_dir: str, step: Optional[int], attempt: int, job_id: str) -> None:
+def mark_consumed(run_dir: str, step: int | None, attempt: int, job_id: str) -> None:
     """Rank 0, once this attempt has resumed (or started fresh) as the request asked."""
     req = read_request(run_dir)
     if req is None or req.get("consumed"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Iterable, Mapping, Optional, Tuple
+from collections.abc import Iterable, Mapping
 
 SECRETS_FILE = "secrets.json"
 PLACEHOLDER = "<secret: kept in run.dir/secrets.json (mode 0600), not in this file>"
@@ -30,7 +30,7 @@ def is_secret(name: str, patterns: Iterable[str] = DEFAULT_PATTERNS) -> bool:
     return any(p and str(p).upper() in upper for p in patterns)
 
 
-def split_env(env: Mapping[str, str], patterns: Iterable[str]) -> Tuple[Dict[str, str], Dict[str, str]]:
+def split_env(env: Mapping[str, str], patterns: Iterable[str]) -> tuple[dict[str, str], dict[str, str]]:
     """(env with every secret value replaced by PLACEHOLDER, the secret values that are not placeholders)."""
     patterns = list(patterns)
     public, secret = {}, {}
@@ -44,7 +44,7 @@ def split_env(env: Mapping[str, str], patterns: Iterable[str]) -> Tuple[Dict[str
     return public, secret
 
 
-def given_secrets(job_env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+def given_secrets(job_env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The secret values the command line gave (ARGS_ENV of job_env, default this process's environment)."""
     text = (os.environ if job_env is None else job_env).get(ARGS_ENV, "")
     try:
@@ -54,7 +54,7 @@ def given_secrets(job_env: Optional[Mapping[str, str]] = None) -> Dict[str, str]
     return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
 
-def split_given(env: Mapping[str, str], patterns: Iterable[str]) -> Tuple[Dict[str, str], Dict[str, str]]:
+def split_given(env: Mapping[str, str], patterns: Iterable[str]) -> tuple[dict[str, str], dict[str, str]]:
     """split_env, plus the command line's values (given_secrets) of the names env holds as a placeholder."""
     public, secret = split_env(env, patterns)
     given = given_secrets()
@@ -68,7 +68,7 @@ def split_given(env: Mapping[str, str], patterns: Iterable[str]) -> Tuple[Dict[s
     return public, secret
 
 
-def read_secrets(run_dir: str) -> Dict[str, str]:
+def read_secrets(run_dir: str) -> dict[str, str]:
     try:
         with open(os.path.join(run_dir, SECRETS_FILE)) as f:
             data = json.load(f)
@@ -88,9 +88,7 @@ def write_secrets(run_dir: str, values: Mapping[str, str]) -> None:
     write_atomic(path, json.dumps(merged, sort_keys=True), mode=0o600)
 
 
-def resolve(
-    env: Mapping[str, str], run_dir: Optional[str], job_env: Optional[Mapping[str, str]] = None
-) -> Dict[str, str]:
+def resolve(env: Mapping[str, str], run_dir: str | None, job_env: Mapping[str, str] | None = None) -> dict[str, str]:
     """env with each PLACEHOLDER replaced by the value from run_dir/secrets.json, else the command line's
     (given_secrets), else job_env's (default: this process's environment); a placeholder with none of them is
     dropped (never passed on as a value)."""
