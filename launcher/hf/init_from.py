@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from training.checkpoint.storage import read_latest, step_dir
 from training.contract.config import Activation, Config, ModelConfig, Norm, Position
 from training.contract.exit_codes import EXIT_INVALID
 from training.hf.hf_config import HFError, conflicts, model_fields_from_hf, read_hf_config
@@ -65,14 +66,9 @@ def derive_model(cfg: Config, overrides: Sequence[str]) -> Config:
 
 
 def _resumes(run_dir: str) -> bool:
-    """Whether run_dir has a checkpoint to resume (checkpoints/latest names an existing step_<N>). Read here
-    without training/checkpoint/, whose package imports torch."""
-    try:
-        with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
-            name = f.read().strip()
-    except OSError:
-        return False
-    return name.startswith("step_") and os.path.isdir(os.path.join(run_dir, "checkpoints", name))
+    """Whether run_dir has a checkpoint to resume (checkpoints/latest names an existing step_<N>)."""
+    step = read_latest(run_dir)
+    return step is not None and os.path.isdir(step_dir(run_dir, step))
 
 
 def apply_init_from(cfg: Config, overrides: Sequence[str], run_dir: str = "") -> Config:
