@@ -12,7 +12,7 @@
 # it must import this checkout's launcher and Hydra, or the script stops with exit 2 naming the fix.
 # Steps (each one `meshrun` command, so the script exercises what users run):
 #  1. preflight (bench/gpu_preflight.sh's checks: NVML, matmul rate, collectives); --dry: on CPU with NVML
-#     answered by the double (training/observe/nvml_double.py): every check computed.
+#     answered by the double (training/preflight/nvml_double.py): every check computed.
 #  2. the largest GPT preset that the planner says fits this GPU (llama3_8b, else gpt_1p3b; --dry: tiny),
 #     bf16, 30 steps (--dry: fp32 on CPU, 4 steps), one rank: an NCCL process group (--dry: gloo).
 #     MFU is training/run/loop.py's: model FLOPs / step time / this device's matmul rate (measured with warm-up at

@@ -1,7 +1,7 @@
 """The operations checklist's GPU paths (issue 23), through the real CLI; run by bench/gpu_ops_check.sh.
 
 On one GPU in about 3 minutes; --dry: every check on CPU (tiny sizes, NVML answered by the double of
-training/observe/nvml_double.py), so the script cannot rot between GPU runs (bench/gpu_check.sh --dry runs it,
+training/preflight/nvml_double.py), so the script cannot rot between GPU runs (bench/gpu_check.sh --dry runs it,
 tests/launcher/test_gpu_check.py reads its summary):
  1. preflight_checklist: preflight with the real NVML and NCCL (--dry: the double, gloo): the checklist's checks
     are present (nccl.transport, nccl.ib_settings, version.nccl_min, version.cudnn, version.cuda_runtime,
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.preflight.runner import node_name
 
     if dry:
-        from training.observe.nvml_double import make_nvml_double
+        from training.preflight.nvml_double import make_nvml_double
 
         xid_double = _write_double(os.path.join(run_dir, "xid_double.json"), {"xid": [list(DRY_XID)]})
         nvml, why = make_nvml_double(xid_double, node_name()), ""
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             registered=w.gpus,
             unsupported=w.unsupported,
             pending=polled,
-            **({"nvml": "double (training/observe/nvml_double.py)"} if dry else {}),
+            **({"nvml": "double (training/preflight/nvml_double.py)"} if dry else {}),
         )
         w.close()
         nvml.nvmlShutdown()

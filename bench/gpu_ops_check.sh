@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu_ops_check.sh [RUN_DIR]
 #   bash bench/gpu_ops_check.sh --dry [RUN_DIR]   # every check on CPU: tiny sizes, NVML answered by the double
-#                                                 # (training/observe/nvml_double.py); bench/gpu_check.sh --dry
+#                                                 # (training/preflight/nvml_double.py); bench/gpu_check.sh --dry
 #                                                 # and bench/gpu_first_run.sh DRY=1 run it
 #
 #  1. preflight with the real NVML and NCCL: the checklist's checks are present (nccl.transport, nccl.ib_settings,

@@ -1,7 +1,7 @@
 """Understanding a run: stragglers, the first non-finite layer, profiler traces, node health (one 2-rank run).
 
 The 2-rank gloo run plays two nodes (MESHRUN_NODE nodeA / nodeB, each rank its node's local rank 0, so each runs
-a health sampler against the NVML double of training/observe/nvml_double.py) and injects, on rank 1 only:
+a health sampler against the NVML double of training/preflight/nvml_double.py) and injects, on rank 1 only:
 - a slow rank: a forward pre-hook that sleeps in every step -> a `straggler` event naming rank 1 and nodeB;
 - a NaN: one weight of layers.1.mlp.fc1 set to NaN before step 5 -> a `nonfinite` event naming that layer and
   rank 1 (the replay with hooks runs only then);

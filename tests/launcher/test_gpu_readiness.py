@@ -300,11 +300,11 @@ def test_nvml_library_mismatch_is_a_reason_not_a_crash(monkeypatch):
 
 def test_nvml_library_mismatch_in_a_query_is_a_warning_not_a_crash():
     """R21: on a driver before R510 pynvml's unversioned process query raises NVMLLibraryMismatchError (not an
-    NVMLError); `_try` makes it a reason, and the foreign-memory check warns that it could not look."""
+    NVMLError); `nvml_query` makes it a reason, and the foreign-memory check warns that it could not look."""
     from helpers.doubles import fake_nvml, healthy_gpu
 
     from training.contract.config import PreflightConfig
-    from training.preflight.gpu_nvml import _try, check_gpus
+    from training.preflight.gpu_nvml import check_gpus, nvml_query
 
     m = fake_nvml([healthy_gpu(0)])
     m.NVMLLibraryMismatchError = pynvml.NVMLLibraryMismatchError
@@ -313,7 +313,7 @@ def test_nvml_library_mismatch_in_a_query_is_a_warning_not_a_crash():
         raise pynvml.NVMLLibraryMismatchError("Unversioned function called")
 
     m.nvmlDeviceGetComputeRunningProcesses = old_driver
-    value, why = _try(m, "nvmlDeviceGetComputeRunningProcesses", None)
+    value, why = nvml_query(m, "nvmlDeviceGetComputeRunningProcesses", None)
     assert value is None and "Unversioned function called" in why
     checks, _ = check_gpus(m, PreflightConfig(), 1, "n1", own_pids={1})
     foreign = [c for c in checks if c.name == "gpu.foreign_memory"]
@@ -324,7 +324,7 @@ def test_nvml_library_mismatch_in_a_query_is_a_warning_not_a_crash():
 
     m.nvmlDeviceGetComputeRunningProcesses = broken
     with pytest.raises(RuntimeError):
-        _try(m, "nvmlDeviceGetComputeRunningProcesses", None)
+        nvml_query(m, "nvmlDeviceGetComputeRunningProcesses", None)
 
 
 def test_crc_switch_falls_back_on_torch_without_serialization_config(monkeypatch):

@@ -1,7 +1,7 @@
 """The operations checklist (issue 23, items 9-11) against test doubles of what a CPU machine lacks: the
 InfiniBand sysfs tree (tests/launcher/test_preflight_ib.py's writer, extended with the HCA's PCI device: NUMA node and MSI
 interrupts), /proc and /sys fixtures (modules, IRQ affinity, block queues, cgroups, the mount table), and the
-NVML file double (training/observe/nvml_double.py) extended with Xid events. The run-time paths that need ranks
+NVML file double (training/preflight/nvml_double.py) extended with Xid events. The run-time paths that need ranks
 (OOM through training.main, slowdown, NVTX, the checkpoint replica) are tests/engine/test_ops_run.py."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from helpers.doubles import write_port
 from training.contract.config import Config
 from training.contract.rundir.events import read_events
 from training.observe.health import XID, HealthSampler
-from training.observe.nvml_double import make_nvml_double
 from training.observe.oom import explain, levers
 from training.observe.slowdown import JobSlowdown
 from training.preflight import nccl_checks, node_ops
+from training.preflight.nvml_double import make_nvml_double
 from training.preflight.report import FAIL, OK, WARN
 
 

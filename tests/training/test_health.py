@@ -1,6 +1,6 @@
 """GPU health while training (training/observe/health.py) on CPU: the sampler against NVML doubles that speak
 real pynvml (the preflight's, tests/launcher/test_preflight_nvml.py, and the file-driven one a run uses,
-training/observe/nvml_double.py), and on the dev Slurm cluster: an ECC count that grows mid-run on one node
+training/preflight/nvml_double.py), and on the dev Slurm cluster: an ECC count that grows mid-run on one node
 raises a `health` event and, with cluster.health.action=requeue, the job is checkpointed and resubmitted
 without that node. The multi-rank engine path is tests/engine/test_diagnostics.py."""
 
@@ -17,7 +17,7 @@ from helpers.doubles import fake_nvml, healthy_gpu
 from training.contract.config import Config
 from training.contract.rundir.events import read_events
 from training.observe.health import ECC, THROTTLE, HealthSampler, ThroughputShare, load_health_nvml
-from training.observe.nvml_double import make_nvml_double
+from training.preflight.nvml_double import make_nvml_double
 
 
 def _lines(run_dir):

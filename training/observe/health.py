@@ -12,7 +12,7 @@ own baseline (`health` event, kind throughput). With cluster.health.action=reque
 unhealthy node's ranks exit EXIT_NODE_BAD, so the Slurm epilogue (launcher/slurm/requeue.py) resubmits the job
 without that node; the other ranks exit EXIT_STOPPED.
 
-On CPU there is no NVML: cluster.health.nvml_double names a JSON file that training/observe/nvml_double.py turns
+On CPU there is no NVML: cluster.health.nvml_double names a JSON file that training/preflight/nvml_double.py turns
 into a pynvml-shaped double, so the whole path runs in tests.
 """
 
@@ -27,8 +27,7 @@ from typing import Any
 
 from training.contract.rundir.events import append_event
 from training.contract.rundir.files import write_atomic
-from training.preflight.gpu_nvml import _BAD_THROTTLE
-from training.preflight.gpu_nvml import _try as _try_nvml
+from training.preflight.gpu_nvml import BAD_THROTTLE, nvml_query
 
 HEALTH_FILE = "health.jsonl"
 
@@ -52,7 +51,7 @@ def load_health_nvml(cfg, node: str):
     the real NVML on cuda, nothing on CPU."""
     h = cfg.cluster.health
     if h.nvml_double:
-        from training.observe.nvml_double import make_nvml_double
+        from training.preflight.nvml_double import make_nvml_double
 
         return make_nvml_double(h.nvml_double, node), ""
     if cfg.cluster.device != "cuda":
@@ -66,7 +65,7 @@ def _try(nvml, fn, *args):
     """gpu_nvml's query (NotSupported -> (None, why)); a function this pynvml (or a double) lacks is skipped too."""
     if not hasattr(nvml, fn):
         return None, "not in this NVML binding"
-    return _try_nvml(nvml, fn, *args)
+    return nvml_query(nvml, fn, *args)
 
 
 def read_gpu(nvml, h) -> dict[str, Any]:
@@ -91,7 +90,7 @@ def read_gpu(nvml, h) -> dict[str, Any]:
     )
     mask, _ = _try(nvml, fn, h)
     if mask is not None:
-        out["throttle"] = [label for const, label in _BAD_THROTTLE if mask & getattr(nvml, const)]
+        out["throttle"] = [label for const, label in BAD_THROTTLE if mask & getattr(nvml, const)]
     ecc, _ = _try(
         nvml, "nvmlDeviceGetTotalEccErrors", h, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
     )

@@ -14,7 +14,7 @@ from training.preflight.report import Check, fail, ok, warn
 
 # Throttle (since driver 535: "clocks event") reasons that mean hardware trouble, by their NVML bit.
 # Idle, application-clock and SW power-cap reasons are normal and not reported.
-_BAD_THROTTLE = (
+BAD_THROTTLE = (
     ("nvmlClocksThrottleReasonHwSlowdown", "HW slowdown"),
     ("nvmlClocksThrottleReasonHwThermalSlowdown", "HW thermal slowdown"),
     ("nvmlClocksThrottleReasonSwThermalSlowdown", "SW thermal slowdown"),
@@ -62,7 +62,7 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _try(nvml, fn, *args):
+def nvml_query(nvml, fn, *args):
     """Call an NVML query; (value, None), or (None, reason) when the GPU or the driver does not support it.
     pynvml raises NVMLLibraryMismatchError, not an NVMLError, when an unversioned query (the process list) has
     no function in an older driver's library (before R510): a reason too, not a crash of the preflight."""
@@ -170,7 +170,7 @@ def _check_one(nvml, pf, h, own_pids) -> list[Check]:
     out: list[Check] = []
     # Uncorrectable ECC: volatile (since the last driver load) and aggregate (lifetime).
     for counter, label in ((nvml.NVML_VOLATILE_ECC, "volatile"), (nvml.NVML_AGGREGATE_ECC, "aggregate")):
-        n, why = _try(nvml, "nvmlDeviceGetTotalEccErrors", h, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, counter)
+        n, why = nvml_query(nvml, "nvmlDeviceGetTotalEccErrors", h, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, counter)
         name = f"gpu.ecc_uncorrected_{label}"
         if why:
             out.append(ok(name, f"ECC {why}"))
@@ -183,7 +183,7 @@ def _check_one(nvml, pf, h, own_pids) -> list[Check]:
         else:
             out.append(ok(name, found=0, expected=0))
 
-    rows, why = _try(nvml, "nvmlDeviceGetRemappedRows", h)
+    rows, why = nvml_query(nvml, "nvmlDeviceGetRemappedRows", h)
     if why:
         out.append(ok("gpu.row_remap", f"row remapping {why}"))
     else:
@@ -196,7 +196,7 @@ def _check_one(nvml, pf, h, own_pids) -> list[Check]:
         else:
             out.append(ok("gpu.row_remap", found=found))
 
-    pending, why = _try(nvml, "nvmlDeviceGetRetiredPagesPendingStatus", h)
+    pending, why = nvml_query(nvml, "nvmlDeviceGetRetiredPagesPendingStatus", h)
     if why:
         out.append(ok("gpu.retired_pages", f"page retirement {why} (row remapping replaces it since Ampere)"))
     elif pending == nvml.NVML_FEATURE_ENABLED:
@@ -214,7 +214,7 @@ def _check_one(nvml, pf, h, own_pids) -> list[Check]:
     temp = nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)
     limit = pf.max_gpu_temp_c
     if not limit:
-        limit, why = _try(nvml, "nvmlDeviceGetTemperatureThreshold", h, nvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN)
+        limit, why = nvml_query(nvml, "nvmlDeviceGetTemperatureThreshold", h, nvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN)
     if limit and temp >= limit:
         out.append(
             fail(
@@ -235,19 +235,19 @@ def _check_one(nvml, pf, h, own_pids) -> list[Check]:
     # nvidia-ml-py has both), so the older throttle-reasons call is asked next.
     for fn in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
         if hasattr(nvml, fn):
-            mask, why = _try(nvml, fn, h)
+            mask, why = nvml_query(nvml, fn, h)
             if why is None:
                 break
-    active = [label for const, label in _BAD_THROTTLE if mask and mask & getattr(nvml, const)]
+    active = [label for const, label in BAD_THROTTLE if mask and mask & getattr(nvml, const)]
     if active:
         out.append(fail("gpu.throttle", "clocks held down by " + ", ".join(active), found=active, expected=[]))
     else:
         out.append(ok("gpu.throttle", why or "", found=[] if not why else None))
 
-    gen, _ = _try(nvml, "nvmlDeviceGetCurrPcieLinkGeneration", h)
-    max_gen, _ = _try(nvml, "nvmlDeviceGetMaxPcieLinkGeneration", h)
-    width, _ = _try(nvml, "nvmlDeviceGetCurrPcieLinkWidth", h)
-    max_width, _ = _try(nvml, "nvmlDeviceGetMaxPcieLinkWidth", h)
+    gen, _ = nvml_query(nvml, "nvmlDeviceGetCurrPcieLinkGeneration", h)
+    max_gen, _ = nvml_query(nvml, "nvmlDeviceGetMaxPcieLinkGeneration", h)
+    width, _ = nvml_query(nvml, "nvmlDeviceGetCurrPcieLinkWidth", h)
+    max_width, _ = nvml_query(nvml, "nvmlDeviceGetMaxPcieLinkWidth", h)
     found, expected = f"gen{gen} x{width}", f"gen{max_gen} x{max_width}"
     if width is not None and max_width and width < max_width:
         out.append(
@@ -273,7 +273,7 @@ def _check_one(nvml, pf, h, own_pids) -> list[Check]:
 
     out.append(_check_nvlink(nvml, pf, h))
 
-    procs, why = _try(nvml, "nvmlDeviceGetComputeRunningProcesses", h)
+    procs, why = nvml_query(nvml, "nvmlDeviceGetComputeRunningProcesses", h)
     foreign = [p for p in (procs or []) if p.pid not in own_pids]
     used_mb = sum((p.usedGpuMemory or 0) for p in foreign) / 2**20
     if why:
@@ -303,7 +303,7 @@ def _mig_check(nvml, h) -> Check | None:
     """MIG mode on: the GPU is split into instances that meshrun's one-rank-per-GPU layout does not address."""
     if not hasattr(nvml, "nvmlDeviceGetMigMode"):
         return None
-    mode, why = _try(nvml, "nvmlDeviceGetMigMode", h)
+    mode, why = nvml_query(nvml, "nvmlDeviceGetMigMode", h)
     if why or mode is None:
         return ok("gpu.mig", f"MIG {why or 'not reported'}")
     current = mode[0] if isinstance(mode, (list, tuple)) else mode

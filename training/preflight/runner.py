@@ -36,7 +36,7 @@ def node_checks(cfg: Config, node: str, before_ib: dict | None = None) -> tuple[
     pf, cl = cfg.cluster.preflight, cfg.cluster
     checks: list[Check] = []
     if cl.health.nvml_double:  # machines without GPUs (tests, bench/gpu_preflight.sh --dry)
-        from training.observe.nvml_double import make_nvml_double
+        from training.preflight.nvml_double import make_nvml_double
 
         nvml, why = make_nvml_double(cl.health.nvml_double, node), ""
     else:
