@@ -1,17 +1,18 @@
-"""Run a function on N gloo processes and collect what each rank returns.
+"""Run a function on N local gloo processes and collect what each rank returns.
 
-    results = run_distributed(fn, world_size=4, args=(...,), timeout_s=120)
+    results = run_ranks(fn, world_size=4, args=(...,), timeout_s=120)
 
+The multi-process tests (through tests/helpers/dist.py) and the benchmarks in bench/ start their ranks here.
 `fn` must be importable (a module-level function). Each process gets RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT in its environment, one torch thread (the
-machine's cores are shared), then calls fn(*args) and sends back the result. It does NOT create a
-process group: fn does that (usually through ProcessMesh.from_env) and should call mesh.destroy().
-A rank's exception is re-raised here with its traceback; a run longer than timeout_s kills every
-rank and raises TimeoutError, so a deadlocked collective fails the test instead of hanging it.
+LOCAL_WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT in its environment, `threads` torch threads (the machine's
+cores are shared), then calls fn(*args) and sends back the result. It does NOT create a process group: fn does
+that (usually through ProcessMesh.from_env) and should call mesh.destroy(). A rank's exception is re-raised here
+with its traceback; a run longer than timeout_s kills every rank and raises TimeoutError, so a deadlocked
+collective fails its caller instead of hanging it.
 
-Ranks are forked from a forkserver (one per pytest process) that has imported torch and the engine once
+Ranks are forked from a forkserver (one per calling process) that has imported torch and the engine once
 (PRELOAD), with the caller's current environment and working directory: a rank starts in milliseconds instead of
-paying an interpreter start and torch's import. MESHRUN_TEST_START=spawn starts fresh interpreters instead.
+paying an interpreter start and torch's import. fresh=True starts fresh interpreters instead.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def _worker(fn, rank, world_size, port, args, results, threads, env) -> None:
         results.put((rank, False, traceback.format_exc()))
 
 
-# Modules every rank imports: a forkserver that has imported them once per pytest process forks each rank with
-# them loaded, so a spawn no longer pays an interpreter start and torch's import per rank (most of a small
+# Modules every rank imports: a forkserver that has imported them once per calling process forks each rank with
+# them loaded, so a start no longer pays an interpreter start and torch's import per rank (most of a small
 # test's time). The checkpoint's save and load path (distributed checkpoint, the DTensor and sharded-tensor code
 # it pulls in, the CRC writer) is the warm agent's list too (training/run/warm_agent.py): a rank that saves or
 # resumes would otherwise import it again. The forkserver itself has started no thread and no
@@ -72,20 +73,51 @@ PRELOAD = [
     "training.checkpoint.safe_read",
     "training.checkpoint.crc_writer",
     "torch.distributed._shard.sharded_tensor",
-    "helpers.dist",
+    "training.run.local_ranks",
 ]
 
 
 def _context(fresh: bool = False):
-    """The multiprocessing context ranks start from: MESHRUN_TEST_START=spawn (or fresh) gives fresh interpreters."""
-    if fresh or os.environ.get("MESHRUN_TEST_START", "forkserver") == "spawn":
+    """The multiprocessing context ranks start from: fresh interpreters (spawn), or forks of the preloaded forkserver."""
+    if fresh:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
-def run_distributed(
+def _collect(fn: Callable[..., Any], procs: list, results, world_size: int, timeout_s: float) -> dict[int, Any]:
+    """Every rank's result by rank; raises a rank's failure, a rank that died without a result, or the timeout."""
+    out: dict[int, Any] = {}
+    errors = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) + len(errors) < world_size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(
+                f"{world_size}-rank run of {fn.__name__} exceeded {timeout_s} s; finished ranks: {sorted(out)}"
+            )
+        try:
+            rank, ok, value = results.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in out]
+            if dead and not errors:
+                raise RuntimeError(
+                    f"rank(s) {dead} died without a result (exit codes {[procs[i].exitcode for i in dead]})"
+                ) from None
+            continue
+        if ok:
+            out[rank] = value
+        else:
+            errors.append((rank, value))
+            break  # the other ranks may now block on a collective: do not wait for them
+    if errors:
+        rank, tb = errors[0]
+        raise RuntimeError(f"rank {rank} of {world_size} failed:\n{tb}")
+    return out
+
+
+def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
     args: Sequence[Any] = (),
@@ -93,7 +125,7 @@ def run_distributed(
     threads: int = 1,
     fresh: bool = False,
 ) -> list[Any]:
-    """fn(*args) on world_size spawned ranks; returns the ranks' results in rank order. fresh: ranks in new
+    """fn(*args) on world_size local ranks; returns the ranks' results in rank order. fresh: ranks in new
     interpreters that have imported nothing yet (a test of what the engine itself imports, and when)."""
     ctx = _context(fresh)
     results = ctx.Queue()
@@ -106,33 +138,8 @@ def run_distributed(
     ]
     for p in procs:
         p.start()
-    out: dict = {}
-    errors = []
     try:
-        deadline = time.monotonic() + timeout_s
-        while len(out) + len(errors) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(
-                    f"{world_size}-rank run of {fn.__name__} exceeded {timeout_s} s; finished ranks: {sorted(out)}"
-                )
-            try:
-                rank, ok, value = results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in out]
-                if dead and not errors:
-                    raise RuntimeError(
-                        f"rank(s) {dead} died without a result (exit codes {[procs[i].exitcode for i in dead]})"
-                    ) from None
-                continue
-            if ok:
-                out[rank] = value
-            else:
-                errors.append((rank, value))
-                break  # the other ranks may now block on a collective: do not wait for them
-        if errors:
-            rank, tb = errors[0]
-            raise RuntimeError(f"rank {rank} of {world_size} failed:\n{tb}")
+        out = _collect(fn, procs, results, world_size, timeout_s)
         for p in procs:
             p.join(timeout=30)
         return [out[r] for r in range(world_size)]
