@@ -23,7 +23,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
 def _cfg(args, compile: bool):
@@ -58,7 +57,7 @@ def main() -> int:
     os.environ.update(
         {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     )
-    from helpers.dist import free_port
+    from training.run.local_ranks import free_port
 
     os.environ["MASTER_PORT"] = str(free_port())
     import torch

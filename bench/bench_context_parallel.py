@@ -34,7 +34,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch  # noqa: E402
 
@@ -144,11 +143,11 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    from helpers.dist import run_distributed
+    from training.run.local_ranks import run_ranks
 
     cores = os.cpu_count() or 1
     load = os.getloadavg()[0]  # before the ranks start: other jobs only
-    r = run_distributed(_worker, 2, args=(args.seq, args.rounds), timeout_s=1800)[0]
+    r = run_ranks(_worker, 2, args=(args.seq, args.rounds), timeout_s=1800)[0]
     ratio, cpu_ratio = r["cp2"] / r["cp1"], r["cp2_cpu"] / r["cp1_cpu"]
     hidden = min(1.0, max(0.0, (r["serial"] - r["overlap"]) / r["comm"])) if r["comm"] > 0 else 0.0
     idle = load < cores - 1.5

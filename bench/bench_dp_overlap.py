@@ -29,7 +29,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch
 
@@ -99,10 +98,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=4.0)
     args = ap.parse_args(argv)
-    from helpers.dist import run_distributed
+    from training.run.local_ranks import run_ranks
 
     cfg = base_cfg(args.bucket_mb)
-    results = run_distributed(_worker, 2, args=(config_to_dict(cfg), args.warmup, args.rounds), timeout_s=900)
+    results = run_ranks(_worker, 2, args=(config_to_dict(cfg), args.warmup, args.rounds), timeout_s=900)
     # Per round, the slower rank sets each trainer's step time; ratios are taken within a round (the
     # machine's load changes between rounds far more than within one), then the median over rounds.
     per_round = {n: [max(r[n][k] for r in results) for k in range(args.rounds)] for n in results[0]}

@@ -45,7 +45,6 @@ from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch
 import torch.nn as nn
@@ -467,13 +466,11 @@ def main(argv=None) -> int:
             f"{'yes' if hit else 'NO':<14} {100 * mfu:.1f}%"
         )
     if not args.gpu and not args.no_tp and not args.no_inproc:
-        from helpers.dist import run_distributed
+        from training.run.local_ranks import run_ranks
 
         cfg = bench_cfg("a")
         rounds = args.rounds or ROUNDS["tp2"]
-        (t_engine, t_dtensor, t_sp), _ = run_distributed(
-            _tp_worker, 2, args=(config_to_dict(cfg), 2, rounds), timeout_s=900
-        )
+        (t_engine, t_dtensor, t_sp), _ = run_ranks(_tp_worker, 2, args=(config_to_dict(cfg), 2, rounds), timeout_s=900)
         tokens = cfg.parallel.global_batch * cfg.model.seq_length
         r, r_sp = compare(t_engine, t_dtensor, tokens), compare(t_sp, t_dtensor, tokens)
         hit = r["ratio"] >= 1.0

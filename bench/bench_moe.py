@@ -24,7 +24,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch
 
@@ -91,10 +90,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args(argv)
-    from helpers.dist import run_distributed
+    from training.run.local_ranks import run_ranks
 
     cfg = base_cfg()
-    results = run_distributed(_worker, 2, args=(config_to_dict(cfg), args.warmup, args.rounds), timeout_s=1200)
+    results = run_ranks(_worker, 2, args=(config_to_dict(cfg), args.warmup, args.rounds), timeout_s=1200)
     per_round = {ep: [max(r["times"][ep][k] for r in results) for k in range(args.rounds)] for ep in (1, 2)}
     tokens = cfg.parallel.global_batch * cfg.model.seq_length
     tok_s = {ep: tokens / statistics.median(v) for ep, v in per_round.items()}

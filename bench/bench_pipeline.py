@@ -28,7 +28,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch
 import torch.nn as nn
@@ -36,7 +35,10 @@ import torch.nn as nn
 SHAPE = (16, 2, 32)  # [s, micro_batch, h] of every message (--hidden changes h)
 
 
-class _Sleep(torch.autograd.Function):
+class SleepPass(torch.autograd.Function):
+    """A stage's paced passes: forward sleeps t_f, backward (the input grad) t_b (bench/bench_pipeline_bubble.py
+    uses it too)."""
+
     @staticmethod
     def forward(ctx, x, t_f, t_b):
         ctx.t_b = t_b
@@ -60,7 +62,7 @@ class SleepStage(nn.Module):
     def forward(self, x, targets=None):
         if self.first:
             x = torch.zeros(self.shape) + x.float().mean()
-        y = _Sleep.apply(x * self.weight, self.t_f, self.t_b)
+        y = SleepPass.apply(x * self.weight, self.t_f, self.t_b)
         return y.mean() if self.last else y
 
 
@@ -133,14 +135,13 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=SHAPE[2], help="h of the [s, b, h] fp32 messages")
     args = ap.parse_args(argv)
     shape = (SHAPE[0], SHAPE[1], args.hidden)
-    from helpers.dist import run_distributed
-
+    from training.run.local_ranks import run_ranks
     from training.schedules.pipeline import planned_idle_share
 
     rows, ok = [], True
     for p in (2, 4):
         cases = [(kind, v, m) for m in (p, 4 * p) for kind, v in (("1f1b", 1), ("interleaved_1f1b", 2))]
-        res = run_distributed(_worker, p, args=(p, cases, args.tf, args.tb, args.steps, shape), timeout_s=600)[0]
+        res = run_ranks(_worker, p, args=(p, cases, args.tf, args.tb, args.steps, shape), timeout_s=600)[0]
         by_m = {}
         for kind, v, m, measured, wall_wait, wall_overlap, measured_wait in res:
             planned = planned_idle_share(p, m, v)

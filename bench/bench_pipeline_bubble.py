@@ -25,29 +25,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch
 import torch.nn as nn
+from bench_pipeline import SleepPass  # the activation's path: forward t_f, input grad t_b
 
 SHAPE = (16, 2, 32)  # [s, micro_batch, h] of every message
 P = 4
 KINDS = (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1))
-
-
-class _SleepInput(torch.autograd.Function):
-    """The activation's path: forward sleeps t_f, backward (the input grad) t_b."""
-
-    @staticmethod
-    def forward(ctx, x, t_f, t_b):
-        ctx.t_b = t_b
-        time.sleep(t_f)
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx, g):
-        time.sleep(ctx.t_b)
-        return g * 1.0, None, None
 
 
 class _SleepWeight(torch.autograd.Function):
@@ -75,7 +60,7 @@ class SleepStage(nn.Module):
     def forward(self, x, targets=None):
         if self.first:
             x = torch.zeros(SHAPE) + x.float().mean()
-        y = _SleepInput.apply(x, self.t_f, self.t_b) + _SleepWeight.apply(self.weight, self.t_w)
+        y = SleepPass.apply(x, self.t_f, self.t_b) + _SleepWeight.apply(self.weight, self.t_w)
         return y.mean() if self.last else y
 
 
@@ -135,12 +120,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tw", type=float, default=0.04, help="weight-grad seconds per micro-batch per rank")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per schedule (after one warm-up)")
     args = ap.parse_args(argv)
-    from helpers.dist import run_distributed
-
+    from training.run.local_ranks import run_ranks
     from training.schedules.pipeline import planned_idle_share
 
     ms = (P, 2 * P)
-    res = run_distributed(_worker, P, args=(ms, args.tf, args.tb, args.tw, args.steps), timeout_s=600)[0]
+    res = run_ranks(_worker, P, args=(ms, args.tf, args.tb, args.tw, args.steps), timeout_s=600)[0]
     print(
         f"pipeline bubble at pp={P}: paced stages (forward {args.tf * 1e3:.0f} ms, input grad {args.tb * 1e3:.0f} ms, "
         f"weight grad {args.tw * 1e3:.0f} ms per micro-batch per rank; messages {SHAPE} fp32), idle share of wall "

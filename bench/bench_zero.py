@@ -24,7 +24,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from training.contract.config import Config, config_from_dict, config_to_dict
 
@@ -107,10 +106,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)
     args = ap.parse_args()
-    from helpers.dist import run_distributed
+    from training.run.local_ranks import run_ranks
 
     cfg = config_to_dict(base_cfg(args.hidden))
-    ranks = run_distributed(_timing_worker, 2, args=(cfg, args.warmup, args.rounds), timeout_s=3600)
+    ranks = run_ranks(_timing_worker, 2, args=(cfg, args.warmup, args.rounds), timeout_s=3600)
     t1, t3 = ranks[0][1], ranks[0][3]
     overhead = statistics.median(b / a for a, b in zip(t1, t3))
     print(
@@ -119,7 +118,7 @@ def main() -> int:
     )
     big = base_cfg(args.hidden * 2)
     with tempfile.TemporaryDirectory() as nvme:
-        none, off = run_distributed(_rss_worker, 2, args=(config_to_dict(big), nvme), timeout_s=1800)
+        none, off = run_ranks(_rss_worker, 2, args=(config_to_dict(big), nvme), timeout_s=1800)
     state = none["memory"]["optimizer"]
     fraction = (none["growth"] - off["growth"]) / (state - off["memory"]["host_offload"])
     print(

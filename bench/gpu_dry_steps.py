@@ -16,7 +16,6 @@ import contextlib
 import io
 import json
 import os
-import socket
 import sys
 import traceback
 
@@ -25,18 +24,14 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _step(main, argv) -> dict:
     """main's exit status and output; an exception is a failed step (its traceback on stderr), not a crash of
     the others."""
     out, err = io.StringIO(), io.StringIO()
     saved_argv = sys.argv
-    os.environ["MASTER_PORT"] = str(_free_port())
+    from training.run.local_ranks import free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())
     try:
         sys.argv = argv
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

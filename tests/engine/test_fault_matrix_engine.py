@@ -2,7 +2,7 @@
 (training/main.py's main(RUN_DIR), one process) on a run directory with real checkpoints, asserting
 what is lost (nothing beyond the last good checkpoint), what is written, the exit code and the message.
 
-The entry point runs in a rank forked from tests/helpers/dist.py's forkserver (torch and the engine already
+The entry point runs in a rank forked from training/run/local_ranks.py's forkserver (torch and the engine already
 imported; its stderr file descriptor captured), not in a fresh interpreter each time: the SIGTERM test keeps
 `python -m training.main RUN_DIR` in a subprocess, where the signal and the exit code cross the process boundary.
 

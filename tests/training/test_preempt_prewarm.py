@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 def _first_steps() -> dict:
-    """Three steps of a tiny model in a fresh rank (forked from tests/helpers/dist.py's forkserver, which has
+    """Three steps of a tiny model in a fresh rank (forked from training/run/local_ranks.py's forkserver, which has
     imported torch and the engine but not the save path): what was imported when."""
     import sys
     import tempfile
