@@ -1,4 +1,4 @@
-"""The `meshrun` Hydra app: compose the config, then run the action (the table: training/contract/actions.py)."""
+"""The `meshrun` Hydra app: compose the config, then run the action (the table: launcher/cli/actions.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from launcher.cli.actions import BY_NAME, ActionSpec
 from launcher.cli.schema import register
-from training.contract.actions import BY_NAME, ActionSpec
 from training.contract.config import Config
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID
 
@@ -61,7 +61,7 @@ def hydra_main(dcfg: DictConfig):
 
 
 def run_action(cfg: Config):
-    """The action's config resolved in the table's fixed order (training/contract/actions.py), then its function."""
+    """The action's config resolved in the table's fixed order (launcher/cli/actions.py), then its function."""
     spec = BY_NAME[str(cfg.action)]
     if spec.config == "composed":
         return _function(spec)(cfg, None)
@@ -134,7 +134,7 @@ def _launch_config(cfg: Config, run_dir: str) -> Config:
 
 def start(cfg: Config, run_dir: str):
     """action=train and action=plan: validate and plan (the gate every launch passes), then launch here or submit
-    to Slurm; action=plan stops after the plan. The config arrives resolved (training/contract/actions.py: launch)."""
+    to Slurm; action=plan stops after the plan. The config arrives resolved (launcher/cli/actions.py: launch)."""
     if cfg.action == "train" and cfg.train.wandb:
         from training.observe.wandb_sink import wandb_problem  # no torch: importlib only
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from enum import Enum
 
 import training.contract.config as config_module
+from launcher.cli.actions import action_doc
 from training.contract.config import Config
 from training.contract.exit_codes import EXIT_INVALID
 
@@ -40,6 +41,8 @@ def field_docstrings() -> dict[tuple[str, str], str]:
                 and isinstance(following.value.value, str)
             ):
                 docs[(node.name, stmt.target.id)] = inspect.cleandoc(following.value.value)
+    # The actions' summaries come from the action table itself (launcher/cli/actions.py), never a second list.
+    docs[("Config", "action")] += "\n" + action_doc()
     return docs
 
 
@@ -147,7 +150,7 @@ def print_keys(group: str, presets: Callable[[str], list[str]] | None = None, ef
 
 
 def keys_action(cfg: Config, run_dir: str | None = None) -> None:
-    """action=keys (the action table, training/contract/actions.py)."""
+    """action=keys (the action table, launcher/cli/actions.py)."""
     from launcher.cli.fast import presets  # the packaged presets (launcher/cli/fast.py composed without Hydra)
 
     if "hydra" in sys.modules:

@@ -14,7 +14,7 @@ import importlib.resources
 import shlex
 from collections.abc import Sequence
 
-from training.contract.actions import BY_NAME
+from launcher.cli.actions import BY_NAME
 from training.contract.config import CHOICE_FIELDS, choices
 
 GROUPS = ("model", "parallel", "cluster", "train", "data")

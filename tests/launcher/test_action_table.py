@@ -1,5 +1,7 @@
-"""The action table (training/contract/actions.py): every entry runs through one dispatch, and a new action is one
-table entry plus one module, shown by adding one in a scratch copy of the tree and running it through `meshrun`."""
+"""The action table (launcher/cli/actions.py): every entry runs through one dispatch, its names are the contract's
+(training/contract/actions.py ACTION_NAMES), its summaries are what --help and the `action` key's documentation
+list, and a new action is one table entry, its name, and one module, shown by adding one in a scratch copy of the
+tree and running it through `meshrun`."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ import shutil
 import subprocess
 import sys
 
-from training.contract.actions import ACTIONS, CONFIG_KINDS
+from launcher.cli.actions import ACTIONS, CONFIG_KINDS, action_doc
+from launcher.cli.fast import help_text
+from launcher.cli.keys import field_docstrings
+from training.contract.actions import ACTION_NAMES
 from training.contract.config import Action
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<package>/this file
@@ -32,20 +37,40 @@ def test_every_entry_names_a_function_of_cfg_and_run_dir_and_the_config_offers_e
     assert {a.name for a in ACTIONS if a.config == "launch"} == {"train", "plan", "rehearse"}
 
 
+def test_the_contract_names_exactly_the_table_in_its_order():
+    assert ACTION_NAMES == tuple(a.name for a in ACTIONS)
+    assert tuple(str(a) for a in Action) == ACTION_NAMES
+
+
+def test_help_and_the_action_key_list_every_summary_from_the_table():
+    text = help_text()
+    lines = [line for line in text.splitlines() if line.startswith("  ") and line.split()[0] in ACTION_NAMES]
+    assert lines == [f"  {a.name:<10} {a.summary}" for a in ACTIONS]
+    doc = field_docstrings()[("Config", "action")]
+    assert doc.endswith(action_doc())
+    for spec in ACTIONS:
+        assert f"{spec.name} ({spec.summary})" in doc, spec.name
+
+
 def test_a_new_action_is_one_table_entry_and_one_module(tmp_path):
     tree = tmp_path / "tree"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for top in ("launcher", "training", "hydra_plugins"):
         shutil.copytree(os.path.join(ROOT, top), tree / top, ignore=ignore)
-    table = tree / "training" / "contract" / "actions.py"
+    table = tree / "launcher" / "cli" / "actions.py"
     text = table.read_text()
     assert text.count("\n)\n\nBY_NAME") == 1
     table.write_text(
         text.replace(
             "\n)\n\nBY_NAME",
-            '\n    ActionSpec("hello", "launcher.hello", "hello", locks=False, config="run_dir"),\n)\n\nBY_NAME',
+            '\n    ActionSpec("hello", "launcher.hello", "hello", locks=False, config="run_dir", summary="hi"),'
+            "\n)\n\nBY_NAME",
         )
     )
+    names = tree / "training" / "contract" / "actions.py"
+    text = names.read_text()
+    assert text.count('    "generate",\n)') == 1
+    names.write_text(text.replace('    "generate",\n)', '    "generate",\n    "hello",\n)'))
     (tree / "launcher" / "hello.py").write_text(
         "import json\n\n\n"
         "def hello(cfg, run_dir):\n"

@@ -10,6 +10,7 @@ import typing
 
 from helpers.cli import meshrun
 
+from launcher.cli.actions import action_doc
 from launcher.cli.keys import field_docstrings, iter_keys
 from training.contract.config import CHOICE_FIELDS, Action, Config
 
@@ -59,6 +60,8 @@ def _docstrings_from_source():
             j += 1
             text += " " + lines[j].strip()
         docs[(cls, m.group(1))] = " ".join(text.split('"""')[0].split())
+    # The action key's list of actions and their summaries is the action table's (launcher/cli/actions.py).
+    docs[("Config", "action")] += " " + " ".join(action_doc().split())
     return docs
 
 

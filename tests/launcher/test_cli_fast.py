@@ -13,9 +13,9 @@ import pytest
 from helpers import ROOT
 from helpers.cli import compose_cfg
 
+from launcher.cli.actions import ACTIONS
 from launcher.cli.fast import compose, help_text
 from launcher.cli.precheck import presets
-from training.contract.actions import ACTIONS
 from training.contract.config import Config, config_to_dict
 
 TAKEN = [

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from training.contract.actions import NAMES as ACTION_NAMES
+from training.contract.actions import ACTION_NAMES
 
 
 class Choice(str, Enum):
@@ -50,7 +50,7 @@ NumaMode = _choice("NumaMode", "auto off explicit")
 PreflightMode = _choice("PreflightMode", "off warn gate")
 ExportDtype = _choice("ExportDtype", "auto fp32 bf16 fp16")
 DataKind = _choice("DataKind", "synthetic text indexed")
-Action = _choice("Action", ACTION_NAMES)  # the action table: training/contract/actions.py
+Action = _choice("Action", " ".join(ACTION_NAMES))  # the launcher's table: launcher/cli/actions.py
 HealthAction = _choice("HealthAction", "warn requeue")
 StatusFormat = _choice("StatusFormat", "json table")
 Offload = _choice("Offload", "none cpu nvme")
@@ -354,7 +354,7 @@ class HealthConfig:
     """Log intervals (after the first step) that make a node's throughput baseline."""
     nvml_double: str = ""
     """Tests and demos on machines without GPUs: a JSON file describing fake GPUs per node (counters may change
-    while the run reads it; training/observe/nvml_double.py), read by the health sampler and by the preflight's
+    while the run reads it; training/preflight/nvml_double.py), read by the health sampler and by the preflight's
     GPU checks (bench/gpu_preflight.sh --dry); empty: the real NVML."""
     min_utilization_pct: float = 95.0
     """A node whose mean GPU utilisation stays below this for throttle_samples samples gets a `low_utilization`
@@ -465,9 +465,9 @@ class ClusterConfig:
     warm_start: bool = True
     """Slurm, without a container image: one warm agent per node of the allocation (spares included) imports torch
     and the engine once, and every rank of every step (the first, and each in-job restart's) is forked from it
-    instead of starting a Python and importing torch again (launcher/slurm/warm_client.py,
+    instead of starting a Python and importing torch again (launcher/ranks/warm/slurm.py,
     training/run/warm_agent.py). Also local launches of two ranks or more: one warm agent per launch forks the
-    ranks (ranks under numactl or nsys start cold; launcher/launch/local_warm.py). false: every rank starts cold."""
+    ranks (ranks under numactl or nsys start cold; launcher/ranks/warm/local.py). false: every rank starts cold."""
 
     def in_job_restart_limit(self) -> int:
         """In-job restarts an allocation may make: max_in_job_restarts, or with it 0 and spares asked for, one per
@@ -821,12 +821,8 @@ class Config:
     """The whole job."""
 
     action: Action = Action.train
-    """train (validate, plan, launch) | plan (validate and plan only) | status | preflight | keys (print every key)
-    | prepare (tokenize text into an indexed dataset: the prepare.* keys) | export (a checkpoint as a Hugging Face
-    model directory: export.*) | generate (continue a prompt with a checkpoint: generate.*) | logs (print a rank's
-    log, every attempt: logs.*) | cancel (save, stop and never requeue the run or sweep in run.dir: cancel.*)
-    | report (PNG plots and a self-contained report.html of the run or sweep in run.dir, under run.dir/report/)
-    | recommend (rank every valid layout of the model on the cluster by predicted step time: recommend.*)."""
+    """What to run; the launcher's action table (launcher/cli/actions.py) runs it, and `meshrun --help` and
+    `meshrun action=keys` list each action with its summary from that table:"""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
