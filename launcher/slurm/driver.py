@@ -33,12 +33,12 @@ from launcher.slurm import in_job
 from launcher.slurm.queries import job_alive
 from launcher.slurm.rank_task import attempt_dir
 from launcher.slurm.requeue import blamed_failures, decide
+from training.checkpoint.storage import planned_resume_step
 from training.contract.config import load_config
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_RESTART_IN_JOB
 from training.contract.layout_text import format_layout, layout_of
 from training.contract.rundir.events import append_event, read_events
 from training.contract.rundir.lock import claim_for_job, release_job, set_job_holder
-from training.contract.rundir.resume_request import planned_resume_step
 from training.contract.slurm_env import (
     PREFLIGHT_PASSED_ENV,
     SlurmUnavailable,

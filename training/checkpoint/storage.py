@@ -31,8 +31,10 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from training.contract.rundir.files import rename_into_place, write_atomic
+from training.contract.rundir.resume_request import effective_resume
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -314,6 +316,23 @@ def candidates(run_dir: str) -> list[int]:
     abandoned line are never candidates; a damaged newest one falls back to the one before it on the line.
     """
     return history(run_dir)
+
+
+def planned_resume_step(run_dir: str, configured: Any) -> int | None:
+    """The checkpoint an attempt about to start will resume from, as its ranks choose it (the run directory's
+    resume request, training/contract/rundir/resume_request.py, then the newest checkpoint on the current line
+    for auto, the named step for an explicit one); None for a fresh start. A damaged one is passed over by the
+    ranks: their `resumed` event names the one loaded."""
+    mode = effective_resume(run_dir, configured).strip().lower()
+    if mode == "none":
+        return None
+    if mode == "auto":
+        found = candidates(run_dir)
+        return found[0] if found else None
+    try:
+        return int(mode)
+    except ValueError:
+        return None
 
 
 def prune(run_dir: str, keep_last: int, protect: int | None = None) -> list[int]:

@@ -57,24 +57,6 @@ def effective_resume(run_dir: str, configured: Any) -> str:
     return "auto" if req.get("consumed") else str(req.get("resume", configured))
 
 
-def planned_resume_step(run_dir: str, configured: Any) -> int | None:
-    """The checkpoint an attempt about to start will resume from, as its ranks choose it (effective_resume, then
-    the newest checkpoint on the current line for auto, the named step for an explicit one); None for a fresh
-    start. A damaged one is passed over by the ranks: their `resumed` event names the one loaded."""
-    from training.checkpoint import storage  # pure Python (no torch)
-
-    mode = effective_resume(run_dir, configured).strip().lower()
-    if mode == "none":
-        return None
-    if mode == "auto":
-        found = storage.candidates(run_dir)
-        return found[0] if found else None
-    try:
-        return int(mode)
-    except ValueError:
-        return None
-
-
 def mark_consumed(run_dir: str, step: int | None, attempt: int, job_id: str) -> None:
     """Rank 0, once this attempt has resumed (or started fresh) as the request asked."""
     req = read_request(run_dir)
