@@ -36,6 +36,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
+from launcher.ranks.proc_tree import descendants, process_table  # noqa: E402
+
 PY = sys.executable
 GIB = 1 << 30
 
@@ -49,23 +51,8 @@ def _run(code: str, env=None, timeout=3600) -> str:
 
 def _tree_rss(root_pid: int) -> int:
     """RSS bytes of a process and all its descendants (from /proc)."""
-    parents, rss = {}, {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            parents[int(name)] = int(fields[1])
-            rss[int(name)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, IndexError, ValueError):
-            continue
-    total, stack = 0, [root_pid]
-    while stack:
-        pid = stack.pop()
-        total += rss.get(pid, 0)
-        stack += [c for c, p in parents.items() if p == pid]
-    return total
+    table = process_table()
+    return sum(table[pid][1] for pid in [root_pid, *descendants(root_pid, table)] if pid in table)
 
 
 def _peak_rss_of(cmd, env=None) -> tuple[int, float, str]:
