@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 from training.contract.config import Config
 
@@ -35,7 +35,7 @@ def _given(overrides: Sequence[str], key: str) -> bool:
     return any(o.split("=", 1)[0].lstrip("+~") == key for o in overrides)
 
 
-def dataset_vocab(prefixes: Sequence[str], may_scan: bool) -> Optional[int]:
+def dataset_vocab(prefixes: Sequence[str], may_scan: bool) -> int | None:
     """The largest vocabulary the datasets need, or None when a description cannot be had (validation says why)."""
     from training.data.indexed import open_dataset, read_description
     from training.data.sources import DataError
@@ -100,9 +100,9 @@ def resolve_indexed(cfg: Config, overrides: Sequence[str]) -> None:
         cfg.model.vocab_size = vocab
 
 
-def data_errors(cfg: Config) -> List[tuple]:
+def data_errors(cfg: Config) -> list[tuple]:
     """(key, message, fix) for every data problem a user can fix; launcher/plan/validate.py reports them."""
-    out: List[tuple] = []
+    out: list[tuple] = []
     t, d = cfg.train, cfg.data
     if t.eval_every < 0:
         out.append(("train.eval_every", f"must be >= 0, got {t.eval_every}", "train.eval_every=0 (off) or N"))

@@ -16,24 +16,23 @@ from __future__ import annotations
 
 import collections
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 import os
 import shutil
 import sys
 import time
-from typing import Dict, List, Optional
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
 from launcher.data.prepare.progress import Progress
 from launcher.data.prepare.reader import Inputs, Reader, list_inputs
 from training.contract.config import Config, PrepareConfig
-from training.data.indexed import IndexedDataset, IndexedWriter, describe, dtype_for_vocab, write_json_atomic
-from training.data.sources import DataError
 from training.contract.exit_codes import EXIT_INVALID, EXIT_OK
 from training.contract.rundir.files import rename_into_place
 from training.contract.tokenizer import BYTES, Tokenizer, TokenizerError, load_tokenizer, train_bpe
+from training.data.indexed import IndexedDataset, IndexedWriter, describe, dtype_for_vocab, write_json_atomic
+from training.data.sources import DataError
 
 CHUNK_BYTES = 1 << 20
 
@@ -58,7 +57,7 @@ class _Split:
         self.writer.add_lengths(lengths)
 
 
-def _bpe_texts(inputs: Inputs, pc: PrepareConfig) -> "collections.abc.Iterator[str]":
+def _bpe_texts(inputs: Inputs, pc: PrepareConfig) -> collections.abc.Iterator[str]:
     """The documents the BPE trainer reads (the first prepare.bpe_max_bytes of the input), streamed."""
     from launcher.data.prepare.worker import item_documents
 
@@ -132,7 +131,7 @@ def report_skipped(inputs: Inputs) -> None:
     skipped = inputs.skipped_suffix
     if not skipped:
         return
-    by_suffix: Dict[str, int] = {}
+    by_suffix: dict[str, int] = {}
     for f in skipped:
         suffix = os.path.splitext(f)[1] or "(none)"
         by_suffix[suffix] = by_suffix.get(suffix, 0) + 1
@@ -147,7 +146,7 @@ def report_skipped(inputs: Inputs) -> None:
     )
 
 
-def prepare(pc: PrepareConfig) -> Dict:
+def prepare(pc: PrepareConfig) -> dict:
     """Write the dataset; returns the training split's description. Raises DataError / TokenizerError."""
     _check(pc)
     started = time.perf_counter()
@@ -159,7 +158,7 @@ def prepare(pc: PrepareConfig) -> Dict:
     tag = f".tmp-{os.getpid()}"
     tok_final = output + ".tokenizer.json"
     tok_tmp = tok_final + tag
-    splits: List[_Split] = []
+    splits: list[_Split] = []
     try:
         tok = _tokenizer(pc, inputs, tok_tmp)
         dtype = dtype_for_vocab(tok.vocab_size)
@@ -261,7 +260,7 @@ def prepare(pc: PrepareConfig) -> Dict:
 
 
 def _run_pool(
-    reader: Reader, splits: List[_Split], tok: Tokenizer, dtype: np.dtype, workers: int, bar: Progress, eod_token: str
+    reader: Reader, splits: list[_Split], tok: Tokenizer, dtype: np.dtype, workers: int, bar: Progress, eod_token: str
 ) -> int:
     """Tokenize the reader's items on `workers` processes, at most 2 per worker in flight, in input order."""
     from launcher.data.prepare import worker
@@ -275,7 +274,7 @@ def _run_pool(
         initializer=worker.init,
         initargs=(spec, eod_token, dtype.name),
     )
-    inflight: "collections.deque" = collections.deque()
+    inflight: collections.deque = collections.deque()
     documents = 0
     try:
         items = reader.items()
@@ -305,7 +304,7 @@ def _run_pool(
     return documents
 
 
-def run_prepare(cfg: Config, run_dir: Optional[str] = None) -> int:
+def run_prepare(cfg: Config, run_dir: str | None = None) -> int:
     """The action: prepare, and turn a user's error into exit code 2 with its message."""
     try:
         prepare(cfg.prepare)

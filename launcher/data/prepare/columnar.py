@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator, List
+from collections.abc import Iterator
 
 from training.data.sources import DataError
 
@@ -50,7 +50,7 @@ def is_saved_dataset(path: str) -> bool:
     )
 
 
-def saved_dataset_files(path: str) -> List[str]:
+def saved_dataset_files(path: str) -> list[str]:
     """The Arrow files of a save_to_disk directory in the dataset's row order (a DatasetDict: its splits in
     dataset_dict.json's order, each split's files in order)."""
     return _saved_files(path, splits_allowed=True)
@@ -75,7 +75,7 @@ def _plain_name(name: object, what: str, path: str, suffix: str = "") -> str:
     return name
 
 
-def _saved_files(path: str, splits_allowed: bool) -> List[str]:
+def _saved_files(path: str, splits_allowed: bool) -> list[str]:
     dict_json = os.path.join(path, "dataset_dict.json")
     try:
         if os.path.isfile(dict_json) and splits_allowed:
@@ -146,7 +146,7 @@ def row_count(path: str) -> int:
         ) from None
 
 
-def texts(path: str, key: str) -> Iterator[List[str]]:
+def texts(path: str, key: str) -> Iterator[list[str]]:
     """Lists of documents (the `key` column's strings), batch by batch, in row order."""
     pa = _pyarrow()
     try:

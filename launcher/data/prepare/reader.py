@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
 
 from launcher.data.prepare import columnar
 from launcher.data.prepare.columnar import COLUMNAR_SUFFIXES, is_columnar
@@ -38,9 +38,9 @@ class Source:
 class Inputs:
     """The files to read, in order, and what was skipped."""
 
-    files: List[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
     skipped_empty: int = 0
-    skipped_suffix: List[str] = field(default_factory=list)
+    skipped_suffix: list[str] = field(default_factory=list)
     """Files inside the given directories whose suffix is not read (prepare.suffixes); listed, never silent."""
 
     @property
@@ -52,7 +52,7 @@ def is_jsonl(path: str) -> bool:
     return path.endswith(JSONL_SUFFIXES)
 
 
-def read_suffixes(suffixes: Optional[List[str]] = None) -> Tuple[str, ...]:
+def read_suffixes(suffixes: list[str] | None = None) -> tuple[str, ...]:
     """The suffixes read from directories: prepare.suffixes (a leading dot added where missing), else the
     defaults (TEXT_SUFFIXES, .jsonl, and .parquet / .arrow: launcher/data/prepare/columnar.py)."""
     if suffixes:
@@ -60,7 +60,7 @@ def read_suffixes(suffixes: Optional[List[str]] = None) -> Tuple[str, ...]:
     return TEXT_SUFFIXES + JSONL_SUFFIXES + COLUMNAR_SUFFIXES
 
 
-def list_inputs(paths: List[str], suffixes: Optional[List[str]] = None) -> Inputs:
+def list_inputs(paths: list[str], suffixes: list[str] | None = None) -> Inputs:
     """Files named by `paths` (directories searched recursively, sorted); empty files named directly are
     errors, empty files inside directories are skipped (the standard library has empty __init__.py files), as
     are files whose suffix is not read (recorded in skipped_suffix)."""
@@ -116,22 +116,22 @@ class Reader:
         self.inputs, self.chunk = inputs, chunk
         self.budget = float(max_bytes) if max_bytes > 0 else float("inf")
         self.base = {"valid_fraction": valid_fraction, "text_key": text_key}
-        self.sources: List[Source] = []
+        self.sources: list[Source] = []
         self.seq = 0
-        self._batch: List = []
+        self._batch: list = []
         self._batch_bytes = 0
 
-    def _item(self, **fields) -> Dict:
+    def _item(self, **fields) -> dict:
         item = dict(self.base, seq=self.seq, **fields)
         self.seq += 1
         return item
 
-    def _flush(self) -> Iterator[Dict]:
+    def _flush(self) -> Iterator[dict]:
         if self._batch:
             yield self._item(kind="files", files=self._batch, nbytes=self._batch_bytes)
             self._batch, self._batch_bytes = [], 0
 
-    def items(self) -> Iterator[Dict]:
+    def items(self) -> Iterator[dict]:
         for path in self.inputs.files:
             if self.budget <= 0:
                 break
@@ -160,7 +160,7 @@ class Reader:
             src.sha256 = h.hexdigest()
         yield from self._flush()
 
-    def _pieces(self, path: str, src: Source, h) -> Iterator[Dict]:
+    def _pieces(self, path: str, src: Source, h) -> Iterator[dict]:
         """A large text file: one document, in pieces cut at safe line starts."""
         first, carry, offset, valid = True, b"", 0, False
         with open(path, "rb") as f:
@@ -191,7 +191,7 @@ class Reader:
         src.documents = 1
         self.budget -= src.bytes
 
-    def _jsonl(self, path: str, src: Source, h) -> Iterator[Dict]:
+    def _jsonl(self, path: str, src: Source, h) -> Iterator[dict]:
         """Blocks of whole JSON Lines; with a byte budget, stops after the line that reaches it."""
         line, offset, carry = 1, 0, b""
         with open(path, "rb") as f:
@@ -221,18 +221,18 @@ class Reader:
                     break
         src.bytes = offset
 
-    def _columnar(self, path: str, src: Source, h) -> Iterator[Dict]:
+    def _columnar(self, path: str, src: Source, h) -> Iterator[dict]:
         """Parquet / Arrow rows, one document each (launcher/data/prepare/columnar.py), in items of about one chunk
         of text; with a byte budget, stops after the document that reaches it. Progress counts the file's own
         bytes (compressed Parquet holds more text than its size) in proportion to the text sent."""
         with open(path, "rb") as f:  # the description's sha256 is of the file as stored
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
-        batch: List[str] = []
+        batch: list[str] = []
         size = 0
         rows_total, rows_sent, shown = max(1, columnar.row_count(path)), 0, 0
 
-        def item() -> Dict:
+        def item() -> dict:
             nonlocal batch, size, rows_sent, shown
             rows_sent += len(batch)
             progress = src.bytes * rows_sent // rows_total  # the file's bytes, in proportion to its rows

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -21,7 +20,7 @@ from training.data.sources import DataError
 HEAD_BYTES = 1 << 16
 
 _TOK = None
-_DTYPE: Optional[np.dtype] = None
+_DTYPE: np.dtype | None = None
 
 
 def held_out(head: bytes, fraction: float) -> bool:
@@ -55,7 +54,7 @@ def decode_utf8(data: bytes, path: str, offset: int) -> str:
         ) from None
 
 
-def jsonl_texts(data: bytes, path: str, offset: int, line: int, key: str) -> List[str]:
+def jsonl_texts(data: bytes, path: str, offset: int, line: int, key: str) -> list[str]:
     """The documents of a block of whole JSON Lines (blank lines skipped), each checked."""
     out = []
     pos = offset
@@ -84,7 +83,7 @@ def jsonl_texts(data: bytes, path: str, offset: int, line: int, key: str) -> Lis
     return out
 
 
-def item_documents(item: Dict) -> Tuple[List[str], List[bool], bool, bool]:
+def item_documents(item: dict) -> tuple[list[str], list[bool], bool, bool]:
     """(texts, held-out flag of each, first continues an open document, last stays open) of a work item."""
     kind, frac = item["kind"], item["valid_fraction"]
     if kind == "files":
@@ -103,7 +102,7 @@ def item_documents(item: Dict) -> Tuple[List[str], List[bool], bool, bool]:
     return texts, [held_out(t.encode("utf-8"), frac) for t in texts], False, False
 
 
-def _pack(ids: List[np.ndarray], finished: List[bool], eod: int, dtype: np.dtype):
+def _pack(ids: list[np.ndarray], finished: list[bool], eod: int, dtype: np.dtype):
     """Tokens back to back (end-of-document appended to finished documents) and per-document lengths."""
     parts, lengths = [], []
     eod_arr = np.array([eod], dtype=dtype)
@@ -118,19 +117,19 @@ def _pack(ids: List[np.ndarray], finished: List[bool], eod: int, dtype: np.dtype
     return flat, np.asarray(lengths, dtype=np.int64)
 
 
-def encode(tok, texts: List[str], dtype: np.dtype) -> List[np.ndarray]:
+def encode(tok, texts: list[str], dtype: np.dtype) -> list[np.ndarray]:
     """Token ids of each text in the dataset's dtype (bytes: the UTF-8 bytes themselves, no Python lists)."""
     if tok.name == "bytes":
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(dtype) for t in texts]
     return [np.asarray(ids, dtype=dtype) for ids in tok.encode_batch(texts)]
 
 
-def process(item: Dict) -> Dict:
+def process(item: dict) -> dict:
     """Tokenize one work item; returns each split's tokens, lengths and open ends, plus counts."""
     tok, dtype = _TOK, _DTYPE
     texts, flags, open_start, open_end = item_documents(item)
     ids = encode(tok, texts, dtype)
-    out: Dict = {"seq": item["seq"], "bytes": item["nbytes"], "documents": 0}
+    out: dict = {"seq": item["seq"], "bytes": item["nbytes"], "documents": 0}
     for split, want in (("train", False), ("valid", True)):
         pick = [i for i, f in enumerate(flags) if f == want]
         finished = [not (open_end and i == len(texts) - 1) for i in pick]
