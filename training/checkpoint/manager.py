@@ -1,11 +1,12 @@
-"""CheckpointManager: what the training loop calls to save, resume, and decide when to save or stop.
+"""CheckpointManager: what the training loop calls to save, resume, and say when a save is due.
 
 Loop usage (every rank, same order):
     ckpt = CheckpointManager(run_dir, mesh, cfg)
     resumed = ckpt.maybe_resume(model_chunks, optimizer, extra)   # None or (step, consumed_samples)
     for step in ...:
         ... train one step ...
-        due, stop = ckpt.decide(step)          # agreed over all ranks; stop is None or a reason
+        due, stop = rule.decide(step)          # training/run/stop.py: ckpt.step_due / time_due and the stop
+                                               # reasons, agreed over all ranks; stop is None or a reason
         if due or stop or step == last:
             ckpt.save(step, model_chunks, optimizer, extra, reason=stop or ("final" if step == last else "interval"))
         if stop or step == last: ckpt.wait()   # then exit with EXIT_STOPPED (3) when stopping
@@ -45,20 +46,17 @@ from training.checkpoint.layout import Piece, exact_storage, param_info, pieces_
 from training.checkpoint.staging import HostStager
 from training.checkpoint.storage import CheckpointError
 from training.contract.config import Config, ModelConfig, checkpoint_minutes, config_to_dict
-from training.contract.exit_codes import EXIT_STOPPED
 from training.contract.rundir.events import append_event
 from training.contract.stage_split import SPLIT_KEYS, stage_split
 from training.optim import SCALARS
 from training.optim.model_parallel import TIED_EMBEDDING
 from training.parallel import collectives as comm
 from training.parallel.mesh import ProcessMesh
-from training.run import signals
 
 # Model fields that change a parameter's shape (or meaning): a checkpoint cannot load across them.
 SHAPE_FIELDS = storage.SHAPE_FIELDS
 MOE_SHAPE_FIELDS = ("num_experts", "moe_ffn_hidden_size")
 """Mixture-of-experts fields that change parameters (absent from checkpoints written before them: dense)."""
-_STOP_CODES = {0: None, 1: "exit_interval", 2: "exit_after_min", 3: "SIGTERM", 4: "SIGUSR2"}
 
 warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*")
 
@@ -263,11 +261,7 @@ class CheckpointManager:
         self._pending: _Pending | None = None
         self.history: list[SaveStats] = []
         self.last_saved_step: int | None = None
-        self._start = time.monotonic()
-        self._last_save_time = self._start
-        self._decided: tuple[int, bool, str | None] | None = None
-        if threading.current_thread() is threading.main_thread():
-            signals.install()
+        self._last_save_time = time.monotonic()
         if self.rank == 0:
             os.makedirs(storage.checkpoints_dir(run_dir), exist_ok=True)
         # train.checkpoint_replica_dir: rank 0 copies each sealed checkpoint there in the background
@@ -288,38 +282,16 @@ class CheckpointManager:
         return box[0]
 
     # ----- cadence ---------------------------------------------------------------------------------
-    def decide(self, step: int, now: float | None = None) -> tuple[bool, str | None]:
-        """(save due, stop reason) for the boundary after `step`, agreed over all ranks with one all-reduce.
+    def step_due(self, step: int) -> bool:
+        """train.checkpoint_every says the boundary after `step` saves (the same answer on every rank)."""
+        every = self.cfg.train.checkpoint_every
+        return every > 0 and step > 0 and step % every == 0
 
-        Step-based rules are the same on every rank; clocks and signals are not, hence the MAX.
-        """
-        if self._decided and self._decided[0] == step:
-            return self._decided[1], self._decided[2]
-        t = self.cfg.train
-        now = time.monotonic() if now is None else now
+    def time_due(self, now: float) -> bool:
+        """train.checkpoint_every_min has passed since the last save by this rank's clock (monotonic seconds
+        `now`); training/run/stop.py agrees the answer over all ranks."""
         minutes = checkpoint_minutes(self.cfg)  # resolved by the launcher (train.checkpoint_every_min=auto)
-        time_due = minutes > 0 and (now - self._last_save_time) >= 60 * minutes
-        stop = 0
-        # Not at the last step: that one completes the run (a stop there would only cost the job another attempt).
-        if t.exit_interval > 0 and 0 < step < t.steps and step % t.exit_interval == 0:
-            stop = 1
-        if t.exit_after_min > 0 and (now - self._start) >= 60 * t.exit_after_min:
-            stop = 2
-        name = signals.received()
-        if name:
-            stop = 4 if name == "SIGUSR2" else 3
-        if self.distributed:
-            # On the mesh's device: NCCL reduces only CUDA tensors.
-            flags = torch.tensor([int(time_due), stop], dtype=torch.int64, device=self.mesh.device)
-            comm.all_reduce_op(flags, op=comm.ReduceOp.MAX)
-            time_due, stop = bool(comm.value(flags[0], on_meta=0)), int(comm.value(flags[1], on_meta=0))
-        reason = _STOP_CODES[stop]
-        step_due = t.checkpoint_every > 0 and step > 0 and step % t.checkpoint_every == 0
-        self._decided = (step, step_due or time_due, reason)
-        if reason in ("SIGTERM", "SIGUSR2") and self.rank == 0:
-            append_event(self.run_dir, "signal", name=reason, step=step)
-            self.log(f"{reason} received: saving step {step} and stopping (exit {EXIT_STOPPED})")
-        return self._decided[1], reason
+        return minutes > 0 and (now - self._last_save_time) >= 60 * minutes
 
     # ----- the sharding description ----------------------------------------------------------------
     def _pieces(self, model_chunks, opt_state: dict[str, Any] | None, for_save: bool) -> list[Piece]:

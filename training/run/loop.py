@@ -1,9 +1,8 @@
 """The training loop every rank runs: micro-batch schedule, optimizer step, metrics, stop/checkpoint hooks.
 
-Structure (so pipeline parallelism plugs in without restructuring):
-- a *schedule* owns the micro-batch loop: `forward_backward(micro_batches) -> local mean loss`.
-  `NoPipelineSchedule` is the pp=1 schedule; `make_schedule` is the one place that picks another
-  (gpipe / 1f1b / interleaved_1f1b from training.schedules.pipeline when pp > 1);
+Structure:
+- a *schedule* owns the micro-batch loop: `forward_backward(micro_batches) -> local mean loss`
+  (training/schedules/: `make_schedule` picks the one for the layout);
 - the optimizer owns the dp reduction, clipping and the update (training/optim/);
 - `Trainer.run` owns steps: data position, LR, logging, the stop flag and checkpoint call sites.
 """
@@ -16,7 +15,6 @@ import math
 import os
 import resource
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -37,7 +35,8 @@ from training.observe.busy_timer import BusyTimer
 from training.optim import DistributedOptimizer, StepResult
 from training.parallel import collectives as comm
 from training.run import signals
-from training.schedules.pipeline import make_pipeline_schedule
+from training.run.stop import StopRule, install_signals
+from training.schedules import make_schedule
 
 PACE_SLICE_S = 0.1
 """train.min_step_s waits in slices of this length: how late a stop signal that arrives during the wait is seen."""
@@ -51,40 +50,6 @@ class TrainState:
     """Optimizer steps completed."""
     consumed_samples: int = 0
     """Samples of the global stream consumed (the data position; independent of dp)."""
-
-
-# ---- schedules ------------------------------------------------------------------------------------
-class NoPipelineSchedule:
-    """pp = 1: forward and backward of each micro-batch in turn through the single model chunk."""
-
-    def __init__(self, chunks: list[torch.nn.Module], optimizer: DistributedOptimizer, mesh):
-        assert len(chunks) == 1, "the no-pipeline schedule runs exactly one model chunk"
-        self.chunk, self.optimizer, self.mesh = chunks[0], optimizer, mesh
-
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Accumulate grads of the mean loss over `micro_batches`; returns that mean (detached, fp32)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
-        n = len(micro_batches)
-        for tokens, targets in micro_batches:
-            loss = self.chunk(tokens.to(self.mesh.device), targets.to(self.mesh.device))
-            self.optimizer.scale_loss(loss.float(), n).backward()
-            total += loss.detach().float()
-        return total / n
-
-    @torch.no_grad()
-    def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Mean loss over `micro_batches` without building a graph (evaluation)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
-        for tokens, targets in micro_batches:
-            total += self.chunk(tokens.to(self.mesh.device), targets.to(self.mesh.device)).float()
-        return total / len(micro_batches)
-
-
-def make_schedule(cfg: Config, mesh, chunks, optimizer):
-    """The micro-batch schedule for this layout: NoPipelineSchedule, or training.schedules.pipeline's when pp > 1."""
-    if mesh.pp == 1 and len(chunks) == 1:
-        return NoPipelineSchedule(chunks, optimizer, mesh)
-    return make_pipeline_schedule(cfg, mesh, chunks, optimizer)
 
 
 # ---- helpers --------------------------------------------------------------------------------------
@@ -222,6 +187,9 @@ class Trainer:
         self.eval_losses: list[tuple[int, float]] = []
         self.state = TrainState()
         self.checkpointer = make_checkpointer(cfg, run_dir, mesh) if checkpointing else None
+        self.stop_rule = StopRule(cfg, run_dir, mesh, self.checkpointer)
+        if checkpointing:  # a stop during the rest of the start-up is a checkpoint at the first boundary
+            install_signals()
         self.tokens_per_step = cfg.parallel.global_batch * cfg.model.seq_length
         self.flops_per_step = model_flops_per_step(cfg, run_dir)
         self.peak_flops = self._peak_flops()
@@ -343,8 +311,8 @@ class Trainer:
         step, last = self.state.step, self.state.step >= self.cfg.train.steps
         ck = self.checkpointer
         if ck is None:  # train.checkpointing=false: nothing to save, but a stop signal still ends the run here
-            return "" if last else self._stop_without_checkpoint(step)
-        due, reason = ck.decide(step)
+            return "" if last else (self.stop_rule.decide(step)[1] or "")
+        due, reason = self.stop_rule.decide(step)
         if due or reason or last:
             ck.save(
                 step,
@@ -356,27 +324,6 @@ class Trainer:
         if reason or last:
             ck.wait()
         return reason or ""
-
-    def _stop_without_checkpoint(self, step: int) -> str:
-        """train.checkpointing=false: the stop signal's name when any rank got one (agreed over all ranks with
-        one all-reduce, as CheckpointManager.decide agrees with checkpoints on), else "". The run then ends at
-        this boundary with EXIT_STOPPED and no checkpoint: exit_interval and exit_after_min are refused with
-        checkpointing off (launcher/plan/validate.py), so only a signal (cancel, Ctrl-C, preemption) stops it."""
-        name = signals.received()
-        code = 0 if name is None else (2 if name == "SIGUSR2" else 1)
-        if comm.is_initialized() and comm.world_size() > 1:
-            flag = torch.tensor([code], dtype=torch.int64, device=self.mesh.device)
-            comm.all_reduce_op(flag, op=comm.ReduceOp.MAX)
-            code = int(comm.value(flag, on_meta=0))
-        reason = ("", "SIGTERM", "SIGUSR2")[code]
-        if reason and self.is_logger:
-            append_event(self.run_dir, "signal", name=reason, step=step, checkpoint=False)
-            print(
-                f"\n{reason} received: stopping after step {step} without a checkpoint "
-                f"(train.checkpointing=false; exit {EXIT_STOPPED})",
-                file=sys.stderr,
-            )
-        return reason
 
     def _pace(self, step_start: float) -> None:
         """train.min_step_s: wait out the rest of the step before its boundary, in short slices, so that a stop
@@ -463,11 +410,10 @@ class Trainer:
 
     def run(self) -> int:
         cfg = self.cfg
-        if self.checkpointer is None and threading.current_thread() is threading.main_thread():
-            # The checkpointer installs them otherwise: without it a stop still ends the run (_boundary). Here, not
-            # when the trainer is built: a process that only builds one (training/observe/saved_bytes.py) keeps
-            # SIGTERM's default.
-            signals.install()
+        if self.checkpointer is None:
+            # Without a checkpointer a stop still ends the run (_boundary). Here, not when the trainer is built:
+            # a process that only builds one (bench/saved_bytes.py) keeps SIGTERM's default.
+            install_signals()
         self._resume()
         startup.mark("resumed")  # also on a fresh start: the checkpoint lookup found nothing to load
         from training.observe.metrics import MetricsLog, rank_figures
@@ -575,12 +521,12 @@ class Trainer:
                     if res.loss_scale is not None:
                         rec["loss_scale"] = res.loss_scale
                     # Pipeline schedules add bubble_measured / bubble_planned (training/schedules/pipeline.py).
-                    rec.update(getattr(self.schedule, "metrics", dict)())
+                    rec.update(self.schedule.metrics())
                     if res.skipped:
                         rec["skipped"] = res.reason
                     if eval_loss is not None:
                         rec["eval_loss"] = eval_loss
-                        rec["eval_s"] = eval_s  # goodput's eval time (launcher/manage/goodput.py)
+                        rec["eval_s"] = eval_s  # goodput's eval time (launcher/records/goodput.py)
                     if compile_s is not None:
                         rec["compile_s"] = compile_s
                     rec.update(spread)
