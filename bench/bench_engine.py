@@ -50,6 +50,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from launcher.plan.model_size import model_flops_per_step
 from training.contract.config import Config, config_from_dict, config_to_dict
 
 # name -> (layers, hidden, heads, seq, batch); vocab 256 (the byte vocabulary) everywhere.
@@ -450,7 +451,8 @@ def main(argv=None) -> int:
         t_engine, t_plain = interleave([engine, plain], args.warmup, args.rounds or ROUNDS[name], sync)
         m = cfg.model
         r = compare(t_engine, t_plain, cfg.parallel.global_batch * m.seq_length)
-        mfu = trainer.flops_per_step / statistics.median(t_engine) / trainer.peak_flops
+        # The planner's FLOPs (a launch's plan.json holds the same figure; this trainer's run dir has no plan).
+        mfu = model_flops_per_step(cfg) / statistics.median(t_engine) / trainer.peak_flops
         hit = r["ratio"] >= 1.0
         ok &= hit
         figures[name] = {

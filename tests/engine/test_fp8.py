@@ -490,11 +490,14 @@ def test_summary_reports_mfu_against_both_peaks(tmp_path, capsys):
     """summary.json's mfu is against cluster.peak_tflops, mfu_fp8 against cluster.peak_tflops_fp8 (both printed)."""
     import json
 
+    from launcher.plan.estimate import make_plan
     from training.parallel.mesh import ProcessMesh
     from training.run.loop import Trainer
 
     cfg = _cfg(steps=2)
     cfg.cluster.peak_tflops, cfg.cluster.peak_tflops_fp8 = 1.0, 4.0
+    # The plan a launch writes (launcher/launch/gate.py): the MFU's FLOPs come from plan.json alone.
+    (tmp_path / "plan.json").write_text(json.dumps(make_plan(cfg).to_json()))
     trainer = Trainer(cfg, str(tmp_path), ProcessMesh.single(), checkpointing=False)
     trainer.run()
     summary = json.loads((tmp_path / "summary.json").read_text())

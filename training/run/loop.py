@@ -70,18 +70,15 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32,
     return best * 1e12
 
 
-def model_flops_per_step(cfg: Config, run_dir: str) -> float:
-    """plan.json's model_flops_per_step when the planner wrote it, else Narayanan et al.'s formula."""
+def model_flops_per_step(run_dir: str) -> float | None:
+    """plan.json's model_flops_per_step (the planner's one formula: launcher/plan/model_size.py), or None
+    without a plan: the run then reports no MFU rather than a second, rougher formula's."""
     try:
         with open(os.path.join(run_dir, "plan.json")) as f:
             value = json.load(f).get("model_flops_per_step")
-        if value:
-            return float(value)
     except (OSError, ValueError):
-        pass
-    m = cfg.model
-    B, s, L, h, V = cfg.parallel.global_batch, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size
-    return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+        return None
+    return float(value) if value else None
 
 
 def peak_reserved_bytes(device: torch.device) -> int:
@@ -191,7 +188,7 @@ class Trainer:
         if checkpointing:  # a stop during the rest of the start-up is a checkpoint at the first boundary
             install_signals()
         self.tokens_per_step = cfg.parallel.global_batch * cfg.model.seq_length
-        self.flops_per_step = model_flops_per_step(cfg, run_dir)
+        self.flops_per_step = model_flops_per_step(run_dir)
         self.peak_flops = self._peak_flops()
 
     def _check_layout(self) -> None:
@@ -470,7 +467,7 @@ class Trainer:
                 # Training runs: the save path's imports now, in the background, not at a preemption signal.
                 self.checkpointer.prewarm()
             tok_s = self.tokens_per_step / dt
-            mfu = self.flops_per_step / dt / self.peak_flops if self.peak_flops > 0 else None
+            mfu = self.flops_per_step / dt / self.peak_flops if self.flops_per_step and self.peak_flops > 0 else None
             if self.state.step > 1 or cfg.train.steps == 1:
                 rates.append(tok_s)
                 if mfu is not None:
