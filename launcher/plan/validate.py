@@ -154,6 +154,15 @@ def _check_numa_and_cores(cfg: Config, out: list[Issue]) -> None:
 
 def _check_values(cfg: Config, out: list[Issue]) -> bool:
     """Enumerations and sizes; returns False when the sizes are too broken to go on."""
+    _check_finite_and_choices(cfg, out)
+    sizes_ok = _check_sizes(cfg, out)
+    _check_train(cfg, out)
+    _check_start(cfg, out)
+    return sizes_ok
+
+
+def _check_finite_and_choices(cfg: Config, out: list[Issue]) -> None:
+    """Numbers that are finite, the names meshrun keeps for itself, and the choice fields' values."""
     for key, value in _non_finite(cfg):
         out.append(
             Issue(
@@ -179,6 +188,10 @@ def _check_values(cfg: Config, out: list[Issue]) -> bool:
                     "choice",
                 )
             )
+
+
+def _check_sizes(cfg: Config, out: list[Issue]) -> bool:
+    """Sizes, ranges and the memory levers; returns False when the sizes are too broken to plan."""
     sizes_ok = True
     for key in POSITIVE:
         value = _get(cfg, key)
@@ -190,7 +203,7 @@ def _check_values(cfg: Config, out: list[Issue]) -> bool:
         if problem:
             out.append(Issue("error", key, problem, f"{key}={most}", "size"))
             sizes_ok = False
-    m, c, t = cfg.model, cfg.cluster, cfg.train
+    m, c = cfg.model, cfg.cluster
     if not 0.0 <= m.dropout < 1.0:
         out.append(Issue("error", "model.dropout", f"must be in [0, 1), got {m.dropout}", "model.dropout=0.1"))
     if c.gpu_memory_gb <= 0:
@@ -216,6 +229,12 @@ def _check_values(cfg: Config, out: list[Issue]) -> bool:
         out.append(
             Issue("error", "parallel.bucket_mb", f"must be > 0, got {cfg.parallel.bucket_mb}", "parallel.bucket_mb=4")
         )
+    return sizes_ok
+
+
+def _check_train(cfg: Config, out: list[Issue]) -> None:
+    """The training loop's settings: rates and intervals, the LR schedule, compilation, checkpoints and logs."""
+    t, c = cfg.train, cfg.cluster
     for key in (
         "lr",
         "min_lr",
@@ -265,6 +284,12 @@ def _check_values(cfg: Config, out: list[Issue]) -> bool:
         out.append(Issue("error", "train.log_every", f"must be >= 1, got {t.log_every}", "train.log_every=1"))
     if t.keep_last < 1:
         out.append(Issue("error", "train.keep_last", f"must be >= 1, got {t.keep_last}", "train.keep_last=3"))
+
+
+def _check_start(cfg: Config, out: list[Issue]) -> None:
+    """How the ranks start: their NUMA binding, the rendezvous (timeout, port), this machine's cores, and what
+    they resume from."""
+    t, c = cfg.train, cfg.cluster
     if c.numa == "explicit" and len(c.numa_map) != c.gpus_per_node:
         out.append(
             Issue(
@@ -297,7 +322,6 @@ def _check_values(cfg: Config, out: list[Issue]) -> bool:
         out.append(
             Issue("error", "train.resume", f"{t.resume!r} is not auto, none or a step number", "train.resume=auto")
         )
-    return sizes_ok
 
 
 def _check_model(cfg: Config, out: list[Issue]) -> None:
@@ -344,13 +368,28 @@ def _issues(violations: list[rules.Violation]) -> list[Issue]:
 
 def _check_layout(cfg: Config, out: list[Issue]) -> bool:
     """Parallel layout rules (training/contract/layout_rules.py) plus the cluster's; False when no plan can be computed."""
+    start = len(out)
+    ok = _check_widths(cfg, out)
+    ok = _check_world(cfg, out) and ok
+    ok = _check_data_parallel(cfg, out) and ok
+    if cfg.train.precision == "fp16" and cfg.cluster.device == "cpu":
+        out.append(
+            Issue(
+                "warning",
+                "train.precision",
+                "fp16 on CPU is slow and only useful to test loss scaling",
+                "train.precision=fp32 or bf16",
+            )
+        )
+    return ok and not any(i.code in rules.BLOCKS_PLAN for i in out[start:] if i.level == "error")
+
+
+def _check_widths(cfg: Config, out: list[Issue]) -> bool:
+    """Each dimension's own rules: tp (and the vocabulary padding it needs), the stage split and schedule, sp and
+    cp; False when cp's rules leave no plan."""
     m, par, c = cfg.model, cfg.parallel, cfg.cluster
     t, p, v, cp = par.tp, par.pp, par.vpp, par.cp
     s = m.seq_length
-    start = len(out)
-    ok = True
-    ranks = c.nodes * c.gpus_per_node
-    mp = t * p * cp
     out += _issues(rules.tp_rules(m, t, rules.valid_tp(cfg)))
     pv = rules.padded_vocab(m.vocab_size, t)
     if pv != m.vocab_size:
@@ -380,9 +419,16 @@ def _check_layout(cfg: Config, out: list[Issue]) -> bool:
         if i.code == "cp_dropout" and cfg.action != "train":
             i.level = "warning"
     out += cp_issues
-    if any(i.level == "error" and i.key == "parallel.cp" for i in cp_issues):
-        ok = False
-    # World size and batch arithmetic.
+    return not any(i.level == "error" and i.key == "parallel.cp" for i in cp_issues)
+
+
+def _check_world(cfg: Config, out: list[Issue]) -> bool:
+    """tp x pp x cp x dp against the cluster's ranks; False when they do not match."""
+    par, c = cfg.parallel, cfg.cluster
+    t, p, cp = par.tp, par.pp, par.cp
+    ranks = c.nodes * c.gpus_per_node
+    mp = t * p * cp
+    ok = True
     if par.dp is not None:
         if mp * par.dp != ranks:
             need = mp * par.dp
@@ -410,6 +456,14 @@ def _check_layout(cfg: Config, out: list[Issue]) -> bool:
             )
         )
         ok = False
+    return ok
+
+
+def _check_data_parallel(cfg: Config, out: list[Issue]) -> bool:
+    """At the derived data-parallel width: the MoE and FP8 rules, the batch arithmetic and ZeRO's sharding; False
+    when the world leaves no data-parallel width."""
+    m, par = cfg.model, cfg.parallel
+    t, p, cp = par.tp, par.pp, par.cp
     dp = derived_dp(cfg)
     out += _issues(rules.moe_rules(m, getattr(par, "ep", 1), dp, t, cp, par.zero))  # mixture of experts, parallel.ep
     out += _issues(fp8_rules(cfg))  # train.precision=fp8: widths, recipe, torchao installed
@@ -439,18 +493,8 @@ def _check_layout(cfg: Config, out: list[Issue]) -> bool:
                     "parallel.zero=0 (or a layout with dp > 1)",
                 )
             )
-    else:
-        ok = False
-    if cfg.train.precision == "fp16" and cfg.cluster.device == "cpu":
-        out.append(
-            Issue(
-                "warning",
-                "train.precision",
-                "fp16 on CPU is slow and only useful to test loss scaling",
-                "train.precision=fp32 or bf16",
-            )
-        )
-    return ok and not any(i.code in rules.BLOCKS_PLAN for i in out[start:] if i.level == "error")
+        return True
+    return False
 
 
 def _world_fix(cfg: Config, mp: int) -> str:
