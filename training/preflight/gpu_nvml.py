@@ -167,8 +167,22 @@ def check_gpus(
 
 
 def _check_one(nvml, pf, h, own_pids) -> list[Check]:
+    """One GPU's checks, in table order; an NVMLError escapes (the caller fails the GPU)."""
+    out = [*_ecc_checks(nvml, h), _row_remap_check(nvml, h), _retired_pages_check(nvml, h)]
+    out.append(_temperature_check(nvml, pf, h))
+    mig = _mig_check(nvml, h)
+    if mig is not None:
+        out.append(mig)
+    out.append(_throttle_check(nvml, h))
+    out.append(_pcie_check(nvml, h))
+    out.append(_check_nvlink(nvml, pf, h))
+    out.append(_foreign_memory_check(nvml, pf, h, own_pids))
+    return out
+
+
+def _ecc_checks(nvml, h) -> list[Check]:
+    """Uncorrectable ECC: volatile (since the last driver load) and aggregate (lifetime)."""
     out: list[Check] = []
-    # Uncorrectable ECC: volatile (since the last driver load) and aggregate (lifetime).
     for counter, label in ((nvml.NVML_VOLATILE_ECC, "volatile"), (nvml.NVML_AGGREGATE_ECC, "aggregate")):
         n, why = nvml_query(nvml, "nvmlDeviceGetTotalEccErrors", h, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, counter)
         name = f"gpu.ecc_uncorrected_{label}"
@@ -182,54 +196,53 @@ def _check_one(nvml, pf, h, own_pids) -> list[Check]:
             )
         else:
             out.append(ok(name, found=0, expected=0))
+    return out
 
+
+def _row_remap_check(nvml, h) -> Check:
     rows, why = nvml_query(nvml, "nvmlDeviceGetRemappedRows", h)
     if why:
-        out.append(ok("gpu.row_remap", f"row remapping {why}"))
-    else:
-        corr, unc, pending, failed = rows
-        found = {"correctable": corr, "uncorrectable": unc, "pending": bool(pending), "failure": bool(failed)}
-        if failed:
-            out.append(fail("gpu.row_remap", "row remapping failed: the GPU needs replacing", found=found))
-        elif pending:
-            out.append(fail("gpu.row_remap", "row remap pending: reset the GPU before use", found=found))
-        else:
-            out.append(ok("gpu.row_remap", found=found))
+        return ok("gpu.row_remap", f"row remapping {why}")
+    corr, unc, pending, failed = rows
+    found = {"correctable": corr, "uncorrectable": unc, "pending": bool(pending), "failure": bool(failed)}
+    if failed:
+        return fail("gpu.row_remap", "row remapping failed: the GPU needs replacing", found=found)
+    if pending:
+        return fail("gpu.row_remap", "row remap pending: reset the GPU before use", found=found)
+    return ok("gpu.row_remap", found=found)
 
+
+def _retired_pages_check(nvml, h) -> Check:
     pending, why = nvml_query(nvml, "nvmlDeviceGetRetiredPagesPendingStatus", h)
     if why:
-        out.append(ok("gpu.retired_pages", f"page retirement {why} (row remapping replaces it since Ampere)"))
-    elif pending == nvml.NVML_FEATURE_ENABLED:
-        out.append(
-            fail(
-                "gpu.retired_pages",
-                "retired pages pending: reset the GPU before use",
-                found="pending",
-                expected="none pending",
-            )
+        return ok("gpu.retired_pages", f"page retirement {why} (row remapping replaces it since Ampere)")
+    if pending == nvml.NVML_FEATURE_ENABLED:
+        return fail(
+            "gpu.retired_pages",
+            "retired pages pending: reset the GPU before use",
+            found="pending",
+            expected="none pending",
         )
-    else:
-        out.append(ok("gpu.retired_pages", found="none pending"))
+    return ok("gpu.retired_pages", found="none pending")
 
+
+def _temperature_check(nvml, pf, h) -> Check:
+    """Below cluster.preflight.max_gpu_temp_c, or else the GPU's own slowdown threshold, before any work."""
     temp = nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)
     limit = pf.max_gpu_temp_c
     if not limit:
         limit, why = nvml_query(nvml, "nvmlDeviceGetTemperatureThreshold", h, nvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN)
     if limit and temp >= limit:
-        out.append(
-            fail(
-                "gpu.temperature",
-                "at or above the slowdown threshold before any work: check cooling",
-                found=temp,
-                expected=f"< {limit}",
-            )
+        return fail(
+            "gpu.temperature",
+            "at or above the slowdown threshold before any work: check cooling",
+            found=temp,
+            expected=f"< {limit}",
         )
-    else:
-        out.append(ok("gpu.temperature", found=temp, expected=f"< {limit}" if limit else None))
+    return ok("gpu.temperature", found=temp, expected=f"< {limit}" if limit else None)
 
-    mig = _mig_check(nvml, h)
-    if mig is not None:
-        out.append(mig)
+
+def _throttle_check(nvml, h) -> Check:
     mask, why = None, "not supported"
     # "Clocks event reasons" since driver R535; older drivers answer FUNCTION_NOT_FOUND for that name (a new
     # nvidia-ml-py has both), so the older throttle-reasons call is asked next.
@@ -240,63 +253,54 @@ def _check_one(nvml, pf, h, own_pids) -> list[Check]:
                 break
     active = [label for const, label in BAD_THROTTLE if mask and mask & getattr(nvml, const)]
     if active:
-        out.append(fail("gpu.throttle", "clocks held down by " + ", ".join(active), found=active, expected=[]))
-    else:
-        out.append(ok("gpu.throttle", why or "", found=[] if not why else None))
+        return fail("gpu.throttle", "clocks held down by " + ", ".join(active), found=active, expected=[])
+    return ok("gpu.throttle", why or "", found=[] if not why else None)
 
+
+def _pcie_check(nvml, h) -> Check:
     gen, _ = nvml_query(nvml, "nvmlDeviceGetCurrPcieLinkGeneration", h)
     max_gen, _ = nvml_query(nvml, "nvmlDeviceGetMaxPcieLinkGeneration", h)
     width, _ = nvml_query(nvml, "nvmlDeviceGetCurrPcieLinkWidth", h)
     max_width, _ = nvml_query(nvml, "nvmlDeviceGetMaxPcieLinkWidth", h)
     found, expected = f"gen{gen} x{width}", f"gen{max_gen} x{max_width}"
     if width is not None and max_width and width < max_width:
-        out.append(
-            fail(
-                "gpu.pcie",
-                "PCIe link trained narrower than the slot: reseat the GPU / riser",
-                found=found,
-                expected=expected,
-            )
+        return fail(
+            "gpu.pcie",
+            "PCIe link trained narrower than the slot: reseat the GPU / riser",
+            found=found,
+            expected=expected,
         )
-    elif gen is not None and max_gen and gen < max_gen:
+    if gen is not None and max_gen and gen < max_gen:
         # GPUs drop the link generation while idle to save power, so this alone is not a fault.
-        out.append(
-            warn(
-                "gpu.pcie",
-                "PCIe generation below maximum (normal when idle; recheck under load)",
-                found=found,
-                expected=expected,
-            )
+        return warn(
+            "gpu.pcie",
+            "PCIe generation below maximum (normal when idle; recheck under load)",
+            found=found,
+            expected=expected,
         )
-    else:
-        out.append(ok("gpu.pcie", found=found, expected=expected))
+    return ok("gpu.pcie", found=found, expected=expected)
 
-    out.append(_check_nvlink(nvml, pf, h))
 
+def _foreign_memory_check(nvml, pf, h, own_pids) -> Check:
+    """GPU memory held by processes outside this job (a leftover job)."""
     procs, why = nvml_query(nvml, "nvmlDeviceGetComputeRunningProcesses", h)
     foreign = [p for p in (procs or []) if p.pid not in own_pids]
     used_mb = sum((p.usedGpuMemory or 0) for p in foreign) / 2**20
     if why:
-        out.append(
-            warn(
-                "gpu.foreign_memory",
-                f"cannot list the GPU's processes: {why}",
-                expected=f"<= {pf.max_used_gpu_memory_mb:g} MiB",
-            )
+        return warn(
+            "gpu.foreign_memory",
+            f"cannot list the GPU's processes: {why}",
+            expected=f"<= {pf.max_used_gpu_memory_mb:g} MiB",
         )
-    elif foreign and used_mb > pf.max_used_gpu_memory_mb:
-        out.append(
-            fail(
-                "gpu.foreign_memory",
-                f"{len(foreign)} other process(es) hold {used_mb:.0f} MiB "
-                f"(pids {','.join(str(p.pid) for p in foreign)}): a leftover job?",
-                found=round(used_mb),
-                expected=f"<= {pf.max_used_gpu_memory_mb:g} MiB",
-            )
+    if foreign and used_mb > pf.max_used_gpu_memory_mb:
+        return fail(
+            "gpu.foreign_memory",
+            f"{len(foreign)} other process(es) hold {used_mb:.0f} MiB "
+            f"(pids {','.join(str(p.pid) for p in foreign)}): a leftover job?",
+            found=round(used_mb),
+            expected=f"<= {pf.max_used_gpu_memory_mb:g} MiB",
         )
-    else:
-        out.append(ok("gpu.foreign_memory", found=round(used_mb), expected=f"<= {pf.max_used_gpu_memory_mb:g} MiB"))
-    return out
+    return ok("gpu.foreign_memory", found=round(used_mb), expected=f"<= {pf.max_used_gpu_memory_mb:g} MiB")
 
 
 def _mig_check(nvml, h) -> Check | None:

@@ -77,36 +77,46 @@ def check_os(
     numa: str = "auto",
     numa_map: list[int] | None = None,
 ) -> list[Check]:
-    checks: list[Check] = []
-
-    def add(c: Check) -> None:
+    """This node's OS tunables, in table order: pages, memory, I/O scheduler, network, NUMA."""
+    checks = [
+        _hugepages(proc_sys, sys_root),
+        *_memory_sysctls(pf, proc_sys),
+        *_io_schedulers(sys_root),
+        *_network_sysctls(pf, proc_sys),
+        *_numa_checks(sys_root, gpu_bus_ids, numa, numa_map),
+    ]
+    for c in checks:
         c.node = node
-        checks.append(c)
+    return checks
 
-    def missing(name, key):
-        add(ok(name, f"{key} not present on this kernel"))
 
+def _missing(name: str, key: str) -> Check:
+    return ok(name, f"{key} not present on this kernel")
+
+
+def _hugepages(proc_sys: str, sys_root: str) -> Check:
     thp = _read(os.path.join(sys_root, "kernel", "mm", "transparent_hugepage", "enabled"))
     hp = sysctl(proc_sys, "vm.nr_hugepages")
     found = f"thp={bracketed(thp) if thp else '-'} nr_hugepages={hp if hp is not None else '-'}"
     expected = "thp=madvise|always nr_hugepages=0 unless hugetlbfs is used"
     if thp and bracketed(thp) == "never":
-        add(
-            warn(
-                "os.hugepages",
-                "THP disabled: large host buffers (pinned memory, data loaders) use 4 KiB pages",
-                found=found,
-                expected=expected,
-            )
+        return warn(
+            "os.hugepages",
+            "THP disabled: large host buffers (pinned memory, data loaders) use 4 KiB pages",
+            found=found,
+            expected=expected,
         )
-    else:
-        add(ok("os.hugepages", found=found, expected=expected))
+    return ok("os.hugepages", found=found, expected=expected)
 
+
+def _memory_sysctls(pf, proc_sys: str) -> list[Check]:
+    """Swappiness and the overcommit policy."""
+    out: list[Check] = []
     v = sysctl(proc_sys, "vm.swappiness")
     if v is None:
-        missing("os.swappiness", "vm.swappiness")
+        out.append(_missing("os.swappiness", "vm.swappiness"))
     elif int(v) > pf.max_swappiness:
-        add(
+        out.append(
             warn(
                 "os.swappiness",
                 "the kernel may swap out rank memory under page-cache pressure (sysctl -w vm.swappiness=1)",
@@ -115,13 +125,13 @@ def check_os(
             )
         )
     else:
-        add(ok("os.swappiness", found=int(v), expected=f"<= {pf.max_swappiness}"))
+        out.append(ok("os.swappiness", found=int(v), expected=f"<= {pf.max_swappiness}"))
 
     v = sysctl(proc_sys, "vm.overcommit_memory")
     if v is None:
-        missing("os.overcommit", "vm.overcommit_memory")
+        out.append(_missing("os.overcommit", "vm.overcommit_memory"))
     elif int(v) == 2:
-        add(
+        out.append(
             warn(
                 "os.overcommit",
                 "strict overcommit: CUDA's large virtual reservations and fork() of big "
@@ -131,8 +141,13 @@ def check_os(
             )
         )
     else:
-        add(ok("os.overcommit", found=int(v), expected="0 or 1"))
+        out.append(ok("os.overcommit", found=int(v), expected="0 or 1"))
+    return out
 
+
+def _io_schedulers(sys_root: str) -> list[Check]:
+    """The I/O scheduler of each block device (loop, RAM and optical devices skipped)."""
+    out: list[Check] = []
     block = os.path.join(sys_root, "block")
     for dev in sorted(os.listdir(block)) if os.path.isdir(block) else []:
         if dev.startswith(("loop", "ram", "zram", "sr")):
@@ -144,7 +159,7 @@ def check_os(
         rotational = _read(os.path.join(block, dev, "queue", "rotational")) == "1"
         exp = "any (rotational)" if rotational else "none|mq-deadline"
         if not rotational and cur not in _GOOD_SCHEDULERS:
-            add(
+            out.append(
                 warn(
                     "os.io_scheduler",
                     f"{cur} adds latency on SSD/NVMe (checkpoint writes)",
@@ -154,15 +169,20 @@ def check_os(
                 )
             )
         else:
-            add(ok("os.io_scheduler", subject=dev, found=cur, expected=exp))
+            out.append(ok("os.io_scheduler", subject=dev, found=cur, expected=exp))
+    return out
 
+
+def _network_sysctls(pf, proc_sys: str) -> list[Check]:
+    """Socket buffer limits and TCP congestion control (the bootstrap and socket transport)."""
+    out: list[Check] = []
     for key in ("net.core.rmem_max", "net.core.wmem_max"):
         v = sysctl(proc_sys, key)
         name = "os." + key.rsplit(".", 1)[1]
         if v is None:
-            missing(name, key)
+            out.append(_missing(name, key))
         elif int(v) < pf.min_socket_buffer_bytes:
-            add(
+            out.append(
                 warn(
                     name,
                     f"socket buffers cap TCP bootstrap/socket transport throughput "
@@ -172,13 +192,13 @@ def check_os(
                 )
             )
         else:
-            add(ok(name, found=int(v), expected=f">= {pf.min_socket_buffer_bytes}"))
+            out.append(ok(name, found=int(v), expected=f">= {pf.min_socket_buffer_bytes}"))
 
     v = sysctl(proc_sys, "net.ipv4.tcp_congestion_control")
     if v is None:
-        missing("os.tcp_congestion", "net.ipv4.tcp_congestion_control")
+        out.append(_missing("os.tcp_congestion", "net.ipv4.tcp_congestion_control"))
     elif v not in _GOOD_CONGESTION:
-        add(
+        out.append(
             warn(
                 "os.tcp_congestion",
                 f"{v} recovers slowly from loss on fast links",
@@ -187,30 +207,32 @@ def check_os(
             )
         )
     else:
-        add(ok("os.tcp_congestion", found=v, expected="|".join(_GOOD_CONGESTION)))
+        out.append(ok("os.tcp_congestion", found=v, expected="|".join(_GOOD_CONGESTION)))
+    return out
 
+
+def _numa_checks(sys_root: str, gpu_bus_ids: list[str] | None, numa: str, numa_map: list[int] | None) -> list[Check]:
+    """The NUMA topology (reported) and each GPU's NUMA node against an explicit cluster.numa_map."""
     topo = numa_topology(sys_root)
-    add(
+    out = [
         ok(
             "os.numa",
             f"{len(topo)} NUMA node(s)" if topo else "no NUMA information",
             found={str(n): {"cpus": _compact(t["cpus"]), "distance": t["distance"]} for n, t in topo.items()},
         )
-    )
+    ]
     gmap = gpu_numa_map(sys_root, gpu_bus_ids or [])
-    if gpu_bus_ids:
-        c = ok("os.gpu_numa", "NUMA node of each GPU (cluster.numa=auto binds rank i there)", found=gmap)
-        if numa == "explicit" and numa_map and list(numa_map[: len(gmap)]) != gmap:
-            c = warn(
-                "os.gpu_numa",
-                "cluster.numa_map binds ranks away from their GPU's NUMA node",
-                found=gmap,
-                expected=list(numa_map),
-            )
-        add(c)
-    else:
-        add(ok("os.gpu_numa", "no GPU on this node", found=[]))
-    return checks
+    if not gpu_bus_ids:
+        return out + [ok("os.gpu_numa", "no GPU on this node", found=[])]
+    c = ok("os.gpu_numa", "NUMA node of each GPU (cluster.numa=auto binds rank i there)", found=gmap)
+    if numa == "explicit" and numa_map and list(numa_map[: len(gmap)]) != gmap:
+        c = warn(
+            "os.gpu_numa",
+            "cluster.numa_map binds ranks away from their GPU's NUMA node",
+            found=gmap,
+            expected=list(numa_map),
+        )
+    return out + [c]
 
 
 def _compact(cpus: list[int]) -> str:

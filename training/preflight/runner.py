@@ -60,7 +60,8 @@ def node_checks(cfg: Config, node: str, before_ib: dict | None = None) -> tuple[
     checks += ib_sysfs.check_ib(
         root, ib_sysfs.expected_hcas(pf.ib_hcas, cl.env), pf.ib_rate_gbps, node, before=before_ib
     )
-    from training.preflight import nccl_checks, node_ops  # the operations checklist (issue 23)
+    # The operations checklist: NCCL transport and IB settings, RDMA modules, IRQ affinity, read-ahead, cgroup memory.
+    from training.preflight import nccl_checks, node_ops
 
     checks += nccl_checks.transport_checks(os.environ, root, node)
     checks += node_ops.check_node_ops(
@@ -143,12 +144,86 @@ def step_nodes(environ=os.environ) -> list[str]:
         return []
 
 
-def run(cfg: Config, run_dir: str) -> Report:
-    """The whole preflight on this rank; every rank returns the same job Report."""
+def _node_phase(cfg: Config, run_dir: str, node: str, reused: bool) -> tuple[list[Check], dict[str, Any]]:
+    """The node leader's checks before any collective: its own checks (or the note that it passed earlier in this
+    allocation) and the facts the version checks need."""
+    if reused:
+        note = ok("preflight.reused", "passed the preflight earlier in this allocation (in-job restart)", node=node)
+        return [note], {"driver": None}
+    own, facts = node_checks(cfg, node)
+    # Written before any collective: if a rendezvous hangs on a bad node, its verdict survives.
+    os.makedirs(os.path.join(run_dir, NODE_DIR), exist_ok=True)
+    with open(os.path.join(run_dir, NODE_DIR, f"{node}.json"), "w") as f:
+        json.dump([c.to_dict() for c in own], f, indent=1, default=str)
+    return own, facts
+
+
+def _open_group(cfg: Config, rank: int, world: int, device: str) -> bool:
+    """The preflight's own process group when none exists yet; True when this call created it."""
     import torch
 
     from training.parallel import collectives as comm
     from training.parallel.rendezvous import wait_for_store
+
+    if comm.is_initialized():
+        return False
+    pf, on_gpu = cfg.cluster.preflight, cfg.cluster.device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(device)
+    wait_for_store(pf.timeout_s)
+    comm.init_process_group(
+        "nccl" if on_gpu else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pf.timeout_s)
+    )
+    return True
+
+
+def _measure_matmul(pf, rank: int, world: int, device: str, on_gpu: bool, reused: bool) -> dict[str, float] | None:
+    """This rank's matmul rate (None on a reused node)."""
+    from training.parallel import collectives as comm
+
+    n = pf.matmul_size or (8192 if on_gpu else 384)
+    if on_gpu:
+        return None if reused else matmul.measure_tflops(device, n)
+    # CPU ranks share the cores: measure one rank at a time so each gets the whole machine.
+    mm = None
+    for r in range(world):
+        if r == rank and not reused:
+            mm = matmul.measure_tflops(device, n)
+        comm.barrier()
+    return mm
+
+
+def _job_checks(cfg: Config, everyone: list[dict[str, Any]]) -> list[Check]:
+    """The job's checks from every rank's record (sorted by rank): the node checks, then matmul, bandwidth and
+    versions across ranks."""
+    pf, on_gpu = cfg.cluster.preflight, cfg.cluster.device == "cuda"
+    node_of_rank = [r["node"] for r in everyone]
+    checks: list[Check] = []
+    for r in everyone:
+        checks += checks_from_dicts(r["checks"])
+    measured = [r["matmul"] for r in everyone if r["matmul"]]
+    checks += (
+        []
+        if not measured
+        else matmul.check_matmul(measured, pf.matmul_tflops, pf.min_rate_fraction, pf.straggler_ratio, on_gpu)
+    )
+    checks += collectives.check_bandwidth(
+        [s for r in everyone for s in r["sweep"]],
+        node_of_rank,
+        pf.busbw_intra_gbps,
+        pf.busbw_inter_gbps,
+        pf.min_rate_fraction,
+    )
+    checks += collectives.check_versions(everyone, pf.nccl_version)
+    from training.preflight.nccl_checks import version_checks
+
+    checks += version_checks(everyone)  # NCCL >= 2.18, cuDNN agreement, CUDA runtime <= driver
+    return checks
+
+
+def run(cfg: Config, run_dir: str) -> Report:
+    """The whole preflight on this rank; every rank returns the same job Report."""
+    from training.parallel import collectives as comm
 
     t0 = time.time()
     pf, cl = cfg.cluster.preflight, cfg.cluster
@@ -165,39 +240,16 @@ def run(cfg: Config, run_dir: str) -> Report:
 
     own: list[Check] = []
     facts: dict[str, Any] = {"driver": None}
-    if leader and reused:
-        own = [ok("preflight.reused", "passed the preflight earlier in this allocation (in-job restart)", node=node)]
-    elif leader:
-        own, facts = node_checks(cfg, node)
-        # Written before any collective: if a rendezvous hangs on a bad node, its verdict survives.
-        os.makedirs(os.path.join(run_dir, NODE_DIR), exist_ok=True)
-        with open(os.path.join(run_dir, NODE_DIR, f"{node}.json"), "w") as f:
-            json.dump([c.to_dict() for c in own], f, indent=1, default=str)
+    if leader:
+        own, facts = _node_phase(cfg, run_dir, node, reused)
 
     on_gpu = cl.device == "cuda"
     from training.parallel.mesh import local_cuda_index
 
     device = f"cuda:{local_cuda_index(local_rank)}" if on_gpu else "cpu"
-    created = False
-    if not comm.is_initialized():
-        if on_gpu:
-            torch.cuda.set_device(device)
-        wait_for_store(pf.timeout_s)
-        comm.init_process_group(
-            "nccl" if on_gpu else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=pf.timeout_s)
-        )
-        created = True
+    created = _open_group(cfg, rank, world, device)
     try:
-        n = pf.matmul_size or (8192 if on_gpu else 384)
-        mm = None
-        if on_gpu:
-            mm = None if reused else matmul.measure_tflops(device, n)
-        else:
-            # CPU ranks share the cores: measure one rank at a time so each gets the whole machine.
-            for r in range(world):
-                if r == rank and not reused:
-                    mm = matmul.measure_tflops(device, n)
-                comm.barrier()
+        mm = _measure_matmul(pf, rank, world, device, on_gpu, reused)
         sizes_mb = collectives.sweep_sizes_mb(pf.collective_sizes_mb, on_gpu)
         sweep = collectives.run_sweep(
             rank, world, per_node, sizes_mb, pf.collective_iters, device, timeout_s=pf.timeout_s
@@ -227,30 +279,9 @@ def run(cfg: Config, run_dir: str) -> Report:
             comm.destroy_process_group()
 
     everyone.sort(key=lambda r: r["rank"])
-    node_of_rank = [r["node"] for r in everyone]
-    checks: list[Check] = []
-    for r in everyone:
-        checks += checks_from_dicts(r["checks"])
-    measured = [r["matmul"] for r in everyone if r["matmul"]]
-    checks += (
-        []
-        if not measured
-        else matmul.check_matmul(measured, pf.matmul_tflops, pf.min_rate_fraction, pf.straggler_ratio, on_gpu)
-    )
-    checks += collectives.check_bandwidth(
-        [s for r in everyone for s in r["sweep"]],
-        node_of_rank,
-        pf.busbw_intra_gbps,
-        pf.busbw_inter_gbps,
-        pf.min_rate_fraction,
-    )
-    checks += collectives.check_versions(everyone, pf.nccl_version)
-    from training.preflight.nccl_checks import version_checks
-
-    checks += version_checks(everyone)  # NCCL >= 2.18, cuDNN agreement, CUDA runtime <= driver
-    nodes = list(dict.fromkeys(node_of_rank))
-    report = Report(
-        checks,
+    nodes = list(dict.fromkeys(r["node"] for r in everyone))
+    return Report(
+        _job_checks(cfg, everyone),
         nodes,
         {
             "mode": pf.mode,
@@ -261,7 +292,6 @@ def run(cfg: Config, run_dir: str) -> Report:
             "versions": everyone[0]["versions"],
         },
     )
-    return report
 
 
 def finish(report: Report, run_dir: str, rank: int) -> int:
