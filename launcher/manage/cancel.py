@@ -29,7 +29,8 @@ from typing import Any
 
 from launcher.manage.status import CANCEL_FILE, cancelled_event
 from training.contract.exit_codes import EXIT_INVALID
-from training.contract.rundir.events import EVENTS_FILE, append_event, read_events
+from training.contract.rundir.events import append_event, read_events
+from training.contract.rundir.paths import EVENTS_FILE
 
 POLL_S = 1.0
 

@@ -19,8 +19,9 @@ from launcher.manage import goodput
 from launcher.manage.progress import progress_fields
 from launcher.slurm.queries import FINAL_STATES, slurm_end_reason, slurm_state, slurm_states
 from training.contract.exit_codes import EXIT_INVALID
-from training.contract.rundir.events import EVENTS_FILE, read_events
+from training.contract.rundir.events import read_events
 from training.contract.rundir.metrics import last_step as metrics_last_step
+from training.contract.rundir.paths import EVENTS_FILE
 
 
 def last_metrics_step(run_dir: str) -> int | None:

@@ -21,7 +21,8 @@ from helpers.cli import run_cli
 from helpers.local_run import PYTHON, TINY_RUN
 
 from launcher.manage.status_table import format_table
-from training.observe.metrics import PURGED_FILE, purge_after
+from training.contract.rundir.paths import PURGED_FILE
+from training.observe.metrics import purge_after
 from training.observe.progress import Progress, format_duration
 
 # One rank, a tiny model, random tokens: the launches below are about the files, not the numbers.

@@ -28,7 +28,8 @@ from launcher.slurm.sbatch import SlurmConfigError, array_job_spec, job_spec, sb
 from training.contract import slurm_env
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK
 from training.contract.rundir.events import read_events
-from training.contract.rundir.lock import LOCK_FILE, read_holder
+from training.contract.rundir.lock import read_holder
+from training.contract.rundir.paths import LOCK_FILE
 from training.contract.rundir.secret_env import PLACEHOLDER
 
 PY = sys.executable

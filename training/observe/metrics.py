@@ -10,7 +10,6 @@ move to metrics.purged.jsonl (nothing is deleted), so every step appears once in
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -18,14 +17,14 @@ from typing import Any
 import torch
 
 from training.contract.rundir.events import current_attempt
-from training.contract.rundir.metrics import METRICS_FILE, PURGED_FILE
+from training.contract.rundir.paths import RunPaths
 from training.parallel import collectives as comm
 
 
 def purge_after(run_dir: str, step: int) -> int:
     """Move rows with a step > `step` from metrics.jsonl to metrics.purged.jsonl; returns how many moved.
     metrics.jsonl is rewritten under a temporary name and renamed, so a reader never sees half of it."""
-    path = os.path.join(run_dir, METRICS_FILE)
+    path = RunPaths(run_dir).metrics
     try:
         with open(path) as f:
             lines = f.readlines()
@@ -46,7 +45,7 @@ def purge_after(run_dir: str, step: int) -> int:
         return 0
     from training.contract.rundir.files import open_append, write_lines_atomic  # never through a link
 
-    with open_append(os.path.join(run_dir, PURGED_FILE)) as f:
+    with open_append(RunPaths(run_dir).metrics_purged) as f:
         f.writelines(moved)
     write_lines_atomic(path, keep)
     return len(moved)
@@ -87,7 +86,7 @@ class MetricsLog:
 
     def __init__(self, cfg, run_dir: str, resumed_step: int, is_logger: bool):
         self.run_dir, self.enabled = run_dir, is_logger
-        self.path = os.path.join(run_dir, METRICS_FILE)
+        self.path = RunPaths(run_dir).metrics
         self.attempt = current_attempt()
         self.sinks: list[Any] = []
         if not is_logger:

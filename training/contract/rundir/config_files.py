@@ -12,6 +12,7 @@ import yaml  # PyYAML, which OmegaConf itself depends on
 
 from training.contract.config import Config, config_to_dict
 from training.contract.rundir.files import write_atomic
+from training.contract.rundir.paths import CHECKPOINTS_DIR, EVENTS_FILE, LOCK_FILE, PLAN_FILE, RunPaths
 from training.contract.rundir.secret_env import split_given, write_secrets
 
 
@@ -27,8 +28,8 @@ def write_config(cfg: Config, run_dir: str) -> None:
     plain = config_to_dict(cfg)
     # json.dumps without indent: json's C encoder runs only for a one-shot dumps without one (json.dump
     # to a file always encodes in Python); config.yaml is the copy for people. Never through a link.
-    write_atomic(os.path.join(run_dir, "config.json"), json.dumps(plain, sort_keys=True))
-    write_atomic(os.path.join(run_dir, "config.yaml"), config_yaml(plain))
+    write_atomic(RunPaths(run_dir).config, json.dumps(plain, sort_keys=True))
+    write_atomic(RunPaths(run_dir).config_yaml, config_yaml(plain))
 
 
 # Plain dicts, not OmegaConf.structured, which a sweep would pay once per point; libyaml's emitter where PyYAML
@@ -75,7 +76,7 @@ def path_problem(path: str, key: str = "run.dir") -> str:
 
 
 # Files only meshrun writes: a directory holding one of them is a run directory (a copy of one included).
-_RUN_MARKERS = (".meshrun.lock", "events.jsonl", "plan.json", "checkpoints")
+_RUN_MARKERS = (LOCK_FILE, EVENTS_FILE, PLAN_FILE, CHECKPOINTS_DIR)
 
 
 def foreign_problem(run_dir: str) -> str:

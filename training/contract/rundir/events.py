@@ -13,9 +13,8 @@ import os
 import time
 from typing import Any
 
+from training.contract.rundir.paths import RunPaths
 from training.contract.slurm_env import slurm_job_id
-
-EVENTS_FILE = "events.jsonl"
 
 
 def current_attempt() -> int:
@@ -49,7 +48,7 @@ def append_event(run_dir: str, event: str, **fields: Any) -> dict[str, Any]:
     line = json.dumps(record, sort_keys=True, default=str) + "\n"
     from training.contract.rundir.files import append_bytes  # never through a link (training/contract/rundir/files.py)
 
-    append_bytes(os.path.join(run_dir, EVENTS_FILE), line.encode())  # the umask decides the mode
+    append_bytes(RunPaths(run_dir).events, line.encode())  # the umask decides the mode
     return record
 
 
@@ -80,4 +79,4 @@ def read_events(run_dir: str) -> list[dict[str, Any]]:
     training/contract/rundir/lines.py's MAX_LINE_BYTES is skipped without being read whole."""
     from training.contract.rundir.lines import read_objects
 
-    return [record for record in read_objects(os.path.join(run_dir, EVENTS_FILE)) if well_formed(record)]
+    return [record for record in read_objects(RunPaths(run_dir).events) if well_formed(record)]

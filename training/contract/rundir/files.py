@@ -32,28 +32,13 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import IO
 
-# The names meshrun writes at the top of a run directory (and the directories it writes into): checked for
-# links before a launch writes anything (training/contract/rundir/config_files.py), so a planted link is an exit 2, not a rank's
-# traceback halfway through a run.
-RUN_FILES = (
-    "config.json",
-    "config.yaml",
-    "plan.json",
-    "summary.json",
-    "events.jsonl",
-    "metrics.jsonl",
-    "metrics.purged.jsonl",
-    "secrets.json",
-    "resume_request.json",
-    ".meshrun.lock",
-    "logs",
-    "checkpoints",
-    "recommend.json",
-    "code",
-    "attempts",
-    "report",
-    "profile",
-)
+from training.contract.rundir.paths import LOGS_DIR, top_level_names
+
+# The names meshrun writes at the top of a run directory (and the directories it writes into), from the map
+# (training/contract/rundir/paths.py): checked for links before a launch writes anything
+# (training/contract/rundir/config_files.py), so a planted link is an exit 2, not a rank's traceback halfway
+# through a run.
+RUN_FILES = top_level_names()
 
 
 class LinkRefused(OSError):
@@ -214,7 +199,7 @@ def symlink_atomic(name: str, link: str) -> None:
 def links_in(run_dir: str) -> list:
     """The names of RUN_FILES (and logs/*) that are symbolic links in run_dir: what a launch refuses."""
     found = [name for name in RUN_FILES if os.path.islink(os.path.join(run_dir, name))]
-    logs = os.path.join(run_dir, "logs")
+    logs = os.path.join(run_dir, LOGS_DIR)
     if os.path.isdir(logs) and not os.path.islink(logs):
-        found += [f"logs/{n}" for n in sorted(os.listdir(logs)) if os.path.islink(os.path.join(logs, n))]
+        found += [f"{LOGS_DIR}/{n}" for n in sorted(os.listdir(logs)) if os.path.islink(os.path.join(logs, n))]
     return found

@@ -29,8 +29,8 @@ from typing import Any
 
 from training.contract.rundir.events import append_event
 from training.contract.rundir.files import open_regular, open_rw
+from training.contract.rundir.paths import LOCK_FILE, RunPaths
 
-LOCK_FILE = ".meshrun.lock"
 TOKEN_ENV = "MESHRUN_LOCK_TOKEN"
 """Set in every rank a local launcher starts: the token of the lock its launcher holds."""
 
@@ -44,7 +44,7 @@ class RunLocked(RuntimeError):
 
 
 def lock_path(run_dir: str) -> str:
-    return os.path.join(run_dir, LOCK_FILE)
+    return RunPaths(run_dir).lock
 
 
 def describe(holder: dict[str, Any]) -> str:

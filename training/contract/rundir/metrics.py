@@ -10,16 +10,14 @@ from typing import Any
 
 from training.contract.rundir.events import well_formed
 from training.contract.rundir.files import open_regular
+from training.contract.rundir.paths import RunPaths
 
-METRICS_FILE = "metrics.jsonl"
-PURGED_FILE = "metrics.purged.jsonl"
-"""Rows of steps a resume went back over (moved out of metrics.jsonl, never deleted)."""
 TAIL_BYTES = 65536
 """How much of the file's end tail_rows reads: many rows whatever the run's length, in constant time."""
 
 
 def metrics_path(run_dir: str) -> str:
-    return os.path.join(run_dir, METRICS_FILE)
+    return RunPaths(run_dir).metrics
 
 
 def _rows(lines: list[str]) -> list[dict[str, Any]]:
@@ -49,7 +47,7 @@ def read_rows(run_dir: str) -> list[dict[str, Any]]:
 
 def read_purged_rows(run_dir: str) -> list[dict[str, Any]]:
     """Every row of metrics.purged.jsonl (steps a resume went back over), oldest first ([] without the file)."""
-    return _read(os.path.join(run_dir, PURGED_FILE))
+    return _read(RunPaths(run_dir).metrics_purged)
 
 
 def tail_rows(run_dir: str, limit_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:

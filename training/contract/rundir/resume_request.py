@@ -14,11 +14,11 @@ import os
 import time
 from typing import Any
 
-REQUEST_FILE = "resume_request.json"
+from training.contract.rundir.paths import RunPaths
 
 
 def _path(run_dir: str) -> str:
-    return os.path.join(run_dir, REQUEST_FILE)
+    return RunPaths(run_dir).resume_request
 
 
 def _write(run_dir: str, data: dict[str, Any]) -> None:

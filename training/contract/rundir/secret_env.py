@@ -16,7 +16,8 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 
-SECRETS_FILE = "secrets.json"
+from training.contract.rundir.paths import RunPaths
+
 PLACEHOLDER = "<secret: kept in run.dir/secrets.json (mode 0600), not in this file>"
 DEFAULT_PATTERNS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
 ARGS_ENV = "MESHRUN_SECRET_ARGS"
@@ -70,7 +71,7 @@ def split_given(env: Mapping[str, str], patterns: Iterable[str]) -> tuple[dict[s
 
 def read_secrets(run_dir: str) -> dict[str, str]:
     try:
-        with open(os.path.join(run_dir, SECRETS_FILE)) as f:
+        with open(RunPaths(run_dir).secrets) as f:
             data = json.load(f)
     except (OSError, ValueError):
         return {}
@@ -82,7 +83,7 @@ def write_secrets(run_dir: str, values: Mapping[str, str]) -> None:
     if not values:
         return
     merged = {**read_secrets(run_dir), **{str(k): str(v) for k, v in values.items()}}
-    path = os.path.join(run_dir, SECRETS_FILE)
+    path = RunPaths(run_dir).secrets
     from training.contract.rundir.files import write_atomic  # never through a link
 
     write_atomic(path, json.dumps(merged, sort_keys=True), mode=0o600)
