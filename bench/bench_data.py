@@ -96,7 +96,7 @@ def prepare_cmd(inputs: str, output: str, tokenizer: str, workers: int) -> list:
     # Timed inside: prepare() from its call to its return (pool start-up, reading, writing, describing
     # included); the interpreter's own start is not prepare's.
     code = (
-        "import json, sys, time; from launcher.data.prepare import prepare; from training.contract.config import PrepareConfig; "
+        "import json, sys, time; from launcher.data.prepare import prepare; from launcher.data.prepare.config import PrepareConfig; "
         f"t0 = time.perf_counter(); d = prepare(PrepareConfig(inputs=[{inputs!r}], output={output!r}, "
         f"tokenizer={tokenizer!r}, workers={workers}, progress=False, valid_fraction=0.01)); "
         "print(json.dumps({'tokens': d['tokens'] + d['valid_tokens'], 'seconds': time.perf_counter() - t0}))"

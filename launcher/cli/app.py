@@ -15,6 +15,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.cli.actions import BY_NAME, ActionSpec
+from launcher.cli.options import AppConfig, with_options
 from launcher.cli.schema import register
 from training.contract.config import Config
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID
@@ -56,11 +57,11 @@ def hydra_main(dcfg: DictConfig):
     if unknown:  # `+group.key=v` adds a key the dataclasses would drop silently (launcher/cli/unknown_keys.py)
         print(f"meshrun: invalid configuration; nothing was launched. {message(unknown)}.", file=sys.stderr)
         raise SystemExit(EXIT_INVALID)
-    cfg: Config = OmegaConf.to_object(dcfg)
+    cfg: AppConfig = OmegaConf.to_object(dcfg)
     return run_action(cfg)
 
 
-def run_action(cfg: Config):
+def run_action(cfg: AppConfig):
     """The action's config resolved in the table's fixed order (launcher/cli/actions.py), then its function."""
     spec = BY_NAME[str(cfg.action)]
     if spec.config == "composed":
@@ -114,13 +115,14 @@ def _function(spec: ActionSpec) -> Callable[[Config, str | None], Any]:
     return getattr(importlib.import_module(spec.module), spec.function)
 
 
-def _launch_config(cfg: Config, run_dir: str) -> Config:
+def _launch_config(cfg: AppConfig, run_dir: str) -> AppConfig:
     """A launch's config: an existing run's saved config under the new command line, the indexed datasets'
     paths and vocabulary, then train.init_from's model (config.json's model wins over the data's vocabulary)."""
     if not _is_multirun():
         from launcher.manage.resume import resume_config
 
-        cfg = resume_config(run_dir, cfg, HydraConfig.get().overrides.task)
+        # The saved run is a Config (config.json keeps no command-line option): this invocation's options return.
+        cfg = with_options(resume_config(run_dir, cfg, HydraConfig.get().overrides.task), cfg)
     if cfg.data.kind == "indexed":
         from launcher.data.datasets import resolve_indexed
 
@@ -128,7 +130,7 @@ def _launch_config(cfg: Config, run_dir: str) -> Config:
     if cfg.train.init_from:
         from launcher.hf.init_from import apply_init_from
 
-        cfg = apply_init_from(cfg, HydraConfig.get().overrides.task, run_dir)
+        cfg = with_options(apply_init_from(cfg, HydraConfig.get().overrides.task, run_dir), cfg)
     return cfg
 
 
@@ -141,11 +143,11 @@ def start(cfg: Config, run_dir: str):
         if wandb_problem():
             print(f"error: {wandb_problem()}; nothing was launched.", file=sys.stderr)
             raise SystemExit(EXIT_INVALID)
-    from launcher.planning.gate import plan_or_reject
+    from launcher.launch.gate import plan_or_reject
 
     auto = None
     if cfg.parallel.auto:  # parallel=auto: the recommender fills what the command line left open
-        from launcher.planning.auto import announce, choose
+        from launcher.recommend.auto import announce, choose
 
         choice = choose(cfg, HydraConfig.get().overrides.task, multirun=_is_multirun())
         if choice is not None and choice.chosen is None:  # a sweep point at which nothing fits
@@ -158,7 +160,7 @@ def start(cfg: Config, run_dir: str):
             if not _is_multirun():
                 announce(choice)
             auto = choice.to_json()
-    from launcher.planning.auto import name_the_nodes
+    from launcher.recommend.auto import name_the_nodes
 
     result = plan_or_reject(cfg, run_dir, multirun=_is_multirun(), auto=auto, no_fit_advice=name_the_nodes)
     if result.get("status") == "ok" and not _is_multirun() and cfg.action == "train" and not cfg.dry_run:
@@ -171,7 +173,12 @@ def start(cfg: Config, run_dir: str):
     if cfg.cluster.kind == "slurm":
         from launcher.slurm.submit import submit
 
-        return submit(cfg, run_dir, result, multirun=_is_multirun(), queue=_launcher_submits_arrays())
+        result = submit(cfg, run_dir, result, multirun=_is_multirun(), queue=_launcher_submits_arrays())
+        if cfg.wait and not _is_multirun() and result.get("status") == "submitted":
+            from launcher.manage.follow import follow_run
+
+            follow_run(result)  # until the run ends: its final status, or EXIT_FAILED
+        return result
     from launcher.launch.local import launch_local
 
     return launch_local(cfg, run_dir)

@@ -4,7 +4,7 @@
 Hydra's own path composes the config twice per process (once to learn the run mode, once to run) and its
 `--help` deep-copies the structured config once per config group option (75 times): seconds on a loaded machine.
 These commands only read files, so they compose once, here: conf/config.yaml's default presets, the command
-line's group choices and `group.key=value` overrides, typed by the dataclasses of training/contract/config.py.
+line's group choices and `group.key=value` overrides, typed by the dataclasses of launcher/cli/options.py AppConfig.
 Anything this simple composition does not cover (Hydra flags such as --config-dir, sweeps, interpolations, list or
 dict values, a `+`/`~` prefix, a preset with other defaults) returns None and the command takes Hydra's path, which
 also gives the error messages. tests/launcher/test_cli_fast.py holds this composition equal to Hydra's.
@@ -116,8 +116,8 @@ def _set(data: dict[str, Any], path: Sequence[str], value: Any) -> None:
 
 
 def compose(argv: Sequence[str]) -> Any | None:
-    """The Config Hydra would compose for argv, or None where this composition does not apply."""
-    from training.contract.config import Config, config_from_dict
+    """The AppConfig Hydra would compose for argv, or None where this composition does not apply."""
+    from launcher.cli.options import AppConfig, app_config_from_dict
 
     choices, keys = {}, []
     for arg in argv:
@@ -149,7 +149,7 @@ def compose(argv: Sequence[str]) -> Any | None:
     merged: dict[str, Any] = {**groups, "run": {"dir": f"runs/{now}-{unique_suffix()}"}}
     for key, value in keys:
         path = key.split(".")
-        tp = _field_type(Config, path)
+        tp = _field_type(AppConfig, path)
         if tp is None:
             return None
         try:
@@ -157,7 +157,7 @@ def compose(argv: Sequence[str]) -> Any | None:
         except (ValueError, KeyError, StopIteration):
             return None
     try:
-        return config_from_dict(_enums(Config, merged))
+        return app_config_from_dict(_enums(AppConfig, merged))
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -1,7 +1,7 @@
 """`meshrun action=keys [keys.group=G]`: every config key with its type, default and docstring.
 
-The docstrings are the attribute docstrings of training/contract/config.py (the string under each field), read from
-that module's source with `ast`, so the printed text is exactly what the code documents.
+The docstrings are the attribute docstrings of the schema's modules (launcher/cli/options.py SCHEMA_MODULES: the
+string under each field), read from their source with `ast`, so the printed text is exactly what the code documents.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import importlib
 import inspect
 import sys
 import types
@@ -16,19 +17,20 @@ import typing
 from collections.abc import Callable, Iterator
 from enum import Enum
 
-import training.contract.config as config_module
 from launcher.cli.actions import action_doc
-from training.contract.config import Config
+from launcher.cli.options import SCHEMA_MODULES, AppConfig
 from training.contract.exit_codes import EXIT_INVALID
 
 
 @functools.lru_cache(maxsize=1)
 def field_docstrings() -> dict[tuple[str, str], str]:
-    """(class name, field name) -> the docstring written under the field in training/contract/config.py (parsed
-    once per process: action=keys asks once per dataclass)."""
-    tree = ast.parse(inspect.getsource(config_module))
+    """(class name, field name) -> the docstring written under the field in the schema's modules (parsed once per
+    process: action=keys asks once per dataclass)."""
     docs: dict[tuple[str, str], str] = {}
-    for node in tree.body:
+    body = [
+        node for name in SCHEMA_MODULES for node in ast.parse(inspect.getsource(importlib.import_module(name))).body
+    ]
+    for node in body:
         if not isinstance(node, ast.ClassDef):
             continue
         body = node.body
@@ -78,7 +80,7 @@ def _show(value) -> str:
     return "null" if value is None else repr(value)
 
 
-def effective_value(cfg: Config, key: str) -> str:
+def effective_value(cfg: AppConfig, key: str) -> str:
     """A key's value in a composed config (the presets of conf/config.yaml and the command line applied), shown
     as the built-in default is."""
     obj = cfg
@@ -87,7 +89,7 @@ def effective_value(cfg: Config, key: str) -> str:
     return _show(obj)
 
 
-def iter_keys(cls=Config, prefix: str = "") -> Iterator[tuple[str, str, str, str]]:
+def iter_keys(cls=AppConfig, prefix: str = "") -> Iterator[tuple[str, str, str, str]]:
     """(key, type, default, docstring) for every leaf key, depth first in declaration order."""
     docs = field_docstrings()
     hints = typing.get_type_hints(cls)
@@ -97,18 +99,23 @@ def iter_keys(cls=Config, prefix: str = "") -> Iterator[tuple[str, str, str, str
         if dataclasses.is_dataclass(tp):
             yield from iter_keys(tp, key + ".")
             continue
-        yield key, _type_name(tp), _default(f), docs.get((cls.__name__, f.name), "")
+        yield key, _type_name(tp), _default(f), docs.get((_declared_in(cls, f.name), f.name), "")
+
+
+def _declared_in(cls: type, name: str) -> str:
+    """The name of the class that declares field `name` (AppConfig inherits Config's fields and their docstrings)."""
+    return next(c.__name__ for c in cls.__mro__ if name in c.__dict__.get("__annotations__", {}))
 
 
 GROUPS = ("model", "parallel", "cluster", "train", "data", "run")
 
 
 def format_keys(
-    group: str = "", presets: Callable[[str], list[str]] | None = None, effective: Config | None = None
+    group: str = "", presets: Callable[[str], list[str]] | None = None, effective: AppConfig | None = None
 ) -> str:
     """The text `action=keys` prints; `presets(group)` lists a group's presets when given. With `effective` (the
     composed config of this invocation) each key shows the value a launch with these arguments uses, and the
-    built-in default of training/contract/config.py, and beside it `(effective: V)` where the presets or the command line
+    built-in default of the schema, and beside it `(effective: V)` where the presets or the command line
     make it differ."""
     lines: list[str] = []
     current = None
@@ -131,7 +138,9 @@ def format_keys(
     return "\n".join(lines)
 
 
-def print_keys(group: str, presets: Callable[[str], list[str]] | None = None, effective: Config | None = None) -> None:
+def print_keys(
+    group: str, presets: Callable[[str], list[str]] | None = None, effective: AppConfig | None = None
+) -> None:
     # Every section of the config (the groups, and action sections such as export and generate).
     sections = sorted({key.split(".", 1)[0] for key, *_ in iter_keys() if "." in key})
     if group and group not in sections:
@@ -143,13 +152,13 @@ def print_keys(group: str, presets: Callable[[str], list[str]] | None = None, ef
         raise SystemExit(EXIT_INVALID)
     if effective is not None:
         print(
-            "== key: type = built-in default (training/contract/config.py)    (effective: the value a launch with these "
+            "== key: type = built-in default (training/contract/config.py, launcher/cli/options.py)    (effective: the value a launch with these "
             "arguments uses, after conf/config.yaml's presets and the command line, where it differs)"
         )
     print(format_keys(group, presets, effective))
 
 
-def keys_action(cfg: Config, run_dir: str | None = None) -> None:
+def keys_action(cfg: AppConfig, run_dir: str | None = None) -> None:
     """action=keys (the action table, launcher/cli/actions.py)."""
     from launcher.cli.fast import presets  # the packaged presets (launcher/cli/fast.py composed without Hydra)
 

@@ -1,5 +1,5 @@
 """docs/KEYS.md: every config key with its type, default and docstring, generated from `action=keys`' listing
-(launcher/cli/keys.py iter_keys, the dataclasses of training/contract/config.py) and the packaged presets.
+(launcher/cli/keys.py iter_keys, the dataclasses of launcher/cli/options.py AppConfig) and the packaged presets.
 
     make keys-doc                                  # or: .venv/bin/python -m launcher.cli.keys_doc
     .venv/bin/python -m launcher.cli.keys_doc --check   # exit 1 when docs/KEYS.md is not what this generates
@@ -28,7 +28,8 @@ def markdown(presets: Callable[[str], list[str]] | None = None) -> str:
     lines = [
         "# Every key",
         "",
-        "Generated from the config schema (training/contract/config.py, as `meshrun action=keys` prints it) by",
+        "Generated from the config schema (training/contract/config.py, the ranks' keys; launcher/cli/options.py, the",
+        "command line's own; as `meshrun action=keys` prints it) by",
         "`make keys-doc`; do not edit by hand. Set a key on the command line as `section.key=value` and pick a",
         "preset of a group as `group=preset`; `meshrun action=keys keys.group=G` prints one section with the values",
         "your command line would use.",

@@ -15,7 +15,7 @@ import shlex
 from collections.abc import Sequence
 
 from launcher.cli.actions import BY_NAME
-from training.contract.config import CHOICE_FIELDS, choices
+from launcher.cli.options import CHOICE_FIELDS, choices
 
 GROUPS = ("model", "parallel", "cluster", "train", "data")
 # Hydra's flags that take a value (the next argument), and the ones that add config directories of one's own.

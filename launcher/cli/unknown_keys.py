@@ -14,10 +14,10 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from training.contract.config import Config
+from launcher.cli.options import AppConfig
 
 
-def all_keys(cls=Config, prefix: str = "") -> list[str]:
+def all_keys(cls=AppConfig, prefix: str = "") -> list[str]:
     """Every key of the typed config, groups (parallel, cluster.preflight) and leaves alike."""
     out: list[str] = []
     hints = typing.get_type_hints(cls)
@@ -45,7 +45,7 @@ def nearest_key(key: str, known: Iterable[str] | None = None) -> str | None:
     return match[0] if match else None
 
 
-def unknown_keys(node: Any, cls=Config, prefix: str = "") -> list[str]:
+def unknown_keys(node: Any, cls=AppConfig, prefix: str = "") -> list[str]:
     """Keys of a composed config (a mapping: DictConfig or dict) that cls does not declare, depth first."""
     if not isinstance(node, Mapping) and not hasattr(node, "keys"):
         return []
@@ -100,7 +100,7 @@ def argv_keys(argv: Iterable[str]) -> list[str]:
     return out
 
 
-def _dict_fields(cls=Config, prefix: str = "") -> list[str]:
+def _dict_fields(cls=AppConfig, prefix: str = "") -> list[str]:
     out: list[str] = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):

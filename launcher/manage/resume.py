@@ -21,8 +21,9 @@ from training.contract.config import Config, config_from_dict, config_to_dict
 from training.contract.layout_text import format_layout, layout_of
 
 GROUPS = ("model", "parallel", "cluster", "train", "data")
-# Chosen anew by every invocation, never inherited from the saved run.
-PER_INVOCATION = ("action", "dry_run", "wait", "keys", "run")
+# Chosen anew by every invocation, never inherited from the saved run (with the command line's own option groups,
+# launcher/cli/options.py, which config.json does not keep).
+PER_INVOCATION = ("action", "dry_run", "wait", "keys", "run", "prepare", "status", "runs", "logs", "cancel")
 
 
 def _override_key(text: str) -> tuple[str, bool]:

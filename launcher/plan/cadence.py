@@ -185,7 +185,7 @@ class Cadence:
     requested: str
     """train.checkpoint_every_min as asked (minutes or auto)."""
     resolved_min: float
-    """Minutes the engine saves by (train.checkpoint_every_min_resolved)."""
+    """Minutes the engine saves by (resolved.checkpoint_every_min)."""
     nodes: int
     node_mtbf_h: float
     job_mtbf_h: float
@@ -266,9 +266,9 @@ def advise(cfg: Config, run_dir: str | None = None, step_s: float = 0.0) -> Cade
 
 
 def resolve(cfg: Config, run_dir: str | None = None, step_s: float = 0.0) -> Cadence:
-    """advise(), and write the resolved minutes into cfg.train.checkpoint_every_min_resolved (config.json)."""
+    """advise(), and write the resolved minutes into cfg.resolved.checkpoint_every_min (config.json)."""
     cad = advise(cfg, run_dir, step_s)
-    cfg.train.checkpoint_every_min_resolved = cad.resolved_min
+    cfg.resolved.checkpoint_every_min = cad.resolved_min
     return cad
 
 

@@ -50,7 +50,7 @@ def test_a_run_with_auto_cadence_saves_by_the_resolved_minutes(tmp_path):
     cfg = json.loads((run / "config.json").read_text())
     plan = json.loads((run / "plan.json").read_text())
     cad = plan["checkpoint_cadence"]
-    minutes = cfg["train"]["checkpoint_every_min_resolved"]
+    minutes = cfg["resolved"]["checkpoint_every_min"]
     assert cfg["train"]["checkpoint_every_min"] == "auto" and minutes == pytest.approx(cad["optimal_min"], abs=1e-9)
     # Young's interval from the plan's own save-time estimate and the job MTBF (1 node x 1e-6 h = 3.6 ms).
     assert 60 * minutes == pytest.approx(young_interval_s(cad["save_s"], 3600 * 1e-6), rel=1e-6)

@@ -17,7 +17,8 @@ import pytest
 from helpers.dist import run_distributed
 
 from launcher.data.prepare import prepare
-from training.contract.config import Config, PrepareConfig, config_from_dict, config_to_dict
+from launcher.data.prepare.config import PrepareConfig
+from training.contract.config import Config, config_from_dict, config_to_dict
 
 STEPS, EVERY = 8, 4
 pytestmark = pytest.mark.slow

@@ -99,8 +99,8 @@ def test_measured_saves_and_restarts_win_over_the_estimates(tmp_path):
     cad = resolve(cfg, str(tmp_path))
     assert cad.save_s == 200.0 and "measured" in cad.save_source
     assert cad.restart_s == 180.0 and "measured" in cad.restart_source
-    assert cfg.train.checkpoint_every_min_resolved == pytest.approx(cad.optimal_min, abs=1e-4)
-    assert checkpoint_minutes(cfg) == cfg.train.checkpoint_every_min_resolved
+    assert cfg.resolved.checkpoint_every_min == pytest.approx(cad.optimal_min, abs=1e-4)
+    assert checkpoint_minutes(cfg) == cfg.resolved.checkpoint_every_min
 
 
 def test_auto_needs_an_mtbf_and_minutes_must_be_numbers():
@@ -142,6 +142,6 @@ def test_plan_prints_the_advice_and_config_json_carries_the_minutes(tmp_path):
     assert "Young/Daly optimum" in p.stdout
     saved = json.loads((run_dir / "config.json").read_text())
     plan = json.loads((run_dir / "plan.json").read_text())
-    assert saved["train"]["checkpoint_every_min_resolved"] == pytest.approx(
+    assert saved["resolved"]["checkpoint_every_min"] == pytest.approx(
         plan["checkpoint_cadence"]["optimal_min"], abs=1e-4
     )

@@ -12,10 +12,11 @@ from helpers.cli import meshrun
 
 from launcher.cli.actions import action_doc
 from launcher.cli.keys import field_docstrings, iter_keys
-from training.contract.config import CHOICE_FIELDS, Action, Config
+from launcher.cli.options import SCHEMA_MODULES, AppConfig
+from training.contract.config import CHOICE_FIELDS, Action
 
 
-def _leaf_keys(cls=Config, prefix=""):
+def _leaf_keys(cls=AppConfig, prefix=""):
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
@@ -26,7 +27,7 @@ def _leaf_keys(cls=Config, prefix=""):
     return out
 
 
-def _leaf_owners(cls=Config, prefix=""):
+def _leaf_owners(cls=AppConfig, prefix=""):
     """key -> (dataclass name, field name), walking the dataclasses (not launcher/cli/keys.py)."""
     hints = typing.get_type_hints(cls)
     out = {}
@@ -34,18 +35,21 @@ def _leaf_owners(cls=Config, prefix=""):
         if dataclasses.is_dataclass(hints[f.name]):
             out.update(_leaf_owners(hints[f.name], f"{prefix}{f.name}."))
         else:
-            out[f"{prefix}{f.name}"] = (cls.__name__, f.name)
+            # The class that declares it: AppConfig inherits Config's fields.
+            owner = next(c for c in cls.__mro__ if f.name in c.__dict__.get("__annotations__", {}))
+            out[f"{prefix}{f.name}"] = (owner.__name__, f.name)
     return out
 
 
 def _docstrings_from_source():
-    """(class, field) -> the triple-quoted string right under the field's line in training/contract/config.py, read
-    as text line by line (an independent reading: launcher/cli/keys.py uses the ast)."""
+    """(class, field) -> the triple-quoted string right under the field's line in the schema's modules
+    (training/contract/config.py, launcher/cli/options.py, ...), read as text line by line (an independent reading:
+    launcher/cli/keys.py uses the ast)."""
+    import importlib
     import re
 
-    import training.contract.config
-
-    lines = open(training.contract.config.__file__, encoding="utf-8").read().splitlines()
+    files = [importlib.import_module(name).__file__ for name in SCHEMA_MODULES]
+    lines = [line for path in files for line in open(path, encoding="utf-8").read().splitlines()]
     docs, cls = {}, None
     for i, line in enumerate(lines):
         m = re.match(r"class (\w+)", line)

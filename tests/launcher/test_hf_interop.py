@@ -391,7 +391,7 @@ def test_export_ships_the_runs_tokenizer_for_transformers(tmp_path):
     """A run on a prepared dataset (data=indexed): its tokenizer.json goes into the export, AutoTokenizer reads it
     and encodes as meshrun does, and config.json's eos_token_id is the end-of-document token."""
     from launcher.data.prepare import prepare
-    from training.contract.config import PrepareConfig
+    from launcher.data.prepare.config import PrepareConfig
     from training.hf.tokenizer_files import run_tokenizer, write_tokenizer_files
 
     text = tmp_path / "corpus.txt"

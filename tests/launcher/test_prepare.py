@@ -17,7 +17,7 @@ from helpers import ROOT
 from helpers.cli import run_cli
 
 import launcher.data.prepare as lp
-from training.contract.config import PrepareConfig
+from launcher.data.prepare.config import PrepareConfig
 from training.contract.tokenizer import TokenizerError, load_tokenizer
 from training.data import DataError
 

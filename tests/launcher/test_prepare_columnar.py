@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import launcher.data.prepare as lp
-from training.contract.config import PrepareConfig
+from launcher.data.prepare.config import PrepareConfig
 from training.data import DataError
 
 # Multilingual, multi-line, empty-ish and long documents: what must survive every container unchanged.

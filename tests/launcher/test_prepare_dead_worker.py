@@ -11,7 +11,7 @@ import pytest
 from helpers import ROOT
 
 import launcher.data.prepare as lp
-from training.contract.config import PrepareConfig
+from launcher.data.prepare.config import PrepareConfig
 from training.data import DataError
 
 DIE_ON_MARKER = """import sys

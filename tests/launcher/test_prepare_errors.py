@@ -15,7 +15,7 @@ import pytest
 from helpers import ROOT
 
 import launcher.data.prepare as lp
-from training.contract.config import PrepareConfig
+from launcher.data.prepare.config import PrepareConfig
 from training.data import DataError
 
 EOD = "<|endoftext|>"
@@ -74,7 +74,7 @@ def test_an_output_that_cannot_be_created_is_a_clear_error(tmp_path):
 _KILLED = """
 import os, signal, sys
 import launcher.data.prepare as lp
-from training.contract.config import PrepareConfig
+from launcher.data.prepare.config import PrepareConfig
 from training.data.indexed import IndexedWriter
 IndexedWriter.commit = lambda self: os.kill(os.getpid(), signal.SIGKILL)
 lp.prepare(PrepareConfig(inputs=[sys.argv[1]], output=sys.argv[2], progress=False, workers=1, valid_fraction=0.0))

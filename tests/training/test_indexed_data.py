@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from launcher.data.prepare import prepare
-from training.contract.config import Config, PrepareConfig
+from launcher.data.prepare.config import PrepareConfig
+from training.contract.config import Config
 from training.contract.tokenizer import load_tokenizer
 from training.data import BatchSampler, DataError, make_eval_source, make_source
 from training.data.blend import BlendedSource, Permutation

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 from training.contract.actions import ACTION_NAMES
+from training.contract.lr_schedule import SCHEDULES
+
+T = TypeVar("T")
 
 
 class Choice(str, Enum):
@@ -52,9 +56,8 @@ ExportDtype = _choice("ExportDtype", "auto fp32 bf16 fp16")
 DataKind = _choice("DataKind", "synthetic text indexed")
 Action = _choice("Action", " ".join(ACTION_NAMES))  # the launcher's table: launcher/cli/actions.py
 HealthAction = _choice("HealthAction", "warn requeue")
-StatusFormat = _choice("StatusFormat", "json table")
 Offload = _choice("Offload", "none cpu nvme")
-LrSchedule = _choice("LrSchedule", "cosine linear constant wsd inverse_sqrt")
+LrSchedule = _choice("LrSchedule", " ".join(SCHEDULES))  # the one list: training/contract/lr_schedule.py
 
 # Every choice field, by its command-line key: validation and `meshrun action=keys` read it.
 CHOICE_FIELDS: dict[str, type] = {
@@ -74,7 +77,6 @@ CHOICE_FIELDS: dict[str, type] = {
     "cluster.preflight.mode": PreflightMode,
     "data.kind": DataKind,
     "action": Action,
-    "status.format": StatusFormat,
     "export.dtype": ExportDtype,
     "train.lr_schedule": LrSchedule,
 }
@@ -156,7 +158,7 @@ class ParallelConfig:
 
     auto: bool = False
     """true (parallel=auto, the default of the cuda cluster presets): at plan and launch time the recommender
-    (launcher/planning/auto.py) fills every parallel.* key not given on the command line with the fastest layout
+    (launcher/recommend/auto.py) fills every parallel.* key not given on the command line with the fastest layout
     that fits, and prints it with the runner-up; config.json records the chosen values with auto false (so a
     resumed run keeps its layout) and plan.json's `auto` says what was chosen, the runner-up and why."""
     auto_pinned: str | None = None
@@ -536,10 +538,7 @@ class TrainConfig:
     checkpoint_every_min: str = ""
     """Save every T minutes of wall clock: a number of minutes (0: never by time), auto (the Young/Daly
     optimum sqrt(2 x save time x job MTBF) from cluster.node_mtbf_h, launcher/plan/cadence.py), or empty:
-    the cluster preset's cluster.checkpoint_every_min. The launcher resolves it (checkpoint_every_min_resolved)."""
-    checkpoint_every_min_resolved: float | None = None
-    """Written by the launcher into config.json, not set by users: the minutes checkpoint_every_min resolved to
-    for this launch (auto: the optimum then); the engine saves by this. None: checkpoint_every_min as a number."""
+    the cluster preset's cluster.checkpoint_every_min. The launcher resolves it (resolved.checkpoint_every_min)."""
     keep_last: int = 3
     """Complete checkpoints kept."""
     checkpointing: bool = True
@@ -651,41 +650,6 @@ class DataConfig:
 
 
 @dataclass
-class PrepareConfig:
-    """`meshrun action=prepare`: tokenize text into a Megatron-compatible indexed dataset."""
-
-    inputs: list[str] = field(default_factory=list)
-    """Text files, JSON Lines files (*.jsonl) or directories of them; empty: the Python standard library's sources."""
-    output: str = "data/stdlib"
-    """Dataset prefix DIR/NAME: writes NAME.bin, NAME.idx, NAME.json (+ NAME.valid.*, NAME.tokenizer.json)."""
-    tokenizer: str = "bytes"
-    """bytes (UTF-8 bytes + end-of-document) | bpe (train a byte-level BPE on the inputs) | a tokenizer.json path."""
-    vocab_size: int = 4096
-    """tokenizer=bpe: vocabulary of the trained BPE (special tokens included)."""
-    overwrite: bool = False
-    """Replace an existing dataset at prepare.output (its .bin/.idx/.json and tokenizer). Off: an existing
-    output is refused (exit 2), since runs that trained on it would decode with the new tokenizer."""
-    text_key: str = "text"
-    """JSON Lines: the field that holds each document's text."""
-    eod_token: str = ""
-    """End-of-document token of a given tokenizer.json; empty: <|endoftext|>, <|end_of_text|>, </s>, ... as found."""
-    valid_fraction: float = 0.01
-    """Share of documents held out for validation, chosen by a hash of each document's text (deterministic)."""
-    workers: int = 0
-    """Tokenizing worker processes; 0: one per CPU."""
-    max_bytes: int = 0
-    """Read at most this many bytes of input (whole documents); 0: everything."""
-    bpe_max_bytes: int = 50_000_000
-    """tokenizer=bpe: bytes of input the BPE trainer reads at most (from the start); 0: everything."""
-    progress: bool = True
-    """Progress bar (tokens/s, ETA) on stderr."""
-    suffixes: list[str] = field(default_factory=list)
-    """File suffixes read from directories in prepare.inputs (e.g. [.txt,.c,.jsonl]; .jsonl files are JSON Lines);
-    empty: .py .txt .md .rst .jsonl .parquet .arrow (Parquet / Arrow: one document per row). Files with other
-    suffixes are skipped and listed on stderr."""
-
-
-@dataclass
 class RunConfig:
     """Where a run writes."""
 
@@ -740,52 +704,6 @@ class GenerateConfig:
 
 
 @dataclass
-class StatusConfig:
-    """What `meshrun action=status` prints."""
-
-    format: StatusFormat = StatusFormat.json
-    """json (one JSON object on stdout: the contract) | table (for people; a sweep as one table)."""
-
-
-@dataclass
-class RunsConfig:
-    """What `meshrun action=runs` lists."""
-
-    dir: str = "runs"
-    """The folder whose run directories are listed (newest first): state, step/total, loss, job id, age; a
-    directory with a plan and no launch is PLANNED."""
-
-
-@dataclass
-class LogsConfig:
-    """What `meshrun action=logs` prints."""
-
-    rank: int = 0
-    """Whose log: the global rank (Slurm: the task of that rank in every job of the run)."""
-    follow: bool = False
-    """Keep printing what is appended (and the logs of later attempts) until the run has ended."""
-    tail: int = 0
-    """Only the last N lines of the rank's log (over every attempt, newest last), then follow if asked; 0: all."""
-
-
-@dataclass
-class CancelConfig:
-    """How `meshrun action=cancel` stops a run."""
-
-    timeout_s: float = 300.0
-    """Wait this long for the ranks to save and stop after the stop signal; then the job is killed (scancel /
-    SIGKILL: the last complete checkpoint is kept, the steps after it are lost)."""
-
-
-@dataclass
-class KeysConfig:
-    """What `meshrun action=keys` prints."""
-
-    group: str = ""
-    """Only this group's keys (model, parallel, cluster, train, data, run); empty: every key."""
-
-
-@dataclass
 class RecommendConfig:
     """`meshrun action=recommend`: rank every valid layout of the model on the cluster by predicted step time."""
 
@@ -817,8 +735,19 @@ class RecommendConfig:
 
 
 @dataclass
+class ResolvedConfig:
+    """What the launcher resolved for this launch and wrote into config.json, for the ranks (not set by users)."""
+
+    checkpoint_every_min: float | None = None
+    """The minutes train.checkpoint_every_min resolved to for this launch (auto: the optimum then;
+    launcher/plan/cadence.py); the engine saves by this. None: train.checkpoint_every_min as a number."""
+
+
+@dataclass
 class Config:
-    """The whole job."""
+    """The whole job, as every rank reads it from run.dir/config.json. The command line's own options (the groups
+    only the launcher's actions read: prepare, keys, status, runs, logs, cancel) are launcher/cli/options.py's
+    AppConfig, which extends this one."""
 
     action: Action = Action.train
     """What to run; the launcher's action table (launcher/cli/actions.py) runs it, and `meshrun --help` and
@@ -829,28 +758,20 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    prepare: PrepareConfig = field(default_factory=PrepareConfig)
-    """action=prepare: inputs, output and tokenizer of the dataset to write."""
     dry_run: bool = False
     """Slurm: print the sbatch script and srun line, submit nothing."""
     wait: bool = False
     """Slurm: follow the job and stream rank 0's progress; in a sweep, wait until every point has ended
     (the summary then shows each point's final state)."""
-    keys: KeysConfig = field(default_factory=KeysConfig)
-    """action=keys: which keys to print."""
     export: ExportConfig = field(default_factory=ExportConfig)
     """action=export: where to write the Hugging Face directory and from which checkpoint."""
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     """action=generate: prompt, length and sampling of the continuation."""
-    status: StatusConfig = field(default_factory=StatusConfig)
-    runs: RunsConfig = field(default_factory=RunsConfig)
-    """action=status: output format."""
-    logs: LogsConfig = field(default_factory=LogsConfig)
-    """action=logs: which rank's log, and whether to follow it."""
-    cancel: CancelConfig = field(default_factory=CancelConfig)
-    """action=cancel: how long the ranks get to save before the job is killed."""
     recommend: RecommendConfig = field(default_factory=RecommendConfig)
-    """action=recommend: how many layouts to print, and the calibration runs."""
+    """action=recommend: how many layouts to print, and the calibration runs; parallel=auto's search limits
+    (max_micro_batch, min_headroom_gb), which a Slurm job's resize re-plans by from config.json."""
+    resolved: ResolvedConfig = field(default_factory=ResolvedConfig)
+    """Values the launcher resolves and writes into config.json for the ranks; never set by users."""
 
     def __post_init__(self) -> None:
         # precision=auto means what the device does best; resolved here, the one place every Config passes
@@ -870,60 +791,74 @@ def resolve_fused_adamw(value: bool | None, device: str) -> bool:
     return bool(value)
 
 
-def _build(cls, data: Any):
-    if not dataclasses.is_dataclass(cls) or data is None:
-        return data
+def _nested(cls: type) -> dict[str, type]:
+    """cls's fields whose type is itself a config dataclass, by name (from the annotations, never a second list)."""
+    found = _NESTED.get(cls)
+    if found is None:
+        hints = typing.get_type_hints(cls)
+        found = _NESTED[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls) if _is_class(hints[f.name])}
+    return found
+
+
+def _is_class(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+_NESTED: dict[type, dict[str, type]] = {}
+
+
+def build(cls: type[T], data: dict[str, Any]) -> T:
+    """An instance of the config dataclass cls from plain dicts, nested groups included; unknown keys are an error."""
     kwargs = {}
-    names = {f.name: f for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cls)}
+    nested = _nested(cls)
     for key, value in data.items():
         if key not in names:
             raise KeyError(f"unknown config key {cls.__name__}.{key}")
-        sub = _DATACLASS_FIELDS.get((cls, key))
-        kwargs[key] = _build(sub, value) if sub else value
+        sub = nested.get(key)
+        kwargs[key] = build(sub, value) if sub is not None and value is not None else value
     return cls(**kwargs)
 
 
-_DATACLASS_FIELDS = {
-    (Config, "model"): ModelConfig,
-    (Config, "parallel"): ParallelConfig,
-    (Config, "cluster"): ClusterConfig,
-    (Config, "train"): TrainConfig,
-    (Config, "data"): DataConfig,
-    (Config, "prepare"): PrepareConfig,
-    (Config, "run"): RunConfig,
-    (Config, "keys"): KeysConfig,
-    (Config, "runs"): RunsConfig,
-    (Config, "export"): ExportConfig,
-    (Config, "generate"): GenerateConfig,
-    (Config, "status"): StatusConfig,
-    (Config, "logs"): LogsConfig,
-    (Config, "cancel"): CancelConfig,
-    (Config, "recommend"): RecommendConfig,
-    (ClusterConfig, "preflight"): PreflightConfig,
-    (ClusterConfig, "container"): ContainerConfig,
-    (ClusterConfig, "elastic"): ElasticConfig,
-    (ClusterConfig, "health"): HealthConfig,
-}
+# Groups that config.json files written before the command line's options left Config held (launcher/cli/options.py
+# owns them now): read and dropped, so a run written then still resumes.
+_RETIRED_GROUPS = ("prepare", "keys", "status", "runs", "logs", "cancel")
+
+
+def _upgraded(data: dict[str, Any]) -> dict[str, Any]:
+    """config.json as this version reads it: retired groups dropped, train.checkpoint_every_min_resolved (where
+    earlier launchers wrote it) under resolved."""
+    if not any(k in data for k in _RETIRED_GROUPS) and "checkpoint_every_min_resolved" not in data.get("train", {}):
+        return data
+    data = {k: v for k, v in data.items() if k not in _RETIRED_GROUPS}
+    train = data.get("train")
+    if isinstance(train, dict) and "checkpoint_every_min_resolved" in train:
+        train = dict(train)
+        minutes = train.pop("checkpoint_every_min_resolved")
+        data["train"] = train
+        data["resolved"] = {"checkpoint_every_min": minutes, **(data.get("resolved") or {})}
+    return data
 
 
 def checkpoint_minutes(cfg: Config) -> float:
     """Minutes between time-based saves: the launcher's resolution, else train.checkpoint_every_min (empty: the
     cluster's default) as a number. An unresolved auto is an error: only the launcher knows the save time."""
     t = cfg.train
-    if t.checkpoint_every_min_resolved is not None:
-        return float(t.checkpoint_every_min_resolved)
+    if cfg.resolved.checkpoint_every_min is not None:
+        return float(cfg.resolved.checkpoint_every_min)
     value = str(t.checkpoint_every_min).strip() or str(cfg.cluster.checkpoint_every_min).strip() or "0"
     if value == "auto":
         raise ValueError(
             "train.checkpoint_every_min=auto was not resolved: launch through meshrun, which writes "
-            "train.checkpoint_every_min_resolved into config.json (launcher/plan/cadence.py)"
+            "resolved.checkpoint_every_min into config.json (launcher/plan/cadence.py)"
         )
     return float(value)
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
-    """Rebuild a Config from plain dicts (config.json); unknown keys are an error."""
-    return _build(Config, data)
+    """Rebuild a Config from plain dicts (config.json, also one an earlier version wrote); unknown keys are an
+    error."""
+    return build(Config, _upgraded(data))
 
 
 def _plain(pairs) -> dict[str, Any]:
@@ -931,8 +866,16 @@ def _plain(pairs) -> dict[str, Any]:
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
-    """Plain dicts, lists, numbers and strings (choice fields as their string value)."""
-    return dataclasses.asdict(cfg, dict_factory=_plain)
+    """Config's fields as plain dicts, lists, numbers and strings (choice fields as their string value): what
+    config.json holds. A launcher's AppConfig gives its Config part only (the ranks read no command-line option)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(Config):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out[f.name] = dataclasses.asdict(value, dict_factory=_plain)
+        else:
+            out[f.name] = value.value if isinstance(value, Enum) else value
+    return out
 
 
 def load_config(path: str) -> Config:

@@ -15,18 +15,34 @@ curve; `lr_curve` gives the whole planned curve (the report draws it under the l
 from __future__ import annotations
 
 import math
-
-from training.contract.config import TrainConfig
+from typing import Protocol
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
+"""The schedules, in the order train.lr_schedule's choices list them (training/contract/config.py builds its
+LrSchedule from this tuple)."""
 
 
-def _horizon(train: TrainConfig, warmup: int) -> int:
+class ScheduleKeys(Protocol):
+    """The keys of train (training/contract/config.py TrainConfig) a schedule reads; a protocol, so that the
+    config module can import SCHEDULES from here without a circle."""
+
+    steps: int
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    decay_steps: int | None
+    decay_fraction: float
+
+    @property
+    def lr_schedule(self) -> object: ...
+
+
+def _horizon(train: ScheduleKeys, warmup: int) -> int:
     """Steps after warm-up that the decay spans: decay_steps, or until train.steps."""
     return train.decay_steps if train.decay_steps is not None else max(1, train.steps - warmup)
 
 
-def lr_at(step: int, train: TrainConfig) -> float:
+def lr_at(step: int, train: ScheduleKeys) -> float:
     """Learning rate of optimizer step `step` (0-based)."""
     warmup = max(0, train.warmup_steps)
     kind = str(train.lr_schedule)
@@ -57,7 +73,7 @@ def lr_at(step: int, train: TrainConfig) -> float:
     return train.min_lr + (train.lr - train.min_lr) * cosine
 
 
-def schedule_problems(train: TrainConfig) -> list[tuple[str, str, str]]:
+def schedule_problems(train: ScheduleKeys) -> list[tuple[str, str, str]]:
     """(key, what is wrong, fix) for each bad schedule key: the launcher and the engine both check these."""
     out = []
     if not 0.0 <= train.decay_fraction <= 1.0:
@@ -88,6 +104,6 @@ def schedule_problems(train: TrainConfig) -> list[tuple[str, str, str]]:
     return out
 
 
-def lr_curve(train: TrainConfig) -> list[float]:
+def lr_curve(train: ScheduleKeys) -> list[float]:
     """The learning rate of every step 0 .. train.steps - 1 (what metrics.jsonl's `lr` of step n + 1 is)."""
     return [lr_at(s, train) for s in range(train.steps)]
