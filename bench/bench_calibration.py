@@ -4,7 +4,7 @@ agree (target: Spearman's rank correlation >= 0.8, the tool's own figure).
 
     .venv/bin/python bench/bench_calibration.py [--steps N]
 
-The calibration runs its layouts alternately in passes (launcher/planning/calibrate.py), so the layouts are
+The calibration runs its layouts alternately in passes (launcher/launch/calibrate.py), so the layouts are
 measured side by side in one run; each layout's measured / predicted ratio is printed beside the correlation.
 On a shared 2-core machine the ranks of a layout may get fewer cores than they are; the rate probe measures how
 many compute at once (`cores`) and the model accounts for it (docs/COST_MODEL.md). This was an assertion inside

@@ -1,4 +1,4 @@
-"""Warm rank starts of a local launch (cluster.warm_start, launcher/launch/local_warm.py): CPU seconds and wall
+"""Warm rank starts of a local launch (cluster.warm_start, launcher/ranks/warm/local.py): CPU seconds and wall
 time of a whole local `meshrun` run with a warm agent forking the ranks against the same run with every rank
 started cold (cluster.warm_start=false), alternated.
 

@@ -1,7 +1,7 @@
 """Run a job on this machine: exactly tp x pp x cp x dp rank processes of `python -m training.main RUN_DIR`.
 
 No torch import here (the launcher must stay light). Each rank gets the standard env and
-OMP_NUM_THREADS = max(1, cores // world) (launcher/launch/processes.py) so the ranks do not oversubscribe the
+OMP_NUM_THREADS = max(1, cores // world) (launcher/ranks/processes.py) so the ranks do not oversubscribe the
 cores. Rank 0's output is streamed to this terminal; every rank's output also goes to run_dir/logs/rank_<r>.log
 (appended: every attempt, each under a header line).
 The launcher holds run_dir's lock (training/contract/rundir/lock.py) and every rank inherits it.
@@ -11,7 +11,7 @@ stopped go to events.jsonl. SIGINT, SIGTERM or SIGHUP to the launcher stops the 
 (a checkpoint first, `cancelled`, exit 130); a launcher that dies takes its ranks with it
 (training/run/launcher_watch.py).
 With cluster.warm_start and two ranks or more, one warm agent per launch forks the ranks instead (torch imported
-once; launcher/launch/local_warm.py): the same ranks, as far as this launcher and the ranks can tell.
+once; launcher/ranks/warm/local.py): the same ranks, as far as this launcher and the ranks can tell.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import threading
 import time
 from typing import Any
 
-from launcher.launch.local_numa import rank_prefix
-from launcher.launch.local_warm import LocalAgent, wanted
-from launcher.launch.nsys import nsys_prefix
-from launcher.launch.processes import (
+from launcher.ranks import warm
+from launcher.ranks.exits import catches, failure_of, last_error_line, root_cause
+from launcher.ranks.nsys import nsys_prefix
+from launcher.ranks.numa import rank_prefix
+from launcher.ranks.processes import (
     POLL_S,
     PlainLines,
     engine_env,
@@ -38,7 +39,8 @@ from launcher.launch.processes import (
     stop_processes,
     threads_per_rank,
 )
-from launcher.manage.goodput import write_goodput_quietly
+from launcher.ranks.warm.local import LocalAgent
+from launcher.records.goodput import write_goodput_quietly
 from launcher.slurm.queries import job_alive
 from training.contract.config import Config, derived_dp
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED
@@ -79,7 +81,7 @@ def run_ranks(cfg: Config, run_dir: str) -> int:
     try:
         return _run_ranks(cfg, run_dir, world, port, threads, lock)
     finally:
-        write_goodput_quietly(run_dir)  # run_dir/goodput.json (launcher/manage/goodput.py)
+        write_goodput_quietly(run_dir)  # run_dir/goodput.json (launcher/records/goodput.py)
         if own_lock:
             lock.release()
 
@@ -91,7 +93,7 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
     # Launches of one run.dir are its attempts (0, 1, ...), as a Slurm job's requeues are: events and metrics
     # rows carry the number (MESHRUN_ATTEMPT, training/contract/rundir/events.py).
     attempt = sum(1 for ev in read_events(run_dir) if ev.get("event") == "started")
-    binding = [rank_prefix(cfg, r, world) for r in range(world)]  # NUMA, as on Slurm (launcher/launch/local_numa.py)
+    binding = [rank_prefix(cfg, r, world) for r in range(world)]  # NUMA, as on Slurm (launcher/ranks/numa.py)
     # launcher_pid lets `action=status` tell a running job from one whose launcher was killed (no end event).
     append_event(
         run_dir,
@@ -103,14 +105,14 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
         attempt=attempt,
         numa_nodes=[node for _, node in binding],
     )
-    procs: list[Any] = []  # subprocess.Popen, or a warm rank's WarmChild (launcher/launch/warm.py)
+    procs: list[Any] = []  # subprocess.Popen, or a warm rank's WarmChild (launcher/ranks/warm/fork.py)
     pumps: list[threading.Thread] = []
     logs = []
     agent: LocalAgent | None = None
     warm_ranks: list[int] = []
     try:
         prefixes = [binding[r][0] + nsys_prefix(cfg, r, run_dir) for r in range(world)]
-        if wanted(cfg.cluster.warm_start, world) and not all(prefixes):
+        if warm.enabled(cfg, world) and not all(prefixes):
             # A rank under numactl or nsys must run their command: it starts cold.
             agent_log = open_append(os.path.join(run_dir, "logs", "warm_agent.log"), binary=True)
             logs.append(agent_log)
@@ -243,25 +245,21 @@ FAILURE_GRACE_S = 2.0
 
 def _blame(run_dir: str, attempt: int, ended: dict[int, tuple]) -> tuple:
     """(rank, exit code, reason, consequences): of the failed ranks (rank -> (code, when seen)), the cause by the
-    Slurm epilogue's rule (launcher/slurm/requeue.py root_cause: the first killed by a signal, else the first with
+    Slurm epilogue's rule (launcher/ranks/exits.py root_cause: the first killed by a signal, else the first with
     an error of its own, not a peer's collective error); reason is its log's error line (this attempt's), never
     empty; consequences the other failed ranks."""
-    from launcher.slurm.requeue import _failure, root_cause
-
     records = []
     for rank, (code, when) in sorted(ended.items()):
         records.append(
             {"rank": rank, "exit_code": code, "error": _attempt_error(run_dir, attempt, rank), "ended": when}
         )
     cause = root_cause(records)
-    told = _failure({**cause, "node": socket.gethostname()}).reason
+    told = failure_of({**cause, "node": socket.gethostname()}).reason
     return cause["rank"], cause["exit_code"], told, sorted(r for r in ended if r != cause["rank"])
 
 
 def _attempt_error(run_dir: str, attempt: int, rank: int) -> str:
     """The last error line rank `rank` printed in this attempt (its log's part after the attempt's header)."""
-    from launcher.slurm.rank_task import last_error_line
-
     path = os.path.join(run_dir, "logs", f"rank_{rank}.log")
     deadline = time.time() + 1.0
     text = ""
@@ -325,8 +323,6 @@ class _StopRequest:
     def forward(self) -> None:
         if self.name is None:
             return
-        from launcher.slurm.rank_task import catches
-
         if self.count > 1 or time.time() - self.since > self.timeout_s:
             if not self.forced:
                 self.forced = True
@@ -346,7 +342,7 @@ def _interrupted(
 ) -> int:
     """Record and say how an interrupted run ended (`cancelled`, as action=cancel) and how to resume it (with
     train.checkpointing=false: that no checkpoint was written, and no resume hint)."""
-    from launcher.manage.cancel import record_cancelled
+    from launcher.records.readers import record_cancelled
 
     stop_processes(procs)  # already ended: reaps them
     stopped = all(p.returncode == EXIT_STOPPED for p in procs) and not stop.forced

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.launch.local import LOOPBACK, free_port
-from launcher.launch.processes import POLL_S, engine_env, rank_process_env, stop_processes, threads_per_rank
+from launcher.ranks.processes import POLL_S, engine_env, rank_process_env, stop_processes, threads_per_rank
 from training.contract.config import Config, load_config
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK, EXIT_SLURM
 from training.contract.rundir.config_files import write_config

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from typing import Any
 
-from launcher.launch.processes import rank_process_env
+from launcher.ranks.processes import rank_process_env
 from training.contract.config import Config
 
 REHEARSE_MODULE = "training.rehearse"
@@ -29,7 +29,7 @@ def rehearse_argv(run_dir: str) -> list:
 def run_rehearse(cfg: Config, run_dir: str) -> dict[str, Any]:
     """Plan (the gate every launch passes; writes plan.json and config.json), then rehearse; exits with the
     rehearsal's code when it is not 0."""
-    from launcher.planning.gate import plan_or_reject
+    from launcher.launch.gate import plan_or_reject
 
     result = plan_or_reject(cfg, run_dir)
     if result.get("status") != "ok":

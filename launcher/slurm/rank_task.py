@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -21,9 +20,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from launcher.launch.processes import engine_env, rank_process_env, start_pump, threads_per_rank
-from launcher.slurm import in_job, warm_client
-from launcher.slurm.numa import choose_node, numactl_prefix
+from launcher.ranks.exits import catches, last_error_line
+from launcher.ranks.numa import choose_node, numactl_prefix
+from launcher.ranks.processes import engine_env, rank_process_env, start_pump, threads_per_rank
+from launcher.ranks.warm import slurm as warm_slurm
+from launcher.slurm import in_job
 from training.contract.config import load_config
 from training.contract.exit_codes import EXIT_OK, EXIT_STOPPED
 from training.contract.rundir.events import append_event
@@ -41,24 +42,6 @@ def attempt_dir(run_dir: str, attempt: int) -> str:
     return os.path.join(run_dir, "slurm", f"attempt_{attempt}")
 
 
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)|error|fatal)\b.*", re.I)
-"""What names an error: "ValueError: ...", "torch.distributed.DistBackendError: ...", "error: ..."."""
-_FRAME_LINE = re.compile(r'^(?:File "|Traceback \(|\^+$|~+)')
-
-
-def last_error_line(text: str) -> str:
-    """The error a rank ended with, as its first meaningful line: the last line that names an exception or an
-    error ("ValueError: ...", "error: ..."), never a traceback's frame or source line (`return func(*args,
-    **kwargs)` is a wrapper's frame, not the error); "" when the output names none."""
-    lines = [ln.strip() for ln in text.replace("\r", "\n").splitlines() if ln.strip()]
-    for line in reversed(lines):
-        if _FRAME_LINE.match(line):
-            continue
-        if _EXCEPTION_LINE.match(line) or ("Error: " in line and not line.startswith(("return ", "raise "))):
-            return line[:500]
-    return ""
-
-
 FORWARD_POLL_S = 0.2
 
 
@@ -67,18 +50,6 @@ def _ignore_stop_signals() -> None:
     survives exec; signal.signal in the engine replaces it)."""
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def catches(pid: int, signum: int) -> bool:
-    """Whether process pid has a handler installed for signum (SigCgt in /proc/PID/status)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    except (OSError, ValueError):
-        pass
-    return False
 
 
 class _Forwarder:
@@ -93,7 +64,7 @@ class _Forwarder:
         self.done = threading.Event()
         self.thread = None
         self.clock = None
-        self.relay = False  # a warm rank (launcher/slurm/warm_client.py): only this wrapper delivers srun's signals
+        self.relay = False  # a warm rank (launcher/ranks/warm/slurm.py): only this wrapper delivers srun's signals
         self.relayed: dict[int, threading.Thread] = {}
 
     def attach(self, pid: int) -> None:
@@ -297,7 +268,7 @@ class RankTask:
         env["MESHRUN_CAUSE_FILE"] = cause_file  # the engine writes its failure's cause there (training/main.py)
         # Where the engine's start-up timeline begins (training/observe/startup.py): srun started this task.
         env[TASK_START_ENV] = f"{process_start_time() or started:.3f}"
-        from launcher.launch.nsys import nsys_prefix
+        from launcher.ranks.nsys import nsys_prefix
 
         profile = nsys_prefix(cfg, rank, self.run_dir)  # train.nsys: the chosen ranks under nsys profile
         env[WRAPPER_PID_ENV] = str(os.getpid())
@@ -373,7 +344,7 @@ class RankTask:
             "cause": cause.get("cause", ""),
             "started": started,
             "ended": time.time(),
-            "start": start,  # warm: forked by the node's warm agent (launcher/slurm/warm_client.py); cold: started here
+            "start": start,  # warm: forked by the node's warm agent (launcher/ranks/warm/slurm.py); cold: started here
             "pid": child.pid,
             "agent_pid": getattr(child, "agent_pid", None),
         }
@@ -389,7 +360,7 @@ class RankTask:
         recorded as `warm_start_missed`)."""
         if os.environ.get(WARM_ENV) != "1" or profile:
             return None
-        child, why = warm_client.start(env, self.run_dir, numa_node)
+        child, why = warm_slurm.start(env, self.run_dir, numa_node)
         if child is None:
             print(f"meshrun: rank {rank} on {node} starts cold: {why}", file=sys.stderr)
             append_event(self.run_dir, "warm_start_missed", rank=rank, node=node, reason=why)

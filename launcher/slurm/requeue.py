@@ -8,25 +8,11 @@ anything else (or no record) a failure.
 from __future__ import annotations
 
 import re
-import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from launcher.ranks.exits import Failure, failure_of, root_cause, terminated_by_srun
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK, EXIT_STOPPED
-
-
-@dataclass
-class Failure:
-    """One rank that failed (or never reported)."""
-
-    rank: int
-    """Global rank."""
-    node: str
-    """Node it ran on."""
-    exit_code: int | None
-    """Its exit code (negative: killed by that signal); None when it never reported (node lost)."""
-    reason: str
-    """What the rank printed last, or why it is counted as failed."""
 
 
 @dataclass
@@ -48,7 +34,7 @@ class Decision:
     caused, not its cause; listed in the `failed` event."""
     cause: str = ""
     """requeue/resubmit: stopped_early (costs no retry), no_progress, save_failed or failure (each costs one of
-    cluster.max_retries; launcher/manage/status.py RETRY_CAUSES)."""
+    cluster.max_retries; launcher/records/readers.py RETRY_CAUSES)."""
 
 
 # Exceptions that point at the machine rather than the program: a rank that raised one implicates its node.
@@ -57,12 +43,6 @@ _HARDWARE = re.compile(
     r"Input/output error on device|hardware",
     re.IGNORECASE,
 )
-
-
-def _terminated_by_srun(rec: dict) -> bool:
-    """Ended by SIGTERM: what srun (--kill-on-bad-exit) sends every other task once one has ended. A SIGKILL
-    stays evidence (the OOM killer, an operator), as does any other signal."""
-    return rec.get("exit_code") == -int(signal.SIGTERM)
 
 
 def _implicates_node(rec: dict) -> bool:
@@ -143,7 +123,7 @@ def _decide(
         return Decision(
             "stop",
             f"invalid configuration or data (exit {EXIT_INVALID} on rank(s) {ranks}), not retried: {error}",
-            [_failure(by_rank[r]) for r in ranks],
+            [failure_of(by_rank[r]) for r in ranks],
         )
     if len(by_rank) == world_size and all(c in (EXIT_OK, EXIT_STOPPED) for c in codes.values()):
         if saved:
@@ -159,7 +139,7 @@ def _decide(
     save_failed = [by_rank[r] for r in sorted(by_rank) if by_rank[r].get("cause") == "save_failed"]
     if save_failed:
         # Storage failed under a save; the previous checkpoint is intact and no node is to blame.
-        failures = [_failure(save_failed[0])]
+        failures = [failure_of(save_failed[0])]
         reason = f"saving a checkpoint failed on rank {save_failed[0]['rank']}: {save_failed[0].get('error', '')}"
         if exhausted:
             return Decision(
@@ -175,8 +155,8 @@ def _decide(
     failed = [rec for rec in by_rank.values() if rec["exit_code"] not in (EXIT_OK, EXIT_STOPPED)]
     bad_node = [r for r, c in codes.items() if c == EXIT_NODE_BAD]
     if bad_node:
-        failures = [_failure(by_rank[r]) for r in sorted(bad_node)]
-    elif lost and by_rank and not any(_implicates_node(rec) and not _terminated_by_srun(rec) for rec in failed):
+        failures = [failure_of(by_rank[r]) for r in sorted(bad_node)]
+    elif lost and by_rank and not any(_implicates_node(rec) and not terminated_by_srun(rec) for rec in failed):
         # A whole node vanished (none of its ranks reported); the survivors' errors (a peer gone from a
         # collective) are the consequence, not the cause, and so is a survivor ended by SIGTERM: srun
         # (--kill-on-bad-exit) sends it to every other task once the lost node's tasks have ended. Blame the node
@@ -185,7 +165,7 @@ def _decide(
     elif failed:
         # The rank that died by a signal (or, failing that, raised an error of its own) is the cause; the peers'
         # collective errors and srun's SIGTERMs (--kill-on-bad-exit) that follow are consequences.
-        failures = [_failure(root_cause(failed))]
+        failures = [failure_of(root_cause(failed))]
     else:
         failures = [Failure(r, rank_nodes.get(r, "?"), None, "never reported (node or task lost)") for r in missing]
         if not failures:
@@ -256,49 +236,3 @@ def plan_exclusion(excluded: Sequence[str], new: Sequence[str], partition_nodes:
             f"{nodes_needed} nodes the job needs"
         )
     return out, note
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def _failure(rec: dict) -> Failure:
-    """The failure a rank record tells: a signal death says which signal first (what its log printed last is
-    not why it died), anything else the rank's error, never empty."""
-    code = rec.get("exit_code")
-    error = rec.get("error") or ""
-    if isinstance(code, int) and code < 0:
-        reason = f"killed by {_signal_name(-code)}" + (f" (its last error line: {error})" if error else "")
-    elif code == EXIT_NODE_BAD:
-        reason = error or "preflight found this node bad"
-    else:
-        reason = error or f"exited with code {code} without an error message"
-    return Failure(int(rec["rank"]), rec.get("node", "?"), code, reason)
-
-
-# A peer's error that only says another rank went away: a consequence of the cause, never the cause.
-_CONSEQUENCE = re.compile(
-    r"Connection closed by peer|Connection reset by peer|remote worker crashed|watchdog|Broken pipe|"
-    r"NCCL communicator was aborted|ProcessGroup.*(?:abort|timed out)|Timed out|DistNetworkError|"
-    r"recvBytes|Socket Timeout|peer .* (?:closed|gone)",
-    re.IGNORECASE,
-)
-
-
-def root_cause(failed: Sequence[dict]) -> dict:
-    """Of the ranks that failed in an attempt, the one that caused it: the first to die by a signal other than
-    srun's SIGTERM (SIGKILL, the OOM killer, SIGSEGV), warm-started ranks included; else the first whose error is
-    not a collective's consequence (a peer's gloo "Connection closed by peer", an NCCL watchdog timeout); else
-    the first to end. Ordered by each record's end time."""
-    ordered = sorted(failed, key=lambda rec: float(rec.get("ended") or 0.0))
-    for pick in (
-        lambda rec: isinstance(rec.get("exit_code"), int) and rec["exit_code"] < 0 and not _terminated_by_srun(rec),
-        lambda rec: not _CONSEQUENCE.search(rec.get("error") or "") and not _terminated_by_srun(rec),
-    ):
-        chosen = [rec for rec in ordered if pick(rec)]
-        if chosen:
-            return chosen[0]
-    return ordered[0]

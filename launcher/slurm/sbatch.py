@@ -23,8 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.launch.processes import PROJECT_ROOT, engine_env
-from launcher.slurm import in_job, warm_client
+from launcher.ranks import warm
+from launcher.ranks.processes import PROJECT_ROOT, engine_env
+from launcher.ranks.warm import slurm as warm_slurm
+from launcher.slurm import in_job
 from training.contract.config import ClusterConfig, Config
 from training.contract.exit_codes import EXIT_FAILED
 
@@ -320,7 +322,7 @@ def setup_lines(cfg: Config, run_dirs: Sequence[str], code_root: str = "") -> li
         'export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"',
     ]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in engine_env(cfg, secrets=False).items()]
-    lines += warm_client.batch_lines(cfg, python_cmd())  # the warm agents, one per node, for every step
+    lines += warm_slurm.batch_lines(cfg, python_cmd())  # the warm agents, one per node, for every step
     if in_job.enabled(cfg.cluster):
         lines += in_job.batch_watch_lines(python_cmd())
         lines += in_job.batch_loop_head()  # prologue, srun, epilogue repeat inside this allocation
@@ -485,7 +487,7 @@ def preflight_job_spec(cfg: Config, run_dir: str) -> SlurmJobSpec:
                 if line != prologue_line()
                 and line != in_job.loop_prologue_line(prologue_line())
                 and line not in in_job.batch_loop_head()
-                and line not in warm_client.batch_lines(cfg, python_cmd())
+                and line not in warm_slurm.batch_lines(cfg, python_cmd())
                 and line not in early_epilogue_lines()
             ],
             "additional_parameters": {str(k): str(v) for k, v in sorted(cfg.cluster.sbatch_extra.items())},
@@ -544,7 +546,7 @@ def dry_run_text(cfg: Config, spec: SlurmJobSpec, run_dir: str) -> str:
                 "# forked by its node's warm agent when it answers (cluster.warm_start: the same module, environment",
                 "# and binding, torch already imported); started as above when it does not",
             ]
-            if warm_client.enabled(cfg)
+            if warm.enabled(cfg)
             else []
         )
         + [""]

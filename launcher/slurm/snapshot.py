@@ -19,7 +19,7 @@ import subprocess
 import time
 from typing import Any
 
-from launcher.launch.processes import PROJECT_ROOT
+from launcher.ranks.processes import PROJECT_ROOT
 from training.contract.rundir.files import replace_dir
 
 CODE_DIR = "code"

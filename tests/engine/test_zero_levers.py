@@ -548,7 +548,7 @@ def test_13b_example_plan_by_stage():
 def test_validate_and_recommend_reach_the_levers():
     from launcher.plan.cost_model import cluster_rates
     from launcher.plan.validate import validate
-    from launcher.planning.recommend import _deeper_zero, _partial_recompute
+    from launcher.recommend.recommend import _deeper_zero, _partial_recompute
 
     report = validate(_13b())
     text = "\n".join(f"{i.key}: {i.message}; {i.fix}" for i in report.issues)

@@ -16,7 +16,7 @@ from launcher.cli.schema import register
 from launcher.plan.context_memory import MIB, gpu_memory_bytes
 from launcher.plan.estimate import make_plan, with_parallel
 from launcher.plan.validate import validate
-from launcher.planning.recommend import layouts, recommend
+from launcher.recommend.recommend import layouts, recommend
 from training.contract.config import Config
 
 register()

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 from helpers.cli import compose_cfg
 
+from launcher.launch.calibrate import _run_config
 from launcher.plan.cost_model import Rates, shared_cores_s
 from launcher.plan.estimate import make_plan
 from launcher.plan.validate import validate
-from launcher.planning.calibrate import _run_config
 
 SMALL = (
     "data=synthetic",

@@ -12,7 +12,7 @@ import re
 
 from helpers.cli import run_cli
 
-from launcher.planning.auto import pinned_values
+from launcher.recommend.auto import pinned_values
 from training.contract.config import Config
 
 

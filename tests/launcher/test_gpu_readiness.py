@@ -361,7 +361,7 @@ def test_engine_env_sets_the_allocator_and_gloo_interface_on_gpus():
     R1: the dgx_h100 preset leaves the site's interface, GID index and NVLS unset."""
     from helpers.cli import compose_cfg
 
-    from launcher.launch.processes import engine_env, gloo_ifname
+    from launcher.ranks.processes import engine_env, gloo_ifname
 
     cfg = compose_cfg("cluster=dgx_h100", "parallel=tp8")
     assert not {"NCCL_SOCKET_IFNAME", "NCCL_IB_GID_INDEX", "NCCL_NVLS_ENABLE"} & set(cfg.cluster.env)
@@ -527,7 +527,7 @@ def test_async_save_thread_runs_on_the_ranks_device(monkeypatch):
 
 
 def test_numa_follows_the_physical_gpu_under_cgroup_renumbering():
-    from launcher.slurm.numa import visible_gpu
+    from launcher.ranks.numa import visible_gpu
 
     # --gpus-per-task=1 with ConstrainDevices: every task sees "0"; the step owns physical GPUs 4-7.
     assert [visible_gpu(r, "0", "4,5,6,7") for r in range(4)] == [4, 5, 6, 7]

@@ -21,7 +21,7 @@ from launcher.plan.model_size import (
 )
 from launcher.plan.moe import all_to_all_bytes, expert_dp, expert_params
 from launcher.plan.validate import validate
-from launcher.planning.recommend import search
+from launcher.recommend.recommend import search
 
 # Mixtral of Experts (Jiang et al. 2024, arXiv:2401.04088) and Mistral AI's model card: 46.7B parameters in
 # total, 12.9B used per token; the Hugging Face checkpoint holds 46,702,792,704 elements.

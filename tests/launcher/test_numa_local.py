@@ -1,4 +1,4 @@
-"""NUMA binding as applied to the rank process of a local launch (launcher/launch/local_numa.py).
+"""NUMA binding as applied to the rank process of a local launch (launcher/ranks/numa.py).
 
 One short local launch (2 ranks, 1 step) with cluster.numa=explicit and cluster.numa_map=[0,0]: each rank is
 started under `numactl --cpunodebind=0 --membind=0`. A sitecustomize that every rank process runs reads, inside

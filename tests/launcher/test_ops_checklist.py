@@ -273,7 +273,7 @@ def test_oom_says_states_or_activations_and_the_levers_that_fit(tmp_path):
 
 
 def test_nsys_wraps_the_chosen_ranks_with_the_profile_steps_capture_range(tmp_path, monkeypatch):
-    from launcher.launch.nsys import nsys_prefix
+    from launcher.ranks.nsys import nsys_prefix
     from launcher.plan.validate import validate
 
     bin_dir = tmp_path / "bin"

@@ -1,4 +1,4 @@
-"""parallel=auto, the default parallel group of the cuda cluster presets (launcher/planning/auto.py): a GPU user's
+"""parallel=auto, the default parallel group of the cuda cluster presets (launcher/recommend/auto.py): a GPU user's
 first `meshrun action=plan model=M cluster=dgx_h100 cluster.nodes=N` plans and fits with no other key, the chosen
 layout is the recommender's best (checked against a separate `action=recommend`), printed with the runner-up and
 why; pinned keys are kept, a named preset is that preset, a resumed run keeps its layout, CPU presets keep theirs.

@@ -299,7 +299,7 @@ def test_comm_volumes():
 
 def test_launcher_imports_no_torch():
     code = (
-        "import sys; import launcher.plan.estimate, launcher.plan.validate, launcher.planning.gate, launcher.sweep.summary, launcher.cli.app; "
+        "import sys; import launcher.plan.estimate, launcher.plan.validate, launcher.launch.gate, launcher.sweep.summary, launcher.cli.app; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -1,4 +1,4 @@
-"""`meshrun action=recommend` (launcher/planning/recommend.py, launcher/plan/cost_model.py): the published layouts of
+"""`meshrun action=recommend` (launcher/recommend/recommend.py, launcher/plan/cost_model.py): the published layouts of
 Korthikanti et al. 2022 and Narayanan et al. 2021 against the recommended ones, the search's speed and
 recommend.json, and the calibration on this machine (predicted against measured order)."""
 
@@ -12,8 +12,8 @@ import pytest
 from helpers import ROOT
 from helpers.cli import compose_cfg
 
-from launcher.planning.calibrate import choose, spearman
-from launcher.planning.recommend import PARALLEL_KEYS, recommend
+from launcher.launch.calibrate import choose, spearman
+from launcher.recommend.recommend import PARALLEL_KEYS, recommend
 
 # Korthikanti et al. 2022 Table 3: preset -> DGX A100 nodes (22B: 8 GPUs, 175B: 64, 530B: 280, 1T: 512).
 KORTHIKANTI = {"korthikanti_22b": 1, "korthikanti_175b": 8, "korthikanti_530b": 35, "korthikanti_1t": 64}

@@ -10,8 +10,8 @@ import re
 
 from helpers.cli import compose_cfg, run_cli
 
+from launcher.launch.gate import SIGNAL_SAVE_MARGIN, signal_delay_issue
 from launcher.plan.cadence import advise
-from launcher.planning.gate import SIGNAL_SAVE_MARGIN, signal_delay_issue
 
 SLOW_DISK = ["cluster=slurm_dev", "model=gpt2_125m", "cluster.gpu_memory_gb=80", "cluster.checkpoint_write_gbps=0.01"]
 """A save the planner puts at minutes (125M parameters' state at 10 MB/s), against slurm_dev's 45 s delay."""

@@ -45,7 +45,7 @@ def _launch(run, cwd, *extra: str, env=None) -> subprocess.Popen:
 def _ranks(launch: subprocess.Popen, world: int) -> dict:
     """rank -> pid, once every rank catches the stop signals and step 1 is in metrics.jsonl."""
     from launcher.manage.cancel import _rank_pids
-    from launcher.slurm.rank_task import catches
+    from launcher.ranks.exits import catches
 
     def ready():
         assert launch.poll() is None, launch.communicate()[1][-3000:]

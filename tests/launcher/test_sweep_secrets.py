@@ -115,7 +115,7 @@ def test_single_run_resume_keeps_the_secret_given_before(tmp_path):
     p = meshrun("action=plan", f"run.dir={run_dir}", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert_only_in_secrets_files(tmp_path, [run_dir])
-    # A plan writes nothing into an existing run (launcher/planning/gate.py): a new value given to it goes nowhere.
+    # A plan writes nothing into an existing run (launcher/launch/gate.py): a new value given to it goes nowhere.
     p = meshrun("action=plan", "+cluster.env.HF_TOKEN=other-value", f"run.dir={run_dir}", cwd=tmp_path)
     assert "other-value" not in p.stdout + p.stderr, p.stderr[-3000:]
     assert json.load(open(run_dir / "secrets.json")) == {"HF_TOKEN": SECRET}

@@ -10,9 +10,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from launcher.cli.schema import register
+from launcher.launch.gate import validate_for_launch
 from launcher.plan.estimate import with_parallel
 from launcher.plan.validate import validate
-from launcher.planning.gate import validate_for_launch
 from training.contract.config import Config
 
 register()

@@ -1,4 +1,4 @@
-"""OpenMP/MKL threads of a Slurm rank are capped by its job's CPUs (cluster.cpus_per_task, launcher/launch/processes.py's
+"""OpenMP/MKL threads of a Slurm rank are capped by its job's CPUs (cluster.cpus_per_task, launcher/ranks/processes.py's
 threads_per_rank): the dev cluster has no CPU binding (TaskPlugin=task/none), so each task's affinity is the whole
 machine and, uncapped, one rank per node would start as many threads as this machine has cores. Read from the
 running rank process itself (/proc/PID/environ), once it has logged a step."""

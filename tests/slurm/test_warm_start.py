@@ -1,4 +1,4 @@
-"""The warm agent and the rank wrapper's request (training/run/warm_agent.py, launcher/slurm/warm_client.py):
+"""The warm agent and the rank wrapper's request (training/run/warm_agent.py, launcher/ranks/warm/slurm.py):
 one real agent (torch and the engine imported), real forked ranks, no Slurm. What a rank does is injected through
 sitecustomize, which the agent runs again in every rank it forks (as every cold rank's interpreter does).
 
@@ -15,8 +15,9 @@ import time
 
 import pytest
 
-from launcher.launch.processes import start_pump
-from launcher.slurm import rank_task, warm_client
+from launcher.ranks.processes import start_pump
+from launcher.ranks.warm import slurm as warm_client
+from launcher.slurm import rank_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/slurm/this file
 
@@ -109,7 +110,7 @@ def test_a_forked_rank_runs_as_its_wrapper_asked_and_its_end_comes_back(agent, t
         [
             sys.executable,
             "-c",
-            "import sys, time; from launcher.slurm import warm_client; "
+            "import sys, time; from launcher.ranks.warm import slurm as warm_client; "
             "c, why = warm_client.start(eval(sys.argv[1]), sys.argv[2], None); "
             "print(c.pid, flush=True); time.sleep(120)",
             repr({**env, "WARM_TEST": "sleep", "WARM_TEST_OUT": str(base / "sleep")}),
@@ -268,7 +269,7 @@ def test_a_squatter_on_the_agents_name_gets_nothing(tmp_path):
     the launcher started is refused."""
     import socket
 
-    from launcher.launch import warm
+    from launcher.ranks.warm import fork as warm
     from training.contract.warm_start import socket_name
 
     env = {"SLURM_JOB_ID": f"squat{os.getpid()}", "SLURMD_NODENAME": "sq1", "HF_TOKEN": "hf_SECRET_VALUE"}
@@ -321,7 +322,7 @@ def test_a_squatter_on_the_agents_name_gets_nothing(tmp_path):
 def test_the_local_agents_name_is_not_in_its_command_line(tmp_path):
     """W4: the local agent's socket name (its token) was in argv, which every user reads in /proc/PID/cmdline: a
     watcher bound it first in 5 of 5 runs. It is in the agent's environment now (readable by its user only)."""
-    from launcher.launch.local_warm import LocalAgent
+    from launcher.ranks.warm.local import LocalAgent
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

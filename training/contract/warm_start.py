@@ -1,11 +1,11 @@
 """The warm rank start's wire protocol (pure Python, no torch): how a Slurm rank wrapper
-(launcher/slurm/warm_client.py) or a local launcher (launcher/launch/local_warm.py), both through
-launcher/launch/warm.py, asks a warm agent (training/run/warm_agent.py) to fork a rank.
+(launcher/ranks/warm/slurm.py) or a local launcher (launcher/ranks/warm/local.py), both through
+launcher/ranks/warm/fork.py, asks a warm agent (training/run/warm_agent.py) to fork a rank.
 
 One connection per rank over a Unix socket in Linux's abstract namespace, named by the job and the node on Slurm
 (the dev cluster runs several fake nodes on one host; a job array's tasks have their own SLURM_JOB_ID), by the
 launcher's pid and a random token locally (one agent per launch). The agent serves only connections of its own
-user (SO_PEERCRED), and a client sends nothing to a listener that is not its own user's (launcher/launch/warm.py):
+user (SO_PEERCRED), and a client sends nothing to a listener that is not its own user's (launcher/ranks/warm/fork.py):
 any user can bind an abstract name first. Messages are length-prefixed JSON:
   client -> agent: {"env", "run_dir", "cwd", "umask", "affinity", "numa_node", "python"} with the rank's stdin,
                    stdout and stderr passed as file descriptors (SCM_RIGHTS), and optionally a 4th one the rank

@@ -6,7 +6,7 @@ the kernel for SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG): SIGTERM is
 (training/run/signals.py: it saves the step just trained and exits 3), after which the lock is free
 and a relaunch takes it over (`lock_taken_over`). The rank's output went to the launcher through a pipe that
 is gone with it: writes to a closed pipe are dropped from then on instead of raising in the stop path.
-A warm rank (launcher/launch/local_warm.py) is the child of the launch's warm agent, not of the launcher: its
+A warm rank (launcher/ranks/warm/local.py) is the child of the launch's warm agent, not of the launcher: its
 death signal then follows the agent (which outlives its ranks unless it is killed), and the launcher's death
 reaches it through the agent's connection, which SIGTERMs the rank when the launcher's end closes
 (training/run/warm_agent.py); the check below still catches a launcher that died before the rank got here.

@@ -1,8 +1,8 @@
 """The warm agent: `python -m training.run.warm_agent RUN_DIR`, one per node of a Slurm allocation
-(cluster.warm_start; the batch script starts them in their own srun step, launcher/slurm/warm_client.py),
+(cluster.warm_start; the batch script starts them in their own srun step, launcher/ranks/warm/slurm.py),
 and `python -m training.run.warm_agent --local LAUNCHER_PID RUN_DIR` (its socket's name in MESHRUN_WARM_AGENT_NAME),
 one per local launch of world >= 2
-(launcher/launch/local_warm.py): it lives as long as that launcher (SIGTERM when the launcher dies) and forks the
+(launcher/ranks/warm/local.py): it lives as long as that launcher (SIGTERM when the launcher dies) and forks the
 launch's ranks as the launcher would have started them (their own session, the run-directory lock kept open,
 default stop signals, SIGTERM when the launcher's connection closes).
 

@@ -1,9 +1,13 @@
-"""Which NUMA node each local rank binds to, and the numactl prefix that binds it (pure Python).
+"""The one reader of this machine's NUMA layout: which nodes exist, which node each local rank binds to, and the
+numactl prefix that binds it (pure Python). Slurm ranks (launcher/slurm/rank_task.py) and local ranks
+(launcher/launch/local.py) bind the same way; the launch gate checks cluster.numa_map against the nodes read here.
 
 - GPU ranks: the NUMA node of the rank's GPU, from sysfs (/sys/bus/pci/devices/<bus id>/numa_node),
   the bus id from /proc/driver/nvidia/gpus/*/information (or nvidia-smi).
 - CPU-only ranks: local ranks are spread over the NUMA nodes in contiguous blocks.
 - numa=explicit: cluster.numa_map[local_rank]; numa=off: no binding.
+- A local launch with cluster.numa=auto on a machine with one NUMA node (and no GPU) binds nothing: every rank
+  would get node 0, which is where it runs anyway.
 """
 
 from __future__ import annotations
@@ -12,10 +16,15 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Sequence
 
+from training.contract.config import Config
 
-def numa_nodes(sysfs_nodes: str = "/sys/devices/system/node") -> list[int]:
+SYSFS_NODES = "/sys/devices/system/node"
+
+
+def numa_nodes(sysfs_nodes: str = SYSFS_NODES) -> list[int]:
     """NUMA nodes that have CPUs; [0] when sysfs has none (containers without NUMA info)."""
     nodes = []
     try:
@@ -32,6 +41,20 @@ def numa_nodes(sysfs_nodes: str = "/sys/devices/system/node") -> list[int]:
     except OSError:
         pass
     return sorted(nodes) or [0]
+
+
+def online_numa_nodes(path: str = os.path.join(SYSFS_NODES, "online")) -> list[int] | None:
+    """This machine's online NUMA node ids from sysfs ("0-1,3" -> [0, 1, 3]); None where sysfs does not say."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    nodes: list[int] = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        nodes += range(int(lo), int(hi or lo) + 1)
+    return nodes
 
 
 def spread_node(local_rank: int, local_world: int, nodes: Sequence[int]) -> int:
@@ -114,7 +137,7 @@ def choose_node(
     local_rank: int,
     local_world: int,
     cuda_visible: str | None = None,
-    sysfs_nodes: str = "/sys/devices/system/node",
+    sysfs_nodes: str = SYSFS_NODES,
     pci_root: str = "/sys/bus/pci/devices",
     proc_root: str = "/proc/driver/nvidia/gpus",
     step_gpus: str | None = None,
@@ -146,3 +169,38 @@ def numactl_prefix(node: int | None) -> list[str]:
     if node is None:
         return []
     return ["numactl", f"--cpunodebind={node}", f"--membind={node}"]
+
+
+def local_binding(cfg: Config, local_rank: int, local_world: int, sysfs_nodes: str = SYSFS_NODES) -> int | None:
+    """The NUMA node a rank of a local launch binds to, or None (numa=off, or auto with nothing to choose between)."""
+    c = cfg.cluster
+    if c.numa == "off":
+        return None
+    if c.numa == "auto" and c.device != "cuda" and len(numa_nodes(sysfs_nodes)) < 2:
+        return None
+    return choose_node(
+        c.numa,
+        c.numa_map,
+        c.device,
+        local_rank,
+        local_world,
+        os.environ.get("CUDA_VISIBLE_DEVICES"),
+        sysfs_nodes=sysfs_nodes,
+    )
+
+
+def rank_prefix(
+    cfg: Config, local_rank: int, local_world: int, sysfs_nodes: str = SYSFS_NODES
+) -> tuple[list[str], int | None]:
+    """(command prefix, NUMA node) of one local rank; a warning on stderr when numactl is missing."""
+    node = local_binding(cfg, local_rank, local_world, sysfs_nodes)
+    if node is None:
+        return [], None
+    if not shutil.which("numactl"):
+        if local_rank == 0:
+            print(
+                "warning: numactl not found: local ranks are not NUMA-bound (install numactl or set cluster.numa=off)",
+                file=sys.stderr,
+            )
+        return [], None
+    return numactl_prefix(node), node

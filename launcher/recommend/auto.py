@@ -1,8 +1,8 @@
 """parallel=auto: the recommender picks the layout at plan and launch time (the default of the cuda cluster presets).
 
 Every `parallel.*` key given on the command line is kept (pinned); every other one is filled from the fastest
-layout that fits (launcher/planning/recommend.py's search, the same ranking `action=recommend` prints). The global
-batch, when not given, is about a million tokens (launcher/planning/auto_search.py): a DGX preset should not inherit the CPU
+layout that fits (launcher/recommend/recommend.py's search, the same ranking `action=recommend` prints). The global
+batch, when not given, is about a million tokens (launcher/recommend/auto_search.py): a DGX preset should not inherit the CPU
 demo's 16 sequences. When nothing fits at cluster.nodes, the error names the smallest node count that fits
 (smallest_fitting_nodes). The chosen config has parallel.auto false, so config.json records what runs and a
 resumed run keeps its layout; plan.json's `auto` says what was chosen, the runner-up and why. config.json's
@@ -21,8 +21,8 @@ from typing import Any
 from launcher.plan.cost_model import Rates, cluster_rates
 from launcher.plan.estimate import GIB, fmt_seconds, make_plan
 from launcher.plan.validate import NO_COMBINATION, Report, changed_keys, validate
-from launcher.planning.auto_search import pinned_keys, searched_config
-from launcher.planning.recommend import Candidate, _with, annotate, fits_with_headroom, search
+from launcher.recommend.auto_search import pinned_keys, searched_config
+from launcher.recommend.recommend import Candidate, _with, annotate, fits_with_headroom, search
 from training.contract import layout_rules as rules
 from training.contract.config import Config, ParallelConfig, config_to_dict, derived_dp
 from training.contract.exit_codes import EXIT_INVALID
@@ -161,7 +161,7 @@ def pinned_values(cfg: Config, overrides: Sequence[str]) -> dict[str, Any]:
 def name_the_nodes(cfg: Config, report: Report) -> None:
     """A fixed layout that does not fit on a Slurm cluster: the smallest cluster.nodes at which a layout fits
     (parallel=auto's search, smallest_fitting_nodes) becomes the no-fit error's first fix, with the parallel.* keys
-    that layout changes (launcher/planning/gate.py plan_or_reject calls it for a single run)."""
+    that layout changes (launcher/launch/gate.py plan_or_reject calls it for a single run)."""
     if cfg.cluster.kind != "slurm":
         return
     issue = next(i for i in report.errors if i.code == "no_fit")

@@ -5,7 +5,7 @@ batch, with an uneven pipeline split where the layers do not divide evenly over 
 (training/contract/stage_split.py split_options; training/contract/layout_rules.py decides what is valid, launcher/plan/estimate.py what fits, and
 launcher/plan/cost_model.py how long a step takes), prints the fastest layouts that fit with tokens/s per GPU,
 MFU and why each wins or loses, compares them with the configured layout, and writes run.dir/recommend.json.
-recommend.calibrate=true runs the top candidates here for a few steps (launcher/planning/calibrate.py). No torch: on CPU
+recommend.calibrate=true runs the top candidates here for a few steps (launcher/launch/calibrate.py). No torch: on CPU
 clusters the rates are measured by a subprocess (python -m training.observe.cost_probe).
 """
 
@@ -424,7 +424,7 @@ def versus_baseline(best: Candidate, base: Candidate) -> dict[str, Any]:
 
 def probe_rates(cfg: Config) -> dict[str, Any] | None:
     """Run training/observe/cost_probe.py with the job's rank count (CPU clusters); None (and a note) if it fails."""
-    from launcher.launch.processes import threads_per_rank
+    from launcher.ranks.processes import threads_per_rank
 
     m, c = cfg.model, cfg.cluster
     ranks = c.nodes * c.gpus_per_node
@@ -453,7 +453,7 @@ def probe_rates(cfg: Config) -> dict[str, Any] | None:
         "--dtype",
         str(cfg.train.precision),
     ]
-    from launcher.launch.processes import PROJECT_ROOT
+    from launcher.ranks.processes import PROJECT_ROOT
 
     env = dict(os.environ, PYTHONPATH=PROJECT_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
@@ -556,7 +556,7 @@ def _baseline(cfg: Config, rates: Rates, result: Search) -> Candidate | None:
 
 def run_recommend(cfg: Config, run_dir: str, calibrate: Callable[..., dict[str, Any]] | None = None) -> dict[str, Any]:
     """meshrun action=recommend: print the ranking, write run_dir/recommend.json, calibrate when asked (with
-    `calibrate`: launcher/planning/calibrate.py run_recommend, the action's entry, passes it, so this module, whose
+    `calibrate`: launcher/launch/calibrate.py run_recommend, the action's entry, passes it, so this module, whose
     search parallel=auto and elastic re-plans use, does not import the calibration's launch path)."""
     if cfg.recommend.calibrate and cfg.cluster.kind != "local":
         print(
@@ -582,7 +582,7 @@ def run_recommend(cfg: Config, run_dir: str, calibrate: Callable[..., dict[str, 
     if cfg.parallel.auto:  # parallel=auto: the layouts parallel=auto chooses from (its default global batch)
         from hydra.core.hydra_config import HydraConfig
 
-        from launcher.planning.auto_search import searched_config
+        from launcher.recommend.auto_search import searched_config
 
         cfg = searched_config(cfg, HydraConfig.get().overrides.task if HydraConfig.initialized() else [])
     report = validate(replace(cfg, action="plan"))
@@ -621,7 +621,7 @@ def run_recommend(cfg: Config, run_dir: str, calibrate: Callable[..., dict[str, 
         print(f"  use: {result.candidates[0].overrides()}")
     os.makedirs(run_dir, exist_ok=True)
     if cfg.recommend.calibrate and result.candidates:
-        assert calibrate is not None, "recommend.calibrate=true: run it through launcher/planning/calibrate.py"
+        assert calibrate is not None, "recommend.calibrate=true: run it through launcher/launch/calibrate.py"
         data["calibration"] = calibrate(cfg, run_dir, result.candidates, cfg.recommend)
         for c in result.candidates:
             if c.measured_step_s is not None:

@@ -1,6 +1,6 @@
 """The client side of a warm rank start (pure Python, no torch): ask a warm agent (training/run/warm_agent.py)
 to fork a rank, and hold the forked rank as a Popen-like `WarmChild`. Used by the Slurm rank wrapper
-(launcher/slurm/warm_client.py) and by the local launcher (launcher/launch/local_warm.py); the wire protocol is
+(launcher/ranks/warm/slurm.py) and by the local launcher (launcher/ranks/warm/local.py); the wire protocol is
 training/contract/warm_start.py.
 """
 

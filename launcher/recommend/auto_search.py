@@ -1,4 +1,4 @@
-"""What parallel=auto searches (launcher/planning/auto.py chooses from it; `action=recommend` ranks the same
+"""What parallel=auto searches (launcher/recommend/auto.py chooses from it; `action=recommend` ranks the same
 layouts under parallel=auto): the command line's pinned parallel.* keys and the default global batch."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ wrapper's request to its node's agent (pure Python, no torch).
 The batch script starts one warm agent per node of the allocation, spares included, in an srun step of its own
 that lives through the allocation (training/run/warm_agent.py: torch and the engine imported once, nothing
 initialised). The rank wrapper (launcher/slurm/rank_task.py) asks its node's agent to fork the rank with the
-environment it would have started it with, and gets a Popen-like handle (`WarmChild`, launcher/launch/warm.py):
+environment it would have started it with, and gets a Popen-like handle (`WarmChild`, launcher/ranks/warm/fork.py):
 the rank's pid, its standard error through a pipe, its exit code. The rank does not belong to the training step's processes but to
 the agent's step, so the wrapper relays every stop signal to it (training/run/signals.py's handler only sets a
 flag: a copy that also reached it directly changes nothing), and the rank kills itself when its wrapper is gone.
@@ -19,24 +19,17 @@ import shlex
 import socket
 from typing import IO, cast
 
-from launcher.launch.warm import WarmChild, fork_rank
+from launcher.ranks.warm import enabled
+from launcher.ranks.warm.fork import WarmChild, fork_rank
 from training.contract.config import Config
 from training.contract.warm_start import PAD_ENV, WARM_ENV, socket_name
 
-__all__ = ["WarmChild", "batch_lines", "enabled", "start"]
+__all__ = ["WarmChild", "batch_lines", "start"]
 
 CONNECT_WAIT_S = 5.0
 """How long a wrapper retries to reach its agent: the agent's step may start a moment after the training step's."""
 WARM_REPLY_S = 300.0
 """How long a wrapper waits for its agent's fork: on the allocation's first step the agent is still importing."""
-
-
-def enabled(cfg: Config) -> bool:
-    """Warm agents run with cluster.warm_start, not inside a container (the ranks must run in the training step's
-    container image). Every job: a node's ranks then pay one torch import between them instead of one each, on
-    the first step as on every in-job restart."""
-    c = cfg.cluster
-    return c.warm_start and not c.container.image
 
 
 PAD_BYTES = 65536

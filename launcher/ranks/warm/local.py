@@ -1,9 +1,10 @@
-"""Warm rank starts for a local launch (cluster.warm_start, world >= 2; pure Python, no torch).
+"""Warm rank starts for a local launch (cluster.warm_start, world >= 2: launcher/ranks/warm/__init__.py; pure
+Python, no torch).
 
 A cold local rank is `python -m training.main RUN_DIR`: a Python start and torch's import in every rank
 (docs/PERFORMANCE.md: warm local starts). With warm starts the launcher starts ONE warm agent for the launch
 (`python -m training.run.warm_agent --local LAUNCHER_PID RUN_DIR`, the socket's name in its environment: torch and the engine imported once,
-nothing initialised) and asks it to fork every rank (launcher/launch/warm.py). The forked rank is what the cold
+nothing initialised) and asks it to fork every rank (launcher/ranks/warm/fork.py). The forked rank is what the cold
 one is: the environment rank_process_env built, this launcher's working directory and umask, its stdin, the
 launcher's pipe as stdout and stderr, the run directory's lock kept open (the kernel lock stays held while any
 rank lives), a session of its own, the default stop signals, SIGTERM (its stop path) when this launcher's
@@ -26,7 +27,7 @@ import subprocess
 import sys
 from typing import IO, BinaryIO, cast
 
-from launcher.launch.warm import WarmChild, fork_rank
+from launcher.ranks.warm.fork import WarmChild, fork_rank
 from training.contract.rundir.events import append_event, read_events
 from training.contract.warm_start import AGENT_NAME_ENV, PAD_ENV, local_socket_name
 
@@ -36,11 +37,6 @@ AGENT_REPLY_S = 120.0
 """How long the first rank waits for its fork: the agent imports torch and the engine first."""
 AGENT_STOP_S = 10.0
 """After the launch: how long the agent has to leave (its ranks have ended) before it is killed."""
-
-
-def wanted(warm_start: bool, world: int) -> bool:
-    """One agent per launch pays only with two ranks or more (a world of one imports torch once either way)."""
-    return warm_start and world >= 2
 
 
 def _is_open(fd: int) -> bool:

@@ -1,7 +1,7 @@
 """recommend.calibrate=true: run the top candidates for a few steps here and compare their measured step times
 with the predicted ones (Spearman rank correlation).
 
-Each candidate runs through the normal local path (launcher/planning/gate.py's plan_or_reject, then
+Each candidate runs through the normal local path (launcher/launch/gate.py's plan_or_reject, then
 launcher/launch/local.py's run_ranks) into run.dir/calibrate/NN, on synthetic data (throughput does not depend on the
 token values), with no periodic checkpoint; its measured step time is the median step_time_s of metrics.jsonl
 without the first (warm-up) step.
@@ -77,7 +77,6 @@ def _run_config(cfg: Config, cand_cfg: Config, run_dir: str, steps: int) -> Conf
         checkpoint_every=0,
         checkpointing=False,  # no save, and no background import of the save path inside the measured steps
         checkpoint_every_min="0",
-        checkpoint_every_min_resolved=None,
         exit_interval=0,
         exit_after_min=0.0,
         eval_every=0,
@@ -87,14 +86,19 @@ def _run_config(cfg: Config, cand_cfg: Config, run_dir: str, steps: int) -> Conf
         init_from="",
     )
     return replace(
-        cand_cfg, action="train", train=t, data=DataConfig(kind="synthetic"), run=replace(cfg.run, dir=run_dir)
+        cand_cfg,
+        action="train",
+        train=t,
+        data=DataConfig(kind="synthetic"),
+        run=replace(cfg.run, dir=run_dir),
+        resolved=replace(cand_cfg.resolved, checkpoint_every_min=None),
     )
 
 
 def _run_once(cfg: Config, c: Any, sub: str, steps: int):
     """(exit code or None when the plan refused it, median step seconds or None) of one calibration run."""
+    from launcher.launch.gate import plan_or_reject
     from launcher.launch.local import run_ranks
-    from launcher.planning.gate import plan_or_reject
 
     run_cfg = _run_config(cfg, c.cfg, sub, steps)
     with contextlib.redirect_stdout(io.StringIO()):  # the plan table of every run would drown the ranking
@@ -174,9 +178,9 @@ def calibrate(cfg: Config, run_dir: str, cands: list[Any], rc: RecommendConfig) 
 
 
 def run_recommend(cfg: Config, run_dir: str) -> dict[str, Any]:
-    """meshrun action=recommend (training/contract/actions.py): launcher/planning/recommend.py's ranking, calibrated
+    """meshrun action=recommend (launcher/cli/actions.py): launcher/recommend/recommend.py's ranking, calibrated
     here when recommend.calibrate=true. The entry is here so that recommend.py, whose search parallel=auto and elastic
     re-plans import (launcher/slurm/elastic.py), does not import this module's launch path (an import circle)."""
-    from launcher.planning.recommend import run_recommend as rank
+    from launcher.recommend.recommend import run_recommend as rank
 
     return rank(cfg, run_dir, calibrate=calibrate)

@@ -88,8 +88,8 @@ def plan_or_reject(
     no_fit_advice: Callable[[Config, Report], None] | None = None,
 ) -> dict[str, Any]:
     """Validate cfg; on success print the plan, write plan.json and config.json into run_dir. `auto`: what
-    parallel=auto chose (launcher/planning/auto.py), kept as plan.json's `auto`. `no_fit_advice(cfg, report)`: a
-    single run's no-fit error gains its fixes there (launcher/planning/auto.py name_the_nodes: the node count).
+    parallel=auto chose (launcher/recommend/auto.py), kept as plan.json's `auto`. `no_fit_advice(cfg, report)`: a
+    single run's no-fit error gains its fixes there (launcher/recommend/auto.py name_the_nodes: the node count).
 
     Returns {"status": "ok", "plan": plan.json's dict, "warnings": [...], "run_dir": run_dir}, or in a
     sweep {"status": "invalid" | "no_fit", "errors": [...], "warnings": [...]}. A single run with errors

@@ -1,1 +1,0 @@
-"""Planning actions: the gate every launch passes (validate + plan), action=recommend and its calibration."""
