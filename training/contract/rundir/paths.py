@@ -140,6 +140,10 @@ class RunPaths:
         """checkpoints/latest: the name of the newest complete checkpoint of the current line."""
         return self._join(CHECKPOINTS_DIR, LATEST_FILE)
 
+    def checkpoint(self, step: int) -> str:
+        """checkpoints/step_<step>/: one committed checkpoint (its files: training/checkpoint/storage.py)."""
+        return self._join(CHECKPOINTS_DIR, f"step_{step}")
+
     @property
     def logs(self) -> str:
         """logs/: each rank's output on a local run, and the preflight ranks' and warm agent's."""
@@ -175,6 +179,14 @@ class RunPaths:
     def rank_record(self, n: int, rank: int) -> str:
         """slurm/attempt_<n>/rank_<rank>.json: how a rank of the attempt ended."""
         return os.path.join(self.attempt(n), f"rank_{rank}.json")
+
+    def rank_cause(self, n: int, rank: int) -> str:
+        """slurm/attempt_<n>/.cause_rank_<rank>.json: the error a rank reported before it exited."""
+        return os.path.join(self.attempt(n), f".cause_rank_{rank}.json")
+
+    def epilogue_pid(self, n: int) -> str:
+        """slurm/attempt_<n>/epilogue.pid: the attempt's epilogue process, while it runs."""
+        return os.path.join(self.attempt(n), "epilogue.pid")
 
     @property
     def submitit(self) -> str:
@@ -256,6 +268,22 @@ class RunPaths:
     def profile(self) -> str:
         """profile/: profiler traces, memory snapshots, NVTX ranges and nsys reports, one file per rank."""
         return self._join(PROFILE_DIR)
+
+    def profile_trace(self, rank: int) -> str:
+        """profile/trace_rank<rank>.json: torch.profiler's Chrome trace of train.profile_steps."""
+        return self._join(PROFILE_DIR, f"trace_rank{rank}.json")
+
+    def memory_snapshot(self, rank: int) -> str:
+        """profile/memory_snapshot_rank<rank>.pickle: a CUDA memory snapshot (pytorch.org/memory_viz)."""
+        return self._join(PROFILE_DIR, f"memory_snapshot_rank{rank}.pickle")
+
+    def nvtx_counts(self, rank: int) -> str:
+        """profile/nvtx_rank<rank>.json: on CPU, the NVTX ranges a rank would have opened, counted."""
+        return self._join(PROFILE_DIR, f"nvtx_rank{rank}.json")
+
+    def nsys_report(self, rank: int) -> str:
+        """profile/nsys_rank<rank>: an nsys report's path without its suffix (nsys adds .nsys-rep)."""
+        return self._join(PROFILE_DIR, f"nsys_rank{rank}")
 
     @property
     def wandb(self) -> str:
