@@ -88,7 +88,7 @@ class AppConfig(Config):
     """action=cancel (and a local run's interrupt): how long the ranks get to save before they are killed."""
 
 
-CHOICE_FIELDS: dict[str, type] = {**contract.CHOICE_FIELDS, "status.format": StatusFormat}
+CHOICE_FIELDS: dict[str, type[Choice]] = {**contract.CHOICE_FIELDS, "status.format": StatusFormat}
 """Every choice field of the command line, by its key: the contract's and the options'."""
 
 SCHEMA_MODULES = ("training.contract.config", "launcher.cli.options", "launcher.data.prepare.config")

@@ -13,7 +13,7 @@ import json
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from training.contract.actions import ACTION_NAMES
 from training.contract.lr_schedule import SCHEDULES
@@ -34,9 +34,11 @@ class Choice(str, Enum):
         return format(str(self.value), spec)
 
 
-def _choice(name: str, values: str) -> type:
-    # The functional form: names such as "1f1b" are not Python identifiers.
-    return Choice(name, [(v, v) for v in values.split()], module=__name__, qualname=name)
+def _choice(name: str, values: str) -> Any:
+    # The functional form: names such as "1f1b" are not Python identifiers. Typed Any: mypy cannot follow an Enum
+    # built from a computed list (Action, LrSchedule), so choice fields are checked as values, not as members.
+    factory: Any = Choice
+    return factory(name, [(v, v) for v in values.split()], module=__name__, qualname=name)
 
 
 Norm = _choice("Norm", "layernorm rmsnorm")
@@ -60,7 +62,7 @@ Offload = _choice("Offload", "none cpu nvme")
 LrSchedule = _choice("LrSchedule", " ".join(SCHEDULES))  # the one list: training/contract/lr_schedule.py
 
 # Every choice field, by its command-line key: validation and `meshrun action=keys` read it.
-CHOICE_FIELDS: dict[str, type] = {
+CHOICE_FIELDS: dict[str, type[Choice]] = {
     "model.norm": Norm,
     "model.activation": Activation,
     "model.attention": Attention,
@@ -83,7 +85,7 @@ CHOICE_FIELDS: dict[str, type] = {
 CHOICE_FIELDS["parallel.offload"] = Offload
 
 
-def choices(key: str) -> tuple:
+def choices(key: str) -> tuple[str, ...]:
     """The allowed values of a choice field, as strings."""
     return tuple(m.value for m in CHOICE_FIELDS[key])
 
@@ -810,7 +812,7 @@ _NESTED: dict[type, dict[str, type]] = {}
 def build(cls: type[T], data: dict[str, Any]) -> T:
     """An instance of the config dataclass cls from plain dicts, nested groups included; unknown keys are an error."""
     kwargs = {}
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = {f.name for f in dataclasses.fields(cast(Any, cls))}
     nested = _nested(cls)
     for key, value in data.items():
         if key not in names:
