@@ -301,7 +301,7 @@ def _node_pids(run_dir: str, node: str) -> list[int]:
 
 def _queue_wait(job: str, after: float) -> float:
     """Seconds job waited in Slurm's queue (sacct: Submit -> Start of its allocation that started after `after`)."""
-    from launcher.manage.goodput import sacct_records
+    from launcher.records.goodput import sacct_records
 
     def rec():
         recs = [r for r in sacct_records([job]).get(job, []) if r[1] >= after - 1]

@@ -27,9 +27,11 @@ import sys
 import time
 from typing import Any
 
-from launcher.manage.status import CANCEL_FILE, cancelled_event
+from launcher.ranks.proc_tree import children
+from launcher.records.readers import CANCEL_FILE, SWEEP_FILE, cancelled_event, current_job_id, record_cancelled
+from training.checkpoint.storage import read_latest
 from training.contract.exit_codes import EXIT_INVALID
-from training.contract.rundir.events import append_event, read_events
+from training.contract.rundir.events import read_events
 from training.contract.rundir.paths import EVENTS_FILE
 
 POLL_S = 1.0
@@ -43,40 +45,18 @@ def write_mark(run_dir: str) -> dict[str, Any]:
     return mark
 
 
-def record_cancelled(run_dir: str, reason: str, **fields: Any) -> dict[str, Any]:
-    from launcher.manage.status import last_checkpoint_step
-
-    return append_event(run_dir, "cancelled", reason=reason, checkpoint_step=last_checkpoint_step(run_dir), **fields)
-
-
 # ---- local runs ------------------------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is pid (the local launcher's ranks)."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(name))
-    return out
-
-
 def _rank_pids(launcher: int) -> list[int]:
-    """A local launcher's rank processes: its children, where its warm agent (launcher/launch/local_warm.py)
+    """A local launcher's rank processes: its children, where its warm agent (launcher/ranks/warm/local.py)
     stands for the ranks it forked (its children); the agent itself stops with the launch."""
     out = []
-    for pid in _children(launcher):
+    for pid in children(launcher):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 warm_agent = b"training.run.warm_agent" in f.read()
         except OSError:
             continue
-        out += _children(pid) if warm_agent else [pid]
+        out += children(pid) if warm_agent else [pid]
     return out
 
 
@@ -91,7 +71,7 @@ def _alive(pid: int) -> bool:
 def _cancel_local(run_dir: str, started: dict[str, Any], timeout_s: float, deadline: float) -> dict[str, Any]:
     """Signal a local run's ranks and wait for its launcher until deadline (the whole cancel's clock, which
     started at timeout_s before it): the reason names timeout_s as the user wrote it."""
-    from launcher.slurm.rank_task import catches
+    from launcher.ranks.exits import catches
 
     launcher = int(started["launcher_pid"])
     signalled: set = set()
@@ -185,8 +165,6 @@ def _force_slurm(run_dir: str, job: str, timeout_s: float) -> dict[str, Any]:
 # ---- the action ------------------------------------------------------------------------------------
 def _targets(run_dir: str) -> list[str]:
     """The run directories to cancel: run_dir itself, or every launched point of a sweep directory."""
-    from launcher.manage.status import SWEEP_FILE
-
     if os.path.exists(os.path.join(run_dir, SWEEP_FILE)):
         with open(os.path.join(run_dir, SWEEP_FILE)) as f:
             sweep = json.load(f)
@@ -207,7 +185,7 @@ def _targets(run_dir: str) -> list[str]:
 
 def cancel(run_dir: str, timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
     """Cancel the run(s) in run_dir; returns run dir -> its status afterwards."""
-    from launcher.manage.status import current_job_id, run_status
+    from launcher.manage.status import run_status
     from launcher.slurm.queries import FINAL_STATES, slurm_states
 
     if not timeout_s > 0:
@@ -249,14 +227,8 @@ def cancel(run_dir: str, timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
             _force_slurm(d, what, timeout_s)
     out = {d: run_status(d) for d in targets}
     for d, st in out.items():
-        print(f"{st['state']}: {d} (checkpoint step {_checkpoint(d)})", file=sys.stderr)
+        print(f"{st['state']}: {d} (checkpoint step {read_latest(d)})", file=sys.stderr)
     return out
-
-
-def _checkpoint(run_dir: str) -> int | None:
-    from launcher.manage.status import last_checkpoint_step
-
-    return last_checkpoint_step(run_dir)
 
 
 def run_cancel(cfg, run_dir: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from launcher.manage.status import log_files
+from launcher.records.readers import log_files
 from training.contract.exit_codes import EXIT_INVALID
 from training.contract.rundir.events import read_events
 from training.contract.rundir.files import open_regular

@@ -396,9 +396,9 @@ _CAUSE_COLOR = {
 
 
 def _goodput_plot(plt, out_dir, report, run_dir) -> None:
-    """The attempts as a time line, one row per attempt, coloured by cause (launcher/manage/goodput.py); writes
+    """The attempts as a time line, one row per attempt, coloured by cause (launcher/records/goodput.py); writes
     run_dir/goodput.json; its seconds per cause go into the facts."""
-    from launcher.manage.goodput import CAUSES, write_goodput
+    from launcher.records.goodput import CAUSES, write_goodput
 
     g = write_goodput(run_dir)
     if not g:
@@ -679,5 +679,5 @@ def run_report(run_dir: str) -> int:
 
 
 def report_action(cfg, run_dir: str) -> int:
-    """action=report (the action table, training/contract/actions.py)."""
+    """action=report (the action table, launcher/cli/actions.py)."""
     return run_report(run_dir)

@@ -51,7 +51,8 @@ def _row(run_dir: str, status: dict[str, Any], now: float) -> list[str]:
 
 def list_runs(folder: str, states: dict[str, str] | None = None) -> list[list[str]]:
     """The rows of action=runs; states: Slurm's states of the runs' jobs, asked for once when None."""
-    from launcher.manage.status import current_job_id, run_status
+    from launcher.manage.status import run_status
+    from launcher.records.readers import current_job_id
 
     dirs = _run_dirs(folder)
     events = {d: read_events(d) for d in dirs}

@@ -3,84 +3,31 @@ excluded_nodes; step, total_steps, eta_s, last_loss, tokens_per_s, log: launcher
 events.jsonl, metrics.jsonl, checkpoints/latest and squeue/sacct; status.format=table prints a table instead. D may also be
 a sweep directory (it holds sweep.json): then the object lists every point's status and counts the states.
 
-Also the readers of a run's state that logs, cancel and the Slurm driver share (last step, the job chain in
-events.jsonl, the cancel mark, where each rank's log is). Slurm's answers come from launcher/slurm/queries.py."""
+The readers of a run's record it shares with logs, cancel and the Slurm driver are launcher/records/readers.py's;
+Slurm's answers come from launcher/slurm/queries.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import sys
 from typing import Any
 
-from launcher.manage import goodput
 from launcher.manage.progress import progress_fields
+from launcher.records import goodput
+from launcher.records.readers import (
+    SWEEP_FILE,
+    cancelled_event,
+    current_job_id,
+    current_log,
+    excluded_nodes,
+    last_step,
+)
 from launcher.slurm.queries import FINAL_STATES, slurm_end_reason, slurm_state, slurm_states
 from training.contract.exit_codes import EXIT_INVALID
 from training.contract.rundir.events import read_events
-from training.contract.rundir.metrics import last_step as metrics_last_step
 from training.contract.rundir.paths import EVENTS_FILE
-
-
-def last_metrics_step(run_dir: str) -> int | None:
-    """Step of the last complete line of metrics.jsonl."""
-    return metrics_last_step(run_dir)
-
-
-def last_checkpoint_step(run_dir: str) -> int | None:
-    """Step named by checkpoints/latest ("step_<N>")."""
-    try:
-        with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
-            m = re.search(r"(\d+)", f.read())
-    except OSError:
-        return None
-    return int(m.group(1)) if m else None
-
-
-def last_step(run_dir: str) -> int | None:
-    steps = [s for s in (last_metrics_step(run_dir), last_checkpoint_step(run_dir)) if s is not None]
-    return max(steps) if steps else None
-
-
-def current_job_id(events: list[dict[str, Any]]) -> str | None:
-    """The newest Slurm job of the run: the last submitted or resubmitted one."""
-    job = None
-    for ev in events:
-        if ev.get("event") == "submitted" and ev.get("job_id") not in (None, "local"):
-            job = str(ev["job_id"])
-        if ev.get("event") == "requeued" and ev.get("new_job_id"):
-            job = str(ev["new_job_id"])
-    return job
-
-
-def job_log_dir(run_dir: str, job: str) -> str:
-    """Where submitit keeps a job's logs: recorded at submission (a sweep's job array shares the sweep's
-    folder); a resubmitted job's are in run_dir/submitit."""
-    for ev in read_events(run_dir):
-        if ev.get("event") == "submitted" and str(ev.get("job_id")) == job and ev.get("log_dir"):
-            return str(ev["log_dir"])
-    return os.path.join(run_dir, "submitit")
-
-
-def excluded_nodes(events: list[dict[str, Any]]) -> list[str]:
-    out: list[str] = []
-    for ev in events:
-        if ev.get("event") in ("submitted", "requeued") and "excluded_nodes" in ev:
-            out = list(ev["excluded_nodes"])
-    return out
-
-
-RETRY_CAUSES = ("failure", "no_progress", "save_failed")
-"""Requeue causes that spend one of cluster.max_retries: a failure, a stop that saved nothing newer than the
-previous attempt (else a job stopped by every signal before its first save would requeue forever), a save
-that failed on an I/O error. A stop after new progress (preemption, time limit) costs nothing."""
-
-
-def retries_used(events: list[dict[str, Any]]) -> int:
-    """Requeues and resubmissions that count against cluster.max_retries so far (RETRY_CAUSES)."""
-    return sum(1 for ev in events if ev.get("event") == "requeued" and ev.get("cause") in RETRY_CAUSES)
 
 
 def _local_launcher_alive(started: dict[str, Any]) -> bool:
@@ -104,7 +51,7 @@ def run_status(
     allocations: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The status of one run; states: Slurm's states already asked for (a sweep asks once for all its jobs);
-    allocations: Slurm's accounting of its jobs for the goodput (launcher/manage/goodput.py sacct_records), likewise."""
+    allocations: Slurm's accounting of its jobs for the goodput (launcher/records/goodput.py sacct_records), likewise."""
     events = read_events(run_dir) if events is None else events
     job = current_job_id(events)
     attempt = max((int(ev.get("attempt", 0)) for ev in events if ev.get("event") == "started"), default=None)
@@ -193,81 +140,13 @@ def goodput_fields(
 def current_layout(run_dir: str) -> dict[str, Any] | None:
     """The layout the run trains with now (config.json, which an elastic resize rewrites: nodes, ranks, tp, pp,
     cp, dp, zero, micro/global batch, grad_accum); None without a readable config.json."""
-    from launcher.slurm.elastic import layout
     from training.contract.config import load_config
+    from training.contract.layout_text import layout_fields
 
     try:
-        return layout(load_config(os.path.join(run_dir, "config.json")))
+        return layout_fields(load_config(os.path.join(run_dir, "config.json")))
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-SWEEP_FILE = "sweep.json"
-
-
-CANCEL_FILE = "cancel.json"
-
-
-def _launches(events: list[dict[str, Any]]) -> list[float]:
-    """Times of the launches of the run directory (submission, or a local launcher's start)."""
-    return [
-        float(ev.get("time", 0))
-        for ev in events
-        if ev.get("event") == "submitted" or (ev.get("event") == "started" and "launcher_pid" in ev)
-    ]
-
-
-def cancel_requested(run_dir: str, events: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
-    """The cancel mark when it applies to the current launch (written after it), else None."""
-    try:
-        with open(os.path.join(run_dir, CANCEL_FILE)) as f:
-            mark = json.load(f)
-    except (OSError, ValueError):
-        return None
-    events = read_events(run_dir) if events is None else events
-    launches = _launches(events)
-    if not isinstance(mark, dict) or (launches and float(mark.get("time", 0)) < max(launches)):
-        return None
-    return mark
-
-
-def cancelled_event(events: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The `cancelled` event of the current launch (none after the last launch: None)."""
-    launches = _launches(events)
-    latest = max(launches) if launches else 0.0
-    found = None
-    for ev in events:
-        if ev.get("event") == "cancelled" and float(ev.get("time", 0)) >= latest:
-            found = ev
-    return found
-
-
-def slurm_jobs(events: list[dict]) -> list[str]:
-    """Every Slurm job of the run, oldest first (submitted, then each resubmission)."""
-    jobs: list[str] = []
-    for ev in events:
-        job = None
-        if ev.get("event") == "submitted" and ev.get("job_id") not in (None, "local"):
-            job = str(ev["job_id"])
-        elif ev.get("event") == "requeued" and ev.get("new_job_id"):
-            job = str(ev["new_job_id"])
-        if job and job not in jobs:
-            jobs.append(job)
-    return jobs
-
-
-def log_files(run_dir: str, rank: int = 0, events: list[dict] | None = None) -> list[str]:
-    """The files that hold `rank`'s output, oldest first (they may not exist yet)."""
-    events = read_events(run_dir) if events is None else events
-    jobs = slurm_jobs(events)
-    if not jobs:
-        return [os.path.join(run_dir, "logs", f"rank_{rank}.log")]
-    return [os.path.join(job_log_dir(run_dir, job), f"{job}_{rank}_log.out") for job in jobs]
-
-
-def current_log(run_dir: str, rank: int = 0, events: list[dict] | None = None) -> str:
-    """The file rank's output goes to now (the newest attempt)."""
-    return log_files(run_dir, rank, events)[-1]
 
 
 def sweep_status(sweep_dir: str) -> dict[str, Any]:
@@ -341,5 +220,5 @@ def print_status(run_dir: str, fmt: str = "json") -> dict[str, Any]:
 
 
 def status_action(cfg, run_dir: str) -> dict[str, Any]:
-    """action=status (the action table, training/contract/actions.py)."""
+    """action=status (the action table, launcher/cli/actions.py)."""
     return print_status(run_dir, cfg.status.format)

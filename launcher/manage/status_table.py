@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from launcher.manage.goodput import CAUSES
+from launcher.records.goodput import CAUSES
 from training.observe.progress import format_duration
 
 COLUMNS = ("state", "job", "attempt", "step", "loss", "tokens/s", "eta", "log")
@@ -69,7 +69,7 @@ def format_table(status: dict[str, Any]) -> str:
 
 
 def _goodput_line(status: dict[str, Any]) -> str:
-    """The wall time split by cause (launcher/manage/goodput.py) and, with in-job restarts, the spares left."""
+    """The wall time split by cause (launcher/records/goodput.py) and, with in-job restarts, the spares left."""
     g = status.get("goodput_s")
     if not g:
         return ""

@@ -1,7 +1,7 @@
 """The batch script's own steps around srun: `python -m launcher.slurm.driver prologue|epilogue RUN_DIR`.
 
 prologue (before srun): checks that the run directory's lock names this job (training/contract/rundir/lock.py; else the
-  attempt stops before srun) and that the run was not cancelled (launcher/manage/cancel.py: then `cancelled`, no srun), numbers the attempt, records `started` with the nodes and the code it runs (the
+  attempt stops before srun) and that the run was not cancelled (launcher/records/readers.py cancel_requested: then `cancelled`, no srun), numbers the attempt, records `started` with the nodes and the code it runs (the
   submission's snapshot, launcher/slurm/snapshot.py), prints the rendezvous exports (MASTER_ADDR = first node,
   MASTER_PORT from the job id) for the batch script.
 epilogue (after srun): reads every rank's record and acts (launcher/slurm/requeue.py decides):
@@ -25,10 +25,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-from launcher.launch.processes import PROJECT_ROOT
-from launcher.manage.cancel import record_cancelled
-from launcher.manage.goodput import write_goodput_quietly
-from launcher.manage.status import cancel_requested, excluded_nodes, last_step, retries_used
+from launcher.ranks.processes import PROJECT_ROOT
+from launcher.records.goodput import write_goodput_quietly
+from launcher.records.readers import cancel_requested, excluded_nodes, last_step, record_cancelled, retries_used
 from launcher.slurm import in_job
 from launcher.slurm.queries import job_alive
 from launcher.slurm.rank_task import attempt_dir

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from training.contract.config import Config, derived_dp
+from training.contract.layout_text import layout_fields
 from training.contract.rundir.events import append_event
 from training.contract.rundir.files import write_atomic
 
@@ -69,26 +70,6 @@ POLL_S = 5.0
 """How often a waiting epilogue asks Slurm again."""
 TIME_MARGIN_S = 60.0
 """A waiting epilogue stops this long before its own job's time limit, to still submit the next job."""
-
-
-def layout(cfg: Config) -> dict[str, Any]:
-    """The layout of a config as events and status show it."""
-    p, c = cfg.parallel, cfg.cluster
-    dp = derived_dp(cfg)
-    per_step = p.micro_batch * dp
-    return {
-        "nodes": c.nodes,
-        "ranks_per_node": c.gpus_per_node,
-        "ranks": c.nodes * c.gpus_per_node,
-        "tp": p.tp,
-        "pp": p.pp,
-        "cp": p.cp,
-        "dp": dp,
-        "zero": p.zero,
-        "micro_batch": p.micro_batch,
-        "global_batch": p.global_batch,
-        "grad_accum": p.global_batch // per_step if per_step and p.global_batch % per_step == 0 else None,
-    }
 
 
 def auto_chosen(cfg: Config) -> bool:
@@ -325,7 +306,9 @@ def plan_resize(
         why += f", after waiting {waited:.0f} s for busy nodes (cluster.elastic.wait_min={e.wait_min:g})"
     if replanned is not None:
         why += f"; {replanned['text']}"
-    return Resize(new_cfg, exclude, layout(cfg), layout(new_cfg), p.readmit, why, waited, replanned=replanned)
+    return Resize(
+        new_cfg, exclude, layout_fields(cfg), layout_fields(new_cfg), p.readmit, why, waited, replanned=replanned
+    )
 
 
 def apply_resize(run_dir: str, r: Resize, **fields: Any) -> None:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from launcher.records.point import update_point
 from launcher.slurm import in_job
 from launcher.slurm.rank_task import RankTask
 from launcher.slurm.sbatch import (
@@ -38,7 +39,6 @@ from launcher.slurm.sbatch import (
     with_cpus_per_task,
 )
 from launcher.slurm.snapshot import code_dir, take_snapshot
-from launcher.sweep.point import update_point
 from training.contract.config import Config, load_config
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_SLURM
 from training.contract.rundir.config_files import write_config

@@ -2,7 +2,7 @@
 
 Built in the parent process from files, so it is right whichever Hydra launcher ran the points (in
 this process, in joblib workers, in submitit jobs): on_job_end runs where the point ran and writes its
-record, point.json, into the point's directory (launcher/sweep/point.py); on_multirun_end reads every
+record, point.json, into the point's directory (launcher/records/point.py); on_multirun_end reads every
 record of this sweep back, with plan.json of the feasible points, ranks the feasible points by
 predicted step time (plan.json's predicted_step_s, launcher/plan/estimate.py), lists the infeasible ones
 with their first reason, prints the table (at most WIDTH columns) and writes sweep.json into the sweep
@@ -25,7 +25,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from launcher.plan.estimate import fmt_bytes, fmt_seconds
-from launcher.sweep.point import read_points, write_point
+from launcher.records.point import read_points, write_point
 from training.contract.exit_codes import EXIT_FAILED
 from training.contract.layout_text import Layout, format_layout
 

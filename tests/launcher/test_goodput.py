@@ -1,4 +1,4 @@
-"""Goodput outside Slurm (launcher/manage/goodput.py): a real local run's goodput.json adds up to its wall time, a
+"""Goodput outside Slurm (launcher/records/goodput.py): a real local run's goodput.json adds up to its wall time, a
 sweep's status adds its runs' seconds per cause, the report draws the attempts and writes goodput.json.
 The Slurm case (queue wait from sacct, a preemption, killed ranks, lost steps) is tests/test_in_job_restart.py."""
 
@@ -10,9 +10,9 @@ import os
 import helpers.slurm as dev
 import pytest
 
-from launcher.manage.goodput import CAUSES, GOODPUT_FILE, compute
 from launcher.manage.report import build_report
 from launcher.manage.status import run_status, sweep_status
+from launcher.records.goodput import CAUSES, GOODPUT_FILE, compute
 
 
 @pytest.mark.slow  # CPU ranks started by the CLI

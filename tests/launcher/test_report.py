@@ -38,7 +38,7 @@ RUN_PLOTS = {
     "step_times",
     "memory",
     "goodput",
-}  # goodput: launcher/manage/goodput.py
+}  # goodput: launcher/records/goodput.py
 
 
 def rows_of(path: str) -> list:

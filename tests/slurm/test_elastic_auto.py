@@ -22,8 +22,9 @@ from helpers.cli import compose_cfg, meshrun
 
 from launcher.plan.validate import validate
 from launcher.planning.auto import choose
-from launcher.slurm.elastic import apply_resize, elastic_checks, layout, layout_errors, plan_resize
+from launcher.slurm.elastic import apply_resize, elastic_checks, layout_errors, plan_resize
 from training.contract.config import Config
+from training.contract.layout_text import layout_fields
 from training.contract.rundir.events import read_events
 
 NODES = [f"n{i}" for i in range(1, 9)]
@@ -75,7 +76,7 @@ def test_auto_run_shrunk_from_8_to_4_nodes_is_replanned_and_grows_back(tmp_path,
     assert r.event == "shrunk" and r.new["nodes"] == 4 and r.replanned is not None
     # The same rule on 4 nodes: what a fresh parallel=auto launch there chooses, at the run's global batch.
     fresh = _auto(model, "cluster.nodes=4", f"parallel.global_batch={cfg.parallel.global_batch}")
-    assert _keys(r.new) == _keys(layout(fresh))
+    assert _keys(r.new) == _keys(layout_fields(fresh))
     assert r.new["global_batch"] == r.old["global_batch"] == cfg.parallel.global_batch
     report = validate(r.cfg)
     assert not report.errors and report.plan is not None and report.plan.fits
@@ -98,7 +99,7 @@ def test_auto_run_shrunk_from_8_to_4_nodes_is_replanned_and_grows_back(tmp_path,
     assert "parallel=auto re-planned 4 node(s)" in event["replanned"]["text"]
     # Growing back to the full count chooses the first layout again.
     g = plan_resize(r.cfg, SUBMITTED, NODES[:4], NODES[4:], states_fn=_all_free, sleep=pytest.fail)
-    assert g.event == "grown" and g.new == layout(cfg) and g.replanned is not None
+    assert g.event == "grown" and g.new == layout_fields(cfg) and g.replanned is not None
 
 
 def test_auto_layout_passes_elastic_checks_where_the_same_layout_given_by_hand_is_refused():

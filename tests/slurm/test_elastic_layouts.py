@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.slurm.elastic import layout, layout_errors, plan_resize
+from launcher.slurm.elastic import layout_errors, plan_resize
 from training.contract.config import Config
+from training.contract.layout_text import layout_fields
 
 SUBMITTED = [{"event": "submitted", "nodes": 4}]
 
@@ -35,7 +36,7 @@ def _states(**kw):
 
 def test_tp2_pp2_skips_a_node_count_whose_ranks_do_not_divide_tp_x_pp():
     cfg = _cfg()
-    assert layout(cfg)["dp"] == 2 and layout(cfg)["grad_accum"] == 4
+    assert layout_fields(cfg)["dp"] == 2 and layout_fields(cfg)["grad_accum"] == 4
     assert layout_errors(cfg, 3) and not layout_errors(cfg, 2)  # 6 ranks: no multiple of 4
     r = plan_resize(
         cfg,

@@ -20,9 +20,10 @@ from helpers.dist import run_distributed
 
 from launcher.plan.validate import validate
 from launcher.planning.gate import validate_for_launch
-from launcher.slurm.elastic import elastic_checks, layout, plan_resize, pool, with_nodes
+from launcher.slurm.elastic import elastic_checks, plan_resize, pool, with_nodes
 from launcher.slurm.requeue import decide
 from training.contract.config import Config
+from training.contract.layout_text import layout_fields
 from training.contract.rundir.events import read_events
 
 
@@ -150,7 +151,7 @@ def test_grows_back_when_the_excluded_node_returns_and_not_before():
 def test_layout_keeps_an_explicit_dp_consistent():
     cfg = _cfg()
     cfg.parallel.dp = 3
-    assert with_nodes(cfg, 2).parallel.dp == 2 and layout(with_nodes(cfg, 2))["ranks"] == 2
+    assert with_nodes(cfg, 2).parallel.dp == 2 and layout_fields(with_nodes(cfg, 2))["ranks"] == 2
 
 
 # ------------------------------------------------------------------------------- checkpoint dp=3 -> dp=2, ZeRO-1

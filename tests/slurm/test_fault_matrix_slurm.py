@@ -22,7 +22,7 @@ import pytest
 from helpers.cli import run_cli
 from helpers.slurm import COMMON, ROOT, dev_cfg, meshrun, metrics, submit, wait_final, wait_step
 
-from launcher.manage.status import RETRY_CAUSES, retries_used
+from launcher.records.readers import RETRY_CAUSES, retries_used
 from launcher.slurm.requeue import decide
 from launcher.slurm.sbatch import SlurmConfigError, array_job_spec, job_spec, sbatch_text, validate_for_slurm
 from training.contract import slurm_env

@@ -23,8 +23,8 @@ import helpers.slurm as dev
 import pytest
 from helpers import jobs as noted_jobs
 
-from launcher.manage.goodput import CAUSES, GOODPUT_FILE, compute
 from launcher.manage.status import run_status
+from launcher.records.goodput import CAUSES, GOODPUT_FILE, compute
 from launcher.slurm import in_job
 from training.contract.config import ClusterConfig
 from training.contract.rundir.events import read_events

@@ -424,7 +424,7 @@ def test_status_from_events(tmp_path):
     st = run_status(run)
     goodput = {
         k: st.pop(k) for k in ("goodput", "goodput_s")
-    }  # launcher/manage/goodput.py (tests/test_in_job_restart.py)
+    }  # launcher/records/goodput.py (tests/test_in_job_restart.py)
     assert st == {"state": "COMPLETED", "job_id": "78", "attempt": 1, "last_step": 5, "excluded_nodes": ["n2"]}
     assert goodput["goodput_s"]["wall_s"] >= 0 and 0 <= goodput["goodput"] <= 1
 

@@ -2,7 +2,8 @@
 recommend and calibrate, the sweep table, an elastic resubmission, the plan table) formats it here.
 
 Pure Python (no torch, no Hydra). A `Layout` holds the degrees and settings a layout is made of; `layout_of`
-reads them from a Config; `format_layout` writes them in one of four forms:
+reads them from a Config; `layout_fields` gives the fields events and status record; `format_layout` writes them
+in one of four forms:
 
 - "short": compact words for tables and messages: `tp2 pp2 v2 cp2 dp2 ep2 mb1 gb8 sp rc=selective[4] z1
   first7 last7 offload=cpu` (vpp, cp, ep, the recompute layer count, zero, the pipeline split's keys
@@ -17,6 +18,7 @@ reads them from a Config; `format_layout` writes them in one of four forms:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from training.contract.config import Config, derived_dp
 
@@ -99,6 +101,27 @@ def layout_of(cfg: Config, dp: int | None = None) -> Layout:
         embedding_in_split=bool(p.embedding_in_split),
         loss_in_split=bool(p.loss_in_split),
     )
+
+
+def layout_fields(cfg: Config) -> dict[str, Any]:
+    """The layout of a config as events and status show it: nodes, ranks, tp, pp, cp, dp, zero, micro and global
+    batch, and the gradient accumulation they make (None when global_batch is not a multiple of a step's)."""
+    p, c = cfg.parallel, cfg.cluster
+    dp = derived_dp(cfg)
+    per_step = p.micro_batch * dp
+    return {
+        "nodes": c.nodes,
+        "ranks_per_node": c.gpus_per_node,
+        "ranks": c.nodes * c.gpus_per_node,
+        "tp": p.tp,
+        "pp": p.pp,
+        "cp": p.cp,
+        "dp": dp,
+        "zero": p.zero,
+        "micro_batch": p.micro_batch,
+        "global_batch": p.global_batch,
+        "grad_accum": p.global_batch // per_step if per_step and p.global_batch % per_step == 0 else None,
+    }
 
 
 def _override(value: object) -> str:
