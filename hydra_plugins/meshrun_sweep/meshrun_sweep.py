@@ -10,7 +10,8 @@ submitit one) gets the job overrides and composes as usual.
 MeshrunLauncher: BasicLauncher's local, sequential jobs. With slurm_arrays (the default) a Slurm
 point only checks and queues itself (the app reads hydra.launcher.slurm_arrays), and the launcher
 passes the batch's queued run directories to launcher/slurm/submit.py's submit_arrays, which submits
-them as job arrays (or prints their scripts under dry_run=true). Every point still runs through
+them as job arrays (or prints their scripts under dry_run=true), then waits for the points with wait=true
+(launcher/manage/follow.py follow_points). Every point still runs through
 Hydra's run_job contract (_run_job.py: the same steps without its redundant config copies): HydraConfig
 (runtime.output_dir, job.num), the per-point output directory, callbacks (on_job_end writes the point's
 record for launcher/sweep/summary.py's summary) and the job's return value are as with the basic launcher.
@@ -91,10 +92,12 @@ class MeshrunLauncher(Launcher):
             and ret.return_value.get("status") == "queued"
         ]
         if queued and self.slurm_arrays:
+            from launcher.manage.follow import follow_points
             from launcher.slurm.submit import submit_arrays
 
             folder = str(Path(str(self.config.hydra.sweep.dir)).absolute() / "submitit")
             updates = submit_arrays([point["run_dir"] for point in queued], folder)
+            follow_points(updates, folder)  # the points with wait=true: until each has ended
             for point in queued:
                 point.update(updates[point["run_dir"]])
         return runs

@@ -3,8 +3,7 @@
 submit() checks the controller and the partition before anything is written to Slurm, resolves
 cluster.cpus_per_task=0 from the partition's nodes, builds the job spec once, submits the job
 (launcher/slurm/sbatch.py describes it), records `submitted` in events.jsonl and prints the job id
-and run dir. wait=true follows the job (and its requeues/resubmissions) and streams rank 0's
-output (in a sweep: waits until every point has ended and adds the final states to the summary);
+and run dir, and returns: with wait=true the caller follows the run (launcher/manage/follow.py);
 dry_run=true prints the sbatch script and the srun line and submits nothing.
 
 In a sweep run by meshrun's Hydra launcher (hydra_plugins/meshrun_sweep), submit(queue=True) only
@@ -19,11 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import sys
-import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from launcher.records.point import update_point
 from launcher.slurm import in_job
@@ -40,7 +37,7 @@ from launcher.slurm.sbatch import (
 )
 from launcher.slurm.snapshot import code_dir, take_snapshot
 from training.contract.config import Config, load_config
-from training.contract.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_INVALID, EXIT_SLURM
+from training.contract.exit_codes import EXIT_INVALID, EXIT_SLURM
 from training.contract.rundir.config_files import write_config
 from training.contract.rundir.events import append_event
 from training.contract.rundir.lock import RunLocked, acquire, held
@@ -190,15 +187,14 @@ def submit_arrays(run_dirs: Sequence[str], folder: str) -> dict[str, dict[str, A
     """Submit queued sweep points (each run dir holds its config.json) as one sbatch per group of
     identical jobs: a job array, or a plain job for a group of one; folder is submitit's folder for the
     arrays (the sweep directory's submitit/). Points with dry_run=true get their group's batch script
-    printed instead. Returns run dir -> the fields its result gains (status and job_id, or the refusal;
-    with wait=true, after every submitted point has ended, its final status) and records them in the
-    point's point.json."""
+    printed instead. Returns run dir -> the fields its result gains (status and job_id, or the refusal)
+    and records them in the point's point.json; wait=true is the caller's (launcher/manage/follow.py
+    follow_points)."""
     groups: dict[tuple[bool, str], list[tuple[Config, str]]] = {}
     for run_dir in run_dirs:
         cfg = load_config(os.path.join(run_dir, "config.json"))
         groups.setdefault((cfg.dry_run, array_group_key(cfg)), []).append((cfg, run_dir))
     updates: dict[str, dict[str, Any]] = {}
-    waiting: list[str] = []
     for (dry, _), group in groups.items():
         if not dry:
             group = _lock_points(group, updates)
@@ -229,39 +225,9 @@ def submit_arrays(run_dirs: Sequence[str], folder: str) -> dict[str, dict[str, A
         for (point_cfg, run_dir), job_id in zip(group, job_ids):
             _record_submission(point_cfg, run_dir, job_id, spec.folder, code)
             updates[run_dir] = {"status": "submitted", "job_id": job_id}
-            if point_cfg.wait:
-                waiting.append(run_dir)
-    try:
-        for run_dir, final in (wait_all(waiting) if waiting else {}).items():
-            updates[run_dir]["final"] = final
-    except KeyboardInterrupt:
-        for run_dir, fields in updates.items():  # the submitted points' job ids are kept
-            update_point(run_dir, **fields)
-        stop_following(f"the sweep's {len(waiting)} job(s) keep running", os.path.dirname(os.path.normpath(folder)))
     for run_dir, fields in updates.items():
         update_point(run_dir, **fields)
     return updates
-
-
-def follow_or_detach(run_dir: str, job_id: str, poll_s: float = 1.0) -> dict[str, Any]:
-    """follow(run_dir) until the run ends, or until Ctrl-C: then stop_following (the job keeps running)."""
-    try:
-        return follow(run_dir, poll_s=poll_s)
-    except KeyboardInterrupt:
-        stop_following(f"job {job_id} keeps running", run_dir)
-
-
-def stop_following(what: str, run_dir: str) -> NoReturn:
-    """Ctrl-C while wait=true follows: one line (the job is Slurm's and keeps running; how to follow it again
-    and how to cancel it), then exit 130 (training/contract/exit_codes.py) instead of a traceback."""
-    where = shlex.quote(run_dir)
-    print(
-        f"\nmeshrun: stopped following; {what}. follow: meshrun action=logs run.dir={where} logs.follow=true; "
-        f"cancel: meshrun action=cancel run.dir={where}",
-        file=sys.stderr,
-        flush=True,
-    )
-    raise SystemExit(EXIT_INTERRUPTED)
 
 
 def _lock_points(group: list[tuple[Config, str]], updates: dict[str, dict[str, Any]]) -> list[tuple[Config, str]]:
@@ -313,12 +279,7 @@ def submit(
     except SlurmUnavailable as exc:
         return _refuse(str(exc), multirun, EXIT_SLURM)
     _record_submission(cfg, run_dir, job_id, spec.folder, code)
-    result = {**plan_result, "status": "submitted", "job_id": job_id, "run_dir": run_dir}
-    if cfg.wait and not multirun:
-        result["final"] = follow_or_detach(run_dir, job_id)
-        if result["final"]["state"] != "COMPLETED":
-            raise SystemExit(EXIT_FAILED)
-    return result
+    return {**plan_result, "status": "submitted", "job_id": job_id, "run_dir": run_dir}
 
 
 def _refuse(message: str, multirun: bool, code: int) -> dict[str, Any]:
@@ -326,68 +287,3 @@ def _refuse(message: str, multirun: bool, code: int) -> dict[str, Any]:
     if multirun:
         return {"status": "invalid", "errors": [f"error: {message}"]}
     raise SystemExit(code)
-
-
-def _settled(run_dir: str, status: dict[str, Any], poll_s: float) -> dict[str, Any] | None:
-    """The final status when the run has ended for good, else None. A FAILED job may still be followed
-    by a resubmission its epilogue is writing: a final state counts only when a second look agrees."""
-    from launcher.manage.status import run_status
-    from launcher.slurm.queries import FINAL_STATES
-
-    if status["state"] not in FINAL_STATES:
-        return None
-    time.sleep(poll_s)
-    again = run_status(run_dir)
-    return again if again["job_id"] == status["job_id"] and again["state"] in FINAL_STATES else None
-
-
-def wait_all(run_dirs: list[str], poll_s: float = 2.0) -> dict[str, dict[str, Any]]:
-    """A sweep with wait=true: until every run has ended (requeues and resubmissions included); prints
-    each run's end as it comes and returns run dir -> final status."""
-    from launcher.manage.status import run_status
-
-    print(f"waiting for {len(run_dirs)} sweep point(s) to end (wait=true)", flush=True)
-    finals: dict[str, dict[str, Any]] = {}
-    while len(finals) < len(run_dirs):
-        for run_dir in run_dirs:
-            if run_dir in finals:
-                continue
-            final = _settled(run_dir, run_status(run_dir), poll_s=0.5)
-            if final is not None:
-                finals[run_dir] = final
-                print(
-                    f"  {final['state']}: job {final['job_id']}, last step {final['last_step']}, {run_dir}", flush=True
-                )
-        if len(finals) < len(run_dirs):
-            time.sleep(poll_s)
-    return finals
-
-
-def follow(run_dir: str, poll_s: float = 1.0, timeout_s: float | None = None) -> dict[str, Any]:
-    """Stream rank 0's output (<log dir>/<job>_0_log.out of every job of the run) until the run
-    is COMPLETED or FAILED/CANCELLED without a follow-up job; returns the final status."""
-    from launcher.manage.status import job_log_dir, run_status
-
-    offsets: dict[str, int] = {}
-    start = time.time()
-    while True:
-        status = run_status(run_dir)
-        job = status.get("job_id")
-        if job:
-            path = os.path.join(job_log_dir(run_dir, job), f"{job}_0_log.out")
-            try:
-                with open(path, "rb") as f:
-                    f.seek(offsets.get(path, 0))
-                    chunk = f.read()
-                    offsets[path] = f.tell()
-                if chunk:
-                    sys.stdout.write(chunk.decode("utf-8", "replace"))
-                    sys.stdout.flush()
-            except OSError:
-                pass
-        final = _settled(run_dir, status, poll_s)
-        if final is not None:
-            return final
-        if timeout_s is not None and time.time() - start > timeout_s:
-            return status
-        time.sleep(poll_s)

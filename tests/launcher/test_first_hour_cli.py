@@ -55,10 +55,10 @@ def test_refused_names_say_what_to_type(override, message, tmp_path):
 
 
 def test_ctrl_c_while_following_is_one_line_and_130(monkeypatch, capsys, tmp_path):
-    """The real follow loop (launcher/slurm/submit.py) on a job that stays RUNNING; a real SIGINT arrives while it
+    """The real follow loop (launcher/manage/follow.py) on a job that stays RUNNING; a real SIGINT arrives while it
     polls (were it not caught, the test would end in KeyboardInterrupt, not SystemExit). The job is Slurm's: nothing is cancelled (no scancel is called), and the line names both commands."""
+    import launcher.manage.follow as follow
     import launcher.manage.status as status
-    import launcher.slurm.submit as submit
 
     run_dir = str(tmp_path / "run dir")
     polled = threading.Event()
@@ -68,11 +68,11 @@ def test_ctrl_c_while_following_is_one_line_and_130(monkeypatch, capsys, tmp_pat
         return {"state": "RUNNING", "job_id": "4242", "last_step": 3}
 
     monkeypatch.setattr(status, "run_status", running)
-    monkeypatch.setattr(submit, "cancel_job", lambda *a, **k: pytest.fail("following must not cancel"), raising=False)
+    monkeypatch.setattr(follow, "cancel_job", lambda *a, **k: pytest.fail("following must not cancel"), raising=False)
     timer = threading.Thread(target=lambda: polled.wait(10) and os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     with pytest.raises(SystemExit) as stop:
-        submit.follow_or_detach(run_dir, "4242", poll_s=0.05)  # what submit() runs with wait=true
+        follow.follow_or_detach(run_dir, "4242", poll_s=0.05)  # what follow_run runs after submit() with wait=true
     timer.join()
     assert stop.value.code == EXIT_INTERRUPTED == 130
     err = capsys.readouterr().err.strip().splitlines()
