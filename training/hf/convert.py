@@ -106,8 +106,6 @@ def local_from_hf(
     name: str, global_shape, tp_shard_dim: int | None, tp: int, tp_rank: int, read: Reader, mc, family: str
 ) -> torch.Tensor:
     """This rank's shard of meshrun parameter `name` (global_shape includes vocabulary padding)."""
-    a, g, d, qpg = _dims(mc)
-    h, V = mc.hidden_size, mc.vocab_size
     p = PREFIX[family]
     gpt2 = family == GPT2
     lo, hi = 0, None
@@ -118,10 +116,7 @@ def local_from_hf(
 
     if name in ("embedding.word.weight", "output.weight"):
         key = "lm_head.weight" if name == "output.weight" else p + ("wte.weight" if gpt2 else "embed_tokens.weight")
-        hi = global_shape[0] if hi is None else hi
-        real = read(key, slice(lo, min(hi, V)), None) if lo < V else torch.empty(0, h)
-        pad = torch.zeros(hi - lo - real.shape[0], h, dtype=real.dtype)  # vocabulary padding rows stay zero
-        return torch.cat([real, pad]) if pad.shape[0] else real
+        return _vocab_rows(read, key, lo, global_shape[0] if hi is None else hi, mc)
     if name == "embedding.position.weight":
         return read(p + "wpe.weight", None, None)
     if name.startswith("final_norm."):
@@ -139,30 +134,7 @@ def local_from_hf(
             None,
         )
     if rest.startswith("attn.qkv."):
-        gs = (qpg + 2) * d
-        j0, j1 = lo // gs, (hi if hi is not None else global_shape[0]) // gs
-        n = j1 - j0
-        if gpt2:  # Conv1D [h, 3h]: q | k | v along columns; one group per head
-
-            def part(off: int) -> torch.Tensor:
-                cols = slice(off + j0 * d, off + j1 * d)
-                return (
-                    read(b + "attn.c_attn.bias", cols, None)
-                    if kind == "bias"
-                    else read(b + "attn.c_attn.weight", None, cols).t()
-                )
-
-            q, k, v = part(0), part(h), part(2 * h)
-        else:
-
-            def proj(which: str, lo_: int, hi_: int) -> torch.Tensor:
-                return read(f"{b}self_attn.{which}_proj.{kind}", slice(lo_, hi_), None)
-
-            q = proj("q", j0 * qpg * d, j1 * qpg * d)
-            k, v = proj("k", j0 * d, j1 * d), proj("v", j0 * d, j1 * d)
-        tail = (h,) if kind == "weight" else ()
-        parts = [q.reshape(n, qpg * d, *tail), k.reshape(n, d, *tail), v.reshape(n, d, *tail)]
-        return torch.cat(parts, 1).reshape(n * gs, *tail)
+        return _qkv_rows(read, b, kind, lo, global_shape[0] if hi is None else hi, mc, gpt2)
     if rest.startswith("attn.proj."):  # row-parallel: columns of the output projection; bias replicated
         if gpt2:
             return (
@@ -175,6 +147,55 @@ def local_from_hf(
             if kind == "bias"
             else read(b + "self_attn.o_proj.weight", None, rows)
         )
+    if rest.startswith(("mlp.router.", "mlp.experts.", "mlp.fc1.", "mlp.fc2.")):
+        return _mlp_part(read, b, rest, kind, lo, hi, global_shape, gpt2)
+    raise KeyError(f"no Hugging Face tensor for meshrun parameter {name}")
+
+
+def _vocab_rows(read: Reader, key: str, lo: int, hi: int, mc) -> torch.Tensor:
+    """Rows [lo, hi) of a vocabulary-sized tensor: the Hugging Face rows below vocab_size, zeros past it."""
+    h, V = mc.hidden_size, mc.vocab_size
+    real = read(key, slice(lo, min(hi, V)), None) if lo < V else torch.empty(0, h)
+    pad = torch.zeros(hi - lo - real.shape[0], h, dtype=real.dtype)  # vocabulary padding rows stay zero
+    return torch.cat([real, pad]) if pad.shape[0] else real
+
+
+def _qkv_rows(read: Reader, b: str, kind: str, lo: int, hi: int, mc, gpt2: bool) -> torch.Tensor:
+    """Rows [lo, hi) of the fused qkv weight (or bias): whole query groups, [q heads of j, k_j, v_j] each."""
+    _, _, d, qpg = _dims(mc)
+    h = mc.hidden_size
+    gs = (qpg + 2) * d
+    j0, j1 = lo // gs, hi // gs
+    n = j1 - j0
+    if gpt2:  # Conv1D [h, 3h]: q | k | v along columns; one group per head
+
+        def part(off: int) -> torch.Tensor:
+            cols = slice(off + j0 * d, off + j1 * d)
+            return (
+                read(b + "attn.c_attn.bias", cols, None)
+                if kind == "bias"
+                else read(b + "attn.c_attn.weight", None, cols).t()
+            )
+
+        q, k, v = part(0), part(h), part(2 * h)
+    else:
+
+        def proj(which: str, lo_: int, hi_: int) -> torch.Tensor:
+            return read(f"{b}self_attn.{which}_proj.{kind}", slice(lo_, hi_), None)
+
+        q = proj("q", j0 * qpg * d, j1 * qpg * d)
+        k, v = proj("k", j0 * d, j1 * d), proj("v", j0 * d, j1 * d)
+    tail = (h,) if kind == "weight" else ()
+    parts = [q.reshape(n, qpg * d, *tail), k.reshape(n, d, *tail), v.reshape(n, d, *tail)]
+    return torch.cat(parts, 1).reshape(n * gs, *tail)
+
+
+def _mlp_part(
+    read: Reader, b: str, rest: str, kind: str, lo: int, hi: int | None, global_shape, gpt2: bool
+) -> torch.Tensor:
+    """This rank's part of an MLP parameter (`rest` its name within the layer): the router, an expert's fc1 or
+    fc2, or the dense fc1 (column-parallel) or fc2 (row-parallel)."""
+    rows = slice(lo, hi)
     if rest.startswith("mlp.router."):  # replicated over tp
         return read(b + "block_sparse_moe.gate.weight", None, None)
     if rest.startswith("mlp.experts."):  # Mixtral: mlp.experts.{e}.fc1 / fc2 of global expert e
@@ -195,16 +216,10 @@ def local_from_hf(
         half = slice(lo // 2, hi_ // 2)  # interleaved gate / up rows: shard [lo, hi) holds pairs lo/2 .. hi/2
         gate, up = read(f"{b}mlp.gate_proj.{kind}", half, None), read(f"{b}mlp.up_proj.{kind}", half, None)
         return torch.stack([gate, up], 1).reshape(hi_ - lo, *gate.shape[1:])
-    if rest.startswith("mlp.fc2."):
-        if gpt2:
-            return (
-                read(b + "mlp.c_proj.bias", None, None)
-                if kind == "bias"
-                else read(b + "mlp.c_proj.weight", rows, None).t()
-            )
+    if gpt2:  # mlp.fc2
         return (
-            read(b + "mlp.down_proj.bias", None, None)
-            if kind == "bias"
-            else read(b + "mlp.down_proj.weight", None, rows)
+            read(b + "mlp.c_proj.bias", None, None) if kind == "bias" else read(b + "mlp.c_proj.weight", rows, None).t()
         )
-    raise KeyError(f"no Hugging Face tensor for meshrun parameter {name}")
+    return (
+        read(b + "mlp.down_proj.bias", None, None) if kind == "bias" else read(b + "mlp.down_proj.weight", None, rows)
+    )
