@@ -24,14 +24,17 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
+from launcher.ranks.exits import Failure
 from launcher.ranks.processes import PROJECT_ROOT
 from launcher.records.goodput import write_goodput_quietly
 from launcher.records.readers import cancel_requested, excluded_nodes, last_step, record_cancelled, retries_used
 from launcher.slurm import in_job
 from launcher.slurm.queries import job_alive
 from launcher.slurm.rank_task import attempt_dir
-from launcher.slurm.requeue import blamed_failures, decide
+from launcher.slurm.requeue import Decision, blamed_failures, decide
 from training.checkpoint.storage import planned_resume_step
 from training.contract.config import load_config
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_RESTART_IN_JOB
@@ -179,17 +182,78 @@ def rank_layout(nodes: list[str], ranks_per_node: int) -> dict[int, str]:
     return {n * ranks_per_node + i: node for n, node in enumerate(nodes) for i in range(ranks_per_node)}
 
 
+@dataclass
+class _Attempt:
+    """What the epilogue knows of the attempt it decides: the ranks' records, the prologue's, the run's events
+    and requeue.py's decision."""
+
+    number: int
+    records: list[dict[str, Any]]
+    pro: dict[str, Any]
+    step_now: int | None
+    events: list[dict[str, Any]]
+    excluded: list[str]
+    elastic: bool
+    d: Decision
+    ev: dict[str, Any]
+    """The fields every event of this attempt carries (attempt, job_id)."""
+
+
 def epilogue(run_dir: str, srun_rc: int, then_prologue: bool = False) -> int:
     """then_prologue (the in-job batch loop): on an in-job restart, also run the next attempt's prologue here
     and print its exports (the batch script evaluates them), one Python start less on the restart's path."""
-    attempt = int(os.environ.get("MESHRUN_ATTEMPT", "0"))
+    number = int(os.environ.get("MESHRUN_ATTEMPT", "0"))
     cfg = load_config(os.path.join(run_dir, "config.json"))
-    adir = attempt_dir(run_dir, attempt)
-    try:  # a watcher of the batch script (batch_script_lost) leaves the decision to this process while it lives
-        with open(os.path.join(adir, EPILOGUE_PID), "w") as f:
+    _claim_decision(run_dir, number)
+    a = _assess(run_dir, cfg, number)
+    d = a.d
+    if d.action == "completed":
+        append_event(run_dir, "completed", last_step=a.step_now, **a.ev)
+        write_goodput_quietly(run_dir)
+        release_job(run_dir, job_id())
+        return EXIT_OK
+    if cancel_requested(run_dir, a.events) is not None:
+        # `meshrun action=cancel` (launcher/manage/cancel.py): the ranks saved on its SIGUSR2; never requeue or resubmit.
+        _record_failed(run_dir, d.failures, srun_rc, a.ev)
+        record_cancelled(
+            run_dir, "cancelled by meshrun action=cancel: saved a checkpoint and stopped", last_step=a.step_now, **a.ev
+        )
+        release_job(run_dir, job_id())
+        # The run ended as asked: Slurm's accounting says COMPLETED 0:0, not FAILED 3:0 beside meshrun's CANCELLED.
+        return EXIT_OK
+    _record_failed(run_dir, d.failures, srun_rc, a.ev, consequences=d.consequences)
+    if in_job.enabled(cfg.cluster) and _failure_like(d):
+        code = _restart_in_job(run_dir, cfg, a, then_prologue)
+        if code is not None:
+            return code
+    resize = None
+    if d.action == "requeue" and a.elastic:
+        # A requeue keeps the job's node count: a run that must shrink (its node drained) or can grow back
+        # (nodes returned) is resubmitted instead, below.
+        resize = _plan_resize(cfg, a.events, a.pro["nodes"], a.excluded, [])
+    if d.action == "requeue" and resize is None:
+        return _requeue(run_dir, cfg, a)
+    if d.action == "stop":
+        append_event(run_dir, "stopped", reason=d.reason, last_step=a.step_now, **a.ev)
+        write_goodput_quietly(run_dir)
+        release_job(run_dir, job_id())
+        return EXIT_FAILED
+    return _resubmit(run_dir, cfg, a, resize)
+
+
+def _claim_decision(run_dir: str, attempt: int) -> None:
+    """The attempt's epilogue.pid: a watcher of the batch script (batch_script_lost) leaves the decision to this
+    process while it lives."""
+    try:
+        with open(os.path.join(attempt_dir(run_dir, attempt), EPILOGUE_PID), "w") as f:
             f.write(str(os.getpid()))
     except OSError:
         pass
+
+
+def _assess(run_dir: str, cfg, number: int) -> _Attempt:
+    """The attempt's records and requeue.py's decision on them."""
+    adir = attempt_dir(run_dir, number)
     records = []
     for path in sorted(glob.glob(os.path.join(adir, "rank_*.json"))):
         with open(path) as f:
@@ -201,14 +265,13 @@ def epilogue(run_dir: str, srun_rc: int, then_prologue: bool = False) -> int:
     events = read_events(run_dir)
     # Progress is a checkpoint written by this attempt, not a step number: after train.resume=none an
     # attempt's steps are lower than the previous attempt's and still new work.
-    saved = any(ev.get("event") == "checkpoint" and ev.get("attempt") == attempt for ev in events)
+    saved = any(ev.get("event") == "checkpoint" and ev.get("attempt") == number for ev in events)
     excluded = excluded_nodes(events)
-    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     elastic = cfg.cluster.elastic.min_nodes > 0
     # An elastic run may exclude failing nodes down to min_nodes: the next job then shrinks (launcher/slurm/elastic.py).
     d = decide(
         records,
-        world,
+        cfg.cluster.nodes * cfg.cluster.gpus_per_node,
         rank_layout(pro["nodes"], cfg.cluster.gpus_per_node),
         progressed,
         retries_used(events),
@@ -218,33 +281,14 @@ def epilogue(run_dir: str, srun_rc: int, then_prologue: bool = False) -> int:
         cfg.cluster.elastic.min_nodes if elastic else cfg.cluster.nodes,
         saved=saved,
     )
-    resize = None
-    ev = dict(attempt=attempt, job_id=job_id())
-    if d.action == "completed":
-        append_event(run_dir, "completed", last_step=step_now, **ev)
-        write_goodput_quietly(run_dir)
-        release_job(run_dir, job_id())
-        return EXIT_OK
-    if cancel_requested(run_dir, events) is not None:
-        # `meshrun action=cancel` (launcher/manage/cancel.py): the ranks saved on its SIGUSR2; never requeue or resubmit.
-        for f in d.failures:
-            append_event(
-                run_dir,
-                "failed",
-                node=f.node,
-                rank=f.rank,
-                exit_code=f.exit_code,
-                reason=f.reason,
-                srun_exit_code=srun_rc,
-                **ev,
-            )
-        record_cancelled(
-            run_dir, "cancelled by meshrun action=cancel: saved a checkpoint and stopped", last_step=step_now, **ev
-        )
-        release_job(run_dir, job_id())
-        # The run ended as asked: Slurm's accounting says COMPLETED 0:0, not FAILED 3:0 beside meshrun's CANCELLED.
-        return EXIT_OK
-    for f in d.failures:
+    ev = dict(attempt=number, job_id=job_id())
+    return _Attempt(number, records, pro, step_now, events, excluded, elastic, d, ev)
+
+
+def _record_failed(run_dir: str, failures: Sequence[Failure], srun_rc: int | None, ev: dict, **extra: Any) -> None:
+    """One `failed` event per blamed rank (node, rank, exit code, reason, srun's exit status); extra: the
+    consequences, where the run goes on."""
+    for f in failures:
         append_event(
             run_dir,
             "failed",
@@ -252,92 +296,102 @@ def epilogue(run_dir: str, srun_rc: int, then_prologue: bool = False) -> int:
             rank=f.rank,
             exit_code=f.exit_code,
             reason=f.reason,
-            consequences=d.consequences,
+            **extra,
             srun_exit_code=srun_rc,
             **ev,
         )
-    if in_job.enabled(cfg.cluster) and _failure_like(d):
-        restart = _in_job_restart(run_dir, cfg, d, records, pro, events, step_now, ev)
-        if restart.ok:
-            if not then_prologue:
-                write_goodput_quietly(run_dir)
-                return EXIT_RESTART_IN_JOB  # the batch script's loop starts the next step in this allocation
-            _goodput_aside(run_dir)
-            if prologue(run_dir) != EXIT_OK:
-                print(
-                    "meshrun: the prologue failed; the attempt stops before srun: see the lines above", file=sys.stderr
-                )
-                return EXIT_FAILED
-            return EXIT_RESTART_IN_JOB
-        # Fall back to the resubmission (or requeue): this allocation's bad nodes are excluded too.
-        if d.action == "resubmit":
-            from launcher.slurm.requeue import plan_exclusion
-            from launcher.slurm.submit import partition_nodes as _partition_nodes
 
-            d.exclude, note = plan_exclusion(
-                d.exclude,
-                restart.bad,
-                _partition_nodes(cfg.cluster.partition),
-                cfg.cluster.elastic.min_nodes if elastic else cfg.cluster.nodes,
-            )
-            d.note = "; ".join(x for x in (d.note, note, f"no in-job restart: {restart.why}") if x)
-    if d.action == "requeue" and elastic:
-        # A requeue keeps the job's node count: a run that must shrink (its node drained) or can grow back
-        # (nodes returned) is resubmitted instead, below.
-        resize = _plan_resize(cfg, events, pro["nodes"], excluded, [])
-    if d.action == "requeue" and resize is None:
-        fields = dict(cause=d.cause, reason=d.reason, excluded_nodes=excluded, last_step=step_now, **ev)
-        if d.cause != "stopped_early":
-            fields.update(retry=retries_used(events) + 1, max_retries=cfg.cluster.max_retries)
-        append_event(run_dir, "requeued", **fields)
-        writer = _goodput_beside_requeue(run_dir)
-        try:
-            res = slurm_command(["scontrol", "requeue", job_id()])
-            refused = res.stderr.strip() if res.returncode != 0 else ""
-        except SlurmUnavailable as exc:
-            refused = str(exc)
-        if refused:
-            append_event(run_dir, "stopped", reason=f"scontrol requeue failed: {refused}", **ev)
-            release_job(run_dir, job_id())
-            _wait_quietly(writer)
-            write_goodput_quietly(run_dir)  # with the stop
+
+def _retry_fields(d: Decision, events: list[dict[str, Any]], cfg) -> dict[str, Any]:
+    """A requeue's or resubmission's retry count, when its cause costs one (launcher/records/readers.py RETRY_CAUSES)."""
+    if d.cause == "stopped_early":
+        return {}
+    return {"retry": retries_used(events) + 1, "max_retries": cfg.cluster.max_retries}
+
+
+def _restart_in_job(run_dir: str, cfg, a: _Attempt, then_prologue: bool) -> int | None:
+    """The epilogue's status when the failure restarts in this allocation (launcher/slurm/in_job.py); None when it
+    cannot, after adding this allocation's bad nodes to a resubmission's exclusions."""
+    d = a.d
+    restart = _in_job_restart(run_dir, cfg, d, a.records, a.pro, a.events, a.step_now, a.ev)
+    if restart.ok:
+        if not then_prologue:
+            write_goodput_quietly(run_dir)
+            return EXIT_RESTART_IN_JOB  # the batch script's loop starts the next step in this allocation
+        _goodput_aside(run_dir)
+        if prologue(run_dir) != EXIT_OK:
+            print("meshrun: the prologue failed; the attempt stops before srun: see the lines above", file=sys.stderr)
             return EXIT_FAILED
-        time.sleep(REQUEUE_WAIT_S)  # Slurm kills this script as part of the requeue
-        return EXIT_FAILED
-    if d.action == "stop":
-        append_event(run_dir, "stopped", reason=d.reason, last_step=step_now, **ev)
-        write_goodput_quietly(run_dir)
+        return EXIT_RESTART_IN_JOB
+    # Fall back to the resubmission (or requeue): this allocation's bad nodes are excluded too.
+    if d.action == "resubmit":
+        from launcher.slurm.requeue import plan_exclusion
+        from launcher.slurm.submit import partition_nodes as _partition_nodes
+
+        d.exclude, note = plan_exclusion(
+            d.exclude,
+            restart.bad,
+            _partition_nodes(cfg.cluster.partition),
+            cfg.cluster.elastic.min_nodes if a.elastic else cfg.cluster.nodes,
+        )
+        d.note = "; ".join(x for x in (d.note, note, f"no in-job restart: {restart.why}") if x)
+    return None
+
+
+def _requeue(run_dir: str, cfg, a: _Attempt) -> int:
+    """`requeued`, then `scontrol requeue` of this job (Slurm ends this script as part of it); `stopped` when
+    Slurm refuses."""
+    d = a.d
+    fields = dict(cause=d.cause, reason=d.reason, excluded_nodes=a.excluded, last_step=a.step_now, **a.ev)
+    fields.update(_retry_fields(d, a.events, cfg))
+    append_event(run_dir, "requeued", **fields)
+    writer = _goodput_beside_requeue(run_dir)
+    try:
+        res = slurm_command(["scontrol", "requeue", job_id()])
+        refused = res.stderr.strip() if res.returncode != 0 else ""
+    except SlurmUnavailable as exc:
+        refused = str(exc)
+    if refused:
+        append_event(run_dir, "stopped", reason=f"scontrol requeue failed: {refused}", **a.ev)
         release_job(run_dir, job_id())
+        _wait_quietly(writer)
+        write_goodput_quietly(run_dir)  # with the stop
         return EXIT_FAILED
-    # resubmit: a new job with the failing node(s) excluded, resuming from the last checkpoint.
+    time.sleep(REQUEUE_WAIT_S)  # Slurm kills this script as part of the requeue
+    return EXIT_FAILED
+
+
+def _resubmit(run_dir: str, cfg, a: _Attempt, resize) -> int:
+    """A new job with the failing node(s) excluded, resuming from the last checkpoint (an elastic run's on its
+    new node count); the lock goes to it and `requeued` names it."""
     from launcher.slurm.submit import submit_job
 
-    if d.action == "resubmit" and elastic:
-        resize = _plan_resize(cfg, events, pro["nodes"], d.exclude, [n for n in d.exclude if n not in excluded])
+    d = a.d
+    if d.action == "resubmit" and a.elastic:
+        resize = _plan_resize(cfg, a.events, a.pro["nodes"], d.exclude, [n for n in d.exclude if n not in a.excluded])
     exclude = resize.exclude if resize else d.exclude
     for key in [k for k in os.environ if k.startswith(("SLURM_", "SBATCH_", "SUBMITIT_"))]:
         del os.environ[key]  # the new job must not inherit this job's allocation
     try:
         new_id = submit_job(_fit_spares(resize.cfg if resize else cfg, exclude), run_dir, exclude=",".join(exclude))
     except Exception as exc:
-        append_event(run_dir, "stopped", reason=f"resubmission failed: {exc}", **ev)
+        append_event(run_dir, "stopped", reason=f"resubmission failed: {exc}", **a.ev)
         release_job(run_dir, job_id())
         return EXIT_FAILED
     if resize is not None:  # config.json of the new layout before the new job may start (it waits for the lock)
         from launcher.slurm.elastic import apply_resize
 
-        apply_resize(run_dir, resize, new_job_id=new_id, **ev)
+        apply_resize(run_dir, resize, new_job_id=new_id, **a.ev)
     set_job_holder(run_dir, new_id, previous_job_id=job_id())  # the new job's prologue waits for this
-    fields = dict(cause=d.cause, reason=d.reason, excluded_nodes=exclude, new_job_id=new_id, **ev)
-    if d.cause != "stopped_early":
-        fields.update(retry=retries_used(events) + 1, max_retries=cfg.cluster.max_retries)
+    fields = dict(cause=d.cause, reason=d.reason, excluded_nodes=exclude, new_job_id=new_id, **a.ev)
+    fields.update(_retry_fields(d, a.events, cfg))
     if d.note:
         fields["note"] = d.note
     append_event(run_dir, "requeued", **fields)
     write_goodput_quietly(run_dir)
     new_cfg = resize.cfg if resize else cfg
     print(
-        f"meshrun: attempt {attempt} {'failed' if d.action == 'resubmit' else 'stopped'} ({d.reason}); "
+        f"meshrun: attempt {a.number} {'failed' if d.action == 'resubmit' else 'stopped'} ({d.reason}); "
         f"resubmitted as job {new_id} on {new_cfg.cluster.nodes} node(s) excluding {exclude or 'no node'}"
         + (f", layout {format_layout(layout_of(new_cfg), 'short')}" if resize else ""),
         file=sys.stderr,
@@ -548,17 +602,8 @@ def batch_script_lost(run_dir: str) -> int:
         "the batch script was killed while srun still ran (a signal to the batch step alone, e.g. scancel "
         "--signal=KILL --batch): the ranks' ends were not seen"
     )
-    append_event(
-        run_dir,
-        "failed",
-        node=os.environ.get("SLURMD_NODENAME") or os.uname().nodename,
-        rank=-1,
-        exit_code=None,
-        reason=reason,
-        consequences=[],
-        srun_exit_code=None,
-        **ev,
-    )
+    node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    _record_failed(run_dir, [Failure(-1, node, None, reason)], None, ev, consequences=[])
     step_now = last_step(run_dir)
     used = retries_used(events)
     if cancel_requested(run_dir, events) is not None or used >= cfg.cluster.max_retries:
