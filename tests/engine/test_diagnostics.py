@@ -162,7 +162,7 @@ def test_memory_snapshot_on_cpu_says_there_is_none(tmp_path, capsys):
     cfg = Config()
     cfg.train.memory_snapshot_step = 2
     prof = StepProfiler(cfg, str(tmp_path), ProcessMesh.single())
-    prof.after(2)
+    prof.after_step(2)
     assert "no CUDA memory allocator" in capsys.readouterr().err and not os.path.exists(tmp_path / "profile")
     from training.contract.layout_rules import LayoutError
 

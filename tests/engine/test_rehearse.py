@@ -183,14 +183,15 @@ def test_a_cpu_tensor_in_an_all_reduce_is_found(tmp_path, monkeypatch):
         return {}
 
     monkeypatch.setattr(moe, "moe_metrics", cpu_table)
+    import training.observe.moe_load as moe_load
     import training.run.loop as loop
 
-    monkeypatch.setattr(loop, "moe_metrics", cpu_table)
+    monkeypatch.setattr(moe_load, "moe_metrics", cpu_table)
     real_step = loop.Trainer.train_step
 
     def step_and_log(self, *a, **k):
         out = real_step(self, *a, **k)
-        loop.moe_metrics(self.chunks, self.mesh, self.cfg.model.num_layers, self.cfg.model.num_experts)
+        moe_load.moe_metrics(self.chunks, self.mesh, self.cfg.model.num_layers, self.cfg.model.num_experts)
         return out
 
     monkeypatch.setattr(loop.Trainer, "train_step", step_and_log)

@@ -18,6 +18,7 @@ import torch
 
 from training.contract.rundir.events import current_attempt
 from training.contract.rundir.paths import RunPaths
+from training.observe.observer import StepObserver, StepRecord
 from training.parallel import collectives as comm
 
 
@@ -81,8 +82,47 @@ def rank_figures(step_time_s: float, device: torch.device) -> dict[str, Any]:
     }
 
 
-class MetricsLog:
-    """Rank 0's writer of metrics rows (other ranks get one that writes nothing)."""
+def metrics_row(record: StepRecord) -> dict[str, Any]:
+    """The metrics.jsonl row of a logged step, before MetricsLog.write adds `time` and `attempt`."""
+    row: dict[str, Any] = {
+        "step": record.step,
+        "loss": record.loss,
+        "grad_norm": record.grad_norm,
+        "lr": record.lr,
+        "step_time_s": record.step_time_s,
+        "tokens_per_s": record.tokens_per_s,
+        "consumed_samples": record.consumed_samples,
+    }
+    if record.mfu is not None:
+        row["mfu"] = record.mfu
+    if record.loss_scale is not None:
+        row["loss_scale"] = record.loss_scale
+    row.update(record.schedule)  # pipeline schedules: bubble_measured / bubble_planned
+    if record.skipped is not None:
+        row["skipped"] = record.skipped
+    if record.eval_loss is not None:
+        row["eval_loss"] = record.eval_loss
+        row["eval_s"] = record.eval_s  # goodput's eval time (launcher/records/goodput.py)
+    if record.compile_s is not None:
+        row["compile_s"] = record.compile_s
+    row.update(record.fields)
+    return row
+
+
+class StepSpread(StepObserver):
+    """The loop's observer (observe/observer.py) of a logged step's job-wide step-time spread and peak memory."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def after_step(self, step: int, record: StepRecord) -> None:
+        if record.logged:  # a collective: every rank, the same steps
+            record.fields.update(rank_figures(record.step_time_s, self.device))
+
+
+class MetricsLog(StepObserver):
+    """Rank 0's writer of metrics rows (other ranks get one that writes nothing); as the loop's observer
+    (observe/observer.py) it writes the row of each logged step."""
 
     def __init__(self, cfg, run_dir: str, resumed_step: int, is_logger: bool):
         self.run_dir, self.enabled = run_dir, is_logger
@@ -112,6 +152,10 @@ class MetricsLog:
         for sink in self.sinks:
             sink.write(row)
         return row
+
+    def after_step(self, step: int, record: StepRecord) -> None:
+        if self.enabled and record.logged:
+            self.write(metrics_row(record))
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from training.contract.rundir.files import write_atomic
+from training.observe.observer import StepObserver, StepRecord
 
 COLLECTIVES = (
     "all_reduce",
@@ -84,9 +85,9 @@ class Ranges:
             self.pop()
 
 
-class NvtxRanges:
-    """Installs the ranges (train.nvtx) and drives the nsys capture range (train.nsys); `before(step)` /
-    `after(step)` around every step, `close()` at the end of the run."""
+class NvtxRanges(StepObserver):
+    """Installs the ranges (train.nvtx) and drives the nsys capture range (train.nsys); one of the loop's
+    observers (observe/observer.py)."""
 
     def __init__(self, cfg, run_dir: str, mesh, chunks: list[torch.nn.Module], optimizer=None):
         self.run_dir, self.rank = run_dir, mesh.rank
@@ -137,14 +138,14 @@ class NvtxRanges:
         setattr(owner, attr, wrapped)
         self.restore.append((owner, attr, real))
 
-    def before(self, step: int) -> None:
+    def before_step(self, step: int) -> None:
         if self.capture and step == self.capture[0] and self.cuda and not self.capturing:
             torch.cuda.profiler.start()  # cudaProfilerStart: nsys --capture-range=cudaProfilerApi begins here
             self.capturing = True
         if self.enabled:
             self.ranges.push(f"step {step}")
 
-    def after(self, step: int) -> None:
+    def after_step(self, step: int, record: StepRecord | None = None) -> None:
         if self.enabled:
             self.ranges.pop_to(f"step {step}")  # the step's range closes whatever a hook left open in it
         if self.capturing and step >= self.capture[1]:
@@ -152,8 +153,8 @@ class NvtxRanges:
             torch.cuda.profiler.stop()
             self.capturing = False
 
-    def close(self) -> str | None:
-        """Remove the hooks and wrappers; on CPU write the range counts. Returns the file written, if any."""
+    def close(self) -> None:
+        """Remove the hooks and wrappers; on CPU write the range counts (profile/nvtx_rank<R>.json)."""
         for h in self.handles:
             h.remove()
         for owner, attr, real in reversed(self.restore):
@@ -163,7 +164,7 @@ class NvtxRanges:
             torch.cuda.profiler.stop()
             self.capturing = False
         if not self.enabled or self.ranges.nvtx:
-            return None
+            return
         out = os.path.join(self.run_dir, "profile")
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, f"nvtx_rank{self.rank}.json")
@@ -175,4 +176,3 @@ class NvtxRanges:
                 sort_keys=True,
             ),
         )
-        return path

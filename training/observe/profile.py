@@ -20,6 +20,7 @@ import sys
 import torch
 
 from training.contract.rundir.files import atomic_path, write_atomic
+from training.observe.observer import StepObserver, StepRecord
 
 PROFILE_DIR = "profile"
 
@@ -53,8 +54,8 @@ def start_memory_history(cfg, device) -> bool:
     return True
 
 
-class StepProfiler:
-    """Called by the loop around every step: `before(step)` with the step about to run, `after(step)` after it."""
+class StepProfiler(StepObserver):
+    """One of the loop's observers (observe/observer.py): the trace window's ranges and the memory snapshot."""
 
     def __init__(self, cfg, run_dir: str, mesh):
         self.rank, self.device = mesh.rank, mesh.device
@@ -74,7 +75,7 @@ class StepProfiler:
                 )
                 self.snapshot_step = 0
 
-    def before(self, step: int) -> None:
+    def before_step(self, step: int) -> None:
         if self.window and step == self.window[0] and self.prof is None:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
@@ -85,7 +86,7 @@ class StepProfiler:
             self._range = torch.profiler.record_function(f"ProfilerStep#{step}")
             self._range.__enter__()
 
-    def after(self, step: int) -> None:
+    def after_step(self, step: int, record: StepRecord | None = None) -> None:
         if self.prof is not None:
             self._range.__exit__(None, None, None)
             if step >= self.window[1]:

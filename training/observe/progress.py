@@ -2,7 +2,7 @@
 
 On a terminal: a bar redrawn in place every step, with elapsed time and the time left. Rank 0's stderr is the
 local launcher's pipe, not the terminal: the launcher says that its own stderr is one (TTY_ENV), copies the redraws
-there and writes the run's log as plain lines (launcher/launch/processes.py: PlainLines). Without one (a Slurm log,
+there and writes the run's log as plain lines (launcher/ranks/processes.py: PlainLines). Without one (a Slurm log,
 a pipe, `wait=true` streaming that log): one plain line every `train.progress_every_s` seconds, plus the first
 and the last step, so a long run's log grows with wall time rather than with steps, and a short one still shows
 its start and end.
@@ -14,6 +14,8 @@ import os
 import sys
 import time
 from typing import IO
+
+from training.observe.observer import StepObserver, StepRecord
 
 
 def format_duration(seconds: float | None) -> str:
@@ -88,3 +90,32 @@ class Progress:
         else:
             return
         self.stream.flush()
+
+
+class StepLines(StepObserver):
+    """Rank 0's lines of each step, as the loop's observer (observe/observer.py): a skipped update said at once,
+    an evaluation as it happens, and the progress line (with the last held-out loss of `eval_losses`)."""
+
+    def __init__(self, progress: Progress, is_logger: bool, compiled_layers: int, eval_losses: list):
+        self.progress, self.is_logger = progress, is_logger
+        self.compiled_layers, self.eval_losses = compiled_layers, eval_losses
+
+    def after_step(self, step: int, record: StepRecord) -> None:
+        if not self.is_logger:
+            return
+        if record.skipped is not None:
+            print(
+                f"\nstep {step}: {record.skipped} (loss {record.loss}, grad norm {record.grad_norm}); "
+                f"update skipped" + (f", loss scale -> {record.loss_scale:g}" if record.loss_scale else ""),
+                file=sys.stderr,
+            )
+        if record.eval_loss is not None:  # as it happens, not only in the next progress line
+            self.progress.note(f"step {step}: eval loss {record.eval_loss:.4f} ({record.eval_s or 0.0:.1f} s)")
+        shown_eval = f" eval {self.eval_losses[-1][1]:.4f}" if self.eval_losses else ""
+        shown_compile = (
+            f" (compiled {self.compiled_layers} layers in {record.compile_s:.1f} s)"
+            if record.compile_s is not None
+            else ""
+        )
+        text = f"loss {record.loss:.4f}{shown_eval} lr {record.lr:.2e} {record.tokens_per_s:,.0f} tok/s{shown_compile}"
+        self.progress.update(step, text)

@@ -15,6 +15,7 @@ import os
 import sys
 
 from training.contract.rundir.events import append_event
+from training.observe.observer import StepObserver, StepRecord
 
 
 def planned_tokens_per_s(run_dir: str) -> float | None:
@@ -81,8 +82,9 @@ class JobSlowdown:
         return out
 
 
-class SlowdownWatch:
-    """The loop's side: rank 0 feeds each logged step's rate; events and warnings are written here."""
+class SlowdownWatch(StepObserver):
+    """The loop's observer (observe/observer.py): rank 0 feeds each logged step's rate; events and warnings are
+    written here."""
 
     def __init__(self, cfg, run_dir: str, is_logger: bool):
         h = cfg.cluster.health
@@ -96,9 +98,10 @@ class SlowdownWatch:
             judge_plan=cfg.cluster.device == "cuda",
         )
 
-    def step(self, step: int, tokens_per_s: float, logged: bool) -> None:
-        if not self.active or not logged:
+    def after_step(self, step: int, record: StepRecord) -> None:
+        if not self.active or not record.logged:
             return
+        tokens_per_s = record.tokens_per_s
         if self.first:  # the attempt's first step carries start-up work
             self.first = False
             return

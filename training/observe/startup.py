@@ -16,6 +16,9 @@ import os
 import resource
 import time
 
+from training.contract.rundir.events import append_event
+from training.observe.observer import StepObserver, StepRecord
+
 TASK_START_ENV = "MESHRUN_TASK_START"
 """The Slurm task wrapper's own process start time, handed to the engine it starts."""
 
@@ -63,3 +66,16 @@ def timeline() -> dict[str, float]:
         marks["process_start"] = start
     marks.update(_MARKS)
     return {k: round(v, 3) for k, v in sorted(marks.items(), key=lambda kv: kv[1])}
+
+
+class StartupEvent(StepObserver):
+    """The loop's observer (observe/observer.py) that ends the timeline: after this attempt's first step, rank 0
+    marks `first_step` and writes the timeline as the `startup` event."""
+
+    def __init__(self, run_dir: str, is_logger: bool):
+        self.run_dir, self.is_logger = run_dir, is_logger
+
+    def after_step(self, step: int, record: StepRecord) -> None:
+        if record.first and self.is_logger:
+            mark("first_step")
+            append_event(self.run_dir, "startup", step=step, marks=timeline(), cpu_s=cpu_seconds())

@@ -28,6 +28,7 @@ import torch
 
 from training.contract.rundir.events import append_event
 from training.observe.health import THROUGHPUT, ThroughputShare, kinds, record_cause, start_sampler
+from training.observe.observer import StepObserver, StepRecord
 from training.observe.progress import TTY_ENV
 from training.parallel import collectives as comm
 
@@ -117,8 +118,8 @@ class StragglerLines:
         return f"straggler: {sum(self.held.values())} more not printed ({ranks}); events.jsonl has every one"
 
 
-class IntervalWatch:
-    """The loop's one object for stragglers and node health: `step(...)` after every step, `close()` at the end."""
+class IntervalWatch(StepObserver):
+    """The loop's one observer (observe/observer.py) for stragglers and node health."""
 
     def __init__(self, cfg, run_dir: str, mesh):
         self.cfg, self.run_dir, self.mesh = cfg, run_dir, mesh
@@ -137,8 +138,12 @@ class IntervalWatch:
         self.acted: dict[str, int] = {}
         self.last_step = t.steps
 
-    def step(self, step: int, compute_s: float, logged: bool) -> dict[str, Any]:
-        """After each step (every rank, the same `logged`); returns fields for rank 0's metrics row."""
+    def after_step(self, step: int, record: StepRecord) -> None:
+        """Every rank, the same `logged` steps (a collective then); adds fields for rank 0's metrics row."""
+        record.fields.update(self.figures(step, record.compute_s, record.logged))
+
+    def figures(self, step: int, compute_s: float, logged: bool) -> dict[str, Any]:
+        """After each step: this rank's compute time kept; on a logged step the job-wide figures (a collective)."""
         self.compute.append(compute_s)
         if not (self.enabled and logged):
             return {}

@@ -27,14 +27,15 @@ from training.contract.exit_codes import EXIT_OK, EXIT_STOPPED
 from training.contract.layout_rules import layout_violations, raise_errors
 from training.contract.lr_schedule import lr_at, schedule_problems
 from training.contract.precision import param_dtype
-from training.contract.rundir.events import append_event
 from training.data import BatchSampler, DataError, build_corpus, make_eval_source, make_source, validate_data_config
-from training.model.moe import moe_metrics, reset_moe_stats
+from training.model.moe import reset_moe_stats
 from training.observe import startup
 from training.observe.busy_timer import BusyTimer
+from training.observe.observer import Observer, StepRecord
 from training.optim import DistributedOptimizer, StepResult
 from training.parallel import collectives as comm
 from training.run import signals
+from training.run.observers import Totals, build_observers
 from training.run.stop import StopRule, install_signals
 from training.schedules import make_schedule
 
@@ -395,177 +396,102 @@ class Trainer:
                 c.train()
         return total / m
 
-    def _maybe_evaluate(self) -> float | None:
-        """The held-out loss when train.eval_every says so (every N steps, and after the last step)."""
+    def eval_due(self, step: int) -> bool:
+        """train.eval_every measures the held-out loss after `step` (every N steps, and after the last step)."""
         every = self.cfg.train.eval_every
-        step = self.state.step
-        if self.eval_sampler is None or not (step % every == 0 or step == self.cfg.train.steps):
-            return None
-        value = self.evaluate()
-        self.eval_losses.append((step, value))
-        return value
+        return self.eval_sampler is not None and (step % every == 0 or step == self.cfg.train.steps)
 
     def run(self) -> int:
-        cfg = self.cfg
+        """Train from the resumed step to train.steps or to a stop; returns the exit code (EXIT_OK, EXIT_STOPPED,
+        or the health watch's)."""
         if self.checkpointer is None:
             # Without a checkpointer a stop still ends the run (_boundary). Here, not when the trainer is built:
             # a process that only builds one (bench/saved_bytes.py) keeps SIGTERM's default.
             install_signals()
         self._resume()
         startup.mark("resumed")  # also on a fresh start: the checkpoint lookup found nothing to load
-        from training.observe.metrics import MetricsLog, rank_figures
-        from training.observe.progress import Progress
-
-        progress = Progress(
-            cfg.train.steps,
-            self.is_logger and cfg.train.progress,
-            cfg.train.progress_every_s,
-            start_step=self.state.step,
-        )
-        # After the resume: rows and TensorBoard steps after the resumed checkpoint are purged (observe/metrics.py).
-        metrics = MetricsLog(cfg, self.run_dir, self.state.step, self.is_logger)
-        from training.observe.profile import StepProfiler
-        from training.observe.straggler import IntervalWatch
-
-        # Stragglers and node health (one gather per log interval), traces and memory snapshots (observe/).
-        watch, profiler = IntervalWatch(cfg, self.run_dir, self.mesh), StepProfiler(cfg, self.run_dir, self.mesh)
-        from training.observe.nvtx import NvtxRanges
-        from training.observe.slowdown import SlowdownWatch
-
-        # NVTX ranges and the nsys capture range (train.nvtx, train.nsys); the whole job's slowdown (rank 0).
-        nvtx = NvtxRanges(cfg, self.run_dir, self.mesh, self.chunks, self.optimizer)
-        slowdown = SlowdownWatch(cfg, self.run_dir, self.is_logger)
+        totals = Totals(self.cfg.train.steps)
+        observers, watch = build_observers(self, totals)
         startup.mark("observers")
-        rates, mfus, skipped = [], [], 0
-        exit_code = EXIT_OK
-        losses: list[float] = []
-        while self.state.step < cfg.train.steps:
+        exit_code, first = EXIT_OK, True
+        while self.state.step < self.cfg.train.steps:
             # Batch assembly is the data loader's work, ahead of the step (outside the step timer).
             micro = self.sampler.micro_batches(self.state.consumed_samples)
             startup.mark("first_batch")  # a no-op after the first step
-            if self.mesh.device.type == "cuda":
-                torch.cuda.synchronize()
-            profiler.before(self.state.step + 1)
-            nvtx.before(self.state.step + 1)
-            t0 = time.perf_counter()
-            loss, res, lr = self.train_step(micro, defer_param_gather=True)
-            if self.mesh.device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            if not rates and not losses and self.mesh.device.type == "cuda":
-                # The first step allocates the optimizer state and the allocator's caches: its transient peak
-                # is no training step's, and the activations check compares the steady one.
-                torch.cuda.reset_peak_memory_stats(self.mesh.device)
-            profiler.after(self.state.step)
-            nvtx.after(self.state.step)
-            if not rates and not losses and self.is_logger:  # this attempt's first step: its start-up timeline
-                startup.mark("first_step")
-                append_event(
-                    self.run_dir, "startup", step=self.state.step, marks=startup.timeline(), cpu_s=startup.cpu_seconds()
-                )
-            if not rates and not losses and self.checkpointer is not None:
-                # Training runs: the save path's imports now, in the background, not at a preemption signal.
-                self.checkpointer.prewarm()
-            tok_s = self.tokens_per_step / dt
-            mfu = self.flops_per_step / dt / self.peak_flops if self.flops_per_step and self.peak_flops > 0 else None
-            if self.state.step > 1 or cfg.train.steps == 1:
-                rates.append(tok_s)
-                if mfu is not None:
-                    mfus.append(mfu)
-            compile_s = None
-            if self.compile_clock is not None and not losses:
-                # This attempt's first step compiled the layers (forward and backward): said once.
-                compile_s = self.compile_clock.seconds
-            skipped += int(res.skipped)
-            losses.append(loss)
-            eval_clock = time.perf_counter()
-            eval_loss = self._maybe_evaluate()
-            eval_s = time.perf_counter() - eval_clock if eval_loss is not None else None
-            logged = (
-                self.state.step % max(1, cfg.train.log_every) == 0
-                or res.skipped
-                or eval_loss is not None
-                or compile_s is not None
-            )
-            slowdown.step(self.state.step, tok_s, logged)
-            # A collective (every rank, the same steps: `logged` depends only on agreed values).
-            spread = rank_figures(dt, self.mesh.device) if logged else {}
-            spread.update(watch.step(self.state.step, self.compute_s, logged))  # also a collective when logged
-            if logged and cfg.model.num_experts > 0:  # a collective over dp and pp
-                load = moe_metrics(self.chunks, self.mesh, cfg.model.num_layers, cfg.model.num_experts)
-                spread.update({k: load[k] for k in ("moe_aux_loss", "moe_max_load", "moe_dropped_tokens")})
-                if self.is_logger:
-                    append_event(
-                        self.run_dir,
-                        "moe_load",
-                        step=self.state.step,
-                        tokens_per_expert=load["tokens_per_expert"],
-                        max_load=load["max_load"],
-                    )
-            if self.is_logger:
-                if logged:
-                    rec: dict[str, Any] = {
-                        "step": self.state.step,
-                        "loss": loss,
-                        "grad_norm": res.grad_norm,
-                        "lr": lr,
-                        "step_time_s": dt,
-                        "tokens_per_s": tok_s,
-                        "consumed_samples": self.state.consumed_samples,
-                    }
-                    if mfu is not None:
-                        rec["mfu"] = mfu
-                    if res.loss_scale is not None:
-                        rec["loss_scale"] = res.loss_scale
-                    # Pipeline schedules add bubble_measured / bubble_planned (training/schedules/pipeline.py).
-                    rec.update(self.schedule.metrics())
-                    if res.skipped:
-                        rec["skipped"] = res.reason
-                    if eval_loss is not None:
-                        rec["eval_loss"] = eval_loss
-                        rec["eval_s"] = eval_s  # goodput's eval time (launcher/records/goodput.py)
-                    if compile_s is not None:
-                        rec["compile_s"] = compile_s
-                    rec.update(spread)
-                    metrics.write(rec)
-                if res.skipped:
-                    print(
-                        f"\nstep {self.state.step}: {res.reason} (loss {loss}, grad norm {res.grad_norm}); "
-                        f"update skipped" + (f", loss scale -> {res.loss_scale:g}" if res.loss_scale else ""),
-                        file=sys.stderr,
-                    )
-                if eval_loss is not None:  # as it happens, not only in the next progress line
-                    progress.note(f"step {self.state.step}: eval loss {eval_loss:.4f} ({eval_s or 0.0:.1f} s)")
-                shown_eval = f" eval {self.eval_losses[-1][1]:.4f}" if self.eval_losses else ""
-                shown_compile = (
-                    f" (compiled {self.compiled_layers} layers in {compile_s:.1f} s)" if compile_s is not None else ""
-                )
-                progress.update(
-                    self.state.step, f"loss {loss:.4f}{shown_eval} lr {lr:.2e} {tok_s:,.0f} tok/s{shown_compile}"
-                )
-            unhealthy = watch.requeue_nodes if self.state.step < cfg.train.steps else []
+            started, record = self._observed_step(micro, observers, first)
+            first = False
+            for observer in observers:
+                observer.after_step(record.step, record)
+            unhealthy = watch.requeue_nodes if self.state.step < self.cfg.train.steps else []
             if unhealthy:  # cluster.health.action=requeue: checkpoint, then leave so the node is excluded
                 exit_code = self._stop_for_health(watch, unhealthy)
                 break
-            self._pace(t0)
+            self._pace(started)
             if self._boundary():
                 exit_code = EXIT_STOPPED  # a complete checkpoint was written: the launcher may requeue
                 break
+        self._finish(observers)
+        self.losses = totals.losses
+        self.summary = self._summarise(totals, exit_code)
+        return exit_code
+
+    def _observed_step(self, micro, observers: list[Observer], first: bool) -> tuple[float, StepRecord]:
+        """One training step between the observers' before_step and its record; timed with the device
+        synchronised on both sides. Returns the step's start (perf_counter) and the record."""
+        cuda = self.mesh.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        for observer in observers:
+            observer.before_step(self.state.step + 1)
+        t0 = time.perf_counter()
+        loss, res, lr = self.train_step(micro, defer_param_gather=True)
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if first and cuda:
+            # The first step allocates the optimizer state and the allocator's caches: its transient peak
+            # is no training step's, and the activations check compares the steady one.
+            torch.cuda.reset_peak_memory_stats(self.mesh.device)
+        return t0, self._record(loss, res, lr, dt, first)
+
+    def _record(self, loss: float, res: StepResult, lr: float, dt: float, first: bool) -> StepRecord:
+        step = self.state.step
+        # This attempt's first step compiled the layers (forward and backward): said once.
+        compile_s = self.compile_clock.seconds if self.compile_clock is not None and first else None
+        eval_due = self.eval_due(step)
+        # The same on every rank: the step, the agreed skip, the evaluation and the first step decide it.
+        logged = step % max(1, self.cfg.train.log_every) == 0 or res.skipped or eval_due or compile_s is not None
+        flops, peak = self.flops_per_step, self.peak_flops
+        return StepRecord(
+            step=step,
+            loss=loss,
+            grad_norm=res.grad_norm,
+            lr=lr,
+            step_time_s=dt,
+            tokens_per_s=self.tokens_per_step / dt,
+            consumed_samples=self.state.consumed_samples,
+            compute_s=self.compute_s,
+            first=first,
+            logged=bool(logged),
+            eval_due=eval_due,
+            mfu=flops / dt / peak if flops and peak > 0 else None,
+            loss_scale=res.loss_scale,
+            skipped=res.reason if res.skipped else None,
+            compile_s=compile_s,
+            schedule=self.schedule.metrics() if logged and self.is_logger else {},
+        )
+
+    def _finish(self, observers: list[Observer]) -> None:
         if self.compile_clock is not None:
             self.compile_clock.close()
         signals.ignore()  # the final checkpoint is complete: a late Slurm signal must not kill this rank
         # Whoever reads the model after the run sees the last update (zero=3: its shards are the weights;
         # optimizer.finish_param_gather gathers them for a reader of the whole model).
         self.optimizer.finish_deferred_gather()
-        metrics.close()  # TensorBoard's last events reach the file
-        watch.close()
-        profiler.close()
-        nvtx.close()
-        self.losses = losses
-        self.summary = self._summarise(rates, mfus, skipped, exit_code)
-        return exit_code
+        for observer in reversed(observers):  # the last built first (TensorBoard's last events reach the file)
+            observer.close()
 
-    def _summarise(self, rates, mfus, skipped, exit_code) -> Summary:
+    def _summarise(self, totals: Totals, exit_code: int) -> Summary:
         peak = torch.tensor(
             [peak_memory_bytes(self.mesh.device), peak_reserved_bytes(self.mesh.device)],
             dtype=torch.int64,
@@ -579,10 +505,10 @@ class Trainer:
         per_rank = [int(x[0].item()) for x in out]
         s = Summary(
             self.state.step,
-            sum(rates) / len(rates) if rates else 0.0,
-            sum(mfus) / len(mfus) if mfus else None,
+            sum(totals.rates) / len(totals.rates) if totals.rates else 0.0,
+            sum(totals.mfus) / len(totals.mfus) if totals.mfus else None,
             per_rank,
-            skipped,
+            totals.skipped,
             exit_code,
             [int(x[1].item()) for x in out],
         )
@@ -597,7 +523,7 @@ class Trainer:
             print(
                 f"summary: {s.steps} steps, {s.tokens_per_s:,.0f} tokens/s, MFU {mfu_txt} "
                 f"(peak {self.peak_flops / 1e12:.3f} TFLOP/s over {self.mesh.world_size} ranks), "
-                f"skipped {skipped}",
+                f"skipped {totals.skipped}",
                 file=sys.stderr,
             )
             print("peak memory per rank (MiB): " + ", ".join(f"{b / 2**20:.0f}" for b in per_rank), file=sys.stderr)
