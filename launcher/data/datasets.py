@@ -4,7 +4,7 @@ Runs before validation (launcher/cli/app.py). Ranks may start in another working
 prefixes are made absolute here, once, and config.json records them so. The model's vocabulary comes from
 the datasets: unless `model.vocab_size` is given on the command line, it becomes the largest vocabulary of
 the datasets' tokenizers (a dataset meshrun did not write: its largest token id + 1, from a one-time scan
-cached beside it); a vocabulary given smaller than that is an error (launcher/plan/data_checks.py).
+cached beside it); a vocabulary given smaller than that is an error (data_errors below).
 No torch.
 """
 
@@ -102,6 +102,31 @@ def resolve_indexed(cfg: Config, overrides: Sequence[str]) -> None:
 
 def data_errors(cfg: Config) -> list[tuple]:
     """(key, message, fix) for every data problem a user can fix; launcher/plan/validate.py reports them."""
+    t, d = cfg.train, cfg.data
+    out = _eval_errors(cfg)
+    if d.kind != "indexed":
+        return out
+    if not d.prefixes:
+        out.append(
+            (
+                "data.prefixes",
+                "data=indexed needs at least one dataset prefix",
+                "data.prefixes=[DIR/NAME] (written by meshrun action=prepare)",
+            )
+        )
+        return out
+    out += _weight_errors(cfg)
+    if cfg.cluster.kind != "local":
+        return out  # the compute nodes may mount paths this host lacks: the ranks check and exit 2 themselves
+    descs = _dataset_errors(cfg, out)
+    out += _tokenizer_errors(descs)
+    if t.eval_every > 0:
+        out += _valid_split_errors(cfg, descs)
+    return out
+
+
+def _eval_errors(cfg: Config) -> list[tuple]:
+    """The evaluation settings, and whether the data kind has a held-out split to evaluate on."""
     out: list[tuple] = []
     t, d = cfg.train, cfg.data
     if t.eval_every < 0:
@@ -116,40 +141,39 @@ def data_errors(cfg: Config) -> list[tuple]:
                 "data=indexed (meshrun action=prepare holds out a validation split) or train.eval_every=0",
             )
         )
-    if d.kind != "indexed":
-        return out
-    from training.data.indexed import open_dataset
-    from training.data.sources import DataError
+    return out
 
-    if not d.prefixes:
-        out.append(
-            (
-                "data.prefixes",
-                "data=indexed needs at least one dataset prefix",
-                "data.prefixes=[DIR/NAME] (written by meshrun action=prepare)",
-            )
-        )
-        return out
+
+def _weight_errors(cfg: Config) -> list[tuple]:
+    """The blend's weights: one per prefix, none negative, a positive sum."""
+    d = cfg.data
     if d.weights and len(d.weights) != len(d.prefixes):
-        out.append(
+        return [
             (
                 "data.weights",
                 f"{len(d.weights)} weights for {len(d.prefixes)} prefixes",
                 "one weight per prefix, or data.weights=[] (weights by token count)",
             )
-        )
-    elif d.weights and (any(w < 0 for w in d.weights) or sum(d.weights) <= 0):
-        out.append(
+        ]
+    if d.weights and (any(w < 0 for w in d.weights) or sum(d.weights) <= 0):
+        return [
             (
                 "data.weights",
                 f"{list(d.weights)}: weights must be >= 0 with a positive sum",
                 f"data.weights=[{','.join(['1'] * len(d.prefixes))}]",
             )
-        )
-    if cfg.cluster.kind != "local":
-        return out  # the compute nodes may mount paths this host lacks: the ranks check and exit 2 themselves
+        ]
+    return []
+
+
+def _dataset_errors(cfg: Config, out: list[tuple]) -> list[dict]:
+    """Open every training dataset: what cannot be opened, a vocabulary or sequence length it does not fit, go to
+    `out`; returns the descriptions of those that opened."""
+    from training.data.indexed import open_dataset
+    from training.data.sources import DataError
+
     descs = []
-    for prefix in d.prefixes:
+    for prefix in cfg.data.prefixes:
         try:
             ds, desc = open_dataset(prefix, may_describe=True)
         except DataError as exc:
@@ -173,35 +197,48 @@ def data_errors(cfg: Config) -> list[tuple]:
                     "a shorter model.seq_length or a larger dataset",
                 )
             )
+    return descs
+
+
+def _tokenizer_errors(descs: list[dict]) -> list[tuple]:
+    """A blend of datasets prepared with different tokenizers."""
     names = {
         (desc.get("tokenizer") or {}).get("sha256") or (desc.get("tokenizer") or {}).get("name")
         for desc in descs
         if desc.get("tokenizer")
     }
-    if len(names) > 1:
-        out.append(
-            (
-                "data.prefixes",
-                "the datasets were prepared with different tokenizers, so the same id means different text in each",
-                "prepare every dataset of a blend with the same prepare.tokenizer",
-            )
+    if len(names) <= 1:
+        return []
+    return [
+        (
+            "data.prefixes",
+            "the datasets were prepared with different tokenizers, so the same id means different text in each",
+            "prepare every dataset of a blend with the same prepare.tokenizer",
         )
-    if t.eval_every > 0:
-        if d.valid_prefixes:
-            for prefix in d.valid_prefixes:
-                try:
-                    open_dataset(prefix, may_describe=True)
-                except DataError as exc:
-                    out.append(("data.valid_prefixes", str(exc), _prepare_fix(prefix)))
-        else:
-            for prefix, desc in zip(d.prefixes, descs):
-                if not desc.get("valid_prefix"):
-                    out.append(
-                        (
-                            "train.eval_every",
-                            f"{prefix} has no validation split",
-                            "prepare it with prepare.valid_fraction>0, give data.valid_prefixes=[...], "
-                            "or train.eval_every=0",
-                        )
-                    )
+    ]
+
+
+def _valid_split_errors(cfg: Config, descs: list[dict]) -> list[tuple]:
+    """With evaluation on: the given validation datasets open, or else every training dataset has its split."""
+    from training.data.indexed import open_dataset
+    from training.data.sources import DataError
+
+    out: list[tuple] = []
+    d = cfg.data
+    if d.valid_prefixes:
+        for prefix in d.valid_prefixes:
+            try:
+                open_dataset(prefix, may_describe=True)
+            except DataError as exc:
+                out.append(("data.valid_prefixes", str(exc), _prepare_fix(prefix)))
+        return out
+    for prefix, desc in zip(d.prefixes, descs):
+        if not desc.get("valid_prefix"):
+            out.append(
+                (
+                    "train.eval_every",
+                    f"{prefix} has no validation split",
+                    "prepare it with prepare.valid_fraction>0, give data.valid_prefixes=[...], or train.eval_every=0",
+                )
+            )
     return out

@@ -25,9 +25,10 @@ from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
+from launcher.data.prepare.config import PrepareConfig
 from launcher.data.prepare.progress import Progress
 from launcher.data.prepare.reader import Inputs, Reader, list_inputs
-from training.contract.config import Config, PrepareConfig
+from training.contract.config import Config
 from training.contract.exit_codes import EXIT_INVALID, EXIT_OK
 from training.contract.rundir.files import rename_into_place
 from training.contract.tokenizer import BYTES, Tokenizer, TokenizerError, load_tokenizer, train_bpe
@@ -151,96 +152,150 @@ def prepare(pc: PrepareConfig) -> dict:
     _check(pc)
     started = time.perf_counter()
     output = os.path.abspath(pc.output)
-    name = os.path.basename(output)
     inputs = list_inputs(pc.inputs, pc.suffixes)
     report_skipped(inputs)
-    total = inputs.total_bytes if pc.max_bytes <= 0 else min(inputs.total_bytes, pc.max_bytes)
-    tag = f".tmp-{os.getpid()}"
     tok_final = output + ".tokenizer.json"
-    tok_tmp = tok_final + tag
+    tok_tmp = tok_final + f".tmp-{os.getpid()}"
     splits: list[_Split] = []
     try:
         tok = _tokenizer(pc, inputs, tok_tmp)
         dtype = dtype_for_vocab(tok.vocab_size)
         splits = [_Split(output, dtype), _Split(output + ".valid", dtype)]
-        workers = pc.workers or os.cpu_count() or 1
         reader = Reader(inputs, CHUNK_BYTES, pc.text_key, pc.valid_fraction, pc.max_bytes)
-        bar = Progress(total, pc.progress)
-        documents = _run_pool(reader, splits, tok, dtype, workers, bar, pc.eod_token)
-        bar.close()
-        for s in splits:
-            s.writer.close()
-        train, valid = splits
-        if train.writer.documents == 0:
-            # Every document hashed into the held-out split (a tiny input): train on them, hold out none.
-            print(
-                f"prepare: warning: all {documents} documents fell into the validation split; they are the "
-                f"training data instead and no validation split is written",
-                file=sys.stderr,
-            )
-            valid.writer.prefix, train.writer.prefix = output, output + ".valid"
-            splits = [valid, train]
-            train, valid = splits
+        documents = _tokenize(pc, inputs, reader, splits, tok, dtype)
+        train, valid = _training_split_first(splits, output, documents)
         if train.writer.tokens == 0:
             raise DataError("prepare: the inputs hold no text; give non-empty files")
         # Complete: describe the finished files under their temporary names, then rename the data files, the
         # tokenizer and last the descriptions (a description's presence says its dataset is complete).
         tok_file = os.path.basename(tok_final) if pc.tokenizer != BYTES else None
-        kind = "bpe" if pc.tokenizer == "bpe" else ("bytes" if pc.tokenizer == BYTES else "file")
-        tok_desc = dict(tok.describe(), file=tok_file, kind=kind)
-        if tok_file:
-            tok_desc["name"] = tok_file
-        common = {
-            "tokenizer": tok_desc,
-            "min_vocab_size": tok.vocab_size,
-            "contiguous": True,
-            "created_by": "meshrun action=prepare",
-            "valid_fraction": pc.valid_fraction,
-            "text_key": pc.text_key,
-        }
-        has_valid = valid.writer.documents > 0
-        valid_desc = None
-        if has_valid:
-            valid_desc = describe(
-                valid.writer.tmp_prefix,
-                IndexedDataset(valid.writer.tmp_prefix),
-                dict(common, split="valid", train_prefix=name),
-            )
-        else:
-            valid.writer.abort()
-        sources = [
-            {"path": os.path.abspath(s.path), "bytes": s.bytes, "sha256": s.sha256, "documents": s.documents}
-            for s in reader.sources
-        ]
-        desc = describe(
-            train.writer.tmp_prefix,
-            IndexedDataset(train.writer.tmp_prefix),
-            dict(
-                common,
-                split="train",
-                valid_prefix=name + ".valid" if has_valid else None,
-                valid_documents=valid.writer.documents,
-                valid_tokens=valid.writer.tokens,
-                sources=sources,
-                skipped_empty_files=inputs.skipped_empty,
-                skipped_suffix_files=len(inputs.skipped_suffix),
-            ),
-        )
-        train.writer.commit()
-        if has_valid:
-            valid.writer.commit()
-        if tok_file:
-            rename_into_place(tok_tmp, tok_final)
-        if valid_desc is not None:
-            write_json_atomic(valid.prefix + ".json", valid_desc)
-        write_json_atomic(output + ".json", desc)
+        desc, valid_desc = _describe(pc, tok, tok_file, inputs, reader, train, valid, os.path.basename(output))
+        _commit(train, valid, desc, valid_desc, tok_tmp if tok_file else None, tok_final, output)
     except BaseException:
         for s in splits:
             s.writer.abort()
         if os.path.exists(tok_tmp):
             os.unlink(tok_tmp)
         raise
-    elapsed = time.perf_counter() - started
+    _report(pc, time.perf_counter() - started, desc, valid, tok, tok_final, len(reader.sources), output)
+    return desc
+
+
+def _tokenize(
+    pc: PrepareConfig, inputs: Inputs, reader: Reader, splits: list[_Split], tok: Tokenizer, dtype: np.dtype
+) -> int:
+    """Every document read, tokenized and written into its split (the writers closed after); returns how many."""
+    total = inputs.total_bytes if pc.max_bytes <= 0 else min(inputs.total_bytes, pc.max_bytes)
+    workers = pc.workers or os.cpu_count() or 1
+    bar = Progress(total, pc.progress)
+    documents = _run_pool(reader, splits, tok, dtype, workers, bar, pc.eod_token)
+    bar.close()
+    for s in splits:
+        s.writer.close()
+    return documents
+
+
+def _training_split_first(splits: list[_Split], output: str, documents: int) -> tuple[_Split, _Split]:
+    """(train, valid). When every document hashed into the held-out split (a tiny input), they are the training
+    data instead and none is held out: the two writers swap prefixes."""
+    train, valid = splits
+    if train.writer.documents == 0:
+        print(
+            f"prepare: warning: all {documents} documents fell into the validation split; they are the "
+            f"training data instead and no validation split is written",
+            file=sys.stderr,
+        )
+        valid.writer.prefix, train.writer.prefix = output, output + ".valid"
+        train, valid = valid, train
+    return train, valid
+
+
+def _describe(
+    pc: PrepareConfig,
+    tok: Tokenizer,
+    tok_file: str | None,
+    inputs: Inputs,
+    reader: Reader,
+    train: _Split,
+    valid: _Split,
+    name: str,
+) -> tuple[dict, dict | None]:
+    """The descriptions of the training split and of the held-out one (None, its writer aborted, when it holds no
+    document), read from the finished files under their temporary names."""
+    kind = "bpe" if pc.tokenizer == "bpe" else ("bytes" if pc.tokenizer == BYTES else "file")
+    tok_desc = dict(tok.describe(), file=tok_file, kind=kind)
+    if tok_file:
+        tok_desc["name"] = tok_file
+    common = {
+        "tokenizer": tok_desc,
+        "min_vocab_size": tok.vocab_size,
+        "contiguous": True,
+        "created_by": "meshrun action=prepare",
+        "valid_fraction": pc.valid_fraction,
+        "text_key": pc.text_key,
+    }
+    has_valid = valid.writer.documents > 0
+    valid_desc = None
+    if has_valid:
+        valid_desc = describe(
+            valid.writer.tmp_prefix,
+            IndexedDataset(valid.writer.tmp_prefix),
+            dict(common, split="valid", train_prefix=name),
+        )
+    else:
+        valid.writer.abort()
+    sources = [
+        {"path": os.path.abspath(s.path), "bytes": s.bytes, "sha256": s.sha256, "documents": s.documents}
+        for s in reader.sources
+    ]
+    desc = describe(
+        train.writer.tmp_prefix,
+        IndexedDataset(train.writer.tmp_prefix),
+        dict(
+            common,
+            split="train",
+            valid_prefix=name + ".valid" if has_valid else None,
+            valid_documents=valid.writer.documents,
+            valid_tokens=valid.writer.tokens,
+            sources=sources,
+            skipped_empty_files=inputs.skipped_empty,
+            skipped_suffix_files=len(inputs.skipped_suffix),
+        ),
+    )
+    return desc, valid_desc
+
+
+def _commit(
+    train: _Split,
+    valid: _Split,
+    desc: dict,
+    valid_desc: dict | None,
+    tok_tmp: str | None,
+    tok_final: str,
+    output: str,
+) -> None:
+    """Rename the data files, the tokenizer (tok_tmp: None when none is written) and last the descriptions."""
+    train.writer.commit()
+    if valid_desc is not None:
+        valid.writer.commit()
+    if tok_tmp:
+        rename_into_place(tok_tmp, tok_final)
+    if valid_desc is not None:
+        write_json_atomic(valid.prefix + ".json", valid_desc)
+    write_json_atomic(output + ".json", desc)
+
+
+def _report(
+    pc: PrepareConfig,
+    elapsed: float,
+    desc: dict,
+    valid: _Split,
+    tok: Tokenizer,
+    tok_final: str,
+    files: int,
+    output: str,
+) -> None:
+    """What was written, and how fast, on stderr; a warning when no document was held out."""
     if pc.valid_fraction > 0 and valid.writer.documents == 0:
         print(
             f"prepare: warning: no document was held out (prepare.valid_fraction={pc.valid_fraction:g} of "
@@ -252,11 +307,10 @@ def prepare(pc: PrepareConfig) -> dict:
     print(
         f"prepare: {desc['documents']} + {valid.writer.documents} held-out documents, {total_tokens:,} tokens "
         f"({tok.name if tok.name == BYTES else os.path.basename(tok_final)}, vocabulary {tok.vocab_size}, "
-        f"{desc['dtype']}) from {len(reader.sources)} files in {elapsed:.1f} s "
+        f"{desc['dtype']}) from {files} files in {elapsed:.1f} s "
         f"({total_tokens / max(elapsed, 1e-9):,.0f} tokens/s) -> {output}.bin/.idx/.json",
         file=sys.stderr,
     )
-    return desc
 
 
 def _run_pool(
