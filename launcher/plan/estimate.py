@@ -268,52 +268,14 @@ def make_plan(
     per_layer = layer_activation_bytes(cfg, profile)
     if str(par.recompute) != "full":  # fp8: what its matmuls save beyond bf16's (launcher/plan/fp8.py)
         per_layer += saved_bytes_per_layer(cfg)
-    fp8_cache = fp8_cache_bytes(cfg)
-    activations = stages_activation_bytes(cfg, m, profile, stage_layers_activation_bytes(cfg, profile, per_layer))
-    # Each stage's memory is its kind's (launcher/plan/stage_states.py: the recommender plans thousands of layouts
-    # with pp up to 64 and more) with its activations (the micro-batches in flight differ) and total filled in.
     kinds = stage_kinds(cfg, dp) if cache is None else cache.stage_kinds(cfg, dp)
-    stages, totals = [], []
-    last = par.pp - 1
-    for st, act in enumerate(activations):
-        kind = kinds[(st == 0, st == last)]
-        mem = kind.memory.copy()
-        mem["activations"] = act
-        mem["fp8_cache"] = fp8_cache
-        mem["total"] = total = kind.model_states + act + mem["zero3_gathered"] + fp8_cache
-        stages.append(StagePlan(st, kind.params.layers, kind.params.total, mem))
-        totals.append(total)
-    worst = stages[totals.index(max(totals))]  # the first of the largest, as max(stages, key=total)
-    memory = dict(worst.memory_bytes)
-    memory["activations_per_layer"] = per_layer
-    # The norms' fp32 statistics (mean, rstd) within it: Korthikanti et al.'s Table 2 leaves them out, so
-    # activations_per_layer minus this is Table 2's figure for a GPT layer (docs/PLATFORM.md).
-    memory["activations_per_layer_norm_stats"] = (
-        per_layer - layer_activation_bytes(cfg, replace(profile, norm_stats=False)) if profile.norm_stats else 0
-    )
-    # The same layer as the paper counts it: Table 2's basis, compared with it exactly (tests/launcher/test_plan.py).
-    memory["activations_per_layer_paper"] = per_layer - memory["activations_per_layer_norm_stats"]
-    # parallel.offload=cpu on a GPU: the arena is one pinned allocation, rounded up to a power of two by torch's
-    # host allocator; that is what the node's host memory must hold (training/preflight/node_ops.py).
-    pinned = str(cfg.cluster.device) == "cuda" and str(getattr(par, "offload", "none")) == "cpu"
-    memory["host_offload_pinned"] = pinned_host_bytes(memory["host_offload"]) if pinned else memory["host_offload"]
+    stages, worst = _stage_plans(cfg, profile, m, per_layer, kinds)
+    memory = _worst_memory(cfg, profile, worst, per_layer)
     gpu_bytes = gpu_memory_bytes(cfg)
-    bub = bubble(par.pp, m, v, str(par.schedule))
     figures = model_figures(cfg) if cache is None else cache.model_figures(cfg)
-    worst_experts = kinds[(worst.stage == 0, worst.stage == last)].params.experts
+    worst_experts = kinds[(worst.stage == 0, worst.stage == par.pp - 1)].params.experts
     comm = comm_bytes_per_step(cfg, m, dp, worst.params, worst_experts)
     rates = rates or cluster_rates(cfg)
-    step = predict_step_seconds(cfg, comm, worst.params, rates)
-    peak = cfg.cluster.peak_tflops * 1e12 if cfg.cluster.peak_tflops > 0 else rates.flops
-    tokens = par.global_batch * mc.seq_length
-    per_gpu = tokens / step["total"] / world if step["total"] > 0 and world else 0.0
-    mfu = figures.model_flops_per_step / (step["total"] * world * peak) if step["total"] > 0 and world and peak else 0.0
-    peak_fp8 = cfg.cluster.peak_tflops_fp8 * 1e12 if str(cfg.train.precision) == "fp8" else 0.0
-    mfu_fp8 = (
-        figures.model_flops_per_step / (step["total"] * world * peak_fp8)
-        if step["total"] > 0 and world and peak_fp8
-        else 0.0
-    )
     reserve = device_reserve_bytes(cfg, gpu_bytes)
     split = stage_split(cfg)
     return Plan(
@@ -329,29 +291,10 @@ def make_plan(
         num_microbatches=m,
         params_total=figures.params_total,
         params_per_gpu=worst.params,
-        memory_bytes={
-            k: memory[k]
-            for k in (
-                "weights",
-                "grads",
-                "optimizer",
-                "activations",
-                "activations_per_layer",
-                "activations_per_layer_norm_stats",
-                "activations_per_layer_paper",
-                "zero3_gathered",
-                "host_offload",
-                "host_offload_pinned",
-                "nvme_offload",
-                "param_gather",
-                "fp8_cache",
-                "total",
-            )
-        },
-        **bub,
+        memory_bytes=memory,
+        **bubble(par.pp, m, v, str(par.schedule)),
         model_flops_per_step=figures.model_flops_per_step,
         hardware_flops_per_step=figures.hardware_flops_per_step,
-        tokens_per_step=tokens,
         gpu_memory_bytes=gpu_bytes,
         fits=memory["total"] + reserve + memory["param_gather"] <= gpu_bytes,
         reserve_bytes=reserve + memory["param_gather"],
@@ -361,20 +304,94 @@ def make_plan(
         stages=stages,
         precision=cfg.train.precision,
         activation_profile=profile_dict(profile),
-        predicted_step_s=step["total"],
-        predicted_step_parts_s={k: v for k, v in step.items() if k != "total"},
-        tokens_per_s_per_gpu=per_gpu,
-        mfu=mfu,
-        peak_flops=peak,
+        **_speed(cfg, figures.model_flops_per_step, predict_step_seconds(cfg, comm, worst.params, rates), rates, world),
         device=str(cfg.cluster.device),
-        peak_source="cluster.peak_tflops" if cfg.cluster.peak_tflops > 0 else rates.sources.get("flops", ""),
-        mfu_fp8=mfu_fp8,
-        peak_flops_fp8=peak_fp8,
         params_active=figures.params_active,
         ep=getattr(par, "ep", 1) if mc.num_experts > 0 else 1,
         stage_layers=split.counts() or [mc.num_layers // max(1, par.pp * split.vpp)] * (par.pp * split.vpp),
         split={k: getattr(par, k) for k in SPLIT_KEYS if getattr(par, k)},
     )
+
+
+def _stage_plans(
+    cfg: Config, profile: DeviceProfile, m: int, per_layer: int, kinds: dict
+) -> tuple[list[StagePlan], StagePlan]:
+    """Every pipeline stage's plan, and the worst (the first of the largest memory total). Each stage's memory is
+    its kind's (launcher/plan/stage_states.py: the recommender plans thousands of layouts with pp up to 64 and
+    more) with its activations (the micro-batches in flight differ) and total filled in."""
+    par = cfg.parallel
+    fp8_cache = fp8_cache_bytes(cfg)
+    activations = stages_activation_bytes(cfg, m, profile, stage_layers_activation_bytes(cfg, profile, per_layer))
+    stages, totals = [], []
+    last = par.pp - 1
+    for st, act in enumerate(activations):
+        kind = kinds[(st == 0, st == last)]
+        mem = kind.memory.copy()
+        mem["activations"] = act
+        mem["fp8_cache"] = fp8_cache
+        mem["total"] = total = kind.model_states + act + mem["zero3_gathered"] + fp8_cache
+        stages.append(StagePlan(st, kind.params.layers, kind.params.total, mem))
+        totals.append(total)
+    worst = stages[totals.index(max(totals))]  # the first of the largest, as max(stages, key=total)
+    return stages, worst
+
+
+def _worst_memory(cfg: Config, profile: DeviceProfile, worst: StagePlan, per_layer: int) -> dict[str, int]:
+    """plan.json's memory_bytes: the worst stage's parts, with the per-layer activation figures and the pinned host
+    arena beside them."""
+    par = cfg.parallel
+    memory = dict(worst.memory_bytes)
+    memory["activations_per_layer"] = per_layer
+    # The norms' fp32 statistics (mean, rstd) within it: Korthikanti et al.'s Table 2 leaves them out, so
+    # activations_per_layer minus this is Table 2's figure for a GPT layer (docs/PLATFORM.md).
+    memory["activations_per_layer_norm_stats"] = (
+        per_layer - layer_activation_bytes(cfg, replace(profile, norm_stats=False)) if profile.norm_stats else 0
+    )
+    # The same layer as the paper counts it: Table 2's basis, compared with it exactly (tests/launcher/test_plan.py).
+    memory["activations_per_layer_paper"] = per_layer - memory["activations_per_layer_norm_stats"]
+    # parallel.offload=cpu on a GPU: the arena is one pinned allocation, rounded up to a power of two by torch's
+    # host allocator; that is what the node's host memory must hold (training/preflight/node_ops.py).
+    pinned = str(cfg.cluster.device) == "cuda" and str(getattr(par, "offload", "none")) == "cpu"
+    memory["host_offload_pinned"] = pinned_host_bytes(memory["host_offload"]) if pinned else memory["host_offload"]
+    return {
+        k: memory[k]
+        for k in (
+            "weights",
+            "grads",
+            "optimizer",
+            "activations",
+            "activations_per_layer",
+            "activations_per_layer_norm_stats",
+            "activations_per_layer_paper",
+            "zero3_gathered",
+            "host_offload",
+            "host_offload_pinned",
+            "nvme_offload",
+            "param_gather",
+            "fp8_cache",
+            "total",
+        )
+    }
+
+
+def _speed(cfg: Config, model_flops: float, step: dict[str, float], rates: Rates, world: int) -> dict:
+    """The plan's speed fields: the predicted step and its parts, tokens per second per GPU, and MFU against the
+    peak (cluster.peak_tflops, else the cost model's rate) and, for fp8, against the fp8 peak."""
+    tokens = cfg.parallel.global_batch * cfg.model.seq_length
+    total = step["total"]
+    peak = cfg.cluster.peak_tflops * 1e12 if cfg.cluster.peak_tflops > 0 else rates.flops
+    peak_fp8 = cfg.cluster.peak_tflops_fp8 * 1e12 if str(cfg.train.precision) == "fp8" else 0.0
+    return {
+        "tokens_per_step": tokens,
+        "predicted_step_s": total,
+        "predicted_step_parts_s": {k: v for k, v in step.items() if k != "total"},
+        "tokens_per_s_per_gpu": tokens / total / world if total > 0 and world else 0.0,
+        "mfu": model_flops / (total * world * peak) if total > 0 and world and peak else 0.0,
+        "peak_flops": peak,
+        "peak_source": "cluster.peak_tflops" if cfg.cluster.peak_tflops > 0 else rates.sources.get("flops", ""),
+        "mfu_fp8": model_flops / (total * world * peak_fp8) if total > 0 and world and peak_fp8 else 0.0,
+        "peak_flops_fp8": peak_fp8,
+    }
 
 
 def with_parallel(cfg: Config, **changes) -> Config:
