@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from training.contract.rundir.events import read_events, well_formed
@@ -95,6 +96,23 @@ class _Line:
         self.t = until
 
 
+@dataclass
+class _Run:
+    """What every attempt's segments are cut from: the run's well-formed records, grouped by attempt."""
+
+    events: list[dict[str, Any]]
+    starts: list[dict[str, Any]]
+    rows: dict[int, list[tuple[dict[str, Any], bool]]]
+    """Attempt -> its metrics rows, each with whether it was kept (metrics.jsonl) or purged."""
+    saves: dict[int, list[tuple[float, float]]]
+    """Attempt -> (time, blocked_s) of each of its saves."""
+    allocations: dict[str, list[tuple[float, float]]]
+    t_end: float
+    finished: bool
+    seen_alloc: set = field(default_factory=set)
+    """(job, restart count) allocations whose queue wait is counted already."""
+
+
 def compute(
     events: Sequence[dict[str, Any]],
     kept: Sequence[dict[str, Any]],
@@ -103,7 +121,6 @@ def compute(
     now: float | None = None,
 ) -> dict[str, Any] | None:
     """The goodput.json object of a run (None before its first attempt). allocations: sacct_records' answer."""
-    allocations = allocations or {}
     now = time.time() if now is None else now
     # The readers skip malformed lines already; a caller's own records (a sweep's, a test's) are checked here.
     events = [ev for ev in events if well_formed(ev)]
@@ -126,66 +143,94 @@ def compute(
             saves.setdefault(int(ev.get("attempt", 0) or 0), []).append(
                 (float(ev["time"]), float(ev.get("blocked_s") or 0.0))
             )
+    run = _Run(events, starts, rows, saves, allocations or {}, t_end, finished)
     line = _Line(t0)
-    lost_steps = 0
-    seen_alloc: set = set()
-    for i, st in enumerate(starts):
-        a = int(st.get("attempt", i) or 0)
-        s_a = max(float(st["time"]), line.t)
-        key = (str(st.get("job_id")), int(st.get("restart_count") or 0))
-        gap_cause = "startup" if i == 0 else "restart_gap"
-        if key not in seen_alloc:
-            seen_alloc.add(key)
-            recs = allocations.get(key[0], [])
-            if key[1] < len(recs):
-                submit, start = recs[key[1]]
-                q_from, q_to = max(submit, line.t), min(start, s_a)
-                if q_to > q_from:
-                    line.add(gap_cause, q_from, a)
-                    line.add("queue", q_to, a)
-        line.add(gap_cause, s_a, a)
-        nxt = float(starts[i + 1]["time"]) if i + 1 < len(starts) else t_end
-        own_end = [
-            float(ev["time"])
-            for ev in events
-            if ev.get("event") in _ATTEMPT_END and ev.get("attempt") == a and "time" in ev and float(ev["time"]) >= s_a
-        ]
-        e_a = min(max(own_end) if own_end else nxt, nxt, t_end)
-        mine = sorted(rows.get(a, []), key=lambda rk: float(rk[0]["time"]))
-        mine = [rk for rk in mine if s_a <= float(rk[0]["time"]) <= max(e_a, s_a)]
-        my_saves = sorted(saves.get(a, []))
-        prev_step = None
-        if mine:
-            first = mine[0][0]
-            line.add("startup", min(float(first["time"]) - float(first.get("step_time_s") or 0.0), e_a), a)
-        for rec, keep in mine:
-            t_row = float(rec["time"])
-            start_i = line.t
-            blocked = sum(b for t, b in my_saves if start_i < t <= t_row)
-            evaluation = float(rec.get("eval_s") or 0.0)
-            span = t_row - start_i
-            ck = min(blocked, span)
-            ev_s = min(evaluation, span - ck)
-            # In order: the previous step's save (it blocks before this step), the step, its evaluation.
-            line.add("checkpoint_blocking", start_i + ck, a)
-            line.add("productive" if keep else "lost_steps", t_row - ev_s, a)
-            line.add("eval", t_row, a)
-            step = int(rec["step"])
-            if not keep:
-                lost_steps += step - prev_step if prev_step is not None and step > prev_step else 1
-            prev_step = step
-        last = i + 1 == len(starts)
-        tail_cause = "restart_gap"
-        if last and finished:
-            tail_cause = "startup"  # the run's exit after its last step
-        elif last and own_end == []:
-            # The attempt runs now: before its first step it starts up, after it the step under way counts as
-            # productive until a failure says otherwise.
-            tail_cause = "productive" if mine else "startup"
-        tail_saves = sum(b for t, b in my_saves if line.t < t <= e_a)
-        line.add("checkpoint_blocking", min(e_a, line.t + tail_saves), a)
-        line.add(tail_cause, e_a, a)
+    lost_steps = sum(_attempt(line, run, i) for i in range(len(starts)))
     line.add("restart_gap" if not finished else "startup", t_end, None)
+    return _goodput_object(line, t0, t_end, lost_steps, len(starts), finished)
+
+
+def _attempt(line: _Line, run: _Run, i: int) -> int:
+    """Cut attempt i's segments onto the line: the gap before it (queue wait included), its start-up, its steps,
+    its tail; returns how many of its steps were lost."""
+    st = run.starts[i]
+    a = int(st.get("attempt", i) or 0)
+    s_a = max(float(st["time"]), line.t)
+    gap_cause = "startup" if i == 0 else "restart_gap"
+    _queue_wait(line, run, st, gap_cause, s_a, a)
+    line.add(gap_cause, s_a, a)
+    nxt = float(run.starts[i + 1]["time"]) if i + 1 < len(run.starts) else run.t_end
+    own_end = [
+        float(ev["time"])
+        for ev in run.events
+        if ev.get("event") in _ATTEMPT_END and ev.get("attempt") == a and "time" in ev and float(ev["time"]) >= s_a
+    ]
+    e_a = min(max(own_end) if own_end else nxt, nxt, run.t_end)
+    mine = sorted(run.rows.get(a, []), key=lambda rk: float(rk[0]["time"]))
+    mine = [rk for rk in mine if s_a <= float(rk[0]["time"]) <= max(e_a, s_a)]
+    my_saves = sorted(run.saves.get(a, []))
+    lost_steps = _steps(line, mine, my_saves, a, e_a)
+    last = i + 1 == len(run.starts)
+    tail_cause = "restart_gap"
+    if last and run.finished:
+        tail_cause = "startup"  # the run's exit after its last step
+    elif last and own_end == []:
+        # The attempt runs now: before its first step it starts up, after it the step under way counts as
+        # productive until a failure says otherwise.
+        tail_cause = "productive" if mine else "startup"
+    tail_saves = sum(b for t, b in my_saves if line.t < t <= e_a)
+    line.add("checkpoint_blocking", min(e_a, line.t + tail_saves), a)
+    line.add(tail_cause, e_a, a)
+    return lost_steps
+
+
+def _queue_wait(line: _Line, run: _Run, st: dict[str, Any], gap_cause: str, s_a: float, a: int) -> None:
+    """The queue wait of the attempt's allocation (Slurm's Submit to Start), once per allocation, clipped to the
+    gap before the attempt's start."""
+    key = (str(st.get("job_id")), int(st.get("restart_count") or 0))
+    if key in run.seen_alloc:
+        return
+    run.seen_alloc.add(key)
+    recs = run.allocations.get(key[0], [])
+    if key[1] < len(recs):
+        submit, start = recs[key[1]]
+        q_from, q_to = max(submit, line.t), min(start, s_a)
+        if q_to > q_from:
+            line.add(gap_cause, q_from, a)
+            line.add("queue", q_to, a)
+
+
+def _steps(
+    line: _Line, mine: list[tuple[dict[str, Any], bool]], my_saves: list[tuple[float, float]], a: int, e_a: float
+) -> int:
+    """The attempt's start-up before its first step, then each step's save, work and evaluation; returns how many
+    of its steps were lost (their rows purged)."""
+    lost_steps = 0
+    prev_step = None
+    if mine:
+        first = mine[0][0]
+        line.add("startup", min(float(first["time"]) - float(first.get("step_time_s") or 0.0), e_a), a)
+    for rec, keep in mine:
+        t_row = float(rec["time"])
+        start_i = line.t
+        blocked = sum(b for t, b in my_saves if start_i < t <= t_row)
+        evaluation = float(rec.get("eval_s") or 0.0)
+        span = t_row - start_i
+        ck = min(blocked, span)
+        ev_s = min(evaluation, span - ck)
+        # In order: the previous step's save (it blocks before this step), the step, its evaluation.
+        line.add("checkpoint_blocking", start_i + ck, a)
+        line.add("productive" if keep else "lost_steps", t_row - ev_s, a)
+        line.add("eval", t_row, a)
+        step = int(rec["step"])
+        if not keep:
+            lost_steps += step - prev_step if prev_step is not None and step > prev_step else 1
+        prev_step = step
+    return lost_steps
+
+
+def _goodput_object(line: _Line, t0: float, t_end: float, lost_steps: int, attempts: int, finished: bool) -> dict:
+    """The segments added up per cause, with the time line itself."""
     totals = {c: 0.0 for c in CAUSES}
     for cause, s, e, _ in line.segments:
         totals[cause] += e - s
@@ -196,7 +241,7 @@ def compute(
     # rounding of both moves the quotient by up to about 1e-5 on a run of a minute), as in the merge below.
     out["goodput"] = round(out["productive"] / out["wall_s"], 6) if out["wall_s"] > 0 else 0.0
     out["lost_step_count"] = lost_steps
-    out["attempts"] = len(starts)
+    out["attempts"] = attempts
     out["finished"] = finished
     out["start_time"] = t0
     out["timeline"] = [[c, round(s - t0, 3), round(e - s, 3), a] for c, s, e, a in line.segments]
