@@ -8,12 +8,14 @@ builds the mesh, model, optimizer and data, and trains. Exit codes (docs/CONTRAC
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import traceback
 
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXIT_STOPPED
 from training.contract.rundir.files import write_atomic
+from training.contract.rundir.paths import RunPaths
 from training.run.quick_exit import exit_without_finalising
 
 
@@ -71,12 +73,18 @@ def _record_cause(cause: str, message: str) -> None:
         pass
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m training.main RUN_DIR   (RUN_DIR holds config.json)", file=sys.stderr)
-        return EXIT_INVALID
-    run_dir = os.path.abspath(argv[0])
+_ENGINE_IMPORTS = (
+    "training.checkpoint.storage",
+    "training.contract.config",
+    "training.contract.layout_rules",
+    "training.data",
+    "training.hf.hf_config",
+)
+"""What the rank imports before it reads its config (the modules whose errors main() turns into exit codes)."""
+
+
+def _start_process() -> None:
+    """Before the config is read: the launcher watch, the rank's environment, and the engine's imports."""
     from training.run.launcher_watch import follow_launcher
 
     follow_launcher()  # a local launcher's rank stops (after a checkpoint) when that launcher dies
@@ -88,11 +96,8 @@ def main(argv=None) -> int:
     with imports_without_gc():  # a rank forked by a warm agent has these already (imported the same way)
         import torch
 
-        from training.checkpoint.storage import CheckpointError
-        from training.contract.config import derived_dp, load_config
-        from training.contract.layout_rules import LayoutError
-        from training.data import DataError
-        from training.hf.hf_config import HFError
+        for name in _ENGINE_IMPORTS:
+            importlib.import_module(name)
         from training.observe.startup import mark
 
     mark("imported")  # torch and the engine's modules
@@ -100,8 +105,14 @@ def main(argv=None) -> int:
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         torch.set_num_threads(max(1, int(threads)))
+
+
+def _read_config(run_dir: str):
+    """RUN_DIR/config.json, once this rank's job owns the directory; an exit code when not."""
+    from training.contract.config import load_config
+
     try:
-        cfg = load_config(os.path.join(run_dir, "config.json"))
+        cfg = load_config(RunPaths(run_dir).config)
     except (OSError, KeyError, TypeError, ValueError) as exc:
         print(
             f"error: cannot read {run_dir}/config.json: {exc}; run through `meshrun`, which writes it", file=sys.stderr
@@ -120,16 +131,31 @@ def main(argv=None) -> int:
     cfg.train.resume = effective_resume(run_dir, cfg.train.resume)
     # No checkpoint code is imported ahead here: a resume reads the checkpoint without DCP
     # (training/checkpoint/lean_read.py), and the save path is imported once the first step is done.
+    return cfg
 
-    from training.parallel.mesh import ProcessMesh
-    from training.run.loop import Trainer
 
-    p = cfg.parallel
-    backend = "nccl" if cfg.cluster.device == "cuda" else "gloo"
-    mesh = None
-    states_bytes, built = None, False  # GPU memory held once the engine is built: the model states (observe/oom.py)
-    try:
-        mesh = ProcessMesh.from_env(p.tp, p.pp, p.cp, derived_dp(cfg), backend, cfg.train.dist_timeout_s, ep=p.ep)
+class _Attempt:
+    """This rank's training: the mesh, the preflight gate, the trainer, and the exit code of what went wrong."""
+
+    def __init__(self, cfg, run_dir: str):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.mesh = None
+        self.states_bytes: int | None = None  # GPU memory held once the engine is built: the model states (oom.py)
+        self.built = False
+
+    def train(self) -> int:
+        import torch
+
+        from training.contract.config import derived_dp
+        from training.observe.startup import mark
+        from training.parallel.mesh import ProcessMesh
+        from training.run.loop import Trainer
+
+        cfg, p = self.cfg, self.cfg.parallel
+        backend = "nccl" if cfg.cluster.device == "cuda" else "gloo"
+        self.mesh = mesh = ProcessMesh.from_env(
+            p.tp, p.pp, p.cp, derived_dp(cfg), backend, cfg.train.dist_timeout_s, ep=p.ep
+        )
         from training.contract.slurm_env import reapply_affinity
 
         mark("process_group")
@@ -140,51 +166,85 @@ def main(argv=None) -> int:
             )
         from training.preflight.runner import before_training
 
-        before_training(cfg, run_dir)  # cluster.preflight.mode gate: a bad node exits 4 before training
+        before_training(cfg, self.run_dir)  # cluster.preflight.mode gate: a bad node exits 4 before training
         mark("preflight")
-        trainer = Trainer(cfg, run_dir, mesh, checkpointing=cfg.train.checkpointing)
+        trainer = Trainer(cfg, self.run_dir, mesh, checkpointing=cfg.train.checkpointing)
         mark("built")  # model, optimizer, data
-        built = True
+        self.built = True
         if mesh.device.type == "cuda":
-            states_bytes = torch.cuda.memory_allocated(mesh.device)
-        code = trainer.run()
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        if _is_save_failure(exc):
-            # Storage, not the user's input: the previous checkpoint is intact, so the job may requeue from it.
-            _record_cause("save_failed", str(exc))
+            self.states_bytes = torch.cuda.memory_allocated(mesh.device)
+        return trainer.run()
+
+    def failed(self, exc: Exception) -> int:
+        """The exit code of `exc`, its message printed and its cause recorded (called in its except block)."""
+        import torch
+
+        from training.checkpoint.storage import CheckpointError
+        from training.contract.layout_rules import LayoutError
+        from training.data import DataError
+        from training.hf.hf_config import HFError
+
+        if isinstance(exc, CheckpointError):
+            print(f"error: {exc}", file=sys.stderr)
+            if _is_save_failure(exc):
+                # Storage, not the user's input: the previous checkpoint is intact, so the job may requeue from it.
+                _record_cause("save_failed", str(exc))
+                return EXIT_FAILED
+            _record_cause("invalid", str(exc))
+            return EXIT_INVALID
+        if isinstance(exc, (DataError, LayoutError, HFError)):  # the user's to fix: retrying cannot help
+            print(f"error: {exc}", file=sys.stderr)
+            _record_cause("invalid", str(exc))
+            return EXIT_INVALID
+        if isinstance(exc, torch.cuda.OutOfMemoryError):  # which part overflowed, and the levers that fit it
+            message = self._oom_message(exc)
+            print(f"error: {message}", file=sys.stderr)
+            _record_cause("oom", message)
             return EXIT_FAILED
-        _record_cause("invalid", str(exc))
-        return EXIT_INVALID
-    except (DataError, LayoutError, HFError) as exc:  # the user's to fix: retrying cannot help
-        print(f"error: {exc}", file=sys.stderr)
-        _record_cause("invalid", str(exc))
-        return EXIT_INVALID
-    except torch.cuda.OutOfMemoryError as exc:  # which part overflowed, and the levers that fit it
+        traceback.print_exc()
+        # A Python exception is the program's or its input's, not evidence against the node it ran on.
+        _record_cause("exception", f"{type(exc).__name__}: {exc}")
+        return EXIT_FAILED
+
+    def _oom_message(self, exc: Exception) -> str:
+        import torch
+
         from training.observe.oom import explain
         from training.preflight.runner import node_name
 
+        mesh = self.mesh
         capacity = (
             torch.cuda.get_device_properties(mesh.device).total_memory
             if mesh is not None and mesh.device.type == "cuda"
             else None
         )
-        message = explain(
-            cfg, run_dir, exc, states_bytes, capacity, int(os.environ.get("RANK", 0)), node_name(), built=built
-        )
-        print(f"error: {message}", file=sys.stderr)
-        _record_cause("oom", message)
-        return EXIT_FAILED
+        rank = int(os.environ.get("RANK", 0))
+        return explain(self.cfg, self.run_dir, exc, self.states_bytes, capacity, rank, node_name(), built=self.built)
+
+    def close(self) -> None:
+        if self.mesh is not None:
+            try:
+                self.mesh.destroy()
+            except Exception:  # a peer already gone at exit must not turn success into failure
+                pass
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m training.main RUN_DIR   (RUN_DIR holds config.json)", file=sys.stderr)
+        return EXIT_INVALID
+    run_dir = os.path.abspath(argv[0])
+    _start_process()
+    cfg = _read_config(run_dir)
+    if isinstance(cfg, int):
+        return cfg
+    attempt = _Attempt(cfg, run_dir)
+    try:
+        code = attempt.train()
     except Exception as exc:
-        traceback.print_exc()
-        # A Python exception is the program's or its input's, not evidence against the node it ran on.
-        _record_cause("exception", f"{type(exc).__name__}: {exc}")
-        return EXIT_FAILED
-    if mesh is not None:
-        try:
-            mesh.destroy()
-        except Exception:  # a peer already gone at exit must not turn success into failure
-            pass
+        return attempt.failed(exc)
+    attempt.close()
     return code
 
 
