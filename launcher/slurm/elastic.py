@@ -11,7 +11,7 @@ the data position is the consumed-sample count, which does not depend on dp (tra
 shrunk run computes the same steps as the full one, up to floating-point summation order.
 
 A run whose layout parallel=auto chose (config.json's parallel.auto_pinned is not null) is re-planned instead:
-each node count gets the layout parallel=auto's rule chooses there (launcher/planning/auto.py replan: the fastest
+each node count gets the layout parallel=auto's rule chooses there (launcher/recommend/auto.py replan: the fastest
 that fits, keeping the pinned keys and the global batch; the checkpoint reshards across every key it varies), and
 the `shrunk` / `grown` event's `replanned` says what was chosen, the runner-up and why.
 
@@ -21,7 +21,7 @@ Slurm shows idle again (an administrator resumed it) is re-admitted. A node that
 again. The full count is the one of the run's last submission (`submitted` event).
 
 Every node count from min_nodes to cluster.nodes is validated with the planner before the first submission
-(`elastic_checks`, called by launcher/planning/gate.py), so a resize can never produce a layout that does not fit
+(`elastic_checks`, called by launcher/launch/gate.py), so a resize can never produce a layout that does not fit
 or does not divide the batch. The one function that changes a run's layout is `apply_resize`: config.json
 (cluster.nodes, and parallel.dp when it was given; a re-planned run's whole layout), plan.json, and a `shrunk` or
 `grown` event with the old and new layouts.
@@ -83,7 +83,7 @@ def resized(cfg: Config, nodes: int) -> tuple[Config, dict[str, Any] | None]:
     given layout, or a count at which the re-plan finds nothing: with_nodes (dp only), None."""
     if nodes == cfg.cluster.nodes or not auto_chosen(cfg):
         return with_nodes(cfg, nodes), None
-    from launcher.planning.auto import replan, replan_text
+    from launcher.recommend.auto import replan, replan_text
 
     choice = replan(cfg, nodes)
     if choice.chosen is None:
@@ -108,7 +108,7 @@ def layout_errors(cfg: Config, nodes: int) -> list[str]:
     from launcher.plan.validate import validate
 
     if nodes != cfg.cluster.nodes and auto_chosen(cfg):
-        from launcher.planning.auto import replan, replan_text
+        from launcher.recommend.auto import replan, replan_text
 
         choice = replan(cfg, nodes)
         if choice.chosen is None:
