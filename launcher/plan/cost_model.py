@@ -91,7 +91,9 @@ def _device(cfg: Config) -> str:
 
 def preflight_measured(report: dict[str, Any]) -> dict[str, float]:
     """Median measured matmul TFLOP/s and all-reduce busbw (GB/s) inside and across nodes of a preflight.json."""
-    mm, intra, inter = [], [], []
+    mm: list[float] = []
+    intra: list[float] = []
+    inter: list[float] = []
     for c in report.get("checks", []):
         found = c.get("found")
         if c.get("name") in ("gpu.matmul", "gpu.straggler") and isinstance(found, (int, float)):

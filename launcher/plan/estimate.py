@@ -125,7 +125,7 @@ def comm_bytes_per_step(cfg: Config, m: int, dp: int, n_local: int, experts_loca
     if experts_local:
         dpb += dp_traffic(experts_local, expert_dp(cfg, dp), f8["experts"] * n_layers)
     epb = m * passes * 2 * all_to_all_bytes(cfg, ab)
-    emb = 0
+    emb = 0.0
     if p > 1 and mc.tie_embeddings:
         emb = _ring(2, padded_vocab(mc.vocab_size, t) * h // t * g, "all_reduce")
     out = {"tp": int(tp), "pp": int(pp), "cp": int(cpb), "dp": int(dpb), "embedding": int(emb)}
@@ -278,6 +278,7 @@ def make_plan(
     rates = rates or cluster_rates(cfg)
     reserve = device_reserve_bytes(cfg, gpu_bytes)
     split = stage_split(cfg)
+    bub = bubble(par.pp, m, v, str(par.schedule))
     return Plan(
         world_size=world,
         tp=par.tp,
@@ -292,7 +293,8 @@ def make_plan(
         params_total=figures.params_total,
         params_per_gpu=worst.params,
         memory_bytes=memory,
-        **bubble(par.pp, m, v, str(par.schedule)),
+        bubble_ratio=bub["bubble_ratio"],
+        bubble_idle_fraction=bub["bubble_idle_fraction"],
         model_flops_per_step=figures.model_flops_per_step,
         hardware_flops_per_step=figures.hardware_flops_per_step,
         gpu_memory_bytes=gpu_bytes,

@@ -12,6 +12,7 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
 
 from launcher.plan.cadence import cadence_problems
 from launcher.plan.context_memory import more_cp
@@ -77,8 +78,8 @@ class Report:
         return any(i.code == "no_fit" for i in self.errors)
 
 
-def _get(cfg: Config, dotted: str):
-    obj = cfg
+def _get(obj: Any, dotted: str) -> Any:
+    """The value at a dotted key below obj (the config, or one of its sections)."""
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
