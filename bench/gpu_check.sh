@@ -280,7 +280,7 @@ else:
     want = {k: plan.get("memory_bytes", {}).get(k) for k in ("weights", "grads", "optimizer")}
     check("model_state_bytes", bool(states) and states == want, measured=states, plan=want)
     act_plan = plan.get("memory_bytes", {}).get("activations")
-    probe = bench_step("saved_bytes", [py, "-m", "training.observe.saved_bytes", train_dir], 300)
+    probe = bench_step("saved_bytes", [py, "bench/saved_bytes.py", train_dir], 300)
     saved = json.loads(probe.stdout.strip().splitlines()[-1]).get("saved_activation_bytes") if (
         probe.returncode == 0 and probe.stdout.strip()) else None
     within = saved is not None and bool(act_plan) and abs(saved - act_plan) <= 0.1 * act_plan

@@ -1,5 +1,5 @@
 """bench/gpu_check.sh --dry's one-rank steps that need no launcher, run in ONE process (torch and the engine
-imported once instead of three times): the saved-activations probe (training/observe/saved_bytes.py RUN_DIR),
+imported once instead of three times): the saved-activations probe (bench/saved_bytes.py RUN_DIR),
 bench/gpu_memory_levers.py --dry and bench/gpu_engine_features.py --dry. Each step is the module's own main()
 with its own arguments, run in turn; what it printed, what it wrote to stderr and its exit status are kept
 apart, so gpu_check.sh judges each exactly as it judges the separate processes it runs on a GPU (where each
@@ -54,8 +54,7 @@ def main() -> int:
     train_dir, levers_out, features_out = sys.argv[1:]
     import gpu_engine_features
     import gpu_memory_levers
-
-    from training.observe import saved_bytes
+    import saved_bytes
 
     results = {
         "saved_bytes": _step(lambda: saved_bytes.main([train_dir]), ["saved_bytes"]),

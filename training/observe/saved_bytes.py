@@ -1,22 +1,15 @@
 """Bytes autograd saves for backward in one micro-batch's forward: the activation memory the planner
 estimates (launcher/plan/memory.py), measured on any device, independent of the allocator.
 
-    python -m training.observe.saved_bytes RUN_DIR     # one process; prints {"saved_activation_bytes": N, ...}
-
-bench/gpu_check.sh compares it with plan.json's activations (on CPU, where the process's peak RSS says
-nothing about activations; on GPU next to peak allocated minus model states). Each storage a saved tensor
-keeps alive is counted once, whole: two views of one storage (attention's output and the next linear's input)
-are one buffer, and a view keeps its whole storage alive (as training/schedules/pipeline.py counts). Parameters and
-module buffers (RoPE tables) are model state, not activations, and are left out.
+bench/saved_bytes.py measures a run's model with it, and bench/gpu_check.sh compares that with plan.json's
+activations (on CPU, where the process's peak RSS says nothing about activations; on GPU next to peak allocated
+minus model states). Each storage a saved tensor keeps alive is counted once, whole: two views of one storage
+(attention's output and the next linear's input) are one buffer, and a view keeps its whole storage alive (as
+training/schedules/pipeline.py counts). Parameters and module buffers (RoPE tables) are model state, not
+activations, and are left out.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import shutil
-import sys
-import tempfile
 
 import torch
 
@@ -72,43 +65,3 @@ def saved_activation_bytes(trainer) -> int:
     with SavedBytes(state) as saved:
         trainer.chunks[0](tokens, targets)
     return saved.total
-
-
-def main(argv: list[str] | None = None) -> int:
-    from training.contract.config import load_config
-    from training.parallel.mesh import ProcessMesh
-    from training.run.loop import Trainer
-
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m training.observe.saved_bytes RUN_DIR", file=sys.stderr)
-        return 2
-    src = argv[0]
-    cfg = load_config(os.path.join(src, "config.json"))
-    if cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp != 1:
-        print("saved_bytes measures a one-rank layout (tp = pp = cp = 1)", file=sys.stderr)
-        return 2
-    cfg.parallel.dp = 1
-    # A scratch copy of the run's config and plan: the measurement writes nothing into the run.
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in ("config.json", "plan.json"):
-            if os.path.exists(os.path.join(src, name)):
-                shutil.copy(os.path.join(src, name), tmp)
-        device = "cuda" if str(cfg.cluster.device) == "cuda" else "cpu"
-        trainer = Trainer(cfg, tmp, ProcessMesh.single(device), checkpointing=False)
-        n = saved_activation_bytes(trainer)
-    print(
-        json.dumps(
-            {
-                "saved_activation_bytes": n,
-                "micro_batch": cfg.parallel.micro_batch,
-                "precision": str(cfg.train.precision),
-                "device": str(cfg.cluster.device),
-            }
-        )
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
