@@ -20,6 +20,7 @@ from helpers.checkpoint import RunsCommand, fill, reseal, resumed_value, save_st
 
 from training.checkpoint import CheckpointError, storage
 from training.contract.rundir.events import read_events
+from training.contract.rundir.paths import RunPaths
 
 
 def _resume_and_save(run_dir, steps, **train):
@@ -155,5 +156,5 @@ def test_history_without_latest_or_previous_falls_back_to_directories(tmp_path):
         del manifest["previous"]
         storage.write_json_durable(path, manifest)
     assert storage.history(run) == [3, 2, 1]
-    os.remove(os.path.join(storage.checkpoints_dir(run), storage.LATEST))
+    os.remove(RunPaths(run).latest)
     assert storage.candidates(run) == [3, 2, 1]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from training.checkpoint import storage
+from training.contract.rundir.paths import RunPaths
 
 
 class CheckpointFiles:
@@ -47,7 +48,7 @@ class CheckpointFiles:
         storage.commit(
             tmp,
             storage.step_dir(run_dir, step),
-            os.path.join(storage.checkpoints_dir(run_dir), storage.LATEST),
+            RunPaths(run_dir).latest,
             {"step": step, "previous": info["previous"]},
             sums,
         )

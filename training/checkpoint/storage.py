@@ -34,10 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from training.contract.rundir.files import rename_into_place, write_atomic
+from training.contract.rundir.paths import RunPaths
 from training.contract.rundir.resume_request import effective_resume
 
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
 MANIFEST = "manifest.json"
 STATE = "state.json"
 CONFIG = "config.json"
@@ -81,11 +80,11 @@ class Verification:
 
 
 def checkpoints_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, CHECKPOINTS)
+    return RunPaths(run_dir).checkpoints
 
 
 def step_dir(run_dir: str, step: int) -> str:
-    return os.path.join(checkpoints_dir(run_dir), f"step_{step}")
+    return RunPaths(run_dir).checkpoint(step)
 
 
 def new_tmp_dir(run_dir: str, step: int) -> str:
@@ -167,7 +166,7 @@ def _write_latest(latest_path: str, text: str) -> None:
 def set_latest(run_dir: str, step: int | None) -> None:
     """Point `latest` at `step` (a rollback), or at "none" (a fresh start: nothing to resume yet)."""
     os.makedirs(checkpoints_dir(run_dir), exist_ok=True)
-    _write_latest(os.path.join(checkpoints_dir(run_dir), LATEST), f"step_{step}" if step is not None else FRESH)
+    _write_latest(RunPaths(run_dir).latest, f"step_{step}" if step is not None else FRESH)
     fsync_path(checkpoints_dir(run_dir))
 
 
@@ -262,7 +261,7 @@ def list_steps(run_dir: str) -> list[int]:
 
 def _read_latest_text(run_dir: str) -> str | None:
     try:
-        with open(os.path.join(checkpoints_dir(run_dir), LATEST)) as f:
+        with open(RunPaths(run_dir).latest) as f:
             return f.read().strip()
     except OSError:
         return None

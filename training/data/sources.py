@@ -26,6 +26,7 @@ import numpy as np
 
 from training.contract.config import Config
 from training.contract.rundir.files import atomic_path
+from training.contract.rundir.paths import RunPaths
 
 if TYPE_CHECKING:  # annotations only: the module itself stays importable without torch
     import torch
@@ -91,7 +92,7 @@ def build_corpus(cfg: Config, run_dir: str) -> CorpusInfo:
     """
     files = list_text_files(cfg.data.paths)
     key = hashlib.sha256(json.dumps([files, cfg.data.max_bytes]).encode()).hexdigest()[:16]
-    out_dir = os.path.join(run_dir, "data")
+    out_dir = RunPaths(run_dir).data
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"corpus-{key}.u8")
     if os.path.exists(path) and os.path.getsize(path) > 0:

@@ -27,9 +27,8 @@ from typing import Any
 
 from training.contract.rundir.events import append_event
 from training.contract.rundir.files import write_atomic
+from training.contract.rundir.paths import RunPaths
 from training.preflight.gpu_nvml import BAD_THROTTLE, nvml_query
-
-HEALTH_FILE = "health.jsonl"
 
 ECC = 1
 """Flag bit: an error counter grew (ECC, remapped rows, retired pages) or a remap is pending."""
@@ -126,7 +125,7 @@ class HealthSampler:
         self.gpus = job_gpu_indices(nvml, nvml.nvmlDeviceGetCount(), visible)
         self.xid = XidWatcher(nvml, nvml.nvmlDeviceGetCount(), self.gpus)
         self.interval_s, self.throttle_samples = max(0.01, interval_s), max(1, throttle_samples)
-        self.path = os.path.join(run_dir, HEALTH_FILE)
+        self.path = RunPaths(run_dir).health
         self.baseline: dict[int, dict[str, int]] = {}
         self.throttled: dict[int, int] = {}
         self.flag = 0

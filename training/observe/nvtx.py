@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from training.contract.rundir.files import write_atomic
+from training.contract.rundir.paths import RunPaths
 from training.observe.observer import StepObserver, StepRecord
 
 COLLECTIVES = (
@@ -165,9 +166,8 @@ class NvtxRanges(StepObserver):
             self.capturing = False
         if not self.enabled or self.ranges.nvtx:
             return
-        out = os.path.join(self.run_dir, "profile")
-        os.makedirs(out, exist_ok=True)
-        path = os.path.join(out, f"nvtx_rank{self.rank}.json")
+        path = RunPaths(self.run_dir).nvtx_counts(self.rank)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         write_atomic(
             path,
             json.dumps(

@@ -11,10 +11,10 @@ parallelism, context parallelism, recompute, a smaller micro-batch). Levers alre
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from training.contract.rundir.events import append_event
+from training.contract.rundir.paths import RunPaths
 
 STATES_FULL = 0.9
 """Measured states above this share of the GPU's memory leave too little for any activations: the states' fault."""
@@ -22,7 +22,7 @@ STATES_FULL = 0.9
 
 def _plan(run_dir: str) -> dict[str, Any]:
     try:
-        with open(os.path.join(run_dir, "plan.json")) as f:
+        with open(RunPaths(run_dir).plan) as f:
             return json.load(f)
     except (OSError, ValueError):
         return {}

@@ -20,9 +20,8 @@ import sys
 import torch
 
 from training.contract.rundir.files import atomic_path, write_atomic
+from training.contract.rundir.paths import RunPaths
 from training.observe.observer import StepObserver, StepRecord
-
-PROFILE_DIR = "profile"
 
 
 def profile_window(steps: list[int]) -> tuple | None:
@@ -59,7 +58,8 @@ class StepProfiler(StepObserver):
 
     def __init__(self, cfg, run_dir: str, mesh):
         self.rank, self.device = mesh.rank, mesh.device
-        self.dir = os.path.join(run_dir, PROFILE_DIR)
+        self.paths = RunPaths(run_dir)
+        self.dir = self.paths.profile
         self.window = profile_window(list(cfg.train.profile_steps))
         self.snapshot_step = int(cfg.train.memory_snapshot_step)
         self.prof = None
@@ -98,7 +98,7 @@ class StepProfiler(StepObserver):
         prof, self.prof = self.prof, None
         prof.__exit__(None, None, None)
         os.makedirs(self.dir, exist_ok=True)
-        path = os.path.join(self.dir, f"trace_rank{self.rank}.json")
+        path = self.paths.profile_trace(self.rank)
         with atomic_path(path, suffix=".json") as tmp:
             prof.export_chrome_trace(tmp)
         if self.rank == 0:
@@ -109,7 +109,7 @@ class StepProfiler(StepObserver):
 
     def _write_snapshot(self) -> None:
         os.makedirs(self.dir, exist_ok=True)
-        path = os.path.join(self.dir, f"memory_snapshot_rank{self.rank}.pickle")
+        path = self.paths.memory_snapshot(self.rank)
         snapshot = torch.cuda.memory._snapshot()
         write_atomic(path, pickle.dumps(snapshot))
         torch.cuda.memory._record_memory_history(enabled=None)

@@ -11,16 +11,16 @@ Once the baseline is known, a GPU run whose baseline is below that fraction of t
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from training.contract.rundir.events import append_event
+from training.contract.rundir.paths import RunPaths
 from training.observe.observer import StepObserver, StepRecord
 
 
 def planned_tokens_per_s(run_dir: str) -> float | None:
     try:
-        with open(os.path.join(run_dir, "plan.json")) as f:
+        with open(RunPaths(run_dir).plan) as f:
             plan = json.load(f)
         return plan["tokens_per_step"] / plan["predicted_step_s"] if plan.get("predicted_step_s") else None
     except (OSError, ValueError, KeyError, TypeError):

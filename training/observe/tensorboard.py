@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any
 
-TB_DIR = "tensorboard"
+from training.contract.rundir.paths import RunPaths
 
 TAGS = {
     "loss": "train/loss",
@@ -50,7 +50,7 @@ class TensorBoardSink:
     TensorBoard before its first step (docs/PERFORMANCE.md, "Preemption path")."""
 
     def __init__(self, run_dir: str, resumed_step: int):
-        self.log_dir = os.path.join(run_dir, TB_DIR)
+        self.log_dir = RunPaths(run_dir).tensorboard
         # Steps after the checkpoint this attempt resumed from were logged by an attempt that is gone (decided
         # now, before this attempt's own events file exists).
         self.purge: int | None = resumed_step + 1 if has_events(self.log_dir) else None

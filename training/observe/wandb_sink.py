@@ -16,8 +16,7 @@ import uuid
 from typing import Any
 
 from training.contract.rundir.files import write_atomic
-
-ID_FILE = "wandb.json"
+from training.contract.rundir.paths import RunPaths
 
 
 def wandb_problem() -> str:
@@ -33,7 +32,7 @@ def wandb_problem() -> str:
 
 def run_id(run_dir: str) -> str:
     """The W&B run id of this run directory: created on first use, the same for every later attempt."""
-    path = os.path.join(run_dir, ID_FILE)
+    path = RunPaths(run_dir).wandb
     try:
         with open(path) as f:
             return str(json.load(f)["id"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 
+from training.contract.rundir.paths import RunPaths
 from training.preflight import ib_sysfs
 from training.preflight.os_tunables import _read  # one reader of /proc and /sys files
 from training.preflight.report import Check, fail, ok, warn
@@ -217,7 +218,7 @@ def check_cgroup_memory(
 ) -> list[Check]:
     plan = None
     try:
-        with open(os.path.join(run_dir, "plan.json")) as f:
+        with open(RunPaths(run_dir).plan) as f:
             plan = json.load(f)
     except (OSError, ValueError):
         pass
@@ -265,7 +266,7 @@ def check_node_ops(cfg, node: str, ib_root: str, env: dict[str, str], ranks_on_n
     checks = check_rdma_modules(ib_root, node, expected, builtin="/sys/module")
     checks += check_irq_affinity(ib_root, node)
     run_dir = cfg.run.dir
-    paths = {"checkpoints": os.path.join(run_dir, "checkpoints")}
+    paths = {"checkpoints": RunPaths(run_dir).checkpoints}
     data = list(cfg.data.prefixes) + list(cfg.data.paths)
     if data and cfg.data.kind != "synthetic":
         paths["data"] = data[0]

@@ -12,12 +12,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from training.contract.rundir.files import write_atomic
+from training.contract.rundir.paths import RunPaths
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 _RANK = {OK: 0, WARN: 1, FAIL: 2}
-
-PREFLIGHT_FILE = "preflight.json"
-NODE_DIR = "preflight"  # per-node partial reports, written before any collective can hang
 
 
 @dataclass
@@ -98,7 +96,7 @@ class Report:
         }
 
     def write(self, run_dir: str) -> str:
-        path = os.path.join(run_dir, PREFLIGHT_FILE)
+        path = RunPaths(run_dir).preflight
         write_atomic(path, json.dumps(self.to_dict(), indent=2, default=str))  # readers never see half a file
         return path
 
@@ -145,7 +143,7 @@ def format_table(data: dict[str, Any], show_ok: bool = True) -> str:
 
 
 def read_report(run_dir: str) -> dict[str, Any] | None:
-    path = os.path.join(run_dir, PREFLIGHT_FILE)
+    path = RunPaths(run_dir).preflight
     if not os.path.exists(path):
         return None
     with open(path) as f:

@@ -21,9 +21,10 @@ from typing import Any
 from training.contract.config import Config, load_config
 from training.contract.exit_codes import EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK
 from training.contract.rundir.events import append_event
+from training.contract.rundir.paths import RunPaths
 from training.contract.slurm_env import PREFLIGHT_PASSED_ENV, hostnames
 from training.preflight import collectives, gpu_nvml, ib_sysfs, matmul, os_tunables
-from training.preflight.report import FAIL, NODE_DIR, Check, Report, checks_from_dicts, fail, format_table, ok
+from training.preflight.report import FAIL, Check, Report, checks_from_dicts, fail, format_table, ok
 
 
 def node_name() -> str:
@@ -152,8 +153,8 @@ def _node_phase(cfg: Config, run_dir: str, node: str, reused: bool) -> tuple[lis
         return [note], {"driver": None}
     own, facts = node_checks(cfg, node)
     # Written before any collective: if a rendezvous hangs on a bad node, its verdict survives.
-    os.makedirs(os.path.join(run_dir, NODE_DIR), exist_ok=True)
-    with open(os.path.join(run_dir, NODE_DIR, f"{node}.json"), "w") as f:
+    os.makedirs(RunPaths(run_dir).preflight_nodes, exist_ok=True)
+    with open(RunPaths(run_dir).preflight_node(node), "w") as f:
         json.dump([c.to_dict() for c in own], f, indent=1, default=str)
     return own, facts
 
@@ -362,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m training.preflight RUN_DIR (RUN_DIR holds config.json)", file=sys.stderr)
         return EXIT_INVALID
     run_dir = argv[0]
-    cfg = load_config(os.path.join(run_dir, "config.json"))
+    cfg = load_config(RunPaths(run_dir).config)
     from training.contract.slurm_env import apply_slurm_env
 
     apply_slurm_env()  # srun starts this module directly: RANK & co., MASTER_ADDR/PORT from SLURM_*
