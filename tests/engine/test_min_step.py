@@ -1,6 +1,6 @@
-"""train.min_step_s: a step that ends sooner waits out the rest before its boundary, outside the step timer, with
-the same losses as an unpaced run; a stop signal ends the wait; 0 never waits; a negative value is refused with
-the fix."""
+"""Step pacing (MESHRUN_PACE_STEP_S, training/run/pacing.py: the tests' and benchmarks' knob, not a user key): a
+step that ends sooner waits out the rest before its boundary, outside the step timer, with the same losses as an
+unpaced run; a stop signal ends the wait; 0 never waits; a negative value is refused with the fix."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ STEPS = 3
 PACE_S = 30.0  # far above a tiny step's time: every step waits (on a stand-in clock that sleeps by moving on)
 
 
-def _cfg(min_step_s: float) -> Config:
+def _cfg() -> Config:
     cfg = Config()
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 16, 2, 8
@@ -26,7 +26,7 @@ def _cfg(min_step_s: float) -> Config:
     p.tp, p.pp, p.dp, p.sp, p.zero, p.micro_batch, p.global_batch = 1, 1, 1, False, 0, 1, 2
     cfg.cluster.gpus_per_node, cfg.cluster.peak_tflops = 1, 1.0
     t = cfg.train
-    t.steps, t.warmup_steps, t.progress, t.tensorboard, t.min_step_s = STEPS, 1, False, False, min_step_s
+    t.steps, t.warmup_steps, t.progress, t.tensorboard = STEPS, 1, False, False
     cfg.data.kind = "synthetic"
     return cfg
 
@@ -35,6 +35,7 @@ def _runs(base: str):
     import training.run.loop as loop
     from training.parallel.mesh import ProcessMesh
     from training.run import signals
+    from training.run.pacing import PACE_ENV
 
     waits: list = []
     skipped = [0.0]  # the stand-in clock's lead over the real one: what its sleeps skipped
@@ -56,7 +57,8 @@ def _runs(base: str):
         try:
             run_dir = os.path.join(base, name)
             t0 = time.perf_counter()
-            trainer = loop.Trainer(_cfg(pace), run_dir, mesh, checkpointing=False)
+            os.environ[PACE_ENV] = str(pace)  # read once by each Trainer
+            trainer = loop.Trainer(_cfg(), run_dir, mesh, checkpointing=False)
             code = trainer.run()
             with open(os.path.join(run_dir, "metrics.jsonl")) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
@@ -90,7 +92,7 @@ def _runs(base: str):
     return out
 
 
-def test_min_step_s_waits_out_each_step_outside_the_timer_and_a_signal_ends_the_wait(tmp_path):
+def test_pacing_waits_out_each_step_outside_the_timer_and_a_signal_ends_the_wait(tmp_path):
     from training.contract.exit_codes import EXIT_OK, EXIT_STOPPED
     from training.run.loop import PACE_SLICE_S
 
@@ -112,9 +114,12 @@ def test_min_step_s_waits_out_each_step_outside_the_timer_and_a_signal_ends_the_
     assert signalled["wall_s"] < PACE_S
 
 
-def test_a_negative_min_step_s_is_refused_with_the_fix():
-    from launcher.plan.validate import validate
+def test_a_negative_pace_is_refused_with_the_fix():
+    import pytest
 
-    (issue,) = [i for i in validate(_cfg(-1.0)).issues if i.key == "train.min_step_s"]
-    assert issue.level == "error" and issue.fix == "train.min_step_s=0"
-    assert not [i for i in validate(_cfg(0.5)).issues if i.key == "train.min_step_s"]
+    from training.run.pacing import PACE_ENV, pace_step_s
+
+    with pytest.raises(ValueError) as refused:
+        pace_step_s({PACE_ENV: "-1.0"})
+    assert f"fix: {PACE_ENV}=0" in str(refused.value)
+    assert pace_step_s({PACE_ENV: "0.5"}) == 0.5 and pace_step_s({}) == 0.0

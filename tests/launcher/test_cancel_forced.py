@@ -22,7 +22,7 @@ TINY = [
     "cluster.peak_tflops=1",
     "train.checkpoint_every=2",
     "train.steps=100000",
-    "train.min_step_s=2",  # runs until cancelled: idles instead of spinning the shared cores
+    "+cluster.env.MESHRUN_PACE_STEP_S=2",  # runs until cancelled: idles instead of spinning the shared cores
 ]
 IGNORE_USR2 = """import signal, sys
 if "training.main" in getattr(sys, "orig_argv", []):

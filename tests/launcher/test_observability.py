@@ -229,7 +229,7 @@ def test_cancel_a_local_run_saves_stops_and_status_says_cancelled(tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=ROOT)
     launch = subprocess.Popen(
-        [PYTHON, "-m", "launcher", f"run.dir={run}", "train.steps=100000", "train.min_step_s=2", *TINY],
+        [PYTHON, "-m", "launcher", f"run.dir={run}", "train.steps=100000", "+cluster.env.MESHRUN_PACE_STEP_S=2", *TINY],
         cwd=str(tmp_path),
         env=env,
         stdout=subprocess.DEVNULL,

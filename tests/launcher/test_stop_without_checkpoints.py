@@ -24,7 +24,7 @@ NO_CHECKPOINTS = [
     "cluster.warm_start=false",  # cold ranks: /proc/PID/environ names each rank
     "train.checkpointing=false",
     "train.steps=100000",
-    "train.min_step_s=0.5",  # runs until stopped: idles instead of spinning the shared cores
+    "+cluster.env.MESHRUN_PACE_STEP_S=0.5",  # runs until stopped: idles instead of spinning the shared cores
 ]
 TIMEOUT_S = 120
 """cancel.timeout_s: far above a step, so a stop that only the timeout ends shows as `forced` (and slow)."""
@@ -194,7 +194,7 @@ def test_a_second_signal_stops_ranks_that_do_not_stop_at_once(tmp_path):
         _ranks(launch, 1)
         _wait_step(run)
         launch.send_signal(signal.SIGINT)
-        time.sleep(3.0)  # several boundaries (min_step_s=0.5): the rank ignored the stop
+        time.sleep(3.0)  # several boundaries (MESHRUN_PACE_STEP_S=0.5): the rank ignored the stop
         assert launch.poll() is None
         t0 = time.monotonic()
         launch.send_signal(signal.SIGINT)

@@ -33,7 +33,7 @@ ONE_NODE = [
     "parallel.global_batch=2",
     "parallel.micro_batch=1",
     "train.steps=100000",
-    "train.min_step_s=2",  # idles between steps instead of spinning the shared cores
+    "+cluster.env.MESHRUN_PACE_STEP_S=2",  # idles between steps instead of spinning the shared cores
     "cluster.preflight.mode=off",
 ]
 

@@ -34,7 +34,7 @@ ONE_NODE = [
     "parallel.global_batch=2",
     "parallel.micro_batch=1",
     "train.steps=100000",
-    "train.min_step_s=2",  # a run that waits to be cancelled idles instead of spinning the shared cores
+    "+cluster.env.MESHRUN_PACE_STEP_S=2",  # a run that waits to be cancelled idles instead of spinning the shared cores
     "train.progress_every_s=1",
     "cluster.preflight.mode=off",
 ]

@@ -275,7 +275,7 @@ def test_time_limit_signal_requeues_and_resumes(tmp_path, cluster):
         "cluster.time_min=2",
         "cluster.signal_delay_s=80",
         "train.steps=100000",
-        "train.min_step_s=2",  # waits for its stop: idles instead of spinning the shared cores
+        "+cluster.env.MESHRUN_PACE_STEP_S=2",  # waits for its stop: idles instead of spinning the shared cores
         "train.checkpoint_every=0",
         "train.progress=false",
     )

@@ -109,10 +109,10 @@ def test_growing_ecc_on_slurm_requeues_without_that_node(tmp_path, cluster):
     run_dir = tmp_path / "run"
     dev.submit(
         run_dir,
-        # Paced steps (train.min_step_s): the run outlasts the time the monitor takes to see the count grow by
+        # Paced steps (MESHRUN_PACE_STEP_S, training/run/pacing.py): the run outlasts the time the monitor takes to see the count grow by
         # about 14 s while its ranks idle instead of training 80 steps; after the requeue it ends the same way.
         f"train.steps={ECC_STEPS}",
-        "train.min_step_s=0.5",
+        "+cluster.env.MESHRUN_PACE_STEP_S=0.5",
         "train.checkpoint_every=40",
         f"cluster.health.nvml_double={double}",
         "cluster.health.interval_s=0.2",

@@ -1,4 +1,4 @@
-"""train.host_memory_keep (training/run/host_memory.py): a CPU run's freed heap memory stays mapped for the next
+"""The Trainer's keep_host_memory (training/run/host_memory.py; on in every run, not a user key): a CPU run's freed heap memory stays mapped for the next
 step, and the results are the same bits with the setting on and off.
 
 Each side runs in a fresh interpreter: the allocator's settings are per process, and glibc's adaptive
@@ -59,9 +59,9 @@ m = cfg.model
 m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 32, 4, 16
 cfg.parallel.micro_batch, cfg.parallel.global_batch = 2, 4
 cfg.data.kind, cfg.train.progress, cfg.train.tensorboard = "synthetic", False, False
-cfg.train.host_memory_keep = sys.argv[1] == "1"
+keep = sys.argv[1] == "1"
 fresh = mmapped_mib(30 << 20)  # glibc's default: the first block this large gets its own mmap
-trainer = Trainer(cfg, tempfile.mkdtemp(), ProcessMesh.single("cpu"), checkpointing=False)
+trainer = Trainer(cfg, tempfile.mkdtemp(), ProcessMesh.single("cpu"), checkpointing=False, keep_host_memory=keep)
 losses = [trainer.train_step()[0] for _ in range(3)]
 params = b"".join(p.detach().numpy().tobytes() for c in trainer.chunks for p in c.parameters())
 # Larger than any block freed so far: adaptive glibc maps it again; with the setting it comes from the heap.

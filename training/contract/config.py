@@ -601,12 +601,6 @@ class TrainConfig:
     nan_probe: bool = True
     """When the loss goes non-finite, replay the failing step's micro-batches with forward hooks and name the
     first layer and rank that produced a non-finite value (event `nonfinite`, and on stderr)."""
-    min_step_s: float = 0.0
-    """Shortest wall time of a step: a step that ends sooner waits out the rest before its checkpoint boundary
-    (0: never waits). For runs that only have to stay alive until something happens to them (a signal, a
-    cancel, a lost node) on a machine they share: a tiny model would otherwise spin every core it has. The wait
-    is outside the step timer (step_time_s, tokens/s and MFU are the step's own); a stop signal that arrives
-    during it ends it, and the boundary right after saves and stops as it would without the wait."""
     progress_every_s: float = 30.0
     """Without a terminal (Slurm logs, a pipe): one progress line every this many seconds (and the first and last
     step); on a terminal the bar is redrawn in place every step."""
@@ -623,10 +617,6 @@ class TrainConfig:
     pipeline stages, recompute and the tensor-parallel layers keep their module boundaries. The first step
     carries the compile time (metrics `compile_s`, once); losses match eager within docs/PERFORMANCE.md's
     tolerance."""
-    host_memory_keep: bool = True
-    """CPU runs (glibc): the C allocator keeps the memory a step frees mapped for the next step, instead of
-    handing it back to the system and faulting it in again, page by page, every step (training/run/host_memory.py,
-    docs/PERFORMANCE.md). Changes no result; the process holds its peak heap between steps."""
 
 
 @dataclass

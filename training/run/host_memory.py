@@ -1,4 +1,5 @@
-"""CPU runs: the C allocator keeps the memory one step frees for the next step (train.host_memory_keep).
+"""CPU runs: the C allocator keeps the memory one step frees for the next step (the Trainer's keep_host_memory,
+on in every run; the rehearsal turns it off).
 
 PyTorch's CPU tensors come from malloc. glibc gives freed memory at the top of its heap back to the system
 once more than M_TRIM_THRESHOLD bytes lie free there, and serves a block above M_MMAP_THRESHOLD with its own
