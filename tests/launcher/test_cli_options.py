@@ -1,7 +1,7 @@
 """The schema split by reader: the command line composes AppConfig (launcher/cli/options.py), the ranks read Config
 (training/contract/config.py) from config.json, which holds no command-line option group; values the launcher
 resolves sit under `resolved`; and a run whose config.json an earlier version wrote (the option groups inside,
-train.checkpoint_every_min_resolved) still resumes."""
+train.checkpoint_every_min_resolved, the retired test knobs) still resumes."""
 
 from __future__ import annotations
 
@@ -39,10 +39,11 @@ def test_an_app_config_gives_its_config_part_and_takes_its_options_back():
 
 
 def _written_before(cfg: Config, minutes: float) -> dict:
-    """config.json as launchers wrote it before the split: the option groups inside, the resolved minutes in train."""
+    """config.json as launchers wrote it before the split: the option groups inside, the resolved minutes and the
+    tests' knobs in train."""
     old = config_to_dict(cfg)
     del old["resolved"]
-    old["train"]["checkpoint_every_min_resolved"] = minutes
+    old["train"].update(checkpoint_every_min_resolved=minutes, min_step_s=0.0, host_memory_keep=True)
     old.update(
         prepare={"inputs": [], "output": "data/stdlib"},
         keys={"group": ""},

@@ -812,16 +812,30 @@ def build(cls: type[T], data: dict[str, Any]) -> T:
     return cls(**kwargs)
 
 
-# Groups that config.json files written before the command line's options left Config held (launcher/cli/options.py
-# owns them now): read and dropped, so a run written then still resumes.
+# What config.json files written by earlier versions hold and this one does not: the command line's option groups
+# (launcher/cli/options.py owns them now) and the tests' knobs (training/run/pacing.py; the Trainer's
+# keep_host_memory). Read and dropped, so a run written then still resumes.
 _RETIRED_GROUPS = ("prepare", "keys", "status", "runs", "logs", "cancel")
+_RETIRED_TRAIN_KEYS = ("min_step_s", "host_memory_keep")
 
 
 def _upgraded(data: dict[str, Any]) -> dict[str, Any]:
-    """config.json as this version reads it: retired groups dropped, train.checkpoint_every_min_resolved (where
-    earlier launchers wrote it) under resolved."""
-    if not any(k in data for k in _RETIRED_GROUPS) and "checkpoint_every_min_resolved" not in data.get("train", {}):
+    """config.json as this version reads it: retired groups and keys dropped, train.checkpoint_every_min_resolved
+    (where earlier launchers wrote it) under resolved."""
+    train = data.get("train")
+    old_train = isinstance(train, dict) and any(
+        k in train for k in ("checkpoint_every_min_resolved", *_RETIRED_TRAIN_KEYS)
+    )
+    if not old_train and not any(k in data for k in _RETIRED_GROUPS):
         return data
+    data = {k: v for k, v in data.items() if k not in _RETIRED_GROUPS}
+    if isinstance(train, dict) and old_train:
+        train = {k: v for k, v in train.items() if k not in _RETIRED_TRAIN_KEYS}
+        data["train"] = train
+        if "checkpoint_every_min_resolved" in train:
+            minutes = train.pop("checkpoint_every_min_resolved")
+            data["resolved"] = {"checkpoint_every_min": minutes, **(data.get("resolved") or {})}
+    return data
     data = {k: v for k, v in data.items() if k not in _RETIRED_GROUPS}
     train = data.get("train")
     if isinstance(train, dict) and "checkpoint_every_min_resolved" in train:
