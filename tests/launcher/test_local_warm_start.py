@@ -97,7 +97,7 @@ def _lock_free(run) -> bool:
 
 def _warm_ranks(run, launcher: subprocess.Popen, attempt: int):
     """(agent pid, rank pids) of a warm launch, once both ranks catch the stop signals and 3 steps are logged."""
-    from launcher.manage.cancel import _children
+    from launcher.ranks.proc_tree import children
     from launcher.slurm.rank_task import catches
 
     started = wait_for(
@@ -110,7 +110,7 @@ def _warm_ranks(run, launcher: subprocess.Popen, attempt: int):
     agent = started[0]["agent_pid"]
 
     def ready():
-        kids = [p for p in _children(agent) if catches(p, signal.SIGUSR2) and catches(p, signal.SIGTERM)]
+        kids = [p for p in children(agent) if catches(p, signal.SIGUSR2) and catches(p, signal.SIGTERM)]
         logged = max([s for s, _ in _losses(run).items()], default=0) >= STEPS * (attempt + 1)
         return kids if len(kids) == 2 and logged else None
 
@@ -159,7 +159,7 @@ def test_warm_ranks_are_the_agents_children_hold_the_lock_and_stop_as_cold_ones(
     cold launch's bit for bit, the agent refuses another python; action=cancel saves and stops them; on the same run directory, a launcher killed
     with SIGKILL leaves its ranks to stop through SIGTERM (a checkpoint) while they alone hold the lock, then
     the agent leaves and the lock is free."""
-    from launcher.manage.cancel import _children
+    from launcher.ranks.proc_tree import children
 
     run = tmp_path / "run"
     # Paced steps (train.min_step_s): the ranks idle between steps while the test looks at them, instead of
@@ -181,7 +181,7 @@ def test_warm_ranks_are_the_agents_children_hold_the_lock_and_stop_as_cold_ones(
         assert str(run / ".meshrun.lock") in fds  # the launcher's locked file, kept open
     assert sorted(envs) == [0, 1] and not _lock_free(run)
     _another_python_is_refused(agent)
-    assert sorted(_children(agent)) == sorted(ranks)
+    assert sorted(children(agent)) == sorted(ranks)
     assert {s: _losses(run)[s] for s in cold_losses} == cold_losses
 
     cancel = run_cli("action=cancel", f"run.dir={run}", cwd=str(tmp_path))

@@ -279,11 +279,11 @@ def _training_rank(launcher: subprocess.Popen):
     saves the step it trains)."""
     import signal as sig
 
-    from launcher.manage.cancel import _children
+    from launcher.ranks.proc_tree import children
     from launcher.slurm.rank_task import catches
 
     def ready():
-        kids = [pid for pid in _children(launcher.pid) if catches(pid, sig.SIGUSR2) and catches(pid, sig.SIGTERM)]
+        kids = [pid for pid in children(launcher.pid) if catches(pid, sig.SIGUSR2) and catches(pid, sig.SIGTERM)]
         return kids[0] if kids else None
 
     return wait_for(ready, 240, "the rank to install its stop handlers")
