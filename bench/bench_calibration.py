@@ -23,6 +23,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from training.contract.rundir.paths import RunPaths  # noqa: E402
+
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
     PYTHON = sys.executable
@@ -69,7 +72,7 @@ def main() -> int:
         if p.returncode != 0:
             print(p.stdout[-3000:], p.stderr[-3000:], sep="\n")
             return 1
-        data = json.load(open(os.path.join(run_dir, "recommend.json")))
+        data = json.load(open(RunPaths(run_dir).recommend))
     cal, rates = data["calibration"], data["rates"]
     measured = [r for r in cal["runs"] if r["measured_step_s"] is not None]
     print(f"{'layout':<42} {'predicted s':>12} {'measured s':>11} {'measured/predicted':>19}")

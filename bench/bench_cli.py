@@ -22,6 +22,9 @@ import time
 
 TARGET_S = 0.5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from training.contract.rundir.paths import RunPaths  # noqa: E402
+
 BEGIN, END = "<!-- bench_cli.py: begin -->", "<!-- bench_cli.py: end -->"
 
 
@@ -47,8 +50,8 @@ def _prepare(tmp: str) -> str:
     p = subprocess.run([_meshrun(), "action=plan", f"run.dir={run_dir}"], capture_output=True, text=True, cwd=tmp)
     if p.returncode != 0:
         sys.exit(f"bench_cli: the plan failed: {p.stderr[-2000:]}")
-    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-    with open(os.path.join(run_dir, "logs", "rank_0.log"), "w") as f:
+    os.makedirs(RunPaths(run_dir).logs, exist_ok=True)
+    with open(RunPaths(run_dir).rank_log(0), "w") as f:
         f.writelines(f"[####....] {i}/100 loss 5.0\n" for i in range(100))
     return run_dir
 

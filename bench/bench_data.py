@@ -37,6 +37,7 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 from launcher.ranks.proc_tree import descendants, process_table  # noqa: E402
+from training.contract.rundir.paths import RunPaths  # noqa: E402
 
 PY = sys.executable
 GIB = 1 << 30
@@ -219,8 +220,8 @@ def bench_engine_rate(base: str, prefix: str) -> float:
     )
     if r.returncode != 0:
         raise RuntimeError(f"the engine run failed:\n{r.stderr[-3000:]}")
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    batch = json.load(open(os.path.join(run_dir, "config.json")))["parallel"]["global_batch"]
+    rows = [json.loads(line) for line in open(RunPaths(run_dir).metrics)]
+    batch = json.load(open(RunPaths(run_dir).config))["parallel"]["global_batch"]
     return batch / statistics.median(r["step_time_s"] for r in rows[1:])
 
 

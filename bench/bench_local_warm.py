@@ -25,6 +25,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from training.contract.rundir.paths import RunPaths  # noqa: E402
 
 
 def _run(run_dir: str, ranks: int, steps: int, warm: bool) -> dict:
@@ -48,7 +50,7 @@ def _run(run_dir: str, ranks: int, steps: int, warm: bool) -> dict:
     if res.returncode != 0:
         sys.exit(f"{'warm' if warm else 'cold'} run failed ({res.returncode}): {res.stderr[-2000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    with open(os.path.join(run_dir, "events.jsonl")) as f:
+    with open(RunPaths(run_dir).events) as f:
         events = [json.loads(line) for line in f if line.strip()]
     forked = [ev.get("warm_ranks") for ev in events if ev.get("event") == "ranks_started"]
     if warm and forked != [list(range(ranks))]:

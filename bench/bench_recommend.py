@@ -24,6 +24,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from training.contract.rundir.paths import RunPaths  # noqa: E402
+
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
     PYTHON = sys.executable
@@ -61,7 +64,7 @@ def run_cli(extra: list) -> dict:
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if p.returncode != 0:
             raise SystemExit(f"meshrun {' '.join(extra)} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-        path = os.path.join(run_dir, "recommend.json")
+        path = RunPaths(run_dir).recommend
         data = json.load(open(path)) if os.path.exists(path) else {}
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {"wall": wall, "cpu": cpu, "data": data}

@@ -20,6 +20,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from training.contract.rundir.paths import RunPaths  # noqa: E402
+
 MESHRUN = [sys.executable, "-m", "launcher"]
 
 CASES = {
@@ -69,7 +72,7 @@ def run(name: str, target: float, overrides) -> bool:
     wall = time.perf_counter() - t0
     ranks = "?"
     try:
-        with open(os.path.join(run_dir, "rehearsal.json")) as f:
+        with open(RunPaths(run_dir).rehearsal) as f:
             doc = json.load(f)
         ranks = f"{doc['rehearsed_ranks']} of {doc['layout']['world_size']} ranks"
     except (OSError, ValueError):

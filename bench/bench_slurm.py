@@ -47,6 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from training.contract.rundir.events import read_events  # noqa: E402
+from training.contract.rundir.paths import RunPaths  # noqa: E402
 from training.contract.slurm_env import SlurmUnavailable, slurm_command  # noqa: E402
 
 STEPS = 16
@@ -107,7 +108,7 @@ def events_of(run_dir: str, name: str, attempt: int | None = None) -> list[dict]
 
 def rank_exits(run_dir: str, attempt: int) -> list[float]:
     out = []
-    for path in glob.glob(os.path.join(run_dir, "slurm", f"attempt_{attempt}", "rank_*.json")):
+    for path in glob.glob(os.path.join(RunPaths(run_dir).attempt(attempt), "rank_*.json")):
         with open(path) as f:
             out.append(json.load(f)["ended"])
     return out
@@ -141,7 +142,7 @@ def workload_step_s(run_dir: str) -> float:
     """The median step time of the run's steps (metrics.jsonl): up to one and a half of them lie inside signal ->
     resumed step (the step under way when the signal comes, and the resumed one), whatever the restart costs."""
     times = []
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    with open(RunPaths(run_dir).metrics) as f:
         for line in f:
             row = json.loads(line)
             if "step_time_s" in row:

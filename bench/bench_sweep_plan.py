@@ -24,6 +24,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from training.contract.rundir.paths import RunPaths  # noqa: E402
+
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 if not os.path.exists(PYTHON):
     PYTHON = sys.executable
@@ -85,7 +88,7 @@ def run_sweep(extra: list) -> dict:
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         if p.returncode != 0:
             raise SystemExit(f"sweep {' '.join(extra) or '(meshrun)'} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-        data = json.load(open(os.path.join(sweep, "sweep.json")))
+        data = json.load(open(RunPaths(sweep).sweep))
     return {"wall": wall, "cpu": cpu, "data": data}
 
 

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from training.contract.rundir.paths import RunPaths  # noqa: E402
 
 STEP_TIMEOUT_S = 300.0
 """Time limit of each meshrun step (GPU_OPS_STEP_TIMEOUT_S overrides it). GPU_OPS_BUDGET_S: seconds for all the
@@ -196,7 +198,7 @@ def run_step(run_dir: str, name: str, argv: list[str], timeout: float, env: dict
 
 
 def _events(d: str) -> list[dict[str, Any]]:
-    path = os.path.join(d, "events.jsonl")
+    path = RunPaths(d).events
     return [json.loads(x) for x in open(path) if x.strip()] if os.path.exists(path) else []
 
 
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     s = meshrun(
         "preflight", ["action=preflight", *device, "cluster.preflight.mode=warn", *nvml_args, *extra, f"run.dir={pf}"]
     )
-    names = {c["name"]: c for c in _load(os.path.join(pf, "preflight.json"), {}).get("checks", [])}
+    names = {c["name"]: c for c in _load(RunPaths(pf).preflight, {}).get("checks", [])}
     want, not_on_cpu = list(CHECKLIST), {}
     if dry:  # what this torch cannot have: then the preflight must not claim it either
         if names.get("version.nccl", {}).get("found") is None:
@@ -340,9 +342,9 @@ def main(argv: list[str] | None = None) -> int:
             f"run.dir={tr}",
         ],
     )
-    report = os.path.join(tr, "profile", "nsys_rank0.nsys-rep")
+    report = RunPaths(tr).nsys_report(0) + ".nsys-rep"
     if dry:  # a CPU build of torch has no NVTX: the ranges are counted (training/observe/nvtx.py)
-        counted = _load(os.path.join(tr, "profile", "nvtx_rank0.json"), {})
+        counted = _load(RunPaths(tr).nvtx_counts(0), {})
         check(
             "nvtx_nsys",
             s.returncode == 0 and bool(counted),
@@ -359,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             nsys_installed=nsys,
             report=report if os.path.exists(report) else None,
         )
-    health = os.path.join(tr, "health.jsonl")
+    health = RunPaths(tr).health
     util = [json.loads(x).get("utilization_pct") for x in open(health) if x.strip()] if os.path.exists(health) else []
     check(
         "health_samples",
