@@ -342,6 +342,21 @@ class StepStats:
     not yet known complete): the only references that keep a stage output's storage alive."""
 
 
+class _StepState:
+    """One forward_backward's bookkeeping, shared by its units."""
+
+    def __init__(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], total: torch.Tensor, busy: BusyTimer):
+        self.micro_batches, self.total, self.busy = micro_batches, total, busy
+        # (chunk, mb) -> (input, the last stage's loss or the autograd edge of the stage output, saved bytes)
+        self.held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor | GradientEdge, int]] = {}
+        self.waiting_w: dict[tuple[int, int], tuple[list[_WeightGroup], int]] = {}  # zb_h1: B done, W not yet
+        self.outputs: list[weakref.ref] = []  # every stage output of the step (output deallocation's measurement)
+        self.outbox: dict[Message, torch.Tensor] = {}  # produced, sent at the next exchange
+        self.inbox: dict[Message, torch.Tensor] = {}  # received, consumed by the next unit
+        self.stats = StepStats()
+        self.live_bytes = 0
+
+
 def storage_id(t: torch.Tensor) -> int:
     """Which storage t views: its address; on meta (a rehearsal), where every address is 0, the storage's own
     identity."""
@@ -425,116 +440,141 @@ class PipelineSchedule:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _ensure_group(self) -> None:
+        if self.p > 1 and not self._group_ready:
+            # A NCCL communicator's first batch_isend_irecv must involve all of its ranks; a collective
+            # creates it (and is harmless on gloo).
+            comm.all_reduce_op(torch.zeros(1, device=self.device), group=self.group)
+            self._group_ready = True
+
+    def _walk(
+        self,
+        plan: list[Action | Exchange],
+        unit: Callable[[str, int, int], None],
+        outbox: dict[Message, torch.Tensor],
+        inbox: dict[Message, torch.Tensor],
+        after_exchange: Callable[[_Exchanger], None] | None = None,
+    ) -> None:
+        """Runs a plan in order: each exchange through one _Exchanger (what the units put in `outbox` goes out,
+        what arrives lands in `inbox`), each unit as unit(kind, chunk, micro-batch)."""
+        exchanger = _Exchanger(self, plan)
+        for step in plan:
+            if isinstance(step[0], tuple):
+                exchanger.exchange(outbox, inbox)
+                if after_exchange is not None:
+                    after_exchange(exchanger)
+                continue
+            kind, c, mb = step
+            unit(kind, c, mb)
+        exchanger.finish()
+        assert not outbox and not inbox, "every message of the plan is sent and consumed"
+
     # -- the step --
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the mean micro-batch loss on the last
         stage (detached fp32; zero elsewhere). Grads accumulate through the optimizer's hooks."""
         m = len(micro_batches)
         plan = build_comm_plan(self.kind, self.p, self.rank, m, self.v, self.mb_group)
-        last_v = self.num_virtual - 1
-        # (chunk, mb) -> (input, the last stage's loss or the autograd edge of the stage output, saved bytes)
-        held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor | GradientEdge, int]] = {}
-        waiting_w: dict[tuple[int, int], tuple[list[_WeightGroup], int]] = {}  # zb_h1: B done, W not yet
-        outputs: list[weakref.ref] = []  # every stage output of the step (output deallocation's measurement)
-        outbox: dict[Message, torch.Tensor] = {}  # produced, sent at the next exchange
-        inbox: dict[Message, torch.Tensor] = {}  # received, consumed by the next unit
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        st = StepStats()
-        live_bytes = 0
-        if self.p > 1 and not self._group_ready:
-            # A NCCL communicator's first batch_isend_irecv must involve all of its ranks; a collective
-            # creates it (and is harmless on gloo).
-            comm.all_reduce_op(torch.zeros(1, device=self.device), group=self.group)
-            self._group_ready = True
+        self._ensure_group()
         self._sync()
         t_start = time.perf_counter()
-        busy = BusyTimer(self.device)  # CUDA: events on the compute stream, no device-wide sync per unit
-        exchanger = _Exchanger(self, plan)
-        for step in plan:
-            if isinstance(step[0], tuple):
-                exchanger.exchange(outbox, inbox)
-                st.peak_message_bytes = max(st.peak_message_bytes, exchanger.message_bytes(outbox))
-                continue
-            kind, c, mb = step
-            vs = self._vstage(c)
-            if kind == "W":
-                groups, nbytes = waiting_w.pop((c, mb))
-                busy.start()
-                _weight_pass(groups)
-                busy.stop()
-                live_bytes -= nbytes
-                del groups
-            elif kind == "F":
-                tokens, targets = micro_batches[mb]
-                if vs == 0:
-                    x, inp = tokens.to(self.device), None
-                else:
-                    inp = inbox.pop(("act", vs, mb)).requires_grad_(True)
-                    x = inp
-                counter = _SavedBytes(self._param_ptrs)
-                busy.start()
-                if self.measure_memory:
-                    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-                        out = self._forward(c, x, targets if vs == last_v else None)
-                else:
-                    out = self._forward(c, x, targets if vs == last_v else None)
-                busy.stop()
-                if vs == last_v:
-                    total += out.detach().float()
-                    held[(c, mb)] = (inp, out, counter.total)
-                else:
-                    # Output deallocation (Megatron's deallocate_pipeline_outputs): the message is the output's
-                    # storage and the step keeps only the output's autograd edge, so the storage lives as long
-                    # as the message does (until its send has completed: _Exchanger), not until backward.
-                    # Backward starts at the edge with the received grad (shape-checked against the graph).
-                    outbox[("act", vs + 1, mb)] = out.detach().contiguous()
-                    held[(c, mb)] = (inp, get_gradient_edge(out), counter.total)
-                    st.peak_outputs_alive = max(st.peak_outputs_alive, sum(1 for r in outputs if r() is not None))
-                    outputs.append(weakref.ref(out))
-                del out
-                live_bytes += counter.total
-                st.saved_bytes_per_forward.append(counter.total)
-                st.peak_saved_bytes = max(st.peak_saved_bytes, live_bytes)
-                st.peak_in_flight = max(st.peak_in_flight, len(held) + len(waiting_w))
-            else:
-                inp, root, nbytes = held.pop((c, mb))
-                grad_out = None if vs == last_v else inbox.pop(("grad", vs, mb))
-                busy.start()
-                if isinstance(root, torch.Tensor):
-                    root = self.scale_loss(root.float(), m)  # the last stage: backpropagate the scaled loss
-                if self.kind == "zb_h1" and inp is not None:
-                    grad_in, groups = _input_pass(root, grad_out, inp, self.chunks[c])
-                    waiting_w[(c, mb)] = (groups, nbytes)
-                else:  # the whole backward (zb_h1's first stage has no input grad to hurry: its W is empty)
-                    torch.autograd.backward(root, grad_tensors=grad_out)
-                    grad_in = None if inp is None else inp.grad
-                    if self.kind == "zb_h1":
-                        waiting_w[(c, mb)] = ([], nbytes)
-                    else:
-                        live_bytes -= nbytes
-                busy.stop()
-                if vs > 0:
-                    assert grad_in is not None
-                    outbox[("grad", vs - 1, mb)] = grad_in.contiguous()
-                del inp, root, grad_out, grad_in
-        exchanger.finish()
-        assert not outbox and not inbox, "every message of the plan is sent and consumed"
-        assert not held and not waiting_w, "every forward has had its backward (and W)"
+        # CUDA: events on the compute stream, no device-wide sync per unit
+        step = _StepState(micro_batches, total, BusyTimer(self.device))
+        units = {"F": self._forward_unit, "B": self._backward_unit, "W": self._weight_unit}
+
+        def note_messages(exchanger: _Exchanger) -> None:
+            st = step.stats
+            st.peak_message_bytes = max(st.peak_message_bytes, exchanger.message_bytes(step.outbox))
+
+        self._walk(plan, lambda kind, c, mb: units[kind](step, c, mb), step.outbox, step.inbox, note_messages)
+        assert not step.held and not step.waiting_w, "every forward has had its backward (and W)"
         self._sync()  # once per step: the wall clock ends when this rank's queued work has
+        self._finish_stats(step.stats, step.busy, t_start)
+        self.last_m = m
+        return step.total / m
+
+    def _forward_unit(self, step: _StepState, c: int, mb: int) -> None:
+        """F: one chunk's forward of one micro-batch; its output goes to the outbox (or its loss to the total)."""
+        st, vs, last_v = step.stats, self._vstage(c), self.num_virtual - 1
+        tokens, targets = step.micro_batches[mb]
+        if vs == 0:
+            x, inp = tokens.to(self.device), None
+        else:
+            inp = step.inbox.pop(("act", vs, mb)).requires_grad_(True)
+            x = inp
+        counter = _SavedBytes(self._param_ptrs)
+        step.busy.start()
+        if self.measure_memory:
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+                out = self._forward(c, x, targets if vs == last_v else None)
+        else:
+            out = self._forward(c, x, targets if vs == last_v else None)
+        step.busy.stop()
+        if vs == last_v:
+            step.total += out.detach().float()
+            step.held[(c, mb)] = (inp, out, counter.total)
+        else:
+            # Output deallocation (Megatron's deallocate_pipeline_outputs): the message is the output's
+            # storage and the step keeps only the output's autograd edge, so the storage lives as long
+            # as the message does (until its send has completed: _Exchanger), not until backward.
+            # Backward starts at the edge with the received grad (shape-checked against the graph).
+            step.outbox[("act", vs + 1, mb)] = out.detach().contiguous()
+            step.held[(c, mb)] = (inp, get_gradient_edge(out), counter.total)
+            st.peak_outputs_alive = max(st.peak_outputs_alive, sum(1 for r in step.outputs if r() is not None))
+            step.outputs.append(weakref.ref(out))
+        del out
+        step.live_bytes += counter.total
+        st.saved_bytes_per_forward.append(counter.total)
+        st.peak_saved_bytes = max(st.peak_saved_bytes, step.live_bytes)
+        st.peak_in_flight = max(st.peak_in_flight, len(step.held) + len(step.waiting_w))
+
+    def _backward_unit(self, step: _StepState, c: int, mb: int) -> None:
+        """B: one chunk's backward of one micro-batch (zb_h1: the input grad only, its W kept for later); the
+        input grad goes to the outbox."""
+        vs = self._vstage(c)
+        inp, root, nbytes = step.held.pop((c, mb))
+        grad_out = None if vs == self.num_virtual - 1 else step.inbox.pop(("grad", vs, mb))
+        step.busy.start()
+        if isinstance(root, torch.Tensor):
+            root = self.scale_loss(root.float(), len(step.micro_batches))  # the last stage: the scaled loss
+        if self.kind == "zb_h1" and inp is not None:
+            grad_in, groups = _input_pass(root, grad_out, inp, self.chunks[c])
+            step.waiting_w[(c, mb)] = (groups, nbytes)
+        else:  # the whole backward (zb_h1's first stage has no input grad to hurry: its W is empty)
+            torch.autograd.backward(root, grad_tensors=grad_out)
+            grad_in = None if inp is None else inp.grad
+            if self.kind == "zb_h1":
+                step.waiting_w[(c, mb)] = ([], nbytes)
+            else:
+                step.live_bytes -= nbytes
+        step.busy.stop()
+        if vs > 0:
+            assert grad_in is not None
+            step.outbox[("grad", vs - 1, mb)] = grad_in.contiguous()
+
+    def _weight_unit(self, step: _StepState, c: int, mb: int) -> None:
+        """W (zb_h1): the weight grads a B left for later."""
+        groups, nbytes = step.waiting_w.pop((c, mb))
+        step.busy.start()
+        _weight_pass(groups)
+        step.busy.stop()
+        step.live_bytes -= nbytes
+
+    def _finish_stats(self, st: StepStats, busy: BusyTimer, t_start: float) -> None:
+        """This rank's busy and wall time, and the pipeline's idle share over its ranks, into self.stats."""
         st.wall_s = time.perf_counter() - t_start
         st.busy_s = busy.seconds()
         st.idle_share = max(0.0, 1.0 - st.busy_s / st.wall_s) if st.wall_s > 0 else 0.0
         # The pipeline's wall clock is the longest rank's (a rank that finishes early idles until the
         # step ends); ranks start together, synchronised by the previous step's collectives.
-        busy = torch.tensor([st.busy_s], dtype=torch.float64, device=self.device)
+        busy_t = torch.tensor([st.busy_s], dtype=torch.float64, device=self.device)
         wall = torch.tensor([st.wall_s], dtype=torch.float64, device=self.device)
         if self.p > 1:
-            comm.all_reduce_op(busy, group=self.group)
+            comm.all_reduce_op(busy_t, group=self.group)
             comm.all_reduce_op(wall, group=self.group, op=comm.ReduceOp.MAX)
-        st.idle_share_mean = max(0.0, 1.0 - comm.value(busy, 0.0) / self.p / comm.value(wall, 1.0))
+        st.idle_share_mean = max(0.0, 1.0 - comm.value(busy_t, 0.0) / self.p / comm.value(wall, 1.0))
         self.stats = st
-        self.last_m = m
-        return total / m
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -545,16 +585,11 @@ class PipelineSchedule:
         outbox: dict[Message, torch.Tensor] = {}
         inbox: dict[Message, torch.Tensor] = {}
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        if self.p > 1 and not self._group_ready:
-            comm.all_reduce_op(torch.zeros(1, device=self.device), group=self.group)  # see forward_backward
-            self._group_ready = True
+        self._ensure_group()
         plan = build_forward_plan(self.p, self.rank, m, self.v)
-        exchanger = _Exchanger(self, plan)
-        for step in plan:
-            if isinstance(step[0], tuple):
-                exchanger.exchange(outbox, inbox)
-                continue
-            _, c, mb = step
+
+        def forward(_kind: str, c: int, mb: int) -> None:
+            nonlocal total
             vs = self._vstage(c)
             tokens, targets = micro_batches[mb]
             x = tokens.to(self.device) if vs == 0 else inbox.pop(("act", vs, mb))
@@ -563,8 +598,8 @@ class PipelineSchedule:
                 total += out.float()
             else:
                 outbox[("act", vs + 1, mb)] = out.contiguous()
-        exchanger.finish()
-        assert not outbox and not inbox, "every message of the plan is sent and consumed"
+
+        self._walk(plan, forward, outbox, inbox)
         return total / m
 
     def _forward(self, c: int, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
