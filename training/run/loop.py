@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import resource
 import sys
 import time
@@ -27,6 +26,7 @@ from training.contract.exit_codes import EXIT_OK, EXIT_STOPPED
 from training.contract.layout_rules import layout_violations, raise_errors
 from training.contract.lr_schedule import lr_at, schedule_problems
 from training.contract.precision import param_dtype
+from training.contract.rundir.paths import RunPaths
 from training.data import BatchSampler, DataError, build_corpus, make_eval_source, make_source, validate_data_config
 from training.model.moe import reset_moe_stats
 from training.observe import startup
@@ -36,11 +36,13 @@ from training.optim import DistributedOptimizer, StepResult
 from training.parallel import collectives as comm
 from training.run import signals
 from training.run.observers import Totals, build_observers
+from training.run.pacing import pace_step_s
 from training.run.stop import StopRule, install_signals
 from training.schedules import make_schedule
 
 PACE_SLICE_S = 0.1
-"""train.min_step_s waits in slices of this length: how late a stop signal that arrives during the wait is seen."""
+"""Step pacing (training/run/pacing.py) waits in slices of this length: how late a stop signal that arrives during the
+wait is seen."""
 
 
 @dataclass
@@ -75,7 +77,7 @@ def model_flops_per_step(run_dir: str) -> float | None:
     """plan.json's model_flops_per_step (the planner's one formula: launcher/plan/model_size.py), or None
     without a plan: the run then reports no MFU rather than a second, rougher formula's."""
     try:
-        with open(os.path.join(run_dir, "plan.json")) as f:
+        with open(RunPaths(run_dir).plan) as f:
             value = json.load(f).get("model_flops_per_step")
     except (OSError, ValueError):
         return None
@@ -133,11 +135,15 @@ class Trainer:
         mesh,
         chunks: list[torch.nn.Module] | None = None,
         checkpointing: bool = True,
+        keep_host_memory: bool = True,
     ):
         self.cfg, self.run_dir, self.mesh = cfg, run_dir, mesh
         self.is_logger = mesh.rank == 0
+        self.pace_s = pace_step_s()  # tests' and benchmarks' step pacing (MESHRUN_PACE_STEP_S), never a user key
         self._check_layout()
-        if cfg.train.host_memory_keep:  # before the model's and the optimizer's allocations
+        # CPU runs: freed heap memory stays mapped for the next step (training/run/host_memory.py); not a user key,
+        # changes no result; off only where the engine runs inside another process (the rehearsal, its tests).
+        if keep_host_memory:  # before the model's and the optimizer's allocations
             from training.run.host_memory import keep_freed_host_memory
 
             keep_freed_host_memory(torch.device(mesh.device))
@@ -324,9 +330,10 @@ class Trainer:
         return reason or ""
 
     def _pace(self, step_start: float) -> None:
-        """train.min_step_s: wait out the rest of the step before its boundary, in short slices, so that a stop
-        signal ends the wait (the boundary right after saves and stops as it would without the wait)."""
-        until = step_start + self.cfg.train.min_step_s
+        """Step pacing (training/run/pacing.py): wait out the rest of the step before its boundary, in short slices,
+        so that a stop signal ends the wait (the boundary right after saves and stops as it would without the wait).
+        The wait is outside the step timer: step_time_s, tokens/s and MFU are the step's own."""
+        until = step_start + self.pace_s
         while signals.received() is None:
             left = until - time.perf_counter()
             if left <= 0:
@@ -537,9 +544,7 @@ class Trainer:
                     f"rank 0 offloaded optimizer state (bytes): host {mem['host_offload']}, nvme {mem['nvme_offload']}",
                     file=sys.stderr,
                 )
-            from training.contract.rundir.files import (
-                write_atomic,
-            )  # never through a link (training/contract/rundir/files.py)
+            from training.contract.rundir.files import write_atomic  # never through a link
 
-            write_atomic(os.path.join(self.run_dir, "summary.json"), json.dumps(asdict(s), indent=2))
+            write_atomic(RunPaths(self.run_dir).summary, json.dumps(asdict(s), indent=2))
         return s
