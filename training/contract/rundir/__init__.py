@@ -1,2 +1,3 @@
-"""The one owner of run.dir's files (pure Python; launcher and ranks): atomic and durable writes (files.py, with the
-list of run files), config files, events, the lock, resume requests, secrets, metrics reading."""
+"""run.dir's files (pure Python; launcher and ranks): the map naming each of them (paths.py, RunPaths), atomic and
+durable writes (files.py, with the list of top-level run files checked for links), config files, events, the lock,
+resume requests, secrets, metrics reading."""
