@@ -12,15 +12,18 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from training.checkpoint import CheckpointManager
 from training.contract.config import Config
 from training.contract.exit_codes import EXIT_STOPPED
 from training.contract.rundir.events import append_event
 from training.parallel import collectives as comm
 from training.run import signals
+
+if TYPE_CHECKING:
+    from training.checkpoint import CheckpointManager
 
 STOP_CODES = {0: None, 1: "exit_interval", 2: "exit_after_min", 3: "SIGTERM", 4: "SIGUSR2"}
 """Stop reasons by code; the all-reduce keeps the largest, so a signal wins over a configured stop."""
