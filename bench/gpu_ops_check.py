@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(hook, "sitecustomize.py"), "w") as f:
             f.write(DRY_OOM_HOOK.format(nbytes=DRY_OOM_BYTES))
         path = os.pathsep.join(x for x in (hook, ROOT, os.environ.get("PYTHONPATH", "")) if x)
-        # Only the rank sets OPS_DRY_OOM (cluster.env; not a MESHRUN_ name, launcher/plan/trust.py).
+        # Only the rank sets OPS_DRY_OOM (cluster.env; not a MESHRUN_ name, launcher/plan/safety.py).
         s = meshrun(
             "oom",
             [

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from launcher.launch.host_checks import host_issues
 from launcher.plan.cadence import format_advice
 from launcher.plan.cadence import resolve as resolve_cadence
 from launcher.plan.estimate import format_plan
@@ -72,12 +73,18 @@ def signal_delay_issue(cfg: Config, save_s: float, save_source: str = "") -> Iss
     )
 
 
-def validate_for_launch(cfg: Config) -> Report:
-    """The planner's rules plus the launch backend's own (Slurm: sbatch safety), every violation at once."""
-    checks = None
+def launch_checks(cfg: Config) -> list[Issue]:
+    """The launch backend's own rules (Slurm: sbatch safety, elastic node counts) and the machine checks
+    (launcher/launch/host_checks.py): what validate() leaves to the launch (its cluster_checks)."""
+    out = []
     if cfg.cluster.kind == "slurm":
-        checks = _slurm_checks
-    return validate(cfg, cluster_checks=checks)
+        out += [Issue("error", "cluster", message, code="slurm") for message in _slurm_checks(cfg)]
+    return out + host_issues(cfg)
+
+
+def validate_for_launch(cfg: Config) -> Report:
+    """The planner's rules plus the launch's own (launch_checks), every violation at once."""
+    return validate(cfg, cluster_checks=launch_checks)
 
 
 def plan_or_reject(

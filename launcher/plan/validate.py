@@ -8,8 +8,6 @@ No torch, no Hydra: the launcher calls it before anything is launched.
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
@@ -17,9 +15,9 @@ from typing import Any
 from launcher.plan.cadence import cadence_problems
 from launcher.plan.context_memory import more_cp
 from launcher.plan.estimate import GIB, Plan, make_plan, with_parallel
-from launcher.plan.honest_checks import SELECTIVE_MIN_SAVING
 from launcher.plan.issues import Issue
 from launcher.plan.model_size import chunk_layers
+from launcher.plan.settings import SELECTIVE_MIN_SAVING
 from training.contract import layout_rules as rules
 from training.contract.config import CHOICE_FIELDS, Config, choices, derived_dp
 from training.contract.fp8_rules import fp8_rules
@@ -102,53 +100,18 @@ def _non_finite(obj, prefix: str = "") -> list[tuple[str, float]]:
     return found
 
 
-def online_numa_nodes(path: str = "/sys/devices/system/node/online") -> list[int] | None:
-    """This machine's NUMA node ids from sysfs ("0-1,3" -> [0, 1, 3]); None where sysfs does not say."""
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    nodes: list[int] = []
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        nodes += range(int(lo), int(hi or lo) + 1)
-    return nodes
-
-
-def _check_numa_and_cores(cfg: Config, out: list[Issue]) -> None:
-    """NUMA map entries that exist, and local ranks against this machine's cores.
-
-    Both are checked against this machine only for cluster.kind=local: a Slurm job's nodes are not this
-    host (there a negative entry is still an error, and the rank checks its binding itself)."""
+def _check_numa_map(cfg: Config, out: list[Issue]) -> None:
+    """cluster.numa=explicit: NUMA node ids are >= 0 (the launch gate checks a local run's entries against this
+    machine's nodes, launcher/launch/host_checks.py; a Slurm rank checks its binding itself)."""
     c = cfg.cluster
-    local = c.kind == "local"
-    if c.numa == "explicit":
-        nodes = online_numa_nodes() if local else None
-        bad = [n for n in c.numa_map if n < 0 or (nodes is not None and n not in nodes)]
-        if bad:
-            where = f"this machine's NUMA nodes are {nodes}" if nodes is not None else "NUMA node ids are >= 0"
-            out.append(
-                Issue(
-                    "error",
-                    "cluster.numa_map",
-                    f"entries {bad} are not NUMA nodes of the node ({where})",
-                    f"cluster.numa_map=[...] with ids from {nodes if nodes is not None else '[0, ...]'}, "
-                    "or cluster.numa=auto",
-                )
-            )
-    try:  # the CPUs this process (and the ranks it starts) may run on, not the machine's: taskset, a cgroup
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 0
-    if local and cores and c.gpus_per_node > cores:
+    bad = [n for n in c.numa_map if n < 0] if c.numa == "explicit" else []
+    if bad:
         out.append(
             Issue(
-                "warning",
-                "cluster.gpus_per_node",
-                f"{c.gpus_per_node} local ranks on {cores} CPU cores: ranks share cores and every "
-                "collective waits for the slowest, so steps run several times slower",
-                f"cluster.gpus_per_node={cores} (or keep {c.gpus_per_node} ranks and accept the slowdown)",
+                "error",
+                "cluster.numa_map",
+                f"entries {bad} are not NUMA nodes of the node (NUMA node ids are >= 0)",
+                "cluster.numa_map=[...] with ids from [0, ...], or cluster.numa=auto",
             )
         )
 
@@ -174,9 +137,9 @@ def _check_finite_and_choices(cfg: Config, out: list[Issue]) -> None:
                 "finite",
             )
         )
-    from launcher.plan.trust import trust_problems  # reserved cluster.env names, profile window
+    from launcher.plan.safety import safety_problems  # reserved cluster.env names, profile window
 
-    out += [Issue("error", key, message, fix, "trust") for key, message, fix in trust_problems(cfg)]
+    out += [Issue("error", key, message, fix, "trust") for key, message, fix in safety_problems(cfg)]
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
@@ -234,8 +197,9 @@ def _check_sizes(cfg: Config, out: list[Issue]) -> bool:
 
 
 def _check_train(cfg: Config, out: list[Issue]) -> None:
-    """The training loop's settings: rates and intervals, the LR schedule, compilation, checkpoints and logs."""
-    t, c = cfg.train, cfg.cluster
+    """The training loop's settings: rates and intervals, the LR schedule, checkpoints and logs (a C++ compiler
+    for train.compile on CPU is the launch gate's machine check, launcher/launch/host_checks.py)."""
+    t = cfg.train
     for key in (
         "lr",
         "min_lr",
@@ -246,24 +210,12 @@ def _check_train(cfg: Config, out: list[Issue]) -> None:
         "exit_interval",
         "exit_after_min",
         "log_every",
-        "min_step_s",
     ):
         if _get(t, key) < 0:
             out.append(Issue("error", f"train.{key}", f"must be >= 0, got {_get(t, key)}", f"train.{key}=0"))
     from training.contract.lr_schedule import schedule_problems  # pure Python: the engine checks the same at start-up
 
     out += [Issue("error", key, message, fix) for key, message, fix in schedule_problems(t)]
-    compilers = (os.environ.get("CXX", ""), "g++", "c++", "clang++")
-    if t.compile and c.device == "cpu" and not any(shutil.which(cc) for cc in compilers if cc):
-        # Inductor's CPU kernels are C++ built by the host compiler: without one the first step fails.
-        out.append(
-            Issue(
-                "warning",
-                "train.compile",
-                "no C++ compiler (CXX, g++, c++, clang++) on this machine's PATH: torch.compile's CPU kernels need one",
-                "install g++ (apt-get install g++) or train.compile=false",
-            )
-        )
     if not t.checkpointing:  # a run that writes no checkpoint cannot also save by step, stop-and-save, or resume
         for key, bad in (
             ("checkpoint_every", t.checkpoint_every > 0),
@@ -318,7 +270,7 @@ def _check_start(cfg: Config, out: list[Issue]) -> None:
                 "cluster.master_port=0",
             )
         )
-    _check_numa_and_cores(cfg, out)
+    _check_numa_map(cfg, out)
     if str(t.resume) not in ("auto", "none") and not str(t.resume).isdigit():
         out.append(
             Issue("error", "train.resume", f"{t.resume!r} is not auto, none or a step number", "train.resume=auto")
@@ -346,20 +298,6 @@ def _check_model(cfg: Config, out: list[Issue]) -> None:
                 "model.vocab_size=256 or data=synthetic",
             )
         )
-    if cfg.data.kind == "text":
-        # Checked here for local runs (the ranks see this filesystem); on Slurm the compute nodes
-        # may mount paths this host lacks, so there the ranks check and exit 2 themselves.
-        for path in cfg.data.paths:
-            if cfg.cluster.kind == "local" and not os.path.exists(path):
-                out.append(
-                    Issue(
-                        "error",
-                        "data.paths",
-                        f"{path!r} does not exist",
-                        "give existing text files or directories, or leave data.paths empty for "
-                        "the Python standard library's sources",
-                    )
-                )
 
 
 def _issues(violations: list[rules.Violation]) -> list[Issue]:
@@ -531,7 +469,7 @@ def changed_keys(cfg: Config, new: Config) -> str:
 
 
 NO_COMBINATION = "cluster.nodes=<more>"
-"""The no-fit fix when no combination of the levers fits; launcher/planning/gate.py names the node count."""
+"""The no-fit fix when no combination of the levers fits; launcher/launch/gate.py names the node count."""
 
 
 # The fixes tried when a model does not fit, cheapest first: (label, change) pairs.
@@ -670,23 +608,19 @@ def fit_fixes(cfg: Config, plan: Plan) -> list[str]:
     return lines
 
 
-def validate(cfg: Config, cluster_checks: Callable[[Config], list[str]] | None = None) -> Report:
+def validate(cfg: Config, cluster_checks: Callable[[Config], list[Issue]] | None = None) -> Report:
     """Check every rule; plan when the layout allows it; add the no-fit error with its breakdown and fixes.
 
-    cluster_checks: the launch backend's own rules (the Slurm backend passes its sbatch-safety checks), so one
-    run lists every violation at once; the planner itself knows nothing of Slurm."""
+    cluster_checks: the launch's own rules (launcher/launch/gate.py launch_checks: the Slurm backend's sbatch
+    safety, and the checks against the machines: NUMA nodes, cores, tools on PATH, datasets, shared file systems),
+    so one run lists every violation at once; the planner itself reads only the configuration."""
     issues: list[Issue] = []
     sizes_ok = _check_values(cfg, issues)
     if cluster_checks is not None:
-        issues += [Issue("error", "cluster", message, code=cfg.cluster.kind) for message in cluster_checks(cfg)]
+        issues += cluster_checks(cfg)
     if not sizes_ok:
         return Report(issues)
     _check_model(cfg, issues)
-    # Data: eval keys, blend weights, and (local runs) each dataset against its description and the model's
-    # vocabulary (launcher/data/datasets.py).
-    from launcher.data.datasets import data_errors
-
-    issues += [Issue("error", key, message, fix, "data") for key, message, fix in data_errors(cfg)]
     layout_ok = _check_layout(cfg, issues)
     report = Report(issues)
     if (
@@ -697,9 +631,9 @@ def validate(cfg: Config, cluster_checks: Callable[[Config], list[str]] | None =
         return report
     plan = make_plan(cfg)
     report.plan = plan
-    from launcher.plan.honest_checks import honest_issues  # keys that would not do what they say
+    from launcher.plan.settings import setting_issues  # keys that would not do what they say
 
-    issues += honest_issues(cfg, plan)
+    issues += setting_issues(cfg, plan)
     if not plan.fits:
         mem = plan.memory_bytes
         breakdown = ", ".join(f"{k} {mem[k] / GIB:.2f}" for k in ("weights", "grads", "optimizer", "activations"))

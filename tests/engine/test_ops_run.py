@@ -150,7 +150,7 @@ def test_local_rank_numa_bound_and_oom_explained(tmp_path):
     hook = tmp_path / "hook"
     hook.mkdir()
     # The ranks (only they get cluster.env) replace the training loop with a CUDA out-of-memory error (not a
-    # MESHRUN_ name: cluster.env may not set meshrun's own variables, launcher/plan/trust.py).
+    # MESHRUN_ name: cluster.env may not set meshrun's own variables, launcher/plan/safety.py).
     (hook / "sitecustomize.py").write_text(
         "import os\n"
         "if os.environ.get('OPS_TEST_OOM'):\n"

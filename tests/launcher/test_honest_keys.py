@@ -13,12 +13,13 @@ from helpers.cli import compose_cfg, meshrun
 
 import launcher.data.prepare as lp
 from launcher.cli.unknown_keys import nearest_key, quoting_hint
-from launcher.launch.local_numa import local_binding, rank_prefix
+from launcher.data.prepare.config import PrepareConfig
 from launcher.plan.estimate import format_plan, make_plan, with_parallel
-from launcher.plan.honest_checks import PIPELINE_IDLE_WARN, ignored_on_local, micro_batches_for_idle
+from launcher.plan.settings import PIPELINE_IDLE_WARN, ignored_on_local, micro_batches_for_idle
 from launcher.plan.validate import validate
-from launcher.planning.recommend import recommend
-from training.contract.config import Config, PrepareConfig
+from launcher.ranks.numa import local_binding, rank_prefix
+from launcher.recommend.recommend import recommend
+from training.contract.config import Config
 
 # ---- 1. unknown keys, even with '+' -----------------------------------------------------------------------------
 

@@ -187,15 +187,25 @@ def test_no_launcher_module_loads_torch_on_import():
     assert not wrong, "torch imported on import of a launcher module:\n" + "\n".join(wrong)
 
 
-def test_the_planner_imports_nothing_from_slurm_or_the_launch_code():
+def test_the_planner_imports_nothing_from_the_rest_of_the_launcher_nor_reads_the_machine():
     # launcher/plan/ is the model a 64-point sweep runs per point: pure arithmetic on the config (its __init__ says
-    # so); the planning actions that submit or launch live in launcher/planning/.
+    # so). What looks at the machine (NUMA nodes, PATH, file systems, datasets) is the launch gate's
+    # (launcher/launch/host_checks.py); the layout search is launcher/recommend/'s.
     wrong = [
         f"{name} imports {imported}"
         for name, path in _modules().items()
-        if name.startswith("launcher.plan.")
+        if name == "launcher.plan" or name.startswith("launcher.plan.")
         for imported in _imports(path)
-        if imported.split(".")[:2] in (["launcher", "slurm"], ["launcher", "planning"])
-        or imported.startswith("launcher.launch.local")
+        if imported.split(".")[0] == "launcher" and imported.split(".")[:2] != ["launcher", "plan"]
     ]
     assert not wrong, wrong
+    probes = []
+    for name, path in _modules().items():
+        if name == "launcher.plan" or name.startswith("launcher.plan."):
+            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("listdir", "scandir", "walk"):
+                    probes.append(f"{name}:{node.lineno} lists a directory")
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    if node.value.startswith(("/sys/", "/proc/")) or node.value in ("/sys", "/proc"):
+                        probes.append(f"{name}:{node.lineno} names {node.value}")
+    assert not probes, probes

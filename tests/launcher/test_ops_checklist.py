@@ -175,7 +175,7 @@ def test_cgroup_memory_limit_against_the_host_memory_the_ranks_need(tmp_path):
 
 def test_multi_node_run_dir_must_be_on_a_shared_file_system(tmp_path, monkeypatch):
     from launcher.launch import shared_fs
-    from launcher.plan.validate import validate
+    from launcher.launch.gate import validate_for_launch as validate
 
     mounts = tmp_path / "mounts"
     mounts.write_text(f"/dev/vda1 / ext4 rw 0 0\nserver:/export {tmp_path / 'nfs'} nfs4 rw 0 0\n")
@@ -273,8 +273,8 @@ def test_oom_says_states_or_activations_and_the_levers_that_fit(tmp_path):
 
 
 def test_nsys_wraps_the_chosen_ranks_with_the_profile_steps_capture_range(tmp_path, monkeypatch):
+    from launcher.launch.gate import validate_for_launch as validate
     from launcher.ranks.nsys import nsys_prefix
-    from launcher.plan.validate import validate
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -201,7 +201,7 @@ def test_slurm_settings_are_listed_with_the_layout_errors():
 
 
 def test_missing_data_path_is_an_error_before_launch():
-    report = validate(compose_cfg("data.paths=[/nonexistent/corpus.txt]"))
+    report = validate_for_launch(compose_cfg("data.paths=[/nonexistent/corpus.txt]"))
     assert "data.paths" in _keys(report.errors)
 
 
@@ -236,7 +236,7 @@ def test_nan_and_infinity_rejected_for_every_float_key():
 
 
 def test_timeout_port_numa_and_cores(monkeypatch):
-    from launcher.plan import validate as v
+    from launcher.launch import host_checks as v
 
     bad = compose_cfg(
         "train.dist_timeout_s=0",
@@ -247,7 +247,7 @@ def test_timeout_port_numa_and_cores(monkeypatch):
         "parallel.dp=2",
         "cluster.numa_map=[0,7]",
     )
-    errors = {i.key: i for i in validate(bad).errors}
+    errors = {i.key: i for i in validate_for_launch(bad).errors}
     assert {"train.dist_timeout_s", "cluster.master_port", "cluster.numa_map"} <= set(errors)
     assert "[7]" in errors["cluster.numa_map"].message and "cluster.numa=auto" in errors["cluster.numa_map"].fix
     for port, ok in ((0, True), (1023, False), (1024, True), (65535, True), (65536, False)):
@@ -256,15 +256,15 @@ def test_timeout_port_numa_and_cores(monkeypatch):
     # A machine with NUMA nodes 0 and 1 (sysfs format "0-1"): node 1 is fine there.
     monkeypatch.setattr(v, "online_numa_nodes", lambda: [0, 1])
     two = compose_cfg("cluster.numa=explicit", "cluster.numa_map=[0,1,1,0]")
-    assert "cluster.numa_map" not in _keys(validate(two).errors)
+    assert "cluster.numa_map" not in _keys(validate_for_launch(two).errors)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # the process's CPUs, not the machine's
-    many = validate(compose_cfg("cluster.gpus_per_node=4"))
+    many = validate_for_launch(compose_cfg("cluster.gpus_per_node=4"))
     warn = next(i for i in many.warnings if i.key == "cluster.gpus_per_node")
     assert "4 local ranks on 2 CPU cores" in warn.message and many.errors == []
 
 
 def test_online_numa_nodes_parses_sysfs_ranges(tmp_path):
-    from launcher.plan.validate import online_numa_nodes
+    from launcher.ranks.numa import online_numa_nodes
 
     path = tmp_path / "online"
     path.write_text("0-2,5\n")
@@ -278,7 +278,7 @@ def test_the_oversubscription_warning_counts_the_cpus_this_process_may_use():
     before = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, {min(before)})
-        report = validate(compose_cfg("cluster.gpus_per_node=2"))
+        report = validate_for_launch(compose_cfg("cluster.gpus_per_node=2"))
     finally:
         os.sched_setaffinity(0, before)
     warn = [i for i in report.warnings if i.key == "cluster.gpus_per_node"]

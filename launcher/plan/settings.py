@@ -4,7 +4,9 @@
 - parallel.recompute=selective where it saves (almost) nothing: with flash attention the s x s scores it
   drops are never stored, so it costs a re-run of attention in backward for a few MiB;
 - a pipeline whose idle share of the wall clock (p-1)/(v m + p-1) exceeds PIPELINE_IDLE_WARN, with the global
-  batch that brings it under.
+  batch that brings it under;
+- train.nsys / train.nvtx settings, and a checkpoint replica that overlaps the primary checkpoints.
+Nothing here looks at the machine (nsys on PATH, shared file systems: launcher/launch/host_checks.py).
 No torch, no Hydra (launcher/plan/validate.py calls it once the plan exists).
 """
 
@@ -12,8 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from training.contract.config import ClusterConfig, Config, derived_dp
+from training.contract.rundir.paths import RunPaths
 
 PIPELINE_IDLE_WARN = 0.25
 """A pipeline idle longer than this share of the wall clock (the bubble (p-1)/(v m + p-1)) is warned about."""
@@ -77,7 +81,7 @@ def micro_batches_for_idle(pp: int, vpp: int, limit: float = PIPELINE_IDLE_WARN)
     return m
 
 
-def honest_issues(cfg: Config, plan) -> list:
+def setting_issues(cfg: Config, plan) -> list:
     """The warnings and notes of this module, as launcher/plan/validate.py's Issues."""
     from launcher.plan.issues import Issue
 
@@ -131,12 +135,22 @@ def honest_issues(cfg: Config, plan) -> list:
     return out
 
 
-def _operations_issues(cfg: Config) -> list:
-    """train.nsys / nvtx, the checkpoint replica, and run.dir on a shared file system for multi-node Slurm jobs."""
-    import os
-    import shutil
+def replica_dirs(cfg: Config) -> tuple[str, str]:
+    """(train.checkpoint_replica_dir, the primary checkpoints), absolute (a relative replica is under run.dir)."""
+    run_dir = os.path.abspath(cfg.run.dir)
+    rep = cfg.train.checkpoint_replica_dir
+    rep = rep if os.path.isabs(rep) else os.path.normpath(os.path.join(run_dir, rep))
+    return rep, RunPaths(run_dir).checkpoints
 
-    from launcher.launch.shared_fs import shared_verdict
+
+def overlaps(rep: str, primary: str) -> bool:
+    """Whether one directory is the other or inside it."""
+    return rep == primary or rep.startswith(primary + os.sep) or primary.startswith(rep + os.sep)
+
+
+def _operations_issues(cfg: Config) -> list:
+    """train.nsys / nvtx and the checkpoint replica's place. Whether nsys is on PATH and whether run.dir and the
+    replica sit on a shared file system are the launch gate's machine checks (launcher/launch/host_checks.py)."""
     from launcher.plan.issues import Issue
 
     out = []
@@ -171,15 +185,6 @@ def _operations_issues(cfg: Config) -> list:
                     f"train.nsys_ranks=[0] (ranks 0..{world - 1})",
                 )
             )
-        if c.kind == "local" and not shutil.which("nsys"):
-            out.append(
-                Issue(
-                    "error",
-                    "train.nsys",
-                    "nsys (Nsight Systems) is not on PATH",
-                    "install Nsight Systems or put its bin/ on PATH, or train.nsys=false",
-                )
-            )
     if t.nvtx and str(c.device) != "cuda":
         out.append(
             Issue(
@@ -190,41 +195,14 @@ def _operations_issues(cfg: Config) -> list:
             )
         )
     if t.checkpoint_replica_dir:
-        run_dir = os.path.abspath(cfg.run.dir)
-        rep = t.checkpoint_replica_dir
-        rep = rep if os.path.isabs(rep) else os.path.normpath(os.path.join(run_dir, rep))
-        primary = os.path.join(run_dir, "checkpoints")
-        if rep == primary or rep.startswith(primary + os.sep) or primary.startswith(rep + os.sep):
+        rep, primary = replica_dirs(cfg)
+        if overlaps(rep, primary):
             out.append(
                 Issue(
                     "error",
                     "train.checkpoint_replica_dir",
                     f"{rep} overlaps the primary checkpoints {primary}",
                     "train.checkpoint_replica_dir=<a directory on another disk or file system>",
-                )
-            )
-        elif c.kind == "slurm" and c.nodes > 1 and shared_verdict(rep)[0] is False:
-            out.append(
-                Issue(
-                    "warning",
-                    "train.checkpoint_replica_dir",
-                    f"{rep} is on a node-local file system ({shared_verdict(rep)[1]}): rank 0's node alone "
-                    "holds the replica",
-                    "a directory on a shared file system",
-                )
-            )
-    if c.kind == "slurm" and (c.nodes > 1 or c.elastic.min_nodes > 0):
-        shared, where = shared_verdict(cfg.run.dir)
-        if shared is False:
-            out.append(
-                Issue(
-                    "warning",
-                    "run.dir",
-                    f"a {c.nodes}-node job needs run.dir on a file system every node sees; {cfg.run.dir} is on "
-                    f"{where}, a node-local one (fine only when the nodes share this host, as the dev "
-                    "cluster's do)",
-                    "run.dir=<a path on NFS, Lustre, GPFS or BeeGFS>",
-                    "run_dir_not_shared",
                 )
             )
     return out

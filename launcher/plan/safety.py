@@ -45,15 +45,22 @@ RESERVED_ENV = (
     "SLURMD_NODENAME",
 )
 RESERVED_ENV_PREFIXES = ("MESHRUN_",)
+# Not meshrun's own setting: the tests' and benchmarks' step pacing (training/run/pacing.py), which reaches every
+# rank, local or Slurm, through cluster.env.
+NOT_RESERVED = ("MESHRUN_PACE_STEP_S",)
 
 
 def reserved_env_names(env) -> list[str]:
     """The names of cluster.env that meshrun sets itself (case as given; environment names are case-sensitive,
     so PYTHONPATH and MESHRUN_ are matched exactly as the shell and Python read them)."""
-    return [str(n) for n in env if str(n) in RESERVED_ENV or str(n).startswith(RESERVED_ENV_PREFIXES)]
+    return [
+        str(n)
+        for n in env
+        if (str(n) in RESERVED_ENV or str(n).startswith(RESERVED_ENV_PREFIXES)) and str(n) not in NOT_RESERVED
+    ]
 
 
-def trust_problems(cfg: Config) -> list[tuple]:
+def safety_problems(cfg: Config) -> list[tuple]:
     """(key, message, fix) for each problem."""
     out = []
     for name in reserved_env_names(cfg.cluster.env):
