@@ -21,11 +21,12 @@ import time
 from dataclasses import dataclass
 
 from launcher.ranks.exits import catches, last_error_line
+from launcher.ranks.nsys import nsys_prefix
 from launcher.ranks.numa import choose_node, numactl_prefix
 from launcher.ranks.processes import engine_env, rank_process_env, start_pump, threads_per_rank
 from launcher.ranks.warm import slurm as warm_slurm
 from launcher.slurm import in_job
-from training.contract.config import load_config
+from training.contract.config import Config, load_config
 from training.contract.exit_codes import EXIT_OK, EXIT_STOPPED
 from training.contract.rundir.events import append_event
 from training.contract.rundir.files import write_atomic
@@ -194,6 +195,72 @@ def _write_record(path: str, record: dict) -> None:
     write_atomic(path, json.dumps(record))
 
 
+class _Provisional:
+    """The rank's record while it runs: srun (--kill-on-bad-exit) ends the step with TERM, then KILL after Slurm's
+    KillWait, and a rank stuck in a collective with a lost peer may not exit in time; a rank that never reported
+    would be blamed with the lost node. So a SIGTERM that arrives while the rank runs is recorded at once; the
+    rank's own end overwrites it."""
+
+    def __init__(self) -> None:
+        self.path = ""
+        self.record: dict = {}
+        self.ender: _StepEnder | None = None  # with in-job restarts (set once the child runs)
+
+    def on_sigterm(self) -> None:
+        if not self.path:
+            return
+        _write_record(
+            self.path,
+            {
+                **self.record,
+                "exit_code": -int(signal.SIGTERM),
+                "signal": int(signal.SIGTERM),
+                "ended": time.time(),
+                "error": "terminated (SIGTERM) while its rank still ran",
+            },
+        )
+        if self.ender is not None:
+            self.ender.on_sigterm()
+
+
+def _numa_binding(cfg: Config, env: dict, rank: int, local_rank: int, node: str) -> tuple[list[str], int | None]:
+    """(numactl prefix, NUMA node) of this rank (launcher/ranks/numa.py); the prefix is empty, with a warning, where
+    numactl is missing. A bound rank's node goes into its environment (MESHRUN_NUMA_NODE)."""
+    numa_node = choose_node(
+        cfg.cluster.numa,
+        cfg.cluster.numa_map,
+        cfg.cluster.device,
+        local_rank,
+        int(env.get("LOCAL_WORLD_SIZE", "1")),
+        env.get("CUDA_VISIBLE_DEVICES"),
+        step_gpus=env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS"),
+    )
+    if numa_node is None:
+        return [], None
+    if not shutil.which("numactl"):
+        print(
+            f"warning: numactl not found on {node}: rank {rank} is not NUMA-bound "
+            f"(install numactl or set cluster.numa=off)",
+            file=sys.stderr,
+        )
+        return [], numa_node
+    env["MESHRUN_NUMA_NODE"] = str(numa_node)
+    return numactl_prefix(numa_node), numa_node
+
+
+def _ended_by_the_step(ender: _StepEnder | None, code: int, cause: dict) -> tuple[int, dict]:
+    """A rank this wrapper killed after srun's SIGTERM because its step's peers had failed is recorded as that
+    SIGTERM (launcher/slurm/requeue.py blames no node for it); any other end as it is."""
+    if ender is None or not ender.gone or code != -int(signal.SIGKILL):
+        return code, cause
+    return -int(signal.SIGTERM), {
+        "error": "terminated (SIGTERM) while its rank still ran; ended at once because rank(s) "
+        + ", ".join(map(str, ender.gone))
+        + " of the step had failed or were gone (no save "
+        "possible; the in-job restart resumes from the latest complete checkpoint)"
+    }
+
+
 @dataclass
 class RankTask:
     """The pickled callable of a meshrun Slurm job (the same object for every attempt)."""
@@ -202,136 +269,41 @@ class RankTask:
     """The run directory (config.json, checkpoints, events)."""
 
     def __call__(self) -> int:
-        # The preemption signal (USR2) and SIGTERM reach every process of the step. This wrapper must
-        # stay alive to record how the rank ends, so it only notes them (this also replaces submitit's
-        # own handler, which would requeue before the save) and forwards them to the child until it
-        # exits: the child starts with both ignored, so a signal that arrives while it still imports
-        # torch is not fatal, and the forwarded copy reaches the engine once its handler is installed.
-        forwarder = _Forwarder()
-        provisional: dict = {}  # filled once this rank's record path is known
-        ender: _StepEnder | None = None  # with in-job restarts (set once the child runs)
-
-        def on_signal(signum, frame) -> None:
-            forwarder.on_signal(signum, frame)
-            if signum == signal.SIGTERM and provisional.get("path"):
-                # srun (--kill-on-bad-exit) ends the step with TERM, then KILL after Slurm's KillWait: a rank
-                # stuck in a collective with a lost peer may not exit in time, and a rank that never reported
-                # would be blamed with the lost node. Recorded now; the rank's own end overwrites it.
-                _write_record(
-                    provisional["path"],
-                    {
-                        **provisional["record"],
-                        "exit_code": -int(signal.SIGTERM),
-                        "signal": int(signal.SIGTERM),
-                        "ended": time.time(),
-                        "error": "terminated (SIGTERM) while its rank still ran",
-                    },
-                )
-                if ender is not None:
-                    ender.on_sigterm()
-
-        for sig in (signal.SIGUSR2, signal.SIGTERM):
-            signal.signal(sig, on_signal)
-        signal.signal(signal.SIGCONT, lambda *_: None)
+        forwarder, provisional = _Forwarder(), _Provisional()
+        self._note_stop_signals(forwarder, provisional)
         cfg = load_config(os.path.join(self.run_dir, "config.json"))
-        dist_env = torch_env_from_slurm(os.environ)
-        allotted = int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)  # --cpus-per-task (cluster.cpus_per_task)
-        threads = threads_per_rank(int(dist_env.get("LOCAL_WORLD_SIZE", "1")), allotted)
-        env = rank_process_env(dist_env, engine_env(cfg, self.run_dir), threads=threads)
+        env = self._rank_env(cfg)
         rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
-        attempt = int(env.get("MESHRUN_ATTEMPT", "0"))
         node = env.get("SLURMD_NODENAME") or socket.gethostname()
-        prefix: list[str] = []
-        numa_node = choose_node(
-            cfg.cluster.numa,
-            cfg.cluster.numa_map,
-            cfg.cluster.device,
-            local_rank,
-            int(env.get("LOCAL_WORLD_SIZE", "1")),
-            env.get("CUDA_VISIBLE_DEVICES"),
-            step_gpus=env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS"),
-        )
-        if numa_node is not None:
-            if shutil.which("numactl"):
-                prefix = numactl_prefix(numa_node)
-                env["MESHRUN_NUMA_NODE"] = str(numa_node)
-            else:
-                print(
-                    f"warning: numactl not found on {node}: rank {rank} is not NUMA-bound "
-                    f"(install numactl or set cluster.numa=off)",
-                    file=sys.stderr,
-                )
+        prefix, numa_node = _numa_binding(cfg, env, rank, local_rank, node)
         started = time.time()
-        out = attempt_dir(self.run_dir, attempt)
+        out = attempt_dir(self.run_dir, int(env.get("MESHRUN_ATTEMPT", "0")))
         os.makedirs(out, exist_ok=True)
         cause_file = os.path.join(out, f".cause_rank_{rank}.json")
         env["MESHRUN_CAUSE_FILE"] = cause_file  # the engine writes its failure's cause there (training/main.py)
         # Where the engine's start-up timeline begins (training/observe/startup.py): srun started this task.
         env[TASK_START_ENV] = f"{process_start_time() or started:.3f}"
-        from launcher.ranks.nsys import nsys_prefix
-
-        profile = nsys_prefix(cfg, rank, self.run_dir)  # train.nsys: the chosen ranks under nsys profile
-        env[WRAPPER_PID_ENV] = str(os.getpid())
-        child, start = self._start_warm(env, rank, node, numa_node if prefix else None, profile), "warm"
-        if child is None:
-            start = "cold"
-            child = subprocess.Popen(
-                prefix + profile + [sys.executable, "-m", "training.main", self.run_dir],
-                env=env,
-                stderr=subprocess.PIPE,
-                preexec_fn=_ignore_stop_signals,
-            )
+        child, start = self._start_rank(cfg, env, rank, node, prefix, numa_node)
         forwarder.relay = start == "warm"
         forwarder.attach(child.pid)
         if in_job.enabled(cfg.cluster):
-            ender = _StepEnder(out, int(env.get("WORLD_SIZE", "1")), child.pid)
-        provisional.update(
-            path=os.path.join(out, f"rank_{rank}.json"),
-            record={
-                "rank": rank,
-                "local_rank": local_rank,
-                "node": node,
-                "numa_node": numa_node,
-                "cause": "",
-                "started": started,
-                "provisional": True,
-                "start": start,
-                "pid": child.pid,
-                "agent_pid": getattr(child, "agent_pid", None),
-            },
-        )
-        stop_at = float(env.get("MESHRUN_STOP_AT") or 0)
-        if stop_at:
-            # The time-limit stop, on our own clock (Slurm's USR2 is the backup).
-            timer = threading.Timer(max(0.0, stop_at - time.time()), self._clock_stop, (forwarder, rank, stop_at))
-            timer.daemon = True
-            timer.start()
-        tail: list[bytes] = []  # the child's last output: its exception line goes into the rank's record
-        pump = start_pump(child.stderr, [sys.stderr.buffer], tail)
-        code = child.wait()
-        forwarder.done.set()
-        if ender is not None:
-            ender.done.set()
-        for sig in (signal.SIGUSR2, signal.SIGTERM):
-            # Nothing left to stop; Python's own handler would turn back into "terminate" at exit.
-            signal.signal(sig, signal.SIG_IGN)
-        pump.join(timeout=5)
-        cause = _read_cause(cause_file) if code not in (EXIT_OK, EXIT_STOPPED) else {}
-        if getattr(child, "lost", "") and not cause:
-            cause = {"error": child.lost}
-        if ender is not None and ender.gone and code == -int(signal.SIGKILL):
-            # Ended here, after srun's SIGTERM: recorded as that SIGTERM (requeue.py blames no node for it).
-            code = -int(signal.SIGTERM)
-            cause = {
-                "error": "terminated (SIGTERM) while its rank still ran; ended at once because rank(s) "
-                + ", ".join(map(str, ender.gone))
-                + " of the step had failed or were gone (no save "
-                "possible; the in-job restart resumes from the latest complete checkpoint)"
-            }
+            provisional.ender = _StepEnder(out, int(env.get("WORLD_SIZE", "1")), child.pid)
+        ids = {"rank": rank, "local_rank": local_rank, "node": node}
+        provisional.record = {
+            **ids,
+            "numa_node": numa_node,
+            "cause": "",
+            "started": started,
+            "provisional": True,
+            "start": start,
+            "pid": child.pid,
+            "agent_pid": getattr(child, "agent_pid", None),
+        }
+        provisional.path = os.path.join(out, f"rank_{rank}.json")  # after its record: a SIGTERM may come any time
+        self._start_clock(env, forwarder, rank)
+        code, cause, tail = self._wait(child, forwarder, provisional.ender, cause_file)
         record = {
-            "rank": rank,
-            "local_rank": local_rank,
-            "node": node,
+            **ids,
             "exit_code": code,
             "signal": -code if code < 0 else None,
             "numa_node": numa_node,
@@ -348,11 +320,76 @@ class RankTask:
             "pid": child.pid,
             "agent_pid": getattr(child, "agent_pid", None),
         }
-        provisional.clear()
+        provisional.path = ""
         _write_record(os.path.join(out, f"rank_{rank}.json"), record)
         if code in (EXIT_OK, EXIT_STOPPED):
             return code
         raise RankFailed(f"rank {rank} on {node} exited with {code}: {record['error']}")
+
+    def _note_stop_signals(self, forwarder: _Forwarder, provisional: _Provisional) -> None:
+        """The preemption signal (USR2) and SIGTERM reach every process of the step. This wrapper must stay alive
+        to record how the rank ends, so it only notes them (this also replaces submitit's own handler, which would
+        requeue before the save) and forwards them to the child until it exits: the child starts with both
+        ignored, so a signal that arrives while it still imports torch is not fatal, and the forwarded copy
+        reaches the engine once its handler is installed."""
+
+        def on_signal(signum, frame) -> None:
+            forwarder.on_signal(signum, frame)
+            if signum == signal.SIGTERM:
+                provisional.on_sigterm()
+
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+        signal.signal(signal.SIGCONT, lambda *_: None)
+
+    def _rank_env(self, cfg: Config) -> dict:
+        """The rank's environment: torch's variables from SLURM_*, its threads within the task's CPUs."""
+        dist_env = torch_env_from_slurm(os.environ)
+        allotted = int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)  # --cpus-per-task (cluster.cpus_per_task)
+        threads = threads_per_rank(int(dist_env.get("LOCAL_WORLD_SIZE", "1")), allotted)
+        return rank_process_env(dist_env, engine_env(cfg, self.run_dir), threads=threads)
+
+    def _start_rank(self, cfg: Config, env: dict, rank: int, node: str, prefix: list[str], numa_node: int | None):
+        """(the rank's process, "warm" | "cold"): forked by the node's warm agent when it can, else started here
+        under numactl and, for the ranks train.nsys chose, nsys profile."""
+        profile = nsys_prefix(cfg, rank, self.run_dir)
+        env[WRAPPER_PID_ENV] = str(os.getpid())
+        child = self._start_warm(env, rank, node, numa_node if prefix else None, profile)
+        if child is not None:
+            return child, "warm"
+        cold = subprocess.Popen(
+            prefix + profile + [sys.executable, "-m", "training.main", self.run_dir],
+            env=env,
+            stderr=subprocess.PIPE,
+            preexec_fn=_ignore_stop_signals,
+        )
+        return cold, "cold"
+
+    def _start_clock(self, env: dict, forwarder: _Forwarder, rank: int) -> None:
+        """The time-limit stop, on our own clock (Slurm's USR2 is the backup)."""
+        stop_at = float(env.get("MESHRUN_STOP_AT") or 0)
+        if stop_at:
+            timer = threading.Timer(max(0.0, stop_at - time.time()), self._clock_stop, (forwarder, rank, stop_at))
+            timer.daemon = True
+            timer.start()
+
+    def _wait(self, child, forwarder: _Forwarder, ender: _StepEnder | None, cause_file: str):
+        """(exit code, cause, the output's tail) once the rank has ended; its standard error copied through."""
+        tail: list[bytes] = []  # the child's last output: its exception line goes into the rank's record
+        pump = start_pump(child.stderr, [sys.stderr.buffer], tail)
+        code = child.wait()
+        forwarder.done.set()
+        if ender is not None:
+            ender.done.set()
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            # Nothing left to stop; Python's own handler would turn back into "terminate" at exit.
+            signal.signal(sig, signal.SIG_IGN)
+        pump.join(timeout=5)
+        cause = _read_cause(cause_file) if code not in (EXIT_OK, EXIT_STOPPED) else {}
+        if getattr(child, "lost", "") and not cause:
+            cause = {"error": child.lost}
+        code, cause = _ended_by_the_step(ender, code, cause)
+        return code, cause, tail
 
     def _start_warm(self, env: dict, rank: int, node: str, numa_node: int | None, profile: list[str]):
         """The rank forked by this node's warm agent, or None (start it cold): no agents in this job, a rank
