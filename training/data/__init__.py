@@ -7,6 +7,7 @@
 No torch at import time (the launcher validates and prepares data through this package).
 """
 
+from training.data.factory import make_eval_source, make_source
 from training.data.sources import (
     BYTE_VOCAB,
     TEXT_SUFFIXES,
@@ -21,7 +22,6 @@ from training.data.sources import (
     list_text_files,
     validate_data_config,
 )
-from training.data.factory import make_eval_source, make_source
 
 __all__ = [
     "BYTE_VOCAB",

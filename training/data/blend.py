@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -101,7 +101,7 @@ class IndexedSource(SampleSource):
         return np.asarray(self.ds.tokens[start : start + self.seq + 1], dtype=np.int64)
 
 
-def block_counts(weights: Sequence[float], block: int = BLOCK) -> List[int]:
+def block_counts(weights: Sequence[float], block: int = BLOCK) -> list[int]:
     """Samples per dataset in a block: largest-remainder rounding of w_d * block (ties: earlier dataset)."""
     total = float(sum(weights))
     exact = [w / total * block for w in weights]
@@ -129,7 +129,7 @@ class BlendedSource(SampleSource):
         self.rank_of = np.concatenate(rank)[order]
         self.num_samples = 1 << 62
 
-    def locate(self, index: int) -> "tuple[int, int]":
+    def locate(self, index: int) -> tuple[int, int]:
         """(dataset, that dataset's sample index) of the blended stream's sample `index`."""
         b, p = divmod(index, self.block)
         d = int(self.dataset_of[p])
@@ -141,7 +141,7 @@ class BlendedSource(SampleSource):
 
 
 # ---- the run's sources -----------------------------------------------------------------------------------
-def valid_prefixes(cfg, descriptions: Sequence[dict]) -> List[str]:
+def valid_prefixes(cfg, descriptions: Sequence[dict]) -> list[str]:
     """data.valid_prefixes, or each training prefix's held-out split (NAME.valid, written by prepare)."""
     if cfg.data.valid_prefixes:
         return list(cfg.data.valid_prefixes)
@@ -158,7 +158,7 @@ def valid_prefixes(cfg, descriptions: Sequence[dict]) -> List[str]:
     return out
 
 
-def open_all(prefixes: Sequence[str], may_describe: bool) -> List[tuple]:
+def open_all(prefixes: Sequence[str], may_describe: bool) -> list[tuple]:
     return [open_dataset(p, may_describe) for p in prefixes]
 
 
@@ -173,7 +173,7 @@ def check_vocab(cfg, prefixes: Sequence[str], descriptions: Sequence[dict]) -> N
             )
 
 
-def blend_weights(cfg, datasets: Sequence[IndexedDataset], weights: Optional[Sequence[float]]) -> List[float]:
+def blend_weights(cfg, datasets: Sequence[IndexedDataset], weights: Sequence[float] | None) -> list[float]:
     """data.weights, or each dataset's share of the tokens when none are given."""
     if weights:
         if len(weights) != len(datasets):

@@ -3,8 +3,6 @@ Apart from the source types (sources.py) and the blend (blend.py), which both im
 
 from __future__ import annotations
 
-from typing import Optional
-
 from training.contract.config import Config
 from training.data.blend import make_indexed_source
 from training.data.sources import (
@@ -17,9 +15,7 @@ from training.data.sources import (
 )
 
 
-def make_source(
-    cfg: Config, run_dir: str, corpus: Optional[CorpusInfo] = None, may_describe: bool = True
-) -> SampleSource:
+def make_source(cfg: Config, run_dir: str, corpus: CorpusInfo | None = None, may_describe: bool = True) -> SampleSource:
     """The sample source of this run (builds the text corpus unless given; opens indexed datasets)."""
     validate_data_config(cfg)
     if cfg.data.kind == "synthetic":

@@ -29,7 +29,6 @@ import json
 import os
 import struct
 from dataclasses import dataclass
-from typing import Dict, Optional
 
 import numpy as np
 
@@ -39,7 +38,7 @@ from training.data.sources import DataError
 HEADER = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = len(HEADER) + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count
-DTYPE_CODES: Dict[int, type] = {
+DTYPE_CODES: dict[int, type] = {
     1: np.uint8,
     2: np.int8,
     3: np.int16,
@@ -283,7 +282,7 @@ def write_json_atomic(path: str, data: dict) -> None:
     write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n", check_links=False)
 
 
-def read_description(prefix: str) -> Optional[dict]:
+def read_description(prefix: str) -> dict | None:
     """NAME.json, or None when there is none."""
     path = description_path(prefix)
     if not os.path.exists(path):
@@ -323,7 +322,7 @@ def scan(ds: IndexedDataset) -> dict:
     return {"contiguous": contiguous, "max_token": top}
 
 
-def describe(prefix: str, ds: IndexedDataset, extra: Optional[dict] = None) -> dict:
+def describe(prefix: str, ds: IndexedDataset, extra: dict | None = None) -> dict:
     """The description of a dataset: counts, dtype, file facts, plus `extra` (tokenizer, sources, split)."""
     desc = {
         "format": DESCRIPTION_FORMAT,
@@ -367,7 +366,7 @@ def check_against_description(prefix: str, ds: IndexedDataset, desc: dict) -> No
             )
 
 
-def open_dataset(prefix: str, may_describe: bool = True) -> "tuple[IndexedDataset, dict]":
+def open_dataset(prefix: str, may_describe: bool = True) -> tuple[IndexedDataset, dict]:
     """The dataset and its description, checked against each other in constant time.
 
     A dataset without NAME.json (written by Megatron-LM or the like) is scanned once and its description

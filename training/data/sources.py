@@ -20,7 +20,7 @@ import json
 import os
 import sysconfig
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -56,10 +56,10 @@ def default_corpus_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-def list_text_files(paths: List[str]) -> List[str]:
+def list_text_files(paths: list[str]) -> list[str]:
     """Files named by `paths` (files, or directories searched recursively), sorted for determinism."""
     roots = list(paths) or [default_corpus_root()]
-    files: List[str] = []
+    files: list[str] = []
     for root in roots:
         if not os.path.exists(root):
             raise DataError(
@@ -211,14 +211,14 @@ class BatchSampler:
         self.per_rank = global_batch // dp
         self.num_micro = self.per_rank // micro_batch
 
-    def sample_indices(self, consumed_samples: int) -> List[List[int]]:
+    def sample_indices(self, consumed_samples: int) -> list[list[int]]:
         """Stream positions of this rank's micro-batches for the step starting at `consumed_samples`."""
         first = consumed_samples + self.dp_rank * self.per_rank
         return [
             list(range(first + k * self.micro_batch, first + (k + 1) * self.micro_batch)) for k in range(self.num_micro)
         ]
 
-    def micro_batches(self, consumed_samples: int) -> List[Tuple["torch.Tensor", "torch.Tensor"]]:
+    def micro_batches(self, consumed_samples: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(tokens, targets) pairs, each (micro_batch, seq) int64, for the step at `consumed_samples`."""
         import torch
 
