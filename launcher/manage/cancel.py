@@ -28,11 +28,11 @@ import time
 from typing import Any
 
 from launcher.ranks.proc_tree import children
-from launcher.records.readers import CANCEL_FILE, SWEEP_FILE, cancelled_event, current_job_id, record_cancelled
+from launcher.records.readers import cancelled_event, current_job_id, record_cancelled
 from training.checkpoint.storage import read_latest
 from training.contract.exit_codes import EXIT_INVALID
 from training.contract.rundir.events import read_events
-from training.contract.rundir.paths import EVENTS_FILE
+from training.contract.rundir.paths import EVENTS_FILE, SWEEP_FILE, RunPaths
 
 POLL_S = 1.0
 
@@ -41,7 +41,7 @@ def write_mark(run_dir: str) -> dict[str, Any]:
     mark = {"time": time.time(), "user": getpass.getuser(), "host": socket.gethostname(), "pid": os.getpid()}
     from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
 
-    write_atomic(os.path.join(run_dir, CANCEL_FILE), json.dumps(mark))
+    write_atomic(RunPaths(run_dir).cancel, json.dumps(mark))
     return mark
 
 
@@ -165,15 +165,16 @@ def _force_slurm(run_dir: str, job: str, timeout_s: float) -> dict[str, Any]:
 # ---- the action ------------------------------------------------------------------------------------
 def _targets(run_dir: str) -> list[str]:
     """The run directories to cancel: run_dir itself, or every launched point of a sweep directory."""
-    if os.path.exists(os.path.join(run_dir, SWEEP_FILE)):
-        with open(os.path.join(run_dir, SWEEP_FILE)) as f:
+    paths = RunPaths(run_dir)
+    if os.path.exists(paths.sweep):
+        with open(paths.sweep) as f:
             sweep = json.load(f)
         return [
             row["run_dir"]
             for row in sweep.get("feasible", [])
-            if row.get("run_dir") and os.path.exists(os.path.join(row["run_dir"], EVENTS_FILE))
+            if row.get("run_dir") and os.path.exists(RunPaths(row["run_dir"]).events)
         ]
-    if not os.path.exists(os.path.join(run_dir, EVENTS_FILE)):
+    if not os.path.exists(paths.events):
         print(
             f"error: run.dir={run_dir} is neither a launched meshrun run (no {EVENTS_FILE}) nor a sweep directory "
             f"(no {SWEEP_FILE}): give the directory printed at launch or submission",

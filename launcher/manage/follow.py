@@ -21,6 +21,7 @@ from launcher.records.readers import job_log_dir
 from launcher.slurm.queries import FINAL_STATES
 from training.contract.config import load_config
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED
+from training.contract.rundir.paths import RunPaths
 
 
 def follow_run(result: dict[str, Any]) -> dict[str, Any]:
@@ -39,7 +40,7 @@ def follow_points(updates: dict[str, dict[str, Any]], folder: str) -> None:
     waiting = [
         run_dir
         for run_dir, fields in updates.items()
-        if fields.get("status") == "submitted" and load_config(os.path.join(run_dir, "config.json")).wait
+        if fields.get("status") == "submitted" and load_config(RunPaths(run_dir).config).wait
     ]
     if not waiting:
         return

@@ -19,6 +19,7 @@ from launcher.records.readers import log_files
 from training.contract.exit_codes import EXIT_INVALID
 from training.contract.rundir.events import read_events
 from training.contract.rundir.files import open_regular
+from training.contract.rundir.paths import RunPaths
 
 
 def _print_from(path: str, offset: int) -> int:
@@ -85,7 +86,7 @@ def show_logs(
     """Print the logs (a `==> FILE <==` line before each file, as tail does); returns the files printed.
     tail > 0: only the last `tail` lines of the files that exist now (files before them are skipped)."""
     events = read_events(run_dir)
-    if not events and not os.path.isdir(os.path.join(run_dir, "logs")):
+    if not events and not os.path.isdir(RunPaths(run_dir).logs):
         print(
             f"error: run.dir={run_dir} holds no meshrun run (no events.jsonl, no logs/): give the run directory "
             "printed at launch or submission (a sweep point's is <sweep dir>/<num>)",
@@ -134,7 +135,7 @@ def _world_size(run_dir: str) -> int:
         if ev.get("event") == "started" and isinstance(ev.get("world_size"), int):
             return ev["world_size"]
     try:
-        with open(os.path.join(run_dir, "config.json")) as f:
+        with open(RunPaths(run_dir).config) as f:
             cluster = json.load(f)["cluster"]
         return int(cluster["nodes"]) * int(cluster["gpus_per_node"])
     except (OSError, ValueError, KeyError, TypeError):

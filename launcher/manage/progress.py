@@ -8,15 +8,15 @@ count) times the steps left, and is given only while the run is RUNNING.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from training.contract.rundir.metrics import tail_rows
+from training.contract.rundir.paths import RunPaths
 
 
 def total_steps(run_dir: str) -> int | None:
     try:
-        with open(os.path.join(run_dir, "config.json")) as f:
+        with open(RunPaths(run_dir).config) as f:
             return int(json.load(f)["train"]["steps"])
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -25,8 +25,8 @@ from typing import Any
 from training.contract.exit_codes import EXIT_INVALID, EXIT_OK
 from training.contract.rundir.files import atomic_path
 from training.contract.rundir.metrics import read_rows
+from training.contract.rundir.paths import RunPaths
 
-REPORT_DIR = "report"
 GIB = 2.0**30
 
 
@@ -279,7 +279,7 @@ def _lr_lines(run_dir: str, rows: list[dict[str, Any]]):
     curve resuming and stopping early never change, so the logged points must lie on it."""
     lines = [("lr", series(rows, "lr"))]
     title = "Learning rate"
-    cfg_data = read_json(os.path.join(run_dir, "config.json"))
+    cfg_data = read_json(RunPaths(run_dir).config)
     if cfg_data:
         from training.contract.config import config_from_dict
         from training.contract.lr_schedule import lr_curve
@@ -298,7 +298,7 @@ def _lr_lines(run_dir: str, rows: list[dict[str, Any]]):
 def run_summary(run_dir: str, rows: list[dict[str, Any]], plan: dict[str, Any]) -> list[tuple[str, str]]:
     """What was trained and how it went, first in report.html: model, layout, steps done/total, the last training
     and eval losses, tokens/s, MFU and the run's state (action=status's)."""
-    config = read_json(os.path.join(run_dir, "config.json")) or {}
+    config = read_json(RunPaths(run_dir).config) or {}
     last = rows[-1] if rows else {}
     evals = [r for r in rows if isinstance(r.get("eval_loss"), (int, float))]
     out = [("model", str((config.get("model") or {}).get("name", "?")))]
@@ -325,9 +325,10 @@ def run_summary(run_dir: str, rows: list[dict[str, Any]], plan: dict[str, Any]) 
 def plot_run(run_dir: str, out_dir: str, plt, report: Report) -> None:
     raw = read_rows(run_dir)
     rows = latest_rows(raw)
-    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
-    plan = read_json(os.path.join(run_dir, "plan.json")) or {}
-    summary = read_json(os.path.join(run_dir, "summary.json")) or {}
+    paths = RunPaths(run_dir)
+    events = read_jsonl(paths.events)
+    plan = read_json(paths.plan) or {}
+    summary = read_json(paths.summary) or {}
     marks, unplaced = markers(events, raw)
     if unplaced:
         report.notes.append("events without a step or a time the metrics reach (not marked): " + "; ".join(unplaced))
@@ -498,7 +499,7 @@ _HEALTH = (("utilization_pct", "utilisation %"), ("temperature_c", "temperature 
 
 def _health_plot(plt, out_dir, report, run_dir, marks) -> None:
     """health.jsonl (training/observe/health.py): one line per GPU and quantity, against time since the start."""
-    rows = read_jsonl(os.path.join(run_dir, "health.jsonl"))
+    rows = read_jsonl(RunPaths(run_dir).health)
     if not rows:
         report.notes.append(
             "GPU health: no health.jsonl (no GPU sampler ran: CPU without an NVML double, "
@@ -528,13 +529,13 @@ def sweep_points(sweep_dir: str) -> list[dict[str, Any]]:
     """Every feasible point of sweep.json: label, measured tokens/s (mean over its logged steps after the first)
     and peak memory (GiB, the largest rank's, summary.json) beside the plan's tokens/s (tokens_per_step /
     predicted_step_s) and memory total; NaN where a point has not run."""
-    sweep = read_json(os.path.join(sweep_dir, "sweep.json")) or {}
+    sweep = read_json(RunPaths(sweep_dir).sweep) or {}
     out = []
     for pt in sweep.get("feasible") or []:
         run_dir = pt.get("run_dir") or ""
-        plan = read_json(os.path.join(run_dir, "plan.json")) or {}
+        plan = read_json(RunPaths(run_dir).plan) or {}
         rows = latest_rows(read_rows(run_dir))
-        summary = read_json(os.path.join(run_dir, "summary.json")) or {}
+        summary = read_json(RunPaths(run_dir).summary) or {}
         rates = [r["tokens_per_s"] for r in (rows[1:] or rows) if isinstance(r.get("tokens_per_s"), (int, float))]
         step_s, tokens = plan.get("predicted_step_s"), plan.get("tokens_per_step")
         peaks = summary.get("peak_memory_bytes_per_rank") or []
@@ -553,7 +554,7 @@ def sweep_points(sweep_dir: str) -> list[dict[str, Any]]:
 
 def plot_sweep(sweep_dir: str, out_dir: str, plt, report: Report) -> None:
     """Measured tokens/s and peak memory of every feasible point beside the plan's prediction."""
-    sweep = read_json(os.path.join(sweep_dir, "sweep.json")) or {}
+    sweep = read_json(RunPaths(sweep_dir).sweep) or {}
     points = sweep_points(sweep_dir)
     labels = [p["label"] for p in points]
     measured_tps = [p["measured_tokens_per_s"] for p in points]
@@ -615,15 +616,16 @@ def render_html(report: Report, title: str) -> str:
 def build_report(directory: str) -> tuple[str, Report]:
     """Write directory/report/*.png and report.html; returns (path of report.html, what it holds)."""
     plt = _pyplot()
-    out_dir = os.path.join(directory, REPORT_DIR)
+    paths = RunPaths(directory)
+    out_dir = paths.report
     os.makedirs(out_dir, exist_ok=True)
     report = Report()
-    is_sweep = os.path.exists(os.path.join(directory, "sweep.json"))
+    is_sweep = os.path.exists(paths.sweep)
     if is_sweep:
         plot_sweep(directory, out_dir, plt, report)
     else:
         plot_run(directory, out_dir, plt, report)
-    path = os.path.join(out_dir, "report.html")
+    path = paths.report_html
     from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
 
     write_atomic(
@@ -638,7 +640,7 @@ def build_report(directory: str) -> tuple[str, Report]:
 def _unwritable(run_dir: str) -> str:
     """Why the report cannot be written into run_dir/report, else "": checked before any plot is drawn, so a
     linked report/ (its plots would land wherever the link points) or a read-only run directory is an exit 2."""
-    out_dir = os.path.join(run_dir, REPORT_DIR)
+    out_dir = RunPaths(run_dir).report
     if os.path.islink(out_dir):
         return (
             f"{out_dir} is a symbolic link: meshrun writes the report only into a real directory inside the run "

@@ -19,6 +19,7 @@ from typing import Any
 
 from training.contract.config import Config, config_from_dict, config_to_dict
 from training.contract.layout_text import format_layout, layout_of
+from training.contract.rundir.paths import RunPaths
 
 GROUPS = ("model", "parallel", "cluster", "train", "data")
 # Chosen anew by every invocation, never inherited from the saved run (with the command line's own option groups,
@@ -109,7 +110,7 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 def saved_config(run_dir: str) -> dict[str, Any] | None:
     """The run's config.json as plain dicts, or None for a new run directory."""
-    path = os.path.join(run_dir, "config.json")
+    path = RunPaths(run_dir).config
     if not os.path.isfile(path):
         return None
     with open(path) as f:
@@ -182,7 +183,7 @@ def resume_config(run_dir: str, now: Config, overrides: Sequence[str]) -> Config
     (the resume and any reshard are announced on stderr). A config.json that cannot be read, names keys
     this version does not know or holds a value of the wrong type exits 2 naming the file (it is never
     replaced by the command line's defaults), and so does a model the checkpoint cannot take."""
-    path = os.path.join(run_dir, "config.json")
+    path = RunPaths(run_dir).config
     try:
         saved = saved_config(run_dir)
     except (OSError, ValueError) as exc:
@@ -191,7 +192,7 @@ def resume_config(run_dir: str, now: Config, overrides: Sequence[str]) -> Config
             f"{run_dir}/checkpoints/step_<N>/config.json) or choose another run.dir"
         )
     if saved is None:
-        if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        if not os.path.isdir(RunPaths(run_dir).checkpoints):
             return now
         _refuse(
             f"{run_dir} has checkpoints but no config.json: restore it from the newest checkpoint "

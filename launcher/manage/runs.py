@@ -12,6 +12,7 @@ from typing import Any
 from training.contract.config import Config
 from training.contract.exit_codes import EXIT_INVALID
 from training.contract.rundir.events import read_events
+from training.contract.rundir.paths import RunPaths
 
 COLUMNS = ("state", "step", "loss", "job", "age", "run")
 
@@ -30,7 +31,7 @@ def _run_dirs(folder: str) -> list[str]:
         path = os.path.join(folder, name)
         if os.path.islink(path) or not os.path.isdir(path):
             continue
-        if any(os.path.exists(os.path.join(path, f)) for f in ("config.json", "plan.json")):
+        if any(os.path.exists(f) for f in (RunPaths(path).config, RunPaths(path).plan)):
             out.append(path)
     return sorted(out, key=os.path.getmtime, reverse=True)
 

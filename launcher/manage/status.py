@@ -17,7 +17,6 @@ from typing import Any
 from launcher.manage.progress import progress_fields
 from launcher.records import goodput
 from launcher.records.readers import (
-    SWEEP_FILE,
     cancelled_event,
     current_job_id,
     current_log,
@@ -27,7 +26,7 @@ from launcher.records.readers import (
 from launcher.slurm.queries import FINAL_STATES, slurm_end_reason, slurm_state, slurm_states
 from training.contract.exit_codes import EXIT_INVALID
 from training.contract.rundir.events import read_events
-from training.contract.rundir.paths import EVENTS_FILE
+from training.contract.rundir.paths import CONFIG_FILE, EVENTS_FILE, SWEEP_FILE, RunPaths
 
 
 def _local_launcher_alive(started: dict[str, Any]) -> bool:
@@ -144,7 +143,7 @@ def current_layout(run_dir: str) -> dict[str, Any] | None:
     from training.contract.layout_text import layout_fields
 
     try:
-        return layout_fields(load_config(os.path.join(run_dir, "config.json")))
+        return layout_fields(load_config(RunPaths(run_dir).config))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -152,13 +151,13 @@ def current_layout(run_dir: str) -> dict[str, Any] | None:
 def sweep_status(sweep_dir: str) -> dict[str, Any]:
     """Every point of a sweep: the run's status for launched points, SKIPPED with the reason for the
     points the sweep left out (invalid, did not fit, refused), and how many points are in each state."""
-    with open(os.path.join(sweep_dir, SWEEP_FILE)) as f:
+    with open(RunPaths(sweep_dir).sweep) as f:
         sweep = json.load(f)
     # One Slurm query for every job of the sweep (not one per point): a 1,000-point sweep answers as fast as one.
     events_of = {
         row["run_dir"]: read_events(row["run_dir"])
         for row in sweep.get("feasible", [])
-        if row.get("run_dir") and os.path.exists(os.path.join(row["run_dir"], EVENTS_FILE))
+        if row.get("run_dir") and os.path.exists(RunPaths(row["run_dir"]).events)
     }
     states = slurm_states([j for j in (current_job_id(evs) for evs in events_of.values()) if j is not None])
     # One sacct call for every allocation of the sweep's runs (the goodput's queue wait).
@@ -201,14 +200,14 @@ def _emit(status: dict[str, Any], fmt: str) -> None:
 def print_status(run_dir: str, fmt: str = "json") -> dict[str, Any]:
     """Print exactly one JSON object on stdout (fmt="table": a table for people instead); an unknown run dir is
     an error on stderr (EXIT_INVALID)."""
-    if os.path.exists(os.path.join(run_dir, SWEEP_FILE)):
+    if os.path.exists(RunPaths(run_dir).sweep):
         out = sweep_status(run_dir)
         _emit(out, fmt)
         return out
     # Hydra has created run_dir (with its app.log) before this runs: a run is known by what meshrun wrote.
-    if not any(os.path.exists(os.path.join(run_dir, name)) for name in (EVENTS_FILE, "config.json")):
+    if not any(os.path.exists(path) for path in (RunPaths(run_dir).events, RunPaths(run_dir).config)):
         print(
-            f"error: run.dir={run_dir} is not a meshrun run directory (no {EVENTS_FILE} or config.json): "
+            f"error: run.dir={run_dir} is not a meshrun run directory (no {EVENTS_FILE} or {CONFIG_FILE}): "
             "give the run directory printed at launch or submission, or a sweep directory (it holds "
             f"{SWEEP_FILE})",
             file=sys.stderr,

@@ -24,7 +24,6 @@ lost_steps (with train.log_every=1: the rows of metrics.purged.jsonl).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -33,9 +32,9 @@ from typing import Any
 
 from training.contract.rundir.events import read_events, well_formed
 from training.contract.rundir.metrics import read_purged_rows, read_rows
+from training.contract.rundir.paths import RunPaths
 
 CAUSES = ("queue", "startup", "productive", "lost_steps", "checkpoint_blocking", "eval", "restart_gap")
-GOODPUT_FILE = "goodput.json"
 _END = ("completed", "stopped", "cancelled")
 _ATTEMPT_END = ("restarted_in_job", "requeued", "completed", "stopped", "cancelled")
 
@@ -266,7 +265,7 @@ def write_goodput(run_dir: str) -> dict[str, Any] | None:
 
     out = run_goodput(run_dir)
     if out is not None:
-        write_atomic(os.path.join(run_dir, GOODPUT_FILE), json.dumps(out, indent=1))
+        write_atomic(RunPaths(run_dir).goodput, json.dumps(out, indent=1))
     return out
 
 

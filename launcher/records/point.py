@@ -4,8 +4,9 @@ A Hydra launcher runs each point where it likes: in this process (meshrun's and 
 launcher), in a worker process (joblib) or in a job of its own (submitit). Return values and
 callback state do not come back from those, files do: the point's record is written next to its
 plan.json by the process that ran it (launcher/sweep/summary.py's on_job_end), updated by whoever acts on the
-point later (the Slurm job-array submission of launcher/slurm/submit.py), and read back by the sweep's
-parent process for the closing summary and sweep.json (launcher/sweep/summary.py's on_multirun_end).
+point later (the Slurm job-array submission of launcher/slurm/submit.py; with wait=true the final status,
+launcher/manage/follow.py), and read back by the sweep's parent process for the closing summary and sweep.json
+(launcher/sweep/summary.py's on_multirun_end).
 
 Record keys: sweep_id (which sweep wrote it: a reused sweep directory may hold older points), num,
 overrides, status (ok | invalid | no_fit | failed | queued | submitted | dry_run | completed), run_dir,
@@ -20,12 +21,11 @@ import os
 from typing import Any
 
 from training.contract.rundir.files import write_atomic
-
-POINT_FILE = "point.json"
+from training.contract.rundir.paths import POINT_FILE, RunPaths
 
 
 def point_path(run_dir: str) -> str:
-    return os.path.join(run_dir, POINT_FILE)
+    return RunPaths(run_dir).point
 
 
 def write_point(run_dir: str, record: dict[str, Any]) -> None:

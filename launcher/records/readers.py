@@ -11,6 +11,7 @@ from typing import Any
 from training.checkpoint.storage import read_latest
 from training.contract.rundir.events import append_event, read_events
 from training.contract.rundir.metrics import last_step as metrics_last_step
+from training.contract.rundir.paths import RunPaths
 
 
 def last_metrics_step(run_dir: str) -> int | None:
@@ -40,7 +41,7 @@ def job_log_dir(run_dir: str, job: str) -> str:
     for ev in read_events(run_dir):
         if ev.get("event") == "submitted" and str(ev.get("job_id")) == job and ev.get("log_dir"):
             return str(ev["log_dir"])
-    return os.path.join(run_dir, "submitit")
+    return RunPaths(run_dir).submitit
 
 
 def excluded_nodes(events: list[dict[str, Any]]) -> list[str]:
@@ -62,12 +63,6 @@ def retries_used(events: list[dict[str, Any]]) -> int:
     return sum(1 for ev in events if ev.get("event") == "requeued" and ev.get("cause") in RETRY_CAUSES)
 
 
-SWEEP_FILE = "sweep.json"
-
-
-CANCEL_FILE = "cancel.json"
-
-
 def _launches(events: list[dict[str, Any]]) -> list[float]:
     """Times of the launches of the run directory (submission, or a local launcher's start)."""
     return [
@@ -80,7 +75,7 @@ def _launches(events: list[dict[str, Any]]) -> list[float]:
 def cancel_requested(run_dir: str, events: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The cancel mark when it applies to the current launch (written after it), else None."""
     try:
-        with open(os.path.join(run_dir, CANCEL_FILE)) as f:
+        with open(RunPaths(run_dir).cancel) as f:
             mark = json.load(f)
     except (OSError, ValueError):
         return None
@@ -126,7 +121,7 @@ def log_files(run_dir: str, rank: int = 0, events: list[dict] | None = None) -> 
     events = read_events(run_dir) if events is None else events
     jobs = slurm_jobs(events)
     if not jobs:
-        return [os.path.join(run_dir, "logs", f"rank_{rank}.log")]
+        return [RunPaths(run_dir).rank_log(rank)]
     return [os.path.join(job_log_dir(run_dir, job), f"{job}_{rank}_log.out") for job in jobs]
 
 

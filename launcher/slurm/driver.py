@@ -33,7 +33,6 @@ from launcher.records.goodput import write_goodput_quietly
 from launcher.records.readers import cancel_requested, excluded_nodes, last_step, record_cancelled, retries_used
 from launcher.slurm import in_job
 from launcher.slurm.queries import job_alive
-from launcher.slurm.rank_task import attempt_dir
 from launcher.slurm.requeue import Decision, blamed_failures, decide
 from training.checkpoint.storage import planned_resume_step
 from training.contract.config import load_config
@@ -41,6 +40,7 @@ from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_OK, EXI
 from training.contract.layout_text import format_layout, layout_of
 from training.contract.rundir.events import append_event, read_events
 from training.contract.rundir.lock import claim_for_job, release_job, set_job_holder
+from training.contract.rundir.paths import RunPaths
 from training.contract.slurm_env import (
     PREFLIGHT_PASSED_ENV,
     SlurmUnavailable,
@@ -78,7 +78,8 @@ def prologue(run_dir: str) -> int:
         print("exit 0")  # evaluated by the batch script: ends before srun, and Slurm's accounting says COMPLETED
         return EXIT_OK
     allocation = hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))
-    cfg = load_config(os.path.join(run_dir, "config.json"))
+    paths = RunPaths(run_dir)
+    cfg = load_config(paths.config)
     restart_count = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     nodes, extra = allocation, {}
     if in_job.enabled(cfg.cluster):
@@ -91,11 +92,11 @@ def prologue(run_dir: str) -> int:
         if passed:
             extra = {"preflight_passed": passed}
     step = last_step(run_dir)
-    os.makedirs(attempt_dir(run_dir, attempt), exist_ok=True)
+    os.makedirs(paths.attempt(attempt), exist_ok=True)
     from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
 
     write_atomic(
-        os.path.join(attempt_dir(run_dir, attempt), "prologue.json"),
+        paths.prologue(attempt),
         json.dumps({"last_step": step, "nodes": nodes, "job_id": job_id(), "allocation": allocation}),
     )
     append_event(
@@ -203,7 +204,7 @@ def epilogue(run_dir: str, srun_rc: int, then_prologue: bool = False) -> int:
     """then_prologue (the in-job batch loop): on an in-job restart, also run the next attempt's prologue here
     and print its exports (the batch script evaluates them), one Python start less on the restart's path."""
     number = int(os.environ.get("MESHRUN_ATTEMPT", "0"))
-    cfg = load_config(os.path.join(run_dir, "config.json"))
+    cfg = load_config(RunPaths(run_dir).config)
     _claim_decision(run_dir, number)
     a = _assess(run_dir, cfg, number)
     d = a.d
@@ -245,7 +246,7 @@ def _claim_decision(run_dir: str, attempt: int) -> None:
     """The attempt's epilogue.pid: a watcher of the batch script (batch_script_lost) leaves the decision to this
     process while it lives."""
     try:
-        with open(os.path.join(attempt_dir(run_dir, attempt), EPILOGUE_PID), "w") as f:
+        with open(RunPaths(run_dir).epilogue_pid(attempt), "w") as f:
             f.write(str(os.getpid()))
     except OSError:
         pass
@@ -253,12 +254,12 @@ def _claim_decision(run_dir: str, attempt: int) -> None:
 
 def _assess(run_dir: str, cfg, number: int) -> _Attempt:
     """The attempt's records and requeue.py's decision on them."""
-    adir = attempt_dir(run_dir, number)
+    paths = RunPaths(run_dir)
     records = []
-    for path in sorted(glob.glob(os.path.join(adir, "rank_*.json"))):
+    for path in sorted(glob.glob(os.path.join(paths.attempt(number), "rank_*.json"))):
         with open(path) as f:
             records.append(json.load(f))
-    with open(os.path.join(adir, "prologue.json")) as f:
+    with open(paths.prologue(number)) as f:
         pro = json.load(f)
     step_now = last_step(run_dir)
     progressed = step_now is not None and (pro["last_step"] is None or step_now > pro["last_step"])
@@ -561,13 +562,9 @@ LOST_GRACE_S = 2.0
 """How long the early epilogue waits, once the batch script is gone, for a job-wide signal that would end it too."""
 
 
-EPILOGUE_PID = "epilogue.pid"
-"""In an attempt's directory: the pid of the epilogue deciding it (written as it starts deciding)."""
-
-
 def _epilogue_running(run_dir: str, attempt: int) -> bool:
     try:
-        with open(os.path.join(attempt_dir(run_dir, attempt), EPILOGUE_PID)) as f:
+        with open(RunPaths(run_dir).epilogue_pid(attempt)) as f:
             pid = int(f.read().strip())
         with open(f"/proc/{pid}/status") as f:
             return "\nState:\tZ" not in f.read()
@@ -591,7 +588,7 @@ def batch_script_lost(run_dir: str) -> int:
         return EXIT_OK  # no attempt of this job started (its prologue ended the script)
     attempt = int(started[-1].get("attempt", 0))
     ev = dict(attempt=attempt, job_id=job_id())
-    cfg = load_config(os.path.join(run_dir, "config.json"))
+    cfg = load_config(RunPaths(run_dir).config)
     # With in-job restarts the epilogue runs after srun as a child of the batch script and outlives it: while it
     # lives, the decision is its own.
     while _epilogue_running(run_dir, attempt):

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from training.contract.config import Config, derived_dp
 from training.contract.layout_text import layout_fields
 from training.contract.rundir.events import append_event
 from training.contract.rundir.files import write_atomic
+from training.contract.rundir.paths import RunPaths
 
 UNUSABLE = {
     "down",
@@ -321,7 +321,7 @@ def apply_resize(run_dir: str, r: Resize, **fields: Any) -> None:
     write_config(r.cfg, run_dir)
     report = validate(r.cfg)
     if report.plan is not None:
-        path = os.path.join(run_dir, "plan.json")
+        path = RunPaths(run_dir).plan
         plan_json = report.plan.to_json()
         if r.replanned is not None:
             plan_json["auto"] = {k: v for k, v in r.replanned.items() if k != "text"}

@@ -41,6 +41,7 @@ from training.contract.exit_codes import EXIT_INVALID, EXIT_SLURM
 from training.contract.rundir.config_files import write_config
 from training.contract.rundir.events import append_event
 from training.contract.rundir.lock import RunLocked, acquire, held
+from training.contract.rundir.paths import RunPaths
 from training.contract.rundir.resume_request import write_request
 from training.contract.slurm_env import SlurmUnavailable, slurm_command
 
@@ -192,7 +193,7 @@ def submit_arrays(run_dirs: Sequence[str], folder: str) -> dict[str, dict[str, A
     follow_points)."""
     groups: dict[tuple[bool, str], list[tuple[Config, str]]] = {}
     for run_dir in run_dirs:
-        cfg = load_config(os.path.join(run_dir, "config.json"))
+        cfg = load_config(RunPaths(run_dir).config)
         groups.setdefault((cfg.dry_run, array_group_key(cfg)), []).append((cfg, run_dir))
     updates: dict[str, dict[str, Any]] = {}
     for (dry, _), group in groups.items():

@@ -28,6 +28,7 @@ from launcher.plan.estimate import fmt_bytes, fmt_seconds
 from launcher.records.point import read_points, write_point
 from training.contract.exit_codes import EXIT_FAILED
 from training.contract.layout_text import Layout, format_layout
+from training.contract.rundir.paths import RunPaths
 
 WIDTH = 120
 """Columns of the summary table."""
@@ -76,7 +77,7 @@ def point_record(config: DictConfig, job_return: JobReturn, sweep_id: str) -> di
 
 def _read_plan(run_dir: str) -> dict[str, Any] | None:
     try:
-        with open(os.path.join(run_dir, "plan.json")) as f:
+        with open(RunPaths(run_dir).plan) as f:
             return json.load(f)
     except (OSError, ValueError):
         return None
@@ -226,7 +227,7 @@ class SweepSummary(Callback):
         common = common_overrides(points)
         print(format_summary(summary, common, short_keys(points, common)))
         os.makedirs(sweep_dir, exist_ok=True)
-        path = os.path.join(sweep_dir, "sweep.json")
+        path = RunPaths(sweep_dir).sweep
         with open(path, "w") as f:
             json.dump({"common_overrides": common, "points": points, **summary}, f, indent=2, default=str)
         print(f"sweep.json: {os.path.abspath(path)}")

@@ -10,10 +10,11 @@ import os
 import pytest
 
 from launcher.manage.cancel import write_mark
-from launcher.records.readers import CANCEL_FILE, cancel_requested, cancelled_event
+from launcher.records.readers import cancel_requested, cancelled_event
 from launcher.slurm import driver
 from training.contract.config import Config, config_to_dict
 from training.contract.rundir.events import append_event, read_events
+from training.contract.rundir.paths import CANCEL_FILE
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ import pytest
 
 from launcher.manage.report import build_report
 from launcher.manage.status import run_status, sweep_status
-from launcher.records.goodput import CAUSES, GOODPUT_FILE, compute
+from launcher.records.goodput import CAUSES, compute
+from training.contract.rundir.paths import GOODPUT_FILE
 
 
 @pytest.mark.slow  # CPU ranks started by the CLI

@@ -24,10 +24,11 @@ import pytest
 from helpers import jobs as noted_jobs
 
 from launcher.manage.status import run_status
-from launcher.records.goodput import CAUSES, GOODPUT_FILE, compute
+from launcher.records.goodput import CAUSES, compute
 from launcher.slurm import in_job
 from training.contract.config import ClusterConfig
 from training.contract.rundir.events import read_events
+from training.contract.rundir.paths import GOODPUT_FILE
 
 # Faults by attempt, at the entry of a training step (state.step = steps completed): rows 1..K are logged.
 INJECT = r"""import json, os, signal, subprocess, sys
