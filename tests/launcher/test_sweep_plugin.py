@@ -317,7 +317,7 @@ def test_task_view_is_the_config_without_hydra():
 
     from hydra_plugins.meshrun_sweep._composer import CachedComposer
     from hydra_plugins.meshrun_sweep._run_job import _task_view
-    from training.contract.config import Config
+    from launcher.cli.options import AppConfig  # the schema the command line composes
 
     loader, master = _loader_and_master(["action=plan", "model=tiny,gpt2_125m", "hydra.sweep.dir=/tmp/x"])
     # run.dir pinned: its default interpolates the clock's second, which two resolutions may straddle.
@@ -328,7 +328,7 @@ def test_task_view_is_the_config_without_hydra():
     view = _task_view(config)
     assert "hydra" not in view and "hydra" in config
     assert OmegaConf.to_container(view, resolve=False) == OmegaConf.to_container(want, resolve=False)
-    assert OmegaConf.get_type(view) is OmegaConf.get_type(want) is Config
+    assert OmegaConf.get_type(view) is OmegaConf.get_type(want) is AppConfig
     assert OmegaConf.is_struct(view)
     assert OmegaConf.to_object(view) == OmegaConf.to_object(want)
     with read_write(config.hydra), open_dict(config.hydra):
