@@ -128,7 +128,7 @@ def in_job_fields(events: list[dict[str, Any]]) -> dict[str, Any]:
 def goodput_fields(
     run_dir: str, events: list[dict[str, Any]], allocations: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """goodput (productive / wall) and goodput_s (seconds per cause, launcher/manage/goodput.py); {} before the first
+    """goodput (productive / wall) and goodput_s (seconds per cause, launcher/records/goodput.py); {} before the first
     attempt."""
     if not any(ev.get("event") == "started" for ev in events):
         return {}

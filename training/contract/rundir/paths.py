@@ -206,7 +206,7 @@ class RunPaths:
 
     @property
     def goodput(self) -> str:
-        """goodput.json: where the run's wall time went (launcher/manage/goodput.py)."""
+        """goodput.json: where the run's wall time went (launcher/records/goodput.py)."""
         return self._join(GOODPUT_FILE)
 
     @property
