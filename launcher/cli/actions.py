@@ -66,7 +66,7 @@ ACTIONS: tuple[ActionSpec, ...] = (
     ),
     ActionSpec(
         "recommend",
-        "launcher.planning.calibrate",
+        "launcher.launch.calibrate",
         "run_recommend",
         locks=False,
         config="run_dir",
