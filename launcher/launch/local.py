@@ -87,11 +87,40 @@ def run_ranks(cfg: Config, run_dir: str) -> int:
 
 
 def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, lock: RunLock) -> int:
+    attempt, binding = _begin_attempt(cfg, run_dir, world, threads)
+    ranks = _Ranks(run_dir, attempt)
+    try:
+        ranks.start(cfg, world, port, threads, lock, binding)
+        stop = _StopRequest(ranks.procs, cfg.cancel.timeout_s, cfg.train.checkpointing)
+        failed = _watch(run_dir, attempt, ranks.procs, stop)
+        if stop.name:
+            return _interrupted(run_dir, stop, ranks.procs, attempt, cfg.train.checkpointing)
+        if failed is not None:
+            return _failed(run_dir, attempt, ranks.procs, failed)
+        return _ended(cfg, run_dir, world, attempt, ranks.procs)
+    except KeyboardInterrupt:
+        stop_processes(ranks.procs)
+        append_event(
+            run_dir,
+            "failed",
+            node=socket.gethostname(),
+            rank=-1,
+            exit_code=EXIT_INTERRUPTED,
+            reason="interrupted",
+            attempt=attempt,
+        )
+        return EXIT_INTERRUPTED
+    finally:
+        ranks.close()
+
+
+def _begin_attempt(cfg: Config, run_dir: str, world: int, threads: int) -> tuple[int, list]:
+    """(this launch's attempt number, each rank's (NUMA prefix, node)), after the `started` event. Launches of one
+    run.dir are its attempts (0, 1, ...), as a Slurm job's requeues are: events and metrics rows carry the number
+    (MESHRUN_ATTEMPT, training/contract/rundir/events.py)."""
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     if not os.path.exists(os.path.join(run_dir, "config.json")):
         write_config(cfg, run_dir)
-    # Launches of one run.dir are its attempts (0, 1, ...), as a Slurm job's requeues are: events and metrics
-    # rows carry the number (MESHRUN_ATTEMPT, training/contract/rundir/events.py).
     attempt = sum(1 for ev in read_events(run_dir) if ev.get("event") == "started")
     binding = [rank_prefix(cfg, r, world) for r in range(world)]  # NUMA, as on Slurm (launcher/ranks/numa.py)
     # launcher_pid lets `action=status` tell a running job from one whose launcher was killed (no end event).
@@ -105,30 +134,43 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
         attempt=attempt,
         numa_nodes=[node for _, node in binding],
     )
-    procs: list[Any] = []  # subprocess.Popen, or a warm rank's WarmChild (launcher/ranks/warm/fork.py)
-    pumps: list[threading.Thread] = []
-    logs = []
-    agent: LocalAgent | None = None
-    warm_ranks: list[int] = []
-    try:
+    return attempt, binding
+
+
+class _Ranks:
+    """One attempt's rank processes and what the launcher holds for them: their output pumps, their logs and the
+    launch's warm agent (released by close)."""
+
+    def __init__(self, run_dir: str, attempt: int) -> None:
+        self.run_dir, self.attempt = run_dir, attempt
+        self.procs: list[Any] = []  # subprocess.Popen, or a warm rank's WarmChild (launcher/ranks/warm/fork.py)
+        self.pumps: list[threading.Thread] = []
+        self.logs: list[Any] = []
+        self.agent: LocalAgent | None = None
+
+    def _log(self, name: str):
+        # Appended: every attempt of the run stays in the log, each under its own header (action=logs).
+        log = open_append(os.path.join(self.run_dir, "logs", name), binary=True)  # never via a link
+        log.write(attempt_header(self.attempt).encode())
+        log.flush()
+        self.logs.append(log)
+        return log
+
+    def start(self, cfg: Config, world: int, port: int, threads: int, lock: RunLock, binding: list) -> None:
+        """Start every rank: forked by the launch's warm agent where warm starts are on, else cold."""
+        run_dir = self.run_dir
         prefixes = [binding[r][0] + nsys_prefix(cfg, r, run_dir) for r in range(world)]
         if warm.enabled(cfg, world) and not all(prefixes):
             # A rank under numactl or nsys must run their command: it starts cold.
-            agent_log = open_append(os.path.join(run_dir, "logs", "warm_agent.log"), binary=True)
-            logs.append(agent_log)
-            agent_log.write(attempt_header(attempt).encode())
-            agent_log.flush()
-            agent = LocalAgent(run_dir, rank_process_env({}, engine_env(cfg, run_dir), threads), agent_log)
+            agent_env = rank_process_env({}, engine_env(cfg, run_dir), threads)
+            self.agent = LocalAgent(run_dir, agent_env, self._log("warm_agent.log"))
         tty = sys.stderr.isatty()
+        warm_ranks: list[int] = []
         for r in range(world):
-            # Appended: every attempt of the run stays in the log, each under its own header (action=logs).
-            log = open_append(os.path.join(run_dir, "logs", f"rank_{r}.log"), binary=True)  # never via a link
-            log.write(attempt_header(attempt).encode())
-            log.flush()
-            logs.append(log)
+            log = self._log(f"rank_{r}.log")
             env = rank_process_env(dist_env(r, world, r, world, LOOPBACK, port), engine_env(cfg, run_dir), threads)
             env[TOKEN_ENV] = lock.token
-            env["MESHRUN_ATTEMPT"] = str(attempt)
+            env["MESHRUN_ATTEMPT"] = str(self.attempt)
             if r == 0 and tty:
                 env[TTY_ENV] = "1"
             if binding[r][1] is not None:
@@ -139,7 +181,7 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
             # reaches this launcher only, which stops the ranks through their own stop path (a checkpoint
             # first) instead of a KeyboardInterrupt in each.
             argv = prefixes[r] + [sys.executable, "-m", "training.main", run_dir]
-            proc: Any = agent.start_rank(r, env, lock.fd) if agent is not None and not prefixes[r] else None
+            proc: Any = self.agent.start_rank(r, env, lock.fd) if self.agent is not None and not prefixes[r] else None
             if proc is not None:
                 warm_ranks.append(r)
             else:
@@ -151,92 +193,89 @@ def _run_ranks(cfg: Config, run_dir: str, world: int, port: int, threads: int, l
                     pass_fds=(lock.fd,),
                     start_new_session=True,
                 )
-            procs.append(proc)
+            self.procs.append(proc)
             # Rank 0 also goes to this terminal (stderr: stdout stays for results); its progress bar redraws in
             # place there (TTY_ENV) and reaches the log as plain lines.
             sinks: list[Any] = [PlainLines(log) if tty else log, sys.stderr.buffer] if r == 0 else [log]
-            pumps.append(start_pump(proc.stdout, sinks))
-        if agent is not None:
+            self.pumps.append(start_pump(proc.stdout, sinks))
+        if self.agent is not None:
             # Which ranks the agent forked (the others started cold, each with its `warm_start_missed`).
-            append_event(run_dir, "ranks_started", warm_ranks=warm_ranks, agent_pid=agent.pid, attempt=attempt)
-        failed: tuple | None = None
-        ended: dict[int, tuple] = {}  # a failed rank -> (its exit code, when it was seen)
-        stop = _StopRequest(procs, cfg.cancel.timeout_s, cfg.train.checkpointing)
-        with stop.installed():
-            while True:
-                stop.forward()
-                codes = [proc.poll() for proc in procs]
-                now = time.time()
-                for r, c in enumerate(codes):
-                    if c is not None and c not in (EXIT_OK, EXIT_STOPPED):
-                        ended.setdefault(r, (c, now))
-                if ended and not stop.name:
-                    # A rank's death ends its peers soon after (a collective with it fails), and a warm rank's end
-                    # comes back later than a cold peer's: FAILURE_GRACE_S lets the cause be told from them.
-                    if all(c is not None for c in codes) or now - min(t for _, t in ended.values()) >= FAILURE_GRACE_S:
-                        failed = _blame(run_dir, attempt, ended)
-                        break
-                if all(c is not None for c in codes):
-                    break
-                time.sleep(POLL_S)
-        if stop.name:
-            return _interrupted(run_dir, stop, procs, attempt, cfg.train.checkpointing)
-        if failed is not None:
-            stop_processes(procs)
-            rank, code, told, consequences = failed
-            why = f"exited with code {code}"
-            if code < 0:  # killed by a signal: Popen's -N, which would leave meshrun as 256 - N (outside the table)
-                why = f"was killed by {_signal_name(-code)}" + (" (out of memory? see dmesg)" if -code == 9 else "")
-                code = EXIT_FAILED
             append_event(
-                run_dir,
-                "failed",
-                node=socket.gethostname(),
-                rank=rank,
-                exit_code=code,
-                reason=f"rank {rank}: {told}; see {run_dir}/logs/rank_{rank}.log",
-                consequences=consequences,
-                attempt=attempt,
+                run_dir, "ranks_started", warm_ranks=warm_ranks, agent_pid=self.agent.pid, attempt=self.attempt
             )
-            print(
-                f"meshrun: rank {rank} {why}; stopped the other ranks (log: {run_dir}/logs/rank_{rank}.log)",
-                file=sys.stderr,
-            )
-            return code
-        codes = [proc.returncode for proc in procs]
-        if any(c == EXIT_STOPPED for c in codes):
-            # Stopped early on purpose after a checkpoint; nothing requeues a local run, the user does.
-            # train.checkpointing=false: stopped at a signal with no checkpoint, so there is nothing to resume.
-            reason = (
-                "stopped early after a complete checkpoint (signal, "
-                f"exit_interval or exit_after_min): run again with run.dir={run_dir} to resume"
-                if cfg.train.checkpointing
-                else "stopped early at a signal; no checkpoint was written (train.checkpointing=false): "
-                "nothing to resume"
-            )
-            append_event(run_dir, "stopped", reason=reason, attempt=attempt)
-            return EXIT_STOPPED
-        append_event(run_dir, "completed", world_size=world, attempt=attempt)
-        return EXIT_OK
-    except KeyboardInterrupt:
-        stop_processes(procs)
-        append_event(
-            run_dir,
-            "failed",
-            node=socket.gethostname(),
-            rank=-1,
-            exit_code=EXIT_INTERRUPTED,
-            reason="interrupted",
-            attempt=attempt,
-        )
-        return EXIT_INTERRUPTED
-    finally:
-        if agent is not None:
-            agent.stop()  # its ranks have ended: it leaves (SIGTERM), as it does when this launcher dies
-        for t in pumps:
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.stop()  # its ranks have ended: it leaves (SIGTERM), as it does when this launcher dies
+        for t in self.pumps:
             t.join(timeout=2)
-        for log in logs:
+        for log in self.logs:
             log.close()
+
+
+def _watch(run_dir: str, attempt: int, procs: list[Any], stop: _StopRequest) -> tuple | None:
+    """Wait for the ranks, forwarding a stop request; the failure (_blame's) once a rank has failed, else None
+    (all ended, or a stop was asked: stop.name)."""
+    ended: dict[int, tuple] = {}  # a failed rank -> (its exit code, when it was seen)
+    with stop.installed():
+        while True:
+            stop.forward()
+            codes = [proc.poll() for proc in procs]
+            now = time.time()
+            for r, c in enumerate(codes):
+                if c is not None and c not in (EXIT_OK, EXIT_STOPPED):
+                    ended.setdefault(r, (c, now))
+            if ended and not stop.name:
+                # A rank's death ends its peers soon after (a collective with it fails), and a warm rank's end
+                # comes back later than a cold peer's: FAILURE_GRACE_S lets the cause be told from them.
+                if all(c is not None for c in codes) or now - min(t for _, t in ended.values()) >= FAILURE_GRACE_S:
+                    return _blame(run_dir, attempt, ended)
+            if all(c is not None for c in codes):
+                return None
+            time.sleep(POLL_S)
+
+
+def _failed(run_dir: str, attempt: int, procs: list[Any], failed: tuple) -> int:
+    """Stop the other ranks, record the failure (`failed`) and say which rank caused it; its exit code."""
+    stop_processes(procs)
+    rank, code, told, consequences = failed
+    why = f"exited with code {code}"
+    if code < 0:  # killed by a signal: Popen's -N, which would leave meshrun as 256 - N (outside the table)
+        why = f"was killed by {_signal_name(-code)}" + (" (out of memory? see dmesg)" if -code == 9 else "")
+        code = EXIT_FAILED
+    append_event(
+        run_dir,
+        "failed",
+        node=socket.gethostname(),
+        rank=rank,
+        exit_code=code,
+        reason=f"rank {rank}: {told}; see {run_dir}/logs/rank_{rank}.log",
+        consequences=consequences,
+        attempt=attempt,
+    )
+    print(
+        f"meshrun: rank {rank} {why}; stopped the other ranks (log: {run_dir}/logs/rank_{rank}.log)",
+        file=sys.stderr,
+    )
+    return code
+
+
+def _ended(cfg: Config, run_dir: str, world: int, attempt: int, procs: list[Any]) -> int:
+    """Every rank ended without failing: `stopped` (early, on purpose) or `completed`."""
+    codes = [proc.returncode for proc in procs]
+    if any(c == EXIT_STOPPED for c in codes):
+        # Stopped early on purpose after a checkpoint; nothing requeues a local run, the user does.
+        # train.checkpointing=false: stopped at a signal with no checkpoint, so there is nothing to resume.
+        reason = (
+            "stopped early after a complete checkpoint (signal, "
+            f"exit_interval or exit_after_min): run again with run.dir={run_dir} to resume"
+            if cfg.train.checkpointing
+            else "stopped early at a signal; no checkpoint was written (train.checkpointing=false): nothing to resume"
+        )
+        append_event(run_dir, "stopped", reason=reason, attempt=attempt)
+        return EXIT_STOPPED
+    append_event(run_dir, "completed", world_size=world, attempt=attempt)
+    return EXIT_OK
 
 
 FAILURE_GRACE_S = 2.0
