@@ -1,4 +1,4 @@
-"""Warm rank starts of a local launch (launcher/launch/local_warm.py, training/run/warm_agent.py --local): one
+"""Warm rank starts of a local launch (launcher/ranks/warm/local.py, training/run/warm_agent.py --local): one
 agent per launch forks the ranks, which are then the ranks a cold launch starts as far as the launcher, the lock,
 the stop paths and the losses can tell; an agent that cannot serve leaves every rank to a cold start, visibly.
 
@@ -97,8 +97,8 @@ def _lock_free(run) -> bool:
 
 def _warm_ranks(run, launcher: subprocess.Popen, attempt: int):
     """(agent pid, rank pids) of a warm launch, once both ranks catch the stop signals and 3 steps are logged."""
+    from launcher.ranks.exits import catches
     from launcher.ranks.proc_tree import children
-    from launcher.slurm.rank_task import catches
 
     started = wait_for(
         lambda: [ev for ev in _events(run, "ranks_started") if ev["attempt"] == attempt] or launcher.poll() is not None,
@@ -162,9 +162,9 @@ def test_warm_ranks_are_the_agents_children_hold_the_lock_and_stop_as_cold_ones(
     from launcher.ranks.proc_tree import children
 
     run = tmp_path / "run"
-    # Paced steps (train.min_step_s): the ranks idle between steps while the test looks at them, instead of
+    # Paced steps (MESHRUN_PACE_STEP_S, training/run/pacing.py): the ranks idle between steps while the test looks at them, instead of
     # training on the cores the other tests share.
-    first = _launch(run, "train.steps=400", "train.min_step_s=0.5")
+    first = _launch(run, "train.steps=400", "+cluster.env.MESHRUN_PACE_STEP_S=0.5")
     agent, ranks = _warm_ranks(run, first, 0)
     assert int(_status_field(agent, "PPid")) == first.pid
     envs = {}
@@ -196,7 +196,7 @@ def test_warm_ranks_are_the_agents_children_hold_the_lock_and_stop_as_cold_ones(
     assert log.startswith("===== meshrun attempt 0") and "summary: " in log and "SIGUSR2" in log, log[-2000:]
     assert "summary: " in err  # rank 0's output also on the launcher's stderr
 
-    second = _launch(run, "train.steps=400", "train.min_step_s=0.5")
+    second = _launch(run, "train.steps=400", "+cluster.env.MESHRUN_PACE_STEP_S=0.5")
     agent, ranks = _warm_ranks(run, second, 1)
     before = len(_events(run, "checkpoint"))
     second.kill()

@@ -219,7 +219,7 @@ def test_reserved_env_names_and_sbatch_prefixes_are_refused(tmp_path):
 
 def test_prepare_refuses_an_existing_dataset_and_the_tokenizer_sha_is_checked(tmp_path):
     from launcher.data.prepare import prepare
-    from training.contract.config import PrepareConfig
+    from launcher.data.prepare.config import PrepareConfig
     from training.contract.tokenizer import TokenizerError, load_tokenizer
     from training.data.sources import DataError
 
@@ -279,8 +279,8 @@ def _training_rank(launcher: subprocess.Popen):
     saves the step it trains)."""
     import signal as sig
 
+    from launcher.ranks.exits import catches
     from launcher.ranks.proc_tree import children
-    from launcher.slurm.rank_task import catches
 
     def ready():
         kids = [pid for pid in children(launcher.pid) if catches(pid, sig.SIGUSR2) and catches(pid, sig.SIGTERM)]
@@ -304,7 +304,7 @@ def test_local_launcher_signals_rank_kill_and_dead_launcher(trained, tmp_path):
 
     def launch():
         return subprocess.Popen(
-            [PYTHON, "-m", "launcher", f"run.dir={run}", "train.steps=500", "train.min_step_s=2"],
+            [PYTHON, "-m", "launcher", f"run.dir={run}", "train.steps=500", "+cluster.env.MESHRUN_PACE_STEP_S=2"],
             cwd=str(tmp_path),
             env=_env(),
             stdout=subprocess.PIPE,

@@ -358,7 +358,7 @@ def test_the_failed_event_lists_the_peers_errors_as_consequences():
 def test_a_failure_reason_is_the_exception_line_never_a_wrappers_frame():
     """Issue 46 item 4: the `failed` event of a SIGKILLed rank carried `return func(*args, **kwargs)`, a frame of
     a traceback its log printed earlier. The reason is the exception's type and message, or nothing."""
-    from launcher.slurm.rank_task import last_error_line
+    from launcher.ranks.exits import last_error_line
 
     log = (
         "step 3 loss 5.1\nTraceback (most recent call last):\n"
@@ -871,7 +871,7 @@ def test_slurm_signal_alone_stops_a_run_at_a_short_time_limit(tmp_path, cluster)
         "cluster.time_min=3",
         "cluster.signal_delay_s=100",
         "train.steps=100000",
-        "train.min_step_s=2",  # waits about 80 s for Slurm's signal: idles instead of spinning
+        "+cluster.env.MESHRUN_PACE_STEP_S=2",  # waits about 80 s for Slurm's signal: idles instead of spinning
         "train.checkpoint_every=0",
         "train.progress=false",
         env={"MESHRUN_SELF_STOP": "0"},
