@@ -1,12 +1,14 @@
 """The batch script's own steps around srun: `python -m launcher.slurm.driver prologue|epilogue RUN_DIR`.
 
 prologue (before srun): checks that the run directory's lock names this job (training/contract/rundir/lock.py; else the
-  attempt stops before srun) and that the run was not cancelled (launcher/records/readers.py cancel_requested: then `cancelled`, no srun), numbers the attempt, records `started` with the nodes and the code it runs (the
+  attempt stops before srun) and that the run was not cancelled (launcher/records/readers.py cancel_requested: then
+  `cancelled`, no srun), numbers the attempt, records `started` with the nodes and the code it runs (the
   submission's snapshot, launcher/slurm/snapshot.py), prints the rendezvous exports (MASTER_ADDR = first node,
   MASTER_PORT from the job id) for the batch script.
 epilogue (after srun): reads every rank's record and acts (launcher/slurm/requeue.py decides):
-  completed -> `completed`; cancelled (meshrun action=cancel) -> `cancelled`, never a requeue; all ranks stopped early -> `requeued`, `scontrol requeue` (same job; a stop
-  without a new checkpoint, or a failed save, costs one of cluster.max_retries);
+  completed -> `completed`; cancelled (meshrun action=cancel) -> `cancelled`, never a requeue; all ranks stopped
+  early -> `requeued`, `scontrol requeue` (same job; a stop without a new checkpoint, or a failed save, costs one of
+  cluster.max_retries);
   a failure -> `failed` (node, rank, exit code), then a new job excluding the failing node, up to
   cluster.max_retries -> then `stopped`; EXIT_INVALID or the same error on every rank at step 0 -> `stopped`.
 The epilogue's own status is EXIT_OK only when the run completed or was cancelled as asked (a recorded
