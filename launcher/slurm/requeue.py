@@ -113,8 +113,50 @@ def _decide(
     progressed: a new step was logged in this attempt; retries_used: requeues so far that cost a retry;
     saved: this attempt wrote a checkpoint (a stop without one costs a retry)."""
     by_rank = {int(r["rank"]): r for r in records}
-    codes = {r: by_rank[r]["exit_code"] for r in by_rank}
     exhausted = retries_used >= max_retries
+    early = _ended_without_failure(by_rank, world_size, saved, exhausted, max_retries)
+    if early is not None:
+        return early
+    save_failed = [by_rank[r] for r in sorted(by_rank) if by_rank[r].get("cause") == "save_failed"]
+    if save_failed:
+        # Storage failed under a save; the previous checkpoint is intact and no node is to blame.
+        failures = [failure_of(save_failed[0])]
+        reason = f"saving a checkpoint failed on rank {save_failed[0]['rank']}: {save_failed[0].get('error', '')}"
+        if exhausted:
+            return Decision(
+                "stop", f"{reason}; retries exhausted (cluster.max_retries={max_retries})", failures, list(excluded)
+            )
+        return Decision(
+            "requeue", f"{reason}; requeued from the previous checkpoint", failures, list(excluded), cause="save_failed"
+        )
+    failures = _failures(by_rank, world_size, rank_nodes)
+    bug = _same_error_everywhere(by_rank, world_size, progressed)
+    if bug:
+        return Decision(
+            "stop",
+            f"the same error on every rank before any step: {bug} (a bug or a config problem: not retried)",
+            failures,
+        )
+    if exhausted:
+        return Decision("stop", f"retries exhausted (cluster.max_retries={max_retries})", failures, list(excluded))
+    # Only evidence against a node excludes it: a rank that raised a Python exception (a bug or a
+    # configuration problem) leaves its healthy node in the pool.
+    blamed = blamed_failures(failures, by_rank)
+    exclude, note = plan_exclusion(excluded, [f.node for f in blamed], partition_nodes, nodes_needed)
+    if failures and not blamed:
+        note = (note + "; " if note else "") + (
+            "no node excluded: the failing rank raised an exception, "
+            "which is the program's or its input's, not the node's"
+        )
+    reason = "; ".join(f"rank {f.rank} on {f.node}: exit {f.exit_code} {f.reason}".strip() for f in failures)
+    return Decision("resubmit", reason, failures, exclude, note, cause="failure")
+
+
+def _ended_without_failure(
+    by_rank: dict[int, dict], world_size: int, saved: bool, exhausted: bool, max_retries: int
+) -> Decision | None:
+    """The attempt completed, stopped on an invalid configuration, or stopped early on purpose; None otherwise."""
+    codes = {r: by_rank[r]["exit_code"] for r in by_rank}
     if len(by_rank) == world_size and all(c == EXIT_OK for c in codes.values()):
         return Decision("completed")
     if any(c == EXIT_INVALID for c in codes.values()):
@@ -136,73 +178,50 @@ def _decide(
         if exhausted:
             return Decision("stop", f"{why}, again: retries exhausted (cluster.max_retries={max_retries})")
         return Decision("requeue", f"{why} (costs one of cluster.max_retries)", cause="no_progress")
-    save_failed = [by_rank[r] for r in sorted(by_rank) if by_rank[r].get("cause") == "save_failed"]
-    if save_failed:
-        # Storage failed under a save; the previous checkpoint is intact and no node is to blame.
-        failures = [failure_of(save_failed[0])]
-        reason = f"saving a checkpoint failed on rank {save_failed[0]['rank']}: {save_failed[0].get('error', '')}"
-        if exhausted:
-            return Decision(
-                "stop", f"{reason}; retries exhausted (cluster.max_retries={max_retries})", failures, list(excluded)
-            )
-        return Decision(
-            "requeue", f"{reason}; requeued from the previous checkpoint", failures, list(excluded), cause="save_failed"
-        )
+    return None
 
+
+def _failures(by_rank: dict[int, dict], world_size: int, rank_nodes: dict[int, str]) -> list[Failure]:
+    """The ranks a failed attempt is blamed on: those that found their node bad, else a node that vanished, else
+    the root cause among the failed ranks, else the ranks that never reported."""
     missing = sorted(set(range(world_size)) - set(by_rank))
     reported_nodes = {rec.get("node") for rec in by_rank.values()}
     lost = [r for r in missing if rank_nodes.get(r, "?") not in reported_nodes]
     failed = [rec for rec in by_rank.values() if rec["exit_code"] not in (EXIT_OK, EXIT_STOPPED)]
-    bad_node = [r for r, c in codes.items() if c == EXIT_NODE_BAD]
+    bad_node = [r for r, rec in by_rank.items() if rec["exit_code"] == EXIT_NODE_BAD]
     if bad_node:
-        failures = [failure_of(by_rank[r]) for r in sorted(bad_node)]
-    elif lost and by_rank and not any(_implicates_node(rec) and not terminated_by_srun(rec) for rec in failed):
+        return [failure_of(by_rank[r]) for r in sorted(bad_node)]
+    if lost and by_rank and not any(_implicates_node(rec) and not terminated_by_srun(rec) for rec in failed):
         # A whole node vanished (none of its ranks reported); the survivors' errors (a peer gone from a
         # collective) are the consequence, not the cause, and so is a survivor ended by SIGTERM: srun
         # (--kill-on-bad-exit) sends it to every other task once the lost node's tasks have ended. Blame the node
         # that vanished.
-        failures = [Failure(r, rank_nodes.get(r, "?"), None, "never reported (its node was lost)") for r in lost]
-    elif failed:
+        return [Failure(r, rank_nodes.get(r, "?"), None, "never reported (its node was lost)") for r in lost]
+    if failed:
         # The rank that died by a signal (or, failing that, raised an error of its own) is the cause; the peers'
         # collective errors and srun's SIGTERMs (--kill-on-bad-exit) that follow are consequences.
-        failures = [failure_of(root_cause(failed))]
-    else:
-        failures = [Failure(r, rank_nodes.get(r, "?"), None, "never reported (node or task lost)") for r in missing]
-        if not failures:
-            failures = [Failure(-1, "?", None, "step failed without a failing rank")]
+        return [failure_of(root_cause(failed))]
+    failures = [Failure(r, rank_nodes.get(r, "?"), None, "never reported (node or task lost)") for r in missing]
+    return failures or [Failure(-1, "?", None, "step failed without a failing rank")]
 
-    # A bug, not a bad node: every rank raised the same exception and no step was ever completed.
-    # The first rank to exit makes srun (--kill-on-bad-exit) kill the others, often after they printed
-    # the same exception but before they exited 1: a rank killed by a signal counts when its last
-    # error line is that same exception.
+
+def _same_error_everywhere(by_rank: dict[int, dict], world_size: int, progressed: bool) -> str:
+    """A bug, not a bad node: the error when every rank raised the same exception and no step was ever completed,
+    else "". The first rank to exit makes srun (--kill-on-bad-exit) kill the others, often after they printed the
+    same exception but before they exited 1: a rank killed by a signal counts when its last error line is that
+    same exception."""
+    codes = [rec["exit_code"] for rec in by_rank.values()]
     errors = {by_rank[r].get("error", "") for r in by_rank}
     if (
         not progressed
         and len(by_rank) == world_size
-        and any(c == EXIT_FAILED for c in codes.values())
-        and all(c == EXIT_FAILED or (isinstance(c, int) and c < 0) for c in codes.values())
+        and any(c == EXIT_FAILED for c in codes)
+        and all(c == EXIT_FAILED or (isinstance(c, int) and c < 0) for c in codes)
         and len(errors) == 1
         and "" not in errors
     ):
-        return Decision(
-            "stop",
-            f"the same error on every rank before any step: {by_rank[0].get('error', '')} "
-            "(a bug or a config problem: not retried)",
-            failures,
-        )
-    if exhausted:
-        return Decision("stop", f"retries exhausted (cluster.max_retries={max_retries})", failures, list(excluded))
-    # Only evidence against a node excludes it: a rank that raised a Python exception (a bug or a
-    # configuration problem) leaves its healthy node in the pool.
-    blamed = blamed_failures(failures, by_rank)
-    exclude, note = plan_exclusion(excluded, [f.node for f in blamed], partition_nodes, nodes_needed)
-    if failures and not blamed:
-        note = (note + "; " if note else "") + (
-            "no node excluded: the failing rank raised an exception, "
-            "which is the program's or its input's, not the node's"
-        )
-    reason = "; ".join(f"rank {f.rank} on {f.node}: exit {f.exit_code} {f.reason}".strip() for f in failures)
-    return Decision("resubmit", reason, failures, exclude, note, cause="failure")
+        return by_rank[0].get("error", "")
+    return ""
 
 
 def blamed_failures(failures: Sequence[Failure], by_rank: dict[int, dict]) -> list[Failure]:
