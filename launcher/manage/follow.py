@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from launcher.manage import status
 from launcher.records.point import update_point
-from launcher.records.readers import job_log_dir
+from launcher.records.readers import job_log
 from launcher.slurm.queries import FINAL_STATES
 from training.contract.config import load_config
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED
@@ -113,7 +113,7 @@ def follow(run_dir: str, poll_s: float = 1.0, timeout_s: float | None = None) ->
         now = status.run_status(run_dir)
         job = now.get("job_id")
         if job:
-            path = os.path.join(job_log_dir(run_dir, job), f"{job}_0_log.out")
+            path = job_log(run_dir, job)
             try:
                 with open(path, "rb") as f:
                     f.seek(offsets.get(path, 0))

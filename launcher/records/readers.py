@@ -44,6 +44,11 @@ def job_log_dir(run_dir: str, job: str) -> str:
     return RunPaths(run_dir).submitit
 
 
+def job_log(run_dir: str, job: str, rank: int = 0) -> str:
+    """The file submitit writes `rank`'s output to in Slurm job `job` (it may not exist yet)."""
+    return os.path.join(job_log_dir(run_dir, job), f"{job}_{rank}_log.out")
+
+
 def excluded_nodes(events: list[dict[str, Any]]) -> list[str]:
     out: list[str] = []
     for ev in events:
@@ -122,7 +127,7 @@ def log_files(run_dir: str, rank: int = 0, events: list[dict] | None = None) -> 
     jobs = slurm_jobs(events)
     if not jobs:
         return [RunPaths(run_dir).rank_log(rank)]
-    return [os.path.join(job_log_dir(run_dir, job), f"{job}_{rank}_log.out") for job in jobs]
+    return [job_log(run_dir, job, rank) for job in jobs]
 
 
 def current_log(run_dir: str, rank: int = 0, events: list[dict] | None = None) -> str:
