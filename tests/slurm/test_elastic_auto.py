@@ -1,4 +1,4 @@
-"""Elastic resizing of a run whose layout parallel=auto chose (launcher/slurm/elastic.py, launcher/planning/auto.py
+"""Elastic resizing of a run whose layout parallel=auto chose (launcher/slurm/elastic.py, launcher/recommend/auto.py
 replan), with the planner and Slurm node states given to the decision (no cluster):
 
 - config.json records that parallel=auto chose the layout and which keys the command line pinned
@@ -21,7 +21,7 @@ import pytest
 from helpers.cli import compose_cfg, meshrun
 
 from launcher.plan.validate import validate
-from launcher.planning.auto import choose
+from launcher.recommend.auto import choose
 from launcher.slurm.elastic import apply_resize, elastic_checks, layout_errors, plan_resize
 from training.contract.config import Config
 from training.contract.layout_text import layout_fields

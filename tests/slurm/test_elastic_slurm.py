@@ -18,8 +18,8 @@ import pytest
 from helpers.checkpoint import load_worker, save_worker
 from helpers.dist import run_distributed
 
+from launcher.launch.gate import validate_for_launch
 from launcher.plan.validate import validate
-from launcher.planning.gate import validate_for_launch
 from launcher.slurm.elastic import elastic_checks, plan_resize, pool, with_nodes
 from launcher.slurm.requeue import decide
 from training.contract.config import Config

@@ -39,7 +39,7 @@ if "training.main" in getattr(sys, "orig_argv", []):
     _node = os.environ.get("SLURM_NODEID")
     _rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
     _real = training.run.loop.Trainer.train_step
-    # Who started this rank: its wrapper (cold) or the node's warm agent (launcher/slurm/warm_client.py).
+    # Who started this rank: its wrapper (cold) or the node's warm agent (launcher/ranks/warm/slurm.py).
     with open(os.path.join(os.path.dirname(__file__), f"proc_{_attempt}_{_rank}.json"), "w") as _f:
         json.dump({"pid": os.getpid(), "ppid": os.getppid(), "node": os.environ.get("SLURMD_NODENAME")}, _f)
 

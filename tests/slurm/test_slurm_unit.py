@@ -14,7 +14,7 @@ from helpers.cli import run_cli
 from helpers.slurm import dev_cfg
 
 from launcher.manage.status import run_status
-from launcher.slurm import numa
+from launcher.ranks import numa
 from launcher.slurm.requeue import decide, plan_exclusion
 from launcher.slurm.sbatch import (
     PROJECT_ROOT,
@@ -495,7 +495,7 @@ def test_status_of_a_local_run_whose_launcher_was_killed(tmp_path):
 def test_slurm_launcher_never_imports_torch():
     code = (
         "import sys, launcher.slurm.submit, launcher.slurm.driver, launcher.slurm.rank_task, launcher.manage.status, "
-        "launcher.slurm.requeue, launcher.slurm.numa, launcher.slurm.sbatch, training.contract.slurm_env; "
+        "launcher.slurm.requeue, launcher.ranks.numa, launcher.slurm.sbatch, training.contract.slurm_env; "
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT).returncode == 0
@@ -545,7 +545,7 @@ def test_late_stop_signal_cannot_kill_a_rank_after_its_final_save():
 def test_rank_threads_never_exceed_the_tasks_cpus(monkeypatch):
     """Slurm without CPU binding leaves each task the node's whole affinity: the task's own CPUs
     (SLURM_CPUS_PER_TASK) cap its rank's OpenMP threads."""
-    from launcher.launch import processes as procs
+    from launcher.ranks import processes as procs
 
     monkeypatch.setattr(procs, "usable_cores", lambda: 8)
     assert procs.threads_per_rank(2) == 4  # locally: the cores shared by the node's ranks
