@@ -1,4 +1,4 @@
-"""The Slurm side of the run lock (training/contract/rundir/lock.py, asked through launcher/manage/status.py's job_alive):
+"""The Slurm side of the run lock (training/contract/rundir/lock.py, asked through launcher/slurm/queries.py's job_alive):
 
 - a lock that names a Slurm job still in the queue (held, pending) refuses a launch and an attempt of another
   job, naming the job and `scancel`; once that job has left the queue (a real job of the dev cluster that

@@ -504,7 +504,7 @@ def test_slurm_launcher_never_imports_torch():
 _LATE_SIGNAL_CHILD = r"""
 import sys, time
 from training.run import signals
-signals.install()  # what the checkpoint manager does when a rank starts training
+signals.install()  # what the Trainer does when a rank starts training (training/run/stop.py decides)
 if sys.argv[1] == "finished":
     signals.ignore()  # what Trainer.run does after its final checkpoint
 print("ready", flush=True)

@@ -51,7 +51,7 @@ plan's exchanges exactly (an early receive would enter NCCL's per-pair stream ah
 simulation above orders before it), only without waiting for its sends.
 Verified here on gloo (tag-0 issue-order matching, equivalence) and, for NCCL's stream/rendezvous
 rules, by that pure simulation; the test suite has no NCCL run (that needs two GPUs). pp=1 never reaches this
-class (training.run.loop uses its NoPipelineSchedule), so a rank never sends to itself.
+class (make_schedule picks training/schedules/no_pipeline.py's NoPipelineSchedule), so a rank never sends to itself.
 
 Virtual stage of local chunk c on pipeline rank r: c * p + r (model.build_gpt's order). Every message
 has a fixed shape per step, [s/tp if sp else s, micro_batch, h] in the model dtype.

@@ -34,7 +34,7 @@ from training.contract.rundir.paths import LOCK_FILE, RunPaths
 TOKEN_ENV = "MESHRUN_LOCK_TOKEN"
 """Set in every rank a local launcher starts: the token of the lock its launcher holds."""
 
-# The launcher passes launcher/manage/status.py's job_alive: job id -> whether Slurm still knows the job
+# The launcher passes launcher/slurm/queries.py's job_alive: job id -> whether Slurm still knows the job
 # (True/False), or None when Slurm cannot say. Ranks and unit tests without Slurm leave it unset.
 JobAlive = Callable[[str], bool | None]
 
