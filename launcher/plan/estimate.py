@@ -23,6 +23,7 @@ from launcher.plan.memory import (
     device_reserve_bytes,
     layer_activation_bytes,
     pinned_host_bytes,
+    pipeline_message_bytes,
     profile_dict,
     stage_layers_activation_bytes,
     stages_activation_bytes,
@@ -331,7 +332,8 @@ def _stage_plans(
         mem = kind.memory.copy()
         mem["activations"] = act
         mem["fp8_cache"] = fp8_cache
-        mem["total"] = total = kind.model_states + act + mem["zero3_gathered"] + fp8_cache
+        mem["pipeline_messages"] = messages = pipeline_message_bytes(cfg, st, m)
+        mem["total"] = total = kind.model_states + act + mem["zero3_gathered"] + fp8_cache + messages
         stages.append(StagePlan(st, kind.params.layers, kind.params.total, mem))
         totals.append(total)
     worst = stages[totals.index(max(totals))]  # the first of the largest, as max(stages, key=total)
@@ -371,6 +373,7 @@ def _worst_memory(cfg: Config, profile: DeviceProfile, worst: StagePlan, per_lay
             "nvme_offload",
             "param_gather",
             "fp8_cache",
+            "pipeline_messages",
             "total",
         )
     }

@@ -17,6 +17,7 @@ from launcher.plan.levers import zero_bytes_per_param, zero_state_bytes
 from launcher.plan.model_size import padded_vocab, rank_chunk_layers, rank_layers, recomputed_layers_per_rank
 from launcher.plan.moe import is_moe, moe_activation_elements
 from training.contract.config import Config, derived_dp
+from training.contract.layout_rules import sequence_parallel_on
 
 # Bytes per parameter: weights, gradients (fp32 main grads for bf16), optimizer (K); the engine allocates
 # from the same table.
@@ -313,6 +314,43 @@ def _interleaved_peak_layers(chunks: Sequence[int], p: int, r: int, m: int, g: i
         peak = max(peak, live)
         live -= chunks[v - 1 - (j % (g * v)) // g]
     return peak
+
+
+def pipeline_message_count(cfg: Config, stage: int, m: int) -> int:
+    """Outgoing pipeline messages pipeline rank `stage` still holds at its peak (docs/FORMULAS.md, Pipeline messages
+    in flight). Without parallel.overlap_p2p every send is waited for in its exchange: none. On NCCL torch coalesces
+    an exchange into one work the engine waits for whole, so only an exchange of one send is left in flight, until
+    the rank has received a message sent after its peer posted the receive (training/rehearse/messages.py derives
+    the same counts from the schedule's exchanges). On gloo no send is known complete before the step's end: every
+    send of the step. Interleaved with micro-batch groups other than pp: that bound too."""
+    par = cfg.parallel
+    p, r = par.pp, stage
+    v = par.vpp if par.schedule == "interleaved_1f1b" else 1
+    if p < 2 or not getattr(par, "overlap_p2p", True):
+        return 0
+    group = getattr(par, "microbatch_group_size", 0) or p
+    if str(cfg.cluster.device) != "cuda" or (par.schedule == "interleaved_1f1b" and group != p):
+        return m * (2 * v - (r == 0) - (r == p - 1))
+    if m < 2:
+        return 0  # the one micro-batch's messages travel in exchanges with a receive
+    if par.schedule == "gpipe":
+        return m - 1 if r in (0, p - 1) else 1
+    if r == 0:  # the warm-up's forwards each send alone; the first backward's grad tells it they arrived
+        return min(p - 1, m - 1)
+    if par.schedule == "zb_h1":
+        return max(1, min(p - r, m - r))
+    return 1  # the last backward's grad, sent alone and never acknowledged within the step
+
+
+def pipeline_message_bytes(cfg: Config, stage: int, m: int) -> int:
+    """pipeline_message_count messages of [s / cp (/ tp under sp), micro_batch, hidden] in the weights' dtype
+    (training/schedules/pipeline.py p2p_shape)."""
+    par = cfg.parallel
+    s = cfg.model.seq_length // max(1, par.cp)
+    if sequence_parallel_on(par.sp, par.tp):
+        s //= par.tp
+    message = s * par.micro_batch * cfg.model.hidden_size * PARAM_BYTES[cfg.train.precision]
+    return pipeline_message_count(cfg, stage, m) * message
 
 
 def pinned_host_bytes(nbytes: int) -> int:

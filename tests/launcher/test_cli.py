@@ -63,6 +63,7 @@ def test_plan_writes_plan_json(tmp_path):
         "optimizer",
         "activations",
         "activations_per_layer",
+        "pipeline_messages",
         "total",
     }
     assert all(isinstance(v, int) for v in plan["memory_bytes"].values())

@@ -15,6 +15,9 @@ import contextlib
 import dataclasses
 import gc
 import os
+import shutil
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +27,9 @@ import torch
 from training.contract.config import Config, derived_dp
 from training.parallel import collectives as comm
 from training.rehearse.kernels import CudaKernels
+from training.rehearse.messages import NcclWorks
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PHASES = ("setup", "forward_backward", "optimizer", "save", "resume")
 """The step phases a call is labelled with (rehearsal.json's per-phase counts)."""
@@ -153,14 +159,13 @@ def _phase(rec: comm.Recorder, obj: Any, name: str, phase: str) -> None:
 
 def rehearsal_config(cfg: Config) -> Config:
     """The run's config as the rehearsal runs it: synthetic tokens of the same shape (no data set is read), no
-    evaluation, one step, no host-memory keeping (meta)."""
+    evaluation, one step (the Trainer keeps no host memory on meta: rehearse_rank)."""
     data = dataclasses.replace(cfg.data, kind=type(cfg.data.kind)("synthetic"))
     # The save at the step's end is the run's final one; the resume takes it (auto), and no replica is copied.
     train = dataclasses.replace(
         cfg.train,
         eval_every=0,
         steps=1,
-        host_memory_keep=False,
         compile=False,
         resume="auto",
         checkpoint_replica_dir="",
@@ -186,7 +191,8 @@ def rehearse_rank(cfg: Config, run_dir: str, rank: int, emulate: str = "nccl") -
         mesh = ProcessMesh.from_env(p.tp, p.pp, p.cp, dp, "fake", cfg.train.dist_timeout_s, ep=p.ep)
         result.coords = {k: getattr(mesh, f"{k}_rank") for k in ("tp", "pp", "cp", "dp", "ep")}
         result.groups = {k: tuple(v) for k, v in mesh.group_ranks.items()}
-        _run_engine(cfg, run_dir, mesh, rec, result)
+        with scratch_run_dir(run_dir) as engine_dir:
+            _run_engine(cfg, engine_dir, mesh, rec, result)
     except Exception as exc:  # reported per rank; the checks run on what was recorded
         import traceback
 
@@ -199,11 +205,32 @@ def rehearse_rank(cfg: Config, run_dir: str, rank: int, emulate: str = "nccl") -
     return result
 
 
+@contextlib.contextmanager
+def scratch_run_dir(run_dir: str):
+    """A run directory of the rank's own for the engine: the run's files it reads (config.json, plan.json, ...)
+    copied in, and whatever the engine writes there (rank 0's checkpoint and resumed events, the checkpoints
+    directory) removed with it, so that run.dir shows no save and no resume that never happened (`meshrun
+    action=status` reads events.jsonl). The rehearsal writes rehearsal.json alone."""
+    scratch = tempfile.mkdtemp(prefix="meshrun-rehearse-")
+    try:
+        for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+            path = os.path.join(run_dir, name)
+            if name not in SCRATCH_SKIP and os.path.isfile(path) and not os.path.islink(path):
+                shutil.copyfile(path, os.path.join(scratch, name))
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+SCRATCH_SKIP = ("events.jsonl", "metrics.jsonl", "rehearsal.json")
+"""Files of run.dir the engine's copy leaves out: the run's records, which a rehearsal neither reads nor adds to."""
+
+
 def _run_engine(cfg: Config, run_dir: str, mesh, rec: comm.Recorder, result: RankResult) -> None:
     """Build, one step, the save's and the resume's collectives (see the module doc)."""
     from training.run.loop import Trainer
 
-    trainer = Trainer(cfg, run_dir, mesh, checkpointing=cfg.train.checkpointing)
+    trainer = Trainer(cfg, run_dir, mesh, checkpointing=cfg.train.checkpointing, keep_host_memory=False)
     opt = trainer.optimizer
     params = [p for c in trainer.chunks for p in c.parameters()]
     seen: set = set()
@@ -223,7 +250,10 @@ def _run_engine(cfg: Config, run_dir: str, mesh, rec: comm.Recorder, result: Ran
     _phase(rec, opt, "step", "optimizer")
     saved = SavedActivations(states)
     kernels = CudaKernels() if cfg.cluster.device == "cuda" else contextlib.nullcontext()
-    with kernels, torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+    # NCCL's p2p works (one per batch; a lone pipeline send complete once its receive is known posted); the fake
+    # backend's are gloo's (one per op, none complete before its wait), which a cpu run keeps.
+    works = NcclWorks(trainer.schedule) if rec.backend == "nccl" else contextlib.nullcontext()
+    with kernels, works, torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         trainer.train_step()
     # Pipeline schedules count the bytes their forwards save themselves (their hooks are the innermost):
     # the engine's own figure, the peak over the micro-batches in flight.
@@ -231,12 +261,13 @@ def _run_engine(cfg: Config, run_dir: str, mesh, rec: comm.Recorder, result: Ran
     mem["activations"] = max(saved.peak, int(piped or 0))
     mem["param_gather"] = _engine_peak(opt, "param_gather", "peak_bytes")
     mem["zero3_gathered"] = _engine_peak(opt, "zero3", "peak_gathered_bytes")
-    # The schedule's own count of the outgoing messages it holds at once (pipeline p2p buffers in flight).
+    # The schedule's own count of the outgoing messages it holds at once (pipeline p2p buffers in flight; on NCCL
+    # per training/rehearse/messages.py).
     mem["pipeline_messages"] = int(getattr(getattr(trainer.schedule, "stats", None), "peak_message_bytes", 0) or 0)
     if trainer.checkpointer is not None:
-        files = RecordingFiles(trainer.checkpointer, states)
+        files = RecordingFiles(trainer.checkpointer, states, rec)
         rec.phase = "save"
-        trainer._boundary()  # the run's last step: CheckpointManager.decide, save, wait
+        trainer._boundary()  # the run's last step: training/run/stop.py's decision, save, wait
         rec.phase = "resume"
         trainer.checkpointer.maybe_resume(trainer.chunks, trainer.optimizer, trainer._extra_state())
         mem["checkpoint_staging"] = files.device_staging
@@ -269,12 +300,16 @@ class RecordingFiles:
     this rank did not write (other ranks' pieces: the rank sees only its own save) with the global size and
     dtype the rank's own piece of it has. Meta destinations are left as they are; host ones get the values.
 
+    DCP's own collectives inside dcp.save (its planning and commit exchanges over the save's group) cannot run
+    under the fake backend (docs/REHEARSAL.md says why); the write records them as one `dcp_save` call on that
+    group, which every member must reach in the same place of its sequence, as DCP's symmetric exchanges require.
+
     Memory: `device_staging`, the bytes of the save's pieces that are not the model's or the optimizer's
     storages (what the optimizer's state_dict materialised for the save); `host_staging`, an async save's host
     buffers (training/checkpoint/staging.py HostStager)."""
 
-    def __init__(self, manager, states: set):
-        self.manager, self.states = manager, states
+    def __init__(self, manager, states: set, rec: comm.Recorder | None = None):
+        self.manager, self.states, self.rec = manager, states, rec
         self.items: dict[str, dict[str, Any]] = {}
         self.values: dict[tuple, torch.Tensor] = {}
         self.written_bytes = 0
@@ -305,6 +340,13 @@ class RecordingFiles:
     def write(self, state, tmp, rank, check, group, dcp=None) -> None:
         if check is not None:
             check()
+        if self.rec is not None and group is not None:
+            caller = sys._getframe(1)  # the manager's line that calls dcp.save through its files
+            site = f"{os.path.relpath(caller.f_code.co_filename, _ROOT)}:{caller.f_lineno} ({caller.f_code.co_name})"
+            calls = self.rec.calls
+            calls.append(
+                comm.CommCall(len(calls), "dcp_save", self.rec.ranks_of(group), "", 0, "", site, self.rec.phase)
+            )
         for key, value in state.items():
             if hasattr(value, "local_shards"):  # a ShardedTensor
                 size = tuple(value.size())
