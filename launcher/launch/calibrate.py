@@ -22,6 +22,7 @@ from launcher.plan.estimate import fmt_seconds
 from training.contract.config import Config, DataConfig, RecommendConfig
 from training.contract.exit_codes import EXIT_OK
 from training.contract.rundir.metrics import read_rows
+from training.contract.rundir.paths import RunPaths
 
 
 def ranks_of(values: Sequence[float]) -> list[float]:
@@ -131,7 +132,7 @@ def calibrate(cfg: Config, run_dir: str, cands: list[Any], rc: RecommendConfig) 
         for i in order:
             if k > 0 and codes[i] != EXIT_OK:
                 continue  # a candidate that failed once is not run again
-            sub = os.path.join(run_dir, "calibrate", f"{i:02d}" + (f"_{k}" if k else ""))
+            sub = os.path.join(RunPaths(run_dir).calibrate, f"{i:02d}" + (f"_{k}" if k else ""))
             codes[i], t = _run_once(cfg, chosen[i], sub, steps)
             if t is not None:
                 found[i].append(t)
@@ -144,7 +145,7 @@ def calibrate(cfg: Config, run_dir: str, cands: list[Any], rc: RecommendConfig) 
                 "rank": c.rank,
                 "layout": c.short(),
                 "overrides": c.overrides(),
-                "run_dir": os.path.join(run_dir, "calibrate", f"{i:02d}"),
+                "run_dir": os.path.join(RunPaths(run_dir).calibrate, f"{i:02d}"),
                 "predicted_step_s": c.step_s,
                 "measured_step_s": c.measured_step_s,
                 "measured_passes_s": found[i],

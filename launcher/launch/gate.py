@@ -24,6 +24,7 @@ from training.contract.config import Config
 from training.contract.exit_codes import EXIT_INVALID
 from training.contract.layout_text import format_layout, layout_of
 from training.contract.rundir.config_files import write_config
+from training.contract.rundir.paths import RunPaths
 
 
 def _point_label(cfg: Config) -> str:
@@ -131,7 +132,7 @@ def plan_or_reject(
     assert plan is not None
     # action=plan on an existing run (a config.json there) shows the plan and writes nothing: its config.json
     # is the run's, changed only by a launch that goes ahead (docs/USER_CONTRACTS.md).
-    writes = not (cfg.action == "plan" and os.path.exists(os.path.join(run_dir, "config.json")))
+    writes = not (cfg.action == "plan" and os.path.exists(RunPaths(run_dir).config))
     os.makedirs(run_dir, exist_ok=True)
     plan_json = plan.to_json()
     # train.checkpoint_every_min (auto: the Young/Daly optimum, from the run's measured saves when it has any)
@@ -146,7 +147,7 @@ def plan_or_reject(
     from training.contract.rundir.files import write_atomic  # never through a link (training/contract/rundir/files.py)
 
     if writes:
-        write_atomic(os.path.join(run_dir, "plan.json"), json.dumps(plan_json, indent=2, sort_keys=False))
+        write_atomic(RunPaths(run_dir).plan, json.dumps(plan_json, indent=2, sort_keys=False))
         write_config(cfg, run_dir)
     elif not multirun:
         print(

@@ -48,6 +48,7 @@ from training.contract.rundir.config_files import write_config
 from training.contract.rundir.events import append_event, read_events
 from training.contract.rundir.files import open_append
 from training.contract.rundir.lock import TOKEN_ENV, RunLock, acquire, held
+from training.contract.rundir.paths import RunPaths
 from training.contract.rundir.resume_request import write_request
 from training.contract.slurm_env import dist_env
 from training.observe.progress import TTY_ENV
@@ -118,8 +119,9 @@ def _begin_attempt(cfg: Config, run_dir: str, world: int, threads: int) -> tuple
     """(this launch's attempt number, each rank's (NUMA prefix, node)), after the `started` event. Launches of one
     run.dir are its attempts (0, 1, ...), as a Slurm job's requeues are: events and metrics rows carry the number
     (MESHRUN_ATTEMPT, training/contract/rundir/events.py)."""
-    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-    if not os.path.exists(os.path.join(run_dir, "config.json")):
+    paths = RunPaths(run_dir)
+    os.makedirs(paths.logs, exist_ok=True)
+    if not os.path.exists(paths.config):
         write_config(cfg, run_dir)
     attempt = sum(1 for ev in read_events(run_dir) if ev.get("event") == "started")
     binding = [rank_prefix(cfg, r, world) for r in range(world)]  # NUMA, as on Slurm (launcher/ranks/numa.py)
@@ -142,15 +144,15 @@ class _Ranks:
     launch's warm agent (released by close)."""
 
     def __init__(self, run_dir: str, attempt: int) -> None:
-        self.run_dir, self.attempt = run_dir, attempt
+        self.run_dir, self.attempt, self.paths = run_dir, attempt, RunPaths(run_dir)
         self.procs: list[Any] = []  # subprocess.Popen, or a warm rank's WarmChild (launcher/ranks/warm/fork.py)
         self.pumps: list[threading.Thread] = []
         self.logs: list[Any] = []
         self.agent: LocalAgent | None = None
 
-    def _log(self, name: str):
+    def _log(self, path: str):
         # Appended: every attempt of the run stays in the log, each under its own header (action=logs).
-        log = open_append(os.path.join(self.run_dir, "logs", name), binary=True)  # never via a link
+        log = open_append(path, binary=True)  # never via a link
         log.write(attempt_header(self.attempt).encode())
         log.flush()
         self.logs.append(log)
@@ -163,11 +165,11 @@ class _Ranks:
         if warm.enabled(cfg, world) and not all(prefixes):
             # A rank under numactl or nsys must run their command: it starts cold.
             agent_env = rank_process_env({}, engine_env(cfg, run_dir), threads)
-            self.agent = LocalAgent(run_dir, agent_env, self._log("warm_agent.log"))
+            self.agent = LocalAgent(run_dir, agent_env, self._log(self.paths.warm_agent_log))
         tty = sys.stderr.isatty()
         warm_ranks: list[int] = []
         for r in range(world):
-            log = self._log(f"rank_{r}.log")
+            log = self._log(self.paths.rank_log(r))
             env = rank_process_env(dist_env(r, world, r, world, LOOPBACK, port), engine_env(cfg, run_dir), threads)
             env[TOKEN_ENV] = lock.token
             env["MESHRUN_ATTEMPT"] = str(self.attempt)
@@ -299,7 +301,7 @@ def _blame(run_dir: str, attempt: int, ended: dict[int, tuple]) -> tuple:
 
 def _attempt_error(run_dir: str, attempt: int, rank: int) -> str:
     """The last error line rank `rank` printed in this attempt (its log's part after the attempt's header)."""
-    path = os.path.join(run_dir, "logs", f"rank_{rank}.log")
+    path = RunPaths(run_dir).rank_log(rank)
     deadline = time.time() + 1.0
     text = ""
     while True:  # the pump thread may still be writing the rank's last lines

@@ -22,6 +22,7 @@ from launcher.ranks.processes import POLL_S, engine_env, rank_process_env, stop_
 from training.contract.config import Config, load_config
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK, EXIT_SLURM
 from training.contract.rundir.config_files import write_config
+from training.contract.rundir.paths import RunPaths
 from training.contract.slurm_env import SlurmUnavailable, dist_env, torch_env_from_slurm
 
 PREFLIGHT_MODULE = "training.preflight"
@@ -46,14 +47,14 @@ def run_local(cfg: Config, run_dir: str, timeout_s: float = 0.0) -> int:
     per_node, world = cfg.cluster.gpus_per_node, cfg.cluster.nodes * cfg.cluster.gpus_per_node
     port = cfg.cluster.master_port or free_port()
     threads = threads_per_rank(world)  # every simulated node shares this machine's cores
-    logdir = os.path.join(run_dir, "logs")
-    os.makedirs(logdir, exist_ok=True)
+    paths = RunPaths(run_dir)
+    os.makedirs(paths.logs, exist_ok=True)
     timeout_s = timeout_s or 2 * cfg.cluster.preflight.timeout_s + 60
     procs, logs = [], []
     try:
         for r in range(world):
             # Rank 0 prints the table to this terminal; the others only log.
-            log = open(os.path.join(logdir, f"preflight_rank_{r}.log"), "wb")
+            log = open(paths.preflight_log(r), "wb")
             logs.append(log)
             env = _local_env(r, world, per_node, port, threads, cfg)
             procs.append(subprocess.Popen(preflight_argv(run_dir), env=env, stdout=None if r == 0 else log, stderr=log))
@@ -75,7 +76,7 @@ def run_local(cfg: Config, run_dir: str, timeout_s: float = 0.0) -> int:
     crashed = [(r, c) for r, c in enumerate(codes) if c != 0]
     if crashed:
         r, c = crashed[0]
-        print(f"meshrun: preflight rank {r} exited with {c}; see {logdir}/preflight_rank_{r}.log", file=sys.stderr)
+        print(f"meshrun: preflight rank {r} exited with {c}; see {paths.preflight_log(r)}", file=sys.stderr)
         return c if c > 0 else EXIT_FAILED
     return EXIT_OK
 
@@ -88,7 +89,7 @@ class PreflightTask:
     """The run directory holding config.json."""
 
     def __call__(self) -> int:
-        cfg = load_config(os.path.join(self.run_dir, "config.json"))
+        cfg = load_config(RunPaths(self.run_dir).config)
         env = rank_process_env(torch_env_from_slurm(os.environ), engine_env(cfg))
         # The status is returned, not raised: a bad node (4) must not make srun kill the healthy
         # ranks before they have reported; the verdict is in preflight.json.
@@ -132,7 +133,7 @@ def run_preflight(cfg: Config, run_dir: str) -> dict[str, Any]:
         code = result["exit_code"]
     else:
         code, result = run_local(cfg, run_dir), {}
-    path = os.path.join(run_dir, "preflight.json")
+    path = RunPaths(run_dir).preflight
     result.update(exit_code=code, elapsed_s=round(time.time() - t, 2))
     if os.path.exists(path):
         with open(path) as f:

@@ -12,13 +12,7 @@ import shutil
 import sys
 
 from training.contract.config import Config
-
-PROFILE_DIR = "profile"
-
-
-def nsys_report(run_dir: str, rank: int) -> str:
-    """The report's path without its suffix (nsys adds .nsys-rep)."""
-    return os.path.join(run_dir, PROFILE_DIR, f"nsys_rank{rank}")
+from training.contract.rundir.paths import RunPaths
 
 
 def nsys_prefix(cfg: Config, rank: int, run_dir: str) -> list[str]:
@@ -28,7 +22,7 @@ def nsys_prefix(cfg: Config, rank: int, run_dir: str) -> list[str]:
     if not shutil.which("nsys"):
         print(f"warning: train.nsys=true but nsys is not on PATH here: rank {rank} runs without it", file=sys.stderr)
         return []
-    os.makedirs(os.path.join(run_dir, PROFILE_DIR), exist_ok=True)
+    os.makedirs(RunPaths(run_dir).profile, exist_ok=True)
     return [
         "nsys",
         "profile",
@@ -37,5 +31,5 @@ def nsys_prefix(cfg: Config, rank: int, run_dir: str) -> list[str]:
         "--capture-range-end=stop",
         "--force-overwrite=true",
         "--output",
-        nsys_report(run_dir, rank),
+        RunPaths(run_dir).nsys_report(rank),
     ]

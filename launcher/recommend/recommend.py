@@ -31,6 +31,7 @@ from training.contract import layout_rules as rules
 from training.contract.config import Config, derived_dp
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID
 from training.contract.layout_text import Layout, format_layout, layout_of
+from training.contract.rundir.paths import RunPaths
 from training.contract.stage_split import NO_SPLIT, SPLIT_KEYS, StageSplit, split_options
 
 PARALLEL_KEYS = (
@@ -473,7 +474,7 @@ def probe_rates(cfg: Config) -> dict[str, Any] | None:
 def rates_for(cfg: Config, run_dir: str) -> Rates:
     """Probe (CPU clusters, recommend.probe), else run.dir/preflight.json's measurements, else the config's."""
     preflight = None
-    path = os.path.join(run_dir, "preflight.json")
+    path = RunPaths(run_dir).preflight
     if os.path.exists(path):
         with open(path) as f:
             preflight = json.load(f)
@@ -628,7 +629,7 @@ def run_recommend(cfg: Config, run_dir: str, calibrate: Callable[..., dict[str, 
                 for row in data["candidates"]:
                     if row["overrides"] == c.overrides():
                         row["measured_step_s"] = c.measured_step_s
-    _write_json(os.path.join(run_dir, "recommend.json"), data)
+    _write_json(RunPaths(run_dir).recommend, data)
     cal = data.get("calibration")
     if cal is not None and cal.get("spearman") is None:
         raise SystemExit(EXIT_FAILED)

@@ -30,6 +30,7 @@ from training.contract.config import Config, load_config
 from training.contract.exit_codes import EXIT_OK, EXIT_STOPPED
 from training.contract.rundir.events import append_event
 from training.contract.rundir.files import write_atomic
+from training.contract.rundir.paths import RunPaths
 from training.contract.slurm_env import torch_env_from_slurm
 from training.contract.warm_start import WARM_ENV, WRAPPER_PID_ENV
 from training.observe.startup import TASK_START_ENV, process_start_time
@@ -40,7 +41,7 @@ class RankFailed(RuntimeError):
 
 
 def attempt_dir(run_dir: str, attempt: int) -> str:
-    return os.path.join(run_dir, "slurm", f"attempt_{attempt}")
+    return RunPaths(run_dir).attempt(attempt)
 
 
 FORWARD_POLL_S = 0.2
@@ -271,15 +272,17 @@ class RankTask:
     def __call__(self) -> int:
         forwarder, provisional = _Forwarder(), _Provisional()
         self._note_stop_signals(forwarder, provisional)
-        cfg = load_config(os.path.join(self.run_dir, "config.json"))
+        paths = RunPaths(self.run_dir)
+        cfg = load_config(paths.config)
         env = self._rank_env(cfg)
         rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
         node = env.get("SLURMD_NODENAME") or socket.gethostname()
         prefix, numa_node = _numa_binding(cfg, env, rank, local_rank, node)
         started = time.time()
-        out = attempt_dir(self.run_dir, int(env.get("MESHRUN_ATTEMPT", "0")))
+        attempt = int(env.get("MESHRUN_ATTEMPT", "0"))
+        out = paths.attempt(attempt)
         os.makedirs(out, exist_ok=True)
-        cause_file = os.path.join(out, f".cause_rank_{rank}.json")
+        cause_file = paths.rank_cause(attempt, rank)
         env["MESHRUN_CAUSE_FILE"] = cause_file  # the engine writes its failure's cause there (training/main.py)
         # Where the engine's start-up timeline begins (training/observe/startup.py): srun started this task.
         env[TASK_START_ENV] = f"{process_start_time() or started:.3f}"
@@ -299,7 +302,7 @@ class RankTask:
             "pid": child.pid,
             "agent_pid": getattr(child, "agent_pid", None),
         }
-        provisional.path = os.path.join(out, f"rank_{rank}.json")  # after its record: a SIGTERM may come any time
+        provisional.path = paths.rank_record(attempt, rank)  # after its record: a SIGTERM may come any time
         self._start_clock(env, forwarder, rank)
         code, cause, tail = self._wait(child, forwarder, provisional.ender, cause_file)
         record = {
@@ -321,7 +324,7 @@ class RankTask:
             "agent_pid": getattr(child, "agent_pid", None),
         }
         provisional.path = ""
-        _write_record(os.path.join(out, f"rank_{rank}.json"), record)
+        _write_record(paths.rank_record(attempt, rank), record)
         if code in (EXIT_OK, EXIT_STOPPED):
             return code
         raise RankFailed(f"rank {rank} on {node} exited with {code}: {record['error']}")

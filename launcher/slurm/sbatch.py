@@ -29,6 +29,7 @@ from launcher.ranks.warm import slurm as warm_slurm
 from launcher.slurm import in_job
 from training.contract.config import ClusterConfig, Config
 from training.contract.exit_codes import EXIT_FAILED
+from training.contract.rundir.paths import RunPaths
 
 JOB_NAME = "meshrun"
 
@@ -463,7 +464,7 @@ def job_spec(cfg: Config, run_dir: str, exclude: str = "", code_root: str = "") 
             },
         }
     )
-    return SlurmJobSpec(folder=os.path.join(run_dir, "submitit"), parameters=params, python=task_python())
+    return SlurmJobSpec(folder=RunPaths(run_dir).submitit, parameters=params, python=task_python())
 
 
 def _no_kill(cfg: Config) -> dict[str, Any]:
@@ -493,7 +494,7 @@ def preflight_job_spec(cfg: Config, run_dir: str) -> SlurmJobSpec:
             "additional_parameters": {str(k): str(v) for k, v in sorted(cfg.cluster.sbatch_extra.items())},
         }
     )
-    return SlurmJobSpec(folder=os.path.join(run_dir, "submitit_preflight"), parameters=params, python=python_cmd())
+    return SlurmJobSpec(folder=RunPaths(run_dir).submitit_preflight, parameters=params, python=python_cmd())
 
 
 def array_group_key(cfg: Config) -> str:
