@@ -12,6 +12,13 @@ import os
 PROC = "/proc"
 
 
+def _stat_fields(proc_root: str, pid: str) -> list[str]:
+    """/proc/PID/stat's fields after the command name (OSError, IndexError when pid is gone or unreadable)."""
+    with open(os.path.join(proc_root, pid, "stat")) as f:
+        # The command name, in parentheses, may itself hold spaces and parentheses: split after its end.
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def process_table(proc_root: str = PROC) -> dict[int, tuple[int, int]]:
     """pid -> (parent pid, resident set in bytes) of every process readable now; one that ends while it is read is
     left out."""
@@ -21,13 +28,19 @@ def process_table(proc_root: str = PROC) -> dict[int, tuple[int, int]]:
         if not name.isdigit():
             continue
         try:
-            with open(os.path.join(proc_root, name, "stat")) as f:
-                # The command name, in parentheses, may itself hold spaces and parentheses: split after its end.
-                fields = f.read().rsplit(")", 1)[1].split()
+            fields = _stat_fields(proc_root, name)
             out[int(name)] = (int(fields[1]), int(fields[21]) * page)
         except (OSError, IndexError, ValueError):
             continue
     return out
+
+
+def parent_of(pid: int, proc_root: str = PROC) -> int | None:
+    """The parent of pid, None when pid is gone or unreadable."""
+    try:
+        return int(_stat_fields(proc_root, str(pid))[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def children(pid: int, table: dict[int, tuple[int, int]] | None = None) -> list[int]:

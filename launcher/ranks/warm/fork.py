@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO
 
+from launcher.ranks.proc_tree import parent_of
 from training.contract.warm_start import recv, send
 
 
@@ -81,15 +82,6 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int]:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _gid = struct.unpack("3i", creds)
     return pid, uid
-
-
-def parent_pid(pid: int) -> int | None:
-    """The parent of pid (from /proc/PID/stat), None when pid is gone or unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def untrusted_agent(sock: socket.socket, agent_pid: int | None) -> str:
@@ -166,7 +158,7 @@ def fork_rank(
             raise ValueError(error or f"unexpected reply {reply}")
         pid, said_agent = int(reply["pid"]), int(reply["agent_pid"])
         # A rank that already ended may be reaped (gone from /proc): only a live pid of another parent is refused.
-        if said_agent != peer_pid or parent_pid(pid) not in (peer_pid, None):
+        if said_agent != peer_pid or parent_of(pid) not in (peer_pid, None):
             raise ValueError(f"the reply names pid {pid} of agent {said_agent}, not a child of the agent {peer_pid}")
     except (OSError, EOFError, ValueError, TypeError, KeyError) as exc:
         sock.close()
