@@ -122,7 +122,7 @@ ACTIONS: tuple[ActionSpec, ...] = (
     ),
     ActionSpec(
         "preflight",
-        "launcher.launch.preflight",
+        "launcher.launch.preflight_action",
         "run_preflight",
         locks=False,
         config="run_dir",

@@ -170,18 +170,15 @@ def start(cfg: Config, run_dir: str):
         point_latest(run_dir)
     if result.get("status") != "ok" or cfg.action == "plan":
         return result
-    if cfg.cluster.kind == "slurm":
-        from launcher.slurm.submit import submit
+    from launcher.launch.backend import backend_for
 
-        result = submit(cfg, run_dir, result, multirun=_is_multirun(), queue=_launcher_submits_arrays())
-        if cfg.wait and not _is_multirun() and result.get("status") == "submitted":
-            from launcher.manage.follow import follow_run
+    backend = backend_for(cfg.cluster.kind)
+    result = backend.submit(cfg, run_dir, result, multirun=_is_multirun(), queue=_launcher_submits_arrays())
+    if cfg.wait and not _is_multirun() and result.get("status") == "submitted":
+        from launcher.manage.follow import follow_run
 
-            follow_run(result)  # until the run ends: its final status, or EXIT_FAILED
-        return result
-    from launcher.launch.local import launch_local
-
-    return launch_local(cfg, run_dir)
+        follow_run(result)  # until the run ends: its final status, or EXIT_FAILED
+    return result
 
 
 def _presets(group: str) -> list[str]:

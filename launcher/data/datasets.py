@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from launcher.plan.cluster_facts import cluster_facts
 from training.contract.config import Config
 
 # training.data.indexed (and numpy with it) is imported only where data=indexed is read: every other launch,
@@ -91,7 +92,7 @@ def resolve_indexed(cfg: Config, overrides: Sequence[str]) -> None:
     _record_tokenizer(cfg)
     if _given(overrides, "model.vocab_size"):
         return
-    vocab = dataset_vocab(d.prefixes, may_scan=cfg.cluster.kind == "local")
+    vocab = dataset_vocab(d.prefixes, may_scan=cluster_facts(cfg).ranks_here)
     if vocab is not None and vocab != cfg.model.vocab_size:
         print(
             f"meshrun: model.vocab_size={vocab} from the dataset's tokenizer (was {cfg.model.vocab_size})",
@@ -101,7 +102,7 @@ def resolve_indexed(cfg: Config, overrides: Sequence[str]) -> None:
 
 
 def data_errors(cfg: Config) -> list[tuple]:
-    """(key, message, fix) for every data problem a user can fix; launcher/plan/validate.py reports them."""
+    """(key, message, fix) for every data problem a user can fix; launcher/launch/host_checks.py reports them."""
     t, d = cfg.train, cfg.data
     out = _eval_errors(cfg)
     if d.kind != "indexed":
@@ -116,7 +117,7 @@ def data_errors(cfg: Config) -> list[tuple]:
         )
         return out
     out += _weight_errors(cfg)
-    if cfg.cluster.kind != "local":
+    if not cluster_facts(cfg).ranks_here:
         return out  # the compute nodes may mount paths this host lacks: the ranks check and exit 2 themselves
     descs = _dataset_errors(cfg, out)
     out += _tokenizer_errors(descs)

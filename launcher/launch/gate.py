@@ -14,9 +14,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from launcher.launch.backend import backend_for
 from launcher.launch.host_checks import host_issues
 from launcher.plan.cadence import format_advice
 from launcher.plan.cadence import resolve as resolve_cadence
+from launcher.plan.cluster_facts import cluster_facts
 from launcher.plan.estimate import format_plan
 from launcher.plan.issues import Issue
 from launcher.plan.validate import Report, validate
@@ -29,14 +31,6 @@ from training.contract.rundir.paths import RunPaths
 
 def _point_label(cfg: Config) -> str:
     return f"model={cfg.model.name} {format_layout(layout_of(cfg), 'short')}"
-
-
-def _slurm_checks(cfg: Config) -> list[str]:
-    """sbatch safety, and every node count an elastic job may shrink to (validated before the first submission)."""
-    from launcher.slurm.elastic import elastic_checks
-    from launcher.slurm.sbatch import validate_for_slurm
-
-    return validate_for_slurm(cfg) + elastic_checks(cfg)
 
 
 SIGNAL_SAVE_MARGIN = 1.5
@@ -54,7 +48,7 @@ def signal_delay_issue(cfg: Config, save_s: float, save_source: str = "") -> Iss
     from launcher.slurm.sbatch import SLURM_SIGNAL_CHECK_S
 
     c = cfg.cluster
-    if c.kind != "slurm" or not cfg.train.checkpointing or c.signal_delay_s <= SLURM_SIGNAL_CHECK_S:
+    if not cluster_facts(cfg).time_limit or not cfg.train.checkpointing or c.signal_delay_s <= SLURM_SIGNAL_CHECK_S:
         return None
     needed = SLURM_SIGNAL_CHECK_S + save_s
     if c.signal_delay_s > needed:
@@ -77,9 +71,8 @@ def signal_delay_issue(cfg: Config, save_s: float, save_source: str = "") -> Iss
 def launch_checks(cfg: Config) -> list[Issue]:
     """The launch backend's own rules (Slurm: sbatch safety, elastic node counts) and the machine checks
     (launcher/launch/host_checks.py): what validate() leaves to the launch (its cluster_checks)."""
-    out = []
-    if cfg.cluster.kind == "slurm":
-        out += [Issue("error", "cluster", message, code="slurm") for message in _slurm_checks(cfg)]
+    backend = backend_for(cfg.cluster.kind)
+    out = [Issue("error", "cluster", message, code=backend.facts.kind) for message in backend.checks(cfg)]
     return out + host_issues(cfg)
 
 

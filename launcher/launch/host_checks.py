@@ -17,6 +17,7 @@ import os
 import shutil
 
 from launcher.launch.shared_fs import shared_verdict
+from launcher.plan.cluster_facts import cluster_facts
 from launcher.plan.issues import Issue
 from launcher.plan.settings import overlaps, replica_dirs
 from launcher.ranks.numa import online_numa_nodes
@@ -26,10 +27,11 @@ from training.contract.config import Config
 def host_issues(cfg: Config) -> list[Issue]:
     """Every machine check that applies to cfg's cluster kind, in one list."""
     out: list[Issue] = []
-    if cfg.cluster.kind == "local":
+    facts = cluster_facts(cfg)
+    if facts.ranks_here:
         out += _numa_and_cores(cfg) + _local_tools_and_paths(cfg)
     out += _compiler(cfg) + _data(cfg)
-    if cfg.cluster.kind == "slurm":
+    if facts.shared_fs:
         out += _shared_file_systems(cfg)
     return out
 

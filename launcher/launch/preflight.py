@@ -1,4 +1,5 @@
-"""`meshrun action=preflight`: run the preflight ranks alone, locally or as a Slurm job.
+"""The preflight ranks run alone, locally (run_local) or as a Slurm job (submit_slurm); action=preflight's entry,
+launcher/launch/preflight_action.py, asks the cluster kind's backend, which calls one of them.
 
 No torch here: the ranks are `python -m training.preflight RUN_DIR` subprocesses (local) or the
 same command as a Slurm job (`submit_slurm`, a submitit job of `PreflightTask`s, no requeue). The verdict
@@ -8,7 +9,6 @@ with EXIT_OK (training/contract/exit_codes.py).
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -21,7 +21,6 @@ from launcher.launch.local import LOOPBACK, free_port
 from launcher.ranks.processes import POLL_S, engine_env, rank_process_env, stop_processes, threads_per_rank
 from training.contract.config import Config, load_config
 from training.contract.exit_codes import EXIT_FAILED, EXIT_INVALID, EXIT_NODE_BAD, EXIT_OK, EXIT_SLURM
-from training.contract.rundir.config_files import write_config
 from training.contract.rundir.paths import RunPaths
 from training.contract.slurm_env import SlurmUnavailable, dist_env, torch_env_from_slurm
 
@@ -121,29 +120,3 @@ def submit_slurm(cfg: Config, run_dir: str) -> dict[str, Any]:
         "codes": codes,
         "exit_code": EXIT_NODE_BAD if EXIT_NODE_BAD in codes else max(codes),
     }
-
-
-def run_preflight(cfg: Config, run_dir: str) -> dict[str, Any]:
-    """meshrun action=preflight: write config.json, run the ranks, print the verdict; exits EXIT_NODE_BAD
-    on a bad node."""
-    write_config(cfg, run_dir)
-    t = time.time()
-    if cfg.cluster.kind == "slurm":
-        result: dict[str, Any] = submit_slurm(cfg, run_dir)
-        code = result["exit_code"]
-    else:
-        code, result = run_local(cfg, run_dir), {}
-    path = RunPaths(run_dir).preflight
-    result.update(exit_code=code, elapsed_s=round(time.time() - t, 2))
-    if os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
-        result.update(status=data["status"], bad_nodes=data["bad_nodes"])
-        if cfg.cluster.kind == "slurm":  # rank 0 printed it into the job's log; show it here too
-            from training.preflight.report import format_table
-
-            print(format_table(data))
-        print(f"meshrun: preflight {data['status']} in {result['elapsed_s']} s; report: {path}", file=sys.stderr)
-    if code:
-        raise SystemExit(code)
-    return result

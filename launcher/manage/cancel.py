@@ -13,7 +13,8 @@
 3. A run that does not stop within cancel.timeout_s is killed (scancel / SIGKILL); its last complete checkpoint
    stays, and the event says so.
 `meshrun action=status` then says CANCELLED (cancelled_event). A sweep directory cancels every launched point
-and asks Slurm once for all its jobs.
+and asks Slurm once for all its jobs. Steps 2 and 3 are the backend's that launched the run (config.json's
+cluster.kind: launcher/launch/backend.py): local_backend.py and slurm_backend.py beside it.
 """
 
 from __future__ import annotations
@@ -21,20 +22,17 @@ from __future__ import annotations
 import getpass
 import json
 import os
-import signal
 import socket
 import sys
 import time
 from typing import Any
 
-from launcher.ranks.proc_tree import children
-from launcher.records.readers import cancelled_event, current_job_id, record_cancelled
+from launcher.launch.backend import Backend, backend_of_run
+from launcher.records.readers import cancelled_event, current_job_id
 from training.checkpoint.storage import read_latest
 from training.contract.exit_codes import EXIT_INVALID
 from training.contract.rundir.events import read_events
 from training.contract.rundir.paths import EVENTS_FILE, SWEEP_FILE, RunPaths
-
-POLL_S = 1.0
 
 
 def write_mark(run_dir: str) -> dict[str, Any]:
@@ -43,123 +41,6 @@ def write_mark(run_dir: str) -> dict[str, Any]:
 
     write_atomic(RunPaths(run_dir).cancel, json.dumps(mark))
     return mark
-
-
-# ---- local runs ------------------------------------------------------------------------------------
-def _rank_pids(launcher: int) -> list[int]:
-    """A local launcher's rank processes: its children, where its warm agent (launcher/ranks/warm/local.py)
-    stands for the ranks it forked (its children); the agent itself stops with the launch."""
-    out = []
-    for pid in children(launcher):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                warm_agent = b"training.run.warm_agent" in f.read()
-        except OSError:
-            continue
-        out += children(pid) if warm_agent else [pid]
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _cancel_local(run_dir: str, started: dict[str, Any], timeout_s: float, deadline: float) -> dict[str, Any]:
-    """Signal a local run's ranks and wait for its launcher until deadline (the whole cancel's clock, which
-    started at timeout_s before it): the reason names timeout_s as the user wrote it."""
-    from launcher.ranks.exits import catches
-
-    launcher = int(started["launcher_pid"])
-    signalled: set = set()
-    while _alive(launcher) and time.time() < deadline:
-        for pid in _rank_pids(launcher):
-            # Before the rank installs its handler SIGUSR2 would kill it: wait until it catches the signal.
-            if pid not in signalled and catches(pid, signal.SIGUSR2):
-                try:
-                    os.kill(pid, signal.SIGUSR2)
-                    signalled.add(pid)
-                except OSError:
-                    pass
-        time.sleep(POLL_S / 4)
-    if _alive(launcher):
-        for pid in _rank_pids(launcher):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        return record_cancelled(
-            run_dir,
-            f"the ranks did not stop within cancel.timeout_s={timeout_s:g} s: killed; "
-            "the last complete checkpoint is kept",
-            forced=True,
-        )
-    if not _checkpointing(run_dir):
-        return record_cancelled(
-            run_dir,
-            "cancelled by meshrun action=cancel: stopped at a step boundary; no checkpoint was written "
-            "(train.checkpointing=false): nothing to resume",
-        )
-    return record_cancelled(run_dir, "cancelled by meshrun action=cancel: saved a checkpoint and stopped")
-
-
-def _checkpointing(run_dir: str) -> bool:
-    """The run's train.checkpointing (config.json); True when it cannot be read (the usual case's words)."""
-    from launcher.manage.resume import saved_config
-
-    try:
-        train = (saved_config(run_dir) or {}).get("train")
-    except (OSError, ValueError, AttributeError):
-        return True
-    return not (isinstance(train, dict) and train.get("checkpointing") is False)
-
-
-# ---- Slurm runs ------------------------------------------------------------------------------------
-def _scancel(args: list[str]) -> str:
-    """ "" when scancel accepted, else its complaint."""
-    from training.contract.slurm_env import SlurmUnavailable, slurm_command
-
-    try:
-        res = slurm_command(["scancel"] + args)
-    except SlurmUnavailable as exc:
-        return str(exc)
-    return res.stderr.strip() if res.returncode != 0 else ""
-
-
-def _signal_slurm(run_dir: str, job: str, state: str | None) -> dict[str, Any] | None:
-    """Stop one Slurm job: the `cancelled` event when done at once (not started yet), else None (the epilogue
-    records it once the ranks have saved)."""
-    from training.contract.rundir.lock import release_job
-
-    if state in (None, "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED"):
-        problem = _scancel([job])
-        release_job(run_dir, job)
-        return record_cancelled(
-            run_dir,
-            "cancelled by meshrun action=cancel before the job started" + (f" (scancel: {problem})" if problem else ""),
-            job_id=job,
-        )
-    problem = _scancel(["--signal=USR2", job])  # the job's steps (the ranks); the batch script keeps running
-    if problem:
-        print(f"warning: scancel --signal=USR2 {job}: {problem}", file=sys.stderr)
-    return None
-
-
-def _force_slurm(run_dir: str, job: str, timeout_s: float) -> dict[str, Any]:
-    from training.contract.rundir.lock import release_job
-
-    _scancel([job])
-    release_job(run_dir, job)
-    return record_cancelled(
-        run_dir,
-        f"job {job} did not stop within cancel.timeout_s={timeout_s:g} s: scancel; "
-        "the last complete checkpoint is kept",
-        job_id=job,
-        forced=True,
-    )
 
 
 # ---- the action ------------------------------------------------------------------------------------
@@ -184,6 +65,14 @@ def _targets(run_dir: str) -> list[str]:
     return [run_dir]
 
 
+def _ended(run_dir: str) -> bool:
+    """The run recorded its `cancelled` event or reached a final state."""
+    from launcher.manage.status import run_status
+    from launcher.slurm.queries import FINAL_STATES
+
+    return cancelled_event(read_events(run_dir)) is not None or run_status(run_dir)["state"] in FINAL_STATES
+
+
 def cancel(run_dir: str, timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
     """Cancel the run(s) in run_dir; returns run dir -> its status afterwards."""
     from launcher.manage.status import run_status
@@ -198,34 +87,22 @@ def cancel(run_dir: str, timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
     targets = _targets(run_dir)
     events_of = {d: read_events(d) for d in targets}
     states = slurm_states([j for j in (current_job_id(e) for e in events_of.values()) if j is not None])
-    waiting: dict[str, Any] = {}
+    waiting: dict[str, tuple[Backend, Any]] = {}
     for d in targets:
         status = run_status(d, states, events_of[d])
         if status["state"] in FINAL_STATES:
             print(f"{d}: already {status['state']}; nothing to cancel", file=sys.stderr)
             continue
         write_mark(d)
+        # The backend that launched the run stops it: at once (a job not started yet), or a handle to wait on.
+        backend = backend_of_run(d, events_of[d])
         job = current_job_id(events_of[d])
-        if job is not None:
-            if _signal_slurm(d, job, states.get(job)) is None:
-                waiting[d] = job
-            continue
-        started = [ev for ev in events_of[d] if ev.get("event") == "started" and "launcher_pid" in ev]
-        if started:
-            waiting[d] = started[-1]
+        handle = backend.cancel(d, events_of[d], states.get(job) if job is not None else None)
+        if handle is not None:
+            waiting[d] = (backend, handle)
     deadline = time.time() + timeout_s
-    for d, what in waiting.items():
-        if isinstance(what, dict):  # local: this process signals the ranks and waits for the launcher
-            _cancel_local(d, what, timeout_s, deadline)
-            continue
-        while (
-            time.time() < deadline
-            and cancelled_event(read_events(d)) is None
-            and run_status(d)["state"] not in FINAL_STATES
-        ):
-            time.sleep(POLL_S)
-        if cancelled_event(read_events(d)) is None and run_status(d)["state"] not in FINAL_STATES:
-            _force_slurm(d, what, timeout_s)
+    for d, (backend, handle) in waiting.items():
+        backend.cancel_wait(d, handle, timeout_s, deadline, _ended)
     out = {d: run_status(d) for d in targets}
     for d, st in out.items():
         print(f"{st['state']}: {d} (checkpoint step {read_latest(d)})", file=sys.stderr)

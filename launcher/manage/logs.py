@@ -4,6 +4,7 @@ Local runs: run.dir/logs/rank_N.log (the launcher appends each attempt under a h
 Slurm runs: submitit's log of task N in every job of the run: the `submitted` event names the job and its
 `log_dir` (a sweep's job array shares the sweep's folder), each resubmission's `requeued` event names the new job
 (its logs are in run.dir/submitit); a requeue of the same job appends to the same file (--open-mode=append).
+Which files those are is the run's backend's (launcher/launch/backend.py log_files, by config.json's cluster.kind).
 With follow, what is appended is printed as it comes, and a later job's log when the run moves on to it, until
 the run has ended.
 """
@@ -15,7 +16,7 @@ import os
 import sys
 import time
 
-from launcher.records.readers import log_files
+from launcher.launch.backend import backend_of_run
 from training.contract.exit_codes import EXIT_INVALID
 from training.contract.rundir.events import read_events
 from training.contract.rundir.files import open_regular
@@ -93,18 +94,23 @@ def show_logs(
             file=sys.stderr,
         )
         raise SystemExit(EXIT_INVALID)
+    backend = backend_of_run(run_dir, events)  # the one that launched the run knows where its output goes
+
+    def log_files() -> list[str]:
+        return backend.log_files(run_dir, rank, read_events(run_dir))  # a resubmission adds a job's file
+
     offsets: dict[str, int] = {}
     shown: list[str] = []
     start = time.time()
     if tail > 0:
-        existing = [p for p in log_files(run_dir, rank, events) if os.path.isfile(p)]  # regular files only
+        existing = [p for p in backend.log_files(run_dir, rank, events) if os.path.isfile(p)]  # regular files only
         skip = _tail_offsets(existing, tail)
         offsets.update({p: off for p, off in skip.items() if off >= os.path.getsize(p) and p != existing[-1]})
         starts = {p: off for p, off in skip.items() if p not in offsets}
     else:
         starts = {}
     while True:
-        for path in log_files(run_dir, rank):
+        for path in log_files():
             if path not in offsets:
                 if not os.path.isfile(path):
                     continue  # not written yet (a pending job): printed once it appears; never a FIFO or device
@@ -123,9 +129,7 @@ def show_logs(
             break
         time.sleep(poll_s)
     if not shown:
-        print(
-            f"no log of rank {rank} yet in {run_dir} (expected: {', '.join(log_files(run_dir, rank))})", file=sys.stderr
-        )
+        print(f"no log of rank {rank} yet in {run_dir} (expected: {', '.join(log_files())})", file=sys.stderr)
     return shown
 
 

@@ -10,37 +10,22 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from typing import Any
 
+from launcher.launch.backend import backend_of_run
 from launcher.manage.progress import progress_fields
 from launcher.records import goodput
 from launcher.records.readers import (
     cancelled_event,
     current_job_id,
-    current_log,
     excluded_nodes,
     last_step,
 )
-from launcher.slurm.queries import FINAL_STATES, slurm_end_reason, slurm_state, slurm_states
+from launcher.slurm.queries import slurm_states
 from training.contract.exit_codes import EXIT_INVALID
 from training.contract.rundir.events import read_events
 from training.contract.rundir.paths import CONFIG_FILE, EVENTS_FILE, SWEEP_FILE, RunPaths
-
-
-def _local_launcher_alive(started: dict[str, Any]) -> bool:
-    """False only when the started event names a launcher on this host that no longer runs (killed -9,
-    machine rebooted): then nothing will ever write the run's end. Unknown cases count as alive."""
-    pid = started.get("launcher_pid")
-    if pid is None or socket.gethostname() not in started.get("nodes", []):
-        return True
-    try:
-        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
-            cmdline = f.read()
-    except OSError:
-        return False
-    return b"launcher" in cmdline or b"meshrun" in cmdline  # the pid may have been reused by another program
 
 
 def run_status(
@@ -52,6 +37,7 @@ def run_status(
     """The status of one run; states: Slurm's states already asked for (a sweep asks once for all its jobs);
     allocations: Slurm's accounting of its jobs for the goodput (launcher/records/goodput.py sacct_records), likewise."""
     events = read_events(run_dir) if events is None else events
+    backend = backend_of_run(run_dir, events)
     job = current_job_id(events)
     attempt = max((int(ev.get("attempt", 0)) for ev in events if ev.get("event") == "started"), default=None)
     state = None
@@ -64,29 +50,9 @@ def run_status(
         state, reason = "CANCELLED", cancelled.get("reason")
     elif last.get("event") == "stopped":
         state, reason = "FAILED", last.get("reason")
-    elif job is not None:
-        state = states.get(job) if states is not None else slurm_state(job)
-        if state is None:
-            state = "PENDING"  # accepted by sbatch but not yet visible (sacct lags)
-        elif state == "PENDING" and last.get("event") == "requeued":
-            state = "REQUEUED"
-        elif state in FINAL_STATES and states is None:
-            # The job ended and meshrun wrote no end (scancel of the whole job, its batch script killed, a node
-            # failure): Slurm's accounting says how. (A sweep's status asks Slurm once for all its points: not there.)
-            reason = slurm_end_reason(job)
-    else:
-        # A local run: the launcher's own events decide; the ranks' (checkpoint, signal, ...) come between.
-        life = [ev for ev in events if ev.get("event") in ("started", "completed", "failed", "stopped")]
-        state = {"started": "RUNNING", "failed": "FAILED"}.get(life[-1]["event"]) if life else None
-        if state == "FAILED":
-            reason = life[-1].get("reason")  # the launcher's own words: which rank, its code, its log
-        if state == "RUNNING" and not _local_launcher_alive(life[-1]):
-            state = "FAILED"
-            reason = (
-                f"the local launcher (pid {life[-1]['launcher_pid']}) ended without recording how; "
-                "run again with the same run.dir to resume from the last checkpoint"
-            )
-    log = current_log(run_dir, 0, events)
+    else:  # the backend that launched it: the scheduler's state of its job, or the local launcher's events
+        state, reason = backend.state(run_dir, events, states)
+    log = backend.log_files(run_dir, 0, events)[-1]
     if log is not None and not os.path.exists(log):
         log = None  # never name a log that is not there
     if not events and log is None:  # planned (plan.json, config.json) and never launched: no job, no log yet

@@ -16,6 +16,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from launcher.plan.cluster_facts import cluster_facts
 from launcher.plan.model_size import params_total
 from training.contract.config import Config
 from training.contract.precision import OPTIMIZER_BYTES, PARAM_BYTES
@@ -211,7 +212,7 @@ def _effective_min(cfg: Config, minutes: float, step_s: float) -> float:
     options = [minutes] if minutes > 0 else []
     if cfg.train.checkpoint_every > 0 and step_s > 0:
         options.append(cfg.train.checkpoint_every * step_s / 60)
-    if cfg.cluster.kind == "slurm" and cfg.cluster.time_min > 0:
+    if cluster_facts(cfg).time_limit and cfg.cluster.time_min > 0:
         options.append(float(cfg.cluster.time_min))
     return min(options) if options else 0.0
 

@@ -16,6 +16,7 @@ import dataclasses
 import math
 import os
 
+from launcher.plan.cluster_facts import cluster_facts
 from training.contract.config import ClusterConfig, Config, derived_dp
 from training.contract.rundir.paths import RunPaths
 
@@ -46,7 +47,7 @@ SLURM_ONLY = (
 
 def ignored_on_local(cfg: Config) -> list[str]:
     """Slurm-only cluster keys set away from their built-in default on a local run: the local launcher ignores them."""
-    if cfg.cluster.kind != "local":
+    if cluster_facts(cfg).slurm_keys:
         return []
     base = ClusterConfig()
     out = []
@@ -92,7 +93,9 @@ def setting_issues(cfg: Config, plan) -> list:
             Issue(
                 "note",
                 "cluster",
-                "a local run ignores Slurm-only keys: " + ", ".join(ignored) + " (they apply with cluster.kind=slurm)",
+                f"a {cfg.cluster.kind} run ignores Slurm-only keys: "
+                + ", ".join(ignored)
+                + " (they apply with cluster.kind=slurm)",
                 code="slurm_only",
             )
         )

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from launcher.plan.cluster_facts import cluster_facts
 from launcher.plan.cost_model import Rates, cluster_rates
 from launcher.plan.estimate import GIB, fmt_seconds, make_plan
 from launcher.plan.validate import NO_COMBINATION, Report, changed_keys, validate
@@ -162,7 +163,7 @@ def name_the_nodes(cfg: Config, report: Report) -> None:
     """A fixed layout that does not fit on a Slurm cluster: the smallest cluster.nodes at which a layout fits
     (parallel=auto's search, smallest_fitting_nodes) becomes the no-fit error's first fix, with the parallel.* keys
     that layout changes (launcher/launch/gate.py plan_or_reject calls it for a single run)."""
-    if cfg.cluster.kind != "slurm":
+    if not cluster_facts(cfg).adds_nodes:
         return
     issue = next(i for i in report.errors if i.code == "no_fit")
     found = smallest_fitting_nodes(cfg, {})

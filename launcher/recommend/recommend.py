@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from launcher.plan.cluster_facts import cluster_facts
 from launcher.plan.context_memory import search_cp
 from launcher.plan.cost_model import Rates, cluster_rates, spans_nodes
 from launcher.plan.estimate import GIB, Plan, fmt_seconds, make_plan
@@ -559,7 +560,7 @@ def run_recommend(cfg: Config, run_dir: str, calibrate: Callable[..., dict[str, 
     """meshrun action=recommend: print the ranking, write run_dir/recommend.json, calibrate when asked (with
     `calibrate`: launcher/launch/calibrate.py run_recommend, the action's entry, passes it, so this module, whose
     search parallel=auto and elastic re-plans use, does not import the calibration's launch path)."""
-    if cfg.recommend.calibrate and cfg.cluster.kind != "local":
+    if cfg.recommend.calibrate and not cluster_facts(cfg).ranks_here:
         print(
             "meshrun: recommend.calibrate=true runs the candidates on this machine: use cluster=local (or a "
             "CPU preset); on Slurm, launch the printed candidates' overrides as a sweep. Nothing was run.",

@@ -44,13 +44,13 @@ def _launch(run, cwd, *extra: str, env=None) -> subprocess.Popen:
 
 def _ranks(launch: subprocess.Popen, world: int) -> dict:
     """rank -> pid, once every rank catches the stop signals and step 1 is in metrics.jsonl."""
-    from launcher.manage.cancel import _rank_pids
+    from launcher.launch.local_backend import rank_pids
     from launcher.ranks.exits import catches
 
     def ready():
         assert launch.poll() is None, launch.communicate()[1][-3000:]
         out = {}
-        for pid in _rank_pids(launch.pid):
+        for pid in rank_pids(launch.pid):
             if not (catches(pid, signal.SIGUSR2) and catches(pid, signal.SIGTERM)):
                 return None
             try:
