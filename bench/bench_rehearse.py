@@ -74,7 +74,7 @@ def run(name: str, target: float, overrides) -> bool:
     try:
         with open(RunPaths(run_dir).rehearsal) as f:
             doc = json.load(f)
-        ranks = f"{doc['rehearsed_ranks']} of {doc['layout']['world_size']} ranks"
+        ranks = f"{doc['rehearsed_ranks']} of {doc['layout']['world_size']} ranks, checks {doc['check_seconds']} s"
     except (OSError, ValueError):
         pass
     ok = p.returncode == 0 and wall < target

@@ -357,6 +357,27 @@ def test_the_deadlock_simulation_follows_nccl_rules():
     assert checks.check_deadlock(crossed, 3)
 
 
+def test_the_simulation_stops_where_it_stops_whatever_the_ranks_order():
+    """The simulation moves rank by rank as events allow (training/rehearse/checks.py _Simulation); where the ranks
+    stop, and the report, do not depend on the order it tries them in. A 64-rank world: a ring of batched sends,
+    world and pair collectives, then rank 5 issuing one pair's two collectives in the other order."""
+    world = 64
+    calls = {}
+    for r in range(world):
+        nxt, prev = (r + 1) % world, (r - 1) % world
+        seq = [_call(0, "all_reduce", range(world))]
+        seq += [_call(1, "send", range(world), peer=nxt, batch=0), _call(2, "recv", range(world), peer=prev, batch=0)]
+        pair = (r // 2 * 2, r // 2 * 2 + 1)
+        seq += [_call(3, "all_reduce", pair), _call(4, "all_reduce", range(world), numel=8)]
+        calls[r] = seq
+    assert checks.check_deadlock(calls, world) == []
+    assert checks.check_deadlock(dict(reversed(list(calls.items()))), world) == []
+    calls[5] = calls[5][:3] + [calls[5][4], calls[5][3]]  # rank 5: the world's collective before its pair's
+    reports = [checks.check_deadlock(dict(order), world) for order in (calls.items(), reversed(list(calls.items())))]
+    assert reports[0] and [d.to_json() for d in reports[0]] == [d.to_json() for d in reports[1]]
+    assert "cycle" in reports[0][0].message and sorted(reports[0][0].ranks) == [4, 5], reports[0][0]
+
+
 # ---- the presets at their documented sizes (slow: one rank each, ~30 s) ------------------------------------------
 
 REAL_SIZE = {

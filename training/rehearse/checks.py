@@ -24,7 +24,7 @@ Ranks outside the rehearsal (representative mode) are taken to answer every call
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,12 +180,16 @@ class _Step:
 
     kind: str  # "coll" | "p2p" | "batch"
     calls: list[Any]
-    key: tuple = ()  # collectives: (group, index on the group)
+    key: tuple = ()  # collectives: (the group's number, index on the group)
+    group: tuple = ()  # collectives: the group's ranks, or ("world",)
 
 
-def _program(calls: Sequence[Any]) -> list[_Step]:
+def _program(calls: Sequence[Any], groups: dict[tuple, int]) -> list[_Step]:
+    """The rank's steps; `groups` numbers every group met (filled here, shared by the ranks): a collective's key
+    is a pair of ints, cheap to hash where a group of 1,024 ranks is not."""
     steps: list[_Step] = []
-    seen: dict[tuple, int] = defaultdict(int)
+    seen: dict[int, int] = defaultdict(int)
+    by_object: dict[int, int] = {}  # id(group tuple) -> its number: a rank's calls share their group's tuple
     for c in calls:
         if c.op in ("send", "recv"):
             if steps and steps[-1].kind == "batch" and steps[-1].calls[0].batch == c.batch:
@@ -195,9 +199,12 @@ def _program(calls: Sequence[Any]) -> list[_Step]:
         elif c.op in ("isend", "irecv"):
             steps.append(_Step("p2p", [c]))
         else:
-            group = ("world",) if c.op in NO_MATCH else tuple(c.group)
-            steps.append(_Step("coll", [c], (group, seen[group])))
-            seen[group] += 1
+            group = ("world",) if c.op in NO_MATCH else c.group
+            gid = by_object.get(id(group))
+            if gid is None:
+                gid = by_object[id(group)] = groups.setdefault(tuple(group), len(groups))
+            steps.append(_Step("coll", [c], (gid, seen[gid]), tuple(group)))
+            seen[gid] += 1
     return steps
 
 
@@ -207,59 +214,84 @@ def _complement(c) -> str:
 
 def check_deadlock(calls_by_rank: dict[int, Sequence[Any]], world: int) -> list[Defect]:
     """Run every rehearsed rank's program under the rules in the module doc."""
-    progs = {r: _program(calls) for r, calls in calls_by_rank.items()}
-    pos = {r: 0 for r in progs}
-    known = set(progs)
-    # Batched p2p, per direction (src, dst): how many sends and receives have been posted, and each posted op's
-    # index in its direction (the k-th send meets the k-th receive).
-    posted_sends: dict[tuple[int, int], int] = defaultdict(int)
-    posted_recvs: dict[tuple[int, int], int] = defaultdict(int)
-    index: dict[int, int] = {}  # id(call) -> its index in its direction
-    was_posted: set[tuple[int, int]] = set()  # (rank, step position) of the batches posted
+    sim = _Simulation(calls_by_rank, world)
+    sim.run()
+    live = [r for r in sim.progs if sim.head(r) is not None]
+    return [_stuck(live, sim.waits_for, sim.head)] if live else []
 
-    def head(r: int) -> _Step | None:
-        return progs[r][pos[r]] if r in progs and pos[r] < len(progs[r]) else None
 
-    def post(r: int) -> None:
+class _Simulation:
+    """The ranks' programs and where each stands.
+
+    It runs event by event: a rank moves on until its current step waits, and a rank is tried again when something
+    it may wait for happened (its collective's last member arrived, its p2p peer reached a step, a peer posted a
+    batch). Each rule only ever waits for other ranks to move on, so the order of the moves does not change where
+    the ranks stop; waits_for is asked only to explain a stop. Each step is looked at a bounded number of times
+    (a collective counts its arrivals instead of re-checking its group), so the cost grows with the calls, not with
+    calls x group size."""
+
+    def __init__(self, calls_by_rank: dict[int, Sequence[Any]], world: int):
+        groups: dict[tuple, int] = {}
+        self.progs = {r: _program(calls, groups) for r, calls in calls_by_rank.items()}
+        self.group_of = {gid: group for group, gid in groups.items()}
+        self.pos = {r: 0 for r in self.progs}
+        self.known = set(self.progs)
+        self.world = world
+        # Batched p2p, per direction (src, dst): how many sends and receives have been posted, and each posted
+        # op's index in its direction (the k-th send meets the k-th receive).
+        self.posted_sends: dict[tuple[int, int], int] = defaultdict(int)
+        self.posted_recvs: dict[tuple[int, int], int] = defaultdict(int)
+        self.index: dict[int, int] = {}  # id(call) -> its index in its direction
+        self.was_posted: set[tuple[int, int]] = set()  # (rank, step position) of the batches posted
+        self.members: dict[int, int] = {}  # group number -> its rehearsed members
+        self.arrived: dict[tuple, list[int]] = defaultdict(list)  # collective key -> the ranks at it
+        self.at: dict[int, int] = {}  # rank -> the position it arrived at its current collective
+        self.queue, self.queued = deque(self.progs), set(self.progs)
+
+    def head(self, r: int) -> _Step | None:
+        prog = self.progs.get(r)
+        return prog[self.pos[r]] if prog is not None and self.pos[r] < len(prog) else None
+
+    def post(self, r: int) -> None:
         """Rank r reached its current step: a batch's ops are posted, each taking its place in its direction."""
-        s = head(r)
-        if s is None or s.kind != "batch" or (r, pos[r]) in was_posted:
+        s = self.head(r)
+        if s is None or s.kind != "batch" or (r, self.pos[r]) in self.was_posted:
             return
-        was_posted.add((r, pos[r]))
+        self.was_posted.add((r, self.pos[r]))
         for c in s.calls:
             if c.op == "send":
-                index[id(c)] = posted_sends[(r, c.peer)]
-                posted_sends[(r, c.peer)] += 1
+                self.index[id(c)] = self.posted_sends[(r, c.peer)]
+                self.posted_sends[(r, c.peer)] += 1
             else:
-                index[id(c)] = posted_recvs[(c.peer, r)]
-                posted_recvs[(c.peer, r)] += 1
+                self.index[id(c)] = self.posted_recvs[(c.peer, r)]
+                self.posted_recvs[(c.peer, r)] += 1
 
-    def matched(r: int, c) -> bool:
+    def matched(self, r: int, c) -> bool:
         if c.op == "send":
-            return posted_recvs[(r, c.peer)] > index[id(c)]
-        return posted_sends[(c.peer, r)] > index[id(c)]
+            return self.posted_recvs[(r, c.peer)] > self.index[id(c)]
+        return self.posted_sends[(c.peer, r)] > self.index[id(c)]
 
-    def waits_for(r: int) -> set[int]:
+    def waits_for(self, r: int) -> set[int]:
         """The rehearsed ranks rank r's current step is waiting for (empty: it can complete)."""
-        s = head(r)
+        s = self.head(r)
         assert s is not None
         blockers: set[int] = set()
         if s.kind == "coll":
-            group = set(range(world)) if s.key[0] == ("world",) else set(s.key[0])
-            for m in group & known:
-                h = head(m)
+            group = set(range(self.world)) if s.group == ("world",) else set(s.group)
+            for m in group & self.known:
+                h = self.head(m)
                 if m != r and (h is None or h.kind != "coll" or h.key != s.key):
                     blockers.add(m)
             return blockers
         for c in s.calls:
             peer = c.peer
-            if peer not in known or peer == r:
+            if peer not in self.known or peer == r:
                 continue
             if s.kind == "batch":
-                if not matched(r, c):
+                if not self.matched(r, c):
                     blockers.add(peer)
                 continue
-            h = head(peer)
+            h = self.head(peer)
             want = _complement(c)
             if h is None or h.kind == "coll" or not any(x.op == want and x.peer == r for x in h.calls):
                 blockers.add(peer)
@@ -267,18 +299,59 @@ def check_deadlock(calls_by_rank: dict[int, Sequence[Any]], world: int) -> list[
                 blockers.add(peer)  # an un-batched op pairs with the peer's un-batched op (same communicator)
         return blockers
 
-    while True:
-        live = [r for r in progs if head(r) is not None]
-        if not live:
-            return []
-        for r in live:
-            post(r)
-        movable = [r for r in live if not waits_for(r)]
-        if not movable:
-            return [_stuck(live, waits_for, head)]
-        # Everything that can complete now does (collective members and p2p partners complete together).
-        for r in movable:
+    def _need(self, gid: int) -> int:
+        if gid not in self.members:
+            group = self.group_of[gid]
+            self.members[gid] = len(self.known) if group == ("world",) else len(self.known.intersection(group))
+        return self.members[gid]
+
+    def _wake(self, r: int) -> None:
+        if r not in self.queued:
+            self.queued.add(r)
+            self.queue.append(r)
+
+    def run(self) -> None:
+        """Move every rank as far as the rules let it."""
+        while self.queue:
+            r = self.queue.popleft()
+            self.queued.discard(r)
+            while (s := self.head(r)) is not None and self._move(r, s):
+                pass
+
+    def _move(self, r: int, s: _Step) -> bool:
+        """Complete rank r's current step s if it can (and whatever completes with it); False: it waits."""
+        known, pos = self.known, self.pos
+        if s.kind == "coll":
+            if self.at.get(r) != pos[r]:
+                self.at[r] = pos[r]
+                self.arrived[s.key].append(r)
+            if len(self.arrived[s.key]) < self._need(s.key[0]):
+                return False
+            for m in self.arrived.pop(s.key):  # the members complete together
+                pos[m] += 1
+                if m != r:
+                    self._wake(m)
+            return True
+        if s.kind == "p2p":
+            c = s.calls[0]
+            if c.peer in known and c.peer != r:
+                h = self.head(c.peer)
+                want = _complement(c)
+                if h is None or h.kind != "p2p" or not any(x.op == want and x.peer == r for x in h.calls):
+                    return False
+                pos[c.peer] += 1  # the pair completes together
+                self._wake(c.peer)
             pos[r] += 1
+            return True
+        if (r, pos[r]) not in self.was_posted:
+            self.post(r)
+            for c in s.calls:
+                if c.peer in known and c.peer != r:
+                    self._wake(c.peer)
+        if any(c.peer in known and c.peer != r and not self.matched(r, c) for c in s.calls):
+            return False
+        pos[r] += 1
+        return True
 
 
 def _stuck(live: list[int], waits_for, head) -> Defect:

@@ -28,7 +28,7 @@ _RUN_DIR = ""
 def _one(rank: int):
     from training.rehearse.runner import rehearse_rank
 
-    # The engine's checkpoint manager routes SIGTERM / SIGUSR2 to its stop flag (training/run/signals.py); put
+    # The engine's Trainer routes SIGTERM / SIGUSR2 to its stop flag (training/run/stop.py, signals.py); put
     # the handlers back, or a pool worker would ignore the pool's terminate.
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
     try:
@@ -95,6 +95,7 @@ def rehearse(
         for r in members[rep.rank]:
             results.append(dd.derive_result(rep, r, p.tp, p.pp, p.cp, dp, p.ep))
             why[r] = f"{why.get(r, '')}; derived from rank {rep.rank}".lstrip("; ")
+    t_checks = time.perf_counter()
     calls = {r.rank: r.calls for r in results if not r.error}
     device = cfg.cluster.device
     defects = checks.check_matching(calls, world) + checks.check_devices(calls, device)
@@ -102,6 +103,7 @@ def rehearse(
         defects += checks.check_deadlock(calls, world)
     plan = _read_json(os.path.join(run_dir, "plan.json"))
     defects += memory_defects(results, plan)
+    check_s = time.perf_counter() - t_checks
     layout = {
         "world_size": world,
         "tp": p.tp,
@@ -115,6 +117,7 @@ def rehearse(
     }
     doc = report.to_json(layout, results, why, defects, plan, time.perf_counter() - t0)
     doc["engine_runs"] = len(runs)
+    doc["check_seconds"] = round(check_s, 2)  # the checks' own share of `seconds` (bench/bench_rehearse.py)
     write_atomic(os.path.join(run_dir, REHEARSAL_FILE), json.dumps(doc, indent=1, default=str))
     if any(r.error for r in results):
         code = EXIT_FAILED
