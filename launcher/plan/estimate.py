@@ -505,6 +505,7 @@ def format_plan(plan: Plan) -> str:
                 ("host_offload", "host (offload)"),
                 ("nvme_offload", "nvme (offload)"),
                 ("param_gather", "zero=1/2 param gather"),
+                ("pipeline_messages", "pipeline messages"),
             )
             if mem.get(key)
         ],
