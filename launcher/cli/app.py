@@ -135,8 +135,9 @@ def _launch_config(cfg: AppConfig, run_dir: str) -> AppConfig:
 
 
 def start(cfg: Config, run_dir: str):
-    """action=train and action=plan: validate and plan (the gate every launch passes), then launch here or submit
-    to Slurm; action=plan stops after the plan. The config arrives resolved (launcher/cli/actions.py: launch)."""
+    """action=train and action=plan: validate and plan (the gate every launch passes), then launch through the
+    cluster kind's backend (launcher/launch/backend.py); action=plan stops after the plan. The config arrives
+    resolved (launcher/cli/actions.py: launch)."""
     if cfg.action == "train" and cfg.train.wandb:
         from training.observe.wandb_sink import wandb_problem  # no torch: importlib only
 

@@ -11,6 +11,7 @@ A rank the agent cannot fork starts cold, with a `warm_start_missed` event. No t
 
 from __future__ import annotations
 
+from launcher.plan.cluster_facts import cluster_facts
 from training.contract.config import Config
 
 
@@ -24,6 +25,6 @@ def enabled(cfg: Config, local_world: int = 0) -> bool:
     c = cfg.cluster
     if not c.warm_start:
         return False
-    if c.kind == "slurm":
+    if not cluster_facts(cfg).ranks_here:  # an agent on each node of the job
         return not c.container.image
     return local_world >= 2
