@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from launcher.plan.cadence import cadence_problems
+from launcher.plan.cluster_facts import KINDS
 from launcher.plan.context_memory import more_cp
 from launcher.plan.estimate import GIB, Plan, make_plan, with_parallel
 from launcher.plan.issues import Issue
@@ -25,7 +26,8 @@ from training.contract.limits import MAX_SIZE, too_large
 from training.contract.stage_split import NO_SPLIT, split_options, stage_split
 
 # Allowed values of the choice fields: the Enums of training/contract/config.py (Hydra's schema already rejects
-# anything else; this catches configs built in code, e.g. with dataclasses.replace).
+# anything else; this catches configs built in code, e.g. with dataclasses.replace). cluster.kind's are the kinds
+# with a registered backend (launcher/plan/cluster_facts.py KINDS), read at each check: a kind is one registration.
 CHOICES = {key: choices(key) for key in CHOICE_FIELDS if key not in ("action",)}
 
 # Sizes that must be >= 1 (None means "derive" where the field is Optional).
@@ -141,6 +143,7 @@ def _check_finite_and_choices(cfg: Config, out: list[Issue]) -> None:
 
     out += [Issue("error", key, message, fix, "trust") for key, message, fix in safety_problems(cfg)]
     for key, allowed in CHOICES.items():
+        allowed = tuple(KINDS) if key == "cluster.kind" else allowed
         value = _get(cfg, key)
         if value not in allowed:
             out.append(
