@@ -43,6 +43,11 @@ class Backend(Protocol):
         """Run the preflight ranks alone (action=preflight): their exit code and the launch's own fields."""
         ...
 
+    def states(self, runs: list[list[dict[str, Any]]]) -> dict[str, str]:
+        """The scheduler's states of the current jobs of many runs (their events), asked once for all of them: a
+        1,000-point sweep answers as fast as one. {} for a kind without a scheduler."""
+        ...
+
     def state(
         self, run_dir: str, events: list[dict[str, Any]], states: dict[str, str] | None
     ) -> tuple[str | None, str | None]:
@@ -54,9 +59,9 @@ class Backend(Protocol):
         """The files that hold `rank`'s output, oldest first (they may not exist yet)."""
         ...
 
-    def cancel(self, run_dir: str, events: list[dict[str, Any]], state: str | None) -> Any:
-        """Ask a running run to stop (its cancel mark is written already): a handle to wait on with
-        cancel_wait, or None when nothing is left to wait for (stopped at once, `cancelled` recorded)."""
+    def cancel(self, run_dir: str, events: list[dict[str, Any]], states: dict[str, str]) -> Any:
+        """Ask a running run to stop (its cancel mark is written already; states: as for state()): a handle to wait
+        on with cancel_wait, or None when nothing is left to wait for (stopped at once, `cancelled` recorded)."""
         ...
 
     def cancel_wait(
@@ -99,3 +104,15 @@ def run_kind(run_dir: str, events: list[dict[str, Any]]) -> str:
 def backend_of_run(run_dir: str, events: list[dict[str, Any]]) -> Backend:
     """The backend that launched the run in run_dir (status, logs and cancel ask it)."""
     return backend_for(run_kind(run_dir, events))
+
+
+def states_of(events_of: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+    """The scheduler's states of many runs (run dir -> its events), one question to each kind among them: the
+    `states` that state() and cancel() take."""
+    runs: dict[str, list[list[dict[str, Any]]]] = {}
+    for run_dir, events in events_of.items():
+        runs.setdefault(run_kind(run_dir, events), []).append(events)
+    out: dict[str, str] = {}
+    for kind, events_list in runs.items():
+        out.update(backend_for(kind).states(events_list))
+    return out

@@ -39,6 +39,9 @@ class LocalBackend:
 
         return run_local(cfg, run_dir), {}
 
+    def states(self, runs: list[list[dict[str, Any]]]) -> dict[str, str]:
+        return {}  # no scheduler: each run's launcher records its own life
+
     def state(
         self, run_dir: str, events: list[dict[str, Any]], states: dict[str, str] | None
     ) -> tuple[str | None, str | None]:
@@ -59,7 +62,7 @@ class LocalBackend:
     def log_files(self, run_dir: str, rank: int, events: list[dict[str, Any]]) -> list[str]:
         return [RunPaths(run_dir).rank_log(rank)]  # each attempt appends under a header line
 
-    def cancel(self, run_dir: str, events: list[dict[str, Any]], state: str | None) -> Any:
+    def cancel(self, run_dir: str, events: list[dict[str, Any]], states: dict[str, str]) -> Any:
         started = [ev for ev in events if ev.get("event") == "started" and "launcher_pid" in ev]
         return started[-1] if started else None  # signalled while waiting: a rank catches SIGUSR2 only once set up
 

@@ -43,6 +43,11 @@ class SlurmBackend:
         result = submit_slurm(cfg, run_dir)
         return result["exit_code"], result
 
+    def states(self, runs: list[list[dict[str, Any]]]) -> dict[str, str]:
+        from launcher.slurm.queries import slurm_states
+
+        return slurm_states([j for j in (current_job_id(events) for events in runs) if j is not None])
+
     def state(
         self, run_dir: str, events: list[dict[str, Any]], states: dict[str, str] | None
     ) -> tuple[str | None, str | None]:
@@ -66,13 +71,13 @@ class SlurmBackend:
     def log_files(self, run_dir: str, rank: int, events: list[dict[str, Any]]) -> list[str]:
         return log_files(run_dir, rank, events)  # submitit's file of `rank` in each job of the run
 
-    def cancel(self, run_dir: str, events: list[dict[str, Any]], state: str | None) -> Any:
+    def cancel(self, run_dir: str, events: list[dict[str, Any]], states: dict[str, str]) -> Any:
         job = current_job_id(events)
         if job is None:
             return None
         from training.contract.rundir.lock import release_job
 
-        if state in NOT_STARTED:
+        if states.get(job) in NOT_STARTED:
             problem = _scancel([job])
             release_job(run_dir, job)
             record_cancelled(

@@ -27,8 +27,8 @@ import sys
 import time
 from typing import Any
 
-from launcher.launch.backend import Backend, backend_of_run
-from launcher.records.readers import cancelled_event, current_job_id
+from launcher.launch.backend import Backend, backend_of_run, states_of
+from launcher.records.readers import cancelled_event
 from training.checkpoint.storage import read_latest
 from training.contract.exit_codes import EXIT_INVALID
 from training.contract.rundir.events import read_events
@@ -76,7 +76,7 @@ def _ended(run_dir: str) -> bool:
 def cancel(run_dir: str, timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
     """Cancel the run(s) in run_dir; returns run dir -> its status afterwards."""
     from launcher.manage.status import run_status
-    from launcher.slurm.queries import FINAL_STATES, slurm_states
+    from launcher.slurm.queries import FINAL_STATES
 
     if not timeout_s > 0:
         print(
@@ -86,7 +86,7 @@ def cancel(run_dir: str, timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
         raise SystemExit(EXIT_INVALID)
     targets = _targets(run_dir)
     events_of = {d: read_events(d) for d in targets}
-    states = slurm_states([j for j in (current_job_id(e) for e in events_of.values()) if j is not None])
+    states = states_of(events_of)  # one question to the scheduler for every target
     waiting: dict[str, tuple[Backend, Any]] = {}
     for d in targets:
         status = run_status(d, states, events_of[d])
@@ -96,8 +96,7 @@ def cancel(run_dir: str, timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
         write_mark(d)
         # The backend that launched the run stops it: at once (a job not started yet), or a handle to wait on.
         backend = backend_of_run(d, events_of[d])
-        job = current_job_id(events_of[d])
-        handle = backend.cancel(d, events_of[d], states.get(job) if job is not None else None)
+        handle = backend.cancel(d, events_of[d], states)
         if handle is not None:
             waiting[d] = (backend, handle)
     deadline = time.time() + timeout_s

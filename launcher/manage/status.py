@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from launcher.launch.backend import backend_of_run
+from launcher.launch.backend import backend_of_run, states_of
 from launcher.manage.progress import progress_fields
 from launcher.records import goodput
 from launcher.records.readers import (
@@ -22,7 +22,6 @@ from launcher.records.readers import (
     excluded_nodes,
     last_step,
 )
-from launcher.slurm.queries import slurm_states
 from training.contract.exit_codes import EXIT_INVALID
 from training.contract.rundir.events import read_events
 from training.contract.rundir.paths import CONFIG_FILE, EVENTS_FILE, SWEEP_FILE, RunPaths
@@ -119,13 +118,13 @@ def sweep_status(sweep_dir: str) -> dict[str, Any]:
     points the sweep left out (invalid, did not fit, refused), and how many points are in each state."""
     with open(RunPaths(sweep_dir).sweep) as f:
         sweep = json.load(f)
-    # One Slurm query for every job of the sweep (not one per point): a 1,000-point sweep answers as fast as one.
+    # One scheduler query for every job of the sweep (not one per point): a 1,000-point sweep answers as fast as one.
     events_of = {
         row["run_dir"]: read_events(row["run_dir"])
         for row in sweep.get("feasible", [])
         if row.get("run_dir") and os.path.exists(RunPaths(row["run_dir"]).events)
     }
-    states = slurm_states([j for j in (current_job_id(evs) for evs in events_of.values()) if j is not None])
+    states = states_of(events_of)
     # One sacct call for every allocation of the sweep's runs (the goodput's queue wait).
     allocations = goodput.sacct_records(
         [ev.get("job_id") for evs in events_of.values() for ev in evs if ev.get("event") == "started"]

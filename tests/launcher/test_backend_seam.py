@@ -4,11 +4,11 @@ A stand-in backend, ScratchBackend below, is registered for a scratch `cluster.k
 train -> status -> logs -> cancel -> status cycle runs through the command line (tests/helpers/cli.py, in-process).
 What it proves:
 - `meshrun action=train cluster.kind=scratch` passes the gate with the kind's own checks and launches through the
-  backend's submit: nothing in the command line, the gate or the planner names the built-in kinds;
+  backend's submit: no step of the launch dispatches on the name of a built-in kind;
 - the run records its kind (config.json's cluster.kind), and status, logs and cancel ask that backend for the
-  state, the log files and the stop (nothing is inferred from the events);
-- the planner reads the kind's facts as plain values (launcher/plan/cluster_facts.py): a kind whose ranks do not run
-  here and that reads no Slurm key gets neither the machine checks nor the note about ignored Slurm keys.
+  scheduler's states, the state, the log files and the stop (nothing is inferred from the events);
+- the planner reads the kind's facts as plain values (launcher/plan/cluster_facts.py): a kind that reads no Slurm
+  key is told of none ignored when none is set.
 
 The schema's cluster.kind choices stay local|slurm for users; the fixture adds the scratch value to the choice type
 for this test alone (Hydra checks a choice at composition) and removes it again."""
@@ -55,6 +55,10 @@ class ScratchBackend:
         self.calls.append("preflight")
         return 0, {}
 
+    def states(self, runs: list[list[dict[str, Any]]]) -> dict[str, str]:
+        self.calls.append("states")
+        return {}
+
     def state(
         self, run_dir: str, events: list[dict[str, Any]], states: dict[str, str] | None
     ) -> tuple[str | None, str | None]:
@@ -65,7 +69,7 @@ class ScratchBackend:
         self.calls.append("log_files")
         return [self._log(run_dir, rank)]
 
-    def cancel(self, run_dir: str, events: list[dict[str, Any]], state: str | None) -> Any:
+    def cancel(self, run_dir: str, events: list[dict[str, Any]], states: dict[str, str]) -> Any:
         self.calls.append("cancel")
         return "handle"
 
@@ -120,7 +124,7 @@ def test_a_new_kind_runs_train_status_logs_and_cancel_through_its_backend(scratc
     cancel = run_cli("action=cancel", f"run.dir={run_dir}", cwd=str(tmp_path))
     assert cancel.returncode == 0, cancel.stderr
     assert json.loads(cancel.stdout) == {run_dir: "CANCELLED"}
-    assert "cancel" in scratch.calls and "cancel_wait:handle" in scratch.calls
+    assert {"states", "cancel", "cancel_wait:handle"} <= set(scratch.calls)
 
     after = run_cli("action=status", f"run.dir={run_dir}", cwd=str(tmp_path))
     assert json.loads(after.stdout)["state"] == "CANCELLED"
