@@ -47,7 +47,7 @@ plan: install
 	$(VENV)/bin/meshrun action=plan
 
 # docs/KEYS.md: every key of the schema with its type, default and docstring (launcher/cli/keys_doc.py); run it
-# after adding or changing a key or a preset (tests/launcher/test_keys_doc.py fails while it is stale).
+# after adding or changing a key or a preset (tests/launcher/cli/test_keys_doc.py fails while it is stale).
 keys-doc: install
 	$(PY) -m launcher.cli.keys_doc
 
@@ -79,7 +79,7 @@ format: install
 slurm-up:
 	bash slurm/dev-cluster.sh up || [ $$? -eq 77 ]
 
-# Debian's chromium for tests/launcher/test_report.py (report.html in a headless browser); exit 77: it cannot be installed
+# Debian's chromium for tests/launcher/manage/test_report.py (report.html in a headless browser); exit 77: it cannot be installed
 # here (no root / no apt-get), it said why, and that test skips with the reason.
 browser:
 	bash tests/browser.sh >/dev/null || [ $$? -eq 77 ]

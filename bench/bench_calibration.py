@@ -8,7 +8,7 @@ The calibration runs its layouts alternately in passes (launcher/launch/calibrat
 measured side by side in one run; each layout's measured / predicted ratio is printed beside the correlation.
 On a shared 2-core machine the ranks of a layout may get fewer cores than they are; the rate probe measures how
 many compute at once (`cores`) and the model accounts for it (docs/COST_MODEL.md). This was an assertion inside
-tests/launcher/test_recommend.py; a timing figure belongs here. Exit 1 when fewer than 4 layouts were measured,
+tests/launcher/recommend/test_recommend.py; a timing figure belongs here. Exit 1 when fewer than 4 layouts were measured,
 none is data-parallel, or the correlation misses the target.
 """
 

@@ -6,7 +6,7 @@
 
 The search plans every layout of tp x pp x vpp x cp x dp x micro-batch x sp x recompute x zero x offload that the
 validator accepts, in one process: what it costs beyond one plan is the arithmetic of each layout (the launcher
-imports no torch). This was a 20 s clock limit inside tests/launcher/test_recommend.py, which a loaded machine
+imports no torch). This was a 20 s clock limit inside tests/launcher/recommend/test_recommend.py, which a loaded machine
 broke; here both sides are measured the same way (fresh interpreter, alternated, medians) and the ratio is judged.
 Exit 1 when the ratio misses the target or the search planned fewer than 5,000 layouts.
 """

@@ -2,7 +2,7 @@
 # GPU readiness in one script: on one GPU, in under 8 minutes, through the real CLI.
 #
 #   bash bench/gpu_check.sh [RUN_DIR]        # a GPU machine with the project's .venv (torch with CUDA, nvidia-ml-py)
-#   bash bench/gpu_check.sh --dry [RUN_DIR]  # the same steps on CPU: tiny model, few steps (CI: tests/launcher/test_gpu_readiness.py)
+#   bash bench/gpu_check.sh --dry [RUN_DIR]  # the same steps on CPU: tiny model, few steps (CI: tests/launcher/launch/test_gpu_paths_on_cpu.py)
 #   bash bench/gpu_check.sh --install-wheels DIR [--dry] [RUN_DIR]
 #       a bare GPU machine: CUDA torch preinstalled in BASE_PYTHON (default python3), no package index. Makes
 #       .venv with the system's site packages (so it sees that torch) and installs the small pure-Python
@@ -47,7 +47,7 @@
 # --dry runs the one-process steps (4's saved-activations probe, 5 and 7) in one process with torch imported
 # once (bench/gpu_dry_steps.py), each judged on its own exit status and output as on a GPU.
 # Runs write under a scratch folder, removed at the end when the script made it (a mktemp -d); one given as
-# GPU_CHECK_WORK is the caller's and stays (tests/launcher/test_gpu_check.py looks there for checkpoints: the
+# GPU_CHECK_WORK is the caller's and stays (tests/bench/test_gpu_check.py looks there for checkpoints: the
 # train runs write none). RUN_DIR gets only the logs, plans, metrics and summaries. Each command has a time limit; one that
 # runs past it is killed with its whole process group (its ranks too), so nothing stays on the GPU.
 # Prints one JSON object (the last line); exit 0 when every check passed, 1 otherwise, 2 when it cannot start.

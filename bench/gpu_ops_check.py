@@ -2,7 +2,7 @@
 
 On one GPU in about 3 minutes; --dry: every check on CPU (tiny sizes, NVML answered by the double of
 training/preflight/nvml_double.py), so the script cannot rot between GPU runs (bench/gpu_check.sh --dry runs it,
-tests/launcher/test_gpu_check.py reads its summary):
+tests/bench/test_gpu_check.py reads its summary):
  1. preflight_checklist: preflight with the real NVML and NCCL (--dry: the double, gloo): the checklist's checks
     are present (nccl.transport, nccl.ib_settings, version.nccl_min, version.cudnn, version.cuda_runtime,
     node.rdma_modules, node.read_ahead, node.cgroup_memory) and none fails. --dry: version.nccl_min needs an NCCL

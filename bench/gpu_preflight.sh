@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu_preflight.sh [RUN_DIR]        # a GPU machine: torch with CUDA, nvidia-ml-py
 #   bash bench/gpu_preflight.sh --dry [RUN_DIR]  # the same code on CPU: 2 gloo ranks, NVML answered by the
-#                                                # double (training/preflight/nvml_double.py; CI: tests/launcher/test_gpu_readiness.py)
+#                                                # double (training/preflight/nvml_double.py; CI: tests/launcher/launch/test_gpu_paths_on_cpu.py)
 #
 # Needs torch and nvidia-ml-py; not Hydra (the config is built directly). The interpreter is the project's
 # .venv (bench/gpu_check.sh --install-wheels makes one on a bare GPU machine), else PYTHON=... Expected values:

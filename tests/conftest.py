@@ -28,18 +28,18 @@ SPAWNERS = frozenset({"run_distributed"})
 
 LONGEST_FIRST = (
     "tests/engine/test_compile_layers.py",
-    "tests/launcher/test_hf_interop.py",
+    "tests/launcher/hf/test_hf_interop.py",
     "tests/slurm/test_fault_matrix_slurm.py",
-    "tests/launcher/test_sweep_plugin.py",
-    "tests/launcher/test_observability.py",
+    "tests/launcher/sweep/test_sweep_plugin.py",
+    "tests/launcher/manage/test_observability.py",
     "tests/engine/test_context_parallel.py",
-    "tests/launcher/test_trust_round2_rundir.py",
+    "tests/launcher/launch/test_run_dir_safety.py",
     "tests/engine/test_pipeline.py",
-    "tests/launcher/test_recommend.py",
+    "tests/launcher/recommend/test_recommend.py",
     "tests/engine/test_checkpoint_resume.py",
-    "tests/launcher/test_gpu_check.py",
-    "tests/launcher/test_preflight_local.py",
-    "tests/launcher/test_report.py",
+    "tests/bench/test_gpu_check.py",
+    "tests/launcher/launch/test_preflight_local.py",
+    "tests/launcher/manage/test_report.py",
     "tests/engine/test_zero_levers.py",
 )
 """The files that took longest in make test's parallel part (most to least), collected first: with

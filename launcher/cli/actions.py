@@ -1,7 +1,7 @@
 """The actions of `meshrun action=NAME`: one table, read by the launcher's dispatch (launcher/cli/app.py), the fast
 path (launcher/cli/fast.py), `meshrun --help` and `meshrun action=keys` (each action's summary). Module and function
 are names, imported only when the action runs. The names alone are the config's `action` choices
-(training/contract/actions.py ACTION_NAMES, in this table's order: tests/launcher/test_action_table.py holds them
+(training/contract/actions.py ACTION_NAMES, in this table's order: tests/launcher/cli/test_action_table.py holds them
 equal), so the ranks never see a launcher module path.
 
 Adding an action is one entry here, its name in ACTION_NAMES, and one module with `def NAME(cfg, run_dir)`: the

@@ -7,7 +7,7 @@ These commands only read files, so they compose once, here: conf/config.yaml's d
 line's group choices and `group.key=value` overrides, typed by the dataclasses of launcher/cli/options.py AppConfig.
 Anything this simple composition does not cover (Hydra flags such as --config-dir, sweeps, interpolations, list or
 dict values, a `+`/`~` prefix, a preset with other defaults) returns None and the command takes Hydra's path, which
-also gives the error messages. tests/launcher/test_cli_fast.py holds this composition equal to Hydra's.
+also gives the error messages. tests/launcher/cli/test_cli_fast.py holds this composition equal to Hydra's.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     make keys-doc                                  # or: .venv/bin/python -m launcher.cli.keys_doc
     .venv/bin/python -m launcher.cli.keys_doc --check   # exit 1 when docs/KEYS.md is not what this generates
 
-tests/launcher/test_keys_doc.py fails when docs/KEYS.md is stale (a key, a default, a docstring or a preset changed).
+tests/launcher/cli/test_keys_doc.py fails when docs/KEYS.md is stale (a key, a default, a docstring or a preset changed).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ and the status, logs and cancel of a run that exists (launcher/manage/) ask the 
 checking the kind's name; the planner reads the kind's ClusterFacts (launcher/plan/cluster_facts.py) as plain
 values. A run's kind is the one recorded in its config.json (cluster.kind), written by the gate before the launch.
 
-A new kind is one module with a class of this protocol and one register() call (tests/launcher/test_backend_seam.py
+A new kind is one module with a class of this protocol and one register() call (tests/launcher/launch/test_backend_seam.py
 runs a train, status and cancel through a stand-in kind)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ scheduling, start-up, load: R) plus the work done since the last complete checkp
 interval that minimises the loss, tau = sqrt(2 delta M); Daly (2006) gives the expected wall time of one
 segment of tau seconds of work plus its save, M e^(R/M) (e^((tau + delta)/M) - 1), hence the goodput (useful
 work / wall time) of any interval. docs/COST_MODEL.md shows the table and the simulation that checks it
-(tests/launcher/test_cadence.py).
+(tests/launcher/plan/test_cadence.py).
 """
 
 from __future__ import annotations

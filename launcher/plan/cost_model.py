@@ -53,7 +53,7 @@ DEFAULT_OPTIMIZER_S_PER_PARAM = {"cpu": 5e-9, "cuda": 1.2e-11}
 OVERLAP_EFFICIENCY = {"cpu": 0.5, "cuda": 0.25}
 """Share of a compute window that a background transfer can fill. GPUs: NCCL runs on its own stream, but its
 kernels take SMs and memory bandwidth from the compute they overlap, and the dp and tp traffic of a node share its
-links; 0.25 is the largest of 1, 0.5, 0.25 at which the published layouts (tests/launcher/test_recommend.py) stay within
+links; 0.25 is the largest of 1, 0.5, 0.25 at which the published layouts (tests/launcher/recommend/test_recommend.py) stay within
 10 % of the recommended ones (docs/COST_MODEL.md). CPU: gloo's threads take the cores the compute uses (an
 assumption)."""
 

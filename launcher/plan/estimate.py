@@ -351,7 +351,7 @@ def _worst_memory(cfg: Config, profile: DeviceProfile, worst: StagePlan, per_lay
     memory["activations_per_layer_norm_stats"] = (
         per_layer - layer_activation_bytes(cfg, replace(profile, norm_stats=False)) if profile.norm_stats else 0
     )
-    # The same layer as the paper counts it: Table 2's basis, compared with it exactly (tests/launcher/test_plan.py).
+    # The same layer as the paper counts it: Table 2's basis, compared with it exactly (tests/launcher/plan/test_plan.py).
     memory["activations_per_layer_paper"] = per_layer - memory["activations_per_layer_norm_stats"]
     # parallel.offload=cpu on a GPU: the arena is one pinned allocation, rounded up to a power of two by torch's
     # host allocator; that is what the node's host memory must hold (training/preflight/node_ops.py).

@@ -345,7 +345,7 @@ def test_bad_schedule_shapes_are_clear_errors():
 )
 def test_bad_pipeline_input_is_rejected_before_any_rank_starts(tmp_path, overrides, key):
     # In-process (the console entry point itself): the message and the missing plan.json are what is checked here;
-    # the process boundary has its own smoke tests (tests/launcher/test_cli.py).
+    # the process boundary has its own smoke tests (tests/launcher/cli/test_cli.py).
     from helpers.cli import run_cli
 
     run = tmp_path / "run"

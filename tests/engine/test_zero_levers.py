@@ -498,7 +498,7 @@ def test_recompute_num_layers_activations_match_the_plan():
 
 
 def _13b(**parallel) -> Config:
-    """docs/GUIDE.md's example (tests/launcher/test_readme.py checks its table): a 13B GPT in fp16 on 8 x 80 GB, pure data parallelism."""
+    """docs/GUIDE.md's example (tests/repo/test_readme.py checks its table): a 13B GPT in fp16 on 8 x 80 GB, pure data parallelism."""
     cfg = Config()
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 40, 5120, 40, 2048, 50257

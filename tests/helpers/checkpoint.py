@@ -1,7 +1,7 @@
 """Checkpoint stand-ins shared by the checkpoint tests: a hand-made tp-sharded model whose every tensor is a known
 function of (name, position) (tests/engine/test_checkpoint_reshard.py checks resharding with it), one-process
 save/resume helpers on it (tests/training/test_checkpoint_storage.py, test_checkpoint_safety.py,
-test_trust_round2_checkpoint.py), and the classic pickle payload and a manifest re-sealer for the trust tests."""
+test_checkpoint_hostile_files.py), and the classic pickle payload and a manifest re-sealer for the trust tests."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ stdout and stderr captured, the exit code taken from its SystemExit (0 when it r
 A subprocess costs ~2 s of Python start-up and imports on two shared cores; this costs the command alone.
 It runs exactly what the console script runs (the same cli(), Hydra's own argument parsing and logging);
 what it cannot show (the installed script, a fresh interpreter) is the subprocess smoke tests' part
-(tests/launcher/test_cli.py: test_plan_writes_plan_json, tests/launcher/test_packaging.py). Commands that start ranks or
+(tests/launcher/cli/test_cli.py: test_plan_writes_plan_json, tests/repo/test_packaging.py). Commands that start ranks or
 submit jobs belong in a subprocess, not here.
 
     res = run_cli("action=plan", f"run.dir={d}", cwd=tmp_path)

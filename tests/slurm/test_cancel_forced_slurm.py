@@ -2,7 +2,7 @@
 `_force`): a running job whose ranks catch SIGUSR2 and ignore it (a sitecustomize in every rank process) does not
 stop on `action=cancel`'s `scancel --signal=USR2`; after cancel.timeout_s the action runs `scancel JOB`, records
 `cancelled` with forced=true and the timeout in its reason, and the job leaves the queue without a SIGUSR2 checkpoint
-or a requeue. (The local forced path is tests/launcher/test_cancel_forced.py.)"""
+or a requeue. (The local forced path is tests/launcher/manage/test_cancel_forced.py.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """GPU health while training (training/observe/health.py) on CPU: the sampler against NVML doubles that speak
-real pynvml (the preflight's, tests/launcher/test_preflight_nvml.py, and the file-driven one a run uses,
+real pynvml (the preflight's, tests/launcher/launch/test_preflight_nvml.py, and the file-driven one a run uses,
 training/preflight/nvml_double.py), and on the dev Slurm cluster: an ECC count that grows mid-run on one node
 raises a `health` event and, with cluster.health.action=requeue, the job is checkpointed and resubmitted
 without that node. The multi-rank engine path is tests/engine/test_diagnostics.py."""

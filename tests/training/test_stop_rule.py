@@ -1,7 +1,7 @@
 """The step boundary's decision (training/run/stop.py) in one process: which stop reason wins, when a save is due
 (the checkpoint manager's step and clock cadence), that a boundary is decided once, and the signal-only rule of a
 run without checkpoints. The multi-rank agreement is the engine tests' (tests/engine/test_checkpoint_resume.py,
-tests/launcher/test_stop_without_checkpoints.py)."""
+tests/launcher/ranks/test_stop_without_checkpoints.py)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names in favour of the *_single ones, which older
 # torch (pyproject allows 2.4) does not have: every caller goes through these two names
-# (tests/launcher/test_gpu_readiness.py checks that no module calls dist.*_single directly).
+# (tests/launcher/launch/test_gpu_paths_on_cpu.py checks that no module calls dist.*_single directly).
 _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

@@ -1,7 +1,7 @@
 """A pynvml-shaped NVML double for machines without GPUs (tests, demos): cluster.health.nvml_double=FILE.
 
 It answers the queries training/observe/health.py makes with real pynvml constants and real pynvml.NVMLError
-classes (like tests/launcher/test_preflight_nvml.py's double of the preflight), from a JSON file that it reads again
+classes (like tests/launcher/launch/test_preflight_nvml.py's double of the preflight), from a JSON file that it reads again
 whenever it changes, so a test can make a counter grow while the run reads it:
 
     {"gpus": 2,

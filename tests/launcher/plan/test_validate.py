@@ -130,7 +130,7 @@ def test_warnings_are_not_errors():
 
 def test_no_fit_reports_breakdown_and_working_fixes():
     # math attention: selective recompute drops the stored s x s scores (under flash it saves nothing and is not
-    # offered, tests/launcher/test_honest_keys.py).
+    # offered, tests/launcher/cli/test_keys_do_what_they_say.py).
     cfg = compose_cfg(
         "model=gpt3_175b",
         "parallel=tp8_pp2",

@@ -1,4 +1,4 @@
-"""Issue 47's audit of a GPU user's first hour (the planning side): a `parallel.dp=null` pin is no pin under
+"""A GPU user's first plans: a `parallel.dp=null` pin is no pin under
 parallel=auto, plan-only commands without run.dir leave runs/ to launched runs (and `action=status` of a planned
 directory says PLANNED), the plan's MFU on CPU is bounded and says it is uncalibrated, the DGX presets' inter-node
 bandwidth is their NICs', every `fix:` line is typeable, a missing dataset is diagnosed alone, and a fixed layout

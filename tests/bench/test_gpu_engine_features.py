@@ -1,7 +1,7 @@
 """bench/gpu_engine_features.py (step 7 of bench/gpu_check.sh): the cp check fails when the ring's merge is wrong
 (nothing hard-wired to pass). Its --dry CPU run (every check computed: zero=3 gathered bytes against the plan,
 offload=cpu's accounting after steps, the cp ring kernels against float64 attention) is asserted in
-tests/launcher/test_gpu_check.py, from the one --dry run of bench/gpu_check.sh that runs it anyway."""
+tests/bench/test_gpu_check.py, from the one --dry run of bench/gpu_check.sh that runs it anyway."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<package>/this file
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, above tests/
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import gpu_engine_features as gef  # noqa: E402

@@ -1,4 +1,4 @@
-"""The hostile audit of 2026-12-03 (defects D2-D9, D13): another user's lock, sizes that hang the planner, bad
+"""Hostile inputs: another user's lock, sizes that hang the planner, bad
 Arrow offsets, a linked report/, special files in a run directory, malformed events, a dataset naming files
 outside itself, and malformed input that ended in a traceback. Each test runs the product's own entry points on
 a crafted input and checks the outcome the audit expected (exit 2 with a message, nothing hung, nothing written
@@ -364,7 +364,7 @@ def test_a_linked_report_directory_is_refused_before_anything_is_written(tmp_pat
     assert res.returncode == 2 and "symbolic link" in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert os.listdir(elsewhere) == ["loss.png"] and (elsewhere / "loss.png").read_bytes() == b"the user's own picture"
     os.unlink(run / "report")
-    # A read-only file system (a real read-only tmpfs, as test_trust_round2_rundir does; root ignores modes).
+    # A read-only file system (a real read-only tmpfs, as test_run_dir_safety does; root ignores modes).
     mnt = tmp_path / "ro"
     mnt.mkdir()
     if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=1m tmpfs {mnt} 2>/dev/null") != 0:

@@ -1,4 +1,4 @@
-"""Issue 31, second round: what the first round left open, shown on CPU (gloo ranks with a small collective
+"""GPU paths that need several ranks, shown on CPU (gloo ranks with a small collective
 timeout, a patched torch.cuda). One 2-rank spawn runs the multi-process cases in the same ranks:
 - zero=0 saves (dp rank 0 writes all replicated state) wait under the checkpoint phases' own timeout, not
   the training's collective timeout (a deliberately slow write on rank 0, 3 s collective timeout);

@@ -1,5 +1,5 @@
-"""The operations checklist (issue 23, items 9-11) against test doubles of what a CPU machine lacks: the
-InfiniBand sysfs tree (tests/launcher/test_preflight_ib.py's writer, extended with the HCA's PCI device: NUMA node and MSI
+"""The operations checklist against test doubles of what a CPU machine lacks: the
+InfiniBand sysfs tree (tests/launcher/launch/test_preflight_ib.py's writer, extended with the HCA's PCI device: NUMA node and MSI
 interrupts), /proc and /sys fixtures (modules, IRQ affinity, block queues, cgroups, the mount table), and the
 NVML file double (training/preflight/nvml_double.py) extended with Xid events. The run-time paths that need ranks
 (OOM through training.main, slowdown, NVTX, the checkpoint replica) are tests/engine/test_ops_run.py."""

@@ -1,4 +1,4 @@
-"""Trust round two, run directory side (issue 22): config.json is never overwritten by a mistake, no write
+"""The run directory's safety: config.json is never overwritten by a mistake, no write
 inside run.dir follows a symbolic link, cluster.env cannot set meshrun's own variables, sbatch options are
 reserved by prefix as sbatch reads them, and action=prepare never replaces a dataset silently.
 

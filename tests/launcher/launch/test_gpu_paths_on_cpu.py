@@ -1,6 +1,6 @@
-"""The CUDA / NCCL paths that no GPU has run yet (issue 31), shown on CPU wherever a stand-in can show them: the
+"""The CUDA / NCCL paths that no GPU has run yet, shown on CPU wherever a stand-in can show them: the
 NVML double, a patched torch module, a stand-in device, a small collective timeout. bench/gpu_check.sh --dry
-runs in tests/launcher/test_gpu_check.py; bench/gpu_preflight.sh --dry and the offline install mode run here."""
+runs in tests/bench/test_gpu_check.py; bench/gpu_preflight.sh --dry and the offline install mode run here."""
 
 from __future__ import annotations
 

@@ -68,22 +68,22 @@ CHEAP_ACTIONS = ("action=plan", "action=keys", "action=recommend")
 """Commands that only validate, plan or print: the docs' copies run as printed (in this process)."""
 NOT_RUN = (
     # (a word of the command, why it is not run here, where it is tested)
-    ("action=prepare", "reads a corpus of the reader's own; tests/launcher/test_prepare.py runs prepare"),
-    ("action=export", "needs a trained run; tests/launcher/test_hf_interop.py exports"),
-    ("action=generate", "needs a trained run; tests/launcher/test_hf_interop.py generates"),
-    ("action=status", "needs the reader's run; tests/launcher/test_first_hour_cli.py and the status tests"),
+    ("action=prepare", "reads a corpus of the reader's own; tests/launcher/data/test_prepare.py runs prepare"),
+    ("action=export", "needs a trained run; tests/launcher/hf/test_hf_interop.py exports"),
+    ("action=generate", "needs a trained run; tests/launcher/hf/test_hf_interop.py generates"),
+    ("action=status", "needs the reader's run; tests/launcher/cli/test_cli_first_use.py and the status tests"),
     ("action=logs", "needs the reader's run; the logs tests"),
-    ("action=cancel", "needs a running run; tests/launcher/test_cancel_forced.py"),
-    ("action=report", "needs a trained run; tests/launcher/test_report.py"),
-    ("action=preflight", "probes this machine's hardware; tests/launcher/test_preflight_local.py"),
+    ("action=cancel", "needs a running run; tests/launcher/manage/test_cancel_forced.py"),
+    ("action=report", "needs a trained run; tests/launcher/manage/test_report.py"),
+    ("action=preflight", "probes this machine's hardware; tests/launcher/launch/test_preflight_local.py"),
     ("cluster=slurm_dev", "submits to the dev Slurm cluster; tests/slurm/"),
     ("wait=true", "submits to a cluster"),
     ("cluster.job_name=llama8b-first", "submits to a cluster (its dry run is run here)"),
     ("...", "a sketch with the reader's own keys"),
-    ("--help", "Hydra's help; tests/launcher/test_cli_fast.py"),
+    ("--help", "Hydra's help; tests/launcher/cli/test_cli_fast.py"),
 )
 """Training, submitting and run-reading commands are not run by this test: training even the tiny model costs
-seconds of two shared cores per command and starts rank processes (tests/engine/ and tests/launcher/test_cli.py run
+seconds of two shared cores per command and starts rank processes (tests/engine/ and tests/launcher/cli/test_cli.py run
 the same launches); each kind names the test that covers it."""
 
 
@@ -126,7 +126,7 @@ def _why_not_run(args: list[str]) -> str | None:
         if word in args:
             return why
     if "action=train" in args or not any(a.startswith("action=") for a in args):
-        return "trains (rank processes): tests/engine/ and tests/launcher/test_cli.py run training launches"
+        return "trains (rank processes): tests/engine/ and tests/launcher/cli/test_cli.py run training launches"
     return "unclassified"
 
 

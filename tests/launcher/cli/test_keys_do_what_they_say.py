@@ -1,4 +1,4 @@
-"""Keys that say what they do (issue 23, items 1-8): unknown keys refused even with Hydra's '+', action=keys with
+"""Keys that do what they say: unknown keys refused even with Hydra's '+', action=keys with
 the effective values, NUMA binding and Slurm-only keys on local runs, selective recompute that saves nothing,
 pipeline idle share, recommend's complete use: line and headroom, dist_timeout_s, throughput and MFU in the plan,
 prepare's skipped files and empty held-out split, generate.prompt_file and the quoting hint."""

@@ -1,4 +1,4 @@
-"""Trust round two, checkpoint side (issue 22), in one process (stand-in model, real optimizer and DCP files):
+"""Hostile or damaged checkpoint and export files, in one process (stand-in model, real optimizer and DCP files):
 
 - a checkpoint whose `.metadata` declares a tensor as a DCP "bytes" entry pointing at a pickle appended to a
   shard (DCP reads bytes entries with torch.load(weights_only=False)) is refused, and the pickle never runs;

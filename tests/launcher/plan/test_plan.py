@@ -326,7 +326,7 @@ def _table2_check(plan, preset, setting):
 def test_plan_on_dgx_h100_gives_table2_for_the_papers_gpt_layer(tmp_path):
     """The paper's GPT layer (math attention, dropout 0.1, bf16) planned for cluster=dgx_h100 with the device
     profile of what the engine saves on CUDA (1-byte masks, 16-bit probabilities: training/model/dropout_softmax.py;
-    tests/launcher/test_gpu_readiness.py measures that profile with the saved-tensor counter): plan.json's
+    tests/launcher/launch/test_gpu_paths_on_cpu.py measures that profile with the saved-tensor counter): plan.json's
     activations_per_layer_paper is Table 2's bytes exactly; activations_per_layer adds the norms' fp32
     statistics (activations_per_layer_norm_stats), which the paper leaves out; the plan's table says so."""
     import json

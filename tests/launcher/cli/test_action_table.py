@@ -19,7 +19,9 @@ from launcher.cli.keys import field_docstrings
 from training.contract.actions import ACTION_NAMES
 from training.contract.config import Action
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/<package>/this file
+ROOT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)  # the repository, above tests/
 
 
 def test_every_entry_names_a_function_of_cfg_and_run_dir_and_the_config_offers_exactly_the_table():

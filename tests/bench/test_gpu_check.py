@@ -102,7 +102,7 @@ def test_gpu_check_dry_runs_every_step_and_prints_one_json(tmp_path):
     assert moe["model_states"] == moe["plan"] and moe["model_states"]["weights"] > 0
     reserved = checks["memory_reserved"]  # issue 31 (d): computed from summary.json and plan.json
     assert reserved["reserved"] > 0 and reserved["within_device"] and reserved["device_limit"] == 4 * 2**30
-    # bench/gpu_engine_features.py --dry (step 7; moved here from tests/launcher/test_gpu_engine_features.py so
+    # bench/gpu_engine_features.py --dry (step 7; moved here from tests/bench/test_gpu_engine_features.py so
     # it runs once): every check computed, none hard-wired.
     features = _last_json(run_dir / "engine_features.log")
     fchecks = features["checks"]
