@@ -90,7 +90,7 @@ def table(doc: dict[str, Any]) -> str:
                     continue
                 diff = "" if row["difference"] is None else f"{row['difference'] * 100:+6.1f} %"
                 mark = "" if row["ok"] else "   <- differs"
-                lines.append(f"    {row['part']:<15}{_gib(row['rehearsed'])} {_gib(row['planned'])}   {diff}{mark}")
+                lines.append(f"    {row['part']:<19}{_gib(row['rehearsed'])} {_gib(row['planned'])}   {diff}{mark}")
     total: dict[str, Counter] = defaultdict(Counter)
     for r in doc["ranks"]:
         for kind, per in r["collectives"].items():
