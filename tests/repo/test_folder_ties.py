@@ -9,20 +9,13 @@ from __future__ import annotations
 import ast
 import os
 
+from helpers.modules import PACKAGES, package_modules
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, above tests/
-PACKAGES = ("launcher", "training")
 
 
 def _modules() -> dict[str, str]:
-    out = {}
-    for top in PACKAGES:
-        for d, dirs, files in os.walk(os.path.join(ROOT, top)):
-            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
-            for f in sorted(files):
-                if f.endswith(".py"):
-                    name = os.path.relpath(os.path.join(d, f), ROOT)[:-3].replace(os.sep, ".")
-                    out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = os.path.join(d, f)
-    return out
+    return package_modules(ROOT, PACKAGES)
 
 
 def _folder(module: str, mods: dict[str, str]) -> str:
