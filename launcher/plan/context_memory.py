@@ -14,13 +14,6 @@ from training.contract.config import Config
 GIB = 2**30
 MIB = 2**20
 
-# Usable memory of common parts, MiB, as nvidia-smi reports it (docs/PLATFORM.md, *Device memory*).
-USABLE_MIB = {
-    "H100 80GB": 81_559,
-    "A100 80GB": 81_920,
-    "A100 40GB": 40_960,
-}
-
 
 def gpu_memory_bytes(cfg: Config) -> int:
     """Bytes of one accelerator: cluster.gpu_memory_gb GiB."""

@@ -142,11 +142,6 @@ def params_active(cfg: Config, tp: int | None = None) -> int:
     return total - m.num_layers * (all_experts + router_params(m)) + m.num_layers * active_mlp_params(m)
 
 
-def narayanan_params(L: int, h: int, V: int, s: int) -> float:
-    """Narayanan et al. 2021, eq. for GPT with learned positions and tied embeddings."""
-    return 12 * L * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * L * h))
-
-
 # --------------------------------------------------------------------------------------------------
 # FLOPs per step
 # --------------------------------------------------------------------------------------------------

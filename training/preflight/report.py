@@ -6,7 +6,6 @@ Pure Python (no torch): the launcher reads preflight.json with the same helpers.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -140,11 +139,3 @@ def format_table(data: dict[str, Any], show_ok: bool = True) -> str:
     bad = data["bad_nodes"]
     lines.append(f"job: {data['status'].upper()}" + (f" (bad nodes: {','.join(bad)})" if bad else ""))
     return "\n".join(lines)
-
-
-def read_report(run_dir: str) -> dict[str, Any] | None:
-    path = RunPaths(run_dir).preflight
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
